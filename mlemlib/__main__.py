@@ -1,0 +1,5 @@
+"""``python -m mlemlib`` runs the ``mlem`` command line."""
+
+from mlemlib.cli import main
+
+raise SystemExit(main())

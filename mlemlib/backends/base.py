@@ -1,0 +1,115 @@
+"""The backend interface the MLEM loop drives (all backends).
+
+A backend owns one MLEM problem on its device(s): the system matrix ``A``
+(and, when stored, ``A^T``), the measurement ``g`` and the norm (column sums
+of ``A``). The loop in :mod:`mlemlib.mlem` only calls :meth:`Backend.initial_image`,
+:meth:`Backend.iterate`, :meth:`Backend.last_step_times` and
+:meth:`Backend.to_host`, so the CPU, one-GPU and multi-GPU backends plug into
+the same loop.
+
+One iteration follows the numerical contract of DESIGN.md::
+
+    fp = A f
+    c_i = g_i / fp_i            (0 where fp_i == 0)
+    bp = A^T c
+    f_j <- f_j * bp_j / norm_j  (f_j * bp_j where norm_j == 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+#: The step names every backend reports, in order. Multi-GPU backends add "allreduce".
+STEPS = ("fp", "corr", "bp", "update")
+
+
+class Backend(ABC):
+    """Base class of the MLEM backends.
+
+    Subclasses implement the four steps on their own arrays and may override
+    :meth:`iterate` to fuse steps or replay a captured CUDA graph; they must
+    then still fill :attr:`_times` with the per-step times they measured (or
+    the whole iteration under ``"iteration"``).
+
+    Attributes
+    ----------
+    name
+        ``"cpu"``, ``"cuda"``, ``"cuda-nccl"``...
+    deterministic
+        False when a step uses floating-point atomics (results may differ
+        in the last bits run after run).
+    shape
+        ``(m, n)`` of the system matrix.
+    """
+
+    name: str = "base"
+    deterministic: bool = True
+    shape: tuple[int, int]
+
+    def __init__(self) -> None:
+        self._times: dict[str, float] = {}
+
+    # --- the four steps ---------------------------------------------------
+    @abstractmethod
+    def forward(self, f: Any) -> Any:
+        """Return ``A f`` (length m)."""
+
+    @abstractmethod
+    def correlate(self, fp: Any) -> Any:
+        """Return ``c = g / fp`` elementwise, 0 where ``fp == 0``."""
+
+    @abstractmethod
+    def back(self, c: Any) -> Any:
+        """Return ``A^T c`` (length n)."""
+
+    @abstractmethod
+    def update(self, f: Any, bp: Any) -> Any:
+        """Return ``f * bp / norm`` (``f * bp`` where ``norm == 0``); may work in place."""
+
+    # --- set-up and transfers ------------------------------------------------
+    @abstractmethod
+    def initial_image(self) -> Any:
+        """Uniform image ``sum(g) / sum(norm)`` (sums in float64), on the backend's device."""
+
+    @abstractmethod
+    def to_host(self, f: Any) -> np.ndarray:
+        """Copy an image to host memory as float32 (float64 in reference mode)."""
+
+    @abstractmethod
+    def from_host(self, f: np.ndarray) -> Any:
+        """Put a host image (a checkpoint) on the backend's device."""
+
+    # --- timing --------------------------------------------------------------
+    @contextlib.contextmanager
+    def timer(self, step: str) -> Iterator[None]:
+        """Time one step; the CPU uses a host clock, GPU backends override with CUDA events."""
+        t0 = time.perf_counter()
+        yield
+        self._times[step] = self._times.get(step, 0.0) + time.perf_counter() - t0
+
+    def iterate(self, f: Any) -> Any:
+        """One MLEM iteration; per-step times land in :meth:`last_step_times`."""
+        self._times = {}
+        with self.timer("fp"):
+            fp = self.forward(f)
+        with self.timer("corr"):
+            c = self.correlate(fp)
+        with self.timer("bp"):
+            bp = self.back(c)
+        with self.timer("update"):
+            f = self.update(f, bp)
+        return f
+
+    def last_step_times(self) -> dict[str, float]:
+        """Seconds spent in each step of the last :meth:`iterate` (resolved; GPU backends synchronise here)."""
+        return dict(self._times)
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``timings.json``: backend, kernels, device, deterministic."""
+        return {"backend": self.name, "deterministic": self.deterministic}

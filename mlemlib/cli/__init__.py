@@ -1,0 +1,79 @@
+"""The ``mlem`` command line: one subcommand per workflow stage.
+
+Each subcommand lives in its own module of this package and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (a callable
+taking the parsed arguments and returning an exit status).
+
+Exit statuses: 0 success, 1 any other failure, 2 bad input or configuration
+(one line ``mlem: error: <file>: <fault>`` on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from mlemlib import __version__
+from mlemlib.errors import EXIT_FAILURE, EXIT_INPUT, InputError, MlemError
+
+#: Subcommand modules, in the order ``--help`` lists them (DAG order).
+SUBCOMMANDS = (
+    "generate",
+    "convert",
+    "info",
+    "norm",
+    "transpose",
+    "partition",
+    "simulate",
+    "reconstruct",
+    "summarize",
+    "bench",
+    "lease",
+)
+
+EPILOG = """exit status:
+  0  success
+  1  any other failure
+  2  bad input or configuration (one line: mlem: error: <file>: <fault>)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the ``mlem`` argument parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="mlem",
+        description="MLEM reconstruction with a stored PET system matrix, on CPUs and 1..N GPUs.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"mlemlib.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``mlem`` command; return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose + 1, 2)  # INFO by default, DEBUG with -v
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except InputError as exc:
+        print(f"mlem: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except MlemError as exc:
+        print(f"mlem: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("mlem: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Argument helpers shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def existing_file(text: str) -> Path:
+    """argparse type: a path that must exist (checked at parse time)."""
+    p = Path(text)
+    if not p.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file or directory")
+    return p
+
+
+def add_parser(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:
+    """Add a subcommand parser that shows defaults in ``--help``."""
+    return sub.add_parser(
+        name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw
+    )

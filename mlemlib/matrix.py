@@ -1,0 +1,122 @@
+"""The in-memory CSR matrix of mlemlib and its invariants (NumPy, host memory).
+
+A system matrix ``A`` (m lines of response x n voxels) is held as CSR with an
+int64 row pointer, int32 column indices and float32 values. Row blocks of a
+large matrix are CSR matrices too, with a row pointer rebased to start at 0.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from mlemlib.errors import MatrixFormatError
+
+INDPTR_DTYPE = np.int64
+INDEX_DTYPE = np.int32
+VALUE_DTYPE = np.float32
+
+
+@dataclass
+class CSRMatrix:
+    """A CSR matrix: ``indptr`` (int64, m+1), ``indices`` (int32, nnz), ``data`` (float32, nnz).
+
+    Parameters
+    ----------
+    indptr, indices, data
+        The CSR arrays. They are converted to the canonical dtypes (a copy only
+        where the dtype differs).
+    shape
+        ``(m, n)``.
+    """
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    data: np.ndarray
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        self.indptr = np.asarray(self.indptr, dtype=INDPTR_DTYPE)
+        self.indices = np.asarray(self.indices, dtype=INDEX_DTYPE)
+        self.data = np.asarray(self.data, dtype=VALUE_DTYPE)
+        self.shape = (int(self.shape[0]), int(self.shape[1]))
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indptr[-1] - self.indptr[0]) if len(self.indptr) else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.indptr.nbytes + self.indices.nbytes + self.data.nbytes
+
+    def validate(self, source: str | os.PathLike = "<matrix>", *, check_values: bool = True) -> None:
+        """Check every CSR invariant; raise :class:`MatrixFormatError` naming ``source``.
+
+        Checks: row pointer length m+1, starting at 0, non-decreasing and ending at
+        nnz; column indices in ``[0, n)``; values finite and non-negative (a
+        system matrix holds probabilities), unless ``check_values`` is False.
+        """
+        validate_csr_arrays(
+            self.indptr, self.indices, self.data, self.shape, source, check_values=check_values
+        )
+
+    def to_scipy(self):
+        """Return a ``scipy.sparse.csr_matrix`` sharing the arrays (no copy)."""
+        import scipy.sparse as sp
+
+        m = sp.csr_matrix((self.data, self.indices, self.indptr), shape=self.shape, copy=False)
+        return m
+
+    @classmethod
+    def from_scipy(cls, a) -> CSRMatrix:
+        """Build from any SciPy sparse matrix or array (converted to CSR)."""
+        a = a.tocsr()
+        return cls(a.indptr, a.indices, a.data, a.shape)
+
+
+def validate_csr_arrays(
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    data: np.ndarray,
+    shape: tuple[int, int],
+    source: str | os.PathLike = "<matrix>",
+    *,
+    check_values: bool = True,
+    row_offset: int = 0,
+) -> None:
+    """Validate CSR arrays (a whole matrix or a row block); raise MatrixFormatError.
+
+    ``indptr`` may start at a non-zero offset (a row block of a larger matrix);
+    ``row_offset`` is the global index of the block's first row, used in messages.
+    """
+    m, n = shape
+    if indptr.ndim != 1 or len(indptr) != m + 1:
+        raise MatrixFormatError(source, f"row pointer has {len(indptr)} entries, expected m+1 = {m + 1}")
+    nnz = len(indices)
+    if len(data) != nnz:
+        raise MatrixFormatError(source, f"{nnz} column indices but {len(data)} values")
+    if m and (int(indptr[-1]) - int(indptr[0])) != nnz:
+        raise MatrixFormatError(
+            source, f"row pointer ends at {int(indptr[-1]) - int(indptr[0])}, expected nnz = {nnz}"
+        )
+    if m:
+        d = np.diff(indptr)
+        if d.size and d.min() < 0:
+            bad = int(np.argmax(d < 0))
+            raise MatrixFormatError(
+                source, f"row pointer decreases at row {row_offset + bad} ({int(indptr[bad])} -> {int(indptr[bad + 1])})"
+            )
+    if nnz:
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= n:
+            bad = lo if lo < 0 else hi
+            raise MatrixFormatError(source, f"column index {bad} out of range [0, {n})")
+        if check_values:
+            if not np.isfinite(data).all():
+                k = int(np.argmax(~np.isfinite(data)))
+                raise MatrixFormatError(source, f"non-finite value {data[k]!r} at element {k}")
+            if (data < 0).any():
+                k = int(np.argmax(data < 0))
+                raise MatrixFormatError(source, f"negative value {float(data[k])!r} at element {k}")
