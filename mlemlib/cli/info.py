@@ -1,7 +1,88 @@
-"""``mlem info``: placeholder until its stage lands (replace this module)."""
+"""``mlem info``: header, shape, nnz, geometry and validation verdict of any supported file."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
+from mlemlib.cli._common import add_parser, existing_file
+from mlemlib.errors import ConfigError
+
 
 def register(sub) -> None:
-    """Register nothing yet."""
+    """Add the ``info`` subcommand."""
+    p = add_parser(
+        sub,
+        "info",
+        "Describe and validate a file (.csr4, .h5, .mtx, .npz, .LMsino); exit 2 naming the fault if it is bad.",
+    )
+    p.add_argument("file", type=existing_file, metavar="FILE", help="file to describe")
+    p.add_argument("-j", "--json", action="store_true", help="print the description as JSON")
+    p.add_argument(
+        "-q",
+        "--quick",
+        action="store_true",
+        help="check only the header and row pointer, not every element (large files)",
+    )
+    p.add_argument(
+        "-m",
+        "--matrix",
+        type=existing_file,
+        metavar="MATRIX",
+        help="for a measurement: the matrix whose row count its length must equal",
+    )
+    p.set_defaults(func=run)
+
+
+def format_info(d: dict) -> str:
+    """Render :func:`mlemlib.formats.info`'s dict as readable lines."""
+    lines = [f"{d['path']}: {d['kind']}, {d['bytes']:,} bytes"]
+    if d["kind"] == "lmsino":
+        lines.append(f"  length       {d['length']:,} LORs")
+        lines.append(f"  counts       total {d['total_counts']:,}, max {d['max_count']:,}, zeros {d['zero_counts']:,}")
+    else:
+        m, n = d["shape"]
+        if "format" in d:
+            lines.append(f"  format       {d['format']}")
+        lines.append(f"  shape        {m:,} x {n:,}")
+        lines.append(f"  nnz          {d['nnz']:,} (density {d['density']:.3g})")
+        lines.append(
+            f"  row nnz      min {d['row_nnz_min']:,}, mean {d['row_nnz_mean']:.1f}, max {d['row_nnz_max']:,}; "
+            f"{d['empty_rows']:,} empty rows"
+        )
+        if d.get("grid"):
+            gx, gy, gz = d["grid"]
+            lines.append(f"  grid         {gx} x {gy} x {gz}")
+        if d.get("voxel_size"):
+            lines.append("  voxel size   " + " x ".join(f"{v:g}" for v in d["voxel_size"]) + " mm")
+        if "scanner" in d:
+            sc = d["scanner"]
+            lines.append(
+                f"  scanner      {len(sc['layers'])} layer(s), {sc['n_blocks']} blocks x {sc['block_size']} crystals, "
+                f"{sc['n_rings']} rings; flags {d['flags']:#04x}"
+            )
+        if "attrs" in d:
+            shown = {
+                k: v
+                for k, v in d["attrs"].items()
+                if k not in ("shape", "nnz", "format", "version", "grid", "voxel_size")
+            }
+            for k, v in sorted(shown.items()):
+                lines.append(f"  attr {k:<12} {v}")
+    lines.append(f"  verdict      {d['verdict']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the description of ``args.file``."""
+    from mlemlib.formats import file_kind, info, open_matrix
+
+    expected = None
+    if args.matrix is not None:
+        with open_matrix(args.matrix) as mat:
+            expected = mat.shape[0]
+    if file_kind(args.file) != "lmsino" and expected is not None:
+        raise ConfigError("--matrix", "applies to measurement files (.LMsino) only")
+    d = info(args.file, full=not args.quick, expected_length=expected)
+    print(json.dumps(d, indent=2) if args.json else format_info(d))
+    return 0

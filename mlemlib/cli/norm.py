@@ -1,7 +1,40 @@
-"""``mlem norm``: placeholder until its stage lands (replace this module)."""
+"""``mlem norm``: column sums of the system matrix (the sensitivity image), float64."""
 
 from __future__ import annotations
 
+import argparse
+
+from mlemlib.cli._common import add_parser, existing_file
+from mlemlib.cli.transpose import positive_int
+
 
 def register(sub) -> None:
-    """Register nothing yet."""
+    """Add the ``norm`` subcommand."""
+    from mlemlib.transpose import DEFAULT_CHUNK_NNZ
+
+    p = add_parser(
+        sub,
+        "norm",
+        "Compute norm_j = sum_i a_ij (float64, bit-identical for any thread count) "
+        "streaming the matrix container; write norm.h5.",
+    )
+    p.add_argument("input", type=existing_file, metavar="MATRIX.h5", help="matrix container (from 'mlem convert')")
+    p.add_argument("-o", "--out", required=True, metavar="OUT.h5", help="output file (e.g. results/{matrix}/norm.h5)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads (default: all)")
+    p.add_argument(
+        "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
+        help="non-zeros per streamed row chunk (about 8*N bytes)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compute the norm of ``args.input`` into ``args.out``; print a one-line summary."""
+    import numpy as np
+
+    from mlemlib.norm import compute_norm
+
+    norm = compute_norm(args.input, args.out, threads=args.threads, chunk_nnz=args.chunk_nnz)
+    zero = int(np.count_nonzero(norm == 0))
+    print(f"{args.out}: {norm.size} voxels, sum {float(norm.sum()):.9g}, {zero} with norm 0")
+    return 0

@@ -1,7 +1,50 @@
-"""``mlem partition``: placeholder until its stage lands (replace this module)."""
+"""``mlem partition``: nnz-balanced row blocks for P GPUs (plan.json + part-{k}.h5)."""
 
 from __future__ import annotations
 
+import argparse
+
+from mlemlib.cli._common import add_parser, existing_file
+from mlemlib.cli.transpose import positive_int
+
 
 def register(sub) -> None:
-    """Register nothing yet."""
+    """Add the ``partition`` subcommand."""
+    from mlemlib.transpose import DEFAULT_CHUNK_NNZ
+
+    p = add_parser(
+        sub,
+        "partition",
+        "Split the matrix into P nnz-balanced row blocks: write DIR/plan.json (row ranges, "
+        "non-zero counts and offsets, imbalance; also for A^T) and DIR/part-{k}.h5 (A_k^T).",
+    )
+    p.add_argument("input", type=existing_file, metavar="MATRIX.h5", help="matrix container (from 'mlem convert')")
+    p.add_argument(
+        "-T", "--transpose", type=existing_file, required=True, metavar="TRANSPOSE.h5",
+        help="its transpose (from 'mlem transpose')",
+    )
+    p.add_argument("-p", "--parts", type=positive_int, required=True, metavar="P", help="number of parts (GPUs)")
+    p.add_argument("-o", "--out", required=True, metavar="DIR", help="parts directory (e.g. results/{matrix}/parts-{P})")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads (default: all)")
+    p.add_argument(
+        "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
+        help="non-zeros per streamed row chunk of the transpose (about 16*N bytes)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Partition ``args.input``; print one line per part."""
+    from mlemlib.partition import partition_file
+
+    plan = partition_file(
+        args.input, args.transpose, args.parts, args.out, chunk_nnz=args.chunk_nnz, threads=args.threads
+    )
+    print(
+        f"{args.out}: {plan['parts']} part(s), imbalance {plan['imbalance']:.4f} "
+        f"(A^T row blocks {plan['transpose_imbalance']:.4f})"
+    )
+    for k, ((r0, r1), nnz) in enumerate(zip(plan["rows"], plan["nnz_per_part"])):
+        c0, c1 = plan["transpose_rows"][k]
+        print(f"  part {k}: rows {r0}..{r1} ({nnz} nnz), A^T rows {c0}..{c1}")
+    return 0

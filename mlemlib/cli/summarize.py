@@ -1,7 +1,36 @@
-"""``mlem summarize``: placeholder until its stage lands (replace this module)."""
+"""``mlem summarize``: runs.csv, summary.md and plots/ of many runs."""
 
 from __future__ import annotations
 
+import argparse
+
+from mlemlib.cli._common import add_parser, existing_file
+
 
 def register(sub) -> None:
-    """Register nothing yet."""
+    """Add the ``summarize`` subcommand."""
+    p = add_parser(
+        sub,
+        "summarize",
+        "Tabulate and plot runs: runs.csv (one row per run and repetition), summary.md (time per step, "
+        "accuracy spread, transposition times), plots/*.png.",
+    )
+    p.add_argument("runs", nargs="+", type=existing_file, metavar="RUN", help="run directories (searched for timings.json) or timings.json files")
+    p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (e.g. results/summary)")
+    p.add_argument("--transpose-bench", nargs="*", default=[], type=existing_file, metavar="TSV", help="Snakemake benchmark files of transpositions")
+    p.add_argument("--transposes", nargs="*", default=[], type=existing_file, metavar="T.h5", help="transpose.h5 files (method, seconds)")
+    p.add_argument("--plans", nargs="*", default=[], type=existing_file, metavar="PLAN", help="partition plan.json files or directories")
+    p.add_argument("--bench", nargs="*", default=[], type=existing_file, metavar="CSV", help="SpMV benchmark tables")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the summary; print where."""
+    from mlemlib.report import summarize
+
+    r = summarize(
+        args.runs, args.out, transpose_benchmarks=args.transpose_bench, transposes=args.transposes,
+        plans=args.plans, bench=args.bench,
+    )
+    print(f"{r['summary_md']}: {r['rows']} rows, {r['configurations']} configurations, {len(r['plots'])} plots")
+    return 0

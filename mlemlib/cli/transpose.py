@@ -1,7 +1,55 @@
-"""``mlem transpose``: placeholder until its stage lands (replace this module)."""
+"""``mlem transpose``: write the transposed system matrix (ScanTrans, SciPy or cuSPARSE)."""
 
 from __future__ import annotations
 
+import argparse
+
+from mlemlib.cli._common import add_parser, existing_file
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (digits, optionally grouped with ``_``)."""
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return value
+
 
 def register(sub) -> None:
-    """Register nothing yet."""
+    """Add the ``transpose`` subcommand."""
+    from mlemlib.transpose import DEFAULT_CHUNK_NNZ, METHODS
+
+    p = add_parser(
+        sub,
+        "transpose",
+        "Transpose a matrix container into transpose.h5 (A^T as CSR, rows sorted); "
+        "scantrans streams the input and holds one copy of the matrix.",
+    )
+    p.add_argument("input", type=existing_file, metavar="MATRIX.h5", help="matrix container (from 'mlem convert')")
+    p.add_argument("-o", "--out", required=True, metavar="OUT.h5", help="output container (e.g. results/{matrix}/transpose.h5)")
+    p.add_argument(
+        "-m", "--method", choices=METHODS, default="scantrans", metavar="METHOD",
+        help=f"transposition method: {', '.join(METHODS)} (cusparse needs CuPy and a GPU)",
+    )
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads for scantrans (default: all)")
+    p.add_argument(
+        "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
+        help="non-zeros per streamed row chunk (scantrans: about 12*N bytes besides the output)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Transpose ``args.input`` into ``args.out``; print a one-line summary."""
+    from mlemlib.transpose import transpose_file
+
+    s = transpose_file(args.input, args.out, args.method, threads=args.threads, chunk_nnz=args.chunk_nnz)
+    n, m = s["shape"]
+    print(
+        f"{s['out']}: {n} x {m}, nnz {s['nnz']}, {s['method']} ({s['threads']} thread(s)) "
+        f"{s['seconds']:.3f} s, stage {s['seconds_total']:.3f} s"
+    )
+    return 0

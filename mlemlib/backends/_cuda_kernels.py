@@ -1,0 +1,427 @@
+"""CuPy side of the CUDA kernels: compiled modules, device CSR arrays, launches (CUDA only).
+
+Provides
+
+- :class:`DeviceCSR` — a CSR matrix in GPU memory (int64 row pointer, int32
+  columns, float32 values), with its cuSPARSE view (:meth:`DeviceCSR.cusparse`)
+  and an on-device transposition (:meth:`DeviceCSR.transpose`);
+- :func:`module` — the compiled ``mlemlib/kernels/<name>.cu``, once per device
+  (memoized ``cupy.RawModule``);
+- the launches: :func:`spmv` (``csr_scalar``, ``csr_vector``, ``merge``,
+  ``cusparse``, with the fused MLEM epilogues), :func:`scatter` (``A^T c``
+  from the rows of ``A``: ``scatter``, ``scatter_vec``, ``scatter_smem``,
+  ``cusparse_notrans``), :func:`correlate` and :func:`update` (fused
+  elementwise kernels).
+
+CuPy is imported inside the functions: importing this module needs no GPU,
+calling it does. Launch shapes come from the device's properties
+(:func:`device_properties`) through :mod:`mlemlib.backends._cuda_plan`. Nothing
+here synchronises the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlemlib.backends import _cuda_plan as plan
+from mlemlib.errors import ConfigError, DeviceError
+from mlemlib.matrix import CSRMatrix
+
+log = logging.getLogger(__name__)
+
+#: Epilogues of ``csr_scalar`` / ``csr_vector`` (see spmv.cu).
+MODE_PLAIN, MODE_CORR, MODE_UPDATE = 0, 1, 2
+#: Largest nnz cuSPARSE (through CuPy's int32 indices) can take.
+CUSPARSE_MAX_NNZ = 2**31 - 1
+#: Non-zeros per chunk (one block) of ``scatter_smem``.
+SMEM_CHUNK_NNZ = 1 << 18
+#: Threads per block of ``scatter_smem``.
+SMEM_THREADS = 1024
+
+
+def cupy():
+    """Import CuPy, or raise :class:`DeviceError` saying how to get it."""
+    try:
+        import cupy as cp
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise DeviceError(f"the CUDA backend needs CuPy (pip install 'mlemlib[gpu]'): {exc}") from exc
+    return cp
+
+
+@functools.lru_cache(maxsize=None)
+def device_properties(device_id: int) -> dict[str, Any]:
+    """The properties launch shapes need, read once per device."""
+    cp = cupy()
+    p = cp.cuda.runtime.getDeviceProperties(device_id)
+    name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+    return {
+        "name": name,
+        "sm_count": int(p["multiProcessorCount"]),
+        "max_threads_per_sm": int(p["maxThreadsPerMultiProcessor"]),
+        "max_threads_per_block": int(p["maxThreadsPerBlock"]),
+        "smem_per_block_optin": int(p.get("sharedMemPerBlockOptin", p["sharedMemPerBlock"])),
+        "l2_bytes": int(p.get("l2CacheSize", 0)),
+        "compute_capability": f"{p['major']}.{p['minor']}",
+    }
+
+
+def kernel_source(name: str) -> str:
+    """Text of ``mlemlib/kernels/<name>.cu`` (shipped as package data)."""
+    return importlib.resources.files("mlemlib.kernels").joinpath(f"{name}.cu").read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def module(name: str, device_id: int, options: tuple[str, ...] = ()) -> Any:
+    """``mlemlib/kernels/<name>.cu`` compiled for one device (memoized per device and options)."""
+    cp = cupy()
+    with cp.cuda.Device(device_id):
+        mod = cp.RawModule(code=kernel_source(name), options=("--std=c++17", *options))
+        mod.compile()
+    log.debug("compiled %s.cu for device %d (%s)", name, device_id, device_properties(device_id)["name"])
+    return mod
+
+
+def _function(mod_name: str, kernel: str, options: tuple[str, ...] = ()) -> Any:
+    return _function_on(mod_name, kernel, cupy().cuda.Device().id, options)
+
+
+@functools.lru_cache(maxsize=None)
+def _function_on(mod_name: str, kernel: str, device_id: int, options: tuple[str, ...]) -> Any:
+    return module(mod_name, device_id, options).get_function(kernel)
+
+
+@dataclass
+class DeviceCSR:
+    """A CSR matrix in GPU memory: ``indptr`` int64 (m+1), ``indices`` int32, ``data`` float32.
+
+    The column and value arrays must be 16-byte aligned (the kernels load
+    them 16 bytes at a time); fresh CuPy allocations are. Build one with
+    :meth:`from_host`, or from CuPy arrays of the right dtypes.
+    """
+
+    indptr: Any
+    indices: Any
+    data: Any
+    shape: tuple[int, int]
+    _cusparse: Any = field(default=None, repr=False)
+    _stats: dict | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        cp = cupy()
+        self.shape = (int(self.shape[0]), int(self.shape[1]))
+        self.indptr = cp.asarray(self.indptr, dtype=cp.int64)
+        self.indices = cp.asarray(self.indices, dtype=cp.int32)
+        self.data = cp.asarray(self.data, dtype=cp.float32)
+        if len(self.indptr) != self.shape[0] + 1 or len(self.indices) != len(self.data):
+            raise ValueError(
+                f"inconsistent device CSR: shape {self.shape}, {len(self.indptr)} row pointers, "
+                f"{len(self.indices)} columns, {len(self.data)} values"
+            )
+        for nm in ("indices", "data"):
+            arr = getattr(self, nm)
+            if arr.size and arr.data.ptr % 16:
+                log.warning("device CSR %s is not 16-byte aligned: copying it", nm)
+                setattr(self, nm, arr.copy())
+
+    @classmethod
+    def from_host(cls, a: CSRMatrix) -> DeviceCSR:
+        """Copy a host :class:`CSRMatrix` to the current GPU (row pointer rebased to 0)."""
+        cp = cupy()
+        indptr = np.asarray(a.indptr, dtype=np.int64)
+        if len(indptr) and indptr[0] != 0:
+            indptr = indptr - indptr[0]
+        return cls(cp.asarray(indptr), cp.asarray(a.indices), cp.asarray(a.data), a.shape)
+
+    def to_host(self) -> CSRMatrix:
+        """Copy back to a host :class:`CSRMatrix`."""
+        return CSRMatrix(self.indptr.get(), self.indices.get(), self.data.get(), self.shape)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.indptr.nbytes + self.indices.nbytes + self.data.nbytes)
+
+    def stats(self) -> dict[str, float]:
+        """Row-length facts (computed once on the device): mean, max, empty rows."""
+        if self._stats is None:
+            cp = cupy()
+            m = self.shape[0]
+            if m:
+                lengths = cp.diff(self.indptr)
+                self._stats = {
+                    "mean_row_length": self.nnz / m,
+                    "max_row_length": int(lengths.max()),
+                    "empty_rows": int((lengths == 0).sum()),
+                }
+            else:
+                self._stats = {"mean_row_length": 0.0, "max_row_length": 0, "empty_rows": 0}
+        return self._stats
+
+    def lanes(self) -> int:
+        """Lanes per row ``csr_vector`` / ``scatter`` take for this matrix."""
+        return plan.choose_lanes(self.stats()["mean_row_length"])
+
+    def cusparse(self) -> Any:
+        """This matrix as a ``cupyx.scipy.sparse.csr_matrix`` (an int32 row-pointer copy; built once)."""
+        if self._cusparse is None:
+            if self.nnz > CUSPARSE_MAX_NNZ:
+                raise DeviceError(
+                    f"cuSPARSE through CuPy takes int32 indices: {self.nnz} non-zeros exceed 2^31 - 1"
+                )
+            import cupyx.scipy.sparse as cps
+
+            cp = cupy()
+            self._cusparse = cps.csr_matrix(
+                (self.data, self.indices, self.indptr.astype(cp.int32)), shape=self.shape, copy=False
+            )
+        return self._cusparse
+
+    def drop_cusparse(self) -> None:
+        """Free the cuSPARSE view's int32 row pointer."""
+        self._cusparse = None
+
+    def transpose(self) -> DeviceCSR:
+        """``A^T`` as CSR, computed on the GPU with cuSPARSE (csr2csc); rows' columns sorted."""
+        cp = cupy()
+        m, n = self.shape
+        if self.nnz == 0:
+            return DeviceCSR(cp.zeros(n + 1, cp.int64), cp.zeros(0, cp.int32), cp.zeros(0, cp.float32), (n, m))
+        t = self.cusparse().T.tocsr()
+        out = DeviceCSR(t.indptr.astype(cp.int64), t.indices, t.data, (n, m))
+        return out
+
+
+def _check_vector(name: str, v: Any, length: int) -> None:
+    cp = cupy()
+    if not isinstance(v, cp.ndarray) or v.dtype != cp.float32 or v.ndim != 1 or v.size != length:
+        got = f"{type(v).__name__} {getattr(v, 'dtype', '?')} of shape {getattr(v, 'shape', '?')}"
+        raise ValueError(f"{name} must be a 1-D float32 CuPy array of length {length}, got {got}")
+
+
+def _launch_rows(kernel: Any, rows: int, lanes: int, args: tuple) -> None:
+    props = device_properties(cupy().cuda.Device().id)
+    blocks, threads = plan.launch_shape(rows, plan.THREADS // lanes, props["sm_count"], props["max_threads_per_sm"])
+    kernel((blocks,), (threads,), args)
+
+
+def spmv(
+    a: DeviceCSR,
+    x: Any,
+    out: Any = None,
+    *,
+    kernel: str = "csr_vector",
+    lanes: int | None = None,
+    mode: int = MODE_PLAIN,
+    aux0: Any = None,
+    aux1: Any = None,
+    secsize: int = plan.DEFAULT_SECSIZE,
+) -> Any:
+    """``y = A x`` with one of the row kernels, optionally with a fused epilogue.
+
+    Parameters
+    ----------
+    a
+        The matrix (m x n).
+    x
+        float32 vector of length n.
+    out
+        float32 vector of length m to write (allocated when None). With
+        ``mode=MODE_UPDATE`` it may be ``aux0`` itself (in-place update).
+    kernel
+        ``csr_vector``, ``csr_scalar``, ``merge`` or ``cusparse``.
+    lanes
+        Lanes per row of ``csr_vector`` (default from the mean row length).
+    mode
+        :data:`MODE_PLAIN`, :data:`MODE_CORR` (out = aux0 / (A x), 0 where A x
+        is 0) or :data:`MODE_UPDATE` (out = aux0 * (A x) / aux1; aux0 * (A x)
+        where aux1 is 0). ``merge`` and ``cusparse`` apply the epilogue as a
+        second, elementwise kernel.
+    secsize
+        Section size of ``merge`` (merge items per thread).
+
+    Returns
+    -------
+    cupy.ndarray
+        ``out``.
+    """
+    cp = cupy()
+    m, n = a.shape
+    _check_vector("x", x, n)
+    if out is None:
+        out = cp.empty(m, dtype=cp.float32)
+    else:
+        _check_vector("out", out, m)
+    if mode != MODE_PLAIN:
+        _check_vector("aux0", aux0, m)
+        if mode == MODE_UPDATE:
+            _check_vector("aux1", aux1, m)
+    if m == 0:
+        return out
+    if kernel in ("csr_vector", "csr_scalar"):
+        a0 = aux0 if aux0 is not None else out
+        a1 = aux1 if aux1 is not None else out
+        if kernel == "csr_scalar":
+            fn = _function("spmv", "csr_scalar")
+            lanes_ = 1
+        else:
+            lanes_ = lanes or a.lanes()
+            if lanes_ not in plan.LANE_CHOICES:
+                raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
+            fn = _function("spmv", f"csr_vector_{lanes_}")
+        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1))
+        return out
+    if kernel not in ("merge", "cusparse"):
+        raise ConfigError("fp", f"unknown SpMV kernel {kernel!r}")
+    final = out
+    if mode != MODE_PLAIN and out is aux0:  # the product must not overwrite the epilogue's input
+        out = cp.empty(m, dtype=cp.float32)
+    if kernel == "merge":
+        out.fill(0)
+        if a.nnz:
+            props = device_properties(cp.cuda.Device().id)
+            nthreads = plan.merge_threads(m, a.nnz, secsize)
+            blocks, threads = plan.launch_shape(
+                nthreads, plan.THREADS, props["sm_count"], props["max_threads_per_sm"]
+            )
+            fn = _function("spmv", "merge_spmv")
+            fn((blocks,), (threads,), (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int64(a.nnz), np.int32(secsize)))
+    else:
+        if a.nnz:
+            out[...] = a.cusparse() @ x
+        else:
+            out.fill(0)
+    if mode == MODE_CORR:
+        correlate(aux0, out, out=final)
+    elif mode == MODE_UPDATE:
+        update(aux0, out, aux1, out=final)
+    return final
+
+
+@dataclass
+class SmemPlan:
+    """Set-up of ``scatter_smem`` for one matrix: row chunks and their column windows."""
+
+    chunk_rows: Any  # cupy int64 [nchunks + 1]
+    cmin: Any  # cupy int32 [nchunks]
+    cmax: Any
+    window: int  # floats of shared memory per block
+    local_fraction: float  # share of chunks whose columns fit the window
+
+
+def smem_plan(a: DeviceCSR, *, chunk_nnz: int = SMEM_CHUNK_NNZ) -> SmemPlan:
+    """Plan ``scatter_smem``: nnz-balanced row chunks and each chunk's column window."""
+    cp = cupy()
+    props = device_properties(cp.cuda.Device().id)
+    bounds = plan.chunk_rows(a.indptr.get(), chunk_nnz)
+    nchunks = len(bounds) - 1
+    crow = cp.asarray(bounds)
+    cmin = cp.empty(max(nchunks, 1), dtype=cp.int32)
+    cmax = cp.empty(max(nchunks, 1), dtype=cp.int32)
+    if nchunks:
+        _function("spmv", "chunk_bounds")((nchunks,), (256,), (a.indptr, a.indices, crow, cmin, cmax))
+    window = props["smem_per_block_optin"] // 4
+    width = (cmax[:nchunks] - cmin[:nchunks] + 1)
+    frac = float(((width > 0) & (width <= window)).sum()) / nchunks if nchunks else 1.0
+    return SmemPlan(crow, cmin, cmax, int(window), frac)
+
+
+def scatter(
+    a: DeviceCSR,
+    c: Any,
+    out: Any = None,
+    *,
+    kernel: str = "scatter",
+    lanes: int | None = None,
+    smem: SmemPlan | None = None,
+) -> Any:
+    """``out = A^T c`` from the rows of ``A`` (no transpose); floating-point atomics: not deterministic.
+
+    Parameters
+    ----------
+    a
+        The matrix A (m x n).
+    c
+        float32 vector of length m.
+    out
+        float32 vector of length n (allocated when None); it is zeroed here.
+    kernel
+        ``scatter`` (lanes per row, scalar atomics), ``scatter_vec`` (vector
+        atomics over aligned runs of columns), ``scatter_smem`` (shared-memory
+        windows per row chunk) or ``cusparse_notrans`` (cuSPARSE's
+        transposed product ``A.T @ c``).
+    lanes
+        Lanes per row of ``scatter`` / ``scatter_vec`` (default from the mean row length).
+    smem
+        The :func:`smem_plan` of ``a`` (made here when None; make it once).
+    """
+    cp = cupy()
+    m, n = a.shape
+    _check_vector("c", c, m)
+    if out is None:
+        out = cp.empty(n, dtype=cp.float32)
+    else:
+        _check_vector("out", out, n)
+    if kernel == "cusparse_notrans":
+        if a.nnz:
+            out[...] = a.cusparse().T @ c
+        else:
+            out.fill(0)
+        return out
+    out.fill(0)
+    if m == 0 or a.nnz == 0:
+        return out
+    if kernel in ("scatter", "scatter_vec"):
+        lanes_ = lanes or a.lanes()
+        if lanes_ not in plan.LANE_CHOICES:
+            raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
+        fn = _function("spmv", f"{kernel}_{lanes_}")
+        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, c, out, np.int64(m)))
+    elif kernel == "scatter_smem":
+        sp = smem if smem is not None else smem_plan(a)
+        nchunks = len(sp.chunk_rows) - 1
+        fn = _function("spmv", "scatter_smem")
+        shared = sp.window * 4
+        fn.max_dynamic_shared_size_bytes = shared
+        fn((nchunks,), (SMEM_THREADS,), (a.indptr, a.indices, a.data, c, out, sp.chunk_rows, sp.cmin, sp.cmax,
+                                         np.int32(sp.window)), shared_mem=shared)
+    else:
+        raise ConfigError("bp", f"unknown scatter kernel {kernel!r}")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _elementwise(which: str) -> Any:
+    cp = cupy()
+    if which == "correlate":
+        return cp.ElementwiseKernel(
+            "float32 g, float32 fp", "float32 c", "c = (fp != 0.0f) ? g / fp : 0.0f", "mlem_correlate"
+        )
+    return cp.ElementwiseKernel(
+        "float32 f, float32 bp, float32 norm",
+        "float32 out",
+        "out = (norm != 0.0f) ? f * bp / norm : f * bp",
+        "mlem_update",
+    )
+
+
+def correlate(g: Any, fp: Any, out: Any = None) -> Any:
+    """``c = g / fp`` (0 where ``fp == 0``), one fused elementwise kernel; ``out`` may be ``fp``."""
+    if out is None:
+        return _elementwise("correlate")(g, fp)
+    return _elementwise("correlate")(g, fp, out)
+
+
+def update(f: Any, bp: Any, norm: Any, out: Any = None) -> Any:
+    """``f * bp / norm`` (``f * bp`` where ``norm == 0``); ``out`` may be ``f`` or ``bp``."""
+    if out is None:
+        return _elementwise("update")(f, bp, norm)
+    return _elementwise("update")(f, bp, norm, out)

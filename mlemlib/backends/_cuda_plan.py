@@ -1,0 +1,205 @@
+"""Host-side planning for the CUDA kernels (pure Python/NumPy: no CuPy, no GPU).
+
+Provides the decisions the CUDA backend and the benchmark make before a
+launch, kept apart so that CI tests them without a GPU:
+
+- :func:`choose_lanes` — lanes per row of ``csr_vector`` / ``scatter`` from the
+  mean row length;
+- :func:`launch_shape` — blocks and threads of a grid-stride launch from the
+  device's multiprocessor count;
+- :func:`spmv_bytes`, :func:`csr_bytes`, :func:`iteration_floor_bytes` — the
+  bytes an SpMV or an MLEM iteration must move at least (the denominator of
+  every effective bandwidth the project reports);
+- :func:`merge_threads` — threads of the merge-based kernel for a ``secsize``;
+- :func:`chunk_rows` — nnz-balanced row chunks of the shared-memory scatter;
+- :func:`resolve_kernels` — the names users give (``auto``, ``notrans``...) to
+  the kernels the backend runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mlemlib.errors import ConfigError
+
+#: Lanes per row ``csr_vector_L`` and ``scatter_L`` are compiled for.
+LANE_CHOICES = (2, 4, 8, 16, 32)
+#: Non-zeros one lane loads per 16-byte access (int4 columns, float4 values).
+VECTOR_WIDTH = 4
+#: Threads per block of the row kernels (their ``__launch_bounds__``).
+THREADS = 256
+#: Blocks per multiprocessor slot to launch at most (the rest is grid-stride).
+WAVES = 16
+#: Bytes per non-zero of the CSR arrays: int32 column + float32 value.
+BYTES_PER_NNZ = 8
+#: The merge kernel's section size when none is given (the thesis's best on V100).
+DEFAULT_SECSIZE = 5
+
+#: Forward-projection kernels and whether each is deterministic.
+FP_KERNELS = {"csr_vector": True, "csr_scalar": True, "merge": False, "cusparse": True}
+#: Back-projection kernels: (deterministic, needs the stored transpose).
+BP_KERNELS = {
+    "csr_vector": (True, True),
+    "csr_scalar": (True, True),
+    "merge": (False, True),
+    "cusparse": (True, True),
+    "scatter": (False, False),
+    "scatter_vec": (False, False),
+    "scatter_smem": (False, False),
+    "cusparse_notrans": (False, False),
+}
+#: Names accepted for the back projection and what they mean.
+BP_ALIASES = {"notrans": "scatter"}
+
+
+def choose_lanes(mean_row_length: float) -> int:
+    """Lanes per row for ``csr_vector`` / ``scatter``: ``2..32``, a power of two.
+
+    One trip of a group of ``L`` lanes covers ``4 L`` non-zeros (16-byte
+    loads), so ``L`` is the power of two at or above ``mean / 4``, clamped to
+    ``[2, 32]``: short rows do not leave most of a warp idle, long rows get a
+    whole warp.
+
+    Parameters
+    ----------
+    mean_row_length
+        Non-zeros per row, on average (nnz / m).
+
+    Returns
+    -------
+    int
+        One of :data:`LANE_CHOICES`.
+    """
+    if not math.isfinite(mean_row_length) or mean_row_length <= 0:
+        return LANE_CHOICES[0]
+    want = mean_row_length / VECTOR_WIDTH
+    lanes = 1 << max(0, math.ceil(math.log2(want))) if want > 1 else 1
+    return int(min(max(lanes, LANE_CHOICES[0]), LANE_CHOICES[-1]))
+
+
+def launch_shape(items: int, items_per_block: int, sm_count: int, max_threads_per_sm: int,
+                 threads: int = THREADS) -> tuple[int, int]:
+    """Blocks and threads of a grid-stride launch.
+
+    Parameters
+    ----------
+    items
+        Work items (rows, row groups, merge sections).
+    items_per_block
+        Items one block takes per trip (threads / lanes for the row kernels).
+    sm_count, max_threads_per_sm
+        Device properties (``multiProcessorCount``, ``maxThreadsPerMultiProcessor``).
+    threads
+        Threads per block.
+
+    Returns
+    -------
+    (blocks, threads)
+        ``blocks`` is enough for one item per block slot, capped at
+        :data:`WAVES` full waves of the device (the kernels loop over the
+        rest), and at least 1.
+    """
+    if items_per_block <= 0 or threads <= 0:
+        raise ValueError("items_per_block and threads must be positive")
+    needed = -(-max(int(items), 0) // items_per_block)
+    cap = max(1, sm_count * max(1, max_threads_per_sm // threads) * WAVES)
+    return max(1, min(needed, cap)), threads
+
+
+def spmv_bytes(rows: int, cols: int, nnz: int, rowptr_itemsize: int = 8) -> int:
+    """Fewest bytes ``y = M x`` moves for a CSR ``M`` of shape ``(rows, cols)``.
+
+    The matrix once (8 bytes per non-zero and the row pointer), ``x`` read
+    once (4 bytes per column) and ``y`` written once (4 bytes per row). The
+    same count holds for ``A^T c`` scattered from the rows of ``A`` (rows =
+    m, cols = n), where the vectors swap roles.
+    """
+    return BYTES_PER_NNZ * nnz + rowptr_itemsize * (rows + 1) + 4 * cols + 4 * rows
+
+
+def csr_bytes(rows: int, nnz: int, rowptr_itemsize: int = 8) -> int:
+    """Bytes of a CSR matrix's arrays (row pointer, columns, values)."""
+    return BYTES_PER_NNZ * nnz + rowptr_itemsize * (rows + 1)
+
+
+def iteration_floor_bytes(m: int, n: int, nnz: int, *, transpose: bool = True) -> int:
+    """Bytes one MLEM iteration must read at least: ``A`` and ``A^T`` (or ``A`` twice).
+
+    The vectors are left out, as in the thesis and PERFORMANCE.md (they are
+    under 1% of a PET matrix).
+    """
+    return csr_bytes(m, nnz) + (csr_bytes(n, nnz) if transpose else csr_bytes(m, nnz))
+
+
+def merge_threads(m: int, nnz: int, secsize: int) -> int:
+    """Threads the merge-based kernel needs: one per ``secsize`` merge items (m + nnz)."""
+    if secsize < 1:
+        raise ConfigError("secsize", f"section size must be >= 1, got {secsize}")
+    return -(-(m + nnz) // secsize)
+
+
+def chunk_rows(indptr: np.ndarray, nnz_per_chunk: int) -> np.ndarray:
+    """Row boundaries of nnz-balanced chunks: ``r[0] = 0 < r[1] < ... < r[-1] = m``.
+
+    Chunk ``b`` is rows ``[r[b], r[b+1])``; it holds about ``nnz_per_chunk``
+    non-zeros (a row is never split, so a chunk can hold more when one row is
+    longer). Every chunk holds at least one row.
+    """
+    indptr = np.asarray(indptr, dtype=np.int64)
+    m = len(indptr) - 1
+    if m <= 0:
+        return np.zeros(1, dtype=np.int64)
+    nnz = int(indptr[-1] - indptr[0])
+    nchunks = max(1, -(-nnz // max(1, int(nnz_per_chunk))))
+    targets = indptr[0] + np.arange(1, nchunks, dtype=np.int64) * max(1, int(nnz_per_chunk))
+    cuts = np.searchsorted(indptr, targets, side="left")
+    bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, m), [m])))
+    return bounds.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels one CUDA backend runs, resolved from the user's names."""
+
+    fp: str
+    bp: str
+    needs_transpose: bool
+    deterministic: bool
+
+
+def resolve_kernels(fp: str, bp: str, *, transpose_available: bool, fits: bool) -> KernelChoice:
+    """Resolve user kernel names to the backend's kernels.
+
+    Parameters
+    ----------
+    fp
+        ``auto`` (= ``csr_vector``) or a key of :data:`FP_KERNELS`.
+    bp
+        ``auto``, ``notrans`` (= ``scatter``) or a key of :data:`BP_KERNELS`.
+        ``auto`` takes ``csr_vector`` on the stored transpose when one is
+        available and ``A`` and ``A^T`` both fit on the GPU, else ``scatter``.
+    transpose_available
+        Whether a transpose was given.
+    fits
+        Whether ``A`` and ``A^T`` both fit in free GPU memory.
+
+    Raises
+    ------
+    ConfigError
+        For an unknown name.
+    """
+    fp = "csr_vector" if fp in (None, "auto") else fp
+    if fp not in FP_KERNELS:
+        raise ConfigError("fp", f"unknown forward-projection kernel {fp!r}, expected auto or one of {sorted(FP_KERNELS)}")
+    bp = BP_ALIASES.get(bp, bp) if bp is not None else "auto"
+    if bp == "auto":
+        bp = "csr_vector" if (transpose_available and fits) else "scatter"
+    if bp not in BP_KERNELS:
+        raise ConfigError(
+            "bp", f"unknown back-projection kernel {bp!r}, expected auto, notrans or one of {sorted(BP_KERNELS)}"
+        )
+    det_bp, needs_t = BP_KERNELS[bp]
+    return KernelChoice(fp=fp, bp=bp, needs_transpose=needs_t, deterministic=FP_KERNELS[fp] and det_bp)

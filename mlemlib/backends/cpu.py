@@ -1,0 +1,389 @@
+"""The CPU backend of the MLEM loop (host memory; NumPy, SciPy and Numba).
+
+Kernels
+-------
+Forward projection ``fp = A f`` (``fp=``):
+
+- ``numba``: row-parallel CSR SpMV (``prange`` over rows; each row summed in
+  order by one thread, so the result does not depend on the thread count);
+- ``scipy``: ``scipy.sparse`` CSR times vector (one thread).
+
+``auto`` is ``numba`` with several Numba threads and ``scipy`` with one:
+both sum each row in order, so the choice never changes a bit of the result.
+
+Back projection ``bp = A^T c`` (``bp=``), with a stored transpose (a CSR
+matrix of ``A^T``) the same SpMV kernels on ``A^T`` (``auto`` as above);
+without one (``auto`` is ``numba``):
+
+- ``numba`` (or ``notrans``, which ignores a stored transpose): a scatter
+  over the rows of ``A`` in a fixed number of row blocks (``blocks``), each
+  into a private image, summed block after block: deterministic for a given
+  ``blocks`` whatever the thread count, no atomics;
+- ``scipy``: ``A.T @ c`` (SciPy's CSC product of the same arrays, one thread,
+  summing each voxel in row order, i.e. the same sums as a sorted transpose).
+
+Accumulation follows the working dtype: float32 (the default, like the GPU
+backends) or float64 (the reference mode; float32 matrix values are widened
+exactly, so no float64 copy of the matrix is needed by the ``numba`` kernels;
+``scipy`` makes one). Every kernel is deterministic.
+
+Numba's OpenMP threads spin while waiting; on a host whose cores are busy
+with other work that can make a 2-thread SpMV ten times slower than one
+thread. ``mlem reconstruct`` sets ``OMP_WAIT_POLICY=passive`` unless it is
+set; library users on shared hosts should do the same (or pass ``threads=1``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from mlemlib.backends.base import Backend
+from mlemlib.errors import ConfigError, SinogramFormatError
+from mlemlib.matrix import CSRMatrix
+
+log = logging.getLogger(__name__)
+
+#: Kernel names accepted for ``fp`` and ``bp`` (besides ``auto``, see :meth:`CpuBackend.auto_kernel`).
+FP_KERNELS = ("numba", "scipy")
+BP_KERNELS = ("numba", "scipy", "notrans")
+
+#: Default number of row blocks of the no-transpose back projection.
+DEFAULT_BLOCKS = 16
+
+
+# --------------------------------------------------------------------------- Numba kernels
+# One function per accumulation dtype (float32, float64): explicit, so that the
+# on-disk cache can never hand a float32 kernel a float64 accumulator.
+@njit(parallel=True, cache=True, nogil=True)
+def _spmv32(indptr, indices, data, x, y):  # pragma: no cover - compiled
+    base = indptr[0]
+    for i in prange(y.shape[0]):
+        s = np.float32(0.0)
+        for k in range(indptr[i] - base, indptr[i + 1] - base):
+            s += np.float32(data[k]) * np.float32(x[indices[k]])
+        y[i] = s
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _spmv64(indptr, indices, data, x, y):  # pragma: no cover - compiled
+    base = indptr[0]
+    for i in prange(y.shape[0]):
+        s = np.float64(0.0)
+        for k in range(indptr[i] - base, indptr[i + 1] - base):
+            s += np.float64(data[k]) * np.float64(x[indices[k]])
+        y[i] = s
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _spmv_t32(indptr, indices, data, c, out, partial):  # pragma: no cover - compiled
+    nb = partial.shape[0]
+    m = c.shape[0]
+    n = out.shape[0]
+    base = indptr[0]
+    for b in prange(nb):
+        r0 = b * m // nb
+        r1 = (b + 1) * m // nb
+        p = partial[b]
+        for j in range(n):
+            p[j] = np.float32(0.0)
+        for i in range(r0, r1):
+            ci = np.float32(c[i])
+            if ci != 0:
+                for k in range(indptr[i] - base, indptr[i + 1] - base):
+                    p[indices[k]] += np.float32(data[k]) * ci
+    for j in prange(n):
+        s = np.float32(0.0)
+        for b in range(nb):
+            s += partial[b, j]
+        out[j] = s
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _spmv_t64(indptr, indices, data, c, out, partial):  # pragma: no cover - compiled
+    nb = partial.shape[0]
+    m = c.shape[0]
+    n = out.shape[0]
+    base = indptr[0]
+    for b in prange(nb):
+        r0 = b * m // nb
+        r1 = (b + 1) * m // nb
+        p = partial[b]
+        for j in range(n):
+            p[j] = np.float64(0.0)
+        for i in range(r0, r1):
+            ci = np.float64(c[i])
+            if ci != 0:
+                for k in range(indptr[i] - base, indptr[i + 1] - base):
+                    p[indices[k]] += np.float64(data[k]) * ci
+    for j in prange(n):
+        s = np.float64(0.0)
+        for b in range(nb):
+            s += partial[b, j]
+        out[j] = s
+
+
+def spmv(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``y[:] = A @ x`` for CSR arrays, row-parallel, accumulating in ``y``'s dtype (float32 or float64).
+
+    ``x`` is converted to ``y``'s dtype if needed; ``indptr`` may start at a
+    non-zero offset (a row block). Returns ``y``.
+    """
+    if y.dtype == np.float64:
+        _spmv64(indptr, indices, data, np.ascontiguousarray(x, dtype=np.float64), y)
+    elif y.dtype == np.float32:
+        _spmv32(indptr, indices, data, np.ascontiguousarray(x, dtype=np.float32), y)
+    else:
+        raise TypeError(f"spmv: output dtype must be float32 or float64, got {y.dtype}")
+    return y
+
+
+def spmv_t(
+    indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, c: np.ndarray, out: np.ndarray, partial: np.ndarray
+) -> np.ndarray:
+    """``out[:] = A.T @ c`` from the CSR arrays of ``A``, by blocked scatter (no atomics, deterministic).
+
+    ``partial`` is a scratch array of shape ``(blocks, n)`` in ``out``'s dtype.
+    Returns ``out``.
+    """
+    if out.dtype == np.float64:
+        _spmv_t64(indptr, indices, data, np.ascontiguousarray(c, dtype=np.float64), out, partial)
+    elif out.dtype == np.float32:
+        _spmv_t32(indptr, indices, data, np.ascontiguousarray(c, dtype=np.float32), out, partial)
+    else:
+        raise TypeError(f"spmv_t: output dtype must be float32 or float64, got {out.dtype}")
+    return out
+
+
+# --------------------------------------------------------------------------- helpers
+def _load_csr(matrix: Any, what: str) -> CSRMatrix:
+    """The whole matrix as a CSRMatrix (a reader's ``read_rows(0, m)``, or the CSRMatrix itself)."""
+    if isinstance(matrix, CSRMatrix):
+        return matrix
+    if hasattr(matrix, "read_rows"):
+        m = int(matrix.shape[0])
+        log.info("loading %s (%d x %d, %d nnz) into host memory", what, m, int(matrix.shape[1]), int(matrix.nnz))
+        return matrix.read_rows(0, m)
+    if hasattr(matrix, "tocsr"):
+        return CSRMatrix.from_scipy(matrix)
+    raise TypeError(f"{what}: expected a CSRMatrix or an opened matrix, got {type(matrix).__name__}")
+
+
+def cpu_facts() -> dict[str, Any]:
+    """Name and core count of the host CPU (for ``timings.json``)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"kind": "cpu", "name": name, "cores": os.cpu_count()}
+
+
+# --------------------------------------------------------------------------- backend
+class CpuBackend(Backend):
+    """MLEM on the host CPU.
+
+    Parameters
+    ----------
+    matrix
+        ``A`` as a :class:`~mlemlib.matrix.CSRMatrix` or an opened matrix
+        (``read_rows``); loaded whole into host memory.
+    g
+        Measurement, length m (int32 counts or floats).
+    norm
+        Column sums of ``A``, length n (float64 recommended).
+    transpose
+        ``A^T`` (shape (n, m)) as CSRMatrix or opened matrix, or None.
+    fp, bp
+        Kernels (see the module docstring and :meth:`auto_kernel`).
+    dtype
+        ``float32`` (default) or ``float64`` (reference mode).
+    threads
+        Numba threads (``numba.set_num_threads``); None keeps Numba's default.
+    blocks
+        Row blocks of the no-transpose back projection.
+    """
+
+    name = "cpu"
+    deterministic = True
+
+    def __init__(
+        self,
+        matrix: Any,
+        g: np.ndarray,
+        norm: np.ndarray,
+        *,
+        transpose: Any | None = None,
+        fp: str = "auto",
+        bp: str = "auto",
+        dtype: Any = np.float32,
+        threads: int | None = None,
+        blocks: int = DEFAULT_BLOCKS,
+    ) -> None:
+        super().__init__()
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float32, np.float64):
+            raise ConfigError("dtype", f"the cpu backend computes in float32 or float64, not {self.dtype}")
+        if threads is not None:
+            import numba
+
+            numba.set_num_threads(int(threads))
+        auto = self.auto_kernel(transpose is not None)
+        self.fp_kernel = self.auto_kernel(True) if fp in ("auto", None) else str(fp)
+        self.bp_kernel = auto if bp in ("auto", None) else str(bp)
+        if self.fp_kernel not in FP_KERNELS:
+            raise ConfigError("fp", f"unknown cpu kernel {fp!r}, expected auto or one of {', '.join(FP_KERNELS)}")
+        if self.bp_kernel not in BP_KERNELS:
+            raise ConfigError("bp", f"unknown cpu kernel {bp!r}, expected auto or one of {', '.join(BP_KERNELS)}")
+        if int(blocks) < 1:
+            raise ConfigError("blocks", f"must be >= 1, got {blocks}")
+
+        self.a = _load_csr(matrix, "matrix")
+        m, n = self.a.shape
+        self.shape = (m, n)
+        self.use_transpose = transpose is not None and self.bp_kernel != "notrans"
+        self.at = _load_csr(transpose, "transpose") if self.use_transpose else None
+        if self.at is not None and self.at.shape != (n, m):
+            raise ConfigError("transpose", f"transpose has shape {self.at.shape}, expected (n, m) = {(n, m)}")
+
+        g = np.asarray(g).reshape(-1)
+        if g.size != m:
+            raise SinogramFormatError("<measurement>", f"{g.size} values but the matrix has m = {m} rows")
+        self._g64sum = float(np.sum(g, dtype=np.float64))
+        if self.dtype == np.float32 and g.size and float(np.max(g)) > 2**24:
+            log.warning("counts above 2^24 are not exact in float32 (max %g)", float(np.max(g)))
+        self.g = np.ascontiguousarray(g, dtype=self.dtype)
+        norm = np.asarray(norm, dtype=np.float64).reshape(-1)
+        if norm.size != n:
+            raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
+        self._norm64sum = float(norm.sum())
+        self.norm = norm.astype(self.dtype)
+        # Divide by 1 where norm == 0: the contract's "f * bp" there, exactly.
+        self._norm_safe = np.where(self.norm != 0, self.norm, self.dtype.type(1))
+
+        self.blocks = int(blocks)
+        self._fp = np.empty(m, dtype=self.dtype)
+        self._c = np.empty(m, dtype=self.dtype)
+        self._bp = np.empty(n, dtype=self.dtype)
+        self._partial = None
+        if not self.use_transpose and self.bp_kernel in ("numba", "notrans"):
+            self._partial = np.empty((self.blocks, n), dtype=self.dtype)
+
+        self._sp_a = self._sp_at = None
+        if "scipy" in (self.fp_kernel, self.bp_kernel):
+            self._sp_a = self._scipy(self.a)
+            if self.at is not None:
+                self._sp_at = self._scipy(self.at)
+        self._warm_up()
+
+    @staticmethod
+    def auto_kernel(row_parallel: bool) -> str:
+        """The kernel ``auto`` means: ``numba`` with several threads, else ``scipy`` for a CSR SpMV.
+
+        Both compute every row's sum in the same order, so the choice never
+        changes a bit of the result. The no-transpose back projection
+        (``row_parallel`` False) is always ``numba`` (the blocked scatter),
+        whose sums do not depend on the thread count.
+        """
+        import numba
+
+        if not row_parallel:
+            return "numba"
+        return "numba" if numba.get_num_threads() > 1 else "scipy"
+
+    # --- set-up helpers --------------------------------------------------------
+    def _scipy(self, a: CSRMatrix):
+        import scipy.sparse as sp
+
+        data = a.data if self.dtype == a.data.dtype else a.data.astype(self.dtype)
+        return sp.csr_matrix((data, a.indices, a.indptr), shape=a.shape, copy=False)
+
+    def _warm_up(self) -> None:
+        """Compile (or load from cache) the Numba kernels now, not in the first timed iteration."""
+        ip = np.array([0, 1], dtype=np.int64)
+        ix = np.array([0], dtype=np.int32)
+        d = np.array([1.0], dtype=np.float32)
+        x = np.ones(1, dtype=self.dtype)
+        spmv(ip, ix, d, x, np.empty(1, dtype=self.dtype))
+        if self._partial is not None:
+            spmv_t(ip, ix, d, x, np.empty(1, dtype=self.dtype), np.empty((1, 1), dtype=self.dtype))
+
+    # --- the four steps ----------------------------------------------------------
+    def forward(self, f: np.ndarray) -> np.ndarray:
+        if self.fp_kernel == "scipy":
+            self._fp[:] = self._sp_a @ f
+        else:
+            a = self.a
+            spmv(a.indptr, a.indices, a.data, f, self._fp)
+        return self._fp
+
+    def correlate(self, fp: np.ndarray) -> np.ndarray:
+        c = self._c
+        c[:] = 0
+        np.divide(self.g, fp, out=c, where=fp != 0)
+        return c
+
+    def back(self, c: np.ndarray) -> np.ndarray:
+        if self.use_transpose:
+            if self.bp_kernel == "scipy":
+                self._bp[:] = self._sp_at @ c
+            else:
+                at = self.at
+                spmv(at.indptr, at.indices, at.data, c, self._bp)
+        elif self.bp_kernel == "scipy":
+            self._bp[:] = self._sp_a.T @ c
+        else:
+            a = self.a
+            spmv_t(a.indptr, a.indices, a.data, c, self._bp, self._partial)
+        return self._bp
+
+    def update(self, f: np.ndarray, bp: np.ndarray) -> np.ndarray:
+        np.multiply(f, bp, out=f)
+        np.divide(f, self._norm_safe, out=f)
+        return f
+
+    # --- set-up and transfers ------------------------------------------------------
+    def initial_image(self) -> np.ndarray:
+        if self._norm64sum <= 0:
+            raise ConfigError("norm", "the norm (column sums of A) sums to zero: the matrix sees nothing")
+        value = self._g64sum / self._norm64sum
+        return np.full(self.shape[1], value, dtype=self.dtype)
+
+    def to_host(self, f: np.ndarray) -> np.ndarray:
+        return np.array(f, dtype=self.dtype, copy=True)
+
+    def from_host(self, f: np.ndarray) -> np.ndarray:
+        f = np.array(f, dtype=self.dtype, copy=True).reshape(-1)
+        if f.size != self.shape[1]:
+            raise ConfigError("image", f"image has {f.size} values, expected n = {self.shape[1]}")
+        return f
+
+    def describe(self) -> dict[str, Any]:
+        import numba
+
+        if self.use_transpose:
+            bp_path = "stored transpose"
+        elif self.bp_kernel == "scipy":
+            bp_path = "A.T @ c (scipy)"
+        else:
+            bp_path = f"blocked scatter ({self.blocks} blocks)"
+        return {
+            "backend": self.name,
+            "deterministic": self.deterministic,
+            "fp": self.fp_kernel,
+            "bp": self.bp_kernel,
+            "bp_path": bp_path,
+            "transpose": self.use_transpose,
+            "dtype": str(self.dtype),
+            "threads": int(numba.get_num_threads()),
+            "device": cpu_facts(),
+        }

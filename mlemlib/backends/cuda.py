@@ -1,0 +1,396 @@
+"""The one-GPU CUDA backend of the MLEM loop (CuPy RawKernels; CUDA only, CuPy imported lazily).
+
+Kernels (``fp=`` / ``bp=``; see docs/gpu.md for when to pick which):
+
+- forward projection: ``csr_vector`` (default; 2..32 lanes per row, 16-byte
+  loads, warp-shuffle sums, deterministic), ``csr_scalar`` (one thread per
+  row), ``merge`` (thesis 5.1, ``secsize`` items per thread, atomics: not
+  deterministic), ``cusparse`` (CuPy's ``A @ f``);
+- back projection on the stored transpose ``A^T``: ``csr_vector``,
+  ``csr_scalar``, ``merge``, ``cusparse`` (``A_T @ c``);
+- back projection without a transpose (thesis ch. 7), atomics, not
+  deterministic: ``scatter`` (alias ``notrans``), ``scatter_vec``,
+  ``scatter_smem``, ``cusparse_notrans`` (CuPy's ``A.T @ c``);
+- ``bp="auto"``: ``csr_vector`` on the transpose when one is given and ``A``
+  and ``A^T`` both fit in free GPU memory, else ``scatter`` (logged).
+
+With ``fuse=True`` (the default) the correlation runs in the epilogue of a
+``csr_vector``/``csr_scalar`` forward projection and the update in the
+epilogue of a ``csr_vector``/``csr_scalar`` back projection on the transpose,
+so an iteration is two kernels; the images are bit-identical to the unfused
+steps. Step times come from CUDA events recorded around each step; the device
+is synchronised only when :meth:`CudaBackend.last_step_times` is read. Fused
+steps are reported under the kernel they ran in (``fp`` includes ``corr``,
+``bp`` includes ``update``), with ``iteration`` the whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from mlemlib.backends import _cuda_kernels as ck
+from mlemlib.backends import _cuda_plan as plan
+from mlemlib.backends.base import STEPS, Backend
+from mlemlib.errors import ConfigError, DeviceError, SinogramFormatError
+from mlemlib.matrix import CSRMatrix
+
+log = logging.getLogger(__name__)
+
+#: Share of the free GPU memory the matrices may take (the rest: vectors, cuSPARSE workspace).
+MEMORY_HEADROOM = 0.92
+GIB = float(1 << 30)
+
+
+def _shape_nnz(matrix: Any) -> tuple[tuple[int, int], int]:
+    if isinstance(matrix, (CSRMatrix, ck.DeviceCSR)):
+        return matrix.shape, matrix.nnz
+    if hasattr(matrix, "shape") and hasattr(matrix, "nnz"):
+        return (int(matrix.shape[0]), int(matrix.shape[1])), int(matrix.nnz)
+    raise TypeError(f"expected a CSRMatrix, DeviceCSR or an opened matrix, got {type(matrix).__name__}")
+
+
+def load_device(matrix: Any, what: str = "matrix") -> ck.DeviceCSR:
+    """Put a matrix on the current GPU as :class:`~mlemlib.backends._cuda_kernels.DeviceCSR`.
+
+    Accepts a ``DeviceCSR`` (returned as is), a :class:`CSRMatrix`, a SciPy
+    sparse matrix, or an opened matrix with ``iter_chunks`` (``.h5``,
+    ``.csr4``), which is streamed row block by row block so the host never
+    holds the whole matrix.
+    """
+    cp = ck.cupy()
+    if isinstance(matrix, ck.DeviceCSR):
+        return matrix
+    if isinstance(matrix, CSRMatrix):
+        return ck.DeviceCSR.from_host(matrix)
+    if hasattr(matrix, "tocsr"):
+        return ck.DeviceCSR.from_host(CSRMatrix.from_scipy(matrix))
+    if hasattr(matrix, "iter_chunks"):
+        (m, n), nnz = _shape_nnz(matrix)
+        log.info("streaming %s (%d x %d, %d nnz, %.2f GiB) to the GPU", what, m, n, nnz,
+                 plan.csr_bytes(m, nnz) / GIB)
+        indptr = cp.empty(m + 1, dtype=cp.int64)
+        indices = cp.empty(nnz, dtype=cp.int32)
+        data = cp.empty(nnz, dtype=cp.float32)
+        indptr[0] = 0
+        k = 0
+        for r0, r1, block in matrix.iter_chunks():
+            bnnz = block.nnz
+            ip = np.asarray(block.indptr, dtype=np.int64)
+            indptr[r0 + 1 : r1 + 1] = cp.asarray(ip[1:] - ip[0] + k)
+            indices[k : k + bnnz] = cp.asarray(block.indices)
+            data[k : k + bnnz] = cp.asarray(block.data)
+            k += bnnz
+        if k != nnz:
+            raise DeviceError(f"{what}: read {k} non-zeros, header says {nnz}")
+        return ck.DeviceCSR(indptr, indices, data, (m, n))
+    raise TypeError(f"{what}: expected a CSRMatrix, DeviceCSR or an opened matrix, got {type(matrix).__name__}")
+
+
+def free_memory(device_id: int) -> int:
+    """Bytes free on a GPU, counting what CuPy's pool holds but does not use."""
+    cp = ck.cupy()
+    with cp.cuda.Device(device_id):
+        free, _total = cp.cuda.runtime.memGetInfo()
+        return int(free + cp.get_default_memory_pool().free_bytes())
+
+
+class CudaBackend(Backend):
+    """MLEM on one GPU.
+
+    Parameters
+    ----------
+    matrix
+        ``A`` (m x n): :class:`CSRMatrix`, an opened matrix (streamed to the
+        GPU), a SciPy sparse matrix, or a ``DeviceCSR`` already on the GPU.
+    g
+        Measurement, length m (counts or floats; float32 on the GPU).
+    norm
+        Column sums of ``A``, length n (float64 recommended; its sum, used
+        for the initial image, is taken in float64).
+    transpose
+        ``A^T`` (n x m) in any of the forms of ``matrix``, or None. Without
+        one, a back-projection kernel that needs it computes it on the GPU
+        with cuSPARSE when it fits.
+    fp, bp
+        Kernel names (module docstring); ``auto`` resolves as documented.
+    secsize
+        Section size of ``merge`` (None: :data:`~mlemlib.backends._cuda_plan.DEFAULT_SECSIZE`).
+    device
+        CUDA device index.
+    lanes
+        Lanes per row of ``csr_vector``/``scatter`` (None: from the mean row length).
+    fuse
+        Fuse the correlation and the update into the projections where the
+        kernels allow.
+
+    Raises
+    ------
+    DeviceError
+        No CuPy/GPU, or the matrices do not fit in free GPU memory.
+    ConfigError
+        Unknown kernel, bad ``secsize``, norm of the wrong length.
+    SinogramFormatError
+        Measurement of the wrong length.
+    """
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        matrix: Any,
+        g: Any,
+        norm: Any,
+        transpose: Any | None = None,
+        *,
+        fp: str = "auto",
+        bp: str = "auto",
+        secsize: int | None = None,
+        device: int = 0,
+        lanes: int | None = None,
+        fuse: bool = True,
+    ) -> None:
+        super().__init__()
+        cp = ck.cupy()
+        try:
+            ndev = cp.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # noqa: BLE001 - CUDARuntimeError without a driver
+            raise DeviceError(f"no CUDA GPU usable: {exc}") from exc
+        if not 0 <= int(device) < ndev:
+            raise DeviceError(f"GPU {device} requested, {ndev} visible")
+        self.device_id = int(device)
+        self._device = cp.cuda.Device(self.device_id)
+        self.secsize = plan.DEFAULT_SECSIZE if secsize is None else int(secsize)
+        if self.secsize < 1:
+            raise ConfigError("secsize", f"section size must be >= 1, got {secsize}")
+        if lanes is not None and lanes not in plan.LANE_CHOICES:
+            raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes}")
+        self.lanes_override = lanes
+
+        (m, n), nnz = _shape_nnz(matrix)
+        self.shape = (m, n)
+        if transpose is not None:
+            t_shape, t_nnz = _shape_nnz(transpose)
+            if t_shape != (n, m) or t_nnz != nnz:
+                raise ConfigError(
+                    "transpose", f"transpose is {t_shape} with {t_nnz} nnz, expected {(n, m)} with {nnz}"
+                )
+
+        with self._device:
+            free = free_memory(self.device_id)
+            # a DeviceCSR already on the GPU needs nothing more
+            need_a = 0 if isinstance(matrix, ck.DeviceCSR) else plan.csr_bytes(m, nnz)
+            need_t = 0 if isinstance(transpose, ck.DeviceCSR) else plan.csr_bytes(n, nnz)
+            need_vec = 4 * (3 * m + 4 * n)
+            fits_a = need_a + need_vec <= MEMORY_HEADROOM * free
+            fits_both = need_a + need_t + need_vec <= MEMORY_HEADROOM * free
+            self.memory = {"free_before": free, "matrix": need_a, "transpose": need_t, "vectors": need_vec}
+            if not fits_a:
+                raise DeviceError(
+                    f"GPU {self.device_id}: A needs {need_a / GIB:.2f} GiB but only {free / GIB:.2f} GiB are free; "
+                    "use more GPUs"
+                )
+            choice = plan.resolve_kernels(fp, bp, transpose_available=transpose is not None, fits=fits_both)
+            if bp in ("auto", None):
+                if transpose is None:
+                    log.info("bp=auto: no transpose given, back projection by scatter (no transpose)")
+                elif not fits_both:
+                    log.warning(
+                        "bp=auto: A (%.2f GiB) and A^T (%.2f GiB) do not both fit in the %.2f GiB free on GPU %d: "
+                        "back projection by scatter, without the transpose",
+                        need_a / GIB, need_t / GIB, free / GIB, self.device_id,
+                    )
+            if choice.needs_transpose and not fits_both:
+                raise DeviceError(
+                    f"GPU {self.device_id}: A ({need_a / GIB:.2f} GiB) and A^T ({need_t / GIB:.2f} GiB) do not both "
+                    f"fit in the {free / GIB:.2f} GiB free; use bp=notrans (scatter) or more GPUs"
+                )
+            self.fp_kernel, self.bp_kernel = choice.fp, choice.bp
+            self.deterministic = choice.deterministic
+
+            self.a = load_device(matrix, "matrix")
+            self.at = None
+            self.transpose_source = "none"
+            if choice.needs_transpose:
+                if transpose is not None:
+                    self.at = load_device(transpose, "transpose")
+                    self.transpose_source = "stored"
+                else:
+                    log.info("no transpose given: transposing A on GPU %d with cuSPARSE", self.device_id)
+                    try:
+                        self.at = self.a.transpose()
+                    except cp.cuda.memory.OutOfMemoryError as exc:
+                        raise DeviceError(
+                            f"GPU {self.device_id}: out of memory transposing A with cuSPARSE ({exc}); "
+                            "give a stored transpose or use bp=notrans"
+                        ) from exc
+                    self.transpose_source = "cusparse on device"
+
+            g = np.asarray(g).reshape(-1)
+            if g.size != m:
+                raise SinogramFormatError("<measurement>", f"{g.size} values but the matrix has m = {m} rows")
+            self._g64sum = float(np.sum(g, dtype=np.float64))
+            if g.size and float(np.max(g)) > 2**24:
+                log.warning("counts above 2^24 are not exact in float32 (max %g)", float(np.max(g)))
+            self.g = cp.asarray(g, dtype=cp.float32)
+            norm = np.asarray(norm, dtype=np.float64).reshape(-1)
+            if norm.size != n:
+                raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
+            self._norm64sum = float(norm.sum())
+            self.norm = cp.asarray(norm, dtype=cp.float32)
+
+            self._fp = cp.empty(m, dtype=cp.float32)
+            self._c = cp.empty(m, dtype=cp.float32)
+            self._bp = cp.empty(n, dtype=cp.float32)
+            self.fuse_fp = fuse and self.fp_kernel in ("csr_vector", "csr_scalar")
+            self.fuse_bp = fuse and self.at is not None and self.bp_kernel in ("csr_vector", "csr_scalar")
+            self._smem = ck.smem_plan(self.a) if self.bp_kernel == "scatter_smem" else None
+            self._events: dict[str, Any] = {}
+            self._event_order: list[str] = []
+            self._warm_up()
+        log.info(
+            "cuda backend on GPU %d: fp=%s bp=%s (%s transpose), lanes fp=%s, fused fp+corr=%s, bp+update=%s",
+            self.device_id, self.fp_kernel, self.bp_kernel, self.transpose_source, self._lanes(self.a),
+            self.fuse_fp, self.fuse_bp,
+        )
+
+    # --- helpers -------------------------------------------------------------------
+    def _lanes(self, a: ck.DeviceCSR) -> int:
+        return self.lanes_override or a.lanes()
+
+    def _warm_up(self) -> None:
+        """Compile the kernels and create cuSPARSE handles now, not in the first timed iteration."""
+        f = self.initial_image()
+        self.iterate(f)
+        self._events = {}
+        self._event_order = []
+        self._times = {}
+
+    def _record(self, name: str) -> None:
+        cp = ck.cupy()
+        ev = self._events.get(name)
+        if ev is None:
+            ev = self._events[name] = cp.cuda.Event()
+        ev.record()
+        self._event_order.append(name)
+
+    # --- the four steps ----------------------------------------------------------
+    def forward(self, f: Any) -> Any:
+        with self._device:
+            if self.fp_kernel == "cusparse":
+                return self.a.cusparse() @ f
+            return ck.spmv(self.a, f, self._fp, kernel=self.fp_kernel, lanes=self._lanes(self.a), secsize=self.secsize)
+
+    def correlate(self, fp: Any) -> Any:
+        with self._device:
+            return ck.correlate(self.g, fp, out=self._c)
+
+    def back(self, c: Any) -> Any:
+        with self._device:
+            if self.bp_kernel == "cusparse":
+                return self.at.cusparse() @ c
+            if self.at is not None:
+                return ck.spmv(self.at, c, self._bp, kernel=self.bp_kernel, lanes=self._lanes(self.at),
+                               secsize=self.secsize)
+            if self.bp_kernel == "cusparse_notrans":
+                return self.a.cusparse().T @ c
+            return ck.scatter(self.a, c, self._bp, kernel=self.bp_kernel, lanes=self._lanes(self.a), smem=self._smem)
+
+    def update(self, f: Any, bp: Any) -> Any:
+        with self._device:
+            return ck.update(f, bp, self.norm, out=f)
+
+    def iterate(self, f: Any) -> Any:
+        """One MLEM iteration (two kernels when both sides are fused); times from CUDA events."""
+        with self._device:
+            self._times = {}
+            self._event_order = []
+            self._record("start")
+            if self.fuse_fp:
+                c = ck.spmv(self.a, f, self._c, kernel=self.fp_kernel, lanes=self._lanes(self.a),
+                            mode=ck.MODE_CORR, aux0=self.g)
+                self._record("fp")
+            else:
+                fp = self.forward(f)
+                self._record("fp")
+                c = self.correlate(fp)
+                self._record("corr")
+            if self.fuse_bp:
+                f = ck.spmv(self.at, c, f, kernel=self.bp_kernel, lanes=self._lanes(self.at),
+                            mode=ck.MODE_UPDATE, aux0=f, aux1=self.norm)
+                self._record("bp")
+            else:
+                bp = self.back(c)
+                self._record("bp")
+                f = self.update(f, bp)
+                self._record("update")
+            return f
+
+    def last_step_times(self) -> dict[str, float]:
+        """Seconds per step of the last :meth:`iterate` (synchronises on its last event)."""
+        if not self._event_order:
+            return dict(self._times)
+        cp = ck.cupy()
+        with self._device:
+            last = self._events[self._event_order[-1]]
+            last.synchronize()
+            times: dict[str, float] = {}
+            prev = self._events[self._event_order[0]]
+            for name in self._event_order[1:]:
+                ev = self._events[name]
+                times[name] = cp.cuda.get_elapsed_time(prev, ev) / 1e3
+                prev = ev
+            times["iteration"] = cp.cuda.get_elapsed_time(self._events[self._event_order[0]], last) / 1e3
+        self._times = times
+        return dict(times)
+
+    # --- set-up and transfers ------------------------------------------------------
+    def initial_image(self) -> Any:
+        if self._norm64sum <= 0:
+            raise ConfigError("norm", "the norm (column sums of A) sums to zero: the matrix sees nothing")
+        cp = ck.cupy()
+        with self._device:
+            return cp.full(self.shape[1], self._g64sum / self._norm64sum, dtype=cp.float32)
+
+    def to_host(self, f: Any) -> np.ndarray:
+        with self._device:
+            return np.asarray(f.get(), dtype=np.float32)
+
+    def from_host(self, f: np.ndarray) -> Any:
+        f = np.asarray(f, dtype=np.float32).reshape(-1)
+        if f.size != self.shape[1]:
+            raise ConfigError("image", f"image has {f.size} values, expected n = {self.shape[1]}")
+        cp = ck.cupy()
+        with self._device:
+            return cp.asarray(f)
+
+    def describe(self) -> dict[str, Any]:
+        from mlemlib.devices import device_facts
+
+        fused = []
+        if self.fuse_fp:
+            fused.append("corr into fp")
+        if self.fuse_bp:
+            fused.append("update into bp")
+        try:
+            dev = device_facts(self.device_id)
+        except DeviceError as exc:  # pragma: no cover - device seen at construction
+            dev = {"error": str(exc)}
+        out = {
+            "backend": self.name,
+            "deterministic": self.deterministic,
+            "fp": self.fp_kernel,
+            "bp": self.bp_kernel,
+            "transpose": self.transpose_source,
+            "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" else None,
+            "lanes_bp": (self._lanes(self.at) if self.at is not None else self._lanes(self.a))
+            if self.bp_kernel in ("csr_vector", "scatter", "scatter_vec") else None,
+            "secsize": self.secsize if "merge" in (self.fp_kernel, self.bp_kernel) else None,
+            "fused": fused,
+            "steps": [s for s in STEPS if not (s == "corr" and self.fuse_fp) and not (s == "update" and self.fuse_bp)],
+            "device": {"index": self.device_id, **dev},
+            "memory": self.memory,
+        }
+        return out

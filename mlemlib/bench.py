@@ -1,0 +1,629 @@
+"""SpMV and MLEM-iteration benchmark of the CUDA kernels, and a synthetic PET-like matrix (CPU and CUDA).
+
+Provides
+
+- :func:`tor_matrix` — a synthetic tube-of-response system matrix in sinogram
+  order (plane, angle, offset), on the CPU (Numba) or generated directly on
+  the GPU (``device=True``, seconds for 1e9 non-zeros); both give identical
+  arrays;
+- :func:`copy_bandwidth` — the device-to-device copy bandwidth (bytes read +
+  written per second), the yardstick of every fraction reported;
+- :func:`bench_spmv` — times every kernel (CUDA events, median of ``repeat``
+  runs after warm-up) on one matrix: forward ``A x``, back projection on the
+  stored transpose ``A^T c`` and without it (scatter from ``A``), each with
+  its effective bandwidth (:func:`mlemlib.backends._cuda_plan.spmv_bytes`
+  over the time), its fraction of the copy bandwidth and its speed relative
+  to cuSPARSE in the same run, its error against a float64 product; then full
+  MLEM iterations of kernel pairs against the floor (bytes of ``A`` and
+  ``A^T`` over the copy bandwidth);
+- :func:`format_markdown`, :func:`write_results` — the report (JSON for the
+  summary, Markdown for people, CSV for the workflow).
+
+The benchmark needs CuPy and a GPU; :func:`tor_matrix` on the CPU and the
+report formatting do not.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import io
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from mlemlib._io import atomic_path
+from mlemlib.backends import _cuda_plan as plan
+from mlemlib.errors import ConfigError
+from mlemlib.matrix import CSRMatrix
+
+log = logging.getLogger(__name__)
+
+#: Kernels timed by default, per operation.
+FP_BENCH = ("cusparse", "csr_vector", "csr_scalar", "merge")
+BP_BENCH = ("cusparse", "csr_vector", "csr_scalar", "merge")
+NOTRANS_BENCH = ("cusparse_notrans", "scatter", "scatter_vec", "scatter_smem")
+#: (fp, bp) pairs timed as whole MLEM iterations.
+ITERATION_BENCH = (
+    ("cusparse", "cusparse"),
+    ("csr_vector", "csr_vector"),
+    ("csr_vector", "scatter"),
+    ("csr_vector", "scatter_smem"),
+    ("merge", "scatter"),
+)
+#: Deterministic label per kernel name (all ops).
+DETERMINISTIC = {
+    "cusparse": True,
+    "csr_vector": True,
+    "csr_scalar": True,
+    "merge": False,
+    "cusparse_notrans": False,
+    "scatter": False,
+    "scatter_vec": False,
+    "scatter_smem": False,
+}
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+# --------------------------------------------------------------------------- synthetic matrix
+def tor_geometry(nx: int, ny: int, nz: int, n_angles: int, n_offsets: int, width: float = 3.0) -> dict[str, Any]:
+    """Parameters of :func:`tor_matrix` (shared by the CPU and GPU generators).
+
+    Returns
+    -------
+    dict
+        ``m``, ``n``, ``cs``, ``sn`` (float64 tables of the angles
+        ``pi * a / n_angles``), ``w`` (half width), ``ds`` (offset spacing:
+        the image diagonal over ``n_offsets``), ``cx``, ``cy`` (image centre).
+    """
+    for name, v in (("nx", nx), ("ny", ny), ("nz", nz), ("n_angles", n_angles), ("n_offsets", n_offsets)):
+        if int(v) < 1:
+            raise ConfigError(name, f"must be >= 1, got {v}")
+    if not width > 0:
+        raise ConfigError("width", f"tube width must be > 0, got {width}")
+    planes = nz - 1 if nz > 1 else 1
+    angles = np.pi * np.arange(n_angles, dtype=np.float64) / n_angles
+    return {
+        "nx": int(nx), "ny": int(ny), "nz": int(nz), "n_angles": int(n_angles), "n_offsets": int(n_offsets),
+        "m": planes * n_angles * n_offsets,
+        "n": nx * ny * nz,
+        "cs": np.cos(angles),
+        "sn": np.sin(angles),
+        "w": float(width) / 2.0,
+        "ds": math.hypot(nx, ny) / n_offsets,
+        "cx": (nx - 1) / 2.0,
+        "cy": (ny - 1) / 2.0,
+    }
+
+
+@njit(cache=True, nogil=True)
+def _tor_row(r, nx, ny, nz, n_angles, n_offsets, w, ds, cx, cy, cs_tab, sn_tab, col, val, k0, fill):  # pragma: no cover
+    per_plane = n_angles * n_offsets
+    plane = r // per_plane
+    angle = (r % per_plane) // n_offsets
+    offset = r % n_offsets
+    cs = cs_tab[angle]
+    sn = sn_tab[angle]
+    s = (float(offset) - float(n_offsets - 1) * 0.5) * ds
+    nslices = 2 if nz > 1 else 1
+    count = 0
+    for dz in range(nslices):
+        z = plane + dz
+        for y in range(ny):
+            u = (float(y) - cy) * sn - s
+            if cs == 0.0:
+                xlo = 0
+                xhi = nx - 1
+            else:
+                xa = cx + (-u - w) / cs
+                xb = cx + (-u + w) / cs
+                if xa > xb:
+                    xa, xb = xb, xa
+                xa = max(xa, -1.0)
+                xb = min(xb, float(nx))
+                xlo = max(int(math.floor(xa)), 0)
+                xhi = min(int(math.ceil(xb)), nx - 1)
+            for x in range(xlo, xhi + 1):
+                d = abs((float(x) - cx) * cs + u)
+                if d < w:
+                    if fill:
+                        col[k0 + count] = (z * ny + y) * nx + x
+                        val[k0 + count] = np.float32(1.0 - d / w)
+                    count += 1
+    return count
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _tor_count(m, nx, ny, nz, n_angles, n_offsets, w, ds, cx, cy, cs_tab, sn_tab, counts):  # pragma: no cover
+    dummy_c = np.empty(0, dtype=np.int32)
+    dummy_v = np.empty(0, dtype=np.float32)
+    for r in prange(m):
+        counts[r] = _tor_row(r, nx, ny, nz, n_angles, n_offsets, w, ds, cx, cy, cs_tab, sn_tab,
+                             dummy_c, dummy_v, 0, False)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _tor_fill(m, nx, ny, nz, n_angles, n_offsets, w, ds, cx, cy, cs_tab, sn_tab, indptr, col, val):  # pragma: no cover
+    for r in prange(m):
+        _tor_row(r, nx, ny, nz, n_angles, n_offsets, w, ds, cx, cy, cs_tab, sn_tab, col, val, indptr[r], True)
+
+
+def tor_matrix(nx: int, ny: int, nz: int, n_angles: int, n_offsets: int, width: float = 3.0, *,
+               device: bool = False) -> Any:
+    """A synthetic PET-like system matrix: tubes of response in sinogram order.
+
+    Row ``(plane * n_angles + angle) * n_offsets + offset`` is the strip of
+    half width ``w = width / 2`` around the line at angle ``pi * angle /
+    n_angles`` and signed distance ``(offset - (n_offsets - 1) / 2) * ds``
+    from the image centre, through slices ``plane`` and ``plane + 1`` (planes
+    = nz - 1; one slice when nz == 1). Voxel ``(x, y, z)`` is column
+    ``(z * ny + y) * nx + x`` and takes ``1 - d / w``, ``d`` its centre's
+    distance from the line, when ``d < w``. Columns are sorted in each row;
+    rows of lines that miss the image are empty.
+
+    Parameters
+    ----------
+    nx, ny, nz
+        Voxel grid.
+    n_angles, n_offsets
+        Sinogram size per plane.
+    width
+        Tube width in voxels.
+    device
+        Generate on the current GPU (returns a ``DeviceCSR``); else on the
+        CPU with Numba (returns a :class:`CSRMatrix`). Both give identical arrays.
+    """
+    g = tor_geometry(nx, ny, nz, n_angles, n_offsets, width)
+    m, n = g["m"], g["n"]
+    args = (g["nx"], g["ny"], g["nz"], g["n_angles"], g["n_offsets"], g["w"], g["ds"], g["cx"], g["cy"])
+    if not device:
+        counts = np.empty(m, dtype=np.int64)
+        _tor_count(m, *args, g["cs"], g["sn"], counts)
+        indptr = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        nnz = int(indptr[-1])
+        col = np.empty(nnz, dtype=np.int32)
+        val = np.empty(nnz, dtype=np.float32)
+        _tor_fill(m, *args, g["cs"], g["sn"], indptr, col, val)
+        return CSRMatrix(indptr, col, val, (m, n))
+
+    from mlemlib.backends import _cuda_kernels as ck
+
+    cp = ck.cupy()
+    dev = cp.cuda.Device().id
+    mod = ck.module("synth", dev, ("--fmad=false",))
+    props = ck.device_properties(dev)
+    blocks, threads = plan.launch_shape(m, 128, props["sm_count"], props["max_threads_per_sm"], threads=128)
+    gargs = (np.int32(args[0]), np.int32(args[1]), np.int32(args[2]), np.int32(args[3]), np.int32(args[4]),
+             np.float64(args[5]), np.float64(args[6]), np.float64(args[7]), np.float64(args[8]))
+    cs = cp.asarray(g["cs"])
+    sn = cp.asarray(g["sn"])
+    counts = cp.empty(m, dtype=cp.int32)
+    mod.get_function("tor_count")((blocks,), (threads,), (*gargs, np.int64(m), cs, sn, counts))
+    indptr = cp.zeros(m + 1, dtype=cp.int64)
+    cp.cumsum(counts, dtype=cp.int64, out=indptr[1:])
+    del counts
+    nnz = int(indptr[-1])
+    col = cp.empty(nnz, dtype=cp.int32)
+    val = cp.empty(nnz, dtype=cp.float32)
+    mod.get_function("tor_fill")((blocks,), (threads,), (*gargs, np.int64(m), cs, sn, indptr, col, val))
+    return ck.DeviceCSR(indptr, col, val, (m, n))
+
+
+# --------------------------------------------------------------------------- timing
+def time_gpu(fn, *, repeat: int, warmup: int = 3) -> np.ndarray:
+    """Seconds of each of ``repeat`` calls of ``fn`` (CUDA events around each), after ``warmup`` calls."""
+    from mlemlib.backends import _cuda_kernels as ck
+
+    cp = ck.cupy()
+    for _ in range(warmup):
+        fn()
+    events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)]
+    for start, stop in events:
+        start.record()
+        fn()
+        stop.record()
+    events[-1][1].synchronize()
+    return np.array([cp.cuda.get_elapsed_time(a, b) / 1e3 for a, b in events])
+
+
+def copy_bandwidth(nbytes: int = 1 << 31, *, repeat: int = 20) -> dict[str, float]:
+    """Device-to-device copy bandwidth of the current GPU: (bytes read + written) / median time.
+
+    Parameters
+    ----------
+    nbytes
+        Size of the buffer copied (far larger than the L2 cache).
+    """
+    from mlemlib.backends import _cuda_kernels as ck
+
+    cp = ck.cupy()
+    count = nbytes // 4
+    src = cp.arange(count, dtype=cp.float32)
+    dst = cp.empty_like(src)
+    t = time_gpu(lambda: cp.copyto(dst, src), repeat=repeat, warmup=3)
+    ok = bool(cp.array_equal(dst[-1024:], src[-1024:]))
+    del src, dst
+    med = float(np.median(t))
+    return {"bytes": 2 * count * 4, "median_s": med, "bandwidth": 2 * count * 4 / med, "checked": ok}
+
+
+# --------------------------------------------------------------------------- the benchmark
+def _rel_errors(y: Any, ref: Any, absref: Any, lengths: Any) -> dict[str, float]:
+    """Relative L2 error and the worst error in units of the float32 summation bound."""
+    cp = __import__("cupy")
+    y64 = y.astype(cp.float64)
+    diff = cp.abs(y64 - ref)
+    nref = float(cp.linalg.norm(ref))
+    rel = float(cp.linalg.norm(y64 - ref)) / nref if nref else float(cp.linalg.norm(y64))
+    bound = (lengths.astype(cp.float64) + 2.0) * EPS32 * absref
+    with np.errstate(divide="ignore", invalid="ignore"):
+        units = diff / cp.where(bound > 0, bound, 1.0)
+    return {
+        "rel_l2": rel,
+        "worst_of_bound": float(units.max()) if units.size else 0.0,
+        "nan": int(cp.isnan(y).sum()),
+    }
+
+
+def _load(matrix: Any, what: str) -> Any:
+    """A DeviceCSR of ``matrix`` (path, opened matrix, CSRMatrix or DeviceCSR)."""
+    from mlemlib.backends.cuda import load_device
+
+    if isinstance(matrix, (str, os.PathLike)):
+        from mlemlib.formats import open_matrix
+
+        matrix = open_matrix(matrix)
+    return load_device(matrix, what)
+
+
+def bench_spmv(
+    matrix: Any,
+    transpose: Any | None = None,
+    *,
+    repeat: int = 50,
+    warmup: int = 5,
+    fp_kernels: Sequence[str] = FP_BENCH,
+    bp_kernels: Sequence[str] = BP_BENCH,
+    notrans_kernels: Sequence[str] = NOTRANS_BENCH,
+    iterations: Sequence[tuple[str, str]] = ITERATION_BENCH,
+    secsizes: Sequence[int] = (plan.DEFAULT_SECSIZE,),
+    lanes: Sequence[int] | None = None,
+    check: bool = True,
+    copy_bytes: int = 1 << 31,
+    device: int = 0,
+    matrix_label: str | None = None,
+    out_json: str | os.PathLike | None = None,
+    out_md: str | os.PathLike | None = None,
+    out_csv: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Time every SpMV kernel and MLEM iteration on one matrix; see the module docstring.
+
+    Parameters
+    ----------
+    matrix
+        ``A``: a path (``.h5``, ``.csr4``...), an opened matrix, a
+        :class:`CSRMatrix` or a ``DeviceCSR``.
+    transpose
+        ``A^T`` in the same forms; None: transposed on the GPU with cuSPARSE.
+    repeat, warmup
+        Timed and untimed runs per kernel (the median of the timed ones is reported).
+    fp_kernels, bp_kernels, notrans_kernels
+        Kernels of the forward projection, of the back projection on the
+        stored transpose, and without it.
+    iterations
+        ``(fp, bp)`` pairs timed as whole MLEM iterations (empty: none).
+    secsizes
+        Section sizes of ``merge`` (one row each).
+    lanes
+        Extra lane counts of ``csr_vector`` to time besides the automatic one.
+    check
+        Compare every output with a float64 product (cuSPARSE on a float64
+        copy of the values: 8 more bytes per non-zero of GPU memory).
+    copy_bytes
+        Buffer size of the copy-bandwidth measurement.
+    matrix_label
+        Name of the matrix in the report (default: the path or "in-memory").
+    out_json, out_md, out_csv
+        Where to write the report (atomically); None: not written.
+
+    Returns
+    -------
+    dict
+        ``device``, ``copy``, ``matrix``, ``kernels`` (one row per kernel and
+        operation), ``iterations``, ``date``, ``repeat``.
+    """
+    from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib.backends.cuda import CudaBackend
+    from mlemlib.devices import device_facts
+
+    cp = ck.cupy()
+    if repeat < 1 or warmup < 0:
+        raise ConfigError("repeat", f"repeat must be >= 1 and warmup >= 0, got {repeat}, {warmup}")
+    label = matrix_label or (os.fspath(matrix) if isinstance(matrix, (str, os.PathLike)) else "in-memory")
+    with cp.cuda.Device(device):
+        facts = device_facts(device)
+        copy = copy_bandwidth(copy_bytes)
+        bw = copy["bandwidth"]
+        log.info("copy bandwidth %.3f TB/s", bw / 1e12)
+        t0 = time.perf_counter()
+        a = _load(matrix, "matrix")
+        at = _load(transpose, "transpose") if transpose is not None else a.transpose()
+        m, n = a.shape
+        nnz = a.nnz
+        st = a.stats()
+        st_t = at.stats()
+        log.info("matrices on the GPU in %.1f s: %d x %d, %d nnz", time.perf_counter() - t0, m, n, nnz)
+        rng = np.random.default_rng()
+        x = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
+        c = cp.asarray(rng.uniform(0.5, 1.5, m).astype(np.float32))
+        lengths_a = cp.diff(a.indptr)
+        lengths_t = cp.diff(at.indptr)
+        refs: dict[str, Any] = {}
+        if check:
+            a64 = a.cusparse().astype(cp.float64) if nnz else None
+            x64 = x.astype(cp.float64)
+            c64 = c.astype(cp.float64)
+            if nnz:
+                refs["fp"] = (a64 @ x64, a64 @ x64)  # values non-negative: |A||x| = A x
+                ref_bp = a64.T @ c64
+                refs["bp"] = refs["bp_notrans"] = (ref_bp, ref_bp)
+            else:
+                refs["fp"] = (cp.zeros(m), cp.zeros(m))
+                refs["bp"] = refs["bp_notrans"] = (cp.zeros(n), cp.zeros(n))
+            del a64
+
+        rows: list[dict[str, Any]] = []
+        smem = ck.smem_plan(a) if "scatter_smem" in notrans_kernels else None
+
+        def run(op: str, kernel: str, fn, nbytes: int, extra: dict | None = None) -> None:
+            out = {"y": None}
+
+            def call():
+                out["y"] = fn()
+
+            t = time_gpu(call, repeat=repeat, warmup=warmup)
+            med = float(np.median(t))
+            row = {
+                "op": op,
+                "kernel": kernel,
+                "deterministic": DETERMINISTIC.get(kernel, False),
+                "median_s": med,
+                "min_s": float(t.min()),
+                "max_s": float(t.max()),
+                "bytes": int(nbytes),
+                "bandwidth": nbytes / med,
+                "of_copy": nbytes / med / bw,
+                **(extra or {}),
+            }
+            if check:
+                # poison the output and run once more for the check (cuSPARSE allocates a fresh one)
+                y = out["y"]
+                if kernel not in ("cusparse", "cusparse_notrans"):
+                    y.fill(cp.nan)
+                    y = fn()
+                ref, absref = refs[op]
+                # a row of A bounds the error of A x; a column of A (a row of A^T) that of A^T c
+                row.update(_rel_errors(y, ref, absref, lengths_a if op == "fp" else lengths_t))
+            rows.append(row)
+            log.info("%-10s %-16s %8.3f ms %7.3f TB/s %5.1f%% of copy", op, kernel, med * 1e3,
+                     nbytes / med / 1e12, 100 * nbytes / med / bw)
+
+        fp_bytes = plan.spmv_bytes(m, n, nnz)
+        bp_bytes = plan.spmv_bytes(n, m, nnz)
+        nt_bytes = plan.spmv_bytes(m, n, nnz)  # reads A, c; writes the n-vector
+        y_m = cp.empty(m, dtype=cp.float32)
+        y_n = cp.empty(n, dtype=cp.float32)
+        lanes_a, lanes_t = a.lanes(), at.lanes()
+
+        def lane_list(auto: int) -> list[int]:
+            return [auto] + [k for k in (lanes or ()) if k != auto]
+
+        for k in fp_kernels:
+            if k == "cusparse":
+                if nnz:
+                    a.cusparse()
+                    run("fp", k, lambda: a.cusparse() @ x, plan.spmv_bytes(m, n, nnz, 4))
+            elif k == "merge":
+                for s in secsizes:
+                    run("fp", k, lambda s=s: ck.spmv(a, x, y_m, kernel="merge", secsize=s), fp_bytes, {"secsize": s})
+            elif k == "csr_vector":
+                for L in lane_list(lanes_a):
+                    run("fp", k, lambda L=L: ck.spmv(a, x, y_m, kernel=k, lanes=L), fp_bytes,
+                        {"lanes": L, "lanes_auto": L == lanes_a})
+            else:
+                run("fp", k, lambda k=k: ck.spmv(a, x, y_m, kernel=k), fp_bytes)
+        if "cusparse_notrans" not in notrans_kernels:
+            a.drop_cusparse()
+        for k in bp_kernels:
+            if k == "cusparse":
+                if nnz:
+                    at.cusparse()
+                    run("bp", k, lambda: at.cusparse() @ c, plan.spmv_bytes(n, m, nnz, 4))
+                    at.drop_cusparse()
+            elif k == "merge":
+                for s in secsizes:
+                    run("bp", k, lambda s=s: ck.spmv(at, c, y_n, kernel="merge", secsize=s), bp_bytes, {"secsize": s})
+            elif k == "csr_vector":
+                for L in lane_list(lanes_t):
+                    run("bp", k, lambda L=L: ck.spmv(at, c, y_n, kernel=k, lanes=L), bp_bytes,
+                        {"lanes": L, "lanes_auto": L == lanes_t})
+            else:
+                run("bp", k, lambda k=k: ck.spmv(at, c, y_n, kernel=k), bp_bytes)
+        for k in notrans_kernels:
+            if k == "cusparse_notrans":
+                if nnz:
+                    run("bp_notrans", k, lambda: a.cusparse().T @ c, plan.spmv_bytes(m, n, nnz, 4))
+                    a.drop_cusparse()
+            elif k == "scatter_smem":
+                run("bp_notrans", k, lambda: ck.scatter(a, c, y_n, kernel=k, smem=smem), nt_bytes,
+                    {"local_chunks": smem.local_fraction if smem else None})
+            else:
+                run("bp_notrans", k, lambda k=k: ck.scatter(a, c, y_n, kernel=k), nt_bytes, {"lanes": lanes_a})
+
+        # cuSPARSE ratios, per operation
+        base = {}
+        for r in rows:
+            if r["kernel"] in ("cusparse", "cusparse_notrans"):
+                base[r["op"]] = r["median_s"]
+        for r in rows:
+            ref_t = base.get(r["op"])
+            r["vs_cusparse"] = (ref_t / r["median_s"]) if ref_t else None
+
+        # whole iterations
+        its: list[dict[str, Any]] = []
+        if iterations and nnz:
+            f_true = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
+            g = (a.cusparse() @ f_true).get()
+            a.drop_cusparse()
+            norm = (at.cusparse() @ cp.ones(m, dtype=cp.float32)).get().astype(np.float64)
+            at.drop_cusparse()
+            for fp_k, bp_k in iterations:
+                be = CudaBackend(a, g, norm, at if plan.BP_KERNELS.get(bp_k, (0, False))[1] else None,
+                                 fp=fp_k, bp=bp_k, device=device)
+                f = be.initial_image()
+                t = []
+                for i in range(warmup + repeat):
+                    f = be.iterate(f)
+                    if i >= warmup:
+                        t.append(be.last_step_times()["iteration"])
+                med = float(np.median(t))
+                floor_bytes = plan.iteration_floor_bytes(m, n, nnz, transpose=be.at is not None)
+                floor_s = floor_bytes / bw
+                its.append({
+                    "fp": fp_k, "bp": bp_k, "deterministic": be.deterministic,
+                    "fused": be.describe()["fused"], "median_s": med, "min_s": float(min(t)),
+                    "floor_bytes": floor_bytes, "floor_s": floor_s, "of_floor": floor_s / med,
+                    "finite": bool(cp.isfinite(f).all()),
+                })
+                log.info("iteration %s + %s: %.3f ms, %.1f%% of floor %.3f ms", fp_k, bp_k, med * 1e3,
+                         100 * floor_s / med, floor_s * 1e3)
+                del be
+
+    result = {
+        "date": _dt.date.today().isoformat(),
+        "device": facts,
+        "copy": copy,
+        "repeat": repeat,
+        "warmup": warmup,
+        "matrix": {
+            "label": label, "shape": [m, n], "nnz": nnz, "bytes": plan.csr_bytes(m, nnz),
+            "mean_row_length": st["mean_row_length"], "max_row_length": st["max_row_length"],
+            "empty_rows": st["empty_rows"], "mean_col_length": st_t["mean_row_length"],
+            "max_col_length": st_t["max_row_length"], "empty_cols": st_t["empty_rows"],
+            "lanes_fp": lanes_a, "lanes_bp": lanes_t,
+        },
+        "kernels": rows,
+        "iterations": its,
+    }
+    write_results(result, out_json=out_json, out_md=out_md, out_csv=out_csv)
+    return result
+
+
+# --------------------------------------------------------------------------- reports
+OP_TITLES = {"fp": "forward A x", "bp": "back A^T c (stored transpose)", "bp_notrans": "back A^T c (no transpose)"}
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(v, spec)
+
+
+def kernel_label(row: dict[str, Any]) -> str:
+    """``csr_vector (32 lanes)``, ``merge (secsize 5)``... for tables."""
+    k = row["kernel"]
+    if row.get("secsize") is not None:
+        return f"{k} (secsize {row['secsize']})"
+    if row.get("lanes") is not None and k == "csr_vector":
+        return f"{k} ({row['lanes']} lanes{'' if row.get('lanes_auto', True) else ', forced'})"
+    return k
+
+
+def format_markdown(result: dict[str, Any]) -> str:
+    """The benchmark report as Markdown (device, matrix, one table per operation, iterations)."""
+    d, mtx, cp_ = result["device"], result["matrix"], result["copy"]
+    lines = [
+        f"## SpMV benchmark: {mtx['label']}",
+        "",
+        f"- date: {result['date']}; device: {d.get('name', '?')}"
+        + (f" (theoretical {d['theoretical_bandwidth'] / 1e12:.2f} TB/s)" if d.get("theoretical_bandwidth") else ""),
+        f"- measured copy bandwidth (read + write): {cp_['bandwidth'] / 1e12:.3f} TB/s",
+        f"- matrix: {mtx['shape'][0]} x {mtx['shape'][1]}, {mtx['nnz']} nnz ({mtx['bytes'] / 1e9:.2f} GB as CSR), "
+        f"row length mean {mtx['mean_row_length']:.1f} max {mtx['max_row_length']}, "
+        f"{mtx['empty_rows']} empty rows, {mtx['empty_cols']} empty columns",
+        f"- median of {result['repeat']} runs after {result['warmup']} warm-up runs (CUDA events); "
+        "bandwidth = (8 B per nnz + row pointer + vectors) / time; 'vs cuSPARSE' = cuSPARSE time / kernel time",
+        "",
+    ]
+    for op in ("fp", "bp", "bp_notrans"):
+        rows = [r for r in result["kernels"] if r["op"] == op]
+        if not rows:
+            continue
+        lines += [
+            f"### {OP_TITLES[op]}",
+            "",
+            "| kernel | deterministic | median ms | TB/s | of copy bw | vs cuSPARSE | rel. L2 error |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {kernel_label(r)} | {'yes' if r['deterministic'] else 'no'} | {r['median_s'] * 1e3:.3f} | "
+                f"{r['bandwidth'] / 1e12:.3f} | {_fmt(r['of_copy'], '.1%')} | {_fmt(r.get('vs_cusparse'), '.2f')} | "
+                f"{_fmt(r.get('rel_l2'), '.1e')} |"
+            )
+        lines.append("")
+    if result.get("iterations"):
+        lines += [
+            "### one MLEM iteration",
+            "",
+            "| fp | bp | deterministic | fused | median ms | floor ms | of floor |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in result["iterations"]:
+            lines.append(
+                f"| {r['fp']} | {r['bp']} | {'yes' if r['deterministic'] else 'no'} | {', '.join(r['fused']) or '-'} | "
+                f"{r['median_s'] * 1e3:.3f} | {r['floor_s'] * 1e3:.3f} | {_fmt(r['of_floor'], '.1%')} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+CSV_FIELDS = ("op", "kernel", "lanes", "secsize", "deterministic", "median_s", "min_s", "bytes", "bandwidth",
+              "of_copy", "vs_cusparse", "rel_l2")
+
+
+def format_csv(result: dict[str, Any]) -> str:
+    """One CSV row per kernel and operation (the workflow's ``spmv.csv``)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in result["kernels"]:
+        w.writerow({k: r.get(k) for k in CSV_FIELDS})
+    return buf.getvalue()
+
+
+def write_results(result: dict[str, Any], *, out_json=None, out_md=None, out_csv=None) -> None:
+    """Write the report files that are asked for, each atomically."""
+    for path, text in ((out_json, lambda: json.dumps(result, indent=2, default=_json_default) + "\n"),
+                       (out_md, lambda: format_markdown(result) + "\n"),
+                       (out_csv, lambda: format_csv(result))):
+        if path is None:
+            continue
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            Path(tmp).write_text(text(), encoding="utf-8")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -1,0 +1,483 @@
+"""Cluster resource estimates for the workflow's jobs, sized from the system matrix.
+
+Provides the numbers a batch scheduler needs before a job starts -- host memory
+(``mem_mb``), wall-clock limit (``runtime``, minutes), GPUs (``gpu``) and CPUs per
+GPU (``cpus_per_gpu``) -- for each workflow stage, computed from the matrix's
+shape and number of stored elements, so that a bigger matrix asks for more.
+The workflow's resource functions (``rules/common.smk``) call these; the SLURM
+profile (``profiles/slurm``) turns them into ``sbatch`` options. See
+docs/cluster.md for the model and how to override it.
+
+Backend-independent: pure Python, reads only file headers (never a matrix's
+elements), imports neither NumPy's heavy users nor CuPy.
+
+The model
+---------
+A CSR matrix with ``m`` rows, ``n`` columns and ``nnz`` elements occupies
+``8 * nnz + 8 * (m + 1)`` bytes in memory (int32 column, float32 value, int64
+row pointer); its transpose ``8 * nnz + 8 * (n + 1)``. Each stage's peak host
+memory is a sum of such terms (see :data:`STAGES` and :func:`peak_host_bytes`)
+plus :data:`BASE_MB` for the interpreter and its libraries, times
+:data:`MEM_SAFETY`. Run time is the bytes each stage moves over pessimistic
+rates (:data:`IO_MB_PER_S` for files, :data:`CPU_SPMV_GB_PER_S` and
+:data:`GPU_SPMV_GB_PER_S` for sparse products), times :data:`TIME_SAFETY`,
+plus :data:`MIN_RUNTIME_MIN`. The estimates are deliberately generous: a job
+that asks for too little is killed, one that asks for a bit too much waits a
+little longer in the queue.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlemlib.errors import ConfigError, MatrixFormatError
+
+__all__ = [
+    "BASE_MB",
+    "CPUS_PER_GPU",
+    "MatrixSize",
+    "STAGES",
+    "estimate_gpu_mem_mb",
+    "estimate_mem_mb",
+    "estimate_runtime_min",
+    "gpus_for",
+    "matrix_size",
+    "stage_resources",
+]
+
+#: Workflow stages with a resource model. ``generate`` writes the matrix,
+#: ``bench`` benchmarks SpMV kernels, the others are the DAG's rules.
+STAGES = (
+    "generate",
+    "convert",
+    "norm",
+    "transpose",
+    "partition",
+    "simulate",
+    "mlem",
+    "bench",
+    "summary",
+)
+
+#: Host memory of a Python process with NumPy, SciPy, Numba and h5py loaded (MB).
+BASE_MB = 1024
+#: Extra host memory when CuPy and the CUDA runtime are loaded (MB).
+GPU_BASE_MB = 1024
+#: Factor on the modelled peak memory (allocator slack, temporaries).
+MEM_SAFETY = 1.5
+#: Memory requests are rounded up to a multiple of this (MB).
+MEM_ROUND_MB = 256
+#: Elements per streamed chunk (the formats' default, ``1 << 26``).
+CHUNK_NNZ = 1 << 26
+#: File read/write rate assumed for a shared cluster file system (MB/s).
+IO_MB_PER_S = 200.0
+#: Effective sparse matrix-vector rate of the CPU backend (GB of matrix per s).
+CPU_SPMV_GB_PER_S = 1.0
+#: Effective sparse matrix-vector rate of one GPU (GB of matrix per s); far
+#: below an H100's 3 TB/s on purpose: the estimate must hold on old GPUs too.
+GPU_SPMV_GB_PER_S = 100.0
+#: Factor on the modelled run time.
+TIME_SAFETY = 3.0
+#: Added to every run-time estimate (start-up, imports, JIT, queue-side slack).
+MIN_RUNTIME_MIN = 10
+#: Host CPU cores per GPU: one thread drives the device, one reads files.
+CPUS_PER_GPU = 2
+#: GPU memory kept free for the CUDA context, cuSPARSE buffers and vectors (MB).
+GPU_RESERVE_MB = 1024
+
+_BACKENDS = ("cpu", "cuda", "auto")
+_MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MatrixSize:
+    """Shape and number of stored elements of a system matrix.
+
+    Attributes
+    ----------
+    rows, cols
+        ``m`` (lines of response) and ``n`` (voxels).
+    nnz
+        Stored elements.
+    """
+
+    rows: int
+    cols: int
+    nnz: int
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "cols", "nnz"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"matrix size {name}", f"must be a non-negative integer, got {value!r}")
+
+    @property
+    def csr_bytes(self) -> int:
+        """Bytes of the matrix as CSR in memory (int32 columns, float32 values, int64 row pointer)."""
+        return 8 * self.nnz + 8 * (self.rows + 1)
+
+    @property
+    def csr_t_bytes(self) -> int:
+        """Bytes of the transpose as CSR in memory."""
+        return 8 * self.nnz + 8 * (self.cols + 1)
+
+
+# --- reading the size from a file header -------------------------------------------
+
+
+def _h5_size(path: Path) -> MatrixSize:
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            missing = [k for k in ("indptr", "indices", "data") if k not in f]
+            if missing:
+                raise MatrixFormatError(path, f"not an mlem-csr HDF5 matrix: missing dataset(s) {', '.join(missing)}")
+            rows = int(f["indptr"].shape[0]) - 1
+            nnz = int(f["data"].shape[0])
+            shape = f.attrs.get("shape")
+            if shape is None or len(shape) != 2:
+                raise MatrixFormatError(path, "missing or malformed attribute 'shape' (expected [m, n])")
+            cols = int(shape[1])
+    except OSError as exc:
+        raise MatrixFormatError(path, f"cannot read as HDF5: {exc}") from None
+    return MatrixSize(rows=max(rows, 0), cols=cols, nnz=nnz)
+
+
+def _mtx_size(path: Path) -> MatrixSize:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="ascii", errors="replace") as f:
+            banner = f.readline()
+            if not banner.lower().startswith("%%matrixmarket"):
+                raise MatrixFormatError(path, "missing the '%%MatrixMarket' banner line")
+            if "coordinate" not in banner.lower():
+                raise MatrixFormatError(path, "only 'coordinate' (sparse) Matrix Market files hold a system matrix")
+            for line in f:
+                if line.strip() and not line.lstrip().startswith("%"):
+                    fields = line.split()
+                    break
+            else:
+                raise MatrixFormatError(path, "no size line ('rows cols entries') after the comments")
+    except (OSError, EOFError) as exc:
+        raise MatrixFormatError(path, f"cannot read: {exc}") from None
+    try:
+        rows, cols, nnz = (int(x) for x in fields[:3])
+        if len(fields) != 3:
+            raise ValueError
+    except ValueError:
+        raise MatrixFormatError(path, f"size line {' '.join(fields)!r} is not 'rows cols entries'") from None
+    if "symmetric" in banner.lower() or "hermitian" in banner.lower():
+        nnz *= 2  # stored triangle only; the expanded matrix has up to twice as many
+    return MatrixSize(rows=rows, cols=cols, nnz=nnz)
+
+
+def _npz_size(path: Path) -> MatrixSize:
+    import numpy as np
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = set(z.namelist())
+            if not {"shape.npy", "indices.npy"} <= names:
+                raise MatrixFormatError(path, "not a SciPy sparse .npz (needs shape.npy and indices.npy)")
+            with z.open("shape.npy") as f:
+                shape = np.lib.format.read_array(f)
+            with z.open("indices.npy") as f:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    indices_shape, _, _ = np.lib.format.read_array_header_1_0(f)
+                else:
+                    indices_shape, _, _ = np.lib.format.read_array_header_2_0(f)
+    except (OSError, zipfile.BadZipFile, ValueError) as exc:
+        raise MatrixFormatError(path, f"cannot read as .npz: {exc}") from None
+    if len(shape) != 2 or len(indices_shape) != 1:
+        raise MatrixFormatError(path, f"shape {tuple(shape)} / indices {indices_shape} is not a 2-D sparse matrix")
+    return MatrixSize(rows=int(shape[0]), cols=int(shape[1]), nnz=int(indices_shape[0]))
+
+
+def matrix_size(path: str | os.PathLike) -> MatrixSize:
+    """Read a matrix's shape and nnz from its header, without reading its elements.
+
+    Parameters
+    ----------
+    path
+        A ``.csr4``, ``.h5`` (the project's container, also ``transpose.h5`` and
+        ``part-k.h5``), ``.mtx``/``.mtx.gz`` or SciPy ``.npz`` file.
+
+    Returns
+    -------
+    MatrixSize
+
+    Raises
+    ------
+    MatrixFormatError
+        Unknown suffix, missing file or a header that cannot be read.
+    """
+    from mlemlib.formats import file_kind
+
+    p = Path(path)
+    kind = file_kind(p)
+    if not p.is_file():
+        raise MatrixFormatError(p, "no such file")
+    if kind == "csr4":
+        from mlemlib.formats.csr4 import read_header
+
+        header = read_header(p)
+        return MatrixSize(rows=header.m, cols=header.n, nnz=header.nnz)
+    if kind == "h5":
+        return _h5_size(p)
+    if kind == "mtx":
+        return _mtx_size(p)
+    if kind == "npz":
+        return _npz_size(p)
+    raise MatrixFormatError(p, f"a {kind} file holds no system matrix")
+
+
+# --- the model ---------------------------------------------------------------------
+
+
+def _check(stage: str, backend: str, parts: int) -> None:
+    if stage not in STAGES:
+        raise ConfigError("stage", f"unknown stage {stage!r}, expected one of {', '.join(STAGES)}")
+    if backend not in _BACKENDS:
+        raise ConfigError("backend", f"unknown backend {backend!r}, expected one of {', '.join(_BACKENDS)}")
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ConfigError("parts", f"must be a positive integer, got {parts!r}")
+
+
+def gpus_for(backend: str, gpus: int) -> int:
+    """GPUs a job asks the scheduler for: ``gpus`` unless the backend is ``cpu``.
+
+    ``auto`` asks for the GPUs (it runs on them where they exist); ``cpu`` asks
+    for none, so CPU-only jobs never hold a GPU.
+    """
+    if backend not in _BACKENDS:
+        raise ConfigError("backend", f"unknown backend {backend!r}, expected one of {', '.join(_BACKENDS)}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise ConfigError("gpus", f"must be a non-negative integer, got {gpus!r}")
+    return 0 if backend == "cpu" else gpus
+
+
+def peak_host_bytes(
+    stage: str,
+    size: MatrixSize,
+    *,
+    parts: int = 1,
+    backend: str = "cpu",
+    stored_transpose: bool = True,
+    threads: int = 1,
+    chunk_nnz: int = CHUNK_NNZ,
+) -> int:
+    """Modelled peak host memory of one stage, in bytes, before base and safety.
+
+    Parameters
+    ----------
+    stage
+        One of :data:`STAGES`.
+    size
+        The matrix (for ``generate``: the one it will write).
+    parts
+        Row blocks / GPUs (``partition``, ``mlem``, ``bench``).
+    backend
+        ``cpu`` keeps the matrix in host memory for the whole run; ``cuda`` and
+        ``auto`` stream it to the GPUs, one row block at a time.
+    stored_transpose
+        Whether back projection reads a stored ``A^T`` (``mlem``, ``bench``).
+    threads
+        Worker threads of ``transpose`` (ScanTrans keeps one column histogram each).
+    chunk_nnz
+        Elements per streamed chunk.
+    """
+    _check(stage, backend, parts)
+    chunk = min(size.nnz, chunk_nnz)
+    vec_m, vec_n = 8 * size.rows, 8 * size.cols  # one float64 vector of each length
+    a, at = size.csr_bytes, size.csr_t_bytes
+    if stage == "generate":
+        # Rows are traced in chunks; the row pointer is kept for the header.
+        return 3 * 8 * chunk + 2 * vec_m + 4 * vec_n
+    if stage == "convert":
+        # Source chunk, validated copy, write buffer; both row pointers.
+        return 3 * 8 * chunk + 2 * vec_m
+    if stage == "norm":
+        return 2 * 8 * chunk + vec_m + 2 * vec_n
+    if stage == "transpose":
+        # A and A^T in memory at once, plus one int64 column histogram per thread.
+        return a + at + 8 * (size.cols + 1) * max(threads, 1)
+    if stage == "partition":
+        # One row block and its local transpose at a time, plus the row pointer.
+        block = math.ceil(size.nnz / parts)
+        return 2 * (8 * block) + vec_m + vec_n + 8 * chunk
+    if stage == "simulate":
+        return 2 * 8 * chunk + 3 * vec_m + 3 * vec_n
+    if stage in ("mlem", "bench"):
+        vectors = 4 * (vec_m + vec_n)
+        if backend == "cpu":
+            return a + (at if stored_transpose else 0) + vectors
+        # Each GPU's block passes through host memory on its way to the device.
+        block = math.ceil((a + (at if stored_transpose else 0)) / parts)
+        return block + vectors
+    # summary: tables and plots of small vectors.
+    return 4 * vec_n
+
+
+def estimate_mem_mb(
+    stage: str,
+    size: MatrixSize,
+    *,
+    parts: int = 1,
+    backend: str = "cpu",
+    stored_transpose: bool = True,
+    threads: int = 1,
+    attempt: int = 1,
+) -> int:
+    """Host memory (MB) to request for one job of ``stage``.
+
+    ``(BASE_MB [+ GPU_BASE_MB] + peak / MB) * MEM_SAFETY * attempt``, rounded up
+    to :data:`MEM_ROUND_MB`. ``attempt`` is Snakemake's retry counter (1 on the
+    first try), so a job killed for memory asks for more when retried.
+
+    Parameters
+    ----------
+    stage, size, parts, backend, stored_transpose, threads
+        See :func:`peak_host_bytes`.
+    attempt
+        Snakemake's ``attempt`` (>= 1).
+
+    Returns
+    -------
+    int
+        Megabytes, a multiple of :data:`MEM_ROUND_MB`.
+    """
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise ConfigError("attempt", f"must be a positive integer, got {attempt!r}")
+    peak = peak_host_bytes(
+        stage, size, parts=parts, backend=backend, stored_transpose=stored_transpose, threads=threads
+    )
+    base = BASE_MB + (GPU_BASE_MB if backend != "cpu" and stage in ("mlem", "bench") else 0)
+    mb = (base + peak / _MB) * MEM_SAFETY * attempt
+    return int(math.ceil(mb / MEM_ROUND_MB) * MEM_ROUND_MB)
+
+
+def estimate_gpu_mem_mb(size: MatrixSize, *, parts: int = 1, stored_transpose: bool = True) -> int:
+    """Device memory (MB) each of ``parts`` GPUs needs for its row block.
+
+    The row block of ``A`` (nnz-balanced, so about ``nnz / parts`` elements),
+    its share of ``A^T`` when stored, the full-length image, norm and back
+    projection vectors (float32), plus :data:`GPU_RESERVE_MB`. Compare it with
+    the GPU model's memory to choose the number of GPUs.
+    """
+    _check("mlem", "cuda", parts)
+    per_part = math.ceil(size.nnz / parts)
+    block = 8 * per_part + 8 * (math.ceil(size.rows / parts) + 1)
+    if stored_transpose:
+        block += 8 * per_part + 8 * (size.cols + 1)
+    vectors = 4 * (2 * math.ceil(size.rows / parts) + 4 * size.cols)
+    return int(math.ceil((block + vectors) / _MB)) + GPU_RESERVE_MB
+
+
+def estimate_runtime_min(
+    stage: str,
+    size: MatrixSize,
+    *,
+    iterations: int = 1,
+    repetitions: int = 1,
+    parts: int = 1,
+    backend: str = "cpu",
+    stored_transpose: bool = True,
+    attempt: int = 1,
+) -> int:
+    """Wall-clock limit (whole minutes) to request for one job of ``stage``.
+
+    ``MIN_RUNTIME_MIN + TIME_SAFETY * seconds / 60``, times ``attempt``, where
+    ``seconds`` is the modelled time: bytes read and written over
+    :data:`IO_MB_PER_S`, plus, for ``mlem``/``bench``, ``iterations *
+    repetitions`` forward and back projections over the backend's SpMV rate
+    (:data:`CPU_SPMV_GB_PER_S`, or :data:`GPU_SPMV_GB_PER_S` per GPU).
+
+    Parameters
+    ----------
+    stage, size, parts, backend, stored_transpose
+        See :func:`peak_host_bytes`.
+    iterations, repetitions
+        MLEM iterations and timed repetitions (``mlem``, ``bench``).
+    attempt
+        Snakemake's ``attempt`` (>= 1).
+    """
+    _check(stage, backend, parts)
+    for name, value in (("iterations", iterations), ("repetitions", repetitions), ("attempt", attempt)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(name, f"must be a positive integer, got {value!r}")
+    io = IO_MB_PER_S * _MB
+    a, at = size.csr_bytes, size.csr_t_bytes
+    cpu = CPU_SPMV_GB_PER_S * 1e9
+    if stage == "generate":
+        seconds = a / io + 4 * a / cpu  # ray tracing costs a few SpMVs' worth
+    elif stage == "convert":
+        seconds = 2 * a / io + a / cpu  # read, validate, write
+    elif stage == "norm":
+        seconds = a / io + a / cpu
+    elif stage == "transpose":
+        seconds = (a + at) / io + 2 * a / cpu
+    elif stage == "partition":
+        seconds = (2 * a + at) / io + a / cpu
+    elif stage == "simulate":
+        seconds = a / io + a / cpu
+    elif stage in ("mlem", "bench"):
+        bp_bytes = at if stored_transpose else a
+        per_iteration = a + bp_bytes
+        rate = cpu if backend == "cpu" else GPU_SPMV_GB_PER_S * 1e9 * parts
+        load = (a + (at if stored_transpose else 0)) / io
+        seconds = load + iterations * repetitions * per_iteration / rate
+    else:  # summary
+        seconds = 60.0
+    return int(math.ceil((MIN_RUNTIME_MIN + TIME_SAFETY * seconds / 60.0) * attempt))
+
+
+def stage_resources(
+    stage: str,
+    size: MatrixSize,
+    *,
+    iterations: int = 1,
+    repetitions: int = 1,
+    parts: int = 1,
+    backend: str = "cpu",
+    gpus: int = 0,
+    stored_transpose: bool = True,
+    threads: int = 1,
+    attempt: int = 1,
+) -> dict[str, int]:
+    """All scheduler resources of one job: ``mem_mb``, ``runtime``, ``gpu`` (+ ``cpus_per_gpu``).
+
+    ``gpu`` is ``gpus_for(backend, gpus)``; ``cpus_per_gpu`` (:data:`CPUS_PER_GPU`)
+    appears only when ``gpu > 0``, so CPU-only jobs ask for no GPU at all.
+    """
+    resources = {
+        "mem_mb": estimate_mem_mb(
+            stage,
+            size,
+            parts=parts,
+            backend=backend,
+            stored_transpose=stored_transpose,
+            threads=threads,
+            attempt=attempt,
+        ),
+        "runtime": estimate_runtime_min(
+            stage,
+            size,
+            iterations=iterations,
+            repetitions=repetitions,
+            parts=parts,
+            backend=backend,
+            stored_transpose=stored_transpose,
+            attempt=attempt,
+        ),
+        "gpu": gpus_for(backend, gpus),
+    }
+    if resources["gpu"]:
+        resources["cpus_per_gpu"] = CPUS_PER_GPU
+    return resources

@@ -1,0 +1,322 @@
+"""Readers and writers of system-matrix and measurement files; host memory, NumPy/SciPy/h5py.
+
+Supported files (see ``docs/formats.md``):
+
+- ``.csr4``: the TUM MLEM tools' system matrix (memory-mapped, read by row range),
+- ``.h5``: the project's own CSR container (chunked HDF5, read by row range),
+- ``.mtx`` / ``.mtx.gz``: Matrix Market; ``.npz``: SciPy sparse (read whole),
+- ``.LMsino`` / ``.sino``: measurements (raw int32 counts).
+
+:func:`open_matrix` returns a reader with one interface for every matrix format
+(``shape``, ``nnz``, ``grid``, ``voxel_size``, ``read_rows``, ``iter_chunks``,
+``read_indptr``); :func:`convert` streams any matrix into the container and
+:func:`info` describes and validates any supported file. Every reader raises
+:class:`~mlemlib.errors.MatrixFormatError` or
+:class:`~mlemlib.errors.SinogramFormatError` naming the file and the fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mlemlib.errors import MatrixFormatError, SinogramFormatError
+from mlemlib.formats._memory import InMemoryMatrix
+from mlemlib.formats.csr4 import (
+    Csr4File,
+    Csr4Header,
+    Csr4Writer,
+    ScannerGeometry,
+    read_csr4,
+    write_csr4,
+)
+from mlemlib.formats.h5 import MatrixH5, MatrixH5Writer, read_matrix_h5, write_matrix_h5
+from mlemlib.formats.lmsino import read_lmsino, write_lmsino
+from mlemlib.formats.mtx import read_mtx
+from mlemlib.formats.npz import read_npz
+
+__all__ = [
+    "Csr4File",
+    "Csr4Header",
+    "Csr4Writer",
+    "InMemoryMatrix",
+    "MatrixH5",
+    "MatrixH5Writer",
+    "ScannerGeometry",
+    "convert",
+    "file_kind",
+    "info",
+    "open_matrix",
+    "read_csr4",
+    "read_lmsino",
+    "read_matrix",
+    "read_matrix_h5",
+    "read_mtx",
+    "read_npz",
+    "write_csr4",
+    "write_lmsino",
+    "write_matrix_h5",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_NNZ = 1 << 26
+
+#: suffix (lower case) -> kind
+SUFFIXES = {
+    ".csr4": "csr4",
+    ".h5": "h5",
+    ".hdf5": "h5",
+    ".mtx": "mtx",
+    ".mtx.gz": "mtx",
+    ".npz": "npz",
+    ".lmsino": "lmsino",
+    ".sino": "lmsino",
+}
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """Return the kind of a file from its suffix: csr4, h5, mtx, npz or lmsino.
+
+    Raises
+    ------
+    MatrixFormatError
+        For an unknown suffix.
+    """
+    name = Path(path).name.lower()
+    for suffix, kind in sorted(SUFFIXES.items(), key=lambda kv: -len(kv[0])):
+        if name.endswith(suffix):
+            return kind
+    raise MatrixFormatError(path, f"unknown file type (expected one of {', '.join(sorted(set(SUFFIXES)))})")
+
+
+def open_matrix(path: str | os.PathLike) -> Csr4File | MatrixH5 | InMemoryMatrix:
+    """Open a system matrix by suffix: ``.csr4`` and ``.h5`` lazily, ``.mtx``/``.npz`` whole.
+
+    The result is a context manager with ``shape``, ``nnz``, ``grid``,
+    ``voxel_size``, ``read_rows(start, stop)``, ``iter_chunks(max_nnz)``,
+    ``read_indptr()`` and ``to_csr()``.
+
+    Raises
+    ------
+    MatrixFormatError
+        Unknown suffix, a measurement file, or any fault of the file.
+    """
+    kind = file_kind(path)
+    if kind == "csr4":
+        return Csr4File(path)
+    if kind == "h5":
+        return MatrixH5(path)
+    if kind == "mtx":
+        return InMemoryMatrix(read_mtx(path), path)
+    if kind == "npz":
+        return InMemoryMatrix(read_npz(path), path)
+    raise MatrixFormatError(path, f"a {kind} file holds measurements, not a system matrix")
+
+
+def read_matrix(path: str | os.PathLike):
+    """Read a whole matrix of any supported format into memory (a :class:`CSRMatrix`)."""
+    with open_matrix(path) as f:
+        return f.to_csr()
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DEFAULT_CHUNK_NNZ) -> dict:
+    """Convert any supported matrix into the container ``out`` (``matrix.h5``), streaming.
+
+    ``.csr4`` and ``.h5`` inputs are read one row block of at most ``max_nnz``
+    elements at a time, so peak memory is about one block (``12 * max_nnz``
+    bytes plus the row pointer). Every block is validated as it passes, so a
+    finished conversion has validated the whole input. The output is written
+    atomically: on any error nothing is left under ``out``. The scanner block,
+    grid and voxel size of a ``.csr4`` are kept as attributes. An ``.h5`` input
+    is also checked against its own stored checksum.
+
+    Parameters
+    ----------
+    src
+        Input matrix (``.csr4``, ``.h5``, ``.mtx``, ``.npz``).
+    out
+        Output container.
+    max_nnz
+        Elements per block.
+
+    Returns
+    -------
+    dict
+        ``source``, ``output``, ``shape``, ``nnz``, ``chunks``, ``seconds``,
+        ``bytes`` (output size), ``input_bytes``, ``checksum``, ``grid``,
+        ``voxel_size``.
+
+    Raises
+    ------
+    MatrixFormatError
+        Any fault of the input (nothing is written).
+    """
+    if max_nnz < 1:
+        raise ValueError(f"max_nnz must be >= 1, got {max_nnz}")
+    src, out = Path(src), Path(out)
+    if src.resolve() == out.resolve():
+        raise MatrixFormatError(out, "output would overwrite the input")
+    t0 = time.perf_counter()
+    with open_matrix(src) as reader:
+        m, n = reader.shape
+        extra: dict = {"kind": "matrix"}
+        scanner_block = None
+        if isinstance(reader, Csr4File):
+            scanner_block = reader.header.scanner_block
+            extra["csr4_flags"] = np.int64(reader.header.flags)
+        elif isinstance(reader, MatrixH5):
+            scanner_block = reader.scanner_block
+            skip = {"format", "version", "shape", "nnz", "checksum", "checksum_method", "source"}
+            skip |= {"grid", "voxel_size", "scanner_block"}
+            extra.update({k: v for k, v in reader.attrs.items() if k not in skip})
+        log.info("converting %s (%d x %d, nnz %d) -> %s", src, m, n, reader.nnz, out)
+        chunks = 0
+        done = 0
+        last_log = t0
+        with MatrixH5Writer(
+            out,
+            (m, n),
+            reader.nnz,
+            source=src.name,
+            grid=reader.grid,
+            voxel_size=reader.voxel_size,
+            scanner_block=scanner_block,
+            **extra,
+        ) as writer:
+            for _r0, r1, block in reader.iter_chunks(max_nnz):
+                writer.write_rows(block, validate=False)  # the reader validated it
+                chunks += 1
+                done += block.nnz
+                now = time.perf_counter()
+                if now - last_log > 10:
+                    last_log = now
+                    log.info("  %d/%d rows, %.1f%% of nnz, %.0f s", r1, m, 100 * done / max(reader.nnz, 1), now - t0)
+            if isinstance(reader, MatrixH5) and writer.checksum != reader.checksum:
+                raise MatrixFormatError(
+                    src,
+                    f"checksum mismatch: attribute says {reader.checksum}, data gives {writer.checksum} (file corrupted)",
+                )
+    seconds = time.perf_counter() - t0
+    summary = {
+        "source": os.fspath(src),
+        "output": os.fspath(out),
+        "shape": [m, n],
+        "nnz": int(reader.nnz),
+        "chunks": chunks,
+        "seconds": seconds,
+        "bytes": out.stat().st_size,
+        "input_bytes": src.stat().st_size,
+        "checksum": writer.checksum,
+        "grid": list(reader.grid) if reader.grid else None,
+        "voxel_size": list(reader.voxel_size) if reader.voxel_size else None,
+    }
+    log.info("converted %s -> %s: nnz %d in %.1f s", src, out, summary["nnz"], seconds)
+    return summary
+
+
+def _row_stats(indptr: np.ndarray) -> dict:
+    counts = np.diff(indptr)
+    if counts.size == 0:
+        return {"empty_rows": 0, "row_nnz_min": 0, "row_nnz_max": 0, "row_nnz_mean": 0.0}
+    return {
+        "empty_rows": int(np.count_nonzero(counts == 0)),
+        "row_nnz_min": int(counts.min()),
+        "row_nnz_max": int(counts.max()),
+        "row_nnz_mean": float(counts.mean()),
+    }
+
+
+def info(
+    path: str | os.PathLike,
+    *,
+    full: bool = True,
+    expected_length: int | None = None,
+    max_nnz: int = DEFAULT_CHUNK_NNZ,
+) -> dict:
+    """Describe and validate any supported file.
+
+    Parameters
+    ----------
+    path
+        A ``.csr4``, ``.h5``, ``.mtx``, ``.npz`` or ``.LMsino`` file.
+    full
+        Validate every element (streams through the whole file; for ``.h5``
+        also verifies the checksum). With ``False`` only the header and the row
+        pointer are checked (``.mtx``/``.npz`` are always read whole).
+    expected_length
+        For a measurement: the matrix's number of rows.
+    max_nnz
+        Elements per block while validating.
+
+    Returns
+    -------
+    dict
+        ``path``, ``kind``, ``bytes``, ``verdict`` (what was checked), and per
+        kind: ``shape``, ``nnz``, ``density``, row statistics, ``grid``,
+        ``voxel_size``, ``flags``/``scanner`` (csr4), ``attrs`` (h5);
+        ``length``, ``total_counts``, ``max_count``, ``zero_counts``
+        (measurements).
+
+    Raises
+    ------
+    MatrixFormatError, SinogramFormatError
+        The first fault found.
+    """
+    kind = file_kind(path)
+    source = os.fspath(path)
+    if not os.path.exists(path):
+        err = SinogramFormatError if kind == "lmsino" else MatrixFormatError
+        raise err(source, "no such file")
+    res: dict = {"path": source, "kind": kind, "bytes": os.path.getsize(path)}
+    if kind == "lmsino":
+        g = read_lmsino(path, expected_length)
+        res.update(
+            length=int(g.size),
+            total_counts=int(g.sum(dtype=np.int64)),
+            max_count=int(g.max()) if g.size else 0,
+            zero_counts=int(np.count_nonzero(g == 0)),
+            verdict="valid: size, length"
+            + (" (matches the matrix)" if expected_length is not None else "")
+            + ", counts non-negative",
+        )
+        return res
+    with open_matrix(path) as reader:
+        m, n = reader.shape
+        res.update(shape=[m, n], nnz=int(reader.nnz), density=(reader.nnz / (m * n)) if m * n else 0.0)
+        res["grid"] = list(reader.grid) if reader.grid else None
+        res["voxel_size"] = list(reader.voxel_size) if reader.voxel_size else None
+        if isinstance(reader, Csr4File):
+            h = reader.header
+            geo = h.geometry
+            res.update(
+                format="PCSR version 4",
+                flags=h.flags,
+                scanner_block_bytes=len(h.scanner_block),
+                scanner={
+                    "layers": [list(x) for x in geo.layers],
+                    "n_blocks": geo.n_blocks,
+                    "block_size": geo.block_size,
+                    "n_rings": geo.n_rings,
+                },
+            )
+        elif isinstance(reader, MatrixH5):
+            res["format"] = "mlem-csr container version 1"
+            res["attrs"] = {k: (f"<{len(v)} bytes>" if isinstance(v, bytes) else v) for k, v in reader.attrs.items()}
+        indptr = reader.read_indptr()
+        res.update(_row_stats(indptr))
+        checked = {"csr4": ["header", "file size"], "h5": ["attributes", "dataset sizes"]}.get(kind, ["parsed"])
+        checked.append("row pointer")
+        if full or kind in ("mtx", "npz"):
+            for _ in reader.iter_chunks(max_nnz, validate=True):
+                pass
+            checked += ["column indices", "values finite and >= 0"]
+            if isinstance(reader, MatrixH5):
+                reader.verify_checksum()
+                checked.append("checksum")
+        res["verdict"] = "valid: " + ", ".join(checked) + ("" if full or kind in ("mtx", "npz") else " (quick)")
+    return res

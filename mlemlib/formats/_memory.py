@@ -1,0 +1,131 @@
+"""In-memory matrices behind the same reader interface as the file readers (NumPy).
+
+Matrix Market and SciPy ``.npz`` files cannot be read by row range, so they are
+read whole; :class:`InMemoryMatrix` then offers ``read_rows`` / ``iter_chunks``
+like :class:`~mlemlib.formats.csr4.Csr4File` and
+:class:`~mlemlib.formats.h5.MatrixH5`, so :func:`mlemlib.formats.convert` treats
+every input alike.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Self
+
+import numpy as np
+
+from mlemlib.errors import MatrixFormatError
+from mlemlib.formats._check import (
+    check_columns,
+    check_range,
+    check_row_ends,
+    check_values,
+    chunk_bounds,
+)
+from mlemlib.matrix import CSRMatrix, validate_csr_arrays
+
+MAX_INDEX = int(np.iinfo(np.int32).max)
+
+
+def csr_from_scipy(a, source: str | os.PathLike) -> CSRMatrix:
+    """Convert a SciPy sparse (or dense 2-D) matrix to a validated :class:`CSRMatrix`.
+
+    Duplicate entries are summed and column indices sorted within rows (the
+    canonical CSR form). Values are cast to float32.
+
+    Raises
+    ------
+    MatrixFormatError
+        Complex values, a shape beyond the int32 column range, or a matrix that
+        has negative or non-finite values (also
+        float64 values that overflow float32).
+    """
+    import scipy.sparse as sp
+
+    if not sp.issparse(a):
+        a = np.asarray(a)
+        if a.ndim != 2:
+            raise MatrixFormatError(source, f"expected a 2-D matrix, got {a.ndim} dimensions")
+        a = sp.csr_matrix(a)
+    if np.iscomplexobj(a.data):
+        raise MatrixFormatError(source, f"complex values ({a.dtype}) are not supported; a system matrix is real")
+    if a.dtype.kind not in "fiub":
+        raise MatrixFormatError(source, f"unsupported value type {a.dtype}")
+    m, n = a.shape
+    if n > MAX_INDEX:
+        raise MatrixFormatError(source, f"{n} columns exceed the int32 column index range")
+    fmt = a.format
+    if fmt in ("csr", "csc"):
+        # check the raw arrays before SciPy's compiled routines index with them
+        shape = (m, n) if fmt == "csr" else (n, m)
+        validate_csr_arrays(a.indptr, a.indices, a.data, shape, source, check_values=False)
+    a = a.tocsr()
+    a.sum_duplicates()  # also sorts indices
+    with np.errstate(over="ignore"):
+        data = a.data.astype(np.float32)
+    mat = CSRMatrix(a.indptr.astype(np.int64), a.indices.astype(np.int32), data, (m, n))
+    check_row_ends(mat.indptr[1:], int(mat.indptr[0]), mat.nnz, source)
+    check_columns(mat.indices, n, source)
+    check_values(mat.data, source)
+    return mat
+
+
+class InMemoryMatrix:
+    """A whole matrix held in memory, with the file readers' interface.
+
+    Parameters
+    ----------
+    matrix
+        The validated matrix.
+    source
+        The file it was read from (for messages and ``source`` attributes).
+    """
+
+    grid = None
+    voxel_size = None
+
+    def __init__(self, matrix: CSRMatrix, source: str | os.PathLike = "<memory>") -> None:
+        self.matrix = matrix
+        self.source = os.fspath(source)
+        self.shape = matrix.shape
+        self.nnz = matrix.nnz
+        self.attrs: dict = {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing to release (kept for interface symmetry)."""
+
+    def read_indptr(self) -> np.ndarray:
+        """The int64 row pointer."""
+        return self.matrix.indptr
+
+    def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
+        """Rows ``[start, stop)`` as a CSR block with its own arrays (validated on load)."""
+        start, stop = check_range(start, stop, self.shape[0], self.source)
+        ip = self.matrix.indptr
+        lo, hi = int(ip[start]), int(ip[stop])
+        return CSRMatrix(
+            ip[start : stop + 1] - lo,
+            self.matrix.indices[lo:hi].copy(),
+            self.matrix.data[lo:hi].copy(),
+            (stop - start, self.shape[1]),
+        )
+
+    def chunk_bounds(self, max_nnz: int = 1 << 26) -> list[tuple[int, int]]:
+        """Row blocks of at most ``max_nnz`` elements (a longer row is a block of its own)."""
+        return chunk_bounds(self.matrix.indptr, max_nnz)
+
+    def iter_chunks(self, max_nnz: int = 1 << 26, *, validate: bool = True) -> Iterator[tuple[int, int, CSRMatrix]]:
+        """Yield ``(row0, row1, block)`` of at most ``max_nnz`` elements, covering every row once."""
+        for r0, r1 in chunk_bounds(self.matrix.indptr, max_nnz):
+            yield r0, r1, self.read_rows(r0, r1)
+
+    def to_csr(self) -> CSRMatrix:
+        """The matrix itself."""
+        return self.matrix

@@ -1,0 +1,551 @@
+"""The project's matrix container: CSR in HDF5 (h5py), read by row range; host memory, NumPy.
+
+Layout (see ``docs/formats.md``)::
+
+    /indptr   int64[m+1]   row pointer, starts at 0, ends at nnz
+    /indices  int32[nnz]   column indices
+    /data     float32[nnz] values
+    attrs: format="mlem-csr", version=1, shape=(m, n), nnz, source, checksum,
+           checksum_method, optional grid, voxel_size, scanner_block, and any
+           extra attributes given by the writer's caller.
+
+Datasets are chunked (1 MiB chunks, no compression, no filters) so a row range
+reads only the chunks it overlaps. :class:`MatrixH5Writer` streams row blocks
+and computes the checksum while it writes; :class:`MatrixH5` validates the
+attributes against the datasets on open and every range it reads.
+
+Checksum: ``blake2b`` (32-byte digest) of the concatenated 32-byte ``blake2b``
+digests of the little-endian bytes of ``indptr``, ``indices`` and ``data``,
+each array hashed whole, in that order; stored as 64 hex digits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+
+from mlemlib._io import atomic_path
+from mlemlib.errors import MatrixFormatError
+from mlemlib.formats._check import (
+    check_block,
+    check_columns,
+    check_range,
+    check_row_ends,
+    check_values,
+    chunk_bounds,
+)
+from mlemlib.matrix import CSRMatrix
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mlem-csr"
+VERSION = 1
+CHECKSUM_METHOD = "blake2b-256(blake2b-256(indptr) || blake2b-256(indices) || blake2b-256(data)), little-endian"
+#: dataset name -> on-disk dtype
+DATASETS = {"indptr": np.dtype("<i8"), "indices": np.dtype("<i4"), "data": np.dtype("<f4")}
+#: Chunk size in bytes of every dataset (1 MiB).
+CHUNK_BYTES = 1 << 20
+#: Attributes the writer sets itself; callers may not override them.
+RESERVED_ATTRS = frozenset(
+    {
+        "format",
+        "version",
+        "shape",
+        "nnz",
+        "source",
+        "checksum",
+        "checksum_method",
+        "grid",
+        "voxel_size",
+        "scanner_block",
+    }
+)
+DEFAULT_CHUNK_NNZ = 1 << 26
+#: Piece size (elements) for verifying checksums without holding a dataset.
+_HASH_PIECE = 1 << 24
+
+
+def _digest() -> hashlib.blake2b:
+    return hashlib.blake2b(digest_size=32)
+
+
+class _Checksum:
+    """The container's checksum, fed array by array in any interleaving."""
+
+    def __init__(self) -> None:
+        self.parts = {name: _digest() for name in DATASETS}
+
+    def update(self, name: str, a: np.ndarray) -> None:
+        a = np.ascontiguousarray(a, dtype=DATASETS[name])
+        self.parts[name].update(memoryview(a).cast("B"))
+
+    def hexdigest(self) -> str:
+        top = _digest()
+        for name in DATASETS:
+            top.update(self.parts[name].digest())
+        return top.hexdigest()
+
+
+def checksum_arrays(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray) -> str:
+    """The container checksum of in-memory CSR arrays (hex), as stored by :class:`MatrixH5Writer`."""
+    c = _Checksum()
+    c.update("indptr", indptr)
+    c.update("indices", indices)
+    c.update("data", data)
+    return c.hexdigest()
+
+
+def _plain(value):
+    """An HDF5 attribute value as a plain Python value."""
+    if isinstance(value, np.void):
+        return value.tobytes()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return value
+    return value
+
+
+# --------------------------------------------------------------------------- reader
+
+
+class MatrixH5:
+    """Reader of a matrix container; checks its attributes against its datasets on open.
+
+    Parameters
+    ----------
+    path
+        A ``matrix.h5`` (or ``transpose.h5``, ``part-k.h5``) written by
+        :class:`MatrixH5Writer`.
+
+    Attributes
+    ----------
+    shape : tuple[int, int]
+    nnz : int
+    attrs : dict
+        Every attribute as a plain Python value (``scanner_block`` as bytes).
+    grid : tuple[int, int, int] | None
+    voxel_size : tuple[float, float, float] | None
+    scanner_block : bytes | None
+    checksum : str
+
+    Raises
+    ------
+    MatrixFormatError
+        Not an HDF5 file, a wrong ``format``/``version``, missing datasets or
+        attributes, wrong dtypes, sizes that disagree with ``shape``/``nnz``, a
+        row pointer that does not start at 0 or end at nnz, or a grid whose
+        product differs from the number of columns.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        import h5py
+
+        self.path = Path(path)
+        self.source = os.fspath(path)
+        if not self.path.exists():
+            raise MatrixFormatError(self.source, "no such file")
+        try:
+            self._f = h5py.File(self.source, "r")
+        except OSError as exc:
+            raise MatrixFormatError(self.source, f"not a readable HDF5 file ({exc})") from None
+        try:
+            self._open()
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _fault(self, fault: str) -> MatrixFormatError:
+        return MatrixFormatError(self.source, fault)
+
+    def _open(self) -> None:
+        f = self._f
+        self.attrs = {k: _plain(v) for k, v in f.attrs.items()}
+        a = self.attrs
+        if "format" not in a:
+            raise self._fault(f"missing attribute 'format' (expected {FORMAT!r}); not an mlem matrix container")
+        if a["format"] != FORMAT:
+            raise self._fault(f"attribute format is {a['format']!r}, expected {FORMAT!r}")
+        for key in ("version", "shape", "nnz", "checksum"):
+            if key not in a:
+                raise self._fault(f"missing attribute {key!r}")
+        if a["version"] != VERSION:
+            raise self._fault(f"unsupported container version {a['version']!r}, expected {VERSION}")
+        shape = a["shape"]
+        if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(v, int) and v >= 0 for v in shape)):
+            raise self._fault(f"attribute shape is {shape!r}, expected two non-negative integers")
+        nnz = a["nnz"]
+        if not isinstance(nnz, int) or nnz < 0:
+            raise self._fault(f"attribute nnz is {nnz!r}, expected a non-negative integer")
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.nnz = int(nnz)
+        m, n = self.shape
+        if n > np.iinfo(np.int32).max:
+            raise self._fault(f"{n} columns exceed the int32 column index range")
+        expected = {"indptr": m + 1, "indices": self.nnz, "data": self.nnz}
+        self._ds = {}
+        for name, dtype in DATASETS.items():
+            if name not in f:
+                raise self._fault(f"missing dataset /{name}")
+            ds = f[name]
+            if not hasattr(ds, "dtype"):
+                raise self._fault(f"/{name} is a group, expected a dataset")
+            if ds.dtype != dtype or ds.ndim != 1:
+                raise self._fault(f"dataset /{name} is {ds.dtype}{list(ds.shape)}, expected 1-D {dtype.name}")
+            if ds.shape[0] != expected[name]:
+                what = "shape[0] + 1" if name == "indptr" else "nnz"
+                raise self._fault(f"dataset /{name} has {ds.shape[0]} entries, but attribute {what} = {expected[name]}")
+            self._ds[name] = ds
+        ip = self._ds["indptr"]
+        first, last = int(ip[0]), int(ip[m])
+        if first != 0:
+            raise self._fault(f"row pointer starts at {first}, expected 0")
+        if last != self.nnz:
+            raise self._fault(f"row pointer ends at {last}, expected nnz = {self.nnz}")
+        self.grid = None
+        self.voxel_size = None
+        if "grid" in a:
+            g = a["grid"]
+            if not (isinstance(g, list) and len(g) == 3 and all(isinstance(v, int) and v > 0 for v in g)):
+                raise self._fault(f"attribute grid is {g!r}, expected three positive integers")
+            if math.prod(g) != n:
+                raise self._fault(f"attribute grid {g[0]}x{g[1]}x{g[2]} = {math.prod(g)} disagrees with n = {n}")
+            self.grid = (int(g[0]), int(g[1]), int(g[2]))
+        if "voxel_size" in a:
+            v = a["voxel_size"]
+            if not (isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) and x > 0 for x in v)):
+                raise self._fault(f"attribute voxel_size is {v!r}, expected three positive numbers")
+            self.voxel_size = (float(v[0]), float(v[1]), float(v[2]))
+        sb = a.get("scanner_block")
+        self.scanner_block = sb if isinstance(sb, bytes) else None
+        self.checksum = str(a["checksum"])
+
+    # -- context management
+    def close(self) -> None:
+        """Close the HDF5 file."""
+        self._f.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MatrixH5({self.source!r}, shape={self.shape}, nnz={self.nnz})"
+
+    # -- reads
+    def read_indptr(self) -> np.ndarray:
+        """The full int64 row pointer (``m + 1`` entries), validated non-decreasing."""
+        ip = self._ds["indptr"][...]
+        return check_row_ends(ip[1:], int(ip[0]), self.nnz, self.source)
+
+    def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
+        """Read rows ``[start, stop)``; only the chunks of that range are read.
+
+        Parameters
+        ----------
+        start, stop
+            Row range, ``0 <= start <= stop <= m``.
+        validate
+            Check columns in range and values finite and non-negative. The row
+            pointer of the range is always checked.
+
+        Returns
+        -------
+        CSRMatrix
+            Shape ``(stop - start, n)``, ``indptr`` rebased to 0.
+
+        Raises
+        ------
+        MatrixFormatError
+            If the range read is inconsistent.
+        IndexError
+            If the range lies outside the matrix.
+        """
+        start, stop = check_range(start, stop, self.shape[0], self.source)
+        ip = self._ds["indptr"][start : stop + 1]
+        base = int(ip[0])
+        indptr = check_row_ends(ip[1:], base, self.nnz, self.source, row0=start)
+        hi = base + int(indptr[-1])
+        indices = self._read("indices", base, hi)
+        data = self._read("data", base, hi)
+        if validate:
+            check_columns(indices, self.shape[1], self.source, elem0=base)
+            check_values(data, self.source, elem0=base)
+        return CSRMatrix(indptr, indices, data, (stop - start, self.shape[1]))
+
+    def _read(self, name: str, lo: int, hi: int) -> np.ndarray:
+        ds = self._ds[name]
+        out = np.empty(hi - lo, dtype=ds.dtype.newbyteorder("="))
+        if hi > lo:
+            ds.read_direct(out, np.s_[lo:hi])
+        return out
+
+    def chunk_bounds(self, max_nnz: int = DEFAULT_CHUNK_NNZ) -> list[tuple[int, int]]:
+        """Row blocks of at most ``max_nnz`` elements (a longer row is a block of its own)."""
+        return chunk_bounds(self.read_indptr(), max_nnz)
+
+    def iter_chunks(
+        self, max_nnz: int = DEFAULT_CHUNK_NNZ, *, validate: bool = True
+    ) -> Iterator[tuple[int, int, CSRMatrix]]:
+        """Yield ``(row0, row1, block)`` covering every row exactly once, in order."""
+        for r0, r1 in self.chunk_bounds(max_nnz):
+            yield r0, r1, self.read_rows(r0, r1, validate=validate)
+
+    def to_csr(self) -> CSRMatrix:
+        """Read the whole matrix into memory (small matrices, tests)."""
+        return self.read_rows(0, self.shape[0])
+
+    def compute_checksum(self) -> str:
+        """Recompute the checksum from the datasets, reading them piece by piece."""
+        c = _Checksum()
+        for name in DATASETS:
+            size = self._ds[name].shape[0]
+            for lo in range(0, size, _HASH_PIECE):
+                c.update(name, self._read(name, lo, min(lo + _HASH_PIECE, size)))
+        return c.hexdigest()
+
+    def verify_checksum(self) -> None:
+        """Raise :class:`MatrixFormatError` if the stored checksum differs from the data's."""
+        got = self.compute_checksum()
+        if got != self.checksum:
+            raise self._fault(f"checksum mismatch: attribute says {self.checksum}, data gives {got} (file corrupted)")
+
+
+def read_matrix_h5(path: str | os.PathLike) -> CSRMatrix:
+    """Read a whole matrix container into memory, validated."""
+    with MatrixH5(path) as f:
+        return f.to_csr()
+
+
+# --------------------------------------------------------------------------- writer
+
+
+def _chunk(n_items: int, itemsize: int) -> tuple[int] | None:
+    if n_items == 0:
+        return None  # empty datasets cannot be chunked with a fixed size
+    return (min(n_items, CHUNK_BYTES // itemsize),)
+
+
+class MatrixH5Writer:
+    """Streaming, atomic writer of the matrix container.
+
+    Row blocks are written in order with :meth:`write_rows`; the checksum is
+    computed as they stream. :meth:`close` checks that exactly ``m`` rows and
+    ``nnz`` elements were written, stores the checksum and renames the
+    temporary file to ``path``. On an error (or :meth:`abort`) nothing is left.
+
+    Parameters
+    ----------
+    path
+        Target ``.h5`` file.
+    shape, nnz
+        Size of the matrix.
+    source
+        Name of the file the matrix came from (attribute ``source``).
+    grid, voxel_size
+        Image geometry (attributes); ``grid``'s product must equal ``n``.
+    scanner_block
+        The ``.csr4`` scanner block, kept verbatim (opaque attribute).
+    **attrs
+        Extra attributes (str, numbers, lists of numbers), e.g. ``kind="transpose"``.
+
+    Raises
+    ------
+    ValueError
+        A reserved attribute name in ``attrs``, or an inconsistent grid.
+    MatrixFormatError
+        A row block that does not fit the declared size or fails validation.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        shape: tuple[int, int],
+        nnz: int,
+        *,
+        source: str = "",
+        grid: tuple[int, int, int] | None = None,
+        voxel_size: tuple[float, float, float] | None = None,
+        scanner_block: bytes | None = None,
+        **attrs,
+    ) -> None:
+        import h5py
+
+        self.path = Path(path)
+        m, n = int(shape[0]), int(shape[1])
+        self.shape = (m, n)
+        self.nnz = int(nnz)
+        if m < 0 or n < 0 or self.nnz < 0:
+            raise ValueError(f"bad shape {shape} or nnz {nnz}")
+        if n > np.iinfo(np.int32).max:
+            raise ValueError(f"n = {n} exceeds the int32 column index range")
+        bad = RESERVED_ATTRS.intersection(attrs)
+        if bad:
+            raise ValueError(f"reserved attribute names {sorted(bad)}; pass them as keywords")
+        if grid is not None:
+            grid = tuple(int(g) for g in grid)
+            if len(grid) != 3 or math.prod(grid) != n:
+                raise ValueError(f"grid {grid} does not multiply to n = {n}")
+        if voxel_size is not None:
+            voxel_size = tuple(float(v) for v in voxel_size)
+            if len(voxel_size) != 3:
+                raise ValueError(f"voxel_size {voxel_size} needs 3 values")
+        self._rows = 0
+        self._written = 0
+        self._checksum = _Checksum()
+        self._stack = contextlib.ExitStack()
+        self._tmp = self._stack.enter_context(atomic_path(self.path))
+        self._open = True
+        try:
+            f = self._f = h5py.File(self._tmp, "w")
+            for name, dtype in DATASETS.items():
+                size = m + 1 if name == "indptr" else self.nnz
+                f.create_dataset(name, shape=(size,), dtype=dtype, chunks=_chunk(size, dtype.itemsize))
+            f.attrs["format"] = FORMAT
+            f.attrs["version"] = np.int64(VERSION)
+            f.attrs["shape"] = np.array([m, n], dtype=np.int64)
+            f.attrs["nnz"] = np.int64(self.nnz)
+            f.attrs["source"] = str(source)
+            f.attrs["checksum_method"] = CHECKSUM_METHOD
+            if grid is not None:
+                f.attrs["grid"] = np.array(grid, dtype=np.int64)
+            if voxel_size is not None:
+                f.attrs["voxel_size"] = np.array(voxel_size, dtype=np.float64)
+            if scanner_block is not None:
+                f.attrs["scanner_block"] = np.void(bytes(scanner_block))
+            for k, v in attrs.items():
+                f.attrs[k] = v
+            zero = np.zeros(1, dtype=np.int64)
+            f["indptr"][0:1] = zero
+            self._checksum.update("indptr", zero)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def rows_written(self) -> int:
+        """Rows written so far."""
+        return self._rows
+
+    @property
+    def checksum(self) -> str:
+        """The checksum of everything written (final once every row is written)."""
+        return self._checksum.hexdigest()
+
+    def write_rows(self, block: CSRMatrix, *, validate: bool = True) -> None:
+        """Append the next row block.
+
+        Parameters
+        ----------
+        block
+            Rows ``rows_written .. rows_written + k``; ``indptr`` may start anywhere.
+        validate
+            Validate the block (skip only when it was just validated by a reader).
+        """
+        if not self._open:
+            raise ValueError(f"{self.path}: writer is closed")
+        k, bn = block.shape
+        m, n = self.shape
+        if bn != n:
+            raise MatrixFormatError(self.path, f"row block has {bn} columns, the matrix has n = {n}")
+        if self._rows + k > m:
+            raise MatrixFormatError(self.path, f"rows {self._rows}..{self._rows + k} exceed m = {m}")
+        if validate:
+            check_block(block, self.path, row0=self._rows, elem0=self._written)
+        bnnz = block.nnz
+        if self._written + bnnz > self.nnz:
+            raise MatrixFormatError(
+                self.path, f"elements {self._written}..{self._written + bnnz} exceed nnz = {self.nnz}"
+            )
+        try:
+            ends = block.indptr[1:] - block.indptr[0] + self._written
+            lo, hi = self._written, self._written + bnnz
+            if k:
+                self._f["indptr"][self._rows + 1 : self._rows + k + 1] = ends
+            if bnnz:
+                self._f["indices"][lo:hi] = block.indices
+                self._f["data"][lo:hi] = block.data
+            self._checksum.update("indptr", ends)
+            self._checksum.update("indices", block.indices)
+            self._checksum.update("data", block.data)
+        except BaseException:
+            self.abort()
+            raise
+        self._rows += k
+        self._written += bnnz
+
+    def close(self) -> str:
+        """Check completeness, store the checksum, rename into place; return the checksum."""
+        if not self._open:
+            return self.checksum
+        m = self.shape[0]
+        if self._rows != m or self._written != self.nnz:
+            msg = (
+                f"writer closed after {self._rows} of {m} rows and {self._written} of {self.nnz} "
+                f"elements; nothing written"
+            )
+            self.abort()
+            raise MatrixFormatError(self.path, msg)
+        digest = self.checksum
+        self._open = False
+        try:
+            self._f.attrs["checksum"] = digest
+            self._f.close()
+        except BaseException as exc:
+            self._stack.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._stack.close()
+        log.debug("wrote %s (%d x %d, nnz %d, checksum %s)", self.path, *self.shape, self.nnz, digest)
+        return digest
+
+    def abort(self) -> None:
+        """Discard the partial file (the target is left untouched)."""
+        if not self._open:
+            return
+        self._open = False
+        with contextlib.suppress(Exception):
+            self._f.close()
+        self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_matrix_h5(path: str | os.PathLike, matrix: CSRMatrix, *, max_nnz: int = DEFAULT_CHUNK_NNZ, **attrs) -> str:
+    """Write an in-memory matrix as a container (atomically); return its checksum.
+
+    ``attrs`` are passed to :class:`MatrixH5Writer` (``source``, ``grid``,
+    ``voxel_size``, ``scanner_block`` and any extra attributes).
+    """
+    check_block(matrix, path)
+    base = int(matrix.indptr[0]) if len(matrix.indptr) else 0
+    ip = matrix.indptr - base
+    with MatrixH5Writer(path, matrix.shape, matrix.nnz, **attrs) as w:
+        for r0, r1 in chunk_bounds(ip, max_nnz):
+            lo, hi = int(ip[r0]), int(ip[r1])
+            w.write_rows(
+                CSRMatrix(ip[r0 : r1 + 1], matrix.indices[lo:hi], matrix.data[lo:hi], (r1 - r0, matrix.shape[1])),
+                validate=False,
+            )
+    return w.checksum

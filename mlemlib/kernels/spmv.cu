@@ -1,0 +1,362 @@
+// SpMV kernels of mlemlib's CUDA backend (compiled at run time by cupy.RawModule).
+//
+// Storage (see docs/gpu.md): CSR with a 64-bit row pointer (long long), 32-bit
+// column indices (int) and float32 values. The 64-bit row pointer is the
+// project's canonical one (mlemlib.matrix.CSRMatrix); it costs 8 bytes per row,
+// under 1.5% of the matrix for PET rows of a few hundred non-zeros, and keeps
+// matrices with 2^31 or more non-zeros on one code path.
+//
+// Kernels (all extern "C", so cupy.RawModule finds them by name):
+//
+//   csr_scalar          one thread per row (baseline). Deterministic.
+//   csr_vector_L        L = 2, 4, 8, 16, 32 lanes per row; 16-byte loads of
+//                       columns and values; warp-shuffle reduction; no atomics.
+//                       Deterministic: a row's summation order depends only on
+//                       its start, end and L.
+//   merge_spmv          merge-path SpMV of the thesis (5.1): each thread takes
+//                       `secsize` merge items (a non-zero or a row end) and adds
+//                       its partial row sums with atomicAdd. NOT deterministic.
+//   scatter_L           back projection without a transpose (thesis ch. 7):
+//                       L lanes per row of A add a_ij * c_i into out[j] with
+//                       atomicAdd. NOT deterministic.
+//   scatter_vec_L       the same, adding 2 or 4 contiguous, aligned columns
+//                       with one vector atomic (sm_90). NOT deterministic.
+//   scatter_smem        back projection without a transpose, one block per
+//                       nnz-balanced chunk of rows, accumulating into a window
+//                       of the output held in shared memory when the chunk's
+//                       columns fit, else straight into global memory.
+//                       NOT deterministic.
+//   chunk_bounds        set-up kernel of scatter_smem: column min/max per chunk.
+//
+// Epilogues (the `mode` argument of csr_scalar / csr_vector_L), which fuse the
+// elementwise MLEM steps into the projections:
+//   0  y[r] = sum                                         (plain SpMV)
+//   1  y[r] = sum != 0 ? aux0[r] / sum : 0                (correlation c = g / fp, aux0 = g)
+//   2  y[r] = aux1[r] != 0 ? aux0[r] * sum / aux1[r]      (update f * bp / norm,
+//             : aux0[r] * sum                              aux0 = f, may alias y; aux1 = norm)
+// The formulas are spelled exactly as in the separate elementwise kernels of
+// the backend, so fused and unfused iterations give bit-identical images.
+
+typedef long long i64;
+
+#define MODE_PLAIN 0
+#define MODE_CORR 1
+#define MODE_UPDATE 2
+
+// y and aux0 may alias (in-place update): neither is __restrict__.
+__device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y,
+                                          const float* aux0, const float* aux1) {
+    float out;
+    if (mode == MODE_CORR) {
+        out = (sum != 0.0f) ? aux0[r] / sum : 0.0f;
+    } else if (mode == MODE_UPDATE) {
+        const float nrm = aux1[r];
+        out = (nrm != 0.0f) ? aux0[r] * sum / nrm : aux0[r] * sum;
+    } else {
+        out = sum;
+    }
+    y[r] = out;
+}
+
+// ---------------------------------------------------------------------------
+// csr_scalar: one thread per row, grid-stride over rows.
+extern "C" __global__ void csr_scalar(const i64* __restrict__ rowptr, const int* __restrict__ col,
+                                      const float* __restrict__ val, const float* __restrict__ x,
+                                      float* y, i64 m, int mode, const float* aux0,
+                                      const float* aux1) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < m; r += stride) {
+        const i64 s = rowptr[r], e = rowptr[r + 1];
+        float sum = 0.0f;
+        for (i64 k = s; k < e; ++k) sum += __ldg(val + k) * __ldg(x + __ldg(col + k));
+        write_row(mode, r, sum, y, aux0, aux1);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Dot product of row [s, e) with x by the L lanes of one group; each lane
+// returns its partial sum. Elements [s, a) (a = s rounded up to a multiple of
+// 4) and [4*qe, e) are loaded one by one, the rest as int4/float4 (16 bytes):
+// the arrays themselves must be 16-byte aligned (the Python side checks).
+template <int L>
+__device__ __forceinline__ float group_dot(i64 s, i64 e, const int* __restrict__ col,
+                                           const float* __restrict__ val,
+                                           const float* __restrict__ x, int lane) {
+    float sum = 0.0f;
+    const i64 a = (s + 3) & ~(i64)3;
+    const i64 head_end = a < e ? a : e;
+    for (i64 k = s + lane; k < head_end; k += L) sum += __ldg(val + k) * __ldg(x + __ldg(col + k));
+    const i64 qe = e >> 2;
+    const int4* __restrict__ col4 = reinterpret_cast<const int4*>(col);
+    const float4* __restrict__ val4 = reinterpret_cast<const float4*>(val);
+#pragma unroll 2
+    for (i64 q = (a >> 2) + lane; q < qe; q += L) {
+        const int4 c = __ldg(col4 + q);
+        const float4 v = __ldg(val4 + q);
+        const float x0 = __ldg(x + c.x), x1 = __ldg(x + c.y), x2 = __ldg(x + c.z), x3 = __ldg(x + c.w);
+        sum += v.x * x0;
+        sum += v.y * x1;
+        sum += v.z * x2;
+        sum += v.w * x3;
+    }
+    const i64 t0 = (qe << 2) > a ? (qe << 2) : a;
+    for (i64 k = t0 + lane; k < e; k += L) sum += __ldg(val + k) * __ldg(x + __ldg(col + k));
+    return sum;
+}
+
+// csr_vector_L: groups of L lanes, one row per group, grid-stride. The loop
+// runs over warp-aligned row bases so every lane of a warp takes the same
+// number of trips and the full-mask shuffles are legal.
+template <int L>
+__device__ __forceinline__ void csr_vector_body(const i64* __restrict__ rowptr,
+                                                const int* __restrict__ col,
+                                                const float* __restrict__ val,
+                                                const float* __restrict__ x, float* y, i64 m,
+                                                int mode, const float* aux0, const float* aux1) {
+    const int lane = threadIdx.x & (L - 1);
+    const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
+    for (i64 r = gtid / L; r - (threadIdx.x & 31) / L < m; r += ngroups) {
+        const bool valid = r < m;
+        const i64 s = valid ? rowptr[r] : 0;
+        const i64 e = valid ? rowptr[r + 1] : 0;
+        float sum = group_dot<L>(s, e, col, val, x, lane);
+#pragma unroll
+        for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, L);
+        if (valid && lane == 0) write_row(mode, r, sum, y, aux0, aux1);
+    }
+}
+
+#define CSR_VECTOR(L)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) csr_vector_##L(                            \
+        const i64* __restrict__ rowptr, const int* __restrict__ col,                              \
+        const float* __restrict__ val, const float* __restrict__ x, float* y, i64 m, int mode,   \
+        const float* aux0, const float* aux1) {                                                   \
+        csr_vector_body<L>(rowptr, col, val, x, y, m, mode, aux0, aux1);                         \
+    }
+CSR_VECTOR(2)
+CSR_VECTOR(4)
+CSR_VECTOR(8)
+CSR_VECTOR(16)
+CSR_VECTOR(32)
+
+// ---------------------------------------------------------------------------
+// merge_spmv: the merge-based SpMV of the thesis (5.1, Merrill & Garland).
+// The merge list is the m row ends (rowptr[1..m]) merged with the nnz indices
+// 0..nnz-1; thread t starts at diagonal d = t * secsize (found by binary
+// search along the diagonal) and consumes `secsize` items: a non-zero adds to
+// the running row sum, a row end flushes the sum into y with atomicAdd. y must
+// be zero on entry. Rows split between threads are summed in an order that
+// depends on timing: not deterministic.
+extern "C" __global__ void merge_spmv(const i64* __restrict__ rowptr, const int* __restrict__ col,
+                                      const float* __restrict__ val, const float* __restrict__ x,
+                                      float* __restrict__ y, i64 m, i64 nnz, int secsize) {
+    const i64 total = m + nnz;
+    const i64 nthreads = (total + secsize - 1) / secsize;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < nthreads; t += stride) {
+        const i64 d = t * secsize;
+        const i64 dend = (d + secsize < total) ? d + secsize : total;
+        // merge-path search: the split (i, j = d - i) with rowptr[i] ... see Merrill's MergePathSearch
+        i64 lo = d - nnz > 0 ? d - nnz : 0;
+        i64 hi = d < m ? d : m;
+        while (lo < hi) {
+            const i64 pivot = (lo + hi) >> 1;
+            if (rowptr[pivot + 1] <= d - pivot - 1)
+                lo = pivot + 1;
+            else
+                hi = pivot;
+        }
+        i64 i = lo, j = d - lo;
+        float sum = 0.0f;
+        for (i64 k = d; k < dend; ++k) {
+            if (i < m && j < rowptr[i + 1]) {
+                sum += __ldg(val + j) * __ldg(x + __ldg(col + j));
+                ++j;
+            } else {
+                if (sum != 0.0f) atomicAdd(y + i, sum);
+                sum = 0.0f;
+                ++i;
+            }
+        }
+        if (i < m && sum != 0.0f) atomicAdd(y + i, sum);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// scatter: out[j] += a_ij * c_i for every non-zero, from the rows of A (no
+// transpose). Rows with c_i == 0 are skipped (their non-zeros add nothing),
+// which saves reading them when the measurement has empty bins. out must be
+// zero on entry.
+template <int L, bool VEC>
+__device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
+                                             const int* __restrict__ col,
+                                             const float* __restrict__ val,
+                                             const float* __restrict__ c, float* out, i64 m) {
+    const int lane = threadIdx.x & (L - 1);
+    const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
+    const int4* __restrict__ col4 = reinterpret_cast<const int4*>(col);
+    const float4* __restrict__ val4 = reinterpret_cast<const float4*>(val);
+    for (i64 r = gtid / L; r < m; r += ngroups) {
+        const float cr = __ldg(c + r);
+        if (cr == 0.0f) continue;
+        const i64 s = rowptr[r], e = rowptr[r + 1];
+        const i64 a = (s + 3) & ~(i64)3;
+        const i64 head_end = a < e ? a : e;
+        for (i64 k = s + lane; k < head_end; k += L) atomicAdd(out + __ldg(col + k), __ldg(val + k) * cr);
+        const i64 qe = e >> 2;
+#pragma unroll 2
+        for (i64 q = (a >> 2) + lane; q < qe; q += L) {
+            const int4 cc = __ldg(col4 + q);
+            const float4 v = __ldg(val4 + q);
+            if (VEC && cc.y == cc.x + 1 && cc.z == cc.x + 2 && cc.w == cc.x + 3 && (cc.x & 3) == 0) {
+                atomicAdd(reinterpret_cast<float4*>(out + cc.x),
+                          make_float4(v.x * cr, v.y * cr, v.z * cr, v.w * cr));
+            } else if (VEC && cc.y == cc.x + 1 && (cc.x & 1) == 0 && cc.w == cc.z + 1 && (cc.z & 1) == 0) {
+                atomicAdd(reinterpret_cast<float2*>(out + cc.x), make_float2(v.x * cr, v.y * cr));
+                atomicAdd(reinterpret_cast<float2*>(out + cc.z), make_float2(v.z * cr, v.w * cr));
+            } else {
+                atomicAdd(out + cc.x, v.x * cr);
+                atomicAdd(out + cc.y, v.y * cr);
+                atomicAdd(out + cc.z, v.z * cr);
+                atomicAdd(out + cc.w, v.w * cr);
+            }
+        }
+        const i64 t0 = (qe << 2) > a ? (qe << 2) : a;
+        for (i64 k = t0 + lane; k < e; k += L) atomicAdd(out + __ldg(col + k), __ldg(val + k) * cr);
+    }
+}
+
+#define SCATTER(L)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) scatter_##L(                             \
+        const i64* __restrict__ rowptr, const int* __restrict__ col,                            \
+        const float* __restrict__ val, const float* __restrict__ c, float* out, i64 m) {        \
+        scatter_body<L, false>(rowptr, col, val, c, out, m);                                    \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256) scatter_vec_##L(                         \
+        const i64* __restrict__ rowptr, const int* __restrict__ col,                            \
+        const float* __restrict__ val, const float* __restrict__ c, float* out, i64 m) {        \
+        scatter_body<L, true>(rowptr, col, val, c, out, m);                                     \
+    }
+SCATTER(2)
+SCATTER(4)
+SCATTER(8)
+SCATTER(16)
+SCATTER(32)
+
+// ---------------------------------------------------------------------------
+// scatter_smem: one block per chunk of rows [crow[b], crow[b+1]) (chunks are
+// nnz-balanced on the host side). When the chunk's columns lie in a window
+// [cmin[b], cmax[b]] of at most `win` floats, the block accumulates into that
+// window in shared memory (shared-memory atomics) and then adds the window's
+// non-zero entries to out with one global atomic each; otherwise it adds
+// straight into out. Each warp takes one row at a time. out must be zero on
+// entry. Dynamic shared memory: win * 4 bytes.
+extern __shared__ float acc[];  // dynamic shared memory of scatter_smem
+
+template <bool LOCAL>
+__device__ __forceinline__ void scatter_chunk(const i64* __restrict__ rowptr,
+                                              const int* __restrict__ col,
+                                              const float* __restrict__ val,
+                                              const float* __restrict__ c, float* dst, i64 r0,
+                                              i64 r1, int lo) {
+    const int lane = threadIdx.x & 31;
+    const int nwarps = blockDim.x >> 5;
+    const int4* __restrict__ col4 = reinterpret_cast<const int4*>(col);
+    const float4* __restrict__ val4 = reinterpret_cast<const float4*>(val);
+    for (i64 r = r0 + (threadIdx.x >> 5); r < r1; r += nwarps) {
+        const float cr = __ldg(c + r);
+        if (cr == 0.0f) continue;
+        const i64 s = rowptr[r], e = rowptr[r + 1];
+        const i64 a = (s + 3) & ~(i64)3;
+        const i64 head_end = a < e ? a : e;
+        const i64 qe = e >> 2;
+        const i64 t0 = (qe << 2) > a ? (qe << 2) : a;
+        for (i64 k = s + lane; k < head_end; k += 32) {
+            const int j = __ldg(col + k);
+            if (LOCAL) atomicAdd(acc + (j - lo), __ldg(val + k) * cr);
+            else atomicAdd(dst + j, __ldg(val + k) * cr);
+        }
+#pragma unroll 2
+        for (i64 q = (a >> 2) + lane; q < qe; q += 32) {
+            const int4 cc = __ldg(col4 + q);
+            const float4 v = __ldg(val4 + q);
+            if (LOCAL) {
+                atomicAdd(acc + (cc.x - lo), v.x * cr);
+                atomicAdd(acc + (cc.y - lo), v.y * cr);
+                atomicAdd(acc + (cc.z - lo), v.z * cr);
+                atomicAdd(acc + (cc.w - lo), v.w * cr);
+            } else {
+                atomicAdd(dst + cc.x, v.x * cr);
+                atomicAdd(dst + cc.y, v.y * cr);
+                atomicAdd(dst + cc.z, v.z * cr);
+                atomicAdd(dst + cc.w, v.w * cr);
+            }
+        }
+        for (i64 k = t0 + lane; k < e; k += 32) {
+            const int j = __ldg(col + k);
+            if (LOCAL) atomicAdd(acc + (j - lo), __ldg(val + k) * cr);
+            else atomicAdd(dst + j, __ldg(val + k) * cr);
+        }
+    }
+}
+
+extern "C" __global__ void scatter_smem(const i64* __restrict__ rowptr, const int* __restrict__ col,
+                                        const float* __restrict__ val, const float* __restrict__ c,
+                                        float* out, const i64* __restrict__ crow,
+                                        const int* __restrict__ cmin, const int* __restrict__ cmax,
+                                        int win) {
+    const int b = blockIdx.x;
+    const i64 r0 = crow[b], r1 = crow[b + 1];
+    const int lo = cmin[b];
+    const int width = cmax[b] - lo + 1;  // <= 0 for a chunk without non-zeros
+    if (width <= 0) return;
+    if (width <= win) {
+        for (int k = threadIdx.x; k < width; k += blockDim.x) acc[k] = 0.0f;
+        __syncthreads();
+        scatter_chunk<true>(rowptr, col, val, c, out, r0, r1, lo);
+        __syncthreads();
+        for (int k = threadIdx.x; k < width; k += blockDim.x) {
+            const float v = acc[k];
+            if (v != 0.0f) atomicAdd(out + lo + k, v);
+        }
+    } else {
+        scatter_chunk<false>(rowptr, col, val, c, out, r0, r1, lo);
+    }
+}
+
+// chunk_bounds: cmin[b], cmax[b] = smallest and largest column of the
+// non-zeros of rows [crow[b], crow[b+1]); (INT_MAX, -1) for an empty chunk.
+// One block per chunk.
+extern "C" __global__ void chunk_bounds(const i64* __restrict__ rowptr, const int* __restrict__ col,
+                                        const i64* __restrict__ crow, int* cmin, int* cmax) {
+    __shared__ int smin[32], smax[32];
+    const int b = blockIdx.x;
+    const i64 s = rowptr[crow[b]], e = rowptr[crow[b + 1]];
+    int lo = 0x7fffffff, hi = -1;
+    for (i64 k = s + threadIdx.x; k < e; k += blockDim.x) {
+        const int v = __ldg(col + k);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        smin[warp] = lo;
+        smax[warp] = hi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) {
+            lo = min(lo, smin[w]);
+            hi = max(hi, smax[w]);
+        }
+        cmin[b] = lo;
+        cmax[b] = hi;
+    }
+}

@@ -1,0 +1,249 @@
+"""The norm (sensitivity) image: column sums of the system matrix (CPU, Numba).
+
+Provides :func:`column_sums` (in memory), :func:`compute_norm` (the ``norm``
+stage: stream ``matrix.h5`` in row chunks, write ``norm.h5``) and
+:func:`read_norm` (validate and load a ``norm.h5``).
+
+``norm_j = sum_i a_ij`` is accumulated in float64, and deterministically: each
+column is summed sequentially in row order, whatever the number of threads or
+the chunk size. The threads split the *columns* (thread ``p`` owns a fixed
+range and scans the chunk's indices, adding only its own columns), so no two
+threads ever add to the same sum and no partial sums are combined. The result
+has the same bits as a sequential float64 loop over the non-zeros in row order
+(which is also what SciPy's ``A.astype(float64).sum(axis=0)`` computes).
+
+``norm.h5`` layout: dataset ``/norm`` float64[n]; attributes ``format="mlem-norm"``,
+``version=1``, ``source`` (the matrix file's name), ``checksum`` (the matrix's
+checksum attribute, to tie the norm to the matrix it came from), ``shape``
+(the matrix's ``(m, n)``) and ``nnz``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+from numba import njit, prange
+
+from mlemlib._io import atomic_path
+from mlemlib.errors import ConfigError, MatrixFormatError
+from mlemlib.matrix import CSRMatrix
+from mlemlib.transpose import DEFAULT_CHUNK_NNZ, numba_threads
+
+log = logging.getLogger(__name__)
+
+NORM_FORMAT = "mlem-norm"
+NORM_VERSION = 1
+
+
+@njit(parallel=True, cache=True)
+def _add_columns(indices, data, n, sums, nparts):  # pragma: no cover - compiled
+    """Add ``data`` to ``sums[indices]`` in float64, column ranges owned by ``nparts`` tasks.
+
+    Task ``p`` owns columns ``[p*n//nparts, (p+1)*n//nparts)`` and walks all
+    non-zeros in order, so every column is summed in row order by one task.
+    Returns the position of the first index outside ``[0, n)``, or -1.
+    """
+    nnz = indices.shape[0]
+    bad = -1
+    for p in prange(nparts):
+        c0 = p * n // nparts
+        c1 = (p + 1) * n // nparts
+        for k in range(nnz):
+            c = indices[k]
+            if c >= c0 and c < c1:
+                sums[c] += np.float64(data[k])
+    for k in range(nnz):
+        c = indices[k]
+        if c < 0 or c >= n:
+            bad = k
+            break
+    return bad
+
+
+def accumulate_column_sums(
+    sums: np.ndarray, block: CSRMatrix, *, source: str | os.PathLike = "<matrix>"
+) -> None:
+    """Add the column sums of a row block to ``sums`` (float64, in place).
+
+    Call it for the row blocks in row order to get the sums of the whole matrix.
+
+    Raises
+    ------
+    MatrixFormatError
+        If a column index is outside ``[0, n)``.
+    """
+    n = sums.shape[0]
+    p0 = int(block.indptr[0]) if len(block.indptr) else 0
+    nnz = block.nnz
+    indices = block.indices[p0 : p0 + nnz] if p0 else block.indices[:nnz]
+    data = block.data[p0 : p0 + nnz] if p0 else block.data[:nnz]
+    if nnz == 0 or n == 0:
+        if nnz and n == 0:
+            raise MatrixFormatError(source, f"column index {int(indices[0])} out of range [0, 0)")
+        return
+    from numba import get_num_threads
+
+    bad = _add_columns(indices, data, np.int64(n), sums, np.int64(get_num_threads()))
+    if bad >= 0:
+        raise MatrixFormatError(source, f"column index {int(indices[bad])} out of range [0, {n})")
+
+
+def column_sums(a: CSRMatrix, *, threads: int | None = None) -> np.ndarray:
+    """Return the column sums of ``a`` (float64, length n), deterministic.
+
+    Parameters
+    ----------
+    a
+        The matrix.
+    threads
+        Numba threads (None: current setting). The result does not depend on it.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``sum_i a_ij`` for every column ``j``, accumulated in float64 in row order.
+    """
+    sums = np.zeros(a.shape[1], dtype=np.float64)
+    with numba_threads(threads):
+        accumulate_column_sums(sums, a)
+    return sums
+
+
+def compute_norm(
+    matrix_h5: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    threads: int | None = None,
+    chunk_nnz: int = DEFAULT_CHUNK_NNZ,
+) -> np.ndarray:
+    """The ``norm`` stage: column sums of ``matrix.h5``, written to ``norm.h5``.
+
+    Streams the matrix in row chunks of about ``chunk_nnz`` non-zeros (memory:
+    one chunk plus the n-vector), validating each chunk as it is read.
+
+    Parameters
+    ----------
+    matrix_h5
+        The matrix container.
+    out
+        The ``norm.h5`` to write (atomically).
+    threads
+        Numba threads (None: all); the result does not depend on it.
+    chunk_nnz
+        Non-zeros per chunk.
+
+    Returns
+    -------
+    numpy.ndarray
+        The norm (float64, length n).
+
+    Raises
+    ------
+    MatrixFormatError
+        For a corrupt matrix.
+    ConfigError
+        For a bad thread count or chunk size.
+    """
+    import h5py
+
+    from mlemlib.formats.h5 import MatrixH5
+
+    if not isinstance(chunk_nnz, (int, np.integer)) or chunk_nnz < 1:
+        raise ConfigError("chunk_nnz", f"{chunk_nnz!r} is not a positive number of non-zeros")
+    name = Path(matrix_h5).name
+    with MatrixH5(matrix_h5) as src, numba_threads(threads):
+        m, n = src.shape
+        nnz, checksum = src.nnz, src.checksum
+        sums = np.zeros(n, dtype=np.float64)
+        log.info("%s: column sums of %d x %d, %d non-zeros", name, m, n, nnz)
+        next_report = 0.1
+        for r0, r1, block in src.iter_chunks(max_nnz=chunk_nnz):
+            accumulate_column_sums(sums, block, source=matrix_h5)
+            if m and r1 / m >= next_report:
+                log.info("%s: summed rows up to %d of %d (%.0f%%)", name, r1, m, 100.0 * r1 / m)
+                next_report = r1 / m + 0.1
+    zero = int(np.count_nonzero(sums == 0))
+    if zero:
+        log.info("%s: %d of %d voxels are seen by no LOR (norm 0)", name, zero, n)
+    with atomic_path(out) as tmp:
+        with h5py.File(tmp, "w") as f:
+            f.create_dataset("norm", data=sums)
+            f.attrs["format"] = NORM_FORMAT
+            f.attrs["version"] = NORM_VERSION
+            f.attrs["source"] = name
+            f.attrs["checksum"] = checksum
+            f.attrs["shape"] = np.array([m, n], dtype=np.int64)
+            f.attrs["nnz"] = np.int64(nnz)
+    log.info("%s: wrote %s", name, out)
+    return sums
+
+
+def read_norm(
+    path: str | os.PathLike,
+    expected_length: int | None = None,
+    *,
+    expected_checksum: str | None = None,
+) -> np.ndarray:
+    """Load and validate a ``norm.h5``.
+
+    Parameters
+    ----------
+    path
+        The file.
+    expected_length
+        The matrix's column count n, if known.
+    expected_checksum
+        The matrix's checksum, if the norm must come from that matrix.
+
+    Returns
+    -------
+    numpy.ndarray
+        The norm, float64, length n.
+
+    Raises
+    ------
+    MatrixFormatError
+        If the file is missing or not HDF5, has no float ``/norm`` vector, has
+        the wrong length, holds a non-finite or negative value, or came from
+        another matrix.
+    """
+    import h5py
+
+    p = Path(path)
+    if not p.is_file():
+        raise MatrixFormatError(path, "no such norm file")
+    try:
+        f = h5py.File(p, "r")
+    except OSError as exc:
+        raise MatrixFormatError(path, f"not a readable HDF5 file ({exc})") from exc
+    with f:
+        if "norm" not in f or not isinstance(f["norm"], h5py.Dataset):
+            raise MatrixFormatError(path, "no dataset 'norm' (expected float64[n], written by 'mlem norm')")
+        ds = f["norm"]
+        if ds.ndim != 1:
+            raise MatrixFormatError(path, f"'norm' has shape {ds.shape}, expected a vector")
+        if ds.dtype.kind != "f":
+            raise MatrixFormatError(path, f"'norm' has dtype {ds.dtype}, expected float64")
+        if expected_length is not None and ds.shape[0] != expected_length:
+            raise MatrixFormatError(
+                path, f"'norm' has {ds.shape[0]} entries, expected {expected_length} (the matrix's columns)"
+            )
+        if expected_checksum is not None:
+            found = f.attrs.get("checksum", "")
+            found = found.decode() if isinstance(found, bytes) else str(found)
+            if found != expected_checksum:
+                raise MatrixFormatError(
+                    path, f"norm of matrix with checksum {found or '(none)'}, expected {expected_checksum}"
+                )
+        norm = np.asarray(ds[()], dtype=np.float64)
+    finite = np.isfinite(norm)
+    if not finite.all():
+        j = int(np.argmax(~finite))
+        raise MatrixFormatError(path, f"non-finite norm {float(norm[j])} at voxel {j}")
+    if (norm < 0).any():
+        j = int(np.argmax(norm < 0))
+        raise MatrixFormatError(path, f"negative norm {float(norm[j])} at voxel {j}")
+    return norm

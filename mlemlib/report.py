@@ -1,0 +1,708 @@
+"""Summary of many runs: ``runs.csv``, Markdown tables and PNG plots (host; csv, matplotlib Agg).
+
+:func:`summarize` reads the ``timings.json`` of every run (and of the float64
+references), the transposition records (``transpose.h5`` attributes and
+Snakemake benchmark ``.tsv`` files), the partition plans and the SpMV
+benchmark tables, and writes:
+
+``runs.csv``
+    One row per run and repetition: every configuration dimension and every
+    measure (see :data:`RUN_COLUMNS`; ``cr_<label>`` columns follow for the
+    contrast recovery of each phantom insert).
+``summary.md``
+    Time per iteration by step (as the thesis's Table 9.3), the spread of the
+    accuracy over repetitions, transposition times by method, partition
+    balance, the SpMV benchmark.
+``plots/time_per_iteration.png``
+    Mean time per iteration of each configuration, stacked by step, with
+    each repetition's mean as a dot.
+``plots/time_distribution.png``
+    Box plot of every iteration's time by configuration.
+``plots/accuracy.png``
+    Image sum and relative L2 error to the reference per repetition (the
+    thesis's Figures 9.4 and 9.12 show the spread of the image sum).
+``plots/image_<matrix>_<data>.png``
+    Central slices (axial, coronal, sagittal) of a reconstruction beside the
+    truth, one per problem.
+
+The file names are stable; the workflow's report captions refer to them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlemlib._io import atomic_dir, atomic_path
+from mlemlib.errors import InputError
+from mlemlib.metrics import spread
+from mlemlib.timing import format_seconds, ordered_steps
+
+log = logging.getLogger(__name__)
+
+#: Steps reported in the tables, in order.
+STEPS = ("fp", "corr", "bp", "update", "allreduce")
+
+#: The fixed columns of ``runs.csv`` (``cr_<label>`` columns follow).
+RUN_COLUMNS = (
+    "run", "matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "dtype",
+    "reference_mode", "iterations", "repetition", "deterministic", "device",
+    "iteration_mean_s", "iteration_median_s", "iteration_min_s", "iteration_max_s", "iteration_std_s",
+    *(f"{s}_{k}_s" for s in STEPS for k in ("mean", "median", "min", "max")),
+    "load_s", "setup_s", "wall_s", "bytes_per_iteration", "bandwidth_GBps", "fp_bandwidth_GBps",
+    "bp_bandwidth_GBps", "image_sum", "reference_sum", "rel_l2_reference", "sum_rel_error_reference",
+    "rel_l2_truth", "image_sha256", "resumed_at",
+)
+
+_TRANSPOSE_METHODS = ("scantrans", "scipy", "cusparse")
+
+
+# --------------------------------------------------------------------------- loading
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except FileNotFoundError:
+        raise InputError(path, "no such file") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(path, f"not a readable JSON file ({exc})") from None
+    if not isinstance(d, dict) or "repetitions" not in d or "config" not in d:
+        raise InputError(path, "not a timings.json written by mlem reconstruct (no 'config'/'repetitions')")
+    return d
+
+
+def load_timings(items: Iterable[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Collect ``(run id, timings)`` pairs.
+
+    Parameters
+    ----------
+    items
+        ``timings.json`` paths, run directories (searched recursively for
+        ``timings.json``) or already-loaded timings dicts.
+
+    Raises
+    ------
+    InputError
+        A path that does not exist or a file that is not a timings record.
+    """
+    out: list[tuple[str, dict[str, Any]]] = []
+    for k, item in enumerate(items):
+        if isinstance(item, Mapping):
+            if "repetitions" not in item or "config" not in item:
+                raise InputError(f"<timings {k}>", "not a timings record (no 'config'/'repetitions')")
+            out.append((str(item.get("run", f"run{k}")), dict(item)))
+            continue
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(p.rglob("timings.json"))
+            if not found:
+                log.warning("%s: no timings.json below this directory", p)
+            out += [(os.fspath(f.parent), _read_json(f)) for f in found]
+        elif p.exists():
+            out.append((os.fspath(p.parent), _read_json(p)))
+        else:
+            raise InputError(p, "no such file or directory")
+    return out
+
+
+# --------------------------------------------------------------------------- rows
+def _num(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _device_name(t: dict[str, Any]) -> str:
+    dev = t.get("device")
+    if isinstance(dev, list):
+        names = [d.get("name", "?") if isinstance(d, dict) else str(d) for d in dev]
+        return f"{len(names)}x {names[0]}" if names else ""
+    if isinstance(dev, dict):
+        return str(dev.get("name", ""))
+    return str(dev or "")
+
+
+def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per run and repetition (the rows of ``runs.csv``)."""
+    rows = []
+    for run_id, t in timings:
+        cfg = t.get("config", {})
+        be = t.get("backend", {}) if isinstance(t.get("backend"), dict) else {}
+        nbytes = t.get("bytes", {}) or {}
+        setup = t.get("setup", {}) or {}
+        for rep in t.get("repetitions", []):
+            steps = rep.get("steps", {})
+            acc = rep.get("accuracy", {}) or {}
+            row: dict[str, Any] = {
+                "run": run_id,
+                "matrix": cfg.get("matrix"),
+                "data": cfg.get("data"),
+                "backend": cfg.get("backend"),
+                "fp": cfg.get("fp"),
+                "bp": cfg.get("bp"),
+                "transpose": bool(be.get("transpose", cfg.get("transpose") is not None)),
+                "secsize": cfg.get("secsize"),
+                "gpus": cfg.get("gpus"),
+                "layout": cfg.get("layout"),
+                "dtype": cfg.get("dtype"),
+                "reference_mode": bool(cfg.get("reference_mode", False)),
+                "iterations": cfg.get("iterations", rep.get("iterations")),
+                "repetition": rep.get("repetition"),
+                "deterministic": bool(t.get("deterministic", be.get("deterministic", True))),
+                "device": _device_name(t),
+                "load_s": _num(setup.get("load_s")),
+                "setup_s": _num(setup.get("backend_s")),
+                "wall_s": _num(rep.get("wall_s")),
+                "bytes_per_iteration": nbytes.get("iteration"),
+                "image_sum": _num(acc.get("image_sum")),
+                "reference_sum": _num(acc.get("reference_sum")),
+                "rel_l2_reference": _num(acc.get("rel_l2_reference")),
+                "sum_rel_error_reference": _num(acc.get("sum_rel_error_reference")),
+                "rel_l2_truth": _num(acc.get("rel_l2_truth")),
+                "image_sha256": acc.get("image_sha256"),
+                "resumed_at": " ".join(str(v) for v in rep.get("resumed_at") or []) or None,
+            }
+            it = steps.get("iteration", {})
+            for k in ("mean", "median", "min", "max", "std"):
+                row[f"iteration_{k}_s"] = _num(it.get(k))
+            for s in STEPS:
+                st = steps.get(s, {})
+                for k in ("mean", "median", "min", "max"):
+                    row[f"{s}_{k}_s"] = _num(st.get(k))
+
+            def bw(b: Any, sec: Any) -> float | None:
+                b, sec = _num(b), _num(sec)
+                return b / sec / 1e9 if b and sec else None
+
+            row["bandwidth_GBps"] = bw(nbytes.get("iteration"), row["iteration_mean_s"])
+            row["fp_bandwidth_GBps"] = bw(nbytes.get("fp"), row["fp_mean_s"])
+            row["bp_bandwidth_GBps"] = bw(nbytes.get("bp"), row["bp_mean_s"])
+            for label, v in (acc.get("contrast_recovery") or {}).items():
+                row[f"cr_{label}"] = _num(v)
+            row["_samples"] = rep.get("samples", {})
+            row["_outputs"] = t.get("outputs", {})
+            row["_truth"] = cfg.get("truth")
+            rows.append(row)
+    return rows
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    extra = sorted({k for r in rows for k in r if k.startswith("cr_")})
+    return list(RUN_COLUMNS) + extra
+
+
+def write_runs_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
+    """Write ``runs.csv`` (atomically); floats with full precision, empty cells for missing values."""
+    cols = _columns(rows)
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="", encoding="utf-8") as fh:
+            w = csv.writer(fh)
+            w.writerow(cols)
+            for r in rows:
+                w.writerow(["" if r.get(c) is None else (repr(r[c]) if isinstance(r[c], float) else r[c]) for c in cols])
+
+
+# --------------------------------------------------------------------------- grouping
+_CONFIG_KEYS = ("matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "dtype", "reference_mode")
+
+
+def config_label(r: Mapping[str, Any]) -> str:
+    """Short name of a configuration, e.g. ``cuda csr_vector/notrans x2 thesis``."""
+    if r.get("reference_mode"):
+        return "reference (float64)"
+    bp = f"{r.get('bp')}" + ("+AT" if r.get("transpose") and r.get("bp") != "notrans" else "")
+    s = f"{r.get('backend')} {r.get('fp')}/{bp}"
+    if r.get("secsize"):
+        s += f" sec{r['secsize']}"
+    gpus = r.get("gpus") or 1
+    if r.get("backend") != "cpu" or gpus != 1:
+        s += f" x{gpus}"
+        if gpus > 1:
+            s += f" {r.get('layout')}"
+    return s
+
+
+def group_rows(rows: list[dict[str, Any]]) -> OrderedDict[tuple, list[dict[str, Any]]]:
+    """Rows grouped by configuration (every dimension but the repetition), in first-seen order."""
+    groups: OrderedDict[tuple, list[dict[str, Any]]] = OrderedDict()
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in _CONFIG_KEYS), []).append(r)
+    return groups
+
+
+def _mean(vals: Iterable[Any]) -> float | None:
+    v = [x for x in (_num(y) for y in vals) if x is not None]
+    return float(np.mean(v)) if v else None
+
+
+# --------------------------------------------------------------------------- markdown
+def _md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        return ("" if v is None else str(v)).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_s(v: Any) -> str:
+    v = _num(v)
+    return format_seconds(v) if v is not None else ""
+
+
+def _fmt_g(v: Any, digits: int = 9) -> str:
+    v = _num(v)
+    return f"{v:.{digits}g}" if v is not None else ""
+
+
+def _fmt_e(v: Any) -> str:
+    v = _num(v)
+    return f"{v:.3e}" if v is not None else ""
+
+
+def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
+    """Markdown: time per iteration by step, one row per configuration, then a thesis-style table each."""
+    head = ["matrix", "data", "configuration", "reps", "iteration", "min", "max", *STEPS, "GB/s", "deterministic"]
+    body = []
+    for rs in groups.values():
+        r0 = rs[0]
+        body.append(
+            [
+                r0["matrix"], r0["data"], config_label(r0), len(rs),
+                _fmt_s(_mean(r["iteration_mean_s"] for r in rs)),
+                _fmt_s(min((r["iteration_min_s"] for r in rs if r["iteration_min_s"] is not None), default=None)),
+                _fmt_s(max((r["iteration_max_s"] for r in rs if r["iteration_max_s"] is not None), default=None)),
+                *(_fmt_s(_mean(r[f"{s}_mean_s"] for r in rs)) for s in STEPS),
+                _fmt_g(_mean(r["bandwidth_GBps"] for r in rs), 4),
+                "yes" if r0["deterministic"] else "NO (atomics)",
+            ]
+        )
+    out = ["## Time per iteration by step\n",
+           "Mean over all iterations and repetitions (min and max: the fastest and slowest single iteration). "
+           "GB/s: bytes of A (and of A^T where stored) read per iteration over the mean time.\n",
+           _md_table(head, body)]
+    for rs in groups.values():
+        r0 = rs[0]
+        samples: dict[str, list[float]] = {}
+        for r in rs:
+            for step, vals in (r.get("_samples") or {}).items():
+                samples.setdefault(step, []).extend(float(v) for v in vals if v is not None)
+        if not samples:
+            continue
+        stats_rows = []
+        for step in ordered_steps(samples):
+            a = np.asarray(samples[step])
+            if a.size:
+                stats_rows.append((step, float(a.mean()), float(a.min()), float(a.max()), float(np.median(a))))
+        its = [s for s in stats_rows if s[0] == "iteration"]
+        steps_sorted = sorted((s for s in stats_rows if s[0] != "iteration"), key=lambda s: -s[1]) + its
+        out.append(f"\n### {r0['matrix']} / {r0['data']}: {config_label(r0)}\n\n")
+        out.append(
+            _md_table(
+                ["step", "avg time per iteration", "min", "max", "median"],
+                [[s[0], _fmt_s(s[1]), _fmt_s(s[2]), _fmt_s(s[3]), _fmt_s(s[4])] for s in steps_sorted],
+            )
+        )
+    return "".join(out)
+
+
+def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
+    """Markdown: accuracy and its spread over repetitions, per configuration."""
+    head = ["matrix", "data", "configuration", "reps", "image sum (mean)", "min", "max", "std", "max-min",
+            "rel. L2 to ref. (mean)", "min", "max", "rel. L2 to truth", "distinct images", "deterministic"]
+    body = []
+    cr_rows = []
+    cr_labels = sorted({k for rs in groups.values() for r in rs for k in r if k.startswith("cr_")})
+    for rs in groups.values():
+        r0 = rs[0]
+        sums = spread([r["image_sum"] for r in rs if r["image_sum"] is not None])
+        rel = spread([r["rel_l2_reference"] for r in rs if r["rel_l2_reference"] is not None])
+        digests = {r["image_sha256"] for r in rs if r.get("image_sha256")}
+        body.append(
+            [
+                r0["matrix"], r0["data"], config_label(r0), len(rs),
+                _fmt_g(sums["mean"]), _fmt_g(sums["min"]), _fmt_g(sums["max"]), _fmt_e(sums["std"]), _fmt_e(sums["range"]),
+                _fmt_e(rel["mean"]), _fmt_e(rel["min"]), _fmt_e(rel["max"]),
+                _fmt_e(_mean(r["rel_l2_truth"] for r in rs)),
+                len(digests) if digests else "",
+                "yes" if r0["deterministic"] else "NO (atomics)",
+            ]
+        )
+        if cr_labels:
+            cr_rows.append([r0["matrix"], r0["data"], config_label(r0), *(_fmt_g(_mean(r.get(c) for r in rs), 4) for c in cr_labels)])
+    out = ["## Accuracy over repetitions\n",
+           "Image sum: the thesis's measure (float64 sum). rel. L2: ||f - f_ref|| / ||f_ref|| against the float64 "
+           "reference MLEM of the same problem, and against the phantom. distinct images: how many different "
+           "float32 images the repetitions produced (1: bit-identical).\n",
+           _md_table(head, body)]
+    if cr_rows:
+        out += ["\n### Contrast recovery (mean over repetitions; 1 is perfect)\n\n",
+                _md_table(["matrix", "data", "configuration", *(c[3:] for c in cr_labels)], cr_rows)]
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------- other records
+def read_benchmark_tsv(path: str | os.PathLike) -> dict[str, Any]:
+    """Seconds and peak memory of a Snakemake ``benchmark:`` file (all its rows: mean, min, max)."""
+    p = Path(path)
+    try:
+        with open(p, encoding="utf-8", newline="") as fh:
+            recs = list(csv.DictReader(fh, delimiter="\t"))
+    except OSError as exc:
+        raise InputError(p, f"cannot read benchmark file ({exc})") from None
+    secs = [_num(r.get("s")) for r in recs]
+    secs = [s for s in secs if s is not None]
+    if not secs:
+        raise InputError(p, "no 's' column with seconds (not a Snakemake benchmark file)")
+    rss = [_num(r.get("max_rss")) for r in recs]
+    rss = [v for v in rss if v is not None]
+    return {"n": len(secs), "mean_s": float(np.mean(secs)), "min_s": min(secs), "max_s": max(secs),
+            "max_rss_MB": max(rss) if rss else None}
+
+
+def _transpose_label(p: Path) -> tuple[str, str]:
+    """(matrix, method) from ``.../{matrix}/transpose[-method].h5`` or ``.../{matrix}[-method].tsv``."""
+    stem = p.name.split(".")[0]
+    if stem.startswith("transpose"):
+        method = stem[len("transpose-"):] if stem.startswith("transpose-") else ""
+        return p.parent.name, method
+    for meth in _TRANSPOSE_METHODS:
+        if stem.endswith("-" + meth):
+            return stem[: -len(meth) - 1], meth
+    return stem, ""
+
+
+def transpose_rows(transposes: Iterable[Any] = (), benchmarks: Iterable[Any] = ()) -> list[dict[str, Any]]:
+    """Transposition records: from ``transpose.h5`` attributes and Snakemake benchmark files."""
+    rows: list[dict[str, Any]] = []
+    for path in transposes:
+        import h5py
+
+        p = Path(path)
+        try:
+            with h5py.File(p, "r") as f:
+                attrs = {k: f.attrs[k] for k in f.attrs}
+        except OSError as exc:
+            raise InputError(p, f"not a readable HDF5 file ({exc})") from None
+        matrix, method = _transpose_label(p)
+        meth = attrs.get("method", method)
+        meth = meth.decode() if isinstance(meth, bytes) else str(meth)
+        rows.append({"matrix": matrix, "method": meth or "?", "source": "transpose.h5 attrs", "n": 1,
+                     "mean_s": _num(attrs.get("seconds")), "min_s": _num(attrs.get("seconds")),
+                     "max_s": _num(attrs.get("seconds")), "threads": _num(attrs.get("threads")), "max_rss_MB": None,
+                     "file": os.fspath(p)})
+    for path in benchmarks:
+        p = Path(path)
+        b = read_benchmark_tsv(p)
+        matrix, method = _transpose_label(p)
+        rows.append({"matrix": matrix, "method": method or "(configured)", "source": "snakemake benchmark (whole job)",
+                     "threads": None, "file": os.fspath(p), **b})
+    return rows
+
+
+def transpose_section(rows: list[dict[str, Any]]) -> str:
+    """Markdown: transposition times by method."""
+    if not rows:
+        return ""
+    body = [[r["matrix"], r["method"], r["source"], r.get("n"), _fmt_s(r.get("mean_s")), _fmt_s(r.get("min_s")),
+             _fmt_s(r.get("max_s")), _fmt_g(r.get("max_rss_MB"), 6), _fmt_g(r.get("threads"), 3)] for r in rows]
+    return "## Transposition times by method\n\n" + _md_table(
+        ["matrix", "method", "measured by", "n", "mean", "min", "max", "max RSS (MB)", "threads"], body)
+
+
+def plan_section(plans: Iterable[Any]) -> str:
+    """Markdown: nnz balance of the partition plans."""
+    body = []
+    for path in plans:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "plan.json"
+        try:
+            plan = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InputError(p, f"not a readable plan.json ({exc})") from None
+        nnz = plan.get("nnz_per_part") or []
+        body.append([p.parent.parent.name, plan.get("parts"), plan.get("nnz"), _fmt_g(plan.get("imbalance"), 6),
+                     _fmt_g(plan.get("transpose_imbalance"), 6), min(nnz) if nnz else "", max(nnz) if nnz else ""])
+    if not body:
+        return ""
+    return "## Partitions (nnz balance)\n\nimbalance: largest part's non-zeros over the mean (1 is perfect).\n\n" + _md_table(
+        ["matrix", "parts", "nnz", "imbalance A", "imbalance A^T blocks", "min nnz/part", "max nnz/part"], body)
+
+
+def csv_section(paths: Iterable[Any], title: str) -> str:
+    """Markdown: CSV tables rendered as they are (e.g. the SpMV benchmark)."""
+    out = []
+    for path in paths:
+        p = Path(path)
+        try:
+            with open(p, encoding="utf-8", newline="") as fh:
+                recs = list(csv.reader(fh))
+        except OSError as exc:
+            raise InputError(p, f"cannot read CSV ({exc})") from None
+        if not recs:
+            continue
+        out.append(f"\n### {p}\n\n" + _md_table(recs[0], recs[1:]))
+    return f"## {title}\n" + "".join(out) if out else ""
+
+
+# --------------------------------------------------------------------------- plots
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_") or "x"
+
+
+def plot_times(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
+    """Stacked bars of the mean step times per configuration, a dot per repetition's mean."""
+    import matplotlib.pyplot as plt
+
+    labels = [f"{rs[0]['matrix']}/{rs[0]['data']}\n{config_label(rs[0])}" for rs in groups.values()]
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.55 * max(1, len(labels))))
+    y = np.arange(len(labels))
+    left = np.zeros(len(labels))
+    colors = {"fp": "tab:blue", "corr": "tab:orange", "bp": "tab:green", "update": "tab:red", "allreduce": "tab:purple"}
+    for s in STEPS:
+        vals = np.array([(_mean(r[f"{s}_mean_s"] for r in rs) or 0.0) * 1e3 for rs in groups.values()])
+        if vals.any():
+            ax.barh(y, vals, left=left, color=colors[s], label=s)
+            left += vals
+    for k, rs in enumerate(groups.values()):
+        pts = [r["iteration_mean_s"] * 1e3 for r in rs if r["iteration_mean_s"] is not None]
+        ax.plot(pts, [k] * len(pts), "k.", ms=6, label="repetition mean (iteration)" if k == 0 else None)
+    ax.set_yticks(y, labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("time per iteration (ms)")
+    ax.set_title("MLEM time per iteration by configuration")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_distribution(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
+    """Box plot of every iteration's time by configuration."""
+    import matplotlib.pyplot as plt
+
+    data, labels = [], []
+    for rs in groups.values():
+        vals = [float(v) * 1e3 for r in rs for v in (r.get("_samples") or {}).get("iteration", []) if v is not None]
+        if vals:
+            data.append(vals)
+            labels.append(f"{rs[0]['matrix']}/{rs[0]['data']}\n{config_label(rs[0])}")
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.55 * max(1, len(labels))))
+    if data:
+        key = "tick_labels" if _mpl_has_tick_labels() else "labels"
+        ax.boxplot(data, vert=False, **{key: labels})
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=7)
+    else:
+        ax.text(0.5, 0.5, "no per-iteration samples", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("time per iteration (ms), all iterations of all repetitions")
+    ax.set_title("Distribution of the time per iteration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _mpl_has_tick_labels() -> bool:
+    import matplotlib
+
+    major, minor = (int(x) for x in matplotlib.__version__.split(".")[:2])
+    return (major, minor) >= (3, 9)
+
+
+def plot_accuracy(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
+    """Image sum and relative L2 error to the reference of every repetition, by configuration."""
+    import matplotlib.pyplot as plt
+
+    labels = [f"{rs[0]['matrix']}/{rs[0]['data']}\n{config_label(rs[0])}" for rs in groups.values()]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 1.2 + 0.55 * max(1, len(labels))), sharey=True)
+    for k, rs in enumerate(groups.values()):
+        sums = [r["image_sum"] for r in rs if r["image_sum"] is not None]
+        ax1.plot(sums, [k] * len(sums), "o", mfc="none", color="tab:blue")
+        refs = [r["reference_sum"] for r in rs if r.get("reference_sum") is not None]
+        if refs:
+            ax1.plot([refs[0]], [k], "k|", ms=14)
+        rel = [r["rel_l2_reference"] for r in rs if r["rel_l2_reference"]]
+        ax2.plot(rel, [k] * len(rel), "o", mfc="none", color="tab:red")
+    ax1.set_yticks(np.arange(len(labels)), labels, fontsize=7)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("image sum per repetition (|: reference)")
+    ax1.ticklabel_format(axis="x", useOffset=False, style="plain")
+    ax1.tick_params(axis="x", labelrotation=30, labelsize=7)
+    ax2.set_xlabel("relative L2 error to the float64 reference")
+    if any(ax2.get_lines()) and any(len(line.get_xdata()) for line in ax2.get_lines()):
+        ax2.set_xscale("log")
+    fig.suptitle("Accuracy over repetitions")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool:
+    """Central axial, coronal and sagittal slices of an image (and of the truth above it). False if unreadable."""
+    import matplotlib.pyplot as plt
+
+    from mlemlib.mlem import read_image
+
+    try:
+        img, attrs = read_image(image_path)
+    except InputError as exc:
+        log.warning("no image plot: %s", exc)
+        return False
+    grid = attrs.get("grid")
+    if not grid:
+        log.warning("%s: no grid attribute; no slice plot", image_path)
+        return False
+    gx, gy, gz = (int(v) for v in grid)
+    vols = []
+    if truth_path:
+        try:
+            t, _ = read_image(truth_path, expected_length=img.size)
+            vols.append(("truth", t.reshape(gz, gy, gx)))
+        except InputError as exc:
+            log.warning("truth not shown: %s", exc)
+    vols.append(("reconstruction", img.reshape(gz, gy, gx)))
+    vs = attrs.get("voxel_size") or [1.0, 1.0, 1.0]
+    fig, axes = plt.subplots(len(vols), 3, figsize=(10, 3.3 * len(vols)), squeeze=False)
+    for row, (name, v) in enumerate(vols):
+        vmax = float(np.percentile(v, 99.9)) or float(v.max()) or 1.0
+        slices = [("axial z=%d" % (gz // 2), v[gz // 2], vs[1] / vs[0]),
+                  ("coronal y=%d" % (gy // 2), v[:, gy // 2, :], vs[2] / vs[0]),
+                  ("sagittal x=%d" % (gx // 2), v[:, :, gx // 2], vs[2] / vs[1])]
+        for col, (sname, sl, aspect) in enumerate(slices):
+            ax = axes[row][col]
+            im = ax.imshow(sl, cmap="gray", vmin=0, vmax=vmax, origin="lower", aspect=aspect, interpolation="nearest")
+            ax.set_title(f"{name}: {sname}", fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        fig.colorbar(im, ax=axes[row].tolist(), shrink=0.8)
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------- summary
+def summarize(
+    runs: Iterable[Any] = (),
+    out_dir: str | os.PathLike | None = None,
+    *,
+    transpose_benchmarks: Iterable[Any] = (),
+    timings: Iterable[Any] = (),
+    references: Iterable[Any] = (),
+    plans: Iterable[Any] = (),
+    transposes: Iterable[Any] = (),
+    bench: Iterable[Any] = (),
+    out_csv: str | os.PathLike | None = None,
+    out_md: str | os.PathLike | None = None,
+    out_plots: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Write ``runs.csv``, ``summary.md`` and ``plots/`` for a set of runs.
+
+    Parameters
+    ----------
+    runs, timings
+        Run directories, ``timings.json`` files or timings dicts (both lists are used).
+    out_dir
+        Where ``runs.csv``, ``summary.md`` and ``plots/`` go (individual paths
+        ``out_csv``, ``out_md``, ``out_plots`` take precedence).
+    transpose_benchmarks
+        Snakemake benchmark ``.tsv`` files of the transposition jobs.
+    references
+        ``timings.json`` of the float64 references (``.h5`` files are ignored).
+    plans
+        ``plan.json`` files (or their directories) of the partitions.
+    transposes
+        ``transpose.h5`` files (their ``method``/``seconds`` attributes).
+    bench
+        SpMV benchmark CSV tables, rendered as they are.
+
+    Returns
+    -------
+    dict
+        ``rows`` (number of rows), ``configurations``, and the written paths
+        (``runs_csv``, ``summary_md``, ``plots``: list of PNG paths).
+
+    Raises
+    ------
+    InputError
+        An input that is missing or not what it should be.
+    """
+    if out_dir is None and (out_csv is None or out_md is None or out_plots is None):
+        raise InputError("out", "give out_dir, or all of out_csv, out_md and out_plots")
+    out = Path(out_dir) if out_dir is not None else None
+    csv_path = Path(out_csv) if out_csv is not None else out / "runs.csv"
+    md_path = Path(out_md) if out_md is not None else out / "summary.md"
+    plots_dir = Path(out_plots) if out_plots is not None else out / "plots"
+
+    refs = [r for r in references if not os.fspath(r).endswith((".h5", ".hdf5"))]
+    loaded = load_timings([*runs, *timings, *refs])
+    rows = run_rows(loaded)
+    groups = group_rows(rows)
+    trows = transpose_rows(transposes, transpose_benchmarks)
+    log.info("summarising %d runs (%d rows, %d configurations)", len(loaded), len(rows), len(groups))
+
+    write_runs_csv(rows, csv_path)
+
+    plot_names: list[str] = []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    with atomic_dir(plots_dir) as tmp:
+        if groups:
+            plot_times(groups, tmp / "time_per_iteration.png")
+            plot_distribution(groups, tmp / "time_distribution.png")
+            plot_accuracy(groups, tmp / "accuracy.png")
+            plot_names += ["time_per_iteration.png", "time_distribution.png", "accuracy.png"]
+        seen: set[tuple] = set()
+        for r in sorted(rows, key=lambda r: (bool(r["reference_mode"]), r["run"])):
+            problem = (r["matrix"], r["data"])
+            image = (r.get("_outputs") or {}).get("image")
+            if problem in seen or not image:
+                continue
+            if not Path(image).exists():  # the run directory moved: look beside its timings.json
+                image = Path(r["run"]) / Path(image).name
+            name = f"image_{_slug(r['matrix'])}_{_slug(r['data'])}.png"
+            if plot_image(image, r.get("_truth"), tmp / name, f"{r['matrix']} / {r['data']}: {config_label(r)} ({r['run']})"):
+                seen.add(problem)
+                plot_names.append(name)
+
+    parts = [
+        "# MLEM runs: summary\n\n",
+        f"{len(loaded)} runs, {len(rows)} repetitions, {len(groups)} configurations. "
+        f"Every row of `{csv_path.name}` is one repetition of one run.\n\n",
+        timing_section(groups) if groups else "No runs.\n",
+        "\n",
+        accuracy_section(groups) if groups else "",
+        "\n",
+        transpose_section(trows),
+        "\n",
+        plan_section(plans),
+        "\n",
+        csv_section(bench, "SpMV benchmark"),
+        "\n## Plots\n\n",
+        "".join(f"- `{plots_dir.name}/{p}`\n" for p in plot_names) or "none\n",
+    ]
+    with atomic_path(md_path) as tmp:
+        tmp.write_text("".join(parts), encoding="utf-8")
+    return {
+        "rows": len(rows),
+        "configurations": len(groups),
+        "runs_csv": os.fspath(csv_path),
+        "summary_md": os.fspath(md_path),
+        "plots": [os.fspath(plots_dir / p) for p in plot_names],
+    }

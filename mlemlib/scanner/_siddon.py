@@ -1,0 +1,249 @@
+"""Numba kernels of the exact ray tracer (Siddon's method, incremental form; CPU only).
+
+A ray ``P0 -> P1`` is clipped to the voxel box (slab method), then walked
+voxel by voxel: at each step the nearest of the next ``x``, ``y`` and ``z``
+voxel planes ends the current segment, whose length goes to the current
+voxel. Plane crossings are computed from the plane's own coordinate (not by
+accumulating increments), so the segment lengths of a ray telescope to its
+chord length through the box up to rounding. Segments of at most
+:data:`TOL_MM` are dropped, so a ray through a voxel edge or corner (two
+crossings at the same point, up to rounding) leaves no slivers.
+
+A tube of response is the set of rays between the ``k x k`` points of two
+crystal faces (all ``k**4`` pairs). Its row holds, per voxel, the sum of the
+rays' segment lengths divided by the number of rays. Voxels hit by several rays
+are merged with a per-thread dense "last seen" marker array; the columns of a
+row are then sorted in place.
+
+Rows are processed in two passes over the same kernel: :func:`count_rows`
+(number of distinct voxels per row) and :func:`fill_rows` (columns and values
+into pre-sized arrays), each parallel over threads with rows interleaved
+(thread ``t`` takes rows ``t, t + T, ...`` of the list).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+#: Segments of at most this length (mm) are dropped.
+TOL_MM = 1e-9
+
+
+@njit(cache=True, nogil=True)
+def _trace_ray(p0x, p0y, p0z, p1x, p1y, p1z, lo, vs, g, acc, mark, touched, cnt, stamp):
+    """Add the segments of ray ``p0 -> p1`` to ``acc``; return the new count of touched voxels."""
+    dx = p1x - p0x
+    dy = p1y - p0y
+    dz = p1z - p0z
+    length = math.sqrt(dx * dx + dy * dy + dz * dz)
+    if length == 0.0:
+        return cnt
+    lox = lo[0]
+    loy = lo[1]
+    loz = lo[2]
+    wx = vs[0]
+    wy = vs[1]
+    wz = vs[2]
+    gx = g[0]
+    gy = g[1]
+    gz = g[2]
+    hix = lox + gx * wx
+    hiy = loy + gy * wy
+    hiz = loz + gz * wz
+    t0 = 0.0
+    t1 = 1.0
+    # slab clipping, half-open [lo, hi) for an axis the ray is parallel to
+    if dx != 0.0:
+        ta = (lox - p0x) / dx
+        tb = (hix - p0x) / dx
+        if ta > tb:
+            ta, tb = tb, ta
+        t0 = max(t0, ta)
+        t1 = min(t1, tb)
+    elif p0x < lox or p0x >= hix:
+        return cnt
+    if dy != 0.0:
+        ta = (loy - p0y) / dy
+        tb = (hiy - p0y) / dy
+        if ta > tb:
+            ta, tb = tb, ta
+        t0 = max(t0, ta)
+        t1 = min(t1, tb)
+    elif p0y < loy or p0y >= hiy:
+        return cnt
+    if dz != 0.0:
+        ta = (loz - p0z) / dz
+        tb = (hiz - p0z) / dz
+        if ta > tb:
+            ta, tb = tb, ta
+        t0 = max(t0, ta)
+        t1 = min(t1, tb)
+    elif p0z < loz or p0z >= hiz:
+        return cnt
+    tol_t = TOL_MM / length
+    if t1 - t0 <= tol_t:
+        return cnt
+    # first voxel: the one holding the entry point, clamped into the grid
+    ix = int(math.floor((p0x + t0 * dx - lox) / wx))
+    iy = int(math.floor((p0y + t0 * dy - loy) / wy))
+    iz = int(math.floor((p0z + t0 * dz - loz) / wz))
+    ix = min(max(ix, 0), gx - 1)
+    iy = min(max(iy, 0), gy - 1)
+    iz = min(max(iz, 0), gz - 1)
+    inf = np.inf
+    # next plane crossings; sx = +1/-1/0
+    if dx > 0.0:
+        sx = 1
+        ox = 1
+        nx = (lox + (ix + 1) * wx - p0x) / dx
+    elif dx < 0.0:
+        sx = -1
+        ox = 0
+        nx = (lox + ix * wx - p0x) / dx
+    else:
+        sx = 0
+        ox = 0
+        nx = inf
+    if dy > 0.0:
+        sy = 1
+        oy = 1
+        ny = (loy + (iy + 1) * wy - p0y) / dy
+    elif dy < 0.0:
+        sy = -1
+        oy = 0
+        ny = (loy + iy * wy - p0y) / dy
+    else:
+        sy = 0
+        oy = 0
+        ny = inf
+    if dz > 0.0:
+        sz = 1
+        oz = 1
+        nz = (loz + (iz + 1) * wz - p0z) / dz
+    elif dz < 0.0:
+        sz = -1
+        oz = 0
+        nz = (loz + iz * wz - p0z) / dz
+    else:
+        sz = 0
+        oz = 0
+        nz = inf
+    t = t0
+    while True:
+        tn = nx
+        if ny < tn:
+            tn = ny
+        if nz < tn:
+            tn = nz
+        end = tn if tn < t1 else t1
+        seg = (end - t) * length
+        if seg > TOL_MM:
+            v = ix + gx * (iy + gy * iz)
+            if mark[v] != stamp:
+                mark[v] = stamp
+                acc[v] = seg
+                touched[cnt] = v
+                cnt += 1
+            else:
+                acc[v] += seg
+        if tn >= t1:
+            break
+        t = tn
+        if nx <= tn:
+            ix += sx
+            if ix < 0 or ix >= gx:
+                break
+            nx = (lox + (ix + ox) * wx - p0x) / dx
+        if ny <= tn:
+            iy += sy
+            if iy < 0 or iy >= gy:
+                break
+            ny = (loy + (iy + oy) * wy - p0y) / dy
+        if nz <= tn:
+            iz += sz
+            if iz < 0 or iz >= gz:
+                break
+            nz = (loz + (iz + oz) * wz - p0z) / dz
+    return cnt
+
+
+@njit(cache=True, nogil=True)
+def _trace_tube(pts, i, j, lo, vs, g, acc, mark, touched, stamp):
+    """Trace all ray pairs between the faces of crystals ``i`` and ``j``; return distinct voxels.
+
+    The pair is traced in the canonical orientation ``min(i, j) -> max(i, j)``
+    so that rows ``(i, j)`` and ``(j, i)`` are bit-identical.
+    """
+    if i > j:
+        i, j = j, i
+    npts = pts.shape[1]
+    cnt = 0
+    for a in range(npts):
+        ax = pts[i, a, 0]
+        ay = pts[i, a, 1]
+        az = pts[i, a, 2]
+        for b in range(npts):
+            cnt = _trace_ray(
+                ax, ay, az, pts[j, b, 0], pts[j, b, 1], pts[j, b, 2], lo, vs, g, acc, mark, touched, cnt, stamp
+            )
+    return cnt
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def count_rows(pts, n_crystals, rows, lo, vs, g, acc, mark, touched, stamp0, counts):
+    """Write into ``counts[q]`` the number of distinct voxels of row ``rows[q]``.
+
+    ``acc``, ``mark``, ``touched`` are per-thread scratch arrays of shape
+    ``(T, ...)``; ``mark`` must not hold any stamp ``stamp0 + rows[q]``.
+    Rows with ``i == j`` are empty.
+    """
+    nt = mark.shape[0]
+    nrows = rows.shape[0]
+    for t in prange(nt):
+        for q in range(t, nrows, nt):
+            r = rows[q]
+            i = r // n_crystals
+            j = r - i * n_crystals
+            if i == j:
+                counts[q] = 0
+                continue
+            counts[q] = _trace_tube(pts, i, j, lo, vs, g, acc[t], mark[t], touched[t], stamp0 + r)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def fill_rows(pts, n_crystals, rows, lo, vs, g, acc, mark, touched, stamp0, indptr, inv_rays, indices, data, bad):
+    """Fill the sorted columns and values of rows ``rows`` into pre-sized CSR arrays.
+
+    ``indptr`` (length ``len(rows) + 1``) comes from the counting pass; a row
+    whose count differs is reported in ``bad[t] = row + 1`` (never expected:
+    the tracer is deterministic). Values are ``sum of segment lengths *
+    inv_rays`` in float64, stored as float32.
+    """
+    nt = mark.shape[0]
+    nrows = rows.shape[0]
+    for t in prange(nt):
+        acc_t = acc[t]
+        tch = touched[t]
+        for q in range(t, nrows, nt):
+            r = rows[q]
+            i = r // n_crystals
+            j = r - i * n_crystals
+            s = indptr[q]
+            e = indptr[q + 1]
+            if i == j:
+                if e != s:
+                    bad[t] = r + 1
+                continue
+            cnt = _trace_tube(pts, i, j, lo, vs, g, acc_t, mark[t], tch, stamp0 + r)
+            if cnt != e - s:
+                bad[t] = r + 1
+                continue
+            cols = tch[:cnt]
+            cols.sort()
+            for p in range(cnt):
+                v = cols[p]
+                indices[s + p] = v
+                data[s + p] = np.float32(acc_t[v] * inv_rays)

@@ -1,0 +1,391 @@
+"""System-matrix generation: trace every tube of response and stream the rows to ``.csr4`` (CPU, Numba).
+
+:func:`generate` makes two passes over the lines of response. The first
+counts the distinct voxels of each row (only pairs ``i < j``: row ``(j, i)``
+equals row ``(i, j)``), which gives the row pointer and the file's ``nnz``;
+the second traces the rows again in chunks of at most ``max_nnz`` elements,
+fills columns and values straight into arrays of the exact size and hands
+each chunk to :class:`mlemlib.formats.csr4.Csr4Writer`. Peak memory is one
+chunk plus the row pointer (8 bytes per row) and two dense per-thread scratch
+vectors of the voxel count.
+
+The output depends only on the :class:`~mlemlib.scanner.geometry.ScannerConfig`,
+not on the thread count or chunk size: same configuration, same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from mlemlib.errors import MlemError
+from mlemlib.matrix import CSRMatrix
+from mlemlib.scanner import _siddon
+from mlemlib.scanner.geometry import ScannerConfig, box_bounds, face_points
+from mlemlib.scanner.presets import get_preset
+
+log = logging.getLogger(__name__)
+
+#: Default bound on the elements of one streamed chunk (16 Mi elements, 128 MiB).
+DEFAULT_MAX_NNZ = 1 << 24
+
+
+@contextlib.contextmanager
+def _numba_threads(threads: int | None) -> Iterator[int]:
+    """Set Numba's thread count for the block (restored after); yield the count in use."""
+    import numba
+
+    old = numba.get_num_threads()
+    if threads is None:
+        yield old
+        return
+    if threads < 1:
+        from mlemlib.errors import ConfigError
+
+        raise ConfigError("threads", f"threads = {threads}, expected >= 1")
+    numba.set_num_threads(min(int(threads), numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield numba.get_num_threads()
+    finally:
+        numba.set_num_threads(old)
+
+
+def _resolve(preset: str | ScannerConfig, rays: int | None) -> ScannerConfig:
+    if isinstance(preset, ScannerConfig):
+        cfg = preset.validate()
+        return cfg.with_rays(rays) if rays is not None else cfg
+    return get_preset(preset, rays=rays)
+
+
+class Tracer:
+    """Traces rows of one scanner's system matrix with per-thread scratch (CPU, Numba).
+
+    Parameters
+    ----------
+    cfg
+        The scanner; validated here.
+    threads
+        Number of scratch slots (parallel workers); Numba's current thread
+        count by default.
+    """
+
+    def __init__(self, cfg: ScannerConfig, threads: int | None = None) -> None:
+        import numba
+
+        self.cfg = cfg.validate()
+        self.n_crystals = cfg.n_crystals
+        self.m, self.n = cfg.shape
+        self.pts = face_points(cfg)
+        lo, _ = box_bounds(cfg)
+        self.lo = lo
+        self.vs = np.asarray(cfg.voxel_size, dtype=np.float64)
+        self.g = np.asarray(cfg.grid, dtype=np.int64)
+        self.inv_rays = 1.0 / cfg.rays
+        nt = int(threads or numba.get_num_threads())
+        self.threads = nt
+        # A ray crosses at most gx + gy + gz voxels.
+        per_row = min(self.n, cfg.rays * int(self.g.sum()))
+        self._acc = np.zeros((nt, self.n), dtype=np.float64)
+        self._mark = np.full((nt, self.n), -1, dtype=np.int64)
+        self._touched = np.zeros((nt, per_row), dtype=np.int32)
+        self._stamp = 0
+
+    def _next_stamp(self) -> int:
+        s = self._stamp
+        self._stamp += self.m  # stamps of one call are s + row, row < m
+        return s
+
+    def count(self, rows: np.ndarray) -> np.ndarray:
+        """Distinct voxels of each row in ``rows`` (int64 array of row numbers)."""
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        counts = np.zeros(len(rows), dtype=np.int64)
+        if len(rows):
+            _siddon.count_rows(
+                self.pts, self.n_crystals, rows, self.lo, self.vs, self.g,
+                self._acc, self._mark, self._touched, self._next_stamp(), counts,
+            )  # fmt: skip
+        return counts
+
+    def fill(self, rows: np.ndarray, indptr: np.ndarray) -> CSRMatrix:
+        """The rows ``rows`` as a CSR block, given their row pointer from :meth:`count`.
+
+        Raises
+        ------
+        MlemError
+            If a row's count differs from the counting pass (a tracer bug).
+        """
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        indptr = np.ascontiguousarray(indptr, dtype=np.int64)
+        nnz = int(indptr[-1])
+        indices = np.empty(nnz, dtype=np.int32)
+        data = np.empty(nnz, dtype=np.float32)
+        bad = np.zeros(self.threads, dtype=np.int64)
+        if len(rows):
+            _siddon.fill_rows(
+                self.pts, self.n_crystals, rows, self.lo, self.vs, self.g,
+                self._acc, self._mark, self._touched, self._next_stamp(),
+                indptr, self.inv_rays, indices, data, bad,
+            )  # fmt: skip
+        if bad.any():
+            row = int(bad[bad > 0].min()) - 1
+            raise MlemError(f"scanner tracer: row {row} gave a different count in the fill pass (a bug)")
+        return CSRMatrix(indptr, indices, data, (len(rows), self.n))
+
+    def rows(self, rows: np.ndarray) -> CSRMatrix:
+        """Trace ``rows`` (count, then fill) and return them as a CSR block."""
+        counts = self.count(rows)
+        indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        return self.fill(rows, indptr)
+
+
+def trace_rows(
+    preset: str | ScannerConfig, rows, *, rays: int | None = None, threads: int | None = None
+) -> CSRMatrix:
+    """Trace chosen rows of the system matrix in memory (tests, inspection, estimates).
+
+    Parameters
+    ----------
+    preset
+        A preset name or a :class:`ScannerConfig`.
+    rows
+        Row numbers (``i * n_crystals + j``), any order, repeats allowed.
+    rays
+        Override of the rays per tube.
+    threads
+        Numba threads.
+
+    Returns
+    -------
+    CSRMatrix
+        ``len(rows) x n_voxels``, columns sorted within each row.
+    """
+    cfg = _resolve(preset, rays)
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if len(rows) and (rows.min() < 0 or rows.max() >= cfg.n_lors):
+        from mlemlib.errors import ConfigError
+
+        raise ConfigError("rows", f"row numbers must lie in [0, {cfg.n_lors})")
+    with _numba_threads(threads):
+        return Tracer(cfg).rows(rows)
+
+
+class _Progress:
+    """Logs ``done/total`` with rate and ETA, at most every ``every`` seconds."""
+
+    def __init__(self, what: str, total: int, unit: str, every: float = 5.0) -> None:
+        self.what, self.total, self.unit, self.every = what, total, unit, every
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, done: int, extra: str = "", force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        dt = now - self.t0
+        rate = done / dt if dt > 0 else 0.0
+        eta = (self.total - done) / rate if rate > 0 else math.inf
+        pct = 100.0 * done / self.total if self.total else 100.0
+        log.info(
+            "%s: %d/%d %s (%.1f%%), %.1f s, ETA %.0f s%s",
+            self.what, done, self.total, self.unit, pct, dt, eta, extra,
+        )  # fmt: skip
+
+
+def _upper_rows(n_crystals: int, i0: int, i1: int) -> np.ndarray:
+    """Rows ``i * N + j`` with ``i0 <= i < i1`` and ``j > i``, ascending."""
+    parts = [np.arange(i * n_crystals + i + 1, (i + 1) * n_crystals, dtype=np.int64) for i in range(i0, i1)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def count_all(tracer: Tracer, *, chunk_rows: int | None = None) -> np.ndarray:
+    """Distinct voxels of every row (int64, length m), tracing only pairs ``i < j``."""
+    n_cr = tracer.n_crystals
+    total = n_cr * (n_cr - 1) // 2
+    chunk_rows = chunk_rows or max(4096, total // 200)
+    per_i = max(1, chunk_rows // max(1, n_cr))
+    counts = np.zeros((n_cr, n_cr), dtype=np.int64)
+    prog = _Progress("count pass", total, "tube pairs")
+    done = 0
+    for i0 in range(0, n_cr, per_i):
+        i1 = min(n_cr, i0 + per_i)
+        rows = _upper_rows(n_cr, i0, i1)
+        c = tracer.count(rows)
+        counts.reshape(-1)[rows] = c
+        done += len(rows)
+        prog.update(done)
+    prog.update(done, force=True)
+    counts += counts.T.copy()
+    return counts.reshape(-1)
+
+
+def _fill_chunks(row_counts: np.ndarray, max_nnz: int, max_rows: int) -> Iterator[tuple[int, int]]:
+    """Consecutive row ranges holding at most ``max_nnz`` elements (or one row) and ``max_rows`` rows."""
+    m = len(row_counts)
+    ends = np.cumsum(row_counts)
+    r0 = 0
+    base = 0
+    while r0 < m:
+        r1 = int(np.searchsorted(ends, base + max_nnz, side="right"))
+        r1 = max(r1, r0 + 1)
+        r1 = min(r1, r0 + max_rows, m)
+        yield r0, r1
+        base = int(ends[r1 - 1])
+        r0 = r1
+
+
+def generate(
+    preset: str | ScannerConfig,
+    out: str | os.PathLike,
+    *,
+    rays: int | None = None,
+    threads: int | None = None,
+    max_nnz: int = DEFAULT_MAX_NNZ,
+) -> dict:
+    """Generate a scanner's system matrix and write it as a ``.csr4`` file with its scanner block.
+
+    Parameters
+    ----------
+    preset
+        ``"small"``, ``"madpet2"`` or a :class:`ScannerConfig`.
+    out
+        Target ``.csr4`` path (written atomically).
+    rays
+        Override of the rays per tube (``k**4``).
+    threads
+        Numba threads (default: Numba's default, all cores).
+    max_nnz
+        Bound on the elements traced and written per chunk (memory bound).
+
+    Returns
+    -------
+    dict
+        ``path, preset, shape, nnz, rays, threads, empty_rows, max_row_nnz,
+        count_seconds, fill_seconds, seconds, nnz_per_second, bytes``.
+
+    Raises
+    ------
+    ConfigError
+        For an invalid preset, ray count or thread count.
+    """
+    from mlemlib.formats.csr4 import Csr4Writer
+
+    cfg = _resolve(preset, rays)
+    out = Path(out)
+    m, n = cfg.shape
+    t_start = time.perf_counter()
+    with _numba_threads(threads) as nt:
+        log.info(
+            "generating %s: %d crystals, %d x %d matrix, %d rays per tube, %d threads -> %s",
+            cfg.name, cfg.n_crystals, m, n, cfg.rays, nt, out,
+        )  # fmt: skip
+        tracer = Tracer(cfg, nt)
+        row_counts = count_all(tracer)
+        nnz = int(row_counts.sum())
+        t_count = time.perf_counter() - t_start
+        log.info("count pass done: nnz = %d (%.3g), %.1f s", nnz, nnz, t_count)
+        max_rows = max(4096, m // 200)
+        prog = _Progress("fill pass", nnz, "elements")
+        done = 0
+        with Csr4Writer(out, m, n, nnz, scanner_block=cfg.scanner_block(), flags=0) as writer:
+            for r0, r1 in _fill_chunks(row_counts, max_nnz, max_rows):
+                indptr = np.zeros(r1 - r0 + 1, dtype=np.int64)
+                np.cumsum(row_counts[r0:r1], out=indptr[1:])
+                block = tracer.fill(np.arange(r0, r1, dtype=np.int64), indptr)
+                writer.write_rows(block)
+                done += block.nnz
+                prog.update(done, f", rows {r1}/{m}")
+                del block
+        prog.update(done, force=True)
+    seconds = time.perf_counter() - t_start
+    summary = {
+        "path": str(out),
+        "preset": cfg.name,
+        "shape": [m, n],
+        "nnz": nnz,
+        "rays": cfg.rays,
+        "threads": nt,
+        "empty_rows": int((row_counts == 0).sum()),
+        "max_row_nnz": int(row_counts.max()) if m else 0,
+        "count_seconds": round(t_count, 3),
+        "fill_seconds": round(seconds - t_count, 3),
+        "seconds": round(seconds, 3),
+        "nnz_per_second": nnz / seconds if seconds > 0 else 0.0,
+        "bytes": out.stat().st_size,
+    }
+    log.info(
+        "wrote %s: %d x %d, nnz %d, %.1f s (%.3g nnz/s)", out, m, n, nnz, seconds, summary["nnz_per_second"]
+    )
+    return summary
+
+
+def _coprime_stride(m: int, n_crystals: int, sample: int) -> int:
+    stride = max(1, m // max(1, sample))
+    while math.gcd(stride, n_crystals) != 1:
+        stride += 1
+    return stride
+
+
+def estimate(
+    preset: str | ScannerConfig,
+    *,
+    rays: int | None = None,
+    threads: int | None = None,
+    sample: int = 20000,
+) -> dict:
+    """Estimate nnz and generation time from a strided sample of rows, without writing.
+
+    Rows ``0, s, 2s, ...`` (``s`` coprime with the crystal count, so every
+    crystal pair pattern is sampled) are counted and filled; totals are
+    scaled by ``m / sample``. The count pass of :func:`generate` traces only
+    half the rows, so the time estimate is ``(t_count / 2 + t_fill) * m / sample``,
+    writing excluded.
+
+    Returns
+    -------
+    dict
+        ``shape, rays, threads, sampled_rows, nnz_estimate, seconds_estimate,
+        nnz_per_second, bytes_estimate`` (``.csr4``: ``8 * (m + nnz)`` plus the header).
+    """
+    cfg = _resolve(preset, rays)
+    m, n = cfg.shape
+    stride = _coprime_stride(m, cfg.n_crystals, sample)
+    rows = np.arange(0, m, stride, dtype=np.int64)
+    with _numba_threads(threads) as nt:
+        tracer = Tracer(cfg, nt)
+        tracer.rows(rows[:8])  # compile / load the cached kernels outside the timing
+        t0 = time.perf_counter()
+        counts = tracer.count(rows)
+        t1 = time.perf_counter()
+        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        tracer.fill(rows, indptr)
+        t2 = time.perf_counter()
+    scale = m / len(rows)
+    nnz_est = float(counts.sum()) * scale
+    sec_est = ((t1 - t0) / 2 + (t2 - t1)) * scale
+    res = {
+        "preset": cfg.name,
+        "shape": [m, n],
+        "rays": cfg.rays,
+        "threads": nt,
+        "sampled_rows": int(len(rows)),
+        "sample_seconds": round(t2 - t0, 3),
+        "nnz_estimate": nnz_est,
+        "mean_nnz_per_nonempty_row": float(counts[counts > 0].mean()) if (counts > 0).any() else 0.0,
+        "seconds_estimate": sec_est,
+        "nnz_per_second": nnz_est / sec_est if sec_est > 0 else 0.0,
+        "bytes_estimate": 8 * (m + nnz_est),
+    }
+    log.info(
+        "estimate for %s (%d rays, %d threads, %d sampled rows): nnz ~ %.3g, ~ %.0f s without writing",
+        cfg.name, cfg.rays, nt, len(rows), nnz_est, sec_est,
+    )  # fmt: skip
+    return res

@@ -1,0 +1,439 @@
+"""Set-up and helpers of the workflow: config validation, wildcard constraints,
+and the functions the rules call (get_<thing>(wildcards), is_<predicate>()).
+
+Everything that computes lives in mlemlib; this file only decides which files
+the workflow makes and which config values each rule receives (as params, so
+that a changed value reruns exactly the rules that use it).
+"""
+
+import functools
+import os
+from pathlib import Path
+
+import jsonschema
+from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
+from snakemake.utils import validate
+
+
+def validate_config():
+    """Validate the config against config/schema.yaml, filling in defaults.
+
+    A fault stops the workflow before any job with one message naming the
+    key and the fault (not the whole schema).
+    """
+    try:
+        validate(config, schema="../config/schema.yaml")
+    except WorkflowError as exc:
+        error = exc.__context__
+        if not isinstance(error, jsonschema.ValidationError):
+            raise
+        path = list(error.absolute_path)
+        where = "".join(
+            f"[{key}]" if isinstance(key, int) else f".{key}" for key in path
+        ).lstrip(".")
+        fault = error.message
+        if len(path) >= 2 and path[0] == "matrices" and error.validator == "oneOf":
+            fault = "give exactly one of preset or path"
+        raise WorkflowError(
+            f"config {where or '(top level)'}: {fault}; "
+            "config/schema.yaml lists the keys and their allowed values"
+        ) from None
+
+
+validate_config()
+
+# Jobs import mlemlib from this checkout, also inside --sdm conda environments
+# (which carry the dependencies only).
+os.environ.update(
+    PYTHONPATH=os.pathsep.join(
+        p for p in (str(Path(workflow.basedir)), os.environ.get("PYTHONPATH")) if p
+    )
+)
+
+
+wildcard_constraints:
+    matrix="[A-Za-z0-9_]+",
+    method="[a-z0-9_]+",
+    parts="[0-9]+",
+    phantom="[A-Za-z0-9_]+",
+    seed="[0-9]+",
+    data="[A-Za-z0-9_]+(?:-seed[0-9]+)?",
+    run="(?:cpu|cuda)-[a-z0-9_]+-[a-z0-9_]+(?:-s[0-9]+)?",
+    gpus="[0-9]+",
+    layout="local|thesis",
+
+
+#: Back-projection kernels that work on A itself and need no stored transpose
+#: (mlemlib.backends: cpu "notrans"; cuda "notrans" = "scatter" and variants).
+NO_TRANSPOSE_BP = {
+    "notrans",
+    "scatter",
+    "scatter_vec",
+    "scatter_smem",
+    "cusparse_notrans",
+}
+
+SUMMARY_DIR = "results/summary"
+
+
+# ----------------------------------------------------------------- predicates
+
+
+@functools.cache
+def get_gpu_limit():
+    """Most GPUs a cuda run may use here; None for no limit.
+
+    ``use_gpu: auto`` counts, once, the GPUs CuPy sees on this machine (0
+    without CuPy or a driver; no CUDA context is created); ``true`` sets no
+    limit (a cluster whose login node has no GPU); ``false`` gives 0.
+    """
+    setting = config["use_gpu"]
+    if setting in (True, "true"):
+        return None
+    if setting in (False, "false"):
+        return 0
+    from mlemlib.backends import cuda_available
+
+    count = 0
+    if cuda_available():
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    logger.info(
+        f"use_gpu: auto: {count} GPU(s) visible; runs with backend cuda that "
+        f"need more are left out"
+    )
+    return count
+
+
+def is_gpu_enabled():
+    """True when runs with backend cuda (and the SpMV benchmark) belong to the DAG."""
+    limit = get_gpu_limit()
+    return limit is None or limit > 0
+
+
+def is_reference_enabled():
+    """True when every problem gets a float64 CPU reference MLEM."""
+    return bool(config["mlem"]["reference"])
+
+
+def is_simulated(wildcards):
+    """True when the measurement {data} is simulated (it has a ground truth)."""
+    return wildcards.data not in get_user_measurements(wildcards.matrix)
+
+
+# -------------------------------------------------------------------- matrices
+
+
+def get_matrices():
+    """Names of the configured system matrices."""
+    return list(config["matrices"])
+
+
+def get_preset(wildcards):
+    """Scanner preset of a generated matrix."""
+    preset = config["matrices"][wildcards.matrix]["preset"]
+    if preset is None:
+        raise ValueError(
+            f"config: matrices.{wildcards.matrix} names a path, not a preset"
+        )
+    return preset
+
+
+def get_matrix_source(wildcards):
+    """The file convert_matrix reads: the user's file or the generated .csr4."""
+    entry = config["matrices"][wildcards.matrix]
+    if entry["path"] is not None:
+        return entry["path"]
+    return f"resources/{wildcards.matrix}.csr4"
+
+
+def get_generated_matrix_regex():
+    """Wildcard regex of the matrices generate_matrix makes (those with a preset)."""
+    names = [name for name, entry in config["matrices"].items() if entry["preset"]]
+    return "|".join(names) if names else "(?!)"
+
+
+def get_transpose_method(wildcards=None):
+    """The method that writes results/{matrix}/transpose.h5."""
+    return config["transpose"]["method"]
+
+
+def get_transpose_gpus(wildcards):
+    """GPUs a transposition occupies: 1 for cusparse, else 0."""
+    method = getattr(wildcards, "method", None) or get_transpose_method()
+    return 1 if method == "cusparse" else 0
+
+
+def get_compared_transpose_methods():
+    """Further transposition methods timed for the comparison table."""
+    default = get_transpose_method()
+    return [
+        method
+        for method in config["transpose"]["compare"]
+        if method != default and (method != "cusparse" or is_gpu_enabled())
+    ]
+
+
+# ------------------------------------------------------------------- partitions
+
+
+def get_part_counts():
+    """Part counts to plan: the partition table's plus every multi-GPU run's."""
+    counts = set(config["partition"]["parts"])
+    counts.update(run["gpus"] for run in get_runs() if run["gpus"] > 1)
+    return sorted(counts)
+
+
+def get_parts(wildcards):
+    """Part count of partition_matrix (the {parts} wildcard as an integer)."""
+    return int(wildcards.parts)
+
+
+# ------------------------------------------------------------------ measurements
+
+
+def get_user_measurements(matrix):
+    """The user's measurements of one matrix: name -> .LMsino path."""
+    return config["matrices"][matrix]["measurements"]
+
+
+def get_simulated_measurements():
+    """Names {phantom}-seed{seed} of the simulated measurements (one seed if noiseless)."""
+    sim = config["simulation"]
+    seeds = sim["seeds"][:1] if sim["noiseless"] else sim["seeds"]
+    return [f"{phantom}-seed{seed}" for phantom in sim["phantoms"] for seed in seeds]
+
+
+def get_measurements(matrix):
+    """Every measurement reconstructed with one matrix: simulated and the user's."""
+    return get_simulated_measurements() + list(get_user_measurements(matrix))
+
+
+def get_measurement(wildcards):
+    """The .LMsino of {data}: the user's file or the simulated one."""
+    user = get_user_measurements(wildcards.matrix)
+    if wildcards.data in user:
+        return user[wildcards.data]
+    return f"results/{wildcards.matrix}/data/{wildcards.data}.LMsino"
+
+
+def get_simulation_params(wildcards):
+    """Phantom, seed and noise settings of simulate_measurement."""
+    sim = config["simulation"]
+    return {
+        "phantom": wildcards.phantom,
+        "seed": int(wildcards.seed),
+        "noiseless": sim["noiseless"],
+        "counts": sim["counts"],
+    }
+
+
+# ------------------------------------------------------------------------ runs
+
+
+def _as_list(value):
+    return value if isinstance(value, list) else [value]
+
+
+def _run_name(entry):
+    name = f"{entry['backend']}-{entry['fp']}-{entry['bp']}"
+    if entry["secsize"] is not None:
+        name += f"-s{entry['secsize']}"
+    return name
+
+
+@functools.cache
+def _all_runs():
+    """Every configured run, expanded over GPU counts and layouts (cached)."""
+    runs = {}
+    for index, entry in enumerate(config["runs"]):
+        for gpus in _as_list(entry["gpus"]):
+            if entry["backend"] == "cpu" and gpus != 1:
+                raise ValueError(
+                    f"config: runs[{index}].gpus: a cpu run takes 1, found {gpus}"
+                )
+            # One GPU has no layout to choose: its run is "local".
+            layouts = _as_list(entry["layout"]) if gpus > 1 else ["local"]
+            for layout in layouts:
+                run = {
+                    "name": _run_name(entry),
+                    "backend": entry["backend"],
+                    "fp": entry["fp"],
+                    "bp": entry["bp"],
+                    "secsize": entry["secsize"],
+                    "gpus": gpus,
+                    "layout": layout,
+                }
+                runs[(run["name"], gpus, layout)] = run
+    return runs
+
+
+def is_run_possible(run):
+    """True for cpu runs, and for cuda runs within get_gpu_limit()."""
+    if run["backend"] == "cpu":
+        return True
+    limit = get_gpu_limit()
+    return limit is None or run["gpus"] <= limit
+
+
+def get_runs():
+    """The runs of this workflow: every configured run that is_run_possible()."""
+    return [run for run in _all_runs().values() if is_run_possible(run)]
+
+
+def get_run(wildcards):
+    """Settings of one run: backend, fp, bp, secsize, gpus, layout."""
+    key = (wildcards.run, int(wildcards.gpus), wildcards.layout)
+    run = _all_runs().get(key)
+    if run is None:
+        raise ValueError(
+            f"no configured run {wildcards.run} with gpus {wildcards.gpus} "
+            f"and layout {wildcards.layout}"
+        )
+    return {k: run[k] for k in ("backend", "fp", "bp", "secsize", "gpus", "layout")}
+
+
+def get_mlem_params(wildcards):
+    """Iteration settings shared by every run of one problem."""
+    mlem = config["mlem"]
+    return {
+        "iterations": mlem["iterations"],
+        "checkpoint_every": mlem["checkpoint_every"],
+        "repetitions": mlem["repetitions"],
+    }
+
+
+def get_reference_params(wildcards):
+    """Iteration count of the float64 reference (the same as the runs')."""
+    return {"iterations": config["mlem"]["iterations"]}
+
+
+def get_problem_input(wildcards):
+    """Named inputs every reconstruction of {matrix} x {data} reads."""
+    inputs = {
+        "matrix": f"results/{wildcards.matrix}/matrix.h5",
+        "norm": f"results/{wildcards.matrix}/norm.h5",
+        "sino": get_measurement(wildcards),
+    }
+    if is_simulated(wildcards):
+        inputs["truth"] = f"results/{wildcards.matrix}/data/{wildcards.data}-truth.h5"
+    return inputs
+
+
+def get_mlem_input(wildcards):
+    """Named inputs of run_mlem: the problem, plus transpose, plan and reference as needed."""
+    run = get_run(wildcards)
+    inputs = get_problem_input(wildcards)
+    if run["bp"] not in NO_TRANSPOSE_BP:
+        inputs["transpose"] = f"results/{wildcards.matrix}/transpose.h5"
+    if run["gpus"] > 1:
+        inputs["plan"] = f"results/{wildcards.matrix}/parts-{run['gpus']}/plan.json"
+    if is_reference_enabled():
+        inputs["reference"] = (
+            f"results/{wildcards.matrix}/runs/{wildcards.data}/reference/image.h5"
+        )
+    return inputs
+
+
+def get_checkpoint(wildcards):
+    """Checkpoint file of a run (kept by an interrupted job so a rerun resumes)."""
+    return (
+        f"results/{wildcards.matrix}/runs/{wildcards.data}/{wildcards.run}/"
+        f"gpus-{wildcards.gpus}-{wildcards.layout}/checkpoint.h5"
+    )
+
+
+def get_mlem_gpus(wildcards):
+    """GPUs a run occupies (the `gpu` resource): its GPU count for cuda, else 0."""
+    run = get_run(wildcards)
+    return run["gpus"] if run["backend"] == "cuda" else 0
+
+
+def get_mlem_threads(wildcards):
+    """Host threads of a run: every core for cpu runs, one per GPU for cuda."""
+    run = get_run(wildcards)
+    return workflow.cores if run["backend"] == "cpu" else run["gpus"]
+
+
+# ------------------------------------------------------------------- benchmark
+
+
+def is_bench_enabled():
+    """True when the SpMV benchmark runs (it needs a GPU)."""
+    return config["bench"]["spmv"] and is_gpu_enabled()
+
+
+def get_bench_params(wildcards):
+    """Repetitions and merge section sizes of bench_spmv."""
+    return {
+        "repeats": config["bench"]["repeats"],
+        "secsizes": config["bench"]["secsizes"],
+    }
+
+
+# --------------------------------------------------------------------- summary
+
+
+def get_run_dirs(matrix):
+    """Every run directory of one matrix: results/{matrix}/runs/{data}/{run}/gpus-{P}-{layout}."""
+    return [
+        f"results/{matrix}/runs/{data}/{run['name']}/gpus-{run['gpus']}-{run['layout']}"
+        for data in get_measurements(matrix)
+        for run in get_runs()
+    ]
+
+
+def get_summary_input(wildcards):
+    """Named inputs of summarize: lists of every stage's records."""
+    matrices = get_matrices()
+    return {
+        "timings": [
+            f"{run_dir}/timings.json"
+            for matrix in matrices
+            for run_dir in get_run_dirs(matrix)
+        ],
+        "plans": [
+            f"results/{matrix}/parts-{parts}/plan.json"
+            for matrix in matrices
+            for parts in get_part_counts()
+        ],
+        "transposes": [f"results/{matrix}/transpose.h5" for matrix in matrices]
+        + [
+            f"results/{matrix}/transpose-{method}.h5"
+            for matrix in matrices
+            for method in get_compared_transpose_methods()
+        ],
+        "transpose_benchmarks": [
+            f"benchmarks/transpose/{matrix}.tsv" for matrix in matrices
+        ]
+        + [
+            f"benchmarks/transpose/{matrix}-{method}.tsv"
+            for matrix in matrices
+            for method in get_compared_transpose_methods()
+        ],
+        "references": (
+            [
+                f"results/{matrix}/runs/{data}/reference/timings.json"
+                for matrix in matrices
+                for data in get_measurements(matrix)
+            ]
+            if is_reference_enabled()
+            else []
+        ),
+        "bench": (
+            [f"results/{matrix}/bench/spmv.csv" for matrix in matrices]
+            if is_bench_enabled()
+            else []
+        ),
+    }
+
+
+def get_final_outputs():
+    """Targets of `all`: the summary tables and plots (they pull in every stage)."""
+    return [
+        f"{SUMMARY_DIR}/runs.csv",
+        f"{SUMMARY_DIR}/summary.md",
+        f"{SUMMARY_DIR}/plots",
+    ]

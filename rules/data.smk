@@ -1,0 +1,15 @@
+rule simulate_measurement:
+    input:
+        matrix="results/{matrix}/matrix.h5",
+    output:
+        sino="results/{matrix}/data/{phantom}-seed{seed}.LMsino",
+        truth="results/{matrix}/data/{phantom}-seed{seed}-truth.h5",
+    log:
+        "logs/data/{matrix}-{phantom}-seed{seed}.log",
+    conda:
+        "../envs/cpu.yaml"
+    threads: workflow.cores
+    params:
+        simulation=get_simulation_params,
+    script:
+        "../scripts/simulate_measurement.py"

@@ -1,0 +1,71 @@
+# The float64 CPU reference MLEM of one problem (matrix x measurement), which
+# every run of that problem is measured against.
+rule reference_mlem:
+    input:
+        unpack(get_problem_input),
+    output:
+        image="results/{matrix}/runs/{data}/reference/image.h5",
+        timings="results/{matrix}/runs/{data}/reference/timings.json",
+    log:
+        "logs/mlem/{matrix}/{data}/reference.log",
+    benchmark:
+        "benchmarks/mlem/{matrix}/{data}/reference.tsv"
+    conda:
+        "../envs/cpu.yaml"
+    threads: workflow.cores
+    params:
+        mlem=get_reference_params,
+    script:
+        "../scripts/reference_mlem.py"
+
+
+# One configured run: its repetitions run inside this one job, so that they
+# share the device and the loaded matrix; timings.json holds every one.
+rule run_mlem:
+    input:
+        unpack(get_mlem_input),
+    output:
+        image="results/{matrix}/runs/{data}/{run}/gpus-{gpus}-{layout}/image.h5",
+        timings="results/{matrix}/runs/{data}/{run}/gpus-{gpus}-{layout}/timings.json",
+        raw="results/{matrix}/runs/{data}/{run}/gpus-{gpus}-{layout}/image.raw",
+    log:
+        "logs/mlem/{matrix}/{data}/{run}-gpus-{gpus}-{layout}.log",
+    benchmark:
+        "benchmarks/mlem/{matrix}/{data}/{run}-gpus-{gpus}-{layout}.tsv"
+    conda:
+        "../envs/gpu.yaml"
+    threads: get_mlem_threads
+    resources:
+        gpu=get_mlem_gpus,
+    params:
+        run=get_run,
+        mlem=get_mlem_params,
+        checkpoint=get_checkpoint,
+        matrix_name="{matrix}",
+    script:
+        "../scripts/run_mlem.py"
+
+
+# SpMV kernels against cuSPARSE on one matrix (only where a GPU is used).
+rule bench_spmv:
+    input:
+        matrix="results/{matrix}/matrix.h5",
+        transpose="results/{matrix}/transpose.h5",
+    output:
+        csv="results/{matrix}/bench/spmv.csv",
+        md="results/{matrix}/bench/spmv.md",
+        json="results/{matrix}/bench/spmv.json",
+    log:
+        "logs/bench/{matrix}-spmv.log",
+    benchmark:
+        "benchmarks/bench/{matrix}-spmv.tsv"
+    conda:
+        "../envs/gpu.yaml"
+    threads: 1
+    resources:
+        gpu=1,
+    params:
+        bench=get_bench_params,
+        matrix_name="{matrix}",
+    script:
+        "../scripts/bench_spmv.py"

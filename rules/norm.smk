@@ -1,0 +1,14 @@
+rule compute_norm:
+    input:
+        matrix="results/{matrix}/matrix.h5",
+    output:
+        norm="results/{matrix}/norm.h5",
+    log:
+        "logs/norm/{matrix}.log",
+    benchmark:
+        "benchmarks/norm/{matrix}.tsv"
+    conda:
+        "../envs/cpu.yaml"
+    threads: workflow.cores
+    script:
+        "../scripts/compute_norm.py"

@@ -1,0 +1,42 @@
+"""Rule run_mlem: one configured reconstruction, timed over its repetitions."""
+
+import logging
+import sys
+
+sys.stderr = open(snakemake.log[0], "w", buffering=1)
+logging.basicConfig(
+    stream=sys.stderr,
+    level=logging.INFO,
+    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    force=True,
+)
+
+from mlemlib.mlem import reconstruct  # noqa: E402
+
+run = snakemake.params.run
+mlem = snakemake.params.mlem
+result = reconstruct(
+    snakemake.input.matrix,
+    snakemake.input.sino,
+    snakemake.output.image,
+    iterations=mlem["iterations"],
+    backend=run["backend"],
+    fp=run["fp"],
+    bp=run["bp"],
+    secsize=run["secsize"],
+    gpus=run["gpus"],
+    layout=run["layout"],
+    norm=snakemake.input.norm,
+    transpose=snakemake.input.get("transpose"),
+    plan=snakemake.input.get("plan"),
+    checkpoint_every=mlem["checkpoint_every"],
+    checkpoint=snakemake.params.checkpoint,
+    repetitions=mlem["repetitions"],
+    reference=snakemake.input.get("reference"),
+    truth=snakemake.input.get("truth"),
+    timings_out=snakemake.output.timings,
+    raw_out=snakemake.output.raw,
+    threads=snakemake.threads,
+    matrix_name=snakemake.params.matrix_name,
+)
+logging.info("run_mlem: wrote %s", snakemake.output.image)

@@ -1,0 +1,27 @@
+"""Rule summarize: runs.csv, summary.md and plots of every run."""
+
+import logging
+import sys
+
+sys.stderr = open(snakemake.log[0], "w", buffering=1)
+logging.basicConfig(
+    stream=sys.stderr,
+    level=logging.INFO,
+    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    force=True,
+)
+
+from mlemlib.report import summarize  # noqa: E402
+
+summary = summarize(
+    timings=snakemake.input.timings,
+    references=snakemake.input.references,
+    plans=snakemake.input.plans,
+    transposes=snakemake.input.transposes,
+    transpose_benchmarks=snakemake.input.transpose_benchmarks,
+    bench=snakemake.input.bench,
+    out_csv=snakemake.output.runs,
+    out_md=snakemake.output.summary,
+    out_plots=snakemake.output.plots,
+)
+logging.info("summarize: %s", summary)

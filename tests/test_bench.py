@@ -1,0 +1,246 @@
+"""CPU-side logic of the CUDA backend and the benchmark: no GPU needed (runs in CI).
+
+Lane choice, launch shapes, byte counts, chunking, kernel-name resolution, the
+synthetic tube-of-response matrix against its brute-force definition, the
+report formats and the ``mlem bench`` command line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from mlemlib.backends import _cuda_plan as plan
+from mlemlib.bench import format_csv, format_markdown, kernel_label, tor_geometry, tor_matrix, write_results
+from mlemlib.cli import main
+from mlemlib.devices import theoretical_bandwidth
+from mlemlib.errors import ConfigError
+
+
+# --------------------------------------------------------------------------- lanes and launch shapes
+@pytest.mark.parametrize(
+    ("mean", "lanes"),
+    [(0, 2), (-1, 2), (math.nan, 2), (1, 2), (8, 2), (8.5, 4), (16, 4), (17, 8), (32, 8), (33, 16),
+     (64, 16), (65, 32), (128, 32), (594.2, 32), (1e6, 32)],
+)
+def test_choose_lanes(mean, lanes):
+    # one trip of L lanes covers 4 L non-zeros: L = next power of two >= mean / 4, in [2, 32]
+    assert plan.choose_lanes(mean) == lanes
+
+
+def test_launch_shape_counts_blocks_and_caps_at_waves():
+    # 1000 rows, 8 rows per block -> 125 blocks
+    assert plan.launch_shape(1000, 8, sm_count=132, max_threads_per_sm=2048) == (125, 256)
+    assert plan.launch_shape(1001, 8, 132, 2048) == (126, 256)
+    # no work still launches one block (the kernels loop zero times)
+    assert plan.launch_shape(0, 8, 132, 2048) == (1, 256)
+    # H100: 132 SMs x 8 blocks of 256 threads x 16 waves
+    assert plan.launch_shape(10**9, 8, 132, 2048) == (132 * 8 * plan.WAVES, 256)
+    assert plan.launch_shape(10**9, 1, 2, 1024, threads=128) == (2 * 8 * plan.WAVES, 128)
+    with pytest.raises(ValueError):
+        plan.launch_shape(10, 0, 132, 2048)
+
+
+# --------------------------------------------------------------------------- byte counts
+def test_spmv_bytes_hand_counted():
+    # 3 x 4 matrix with 5 nnz: 5 * (4 + 4) + 8 * 4 row pointers + 4 * 4 (x) + 4 * 3 (y)
+    assert plan.spmv_bytes(3, 4, 5) == 40 + 32 + 16 + 12
+    assert plan.spmv_bytes(3, 4, 5, rowptr_itemsize=4) == 40 + 16 + 16 + 12
+    assert plan.csr_bytes(3, 5) == 40 + 32
+
+
+def test_iteration_floor_counts_both_matrices():
+    m, n, nnz = 1_347_840, 784_000, 800_858_760
+    a = 8 * nnz + 8 * (m + 1)
+    t = 8 * nnz + 8 * (n + 1)
+    assert plan.iteration_floor_bytes(m, n, nnz) == a + t
+    assert plan.iteration_floor_bytes(m, n, nnz, transpose=False) == 2 * a
+    # the row pointer is under 0.2% of a PET matrix
+    assert 8 * (m + 1) / a < 2e-3
+
+
+def test_merge_threads():
+    assert plan.merge_threads(3, 5, 3) == 3  # 8 merge items, 3 per thread
+    assert plan.merge_threads(3, 5, 1) == 8
+    assert plan.merge_threads(0, 0, 5) == 0
+    with pytest.raises(ConfigError, match="secsize"):
+        plan.merge_threads(3, 5, 0)
+
+
+def test_chunk_rows_balances_nnz_and_covers_every_row():
+    lengths = np.array([5, 0, 3, 10, 2, 0, 0, 7])
+    indptr = np.concatenate(([0], np.cumsum(lengths)))
+    b = plan.chunk_rows(indptr, 6)
+    assert b[0] == 0 and b[-1] == len(lengths)
+    assert np.all(np.diff(b) >= 1)
+    # each chunk ends at the first row boundary at or past a multiple of 6 nnz
+    assert b.tolist() == [0, 3, 4, 8]
+    # one chunk when the target exceeds nnz
+    assert plan.chunk_rows(indptr, 1000).tolist() == [0, 8]
+    assert plan.chunk_rows(np.zeros(1, dtype=np.int64), 10).tolist() == [0]
+    # an all-empty matrix: one chunk of all rows
+    assert plan.chunk_rows(np.zeros(5, dtype=np.int64), 10).tolist() == [0, 4]
+
+
+# --------------------------------------------------------------------------- kernel names
+def test_resolve_kernels_auto_and_aliases():
+    k = plan.resolve_kernels("auto", "auto", transpose_available=True, fits=True)
+    assert (k.fp, k.bp, k.needs_transpose, k.deterministic) == ("csr_vector", "csr_vector", True, True)
+    k = plan.resolve_kernels("auto", "auto", transpose_available=True, fits=False)
+    assert (k.bp, k.needs_transpose, k.deterministic) == ("scatter", False, False)
+    k = plan.resolve_kernels("csr_vector", "auto", transpose_available=False, fits=True)
+    assert k.bp == "scatter"
+    k = plan.resolve_kernels("merge", "notrans", transpose_available=True, fits=True)
+    assert (k.fp, k.bp, k.deterministic) == ("merge", "scatter", False)
+    k = plan.resolve_kernels("cusparse", "cusparse", transpose_available=False, fits=True)
+    assert k.needs_transpose and k.deterministic
+    with pytest.raises(ConfigError, match="fp"):
+        plan.resolve_kernels("numba", "auto", transpose_available=True, fits=True)
+    with pytest.raises(ConfigError, match="bp"):
+        plan.resolve_kernels("auto", "scipy", transpose_available=True, fits=True)
+
+
+def test_theoretical_bandwidth_h100():
+    # H100 SXM HBM3: 2619 MHz, 5120-bit bus -> 3.35 TB/s
+    assert theoretical_bandwidth(2619, 5120) == pytest.approx(3.352e12, rel=1e-3)
+
+
+# --------------------------------------------------------------------------- synthetic matrix
+def _brute_force_tor(nx, ny, nz, na, no, width=3.0):
+    g = tor_geometry(nx, ny, nz, na, no, width)
+    rows_c, rows_v = [], []
+    for r in range(g["m"]):
+        p, a, o = r // (na * no), (r % (na * no)) // no, r % no
+        s = (o - (no - 1) * 0.5) * g["ds"]
+        cols, vals = [], []
+        for z in (p, p + 1) if nz > 1 else (0,):
+            for y in range(ny):
+                for x in range(nx):
+                    d = abs((x - g["cx"]) * g["cs"][a] + ((y - g["cy"]) * g["sn"][a] - s))
+                    if d < g["w"]:
+                        cols.append((z * ny + y) * nx + x)
+                        vals.append(1.0 - d / g["w"])
+        rows_c.append(cols)
+        rows_v.append(vals)
+    return g, rows_c, rows_v
+
+
+@pytest.mark.parametrize("dims", [(12, 9, 3, 6, 10), (7, 7, 1, 5, 4), (4, 15, 2, 8, 9)])
+def test_tor_matrix_matches_its_definition(dims):
+    a = tor_matrix(*dims)
+    a.validate("tor")
+    g, cols, vals = _brute_force_tor(*dims)
+    assert a.shape == (g["m"], g["n"])
+    for r in range(g["m"]):
+        k0, k1 = a.indptr[r], a.indptr[r + 1]
+        assert a.indices[k0:k1].tolist() == cols[r], r
+        np.testing.assert_array_equal(a.data[k0:k1], np.asarray(vals[r], dtype=np.float32))
+    lengths = np.diff(a.indptr)
+    assert (lengths == 0).any()  # lines missing the image: empty rows, as in real scanners
+    assert a.data.min() > 0 and a.data.max() <= 1
+
+
+def test_tor_geometry_rejects_bad_sizes():
+    with pytest.raises(ConfigError, match="n_angles"):
+        tor_geometry(4, 4, 1, 0, 3)
+    with pytest.raises(ConfigError, match="width"):
+        tor_geometry(4, 4, 1, 2, 3, width=0)
+
+
+# --------------------------------------------------------------------------- reports
+def _result():
+    return {
+        "date": "2026-11-22",
+        "device": {"name": "NVIDIA H100 80GB HBM3", "theoretical_bandwidth": 3.352e12},
+        "copy": {"bandwidth": 3.0e12, "bytes": 1 << 32, "median_s": 1.43e-3},
+        "repeat": 30,
+        "warmup": 5,
+        "matrix": {"label": "m.h5", "shape": [10, 20], "nnz": 50, "bytes": 488, "mean_row_length": 5.0,
+                   "max_row_length": 9, "empty_rows": 1, "empty_cols": 2},
+        "kernels": [
+            {"op": "fp", "kernel": "cusparse", "deterministic": True, "median_s": 2.0e-3, "bandwidth": 2.7e12,
+             "of_copy": 0.9, "vs_cusparse": 1.0, "rel_l2": 3e-8, "bytes": 5_400_000_000},
+            {"op": "fp", "kernel": "csr_vector", "lanes": 32, "lanes_auto": True, "deterministic": True,
+             "median_s": 2.5e-3, "bandwidth": 2.16e12, "of_copy": 0.72, "vs_cusparse": 0.8, "rel_l2": 4e-8,
+             "bytes": 5_400_000_000},
+            {"op": "bp_notrans", "kernel": "merge", "secsize": 5, "deterministic": False, "median_s": 9e-3,
+             "bandwidth": 6e11, "of_copy": 0.2, "vs_cusparse": None, "rel_l2": None, "bytes": 5_400_000_000},
+        ],
+        "iterations": [
+            {"fp": "csr_vector", "bp": "csr_vector", "deterministic": True, "fused": ["corr into fp"],
+             "median_s": 6e-3, "floor_s": 5.4e-3, "of_floor": 0.9},
+        ],
+    }
+
+
+def test_kernel_label():
+    assert kernel_label({"kernel": "merge", "secsize": 7}) == "merge (secsize 7)"
+    assert kernel_label({"kernel": "csr_vector", "lanes": 8, "lanes_auto": False}) == "csr_vector (8 lanes, forced)"
+    assert kernel_label({"kernel": "csr_vector", "lanes": 32, "lanes_auto": True}) == "csr_vector (32 lanes)"
+    assert kernel_label({"kernel": "scatter", "lanes": 32}) == "scatter"
+
+
+def test_format_markdown_tables():
+    md = format_markdown(_result())
+    assert "## SpMV benchmark: m.h5" in md
+    assert "3.000 TB/s" in md and "theoretical 3.35 TB/s" in md
+    assert "| csr_vector (32 lanes) | yes | 2.500 | 2.160 | 72.0% | 0.80 | 4.0e-08 |" in md
+    assert "| merge (secsize 5) | no | 9.000 | 0.600 | 20.0% | - | - |" in md
+    assert "### back A^T c (no transpose)" in md
+    assert "### back A^T c (stored transpose)" not in md  # no rows for it
+    assert "| csr_vector | csr_vector | yes | corr into fp | 6.000 | 5.400 | 90.0% |" in md
+
+
+def test_format_csv_rows():
+    text = format_csv(_result())
+    lines = text.strip().splitlines()
+    assert lines[0].split(",") == list(format_csv.__globals__["CSV_FIELDS"])
+    assert len(lines) == 4
+    assert lines[2].startswith("fp,csr_vector,32,,True,0.0025,")
+
+
+def test_write_results_round_trip(tmp_path):
+    res = _result()
+    res["copy"]["bytes"] = np.int64(res["copy"]["bytes"])  # NumPy scalars serialise
+    out = tmp_path / "sub" / "bench.json"
+    write_results(res, out_json=out, out_md=tmp_path / "bench.md", out_csv=tmp_path / "bench.csv")
+    back = json.loads(out.read_text())
+    assert back["kernels"][1]["lanes"] == 32 and back["copy"]["bytes"] == 1 << 32
+    assert (tmp_path / "bench.md").read_text().startswith("## SpMV benchmark")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["bench.csv", "bench.json", "bench.md", "sub"]
+
+
+# --------------------------------------------------------------------------- command line
+def test_cli_bench_spmv_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "spmv", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--transpose" in out and "--repeat" in out and "--markdown" in out and "--synthetic" in out
+
+
+def test_cli_bench_spmv_missing_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "spmv", str(tmp_path / "nope.h5"), "--out", str(tmp_path / "b.json")])
+    assert exc.value.code == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_bench_spmv_needs_one_input(tmp_path, capsys):
+    code = main(["bench", "spmv", "--out", str(tmp_path / "b.json")])
+    assert code == 2
+    assert "either MATRIX or --synthetic" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_cli_bench_spmv_rejects_bad_lists(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "spmv", "--synthetic", "1,2,3", "--out", str(tmp_path / "b.json")])
+    assert exc.value.code == 2
+    assert "NX,NY,NZ,ANGLES,OFFSETS" in capsys.readouterr().err
+    code = main(["bench", "spmv", "--synthetic", "4,4,2,3,3", "--lanes", "3", "--out", str(tmp_path / "b.json")])
+    assert code == 2
+    assert "--lanes" in capsys.readouterr().err

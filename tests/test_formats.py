@@ -1,0 +1,760 @@
+"""Tests of mlemlib.formats: readers, writers, validation, convert/info and their CLI.
+
+Test files are encoded by hand here (struct/numpy/h5py, independently of the
+library's writers) so the readers are checked against an independent encoding,
+and the writers against the bytes the readers accept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import scipy.io
+import scipy.sparse as sp
+
+from mlemlib.cli import main
+from mlemlib.errors import MatrixFormatError, SinogramFormatError
+from mlemlib.formats import (
+    Csr4File,
+    Csr4Writer,
+    MatrixH5,
+    MatrixH5Writer,
+    ScannerGeometry,
+    convert,
+    file_kind,
+    info,
+    open_matrix,
+    read_lmsino,
+    read_mtx,
+    read_npz,
+    write_csr4,
+    write_lmsino,
+    write_matrix_h5,
+)
+from mlemlib.matrix import CSRMatrix
+
+GRID = (4, 3, 2)
+N = 24  # = prod(GRID)
+VOXEL = (1.5, 1.5, 2.0)
+
+# --------------------------------------------------------------------------- hand encoders
+
+
+def scanner_bytes(grid=GRID, voxel=VOXEL, n_layers=1, block_size=3, n_rings=2) -> bytes:
+    """A scanner block, encoded field by field as csr4.md describes."""
+    b = struct.pack("<I", n_layers)
+    for k in range(n_layers):
+        b += struct.pack("<5f", 2.0, 2.0, 10.0 + k, 50.0 + 10 * k, 0.096)
+    b += struct.pack("<II", 8, block_size)
+    b += struct.pack(f"<{block_size - 1}f", *[0.25 * (i + 1) for i in range(block_size - 1)])
+    b += struct.pack("<I", n_rings)
+    b += struct.pack(f"<{n_rings - 1}f", *[0.5] * (n_rings - 1))
+    b += struct.pack("<3f", *voxel)
+    b += struct.pack("<3I", *grid)
+    return b
+
+
+def encode_csr4(
+    indptr,
+    cols,
+    vals,
+    m,
+    n=N,
+    *,
+    scanner: bytes | None = None,
+    magic=b"PCSR",
+    version=4,
+    flags=0,
+    nnz=None,
+    s_field=None,
+    ends=None,
+) -> bytes:
+    """Encode a .csr4 file with struct: header, scanner block, row ends, (col, val) pairs."""
+    scanner = scanner_bytes() if scanner is None else scanner
+    nnz = len(cols) if nnz is None else nnz
+    s_field = len(scanner) if s_field is None else s_field
+    out = magic + struct.pack("<BBHIIQI", version, flags, 0, m, n, nnz, s_field) + scanner
+    ends = list(indptr[1:]) if ends is None else ends
+    out += b"".join(struct.pack("<Q", int(e)) for e in ends)
+    out += b"".join(struct.pack("<If", int(c), float(v)) for c, v in zip(cols, vals))
+    return out
+
+
+def reference_matrix(m=13, n=N, seed=7) -> sp.csr_matrix:
+    """A float32 matrix with empty rows at the start, middle (a run of two) and end."""
+    rng = np.random.default_rng(seed)
+    dense = rng.random((m, n)).astype(np.float32)
+    dense[dense < 0.7] = 0
+    dense[[0, 5, 6, m - 1]] = 0
+    dense[3, 7] = 0.0  # an explicit zero must survive as a stored element below
+    a = sp.csr_matrix(dense)
+    a.sort_indices()
+    return a
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.fixture
+def ref() -> sp.csr_matrix:
+    return reference_matrix()
+
+
+@pytest.fixture
+def csr4_file(tmp_path, ref) -> Path:
+    return write_bytes(tmp_path / "a.csr4", encode_csr4(ref.indptr, ref.indices, ref.data, ref.shape[0], flags=5))
+
+
+def h5_by_hand(path: Path, indptr, indices, data, attrs: dict | None = None, *, dtypes=("<i8", "<i4", "<f4")) -> Path:
+    """Write a container with plain h5py (no library code)."""
+    indptr = np.asarray(indptr)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("indptr", data=np.asarray(indptr, dtype=dtypes[0]))
+        f.create_dataset("indices", data=np.asarray(indices, dtype=dtypes[1]))
+        f.create_dataset("data", data=np.asarray(data, dtype=dtypes[2]))
+        base = {
+            "format": "mlem-csr",
+            "version": 1,
+            "shape": np.array([len(indptr) - 1, N]),
+            "nnz": len(indices),
+            "source": "hand",
+            "checksum": "0" * 64,
+        }
+        base.update(attrs or {})
+        for k, v in base.items():
+            if v is not None:
+                f.attrs[k] = v
+    return path
+
+
+def independent_checksum(indptr, indices, data) -> str:
+    """The checksum as docs/formats.md defines it, computed directly with hashlib."""
+    parts = [
+        hashlib.blake2b(np.asarray(a, dtype=dt).tobytes(), digest_size=32).digest()
+        for a, dt in ((indptr, "<i8"), (indices, "<i4"), (data, "<f4"))
+    ]
+    return hashlib.blake2b(b"".join(parts), digest_size=32).hexdigest()
+
+
+def assert_csr_equal(got: CSRMatrix, want: sp.csr_matrix) -> None:
+    assert got.shape == want.shape
+    assert got.indptr.dtype == np.int64 and got.indices.dtype == np.int32 and got.data.dtype == np.float32
+    np.testing.assert_array_equal(got.indptr, want.indptr)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_array_equal(got.data, want.data)
+
+
+# --------------------------------------------------------------------------- csr4
+
+
+def test_csr4_reader_matches_hand_encoding(csr4_file, ref):
+    with Csr4File(csr4_file) as f:
+        assert f.shape == (13, N)
+        assert f.nnz == ref.nnz
+        assert f.header.flags == 5
+        assert f.header.scanner_block == scanner_bytes()
+        assert f.header.data_offset == 28 + len(scanner_bytes())
+        assert f.grid == GRID
+        assert f.voxel_size == VOXEL
+        g = f.geometry
+        assert g.n_blocks == 8 and g.block_size == 3 and g.block_gaps == [0.25, 0.5]
+        assert g.n_rings == 2 and g.ring_gaps == [0.5]
+        assert len(g.layers) == 1 and g.layers[0][:4] == (2.0, 2.0, 10.0, 50.0)
+        full = f.to_csr()
+    assert_csr_equal(full, ref)
+    np.testing.assert_array_equal(full.to_scipy().toarray(), ref.toarray())
+
+
+def test_scanner_geometry_round_trip():
+    b = scanner_bytes(n_layers=2, block_size=4, n_rings=3)
+    g = ScannerGeometry.from_bytes(b, "x")
+    assert len(g.layers) == 2 and g.block_gaps == [0.25, 0.5, 0.75] and g.ring_gaps == [0.5, 0.5]
+    assert g.to_bytes() == b
+    assert g.n_voxels == N
+
+
+@pytest.mark.parametrize("max_nnz", [1, 4, 10_000])
+def test_csr4_read_write_is_byte_identical(csr4_file, tmp_path, max_nnz):
+    original = csr4_file.read_bytes()
+    out = tmp_path / "copy.csr4"
+    with (
+        Csr4File(csr4_file) as f,
+        Csr4Writer(out, *f.shape, f.nnz, scanner_block=f.header.scanner_block, flags=f.header.flags) as w,
+    ):
+        for _, _, block in f.iter_chunks(max_nnz):
+            w.write_rows(block)
+    assert out.read_bytes() == original
+    out2 = tmp_path / "copy2.csr4"
+    with Csr4File(csr4_file) as f:
+        write_csr4(out2, f.to_csr(), scanner_block=f.header.scanner_block, flags=5, max_nnz=max_nnz)
+    assert out2.read_bytes() == original
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csr4", "copy.csr4", "copy2.csr4"]
+
+
+def test_csr4_writer_incomplete_leaves_nothing(tmp_path, ref):
+    out = tmp_path / "w.csr4"
+    w = Csr4Writer(out, 13, N, ref.nnz, scanner_block=scanner_bytes())
+    w.write_rows(CSRMatrix(ref.indptr[:4], ref.indices[: ref.indptr[3]], ref.data[: ref.indptr[3]], (3, N)))
+    with pytest.raises(MatrixFormatError, match=r"w\.csr4: writer closed after 3 of 13 rows"):
+        w.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="boom"), Csr4Writer(out, 13, N, ref.nnz, scanner_block=scanner_bytes()):
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_csr4_writer_rejects_scanner_grid_mismatch(tmp_path):
+    with pytest.raises(MatrixFormatError, match=r"w\.csr4: scanner block grid .* disagrees with n = 25"):
+        Csr4Writer(tmp_path / "w.csr4", 2, 25, 0, scanner_block=scanner_bytes())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_csr4_writer_rejects_invalid_block(tmp_path):
+    out = tmp_path / "w.csr4"
+    with (
+        pytest.raises(MatrixFormatError, match=r"w\.csr4: negative value -1.0 at element 1"),
+        Csr4Writer(out, 1, N, 2, scanner_block=scanner_bytes()) as w,
+    ):
+        w.write_rows(CSRMatrix([0, 2], [1, 2], [0.5, -1.0], (1, N)))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_csr4_range_read_only_validates_the_range(tmp_path, ref):
+    """A NaN in row 9 does not stop reading rows 0..9, and reading it names its global element."""
+    data = ref.data.copy()
+    k = int(ref.indptr[9]) + 1
+    data[k] = np.nan
+    p = write_bytes(tmp_path / "nan.csr4", encode_csr4(ref.indptr, ref.indices, data, 13))
+    with Csr4File(p) as f:
+        assert_csr_equal(f.read_rows(0, 9), ref[0:9])
+        with pytest.raises(MatrixFormatError, match=rf"nan\.csr4: non-finite value nan at element {k}$"):
+            f.read_rows(8, 11)
+        block = f.read_rows(9, 10, validate=False)
+        assert np.isnan(block.data[1])
+
+
+# --------------------------------------------------------------------------- row ranges and chunks (every reader)
+
+
+@pytest.fixture(params=["csr4", "h5", "npz", "mtx"])
+def reader(request, tmp_path, ref):
+    kind = request.param
+    if kind == "csr4":
+        p = write_bytes(tmp_path / "m.csr4", encode_csr4(ref.indptr, ref.indices, ref.data, 13))
+    elif kind == "h5":
+        p = h5_by_hand(tmp_path / "m.h5", ref.indptr, ref.indices, ref.data)
+    elif kind == "npz":
+        p = tmp_path / "m.npz"
+        sp.save_npz(p, ref)
+    else:
+        p = tmp_path / "m.mtx"
+        scipy.io.mmwrite(p, ref)
+    with open_matrix(p) as r:
+        yield r
+
+
+RANGES = [(0, 13), (0, 1), (12, 13), (5, 7), (4, 8), (0, 0), (13, 13), (6, 6), (1, 12), (3, 4)]
+
+
+@pytest.mark.parametrize(("start", "stop"), RANGES)
+def test_read_rows_equals_slice(reader, ref, start, stop):
+    block = reader.read_rows(start, stop)
+    want = ref[start:stop]
+    assert block.shape == (stop - start, N)
+    np.testing.assert_array_equal(block.to_scipy().toarray(), want.toarray())
+    assert block.indptr[0] == 0 and block.nnz == want.nnz
+    np.testing.assert_array_equal(block.indptr, want.indptr)
+
+
+def test_read_rows_rejects_bad_range(reader):
+    for start, stop in [(-1, 2), (3, 2), (0, 14)]:
+        with pytest.raises(IndexError, match="row range"):
+            reader.read_rows(start, stop)
+
+
+@pytest.mark.parametrize("max_nnz", [1, 2, 5, 17, 10**9])
+def test_iter_chunks_covers_every_row_once(reader, ref, max_nnz):
+    chunks = list(reader.iter_chunks(max_nnz))
+    rows = [r for r0, r1, _ in chunks for r in range(r0, r1)]
+    assert rows == list(range(13))
+    row_nnz = np.diff(ref.indptr)
+    for r0, r1, block in chunks:
+        assert block.shape == (r1 - r0, N)
+        assert block.nnz == row_nnz[r0:r1].sum()
+        assert block.nnz <= max_nnz or r1 - r0 == 1  # only a single long row may exceed
+    stacked = sp.vstack([b.to_scipy() for _, _, b in chunks]).tocsr()
+    assert (stacked != ref).nnz == 0
+    if max_nnz >= ref.nnz:
+        assert len(chunks) == 1
+
+
+# --------------------------------------------------------------------------- h5 container
+
+
+def test_h5_round_trip_attrs_and_checksum(tmp_path, ref):
+    p = tmp_path / "m.h5"
+    mat = CSRMatrix.from_scipy(ref)
+    digest = write_matrix_h5(
+        p,
+        mat,
+        source="a.csr4",
+        grid=GRID,
+        voxel_size=VOXEL,
+        scanner_block=scanner_bytes(),
+        kind="transpose",
+        method="scantrans",
+    )
+    assert digest == independent_checksum(ref.indptr, ref.indices, ref.data)
+    with h5py.File(p, "r") as f:  # layout checked with plain h5py
+        assert f["indptr"].dtype == np.int64 and f["indices"].dtype == np.int32 and f["data"].dtype == np.float32
+        assert f["data"].chunks is not None and f["data"].compression is None
+        assert f.attrs["format"] == "mlem-csr" and f.attrs["version"] == 1
+        assert list(f.attrs["shape"]) == [13, N] and f.attrs["nnz"] == ref.nnz
+        assert f.attrs["checksum"] == digest
+    with MatrixH5(p) as r:
+        assert_csr_equal(r.to_csr(), ref)
+        assert r.grid == GRID and r.voxel_size == VOXEL
+        assert r.scanner_block == scanner_bytes()
+        assert r.attrs["kind"] == "transpose" and r.attrs["method"] == "scantrans" and r.attrs["source"] == "a.csr4"
+        np.testing.assert_array_equal(r.read_indptr(), ref.indptr)
+        r.verify_checksum()
+
+
+@pytest.mark.parametrize("block_rows", [1, 3, 13])
+def test_h5_streaming_writer_matches_one_shot(tmp_path, ref, block_rows):
+    p = tmp_path / "s.h5"
+    with MatrixH5Writer(p, ref.shape, ref.nnz, source="x") as w:
+        for r0 in range(0, 13, block_rows):
+            w.write_rows(CSRMatrix.from_scipy(ref[r0 : r0 + block_rows]))
+    assert w.checksum == independent_checksum(ref.indptr, ref.indices, ref.data)
+    with MatrixH5(p) as r:
+        assert_csr_equal(r.to_csr(), ref)
+        assert r.checksum == w.checksum
+
+
+def test_h5_checksum_detects_corruption(tmp_path, ref):
+    p = tmp_path / "m.h5"
+    write_matrix_h5(p, CSRMatrix.from_scipy(ref))
+    with h5py.File(p, "r+") as f:
+        f["data"][3] = f["data"][3] + 1.0
+    with MatrixH5(p) as r, pytest.raises(MatrixFormatError, match=r"m\.h5: checksum mismatch"):
+        r.verify_checksum()
+    out = tmp_path / "out.h5"
+    with pytest.raises(MatrixFormatError, match=r"m\.h5: checksum mismatch"):
+        convert(p, out)
+    assert not out.exists()
+
+
+def test_h5_writer_rejects_reserved_attr(tmp_path):
+    with pytest.raises(ValueError, match="reserved"):
+        MatrixH5Writer(tmp_path / "x.h5", (1, N), 0, checksum="abc")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_h5_writer_incomplete_leaves_nothing(tmp_path, ref):
+    w = MatrixH5Writer(tmp_path / "x.h5", ref.shape, ref.nnz)
+    w.write_rows(CSRMatrix.from_scipy(ref[:5]))
+    with pytest.raises(MatrixFormatError, match=r"x\.h5: writer closed after 5 of 13 rows"):
+        w.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_h5_empty_matrix(tmp_path):
+    p = tmp_path / "e.h5"
+    write_matrix_h5(p, CSRMatrix(np.zeros(4, np.int64), [], [], (3, N)))
+    with MatrixH5(p) as r:
+        assert r.shape == (3, N) and r.nnz == 0
+        assert [c[:2] for c in r.iter_chunks(5)] == [(0, 3)]
+        r.verify_checksum()
+
+
+# --------------------------------------------------------------------------- other formats
+
+
+def test_lmsino_round_trip(tmp_path):
+    counts = np.array([0, 3, 7, 2**31 - 1, 12], dtype=np.int64)
+    p = tmp_path / "g.LMsino"
+    write_lmsino(p, counts)
+    assert p.read_bytes() == struct.pack("<5i", *counts.tolist())
+    got = read_lmsino(p, expected_length=5)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, counts)
+    write_lmsino(p, np.array([1.0, 2.0]))
+    np.testing.assert_array_equal(read_lmsino(p), [1, 2])
+
+
+@pytest.mark.parametrize("bad", [np.array([1, -1]), np.array([0.5]), np.array([2**31]), np.zeros((2, 2), int)])
+def test_write_lmsino_rejects_bad_counts(tmp_path, bad):
+    with pytest.raises(ValueError):
+        write_lmsino(tmp_path / "g.LMsino", bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mtx_and_npz_readers(tmp_path, ref):
+    mtx = tmp_path / "a.mtx"
+    scipy.io.mmwrite(mtx, ref.astype(np.float64))
+    assert_csr_equal(read_mtx(mtx), ref)
+    for fmt in ("csr", "csc", "coo"):
+        p = tmp_path / f"a_{fmt}.npz"
+        sp.save_npz(p, ref.asformat(fmt))
+        got = read_npz(p)
+        np.testing.assert_array_equal(got.to_scipy().toarray(), ref.toarray())
+    # duplicates in COO are summed (a float64 reference, then float32)
+    coo = sp.coo_matrix(([0.25, 0.5, 1.0], ([0, 0, 2], [3, 3, 1])), shape=(3, 4))
+    sp.save_npz(tmp_path / "dup.npz", coo)
+    got = read_npz(tmp_path / "dup.npz")
+    np.testing.assert_array_equal(got.indptr, [0, 1, 1, 2])
+    np.testing.assert_array_equal(got.indices, [3, 1])
+    np.testing.assert_array_equal(got.data, np.array([0.75, 1.0], np.float32))
+
+
+@pytest.mark.parametrize("kind", ["csr4", "mtx", "npz", "h5"])
+def test_convert_to_h5(tmp_path, ref, kind):
+    src = tmp_path / f"in.{kind}"
+    if kind == "csr4":
+        write_bytes(src, encode_csr4(ref.indptr, ref.indices, ref.data, 13, flags=3))
+    elif kind == "mtx":
+        scipy.io.mmwrite(src, ref)
+    elif kind == "npz":
+        sp.save_npz(src, ref)
+    else:
+        write_matrix_h5(src, CSRMatrix.from_scipy(ref), grid=GRID, voxel_size=VOXEL, kind="transpose")
+    out = tmp_path / "res" / "matrix.h5"
+    s = convert(src, out, max_nnz=7)
+    assert s["shape"] == [13, N] and s["nnz"] == ref.nnz and s["bytes"] == out.stat().st_size
+    assert s["chunks"] == len(open_matrix(out).chunk_bounds(7))
+    assert s["checksum"] == independent_checksum(ref.indptr, ref.indices, ref.data)
+    with MatrixH5(out) as r:
+        assert_csr_equal(r.to_csr(), ref)
+        r.verify_checksum()
+        assert r.attrs["source"] == src.name
+        if kind in ("csr4", "h5"):
+            assert r.grid == GRID and r.voxel_size == VOXEL
+        else:
+            assert r.grid is None and "grid" not in r.attrs
+        if kind == "csr4":
+            assert r.scanner_block == scanner_bytes() and r.attrs["csr4_flags"] == 3
+        if kind == "h5":
+            assert r.attrs["kind"] == "transpose"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["matrix.h5"]
+
+
+def test_convert_chunk_size_does_not_change_output(tmp_path, csr4_file):
+    a = convert(csr4_file, tmp_path / "a.h5", max_nnz=1)
+    b = convert(csr4_file, tmp_path / "b.h5", max_nnz=1 << 26)
+    assert a["checksum"] == b["checksum"] and a["chunks"] > b["chunks"] == 1
+
+
+def test_info_every_kind(tmp_path, csr4_file, ref):
+    d = info(csr4_file)
+    assert d["kind"] == "csr4" and d["shape"] == [13, N] and d["nnz"] == ref.nnz
+    assert d["grid"] == list(GRID) and d["flags"] == 5 and d["empty_rows"] == 4
+    assert d["verdict"].startswith("valid")
+    h5 = tmp_path / "m.h5"
+    convert(csr4_file, h5)
+    d = info(h5)
+    assert d["kind"] == "h5" and "checksum" in d["verdict"] and d["nnz"] == ref.nnz
+    assert "(quick)" in info(h5, full=False)["verdict"]
+    g = tmp_path / "g.LMsino"
+    write_lmsino(g, np.arange(13))
+    d = info(g, expected_length=13)
+    assert d["length"] == 13 and d["total_counts"] == 78 and d["zero_counts"] == 1
+    with pytest.raises(MatrixFormatError, match=r"x\.txt: unknown file type"):
+        file_kind(tmp_path / "x.txt")
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def _bad_csr4_cases(ref):
+    ip, ix, dv, m = ref.indptr, ref.indices, ref.data, ref.shape[0]
+    good = encode_csr4(ip, ix, dv, m)
+    ends = list(ip[1:])
+    dec = ends.copy()
+    dec[4], dec[5] = dec[5], dec[4] - 1  # row 5 ends before it starts
+    big = ends.copy()
+    big[2] = len(ix) + 5
+    col_bad = ix.copy()
+    col_bad[-1] = N
+    col_huge = ix.astype(np.int64)
+    col_huge[1] = 2**31  # would turn negative if cast to int32 before the check
+    nan = dv.copy()
+    nan[2] = np.nan
+    inf = dv.copy()
+    inf[4] = np.inf
+    neg = dv.copy()
+    neg[6] = -0.5
+    two_layers = struct.pack("<I", 3) + scanner_bytes()[4:]  # nLayers 3 -> needs 40 more bytes
+    return {
+        "magic": (encode_csr4(ip, ix, dv, m, magic=b"PCSX"), r"bad magic b'PCSX'"),
+        "version": (encode_csr4(ip, ix, dv, m, version=3), r"unsupported \.csr4 version 3, expected 4"),
+        "tiny": (good[:20], r"truncated: 20 bytes, shorter than the 28-byte"),
+        "truncated": (good[:-3], r"truncated: file has \d+ bytes, header .* needs \d+"),
+        "trailing": (good + b"\0" * 8, r"file size \d+ disagrees with header.* 8 extra"),
+        "s_small": (
+            encode_csr4(ip, ix, dv, m, s_field=40, scanner=scanner_bytes()[:40]),
+            r"scanner block too short: header says 40 bytes",
+        ),
+        "s_beyond": (good[:28] + good[28:60], r"truncated: 60 bytes, the header and \d+-byte scanner block need"),
+        "block_fields": (encode_csr4(ip, ix, dv, m, scanner=two_layers), r"scanner block too short: nLayers = 3"),
+        "grid": (
+            encode_csr4(ip, ix, dv, m, scanner=scanner_bytes(grid=(5, 3, 2))),
+            r"grid 5x3x2 = 30 voxels disagrees with nCols = 24",
+        ),
+        "grid_zero": (
+            encode_csr4(ip, ix, dv, m, scanner=scanner_bytes()[:-8] + b"\0" * 8),
+            r"grid 4x0x0 = 0 voxels disagrees with nCols = 24",
+        ),
+        "decreasing": (encode_csr4(ip, ix, dv, m, ends=dec), r"row pointer is not non-decreasing at row 5"),
+        "beyond_nnz": (encode_csr4(ip, ix, dv, m, ends=big), rf"row pointer value {len(ix) + 5} at row 2 exceeds nnz"),
+        "last_end": (
+            encode_csr4(ip, ix, dv, m, ends=ends[:-1] + [ends[-1] - 1]),
+            rf"row pointer ends at {len(ix) - 1} \(last row end\), expected nnz = {len(ix)}",
+        ),
+        "column": (
+            encode_csr4(ip, col_bad, dv, m),
+            rf"column index {N} at element {len(ix) - 1} out of range \[0, {N}\)",
+        ),
+        "column_huge": (encode_csr4(ip, col_huge, dv, m), rf"column index {2**31} at element 1 out of range"),
+        "nan": (encode_csr4(ip, ix, nan, m), r"non-finite value nan at element 2"),
+        "inf": (encode_csr4(ip, ix, inf, m), r"non-finite value inf at element 4"),
+        "negative": (encode_csr4(ip, ix, neg, m), r"negative value -0.5 at element 6"),
+        "blocksize0": (
+            encode_csr4(ip, ix, dv, m, scanner=scanner_bytes()[:24] + struct.pack("<II", 8, 0) + scanner_bytes()[32:]),
+            r"blocksize is 0",
+        ),
+    }
+
+
+BAD_CSR4 = list(_bad_csr4_cases(reference_matrix()))
+
+
+def read_everything(path):
+    with open_matrix(path) as r:
+        for _ in r.iter_chunks(3):
+            pass
+
+
+@pytest.mark.parametrize("case", BAD_CSR4)
+def test_bad_csr4_one_clear_error(tmp_path, ref, case):
+    data, pattern = _bad_csr4_cases(ref)[case]
+    p = write_bytes(tmp_path / f"bad_{case}.csr4", data)
+    with pytest.raises(MatrixFormatError) as e:
+        read_everything(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: ")
+    assert e.value.source == str(p)
+    assert re.search(pattern, msg), msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("case", ["column", "nan", "negative", "decreasing", "truncated"])
+def test_convert_bad_csr4_leaves_no_output(tmp_path, ref, case):
+    data, pattern = _bad_csr4_cases(ref)[case]
+    src = write_bytes(tmp_path / "bad.csr4", data)
+    out = tmp_path / "results" / "matrix.h5"
+    with pytest.raises(MatrixFormatError, match=pattern):
+        convert(src, out, max_nnz=2)  # several chunks written before a fault in the elements is met
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+
+def _bad_h5_cases(tmp_path, ref):
+    ip, ix, dv = ref.indptr, ref.indices, ref.data
+    dec = ip.copy()
+    dec[6] = dec[5] - 1
+    col = ix.copy()
+    col[3] = -1
+    nan = dv.copy()
+    nan[1] = np.nan
+    neg = dv.copy()
+    neg[0] = -2.0
+    cases = {
+        "no_format": ((ip, ix, dv), {"format": None}, r"missing attribute 'format'"),
+        "format": ((ip, ix, dv), {"format": "other"}, r"attribute format is 'other', expected 'mlem-csr'"),
+        "version": ((ip, ix, dv), {"version": 2}, r"unsupported container version 2"),
+        "no_nnz": ((ip, ix, dv), {"nnz": None}, r"missing attribute 'nnz'"),
+        "no_checksum": ((ip, ix, dv), {"checksum": None}, r"missing attribute 'checksum'"),
+        "nnz_size": (
+            (ip, ix, dv),
+            {"nnz": len(ix) + 1},
+            rf"dataset /indices has {len(ix)} entries, but attribute nnz = {len(ix) + 1}",
+        ),
+        "shape_size": (
+            (ip, ix, dv),
+            {"shape": np.array([12, N])},
+            r"dataset /indptr has 14 entries, but attribute shape\[0\] \+ 1 = 13",
+        ),
+        "data_size": (
+            (ip, ix, dv[:-1]),
+            {},
+            rf"dataset /data has {len(ix) - 1} entries, but attribute nnz = {len(ix)}",
+        ),
+        "start": ((ip + 1, ix, dv), {}, r"row pointer starts at 1, expected 0"),
+        "end": (
+            (np.r_[ip[:-1], ip[-1] - 1], ix, dv),
+            {},
+            rf"row pointer ends at {len(ix) - 1}, expected nnz = {len(ix)}",
+        ),
+        "decreasing": ((dec, ix, dv), {}, r"row pointer is not non-decreasing at row 5"),
+        "column": ((ip, col, dv), {}, r"column index -1 at element 3 out of range"),
+        "nan": ((ip, ix, nan), {}, r"non-finite value nan at element 1"),
+        "negative": ((ip, ix, neg), {}, r"negative value -2.0 at element 0"),
+        "grid": ((ip, ix, dv), {"grid": np.array([2, 3, 5])}, r"attribute grid 2x3x5 = 30 disagrees with n = 24"),
+        "shape_attr": ((ip, ix, dv), {"shape": np.array([13])}, r"attribute shape is \[13\], expected two"),
+    }
+    out = {}
+    for name, (arrays, attrs, pattern) in cases.items():
+        out[name] = (h5_by_hand(tmp_path / f"bad_{name}.h5", *arrays, attrs), pattern)
+    p = tmp_path / "bad_dtype.h5"
+    h5_by_hand(p, ip, ix, dv, dtypes=("<i8", "<i8", "<f4"))
+    out["dtype"] = (p, r"dataset /indices is int64\[\d+\], expected 1-D int32")
+    p = tmp_path / "bad_missing.h5"
+    h5_by_hand(p, ip, ix, dv)
+    with h5py.File(p, "r+") as f:
+        del f["data"]
+    out["missing"] = (p, r"missing dataset /data")
+    out["not_hdf5"] = (write_bytes(tmp_path / "bad_not.h5", b"hello world"), r"not a readable HDF5 file")
+    return out
+
+
+BAD_H5 = [
+    "no_format",
+    "format",
+    "version",
+    "no_nnz",
+    "no_checksum",
+    "nnz_size",
+    "shape_size",
+    "data_size",
+    "start",
+    "end",
+    "decreasing",
+    "column",
+    "nan",
+    "negative",
+    "grid",
+    "shape_attr",
+    "dtype",
+    "missing",
+    "not_hdf5",
+]
+
+
+@pytest.mark.parametrize("case", BAD_H5)
+def test_bad_h5_one_clear_error(tmp_path, ref, case):
+    p, pattern = _bad_h5_cases(tmp_path, ref)[case]
+    with pytest.raises(MatrixFormatError) as e:
+        read_everything(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: ") and "\n" not in msg
+    assert re.search(pattern, msg), msg
+
+
+def test_bad_lmsino(tmp_path):
+    p = write_bytes(tmp_path / "g.LMsino", struct.pack("<3i", 1, 2, 3) + b"\0\0")
+    with pytest.raises(SinogramFormatError, match=r"g\.LMsino: file size 14 bytes is not a multiple of 4"):
+        read_lmsino(p)
+    p = write_bytes(tmp_path / "h.LMsino", struct.pack("<3i", 1, 2, 3))
+    with pytest.raises(SinogramFormatError, match=r"h\.LMsino: sinogram has 3 counts but the matrix has 4 rows"):
+        read_lmsino(p, expected_length=4)
+    p = write_bytes(tmp_path / "n.LMsino", struct.pack("<3i", 1, -7, 3))
+    with pytest.raises(SinogramFormatError, match=r"n\.LMsino: negative count -7 at LOR 1"):
+        read_lmsino(p)
+    with pytest.raises(SinogramFormatError, match=r"none\.LMsino: no such file"):
+        read_lmsino(tmp_path / "none.LMsino")
+
+
+def test_bad_mtx_and_npz(tmp_path):
+    cases = {
+        "garbage.mtx": (b"this is not a matrix\n1 2 3\n", r"not a valid Matrix Market file"),
+        "neg.mtx": (
+            b"%%MatrixMarket matrix coordinate real general\n2 2 1\n1 2 -1.5\n",
+            r"negative value -1.5 at element 0",
+        ),
+        "nan.mtx": (b"%%MatrixMarket matrix coordinate real general\n2 2 1\n2 1 nan\n", r"non-finite value nan"),
+        "big.mtx": (b"%%MatrixMarket matrix coordinate real general\n2 2 1\n2 1 1e300\n", r"non-finite value inf"),
+        "cplx.mtx": (b"%%MatrixMarket matrix coordinate complex general\n2 2 1\n1 1 1.0 2.0\n", r"complex values"),
+        "zip.npz": (b"PK not really", r"not a SciPy sparse \.npz file"),
+    }
+    for name, (content, pattern) in cases.items():
+        p = write_bytes(tmp_path / name, content)
+        with pytest.raises(MatrixFormatError, match=re.escape(name) + ": .*" + pattern):
+            read_everything(p)
+    np.savez(tmp_path / "plain.npz", x=np.arange(3))
+    with pytest.raises(MatrixFormatError, match=r"plain\.npz: not a SciPy sparse \.npz file"):
+        read_npz(tmp_path / "plain.npz")
+    # a CSR whose column index lies outside the shape (scipy does not check on load)
+    np.savez(
+        tmp_path / "col.npz",
+        format=np.array("csr"),
+        shape=np.array([2, 3]),
+        data=np.array([1.0, 2.0]),
+        indices=np.array([0, 7]),
+        indptr=np.array([0, 1, 2]),
+    )
+    with pytest.raises(MatrixFormatError, match=r"col\.npz: column index 7 out of range \[0, 3\)"):
+        read_npz(tmp_path / "col.npz")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_info_and_convert(tmp_path, csr4_file, ref, capsys):
+    assert main(["info", str(csr4_file)]) == 0
+    text = capsys.readouterr().out
+    assert "13 x 24" in text and "grid         4 x 3 x 2" in text and "verdict      valid" in text
+    out = tmp_path / "r" / "matrix.h5"
+    assert main(["convert", str(csr4_file), "--out", str(out), "--chunk-nnz", "4"]) == 0
+    assert f"nnz {ref.nnz}" in capsys.readouterr().out
+    assert main(["info", str(out), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["nnz"] == ref.nnz and d["shape"] == [13, N] and d["attrs"]["source"] == "a.csr4"
+    g = tmp_path / "g.LMsino"
+    write_lmsino(g, np.ones(12, np.int32))
+    assert main(["info", str(g), "--matrix", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mlem: error: {g}: sinogram has 12 counts but the matrix has 13 rows (LORs)\n"
+
+
+def test_cli_bad_file_exit_2_no_output(tmp_path, ref, capsys):
+    data, _ = _bad_csr4_cases(ref)["nan"]
+    bad = write_bytes(tmp_path / "bad.csr4", data)
+    assert main(["info", str(bad)]) == 2
+    assert capsys.readouterr().err == f"mlem: error: {bad}: non-finite value nan at element 2\n"
+    out = tmp_path / "out" / "matrix.h5"
+    assert main(["convert", str(bad), "--out", str(out), "-c", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mlem: error: {bad}: non-finite value nan at element 2\n"
+    assert not out.exists() and list(out.parent.iterdir()) == []
+
+
+def test_cli_subprocess_exit_status(tmp_path, ref):
+    data, _ = _bad_csr4_cases(ref)["magic"]
+    bad = write_bytes(tmp_path / "bad.csr4", data)
+    out = tmp_path / "m.h5"
+    r = subprocess.run(
+        [sys.executable, "-m", "mlemlib", "convert", str(bad), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert r.returncode == 2
+    assert (
+        r.stderr.strip().splitlines()[-1]
+        == f"mlem: error: {bad}: bad magic b'PCSX', expected b'PCSR' (not a .csr4 file)"
+    )
+    assert r.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.csr4"]

@@ -1,0 +1,389 @@
+"""Tests of the synthetic scanner and its exact ray tracer (mlemlib.scanner), CPU only.
+
+The references are independent of the tracer: hand-computed rows for rays
+along the axes and along a diagonal, and a plain-NumPy slab intersection of
+each ray with each voxel box (per voxel) and with the whole grid (row sums).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+import numpy as np
+import pytest
+
+from mlemlib.cli import main as mlem_main
+from mlemlib.errors import ConfigError
+from mlemlib.formats.csr4 import Csr4File
+from mlemlib.scanner import (
+    PRESETS,
+    Layer,
+    ScannerConfig,
+    box_bounds,
+    crystal_coords,
+    crystal_faces,
+    face_points,
+    generate,
+    get_preset,
+    lor_index,
+    trace_rows,
+    voxel_index,
+)
+
+SMALL = PRESETS["small"]
+
+
+# --------------------------------------------------------------------------- NumPy references
+
+
+def slab_chords(p0: np.ndarray, p1: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Length of segment p0->p1 inside each box [lo, hi) (float64, plain NumPy).
+
+    ``p0, p1``: (R, 3); ``lo, hi``: (B, 3). Returns (R, B). An axis the ray is
+    parallel to keeps the ray iff lo <= p < hi (the tracer's convention).
+    """
+    d = (p1 - p0)[:, None, :]  # (R, 1, 3)
+    p = p0[:, None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ta = (lo[None] - p) / d
+        tb = (hi[None] - p) / d
+    par = d == 0
+    inside = (p >= lo[None]) & (p < hi[None])
+    tmin = np.where(par, np.where(inside, -np.inf, np.inf), np.minimum(ta, tb))
+    tmax = np.where(par, np.where(inside, np.inf, -np.inf), np.maximum(ta, tb))
+    t0 = np.maximum(tmin.max(axis=2), 0.0)
+    t1 = np.minimum(tmax.min(axis=2), 1.0)
+    length = np.linalg.norm(p1 - p0, axis=1)[:, None]
+    return np.clip(t1 - t0, 0.0, None) * length
+
+
+def tube_rays(cfg: ScannerConfig, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """All k**4 ray end points of a row, rebuilt from the face geometry by hand."""
+    i, j = divmod(row, cfg.n_crystals)
+    centres, tangents, sizes = crystal_faces(cfg)
+    k = cfg.face_points
+    off = (np.arange(k) + 0.5) / k - 0.5
+
+    def pts(c):
+        return np.array(
+            [
+                centres[c] + a * sizes[c, 0] * tangents[c] + b * sizes[c, 1] * np.array([0.0, 0.0, 1.0])
+                for a in off
+                for b in off
+            ]
+        )
+
+    pi, pj = pts(i), pts(j)
+    return np.repeat(pi, len(pj), axis=0), np.tile(pj, (len(pi), 1))
+
+
+def voxel_boxes(cfg: ScannerConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Lower/upper corners of every voxel in column order (x fastest)."""
+    gx, gy, gz = cfg.grid
+    vs = np.asarray(cfg.voxel_size, dtype=np.float64)
+    z, y, x = np.meshgrid(np.arange(gz), np.arange(gy), np.arange(gx), indexing="ij")
+    idx = np.stack([x.ravel(), y.ravel(), z.ravel()], axis=1).astype(np.float64)
+    lo = -0.5 * np.asarray(cfg.grid) * vs + idx * vs
+    return lo, lo + vs
+
+
+def dense_row(a, q: int, n: int) -> np.ndarray:
+    out = np.zeros(n, dtype=np.float64)
+    s, e = a.indptr[q], a.indptr[q + 1]
+    out[a.indices[s:e]] = a.data[s:e]
+    return out
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def line_scanner(n_blocks: int, grid, voxel_size, radius: float = 10.0) -> ScannerConfig:
+    """One ring of single-crystal blocks, thin lines: block b's face centre at angle 2*pi*b/n_blocks."""
+    return ScannerConfig(
+        name="lines",
+        layers=(Layer(width=1.0, height=1.0, depth=5.0, radius=radius, mu=0.0),),
+        n_blocks=n_blocks,
+        block_size=1,
+        block_gaps=(),
+        n_rings=1,
+        ring_gaps=(),
+        voxel_size=voxel_size,
+        grid=grid,
+        rays=1,
+    ).validate()
+
+
+@pytest.fixture(scope="module")
+def small_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scanner") / "small.csr4"
+    summary = generate("small", path)
+    return path, summary
+
+
+@pytest.fixture(scope="module")
+def small_matrix(small_file):
+    path, _ = small_file
+    with Csr4File(path) as f:
+        return f.to_csr()
+
+
+# --------------------------------------------------------------------------- hand-computed rows
+
+
+def test_rays_along_axes_through_voxel_centres():
+    # grid 3 x 5 x 3 of 1.0 x 2.0 x 0.5 mm: voxel (1, 2, 1) is centred on the origin.
+    cfg = line_scanner(4, grid=(3, 5, 3), voxel_size=(1.0, 2.0, 0.5))
+    # crystal 0 at +x, 1 at +y, 2 at -x, 3 at -y
+    a = trace_rows(cfg, [lor_index(cfg, 0, 2), lor_index(cfg, 1, 3), lor_index(cfg, 0, 0), lor_index(cfg, 0, 1)])
+    # along x at y = z = 0: voxels x = 0..2 of row y = 2, slice z = 1, 1.0 mm each
+    np.testing.assert_array_equal(a.indices[a.indptr[0] : a.indptr[1]], [21, 22, 23])
+    np.testing.assert_array_equal(a.data[a.indptr[0] : a.indptr[1]], [1.0, 1.0, 1.0])
+    # along y at x = z = 0: voxels y = 0..4 of column x = 1, slice z = 1, 2.0 mm each
+    np.testing.assert_array_equal(a.indices[a.indptr[1] : a.indptr[2]], [16, 19, 22, 25, 28])
+    np.testing.assert_array_equal(a.data[a.indptr[1] : a.indptr[2]], [2.0] * 5)
+    assert voxel_index(cfg, 1, 4, 1) == 28
+    # i == j is empty; a pair whose line misses the grid (+x to +y at radius 10) is empty
+    assert a.indptr[3] == a.indptr[2] and a.indptr[4] == a.indptr[3]
+
+
+def test_diagonal_ray_through_voxel_corners_has_no_slivers():
+    # The line from 45 to 225 degrees runs along x = y through the corners of a 4 x 4 grid.
+    cfg = line_scanner(8, grid=(4, 4, 1), voxel_size=(1.0, 1.0, 1.0))
+    a = trace_rows(cfg, [lor_index(cfg, 1, 5)])
+    np.testing.assert_array_equal(a.indices, [0, 5, 10, 15])
+    np.testing.assert_allclose(a.data, [math.sqrt(2.0)] * 4, rtol=1e-6)
+
+
+def test_crystal_faces_hand_computed():
+    centres, tangents, sizes = crystal_faces(SMALL)
+    # a block of 4 crystals of 2 mm with 0.3 mm gaps spans 8.9 mm: first centre at -3.45;
+    # 4 rings of 2 mm with 0.3 mm gaps: first ring at z = -3.45
+    np.testing.assert_allclose(centres[0], [30.0, -3.45, -3.45], atol=1e-12)
+    np.testing.assert_allclose(centres[3], [30.0, 3.45, -3.45], atol=1e-12)
+    assert crystal_coords(SMALL, 3) == (0, 0, 0, 3)
+    # crystal 4 is block 1 (30 degrees), k = 0
+    phi = math.radians(30.0)
+    u, t = np.array([math.cos(phi), math.sin(phi)]), np.array([-math.sin(phi), math.cos(phi)])
+    np.testing.assert_allclose(centres[4, :2], 30.0 * u - 3.45 * t, atol=1e-12)
+    np.testing.assert_allclose(tangents[4, :2], t, atol=1e-12)
+    # crystal 48 is ring 1 (z = -3.45 + 2.3)
+    assert crystal_coords(SMALL, 48) == (0, 1, 0, 0)
+    np.testing.assert_allclose(centres[48, 2], -1.15, atol=1e-12)
+    assert sizes.shape == (192, 2) and (sizes == 2.0).all()
+    # face points: 2 x 2 grid at +-0.5 mm (a quarter of the 2 mm face) around each centre
+    pts = face_points(SMALL)
+    assert pts.shape == (192, 4, 3)
+    np.testing.assert_allclose(pts[0, 0], centres[0] - 0.5 * tangents[0] + [0, 0, -0.5], atol=1e-12)
+    np.testing.assert_allclose(pts[0, 3], centres[0] + 0.5 * tangents[0] + [0, 0, 0.5], atol=1e-12)
+
+
+def test_madpet2_preset_has_thesis_matrix2_dimensions():
+    cfg = get_preset("madpet2")
+    assert cfg.n_crystals == 1152
+    assert cfg.shape == (1_327_104, 784_000)
+    assert cfg.grid == (140, 140, 40)
+    lo, hi = box_bounds(cfg)
+    # the grid fits inside the front layer (71 mm) and inside the rings' axial extent
+    assert math.hypot(hi[0], hi[1]) < 71.0
+    centres, _, sizes = crystal_faces(cfg)
+    assert hi[2] <= centres[:, 2].max() + 0.5 * sizes[:, 1].max()
+
+
+# --------------------------------------------------------------------------- invariants on rows
+
+
+def test_rows_match_per_voxel_slab_reference(rng):
+    """Every value of sampled tube rows equals the mean over rays of the slab chord through that voxel."""
+    cfg = SMALL
+    rows = rng.choice(cfg.n_lors, size=400, replace=False)
+    a = trace_rows(cfg, rows)
+    lo, hi = voxel_boxes(cfg)
+    nonempty = np.flatnonzero(np.diff(a.indptr))[:40]
+    assert len(nonempty) >= 20
+    for q in nonempty:
+        p0, p1 = tube_rays(cfg, int(rows[q]))
+        ref = slab_chords(p0, p1, lo, hi).sum(axis=0) / len(p0)
+        got = dense_row(a, q, cfg.n_voxels)
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+        assert (got[ref <= 1e-7] == 0).all()
+
+
+@pytest.mark.parametrize("preset, rays, count", [("small", None, 3000), ("madpet2", 1, 300), ("madpet2", 16, 60)])
+def test_row_sums_equal_box_chords(preset, rays, count, rng):
+    """Row sum == mean over the tube's rays of its chord through the grid's box (NumPy slab)."""
+    cfg = get_preset(preset, rays=rays)
+    rows = rng.choice(cfg.n_lors, size=count, replace=False)
+    a = trace_rows(cfg, rows)
+    lo, hi = box_bounds(cfg)
+    row_of = np.repeat(np.arange(count), np.diff(a.indptr))
+    sums = np.bincount(row_of, weights=a.data.astype(np.float64), minlength=count)
+    ref = np.empty(count)
+    for q, r in enumerate(rows):
+        p0, p1 = tube_rays(cfg, int(r))
+        ref[q] = slab_chords(p0, p1, lo[None], hi[None]).sum() / len(p0)
+    assert (ref > 0).sum() >= count // 10  # the sample is not all empty rows
+    np.testing.assert_allclose(sums, ref, rtol=2e-6, atol=1e-6)
+    assert ((np.diff(a.indptr) == 0) == (ref <= 1e-6)).all()
+
+
+# --------------------------------------------------------------------------- the generated file
+
+
+def test_small_file_structure(small_file, small_matrix):
+    path, summary = small_file
+    a = small_matrix
+    cfg = SMALL
+    assert a.shape == cfg.shape == (36864, 3200)
+    assert summary["nnz"] == a.nnz
+    assert 1e5 <= a.nnz <= 2e6
+    a.validate(path)
+    assert a.indices.min() >= 0 and a.indices.max() < cfg.n_voxels
+    # columns strictly increasing within each row (sorted, duplicates merged)
+    d = np.diff(a.indices.astype(np.int64))
+    row_start = np.zeros(a.nnz, dtype=bool)
+    row_start[a.indptr[:-1][np.diff(a.indptr) > 0]] = True
+    assert (d[~row_start[1:]] > 0).all()
+    assert (a.data > 0).all() and a.data.dtype == np.float32
+    # no value exceeds the longest chord through one voxel (its diagonal)
+    assert a.data.max() <= math.sqrt(3.0) + 1e-6
+    # i == j rows are empty
+    n = cfg.n_crystals
+    diag = np.arange(n) * n + np.arange(n)
+    assert (a.indptr[diag + 1] == a.indptr[diag]).all()
+
+
+def test_small_rows_symmetric_in_detector_pair(small_matrix):
+    a = small_matrix
+    n = SMALL.n_crystals
+    r = np.arange(SMALL.n_lors)
+    swapped = (r % n) * n + r // n
+    b = a.to_scipy()[swapped]
+    np.testing.assert_array_equal(b.indptr, a.indptr)
+    np.testing.assert_array_equal(b.indices, a.indices)
+    np.testing.assert_array_equal(b.data, a.data)  # bit-identical
+
+
+def test_madpet2_rows_symmetric_in_detector_pair(rng):
+    cfg = get_preset("madpet2", rays=16)
+    n = cfg.n_crystals
+    i, j = rng.integers(0, n, size=(2, 300))
+    a = trace_rows(cfg, np.concatenate([i * n + j, j * n + i]))
+    assert a.nnz > 0
+    top = a.to_scipy()[:300]
+    bottom = a.to_scipy()[300:]
+    np.testing.assert_array_equal(top.indptr, bottom.indptr)
+    np.testing.assert_array_equal(top.indices, bottom.indices)
+    np.testing.assert_array_equal(top.data, bottom.data)
+
+
+def test_small_every_voxel_seen_by_many_lors(small_matrix):
+    per_voxel = np.bincount(small_matrix.indices, minlength=SMALL.n_voxels)
+    assert per_voxel.min() >= 20
+
+
+def test_scanner_block_parses_back(small_file):
+    path, _ = small_file
+    with Csr4File(path) as f:
+        g = f.geometry
+        assert f.header.scanner_block == SMALL.scanner_block()
+    assert g.grid == SMALL.grid
+    assert g.voxel_size == pytest.approx(SMALL.voxel_size)
+    assert (g.n_blocks, g.block_size, g.n_rings) == (12, 4, 4)
+    assert g.layers[0] == pytest.approx((2.0, 2.0, 6.0, 30.0, 0.087))
+    assert g.block_gaps == pytest.approx([0.3] * 3) and g.ring_gaps == pytest.approx([0.3] * 3)
+
+
+def test_same_configuration_same_bytes(small_file, tmp_path):
+    """Deterministic: bytes do not depend on the thread count or the chunk size."""
+    path, _ = small_file
+    again = tmp_path / "again.csr4"
+    generate("small", again, threads=1, max_nnz=50_000)
+    assert hashlib.sha256(again.read_bytes()).hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_rays_override_changes_the_tube(tmp_path):
+    thin = trace_rows("small", np.arange(SMALL.n_lors), rays=1)
+    tube = trace_rows("small", np.arange(SMALL.n_lors))
+    assert 0 < thin.nnz < tube.nnz
+    # tubes reach voxels the centre line misses; row sums stay close (the same chords on average)
+    s_thin = thin.to_scipy().sum(axis=1).A.ravel()
+    s_tube = tube.to_scipy().sum(axis=1).A.ravel()
+    both = (s_thin > 5) & (s_tube > 5)
+    assert np.median(np.abs(s_thin[both] - s_tube[both]) / s_tube[both]) < 0.1
+
+
+def test_failed_generation_leaves_no_file(tmp_path, monkeypatch):
+    from mlemlib.scanner import system
+
+    calls = {"n": 0}
+    real_fill = system.Tracer.fill
+
+    def failing_fill(self, rows, indptr):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated failure")
+        return real_fill(self, rows, indptr)
+
+    monkeypatch.setattr(system.Tracer, "fill", failing_fill)
+    out = tmp_path / "broken.csr4"
+    with pytest.raises(RuntimeError, match="simulated"):
+        generate("small", out, max_nnz=100_000)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- configuration errors
+
+
+@pytest.mark.parametrize(
+    "change, fault",
+    [
+        ({"rays": 15}, "rays = 15 is not a fourth power"),
+        ({"block_gaps": (0.3,)}, "block_gaps has 1 entries, expected block_size - 1 = 3"),
+        ({"ring_gaps": ()}, "ring_gaps has 0 entries"),
+        ({"grid": (60, 60, 8)}, "not inside the innermost layer's radius 30"),
+        ({"voxel_size": (1.0, 0.0, 1.0)}, "voxel_size"),
+        ({"n_blocks": 40}, "overlap"),
+        ({"layers": ()}, "at least one layer"),
+    ],
+)
+def test_invalid_configuration_is_one_clear_error(change, fault):
+    with pytest.raises(ConfigError, match=fault):
+        dataclasses.replace(SMALL, **change).validate()
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="unknown preset 'big'"):
+        get_preset("big")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_cli_generate(tmp_path, capsys):
+    out = tmp_path / "thin.csr4"
+    assert mlem_main(["generate", "--preset", "small", "--rays", "1", "--threads", "1", "--out", str(out)]) == 0
+    with Csr4File(out) as f:
+        assert f.shape == SMALL.shape
+        a = f.to_csr()
+    b = trace_rows("small", np.arange(SMALL.n_lors), rays=1)
+    np.testing.assert_array_equal(a.indptr, b.indptr)
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_array_equal(a.data, b.data)
+    assert '"nnz": %d' % b.nnz in capsys.readouterr().out
+
+
+def test_cli_bad_rays_exits_2(tmp_path, capsys):
+    out = tmp_path / "x.csr4"
+    assert mlem_main(["generate", "--preset", "small", "--rays", "5", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mlem: error: rays: rays = 5 is not a fourth power") and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_cli_estimate_writes_nothing(tmp_path, capsys):
+    assert mlem_main(["generate", "--preset", "small", "--estimate", "2000"]) == 0
+    out = capsys.readouterr().out
+    assert '"nnz_estimate"' in out

@@ -1,0 +1,273 @@
+"""Tests of the Snakemake workflow: lint, format, config validation, and the
+rerun rules (which stages a changed setting reruns), proved by dry runs
+against a working directory whose outputs a real run of a tiny config made.
+
+The real run (``small`` preset, 2 iterations, CPU only) takes well under a
+minute on 2 cores; every other test is a dry run or a lint (a few seconds).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEFILE = REPO / "Snakefile"
+
+#: The stages that make the problem and never depend on runs or iterations.
+UPSTREAM = {"generate_matrix", "convert_matrix", "compute_norm", "transpose_matrix"}
+
+#: A tiny config: every stage, CPU only, two runs (one with the stored
+#: transpose, one without), a reference, one phantom.
+TINY = {
+    "use_gpu": False,
+    "matrices": {"small": {"preset": "small"}},
+    "transpose": {"method": "scantrans", "compare": []},
+    "partition": {"parts": [2]},
+    "simulation": {"phantoms": ["nema"], "seeds": [1], "noiseless": False, "counts": None},
+    "mlem": {"iterations": 2, "checkpoint_every": 0, "repetitions": 1, "reference": True},
+    "runs": [
+        {"backend": "cpu", "fp": "auto", "bp": "auto"},
+        {"backend": "cpu", "fp": "auto", "bp": "notrans"},
+    ],
+    "bench": {"spmv": False},
+}
+
+
+def snakemake(workdir: Path, *args: str, config: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run snakemake on this repository's workflow in ``workdir``; return the finished process.
+
+    ``config`` is written to ``workdir/<name>.yaml`` and passed with
+    ``--configfile`` (which replaces the embedded default, see Snakefile).
+    """
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(workdir)]
+    if config is not None:
+        path = workdir / f"config-{abs(hash(yaml.safe_dump(config)))}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        cmd += ["--configfile", str(path)]
+    cmd += list(args)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
+    """Parse the "Job stats" table of a dry run: rule -> job count (``all`` left out).
+
+    An up-to-date workflow prints "Nothing to be done" and gives ``{}``.
+    """
+    assert proc.returncode == 0, f"dry run failed:\n{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout + proc.stderr
+    if "Job stats:" not in out:
+        assert "Nothing to be done" in out, out
+        return {}
+    lines = out.split("Job stats:", 1)[1].splitlines()
+    jobs: dict[str, int] = {}
+    # header "job  count", a rule of dashes, then "name  count" rows up to "total".
+    for line in lines[3:]:
+        fields = line.split()
+        if not fields or fields[0] == "total":
+            break
+        name, count = fields
+        jobs[name] = int(count)
+    jobs.pop("all", None)
+    return jobs
+
+
+def dry_run(workdir: Path, config: dict, *targets: str) -> dict[str, int]:
+    """Jobs a dry run of ``config`` in ``workdir`` would run."""
+    return planned_jobs(snakemake(workdir, "--dry-run", "--quiet", "rules", *targets, config=config))
+
+
+def changed(**sections) -> dict:
+    """TINY with some sections' keys replaced (``mlem={"iterations": 3}``...)."""
+    config = copy.deepcopy(TINY)
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            config[section].update(values)
+        else:
+            config[section] = values
+    return config
+
+
+# --------------------------------------------------------------------- static
+
+
+def test_lint_reports_nothing(tmp_path):
+    proc = snakemake(tmp_path, "--lint")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Lints for" not in proc.stdout + proc.stderr
+
+
+def test_snakefmt_check_passes():
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakefmt", "--check", "Snakefile", "rules"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_schema_property_has_description_and_default():
+    schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())
+    missing = []
+
+    def walk(node: dict, where: str) -> None:
+        for key, sub in node.get("properties", {}).items():
+            here = f"{where}.{key}".lstrip(".")
+            if "description" not in sub or "default" not in sub:
+                missing.append(here)
+            walk(sub, here)
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            walk(extra, f"{where}.*")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{where}[]")
+
+    walk(schema, "")
+    assert schema["additionalProperties"] is False
+    assert not missing, f"schema properties without description or default: {missing}"
+
+
+def test_default_config_plans_every_cpu_stage(tmp_path):
+    # The embedded default (no --configfile), here without a GPU.
+    jobs = planned_jobs(snakemake(tmp_path, "--dry-run", "--quiet", "rules", "--config", "use_gpu=false"))
+    for rule in UPSTREAM | {
+        "compare_transpose",
+        "partition_matrix",
+        "simulate_measurement",
+        "reference_mlem",
+        "run_mlem",
+        "summarize",
+    }:
+        assert jobs.get(rule, 0) >= 1, (rule, jobs)
+    # Without a GPU: only the cpu run, no benchmark.
+    assert jobs["run_mlem"] == 1
+    assert "bench_spmv" not in jobs
+
+
+def test_use_gpu_true_adds_every_cuda_run_and_the_benchmark(tmp_path):
+    config = changed(
+        use_gpu=True,
+        runs=[
+            {"backend": "cpu"},
+            {"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "gpus": [1, 2, 4], "layout": ["local", "thesis"]},
+            {"backend": "cuda", "fp": "merge", "bp": "notrans", "secsize": 8},
+        ],
+        bench={"spmv": True},
+    )
+    jobs = dry_run(tmp_path, config)
+    # cpu 1 + csr_vector: gpus 1 (local only) + 2 x 2 layouts + 4 x 2 layouts = 5 + merge 1.
+    assert jobs["run_mlem"] == 1 + 5 + 1
+    # Plans for parts 2 (partition.parts, also a GPU count) and 4.
+    assert jobs["partition_matrix"] == 2
+    assert jobs["bench_spmv"] == 1
+
+
+def test_cpu_run_on_several_gpus_is_refused(tmp_path):
+    proc = snakemake(tmp_path, "--dry-run", config=changed(runs=[{"backend": "cpu", "gpus": [1, 2]}]))
+    assert proc.returncode != 0
+    assert "runs[0].gpus" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        (changed(mlem={"iteratons": 3}), "'iteratons' was unexpected"),
+        ({**TINY, "phantom": "nema"}, "'phantom' was unexpected"),
+        (changed(runs=[{"backend": "cpu", "layuot": "local"}]), "runs[0]"),
+        (changed(matrices={"small": {"preset": "small", "path": "a.mtx"}}), "matrices.small"),
+        (changed(simulation={"phantoms": ["shepp"]}), "simulation.phantoms[0]"),
+    ],
+)
+def test_bad_config_stops_before_any_job(tmp_path, config, named):
+    proc = snakemake(tmp_path, "--cores", "1", config=config)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert named in out, out
+    assert "config/schema.yaml" in out
+    for made in ("results", "resources", "logs"):
+        assert not (tmp_path / made).exists()
+
+
+# ------------------------------------------------------------------- reruns
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A working directory where the tiny config ran to the end for real."""
+    workdir = tmp_path_factory.mktemp("workflow")
+    proc = snakemake(workdir, "--cores", "2", config=TINY, timeout=600)
+    assert proc.returncode == 0, f"workflow failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+    return workdir
+
+
+@pytest.mark.slow
+def test_finished_run_leaves_summary_and_is_up_to_date(finished):
+    summary = finished / "results/summary"
+    assert (summary / "runs.csv").stat().st_size > 0
+    assert (summary / "summary.md").stat().st_size > 0
+    assert any((summary / "plots").glob("*.png"))
+    for run in ("cpu-auto-auto", "cpu-auto-notrans"):
+        run_dir = finished / f"results/small/runs/nema-seed1/{run}/gpus-1-local"
+        assert (run_dir / "image.h5").exists()
+        assert (run_dir / "timings.json").exists()
+    assert dry_run(finished, TINY) == {}
+
+
+@pytest.mark.slow
+def test_iterations_rerun_only_runs_and_summary(finished):
+    jobs = dry_run(finished, changed(mlem={"iterations": 3}))
+    # Both runs, the reference of the one problem, the summary; nothing upstream.
+    assert jobs == {"reference_mlem": 1, "run_mlem": 2, "summarize": 1}
+
+
+@pytest.mark.slow
+def test_repetitions_rerun_runs_but_not_the_reference(finished):
+    jobs = dry_run(finished, changed(mlem={"repetitions": 2}))
+    assert jobs == {"run_mlem": 2, "summarize": 1}
+
+
+@pytest.mark.slow
+def test_part_count_reruns_partition_and_what_follows(finished):
+    jobs = dry_run(finished, changed(partition={"parts": [3]}))
+    assert jobs == {"partition_matrix": 1, "summarize": 1}
+    # A GPU count of the runs is planned too, and its runs depend on the plan;
+    # the existing cpu runs, the data and the matrix stages stay.
+    config = changed(
+        use_gpu=True,
+        partition={"parts": [2]},
+        runs=TINY["runs"] + [{"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "gpus": [3]}],
+    )
+    jobs = dry_run(finished, config)
+    assert jobs == {"partition_matrix": 1, "run_mlem": 1, "summarize": 1}
+    planned = snakemake(finished, "--dry-run", config=config).stdout
+    assert "results/small/parts-3/plan.json" in planned
+    assert "cuda-csr_vector-csr_vector/gpus-3-local" in planned
+
+
+@pytest.mark.slow
+def test_phantom_reruns_simulation_runs_and_summary(finished):
+    jobs = dry_run(finished, changed(simulation={"phantoms": ["uniform"]}))
+    assert jobs == {"simulate_measurement": 1, "reference_mlem": 1, "run_mlem": 2, "summarize": 1}
+
+
+@pytest.mark.slow
+def test_noise_setting_reruns_simulation_runs_and_summary(finished):
+    jobs = dry_run(finished, changed(simulation={"counts": 1.0e6}))
+    assert jobs == {"simulate_measurement": 1, "reference_mlem": 1, "run_mlem": 2, "summarize": 1}
+
+
+@pytest.mark.slow
+def test_transpose_method_reruns_only_what_reads_the_transpose(finished):
+    jobs = dry_run(finished, changed(transpose={"method": "scipy"}))
+    # The plan and the run with the stored transpose; not the notrans run,
+    # the reference, the data, the norm or the conversion.
+    assert jobs == {"transpose_matrix": 1, "partition_matrix": 1, "run_mlem": 1, "summarize": 1}
