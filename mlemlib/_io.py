@@ -15,6 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; rename it to ``target`` on success.
@@ -29,6 +35,8 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        if tmp_path.is_file():
+            os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp creates 0600; outputs follow the umask
         os.replace(tmp_path, target)
     except BaseException:
         if tmp_path.is_dir():

@@ -116,7 +116,7 @@ def validate_csr_arrays(
         if check_values:
             if not np.isfinite(data).all():
                 k = int(np.argmax(~np.isfinite(data)))
-                raise MatrixFormatError(source, f"non-finite value {data[k]!r} at element {k}")
+                raise MatrixFormatError(source, f"non-finite value {float(data[k])} at element {k}")
             if (data < 0).any():
                 k = int(np.argmax(data < 0))
-                raise MatrixFormatError(source, f"negative value {float(data[k])!r} at element {k}")
+                raise MatrixFormatError(source, f"negative value {float(data[k])} at element {k}")

@@ -177,19 +177,18 @@ def write_image(
         a = a.reshape(gz, gy, gx)
     else:
         a = a.reshape(-1)
-    with atomic_path(path) as tmp:
-        with h5py.File(tmp, "w") as f:
-            f.create_dataset("image", data=a)
-            f.attrs["format"] = IMAGE_FORMAT
-            f.attrs["version"] = FORMAT_VERSION
-            f.attrs["column_order"] = COLUMN_ORDER
-            if grid is not None:
-                f.attrs["grid"] = np.asarray(grid, dtype=np.int64)
-            if voxel_size is not None:
-                f.attrs["voxel_size"] = np.asarray(voxel_size, dtype=np.float64)
-            for k, v in (attrs or {}).items():
-                if v is not None:
-                    f.attrs[k] = _attr_value(v)
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        f.create_dataset("image", data=a)
+        f.attrs["format"] = IMAGE_FORMAT
+        f.attrs["version"] = FORMAT_VERSION
+        f.attrs["column_order"] = COLUMN_ORDER
+        if grid is not None:
+            f.attrs["grid"] = np.asarray(grid, dtype=np.int64)
+        if voxel_size is not None:
+            f.attrs["voxel_size"] = np.asarray(voxel_size, dtype=np.float64)
+        for k, v in (attrs or {}).items():
+            if v is not None:
+                f.attrs[k] = _attr_value(v)
 
 
 def _plain_attr(v: Any) -> Any:
@@ -295,16 +294,15 @@ def write_checkpoint(path: str | os.PathLike, image: np.ndarray, *, key: str, re
     """Write a checkpoint atomically: ``/image`` plus the iteration, repetition, input hash and loop state."""
     import h5py
 
-    with atomic_path(path) as tmp:
-        with h5py.File(tmp, "w") as f:
-            f.create_dataset("image", data=np.asarray(image).reshape(-1))
-            f.attrs["format"] = CHECKPOINT_FORMAT
-            f.attrs["version"] = FORMAT_VERSION
-            f.attrs["key"] = key
-            f.attrs["repetition"] = int(repetition)
-            f.attrs["iteration"] = int(iteration)
-            f.attrs["state"] = json.dumps(_finite(state), default=_json_default)
-            f.attrs["created"] = _now()
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        f.create_dataset("image", data=np.asarray(image).reshape(-1))
+        f.attrs["format"] = CHECKPOINT_FORMAT
+        f.attrs["version"] = FORMAT_VERSION
+        f.attrs["key"] = key
+        f.attrs["repetition"] = int(repetition)
+        f.attrs["iteration"] = int(iteration)
+        f.attrs["state"] = json.dumps(_finite(state), default=_json_default)
+        f.attrs["created"] = _now()
 
 
 def read_checkpoint(path: str | os.PathLike, *, key: str, n: int, dtype: np.dtype) -> dict[str, Any]:
@@ -400,9 +398,11 @@ def make_backend(
     Returns
     -------
     Backend
-        ``mlemlib.backends.cpu.CpuBackend``; for ``cuda`` with one GPU the
-        result of ``mlemlib.backends.cuda.make_backend(...)`` (or ``CudaBackend(...)``),
-        with several GPUs ``mlemlib.dist.make_backend(...)`` (imported lazily).
+        ``mlemlib.backends.cpu.CpuBackend``; for ``cuda`` with one GPU
+        ``mlemlib.backends.cuda.CudaBackend(matrix, g, norm, transpose=, fp=, bp=[, secsize=])``
+        (or that module's ``make_backend``), with several GPUs
+        ``mlemlib.dist.make_backend(matrix, g, norm, transpose=, fp=, bp=, gpus=, layout=, plan=[, secsize=])``
+        (or ``mlemlib.dist.nccl.make_backend``); all imported lazily.
 
     Raises
     ------
@@ -430,26 +430,29 @@ def make_backend(
     kw: dict[str, Any] = {"transpose": transpose, "fp": fp, "bp": bp, **options}
     if secsize is not None:
         kw["secsize"] = secsize
-    module = "mlemlib.backends.cuda" if gpus == 1 else "mlemlib.dist"
-    try:
-        import importlib
+    import importlib
 
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        raise DeviceError(f"backend cuda needs CuPy and {module}: {exc}") from exc
     if gpus == 1:
-        factory = getattr(mod, "make_backend", None) or getattr(mod, "CudaBackend", None)
+        candidates = [("mlemlib.backends.cuda", "make_backend"), ("mlemlib.backends.cuda", "CudaBackend")]
     else:
         kw.update(gpus=gpus, layout=layout or "local", plan=plan)
-        factory = getattr(mod, "make_backend", None)
-    if factory is None:
-        raise DeviceError(f"{module} provides no backend factory (make_backend)")
-    return factory(matrix, g, norm, **kw)
+        candidates = [("mlemlib.dist", "make_backend"), ("mlemlib.dist.nccl", "make_backend")]
+    errors = []
+    for module, attr in candidates:
+        try:
+            factory = getattr(importlib.import_module(module), attr, None)
+        except ImportError as exc:
+            errors.append(f"{module}: {exc}")
+            continue
+        if factory is not None:
+            return factory(matrix, g, norm, **kw)
+        errors.append(f"{module} has no {attr}")
+    raise DeviceError(f"backend cuda with {gpus} GPU(s) is not available: {'; '.join(errors)}")
 
 
 # --------------------------------------------------------------------------- the loop
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def _log_interval(iterations: int) -> int:
@@ -462,8 +465,8 @@ def _matrix_label(path: Any) -> str | None:
     if not isinstance(path, (str, os.PathLike)):
         return None
     p = Path(path)
-    if p.stem in ("matrix", "transpose") and p.parent.name:
-        return p.parent.name
+    if p.stem in ("matrix", "transpose") and p.resolve().parent.name:
+        return p.resolve().parent.name
     return p.name.split(".")[0]
 
 
@@ -676,6 +679,27 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
     grid, voxel_size = matrix_geometry(src)
     log.info("loaded problem %s: %d x %d, %d nnz (%.2f s)", problem[:12], m, n, int(src.nnz), sw_load.seconds)
 
+    # ---- resume (checked before the backend is built: a refused checkpoint costs no set-up) ----
+    ckpt_path = Path(checkpoint) if checkpoint is not None else out_image.with_name(out_image.stem + ".checkpoint.h5")
+    records: list[dict[str, Any]] = []
+    start_rep, start_it, resume_image, resume_samples, resumed_at = 0, 0, None, None, None
+    ck_config = None
+    if ckpt_path.exists() and (checkpoint_every > 0 or checkpoint is not None):
+        ck = read_checkpoint(ckpt_path, key=key, n=n, dtype=dtype)
+        if ck["repetition"] >= repetitions or ck["iteration"] > iterations:
+            raise ConfigError(
+                os.fspath(ckpt_path),
+                f"checkpoint at repetition {ck['repetition'] + 1}, iteration {ck['iteration']} is beyond this run "
+                f"({repetitions} repetitions of {iterations} iterations); delete it to start afresh",
+            )
+        ck_config = ck["state"].get("config", {})
+        records = ck["state"].get("records", [])
+        start_rep, start_it = ck["repetition"], ck["iteration"]
+        resume_image = ck["image"]
+        resume_samples = ck["state"].get("samples", {})
+        resumed_at = ck["state"].get("resumed_at", []) + [start_it]
+        log.info("resuming from %s: repetition %d, iteration %d", ckpt_path, start_rep + 1, start_it)
+
     # ---- backend --------------------------------------------------------------
     with Stopwatch() as sw_setup:
         be = make_backend(
@@ -685,31 +709,12 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
     desc = be.describe()
     log.info("backend %s ready (%.2f s): %s", desc.get("backend", backend), sw_setup.seconds, desc)
 
-    # ---- resume ---------------------------------------------------------------
-    ckpt_path = Path(checkpoint) if checkpoint is not None else out_image.with_name(out_image.stem + ".checkpoint.h5")
     config = {
         "backend": desc.get("backend", backend), "fp": desc.get("fp", fp), "bp": desc.get("bp", bp),
         "secsize": secsize, "gpus": gpus, "layout": layout, "dtype": str(dtype),
     }
-    records: list[dict[str, Any]] = []
-    start_rep, start_it, resume_image, resume_samples, resumed_at = 0, 0, None, None, None
-    if ckpt_path.exists() and (checkpoint_every > 0 or checkpoint is not None):
-        ck = read_checkpoint(ckpt_path, key=key, n=n, dtype=dtype)
-        if ck["repetition"] >= repetitions or ck["iteration"] > iterations:
-            raise ConfigError(
-                os.fspath(ckpt_path),
-                f"checkpoint at repetition {ck['repetition'] + 1}, iteration {ck['iteration']} is beyond this run "
-                f"({repetitions} repetitions of {iterations} iterations); delete it to start afresh",
-            )
-        old = ck["state"].get("config", {})
-        if old != config:
-            log.warning("%s: written by another configuration %s; resuming with %s", ckpt_path, old, config)
-        records = ck["state"].get("records", [])
-        start_rep, start_it = ck["repetition"], ck["iteration"]
-        resume_image = ck["image"]
-        resume_samples = ck["state"].get("samples", {})
-        resumed_at = ck["state"].get("resumed_at", []) + [start_it]
-        log.info("resuming from %s: repetition %d, iteration %d", ckpt_path, start_rep + 1, start_it)
+    if ck_config is not None and ck_config != config:
+        log.warning("%s: written by another configuration %s; resuming with %s", ckpt_path, ck_config, config)
 
     # ---- iterate --------------------------------------------------------------
     every = _log_interval(iterations)
@@ -779,7 +784,7 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
     # ---- outputs --------------------------------------------------------------
     nnz = int(src.nnz)
     bytes_a = 8 * (m + 1) + 8 * nnz
-    used_t = bool(desc.get("transpose", tsrc is not None))
+    used_t = transpose_used(desc.get("transpose"), tsrc is not None)
     bytes_at = 8 * (n + 1) + 8 * nnz if used_t else None
     mname = matrix_name or _matrix_label(matrix) or "matrix"
     timings: dict[str, Any] = {
@@ -792,7 +797,7 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
             "matrix": mname,
             "matrix_path": _source_name(src, matrix),
             "sino": os.fspath(sino) if isinstance(sino, (str, os.PathLike)) else "<memory>",
-            "data": Path(sino).name.split(".")[0] if isinstance(sino, (str, os.PathLike)) else None,
+            "data": Path(sino).name.split(".")[0] if isinstance(sino, (str, os.PathLike)) else "memory",
             "norm": os.fspath(norm) if isinstance(norm, (str, os.PathLike)) else None,
             "transpose": os.fspath(transpose) if isinstance(transpose, (str, os.PathLike)) else (None if transpose is None else "<memory>"),
             "reference": os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None,
@@ -905,6 +910,19 @@ def reference(
 
 #: Alias used by the workflow's ``reference_mlem`` rule.
 reference_mlem = reference
+
+
+def transpose_used(value: Any, default: bool) -> bool:
+    """Whether the back projection reads ``A^T``, from a backend's ``describe()["transpose"]``.
+
+    Backends say True/False, or a word: ``"none"`` (back projection with ``A``),
+    ``"stored"`` or ``"cusparse on device"`` (a transpose on the device).
+    """
+    if value is None:
+        return default
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "none", "no", "false")
+    return bool(value)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:

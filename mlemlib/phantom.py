@@ -12,7 +12,7 @@ and ``H = gridZ*d / 2`` the axial half-length of the field of view.
 - ``nema``: NEMA image-quality-like: the same cylinder (activity 1), a cold
   central "lung" insert (radius 0.12 R, activity 0) and six spheres on a
   ring of radius 0.5 R in the central plane, diameters in the ratio
-  10:13:17:22:28:37 (the largest 0.44 min(R, H)); the four smallest are hot
+  10:13:17:22:28:37 (the largest of radius min(0.22 R, 0.8 H)); the four smallest are hot
   (activity 4, i.e. 4:1), the two largest cold (activity 0).
 - ``derenzo``: a cold cylinder (activity 0) holding six 60-degree sectors of
   hot rods (activity 1) along z; rod diameters 0.05, 0.065, 0.08, 0.10, 0.125,
@@ -197,7 +197,7 @@ def phantom_shapes(name: str, grid: Sequence[int], voxel_size: Sequence[float]) 
             Cylinder((0.0, 0.0), body_r, z0, z1, 1.0, "background"),
             Cylinder((0.0, 0.0), 0.12 * R, z0, z1, 0.0, "lung"),
         ]
-        r_max = 0.22 * min(R, H)
+        r_max = min(0.22 * R, 0.8 * H)
         ring = 0.5 * R
         for k, d in enumerate(_NEMA_DIAMETERS):
             r = r_max * d / _NEMA_DIAMETERS[-1]
@@ -355,7 +355,7 @@ def _far_near(c: np.ndarray, half: float, p: float) -> tuple[np.ndarray, np.ndar
 
 
 def _shape_distances(sh: Shape, grid, voxel_size) -> tuple[np.ndarray, np.ndarray]:
-    """(fully_inside, near_distance) of every voxel for a shape, shape (gz, gy, gx)."""
+    """(fully inside, distance from the centre or axis to the nearest point) of every voxel, shape (gz, gy, gx)."""
     (cx, hx), (cy, hy), (cz, hz) = _voxel_bounds(grid, voxel_size)
     if isinstance(sh, Sphere):
         fx, nx = _far_near(cx, hx, sh.center[0])
@@ -402,7 +402,7 @@ def region_masks(phantom: Phantom, grid: Sequence[int], voxel_size: Sequence[flo
         label = sh.label or f"region{len(masks) + 1}"
         masks[label] = masks[label] | inside if label in masks else inside
         activity[label] = float(sh.value)
-        background &= near > margin
+        background &= near > sh.radius + margin
     return RegionMasks(masks, background, activity, float(phantom.body.value))
 
 
@@ -448,8 +448,9 @@ def forward_project(matrix: Any, f: np.ndarray, *, max_nnz: int = 1 << 24) -> np
     numpy.ndarray
         float64, length m.
     """
-    from mlemlib.backends.cpu import spmv
+    from mlemlib.backends.cpu import passive_omp_wait, spmv
 
+    passive_omp_wait()
     src = _open_source(matrix)
     m, n = src.shape
     x = np.ascontiguousarray(np.asarray(f, dtype=np.float64).reshape(-1))
@@ -619,9 +620,9 @@ def load_regions(truth_attrs: dict[str, Any], grid: Sequence[int] | None, voxel_
 
 __all__ = [
     "COLUMN_ORDER",
-    "Cylinder",
     "DEFAULT_COUNTS",
     "PHANTOMS",
+    "Cylinder",
     "Phantom",
     "RegionMasks",
     "Sphere",

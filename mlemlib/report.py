@@ -46,6 +46,7 @@ import numpy as np
 from mlemlib._io import atomic_dir, atomic_path
 from mlemlib.errors import InputError
 from mlemlib.metrics import spread
+from mlemlib.mlem import transpose_used
 from mlemlib.timing import format_seconds, ordered_steps
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
                 "backend": cfg.get("backend"),
                 "fp": cfg.get("fp"),
                 "bp": cfg.get("bp"),
-                "transpose": bool(be.get("transpose", cfg.get("transpose") is not None)),
+                "transpose": transpose_used(be.get("transpose"), cfg.get("transpose") is not None),
                 "secsize": cfg.get("secsize"),
                 "gpus": cfg.get("gpus"),
                 "layout": cfg.get("layout"),
@@ -208,12 +209,11 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
 def write_runs_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
     """Write ``runs.csv`` (atomically); floats with full precision, empty cells for missing values."""
     cols = _columns(rows)
-    with atomic_path(path) as tmp:
-        with open(tmp, "w", newline="", encoding="utf-8") as fh:
-            w = csv.writer(fh)
-            w.writerow(cols)
-            for r in rows:
-                w.writerow(["" if r.get(c) is None else (repr(r[c]) if isinstance(r[c], float) else r[c]) for c in cols])
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow(["" if r.get(c) is None else (repr(r[c]) if isinstance(r[c], float) else r[c]) for c in cols])
 
 
 # --------------------------------------------------------------------------- grouping
@@ -291,10 +291,11 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
                 "yes" if r0["deterministic"] else "NO (atomics)",
             ]
         )
-    out = ["## Time per iteration by step\n",
-           "Mean over all iterations and repetitions (min and max: the fastest and slowest single iteration). "
-           "GB/s: bytes of A (and of A^T where stored) read per iteration over the mean time.\n",
-           _md_table(head, body)]
+    intro = (
+        "Mean over all iterations and repetitions (min and max: the fastest and slowest single iteration). "
+        "GB/s: bytes of A (and of A^T where stored) read per iteration over the mean time.\n\n"
+    )
+    out = ["## Time per iteration by step\n", intro, _md_table(head, body)]
     for rs in groups.values():
         r0 = rs[0]
         samples: dict[str, list[float]] = {}
@@ -344,11 +345,12 @@ def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
         )
         if cr_labels:
             cr_rows.append([r0["matrix"], r0["data"], config_label(r0), *(_fmt_g(_mean(r.get(c) for r in rs), 4) for c in cr_labels)])
-    out = ["## Accuracy over repetitions\n",
-           "Image sum: the thesis's measure (float64 sum). rel. L2: ||f - f_ref|| / ||f_ref|| against the float64 "
-           "reference MLEM of the same problem, and against the phantom. distinct images: how many different "
-           "float32 images the repetitions produced (1: bit-identical).\n",
-           _md_table(head, body)]
+    intro = (
+        "Image sum: the thesis's measure (float64 sum). rel. L2: ||f - f_ref|| / ||f_ref|| against the float64 "
+        "reference MLEM of the same problem, and against the phantom. distinct images: how many different "
+        "float32 images the repetitions produced (1: bit-identical).\n\n"
+    )
+    out = ["## Accuracy over repetitions\n", intro, _md_table(head, body)]
     if cr_rows:
         out += ["\n### Contrast recovery (mean over repetitions; 1 is perfect)\n\n",
                 _md_table(["matrix", "data", "configuration", *(c[3:] for c in cr_labels)], cr_rows)]
@@ -379,7 +381,7 @@ def _transpose_label(p: Path) -> tuple[str, str]:
     stem = p.name.split(".")[0]
     if stem.startswith("transpose"):
         method = stem[len("transpose-"):] if stem.startswith("transpose-") else ""
-        return p.parent.name, method
+        return p.resolve().parent.name, method
     for meth in _TRANSPOSE_METHODS:
         if stem.endswith("-" + meth):
             return stem[: -len(meth) - 1], meth
@@ -504,8 +506,12 @@ def plot_distribution(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) 
             labels.append(f"{rs[0]['matrix']}/{rs[0]['data']}\n{config_label(rs[0])}")
     fig, ax = plt.subplots(figsize=(9, 1.0 + 0.55 * max(1, len(labels))))
     if data:
-        key = "tick_labels" if _mpl_has_tick_labels() else "labels"
-        ax.boxplot(data, vert=False, **{key: labels})
+        if _mpl_version() >= (3, 10):
+            ax.boxplot(data, orientation="horizontal", tick_labels=labels)
+        elif _mpl_version() >= (3, 9):
+            ax.boxplot(data, vert=False, tick_labels=labels)
+        else:
+            ax.boxplot(data, vert=False, labels=labels)
         ax.invert_yaxis()
         ax.tick_params(axis="y", labelsize=7)
     else:
@@ -517,11 +523,11 @@ def plot_distribution(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) 
     plt.close(fig)
 
 
-def _mpl_has_tick_labels() -> bool:
+def _mpl_version() -> tuple[int, int]:
     import matplotlib
 
-    major, minor = (int(x) for x in matplotlib.__version__.split(".")[:2])
-    return (major, minor) >= (3, 9)
+    major, minor = (int(re.match(r"\d+", x).group()) for x in matplotlib.__version__.split(".")[:2])
+    return major, minor
 
 
 def plot_accuracy(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
@@ -580,9 +586,9 @@ def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool
     fig, axes = plt.subplots(len(vols), 3, figsize=(10, 3.3 * len(vols)), squeeze=False)
     for row, (name, v) in enumerate(vols):
         vmax = float(np.percentile(v, 99.9)) or float(v.max()) or 1.0
-        slices = [("axial z=%d" % (gz // 2), v[gz // 2], vs[1] / vs[0]),
-                  ("coronal y=%d" % (gy // 2), v[:, gy // 2, :], vs[2] / vs[0]),
-                  ("sagittal x=%d" % (gx // 2), v[:, :, gx // 2], vs[2] / vs[1])]
+        slices = [(f"axial z={gz // 2}", v[gz // 2], vs[1] / vs[0]),
+                  (f"coronal y={gy // 2}", v[:, gy // 2, :], vs[2] / vs[0]),
+                  (f"sagittal x={gx // 2}", v[:, :, gx // 2], vs[2] / vs[1])]
         for col, (sname, sl, aspect) in enumerate(slices):
             ax = axes[row][col]
             im = ax.imshow(sl, cmap="gray", vmin=0, vmax=vmax, origin="lower", aspect=aspect, interpolation="nearest")
@@ -681,24 +687,22 @@ def summarize(
                 seen.add(problem)
                 plot_names.append(name)
 
-    parts = [
-        "# MLEM runs: summary\n\n",
-        f"{len(loaded)} runs, {len(rows)} repetitions, {len(groups)} configurations. "
-        f"Every row of `{csv_path.name}` is one repetition of one run.\n\n",
+    sections = [
         timing_section(groups) if groups else "No runs.\n",
-        "\n",
         accuracy_section(groups) if groups else "",
-        "\n",
         transpose_section(trows),
-        "\n",
         plan_section(plans),
-        "\n",
         csv_section(bench, "SpMV benchmark"),
-        "\n## Plots\n\n",
-        "".join(f"- `{plots_dir.name}/{p}`\n" for p in plot_names) or "none\n",
+        "## Plots\n\n" + ("".join(f"- `{plots_dir.name}/{p}`\n" for p in plot_names) or "none\n"),
     ]
+    head = (
+        "# MLEM runs: summary\n\n"
+        f"{len(loaded)} runs, {len(rows)} repetitions, {len(groups)} configurations. "
+        f"Every row of `{csv_path.name}` is one repetition of one run.\n\n"
+    )
+    text = head + "\n".join(sec for sec in sections if sec)
     with atomic_path(md_path) as tmp:
-        tmp.write_text("".join(parts), encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
     return {
         "rows": len(rows),
         "configurations": len(groups),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import numpy as np
 
@@ -110,11 +109,11 @@ class Stopwatch:
         self.seconds = 0.0
         self._t0 = 0.0
 
-    def __enter__(self) -> Stopwatch:
+    def __enter__(self) -> Stopwatch:  # noqa: PYI034 - final in practice; Self needs 3.11 typing only
         self._t0 = time.perf_counter()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self._t0
 
 

@@ -161,32 +161,37 @@ def _scan_count(indices, n, bounds, inter, intra):  # pragma: no cover - compile
 
 
 @njit(parallel=True, cache=True)
-def _vertical_scan(inter, block):  # pragma: no cover - compiled
-    """ScanTrans step 2: ``inter[j, c] += inter[j-1, c]`` down each column.
+def _vertical_scan(inter, cursor, base, block):  # pragma: no cover - compiled
+    """ScanTrans step 2: scan ``inter`` down each column, offset by the column's output cursor.
 
-    Afterwards ``inter[t, c]`` is the number of column-``c`` non-zeros of the
-    chunk owned by threads before ``t``, and ``inter[T, c]`` the chunk's total.
-    Parallel over blocks of columns; each block walks the rows contiguously.
+    ``base[t, c] = cursor[c] + inter[1, c] + ... + inter[t, c]`` is the output
+    position of thread ``t``'s first column-``c`` non-zero: the first two terms
+    of the thesis's eq. 6.1 (``cscColPtr[c] + inter[t][c]``, with the chunk's
+    running cursor in place of ``cscColPtr``) added once per column instead of
+    once per non-zero. Then ``cursor[c]`` advances by the chunk's column total
+    (the thesis's ``inter[nthreads][c]``). Parallel over blocks of columns.
     """
     rows, n = inter.shape
     nblocks = (n + block - 1) // block
     for b in prange(nblocks):
         c0 = b * block
         c1 = min(n, c0 + block)
-        for j in range(1, rows):
-            for c in range(c0, c1):
-                inter[j, c] += inter[j - 1, c]
+        for c in range(c0, c1):
+            run = cursor[c]
+            for j in range(rows - 1):
+                base[j, c] = run
+                run += inter[j + 1, c]
+            cursor[c] = run
 
 
 @njit(parallel=True, cache=True)
-def _scatter(indptr, indices, data, bounds, inter, intra, cursor, row0, out_indices, out_data):  # pragma: no cover
-    """ScanTrans step 3 (write-back) on one chunk, then advance the column cursor.
+def _scatter(indptr, indices, data, bounds, base, intra, row0, out_indices, out_data):  # pragma: no cover
+    """ScanTrans step 3 (write-back) on one chunk.
 
-    ``cursor[c]`` is the output position of the chunk's first column-``c``
-    non-zero (``colptr[c]`` for the first chunk). Each thread walks its share
-    of the chunk's non-zeros, deriving the row number from ``indptr`` as it
-    goes (instead of the thesis's nnz-sized ``csrRowIdx``), and writes
-    ``loc = cursor[c] + inter[t, c] + intra[k]``.
+    Each thread walks its share of the chunk's non-zeros, deriving the row
+    number from ``indptr`` as it goes (instead of the thesis's nnz-sized
+    ``csrRowIdx``), and writes non-zero ``k`` of column ``c`` to
+    ``loc = base[t, c] + intra[k]`` (eq. 6.1).
     """
     nthreads = bounds.shape[0] - 1
     for t in prange(nthreads):
@@ -204,18 +209,14 @@ def _scatter(indptr, indices, data, bounds, inter, intra, cursor, row0, out_indi
                     hi = mid
             r = lo
             nxt = indptr[r + 1]
+            bt = base[t]
             for k in range(k0, k1):
                 while k >= nxt:
                     r += 1
                     nxt = indptr[r + 1]
-                c = indices[k]
-                loc = cursor[c] + inter[t, c] + intra[k]
+                loc = bt[indices[k]] + intra[k]
                 out_indices[loc] = row0 + r
                 out_data[loc] = data[k]
-    nthreads_rows = inter.shape[0] - 1
-    n = cursor.shape[0]
-    for c in prange(n):
-        cursor[c] += inter[nthreads_rows, c]
 
 
 # --------------------------------------------------------------------------- ScanTrans driver
@@ -280,8 +281,9 @@ class ScanTransScatter:
 
     The output arrays (one copy of the matrix) are allocated up front from the
     column counts; each :meth:`add` call runs the three ScanTrans steps on one
-    chunk with chunk-sized ``intra`` and a ``(T+1) x n`` ``inter``, offset by a
-    per-column cursor. Chunks must come in row order for the result to be
+    chunk with chunk-sized ``intra``, a ``(T+1) x n`` int32 ``inter`` and a
+    ``T x n`` int64 table of per-thread column bases, offset by a per-column
+    cursor. Chunks must come in row order for the result to be
     stable; :meth:`finish` checks that every slot was filled.
 
     Parameters
@@ -319,6 +321,7 @@ class ScanTransScatter:
         self.data = np.empty(self.nnz, dtype=VALUE_DTYPE)
         self._cursor = self.indptr[:-1].copy()
         self._inter = np.zeros((self.nthreads + 1, n), dtype=np.int32)
+        self._base = np.empty((self.nthreads, n), dtype=np.int64)
         self._intra = np.empty(0, dtype=np.int32)
         self._next_row = 0
         self.seconds = 0.0  # time spent in the ScanTrans kernels
@@ -356,17 +359,16 @@ class ScanTransScatter:
             bad = _scan_count(indices, np.int64(n), bounds, self._inter, self._intra)
             if bad >= 0:
                 raise MatrixFormatError(self.source, f"column index {int(indices[bad])} out of range [0, {n})")
+            _vertical_scan(self._inter, self._cursor, self._base, _SCAN_BLOCK)
             # a file that changed between the passes would overrun the next column
-            room = self.indptr[1:] - self._cursor
-            if np.any(self._inter[-1] > room):
-                c = int(np.argmax(self._inter[-1] > room))
+            over = self._cursor > self.indptr[1:]
+            if over.any():
+                c = int(np.argmax(over))
                 raise MatrixFormatError(
                     self.source, f"column {c} has more non-zeros than counted in the first pass (file changed?)"
                 )
-            _vertical_scan(self._inter, _SCAN_BLOCK)
             _scatter(
-                indptr, indices, data, bounds, self._inter, self._intra, self._cursor,
-                np.int64(row0), self.indices, self.data,
+                indptr, indices, data, bounds, self._base, self._intra, np.int64(row0), self.indices, self.data
             )
         self.seconds += time.perf_counter() - t0
 
@@ -383,7 +385,7 @@ class ScanTransScatter:
         if not np.array_equal(self._cursor, self.indptr[1:]):
             c = int(np.argmax(self._cursor != self.indptr[1:]))
             raise MatrixFormatError(self.source, f"column {c} has fewer non-zeros than counted (file changed?)")
-        self._inter = self._intra = self._cursor = np.empty(0, dtype=np.int32)
+        self._inter = self._intra = self._base = self._cursor = np.empty(0, dtype=np.int32)
         return CSRMatrix(self.indptr, self.indices, self.data, (self.shape[1], self.shape[0]))
 
 
@@ -411,7 +413,7 @@ def _row_block(a: CSRMatrix, r0: int, r1: int) -> CSRMatrix:
 
 
 def _scantrans_single(a: CSRMatrix, nthreads: int) -> CSRMatrix:
-    """ScanTrans in one pass, exactly as thesis Code 6.1 (the row pointer from ``inter``)."""
+    """ScanTrans in one pass, as thesis Code 6.1 (the row pointer from the totals of ``inter``)."""
     m, n = a.shape
     nnz = a.nnz
     p0 = int(a.indptr[0]) if len(a.indptr) else 0
@@ -424,13 +426,14 @@ def _scantrans_single(a: CSRMatrix, nthreads: int) -> CSRMatrix:
     bad = _scan_count(indices, np.int64(n), bounds, inter, intra)
     if bad >= 0:
         raise MatrixFormatError("<matrix>", f"column index {int(indices[bad])} out of range [0, {n})")
-    _vertical_scan(inter, _SCAN_BLOCK)
     out_indptr = np.zeros(n + 1, dtype=INDPTR_DTYPE)
-    np.cumsum(inter[nthreads], out=out_indptr[1:])  # cscColPtr: prefix sum of the totals
+    np.cumsum(inter.sum(axis=0, dtype=np.int64), out=out_indptr[1:])  # cscColPtr: prefix sum of the column totals
     cursor = out_indptr[:-1].copy()
+    base = np.empty((nthreads, n), dtype=np.int64)
+    _vertical_scan(inter, cursor, base, _SCAN_BLOCK)
     out_indices = np.empty(nnz, dtype=INDEX_DTYPE)
     out_data = np.empty(nnz, dtype=VALUE_DTYPE)
-    _scatter(indptr, indices, data, bounds, inter, intra, cursor, np.int64(0), out_indices, out_data)
+    _scatter(indptr, indices, data, bounds, base, intra, np.int64(0), out_indices, out_data)
     return CSRMatrix(out_indptr, out_indices, out_data, (n, m))
 
 
@@ -484,9 +487,9 @@ def scantrans(a: CSRMatrix, *, threads: int | None = None, chunk_nnz: int | None
 def scipy_transpose(a: CSRMatrix) -> CSRMatrix:
     """Transpose with SciPy (``A.T.tocsr()``), single-threaded.
 
-    Memory: SciPy up-casts the index arrays to a common dtype (int64 when the
-    row pointer is int64), so besides ``a`` it holds the output with int64
-    indices (12 bytes per non-zero) and a final int32 copy of the indices.
+    Memory: besides ``a``, the output (SciPy picks int32 index arrays while
+    ``nnz < 2**31``, else int64, and the int32 copy of the indices then
+    adds 4 bytes per non-zero).
     """
     import scipy.sparse as sp
 
@@ -509,6 +512,12 @@ def _cupy():
     if count < 1:
         raise DeviceError("the cusparse transposition needs a CUDA GPU: none found")
     return cupy
+
+
+def cusparse_warm_up() -> None:
+    """Create CuPy's cuSPARSE handle and kernels on a tiny matrix, so that timings exclude set-up."""
+    a = CSRMatrix(np.array([0, 2, 3]), np.array([1, 0, 1]), np.array([1.0, 2.0, 3.0]), (2, 2))
+    cusparse_transpose(a)
 
 
 def cusparse_transpose(a: CSRMatrix, *, timing: dict | None = None) -> CSRMatrix:
@@ -643,10 +652,12 @@ def transpose_file(
 
     Memory: ``scantrans`` holds the output (8 bytes per non-zero plus the
     row pointer), one input chunk (8 bytes per non-zero of the chunk),
-    ``intra`` (4 bytes per chunk non-zero) and ``inter`` + the histogram
-    (``(2T+1) * n * 8`` bytes at most): one copy of the matrix. ``scipy`` and
-    ``cusparse`` read the whole matrix: up to about three copies for ``scipy``
-    (input, int64-index output, int32 copy), two for ``cusparse``.
+    ``intra`` (4 bytes per chunk non-zero) and the per-thread tables
+    (``inter`` and the column bases, or the first pass's histogram: at most
+    ``12 * T * n`` bytes): one copy of the matrix. ``scipy`` and
+    ``cusparse`` read the whole matrix and hold it beside the output: two
+    copies (``scipy`` switches to int64 indices, 12 bytes per non-zero of
+    output, when ``nnz >= 2**31``).
 
     Parameters
     ----------
@@ -722,6 +733,7 @@ def transpose_file(
                 t = scipy_transpose(a)
                 seconds = time.perf_counter() - t0
             else:
+                cusparse_warm_up()
                 timing: dict = {}
                 t = cusparse_transpose(a, timing=timing)
                 seconds = timing["seconds"]

@@ -6,6 +6,7 @@ the workflow makes and which config values each rule receives (as params, so
 that a changed value reruns exactly the rules that use it).
 """
 
+import errno
 import functools
 import os
 from pathlib import Path
@@ -437,3 +438,56 @@ def get_final_outputs():
         f"{SUMMARY_DIR}/summary.md",
         f"{SUMMARY_DIR}/plots",
     ]
+
+
+# ------------------------------------------------------------ job resources
+# Host memory (mem_mb) and wall-clock limit (runtime, minutes) of each job,
+# from mlemlib.cluster's model of the stage, sized from the matrix's header;
+# the SLURM profile turns them into sbatch options. Until the matrix exists
+# (a dry run) they read <TBD>.
+
+
+def _job_resources(stage, wildcards, input, threads, attempt):
+    """mlemlib.cluster.stage_resources of one job of `stage`."""
+    from mlemlib.cluster import matrix_size, stage_resources
+
+    path = input.matrix if "matrix" in input.keys() else input.source
+    if not os.path.exists(path):
+        # Snakemake defers the resource until its input exists.
+        raise FileNotFoundError(errno.ENOENT, "not made yet", path)
+    options = {"threads": threads, "attempt": attempt}
+    if stage == "partition":
+        options["parts"] = int(wildcards.parts)
+    elif stage == "mlem":
+        mlem = config["mlem"]
+        options.update(iterations=mlem["iterations"], backend="cpu")
+        options["stored_transpose"] = "transpose" in input.keys()
+        if "run" in wildcards.keys():
+            run = get_run(wildcards)
+            options.update(
+                backend=run["backend"],
+                gpus=run["gpus"],
+                parts=run["gpus"],
+                repetitions=mlem["repetitions"],
+            )
+    elif stage == "bench":
+        options.update(backend="cuda", gpus=1, repetitions=config["bench"]["repeats"])
+    return stage_resources(stage, matrix_size(path), **options)
+
+
+def get_mem_mb(stage):
+    """Resource function of `stage`: host memory to ask for (MB)."""
+
+    def mem_mb(wildcards, input, threads, attempt):
+        return _job_resources(stage, wildcards, input, threads, attempt)["mem_mb"]
+
+    return mem_mb
+
+
+def get_runtime(stage):
+    """Resource function of `stage`: wall-clock limit to ask for (minutes)."""
+
+    def runtime(wildcards, input, threads, attempt):
+        return _job_resources(stage, wildcards, input, threads, attempt)["runtime"]
+
+    return runtime

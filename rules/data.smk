@@ -9,6 +9,9 @@ rule simulate_measurement:
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores
+    resources:
+        mem_mb=get_mem_mb("simulate"),
+        runtime=get_runtime("simulate"),
     params:
         simulation=get_simulation_params,
     script:

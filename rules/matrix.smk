@@ -27,5 +27,8 @@ rule convert_matrix:
         "benchmarks/matrix/{matrix}-convert.tsv"
     conda:
         "../envs/cpu.yaml"
+    resources:
+        mem_mb=get_mem_mb("convert"),
+        runtime=get_runtime("convert"),
     script:
         "../scripts/convert_matrix.py"

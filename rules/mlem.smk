@@ -13,6 +13,9 @@ rule reference_mlem:
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores
+    resources:
+        mem_mb=get_mem_mb("mlem"),
+        runtime=get_runtime("mlem"),
     params:
         mlem=get_reference_params,
     script:
@@ -36,6 +39,8 @@ rule run_mlem:
         "../envs/gpu.yaml"
     threads: get_mlem_threads
     resources:
+        mem_mb=get_mem_mb("mlem"),
+        runtime=get_runtime("mlem"),
         gpu=get_mlem_gpus,
     params:
         run=get_run,
@@ -63,6 +68,8 @@ rule bench_spmv:
         "../envs/gpu.yaml"
     threads: 1
     resources:
+        mem_mb=get_mem_mb("bench"),
+        runtime=get_runtime("bench"),
         gpu=1,
     params:
         bench=get_bench_params,

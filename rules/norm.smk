@@ -10,5 +10,8 @@ rule compute_norm:
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores
+    resources:
+        mem_mb=get_mem_mb("norm"),
+        runtime=get_runtime("norm"),
     script:
         "../scripts/compute_norm.py"

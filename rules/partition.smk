@@ -11,6 +11,9 @@ rule partition_matrix:
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores
+    resources:
+        mem_mb=get_mem_mb("partition"),
+        runtime=get_runtime("partition"),
     params:
         parts=get_parts,
     script:

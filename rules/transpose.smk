@@ -11,6 +11,8 @@ rule transpose_matrix:
         "../envs/gpu.yaml"
     threads: workflow.cores
     resources:
+        mem_mb=get_mem_mb("transpose"),
+        runtime=get_runtime("transpose"),
         gpu=get_transpose_gpus,
     params:
         method=get_transpose_method,
@@ -33,6 +35,8 @@ rule compare_transpose:
         "../envs/gpu.yaml"
     threads: workflow.cores
     resources:
+        mem_mb=get_mem_mb("transpose"),
+        runtime=get_runtime("transpose"),
         gpu=get_transpose_gpus,
     params:
         method="{method}",

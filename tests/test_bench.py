@@ -138,9 +138,17 @@ def test_tor_matrix_matches_its_definition(dims):
         k0, k1 = a.indptr[r], a.indptr[r + 1]
         assert a.indices[k0:k1].tolist() == cols[r], r
         np.testing.assert_array_equal(a.data[k0:k1], np.asarray(vals[r], dtype=np.float32))
-    lengths = np.diff(a.indptr)
-    assert (lengths == 0).any()  # lines missing the image: empty rows, as in real scanners
     assert a.data.min() > 0 and a.data.max() <= 1
+
+
+def test_tor_matrix_has_empty_rows_and_sinogram_order():
+    a = tor_matrix(16, 12, 3, 10, 14)
+    lengths = np.diff(a.indptr).reshape(2, 10, 14)  # (plane, angle, offset)
+    # the outermost offsets run along the image diagonal's ends and miss the grid at most angles
+    assert (lengths == 0).sum() == 20
+    assert (lengths[:, :, 0] == 0).any() and not (lengths[:, :, 7] == 0).any()
+    # both planes see the same 2-D geometry: equal lengths plane by plane
+    np.testing.assert_array_equal(lengths[0], lengths[1])
 
 
 def test_tor_geometry_rejects_bad_sizes():

@@ -434,7 +434,8 @@ def test_convert_to_h5(tmp_path, ref, kind):
     out = tmp_path / "res" / "matrix.h5"
     s = convert(src, out, max_nnz=7)
     assert s["shape"] == [13, N] and s["nnz"] == ref.nnz and s["bytes"] == out.stat().st_size
-    assert s["chunks"] == len(open_matrix(out).chunk_bounds(7))
+    with open_matrix(out) as r:
+        assert s["chunks"] == len(r.chunk_bounds(7))
     assert s["checksum"] == independent_checksum(ref.indptr, ref.indices, ref.data)
     with MatrixH5(out) as r:
         assert_csr_equal(r.to_csr(), ref)
@@ -758,3 +759,17 @@ def test_cli_subprocess_exit_status(tmp_path, ref):
     )
     assert r.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.csr4"]
+
+
+@pytest.mark.parametrize(("m", "rows"), [(0, []), (3, [0, 0, 0])])
+def test_csr4_without_elements(tmp_path, m, rows):
+    """No rows, or rows but no elements: readable, chunkable, and written back byte for byte."""
+    p = write_bytes(tmp_path / "e.csr4", encode_csr4([0, *rows], [], [], m))
+    with Csr4File(p) as f:
+        assert f.shape == (m, N) and f.nnz == 0
+        assert [c[:2] for c in f.iter_chunks(4)] == ([(0, m)] if m else [])
+        block = f.read_rows(0, m)
+        np.testing.assert_array_equal(block.indptr, np.zeros(m + 1))
+        out = tmp_path / "o.csr4"
+        write_csr4(out, block, scanner_block=f.header.scanner_block)
+    assert out.read_bytes() == p.read_bytes()

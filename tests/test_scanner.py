@@ -184,7 +184,7 @@ def test_madpet2_preset_has_thesis_matrix2_dimensions():
     assert cfg.n_crystals == 1152
     assert cfg.shape == (1_327_104, 784_000)
     assert cfg.grid == (140, 140, 40)
-    lo, hi = box_bounds(cfg)
+    _, hi = box_bounds(cfg)
     # the grid fits inside the front layer (71 mm) and inside the rings' axial extent
     assert math.hypot(hi[0], hi[1]) < 71.0
     centres, _, sizes = crystal_faces(cfg)
@@ -372,7 +372,7 @@ def test_cli_generate(tmp_path, capsys):
     np.testing.assert_array_equal(a.indptr, b.indptr)
     np.testing.assert_array_equal(a.indices, b.indices)
     np.testing.assert_array_equal(a.data, b.data)
-    assert '"nnz": %d' % b.nnz in capsys.readouterr().out
+    assert f'"nnz": {b.nnz}' in capsys.readouterr().out
 
 
 def test_cli_bad_rays_exits_2(tmp_path, capsys):

@@ -29,3 +29,10 @@ def get_backend_name(name: str = "auto") -> str:
 
         raise ConfigError("backend", f"unknown backend {name!r}, expected auto, cpu or cuda")
     return name
+
+
+def make_backend(*args, **kwargs):
+    """Build the backend of one MLEM problem; see :func:`mlemlib.mlem.make_backend` (imported lazily)."""
+    from mlemlib.mlem import make_backend as _make_backend
+
+    return _make_backend(*args, **kwargs)

@@ -43,6 +43,10 @@ CUSPARSE_MAX_NNZ = 2**31 - 1
 SMEM_CHUNK_NNZ = 1 << 18
 #: Threads per block of ``scatter_smem``.
 SMEM_THREADS = 1024
+#: Extra NVRTC options of spmv.cu (e.g. ``("-DMLEM_MIN_BLOCKS=8",)`` to cap registers at 32).
+SPMV_OPTIONS: tuple[str, ...] = ()
+#: The build of spmv.cu whose ``scatter_vec_L`` uses sm_90 vector atomics.
+VECTOR_ATOMICS = ("-DMLEM_VECTOR_ATOMICS",)
 
 
 def cupy():
@@ -88,6 +92,8 @@ def module(name: str, device_id: int, options: tuple[str, ...] = ()) -> Any:
 
 
 def _function(mod_name: str, kernel: str, options: tuple[str, ...] = ()) -> Any:
+    if mod_name == "spmv":
+        options = SPMV_OPTIONS + options
     return _function_on(mod_name, kernel, cupy().cuda.Device().id, options)
 
 
@@ -383,7 +389,7 @@ def scatter(
         lanes_ = lanes or a.lanes()
         if lanes_ not in plan.LANE_CHOICES:
             raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
-        fn = _function("spmv", f"{kernel}_{lanes_}")
+        fn = _function("spmv", f"{kernel}_{lanes_}", VECTOR_ATOMICS if kernel == "scatter_vec" else ())
         _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, c, out, np.int64(m)))
     elif kernel == "scatter_smem":
         sp = smem if smem is not None else smem_plan(a)

@@ -29,8 +29,10 @@ exactly, so no float64 copy of the matrix is needed by the ``numba`` kernels;
 
 Numba's OpenMP threads spin while waiting; on a host whose cores are busy
 with other work that can make a 2-thread SpMV ten times slower than one
-thread. ``mlem reconstruct`` sets ``OMP_WAIT_POLICY=passive`` unless it is
-set; library users on shared hosts should do the same (or pass ``threads=1``).
+thread. The backend (and :func:`mlemlib.phantom.forward_project`) therefore
+set ``OMP_WAIT_POLICY=passive`` unless it is set, which takes effect when it
+happens before the process's first parallel Numba launch
+(:func:`passive_omp_wait`).
 """
 
 from __future__ import annotations
@@ -161,6 +163,17 @@ def spmv_t(
 
 
 # --------------------------------------------------------------------------- helpers
+def passive_omp_wait() -> None:
+    """Let idle OpenMP threads sleep instead of spin (``OMP_WAIT_POLICY=passive``) unless the user chose.
+
+    Takes effect only before Numba's first parallel launch in the process
+    (when its OpenMP runtime loads). On a host whose cores are shared with
+    other work, spinning waiters make a 2-thread SpMV up to ten times slower
+    than one thread; sleeping waiters cost microseconds per launch.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+
 def _load_csr(matrix: Any, what: str) -> CSRMatrix:
     """The whole matrix as a CSRMatrix (a reader's ``read_rows(0, m)``, or the CSRMatrix itself)."""
     if isinstance(matrix, CSRMatrix):
@@ -233,6 +246,7 @@ class CpuBackend(Backend):
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise ConfigError("dtype", f"the cpu backend computes in float32 or float64, not {self.dtype}")
+        passive_omp_wait()
         if threads is not None:
             import numba
 

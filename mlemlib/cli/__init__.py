@@ -40,9 +40,16 @@ EPILOG = """exit status:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: ``mlem: error: <fault>`` (exit 2)."""
+
+    def error(self, message: str):  # noqa: D102 - argparse API
+        self.exit(EXIT_INPUT, f"mlem: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the ``mlem`` argument parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mlem",
         description="MLEM reconstruction with a stored PET system matrix, on CPUs and 1..N GPUs.",
         epilog=EPILOG,

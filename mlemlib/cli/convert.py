@@ -39,7 +39,7 @@ def register(sub) -> None:
         type=positive_int,
         default=1 << 26,
         metavar="N",
-        help="elements per streamed row block (peak memory is about 12*N bytes)",
+        help="elements per streamed row block (peak memory is about 8*N bytes)",
     )
     p.set_defaults(func=run)
 

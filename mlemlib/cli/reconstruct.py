@@ -55,11 +55,11 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the reconstruction; print a one-line summary."""
-    import os
+    import math
 
-    # Numba's OpenMP threads spin while idle: on a host with busy cores that
-    # slows a parallel SpMV many times over. Sleeping waiters cost microseconds.
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    from mlemlib.backends.cpu import passive_omp_wait
+
+    passive_omp_wait()  # before any Numba parallel launch (the norm, the phantom projection)
     from mlemlib.mlem import reconstruct
 
     t = reconstruct(
@@ -71,6 +71,6 @@ def run(args: argparse.Namespace) -> int:
     )
     last = t["repetitions"][-1]
     it = last["steps"].get("iteration", {}).get("mean")
-    per_it = f"{it * 1e3:.3f} ms/iteration" if it is not None and it == it else "no iterations"
+    per_it = f"{it * 1e3:.3f} ms/iteration" if it is not None and math.isfinite(it) else "no iterations"
     print(f"{args.out}: {t['config']['backend']} {per_it}, image sum {last['accuracy']['image_sum']:.9g}")
     return 0

@@ -52,11 +52,9 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Simulate; print a one-line summary."""
-    import os
+    from mlemlib.backends.cpu import passive_omp_wait
 
-    # Numba's OpenMP threads spin while idle: on a host with busy cores that
-    # slows a parallel SpMV many times over. Sleeping waiters cost microseconds.
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    passive_omp_wait()  # before any Numba parallel launch (the norm, the phantom projection)
     from mlemlib.phantom import simulate
 
     r = simulate(

@@ -128,7 +128,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DE
     """Convert any supported matrix into the container ``out`` (``matrix.h5``), streaming.
 
     ``.csr4`` and ``.h5`` inputs are read one row block of at most ``max_nnz``
-    elements at a time, so peak memory is about one block (``12 * max_nnz``
+    elements at a time, so peak memory is about one block (``8 * max_nnz``
     bytes plus the row pointer). Every block is validated as it passes, so a
     finished conversion has validated the whole input. The output is written
     atomically: on any error nothing is left under ``out``. The scanner block,
@@ -192,6 +192,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DE
                 writer.write_rows(block, validate=False)  # the reader validated it
                 chunks += 1
                 done += block.nnz
+                del block  # free it before the next block is read: one block in memory at a time
                 now = time.perf_counter()
                 if now - last_log > 10:
                     last_log = now
@@ -312,8 +313,8 @@ def info(
         checked = {"csr4": ["header", "file size"], "h5": ["attributes", "dataset sizes"]}.get(kind, ["parsed"])
         checked.append("row pointer")
         if full or kind in ("mtx", "npz"):
-            for _ in reader.iter_chunks(max_nnz, validate=True):
-                pass
+            for r0, r1 in reader.chunk_bounds(max_nnz):
+                reader.read_rows(r0, r1, validate=True)  # validated, then dropped at once
             checked += ["column indices", "values finite and >= 0"]
             if isinstance(reader, MatrixH5):
                 reader.verify_checksum()

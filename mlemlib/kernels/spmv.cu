@@ -20,7 +20,11 @@
 //                       L lanes per row of A add a_ij * c_i into out[j] with
 //                       atomicAdd. NOT deterministic.
 //   scatter_vec_L       the same, adding 2 or 4 contiguous, aligned columns
-//                       with one vector atomic (sm_90). NOT deterministic.
+//                       with one vector atomic (sm_90). NOT deterministic. The
+//                       vector atomics are compiled only with
+//                       -DMLEM_VECTOR_ATOMICS (a separate build of this file,
+//                       so that a compiler without them loses this kernel only;
+//                       without the macro scatter_vec_L equals scatter_L).
 //   scatter_smem        back projection without a transpose, one block per
 //                       nnz-balanced chunk of rows, accumulating into a window
 //                       of the output held in shared memory when the chunk's
@@ -38,6 +42,13 @@
 // the backend, so fused and unfused iterations give bit-identical images.
 
 typedef long long i64;
+
+// Minimum resident blocks of 256 threads per multiprocessor asked of the
+// compiler for the row kernels (-DMLEM_MIN_BLOCKS=8 caps them at 32 registers
+// for full occupancy; the default leaves the register count to the compiler).
+#ifndef MLEM_MIN_BLOCKS
+#define MLEM_MIN_BLOCKS 1
+#endif
 
 #define MODE_PLAIN 0
 #define MODE_CORR 1
@@ -128,7 +139,7 @@ __device__ __forceinline__ void csr_vector_body(const i64* __restrict__ rowptr,
 }
 
 #define CSR_VECTOR(L)                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) csr_vector_##L(                            \
+    extern "C" __global__ void __launch_bounds__(256, MLEM_MIN_BLOCKS) csr_vector_##L(                            \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                              \
         const float* __restrict__ val, const float* __restrict__ x, float* y, i64 m, int mode,   \
         const float* aux0, const float* aux1) {                                                   \
@@ -210,13 +221,16 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
         for (i64 q = (a >> 2) + lane; q < qe; q += L) {
             const int4 cc = __ldg(col4 + q);
             const float4 v = __ldg(val4 + q);
+#ifdef MLEM_VECTOR_ATOMICS
             if (VEC && cc.y == cc.x + 1 && cc.z == cc.x + 2 && cc.w == cc.x + 3 && (cc.x & 3) == 0) {
                 atomicAdd(reinterpret_cast<float4*>(out + cc.x),
                           make_float4(v.x * cr, v.y * cr, v.z * cr, v.w * cr));
             } else if (VEC && cc.y == cc.x + 1 && (cc.x & 1) == 0 && cc.w == cc.z + 1 && (cc.z & 1) == 0) {
                 atomicAdd(reinterpret_cast<float2*>(out + cc.x), make_float2(v.x * cr, v.y * cr));
                 atomicAdd(reinterpret_cast<float2*>(out + cc.z), make_float2(v.z * cr, v.w * cr));
-            } else {
+            } else
+#endif
+            {
                 atomicAdd(out + cc.x, v.x * cr);
                 atomicAdd(out + cc.y, v.y * cr);
                 atomicAdd(out + cc.z, v.z * cr);
@@ -229,12 +243,12 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
 }
 
 #define SCATTER(L)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) scatter_##L(                             \
+    extern "C" __global__ void __launch_bounds__(256, MLEM_MIN_BLOCKS) scatter_##L(                             \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                            \
         const float* __restrict__ val, const float* __restrict__ c, float* out, i64 m) {        \
         scatter_body<L, false>(rowptr, col, val, c, out, m);                                    \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256) scatter_vec_##L(                         \
+    extern "C" __global__ void __launch_bounds__(256, MLEM_MIN_BLOCKS) scatter_vec_##L(                         \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                            \
         const float* __restrict__ val, const float* __restrict__ c, float* out, i64 m) {        \
         scatter_body<L, true>(rowptr, col, val, c, out, m);                                     \

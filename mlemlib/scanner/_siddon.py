@@ -13,7 +13,7 @@ A tube of response is the set of rays between the ``k x k`` points of two
 crystal faces (all ``k**4`` pairs). Its row holds, per voxel, the sum of the
 rays' segment lengths divided by the number of rays. Voxels hit by several rays
 are merged with a per-thread dense "last seen" marker array; the columns of a
-row are then sorted in place.
+row are then sorted in place (radix sort).
 
 Rows are processed in two passes over the same kernel: :func:`count_rows`
 (number of distinct voxels per row) and :func:`fill_rows` (columns and values
@@ -30,6 +30,8 @@ from numba import njit, prange
 
 #: Segments of at most this length (mm) are dropped.
 TOL_MM = 1e-9
+#: Bits per pass of the radix sort of a row's columns.
+RADIX_BITS = 10
 
 
 @njit(cache=True, nogil=True)
@@ -87,9 +89,9 @@ def _trace_ray(p0x, p0y, p0z, p1x, p1y, p1z, lo, vs, g, acc, mark, touched, cnt,
     if t1 - t0 <= tol_t:
         return cnt
     # first voxel: the one holding the entry point, clamped into the grid
-    ix = int(math.floor((p0x + t0 * dx - lox) / wx))
-    iy = int(math.floor((p0y + t0 * dy - loy) / wy))
-    iz = int(math.floor((p0z + t0 * dz - loz) / wz))
+    ix = math.floor((p0x + t0 * dx - lox) / wx)
+    iy = math.floor((p0y + t0 * dy - loy) / wy)
+    iz = math.floor((p0z + t0 * dz - loz) / wz)
     ix = min(max(ix, 0), gx - 1)
     iy = min(max(iy, 0), gy - 1)
     iz = min(max(iz, 0), gz - 1)
@@ -133,12 +135,8 @@ def _trace_ray(p0x, p0y, p0z, p1x, p1y, p1z, lo, vs, g, acc, mark, touched, cnt,
         nz = inf
     t = t0
     while True:
-        tn = nx
-        if ny < tn:
-            tn = ny
-        if nz < tn:
-            tn = nz
-        end = tn if tn < t1 else t1
+        tn = min(nx, ny, nz)
+        end = min(tn, t1)
         seg = (end - t) * length
         if seg > TOL_MM:
             v = ix + gx * (iy + gy * iz)
@@ -192,6 +190,51 @@ def _trace_tube(pts, i, j, lo, vs, g, acc, mark, touched, stamp):
     return cnt
 
 
+@njit(cache=True, nogil=True)
+def _sort_columns(a, cnt, tmp, hist):
+    """Sort ``a[:cnt]`` (distinct non-negative int32) ascending, using ``tmp`` and ``hist`` as scratch.
+
+    Short lists: insertion sort. Longer ones: least-significant-digit radix
+    sort, :data:`RADIX_BITS` bits per pass (two passes for up to 2**20 voxels),
+    several times faster than a comparison sort on a row's ~10**3 columns.
+    """
+    if cnt <= 48:
+        for q in range(1, cnt):
+            v = a[q]
+            p = q - 1
+            while p >= 0 and a[p] > v:
+                a[p + 1] = a[p]
+                p -= 1
+            a[p + 1] = v
+        return
+    maxv = 0
+    for q in range(cnt):
+        maxv = max(maxv, a[q])
+    nb = 1 << RADIX_BITS
+    mask = nb - 1
+    src = a
+    dst = tmp
+    shift = 0
+    flipped = False
+    while shift == 0 or (maxv >> shift) > 0:
+        for d in range(nb + 1):
+            hist[d] = 0
+        for q in range(cnt):
+            hist[((src[q] >> shift) & mask) + 1] += 1
+        for d in range(nb):
+            hist[d + 1] += hist[d]
+        for q in range(cnt):
+            d = (src[q] >> shift) & mask
+            dst[hist[d]] = src[q]
+            hist[d] += 1
+        src, dst = dst, src
+        flipped = not flipped
+        shift += RADIX_BITS
+    if flipped:
+        for q in range(cnt):
+            a[q] = tmp[q]
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def count_rows(pts, n_crystals, rows, lo, vs, g, acc, mark, touched, stamp0, counts):
     """Write into ``counts[q]`` the number of distinct voxels of row ``rows[q]``.
@@ -214,10 +257,13 @@ def count_rows(pts, n_crystals, rows, lo, vs, g, acc, mark, touched, stamp0, cou
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def fill_rows(pts, n_crystals, rows, lo, vs, g, acc, mark, touched, stamp0, indptr, inv_rays, indices, data, bad):
+def fill_rows(
+    pts, n_crystals, rows, lo, vs, g, acc, mark, touched, sort_tmp, hist, stamp0, indptr, inv_rays, indices, data, bad
+):
     """Fill the sorted columns and values of rows ``rows`` into pre-sized CSR arrays.
 
-    ``indptr`` (length ``len(rows) + 1``) comes from the counting pass; a row
+    ``sort_tmp`` (like ``touched``) and ``hist`` (``(T, 2**RADIX_BITS + 1)``
+    int64) are sort scratch. ``indptr`` (length ``len(rows) + 1``) comes from the counting pass; a row
     whose count differs is reported in ``bad[t] = row + 1`` (never expected:
     the tracer is deterministic). Values are ``sum of segment lengths *
     inv_rays`` in float64, stored as float32.
@@ -241,9 +287,8 @@ def fill_rows(pts, n_crystals, rows, lo, vs, g, acc, mark, touched, stamp0, indp
             if cnt != e - s:
                 bad[t] = r + 1
                 continue
-            cols = tch[:cnt]
-            cols.sort()
+            _sort_columns(tch, cnt, sort_tmp[t], hist[t])
             for p in range(cnt):
-                v = cols[p]
+                v = tch[p]
                 indices[s + p] = v
                 data[s + p] = np.float32(acc_t[v] * inv_rays)

@@ -5,9 +5,10 @@ counts the distinct voxels of each row (only pairs ``i < j``: row ``(j, i)``
 equals row ``(i, j)``), which gives the row pointer and the file's ``nnz``;
 the second traces the rows again in chunks of at most ``max_nnz`` elements,
 fills columns and values straight into arrays of the exact size and hands
-each chunk to :class:`mlemlib.formats.csr4.Csr4Writer`. Peak memory is one
-chunk plus the row pointer (8 bytes per row) and two dense per-thread scratch
-vectors of the voxel count.
+each chunk to :class:`mlemlib.formats.csr4.Csr4Writer`, which a helper thread
+writes while the next chunk is traced. Peak memory is two chunks plus the row
+counts (8 bytes per row) and two dense per-thread scratch vectors of the
+voxel count.
 
 The output depends only on the :class:`~mlemlib.scanner.geometry.ScannerConfig`,
 not on the thread count or chunk size: same configuration, same bytes.
@@ -21,6 +22,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +97,8 @@ class Tracer:
         self._acc = np.zeros((nt, self.n), dtype=np.float64)
         self._mark = np.full((nt, self.n), -1, dtype=np.int64)
         self._touched = np.zeros((nt, per_row), dtype=np.int32)
+        self._sort_tmp = np.zeros((nt, per_row), dtype=np.int32)
+        self._hist = np.zeros((nt, (1 << _siddon.RADIX_BITS) + 1), dtype=np.int64)
         self._stamp = 0
 
     def _next_stamp(self) -> int:
@@ -130,7 +134,7 @@ class Tracer:
         if len(rows):
             _siddon.fill_rows(
                 self.pts, self.n_crystals, rows, self.lo, self.vs, self.g,
-                self._acc, self._mark, self._touched, self._next_stamp(),
+                self._acc, self._mark, self._touched, self._sort_tmp, self._hist, self._next_stamp(),
                 indptr, self.inv_rays, indices, data, bad,
             )  # fmt: skip
         if bad.any():
@@ -268,7 +272,9 @@ def generate(
     -------
     dict
         ``path, preset, shape, nnz, rays, threads, empty_rows, max_row_nnz,
-        count_seconds, fill_seconds, seconds, nnz_per_second, bytes``.
+        count_seconds, fill_seconds, fill_trace_seconds (tracing inside the
+        fill pass), fill_write_wait_seconds (waiting for the writer thread),
+        seconds, nnz_per_second, bytes``.
 
     Raises
     ------
@@ -294,15 +300,33 @@ def generate(
         max_rows = max(4096, m // 200)
         prog = _Progress("fill pass", nnz, "elements")
         done = 0
-        with Csr4Writer(out, m, n, nnz, scanner_block=cfg.scanner_block(), flags=0) as writer:
+        t_trace = t_wait = 0.0
+        # The tracer releases the GIL: chunk k is written by a helper thread
+        # while chunk k+1 is traced (at most two chunks in memory). Leaving the
+        # pool's block joins the helper before the writer closes or aborts.
+        with (
+            Csr4Writer(out, m, n, nnz, scanner_block=cfg.scanner_block(), flags=0) as writer,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="csr4-writer") as pool,
+        ):
+            pending = None
             for r0, r1 in _fill_chunks(row_counts, max_nnz, max_rows):
                 indptr = np.zeros(r1 - r0 + 1, dtype=np.int64)
                 np.cumsum(row_counts[r0:r1], out=indptr[1:])
+                t0 = time.perf_counter()
                 block = tracer.fill(np.arange(r0, r1, dtype=np.int64), indptr)
-                writer.write_rows(block)
+                t1 = time.perf_counter()
+                if pending is not None:
+                    pending.result()
+                t_wait += time.perf_counter() - t1
+                t_trace += t1 - t0
+                pending = pool.submit(writer.write_rows, block)
                 done += block.nnz
                 prog.update(done, f", rows {r1}/{m}")
                 del block
+            if pending is not None:
+                t1 = time.perf_counter()
+                pending.result()
+                t_wait += time.perf_counter() - t1
         prog.update(done, force=True)
     seconds = time.perf_counter() - t_start
     summary = {
@@ -316,6 +340,8 @@ def generate(
         "max_row_nnz": int(row_counts.max()) if m else 0,
         "count_seconds": round(t_count, 3),
         "fill_seconds": round(seconds - t_count, 3),
+        "fill_trace_seconds": round(t_trace, 3),
+        "fill_write_wait_seconds": round(t_wait, 3),
         "seconds": round(seconds, 3),
         "nnz_per_second": nnz / seconds if seconds > 0 else 0.0,
         "bytes": out.stat().st_size,
@@ -376,7 +402,7 @@ def estimate(
         "shape": [m, n],
         "rays": cfg.rays,
         "threads": nt,
-        "sampled_rows": int(len(rows)),
+        "sampled_rows": len(rows),
         "sample_seconds": round(t2 - t0, 3),
         "nnz_estimate": nnz_est,
         "mean_nnz_per_nonempty_row": float(counts[counts > 0].mean()) if (counts > 0).any() else 0.0,

@@ -1,0 +1,316 @@
+"""The CUDA SpMV kernels against float64 SciPy products (GPU only: skipped without one).
+
+Every kernel runs on fresh random inputs into an output poisoned with NaN and
+must land within the float32 summation bound of a float64 reference, row by
+row: ``|y_i - ref_i| <= (len_i + 2) * eps * (|A| |x|)_i``, which holds for any
+summation order (so for the atomic kernels too) and fails for any wrong or
+missing term. Matrices: random with empty rows and columns, rows far longer
+than a block, one row, one element, no non-zeros, a wide matrix whose chunks
+overflow shared memory, the synthetic tube-of-response matrix (sinogram order)
+and rows traced by the scanner (detector-pair order).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+cp = pytest.importorskip("cupy")
+
+from mlemlib.backends import _cuda_kernels as ck  # noqa: E402
+from mlemlib.backends import _cuda_plan as plan  # noqa: E402
+from mlemlib.bench import tor_matrix  # noqa: E402
+from mlemlib.errors import ConfigError  # noqa: E402
+from mlemlib.matrix import CSRMatrix  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+EPS = float(np.finfo(np.float32).eps)
+
+
+def random_csr(rng, m, n, lengths, *, signed=True, sort=True) -> CSRMatrix:
+    """CSR with the given row lengths, distinct random columns, values in (-1, 1) or (0, 1)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    indptr = np.concatenate(([0], np.cumsum(lengths)))
+    cols = []
+    for k in lengths:
+        c = rng.choice(n, size=int(k), replace=False) if k else np.zeros(0, dtype=np.int64)
+        cols.append(np.sort(c) if sort else c)
+    indices = np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64)
+    lo = -1.0 if signed else 0.0
+    data = rng.uniform(lo, 1.0, size=int(indptr[-1])).astype(np.float32)
+    if not signed:
+        data = np.maximum(data, np.float32(1e-3))
+    return CSRMatrix(indptr, indices, data, (m, n))
+
+
+def scanner_rows(rng) -> CSRMatrix:
+    system = pytest.importorskip("mlemlib.scanner.system")
+    from mlemlib.scanner import get_preset
+
+    rows = np.sort(rng.choice(get_preset("small").n_lors, size=1500, replace=False))
+    return system.trace_rows("small", rows, rays=1)
+
+
+def make_matrix(kind: str, rng) -> CSRMatrix:
+    if kind == "random":
+        lengths = rng.integers(0, 60, size=3000)
+        lengths[rng.random(3000) < 0.1] = 0
+        return random_csr(rng, 3000, 2000, lengths)
+    if kind == "unsorted":
+        return random_csr(rng, 500, 700, rng.integers(0, 40, size=500), sort=False)
+    if kind == "long_rows":  # rows far longer than a block of 256 threads (x 4 per lane)
+        lengths = rng.integers(1, 4, size=40)
+        lengths[[3, 17, 39]] = [5000, 12345, 2049]
+        return random_csr(rng, 40, 20000, lengths)
+    if kind == "single_row":
+        return random_csr(rng, 1, 1000, [701])
+    if kind == "one_element":
+        return random_csr(rng, 1, 1, [1])
+    if kind == "nnz0":
+        return random_csr(rng, 30, 40, np.zeros(30, dtype=np.int64))
+    if kind == "empty_cols":  # columns >= 100 of 5000 never used: empty rows of A^T
+        a = random_csr(rng, 400, 100, rng.integers(0, 30, size=400))
+        return CSRMatrix(a.indptr, a.indices, a.data, (400, 5000))
+    if kind == "short_rows":  # 1..3 per row: 2 lanes
+        return random_csr(rng, 20000, 3000, rng.integers(1, 4, size=20000))
+    if kind == "wide":  # chunks spanning far more columns than shared memory holds
+        return random_csr(rng, 4000, 300000, rng.integers(20, 200, size=4000), signed=False)
+    if kind == "tor":
+        return tor_matrix(20, 16, 3, 12, 18)
+    if kind == "scanner":
+        return scanner_rows(rng)
+    raise ValueError(kind)
+
+
+MATRICES = ["random", "unsorted", "long_rows", "single_row", "one_element", "nnz0", "empty_cols",
+            "short_rows", "wide", "tor", "scanner"]
+
+
+@pytest.fixture(params=MATRICES)
+def problem(request):
+    # fresh inputs for every run: seed from the OS, printed on failure
+    seed = int(np.random.SeedSequence().entropy % (2**32))
+    local = np.random.default_rng(seed)
+    a = make_matrix(request.param, local)
+    a.validate("test", check_values=False)
+    d = ck.DeviceCSR.from_host(a)
+    s64 = sp.csr_matrix((a.data.astype(np.float64), a.indices, a.indptr), shape=a.shape)
+    x = local.uniform(0.5, 1.5, a.shape[1]).astype(np.float32)
+    c = local.uniform(0.5, 1.5, a.shape[0]).astype(np.float32)
+    return {"kind": request.param, "seed": seed, "a": a, "d": d, "s64": s64, "x": x, "c": c}
+
+
+def check_bound(y_dev, ref, absref, lengths, what):
+    y = cp.asnumpy(y_dev).astype(np.float64)
+    assert not np.isnan(y).any(), f"{what}: {int(np.isnan(y).sum())} outputs never written (still NaN)"
+    bound = (lengths + 2) * EPS * absref + 1e-30
+    err = np.abs(y - ref)
+    bad = np.flatnonzero(err > bound)
+    assert bad.size == 0, (
+        f"{what}: {bad.size} outputs outside the float32 bound, e.g. i={bad[0]}: {y[bad[0]]!r} vs {ref[bad[0]]!r}"
+    )
+
+
+def poisoned(n):
+    out = cp.empty(n, dtype=cp.float32)
+    out.fill(cp.nan)
+    return out
+
+
+FP_CASES = [("csr_scalar", None, None)] + [("csr_vector", lanes, None) for lanes in plan.LANE_CHOICES] + [
+    ("csr_vector", None, None), ("merge", None, 1), ("merge", None, 2), ("merge", None, 5), ("merge", None, 37),
+    ("cusparse", None, None)]
+
+
+@pytest.mark.parametrize(("kernel", "lanes", "secsize"), FP_CASES)
+def test_forward_kernels(problem, kernel, lanes, secsize):
+    a, d, s64 = problem["a"], problem["d"], problem["s64"]
+    x = problem["x"]
+    ref = s64 @ x.astype(np.float64)
+    absref = abs(s64) @ np.abs(x.astype(np.float64))
+    out = poisoned(a.shape[0])
+    y = ck.spmv(d, cp.asarray(x), out, kernel=kernel, lanes=lanes, secsize=secsize or plan.DEFAULT_SECSIZE)
+    assert y is out
+    check_bound(y, ref, absref, np.diff(a.indptr), f"{kernel} lanes={lanes} secsize={secsize} ({problem['kind']}, "
+                                                      f"seed {problem['seed']})")
+
+
+@pytest.mark.parametrize(("kernel", "lanes"), [("csr_vector", None), ("csr_vector", 2), ("csr_scalar", None),
+                                               ("merge", None), ("cusparse", None)])
+def test_back_kernels_on_transpose(problem, kernel, lanes):
+    a, d, s64 = problem["a"], problem["d"], problem["s64"]
+    t = d.transpose()
+    c = problem["c"]
+    ref = s64.T @ c.astype(np.float64)
+    absref = abs(s64).T @ np.abs(c.astype(np.float64))
+    out = poisoned(a.shape[1])
+    y = ck.spmv(t, cp.asarray(c), out, kernel=kernel, lanes=lanes)
+    check_bound(y, ref, absref, np.bincount(a.indices, minlength=a.shape[1]),
+                f"{kernel} on A^T ({problem['kind']}, seed {problem['seed']})")
+
+
+SCATTER_CASES = [("scatter", None), ("scatter", 2), ("scatter", 32), ("scatter_vec", None), ("scatter_vec", 4),
+                 ("scatter_smem", None), ("cusparse_notrans", None)]
+
+
+@pytest.mark.parametrize(("kernel", "lanes"), SCATTER_CASES)
+def test_back_kernels_without_transpose(problem, kernel, lanes):
+    a, d, s64 = problem["a"], problem["d"], problem["s64"]
+    c = problem["c"]
+    ref = s64.T @ c.astype(np.float64)
+    absref = abs(s64).T @ np.abs(c.astype(np.float64))
+    out = poisoned(a.shape[1])
+    y = ck.scatter(d, cp.asarray(c), out, kernel=kernel, lanes=lanes)
+    check_bound(y, ref, absref, np.bincount(a.indices, minlength=a.shape[1]),
+                f"{kernel} ({problem['kind']}, seed {problem['seed']})")
+
+
+def test_scatter_skips_rows_with_zero_correlation(rng):
+    a = make_matrix("tor", rng)
+    d = ck.DeviceCSR.from_host(a)
+    c = rng.uniform(0.5, 1.5, a.shape[0]).astype(np.float32)
+    c[rng.random(a.shape[0]) < 0.5] = 0  # empty sinogram bins
+    s64 = sp.csr_matrix((a.data.astype(np.float64), a.indices, a.indptr), shape=a.shape)
+    ref = s64.T @ c.astype(np.float64)
+    for kernel in ("scatter", "scatter_vec", "scatter_smem"):
+        y = ck.scatter(d, cp.asarray(c), poisoned(a.shape[1]), kernel=kernel)
+        check_bound(y, ref, ref, np.bincount(a.indices, minlength=a.shape[1]), kernel)
+
+
+def test_scatter_smem_uses_both_paths(rng):
+    """Chunks of the TOR matrix fit shared memory; chunks of the wide random matrix do not."""
+    tor = ck.DeviceCSR.from_host(make_matrix("tor", rng))
+    wide = ck.DeviceCSR.from_host(make_matrix("wide", rng))
+    p_tor = ck.smem_plan(tor, chunk_nnz=4096)
+    p_wide = ck.smem_plan(wide, chunk_nnz=4096)
+    assert p_tor.local_fraction == 1.0
+    assert p_wide.local_fraction == 0.0
+    # chunk bounds: min/max column of each chunk, checked on the host
+    a = tor.to_host()
+    rows = cp.asnumpy(p_tor.chunk_rows)
+    for b in range(len(rows) - 1):
+        cols = a.indices[a.indptr[rows[b]]:a.indptr[rows[b + 1]]]
+        if cols.size:
+            assert (int(p_tor.cmin[b]), int(p_tor.cmax[b])) == (cols.min(), cols.max())
+    for d, p in ((tor, p_tor), (wide, p_wide)):
+        a = d.to_host()
+        s64 = sp.csr_matrix((a.data.astype(np.float64), a.indices, a.indptr), shape=a.shape)
+        c = rng.uniform(0.5, 1.5, a.shape[0]).astype(np.float32)
+        ref = s64.T @ c.astype(np.float64)
+        y = ck.scatter(d, cp.asarray(c), poisoned(a.shape[1]), kernel="scatter_smem", smem=p)
+        check_bound(y, ref, ref, np.bincount(a.indices, minlength=a.shape[1]), "scatter_smem")
+
+
+@pytest.mark.parametrize("kernel", ["csr_vector", "csr_scalar", "merge", "cusparse"])
+def test_fused_epilogues(rng, kernel):
+    """MODE_CORR writes g / (A x) (0 where A x == 0); MODE_UPDATE writes f * (A x) / norm (in place)."""
+    a = make_matrix("tor", rng)
+    d = ck.DeviceCSR.from_host(a)
+    m, n = a.shape
+    s64 = sp.csr_matrix((a.data.astype(np.float64), a.indices, a.indptr), shape=a.shape)
+    x = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    g = rng.poisson(3.0, m).astype(np.float32)
+    fp = s64 @ x.astype(np.float64)
+    lengths = np.diff(a.indptr)
+    c = ck.spmv(d, cp.asarray(x), poisoned(m), kernel=kernel, mode=ck.MODE_CORR, aux0=cp.asarray(g))
+    c = cp.asnumpy(c).astype(np.float64)
+    empty = fp == 0
+    assert empty.any() and np.all(c[empty] == 0)
+    ref = g[~empty] / fp[~empty]
+    tol = (lengths[~empty] + 4) * EPS * np.abs(ref)
+    assert np.all(np.abs(c[~empty] - ref) <= tol)
+
+    # update on the transpose, in place: f <- f * (A^T y) / norm, norm == 0 -> f * (A^T y)
+    t = d.transpose()
+    y = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    f = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    norm = np.asarray(s64.sum(axis=0)).ravel().astype(np.float32)
+    norm[:7] = 0
+    f_dev = cp.asarray(f)
+    out = ck.spmv(t, cp.asarray(y), f_dev, kernel=kernel, mode=ck.MODE_UPDATE, aux0=f_dev, aux1=cp.asarray(norm))
+    assert out is f_dev
+    bp = s64.T @ y.astype(np.float64)
+    ref = f * bp / np.where(norm != 0, norm, 1.0)
+    got = cp.asnumpy(out).astype(np.float64)
+    tol = (np.bincount(a.indices, minlength=n) + 5) * EPS * np.abs(ref) + 1e-30
+    assert np.all(np.abs(got - ref) <= tol)
+
+
+def test_csr_vector_is_bit_identical_run_after_run():
+    a = tor_matrix(64, 64, 6, 48, 60, device=True)
+    x = cp.asarray(np.random.default_rng().uniform(0.5, 1.5, a.shape[1]).astype(np.float32))
+    first = ck.spmv(a, x, kernel="csr_vector").copy()
+    t = a.transpose()
+    y = cp.asarray(np.random.default_rng().uniform(0.5, 1.5, a.shape[0]).astype(np.float32))
+    first_t = ck.spmv(t, y, kernel="csr_vector").copy()
+    for _ in range(3):
+        assert cp.array_equal(ck.spmv(a, x, poisoned(a.shape[0]), kernel="csr_vector"), first)
+        assert cp.array_equal(ck.spmv(t, y, poisoned(a.shape[1]), kernel="csr_vector"), first_t)
+        assert cp.array_equal(ck.spmv(a, x, poisoned(a.shape[0]), kernel="csr_scalar"),
+                              ck.spmv(a, x, kernel="csr_scalar"))
+
+
+@pytest.mark.parametrize("dims", [(20, 16, 3, 12, 18), (33, 17, 1, 7, 40), (9, 9, 5, 31, 6)])
+def test_tor_matrix_on_device_equals_cpu(dims):
+    host = tor_matrix(*dims)
+    dev = tor_matrix(*dims, device=True).to_host()
+    np.testing.assert_array_equal(dev.indptr, host.indptr)
+    np.testing.assert_array_equal(dev.indices, host.indices)
+    np.testing.assert_array_equal(dev.data, host.data)
+
+
+@pytest.mark.parametrize("kind", ["random", "nnz0", "empty_cols", "tor"])
+def test_device_transpose_equals_scipy(rng, kind):
+    a = make_matrix(kind, rng)
+    t = ck.DeviceCSR.from_host(a).transpose().to_host()
+    ref = a.to_scipy().T.tocsr()
+    ref.sort_indices()
+    assert t.shape == (a.shape[1], a.shape[0])
+    np.testing.assert_array_equal(t.indptr, ref.indptr)
+    np.testing.assert_array_equal(t.indices, ref.indices)
+    np.testing.assert_array_equal(t.data, ref.data)
+
+
+def test_misaligned_arrays_are_copied(rng, caplog):
+    a = make_matrix("random", rng)
+    big_i = cp.zeros(a.nnz + 1, dtype=cp.int32)
+    big_i[1:] = cp.asarray(a.indices)
+    big_v = cp.zeros(a.nnz + 1, dtype=cp.float32)
+    big_v[1:] = cp.asarray(a.data)
+    with caplog.at_level(logging.WARNING):
+        d = ck.DeviceCSR(cp.asarray(a.indptr), big_i[1:], big_v[1:], a.shape)
+    assert "not 16-byte aligned" in caplog.text
+    assert d.indices.data.ptr % 16 == 0 and d.data.data.ptr % 16 == 0
+    x = rng.uniform(0.5, 1.5, a.shape[1]).astype(np.float32)
+    s64 = sp.csr_matrix((a.data.astype(np.float64), a.indices, a.indptr), shape=a.shape)
+    y = ck.spmv(d, cp.asarray(x), poisoned(a.shape[0]))
+    check_bound(y, s64 @ x.astype(np.float64), abs(s64) @ x.astype(np.float64), np.diff(a.indptr), "aligned copy")
+
+
+def test_bad_arguments(rng):
+    d = ck.DeviceCSR.from_host(make_matrix("random", rng))
+    x = cp.ones(d.shape[1], dtype=cp.float32)
+    with pytest.raises(ConfigError, match="fp"):
+        ck.spmv(d, x, kernel="ell")
+    with pytest.raises(ConfigError, match="lanes"):
+        ck.spmv(d, x, kernel="csr_vector", lanes=3)
+    with pytest.raises(ConfigError, match="bp"):
+        ck.scatter(d, cp.ones(d.shape[0], dtype=cp.float32), kernel="ell")
+    with pytest.raises(ValueError, match="length"):
+        ck.spmv(d, cp.ones(d.shape[1] + 1, dtype=cp.float32))
+    with pytest.raises(ValueError, match="float32"):
+        ck.spmv(d, cp.ones(d.shape[1], dtype=cp.float64))
+    with pytest.raises(ValueError, match="inconsistent"):
+        ck.DeviceCSR(d.indptr[:-1], d.indices, d.data, d.shape)
+
+
+def test_device_properties_and_lanes(rng):
+    props = ck.device_properties(cp.cuda.Device().id)
+    assert props["sm_count"] > 0 and props["max_threads_per_sm"] >= 1024
+    d = ck.DeviceCSR.from_host(make_matrix("short_rows", rng))
+    assert d.lanes() == 2
+    assert ck.DeviceCSR.from_host(make_matrix("long_rows", rng)).lanes() == 32

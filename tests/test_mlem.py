@@ -1,0 +1,339 @@
+"""MLEM loop, CPU backend, checkpoints/resume and accuracy measures (CPU only)."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from mlemlib import metrics
+from mlemlib.backends.cpu import CpuBackend, spmv, spmv_t
+from mlemlib.errors import ConfigError, DeviceError, InputError
+from mlemlib.matrix import CSRMatrix
+from mlemlib.mlem import InMemorySource, make_backend, read_image, reconstruct, reference
+
+GRID = (6, 5, 4)  # gridX, gridY, gridZ: n = 120
+
+
+def _problem(seed: int = 7, m: int = 400):
+    """A small sparse problem with an empty row (fp == 0) and an empty column (norm == 0)."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(GRID))
+    a = sp.random(m, n, density=0.08, random_state=seed, format="lil", dtype=np.float64)
+    a[5, :] = 0.0  # LOR seeing nothing
+    a[:, 17] = 0.0  # voxel seen by no LOR
+    a = a.tocsr().astype(np.float32)
+    a.eliminate_zeros()
+    f_true = rng.uniform(0.5, 3.0, n)
+    g = rng.poisson(a.astype(np.float64) @ f_true * 20.0).astype(np.int32)
+    g[5] = 3  # counts on a LOR whose forward projection is 0: must be ignored
+    return CSRMatrix.from_scipy(a), g
+
+
+def dense_mlem(a: CSRMatrix, g: np.ndarray, iterations: int) -> np.ndarray:
+    """Independent float64 MLEM on the dense matrix (thesis eq. 3.1-3.7)."""
+    d = a.to_scipy().toarray().astype(np.float64)
+    g = g.astype(np.float64)
+    norm = d.sum(axis=0)
+    f = np.full(d.shape[1], g.sum() / norm.sum())
+    for _ in range(iterations):
+        fp = d @ f
+        c = np.zeros_like(fp)
+        c[fp != 0] = g[fp != 0] / fp[fp != 0]
+        bp = d.T @ c
+        f = np.where(norm != 0, f * bp / np.where(norm != 0, norm, 1.0), f * bp)
+    return f
+
+
+def _transpose(a: CSRMatrix) -> CSRMatrix:
+    return CSRMatrix.from_scipy(a.to_scipy().T.tocsr())
+
+
+@pytest.fixture(scope="module")
+def problem():
+    a, g = _problem()
+    return a, g, dense_mlem(a, g, 50)
+
+
+@pytest.mark.parametrize(
+    "fp,bp,with_t",
+    [("numba", "numba", False), ("scipy", "scipy", False), ("numba", "numba", True), ("scipy", "scipy", True),
+     ("numba", "notrans", True), ("auto", "auto", False)],
+)
+def test_cpu_matches_dense_float64(problem, tmp_path, fp, bp, with_t):
+    a, g, expected = problem
+    t = reconstruct(
+        a, g, tmp_path / "image.h5", iterations=50, backend="cpu", fp=fp, bp=bp,
+        transpose=_transpose(a) if with_t else None, checkpoint_every=0,
+    )
+    img, attrs = read_image(tmp_path / "image.h5")
+    assert img.dtype == np.float32
+    assert metrics.relative_l2(img, expected) < 1e-5
+    assert img[17] == 0.0  # norm 0: f * bp with bp 0
+    assert attrs["iterations"] == 50
+    assert t["repetitions"][0]["accuracy"]["image_sum"] == pytest.approx(float(np.sum(img, dtype=np.float64)), rel=1e-12)
+
+
+def test_reference_mode_is_float64(problem, tmp_path):
+    a, g, expected = problem
+    reference(a, g, tmp_path / "reference.h5", iterations=50)
+    img, attrs = read_image(tmp_path / "reference.h5")
+    assert img.dtype == np.float64
+    assert attrs["reference"] is True or attrs["reference"] == 1
+    assert metrics.relative_l2(img, expected) < 1e-12
+    assert not (tmp_path / "reference.raw").exists()  # the reference is its own artifact only
+
+
+def test_fp_kernels_agree_bitwise_and_adjoint(problem, rng):
+    a, _, _ = problem
+    m, n = a.shape
+    x = rng.uniform(0, 1, n).astype(np.float32)
+    y32 = spmv(a.indptr, a.indices, a.data, x, np.empty(m, np.float32))
+    assert np.array_equal(y32, (a.to_scipy() @ x).astype(np.float32))  # same order of sums as SciPy
+    # adjointness <A x, y> == <x, A^T y> in float64
+    x64 = rng.uniform(0, 1, n)
+    y64 = rng.uniform(0, 1, m)
+    ax = spmv(a.indptr, a.indices, a.data, x64, np.empty(m))
+    aty = spmv_t(a.indptr, a.indices, a.data, y64, np.empty(n), np.empty((3, n)))
+    assert float(ax @ y64) == pytest.approx(float(x64 @ aty), rel=1e-13)
+    # the blocked scatter equals A^T y of a dense computation, whatever the block count
+    dense = a.to_scipy().toarray().astype(np.float64).T @ y64
+    for blocks in (1, 4, 64):
+        np.testing.assert_allclose(spmv_t(a.indptr, a.indices, a.data, y64, np.empty(n), np.empty((blocks, n))), dense, rtol=1e-13)
+
+
+def test_correlation_update_initial_hand_computed():
+    # A = [[1, 1, 0], [0, 0, 0], [0, 2, 2]]: row 1 sees nothing, column sums [1, 3, 2]
+    a = CSRMatrix(np.array([0, 2, 2, 4]), np.array([0, 1, 1, 2]), np.array([1, 1, 2, 2], np.float32), (3, 3))
+    g = np.array([4, 3, 5], np.int32)
+    norm = np.array([2.0, 0.0, 4.0])  # a user's norm with a zero
+    be = CpuBackend(a, g, norm, fp="scipy", bp="scipy")
+    np.testing.assert_array_equal(be.initial_image(), np.full(3, 12 / 6, np.float32))
+    c = be.correlate(np.array([2, 0, 4], np.float32))
+    np.testing.assert_array_equal(c, [2.0, 0.0, 1.25])  # 0 where fp == 0
+    f = be.update(np.array([1, 2, 3], np.float32), np.array([4, 5, 6], np.float32))
+    np.testing.assert_array_equal(f, [2.0, 10.0, 4.5])  # f*bp/norm, f*bp where norm == 0
+    fp = be.forward(np.array([1, 2, 3], np.float32))
+    np.testing.assert_array_equal(fp, [3, 0, 10])
+    np.testing.assert_array_equal(be.back(np.array([1, 7, 2], np.float32)), [1, 5, 4])
+
+
+def test_outputs_and_timings(problem, tmp_path):
+    a, g, _ = problem
+    src = InMemorySource(a, grid=GRID, voxel_size=(2.0, 2.0, 3.0))
+    out = tmp_path / "run" / "image.h5"
+    t = reconstruct(src, g, out, iterations=7, backend="cpu", repetitions=3, checkpoint_every=0)
+    with h5py.File(out) as f:
+        assert f["image"].shape == (4, 5, 6)  # (gridZ, gridY, gridX)
+        assert list(f.attrs["voxel_size"]) == [2.0, 2.0, 3.0]
+        assert list(f.attrs["grid"]) == [6, 5, 4]
+        img = f["image"][...].reshape(-1)
+    raw = np.fromfile(out.with_suffix(".raw"), dtype="<f4")
+    assert raw.size == a.shape[1] and np.array_equal(raw, img)
+    on_disk = json.loads((out.parent / "timings.json").read_text())
+    assert on_disk["config"]["iterations"] == 7 and on_disk["config"]["repetitions"] == 3
+    assert [r["repetition"] for r in on_disk["repetitions"]] == [0, 1, 2]
+    for rec in on_disk["repetitions"]:
+        for step in ("iteration", "fp", "corr", "bp", "update"):
+            st = rec["steps"][step]
+            assert st["n"] == 7 and st["min"] <= st["median"] <= st["max"] and st["min"] <= st["mean"] <= st["max"]
+            assert len(rec["samples"][step]) == 7
+    assert set(on_disk["setup"]) == {"load_s", "backend_s"}
+    assert on_disk["bytes"]["fp"] == 8 * (a.shape[0] + 1) + 8 * a.nnz
+    assert on_disk["deterministic"] is True
+    assert len({r["accuracy"]["image_sha256"] for r in on_disk["repetitions"]}) == 1  # bit-identical repetitions
+    assert t["backend"]["backend"] == "cpu"
+
+
+class _CountingSource(InMemorySource):
+    reads = 0
+
+    def read_rows(self, start, stop, *, validate=True):
+        type(self).reads += 1
+        return super().read_rows(start, stop, validate=validate)
+
+
+def test_repetitions_load_once(problem, tmp_path):
+    a, g, _ = problem
+    counts = []
+    for reps in (1, 4):
+        _CountingSource.reads = 0
+        reconstruct(_CountingSource(a), g, tmp_path / f"r{reps}.h5", iterations=2, backend="cpu", repetitions=reps,
+                    checkpoint_every=0, norm=np.asarray(a.to_scipy().sum(axis=0)).ravel())
+        counts.append(_CountingSource.reads)
+    assert counts[0] == counts[1] >= 1
+
+
+KILLER = """
+import os, signal, sys
+import numpy as np
+from mlemlib.mlem import reconstruct
+def progress(rep, it, f):
+    if rep == {rep} and it == {it}:
+        os.kill(os.getpid(), signal.SIGKILL)
+reconstruct({matrix!r}, {sino!r}, {out!r}, iterations=20, backend="cpu", checkpoint_every=5, repetitions=2,
+            progress=progress)
+"""
+
+
+@pytest.mark.parametrize("kill_rep,kill_it", [(0, 17), (1, 6)])
+def test_resume_after_kill_is_bit_identical(problem, tmp_path, kill_rep, kill_it):
+    from mlemlib.formats.h5 import write_matrix_h5
+    from mlemlib.formats.lmsino import write_lmsino
+
+    a, g, _ = problem
+    write_matrix_h5(tmp_path / "matrix.h5", a)
+    write_lmsino(tmp_path / "g.LMsino", g)
+    killed = tmp_path / "killed" / "image.h5"
+    script = tmp_path / "killer.py"
+    script.write_text(textwrap.dedent(KILLER.format(rep=kill_rep, it=kill_it, matrix=str(tmp_path / "matrix.h5"),
+                                                    sino=str(tmp_path / "g.LMsino"), out=str(killed))))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    ckpt = killed.with_name("image.checkpoint.h5")
+    assert ckpt.exists() and not killed.exists()
+    with h5py.File(ckpt) as f:
+        assert (int(f.attrs["repetition"]), int(f.attrs["iteration"])) == (kill_rep, kill_it // 5 * 5)
+
+    t = reconstruct(tmp_path / "matrix.h5", tmp_path / "g.LMsino", killed, iterations=20, backend="cpu",
+                    checkpoint_every=5, repetitions=2)
+    whole = tmp_path / "whole" / "image.h5"
+    reconstruct(tmp_path / "matrix.h5", tmp_path / "g.LMsino", whole, iterations=20, backend="cpu",
+                checkpoint_every=5, repetitions=2)
+    a_img, _ = read_image(killed)
+    b_img, _ = read_image(whole)
+    assert a_img.tobytes() == b_img.tobytes()
+    assert not ckpt.exists()  # removed once the outputs are written
+    rec = t["repetitions"][kill_rep]
+    assert rec["resumed_at"] == [kill_it // 5 * 5]
+    assert len(rec["samples"]["iteration"]) == 20  # timings of both halves kept
+    assert len(t["repetitions"]) == 2
+
+
+def test_checkpoint_of_another_problem_is_refused(problem, tmp_path):
+    a, g, _ = problem
+
+    def stop(rep, it, f):
+        if it == 4:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "image.h5"
+    with pytest.raises(KeyboardInterrupt):
+        reconstruct(a, g, out, iterations=10, backend="cpu", checkpoint_every=3, progress=stop)
+    assert out.with_name("image.checkpoint.h5").exists()
+    other = g.copy()
+    other[0] += 1
+    with pytest.raises(ConfigError, match="another problem"):
+        reconstruct(a, other, out, iterations=10, backend="cpu", checkpoint_every=3)
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="beyond this run"):
+        reconstruct(a, g, out, iterations=2, backend="cpu", checkpoint_every=3)
+
+
+def test_reference_comparison_and_mismatch(problem, tmp_path):
+    a, g, expected = problem
+    reference(a, g, tmp_path / "ref.h5", iterations=50)
+    t = reconstruct(a, g, tmp_path / "img.h5", iterations=50, backend="cpu", reference=tmp_path / "ref.h5",
+                    truth=expected.astype(np.float32), checkpoint_every=0)
+    acc = t["repetitions"][0]["accuracy"]
+    img, _ = read_image(tmp_path / "img.h5")
+    ref, _ = read_image(tmp_path / "ref.h5")
+    assert acc["rel_l2_reference"] == pytest.approx(metrics.relative_l2(img, ref), rel=1e-12)
+    assert 0 < acc["rel_l2_reference"] < 1e-5
+    assert acc["rel_l2_truth"] < 1e-5
+    with pytest.raises(ConfigError, match="after 50 iterations"):
+        reconstruct(a, g, tmp_path / "img2.h5", iterations=49, backend="cpu", reference=tmp_path / "ref.h5")
+    other = g.copy()
+    other[1] += 2
+    with pytest.raises(ConfigError, match="another problem"):
+        reconstruct(a, other, tmp_path / "img3.h5", iterations=50, backend="cpu", reference=tmp_path / "ref.h5")
+
+
+def test_make_backend_errors(problem, monkeypatch):
+    a, g, _ = problem
+    norm = np.ones(a.shape[1])
+    with pytest.raises(ConfigError, match="gpus"):
+        make_backend("cpu", a, g, norm, gpus=2)
+    with pytest.raises(ConfigError, match="unknown cpu kernel"):
+        make_backend("cpu", a, g, norm, fp="merge")
+    with pytest.raises(ConfigError, match="unknown backend"):
+        make_backend("opencl", a, g, norm)
+    monkeypatch.setitem(sys.modules, "mlemlib.backends.cuda", None)  # import fails as without CuPy
+    with pytest.raises(DeviceError):
+        make_backend("cuda", a, g, norm)
+
+
+def test_cli_reconstruct_and_bad_sino(problem, tmp_path, capsys):
+    from mlemlib.cli import main
+    from mlemlib.formats.h5 import write_matrix_h5
+    from mlemlib.formats.lmsino import write_lmsino
+
+    a, g, expected = problem
+    write_matrix_h5(tmp_path / "m.h5", a, grid=list(GRID), voxel_size=[1.0, 1.0, 1.0])
+    write_lmsino(tmp_path / "g.LMsino", g)
+    out = tmp_path / "run" / "image.h5"
+    rc = main(["reconstruct", "-m", str(tmp_path / "m.h5"), "-s", str(tmp_path / "g.LMsino"), "-n", "50",
+               "-b", "cpu", "-r", "2", "-o", str(out)])
+    assert rc == 0
+    img, _ = read_image(out)
+    assert metrics.relative_l2(img, expected) < 1e-5
+    assert (out.parent / "timings.json").exists() and out.with_suffix(".raw").exists()
+    write_lmsino(tmp_path / "short.LMsino", g[:-1])
+    rc = main(["reconstruct", "-m", str(tmp_path / "m.h5"), "-s", str(tmp_path / "short.LMsino"), "-n", "3",
+               "-b", "cpu", "-o", str(tmp_path / "bad" / "image.h5")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err[-1].startswith("mlem: error: ") and "short.LMsino" in err[-1]
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+
+
+# --------------------------------------------------------------------------- metrics
+def test_metrics_hand_computed():
+    f = np.array([1.0, 2.0, 2.0], np.float32)
+    r = np.array([1.0, 2.0, 0.0])
+    assert metrics.image_sum(f) == 5.0
+    assert metrics.relative_l2(f, r) == pytest.approx(2.0 / math.sqrt(5.0), rel=1e-15)
+    assert metrics.relative_sum_error(f, r) == pytest.approx(2.0 / 3.0, rel=1e-15)
+    assert metrics.relative_l2(np.zeros(3), np.zeros(3)) == 0.0
+    assert metrics.relative_l2(f, np.zeros(3)) == math.inf
+    with pytest.raises(ValueError):
+        metrics.relative_l2(f, np.zeros(4))
+    # float64 accumulation: 1e8 + 16 ones stays exact, which float32 accumulation would not give
+    big = np.array([1e8] + [1.0] * 16, np.float32)
+    assert metrics.image_sum(big) == 1e8 + 16
+    assert metrics.image_digest(f) == metrics.image_digest(f.astype(np.float64))
+    assert metrics.image_digest(f) != metrics.image_digest(f + np.float32(1e-7))
+    s = metrics.spread([1.0, 3.0, 2.0])
+    assert (s["min"], s["max"], s["range"], s["mean"]) == (1.0, 3.0, 2.0, 2.0)
+    assert s["std"] == pytest.approx(math.sqrt(2.0 / 3.0))
+
+
+def test_contrast_recovery_hand_computed():
+    img = np.array([8.0, 8.0, 2.0, 2.0, 1.0, 3.0])  # hot region, background, cold region
+    masks = {"hot": np.array([1, 1, 0, 0, 0, 0], bool), "cold": np.array([0, 0, 0, 0, 1, 0], bool)}
+    bg = np.array([0, 0, 1, 1, 0, 0], bool)
+    cr = metrics.contrast_recovery(img, masks, bg, {"hot": 4.0, "cold": 0.0}, 1.0)
+    assert cr["hot"] == pytest.approx((8.0 / 2.0 - 1.0) / (4.0 - 1.0))  # = 1
+    assert cr["cold"] == pytest.approx(1.0 - 1.0 / 2.0)
+    with pytest.raises(ValueError):
+        metrics.contrast_recovery(img, masks, bg, {"hot": 4.0, "cold": 0.0}, 0.0)
+
+
+def test_read_image_errors(tmp_path):
+    with pytest.raises(InputError, match="no such image file"):
+        read_image(tmp_path / "missing.h5")
+    (tmp_path / "junk.h5").write_bytes(b"not hdf5")
+    with pytest.raises(InputError, match="not a readable HDF5"):
+        read_image(tmp_path / "junk.h5")
+    with h5py.File(tmp_path / "noimage.h5", "w") as f:
+        f["x"] = np.zeros(3)
+    with pytest.raises(InputError, match="no dataset /image"):
+        read_image(tmp_path / "noimage.h5")
