@@ -45,6 +45,7 @@ __all__ = [
     "estimate_gpu_mem_mb",
     "estimate_mem_mb",
     "estimate_runtime_min",
+    "generated_size",
     "gpus_for",
     "matrix_size",
     "stage_resources",
@@ -236,6 +237,33 @@ def matrix_size(path: str | os.PathLike) -> MatrixSize:
     if kind == "npz":
         return _npz_size(p)
     raise MatrixFormatError(p, f"a {kind} file holds no system matrix")
+
+
+#: Voxels a tube of response crosses, per voxel of ``gridX + gridY + gridZ``
+#: (one ray crosses at most that many; a tube of several rays a few times more).
+TUBE_VOXELS_PER_EDGE = 4
+
+
+def generated_size(preset: str) -> MatrixSize:
+    """Size of the matrix ``mlem generate --preset`` will write, before it exists.
+
+    Rows and columns are exact (the preset's shape); ``nnz`` is an upper
+    estimate: every row holds at most ``TUBE_VOXELS_PER_EDGE * (gridX + gridY
+    + gridZ)`` voxels (and at most all columns). For MADPET-II that is 1.70e9
+    against the real 1.60e9; for ``small`` 7.1e6 against 0.74e6 (most of its
+    rows are empty), which the request floor absorbs.
+
+    Raises
+    ------
+    ConfigError
+        For an unknown preset.
+    """
+    from mlemlib.scanner import get_preset
+
+    cfg = get_preset(preset)
+    rows, cols = cfg.shape
+    per_row = min(cols, TUBE_VOXELS_PER_EDGE * sum(cfg.grid))
+    return MatrixSize(rows=rows, cols=cols, nnz=rows * per_row)
 
 
 # --- the model ---------------------------------------------------------------------

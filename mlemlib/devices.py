@@ -104,5 +104,5 @@ def device_facts(index: int = 0) -> dict[str, Any]:
         log.debug("NVML not usable (%s); asking CuPy", exc)
     try:
         return _cupy_facts(index)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise DeviceError(f"GPU {index}: neither NVML nor CuPy can read it: {exc}") from exc

@@ -80,19 +80,24 @@ def numba_threads(threads: int | None) -> Iterator[int]:
     ----------
     threads
         Number of threads, or None for Numba's current setting (all cores
-        unless ``NUMBA_NUM_THREADS`` says otherwise).
+        unless ``NUMBA_NUM_THREADS`` says otherwise). More threads than Numba
+        has (``NUMBA_NUM_THREADS``, by default the usable cores) are reduced
+        to that number with a warning.
 
     Raises
     ------
     ConfigError
-        If ``threads`` is not in ``[1, NUMBA_NUM_THREADS]``.
+        If ``threads`` is not a positive integer.
     """
     if threads is None:
         yield numba.get_num_threads()
         return
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise ConfigError("threads", f"{threads!r} is not a positive number of threads")
     limit = numba.config.NUMBA_NUM_THREADS
-    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= limit:
-        raise ConfigError("threads", f"{threads!r} is not a thread count in [1, {limit}] (NUMBA_NUM_THREADS)")
+    if threads > limit:
+        log.warning("%d threads asked for, Numba has %d (NUMBA_NUM_THREADS): using %d", threads, limit, limit)
+        threads = limit
     old = numba.get_num_threads()
     numba.set_num_threads(int(threads))
     try:

@@ -40,6 +40,13 @@ def validate_config():
             f"config {where or '(top level)'}: {fault}; "
             "config/schema.yaml lists the keys and their allowed values"
         ) from None
+    for index, entry in enumerate(config["runs"]):
+        gpus = entry["gpus"] if isinstance(entry["gpus"], list) else [entry["gpus"]]
+        if entry["backend"] == "cpu" and gpus != [1]:
+            raise WorkflowError(
+                f"config runs[{index}].gpus: a run with backend cpu takes 1, "
+                f"found {entry['gpus']}"
+            )
 
 
 validate_config()
@@ -134,12 +141,7 @@ def get_matrices():
 
 def get_preset(wildcards):
     """Scanner preset of a generated matrix."""
-    preset = config["matrices"][wildcards.matrix]["preset"]
-    if preset is None:
-        raise ValueError(
-            f"config: matrices.{wildcards.matrix} names a path, not a preset"
-        )
-    return preset
+    return config["matrices"][wildcards.matrix]["preset"]
 
 
 def get_matrix_source(wildcards):
@@ -249,12 +251,8 @@ def _run_name(entry):
 def _all_runs():
     """Every configured run, expanded over GPU counts and layouts (cached)."""
     runs = {}
-    for index, entry in enumerate(config["runs"]):
+    for entry in config["runs"]:
         for gpus in _as_list(entry["gpus"]):
-            if entry["backend"] == "cpu" and gpus != 1:
-                raise ValueError(
-                    f"config: runs[{index}].gpus: a cpu run takes 1, found {gpus}"
-                )
             # One GPU has no layout to choose: its run is "local".
             layouts = _as_list(entry["layout"]) if gpus > 1 else ["local"]
             for layout in layouts:

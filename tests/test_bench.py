@@ -23,8 +23,23 @@ from mlemlib.errors import ConfigError
 # --------------------------------------------------------------------------- lanes and launch shapes
 @pytest.mark.parametrize(
     ("mean", "lanes"),
-    [(0, 2), (-1, 2), (math.nan, 2), (1, 2), (8, 2), (8.5, 4), (16, 4), (17, 8), (32, 8), (33, 16),
-     (64, 16), (65, 32), (128, 32), (594.2, 32), (1e6, 32)],
+    [
+        (0, 2),
+        (-1, 2),
+        (math.nan, 2),
+        (1, 2),
+        (8, 2),
+        (8.5, 4),
+        (16, 4),
+        (17, 8),
+        (32, 8),
+        (33, 16),
+        (64, 16),
+        (65, 32),
+        (128, 32),
+        (594.2, 32),
+        (1e6, 32),
+    ],
 )
 def test_choose_lanes(mean, lanes):
     # one trip of L lanes covers 4 L non-zeros: L = next power of two >= mean / 4, in [2, 32]
@@ -90,17 +105,28 @@ def test_resolve_kernels_auto_and_aliases():
     k = plan.resolve_kernels("auto", "auto", transpose_available=True, fits=True)
     assert (k.fp, k.bp, k.needs_transpose, k.deterministic) == ("csr_vector", "csr_vector", True, True)
     k = plan.resolve_kernels("auto", "auto", transpose_available=True, fits=False)
-    assert (k.bp, k.needs_transpose, k.deterministic) == ("scatter", False, False)
+    assert (k.bp, k.needs_transpose, k.deterministic) == ("notrans", False, False)
     k = plan.resolve_kernels("csr_vector", "auto", transpose_available=False, fits=True)
-    assert k.bp == "scatter"
+    assert k.bp == "notrans"
     k = plan.resolve_kernels("merge", "notrans", transpose_available=True, fits=True)
-    assert (k.fp, k.bp, k.deterministic) == ("merge", "scatter", False)
+    assert (k.fp, k.bp, k.deterministic) == ("merge", "notrans", False)
+    k = plan.resolve_kernels("csr_vector", "scatter", transpose_available=True, fits=True)
+    assert (k.bp, k.needs_transpose, k.deterministic) == ("scatter", False, False)
     k = plan.resolve_kernels("cusparse", "cusparse", transpose_available=False, fits=True)
     assert k.needs_transpose and k.deterministic
     with pytest.raises(ConfigError, match="fp"):
         plan.resolve_kernels("numba", "auto", transpose_available=True, fits=True)
     with pytest.raises(ConfigError, match="bp"):
         plan.resolve_kernels("auto", "scipy", transpose_available=True, fits=True)
+
+
+def test_choose_notrans():
+    # most chunks in shared memory: the windowed scatter; else cuSPARSE, or the vector scatter past int32
+    assert plan.choose_notrans(1.0, 10**9) == "scatter_smem"
+    assert plan.choose_notrans(plan.SMEM_LOCAL_MIN, 10) == "scatter_smem"
+    assert plan.choose_notrans(0.49, 10**9) == "cusparse_notrans"
+    assert plan.choose_notrans(0.0, 2**31 - 1) == "cusparse_notrans"
+    assert plan.choose_notrans(0.0, 2**31) == "scatter_vec"
 
 
 def test_theoretical_bandwidth_h100():
@@ -166,20 +192,64 @@ def _result():
         "copy": {"bandwidth": 3.0e12, "bytes": 1 << 32, "median_s": 1.43e-3},
         "repeat": 30,
         "warmup": 5,
-        "matrix": {"label": "m.h5", "shape": [10, 20], "nnz": 50, "bytes": 488, "mean_row_length": 5.0,
-                   "max_row_length": 9, "empty_rows": 1, "empty_cols": 2},
+        "matrix": {
+            "label": "m.h5",
+            "shape": [10, 20],
+            "nnz": 50,
+            "bytes": 488,
+            "mean_row_length": 5.0,
+            "max_row_length": 9,
+            "empty_rows": 1,
+            "empty_cols": 2,
+        },
         "kernels": [
-            {"op": "fp", "kernel": "cusparse", "deterministic": True, "median_s": 2.0e-3, "bandwidth": 2.7e12,
-             "of_copy": 0.9, "vs_cusparse": 1.0, "rel_l2": 3e-8, "bytes": 5_400_000_000},
-            {"op": "fp", "kernel": "csr_vector", "lanes": 32, "lanes_auto": True, "deterministic": True,
-             "median_s": 2.5e-3, "bandwidth": 2.16e12, "of_copy": 0.72, "vs_cusparse": 0.8, "rel_l2": 4e-8,
-             "bytes": 5_400_000_000},
-            {"op": "bp_notrans", "kernel": "merge", "secsize": 5, "deterministic": False, "median_s": 9e-3,
-             "bandwidth": 6e11, "of_copy": 0.2, "vs_cusparse": None, "rel_l2": None, "bytes": 5_400_000_000},
+            {
+                "op": "fp",
+                "kernel": "cusparse",
+                "deterministic": True,
+                "median_s": 2.0e-3,
+                "bandwidth": 2.7e12,
+                "of_copy": 0.9,
+                "vs_cusparse": 1.0,
+                "rel_l2": 3e-8,
+                "bytes": 5_400_000_000,
+            },
+            {
+                "op": "fp",
+                "kernel": "csr_vector",
+                "lanes": 32,
+                "lanes_auto": True,
+                "deterministic": True,
+                "median_s": 2.5e-3,
+                "bandwidth": 2.16e12,
+                "of_copy": 0.72,
+                "vs_cusparse": 0.8,
+                "rel_l2": 4e-8,
+                "bytes": 5_400_000_000,
+            },
+            {
+                "op": "bp_notrans",
+                "kernel": "merge",
+                "secsize": 5,
+                "deterministic": False,
+                "median_s": 9e-3,
+                "bandwidth": 6e11,
+                "of_copy": 0.2,
+                "vs_cusparse": None,
+                "rel_l2": None,
+                "bytes": 5_400_000_000,
+            },
         ],
         "iterations": [
-            {"fp": "csr_vector", "bp": "csr_vector", "deterministic": True, "fused": ["corr into fp"],
-             "median_s": 6e-3, "floor_s": 5.4e-3, "of_floor": 0.9},
+            {
+                "fp": "csr_vector",
+                "bp": "csr_vector",
+                "deterministic": True,
+                "fused": ["corr into fp"],
+                "median_s": 6e-3,
+                "floor_s": 5.4e-3,
+                "of_floor": 0.9,
+            },
         ],
     }
 

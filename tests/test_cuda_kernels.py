@@ -20,11 +20,11 @@ import scipy.sparse as sp
 
 cp = pytest.importorskip("cupy")
 
-from mlemlib.backends import _cuda_kernels as ck  # noqa: E402
-from mlemlib.backends import _cuda_plan as plan  # noqa: E402
-from mlemlib.bench import tor_matrix  # noqa: E402
-from mlemlib.errors import ConfigError  # noqa: E402
-from mlemlib.matrix import CSRMatrix  # noqa: E402
+from mlemlib.backends import _cuda_kernels as ck
+from mlemlib.backends import _cuda_plan as plan
+from mlemlib.bench import tor_matrix
+from mlemlib.errors import ConfigError
+from mlemlib.matrix import CSRMatrix
 
 pytestmark = pytest.mark.gpu
 
@@ -86,8 +86,19 @@ def make_matrix(kind: str, rng) -> CSRMatrix:
     raise ValueError(kind)
 
 
-MATRICES = ["random", "unsorted", "long_rows", "single_row", "one_element", "nnz0", "empty_cols",
-            "short_rows", "wide", "tor", "scanner"]
+MATRICES = [
+    "random",
+    "unsorted",
+    "long_rows",
+    "single_row",
+    "one_element",
+    "nnz0",
+    "empty_cols",
+    "short_rows",
+    "wide",
+    "tor",
+    "scanner",
+]
 
 
 @pytest.fixture(params=MATRICES)
@@ -121,9 +132,18 @@ def poisoned(n):
     return out
 
 
-FP_CASES = [("csr_scalar", None, None)] + [("csr_vector", lanes, None) for lanes in plan.LANE_CHOICES] + [
-    ("csr_vector", None, None), ("merge", None, 1), ("merge", None, 2), ("merge", None, 5), ("merge", None, 37),
-    ("cusparse", None, None)]
+FP_CASES = (
+    [("csr_scalar", None, None)]
+    + [("csr_vector", lanes, None) for lanes in plan.LANE_CHOICES]
+    + [
+        ("csr_vector", None, None),
+        ("merge", None, 1),
+        ("merge", None, 2),
+        ("merge", None, 5),
+        ("merge", None, 37),
+        ("cusparse", None, None),
+    ]
+)
 
 
 @pytest.mark.parametrize(("kernel", "lanes", "secsize"), FP_CASES)
@@ -135,12 +155,19 @@ def test_forward_kernels(problem, kernel, lanes, secsize):
     out = poisoned(a.shape[0])
     y = ck.spmv(d, cp.asarray(x), out, kernel=kernel, lanes=lanes, secsize=secsize or plan.DEFAULT_SECSIZE)
     assert y is out
-    check_bound(y, ref, absref, np.diff(a.indptr), f"{kernel} lanes={lanes} secsize={secsize} ({problem['kind']}, "
-                                                      f"seed {problem['seed']})")
+    check_bound(
+        y,
+        ref,
+        absref,
+        np.diff(a.indptr),
+        f"{kernel} lanes={lanes} secsize={secsize} ({problem['kind']}, seed {problem['seed']})",
+    )
 
 
-@pytest.mark.parametrize(("kernel", "lanes"), [("csr_vector", None), ("csr_vector", 2), ("csr_scalar", None),
-                                               ("merge", None), ("cusparse", None)])
+@pytest.mark.parametrize(
+    ("kernel", "lanes"),
+    [("csr_vector", None), ("csr_vector", 2), ("csr_scalar", None), ("merge", None), ("cusparse", None)],
+)
 def test_back_kernels_on_transpose(problem, kernel, lanes):
     a, d, s64 = problem["a"], problem["d"], problem["s64"]
     t = d.transpose()
@@ -149,12 +176,24 @@ def test_back_kernels_on_transpose(problem, kernel, lanes):
     absref = abs(s64).T @ np.abs(c.astype(np.float64))
     out = poisoned(a.shape[1])
     y = ck.spmv(t, cp.asarray(c), out, kernel=kernel, lanes=lanes)
-    check_bound(y, ref, absref, np.bincount(a.indices, minlength=a.shape[1]),
-                f"{kernel} on A^T ({problem['kind']}, seed {problem['seed']})")
+    check_bound(
+        y,
+        ref,
+        absref,
+        np.bincount(a.indices, minlength=a.shape[1]),
+        f"{kernel} on A^T ({problem['kind']}, seed {problem['seed']})",
+    )
 
 
-SCATTER_CASES = [("scatter", None), ("scatter", 2), ("scatter", 32), ("scatter_vec", None), ("scatter_vec", 4),
-                 ("scatter_smem", None), ("cusparse_notrans", None)]
+SCATTER_CASES = [
+    ("scatter", None),
+    ("scatter", 2),
+    ("scatter", 32),
+    ("scatter_vec", None),
+    ("scatter_vec", 4),
+    ("scatter_smem", None),
+    ("cusparse_notrans", None),
+]
 
 
 @pytest.mark.parametrize(("kernel", "lanes"), SCATTER_CASES)
@@ -165,8 +204,13 @@ def test_back_kernels_without_transpose(problem, kernel, lanes):
     absref = abs(s64).T @ np.abs(c.astype(np.float64))
     out = poisoned(a.shape[1])
     y = ck.scatter(d, cp.asarray(c), out, kernel=kernel, lanes=lanes)
-    check_bound(y, ref, absref, np.bincount(a.indices, minlength=a.shape[1]),
-                f"{kernel} ({problem['kind']}, seed {problem['seed']})")
+    check_bound(
+        y,
+        ref,
+        absref,
+        np.bincount(a.indices, minlength=a.shape[1]),
+        f"{kernel} ({problem['kind']}, seed {problem['seed']})",
+    )
 
 
 def test_scatter_skips_rows_with_zero_correlation(rng):
@@ -193,7 +237,7 @@ def test_scatter_smem_uses_both_paths(rng):
     a = tor.to_host()
     rows = cp.asnumpy(p_tor.chunk_rows)
     for b in range(len(rows) - 1):
-        cols = a.indices[a.indptr[rows[b]]:a.indptr[rows[b + 1]]]
+        cols = a.indices[a.indptr[rows[b]] : a.indptr[rows[b + 1]]]
         if cols.size:
             assert (int(p_tor.cmin[b]), int(p_tor.cmax[b])) == (cols.min(), cols.max())
     for d, p in ((tor, p_tor), (wide, p_wide)):
@@ -250,8 +294,9 @@ def test_csr_vector_is_bit_identical_run_after_run():
     for _ in range(3):
         assert cp.array_equal(ck.spmv(a, x, poisoned(a.shape[0]), kernel="csr_vector"), first)
         assert cp.array_equal(ck.spmv(t, y, poisoned(a.shape[1]), kernel="csr_vector"), first_t)
-        assert cp.array_equal(ck.spmv(a, x, poisoned(a.shape[0]), kernel="csr_scalar"),
-                              ck.spmv(a, x, kernel="csr_scalar"))
+        assert cp.array_equal(
+            ck.spmv(a, x, poisoned(a.shape[0]), kernel="csr_scalar"), ck.spmv(a, x, kernel="csr_scalar")
+        )
 
 
 @pytest.mark.parametrize("dims", [(20, 16, 3, 12, 18), (33, 17, 1, 7, 40), (9, 9, 5, 31, 6)])

@@ -18,12 +18,12 @@ import scipy.sparse as sp
 
 cp = pytest.importorskip("cupy")
 
-from mlemlib.backends import _cuda_kernels as ck  # noqa: E402
-from mlemlib.backends import cuda as cuda_backend  # noqa: E402
-from mlemlib.backends.cuda import CudaBackend  # noqa: E402
-from mlemlib.bench import tor_matrix  # noqa: E402
-from mlemlib.errors import ConfigError, DeviceError, SinogramFormatError  # noqa: E402
-from mlemlib.matrix import CSRMatrix  # noqa: E402
+from mlemlib.backends import _cuda_kernels as ck
+from mlemlib.backends import cuda as cuda_backend
+from mlemlib.backends.cuda import CudaBackend
+from mlemlib.bench import tor_matrix
+from mlemlib.errors import ConfigError, DeviceError, SinogramFormatError
+from mlemlib.matrix import CSRMatrix
 
 pytestmark = pytest.mark.gpu
 
@@ -101,8 +101,9 @@ def test_mlem_matches_float64_reference(pet, fp, bp, transpose):
     assert np.all(f[pet["norm"] == 0] == 0)
 
 
-@pytest.mark.parametrize(("fp", "bp"), [("csr_vector", "csr_vector"), ("csr_scalar", "csr_scalar"),
-                                        ("cusparse", "cusparse")])
+@pytest.mark.parametrize(
+    ("fp", "bp"), [("csr_vector", "csr_vector"), ("csr_scalar", "csr_scalar"), ("cusparse", "cusparse")]
+)
 def test_deterministic_pairs_are_bit_identical(pet, fp, bp):
     _, f1 = run_gpu(pet, fp, bp)
     _, f2 = run_gpu(pet, fp, bp)
@@ -151,8 +152,10 @@ def test_bp_auto(pet, caplog):
     assert be.deterministic
     with caplog.at_level(logging.INFO, logger="mlemlib.backends.cuda"):
         be = CudaBackend(pet["a"], pet["g"], pet["norm"], None, bp="auto")
-    assert (be.bp_kernel, be.transpose_source, be.deterministic) == ("scatter", "none", False)
-    assert "no transpose given" in caplog.text
+    # the small TOR matrix is one row chunk whose columns fit shared memory
+    assert (be.bp_kernel, be.transpose_source, be.deterministic) == ("scatter_smem", "none", False)
+    assert be.describe()["bp_requested"] == "auto" and be.describe()["smem_local_chunks"] == 1.0
+    assert "no transpose given" in caplog.text and "fit shared memory: scatter_smem" in caplog.text
     # an explicit transpose kernel without a stored transpose: transposed on the GPU
     be = CudaBackend(pet["a"], pet["g"], pet["norm"], None, bp="csr_vector")
     assert be.transpose_source == "cusparse on device"
@@ -167,7 +170,7 @@ def test_memory_check(pet, monkeypatch, caplog):
     monkeypatch.setattr(cuda_backend, "free_memory", lambda dev: int(need_a / cuda_backend.MEMORY_HEADROOM) + 64)
     with caplog.at_level(logging.WARNING, logger="mlemlib.backends.cuda"):
         be = CudaBackend(a, pet["g"], pet["norm"], pet["at"], bp="auto")
-    assert be.bp_kernel == "scatter" and be.at is None
+    assert be.bp_kernel == "scatter_smem" and be.at is None
     assert "do not both fit" in caplog.text
     with pytest.raises(DeviceError, match="do not both fit"):
         CudaBackend(a, pet["g"], pet["norm"], pet["at"], bp="csr_vector")
@@ -206,10 +209,30 @@ def test_streams_an_opened_matrix(pet):
             for r0 in range(0, a.shape[0], 1000):
                 r1 = min(r0 + 1000, a.shape[0])
                 s, e = a.indptr[r0], a.indptr[r1]
-                yield r0, r1, CSRMatrix(a.indptr[r0:r1 + 1] - s, a.indices[s:e], a.data[s:e], (r1 - r0, a.shape[1]))
+                yield r0, r1, CSRMatrix(a.indptr[r0 : r1 + 1] - s, a.indices[s:e], a.data[s:e], (r1 - r0, a.shape[1]))
 
     d = cuda_backend.load_device(Reader())
     np.testing.assert_array_equal(d.indptr.get(), a.indptr)
     np.testing.assert_array_equal(d.indices.get(), a.indices)
     np.testing.assert_array_equal(d.data.get(), a.data)
     assert isinstance(d, ck.DeviceCSR)
+
+
+def test_notrans_takes_cusparse_when_chunks_do_not_fit_shared_memory():
+    """Rows with columns scattered over 300,000 voxels: no chunk fits, notrans is cuSPARSE's A.T @ c."""
+    rng = np.random.default_rng()
+    m, n, k = 3000, 300_000, 120
+    rows = np.repeat(np.arange(m), k)
+    cols = rng.integers(0, n, size=m * k)
+    s = sp.csr_matrix((rng.uniform(0.1, 1.0, m * k), (rows, cols)), shape=(m, n)).astype(np.float32)
+    s.sum_duplicates()
+    a = CSRMatrix.from_scipy(s)
+    norm = np.asarray(s.astype(np.float64).sum(axis=0)).ravel()
+    g = rng.poisson(s.astype(np.float64) @ rng.uniform(0.5, 2.0, n)).astype(np.int32)
+    be = CudaBackend(a, g, norm, None, bp="notrans")
+    assert be.bp_kernel == "cusparse_notrans" and be.describe()["smem_local_chunks"] == 0.0
+    f = be.initial_image()
+    for _ in range(10):
+        f = be.iterate(f)
+    ref = reference_mlem(s, g, norm, 10)
+    assert rel_l2(be.to_host(f), ref) < 1e-5

@@ -173,15 +173,29 @@ def tres(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
 
 
+def queued_jobs(workdir: Path) -> list[dict]:
+    """Jobs of ``workdir`` that SLURM still holds (squeue: pending, running, completing).
+
+    sacct records a job's comment only when the job ends; squeue shows it at once.
+    """
+    fields = ["JobIDRaw", "State", "Comment", "WorkDir"]
+    proc = subprocess.run(
+        ["squeue", "-h", "-o", "%i|%T|%k|%Z"], capture_output=True, text=True, timeout=60, check=True
+    )
+    jobs = []
+    for line in proc.stdout.splitlines():
+        values = line.split("|")
+        if len(values) == len(fields) and Path(values[3]).resolve() == workdir.resolve():
+            jobs.append(dict(zip(fields, values)))
+    return jobs
+
+
 def wait_for_jobs_to_leave_queue(workdir: Path, timeout: float = 120) -> None:
     """Wait until no job of ``workdir`` is pending or running (after a cancel)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-o", "%i|%Z"], capture_output=True, text=True).stdout
-        if not any(Path(line.split("|", 1)[1]).resolve() == workdir.resolve() for line in out.splitlines() if "|" in line):
-            return
+    while queued_jobs(workdir):
+        assert time.monotonic() < deadline, f"jobs of {workdir} still queued after {timeout} s"
         time.sleep(1)
-    raise AssertionError(f"jobs of {workdir} still queued after {timeout} s")
 
 
 def artifacts(workdir: Path) -> dict[str, Path]:
@@ -331,7 +345,7 @@ def test_scancel_then_rerun_resumes_from_checkpoint(default_runs, base):
             assert proc.poll() is None, "snakemake ended before the first checkpoint"
             assert time.monotonic() < deadline, "no checkpoint after 600 s"
             time.sleep(0.2)
-        running = [j for j in slurm_jobs(remote, since) if j["State"] == "RUNNING"]
+        running = [j for j in queued_jobs(remote) if j["State"] == "RUNNING"]
         assert len(running) == 1 and rule_of(running[0]["Comment"], {"run_mlem"}) == "run_mlem", running
         subprocess.run(["scancel", running[0]["JobIDRaw"]], check=True, timeout=60)
         assert proc.wait(timeout=600) != 0, "snakemake took the cancelled job as done"

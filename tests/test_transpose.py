@@ -17,6 +17,7 @@ from mlemlib.transpose import (
     column_counts,
     histogram_total,
     iter_row_chunks,
+    numba_threads,
     scantrans,
     transpose,
     transpose_file,
@@ -181,10 +182,20 @@ def test_cusparse_without_gpu_is_a_clear_device_error():
         transpose(HAND, "cusparse")
 
 
-@pytest.mark.parametrize("threads", [0, 10**6, 1.5])
+@pytest.mark.parametrize("threads", [0, -2, 1.5, "2"])
 def test_bad_thread_count(threads):
     with pytest.raises(ConfigError, match="threads"):
         scantrans(HAND, threads=threads)
+
+
+def test_too_many_threads_are_reduced_with_a_warning(caplog):
+    import numba
+
+    limit = numba.config.NUMBA_NUM_THREADS
+    with caplog.at_level("WARNING"), numba_threads(limit + 5) as used:
+        assert used == limit == numba.get_num_threads()
+    assert f"{limit + 5} threads asked for, Numba has {limit}" in caplog.text
+    np.testing.assert_array_equal(scantrans(HAND, threads=limit + 5).indices, HAND_T[1])
 
 
 def test_out_of_range_column_is_an_error():

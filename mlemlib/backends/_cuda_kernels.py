@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 #: Epilogues of ``csr_scalar`` / ``csr_vector`` (see spmv.cu).
 MODE_PLAIN, MODE_CORR, MODE_UPDATE = 0, 1, 2
 #: Largest nnz cuSPARSE (through CuPy's int32 indices) can take.
-CUSPARSE_MAX_NNZ = 2**31 - 1
+CUSPARSE_MAX_NNZ = plan.CUSPARSE_MAX_NNZ
 #: Non-zeros per chunk (one block) of ``scatter_smem``.
 SMEM_CHUNK_NNZ = 1 << 18
 #: Threads per block of ``scatter_smem``.
@@ -58,7 +58,7 @@ def cupy():
     return cp
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_properties(device_id: int) -> dict[str, Any]:
     """The properties launch shapes need, read once per device."""
     cp = cupy()
@@ -80,7 +80,7 @@ def kernel_source(name: str) -> str:
     return importlib.resources.files("mlemlib.kernels").joinpath(f"{name}.cu").read_text()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module(name: str, device_id: int, options: tuple[str, ...] = ()) -> Any:
     """``mlemlib/kernels/<name>.cu`` compiled for one device (memoized per device and options)."""
     cp = cupy()
@@ -97,7 +97,7 @@ def _function(mod_name: str, kernel: str, options: tuple[str, ...] = ()) -> Any:
     return _function_on(mod_name, kernel, cupy().cuda.Device().id, options)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _function_on(mod_name: str, kernel: str, device_id: int, options: tuple[str, ...]) -> Any:
     return module(mod_name, device_id, options).get_function(kernel)
 
@@ -180,9 +180,7 @@ class DeviceCSR:
         """This matrix as a ``cupyx.scipy.sparse.csr_matrix`` (an int32 row-pointer copy; built once)."""
         if self._cusparse is None:
             if self.nnz > CUSPARSE_MAX_NNZ:
-                raise DeviceError(
-                    f"cuSPARSE through CuPy takes int32 indices: {self.nnz} non-zeros exceed 2^31 - 1"
-                )
+                raise DeviceError(f"cuSPARSE through CuPy takes int32 indices: {self.nnz} non-zeros exceed 2^31 - 1")
             import cupyx.scipy.sparse as cps
 
             cp = cupy()
@@ -295,11 +293,13 @@ def spmv(
         if a.nnz:
             props = device_properties(cp.cuda.Device().id)
             nthreads = plan.merge_threads(m, a.nnz, secsize)
-            blocks, threads = plan.launch_shape(
-                nthreads, plan.THREADS, props["sm_count"], props["max_threads_per_sm"]
-            )
+            blocks, threads = plan.launch_shape(nthreads, plan.THREADS, props["sm_count"], props["max_threads_per_sm"])
             fn = _function("spmv", "merge_spmv")
-            fn((blocks,), (threads,), (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int64(a.nnz), np.int32(secsize)))
+            fn(
+                (blocks,),
+                (threads,),
+                (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int64(a.nnz), np.int32(secsize)),
+            )
     else:
         if a.nnz:
             out[...] = a.cusparse() @ x
@@ -335,7 +335,7 @@ def smem_plan(a: DeviceCSR, *, chunk_nnz: int = SMEM_CHUNK_NNZ) -> SmemPlan:
     if nchunks:
         _function("spmv", "chunk_bounds")((nchunks,), (256,), (a.indptr, a.indices, crow, cmin, cmax))
     window = props["smem_per_block_optin"] // 4
-    width = (cmax[:nchunks] - cmin[:nchunks] + 1)
+    width = cmax[:nchunks] - cmin[:nchunks] + 1
     frac = float(((width > 0) & (width <= window)).sum()) / nchunks if nchunks else 1.0
     return SmemPlan(crow, cmin, cmax, int(window), frac)
 
@@ -397,14 +397,18 @@ def scatter(
         fn = _function("spmv", "scatter_smem")
         shared = sp.window * 4
         fn.max_dynamic_shared_size_bytes = shared
-        fn((nchunks,), (SMEM_THREADS,), (a.indptr, a.indices, a.data, c, out, sp.chunk_rows, sp.cmin, sp.cmax,
-                                         np.int32(sp.window)), shared_mem=shared)
+        fn(
+            (nchunks,),
+            (SMEM_THREADS,),
+            (a.indptr, a.indices, a.data, c, out, sp.chunk_rows, sp.cmin, sp.cmax, np.int32(sp.window)),
+            shared_mem=shared,
+        )
     else:
         raise ConfigError("bp", f"unknown scatter kernel {kernel!r}")
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _elementwise(which: str) -> Any:
     cp = cupy()
     if which == "correlate":

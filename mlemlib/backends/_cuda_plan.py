@@ -12,8 +12,8 @@ launch, kept apart so that CI tests them without a GPU:
   every effective bandwidth the project reports);
 - :func:`merge_threads` — threads of the merge-based kernel for a ``secsize``;
 - :func:`chunk_rows` — nnz-balanced row chunks of the shared-memory scatter;
-- :func:`resolve_kernels` — the names users give (``auto``, ``notrans``...) to
-  the kernels the backend runs.
+- :func:`resolve_kernels`, :func:`choose_notrans` — the names users give
+  (``auto``, ``notrans``...) to the kernels the backend runs.
 """
 
 from __future__ import annotations
@@ -50,9 +50,14 @@ BP_KERNELS = {
     "scatter_vec": (False, False),
     "scatter_smem": (False, False),
     "cusparse_notrans": (False, False),
+    "notrans": (False, False),  # the best no-transpose kernel for the matrix: see choose_notrans
 }
 #: Names accepted for the back projection and what they mean.
-BP_ALIASES = {"notrans": "scatter"}
+BP_ALIASES: dict[str, str] = {}
+#: Share of row chunks whose columns must fit shared memory for ``notrans`` to take ``scatter_smem``.
+SMEM_LOCAL_MIN = 0.5
+#: Largest nnz cuSPARSE takes through CuPy (int32 indices).
+CUSPARSE_MAX_NNZ = 2**31 - 1
 
 
 def choose_lanes(mean_row_length: float) -> int:
@@ -80,8 +85,9 @@ def choose_lanes(mean_row_length: float) -> int:
     return int(min(max(lanes, LANE_CHOICES[0]), LANE_CHOICES[-1]))
 
 
-def launch_shape(items: int, items_per_block: int, sm_count: int, max_threads_per_sm: int,
-                 threads: int = THREADS) -> tuple[int, int]:
+def launch_shape(
+    items: int, items_per_block: int, sm_count: int, max_threads_per_sm: int, threads: int = THREADS
+) -> tuple[int, int]:
     """Blocks and threads of a grid-stride launch.
 
     Parameters
@@ -160,6 +166,21 @@ def chunk_rows(indptr: np.ndarray, nnz_per_chunk: int) -> np.ndarray:
     return bounds.astype(np.int64)
 
 
+def choose_notrans(local_fraction: float, nnz: int) -> str:
+    """The back-projection kernel without a transpose that ``notrans`` (and ``auto``) take.
+
+    ``scatter_smem`` when at least :data:`SMEM_LOCAL_MIN` of its row chunks
+    accumulate in shared memory (rows whose columns stay in a window, as in
+    sinogram order); otherwise cuSPARSE's transposed product
+    (``cusparse_notrans``), which beat the plain atomic scatter on every matrix
+    measured (docs/benchmarks.md), or ``scatter_vec`` when cuSPARSE cannot
+    take the matrix (2^31 or more non-zeros).
+    """
+    if local_fraction >= SMEM_LOCAL_MIN:
+        return "scatter_smem"
+    return "cusparse_notrans" if nnz <= CUSPARSE_MAX_NNZ else "scatter_vec"
+
+
 @dataclass(frozen=True)
 class KernelChoice:
     """The kernels one CUDA backend runs, resolved from the user's names."""
@@ -178,9 +199,10 @@ def resolve_kernels(fp: str, bp: str, *, transpose_available: bool, fits: bool) 
     fp
         ``auto`` (= ``csr_vector``) or a key of :data:`FP_KERNELS`.
     bp
-        ``auto``, ``notrans`` (= ``scatter``) or a key of :data:`BP_KERNELS`.
-        ``auto`` takes ``csr_vector`` on the stored transpose when one is
-        available and ``A`` and ``A^T`` both fit on the GPU, else ``scatter``.
+        ``auto`` or a key of :data:`BP_KERNELS`. ``auto`` takes
+        ``csr_vector`` on the stored transpose when one is available and
+        ``A`` and ``A^T`` both fit on the GPU, else ``notrans``, which the
+        backend resolves with :func:`choose_notrans` once ``A`` is loaded.
     transpose_available
         Whether a transpose was given.
     fits
@@ -193,10 +215,12 @@ def resolve_kernels(fp: str, bp: str, *, transpose_available: bool, fits: bool) 
     """
     fp = "csr_vector" if fp in (None, "auto") else fp
     if fp not in FP_KERNELS:
-        raise ConfigError("fp", f"unknown forward-projection kernel {fp!r}, expected auto or one of {sorted(FP_KERNELS)}")
+        raise ConfigError(
+            "fp", f"unknown forward-projection kernel {fp!r}, expected auto or one of {sorted(FP_KERNELS)}"
+        )
     bp = BP_ALIASES.get(bp, bp) if bp is not None else "auto"
     if bp == "auto":
-        bp = "csr_vector" if (transpose_available and fits) else "scatter"
+        bp = "csr_vector" if (transpose_available and fits) else "notrans"
     if bp not in BP_KERNELS:
         raise ConfigError(
             "bp", f"unknown back-projection kernel {bp!r}, expected auto, notrans or one of {sorted(BP_KERNELS)}"

@@ -9,10 +9,13 @@ Kernels (``fp=`` / ``bp=``; see docs/gpu.md for when to pick which):
 - back projection on the stored transpose ``A^T``: ``csr_vector``,
   ``csr_scalar``, ``merge``, ``cusparse`` (``A_T @ c``);
 - back projection without a transpose (thesis ch. 7), atomics, not
-  deterministic: ``scatter`` (alias ``notrans``), ``scatter_vec``,
-  ``scatter_smem``, ``cusparse_notrans`` (CuPy's ``A.T @ c``);
+  deterministic: ``scatter`` (the thesis's kernel, lanes per row),
+  ``scatter_vec`` (vector atomics), ``scatter_smem`` (shared-memory windows
+  per row chunk), ``cusparse_notrans`` (CuPy's ``A.T @ c``), and ``notrans``:
+  ``scatter_smem`` where most row chunks fit shared memory, else
+  ``cusparse_notrans`` (:func:`~mlemlib.backends._cuda_plan.choose_notrans`);
 - ``bp="auto"``: ``csr_vector`` on the transpose when one is given and ``A``
-  and ``A^T`` both fit in free GPU memory, else ``scatter`` (logged).
+  and ``A^T`` both fit in free GPU memory, else ``notrans`` (logged).
 
 With ``fuse=True`` (the default) the correlation runs in the epilogue of a
 ``csr_vector``/``csr_scalar`` forward projection and the update in the
@@ -69,8 +72,7 @@ def load_device(matrix: Any, what: str = "matrix") -> ck.DeviceCSR:
         return ck.DeviceCSR.from_host(CSRMatrix.from_scipy(matrix))
     if hasattr(matrix, "iter_chunks"):
         (m, n), nnz = _shape_nnz(matrix)
-        log.info("streaming %s (%d x %d, %d nnz, %.2f GiB) to the GPU", what, m, n, nnz,
-                 plan.csr_bytes(m, nnz) / GIB)
+        log.info("streaming %s (%d x %d, %d nnz, %.2f GiB) to the GPU", what, m, n, nnz, plan.csr_bytes(m, nnz) / GIB)
         indptr = cp.empty(m + 1, dtype=cp.int64)
         indices = cp.empty(nnz, dtype=cp.int32)
         data = cp.empty(nnz, dtype=cp.float32)
@@ -156,7 +158,7 @@ class CudaBackend(Backend):
         cp = ck.cupy()
         try:
             ndev = cp.cuda.runtime.getDeviceCount()
-        except Exception as exc:  # noqa: BLE001 - CUDARuntimeError without a driver
+        except Exception as exc:
             raise DeviceError(f"no CUDA GPU usable: {exc}") from exc
         if not 0 <= int(device) < ndev:
             raise DeviceError(f"GPU {device} requested, {ndev} visible")
@@ -174,9 +176,7 @@ class CudaBackend(Backend):
         if transpose is not None:
             t_shape, t_nnz = _shape_nnz(transpose)
             if t_shape != (n, m) or t_nnz != nnz:
-                raise ConfigError(
-                    "transpose", f"transpose is {t_shape} with {t_nnz} nnz, expected {(n, m)} with {nnz}"
-                )
+                raise ConfigError("transpose", f"transpose is {t_shape} with {t_nnz} nnz, expected {(n, m)} with {nnz}")
 
         with self._device:
             free = free_memory(self.device_id)
@@ -200,7 +200,10 @@ class CudaBackend(Backend):
                     log.warning(
                         "bp=auto: A (%.2f GiB) and A^T (%.2f GiB) do not both fit in the %.2f GiB free on GPU %d: "
                         "back projection by scatter, without the transpose",
-                        need_a / GIB, need_t / GIB, free / GIB, self.device_id,
+                        need_a / GIB,
+                        need_t / GIB,
+                        free / GIB,
+                        self.device_id,
                     )
             if choice.needs_transpose and not fits_both:
                 raise DeviceError(
@@ -208,9 +211,24 @@ class CudaBackend(Backend):
                     f"fit in the {free / GIB:.2f} GiB free; use bp=notrans (scatter) or more GPUs"
                 )
             self.fp_kernel, self.bp_kernel = choice.fp, choice.bp
+            self.bp_requested = str(bp)
             self.deterministic = choice.deterministic
 
             self.a = load_device(matrix, "matrix")
+            self._smem = None
+            self.smem_local_fraction: float | None = None
+            if self.bp_kernel in ("notrans", "scatter_smem"):
+                self._smem = ck.smem_plan(self.a)
+                self.smem_local_fraction = self._smem.local_fraction
+            if self.bp_kernel == "notrans":
+                self.bp_kernel = plan.choose_notrans(self._smem.local_fraction, self.a.nnz)
+                log.info(
+                    "bp=notrans: %.0f%% of the row chunks fit shared memory: %s",
+                    100 * self._smem.local_fraction,
+                    self.bp_kernel,
+                )
+                if self.bp_kernel != "scatter_smem":
+                    self._smem = None
             self.at = None
             self.transpose_source = "none"
             if choice.needs_transpose:
@@ -246,14 +264,18 @@ class CudaBackend(Backend):
             self._bp = cp.empty(n, dtype=cp.float32)
             self.fuse_fp = fuse and self.fp_kernel in ("csr_vector", "csr_scalar")
             self.fuse_bp = fuse and self.at is not None and self.bp_kernel in ("csr_vector", "csr_scalar")
-            self._smem = ck.smem_plan(self.a) if self.bp_kernel == "scatter_smem" else None
             self._events: dict[str, Any] = {}
             self._event_order: list[str] = []
             self._warm_up()
         log.info(
             "cuda backend on GPU %d: fp=%s bp=%s (%s transpose), lanes fp=%s, fused fp+corr=%s, bp+update=%s",
-            self.device_id, self.fp_kernel, self.bp_kernel, self.transpose_source, self._lanes(self.a),
-            self.fuse_fp, self.fuse_bp,
+            self.device_id,
+            self.fp_kernel,
+            self.bp_kernel,
+            self.transpose_source,
+            self._lanes(self.a),
+            self.fuse_fp,
+            self.fuse_bp,
         )
 
     # --- helpers -------------------------------------------------------------------
@@ -292,8 +314,9 @@ class CudaBackend(Backend):
             if self.bp_kernel == "cusparse":
                 return self.at.cusparse() @ c
             if self.at is not None:
-                return ck.spmv(self.at, c, self._bp, kernel=self.bp_kernel, lanes=self._lanes(self.at),
-                               secsize=self.secsize)
+                return ck.spmv(
+                    self.at, c, self._bp, kernel=self.bp_kernel, lanes=self._lanes(self.at), secsize=self.secsize
+                )
             if self.bp_kernel == "cusparse_notrans":
                 return self.a.cusparse().T @ c
             return ck.scatter(self.a, c, self._bp, kernel=self.bp_kernel, lanes=self._lanes(self.a), smem=self._smem)
@@ -309,8 +332,9 @@ class CudaBackend(Backend):
             self._event_order = []
             self._record("start")
             if self.fuse_fp:
-                c = ck.spmv(self.a, f, self._c, kernel=self.fp_kernel, lanes=self._lanes(self.a),
-                            mode=ck.MODE_CORR, aux0=self.g)
+                c = ck.spmv(
+                    self.a, f, self._c, kernel=self.fp_kernel, lanes=self._lanes(self.a), mode=ck.MODE_CORR, aux0=self.g
+                )
                 self._record("fp")
             else:
                 fp = self.forward(f)
@@ -318,8 +342,16 @@ class CudaBackend(Backend):
                 c = self.correlate(fp)
                 self._record("corr")
             if self.fuse_bp:
-                f = ck.spmv(self.at, c, f, kernel=self.bp_kernel, lanes=self._lanes(self.at),
-                            mode=ck.MODE_UPDATE, aux0=f, aux1=self.norm)
+                f = ck.spmv(
+                    self.at,
+                    c,
+                    f,
+                    kernel=self.bp_kernel,
+                    lanes=self._lanes(self.at),
+                    mode=ck.MODE_UPDATE,
+                    aux0=f,
+                    aux1=self.norm,
+                )
                 self._record("bp")
             else:
                 bp = self.back(c)
@@ -383,10 +415,13 @@ class CudaBackend(Backend):
             "deterministic": self.deterministic,
             "fp": self.fp_kernel,
             "bp": self.bp_kernel,
+            "bp_requested": self.bp_requested,
+            "smem_local_chunks": self.smem_local_fraction,
             "transpose": self.transpose_source,
             "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" else None,
             "lanes_bp": (self._lanes(self.at) if self.at is not None else self._lanes(self.a))
-            if self.bp_kernel in ("csr_vector", "scatter", "scatter_vec") else None,
+            if self.bp_kernel in ("csr_vector", "scatter", "scatter_vec")
+            else None,
             "secsize": self.secsize if "merge" in (self.fp_kernel, self.bp_kernel) else None,
             "fused": fused,
             "steps": [s for s in STEPS if not (s == "corr" and self.fuse_fp) and not (s == "update" and self.fuse_bp)],

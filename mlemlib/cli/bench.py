@@ -44,19 +44,42 @@ def register(sub) -> None:
         "Time every SpMV kernel (forward, back on the stored transpose, back without it) and whole MLEM "
         "iterations on one matrix against cuSPARSE and the measured copy bandwidth; write JSON (+ Markdown, CSV).",
     )
-    s.add_argument("input", type=existing_file, nargs="?", metavar="MATRIX.h5",
-                   help="matrix (.h5, .csr4, .mtx, .npz); leave out with --synthetic")
-    s.add_argument("-T", "--transpose", type=existing_file, default=None, metavar="T.h5",
-                   help="stored transpose (default: transposed on the GPU with cuSPARSE)")
-    s.add_argument("--synthetic", type=_synthetic, default=None, metavar="NX,NY,NZ,ANGLES,OFFSETS",
-                   help="generate a tube-of-response matrix on the GPU instead of reading one "
-                        "(140,140,40,192,180: 1,347,840 x 784,000, 8.0e8 nnz)")
+    s.add_argument(
+        "input",
+        type=existing_file,
+        nargs="?",
+        metavar="MATRIX.h5",
+        help="matrix (.h5, .csr4, .mtx, .npz); leave out with --synthetic",
+    )
+    s.add_argument(
+        "-T",
+        "--transpose",
+        type=existing_file,
+        default=None,
+        metavar="T.h5",
+        help="stored transpose (default: transposed on the GPU with cuSPARSE)",
+    )
+    s.add_argument(
+        "--synthetic",
+        type=_synthetic,
+        default=None,
+        metavar="NX,NY,NZ,ANGLES,OFFSETS",
+        help="generate a tube-of-response matrix on the GPU instead of reading one "
+        "(140,140,40,192,180: 1,347,840 x 784,000, 8.0e8 nnz)",
+    )
     s.add_argument("-n", "--repeat", type=_positive, default=50, metavar="N", help="timed runs per kernel")
     s.add_argument("-w", "--warmup", type=_positive, default=5, metavar="N", help="untimed runs per kernel first")
-    s.add_argument("-s", "--secsize", type=_int_list, default=[5], metavar="S[,S...]",
-                   help="section size(s) of the merge kernel")
-    s.add_argument("-l", "--lanes", type=_int_list, default=None, metavar="L[,L...]",
-                   help="extra lane counts of csr_vector to time besides the automatic choice")
+    s.add_argument(
+        "-s", "--secsize", type=_int_list, default=[5], metavar="S[,S...]", help="section size(s) of the merge kernel"
+    )
+    s.add_argument(
+        "-l",
+        "--lanes",
+        type=_int_list,
+        default=None,
+        metavar="L[,L...]",
+        help="extra lane counts of csr_vector to time besides the automatic choice",
+    )
     s.add_argument("--no-check", action="store_true", help="skip the float64 check of every output")
     s.add_argument("-d", "--device", type=int, default=0, metavar="I", help="CUDA device index")
     s.add_argument("-o", "--out", required=True, metavar="BENCH.json", help="JSON report")
@@ -84,9 +107,18 @@ def run_spmv(args: argparse.Namespace) -> int:
             matrix = tor_matrix(*args.synthetic, device=True)
         label = "synthetic TOR " + ",".join(str(v) for v in args.synthetic) + " (sinogram order)"
     result = bench_spmv(
-        matrix, args.transpose, repeat=args.repeat, warmup=args.warmup, secsizes=args.secsize,
-        lanes=args.lanes, check=not args.no_check, device=args.device, matrix_label=label,
-        out_json=args.out, out_md=args.markdown, out_csv=args.csv,
+        matrix,
+        args.transpose,
+        repeat=args.repeat,
+        warmup=args.warmup,
+        secsizes=args.secsize,
+        lanes=args.lanes,
+        check=not args.no_check,
+        device=args.device,
+        matrix_label=label,
+        out_json=args.out,
+        out_md=args.markdown,
+        out_csv=args.csv,
     )
     print(format_markdown(result))
     return 0
