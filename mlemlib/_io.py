@@ -57,6 +57,7 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     tmp_path = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         yield tmp_path
+        os.chmod(tmp_path, 0o777 & ~_umask())  # mkdtemp creates 0700; outputs follow the umask
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -40,8 +40,8 @@ from mlemlib.errors import ConfigError, MatrixFormatError
 __all__ = [
     "BASE_MB",
     "CPUS_PER_GPU",
-    "MatrixSize",
     "STAGES",
+    "MatrixSize",
     "estimate_gpu_mem_mb",
     "estimate_mem_mb",
     "estimate_runtime_min",
@@ -405,7 +405,7 @@ def estimate_gpu_mem_mb(size: MatrixSize, *, parts: int = 1, stored_transpose: b
     if stored_transpose:
         block += 8 * per_part + 8 * (size.cols + 1)
     vectors = 4 * (2 * math.ceil(size.rows / parts) + 4 * size.cols)
-    return int(math.ceil((block + vectors) / _MB)) + GPU_RESERVE_MB
+    return math.ceil((block + vectors) / _MB) + GPU_RESERVE_MB
 
 
 def estimate_runtime_min(
@@ -463,7 +463,7 @@ def estimate_runtime_min(
         seconds = load + iterations * repetitions * per_iteration / rate
     else:  # summary
         seconds = 60.0
-    return int(math.ceil((MIN_RUNTIME_MIN + TIME_SAFETY * seconds / 60.0) * attempt))
+    return math.ceil((MIN_RUNTIME_MIN + TIME_SAFETY * seconds / 60.0) * attempt)
 
 
 def stage_resources(

@@ -168,15 +168,14 @@ def compute_norm(
     zero = int(np.count_nonzero(sums == 0))
     if zero:
         log.info("%s: %d of %d voxels are seen by no LOR (norm 0)", name, zero, n)
-    with atomic_path(out) as tmp:
-        with h5py.File(tmp, "w") as f:
-            f.create_dataset("norm", data=sums)
-            f.attrs["format"] = NORM_FORMAT
-            f.attrs["version"] = NORM_VERSION
-            f.attrs["source"] = name
-            f.attrs["checksum"] = checksum
-            f.attrs["shape"] = np.array([m, n], dtype=np.int64)
-            f.attrs["nnz"] = np.int64(nnz)
+    with atomic_path(out) as tmp, h5py.File(tmp, "w") as f:
+        f.create_dataset("norm", data=sums)
+        f.attrs["format"] = NORM_FORMAT
+        f.attrs["version"] = NORM_VERSION
+        f.attrs["source"] = name
+        f.attrs["checksum"] = checksum
+        f.attrs["shape"] = np.array([m, n], dtype=np.int64)
+        f.attrs["nnz"] = np.int64(nnz)
     log.info("%s: wrote %s", name, out)
     return sums
 

@@ -19,7 +19,12 @@ import scipy.sparse
 import yaml
 
 from mlemlib import cluster
-from mlemlib.cluster import MatrixSize, estimate_mem_mb, estimate_runtime_min, matrix_size
+from mlemlib.cluster import (
+    MatrixSize,
+    estimate_mem_mb,
+    estimate_runtime_min,
+    matrix_size,
+)
 from mlemlib.errors import ConfigError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix
 

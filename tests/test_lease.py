@@ -85,9 +85,12 @@ def test_lease_sets_and_restores_environment(gpus):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1" == lease.visible_devices
         assert os.environ["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"  # the user's choice is kept
         assert all(L.is_locked(L.lock_path(gpus, d)) for d in lease.devices)
-        with L.lease_gpus(1) as second:  # the next free one, not one already held
-            assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"
-            assert second.devices[0].entry == "2"
+        # Inside the lease, only the leased devices are candidates, and they are taken.
+        with pytest.raises(L.LeaseTimeout, match="among 2"):
+            L.acquire(1, timeout=0)
+        # Another job (no CUDA_VISIBLE_DEVICES) gets the next free device.
+        with L.acquire(1, env={"MLEM_NUM_GPUS": "4", "MLEM_LOCK_DIR": str(gpus)}) as second:
+            assert second.visible_devices == "2"
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
     assert not any(r["held"] for r in L.status(gpus))
@@ -110,12 +113,15 @@ def test_over_asking_is_a_clear_config_error(gpus):
 
 def test_cuda_visible_devices_subset_is_respected(gpus, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
-    with L.lease_gpus(1) as a:
+    with L.acquire(1) as a:
         assert a.visible_devices == "3"
-        with L.lease_gpus(1) as b:
+        with L.acquire(1) as b:
             assert b.visible_devices == "1"
-            with pytest.raises(L.LeaseTimeout):
+            with pytest.raises(L.LeaseTimeout, match="among 2"):
                 L.acquire(1, timeout=0)  # devices 0 and 2 exist but are not ours
+    with L.lease_gpus(2):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,1"
+        assert "CUDA_DEVICE_ORDER" not in os.environ  # the allocation's numbering is kept
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,1"
     with pytest.raises(ConfigError, match=r"only 2 are visible .*CUDA_VISIBLE_DEVICES='3,1'"):
         L.acquire(3)

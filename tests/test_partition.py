@@ -257,7 +257,7 @@ def test_partition_replaces_old_directory_only_when_complete(files, tmp_path):
 
 
 def test_partition_rejects_a_foreign_transpose(files, tmp_path):
-    mpath, tpath, a = files
+    mpath, _, a = files
     other = CSRMatrix(a.indptr, a.indices, a.data * 2, a.shape)  # same shape and nnz, other values
     write_matrix_h5(tmp_path / "other.h5", other)
     transpose_file(tmp_path / "other.h5", tmp_path / "other_t.h5")
@@ -306,7 +306,7 @@ def test_read_plan_faults(files, tmp_path):
 
 
 def test_cli_partition(files, tmp_path, capsys):
-    mpath, tpath, a = files
+    mpath, tpath, _ = files
     out = tmp_path / "parts-2"
     assert main(["partition", str(mpath), "--transpose", str(tpath), "--parts", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out

@@ -23,7 +23,6 @@ from mlemlib.transpose import (
     transpose_file,
 )
 
-
 # --------------------------------------------------------------------------- matrices
 
 

@@ -20,7 +20,7 @@ def register(sub) -> None:
     )
     p.add_argument("input", type=existing_file, metavar="MATRIX.h5", help="matrix container (from 'mlem convert')")
     p.add_argument("-o", "--out", required=True, metavar="OUT.h5", help="output file (e.g. results/{matrix}/norm.h5)")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads (default: all)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads (None: all cores)")
     p.add_argument(
         "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
         help="non-zeros per streamed row chunk (about 8*N bytes)",

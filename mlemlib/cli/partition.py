@@ -25,7 +25,7 @@ def register(sub) -> None:
     )
     p.add_argument("-p", "--parts", type=positive_int, required=True, metavar="P", help="number of parts (GPUs)")
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="parts directory (e.g. results/{matrix}/parts-{P})")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads (default: all)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads (None: all cores)")
     p.add_argument(
         "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
         help="non-zeros per streamed row chunk of the transpose (about 16*N bytes)",

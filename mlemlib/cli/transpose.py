@@ -34,7 +34,7 @@ def register(sub) -> None:
         "-m", "--method", choices=METHODS, default="scantrans", metavar="METHOD",
         help=f"transposition method: {', '.join(METHODS)} (cusparse needs CuPy and a GPU)",
     )
-    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads for scantrans (default: all)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads for scantrans (None: all cores)")
     p.add_argument(
         "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
         help="non-zeros per streamed row chunk (scantrans: about 12*N bytes besides the output)",
