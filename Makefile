@@ -38,6 +38,7 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES)
+	$(BIN)/snakemake --cores $(CORES) --report results/report.html
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

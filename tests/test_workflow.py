@@ -148,8 +148,8 @@ def test_default_config_plans_every_cpu_stage(tmp_path):
         "summarize",
     }:
         assert jobs.get(rule, 0) >= 1, (rule, jobs)
-    # Without a GPU: only the cpu run, no benchmark.
-    assert jobs["run_mlem"] == 1
+    # Without a GPU: only the two cpu runs, no benchmark.
+    assert jobs["run_mlem"] == 2
     assert "bench_spmv" not in jobs
 
 

@@ -1,0 +1,753 @@
+"""The ``cuda-nccl`` backend: MLEM on several GPUs with NCCL all-reduces (CUDA only; CuPy imported lazily).
+
+Each GPU holds an nnz-balanced part of the problem (the partition stage's
+``plan.json``, or the same split computed in memory) and runs the one-GPU
+kernels of :mod:`mlemlib.backends._cuda_kernels` on it; NCCL (through
+``cupy.cuda.nccl``) sums the partial vectors. Two layouts:
+
+``local`` (default)
+    GPU ``k`` holds the row block ``A_k`` (rows ``[r0, r1)``) and its
+    transpose ``A_k^T`` (``n x (r1 - r0)``, the plan's ``part-{k}.h5``, or
+    transposed on the GPU). Forward projection, correlation (fused into it)
+    and back projection are local; one in-place all-reduce of the n-long
+    back projection per iteration; the update runs on every GPU
+    (replicated image).
+``thesis`` (the thesis, ch. 8)
+    GPU ``k`` computes the forward projection of its row block into a
+    full-length vector that is zero elsewhere; an all-reduce (sum) gives
+    every GPU the whole forward projection; each computes the correlation
+    of all m rows and back-projects an nnz-balanced row block ``[c0, c1)``
+    of ``A^T`` (the plan's ``transpose_rows``) with the update fused, into a
+    zeroed full-length image; an all-reduce of the image completes the
+    iteration. Sums with zeros are exact, so this layout gives the
+    one-GPU image bit for bit.
+
+``graph=True`` captures one whole iteration, every GPU's kernels and the
+NCCL calls, as one CUDA graph per GPU (``Stream.begin_capture``) and replays
+it, so an iteration costs P graph launches instead of ~5 P kernel launches
+plus event records from Python. Per-step times are then not observable
+(only ``iteration``); run with ``graph=False`` to see the steps.
+
+One process drives all its GPUs (``NcclCommunicator.initAll``); the same
+class runs one GPU per process when :mod:`mlemlib.dist.mpi` hands it a
+communicator spanning several processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlemlib.backends import _cuda_plan as cplan
+from mlemlib.backends.base import Backend
+from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError, SinogramFormatError
+from mlemlib.matrix import CSRMatrix
+
+log = logging.getLogger(__name__)
+
+LAYOUTS = ("local", "thesis")
+#: Back-projection kernels that work on the rows of A (no transpose), local layout only.
+SCATTER_KERNELS = ("scatter", "scatter_vec", "scatter_smem")
+#: Kernels whose CuPy path allocates (cuSPARSE): not capturable in a CUDA graph.
+ALLOCATING_KERNELS = ("cusparse", "cusparse_notrans")
+
+
+# --------------------------------------------------------------------------- host-side planning (no GPU)
+
+
+def resolve_kernels(fp: str | None, bp: str | None, layout: str) -> tuple[str, str, bool]:
+    """The forward and back-projection kernels of a layout, and whether the pair is deterministic.
+
+    ``fp``: ``auto`` is ``csr_vector``; any key of the one-GPU forward
+    kernels. ``bp``: ``auto`` is ``csr_vector`` on the stored transpose;
+    the row kernels (``csr_vector``, ``csr_scalar``, ``merge``, ``cusparse``)
+    need ``A_k^T`` (local) or a row block of ``A^T`` (thesis); the scatter
+    kernels (no transpose, atomics) work only in the local layout.
+
+    Raises
+    ------
+    ConfigError
+        Unknown layout or kernel, or a scatter kernel with the thesis layout.
+    """
+    if layout not in LAYOUTS:
+        raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
+    fp = "csr_vector" if fp in (None, "auto") else fp
+    bp = "csr_vector" if bp in (None, "auto") else bp
+    if fp not in cplan.FP_KERNELS:
+        raise ConfigError("fp", f"unknown forward-projection kernel {fp!r}, expected auto or one of {sorted(cplan.FP_KERNELS)}")
+    allowed = [k for k, (_, needs_t) in cplan.BP_KERNELS.items() if needs_t] + list(SCATTER_KERNELS)
+    if layout == "thesis" and bp in SCATTER_KERNELS:
+        raise ConfigError("bp", f"bp={bp} scatters from the rows of A: it needs layout=local (thesis back-projects rows of A^T)")
+    if bp not in allowed:
+        raise ConfigError("bp", f"back-projection kernel {bp!r} is not available on several GPUs; expected auto or one of {allowed}")
+    deterministic = cplan.FP_KERNELS[fp] and cplan.BP_KERNELS[bp][0]
+    return fp, bp, deterministic
+
+
+def _indptr_of(source: Any) -> np.ndarray:
+    """The full row pointer of a matrix source (host int64)."""
+    if isinstance(source, CSRMatrix):
+        ip = np.asarray(source.indptr, dtype=np.int64)
+        return ip - ip[0] if len(ip) and ip[0] else ip
+    if hasattr(source, "read_indptr"):
+        return np.asarray(source.read_indptr(), dtype=np.int64)
+    if hasattr(source, "tocsr"):
+        return np.asarray(source.tocsr().indptr, dtype=np.int64)
+    ip = getattr(source, "indptr", None)
+    if ip is not None and hasattr(ip, "get"):  # DeviceCSR
+        return np.asarray(ip.get(), dtype=np.int64)
+    raise TypeError(f"cannot read the row pointer of {type(source).__name__}")
+
+
+def _shape_nnz(source: Any) -> tuple[tuple[int, int], int]:
+    if not hasattr(source, "shape"):
+        raise TypeError(f"expected a matrix, got {type(source).__name__}")
+    shape = (int(source.shape[0]), int(source.shape[1]))
+    return shape, int(source.nnz)
+
+
+def build_plan(matrix: Any, transpose: Any | None, parts: int, plan: Any | None, layout: str) -> dict:
+    """The partition plan of a run: read (and checked against the matrix) or computed in memory.
+
+    Parameters
+    ----------
+    matrix, transpose
+        The sources of ``A`` and ``A^T`` (transpose may be None).
+    parts
+        Number of GPUs (parts).
+    plan
+        A ``plan.json`` path or directory, a plan dict, or None to split
+        here with the partition stage's rule
+        (:func:`mlemlib.partition.make_plan`).
+    layout
+        ``local`` or ``thesis``; ``thesis`` needs ``transpose_rows``.
+
+    Raises
+    ------
+    ConfigError
+        The plan has another number of parts, or the thesis layout lacks the
+        row blocks of ``A^T``.
+    MatrixFormatError
+        The plan does not describe this matrix.
+    """
+    from mlemlib import partition
+
+    (m, n), nnz = _shape_nnz(matrix)
+    if plan is None:
+        t_ip = _indptr_of(transpose) if transpose is not None else None
+        out = partition.make_plan(_indptr_of(matrix), t_ip, parts, (m, n))
+    else:
+        out = dict(plan) if isinstance(plan, dict) else partition.read_plan(plan)
+        where = out.get("plan", "<plan>")
+        if int(out["parts"]) != parts:
+            raise ConfigError(
+                where, f"plan has {out['parts']} parts but the run uses {parts} GPUs: partition with --parts {parts}"
+            )
+        if [int(v) for v in out["shape"]] != [m, n] or int(out["nnz"]) != nnz:
+            raise MatrixFormatError(
+                where, f"plan is for a {tuple(out['shape'])} matrix with {out['nnz']} nnz, not {(m, n)} with {nnz}"
+            )
+    if layout == "thesis" and "transpose_rows" not in out:
+        raise ConfigError("layout", "layout=thesis needs the transpose (A^T): give --transpose or a plan made with one")
+    return out
+
+
+def slice_rows_host(a: CSRMatrix, r0: int, r1: int) -> CSRMatrix:
+    """Rows ``[r0, r1)`` of a host CSR matrix, row pointer rebased to 0 (views, no copy of the data)."""
+    ip = np.asarray(a.indptr, dtype=np.int64)
+    base = int(ip[r0])
+    end = int(ip[r1])
+    off = int(ip[0])
+    return CSRMatrix(ip[r0 : r1 + 1] - base, a.indices[base - off : end - off], a.data[base - off : end - off], (r1 - r0, a.shape[1]))
+
+
+# --------------------------------------------------------------------------- device helpers
+
+
+def _cupy():
+    from mlemlib.backends import _cuda_kernels as ck
+
+    return ck.cupy()
+
+
+def _nccl():
+    cp = _cupy()
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:  # pragma: no cover - depends on the CuPy build
+        raise DeviceError(f"CuPy was built without NCCL: {exc}") from exc
+    if not getattr(nccl, "available", True):  # pragma: no cover
+        raise DeviceError("CuPy's NCCL module is not available (install nvidia-nccl for your CUDA)")
+    del cp
+    return nccl
+
+
+def _to_device(arr: Any, device: int) -> Any:
+    """Copy a host (NumPy) or device (CuPy, any GPU) array to ``device``."""
+    cp = _cupy()
+    with cp.cuda.Device(device):
+        if isinstance(arr, cp.ndarray):
+            if arr.device.id == device:
+                return arr.copy()
+            out = cp.empty(arr.shape, dtype=arr.dtype)
+            if arr.size:
+                out.data.copy_from_device(arr.data, arr.nbytes)
+            return out
+        return cp.asarray(np.ascontiguousarray(arr))
+
+
+def rows_to_device(source: Any, r0: int, r1: int, device: int) -> Any:
+    """Rows ``[r0, r1)`` of a matrix source as a ``DeviceCSR`` on ``device``.
+
+    ``source``: an opened matrix (``read_rows``: only that range is read), a
+    :class:`CSRMatrix`, a SciPy sparse matrix, or a ``DeviceCSR`` on any GPU.
+    """
+    from mlemlib.backends import _cuda_kernels as ck
+
+    cp = _cupy()
+    if isinstance(source, ck.DeviceCSR):
+        with cp.cuda.Device(source.indptr.device.id):
+            ip = source.indptr[r0 : r1 + 1]
+            base, end = int(ip[0]), int(ip[-1])
+            ip = ip - base
+            idx, val = source.indices[base:end], source.data[base:end]
+        with cp.cuda.Device(device):
+            return ck.DeviceCSR(_to_device(ip, device), _to_device(idx, device), _to_device(val, device), (r1 - r0, source.shape[1]))
+    if hasattr(source, "read_rows"):
+        block = source.read_rows(r0, r1)
+    elif isinstance(source, CSRMatrix):
+        block = slice_rows_host(source, r0, r1)
+    elif hasattr(source, "tocsr"):
+        block = slice_rows_host(CSRMatrix.from_scipy(source), r0, r1)
+    else:
+        raise TypeError(f"cannot read rows of {type(source).__name__}")
+    with cp.cuda.Device(device):
+        return ck.DeviceCSR.from_host(block)
+
+
+@dataclass
+class _Shard:
+    """What one GPU holds and does."""
+
+    part: int
+    device: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    stream: Any = None
+    comm: Any = None
+    a: Any = None  # A_k
+    at: Any = None  # A_k^T (local) or rows cols of A^T (thesis); None for scatter
+    smem: Any = None
+    g: Any = None  # g_k (local) or g (thesis)
+    norm: Any = None
+    f: Any = None  # the replicated image (the all-reduce's receive buffer in thesis+fuse)
+    c: Any = None
+    fp: Any = None
+    send: Any = None  # thesis: zero-padded FP of the block
+    img_send: Any = None  # thesis: zero-padded image/bp block
+    bp: Any = None
+    events: dict = field(default_factory=dict)
+    order: list = field(default_factory=list)
+    graph: Any = None
+
+
+class NcclBackend(Backend):
+    """MLEM on several GPUs of one process (or one GPU per process under :mod:`mlemlib.dist.mpi`).
+
+    Parameters
+    ----------
+    matrix
+        ``A`` (m x n): an opened matrix (``read_rows``; each GPU reads only
+        its row range), a :class:`CSRMatrix`, a SciPy matrix, or a
+        ``DeviceCSR`` on any GPU (row blocks are copied GPU to GPU).
+    g
+        Measurement (length m).
+    norm
+        Column sums of ``A`` (length n; summed in float64 for the initial image).
+    transpose
+        ``A^T`` in any form of ``matrix``, or None. The thesis layout needs
+        it (or a plan naming it); the local layout takes ``A_k^T`` from the
+        plan's part files or transposes ``A_k`` on its GPU.
+    gpus
+        Number of GPUs of this process (devices ``0 .. gpus-1``) when
+        ``devices`` is not given.
+    devices
+        CUDA device indices of this process.
+    layout
+        ``local`` or ``thesis`` (module docstring).
+    plan
+        ``plan.json`` path/directory, a plan dict, or None (split in memory).
+    fp, bp, secsize, lanes
+        Kernels as in :class:`mlemlib.backends.cuda.CudaBackend`; ``lanes``
+        fixes the lanes per row of both projections.
+    fuse
+        Fuse the correlation into the local forward projection, and the
+        update into the thesis back projection (then the thesis layout
+        all-reduces the image rather than the back projection).
+    graph
+        Capture the iteration as CUDA graphs and replay them.
+    parts, world, comms
+        Multi-process use (:mod:`mlemlib.dist.mpi`): the plan parts this
+        process owns (one per device), the total number of parts (ranks) and
+        the communicators (one per device). Default: this process owns all
+        parts and creates the communicators with ``initAll``.
+
+    Raises
+    ------
+    ConfigError
+        Bad layout, kernel, plan or GPU count.
+    DeviceError
+        No CuPy/NCCL, too few GPUs, out of memory.
+    """
+
+    name = "cuda-nccl"
+
+    def __init__(
+        self,
+        matrix: Any,
+        g: Any,
+        norm: Any,
+        transpose: Any | None = None,
+        *,
+        gpus: int | None = None,
+        devices: list[int] | None = None,
+        layout: str = "local",
+        plan: Any | None = None,
+        fp: str = "auto",
+        bp: str = "auto",
+        secsize: int | None = None,
+        lanes: int | None = None,
+        fuse: bool = True,
+        graph: bool = False,
+        parts: list[int] | None = None,
+        world: int | None = None,
+        comms: list[Any] | None = None,
+    ) -> None:
+        super().__init__()
+        cp = _cupy()
+        nccl = _nccl()
+        from mlemlib.backends import _cuda_kernels as ck
+        from mlemlib.formats import open_matrix
+
+        self.layout = layout
+        self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout)
+        self.graph = bool(graph)
+        if self.graph and (self.fp_kernel in ALLOCATING_KERNELS or self.bp_kernel in ALLOCATING_KERNELS):
+            raise ConfigError("graph", f"graph capture needs non-allocating kernels; fp={self.fp_kernel} bp={self.bp_kernel} use cuSPARSE through CuPy")
+        self.secsize = cplan.DEFAULT_SECSIZE if secsize is None else int(secsize)
+        if self.secsize < 1:
+            raise ConfigError("secsize", f"section size must be >= 1, got {secsize}")
+        if lanes is not None and lanes not in cplan.LANE_CHOICES:
+            raise ConfigError("lanes", f"lanes per row must be one of {cplan.LANE_CHOICES}, got {lanes}")
+        try:
+            ndev = cp.cuda.runtime.getDeviceCount()
+        except Exception as exc:
+            raise DeviceError(f"no CUDA GPU usable: {exc}") from exc
+        if devices is None:
+            if gpus is None or int(gpus) < 1:
+                raise ConfigError("gpus", f"number of GPUs must be >= 1, got {gpus}")
+            devices = list(range(int(gpus)))
+        devices = [int(d) for d in devices]
+        if len(set(devices)) != len(devices) or not devices:
+            raise ConfigError("gpus", f"devices must be distinct and at least one, got {devices}")
+        if max(devices) >= ndev or min(devices) < 0:
+            raise DeviceError(f"GPUs {devices} requested but {ndev} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        if parts is None:
+            parts = list(range(len(devices)))
+        if len(parts) != len(devices):
+            raise ConfigError("parts", f"{len(parts)} parts for {len(devices)} devices")
+        self.world = len(devices) if world is None else int(world)
+        self.devices = devices
+        self.fuse = bool(fuse)
+
+        # ---- problem and plan --------------------------------------------------------
+        if isinstance(matrix, (str, os.PathLike)):
+            matrix = open_matrix(matrix)
+        (m, n), nnz = _shape_nnz(matrix)
+        self.shape = (m, n)
+        self.nnz = nnz
+        plan_d = build_plan(matrix, transpose, self.world, plan, layout)
+        self.plan = {k: plan_d.get(k) for k in ("parts", "imbalance", "transpose_imbalance", "plan")}
+        if transpose is None and layout == "thesis" and plan_d.get("transpose"):
+            transpose = open_matrix(plan_d["transpose"])
+        if transpose is not None:
+            (tm, tn), tnnz = _shape_nnz(transpose)
+            if (tm, tn) != (n, m) or tnnz != nnz:
+                raise ConfigError("transpose", f"transpose is {(tm, tn)} with {tnnz} nnz, expected {(n, m)} with {nnz}")
+        g = np.asarray(g).reshape(-1)
+        if g.size != m:
+            raise SinogramFormatError("<measurement>", f"{g.size} values but the matrix has m = {m} rows")
+        norm = np.asarray(norm, dtype=np.float64).reshape(-1)
+        if norm.size != n:
+            raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
+        self._g64sum = float(np.sum(g, dtype=np.float64))
+        self._norm64sum = float(norm.sum())
+        # Lanes of the whole matrix, so each row is summed as on one GPU (deterministic across GPU counts).
+        self.lanes_fp = lanes or cplan.choose_lanes(nnz / m if m else 0.0)
+        self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0)
+
+        # ---- shards --------------------------------------------------------------------
+        t0 = time.perf_counter()
+        self.shards: list[_Shard] = []
+        local_files = plan_d.get("local_transpose")
+        try:
+            for part, dev in zip(parts, devices):
+                r0, r1 = (int(v) for v in plan_d["rows"][part])
+                c0, c1 = (int(v) for v in plan_d["transpose_rows"][part]) if "transpose_rows" in plan_d else (0, n)
+                s = _Shard(part=part, device=dev, rows=(r0, r1), cols=(c0, c1))
+                with cp.cuda.Device(dev):
+                    s.stream = cp.cuda.Stream(non_blocking=True)
+                    s.a = rows_to_device(matrix, r0, r1, dev)
+                    if layout == "thesis":
+                        s.at = rows_to_device(transpose, c0, c1, dev)
+                    elif self.bp_kernel not in SCATTER_KERNELS:
+                        if local_files:
+                            with open_matrix(local_files[part]) as pf:
+                                s.at = rows_to_device(pf, 0, n, dev)
+                            if s.at.shape != (n, r1 - r0) or s.at.nnz != s.a.nnz:
+                                raise MatrixFormatError(local_files[part], f"part is {s.at.shape} with {s.at.nnz} nnz, expected {(n, r1 - r0)} with {s.a.nnz}")
+                        else:
+                            s.at = s.a.transpose()  # cuSPARSE csr2csc on this GPU: A_k^T, rows sorted
+                            s.a.drop_cusparse()
+                    elif self.bp_kernel == "scatter_smem":
+                        s.smem = ck.smem_plan(s.a)
+                    s.norm = cp.asarray(norm, dtype=cp.float32)
+                    s.f = cp.empty(n, dtype=cp.float32)
+                    if layout == "local":
+                        s.g = cp.asarray(g[r0:r1], dtype=cp.float32)
+                        s.c = cp.empty(r1 - r0, dtype=cp.float32)
+                        s.fp = s.c if self.fuse and self.fp_kernel in ("csr_vector", "csr_scalar") else cp.empty(r1 - r0, dtype=cp.float32)
+                        s.bp = cp.empty(n, dtype=cp.float32)
+                    else:
+                        s.g = cp.asarray(g, dtype=cp.float32)
+                        s.send = cp.zeros(m, dtype=cp.float32)
+                        s.fp = cp.empty(m, dtype=cp.float32)
+                        s.c = cp.empty(m, dtype=cp.float32)
+                        s.img_send = cp.zeros(n, dtype=cp.float32)
+                        s.bp = cp.empty(n, dtype=cp.float32)
+                self.shards.append(s)
+                log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", dev, part, r0, r1, s.a.nnz, f", A^T rows [{c0}, {c1})" if layout == "thesis" else "")
+        except cp.cuda.memory.OutOfMemoryError as exc:
+            raise DeviceError(f"out of GPU memory loading the parts ({exc}); use more GPUs") from exc
+        self.load_seconds = time.perf_counter() - t0
+
+        # ---- communicators -----------------------------------------------------------------
+        if comms is None:
+            if self.world != len(devices):
+                raise ConfigError("comms", "several processes need communicators (see mlemlib.dist.mpi)")
+            comms = nccl.NcclCommunicator.initAll(devices) if len(devices) > 1 else [self._single_comm(dev) for dev in devices]
+        if len(comms) != len(devices):
+            raise ConfigError("comms", f"{len(comms)} communicators for {len(devices)} devices")
+        for s, comm in zip(self.shards, comms):
+            s.comm = comm
+        self.nccl_version = int(nccl.get_version())
+
+        self._warm_up()
+        if self.graph:
+            self._capture()
+        log.info(
+            "cuda-nccl backend: %d GPU(s) %s of %d, layout %s, fp=%s bp=%s, graph=%s (loaded in %.2f s)",
+            len(devices), devices, self.world, layout, self.fp_kernel, self.bp_kernel, self.graph, self.load_seconds,
+        )
+
+    @staticmethod
+    def _single_comm(dev: int) -> Any:
+        """A one-rank communicator (so P = 1 runs the same code path)."""
+        cp = _cupy()
+        nccl = _nccl()
+        with cp.cuda.Device(dev):
+            return nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+
+    # --- the iteration, as launches ------------------------------------------------------
+    def _mark(self, s: _Shard, name: str, record: bool) -> None:
+        if not record:
+            return
+        cp = _cupy()
+        ev = s.events.get(name)
+        if ev is None:
+            ev = s.events[name] = cp.cuda.Event()
+        ev.record(s.stream)
+        s.order.append(name)
+
+    def _allreduce(self, pairs: list[tuple[Any, Any]]) -> None:
+        """Grouped sum all-reduce: ``pairs[k] = (send, recv)`` on shard k's stream."""
+        cp = _cupy()
+        nccl = _nccl()
+        nccl.groupStart()
+        try:
+            for s, (send, recv) in zip(self.shards, pairs):
+                with cp.cuda.Device(s.device):
+                    s.comm.allReduce(send.data.ptr, recv.data.ptr, send.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, s.stream.ptr)
+        finally:
+            nccl.groupEnd()
+
+    def _spmv(self, a: Any, x: Any, out: Any, lanes: int, **kw: Any) -> Any:
+        from mlemlib.backends import _cuda_kernels as ck
+
+        return ck.spmv(a, x, out, kernel=self.fp_kernel if kw.pop("fwd", False) else self.bp_kernel, lanes=lanes, secsize=self.secsize, **kw)
+
+    def _launch(self, record: bool) -> None:
+        """Launch one iteration on every shard's stream (events when ``record``)."""
+        from mlemlib.backends import _cuda_kernels as ck
+
+        cp = _cupy()
+        fused_fp = self.fuse and self.fp_kernel in ("csr_vector", "csr_scalar")
+        for s in self.shards:
+            s.order = []
+        if self.layout == "local":
+            for s in self.shards:
+                with cp.cuda.Device(s.device), s.stream:
+                    self._mark(s, "start", record)
+                    if fused_fp:
+                        self._spmv(s.a, s.f, s.c, self.lanes_fp, fwd=True, mode=ck.MODE_CORR, aux0=s.g)
+                        self._mark(s, "fp", record)
+                    else:
+                        self._spmv(s.a, s.f, s.fp, self.lanes_fp, fwd=True)
+                        self._mark(s, "fp", record)
+                        ck.correlate(s.g, s.fp, out=s.c)
+                        self._mark(s, "corr", record)
+                    if s.at is not None:
+                        self._spmv(s.at, s.c, s.bp, self.lanes_bp(s))
+                    else:
+                        ck.scatter(s.a, s.c, s.bp, kernel=self.bp_kernel, lanes=self.lanes_fp, smem=s.smem)
+                    self._mark(s, "bp", record)
+            self._allreduce([(s.bp, s.bp) for s in self.shards])
+            for s in self.shards:
+                with cp.cuda.Device(s.device), s.stream:
+                    self._mark(s, "allreduce", record)
+                    ck.update(s.f, s.bp, s.norm, out=s.f)
+                    self._mark(s, "update", record)
+            return
+        # thesis layout
+        for s in self.shards:
+            with cp.cuda.Device(s.device), s.stream:
+                self._mark(s, "start", record)
+                r0, r1 = s.rows
+                self._spmv(s.a, s.f, s.send[r0:r1], self.lanes_fp, fwd=True)
+                self._mark(s, "fp", record)
+        self._allreduce([(s.send, s.fp) for s in self.shards])
+        for s in self.shards:
+            with cp.cuda.Device(s.device), s.stream:
+                self._mark(s, "allreduce", record)
+                ck.correlate(s.g, s.fp, out=s.c)
+                self._mark(s, "corr", record)
+                c0, c1 = s.cols
+                if self.fuse:
+                    self._spmv(s.at, s.c, s.img_send[c0:c1], self.lanes_bp(s), mode=ck.MODE_UPDATE, aux0=s.f[c0:c1], aux1=s.norm[c0:c1])
+                else:
+                    self._spmv(s.at, s.c, s.img_send[c0:c1], self.lanes_bp(s))
+                self._mark(s, "bp", record)
+        if self.fuse:
+            self._allreduce([(s.img_send, s.f) for s in self.shards])
+            for s in self.shards:
+                with cp.cuda.Device(s.device), s.stream:
+                    self._mark(s, "allreduce2", record)
+        else:
+            self._allreduce([(s.img_send, s.bp) for s in self.shards])
+            for s in self.shards:
+                with cp.cuda.Device(s.device), s.stream:
+                    self._mark(s, "allreduce2", record)
+                    ck.update(s.f, s.bp, s.norm, out=s.f)
+                    self._mark(s, "update", record)
+
+    def lanes_bp(self, s: _Shard) -> int:
+        """Lanes per row of a shard's back projection (the whole A^T's in the thesis layout)."""
+        if self.layout == "thesis":
+            return self.lanes_bp_global
+        return self.lanes_bp_global if s.at is None else cplan.choose_lanes(s.at.nnz / s.at.shape[0] if s.at.shape[0] else 0.0)
+
+    def _warm_up(self) -> None:
+        """Compile kernels, connect NCCL and set kernel attributes before any timing or capture."""
+        f = self.initial_image()
+        self.iterate(f, _eager=True)
+        self.synchronize()
+        self._times = {}
+
+    def capture_graph(self) -> None:
+        """Switch to CUDA-graph replay (capture now; as ``graph=True`` at construction)."""
+        if self.fp_kernel in ALLOCATING_KERNELS or self.bp_kernel in ALLOCATING_KERNELS:
+            raise ConfigError("graph", f"graph capture needs non-allocating kernels, not fp={self.fp_kernel} bp={self.bp_kernel}")
+        if not self.graph or self.shards[0].graph is None:
+            self._capture()
+        self.graph = True
+
+    def use_graph(self, on: bool) -> None:
+        """Replay the captured graphs (True) or launch kernel by kernel (False)."""
+        if on:
+            self.capture_graph()
+        else:
+            self.graph = False
+
+    def _capture(self) -> None:
+        cp = _cupy()
+        for s in self.shards:
+            with cp.cuda.Device(s.device):
+                s.stream.begin_capture()
+        try:
+            self._launch(record=False)
+        finally:
+            for s in self.shards:
+                with cp.cuda.Device(s.device):
+                    s.graph = s.stream.end_capture()
+        for s in self.shards:
+            with cp.cuda.Device(s.device):
+                s.graph.upload(s.stream)
+        self.synchronize()
+        log.info("captured one iteration as %d CUDA graph(s)", len(self.shards))
+
+    # --- Backend interface ---------------------------------------------------------------
+    def iterate(self, f: Any, *, _eager: bool = False) -> Any:
+        """One MLEM iteration on every GPU; returns the replicated image (a list, one array per GPU)."""
+        cp = _cupy()
+        self._adopt(f)
+        self._times = {}
+        if self.graph and not _eager:
+            for s in self.shards:
+                with cp.cuda.Device(s.device):
+                    s.order = []
+                    self._mark(s, "start", True)
+                    s.graph.launch(s.stream)
+                    self._mark(s, "iteration", True)
+        else:
+            self._launch(record=True)
+        return [s.f for s in self.shards]
+
+    def _adopt(self, f: Any) -> None:
+        """Make the shards' image buffers hold ``f`` (the graphs read those buffers)."""
+        cp = _cupy()
+        if isinstance(f, list) and len(f) == len(self.shards) and all(a is s.f for a, s in zip(f, self.shards)):
+            return
+        arrs = f if isinstance(f, list) else [f] * len(self.shards)
+        for s, a in zip(self.shards, arrs):
+            with cp.cuda.Device(s.device), s.stream:
+                if isinstance(a, np.ndarray):
+                    s.f.set(np.asarray(a, dtype=np.float32), stream=s.stream)
+                else:
+                    s.f[...] = _to_device(a, s.device) if a.device.id != s.device else a
+
+    def synchronize(self) -> None:
+        """Wait for every shard's stream."""
+        for s in self.shards:
+            s.stream.synchronize()
+
+    def last_step_times(self) -> dict[str, float]:
+        """Seconds per step of the last iteration: for each step the slowest GPU's time.
+
+        ``allreduce`` sums the all-reduces of the iteration (two in the
+        thesis layout) and includes waiting for the slowest GPU to arrive.
+        ``iteration`` is the longest GPU's span from its first to last event.
+        """
+        cp = _cupy()
+        if not self.shards or not self.shards[0].order:
+            return dict(self._times)
+        per: dict[str, float] = {}
+        span = 0.0
+        for s in self.shards:
+            with cp.cuda.Device(s.device):
+                s.events[s.order[-1]].synchronize()
+                prev = s.events[s.order[0]]
+                local: dict[str, float] = {}
+                for name in s.order[1:]:
+                    ev = s.events[name]
+                    step = "allreduce" if name.startswith("allreduce") else name
+                    local[step] = local.get(step, 0.0) + cp.cuda.get_elapsed_time(prev, ev) / 1e3
+                    prev = ev
+                span = max(span, cp.cuda.get_elapsed_time(s.events[s.order[0]], s.events[s.order[-1]]) / 1e3)
+            for k, v in local.items():
+                per[k] = max(per.get(k, 0.0), v)
+        per["iteration"] = span
+        self._times = per
+        return dict(per)
+
+    def forward(self, f: Any) -> Any:
+        """``A f`` gathered on the host (diagnostics; the iteration never calls it)."""
+        self._adopt(f)
+        cp = _cupy()
+        out = np.zeros(self.shape[0], dtype=np.float32)
+        for s in self.shards:
+            with cp.cuda.Device(s.device), s.stream:
+                r0, r1 = s.rows
+                y = cp.empty(r1 - r0, dtype=cp.float32)
+                self._spmv(s.a, s.f, y, self.lanes_fp, fwd=True)
+                out[r0:r1] = y.get(stream=s.stream)
+        return out
+
+    def correlate(self, fp: Any) -> Any:
+        """``g / fp`` on the host (diagnostics)."""
+        raise NotImplementedError("cuda-nccl runs whole iterations: use iterate()")
+
+    def back(self, c: Any) -> Any:
+        raise NotImplementedError("cuda-nccl runs whole iterations: use iterate()")
+
+    def update(self, f: Any, bp: Any) -> Any:
+        raise NotImplementedError("cuda-nccl runs whole iterations: use iterate()")
+
+    def initial_image(self) -> Any:
+        if self._norm64sum <= 0:
+            raise ConfigError("norm", "the norm (column sums of A) sums to zero: the matrix sees nothing")
+        cp = _cupy()
+        for s in self.shards:
+            with cp.cuda.Device(s.device), s.stream:
+                s.f.fill(self._g64sum / self._norm64sum)
+        return [s.f for s in self.shards]
+
+    def to_host(self, f: Any) -> np.ndarray:
+        cp = _cupy()
+        a = f[0] if isinstance(f, list) else f
+        with cp.cuda.Device(a.device.id):
+            self.synchronize()
+            return np.asarray(a.get(), dtype=np.float32)
+
+    def from_host(self, f: np.ndarray) -> Any:
+        f = np.asarray(f, dtype=np.float32).reshape(-1)
+        if f.size != self.shape[1]:
+            raise ConfigError("image", f"image has {f.size} values, expected n = {self.shape[1]}")
+        self._adopt(f)
+        return [s.f for s in self.shards]
+
+    @property
+    def writes_output(self) -> bool:
+        """True on the process that should write results (part 0's owner)."""
+        return any(s.part == 0 for s in self.shards)
+
+    def describe(self) -> dict[str, Any]:
+        from mlemlib.devices import device_facts
+
+        devs = []
+        for s in self.shards:
+            try:
+                facts = device_facts(s.device)
+            except Exception as exc:  # NVML/CuPy trouble must not stop a run
+                facts = {"error": str(exc)}
+            devs.append({"index": s.device, "part": s.part, "rows": list(s.rows), "cols": list(s.cols), "nnz": s.a.nnz, **facts})
+        steps = ["fp", "corr", "bp", "allreduce", "update"]
+        if self.layout == "local" and self.fuse and self.fp_kernel in ("csr_vector", "csr_scalar"):
+            steps.remove("corr")
+        if self.layout == "thesis" and self.fuse:
+            steps.remove("update")
+        return {
+            "backend": self.name,
+            "deterministic": self.deterministic,
+            "fp": self.fp_kernel,
+            "bp": self.bp_kernel,
+            "layout": self.layout,
+            "gpus": self.world,
+            "graph": self.graph,
+            "fused": self.fuse,
+            "lanes_fp": self.lanes_fp,
+            "transpose": "local parts" if self.layout == "local" and self.bp_kernel not in SCATTER_KERNELS else ("row blocks" if self.layout == "thesis" else "none"),
+            "plan": self.plan,
+            "nccl_version": self.nccl_version,
+            "steps": steps if not self.graph else ["iteration"],
+            "devices": devs,
+        }
+
+
+def make_backend(matrix: Any, g: Any, norm: Any, **kw: Any) -> NcclBackend:
+    """Factory the MLEM loop calls (:func:`mlemlib.mlem.make_backend` with ``gpus > 1``)."""
+    return NcclBackend(matrix, g, norm, **kw)
