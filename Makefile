@@ -15,11 +15,12 @@ BIN   := $(VENV)/bin
 STAMP := $(VENV)/.mlem-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test lint dry-run report clean
+.PHONY: help setup run test test-slurm lint dry-run report clean
 
 help:
 	@echo "make run      set up $(VENV) if needed, run the default workflow (CPU without a GPU)"
 	@echo "make test     set up $(VENV) if needed, run the tests (pytest)"
+	@echo "make test-slurm  start a single-node SLURM here (root), run tests/test_slurm.py, stop it"
 	@echo "make lint     snakefmt --check and snakemake --lint"
 	@echo "make dry-run  show the jobs the workflow would run"
 	@echo "make report   the HTML report of a finished run (results/report.html)"
@@ -42,6 +43,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+test-slurm: $(STAMP)
+	tools/slurm/run_test.sh
 
 lint: $(STAMP)
 	$(BIN)/snakefmt --check .

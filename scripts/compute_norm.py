@@ -1,15 +1,8 @@
 """Rule compute_norm: column sums of A (float64-accumulated) into norm.h5."""
 
-import logging
-import sys
+from mlemlib.logs import send_to_log
 
-sys.stderr = open(snakemake.log[0], "w", buffering=1)
-logging.basicConfig(
-    stream=sys.stderr,
-    level=logging.INFO,
-    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    force=True,
-)
+send_to_log(snakemake.log[0])
 
 from mlemlib.norm import compute_norm  # noqa: E402
 

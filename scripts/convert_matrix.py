@@ -1,15 +1,10 @@
 """Rule convert_matrix: validate any supported matrix file into matrix.h5."""
 
 import logging
-import sys
 
-sys.stderr = open(snakemake.log[0], "w", buffering=1)
-logging.basicConfig(
-    stream=sys.stderr,
-    level=logging.INFO,
-    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    force=True,
-)
+from mlemlib.logs import send_to_log
+
+send_to_log(snakemake.log[0])
 
 from mlemlib.formats import convert  # noqa: E402
 

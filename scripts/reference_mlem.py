@@ -1,15 +1,10 @@
 """Rule reference_mlem: the float64 CPU reference MLEM of one problem."""
 
 import logging
-import sys
 
-sys.stderr = open(snakemake.log[0], "w", buffering=1)
-logging.basicConfig(
-    stream=sys.stderr,
-    level=logging.INFO,
-    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    force=True,
-)
+from mlemlib.logs import send_to_log
+
+send_to_log(snakemake.log[0])
 
 from mlemlib.mlem import reference  # noqa: E402
 

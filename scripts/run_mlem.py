@@ -1,15 +1,10 @@
 """Rule run_mlem: one configured reconstruction, timed over its repetitions."""
 
 import logging
-import sys
 
-sys.stderr = open(snakemake.log[0], "w", buffering=1)
-logging.basicConfig(
-    stream=sys.stderr,
-    level=logging.INFO,
-    format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    force=True,
-)
+from mlemlib.logs import send_to_log
+
+send_to_log(snakemake.log[0])
 
 from mlemlib.mlem import reconstruct  # noqa: E402
 

@@ -17,6 +17,7 @@ import sys
 
 from mlemlib import __version__
 from mlemlib.errors import EXIT_FAILURE, EXIT_INPUT, InputError, MlemError
+from mlemlib.logs import LOG_FORMAT
 
 #: Subcommand modules, in the order ``--help`` lists them (DAG order).
 SUBCOMMANDS = (
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose + 1, 2)  # INFO by default, DEBUG with -v
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format=LOG_FORMAT)
     try:
         return int(args.func(args) or 0)
     except InputError as exc:

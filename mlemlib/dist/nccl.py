@@ -434,6 +434,10 @@ class NcclBackend(Backend):
                 log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", dev, part, r0, r1, s.a.nnz, f", A^T rows [{c0}, {c1})" if layout == "thesis" else "")
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise DeviceError(f"out of GPU memory loading the parts ({exc}); use more GPUs") from exc
+        # Loading ran on each device's default stream; the iteration runs on non-blocking streams.
+        for dev in devices:
+            with cp.cuda.Device(dev):
+                cp.cuda.runtime.deviceSynchronize()
         self.load_seconds = time.perf_counter() - t0
 
         # ---- communicators -----------------------------------------------------------------
@@ -596,7 +600,8 @@ class NcclBackend(Backend):
                     s.graph = s.stream.end_capture()
         for s in self.shards:
             with cp.cuda.Device(s.device):
-                s.graph.upload(s.stream)
+                if hasattr(s.graph, "upload"):
+                    s.graph.upload(s.stream)
         self.synchronize()
         log.info("captured one iteration as %d CUDA graph(s)", len(self.shards))
 

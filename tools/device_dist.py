@@ -1,0 +1,509 @@
+#!/usr/bin/env python3
+"""Device batch of the multi-GPU work: leases, correctness, multi-process, scaling (run on nvidia-h200-x4).
+
+One call does everything, writing under ``--out`` (default ``$OUT``) and
+printing a short table last::
+
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 tools/device_dist.py --all
+
+Sections (each also alone: ``--section NAME``; the heavy ones run as child
+processes with their own time limits, so a hang in one loses only it):
+
+``env``      nvidia-smi (GPUs, PCI bus ids, NVLink topology), CuPy, NCCL.
+``lease``    two concurrent ``mlem lease -g 2`` jobs on 4 GPUs (as two
+             Snakemake jobs under ``--resources gpu=4``) report the devices
+             they got (CUDA_VISIBLE_DEVICES, PCI bus ids); a third asking
+             for 2 more times out with the holders named.
+``small``    correctness through the files of the workflow: a small TOR
+             matrix written as matrix.h5 / transpose.h5, ``partition_file``
+             for 1, 2, 4 parts, ``NcclBackend`` reading its row ranges
+             (``read_rows``) and part files, both layouts, graph off and on,
+             against the one-GPU ``CudaBackend`` image; run-to-run
+             determinism; then one process per GPU (``launch_local``, file
+             bootstrap; MPI if ``mpirun`` exists) with 2 and 4 ranks.
+``bench``    the scaling benchmark on the TOR matrix of Matrix-2's voxel
+             grid generated on the GPU: 1, 2, 4 GPUs x layouts x graph,
+             per-step times, iteration (synchronised and back-to-back),
+             speed-up, efficiency, bytes per GPU; all-reduce alone; image
+             agreement with one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on lent machines (KINDS.md)
+
+SMALL_DIMS = (64, 64, 8, 64, 80)  # 35,840 x 32,768
+BIG_DIMS = (140, 140, 40, 192, 180)  # 1,347,840 x 784,000, ~8.0e8 nnz (Matrix-2 voxel grid)
+ITERS_CHECK = 20
+
+
+def out_dir(args) -> Path:
+    p = Path(args.out or os.environ.get("OUT") or "device-out")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def save(out: Path, name: str, data: dict) -> None:
+    (out / name).write_text(json.dumps(data, indent=1, default=str))
+
+
+def sh(cmd: str, timeout: int = 120) -> str:
+    p = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=timeout, check=False)
+    return f"$ {cmd}\n{p.stdout}{p.stderr}[rc={p.returncode}]\n"
+
+
+# --------------------------------------------------------------------------- env
+def section_env(args, out: Path) -> None:
+    text = ""
+    for cmd in (
+        "nvidia-smi --query-gpu=index,name,pci.bus_id,uuid,memory.total,driver_version --format=csv",
+        "nvidia-smi topo -m",
+        "python3 -c 'import cupy; from cupy.cuda import nccl; print(\"cupy\", cupy.__version__, \"nccl\", nccl.get_version())'",
+        "which mpirun mpiexec srun; python3 -c 'from mpi4py import MPI; print(MPI.Get_library_version())' 2>&1 | tail -1",
+        "python3 -c 'import pynvml; print(\"nvml ok\")' 2>&1 | tail -1",
+        "nproc; env | grep -E '^(NCCL|CUDA)_' ",
+    ):
+        text += sh(cmd)
+    (out / "env.txt").write_text(text)
+    print(text)
+
+
+# --------------------------------------------------------------------------- lease
+REPORT = (
+    "import os, socket, time, cupy as cp\n"
+    "n = cp.cuda.runtime.getDeviceCount()\n"
+    "bus = [cp.cuda.runtime.deviceGetPCIBusId(i) for i in range(n)]\n"
+    "print(f'job {os.environ[\"JOB\"]} pid {os.getpid()} t={time.time():.2f} CUDA_VISIBLE_DEVICES={os.environ.get(\"CUDA_VISIBLE_DEVICES\")} "
+    "sees {n} GPU(s), PCI {bus}', flush=True)\n"
+    "x = [cp.ones(1 << 20) for i in range(n)]\n"
+    "time.sleep(6)\n"
+    "print(f'job {os.environ[\"JOB\"]} done t={time.time():.2f}', flush=True)\n"
+)
+
+
+def section_lease(args, out: Path) -> None:
+    lock = Path("/tmp/mlem-gpu-locks-demo")
+    env = dict(os.environ, MLEM_LOCK_DIR=str(lock), PYTHONPATH=str(ROOT))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, "-m", "mlemlib", "-v", "lease", "-g", "2", "-t", "30", "--", sys.executable, "-c", REPORT]
+    procs = [subprocess.Popen(cmd, env=dict(env, JOB=j), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for j in "AB"]
+    from mlemlib.dist.lease import status as lease_status
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30 and sum(r["held"] for r in lease_status(lock, env)) < 4:
+        time.sleep(0.2)
+    status = subprocess.run([sys.executable, "-m", "mlemlib", "lease", "--status"], env=env, capture_output=True, text=True)
+    third = subprocess.run(
+        [sys.executable, "-m", "mlemlib", "lease", "-g", "2", "-t", "1", "--", "true"], env=dict(env, JOB="C"), capture_output=True, text=True
+    )
+    logs = [p.communicate(timeout=60)[0] for p in procs]
+    text = "".join(logs) + "--- mlem lease --status while A and B run:\n" + status.stdout + status.stderr
+    text += f"--- job C asks for 2 more (timeout 1 s): rc={third.returncode}\n{third.stderr}"
+    (out / "lease.txt").write_text(text)
+    print(text)
+
+
+# --------------------------------------------------------------------------- helpers on the GPU
+def sync_all(cp, devices) -> None:
+    for d in devices:
+        with cp.cuda.Device(d):
+            cp.cuda.runtime.deviceSynchronize()
+
+
+def run_image(be, iters: int):
+    f = be.initial_image()
+    for _ in range(iters):
+        f = be.iterate(f)
+    return be.to_host(f)
+
+
+def rel_l2(a, b) -> float:
+    import numpy as np
+
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    nb = float(np.linalg.norm(b))
+    return float(np.linalg.norm(a - b)) / nb if nb else float(np.linalg.norm(a))
+
+
+def free_pools(cp, devices) -> None:
+    import gc
+
+    gc.collect()
+    for d in devices:
+        with cp.cuda.Device(d):
+            cp.get_default_memory_pool().free_all_blocks()
+
+
+def make_problem(dims, *, host: bool):
+    """TOR matrix on GPU 0, its transpose, a noiseless measurement and the norm."""
+    import cupy as cp
+    import numpy as np
+
+    from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib.bench import tor_matrix
+
+    t0 = time.perf_counter()
+    with cp.cuda.Device(0):
+        a = tor_matrix(*dims, device=True)
+        at = a.transpose()
+        a.drop_cusparse()
+        m, n = a.shape
+        rng = np.random.default_rng(7)
+        x = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
+        y = ck.spmv(a, x, kernel="csr_vector")
+        g = cp.rint(y * np.float32(10.0)).get()
+        norm = cp.bincount(a.indices, weights=a.data.astype(cp.float64), minlength=n).get()
+        cp.cuda.runtime.deviceSynchronize()
+    secs = time.perf_counter() - t0
+    if host:
+        return a.to_host(), at.to_host(), g, norm, secs
+    return a, at, g, norm, secs
+
+
+# --------------------------------------------------------------------------- small: correctness through files
+def section_small(args, out: Path) -> None:
+    import cupy as cp
+    import numpy as np
+
+    from mlemlib.backends.cuda import CudaBackend
+    from mlemlib.dist.mpi import launch_local
+    from mlemlib.dist.nccl import NcclBackend
+    from mlemlib.formats.h5 import MatrixH5, write_matrix_h5
+    from mlemlib.partition import partition_file
+
+    res: dict = {"dims": SMALL_DIMS, "iterations": ITERS_CHECK, "runs": [], "mpi": []}
+    work = Path("/tmp/mlem-dist-small")
+    work.mkdir(parents=True, exist_ok=True)
+    a, at, g, norm, gen_s = make_problem(SMALL_DIMS, host=True)
+    res.update(shape=list(a.shape), nnz=a.nnz)
+    write_matrix_h5(work / "matrix.h5", a, source="tor")
+    write_matrix_h5(work / "transpose.h5", at, source="tor^T")
+    np.save(work / "g.npy", g)
+    np.save(work / "norm.npy", norm)
+    ndev = cp.cuda.runtime.getDeviceCount()
+    counts = [p for p in (1, 2, 4) if p <= ndev]
+    for p in counts:
+        partition_file(work / "matrix.h5", work / "transpose.h5", p, work / f"parts-{p}")
+    one = CudaBackend(a, g, norm, transpose=at, fp="csr_vector", bp="csr_vector")
+    ref = run_image(one, ITERS_CHECK)
+    np.save(work / "ref.npy", ref)
+    res["reference_sum"] = float(ref.sum(dtype=np.float64))
+    del one
+    mat = MatrixH5(work / "matrix.h5")
+    tr = MatrixH5(work / "transpose.h5")
+    for p in counts:
+        for layout in ("local", "thesis"):
+            try:
+                be = NcclBackend(mat, g, norm, transpose=tr, gpus=p, layout=layout, plan=work / f"parts-{p}")
+                img1 = run_image(be, ITERS_CHECK)
+                img2 = run_image(be, ITERS_CHECK)
+                be.use_graph(True)
+                img3 = run_image(be, ITERS_CHECK)
+                np.save(work / f"img-{layout}-{p}.npy", img1)
+                rec = {
+                    "gpus": p,
+                    "layout": layout,
+                    "rel_l2_vs_1gpu": rel_l2(img1, ref),
+                    "bitwise_vs_1gpu": bool(np.array_equal(img1, ref)),
+                    "repeat_bitwise": bool(np.array_equal(img1, img2)),
+                    "graph_bitwise_vs_eager": bool(np.array_equal(img1, img3)),
+                    "finite": bool(np.isfinite(img1).all()),
+                    "nnz_per_gpu": [s.a.nnz for s in be.shards],
+                }
+                del be
+            except Exception as exc:  # keep going: one failing configuration must not hide the rest
+                rec = {"gpus": p, "layout": layout, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
+            res["runs"].append(rec)
+            print(json.dumps({k: v for k, v in rec.items() if k != "trace"}), flush=True)
+            free_pools(cp, range(ndev))
+            save(out, "small.json", res)
+    # one process per GPU (file bootstrap): the same images?
+    for p, layout in ((2, "local"), (4, "local"), (4, "thesis")):
+        if p > ndev:
+            continue
+        t0 = time.perf_counter()
+        dst = work / f"mpi-{layout}-{p}.npy"
+        dst.unlink(missing_ok=True)
+        codes = launch_local(
+            p,
+            [sys.executable, str(Path(__file__).resolve()), "--section", "rank", "--work", str(work), "--layout", layout, "--parts", str(p)],
+            timeout=120,
+        )
+        rec = {"ranks": p, "layout": layout, "exit_codes": codes, "seconds": time.perf_counter() - t0}
+        if dst.exists():
+            img = np.load(dst)
+            same = np.load(work / f"img-{layout}-{p}.npy") if (work / f"img-{layout}-{p}.npy").exists() else None
+            rec.update(
+                rel_l2_vs_1gpu=rel_l2(img, ref),
+                bitwise_vs_1gpu=bool(np.array_equal(img, ref)),
+                bitwise_vs_one_process=bool(same is not None and np.array_equal(img, same)),
+                rel_l2_vs_one_process=rel_l2(img, same) if same is not None else None,
+            )
+        res["mpi"].append(rec)
+        print(json.dumps(rec), flush=True)
+        save(out, "small.json", res)
+    if subprocess.run("which mpirun", shell=True, capture_output=True).returncode == 0:
+        cmd = (
+            f"mpirun --allow-run-as-root -n 2 -x NCCL_NVLS_ENABLE=0 -x PYTHONPATH {sys.executable} {Path(__file__).resolve()} "
+            f"--section rank --work {work} --layout local --parts 2 --bootstrap mpi"
+        )
+        res["mpirun"] = sh(cmd, timeout=120)[-3000:]
+        save(out, "small.json", res)
+
+
+def section_rank(args, out: Path) -> None:
+    """One rank of the multi-process check (started by launch_local or mpirun)."""
+    import numpy as np
+
+    from mlemlib.dist import make_backend
+    from mlemlib.formats.h5 import MatrixH5
+
+    work = Path(args.work)
+    g = np.load(work / "g.npy")
+    norm = np.load(work / "norm.npy")
+    be = make_backend(
+        MatrixH5(work / "matrix.h5"), g, norm, transpose=MatrixH5(work / "transpose.h5"), gpus=args.parts,
+        layout=args.layout, plan=work / f"parts-{args.parts}", launcher=args.bootstrap,
+    )
+    img = run_image(be, ITERS_CHECK)
+    shard = be.shards[0]
+    print(f"rank part {shard.part} on GPU {shard.device} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}) "
+          f"rows {shard.rows} nnz {shard.a.nnz} image sum {img.sum(dtype=np.float64):.9g}", flush=True)
+    if be.writes_output:
+        tmp = work / f".mpi-{args.layout}-{args.parts}.npy"
+        np.save(tmp, img)
+        os.replace(tmp, work / f"mpi-{args.layout}-{args.parts}.npy")
+
+
+# --------------------------------------------------------------------------- bench: scaling
+def time_backend(be, cp, devices, *, iters: int, synced: bool):
+    """Per-step medians (synced: last_step_times each iteration) and wall seconds per iteration."""
+    import numpy as np
+
+    f = be.initial_image()
+    for _ in range(3):
+        f = be.iterate(f)
+    sync_all(cp, devices)
+    steps: dict[str, list[float]] = {}
+    walls = []
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        t1 = time.perf_counter()
+        f = be.iterate(f)
+        if synced:
+            for k, v in be.last_step_times().items():
+                steps.setdefault(k, []).append(v)
+            walls.append(time.perf_counter() - t1)
+    sync_all(cp, devices)
+    total = (time.perf_counter() - t0) / iters
+    out = {k: float(np.median(v)) for k, v in steps.items()}
+    if synced:
+        out["wall_synced"] = float(np.median(walls))
+    else:
+        out["wall_pipelined"] = total
+    return out
+
+
+def allreduce_micro(cp, comms, devices, length: int, reps: int = 30) -> float:
+    import numpy as np
+    from cupy.cuda import nccl
+
+    bufs, streams = [], []
+    for d in devices:
+        with cp.cuda.Device(d):
+            bufs.append(cp.ones(length, dtype=cp.float32))
+            streams.append(cp.cuda.Stream(non_blocking=True))
+    ts = []
+    for r in range(reps + 5):
+        sync_all(cp, devices)
+        t0 = time.perf_counter()
+        nccl.groupStart()
+        for c, b, s, d in zip(comms, bufs, streams, devices):
+            with cp.cuda.Device(d):
+                c.allReduce(b.data.ptr, b.data.ptr, length, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, s.ptr)
+        nccl.groupEnd()
+        for s in streams:
+            s.synchronize()
+        if r >= 5:
+            ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def section_bench(args, out: Path) -> None:
+    import cupy as cp
+    import numpy as np
+    from cupy.cuda import nccl
+
+    from mlemlib.backends.cuda import CudaBackend
+    from mlemlib.bench import copy_bandwidth
+    from mlemlib.dist.nccl import NcclBackend
+
+    dims = tuple(args.dims) if args.dims else BIG_DIMS
+    ndev = cp.cuda.runtime.getDeviceCount()
+    res: dict = {"dims": dims, "devices": ndev, "runs": [], "allreduce": []}
+    with cp.cuda.Device(0):
+        res["copy_bandwidth"] = copy_bandwidth()["bandwidth"]
+    a, at, g, norm, gen_s = make_problem(dims, host=False)
+    m, n = a.shape
+    res.update(shape=[m, n], nnz=a.nnz, generate_s=gen_s)
+    print(f"matrix {m} x {n}, {a.nnz} nnz, generated + transposed on GPU 0 in {gen_s:.1f} s", flush=True)
+    save(out, "bench.json", res)
+
+    # one GPU, the CudaBackend: the baseline and the reference image
+    one = CudaBackend(a, g, norm, transpose=at, fp="csr_vector", bp="csr_vector")
+    ref = run_image(one, 10)
+    base = time_backend(one, cp, [0], iters=30, synced=True)
+    base.update(time_backend(one, cp, [0], iters=50, synced=False))
+    res["one_gpu"] = {"backend": "cuda", **base}
+    print("1 GPU CudaBackend:", json.dumps(base), flush=True)
+    del one
+    free_pools(cp, [0])
+    save(out, "bench.json", res)
+
+    comms_by_p = {}
+    for p in [q for q in (1, 2, 4) if q <= ndev]:
+        devices = list(range(p))
+        comms_by_p[p] = nccl.NcclCommunicator.initAll(devices)
+        if p > 1:
+            for length, what in ((n, "n (image)"), (m, "m (projection)")):
+                t = allreduce_micro(cp, comms_by_p[p], devices, length)
+                res["allreduce"].append({"gpus": p, "vector": what, "length": length, "median_s": t})
+                print(f"allreduce {p} GPUs {what} {length}: {t * 1e6:.1f} us", flush=True)
+        for layout in ("local", "thesis"):
+            rec: dict = {"gpus": p, "layout": layout}
+            try:
+                t0 = time.perf_counter()
+                be = NcclBackend(a, g, norm, transpose=at, gpus=p, layout=layout, comms=comms_by_p[p])
+                rec["setup_s"] = time.perf_counter() - t0
+                rec["nnz_per_gpu"] = [s.a.nnz for s in be.shards]
+                bytes_gpu = []
+                for s in be.shards:
+                    bt = s.a.nbytes + (s.at.nbytes if s.at is not None else 0)
+                    bytes_gpu.append(bt)
+                rec["bytes_per_gpu"] = bytes_gpu
+                img = run_image(be, 10)
+                rec["rel_l2_vs_1gpu"] = rel_l2(img, ref)
+                rec["bitwise_vs_1gpu"] = bool(np.array_equal(img, ref))
+                rec["eager"] = time_backend(be, cp, devices, iters=30, synced=True)
+                rec["eager"].update(time_backend(be, cp, devices, iters=50, synced=False))
+                print(f"{p} GPU {layout} eager: {json.dumps(rec['eager'])}", flush=True)
+                save(out, "bench.json", res | {"runs": res["runs"] + [rec]})
+                be.use_graph(True)
+                img_g = run_image(be, 10)
+                rec["graph_bitwise_vs_eager"] = bool(np.array_equal(img_g, img))
+                rec["graph"] = time_backend(be, cp, devices, iters=30, synced=True)
+                rec["graph"].update(time_backend(be, cp, devices, iters=50, synced=False))
+                print(f"{p} GPU {layout} graph: {json.dumps(rec['graph'])}", flush=True)
+                del be
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+                rec["trace"] = traceback.format_exc()[-2000:]
+                print(rec["error"], rec["trace"], flush=True)
+            res["runs"].append(rec)
+            free_pools(cp, range(ndev))
+            save(out, "bench.json", res)
+
+
+# --------------------------------------------------------------------------- summary table
+def summarize(out: Path) -> str:
+    lines = []
+    small = json.loads((out / "small.json").read_text()) if (out / "small.json").exists() else None
+    if small:
+        lines.append(f"correctness ({small.get('shape')}, {small.get('nnz')} nnz, {ITERS_CHECK} it.): gpus layout relL2 bit1gpu repeat graph=eager")
+        for r in small["runs"]:
+            if "error" in r:
+                lines.append(f"  {r['gpus']} {r['layout']}: ERROR {r['error']}")
+            else:
+                lines.append(
+                    f"  {r['gpus']} {r['layout']:6} {r['rel_l2_vs_1gpu']:.2e} {r['bitwise_vs_1gpu']} {r['repeat_bitwise']} {r['graph_bitwise_vs_eager']}"
+                )
+        for r in small["mpi"]:
+            lines.append(
+                f"  ranks {r['ranks']} {r['layout']:6} codes {r['exit_codes']} relL2 {r.get('rel_l2_vs_1gpu', float('nan')):.2e} "
+                f"same-as-1proc {r.get('bitwise_vs_one_process')} ({r['seconds']:.0f} s)"
+            )
+    bench = json.loads((out / "bench.json").read_text()) if (out / "bench.json").exists() else None
+    if bench and bench.get("one_gpu"):
+        t1 = bench["one_gpu"]["wall_pipelined"]
+        lines.append(
+            f"scaling ({bench['shape']}, {bench['nnz']} nnz; 1-GPU CudaBackend {t1 * 1e3:.3f} ms/it pipelined, "
+            f"{bench['one_gpu']['wall_synced'] * 1e3:.3f} synced; copy bw {bench['copy_bandwidth'] / 1e12:.2f} TB/s)"
+        )
+        lines.append("  gpus layout mode   fp     bp     allred  upd/corr  it(sync) it(pipe) speedup eff  relL2")
+        for r in bench["runs"]:
+            if "error" in r:
+                lines.append(f"  {r['gpus']} {r['layout']} ERROR {r['error']}")
+                continue
+            for mode in ("eager", "graph"):
+                t = r.get(mode)
+                if not t:
+                    continue
+                sp = t1 / t["wall_pipelined"]
+                lines.append(
+                    f"  {r['gpus']}    {r['layout']:6} {mode:6} {t.get('fp', 0) * 1e3:6.3f} {t.get('bp', 0) * 1e3:6.3f} "
+                    f"{t.get('allreduce', 0) * 1e3:6.3f}  {(t.get('update', 0) + t.get('corr', 0)) * 1e3:6.3f}    "
+                    f"{t['wall_synced'] * 1e3:7.3f} {t['wall_pipelined'] * 1e3:7.3f}  {sp:5.2f}  {sp / r['gpus']:4.2f} {r['rel_l2_vs_1gpu']:.1e}"
+                )
+        for r in bench["allreduce"]:
+            lines.append(f"  allreduce {r['gpus']} GPUs {r['vector']}: {r['median_s'] * 1e6:.1f} us")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--all", action="store_true", help="env, lease, small, bench; then the table")
+    ap.add_argument("--section", choices=("env", "lease", "small", "bench", "rank", "summary"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--layout", default="local")
+    ap.add_argument("--parts", type=int, default=2)
+    ap.add_argument("--bootstrap", default="file")
+    ap.add_argument("--dims", type=int, nargs=5, default=None, metavar=("NX", "NY", "NZ", "ANGLES", "OFFSETS"))
+    ap.add_argument("--small-timeout", type=int, default=200)
+    ap.add_argument("--bench-timeout", type=int, default=330)
+    args = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO if args.section in ("rank",) else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    out = out_dir(args)
+    if args.all:
+        t0 = time.perf_counter()
+        for name in ("env", "lease"):
+            try:
+                globals()[f"section_{name}"](args, out)
+            except Exception:
+                traceback.print_exc()
+        me = [sys.executable, str(Path(__file__).resolve()), "--out", str(out)]
+        for name, limit in (("small", args.small_timeout), ("bench", args.bench_timeout)):
+            t1 = time.perf_counter()
+            try:
+                with open(out / f"{name}.log", "w") as log:
+                    p = subprocess.run(me + ["--section", name], stdout=log, stderr=subprocess.STDOUT, timeout=limit, check=False)
+                print(f"section {name}: rc={p.returncode} in {time.perf_counter() - t1:.0f} s", flush=True)
+            except subprocess.TimeoutExpired:
+                print(f"section {name}: TIMED OUT after {limit} s (see {name}.log)", flush=True)
+            print((out / f"{name}.log").read_text()[-1500:], flush=True)
+        print(f"total {time.perf_counter() - t0:.0f} s", flush=True)
+        print(summarize(out))
+        return 0
+    if args.section == "summary":
+        print(summarize(out))
+        return 0
+    globals()[f"section_{args.section}"](args, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
