@@ -448,28 +448,30 @@ def bench_spmv(
         y_n = cp.empty(n, dtype=cp.float32)
         lanes_a, lanes_t = a.lanes(), at.lanes()
 
-        def lane_list(auto: int) -> list[int]:
-            return [auto] + [k for k in (lanes or ()) if k != auto]
+        def run_spmv(op: str, k: str, mat, vec, out, nbytes: int, lanes_auto: int) -> None:
+            """Time the SpMV kernel ``k`` (each section size or lane count it takes)."""
+            if k == "merge":
+                for s in secsizes:
+                    run(op, k, lambda s=s: ck.spmv(mat, vec, out, kernel="merge", secsize=s), nbytes, {"secsize": s})
+            elif k == "csr_vector":
+                for L in [lanes_auto] + [v for v in (lanes or ()) if v != lanes_auto]:
+                    run(
+                        op,
+                        k,
+                        lambda L=L: ck.spmv(mat, vec, out, kernel="csr_vector", lanes=L),
+                        nbytes,
+                        {"lanes": L, "lanes_auto": L == lanes_auto},
+                    )
+            else:
+                run(op, k, lambda: ck.spmv(mat, vec, out, kernel=k), nbytes)
 
         for k in fp_kernels:
             if k == "cusparse":
                 if nnz:
                     a.cusparse()
                     run("fp", k, lambda: a.cusparse() @ x, plan.spmv_bytes(m, n, nnz, 4))
-            elif k == "merge":
-                for s in secsizes:
-                    run("fp", k, lambda s=s: ck.spmv(a, x, y_m, kernel="merge", secsize=s), fp_bytes, {"secsize": s})
-            elif k == "csr_vector":
-                for L in lane_list(lanes_a):
-                    run(
-                        "fp",
-                        k,
-                        lambda L=L: ck.spmv(a, x, y_m, kernel="csr_vector", lanes=L),
-                        fp_bytes,
-                        {"lanes": L, "lanes_auto": L == lanes_a},
-                    )
             else:
-                run("fp", k, lambda k=k: ck.spmv(a, x, y_m, kernel=k), fp_bytes)
+                run_spmv("fp", k, a, x, y_m, fp_bytes, lanes_a)
         if "cusparse_notrans" not in notrans_kernels:
             a.drop_cusparse()
         for k in bp_kernels:
@@ -478,20 +480,8 @@ def bench_spmv(
                     at.cusparse()
                     run("bp", k, lambda: at.cusparse() @ c, plan.spmv_bytes(n, m, nnz, 4))
                     at.drop_cusparse()
-            elif k == "merge":
-                for s in secsizes:
-                    run("bp", k, lambda s=s: ck.spmv(at, c, y_n, kernel="merge", secsize=s), bp_bytes, {"secsize": s})
-            elif k == "csr_vector":
-                for L in lane_list(lanes_t):
-                    run(
-                        "bp",
-                        k,
-                        lambda L=L: ck.spmv(at, c, y_n, kernel="csr_vector", lanes=L),
-                        bp_bytes,
-                        {"lanes": L, "lanes_auto": L == lanes_t},
-                    )
             else:
-                run("bp", k, lambda k=k: ck.spmv(at, c, y_n, kernel=k), bp_bytes)
+                run_spmv("bp", k, at, c, y_n, bp_bytes, lanes_t)
         for k in notrans_kernels:
             if k == "cusparse_notrans":
                 if nnz:

@@ -344,6 +344,19 @@ def test_h5_streaming_writer_matches_one_shot(tmp_path, ref, block_rows):
         assert r.checksum == w.checksum
 
 
+def test_write_functions_split_a_row_block_of_a_larger_matrix(tmp_path, ref):
+    # rows 2..10 of ref as a block whose row pointer starts mid-matrix, written in pieces of <= 3 elements
+    lo, hi = ref.indptr[2], ref.indptr[11]
+    block = CSRMatrix(ref.indptr[2:12], ref.indices[lo:hi], ref.data[lo:hi], (9, N))
+    expected = ref[2:11]
+    digest = write_matrix_h5(tmp_path / "b.h5", block, max_nnz=3)
+    assert digest == independent_checksum(expected.indptr, expected.indices, expected.data)
+    write_csr4(tmp_path / "b.csr4", block, scanner_block=scanner_bytes(), max_nnz=3)
+    with MatrixH5(tmp_path / "b.h5") as a, Csr4File(tmp_path / "b.csr4") as b:
+        assert_csr_equal(a.to_csr(), expected)
+        assert_csr_equal(b.to_csr(), expected)
+
+
 def test_h5_checksum_detects_corruption(tmp_path, ref):
     p = tmp_path / "m.h5"
     write_matrix_h5(p, CSRMatrix.from_scipy(ref))

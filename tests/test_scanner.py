@@ -383,6 +383,16 @@ def test_cli_bad_rays_exits_2(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("value", "fault"), [("0", "0: must be >= 1"), ("two", "two: not an integer")])
+def test_cli_counts_must_be_positive_integers(tmp_path, capsys, value, fault):
+    out = tmp_path / "x.csr4"
+    with pytest.raises(SystemExit) as exc:
+        mlem_main(["generate", "--preset", "small", "--threads", value, "--out", str(out)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"mlem: error: argument -t/--threads: {fault}\n"
+    assert not out.exists()
+
+
 def test_cli_estimate_writes_nothing(tmp_path, capsys):
     assert mlem_main(["generate", "--preset", "small", "--estimate", "2000"]) == 0
     out = capsys.readouterr().out

@@ -14,6 +14,17 @@ def existing_file(text: str) -> Path:
     return p
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (digits, optionally grouped with ``_``)."""
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return value
+
+
 def add_parser(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:
     """Add a subcommand parser that shows defaults in ``--help``."""
     return sub.add_parser(

@@ -4,17 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, existing_file
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+from mlemlib.cli._common import add_parser, existing_file, positive_int
 
 
 def _int_list(text: str) -> list[int]:
@@ -67,8 +57,8 @@ def register(sub) -> None:
         help="generate a tube-of-response matrix on the GPU instead of reading one "
         "(140,140,40,192,180: 1,347,840 x 784,000, 8.0e8 nnz)",
     )
-    s.add_argument("-n", "--repeat", type=_positive, default=50, metavar="N", help="timed runs per kernel")
-    s.add_argument("-w", "--warmup", type=_positive, default=5, metavar="N", help="untimed runs per kernel first")
+    s.add_argument("-n", "--repeat", type=positive_int, default=50, metavar="N", help="timed runs per kernel")
+    s.add_argument("-w", "--warmup", type=positive_int, default=5, metavar="N", help="untimed runs per kernel first")
     s.add_argument(
         "-s", "--secsize", type=_int_list, default=[5], metavar="S[,S...]", help="section size(s) of the merge kernel"
     )

@@ -5,20 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from mlemlib.cli._common import add_parser, existing_file
+from mlemlib.cli._common import add_parser, existing_file, positive_int
 
 log = logging.getLogger(__name__)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (digits, optionally grouped with _)."""
-    try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text}: not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
-    return value
 
 
 def register(sub) -> None:

@@ -11,17 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mlemlib.cli._common import add_parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} is not >= 1")
-    return v
+from mlemlib.cli._common import add_parser, positive_int
 
 
 def register(sub) -> None:
@@ -35,17 +25,17 @@ def register(sub) -> None:
     )  # fmt: skip
     p.add_argument("-o", "--out", type=Path, metavar="FILE.csr4", help="output matrix (required unless --estimate)")
     p.add_argument(
-        "-r", "--rays", type=_positive_int, metavar="N", default=None,
+        "-r", "--rays", type=positive_int, metavar="N", default=None,
         help="rays per tube of response, k**4 for k x k points per crystal face (1 = thin line); "
         "None: the preset's own (small 16, madpet2 81)",
     )  # fmt: skip
-    p.add_argument("-t", "--threads", type=_positive_int, metavar="N", default=None, help="Numba threads (None: all cores)")
+    p.add_argument("-t", "--threads", type=positive_int, metavar="N", default=None, help="Numba threads (None: all cores)")
     p.add_argument(
-        "--max-nnz", type=_positive_int, metavar="N", default=1 << 24,
+        "--max-nnz", type=positive_int, metavar="N", default=1 << 24,
         help="elements traced and written per chunk (bounds memory: 8 bytes each)",
     )  # fmt: skip
     p.add_argument(
-        "--estimate", type=_positive_int, nargs="?", const=20000, default=None, metavar="ROWS",
+        "--estimate", type=positive_int, nargs="?", const=20000, default=None, metavar="ROWS",
         help="do not write: trace a sample of ROWS rows and print the estimated nnz and time",
     )  # fmt: skip
     p.set_defaults(func=run)

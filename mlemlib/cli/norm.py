@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, existing_file
-from mlemlib.cli.transpose import positive_int
+from mlemlib.cli._common import add_parser, existing_file, positive_int
 
 
 def register(sub) -> None:

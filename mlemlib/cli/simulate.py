@@ -4,17 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, existing_file
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} is not positive")
-    return v
+from mlemlib.cli._common import add_parser, existing_file, positive_int
 
 
 def _counts(text: str) -> float:
@@ -44,7 +34,7 @@ def register(sub) -> None:
     p.add_argument(
         "-c", "--counts", type=_counts, default=DEFAULT_COUNTS, metavar="N", help="total expected counts"
     )
-    p.add_argument("--supersample", type=_positive_int, default=3, metavar="K", help="K^3 samples per voxel (antialiasing)")
+    p.add_argument("--supersample", type=positive_int, default=3, metavar="K", help="K^3 samples per voxel (antialiasing)")
     p.add_argument("-o", "--out", required=True, metavar="DATA.LMsino", help="measurement to write")
     p.add_argument("-t", "--truth", metavar="TRUTH.h5", default=None, help="true image to write (HDF5)")
     p.set_defaults(func=run)

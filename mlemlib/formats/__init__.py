@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from mlemlib.errors import MatrixFormatError, SinogramFormatError
+from mlemlib.formats._check import DEFAULT_CHUNK_NNZ
 from mlemlib.formats._memory import InMemoryMatrix
 from mlemlib.formats.csr4 import (
     Csr4File,
@@ -63,8 +64,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CHUNK_NNZ = 1 << 26
 
 #: suffix (lower case) -> kind
 SUFFIXES = {

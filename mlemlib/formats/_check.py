@@ -1,17 +1,26 @@
-"""Private validation helpers shared by the matrix readers (NumPy, host memory).
+"""Private helpers shared by the matrix readers and writers (NumPy, host memory).
 
 The checks are vectorised (a few reductions per block, no Python loop per row)
 and report global positions: the row and element numbers in the whole file,
 not in the block, so a message points at the fault on disk.
+:class:`RowBlockReader` and :class:`RowBlockWriter` hold what the readers and
+the streaming writers of every format do alike (row blocks, bookkeeping).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Self
 
 import numpy as np
 
 from mlemlib.errors import MatrixFormatError
+from mlemlib.matrix import CSRMatrix
+
+#: Elements per streamed row block, unless the caller says otherwise.
+DEFAULT_CHUNK_NNZ = 1 << 26
 
 
 def check_row_ends(
@@ -166,3 +175,109 @@ def check_block(block, source: str | os.PathLike, *, row0: int = 0, elem0: int =
     check_row_ends(ip[1:] - ip[0], 0, nnz, source, row0=row0)
     check_columns(block.indices, n, source, elem0=elem0)
     check_values(block.data, source, elem0=elem0)
+
+
+def split_rows(matrix: CSRMatrix, max_nnz: int) -> Iterator[CSRMatrix]:
+    """Yield consecutive row blocks of ``matrix`` (views, ``indptr`` rebased to 0), see :func:`chunk_bounds`."""
+    base = int(matrix.indptr[0]) if len(matrix.indptr) else 0
+    ip = matrix.indptr - base
+    for r0, r1 in chunk_bounds(ip, max_nnz):
+        lo, hi = int(ip[r0]), int(ip[r1])
+        yield CSRMatrix(ip[r0 : r1 + 1] - lo, matrix.indices[lo:hi], matrix.data[lo:hi], (r1 - r0, matrix.shape[1]))
+
+
+class RowBlockReader:
+    """What every matrix reader derives from ``shape``, ``read_indptr`` and ``read_rows``.
+
+    A subclass provides ``shape``, ``close()``, ``read_indptr()`` and
+    ``read_rows(start, stop, *, validate)``; this adds the context manager,
+    row blocks and whole-matrix reads.
+    """
+
+    shape: tuple[int, int]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def chunk_bounds(self, max_nnz: int = DEFAULT_CHUNK_NNZ) -> list[tuple[int, int]]:
+        """Row blocks of at most ``max_nnz`` elements (a longer row is a block of its own)."""
+        return chunk_bounds(self.read_indptr(), max_nnz)
+
+    def iter_chunks(
+        self, max_nnz: int = DEFAULT_CHUNK_NNZ, *, validate: bool = True
+    ) -> Iterator[tuple[int, int, CSRMatrix]]:
+        """Yield ``(row0, row1, block)`` covering every row exactly once, in order.
+
+        Each block holds at most ``max_nnz`` elements unless a single row is
+        longer. Iterating over all chunks with ``validate=True`` validates the
+        whole file.
+        """
+        for r0, r1 in self.chunk_bounds(max_nnz):
+            yield r0, r1, self.read_rows(r0, r1, validate=validate)
+
+    def to_csr(self) -> CSRMatrix:
+        """Read the whole matrix into memory (small matrices, tests)."""
+        return self.read_rows(0, self.shape[0])
+
+
+class RowBlockWriter:
+    """Bookkeeping shared by the streaming, atomic writers.
+
+    A subclass sets ``path``, ``shape``, ``nnz``, ``_rows = _written = 0`` and
+    ``_open = True`` and provides ``close()`` and ``abort()``; a ``with`` block
+    closes the writer on success and aborts it on an exception.
+    """
+
+    path: Path
+    shape: tuple[int, int]
+    nnz: int
+    _rows: int
+    _written: int
+    _open: bool
+
+    @property
+    def rows_written(self) -> int:
+        """Rows written so far."""
+        return self._rows
+
+    def _accept(self, block: CSRMatrix, *, validate: bool = True) -> int:
+        """Check that ``block`` is the next row block that fits the declared size; return its nnz."""
+        if not self._open:
+            raise ValueError(f"{self.path}: writer is closed")
+        k, bn = block.shape
+        m, n = self.shape
+        if bn != n:
+            raise MatrixFormatError(self.path, f"row block has {bn} columns, the file has n = {n}")
+        if self._rows + k > m:
+            raise MatrixFormatError(self.path, f"rows {self._rows}..{self._rows + k} exceed m = {m}")
+        if validate:
+            check_block(block, self.path, row0=self._rows, elem0=self._written)
+        bnnz = block.nnz
+        if self._written + bnnz > self.nnz:
+            raise MatrixFormatError(
+                self.path, f"elements {self._written}..{self._written + bnnz} exceed nnz = {self.nnz}"
+            )
+        return bnnz
+
+    def _check_complete(self) -> None:
+        """Abort and raise unless exactly ``m`` rows and ``nnz`` elements were written."""
+        m = self.shape[0]
+        if self._rows != m or self._written != self.nnz:
+            msg = (
+                f"writer closed after {self._rows} of {m} rows and {self._written} of {self.nnz} "
+                f"elements; nothing written"
+            )
+            self.abort()
+            raise MatrixFormatError(self.path, msg)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -10,18 +10,16 @@ every input alike.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from typing import Self
 
 import numpy as np
 
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import (
+    RowBlockReader,
     check_columns,
     check_range,
     check_row_ends,
     check_values,
-    chunk_bounds,
 )
 from mlemlib.matrix import CSRMatrix, validate_csr_arrays
 
@@ -71,7 +69,7 @@ def csr_from_scipy(a, source: str | os.PathLike) -> CSRMatrix:
     return mat
 
 
-class InMemoryMatrix:
+class InMemoryMatrix(RowBlockReader):
     """A whole matrix held in memory, with the file readers' interface.
 
     Parameters
@@ -92,12 +90,6 @@ class InMemoryMatrix:
         self.nnz = matrix.nnz
         self.attrs: dict = {}
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def close(self) -> None:
         """Nothing to release (kept for interface symmetry)."""
 
@@ -116,15 +108,6 @@ class InMemoryMatrix:
             self.matrix.data[lo:hi].copy(),
             (stop - start, self.shape[1]),
         )
-
-    def chunk_bounds(self, max_nnz: int = 1 << 26) -> list[tuple[int, int]]:
-        """Row blocks of at most ``max_nnz`` elements (a longer row is a block of its own)."""
-        return chunk_bounds(self.matrix.indptr, max_nnz)
-
-    def iter_chunks(self, max_nnz: int = 1 << 26, *, validate: bool = True) -> Iterator[tuple[int, int, CSRMatrix]]:
-        """Yield ``(row0, row1, block)`` of at most ``max_nnz`` elements, covering every row once."""
-        for r0, r1 in chunk_bounds(self.matrix.indptr, max_nnz):
-            yield r0, r1, self.read_rows(r0, r1)
 
     def to_csr(self) -> CSRMatrix:
         """The matrix itself."""

@@ -22,22 +22,23 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
 
 import numpy as np
 
 from mlemlib._io import atomic_path
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import (
+    DEFAULT_CHUNK_NNZ,
+    RowBlockReader,
+    RowBlockWriter,
     check_block,
     check_columns,
     check_range,
     check_row_ends,
     check_values,
-    chunk_bounds,
+    split_rows,
 )
 from mlemlib.matrix import CSRMatrix
 
@@ -53,7 +54,6 @@ MIN_SCANNER_BLOCK = 60
 ELEMENT_DTYPE = np.dtype([("col", "<u4"), ("val", "<f4")])
 ROW_END_DTYPE = np.dtype("<u8")
 MAX_COLS = np.iinfo(np.int32).max  # columns are held as int32 in memory
-DEFAULT_CHUNK_NNZ = 1 << 26
 #: Elements converted per write call inside Csr4Writer (bounds its scratch memory to 32 MiB).
 _WRITE_PIECE = 1 << 22
 #: Elements split per step in Csr4File.read_rows (32 MiB of the mapping resident at a time).
@@ -293,7 +293,7 @@ def read_header(path: str | os.PathLike) -> Csr4Header:
     return header
 
 
-class Csr4File:
+class Csr4File(RowBlockReader):
     """A memory-mapped ``.csr4`` matrix; header and file size are checked on open.
 
     Parameters
@@ -375,12 +375,6 @@ class Csr4File:
             with contextlib.suppress(OSError):
                 self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"Csr4File({self.source!r}, shape={self.shape}, nnz={self.nnz})"
 
@@ -433,26 +427,6 @@ class Csr4File:
             check_values(data, self.source, elem0=base)
         return CSRMatrix(indptr, indices, data, (stop - start, self.shape[1]))
 
-    def chunk_bounds(self, max_nnz: int = DEFAULT_CHUNK_NNZ) -> list[tuple[int, int]]:
-        """Row blocks of at most ``max_nnz`` elements (a longer row is a block of its own)."""
-        return chunk_bounds(self.read_indptr(), max_nnz)
-
-    def iter_chunks(
-        self, max_nnz: int = DEFAULT_CHUNK_NNZ, *, validate: bool = True
-    ) -> Iterator[tuple[int, int, CSRMatrix]]:
-        """Yield ``(row0, row1, block)`` covering every row exactly once, in order.
-
-        Each block holds at most ``max_nnz`` elements unless a single row is
-        longer. Iterating over all chunks with ``validate=True`` validates the
-        whole file.
-        """
-        for r0, r1 in self.chunk_bounds(max_nnz):
-            yield r0, r1, self.read_rows(r0, r1, validate=validate)
-
-    def to_csr(self) -> CSRMatrix:
-        """Read the whole matrix into memory (small matrices, tests)."""
-        return self.read_rows(0, self.shape[0])
-
 
 def read_csr4(path: str | os.PathLike) -> CSRMatrix:
     """Read a whole ``.csr4`` file into memory, validated."""
@@ -463,7 +437,7 @@ def read_csr4(path: str | os.PathLike) -> CSRMatrix:
 # --------------------------------------------------------------------------- writer
 
 
-class Csr4Writer:
+class Csr4Writer(RowBlockWriter):
     """Streaming, atomic ``.csr4`` writer.
 
     Row blocks of any size are written in order with :meth:`write_rows`; the
@@ -501,6 +475,7 @@ class Csr4Writer:
     ) -> None:
         self.path = Path(path)
         self.m, self.n, self.nnz = int(m), int(n), int(nnz)
+        self.shape = (self.m, self.n)
         if not 0 <= self.m < 2**32:
             raise ValueError(f"m = {m} does not fit the uint32 nRows field")
         if not 0 <= self.n <= MAX_COLS:
@@ -532,26 +507,10 @@ class Csr4Writer:
             self.abort()
             raise
 
-    @property
-    def rows_written(self) -> int:
-        """Rows written so far."""
-        return self._rows
-
     def write_rows(self, block: CSRMatrix) -> None:
         """Append the next row block (validated: columns in range, values finite and >= 0)."""
-        if not self._open:
-            raise ValueError(f"{self.path}: writer is closed")
-        k, bn = block.shape
-        if bn != self.n:
-            raise MatrixFormatError(self.path, f"row block has {bn} columns, the file has n = {self.n}")
-        if self._rows + k > self.m:
-            raise MatrixFormatError(self.path, f"rows {self._rows}..{self._rows + k} exceed m = {self.m}")
-        check_block(block, self.path, row0=self._rows, elem0=self._written)
-        bnnz = block.nnz
-        if self._written + bnnz > self.nnz:
-            raise MatrixFormatError(
-                self.path, f"elements {self._written}..{self._written + bnnz} exceed nnz = {self.nnz}"
-            )
+        bnnz = self._accept(block)
+        k = block.shape[0]
         f = self._f
         try:
             ends = (block.indptr[1:] - block.indptr[0] + self._written).astype(ROW_END_DTYPE)
@@ -575,13 +534,7 @@ class Csr4Writer:
         """Finish: check that every row and element was written, then rename into place."""
         if not self._open:
             return
-        if self._rows != self.m or self._written != self.nnz:
-            msg = (
-                f"writer closed after {self._rows} of {self.m} rows and {self._written} of {self.nnz} "
-                f"elements; nothing written"
-            )
-            self.abort()
-            raise MatrixFormatError(self.path, msg)
+        self._check_complete()
         self._open = False
         try:
             self._f.flush()
@@ -603,15 +556,6 @@ class Csr4Writer:
         err = RuntimeError("aborted")
         self._stack.__exit__(RuntimeError, err, None)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 def write_csr4(
     path: str | os.PathLike,
@@ -624,15 +568,6 @@ def write_csr4(
     """Write an in-memory matrix as ``.csr4`` (atomically, in row blocks of at most ``max_nnz``)."""
     m, n = matrix.shape
     check_block(matrix, path)
-    base = int(matrix.indptr[0]) if len(matrix.indptr) else 0
     with Csr4Writer(path, m, n, matrix.nnz, scanner_block=scanner_block, flags=flags) as w:
-        for r0, r1 in chunk_bounds(matrix.indptr - base, max_nnz):
-            lo, hi = int(matrix.indptr[r0]) - base, int(matrix.indptr[r1]) - base
-            w.write_rows(
-                CSRMatrix(
-                    matrix.indptr[r0 : r1 + 1] - matrix.indptr[r0],
-                    matrix.indices[lo:hi],
-                    matrix.data[lo:hi],
-                    (r1 - r0, n),
-                )
-            )
+        for block in split_rows(matrix, max_nnz):
+            w.write_rows(block)

@@ -26,21 +26,22 @@ import hashlib
 import logging
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Self
 
 import numpy as np
 
 from mlemlib._io import atomic_path
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import (
+    DEFAULT_CHUNK_NNZ,
+    RowBlockReader,
+    RowBlockWriter,
     check_block,
     check_columns,
     check_range,
     check_row_ends,
     check_values,
-    chunk_bounds,
+    split_rows,
 )
 from mlemlib.matrix import CSRMatrix
 
@@ -68,7 +69,6 @@ RESERVED_ATTRS = frozenset(
         "scanner_block",
     }
 )
-DEFAULT_CHUNK_NNZ = 1 << 26
 #: Piece size (elements) for verifying checksums without holding a dataset.
 _HASH_PIECE = 1 << 24
 
@@ -122,7 +122,7 @@ def _plain(value):
 # --------------------------------------------------------------------------- reader
 
 
-class MatrixH5:
+class MatrixH5(RowBlockReader):
     """Reader of a matrix container; checks its attributes against its datasets on open.
 
     Parameters
@@ -238,12 +238,6 @@ class MatrixH5:
         """Close the HDF5 file."""
         self._f.close()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"MatrixH5({self.source!r}, shape={self.shape}, nnz={self.nnz})"
 
@@ -295,21 +289,6 @@ class MatrixH5:
             ds.read_direct(out, np.s_[lo:hi])
         return out
 
-    def chunk_bounds(self, max_nnz: int = DEFAULT_CHUNK_NNZ) -> list[tuple[int, int]]:
-        """Row blocks of at most ``max_nnz`` elements (a longer row is a block of its own)."""
-        return chunk_bounds(self.read_indptr(), max_nnz)
-
-    def iter_chunks(
-        self, max_nnz: int = DEFAULT_CHUNK_NNZ, *, validate: bool = True
-    ) -> Iterator[tuple[int, int, CSRMatrix]]:
-        """Yield ``(row0, row1, block)`` covering every row exactly once, in order."""
-        for r0, r1 in self.chunk_bounds(max_nnz):
-            yield r0, r1, self.read_rows(r0, r1, validate=validate)
-
-    def to_csr(self) -> CSRMatrix:
-        """Read the whole matrix into memory (small matrices, tests)."""
-        return self.read_rows(0, self.shape[0])
-
     def compute_checksum(self) -> str:
         """Recompute the checksum from the datasets, reading them piece by piece."""
         c = _Checksum()
@@ -341,7 +320,7 @@ def _chunk(n_items: int, itemsize: int) -> tuple[int] | None:
     return (min(n_items, CHUNK_BYTES // itemsize),)
 
 
-class MatrixH5Writer:
+class MatrixH5Writer(RowBlockWriter):
     """Streaming, atomic writer of the matrix container.
 
     Row blocks are written in order with :meth:`write_rows`; the checksum is
@@ -438,11 +417,6 @@ class MatrixH5Writer:
             raise
 
     @property
-    def rows_written(self) -> int:
-        """Rows written so far."""
-        return self._rows
-
-    @property
     def checksum(self) -> str:
         """The checksum of everything written (final once every row is written)."""
         return self._checksum.hexdigest()
@@ -457,21 +431,8 @@ class MatrixH5Writer:
         validate
             Validate the block (skip only when it was just validated by a reader).
         """
-        if not self._open:
-            raise ValueError(f"{self.path}: writer is closed")
-        k, bn = block.shape
-        m, n = self.shape
-        if bn != n:
-            raise MatrixFormatError(self.path, f"row block has {bn} columns, the matrix has n = {n}")
-        if self._rows + k > m:
-            raise MatrixFormatError(self.path, f"rows {self._rows}..{self._rows + k} exceed m = {m}")
-        if validate:
-            check_block(block, self.path, row0=self._rows, elem0=self._written)
-        bnnz = block.nnz
-        if self._written + bnnz > self.nnz:
-            raise MatrixFormatError(
-                self.path, f"elements {self._written}..{self._written + bnnz} exceed nnz = {self.nnz}"
-            )
+        bnnz = self._accept(block, validate=validate)
+        k = block.shape[0]
         try:
             ends = block.indptr[1:] - block.indptr[0] + self._written
             lo, hi = self._written, self._written + bnnz
@@ -493,14 +454,7 @@ class MatrixH5Writer:
         """Check completeness, store the checksum, rename into place; return the checksum."""
         if not self._open:
             return self.checksum
-        m = self.shape[0]
-        if self._rows != m or self._written != self.nnz:
-            msg = (
-                f"writer closed after {self._rows} of {m} rows and {self._written} of {self.nnz} "
-                f"elements; nothing written"
-            )
-            self.abort()
-            raise MatrixFormatError(self.path, msg)
+        self._check_complete()
         digest = self.checksum
         self._open = False
         try:
@@ -522,15 +476,6 @@ class MatrixH5Writer:
             self._f.close()
         self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 def write_matrix_h5(path: str | os.PathLike, matrix: CSRMatrix, *, max_nnz: int = DEFAULT_CHUNK_NNZ, **attrs) -> str:
     """Write an in-memory matrix as a container (atomically); return its checksum.
@@ -539,13 +484,7 @@ def write_matrix_h5(path: str | os.PathLike, matrix: CSRMatrix, *, max_nnz: int 
     ``voxel_size``, ``scanner_block`` and any extra attributes).
     """
     check_block(matrix, path)
-    base = int(matrix.indptr[0]) if len(matrix.indptr) else 0
-    ip = matrix.indptr - base
     with MatrixH5Writer(path, matrix.shape, matrix.nnz, **attrs) as w:
-        for r0, r1 in chunk_bounds(ip, max_nnz):
-            lo, hi = int(ip[r0]), int(ip[r1])
-            w.write_rows(
-                CSRMatrix(ip[r0 : r1 + 1], matrix.indices[lo:hi], matrix.data[lo:hi], (r1 - r0, matrix.shape[1])),
-                validate=False,
-            )
+        for block in split_rows(matrix, max_nnz):
+            w.write_rows(block, validate=False)
     return w.checksum
