@@ -303,3 +303,16 @@ def test_cli_errors(gpus):
         assert r.returncode == 1 and "no 1 free GPU(s)" in r.stderr
         r = mlem("--status")
         assert r.returncode == 0 and r.stdout.count("held") == 4
+
+
+def test_reconstruct_lease_refuses_before_any_work(gpus, tmp_path):
+    """``mlem reconstruct --lease`` takes its GPUs first: over-asking fails at once, naming the count."""
+    fake = tmp_path / "x.h5"
+    fake.write_text("not read")
+    r = subprocess.run(
+        [sys.executable, "-m", "mlemlib", "reconstruct", "-m", str(fake), "-s", str(fake), "-n", "1",
+         "--gpus", "5", "--lease", "-o", str(tmp_path / "img.h5")],
+        capture_output=True, text=True, env=_child_env(), timeout=120,
+    )
+    assert r.returncode == 2 and "asked for 5 GPUs but only 4" in r.stderr
+    assert not (tmp_path / "img.h5").exists()

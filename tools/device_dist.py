@@ -183,6 +183,10 @@ def section_small(args, out: Path) -> None:
     from mlemlib.formats.h5 import MatrixH5, write_matrix_h5
     from mlemlib.partition import partition_file
 
+    import faulthandler
+
+    faulthandler.dump_traceback_later(75, repeat=True)  # a hang shows its stack in the log
+    t_start = time.perf_counter()
     res: dict = {"dims": SMALL_DIMS, "iterations": ITERS_CHECK, "runs": [], "mpi": []}
     work = Path("/tmp/mlem-dist-small")
     work.mkdir(parents=True, exist_ok=True)
@@ -196,6 +200,7 @@ def section_small(args, out: Path) -> None:
     counts = [p for p in (1, 2, 4) if p <= ndev]
     for p in counts:
         partition_file(work / "matrix.h5", work / "transpose.h5", p, work / f"parts-{p}")
+    print(f"[{time.perf_counter() - t_start:.0f} s] files and plans written", flush=True)
     one = CudaBackend(a, g, norm, transpose=at, fp="csr_vector", bp="csr_vector")
     ref = run_image(one, ITERS_CHECK)
     np.save(work / "ref.npy", ref)
@@ -206,6 +211,7 @@ def section_small(args, out: Path) -> None:
     for p in counts:
         for layout in ("local", "thesis"):
             try:
+                t0 = time.perf_counter()
                 be = NcclBackend(mat, g, norm, transpose=tr, gpus=p, layout=layout, plan=work / f"parts-{p}")
                 img1 = run_image(be, ITERS_CHECK)
                 img2 = run_image(be, ITERS_CHECK)
@@ -220,8 +226,13 @@ def section_small(args, out: Path) -> None:
                     "repeat_bitwise": bool(np.array_equal(img1, img2)),
                     "graph_bitwise_vs_eager": bool(np.array_equal(img1, img3)),
                     "finite": bool(np.isfinite(img1).all()),
-                    "nnz_per_gpu": [s.a.nnz for s in be.shards],
+                    "nnz_per_gpu": [s.nnz for s in be.shards],
+                    "seconds": time.perf_counter() - t0,
                 }
+                print(json.dumps(rec), flush=True)
+                t1 = time.perf_counter()
+                be.close()
+                rec["close_s"] = time.perf_counter() - t1
                 del be
             except Exception as exc:  # keep going: one failing configuration must not hide the rest
                 rec = {"gpus": p, "layout": layout, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
@@ -239,7 +250,7 @@ def section_small(args, out: Path) -> None:
         codes = launch_local(
             p,
             [sys.executable, str(Path(__file__).resolve()), "--section", "rank", "--work", str(work), "--layout", layout, "--parts", str(p)],
-            timeout=120,
+            timeout=90,
         )
         rec = {"ranks": p, "layout": layout, "exit_codes": codes, "seconds": time.perf_counter() - t0}
         if dst.exists():
@@ -259,8 +270,19 @@ def section_small(args, out: Path) -> None:
             f"mpirun --allow-run-as-root -n 2 -x NCCL_NVLS_ENABLE=0 -x PYTHONPATH {sys.executable} {Path(__file__).resolve()} "
             f"--section rank --work {work} --layout local --parts 2 --bootstrap mpi"
         )
-        res["mpirun"] = sh(cmd, timeout=120)[-3000:]
+        dst = work / "mpi-local-2.npy"
+        dst.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        res["mpirun"] = {"log": sh(cmd, timeout=90)[-3000:], "seconds": time.perf_counter() - t0}
+        if dst.exists():
+            img = np.load(dst)
+            res["mpirun"].update(
+                rel_l2_vs_1gpu=rel_l2(img, ref),
+                bitwise_vs_one_process=bool(np.array_equal(img, np.load(work / "img-local-2.npy"))),
+            )
+        print(json.dumps({k: v for k, v in res["mpirun"].items() if k != "log"}), flush=True)
         save(out, "small.json", res)
+    print(f"[{time.perf_counter() - t_start:.0f} s] SECTION DONE", flush=True)
 
 
 def section_rank(args, out: Path) -> None:
@@ -270,6 +292,9 @@ def section_rank(args, out: Path) -> None:
     from mlemlib.dist import make_backend
     from mlemlib.formats.h5 import MatrixH5
 
+    import faulthandler
+
+    faulthandler.dump_traceback_later(60, repeat=True)
     work = Path(args.work)
     g = np.load(work / "g.npy")
     norm = np.load(work / "norm.npy")
@@ -280,11 +305,13 @@ def section_rank(args, out: Path) -> None:
     img = run_image(be, ITERS_CHECK)
     shard = be.shards[0]
     print(f"rank part {shard.part} on GPU {shard.device} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}) "
-          f"rows {shard.rows} nnz {shard.a.nnz} image sum {img.sum(dtype=np.float64):.9g}", flush=True)
+          f"rows {shard.rows} nnz {shard.nnz} image sum {img.sum(dtype=np.float64):.9g}", flush=True)
     if be.writes_output:
         tmp = work / f".mpi-{args.layout}-{args.parts}.npy"
         np.save(tmp, img)
         os.replace(tmp, work / f"mpi-{args.layout}-{args.parts}.npy")
+    be.close()
+    print(f"rank part {shard.part}: closed", flush=True)
 
 
 # --------------------------------------------------------------------------- bench: scaling
@@ -350,6 +377,7 @@ def section_bench(args, out: Path) -> None:
     from mlemlib.bench import copy_bandwidth
     from mlemlib.dist.nccl import NcclBackend
 
+    t_start = time.perf_counter()
     dims = tuple(args.dims) if args.dims else BIG_DIMS
     ndev = cp.cuda.runtime.getDeviceCount()
     res: dict = {"dims": dims, "devices": ndev, "runs": [], "allreduce": []}
@@ -387,7 +415,7 @@ def section_bench(args, out: Path) -> None:
                 t0 = time.perf_counter()
                 be = NcclBackend(a, g, norm, transpose=at, gpus=p, layout=layout, comms=comms_by_p[p])
                 rec["setup_s"] = time.perf_counter() - t0
-                rec["nnz_per_gpu"] = [s.a.nnz for s in be.shards]
+                rec["nnz_per_gpu"] = [s.nnz for s in be.shards]
                 bytes_gpu = []
                 for s in be.shards:
                     bt = s.a.nbytes + (s.at.nbytes if s.at is not None else 0)
@@ -405,7 +433,8 @@ def section_bench(args, out: Path) -> None:
                 rec["graph_bitwise_vs_eager"] = bool(np.array_equal(img_g, img))
                 rec["graph"] = time_backend(be, cp, devices, iters=30, synced=True)
                 rec["graph"].update(time_backend(be, cp, devices, iters=50, synced=False))
-                print(f"{p} GPU {layout} graph: {json.dumps(rec['graph'])}", flush=True)
+                print(f"[{time.perf_counter() - t_start:.0f} s] {p} GPU {layout} graph: {json.dumps(rec['graph'])}", flush=True)
+                be.close()
                 del be
             except Exception as exc:
                 rec["error"] = f"{type(exc).__name__}: {exc}"
@@ -414,6 +443,96 @@ def section_bench(args, out: Path) -> None:
             res["runs"].append(rec)
             free_pools(cp, range(ndev))
             save(out, "bench.json", res)
+    print(f"[{time.perf_counter() - t_start:.0f} s] SECTION DONE", flush=True)
+    for comms in comms_by_p.values():  # the backends are closed: no graph holds these any more
+        for c in comms:
+            c.destroy()
+    print(f"[{time.perf_counter() - t_start:.0f} s] communicators destroyed", flush=True)
+
+
+def section_overlap(args, out: Path) -> None:
+    """Local layout with the back projection's all-reduce overlapped in chunks (graph and eager)."""
+    import cupy as cp
+    import numpy as np
+    from cupy.cuda import nccl
+
+    from mlemlib.backends.cuda import CudaBackend
+    from mlemlib.dist.nccl import NcclBackend
+
+    t_start = time.perf_counter()
+    ndev = cp.cuda.runtime.getDeviceCount()
+    a, at, g, norm, gen_s = make_problem(BIG_DIMS, host=False)
+    res: dict = {"dims": BIG_DIMS, "shape": list(a.shape), "nnz": a.nnz, "runs": []}
+    one = CudaBackend(a, g, norm, transpose=at, fp="csr_vector", bp="csr_vector")
+    ref = run_image(one, 10)
+    res["one_gpu"] = time_backend(one, cp, [0], iters=30, synced=True) | time_backend(one, cp, [0], iters=100, synced=False)
+    one = None
+    free_pools(cp, [0])
+    print(f"[{time.perf_counter() - t_start:.0f} s] 1 GPU: {json.dumps(res['one_gpu'])}", flush=True)
+    for p in [q for q in (2, 4) if q <= ndev]:
+        devices = list(range(p))
+        comms = nccl.NcclCommunicator.initAll(devices)
+        for chunks in (0, 2, 4, 8):
+            rec: dict = {"gpus": p, "layout": "local", "overlap": chunks}
+            try:
+                be = NcclBackend(a, g, norm, transpose=at, gpus=p, layout="local", comms=comms, overlap=chunks)
+                rec["chunk_bounds"] = be.chunk_bounds
+                img = run_image(be, 10)
+                img2 = run_image(be, 10)
+                rec["rel_l2_vs_1gpu"] = rel_l2(img, ref)
+                rec["repeat_bitwise"] = bool(np.array_equal(img, img2))
+                rec["eager"] = time_backend(be, cp, devices, iters=30, synced=True) | time_backend(be, cp, devices, iters=100, synced=False)
+                be.use_graph(True)
+                rec["graph_bitwise_vs_eager"] = bool(np.array_equal(run_image(be, 10), img))
+                rec["graph"] = time_backend(be, cp, devices, iters=30, synced=True) | time_backend(be, cp, devices, iters=100, synced=False)
+                be.close()
+                del be
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+                rec["trace"] = traceback.format_exc()[-2000:]
+            res["runs"].append(rec)
+            t1 = res["one_gpu"]["wall_pipelined"]
+            if "error" in rec:
+                print(rec["error"], rec["trace"], flush=True)
+            else:
+                print(
+                    f"[{time.perf_counter() - t_start:.0f} s] {p} GPUs overlap {chunks}: eager {rec['eager']['wall_pipelined'] * 1e3:.3f} ms "
+                    f"graph {rec['graph']['wall_pipelined'] * 1e3:.3f} ms (synced {rec['graph']['wall_synced'] * 1e3:.3f}) "
+                    f"speed-up {t1 / rec['graph']['wall_pipelined']:.2f} relL2 {rec['rel_l2_vs_1gpu']:.1e} "
+                    f"repeat {rec['repeat_bitwise']} graph=eager {rec['graph_bitwise_vs_eager']}",
+                    flush=True,
+                )
+            free_pools(cp, range(ndev))
+            save(out, "overlap.json", res)
+        for c in comms:
+            c.destroy()
+    print(f"[{time.perf_counter() - t_start:.0f} s] SECTION DONE", flush=True)
+
+
+def section_nccltune(args, out: Path) -> None:
+    """4 GPUs, graph replay, under this process's NCCL_PROTO / NCCL_ALGO: all-reduce alone and the iteration."""
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    from mlemlib.dist.nccl import NcclBackend
+
+    ndev = cp.cuda.runtime.getDeviceCount()
+    devices = list(range(ndev))
+    a, at, g, norm, _ = make_problem(BIG_DIMS, host=False)
+    m, n = a.shape
+    comms = nccl.NcclCommunicator.initAll(devices)
+    rec = {"NCCL_PROTO": os.environ.get("NCCL_PROTO", ""), "NCCL_ALGO": os.environ.get("NCCL_ALGO", ""), "gpus": ndev}
+    rec["allreduce_n_s"] = allreduce_micro(cp, comms, devices, n)
+    rec["allreduce_m_s"] = allreduce_micro(cp, comms, devices, m)
+    for layout in ("local", "thesis"):
+        be = NcclBackend(a, g, norm, transpose=at, gpus=ndev, layout=layout, comms=comms, graph=True)
+        rec[layout] = time_backend(be, cp, devices, iters=30, synced=True) | time_backend(be, cp, devices, iters=200, synced=False)
+        be.close()
+        del be
+    print("TUNE " + json.dumps(rec), flush=True)
+    for c in comms:
+        c.destroy()
+    print("SECTION DONE", flush=True)
 
 
 # --------------------------------------------------------------------------- summary table
@@ -464,13 +583,14 @@ def summarize(out: Path) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--all", action="store_true", help="env, lease, small, bench; then the table")
-    ap.add_argument("--section", choices=("env", "lease", "small", "bench", "rank", "summary"))
+    ap.add_argument("--section", choices=("env", "lease", "small", "bench", "overlap", "nccltune", "rank", "summary"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--work", default=None)
     ap.add_argument("--layout", default="local")
     ap.add_argument("--parts", type=int, default=2)
     ap.add_argument("--bootstrap", default="file")
     ap.add_argument("--dims", type=int, nargs=5, default=None, metavar=("NX", "NY", "NZ", "ANGLES", "OFFSETS"))
+    ap.add_argument("--only", nargs="*", default=None, help="with --all: run only these sections")
     ap.add_argument("--small-timeout", type=int, default=200)
     ap.add_argument("--bench-timeout", type=int, default=330)
     args = ap.parse_args()
@@ -481,20 +601,35 @@ def main() -> int:
     if args.all:
         t0 = time.perf_counter()
         for name in ("env", "lease"):
+            if args.only and name not in args.only:
+                continue
             try:
                 globals()[f"section_{name}"](args, out)
             except Exception:
                 traceback.print_exc()
         me = [sys.executable, str(Path(__file__).resolve()), "--out", str(out)]
-        for name, limit in (("small", args.small_timeout), ("bench", args.bench_timeout)):
+        for name, limit in (("small", args.small_timeout), ("bench", args.bench_timeout), ("overlap", args.bench_timeout)):
+            if args.only and name not in args.only:
+                continue
             t1 = time.perf_counter()
-            try:
-                with open(out / f"{name}.log", "w") as log:
-                    p = subprocess.run(me + ["--section", name], stdout=log, stderr=subprocess.STDOUT, timeout=limit, check=False)
-                print(f"section {name}: rc={p.returncode} in {time.perf_counter() - t1:.0f} s", flush=True)
-            except subprocess.TimeoutExpired:
-                print(f"section {name}: TIMED OUT after {limit} s (see {name}.log)", flush=True)
-            print((out / f"{name}.log").read_text()[-1500:], flush=True)
+            logf = out / f"{name}.log"
+            with open(logf, "w") as log:
+                p = subprocess.Popen(me + ["--section", name], stdout=log, stderr=subprocess.STDOUT)
+                done_at = None
+                while p.poll() is None and time.perf_counter() - t1 < limit:
+                    time.sleep(1)
+                    if done_at is None and "SECTION DONE" in logf.read_text():
+                        done_at = time.perf_counter()
+                    if done_at is not None and time.perf_counter() - done_at > 30:
+                        break
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                    why = "hung at exit (killed 30 s after SECTION DONE)" if done_at else f"TIMED OUT after {limit} s"
+                    print(f"section {name}: {why}", flush=True)
+                else:
+                    print(f"section {name}: rc={p.returncode} in {time.perf_counter() - t1:.0f} s", flush=True)
+            print(logf.read_text()[-3000:], flush=True)
         print(f"total {time.perf_counter() - t0:.0f} s", flush=True)
         print(summarize(out))
         return 0

@@ -50,11 +50,17 @@ def register(sub) -> None:
     p.add_argument("--timings", metavar="TIMINGS.json", default=None, help="timings file (default: timings.json beside --out)")
     p.add_argument("--matrix-name", metavar="NAME", default=None, help="matrix name in tables (default: from its path)")
     p.add_argument("-o", "--out", required=True, metavar="IMAGE.h5", help="image to write")
+    p.add_argument(
+        "--lease", action="store_true",
+        help="take --gpus free GPUs of this node with lock files first (concurrent jobs; see mlem lease)",
+    )
+    p.add_argument("--lease-timeout", type=float, default=600.0, metavar="SECONDS", help="wait at most this long for --lease")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the reconstruction; print a one-line summary."""
+    import contextlib
     import math
 
     from mlemlib.backends.cpu import passive_omp_wait
@@ -62,13 +68,19 @@ def run(args: argparse.Namespace) -> int:
     passive_omp_wait()  # before any Numba parallel launch (the norm, the phantom projection)
     from mlemlib.mlem import reconstruct
 
-    t = reconstruct(
-        args.matrix, args.sino, args.out, iterations=args.iterations, backend=args.backend, fp=args.fp, bp=args.bp,
-        secsize=args.secsize, gpus=args.gpus, layout=args.layout, norm=args.norm, transpose=args.transpose,
-        plan=args.plan, checkpoint_every=args.checkpoint_every, checkpoint=args.checkpoint,
-        repetitions=args.repetitions, reference=args.reference, truth=args.truth, timings_out=args.timings,
-        reference_mode=args.reference_mode, threads=args.threads, matrix_name=args.matrix_name,
-    )
+    lease = contextlib.nullcontext()
+    if args.lease:  # before anything initialises CUDA: the lease sets CUDA_VISIBLE_DEVICES
+        from mlemlib.dist.lease import lease_gpus
+
+        lease = lease_gpus(args.gpus, timeout=args.lease_timeout)
+    with lease:
+        t = reconstruct(
+            args.matrix, args.sino, args.out, iterations=args.iterations, backend=args.backend, fp=args.fp, bp=args.bp,
+            secsize=args.secsize, gpus=args.gpus, layout=args.layout, norm=args.norm, transpose=args.transpose,
+            plan=args.plan, checkpoint_every=args.checkpoint_every, checkpoint=args.checkpoint,
+            repetitions=args.repetitions, reference=args.reference, truth=args.truth, timings_out=args.timings,
+            reference_mode=args.reference_mode, threads=args.threads, matrix_name=args.matrix_name,
+        )
     last = t["repetitions"][-1]
     it = last["steps"].get("iteration", {}).get("mean")
     per_it = f"{it * 1e3:.3f} ms/iteration" if it is not None and math.isfinite(it) else "no iterations"

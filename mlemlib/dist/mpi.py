@@ -216,13 +216,31 @@ def init_communicator(
     device = info.local_rank % ndev
     cp.cuda.Device(device).use()
     if bootstrap == "mpi":
-        uid = world.bcast(nccl.get_unique_id() if info.rank == 0 else None, root=0)
+        uid = world.bcast(nccl.get_unique_id() if info.rank == 0 else None, root=0)  # bytes, any CuPy form
     else:
-        uid = tuple(exchange_id_file(id_file, info.rank, nccl.get_unique_id, token=default_token(env), timeout=timeout))
+        uid = exchange_id_file(id_file, info.rank, nccl.get_unique_id, token=default_token(env), timeout=timeout)
     with cp.cuda.Device(device):
-        comm = nccl.NcclCommunicator(info.size, uid, info.rank)
+        comm = _communicator(nccl, info.size, uid, info.rank)
     log.info("rank %d of %d (local %d, %s) on GPU %d: NCCL communicator ready", info.rank, info.size, info.local_rank, info.source, device)
     return comm, info, device
+
+
+def unique_id_value(uid: Any) -> bytes | tuple[int, ...]:
+    """NCCL's unique id in the form ``NcclCommunicator`` takes: bytes (CuPy >= 13) from a list of ints.
+
+    Values may come as 0..255 (bytes) or as signed chars (older CuPy's tuples).
+    """
+    if isinstance(uid, (bytes, bytearray)):
+        return bytes(uid)
+    return bytes(int(v) & 0xFF for v in uid)
+
+
+def _communicator(nccl: Any, size: int, uid: Any, rank: int) -> Any:
+    value = unique_id_value(uid)
+    try:
+        return nccl.NcclCommunicator(size, value, rank)
+    except TypeError:  # an older CuPy takes a tuple of signed chars
+        return nccl.NcclCommunicator(size, tuple(b - 256 if b > 127 else b for b in value), rank)
 
 
 def make_backend(
@@ -247,7 +265,9 @@ def make_backend(
     if gpus is not None and int(gpus) != info.size:
         raise ConfigError("gpus", f"--gpus {gpus} but the launcher started {info.size} ranks (one GPU per rank)")
     kw.pop("devices", None)
-    return NcclBackend(matrix, g, norm, devices=[device], parts=[info.rank], world=info.size, comms=[comm], **kw)
+    return NcclBackend(
+        matrix, g, norm, devices=[device], parts=[info.rank], world=info.size, comms=[comm], own_comms=True, **kw
+    )
 
 
 def launch_local(

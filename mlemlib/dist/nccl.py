@@ -35,9 +35,12 @@ communicator spanning several processes.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,11 +204,35 @@ def _to_device(arr: Any, device: int) -> Any:
         return cp.asarray(np.ascontiguousarray(arr))
 
 
-def rows_to_device(source: Any, r0: int, r1: int, device: int) -> Any:
+#: ``csr_vector`` loads 4 non-zeros at a time from index multiples of 4: a row block keeps its
+#: global offset modulo this, so each row is summed exactly as in the whole matrix.
+ALIGN = 4
+
+
+def aligned_pad(base: int) -> int:
+    """Leading padding that gives a block starting at non-zero ``base`` the same alignment as in the whole matrix."""
+    return int(base) % ALIGN
+
+
+def rows_to_device(source: Any, r0: int, r1: int, device: int, *, align: bool = False) -> Any:
     """Rows ``[r0, r1)`` of a matrix source as a ``DeviceCSR`` on ``device``.
 
-    ``source``: an opened matrix (``read_rows``: only that range is read), a
-    :class:`CSRMatrix`, a SciPy sparse matrix, or a ``DeviceCSR`` on any GPU.
+    Parameters
+    ----------
+    source
+        An opened matrix (``read_rows``: only that range is read), a
+        :class:`CSRMatrix`, a SciPy sparse matrix, or a ``DeviceCSR`` on any GPU.
+    r0, r1
+        The row range.
+    device
+        Target GPU.
+    align
+        Keep the block's first non-zero at its global offset modulo
+        :data:`ALIGN`: ``pad = indptr[r0] % 4`` leading zero entries (column
+        0, value 0) that no row covers, and a row pointer starting at
+        ``pad``. ``csr_vector`` then sums every row in the same order as on
+        the whole matrix, so partial results are bit-identical to one GPU's.
+        Only for the row kernels (cuSPARSE needs a row pointer starting at 0).
     """
     from mlemlib.backends import _cuda_kernels as ck
 
@@ -214,33 +241,76 @@ def rows_to_device(source: Any, r0: int, r1: int, device: int) -> Any:
         with cp.cuda.Device(source.indptr.device.id):
             ip = source.indptr[r0 : r1 + 1]
             base, end = int(ip[0]), int(ip[-1])
-            ip = ip - base
-            idx, val = source.indices[base:end], source.data[base:end]
+            pad = aligned_pad(base) if align else 0
+            ip = ip - (base - pad)
+            idx, val = source.indices[base - pad : end], source.data[base - pad : end]
         with cp.cuda.Device(device):
-            return ck.DeviceCSR(_to_device(ip, device), _to_device(idx, device), _to_device(val, device), (r1 - r0, source.shape[1]))
+            idx, val = _to_device(idx, device), _to_device(val, device)
+            if pad:
+                idx[:pad] = 0
+                val[:pad] = 0
+            return ck.DeviceCSR(_to_device(ip, device), idx, val, (r1 - r0, source.shape[1]))
     if hasattr(source, "read_rows"):
         block = source.read_rows(r0, r1)
+        base = int(_indptr_at(source, r0)) if align else 0
     elif isinstance(source, CSRMatrix):
         block = slice_rows_host(source, r0, r1)
+        base = int(source.indptr[r0] - source.indptr[0])
     elif hasattr(source, "tocsr"):
-        block = slice_rows_host(CSRMatrix.from_scipy(source), r0, r1)
+        full = CSRMatrix.from_scipy(source)
+        block = slice_rows_host(full, r0, r1)
+        base = int(full.indptr[r0])
     else:
         raise TypeError(f"cannot read rows of {type(source).__name__}")
+    pad = aligned_pad(base) if align else 0
     with cp.cuda.Device(device):
-        return ck.DeviceCSR.from_host(block)
+        if not pad:
+            return ck.DeviceCSR.from_host(block)
+        ip = np.asarray(block.indptr, dtype=np.int64)
+        ip = ip - ip[0] + pad
+        idx = np.zeros(block.nnz + pad, dtype=np.int32)
+        val = np.zeros(block.nnz + pad, dtype=np.float32)
+        idx[pad:] = block.indices[: block.nnz]
+        val[pad:] = block.data[: block.nnz]
+        return ck.DeviceCSR(cp.asarray(ip), cp.asarray(idx), cp.asarray(val), block.shape)
+
+
+def _indptr_at(source: Any, row: int) -> int:
+    """``indptr[row]`` of an opened matrix (one element read where the reader allows it)."""
+    ds = getattr(source, "_ds", None)
+    if ds is not None and "indptr" in ds:
+        return int(ds["indptr"][row])
+    return int(source.read_indptr()[row])
+
+
+def unpadded(a: Any) -> Any:
+    """A ``DeviceCSR`` without :func:`rows_to_device`'s alignment padding (a copy when padded)."""
+    from mlemlib.backends import _cuda_kernels as ck
+
+    pad = int(a.indptr[0])
+    if pad == 0:
+        return a
+    return ck.DeviceCSR(a.indptr - pad, a.indices[pad:].copy(), a.data[pad:].copy(), a.shape)
 
 
 @dataclass
 class _Shard:
-    """What one GPU holds and does."""
+    """What one GPU holds and does.
+
+    Field order is teardown order: the CUDA graph goes before the
+    communicator (NCCL waits for graphs that captured a communicator to be
+    destroyed before it destroys the communicator).
+    """
 
     part: int
     device: int
     rows: tuple[int, int]
     cols: tuple[int, int]
-    stream: Any = None
-    comm: Any = None
-    a: Any = None  # A_k
+    graph: Any = None
+    events: dict = field(default_factory=dict)
+    order: list = field(default_factory=list)
+    a: Any = None  # A_k (row pointer may start at an alignment pad, see rows_to_device)
+    nnz: int = 0  # non-zeros of A_k (without padding)
     at: Any = None  # A_k^T (local) or rows cols of A^T (thesis); None for scatter
     smem: Any = None
     g: Any = None  # g_k (local) or g (thesis)
@@ -251,9 +321,12 @@ class _Shard:
     send: Any = None  # thesis: zero-padded FP of the block
     img_send: Any = None  # thesis: zero-padded image/bp block
     bp: Any = None
-    events: dict = field(default_factory=dict)
-    order: list = field(default_factory=list)
-    graph: Any = None
+    comm: Any = None
+    at_chunks: list = field(default_factory=list)  # row views of A_k^T (overlap)
+    chunk_events: list = field(default_factory=list)
+    join_event: Any = None
+    cstream: Any = None  # communication stream (overlap)
+    stream: Any = None
 
 
 class NcclBackend(Backend):
@@ -290,12 +363,19 @@ class NcclBackend(Backend):
         update into the thesis back projection (then the thesis layout
         all-reduces the image rather than the back projection).
     graph
-        Capture the iteration as CUDA graphs and replay them.
-    parts, world, comms
+        Capture the iteration as CUDA graphs and replay them. None: from
+        ``$MLEM_CUDA_GRAPH`` (``1``/``true``/``yes``; default off).
+    overlap
+        Local layout: back-project ``A_k^T`` in this many voxel chunks and
+        all-reduce each chunk on a second stream while the next is computed
+        (0 or 1: one all-reduce after the whole back projection). Needs a
+        row kernel on the stored ``A_k^T``.
+    parts, world, comms, own_comms
         Multi-process use (:mod:`mlemlib.dist.mpi`): the plan parts this
-        process owns (one per device), the total number of parts (ranks) and
-        the communicators (one per device). Default: this process owns all
-        parts and creates the communicators with ``initAll``.
+        process owns (one per device), the total number of parts (ranks),
+        the communicators (one per device) and whether :meth:`close`
+        destroys them. Default: this process owns all parts and creates
+        (and later destroys) the communicators with ``initAll``.
 
     Raises
     ------
@@ -323,10 +403,12 @@ class NcclBackend(Backend):
         secsize: int | None = None,
         lanes: int | None = None,
         fuse: bool = True,
-        graph: bool = False,
+        graph: bool | None = None,
+        overlap: int = 0,
         parts: list[int] | None = None,
         world: int | None = None,
         comms: list[Any] | None = None,
+        own_comms: bool = False,
     ) -> None:
         super().__init__()
         cp = _cupy()
@@ -336,6 +418,8 @@ class NcclBackend(Backend):
 
         self.layout = layout
         self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout)
+        if graph is None:
+            graph = os.environ.get("MLEM_CUDA_GRAPH", "0").strip().lower() in ("1", "true", "yes", "on")
         self.graph = bool(graph)
         if self.graph and (self.fp_kernel in ALLOCATING_KERNELS or self.bp_kernel in ALLOCATING_KERNELS):
             raise ConfigError("graph", f"graph capture needs non-allocating kernels; fp={self.fp_kernel} bp={self.bp_kernel} use cuSPARSE through CuPy")
@@ -402,18 +486,23 @@ class NcclBackend(Backend):
                 s = _Shard(part=part, device=dev, rows=(r0, r1), cols=(c0, c1))
                 with cp.cuda.Device(dev):
                     s.stream = cp.cuda.Stream(non_blocking=True)
-                    s.a = rows_to_device(matrix, r0, r1, dev)
+                    # Pad for csr_vector only (scatter kernels and cuSPARSE expect a row pointer from 0).
+                    pad_a = self.fp_kernel == "csr_vector" and self.bp_kernel not in SCATTER_KERNELS
+                    s.a = rows_to_device(matrix, r0, r1, dev, align=pad_a)
+                    s.nnz = int(s.a.indptr[-1] - s.a.indptr[0])
                     if layout == "thesis":
-                        s.at = rows_to_device(transpose, c0, c1, dev)
+                        s.at = rows_to_device(transpose, c0, c1, dev, align=self.bp_kernel == "csr_vector")
                     elif self.bp_kernel not in SCATTER_KERNELS:
                         if local_files:
                             with open_matrix(local_files[part]) as pf:
                                 s.at = rows_to_device(pf, 0, n, dev)
-                            if s.at.shape != (n, r1 - r0) or s.at.nnz != s.a.nnz:
-                                raise MatrixFormatError(local_files[part], f"part is {s.at.shape} with {s.at.nnz} nnz, expected {(n, r1 - r0)} with {s.a.nnz}")
+                            if s.at.shape != (n, r1 - r0) or s.at.nnz != s.nnz:
+                                raise MatrixFormatError(local_files[part], f"part is {s.at.shape} with {s.at.nnz} nnz, expected {(n, r1 - r0)} with {s.nnz}")
                         else:
-                            s.at = s.a.transpose()  # cuSPARSE csr2csc on this GPU: A_k^T, rows sorted
-                            s.a.drop_cusparse()
+                            plain = unpadded(s.a)
+                            s.at = plain.transpose()  # cuSPARSE csr2csc on this GPU: A_k^T, rows sorted
+                            plain.drop_cusparse()
+                            del plain
                     elif self.bp_kernel == "scatter_smem":
                         s.smem = ck.smem_plan(s.a)
                     s.norm = cp.asarray(norm, dtype=cp.float32)
@@ -431,7 +520,7 @@ class NcclBackend(Backend):
                         s.img_send = cp.zeros(n, dtype=cp.float32)
                         s.bp = cp.empty(n, dtype=cp.float32)
                 self.shards.append(s)
-                log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", dev, part, r0, r1, s.a.nnz, f", A^T rows [{c0}, {c1})" if layout == "thesis" else "")
+                log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", dev, part, r0, r1, s.nnz, f", A^T rows [{c0}, {c1})" if layout == "thesis" else "")
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise DeviceError(f"out of GPU memory loading the parts ({exc}); use more GPUs") from exc
         # Loading ran on each device's default stream; the iteration runs on non-blocking streams.
@@ -445,12 +534,27 @@ class NcclBackend(Backend):
             if self.world != len(devices):
                 raise ConfigError("comms", "several processes need communicators (see mlemlib.dist.mpi)")
             comms = nccl.NcclCommunicator.initAll(devices) if len(devices) > 1 else [self._single_comm(dev) for dev in devices]
+            self._owns_comms = True
+        else:
+            self._owns_comms = bool(own_comms)
         if len(comms) != len(devices):
             raise ConfigError("comms", f"{len(comms)} communicators for {len(devices)} devices")
         for s, comm in zip(self.shards, comms):
             s.comm = comm
         self.nccl_version = int(nccl.get_version())
 
+        self.chunks = 0
+        self.chunk_bounds: list[tuple[int, int]] = []
+        overlap = int(overlap or 0)
+        if overlap < 0:
+            raise ConfigError("overlap", f"number of chunks must be >= 0, got {overlap}")
+        if overlap > 1:
+            if layout != "local" or self.bp_kernel in SCATTER_KERNELS:
+                raise ConfigError("overlap", "overlap needs layout=local and a back projection on the stored A_k^T")
+            self._setup_chunks(overlap)
+            self.chunks = len(self.chunk_bounds)
+        self._closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))
         self._warm_up()
         if self.graph:
             self._capture()
@@ -515,12 +619,17 @@ class NcclBackend(Backend):
                         self._mark(s, "fp", record)
                         ck.correlate(s.g, s.fp, out=s.c)
                         self._mark(s, "corr", record)
+                    if self.chunks:
+                        continue  # back projection and all-reduce chunk by chunk, below
                     if s.at is not None:
                         self._spmv(s.at, s.c, s.bp, self.lanes_bp(s))
                     else:
                         ck.scatter(s.a, s.c, s.bp, kernel=self.bp_kernel, lanes=self.lanes_fp, smem=s.smem)
                     self._mark(s, "bp", record)
-            self._allreduce([(s.bp, s.bp) for s in self.shards])
+            if self.chunks:
+                self._overlapped_bp(record)
+            else:
+                self._allreduce([(s.bp, s.bp) for s in self.shards])
             for s in self.shards:
                 with cp.cuda.Device(s.device), s.stream:
                     self._mark(s, "allreduce", record)
@@ -558,6 +667,62 @@ class NcclBackend(Backend):
                     self._mark(s, "allreduce2", record)
                     ck.update(s.f, s.bp, s.norm, out=s.f)
                     self._mark(s, "update", record)
+
+    def _overlapped_bp(self, record: bool) -> None:
+        """Back-project ``A_k^T`` in voxel chunks; all-reduce chunk j on a second stream while chunk j+1 runs.
+
+        Chunk boundaries are the same on every GPU (:attr:`chunk_bounds`).
+        The compute stream forks to the communication stream through an
+        event per chunk and joins it after the last all-reduce, so a CUDA
+        graph captures the overlap as well.
+        """
+        cp = _cupy()
+        nccl = _nccl()
+        for j, (v0, v1) in enumerate(self.chunk_bounds):
+            for s in self.shards:
+                with cp.cuda.Device(s.device), s.stream:
+                    self._spmv(s.at_chunks[j], s.c, s.bp[v0:v1], self.lanes_bp(s))
+                    s.chunk_events[j].record(s.stream)
+                    s.cstream.wait_event(s.chunk_events[j])
+            nccl.groupStart()
+            try:
+                for s in self.shards:
+                    with cp.cuda.Device(s.device):
+                        buf = s.bp[v0:v1]
+                        s.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, s.cstream.ptr)
+            finally:
+                nccl.groupEnd()
+        for s in self.shards:
+            with cp.cuda.Device(s.device), s.stream:
+                self._mark(s, "bp", record)  # the compute stream is done with the back projection
+                s.join_event.record(s.cstream)
+                s.stream.wait_event(s.join_event)
+
+    def _setup_chunks(self, chunks: int) -> None:
+        """Row views of each ``A_k^T`` over ``chunks`` voxel ranges with about equal non-zeros (all GPUs agree)."""
+        from mlemlib.backends import _cuda_kernels as ck
+
+        cp = _cupy()
+        n = self.shape[1]
+        counts = np.zeros(n, dtype=np.int64)
+        for s in self.shards:  # the whole A^T's row lengths where this process sees all parts, else uniform
+            with cp.cuda.Device(s.device):
+                counts += cp.diff(s.at.indptr).get()
+        if len(self.shards) != self.world:
+            counts = np.ones(n, dtype=np.int64)
+        cum = np.concatenate([[0], np.cumsum(counts)])
+        bounds = [0] + [int(np.searchsorted(cum, cum[-1] * j / chunks)) for j in range(1, chunks)] + [n]
+        bounds = sorted(set(min(max(b, 0), n) for b in bounds))
+        self.chunk_bounds = list(zip(bounds[:-1], bounds[1:]))
+        for s in self.shards:
+            with cp.cuda.Device(s.device):
+                s.cstream = cp.cuda.Stream(non_blocking=True)
+                s.at_chunks = [
+                    ck.DeviceCSR(s.at.indptr[v0 : v1 + 1], s.at.indices, s.at.data, (v1 - v0, s.at.shape[1]))
+                    for v0, v1 in self.chunk_bounds
+                ]
+                s.chunk_events = [cp.cuda.Event(disable_timing=True) for _ in self.chunk_bounds]
+                s.join_event = cp.cuda.Event(disable_timing=True)
 
     def lanes_bp(self, s: _Shard) -> int:
         """Lanes per row of a shard's back projection (the whole A^T's in the thesis layout)."""
@@ -636,9 +801,11 @@ class NcclBackend(Backend):
                     s.f[...] = _to_device(a, s.device) if a.device.id != s.device else a
 
     def synchronize(self) -> None:
-        """Wait for every shard's stream."""
+        """Wait for every shard's streams."""
         for s in self.shards:
             s.stream.synchronize()
+            if s.cstream is not None:
+                s.cstream.synchronize()
 
     def last_step_times(self) -> dict[str, float]:
         """Seconds per step of the last iteration: for each step the slowest GPU's time.
@@ -715,6 +882,41 @@ class NcclBackend(Backend):
         self._adopt(f)
         return [s.f for s in self.shards]
 
+    def close(self) -> None:
+        """Release the GPUs' resources: wait for the streams, drop the graphs, destroy owned communicators.
+
+        Idempotent; also run at interpreter exit (atexit) and by ``with``.
+        The graphs go first: NCCL does not destroy a communicator while a
+        CUDA graph that captured it exists.
+        """
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        cp = _cupy()
+        try:
+            self.synchronize()
+        except Exception as exc:  # a failed kernel must not stop the teardown
+            log.warning("cuda-nccl close: %s", exc)
+        for s in self.shards:
+            s.graph = None
+        gc.collect()
+        for s in self.shards:
+            with cp.cuda.Device(s.device):
+                cp.cuda.runtime.deviceSynchronize()
+        if self._owns_comms:
+            for s in self.shards:
+                if s.comm is not None:
+                    s.comm.destroy()
+        for s in self.shards:
+            s.comm = None
+        self.graph = False
+
+    def __enter__(self) -> NcclBackend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     @property
     def writes_output(self) -> bool:
         """True on the process that should write results (part 0's owner)."""
@@ -729,7 +931,7 @@ class NcclBackend(Backend):
                 facts = device_facts(s.device)
             except Exception as exc:  # NVML/CuPy trouble must not stop a run
                 facts = {"error": str(exc)}
-            devs.append({"index": s.device, "part": s.part, "rows": list(s.rows), "cols": list(s.cols), "nnz": s.a.nnz, **facts})
+            devs.append({"index": s.device, "part": s.part, "rows": list(s.rows), "cols": list(s.cols), "nnz": s.nnz, **facts})
         steps = ["fp", "corr", "bp", "allreduce", "update"]
         if self.layout == "local" and self.fuse and self.fp_kernel in ("csr_vector", "csr_scalar"):
             steps.remove("corr")
@@ -743,6 +945,7 @@ class NcclBackend(Backend):
             "layout": self.layout,
             "gpus": self.world,
             "graph": self.graph,
+            "overlap_chunks": self.chunks,
             "fused": self.fuse,
             "lanes_fp": self.lanes_fp,
             "transpose": "local parts" if self.layout == "local" and self.bp_kernel not in SCATTER_KERNELS else ("row blocks" if self.layout == "thesis" else "none"),
@@ -751,6 +954,13 @@ class NcclBackend(Backend):
             "steps": steps if not self.graph else ["iteration"],
             "devices": devs,
         }
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """atexit hook: close a backend still alive while CUDA still is (not from a destructor)."""
+    be = ref()
+    if be is not None:
+        be.close()
 
 
 def make_backend(matrix: Any, g: Any, norm: Any, **kw: Any) -> NcclBackend:

@@ -1,0 +1,305 @@
+"""Multi-GPU backend and multi-process bootstrap (mlemlib.dist.nccl, mlemlib.dist.mpi).
+
+The host-side logic (kernel resolution, plans, row slicing, rank detection,
+NCCL-id exchange, the local launcher) runs in CI without a GPU; the backend
+itself is tested under the ``gpu`` marker (needs CuPy with NCCL; two GPUs for
+the multi-GPU cases).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from mlemlib import partition
+from mlemlib.dist import make_backend
+from mlemlib.dist import mpi as M
+from mlemlib.dist import nccl as N
+from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
+from mlemlib.matrix import CSRMatrix
+
+
+def _matrix(rng, m=60, n=40, density=0.2) -> CSRMatrix:
+    a = sp.random(m, n, density=density, random_state=np.random.RandomState(int(rng.integers(1 << 30))), format="csr")
+    a.data = a.data.astype(np.float32) + np.float32(0.1)
+    return CSRMatrix.from_scipy(a)
+
+
+def _transpose(a: CSRMatrix) -> CSRMatrix:
+    return CSRMatrix.from_scipy(a.to_scipy().T.tocsr())
+
+
+# --------------------------------------------------------------------------- kernels and plans
+
+
+@pytest.mark.parametrize(
+    "fp, bp, layout, expected",
+    [
+        ("auto", "auto", "local", ("csr_vector", "csr_vector", True)),
+        ("auto", "auto", "thesis", ("csr_vector", "csr_vector", True)),
+        ("csr_scalar", "scatter", "local", ("csr_scalar", "scatter", False)),
+        ("merge", "csr_vector", "thesis", ("merge", "csr_vector", False)),
+    ],
+)
+def test_resolve_kernels(fp, bp, layout, expected):
+    assert N.resolve_kernels(fp, bp, layout) == expected
+
+
+def test_resolve_kernels_rejects():
+    with pytest.raises(ConfigError, match="unknown layout"):
+        N.resolve_kernels("auto", "auto", "ring")
+    with pytest.raises(ConfigError, match="needs layout=local"):
+        N.resolve_kernels("auto", "scatter_smem", "thesis")
+    with pytest.raises(ConfigError, match="not available on several GPUs"):
+        N.resolve_kernels("auto", "notrans", "local")
+    with pytest.raises(ConfigError, match="unknown forward-projection kernel"):
+        N.resolve_kernels("fast", "auto", "local")
+
+
+def test_build_plan_in_memory_matches_the_partition_stage(rng):
+    a = _matrix(rng)
+    at = _transpose(a)
+    plan = N.build_plan(a, at, 3, None, "thesis")
+    expected = partition.make_plan(a.indptr, at.indptr, 3, a.shape)
+    assert plan["rows"] == expected["rows"] and plan["transpose_rows"] == expected["transpose_rows"]
+    # rows cover [0, m) contiguously and the nnz per part add up
+    assert plan["rows"][0][0] == 0 and plan["rows"][-1][1] == a.shape[0]
+    assert all(plan["rows"][k][1] == plan["rows"][k + 1][0] for k in range(2))
+    assert sum(plan["nnz_per_part"]) == a.nnz
+
+
+def test_build_plan_checks_a_given_plan(rng):
+    a = _matrix(rng)
+    plan = partition.make_plan(a.indptr, None, 2, a.shape)
+    with pytest.raises(ConfigError, match="plan has 2 parts but the run uses 4 GPUs"):
+        N.build_plan(a, None, 4, plan, "local")
+    other = _matrix(rng, m=61)
+    with pytest.raises(MatrixFormatError, match="plan is for a"):
+        N.build_plan(other, None, 2, plan, "local")
+    with pytest.raises(ConfigError, match="layout=thesis needs the transpose"):
+        N.build_plan(a, None, 2, plan, "thesis")
+    assert N.build_plan(a, None, 2, plan, "local")["rows"] == plan["rows"]
+
+
+def test_build_plan_reads_the_partition_files(rng, tmp_path):
+    from mlemlib.formats.h5 import MatrixH5, write_matrix_h5
+
+    a = _matrix(rng)
+    write_matrix_h5(tmp_path / "matrix.h5", a)
+    write_matrix_h5(tmp_path / "transpose.h5", _transpose(a))
+    partition.partition_file(tmp_path / "matrix.h5", tmp_path / "transpose.h5", 3, tmp_path / "parts-3")
+    with MatrixH5(tmp_path / "matrix.h5") as mat:
+        plan = N.build_plan(mat, None, 3, tmp_path / "parts-3", "thesis")
+    assert len(plan["local_transpose"]) == 3 and plan["transpose_rows"][-1][1] == a.shape[1]
+
+
+def test_slice_rows_host_equals_scipy(rng):
+    a = _matrix(rng)
+    ref = a.to_scipy()
+    for r0, r1 in ((0, 10), (13, 40), (59, 60), (30, 30)):
+        b = N.slice_rows_host(a, r0, r1)
+        assert b.indptr[0] == 0 and b.shape == (r1 - r0, a.shape[1])
+        assert (b.to_scipy() != ref[r0:r1]).nnz == 0
+
+
+def test_aligned_pad_keeps_offsets_modulo_4():
+    for base in range(0, 17):
+        pad = N.aligned_pad(base)
+        assert 0 <= pad < N.ALIGN and (base - pad) % N.ALIGN == 0
+
+
+# --------------------------------------------------------------------------- ranks and the NCCL id
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"MLEM_RANK": "1", "MLEM_WORLD_SIZE": "4", "MLEM_LOCAL_RANK": "1"}, (1, 4, 1)),
+        ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, (5, 8, 1)),
+        ({"PMI_RANK": "2", "PMI_SIZE": "3"}, (2, 3, 2)),  # no local rank: the rank
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3"}, (3, 4, 3)),
+        # MLEM_* wins over a surrounding SLURM allocation
+        ({"MLEM_RANK": "0", "MLEM_WORLD_SIZE": "2", "SLURM_PROCID": "7", "SLURM_NTASKS": "8"}, (0, 2, 0)),
+    ],
+)
+def test_detect_rank(env, expected):
+    info = M.detect_rank(env)
+    assert (info.rank, info.size, info.local_rank) == expected
+
+
+def test_detect_rank_outside_a_launcher_and_bad_values():
+    assert M.detect_rank({"SLURM_JOB_ID": "1"}) is None
+    with pytest.raises(ConfigError, match="expected an integer"):
+        M.detect_rank({"MLEM_RANK": "x", "MLEM_WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match=r"rank 2 is not in \[0, 2\)"):
+        M.detect_rank({"MLEM_RANK": "2", "MLEM_WORLD_SIZE": "2"})
+
+
+def test_default_token():
+    assert M.default_token({"MLEM_RUN_ID": "abc", "SLURM_JOB_ID": "9"}) == "abc"
+    assert M.default_token({"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "2"}) == "9.2"
+    assert M.default_token({}) == ""
+
+
+def test_unique_id_value_forms():
+    raw = bytes(range(250, 256)) + bytes(range(10))
+    assert M.unique_id_value(raw) == raw
+    assert M.unique_id_value(list(raw)) == raw
+    signed = [b - 256 if b > 127 else b for b in raw]  # older CuPy: signed chars
+    assert M.unique_id_value(signed) == raw
+
+
+def test_exchange_id_file_all_ranks_get_rank0s_id(tmp_path):
+    path = tmp_path / "nccl-id.json"
+    uid = bytes(np.random.default_rng(3).integers(0, 256, 128, dtype=np.uint8))
+    got: dict[int, list[int]] = {}
+
+    def rank(r):
+        got[r] = M.exchange_id_file(path, r, lambda: uid, token="run-1", timeout=10)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (3, 1, 2)]  # readers start first
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    rank(0)
+    for t in threads:
+        t.join(10)
+    assert set(got) == {0, 1, 2, 3}
+    assert all(M.unique_id_value(v) == uid for v in got.values())
+
+
+def test_exchange_id_file_ignores_a_stale_file_and_times_out(tmp_path):
+    path = tmp_path / "nccl-id.json"
+    path.write_text(json.dumps({"token": "old-run", "uid": [1] * 128}))
+    with pytest.raises(DeviceError, match="waited 0.3 s for rank 0"):
+        M.exchange_id_file(path, 1, lambda: b"", token="new-run", timeout=0.3)
+    fresh = bytes(range(128))
+    result = {}
+    t = threading.Thread(target=lambda: result.update(v=M.exchange_id_file(path, 1, None, token="new-run", timeout=10)))
+    t.start()
+    time.sleep(0.2)
+    assert M.exchange_id_file(path, 0, lambda: fresh, token="new-run") == list(fresh)
+    t.join(10)
+    assert M.unique_id_value(result["v"]) == fresh
+
+
+RANK_PROBE = (
+    "import json, os, sys\n"
+    "keys = ['MLEM_RANK', 'MLEM_WORLD_SIZE', 'MLEM_LOCAL_RANK', 'MLEM_LAUNCHER', 'MLEM_NCCL_ID_FILE', 'MLEM_RUN_ID', "
+    "'CUDA_VISIBLE_DEVICES']\n"
+    "open(os.path.join(sys.argv[1], 'rank-' + os.environ['MLEM_RANK'] + '.json'), 'w').write("
+    "json.dumps({k: os.environ.get(k) for k in keys}))\n"
+)
+
+
+def test_launch_local_gives_each_rank_its_identity(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="3,1,2")
+    codes = M.launch_local(3, [sys.executable, "-c", RANK_PROBE, str(tmp_path)], env=env, id_dir=tmp_path, timeout=60)
+    assert codes == [0, 0, 0]
+    recs = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(3)]
+    assert [r["MLEM_RANK"] for r in recs] == ["0", "1", "2"]
+    assert {r["MLEM_WORLD_SIZE"] for r in recs} == {"3"}
+    assert [r["CUDA_VISIBLE_DEVICES"] for r in recs] == ["3", "1", "2"]  # one GPU each, from the parent's list
+    assert {r["MLEM_LOCAL_RANK"] for r in recs} == {"0"}
+    assert len({r["MLEM_RUN_ID"] for r in recs}) == 1 and len({r["MLEM_NCCL_ID_FILE"] for r in recs}) == 1
+    assert not list(tmp_path.glob("mlem-nccl-*.json"))  # the id file is removed
+
+
+def test_launch_local_stops_the_others_when_one_rank_fails(tmp_path):
+    script = "import os, sys, time\nif os.environ['MLEM_RANK'] == '1': sys.exit(3)\ntime.sleep(60)\n"
+    t0 = time.monotonic()
+    codes = M.launch_local(3, [sys.executable, "-c", script], id_dir=tmp_path, one_gpu_each=False, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert codes[1] == 3 and codes[0] != 0 and codes[2] != 0
+
+
+def test_launch_local_refuses_more_ranks_than_gpus(tmp_path):
+    with pytest.raises(ConfigError, match="3 ranks but only 2 GPUs"):
+        M.launch_local(3, ["true"], env={"CUDA_VISIBLE_DEVICES": "0,1"}, id_dir=tmp_path)
+
+
+def test_mpi_module_runs_as_a_launcher(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "mlemlib.dist.mpi", "-n", "2", "--", sys.executable, "-c", RANK_PROBE, str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0,1"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.glob("rank-*.json")) == ["rank-0.json", "rank-1.json"]
+
+
+def test_make_backend_rejects_unknown_launcher(rng):
+    with pytest.raises(ConfigError, match="unknown launcher 'slurm'"):
+        make_backend(_matrix(rng), None, None, launcher="slurm")
+
+
+# --------------------------------------------------------------------------- on GPUs
+
+
+def _gpus() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+def _problem():
+    from mlemlib.bench import tor_matrix
+
+    a = tor_matrix(24, 24, 3, 24, 30)
+    at = _transpose(a)
+    x = np.random.default_rng(5).uniform(0.5, 1.5, a.shape[1]).astype(np.float32)
+    g = np.rint(a.to_scipy() @ x * 10).astype(np.float32)
+    norm = np.asarray(a.to_scipy().sum(axis=0), dtype=np.float64).ravel()
+    return a, at, g, norm
+
+
+def _image(be, iters=15):
+    f = be.initial_image()
+    for _ in range(iters):
+        f = be.iterate(f)
+    return be.to_host(f)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["local", "thesis"])
+def test_nccl_backend_matches_one_gpu(layout):
+    from mlemlib.backends.cuda import CudaBackend
+
+    p = min(_gpus(), 4)
+    a, at, g, norm = _problem()
+    ref = _image(CudaBackend(a, g, norm, transpose=at, fp="csr_vector", bp="csr_vector"))
+    with N.NcclBackend(a, g, norm, transpose=at, gpus=p, layout=layout) as be:
+        img = _image(be)
+        again = _image(be)
+        be.use_graph(True)
+        graphed = _image(be)
+        steps = be.last_step_times()
+    assert np.array_equal(img, again)  # deterministic run after run
+    assert np.array_equal(img, graphed)  # the graph replays the same launches
+    assert "iteration" in steps
+    rel = np.linalg.norm(img.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64))
+    assert rel < 1e-6
+    if layout == "thesis":  # sums with zeros only, rows summed as on one GPU
+        assert np.array_equal(img, ref)
+
+
+@pytest.mark.gpu
+def test_nccl_backend_step_times_and_describe():
+    a, at, g, norm = _problem()
+    with N.NcclBackend(a, g, norm, transpose=at, gpus=min(_gpus(), 2), layout="local") as be:
+        be.iterate(be.initial_image())
+        times = be.last_step_times()
+        desc = be.describe()
+    assert {"fp", "bp", "allreduce", "update", "iteration"} <= set(times)
+    assert all(v >= 0 for v in times.values())
+    assert desc["backend"] == "cuda-nccl" and desc["layout"] == "local" and desc["deterministic"]
