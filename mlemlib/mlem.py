@@ -430,24 +430,16 @@ def make_backend(
     kw: dict[str, Any] = {"transpose": transpose, "fp": fp, "bp": bp, **options}
     if secsize is not None:
         kw["secsize"] = secsize
-    import importlib
+    try:
+        if gpus == 1 and not options.get("graph"):
+            from mlemlib.backends.cuda import CudaBackend as factory
+        else:  # several GPUs, or graph capture (the NCCL backend's, on one GPU too)
+            from mlemlib.dist import make_backend as factory
 
-    if gpus == 1:
-        candidates = [("mlemlib.backends.cuda", "make_backend"), ("mlemlib.backends.cuda", "CudaBackend")]
-    else:
-        kw.update(gpus=gpus, layout=layout or "local", plan=plan)
-        candidates = [("mlemlib.dist", "make_backend"), ("mlemlib.dist.nccl", "make_backend")]
-    errors = []
-    for module, attr in candidates:
-        try:
-            factory = getattr(importlib.import_module(module), attr, None)
-        except ImportError as exc:
-            errors.append(f"{module}: {exc}")
-            continue
-        if factory is not None:
-            return factory(matrix, g, norm, **kw)
-        errors.append(f"{module} has no {attr}")
-    raise DeviceError(f"backend cuda with {gpus} GPU(s) is not available: {'; '.join(errors)}")
+            kw.update(gpus=gpus, layout=layout or "local", plan=plan)
+    except ImportError as exc:
+        raise DeviceError(f"backend cuda with {gpus} GPU(s) is not available: {exc}") from exc
+    return factory(matrix, g, norm, **kw)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -531,6 +523,7 @@ def reconstruct(
     fp: str = "auto",
     bp: str = "auto",
     secsize: int | None = None,
+    graph: bool = False,
     gpus: int = 1,
     layout: str = "local",
     norm: Any | None = None,
@@ -562,7 +555,7 @@ def reconstruct(
         The ``image.h5`` to write.
     iterations
         MLEM iterations per repetition (>= 0).
-    backend, fp, bp, secsize, gpus, layout, plan, threads
+    backend, fp, bp, secsize, graph, gpus, layout, plan, threads
         Passed to :func:`make_backend`.
     norm
         ``norm.h5`` path or array (float64, n); None computes the column sums.
@@ -607,7 +600,7 @@ def reconstruct(
     try:
         return _reconstruct(
             opened, matrix, sino, out_image, iterations=iterations, backend=backend, fp=fp, bp=bp, secsize=secsize,
-            gpus=gpus, layout=layout, norm=norm, transpose=transpose, plan=plan, checkpoint_every=checkpoint_every,
+            graph=graph, gpus=gpus, layout=layout, norm=norm, transpose=transpose, plan=plan, checkpoint_every=checkpoint_every,
             checkpoint=checkpoint, repetitions=repetitions, reference=reference, truth=truth, timings_out=timings_out,
             raw_out=raw_out, reference_mode=reference_mode, threads=threads, device_info=device_info,
             matrix_name=matrix_name, keep_checkpoint=keep_checkpoint, progress=progress,
@@ -617,7 +610,7 @@ def reconstruct(
 
 
 def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, iterations: int, backend: str, fp: str,
-                 bp: str, secsize: int | None, gpus: int, layout: str, norm: Any, transpose: Any, plan: Any,
+                 bp: str, secsize: int | None, graph: bool, gpus: int, layout: str, norm: Any, transpose: Any, plan: Any,
                  checkpoint_every: int, checkpoint: Any, repetitions: int, reference: Any, truth: Any,
                  timings_out: Any, raw_out: Any, reference_mode: bool, threads: int | None,
                  device_info: dict[str, Any] | None, matrix_name: str | None, keep_checkpoint: bool,
@@ -704,15 +697,19 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
     with Stopwatch() as sw_setup:
         be = make_backend(
             backend, src, g, norm_arr, tsrc, fp=fp, bp=bp, dtype=dtype, gpus=gpus, layout=layout, plan=plan,
-            secsize=secsize, threads=threads,
+            secsize=secsize, threads=threads, **({"graph": True} if graph else {}),
         )
     desc = be.describe()
+    # Under a launcher (one process per GPU) every rank holds the same image; rank 0 writes.
+    writer = bool(getattr(be, "writes_output", True))
     log.info("backend %s ready (%.2f s): %s", desc.get("backend", backend), sw_setup.seconds, desc)
 
     config = {
         "backend": desc.get("backend", backend), "fp": desc.get("fp", fp), "bp": desc.get("bp", bp),
         "secsize": secsize, "gpus": gpus, "layout": layout, "dtype": str(dtype),
     }
+    if graph:
+        config["graph"] = True
     if ck_config is not None and ck_config != config:
         log.warning("%s: written by another configuration %s; resuming with %s", ckpt_path, ck_config, config)
 
@@ -753,7 +750,7 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
                     rep + 1, repetitions, it, iterations, format_seconds(step_times["iteration"]), parts,
                     format_seconds(left),
                 )
-            if checkpoint_every and it % checkpoint_every == 0:
+            if writer and checkpoint_every and it % checkpoint_every == 0:
                 t_ck = time.perf_counter()
                 state = {"config": config, "records": records, "samples": times.to_json(), "resumed_at": rep_resumed}
                 write_checkpoint(ckpt_path, be.to_host(f), key=key, repetition=rep, iteration=it, state=state)
@@ -863,6 +860,9 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
         "raw": os.fspath(raw_path) if raw_path else None,
         "timings": os.fspath(tpath) if tpath else None,
     }
+    if not writer:
+        log.info("not the writing rank: leaving %s to rank 0", out_image)
+        return timings
     write_image(out_image, host_img, grid=grid, voxel_size=voxel_size, attrs=attrs)
     if raw_path is not None:
         write_raw(raw_path, host_img)

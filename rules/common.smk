@@ -67,7 +67,7 @@ wildcard_constraints:
     phantom="[A-Za-z0-9_]+",
     seed="[0-9]+",
     data="[A-Za-z0-9_]+(?:-seed[0-9]+)?",
-    run="(?:cpu|cuda)-[a-z0-9_]+-[a-z0-9_]+(?:-s[0-9]+)?",
+    run="(?:cpu|cuda)-[a-z0-9_]+-[a-z0-9_]+(?:-s[0-9]+)?(?:-graph)?",
     gpus="[0-9]+",
     layout="local|thesis",
 
@@ -244,6 +244,8 @@ def _run_name(entry):
     name = f"{entry['backend']}-{entry['fp']}-{entry['bp']}"
     if entry["secsize"] is not None:
         name += f"-s{entry['secsize']}"
+    if entry["graph"]:
+        name += "-graph"
     return name
 
 
@@ -262,6 +264,7 @@ def _all_runs():
                     "fp": entry["fp"],
                     "bp": entry["bp"],
                     "secsize": entry["secsize"],
+                    "graph": entry["graph"],
                     "gpus": gpus,
                     "layout": layout,
                 }
@@ -283,7 +286,7 @@ def get_runs():
 
 
 def get_run(wildcards):
-    """Settings of one run: backend, fp, bp, secsize, gpus, layout."""
+    """Settings of one run: backend, fp, bp, secsize, graph, gpus, layout."""
     key = (wildcards.run, int(wildcards.gpus), wildcards.layout)
     run = _all_runs().get(key)
     if run is None:
@@ -291,7 +294,9 @@ def get_run(wildcards):
             f"no configured run {wildcards.run} with gpus {wildcards.gpus} "
             f"and layout {wildcards.layout}"
         )
-    return {k: run[k] for k in ("backend", "fp", "bp", "secsize", "gpus", "layout")}
+    return {
+        k: run[k] for k in ("backend", "fp", "bp", "secsize", "graph", "gpus", "layout")
+    }
 
 
 def get_mlem_params(wildcards):

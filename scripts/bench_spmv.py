@@ -7,16 +7,18 @@ from mlemlib.logs import send_to_log
 send_to_log(snakemake.log[0])
 
 from mlemlib.bench import bench_spmv  # noqa: E402
+from mlemlib.dist.lease import lease_gpus  # noqa: E402
 
 bench = snakemake.params.bench
-bench_spmv(
-    snakemake.input.matrix,
-    snakemake.input.transpose,
-    repeat=bench["repeats"],
-    secsizes=bench["secsizes"],
-    matrix_label=snakemake.params.matrix_name,
-    out_csv=snakemake.output.csv,
-    out_md=snakemake.output.md,
-    out_json=snakemake.output.json,
-)
+with lease_gpus(1):  # the GPU Snakemake counted for this job, not one a run holds
+    bench_spmv(
+        snakemake.input.matrix,
+        snakemake.input.transpose,
+        repeat=bench["repeats"],
+        secsizes=bench["secsizes"],
+        matrix_label=snakemake.params.matrix_name,
+        out_csv=snakemake.output.csv,
+        out_md=snakemake.output.md,
+        out_json=snakemake.output.json,
+    )
 logging.info("bench_spmv: wrote %s", snakemake.output.csv)

@@ -6,32 +6,40 @@ from mlemlib.logs import send_to_log
 
 send_to_log(snakemake.log[0])
 
+import contextlib  # noqa: E402
+
+from mlemlib.dist.lease import lease_gpus  # noqa: E402
 from mlemlib.mlem import reconstruct  # noqa: E402
 
 run = snakemake.params.run
 mlem = snakemake.params.mlem
-result = reconstruct(
-    snakemake.input.matrix,
-    snakemake.input.sino,
-    snakemake.output.image,
-    iterations=mlem["iterations"],
-    backend=run["backend"],
-    fp=run["fp"],
-    bp=run["bp"],
-    secsize=run["secsize"],
-    gpus=run["gpus"],
-    layout=run["layout"],
-    norm=snakemake.input.norm,
-    transpose=snakemake.input.get("transpose"),
-    plan=snakemake.input.get("plan"),
-    checkpoint_every=mlem["checkpoint_every"],
-    checkpoint=snakemake.params.checkpoint,
-    repetitions=mlem["repetitions"],
-    reference=snakemake.input.get("reference"),
-    truth=snakemake.input.get("truth"),
-    timings_out=snakemake.output.timings,
-    raw_out=snakemake.output.raw,
-    threads=snakemake.threads,
-    matrix_name=snakemake.params.matrix_name,
-)
+# Snakemake counts gpu resources but never says which GPUs a job gets: take
+# free ones with lock files before anything initialises CUDA.
+lease = lease_gpus(run["gpus"]) if run["backend"] == "cuda" else contextlib.nullcontext()
+with lease:
+    result = reconstruct(
+        snakemake.input.matrix,
+        snakemake.input.sino,
+        snakemake.output.image,
+        iterations=mlem["iterations"],
+        backend=run["backend"],
+        fp=run["fp"],
+        bp=run["bp"],
+        secsize=run["secsize"],
+        graph=run["graph"],
+        gpus=run["gpus"],
+        layout=run["layout"],
+        norm=snakemake.input.norm,
+        transpose=snakemake.input.get("transpose"),
+        plan=snakemake.input.get("plan"),
+        checkpoint_every=mlem["checkpoint_every"],
+        checkpoint=snakemake.params.checkpoint,
+        repetitions=mlem["repetitions"],
+        reference=snakemake.input.get("reference"),
+        truth=snakemake.input.get("truth"),
+        timings_out=snakemake.output.timings,
+        raw_out=snakemake.output.raw,
+        threads=snakemake.threads,
+        matrix_name=snakemake.params.matrix_name,
+    )
 logging.info("run_mlem: wrote %s", snakemake.output.image)

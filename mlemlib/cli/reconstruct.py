@@ -39,6 +39,10 @@ def register(sub) -> None:
     p.add_argument("--secsize", type=_int_at_least(1), default=None, metavar="K", help="section size of the merge kernel (cuda)")
     p.add_argument("-g", "--gpus", type=_int_at_least(1), default=1, metavar="P", help="number of GPUs")
     p.add_argument("--layout", choices=("local", "thesis"), default="local", help="multi-GPU communication layout")
+    p.add_argument(
+        "--graph", action="store_true",
+        help="capture each iteration (all GPUs' kernels and the all-reduce) as CUDA graphs and replay them (cuda)",
+    )
     p.add_argument("--plan", type=existing_file, metavar="PARTS", help="partition directory or plan.json (gpus > 1)")
     p.add_argument("-k", "--checkpoint-every", type=_int_at_least(0), default=10, metavar="K", help="checkpoint every K iterations (0: never)")
     p.add_argument("--checkpoint", metavar="CKPT.h5", default=None, help="checkpoint file (default: <out>.checkpoint.h5)")
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     with lease:
         t = reconstruct(
             args.matrix, args.sino, args.out, iterations=args.iterations, backend=args.backend, fp=args.fp, bp=args.bp,
-            secsize=args.secsize, gpus=args.gpus, layout=args.layout, norm=args.norm, transpose=args.transpose,
+            secsize=args.secsize, graph=args.graph, gpus=args.gpus, layout=args.layout, norm=args.norm, transpose=args.transpose,
             plan=args.plan, checkpoint_every=args.checkpoint_every, checkpoint=args.checkpoint,
             repetitions=args.repetitions, reference=args.reference, truth=args.truth, timings_out=args.timings,
             reference_mode=args.reference_mode, threads=args.threads, matrix_name=args.matrix_name,
