@@ -25,8 +25,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show ``(default: X)`` where there is a default to show: not for None or
+    False, nor where the help text already says what happens by default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False) or "(default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def add_parser(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:
     """Add a subcommand parser that shows defaults in ``--help``."""
-    return sub.add_parser(
-        name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw
-    )
+    return sub.add_parser(name, help=help, description=help, formatter_class=_DefaultsFormatter, **kw)
