@@ -322,3 +322,28 @@ def test_cli_bench_spmv_rejects_bad_lists(tmp_path, capsys):
     code = main(["bench", "spmv", "--synthetic", "4,4,2,3,3", "--lanes", "3", "--out", str(tmp_path / "b.json")])
     assert code == 2
     assert "--lanes" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_bench_spmv_on_gpu_checks_and_reports_every_kernel(tmp_path):
+    # A small PET-like matrix: every kernel's output is compared with a float64
+    # product (check=True); every row carries a time, a bandwidth and an error
+    # within the float32 rounding bound.
+    from mlemlib.bench import bench_spmv, tor_matrix
+
+    a = tor_matrix(24, 24, 3, 16, 33)
+    out_json, out_md, out_csv = tmp_path / "b.json", tmp_path / "b.md", tmp_path / "b.csv"
+    res = bench_spmv(a, repeat=3, warmup=1, copy_bytes=1 << 24, out_json=out_json, out_md=out_md, out_csv=out_csv)
+    assert res["copy"]["bandwidth"] > 0
+    rows = res["kernels"]
+    assert {r["kernel"] for r in rows} >= {"csr_vector", "cusparse", "merge"}
+    assert {r["op"] for r in rows} >= {"fp"}
+    for r in rows:
+        assert r["median_s"] > 0 and r["bandwidth"] > 0 and r["nan"] == 0, r
+        assert r["worst_of_bound"] <= 1.0, r
+    assert res["iterations"]
+    for it in res["iterations"]:
+        assert it["median_s"] > 0 and it["finite"], it
+    saved = json.loads(out_json.read_text())["kernels"]
+    assert [(r["op"], r["kernel"]) for r in saved] == [(r["op"], r["kernel"]) for r in rows]
+    assert out_md.read_text().count("|") > 10 and len(out_csv.read_text().splitlines()) == len(rows) + 1
