@@ -16,6 +16,8 @@ from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake.utils import validate
 
+from mlemlib.backends import uses_transpose
+
 
 def validate_config():
     """Validate the config against config/schema.yaml, filling in defaults.
@@ -71,16 +73,6 @@ wildcard_constraints:
     gpus="[0-9]+",
     layout="local|thesis",
 
-
-#: Back-projection kernels that work on A itself and need no stored transpose
-#: (mlemlib.backends: cpu "notrans"; cuda "notrans" = "scatter" and variants).
-NO_TRANSPOSE_BP = {
-    "notrans",
-    "scatter",
-    "scatter_vec",
-    "scatter_smem",
-    "cusparse_notrans",
-}
 
 SUMMARY_DIR = "results/summary"
 
@@ -330,7 +322,7 @@ def get_mlem_input(wildcards):
     """Named inputs of run_mlem: the problem, plus transpose, plan and reference as needed."""
     run = get_run(wildcards)
     inputs = get_problem_input(wildcards)
-    if run["bp"] not in NO_TRANSPOSE_BP:
+    if uses_transpose(run["backend"], run["bp"]):
         inputs["transpose"] = f"results/{wildcards.matrix}/transpose.h5"
     if run["gpus"] > 1:
         inputs["plan"] = f"results/{wildcards.matrix}/parts-{run['gpus']}/plan.json"

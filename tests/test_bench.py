@@ -347,3 +347,27 @@ def test_bench_spmv_on_gpu_checks_and_reports_every_kernel(tmp_path):
     saved = json.loads(out_json.read_text())["kernels"]
     assert [(r["op"], r["kernel"]) for r in saved] == [(r["op"], r["kernel"]) for r in rows]
     assert out_md.read_text().count("|") > 10 and len(out_csv.read_text().splitlines()) == len(rows) + 1
+
+
+@pytest.mark.parametrize(
+    ("backend", "bp", "expected"),
+    [
+        ("cpu", "auto", True),
+        ("cpu", "numba", True),
+        ("cpu", "scipy", True),
+        ("cpu", "notrans", False),
+        ("cuda", "auto", True),
+        ("cuda", "csr_vector", True),
+        ("cuda", "merge", True),
+        ("cuda", "cusparse", True),
+        ("cuda", "notrans", False),
+        ("cuda", "scatter", False),
+        ("cuda", "scatter_vec", False),
+        ("cuda", "scatter_smem", False),
+        ("cuda", "cusparse_notrans", False),
+    ],
+)
+def test_uses_transpose_names_the_runs_that_read_transpose_h5(backend, bp, expected):
+    from mlemlib.backends import uses_transpose
+
+    assert uses_transpose(backend, bp) is expected

@@ -36,3 +36,21 @@ def make_backend(*args, **kwargs):
     from mlemlib.mlem import make_backend as _make_backend
 
     return _make_backend(*args, **kwargs)
+
+
+def uses_transpose(backend: str, bp: str) -> bool:
+    """Whether a run with back-projection kernel ``bp`` reads a stored ``A^T``.
+
+    ``notrans`` and the cuda kernels that scatter from the rows of ``A``
+    (``scatter``, ``scatter_vec``, ``scatter_smem``, ``cusparse_notrans``)
+    do not; every other kernel, ``auto`` included, uses the transpose when one
+    is given. The workflow uses this to decide whether a run needs ``transpose.h5``.
+    """
+    if bp == "notrans":
+        return False
+    if backend == "cuda":
+        from mlemlib.backends._cuda_plan import BP_KERNELS  # pure Python: no CuPy import
+
+        kernel = BP_KERNELS.get(bp)
+        return kernel is None or kernel[1]
+    return True
