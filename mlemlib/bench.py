@@ -446,7 +446,7 @@ def bench_spmv(
         nt_bytes = plan.spmv_bytes(m, n, nnz)  # reads A, c; writes the n-vector
         y_m = cp.empty(m, dtype=cp.float32)
         y_n = cp.empty(n, dtype=cp.float32)
-        lanes_a, lanes_t = a.lanes(), at.lanes()
+        lanes_a, lanes_t = a.lanes(), ck.transpose_lanes(at)
 
         def run_spmv(op: str, k: str, mat, vec, out, nbytes: int, lanes_auto: int) -> None:
             """Time the SpMV kernel ``k`` (each section size or lane count it takes)."""

@@ -1,7 +1,7 @@
 """GPU facts from NVML (nvidia-ml-py), with CuPy as the fallback (CUDA only; no probing at import).
 
 Provides :func:`device_facts`: name, total and free memory, memory clock, bus
-width and the theoretical memory bandwidth (2 transfers per clock x clock x
+width, PCI bus id and the theoretical memory bandwidth (2 transfers per clock x clock x
 bus width, as NVIDIA quotes it for HBM and GDDR), for the tables and
 ``timings.json``. The theoretical figure is for context only: every fraction
 the project reports is taken against the copy bandwidth *measured* in the same
@@ -21,12 +21,61 @@ def theoretical_bandwidth(memory_clock_mhz: float, bus_width_bits: int) -> float
     return 2.0 * memory_clock_mhz * 1e6 * bus_width_bits / 8.0
 
 
+def cuda_pci_bus_id(index: int) -> str | None:
+    """PCI bus id (``0000:00:06.0``) of CUDA device ``index`` as this process numbers it, or None without CuPy."""
+    try:
+        import cupy as cp
+    except ImportError:
+        return None
+    return _str(cp.cuda.runtime.deviceGetPCIBusId(index))
+
+
+def cuda_memory_bandwidth(index: int) -> dict[str, Any]:
+    """Memory clock (MHz), bus width (bits) and theoretical bandwidth (bytes/s) of CUDA device ``index`` from the CUDA runtime.
+
+    The fields are gone from ``cudaDeviceProp`` in CUDA 13; the runtime's
+    attributes (``cudaDevAttrMemoryClockRate`` = 36, in kHz, and
+    ``cudaDevAttrGlobalMemoryBusWidth`` = 37) still give them. Empty where
+    this CUDA does not.
+    """
+    import cupy as cp
+
+    rt = cp.cuda.runtime
+    try:
+        clock_khz = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMemoryClockRate", 36), index)
+        bus = int(rt.deviceGetAttribute(getattr(rt, "cudaDevAttrGlobalMemoryBusWidth", 37), index))
+    except Exception as exc:  # noqa: BLE001 - attribute missing on this CUDA: leave it out
+        log.debug("memory clock not available from the CUDA runtime: %s", exc)
+        return {}
+    if clock_khz <= 0 or bus <= 0:
+        return {}
+    return {
+        "memory_clock_mhz": clock_khz / 1000.0,
+        "bus_width_bits": bus,
+        "theoretical_bandwidth": theoretical_bandwidth(clock_khz / 1000.0, bus),
+    }
+
+
+def _nvml_handle(pynvml: Any, index: int) -> tuple[Any, str | None]:
+    """NVML's handle of CUDA device ``index``, found by PCI bus id.
+
+    CUDA numbers the devices this process sees (``CUDA_VISIBLE_DEVICES``, a
+    GPU lease, a SLURM allocation), NVML numbers all of the machine's: under
+    a lease CUDA device 0 may be NVML device 3. Without CuPy the index is
+    taken as NVML's.
+    """
+    bus = cuda_pci_bus_id(index)
+    if bus is None:
+        return pynvml.nvmlDeviceGetHandleByIndex(index), None
+    return pynvml.nvmlDeviceGetHandleByPciBusId(bus), bus
+
+
 def _nvml_facts(index: int) -> dict[str, Any]:
     import pynvml  # nvidia-ml-py
 
     pynvml.nvmlInit()
     try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        h, bus_id = _nvml_handle(pynvml, index)
         name = pynvml.nvmlDeviceGetName(h)
         name = name.decode() if isinstance(name, bytes) else str(name)
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
@@ -42,6 +91,8 @@ def _nvml_facts(index: int) -> dict[str, Any]:
             "driver": _str(pynvml.nvmlSystemGetDriverVersion()),
             "source": "nvml",
         }
+        if bus_id is not None:
+            facts["pci_bus_id"] = bus_id
         try:
             uuid = pynvml.nvmlDeviceGetUUID(h)
             facts["uuid"] = _str(uuid)
@@ -68,16 +119,7 @@ def _cupy_facts(index: int) -> dict[str, Any]:
         "memory_free": int(free),
         "source": "cupy",
     }
-    try:  # the attribute is gone from cudaDeviceProp in CUDA 13; ask the runtime
-        clock_khz = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMemoryClockRate, index)
-        bus = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrGlobalMemoryBusWidth, index)
-        facts.update(
-            memory_clock_mhz=clock_khz / 1000.0,
-            bus_width_bits=int(bus),
-            theoretical_bandwidth=theoretical_bandwidth(clock_khz / 1000.0, int(bus)),
-        )
-    except Exception as exc:  # noqa: BLE001 - attribute missing on this CUDA: leave it out
-        log.debug("memory clock not available from CuPy: %s", exc)
+    facts.update(cuda_memory_bandwidth(index), pci_bus_id=cuda_pci_bus_id(index))
     return facts
 
 

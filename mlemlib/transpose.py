@@ -33,8 +33,9 @@ order, so the output rows have sorted column indices and equal
 ``scipy.sparse.csr_matrix(A).T.tocsr()`` array for array, whether or not the
 input rows have sorted columns (duplicates keep their input order).
 
-The thread-count helper :func:`numba_threads` is shared with
-:mod:`mlemlib.norm` and :mod:`mlemlib.partition`.
+The thread-count helpers :func:`numba_threads` and :func:`usable_threads` are
+shared with :mod:`mlemlib.norm`, :mod:`mlemlib.partition`, the scanner and the
+cpu backend.
 """
 
 from __future__ import annotations
@@ -92,18 +93,33 @@ def numba_threads(threads: int | None) -> Iterator[int]:
     if threads is None:
         yield numba.get_num_threads()
         return
+    threads = usable_threads(threads)
+    old = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        numba.set_num_threads(old)
+
+
+def usable_threads(threads: int) -> int:
+    """``threads`` checked and reduced to what Numba has (``NUMBA_NUM_THREADS``), with a warning.
+
+    ``snakemake --cores 64`` on a 16-core node hands a job 64 threads;
+    Numba refuses more than it started with, so they are cut here.
+
+    Raises
+    ------
+    ConfigError
+        If ``threads`` is not a positive integer.
+    """
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
         raise ConfigError("threads", f"{threads!r} is not a positive number of threads")
     limit = numba.config.NUMBA_NUM_THREADS
     if threads > limit:
         log.warning("%d threads asked for, Numba has %d (NUMBA_NUM_THREADS): using %d", threads, limit, limit)
-        threads = limit
-    old = numba.get_num_threads()
-    numba.set_num_threads(int(threads))
-    try:
-        yield int(threads)
-    finally:
-        numba.set_num_threads(old)
+        return int(limit)
+    return int(threads)
 
 
 # --------------------------------------------------------------------------- kernels

@@ -59,6 +59,16 @@ def test_launch_shape_counts_blocks_and_caps_at_waves():
         plan.launch_shape(10, 0, 132, 2048)
 
 
+def test_launch_shape_waves_override():
+    # 2 waves on an H100: 132 SMs x 8 resident blocks x 2
+    assert plan.launch_shape(10**9, 8, 132, 2048, waves=2) == (132 * 8 * 2, 256)
+    # 0 lifts the cap: one row group per block slot, 10^9 / 8 blocks
+    assert plan.launch_shape(10**9, 8, 132, 2048, waves=0) == (125_000_000, 256)
+    assert plan.launch_shape(0, 8, 132, 2048, waves=0) == (1, 256)
+    with pytest.raises(ValueError, match="waves"):
+        plan.launch_shape(10, 8, 132, 2048, waves=-1)
+
+
 # --------------------------------------------------------------------------- byte counts
 def test_spmv_bytes_hand_counted():
     # 3 x 4 matrix with 5 nnz: 5 * (4 + 4) + 8 * 4 row pointers + 4 * 4 (x) + 4 * 3 (y)
@@ -371,3 +381,26 @@ def test_uses_transpose_names_the_runs_that_read_transpose_h5(backend, bp, expec
     from mlemlib.backends import uses_transpose
 
     assert uses_transpose(backend, bp) is expected
+
+
+def test_choose_lanes_cap():
+    # rows of ~1,000 non-zeros want a warp; a cap of 16 holds them to half of one
+    assert plan.choose_lanes(1000.0) == 32
+    assert plan.choose_lanes(1000.0, cap=16) == 16
+    # the cap does not raise short rows
+    assert plan.choose_lanes(20.0, cap=16) == 8
+    with pytest.raises(ValueError, match="cap"):
+        plan.choose_lanes(100.0, cap=12)
+
+
+@pytest.mark.parametrize(
+    ("bandwidth", "sms", "cap"),
+    [
+        (4.8e12, 132, 16),  # H200: 36 GB/s per SM
+        (3.35e12, 132, 32),  # H100 SXM: 25 GB/s per SM
+        (0.0, 132, 32),  # unknown bandwidth: the warp
+        (4.8e12, 0, 32),
+    ],
+)
+def test_transpose_lane_cap(bandwidth, sms, cap):
+    assert plan.transpose_lane_cap(bandwidth, sms) == cap

@@ -363,3 +363,18 @@ def test_cusparse_equals_scantrans(rng, kind, tmp_path):
         with MatrixH5(tmp_path / "t.h5") as f:
             assert f.attrs["method"] == "cusparse"
             assert_identical(f.to_csr(), reference(a))
+
+
+def test_usable_threads_cuts_to_numba_and_rejects_nonsense(caplog):
+    import numba
+
+    from mlemlib.transpose import usable_threads
+
+    limit = numba.config.NUMBA_NUM_THREADS
+    assert usable_threads(1) == 1
+    with caplog.at_level("WARNING"):
+        assert usable_threads(limit + 63) == limit  # snakemake --cores 64 on a smaller node
+    assert "NUMBA_NUM_THREADS" in caplog.text
+    for bad in (0, -2, 1.5, True, "4"):
+        with pytest.raises(ConfigError):
+            usable_threads(bad)

@@ -146,8 +146,19 @@ def free_pools(cp, devices) -> None:
             cp.get_default_memory_pool().free_all_blocks()
 
 
+def parse_matrix(spec) -> tuple | str:
+    """``tor`` (Matrix-2's voxel grid, :data:`BIG_DIMS`), ``madpet2[:RAYS]`` (the scanner preset) or a dims tuple."""
+    if isinstance(spec, tuple):
+        return spec
+    if spec in (None, "tor"):
+        return BIG_DIMS
+    if not str(spec).startswith("madpet2"):
+        raise SystemExit(f"--matrix must be tor or madpet2[:RAYS], got {spec!r}")
+    return str(spec)
+
+
 def make_problem(dims, *, host: bool):
-    """TOR matrix on GPU 0, its transpose, a noiseless measurement and the norm."""
+    """The matrix on GPU 0 (TOR generated there, or the scanner preset traced on the CPUs), A^T, measurement, norm."""
     import cupy as cp
     import numpy as np
 
@@ -156,7 +167,18 @@ def make_problem(dims, *, host: bool):
 
     t0 = time.perf_counter()
     with cp.cuda.Device(0):
-        a = tor_matrix(*dims, device=True)
+        if isinstance(dims, str):  # madpet2[:RAYS]: the scanner's own matrix, detector-pair order
+            from mlemlib.scanner import get_preset
+            from mlemlib.scanner.system import trace_rows
+
+            rays = int(dims.split(":")[1]) if ":" in dims else None
+            cfg = get_preset("madpet2", rays=rays)
+            host_a = trace_rows(cfg, np.arange(cfg.n_lors, dtype=np.int64))
+            print(f"traced {dims} ({cfg.rays} rays) on {os.cpu_count()} CPUs in {time.perf_counter() - t0:.1f} s", flush=True)
+            a = ck.DeviceCSR.from_host(host_a)
+            del host_a
+        else:
+            a = tor_matrix(*dims, device=True)
         at = a.transpose()
         a.drop_cusparse()
         m, n = a.shape
@@ -170,6 +192,81 @@ def make_problem(dims, *, host: bool):
     if host:
         return a.to_host(), at.to_host(), g, norm, secs
     return a, at, g, norm, secs
+
+
+# --------------------------------------------------------------------------- parts: one GPU's share, on one GPU
+def section_parts(args, out: Path) -> None:
+    """Kernel times of each GPU's share of the work for P = 1, 2, 4, run one part at a time on GPU 0.
+
+    Separates what a quarter of the matrix costs a kernel (short rows of
+    A_k^T, tails) from what several GPUs cost (NCCL, skew): forward
+    projection with the fused correlation on A_k, back projection on A_k^T
+    (local layout) and on the row block of A^T (thesis layout), each with 8,
+    16 and 32 lanes per row (``--waves`` caps the grid). CUDA events,
+    medians of 20 calls.
+    """
+    import cupy as cp
+    import numpy as np
+
+    from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib.backends import _cuda_plan as plan
+    from mlemlib.bench import copy_bandwidth, time_gpu
+    from mlemlib.dist.nccl import build_plan, rows_to_device, unpadded
+
+    reps = 20
+    spec = parse_matrix(args.matrix)
+    a, at, g, norm, gen_s = make_problem(spec, host=False)
+    m, n = a.shape
+    res: dict = {"matrix": str(spec), "shape": [m, n], "nnz": a.nnz, "rows": []}
+    res["copy_bandwidth"] = copy_bandwidth()["bandwidth"]
+    rng = np.random.default_rng(3)
+    x = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
+    gd = cp.asarray(g, dtype=cp.float32)
+    lanes_fp = plan.choose_lanes(a.nnz / m)
+    lanes_bp = plan.choose_lanes(a.nnz / n)
+    c_full = ck.spmv(a, x, kernel="csr_vector", lanes=lanes_fp, mode=ck.MODE_CORR, aux0=gd)
+    bw = res["copy_bandwidth"]
+
+    def rec(p, k, what, mat, lanes, waves, fn):
+        t = float(np.median(time_gpu(fn, repeat=reps, warmup=3)))
+        by = plan.spmv_bytes(mat.shape[0], mat.shape[1], mat.nnz)
+        r = {"parts": p, "part": k, "what": what, "rows": mat.shape[0], "cols": mat.shape[1], "nnz": mat.nnz,
+             "lanes": lanes, "waves": waves, "ms": t * 1e3, "tbps": by / t / 1e12, "of_copy": by / t / bw}
+        res["rows"].append(r)
+        print(f"P={p} k={k} {what:12} lanes {lanes:2} waves {waves!s:4} {mat.shape[0]:>9} x {mat.shape[1]:<9} {mat.nnz:>11} nnz "
+              f"{t * 1e3:8.3f} ms {by / t / 1e12:5.2f} TB/s {100 * by / t / bw:5.1f}%", flush=True)
+
+    bp = cp.empty(n, dtype=cp.float32)
+    for lanes in (8, 16, 32):
+        rec(1, 0, "fp", a, lanes, None, lambda: ck.spmv(a, x, c_full, lanes=lanes, mode=ck.MODE_CORR, aux0=gd))
+        rec(1, 0, "bp", at, lanes, None, lambda: ck.spmv(at, c_full, bp, lanes=lanes))
+    c_full = ck.spmv(a, x, c_full, lanes=lanes_fp, mode=ck.MODE_CORR, aux0=gd)
+    save(out, f"parts-{args.matrix}.json", res)
+    for p in (2, 4):
+        pl = build_plan(a, at, p, None, "thesis")
+        for k in range(p):
+            r0, r1 = (int(v) for v in pl["rows"][k])
+            c0, c1 = (int(v) for v in pl["transpose_rows"][k])
+            a_k = rows_to_device(a, r0, r1, 0, align=True)
+            plain = unpadded(a_k)
+            at_k = plain.transpose()
+            plain.drop_cusparse()
+            del plain
+            atb = rows_to_device(at, c0, c1, 0, align=True)
+            g_k = gd[r0:r1]
+            c_k = cp.empty(r1 - r0, dtype=cp.float32)
+            for lanes in (8, 16, 32):
+                rec(p, k, "fp", a_k, lanes, None, lambda: ck.spmv(a_k, x, c_k, lanes=lanes, mode=ck.MODE_CORR, aux0=g_k))
+            c_k = ck.spmv(a_k, x, c_k, lanes=lanes_fp, mode=ck.MODE_CORR, aux0=g_k)
+            for lanes in (8, 16, 32):
+                rec(p, k, "bp_local", at_k, lanes, None, lambda: ck.spmv(at_k, c_k, bp, lanes=lanes))
+            ob = bp[c0:c1]
+            for lanes in (8, 16, 32):
+                rec(p, k, "bp_thesis", atb, lanes, None, lambda: ck.spmv(atb, c_full, ob, lanes=lanes))
+            del a_k, at_k, atb
+            free_pools(cp, [0])
+            save(out, f"parts-{args.matrix}.json", res)
+    print("SECTION DONE", flush=True)
 
 
 # --------------------------------------------------------------------------- small: correctness through files
@@ -368,6 +465,20 @@ def allreduce_micro(cp, comms, devices, length: int, reps: int = 30) -> float:
     return float(np.median(ts))
 
 
+def bench_name(args) -> str:
+    """bench.json for the TOR matrix (as before), bench-madpet2[-RAYS].json for the scanner's, plus -wN for a grid cap."""
+    tag = "" if args.matrix in (None, "tor") else "-" + str(args.matrix).replace(":", "-")
+    if args.waves is not None:
+        tag += f"-w{args.waves}"
+    return f"bench{tag}.json"
+
+
+def _waves():
+    from mlemlib.backends import _cuda_plan as plan
+
+    return plan.WAVES
+
+
 def section_bench(args, out: Path) -> None:
     import cupy as cp
     import numpy as np
@@ -378,27 +489,27 @@ def section_bench(args, out: Path) -> None:
     from mlemlib.dist.nccl import NcclBackend
 
     t_start = time.perf_counter()
-    dims = tuple(args.dims) if args.dims else BIG_DIMS
+    dims = tuple(args.dims) if args.dims else parse_matrix(args.matrix)
     ndev = cp.cuda.runtime.getDeviceCount()
-    res: dict = {"dims": dims, "devices": ndev, "runs": [], "allreduce": []}
+    res: dict = {"dims": dims, "devices": ndev, "runs": [], "allreduce": [], "waves": _waves()}
     with cp.cuda.Device(0):
         res["copy_bandwidth"] = copy_bandwidth()["bandwidth"]
     a, at, g, norm, gen_s = make_problem(dims, host=False)
     m, n = a.shape
     res.update(shape=[m, n], nnz=a.nnz, generate_s=gen_s)
     print(f"matrix {m} x {n}, {a.nnz} nnz, generated + transposed on GPU 0 in {gen_s:.1f} s", flush=True)
-    save(out, "bench.json", res)
+    save(out, bench_name(args), res)
 
     # one GPU, the CudaBackend: the baseline and the reference image
     one = CudaBackend(a, g, norm, transpose=at, fp="csr_vector", bp="csr_vector")
     ref = run_image(one, 10)
     base = time_backend(one, cp, [0], iters=30, synced=True)
     base.update(time_backend(one, cp, [0], iters=50, synced=False))
-    res["one_gpu"] = {"backend": "cuda", **base}
+    res["one_gpu"] = {"backend": "cuda", "lanes": {"fp": one._lanes(one.a), "bp": one._lanes(one.at)}, **base}
     print("1 GPU CudaBackend:", json.dumps(base), flush=True)
     del one
     free_pools(cp, [0])
-    save(out, "bench.json", res)
+    save(out, bench_name(args), res)
 
     comms_by_p = {}
     for p in [q for q in (1, 2, 4) if q <= ndev]:
@@ -416,6 +527,8 @@ def section_bench(args, out: Path) -> None:
                 be = NcclBackend(a, g, norm, transpose=at, gpus=p, layout=layout, comms=comms_by_p[p])
                 rec["setup_s"] = time.perf_counter() - t0
                 rec["nnz_per_gpu"] = [s.nnz for s in be.shards]
+                rec["lanes"] = {"fp": be.lanes_fp, "bp": sorted({be.lanes_bp(s) for s in be.shards})}
+                print(f"{p} GPU {layout}: lanes {rec['lanes']}", flush=True)
                 bytes_gpu = []
                 for s in be.shards:
                     bt = s.a.nbytes + (s.at.nbytes if s.at is not None else 0)
@@ -427,7 +540,7 @@ def section_bench(args, out: Path) -> None:
                 rec["eager"] = time_backend(be, cp, devices, iters=30, synced=True)
                 rec["eager"].update(time_backend(be, cp, devices, iters=50, synced=False))
                 print(f"{p} GPU {layout} eager: {json.dumps(rec['eager'])}", flush=True)
-                save(out, "bench.json", res | {"runs": res["runs"] + [rec]})
+                save(out, bench_name(args), res | {"runs": res["runs"] + [rec]})
                 be.use_graph(True)
                 img_g = run_image(be, 10)
                 rec["graph_bitwise_vs_eager"] = bool(np.array_equal(img_g, img))
@@ -442,7 +555,7 @@ def section_bench(args, out: Path) -> None:
                 print(rec["error"], rec["trace"], flush=True)
             res["runs"].append(rec)
             free_pools(cp, range(ndev))
-            save(out, "bench.json", res)
+            save(out, bench_name(args), res)
     print(f"[{time.perf_counter() - t_start:.0f} s] SECTION DONE", flush=True)
     for comms in comms_by_p.values():  # the backends are closed: no graph holds these any more
         for c in comms:
@@ -553,11 +666,17 @@ def summarize(out: Path) -> str:
                 f"  ranks {r['ranks']} {r['layout']:6} codes {r['exit_codes']} relL2 {r.get('rel_l2_vs_1gpu', float('nan')):.2e} "
                 f"same-as-1proc {r.get('bitwise_vs_one_process')} ({r['seconds']:.0f} s)"
             )
-    bench = json.loads((out / "bench.json").read_text()) if (out / "bench.json").exists() else None
+    for bf in sorted(out.glob("bench*.json")):
+        lines.extend(_summarize_bench(json.loads(bf.read_text()), bf.name))
+    return "\n".join(lines)
+
+
+def _summarize_bench(bench: dict, name: str) -> list[str]:
+    lines = []
     if bench and bench.get("one_gpu"):
         t1 = bench["one_gpu"]["wall_pipelined"]
         lines.append(
-            f"scaling ({bench['shape']}, {bench['nnz']} nnz; 1-GPU CudaBackend {t1 * 1e3:.3f} ms/it pipelined, "
+            f"{name}: scaling ({bench['shape']}, {bench['nnz']} nnz, grid cap {bench.get('waves')} waves; 1-GPU CudaBackend {t1 * 1e3:.3f} ms/it pipelined, "
             f"{bench['one_gpu']['wall_synced'] * 1e3:.3f} synced; copy bw {bench['copy_bandwidth'] / 1e12:.2f} TB/s)"
         )
         lines.append("  gpus layout mode   fp     bp     allred  upd/corr  it(sync) it(pipe) speedup eff  relL2")
@@ -577,19 +696,21 @@ def summarize(out: Path) -> str:
                 )
         for r in bench["allreduce"]:
             lines.append(f"  allreduce {r['gpus']} GPUs {r['vector']}: {r['median_s'] * 1e6:.1f} us")
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--all", action="store_true", help="env, lease, small, bench; then the table")
-    ap.add_argument("--section", choices=("env", "lease", "small", "bench", "overlap", "nccltune", "rank", "summary"))
+    ap.add_argument("--section", choices=("env", "lease", "small", "bench", "parts", "overlap", "nccltune", "rank", "summary"))
+    ap.add_argument("--matrix", default="tor", help="bench/parts: tor (Matrix-2 voxel grid, 8.0e8 nnz) or madpet2[:RAYS]")
     ap.add_argument("--out", default=None)
     ap.add_argument("--work", default=None)
     ap.add_argument("--layout", default="local")
     ap.add_argument("--parts", type=int, default=2)
     ap.add_argument("--bootstrap", default="file")
     ap.add_argument("--dims", type=int, nargs=5, default=None, metavar=("NX", "NY", "NZ", "ANGLES", "OFFSETS"))
+    ap.add_argument("--waves", type=int, default=None, help="grid cap of the row kernels in waves (0: none; default the library's)")
     ap.add_argument("--only", nargs="*", default=None, help="with --all: run only these sections")
     ap.add_argument("--small-timeout", type=int, default=200)
     ap.add_argument("--bench-timeout", type=int, default=330)
@@ -598,6 +719,10 @@ def main() -> int:
 
     logging.basicConfig(level=logging.INFO if args.section in ("rank",) else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out = out_dir(args)
+    if args.waves is not None:
+        from mlemlib.backends import _cuda_plan as plan
+
+        plan.WAVES = args.waves  # launch_shape reads it at each launch (and at graph capture)
     if args.all:
         t0 = time.perf_counter()
         for name in ("env", "lease"):

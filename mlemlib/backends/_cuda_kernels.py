@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib.backends import _cuda_plan as plan
+from mlemlib.devices import cuda_memory_bandwidth
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import CSRMatrix
 
@@ -72,7 +73,14 @@ def device_properties(device_id: int) -> dict[str, Any]:
         "smem_per_block_optin": int(p.get("sharedMemPerBlockOptin", p["sharedMemPerBlock"])),
         "l2_bytes": int(p.get("l2CacheSize", 0)),
         "compute_capability": f"{p['major']}.{p['minor']}",
+        "memory_bandwidth": float(cuda_memory_bandwidth(device_id).get("theoretical_bandwidth", 0.0)),
     }
+
+
+def transpose_lanes(at: DeviceCSR) -> int:
+    """Lanes per row of ``csr_vector`` on ``A^T`` (the back projection) on the current device."""
+    props = device_properties(cupy().cuda.Device().id)
+    return at.lanes(cap=plan.transpose_lane_cap(props["memory_bandwidth"], props["sm_count"]))
 
 
 def kernel_source(name: str) -> str:
@@ -172,9 +180,9 @@ class DeviceCSR:
                 self._stats = {"mean_row_length": 0.0, "max_row_length": 0, "empty_rows": 0}
         return self._stats
 
-    def lanes(self) -> int:
-        """Lanes per row ``csr_vector`` / ``scatter`` take for this matrix."""
-        return plan.choose_lanes(self.stats()["mean_row_length"])
+    def lanes(self, cap: int = plan.LANE_CHOICES[-1]) -> int:
+        """Lanes per row ``csr_vector`` / ``scatter`` take for this matrix (at most ``cap``)."""
+        return plan.choose_lanes(self.stats()["mean_row_length"], cap)
 
     def cusparse(self) -> Any:
         """This matrix as a ``cupyx.scipy.sparse.csr_matrix`` (an int32 row-pointer copy; built once)."""
@@ -211,9 +219,9 @@ def _check_vector(name: str, v: Any, length: int) -> None:
         raise ValueError(f"{name} must be a 1-D float32 CuPy array of length {length}, got {got}")
 
 
-def _launch_rows(kernel: Any, rows: int, lanes: int, args: tuple) -> None:
+def _launch_rows(kernel: Any, rows: int, lanes: int, args: tuple, waves: int | None = None) -> None:
     props = device_properties(cupy().cuda.Device().id)
-    blocks, threads = plan.launch_shape(rows, plan.THREADS // lanes, props["sm_count"], props["max_threads_per_sm"])
+    blocks, threads = plan.launch_shape(rows, plan.THREADS // lanes, props["sm_count"], props["max_threads_per_sm"], waves=waves)
     kernel((blocks,), (threads,), args)
 
 
@@ -228,6 +236,7 @@ def spmv(
     aux0: Any = None,
     aux1: Any = None,
     secsize: int = plan.DEFAULT_SECSIZE,
+    waves: int | None = None,
 ) -> Any:
     """``y = A x`` with one of the row kernels, optionally with a fused epilogue.
 
@@ -251,6 +260,11 @@ def spmv(
         second, elementwise kernel.
     secsize
         Section size of ``merge`` (merge items per thread).
+    waves
+        Grid cap of the row kernels in full waves of the device
+        (:func:`mlemlib.backends._cuda_plan.launch_shape`; default
+        :data:`~mlemlib.backends._cuda_plan.WAVES`, 0: one row group per
+        block slot).
 
     Returns
     -------
@@ -281,7 +295,7 @@ def spmv(
             if lanes_ not in plan.LANE_CHOICES:
                 raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
             fn = _function("spmv", f"csr_vector_{lanes_}")
-        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1))
+        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1), waves)
         return out
     if kernel not in ("merge", "cusparse"):
         raise ConfigError("fp", f"unknown SpMV kernel {kernel!r}")

@@ -4,7 +4,8 @@ Provides the decisions the CUDA backend and the benchmark make before a
 launch, kept apart so that CI tests them without a GPU:
 
 - :func:`choose_lanes` — lanes per row of ``csr_vector`` / ``scatter`` from the
-  mean row length;
+  mean row length; :func:`transpose_lane_cap` — the cap for rows of ``A^T``
+  from the device's memory bandwidth per multiprocessor;
 - :func:`launch_shape` — blocks and threads of a grid-stride launch from the
   device's multiprocessor count;
 - :func:`spmv_bytes`, :func:`csr_bytes`, :func:`iteration_floor_bytes` — the
@@ -63,33 +64,76 @@ SMEM_LOCAL_MIN = 0.5
 CUSPARSE_MAX_NNZ = 2**31 - 1
 
 
-def choose_lanes(mean_row_length: float) -> int:
-    """Lanes per row for ``csr_vector`` / ``scatter``: ``2..32``, a power of two.
+def choose_lanes(mean_row_length: float, cap: int = LANE_CHOICES[-1]) -> int:
+    """Lanes per row for ``csr_vector`` / ``scatter``: ``2..cap``, a power of two.
 
     One trip of a group of ``L`` lanes covers ``4 L`` non-zeros (16-byte
     loads), so ``L`` is the power of two at or above ``mean / 4``, clamped to
-    ``[2, 32]``: short rows do not leave most of a warp idle, long rows get a
-    whole warp.
+    ``[2, cap]``: short rows do not leave most of a warp idle, long rows get a
+    whole warp (or ``cap`` lanes).
 
     Parameters
     ----------
     mean_row_length
         Non-zeros per row, on average (nnz / m).
+    cap
+        Most lanes per row, one of :data:`LANE_CHOICES` (32: a warp;
+        :func:`transpose_lane_cap` for the rows of ``A^T``).
 
     Returns
     -------
     int
         One of :data:`LANE_CHOICES`.
     """
+    if cap not in LANE_CHOICES:
+        raise ValueError(f"cap must be one of {LANE_CHOICES}, got {cap}")
     if not math.isfinite(mean_row_length) or mean_row_length <= 0:
         return LANE_CHOICES[0]
     want = mean_row_length / VECTOR_WIDTH
     lanes = 1 << max(0, math.ceil(math.log2(want))) if want > 1 else 1
-    return int(min(max(lanes, LANE_CHOICES[0]), LANE_CHOICES[-1]))
+    return int(min(max(lanes, LANE_CHOICES[0]), cap))
+
+
+#: Memory bandwidth per multiprocessor (bytes/s, theoretical) from which the
+#: rows of ``A^T`` get at most 16 lanes (docs/benchmarks.md, section 15).
+TRANSPOSE_16_LANES_FROM = 30e9
+
+
+def transpose_lane_cap(bandwidth: float, sm_count: int) -> int:
+    """Most lanes per row of ``A^T`` (the back projection) on a device.
+
+    A row of ``A^T`` (one voxel's LORs) gathers the correlation vector at
+    scattered positions. Where each multiprocessor must keep more bytes in
+    flight (an H200: 4.8 TB/s over 132 SMs, 36 GB/s each), 16 lanes per row
+    (two rows per warp, twice the loads per lane) beat 32 by 3-13% on rows of
+    255 to 1,226 non-zeros; on an H100 (3.35 TB/s, 25 GB/s per SM) 32 lanes
+    stay 2.6% ahead. Measured, not modelled: docs/benchmarks.md.
+
+    Parameters
+    ----------
+    bandwidth
+        Theoretical memory bandwidth of the device in bytes/s (0 if unknown).
+    sm_count
+        Multiprocessors of the device.
+
+    Returns
+    -------
+    int
+        16 from :data:`TRANSPOSE_16_LANES_FROM` bytes/s per multiprocessor,
+        else 32 (also when the bandwidth is unknown).
+    """
+    if bandwidth > 0 and sm_count > 0 and bandwidth / sm_count >= TRANSPOSE_16_LANES_FROM:
+        return 16
+    return LANE_CHOICES[-1]
 
 
 def launch_shape(
-    items: int, items_per_block: int, sm_count: int, max_threads_per_sm: int, threads: int = THREADS
+    items: int,
+    items_per_block: int,
+    sm_count: int,
+    max_threads_per_sm: int,
+    threads: int = THREADS,
+    waves: int | None = None,
 ) -> tuple[int, int]:
     """Blocks and threads of a grid-stride launch.
 
@@ -103,18 +147,26 @@ def launch_shape(
         Device properties (``multiProcessorCount``, ``maxThreadsPerMultiProcessor``).
     threads
         Threads per block.
+    waves
+        Cap in full waves of the device (default :data:`WAVES`); 0: no cap
+        (one item per block slot, the hardware schedules the blocks).
 
     Returns
     -------
     (blocks, threads)
         ``blocks`` is enough for one item per block slot, capped at
-        :data:`WAVES` full waves of the device (the kernels loop over the
+        ``waves`` full waves of the device (the kernels loop over the
         rest), and at least 1.
     """
     if items_per_block <= 0 or threads <= 0:
         raise ValueError("items_per_block and threads must be positive")
+    waves = WAVES if waves is None else int(waves)
+    if waves < 0:
+        raise ValueError(f"waves must be >= 0, got {waves}")
     needed = -(-max(int(items), 0) // items_per_block)
-    cap = max(1, sm_count * max(1, max_threads_per_sm // threads) * WAVES)
+    if waves == 0:
+        return max(1, needed), threads
+    cap = max(1, sm_count * max(1, max_threads_per_sm // threads) * waves)
     return max(1, min(needed, cap)), threads
 
 

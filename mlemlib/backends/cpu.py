@@ -250,7 +250,9 @@ class CpuBackend(Backend):
         if threads is not None:
             import numba
 
-            numba.set_num_threads(int(threads))
+            from mlemlib.transpose import usable_threads
+
+            numba.set_num_threads(usable_threads(threads))
         auto = self.auto_kernel(transpose is not None)
         self.fp_kernel = self.auto_kernel(True) if fp in ("auto", None) else str(fp)
         self.bp_kernel = auto if bp in ("auto", None) else str(bp)

@@ -280,7 +280,9 @@ class CudaBackend(Backend):
 
     # --- helpers -------------------------------------------------------------------
     def _lanes(self, a: ck.DeviceCSR) -> int:
-        return self.lanes_override or a.lanes()
+        if self.lanes_override:
+            return self.lanes_override
+        return ck.transpose_lanes(a) if a is self.at else a.lanes()
 
     def _warm_up(self) -> None:
         """Compile the kernels and create cuSPARSE handles now, not in the first timed iteration."""

@@ -110,13 +110,16 @@ class GpuLease:
 
     def release(self) -> None:
         """Unlock and close every lock file (idempotent)."""
+        if self._fds:
+            # Logged before unlocking, as the lease is logged after locking: the
+            # logged interval lies inside the held one, so logs of two jobs
+            # that overlap in time show a real overlap, never a hand-over.
+            log.info("releasing GPU lease %s", self.visible_devices)
         for fd in self._fds:
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if self._fds:
-            log.info("released GPU lease %s", self.visible_devices)
         self._fds = []
 
     def __enter__(self) -> GpuLease:
@@ -186,6 +189,38 @@ def _nvml_uuids() -> list[str] | None:
     except Exception as exc:
         log.debug("NVML query failed: %s", exc)
         return None
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
+def _nvml_pci_bus_ids(keys: list[str]) -> list[str] | None:
+    """PCI bus ids of the devices with these NVML UUIDs, for the log; None without NVML.
+
+    A key that is no UUID NVML knows (``$MLEM_NUM_GPUS`` devices, MIG
+    instances) gives ``"?"``.
+    """
+    if not any(k.startswith(("GPU-", "MIG-")) for k in keys):
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        log.debug("NVML unavailable: %s", exc)
+        return None
+    try:
+        out = []
+        for key in keys:
+            try:
+                bus = pynvml.nvmlDeviceGetPciInfo(pynvml.nvmlDeviceGetHandleByUUID(key)).busId
+            except Exception as exc:  # not a UUID NVML knows
+                log.debug("no PCI bus id for %s: %s", key, exc)
+                bus = "?"
+            out.append(bus.decode() if isinstance(bus, bytes) else str(bus))
+        return out
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
@@ -398,7 +433,11 @@ def acquire(
             for fd, dev in zip(fds, got):
                 _write_owner(fd, dev)
             lease = GpuLease(devices=got, lock_dir=d, _fds=fds)
-            log.info("leased GPU(s) %s (lock dir %s)", lease.visible_devices, d)
+            pci = _nvml_pci_bus_ids([dev.key for dev in got])
+            log.info(
+                "leased GPU(s) %s (%spid %d; lock dir %s)",
+                lease.visible_devices, f"PCI {','.join(pci)}; " if pci else "", os.getpid(), d,
+            )
             return lease
         for fd in fds:  # all or nothing: never sit on part of what we need
             fcntl.flock(fd, fcntl.LOCK_UN)

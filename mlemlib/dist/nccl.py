@@ -472,8 +472,10 @@ class NcclBackend(Backend):
         self._g64sum = float(np.sum(g, dtype=np.float64))
         self._norm64sum = float(norm.sum())
         # Lanes of the whole matrix, so each row is summed as on one GPU (deterministic across GPU counts).
+        self.lanes_override = lanes
         self.lanes_fp = lanes or cplan.choose_lanes(nnz / m if m else 0.0)
-        self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0)
+        self.lanes_bp_cap = self._transpose_lane_cap(devices[0])
+        self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0, self.lanes_bp_cap)
 
         # ---- shards --------------------------------------------------------------------
         t0 = time.perf_counter()
@@ -655,16 +657,12 @@ class NcclBackend(Backend):
                 else:
                     self._spmv(s.at, s.c, s.img_send[c0:c1], self.lanes_bp(s))
                 self._mark(s, "bp", record)
-        if self.fuse:
-            self._allreduce([(s.img_send, s.f) for s in self.shards])
-            for s in self.shards:
-                with cp.cuda.Device(s.device), s.stream:
-                    self._mark(s, "allreduce2", record)
-        else:
-            self._allreduce([(s.img_send, s.bp) for s in self.shards])
-            for s in self.shards:
-                with cp.cuda.Device(s.device), s.stream:
-                    self._mark(s, "allreduce2", record)
+        # fused: the blocks already hold the updated image, so the sum is the new image itself
+        self._allreduce([(s.img_send, s.f if self.fuse else s.bp) for s in self.shards])
+        for s in self.shards:
+            with cp.cuda.Device(s.device), s.stream:
+                self._mark(s, "allreduce2", record)
+                if not self.fuse:
                     ck.update(s.f, s.bp, s.norm, out=s.f)
                     self._mark(s, "update", record)
 
@@ -728,7 +726,17 @@ class NcclBackend(Backend):
         """Lanes per row of a shard's back projection (the whole A^T's in the thesis layout)."""
         if self.layout == "thesis":
             return self.lanes_bp_global
-        return self.lanes_bp_global if s.at is None else cplan.choose_lanes(s.at.nnz / s.at.shape[0] if s.at.shape[0] else 0.0)
+        if s.at is None or self.lanes_override:
+            return self.lanes_bp_global
+        return cplan.choose_lanes(s.at.nnz / s.at.shape[0] if s.at.shape[0] else 0.0, self.lanes_bp_cap)
+
+    @staticmethod
+    def _transpose_lane_cap(device: int) -> int:
+        """Most lanes per row of A^T on ``device`` (:func:`mlemlib.backends._cuda_plan.transpose_lane_cap`)."""
+        from mlemlib.backends import _cuda_kernels as ck
+
+        props = ck.device_properties(device)
+        return cplan.transpose_lane_cap(props["memory_bandwidth"], props["sm_count"])
 
     def _warm_up(self) -> None:
         """Compile kernels, connect NCCL and set kernel attributes before any timing or capture."""
@@ -948,6 +956,7 @@ class NcclBackend(Backend):
             "overlap_chunks": self.chunks,
             "fused": self.fuse,
             "lanes_fp": self.lanes_fp,
+            "lanes_bp": sorted({self.lanes_bp(s) for s in self.shards}) if self.bp_kernel == "csr_vector" else None,
             "transpose": "local parts" if self.layout == "local" and self.bp_kernel not in SCATTER_KERNELS else ("row blocks" if self.layout == "thesis" else "none"),
             "plan": self.plan,
             "nccl_version": self.nccl_version,

@@ -16,7 +16,6 @@ not on the thread count or chunk size: same configuration, same bytes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -32,31 +31,12 @@ from mlemlib.matrix import CSRMatrix
 from mlemlib.scanner import _siddon
 from mlemlib.scanner.geometry import ScannerConfig, box_bounds, face_points
 from mlemlib.scanner.presets import get_preset
+from mlemlib.transpose import numba_threads as _numba_threads
 
 log = logging.getLogger(__name__)
 
 #: Default bound on the elements of one streamed chunk (16 Mi elements, 128 MiB).
 DEFAULT_MAX_NNZ = 1 << 24
-
-
-@contextlib.contextmanager
-def _numba_threads(threads: int | None) -> Iterator[int]:
-    """Set Numba's thread count for the block (restored after); yield the count in use."""
-    import numba
-
-    old = numba.get_num_threads()
-    if threads is None:
-        yield old
-        return
-    if threads < 1:
-        from mlemlib.errors import ConfigError
-
-        raise ConfigError("threads", f"threads = {threads}, expected >= 1")
-    numba.set_num_threads(min(int(threads), numba.config.NUMBA_NUM_THREADS))
-    try:
-        yield numba.get_num_threads()
-    finally:
-        numba.set_num_threads(old)
 
 
 def _resolve(preset: str | ScannerConfig, rays: int | None) -> ScannerConfig:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One device call of the multi-GPU work (issue 5): where the time of a GPU's
+# share goes, scaling on the madpet2 preset and the TOR matrix, the GPU tests
+# of the distributed backend, and the workflow's GPU leases under Snakemake.
+#
+#   bash tools/device_scaling.sh OUT [STEP ...]
+#
+# Steps (default: all, in this order; each has its own time limit and log
+# under OUT, so one failing step does not hide the rest):
+#   env       GPUs, NVLink topology, CuPy, NCCL
+#   parts     tools/device_dist.py --section parts (one part at a time on GPU 0)
+#   partsm    the same on the madpet2 preset
+#   madpet2   tools/device_dist.py --section bench --matrix madpet2
+#   tor       tools/device_dist.py --section bench (TOR matrix)
+#   tests     pytest -m gpu: the distributed and CUDA backends, kernels, benchmark
+#   workflow  tools/device_workflow/run.sh (needs .whl carried)
+set -u
+DEST=${1:?usage: device_scaling.sh OUT [STEP ...]}
+shift
+# Everything is written under OUT/run and packed into OUT/run.tgz at the end
+# (the device tool returns only a few files); OUT/summary.txt is the table.
+OUT=$DEST/run
+STEPS=${*:-env parts partsm madpet2 tor tests workflow}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+NGPU=$(nvidia-smi -L | wc -l)
+T0=$(date +%s)
+
+step() {  # step NAME LIMIT CMD...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit} s, at $(($(date +%s) - T0)) s)"
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "=== $name rc=$? after $(($(date +%s) - T0)) s"
+    tail -n 40 "$OUT/$name.log"
+}
+
+for s in $STEPS; do
+    case $s in
+    env) step env 60 python3 tools/device_dist.py --out "$OUT" --section env ;;
+    parts) step parts 150 python3 tools/device_dist.py --out "$OUT" --section parts --matrix tor ;;
+    partsm) step partsm 150 python3 tools/device_dist.py --out "$OUT" --section parts --matrix madpet2 ;;
+    madpet2) step madpet2 240 python3 tools/device_dist.py --out "$OUT" --section bench --matrix madpet2 ;;
+    tor) step tor 120 python3 tools/device_dist.py --out "$OUT" --section bench ;;
+    tests) step tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_dist.py tests/test_cuda_mlem.py tests/test_cuda_kernels.py tests/test_bench.py tests/test_transpose.py tests/test_devices.py ;;
+    workflow) step workflow 200 bash tools/device_workflow/run.sh "$OUT/workflow" "$NGPU" ;;
+    *) echo "unknown step $s" ;;
+    esac
+done
+python3 tools/device_dist.py --out "$OUT" --section summary | tee "$DEST/summary.txt"
+echo "total $(($(date +%s) - T0)) s"
+tar czf "$DEST/run.tgz" -C "$DEST" run && rm -rf "$OUT"

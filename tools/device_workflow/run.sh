@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Device demonstration: the real workflow, run as `snakemake --cores 4 --resources gpu=G`,
+# starts concurrent GPU jobs (run_mlem) that land on disjoint GPUs thanks to the lock-file
+# GPU leases (mlemlib/dist/lease.py, taken by scripts/run_mlem.py).
+#
+#   usage (repository root on the device, with .whl carried): bash tools/device_workflow/run.sh OUTDIR GPUS
+#
+# Installs Snakemake from the wheels in .whl/ into /tmp/site (the device image has none;
+# see the pip command below), then runs this repository's Snakefile in a scratch working
+# directory per scenario, with a fresh MLEM_LOCK_DIR, while nvidia-smi samples which
+# process uses which GPU, and checks the job logs with check_leases.py:
+#   one-gpu  config one-gpu.yaml: four 1-GPU runs under --resources gpu=min(GPUS,4); that
+#            many hold a GPU at once, each its own.
+#   two-gpu  config two-gpu.yaml: two 2-GPU runs (layouts local, thesis) under
+#            --resources gpu=4; with 4 or more GPUs both at once on disjoint pairs; with 2,
+#            Snakemake starts both and the second waits for the first's lease (serialised).
+# OUTDIR gets gpus.txt (nvidia-smi) and, per scenario, <scenario>.md (the checker's tables
+# and verdict) and <scenario>.tgz (logs/, benchmarks/, results/summary/, Snakemake's log,
+# the nvidia-smi samples). Exit status 0 when every scenario's workflow and check passed.
+set -uo pipefail
+
+usage="usage: bash tools/device_workflow/run.sh OUTDIR GPUS"
+out=${1:?$usage}
+ngpu=${2:?$usage}
+[[ $ngpu =~ ^[1-9][0-9]*$ ]] || {
+    echo "run.sh: error: GPUS must be a positive integer, found '$ngpu'" >&2
+    exit 2
+}
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+scratch=${MLEM_DEMO_SCRATCH:-/tmp/mlem-device-workflow}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+# NVLink multicast stays off on these shared machines (docs/multigpu.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+
+# Snakemake from the wheels of .whl/ where Python has none (the device image).
+if ! python3 -c 'import snakemake' 2> /dev/null; then
+    if ! compgen -G "$repo/.whl/*.whl" > /dev/null; then
+        echo "run.sh: error: python3 has no Snakemake and $repo/.whl holds no wheels (carry .whl)" >&2
+        exit 2
+    fi
+    if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$repo"/.whl/*.whl; then
+        echo "run.sh: error: installing the wheels of $repo/.whl into /tmp/site failed" >&2
+        exit 2
+    fi
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# The Snakefile imports mlemlib from this checkout (its jobs get it from rules/common.smk).
+export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
+echo "snakemake $(python3 -m snakemake --version) ($(python3 -c 'import snakemake, sys; print(snakemake.__file__, sys.version.split()[0])'))"
+
+smi=$(command -v nvidia-smi || true)
+if [[ -n $smi ]]; then
+    {
+        nvidia-smi -L
+        nvidia-smi --query-gpu=index,pci.bus_id,uuid,name --format=csv
+    } | tee "$out/gpus.txt"
+    seen=$(nvidia-smi -L | grep -c '^GPU ')
+    ((seen == ngpu)) || echo "run.sh: warning: GPUS=$ngpu but nvidia-smi lists $seen GPU(s)" >&2
+else
+    echo "run.sh: warning: no nvidia-smi: the driver's view of the jobs is left out" | tee "$out/gpus.txt" >&2
+fi
+
+# scenario NAME CONFIG GPU_RESOURCE CHECKER_OPTIONS...: one workflow run and its check.
+failed=()
+scenario() {
+    local name=$1 config=$2 resource=$3
+    shift 3
+    local w=$scratch/$name
+    rm -rf "$w" && mkdir -p "$w/locks"
+    local sampler=
+    if [[ -n $smi ]]; then
+        # Which process runs on which GPU, as the driver sees it, every ~0.2 s.
+        while :; do
+            nvidia-smi --query-compute-apps=pid,gpu_bus_id --format=csv,noheader 2> /dev/null
+            sleep 0.2
+        done > "$w/apps.csv" &
+        sampler=$!
+    fi
+    local cmd=(python3 -m snakemake --snakefile "$repo/Snakefile" --configfile "$here/$config"
+        --cores 4 --resources "gpu=$resource")
+    echo
+    echo "== $name: ${cmd[*]} (in $w, MLEM_LOCK_DIR=$w/locks)"
+    local t0=$SECONDS
+    (cd "$w" && MLEM_LOCK_DIR=$w/locks timeout 240 "${cmd[@]}") > "$w/snakemake.log" 2>&1
+    local rc=$? took=$((SECONDS - t0))
+    if [[ -n $sampler ]]; then
+        kill "$sampler" 2> /dev/null
+        wait "$sampler" 2> /dev/null
+    fi
+    echo "snakemake exit status $rc after $took s"
+    ((rc == 0)) || tail -n 40 "$w/snakemake.log"
+    local apps=()
+    [[ -n $sampler ]] && apps=(--apps "$w/apps.csv")
+    {
+        echo "# $name: \`snakemake --cores 4 --resources gpu=$resource --configfile tools/device_workflow/$config\`"
+        echo
+        echo "$ngpu GPU(s); Snakemake exit status $rc after $took s; checker options: ${*:-none}"
+        echo
+        python3 "$here/check_leases.py" "${apps[@]}" "$@" "$w/logs"
+    } > "$out/$name.md"
+    local crc=$?
+    cat "$out/$name.md"
+    local keep=(snakemake.log)
+    for p in logs benchmarks results/summary apps.csv .snakemake/log; do [[ -e $w/$p ]] && keep+=("$p"); done
+    tar czf "$out/$name.tgz" -C "$w" "${keep[@]}"
+    ((rc == 0 && crc == 0)) || failed+=("$name (snakemake $rc, check $crc)")
+}
+
+one=$((ngpu < 4 ? ngpu : 4))
+scenario one-gpu one-gpu.yaml "$one" --jobs 4 --min-concurrent "$one" --max-concurrent "$one"
+if ((ngpu >= 4)); then
+    scenario two-gpu two-gpu.yaml 4 --jobs 2 --min-concurrent 2
+elif ((ngpu >= 2)); then
+    scenario two-gpu two-gpu.yaml 4 --jobs 2 --max-concurrent 1 --min-waited 1
+fi
+
+echo
+if ((${#failed[@]})); then
+    echo "FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "every scenario passed; files in $out: $(cd "$out" && ls | tr '\n' ' ')"
