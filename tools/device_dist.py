@@ -623,7 +623,7 @@ def section_overlap(args, out: Path) -> None:
 
 
 def section_nccltune(args, out: Path) -> None:
-    """4 GPUs, graph replay, under this process's NCCL_PROTO / NCCL_ALGO: all-reduce alone and the iteration."""
+    """Every GPU, graph replay, under this process's NCCL_* settings: all-reduce alone and the iteration (``--matrix``)."""
     import cupy as cp
     from cupy.cuda import nccl
 
@@ -631,10 +631,10 @@ def section_nccltune(args, out: Path) -> None:
 
     ndev = cp.cuda.runtime.getDeviceCount()
     devices = list(range(ndev))
-    a, at, g, norm, _ = make_problem(BIG_DIMS, host=False)
+    a, at, g, norm, _ = make_problem(parse_matrix(args.matrix), host=False)
     m, n = a.shape
     comms = nccl.NcclCommunicator.initAll(devices)
-    rec = {"NCCL_PROTO": os.environ.get("NCCL_PROTO", ""), "NCCL_ALGO": os.environ.get("NCCL_ALGO", ""), "gpus": ndev}
+    rec = {"nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_") and k != "NCCL_VERSION"}, "gpus": ndev, "matrix": args.matrix}
     rec["allreduce_n_s"] = allreduce_micro(cp, comms, devices, n)
     rec["allreduce_m_s"] = allreduce_micro(cp, comms, devices, m)
     for layout in ("local", "thesis"):

@@ -12,6 +12,8 @@
 #   partsm    the same on the madpet2 preset
 #   madpet2   tools/device_dist.py --section bench --matrix madpet2
 #   tor       tools/device_dist.py --section bench (TOR matrix)
+#   nccl      all-reduce alone and the graph-replayed iteration (TOR) under
+#             NCCL settings: default, NCCL_MIN_CTAS, NCCL_PROTO, NCCL_ALGO
 #   tests     pytest -m gpu: the distributed and CUDA backends, kernels, benchmark
 #   workflow  tools/device_workflow/run.sh (needs .whl carried)
 set -u
@@ -42,6 +44,12 @@ for s in $STEPS; do
     partsm) step partsm 150 python3 tools/device_dist.py --out "$OUT" --section parts --matrix madpet2 ;;
     madpet2) step madpet2 240 python3 tools/device_dist.py --out "$OUT" --section bench --matrix madpet2 ;;
     tor) step tor 120 python3 tools/device_dist.py --out "$OUT" --section bench ;;
+    nccl)
+        for v in "" NCCL_MIN_CTAS=8 NCCL_MIN_CTAS=16 NCCL_MIN_CTAS=32 NCCL_PROTO=LL128 NCCL_PROTO=LL NCCL_ALGO=Tree "NCCL_MIN_CTAS=16 NCCL_PROTO=LL128"; do
+            step "nccl-${v// /-}" 60 env $v python3 tools/device_dist.py --out "$OUT" --section nccltune
+            grep '^TUNE' "$OUT/nccl-${v// /-}.log" >>"$OUT/nccl.jsonl"
+        done
+        ;;
     tests) step tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_dist.py tests/test_cuda_mlem.py tests/test_cuda_kernels.py tests/test_bench.py tests/test_transpose.py tests/test_devices.py ;;
     workflow) step workflow 200 bash tools/device_workflow/run.sh "$OUT/workflow" "$NGPU" ;;
     *) echo "unknown step $s" ;;
