@@ -338,7 +338,7 @@ def section_small(args, out: Path) -> None:
             free_pools(cp, range(ndev))
             save(out, "small.json", res)
     # one process per GPU (file bootstrap): the same images?
-    for p, layout in ((2, "local"), (4, "local"), (4, "thesis")):
+    for p, layout in ((2, "local"), (2, "thesis"), (4, "local"), (4, "thesis")):
         if p > ndev:
             continue
         t0 = time.perf_counter()

@@ -14,6 +14,9 @@
 #   tor       tools/device_dist.py --section bench (TOR matrix)
 #   nccl      all-reduce alone and the graph-replayed iteration (TOR) under
 #             NCCL settings: default, NCCL_MIN_CTAS, NCCL_PROTO, NCCL_ALGO
+#   small     tools/device_dist.py --section small: images through the
+#             workflow's files, 1..P GPUs, both layouts, graphs, and one
+#             process per GPU (file bootstrap, mpirun) against one process
 #   tests     pytest -m gpu: the distributed and CUDA backends, kernels, benchmark
 #   workflow  tools/device_workflow/run.sh (needs .whl carried)
 set -u
@@ -50,6 +53,7 @@ for s in $STEPS; do
             grep '^TUNE' "$OUT/nccl-${v// /-}.log" >>"$OUT/nccl.jsonl"
         done
         ;;
+    small) step small 240 python3 tools/device_dist.py --out "$OUT" --section small ;;
     tests) step tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_dist.py tests/test_cuda_mlem.py tests/test_cuda_kernels.py tests/test_bench.py tests/test_transpose.py tests/test_devices.py ;;
     workflow) step workflow 200 bash tools/device_workflow/run.sh "$OUT/workflow" "$NGPU" ;;
     *) echo "unknown step $s" ;;
