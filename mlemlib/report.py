@@ -10,9 +10,11 @@ benchmark tables, and writes:
     measure (see :data:`RUN_COLUMNS`; ``cr_<label>`` columns follow for the
     contrast recovery of each phantom insert).
 ``summary.md``
-    Time per iteration by step (as the thesis's Table 9.3), the spread of the
-    accuracy over repetitions, transposition times by method, partition
-    balance, the SpMV benchmark.
+    Time per iteration by step (as the thesis's Table 9.3), the scaling over
+    GPU counts and layouts (speed-up, parallel efficiency, bandwidth per GPU;
+    only where a cuda configuration ran on more than one GPU count), the
+    spread of the accuracy over repetitions, transposition times by method,
+    partition balance, the SpMV benchmark.
 ``plots/time_per_iteration.png``
     Mean time per iteration of each configuration, stacked by step, with
     each repetition's mean as a dot.
@@ -21,11 +23,17 @@ benchmark tables, and writes:
 ``plots/accuracy.png``
     Image sum and relative L2 error to the reference per repetition (the
     thesis's Figures 9.4 and 9.12 show the spread of the image sum).
+``plots/scaling.png``
+    Speed-up against the number of GPUs, one line per configuration and
+    layout, with the ideal speed-up (y = P). Written only when some cuda
+    configuration has a 1-GPU run and a run on more GPUs; the workflow
+    declares ``plots/`` as a directory, so a missing file is no error.
 ``plots/image_<matrix>_<data>.png``
     Central slices (axial, coronal, sagittal) of a reconstruction beside the
     truth, one per problem.
 
-The file names are stable; the workflow's report captions refer to them.
+The file names are stable; the workflow's report captions refer to them
+(``report/plots.rst`` shows whichever of them exist).
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ STEPS = ("fp", "corr", "bp", "update", "allreduce")
 
 #: The fixed columns of ``runs.csv`` (``cr_<label>`` columns follow).
 RUN_COLUMNS = (
-    "run", "matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "dtype",
+    "run", "matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "graph", "dtype",
     "reference_mode", "iterations", "repetition", "deterministic", "device",
     "iteration_mean_s", "iteration_median_s", "iteration_min_s", "iteration_max_s", "iteration_std_s",
     *(f"{s}_{k}_s" for s in STEPS for k in ("mean", "median", "min", "max")),
@@ -159,6 +167,8 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
                 "secsize": cfg.get("secsize"),
                 "gpus": cfg.get("gpus"),
                 "layout": cfg.get("layout"),
+                # Graph capture: the run's config, or (as mlem reconstruct records it) the backend's describe().
+                "graph": bool(cfg.get("graph", be.get("graph", False))),
                 "dtype": cfg.get("dtype"),
                 "reference_mode": bool(cfg.get("reference_mode", False)),
                 "iterations": cfg.get("iterations", rep.get("iterations")),
@@ -197,6 +207,9 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
             row["_samples"] = rep.get("samples", {})
             row["_outputs"] = t.get("outputs", {})
             row["_truth"] = cfg.get("truth")
+            # The kernels as configured ("auto", "notrans" resolve per backend and GPU count).
+            row["_fp_requested"] = cfg.get("fp_requested") or cfg.get("fp")
+            row["_bp_requested"] = cfg.get("bp_requested") or cfg.get("bp")
             rows.append(row)
     return rows
 
@@ -217,17 +230,20 @@ def write_runs_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
 
 
 # --------------------------------------------------------------------------- grouping
-_CONFIG_KEYS = ("matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "dtype", "reference_mode")
+_CONFIG_KEYS = ("matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "graph", "gpus", "layout", "dtype",
+                "reference_mode")
 
 
 def config_label(r: Mapping[str, Any]) -> str:
-    """Short name of a configuration, e.g. ``cuda csr_vector/notrans x2 thesis``."""
+    """Short name of a configuration, e.g. ``cuda csr_vector/notrans x2 thesis`` (``graph``: CUDA graph capture)."""
     if r.get("reference_mode"):
         return "reference (float64)"
     bp = f"{r.get('bp')}" + ("+AT" if r.get("transpose") and r.get("bp") != "notrans" else "")
     s = f"{r.get('backend')} {r.get('fp')}/{bp}"
     if r.get("secsize"):
         s += f" sec{r['secsize']}"
+    if r.get("graph"):
+        s += " graph"
     gpus = r.get("gpus") or 1
     if r.get("backend") != "cpu" or gpus != 1:
         s += f" x{gpus}"
@@ -355,6 +371,116 @@ def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
         out += ["\n### Contrast recovery (mean over repetitions; 1 is perfect)\n\n",
                 _md_table(["matrix", "data", "configuration", *(c[3:] for c in cr_labels)], cr_rows)]
     return "".join(out)
+
+
+# --------------------------------------------------------------------------- scaling
+def _family(backend: Any) -> str:
+    """``cuda`` for ``cuda`` (one GPU) and ``cuda-nccl`` (several GPUs, or graph capture): one backend family."""
+    return str(backend or "").split("-")[0]
+
+
+def _scaling_key(r: Mapping[str, Any]) -> tuple:
+    """Every configuration dimension but the GPU count and the layout (kernels as configured)."""
+    return (r.get("matrix"), r.get("data"), _family(r.get("backend")), r.get("_fp_requested") or r.get("fp"),
+            r.get("_bp_requested") or r.get("bp"), r.get("secsize"), bool(r.get("graph")), r.get("dtype"))
+
+
+def _scaling_label(r: Mapping[str, Any]) -> str:
+    """Name of a configuration without GPU count and layout, e.g. ``cuda csr_vector/csr_vector graph``."""
+    s = f"{_family(r.get('backend'))} {r.get('_fp_requested') or r.get('fp')}/{r.get('_bp_requested') or r.get('bp')}"
+    if r.get("secsize"):
+        s += f" sec{r['secsize']}"
+    if r.get("graph"):
+        s += " graph"
+    return s
+
+
+def scaling_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Scaling records: per configuration, GPU count and layout, of cuda configurations run on several GPU counts.
+
+    Runs are grouped by every configuration dimension but ``gpus`` and
+    ``layout`` (the backend names ``cuda`` and ``cuda-nccl`` count as one;
+    the kernels are the configured ones). In each group, per ``(gpus,
+    layout)``:
+
+    - ``iteration_s``: the mean over repetitions of ``iteration_mean_s``
+      (as in the timing table), and ``<step>_s`` likewise where timed;
+    - ``speedup`` = T(1) / T(P), T(1) the time of the group's 1-GPU run
+      whatever its layout label (``local`` where there are several; the
+      one-GPU ``cuda`` backend unless graph capture), None without one;
+    - ``efficiency`` = speedup / P;
+    - ``bandwidth_per_gpu_GBps`` = bytes_per_iteration / P / T(P) / 1e9:
+      ``bytes_per_iteration`` counts the whole A (and A^T where stored),
+      which the P GPUs read in nnz-balanced parts, about 1/P each;
+    - ``rel_l2_reference``: mean over repetitions.
+
+    Returns
+    -------
+    list of dict
+        In first-seen order of the groups, by GPU count then layout within one;
+        empty where no cuda configuration ran on more than one GPU count.
+    """
+    groups: OrderedDict[tuple, list[Mapping[str, Any]]] = OrderedDict()
+    for r in rows:
+        if r.get("reference_mode") or _family(r.get("backend")) != "cuda" or _num(r.get("gpus")) is None:
+            continue
+        groups.setdefault(_scaling_key(r), []).append(r)
+    out: list[dict[str, Any]] = []
+    for rs in groups.values():
+        if len({int(r["gpus"]) for r in rs}) < 2:
+            continue
+        cells: OrderedDict[tuple[int, str], list[Mapping[str, Any]]] = OrderedDict()
+        for r in sorted(rs, key=lambda r: (int(r["gpus"]), str(r.get("layout")))):
+            cells.setdefault((int(r["gpus"]), str(r.get("layout"))), []).append(r)
+        ones = [k for k in cells if k[0] == 1]
+        base = (1, "local") if (1, "local") in cells else (ones[0] if ones else None)
+        t1 = _mean(r["iteration_mean_s"] for r in cells[base]) if base else None
+        for (p, layout), cs in cells.items():
+            t = _mean(c["iteration_mean_s"] for c in cs)
+            nbytes = _mean(c.get("bytes_per_iteration") for c in cs)
+            speedup = t1 / t if t1 and t else None
+            rec: dict[str, Any] = {
+                "matrix": cs[0].get("matrix"), "data": cs[0].get("data"), "configuration": _scaling_label(cs[0]),
+                "gpus": p, "layout": layout, "reps": len(cs), "iteration_s": t,
+                **{f"{s}_s": _mean(c.get(f"{s}_mean_s") for c in cs) for s in STEPS},
+                "speedup": speedup, "efficiency": speedup / p if speedup is not None else None,
+                "bandwidth_per_gpu_GBps": nbytes / p / t / 1e9 if nbytes and t else None,
+                "rel_l2_reference": _mean(c.get("rel_l2_reference") for c in cs),
+                "deterministic": all(c.get("deterministic") for c in cs),
+            }
+            out.append(rec)
+    return out
+
+
+def _fmt_ratio(v: Any) -> str:
+    v = _num(v)
+    return f"{v:.2f}" if v is not None else "–"
+
+
+def scaling_section(rows: Iterable[Mapping[str, Any]]) -> str:
+    """Markdown: speed-up, parallel efficiency and bandwidth per GPU over GPU counts and layouts ("" if none)."""
+    recs = scaling_table(rows)
+    if not recs:
+        return ""
+    steps = [s for s in STEPS if any(r[f"{s}_s"] is not None for r in recs)]
+    head = ["matrix", "data", "configuration", "GPUs", "layout", "reps", "iteration", *steps, "speed-up",
+            "efficiency", "GB/s per GPU", "rel. L2 to ref.", "deterministic"]
+    body = [
+        [r["matrix"], r["data"], r["configuration"], r["gpus"], r["layout"], r["reps"], _fmt_s(r["iteration_s"]),
+         *(_fmt_s(r[f"{s}_s"]) for s in steps), _fmt_ratio(r["speedup"]), _fmt_ratio(r["efficiency"]),
+         _fmt_g(r["bandwidth_per_gpu_GBps"], 4), _fmt_e(r["rel_l2_reference"]),
+         "yes" if r["deterministic"] else "NO (atomics)"]
+        for r in recs
+    ]
+    intro = (
+        "Every cuda configuration run on more than one GPU count, by GPU count P and layout. iteration and steps: "
+        "mean time per iteration over all iterations and repetitions, as in the table above (graph capture times "
+        "only the whole iteration). speed-up: T(1)/T(P), T(1) the configuration's 1-GPU run (– without one); "
+        "efficiency: speed-up / P (1 is perfect). GB/s per GPU: bytes of A (and of A^T where stored) per "
+        "iteration / P / T(P), each GPU reading its nnz-balanced part, about 1/P of them. rel. L2 to ref.: mean "
+        "over repetitions.\n\n"
+    )
+    return "## Scaling over GPUs\n\n" + intro + _md_table(head, body)
 
 
 # --------------------------------------------------------------------------- other records
@@ -558,6 +684,57 @@ def plot_accuracy(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> N
     plt.close(fig)
 
 
+def scaling_series(rows: Iterable[Mapping[str, Any]]) -> OrderedDict[tuple[str, str], list[tuple[int, float]]]:
+    """Speed-up against the GPU count, per configuration and layout (the lines of ``plots/scaling.png``).
+
+    Keys are ``("{matrix}/{data} {configuration}", layout)``, values ``(P,
+    speed-up)`` points. Each line starts at its configuration's 1-GPU run
+    (speed-up 1) and holds the runs of one layout on more GPUs;
+    configurations without a 1-GPU run have no speed-up and no line.
+    """
+    recs = [r for r in scaling_table(rows) if r["speedup"] is not None]
+    lines: OrderedDict[tuple[str, str], list[tuple[int, float]]] = OrderedDict()
+    for r in recs:
+        if r["gpus"] == 1:
+            continue
+        name = (f"{r['matrix']}/{r['data']} {r['configuration']}", r["layout"])
+        if name not in lines:
+            conf = (r["matrix"], r["data"], r["configuration"])
+            ones = [x for x in recs if (x["matrix"], x["data"], x["configuration"]) == conf and x["gpus"] == 1]
+            one = next((x for x in ones if x["layout"] == r["layout"]), None) or next(
+                (x for x in ones if x["layout"] == "local"), ones[0] if ones else None)
+            lines[name] = [(1, one["speedup"])] if one else []
+        lines[name].append((r["gpus"], r["speedup"]))
+    return lines
+
+
+def plot_scaling(rows: Iterable[Mapping[str, Any]], path: Path) -> bool:
+    """Speed-up against GPUs, one line per configuration and layout, and y = P. False (nothing written) if no line."""
+    import matplotlib.pyplot as plt
+
+    lines = scaling_series(rows)
+    if not lines:
+        return False
+    counts = sorted({p for pts in lines.values() for p, _ in pts})
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    ax.plot(counts, counts, color="0.6", ls=":", label="ideal (speed-up = P)")
+    colors: dict[str, str] = {}  # one colour per configuration, one line style per layout
+    for (conf, layout), pts in lines.items():
+        color = colors.setdefault(conf, f"C{len(colors) % 10}")
+        ax.plot([p for p, _ in pts], [s for _, s in pts], marker="o", color=color,
+                ls="--" if layout == "thesis" else "-", label=f"{conf} {layout}")
+    ax.set_xticks(counts, [str(p) for p in counts])
+    ax.set_xlabel("GPUs (P)")
+    ax.set_ylabel("speed-up T(1) / T(P)")
+    ax.set_title("MLEM scaling over GPUs (mean time per iteration)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool:
     """Central axial, coronal and sagittal slices of an image (and of the truth above it). False if unreadable."""
     import matplotlib.pyplot as plt
@@ -674,6 +851,8 @@ def summarize(
             plot_distribution(groups, tmp / "time_distribution.png")
             plot_accuracy(groups, tmp / "accuracy.png")
             plot_names += ["time_per_iteration.png", "time_distribution.png", "accuracy.png"]
+            if plot_scaling(rows, tmp / "scaling.png"):
+                plot_names.append("scaling.png")
         seen: set[tuple] = set()
         for r in sorted(rows, key=lambda r: (bool(r["reference_mode"]), r["run"])):
             problem = (r["matrix"], r["data"])
@@ -689,6 +868,7 @@ def summarize(
 
     sections = [
         timing_section(groups) if groups else "No runs.\n",
+        scaling_section(rows),
         accuracy_section(groups) if groups else "",
         transpose_section(trows),
         plan_section(plans),

@@ -180,3 +180,174 @@ def test_timing_helpers():
     assert format_seconds(16.498e-3) == "16.498 ms"
     assert format_seconds(3.2e-6) == "3.200 us"
     assert format_seconds(float("nan")) == "n/a"
+
+
+# --------------------------------------------------------------------------- scaling over GPUs
+BYTES_PER_ITERATION = 4 * 10**9  # A and A^T of the whole matrix
+
+
+def _scaling_timings(gpus, layout, reps_ms, *, steps_ms=None, graph=False, fp="csr_vector", bp="csr_vector",
+                     rel=1e-7):
+    """A cuda run: repetition k has 2 iterations of reps_ms[k] ms each (sum of steps_ms where given).
+
+    Like mlem reconstruct: one GPU without graph capture is backend "cuda", else "cuda-nccl" with
+    "graph" only in the backend's describe(); graph capture times only the whole iteration.
+    """
+    name = "cuda" if gpus == 1 and not graph else "cuda-nccl"
+    reps = []
+    for k, it_ms in enumerate(reps_ms):
+        samples = {"iteration": [it_ms * 1e-3] * 2}
+        if steps_ms and not graph:
+            assert sum(steps_ms.values()) == pytest.approx(it_ms)
+            samples.update({s: [v * 1e-3] * 2 for s, v in steps_ms.items()})
+        reps.append({"repetition": k, "iterations": 2, "resumed_at": [], "wall_s": 1.0,
+                     "steps": {s: stats(v) for s, v in samples.items()}, "samples": samples,
+                     "accuracy": {"image_sum": 1000.0, "image_sha256": "ab", "rel_l2_reference": rel}})
+    return {
+        "format": "mlem-timings",
+        "config": {"matrix": "madpet3", "data": "nema-seed1", "backend": name, "fp": fp, "bp": bp,
+                   "fp_requested": fp, "bp_requested": bp, "secsize": None, "gpus": gpus, "layout": layout,
+                   "iterations": 2, "repetitions": len(reps_ms), "dtype": "float32", "reference_mode": False,
+                   "transpose": "results/madpet3/transpose.h5"},
+        "backend": {"backend": name, "deterministic": True, "fp": fp, "bp": bp,
+                    "transpose": "stored" if gpus == 1 and not graph else "local parts",
+                    **({"graph": graph} if name == "cuda-nccl" else {})},
+        "deterministic": True,
+        "device": [{"name": "H200"}] * gpus,
+        "bytes": {"A": BYTES_PER_ITERATION // 2, "AT": BYTES_PER_ITERATION // 2, "fp": BYTES_PER_ITERATION // 2,
+                  "bp": BYTES_PER_ITERATION // 2, "iteration": BYTES_PER_ITERATION},
+        "setup": {"load_s": 1.0, "backend_s": 1.0},
+        "repetitions": reps,
+    }
+
+
+@pytest.fixture
+def scaling_runs(tmp_path):
+    """1, 2, 4 GPUs x local/thesis; graph capture on 2 and 4 GPUs only (no baseline); a cpu run; a 1-GPU-only run."""
+    runs = {
+        # T(1) = mean of the repetitions' means (3.9 ms, 4.1 ms) = 4.0 ms
+        "csr-1-local": _scaling_timings(1, "local", [3.9, 4.1], rel=2e-7),
+        "csr-2-local": _scaling_timings(2, "local", [2.0, 2.0], steps_ms={"fp": 0.5, "bp": 1.25, "allreduce": 0.25}),
+        "csr-2-thesis": _scaling_timings(2, "thesis", [2.5]),
+        "csr-4-local": _scaling_timings(4, "local", [1.25, 1.25], steps_ms={"fp": 0.25, "bp": 0.75, "allreduce": 0.25},
+                                        rel=3e-7),
+        "csr-4-thesis": _scaling_timings(4, "thesis", [1.9, 2.1]),
+        "graph-2-local": _scaling_timings(2, "local", [1.6], graph=True),
+        "graph-4-local": _scaling_timings(4, "local", [1.0], graph=True),
+        "merge-1-local": _scaling_timings(1, "local", [5.0], fp="merge", bp="merge"),
+        "cpu": _timings(backend="cpu", fp="numba", bp="numba", gpus=1, layout="local", sums=[999.0], digests=["dd"]),
+    }
+    root = tmp_path / "runs"
+    for name, t in runs.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "timings.json").write_text(json.dumps(t))
+    return root
+
+
+def _md_section(md, title):
+    """Rows of the first table after the heading ``title``, as lists of stripped cells (header first)."""
+    lines = md[md.index(title):].splitlines()
+    start = next(k for k, ln in enumerate(lines) if ln.startswith("|"))
+    table = []
+    for ln in lines[start:]:
+        if not ln.startswith("|"):
+            break
+        table.append([c.strip() for c in ln.strip().strip("|").split("|")])
+    return table[0], table[2:]
+
+
+def test_scaling_table(scaling_runs, tmp_path):
+    from mlemlib.report import load_timings, run_rows, scaling_section, scaling_table
+
+    summarize([scaling_runs], tmp_path / "s")
+    md = (tmp_path / "s" / "summary.md").read_text()
+    assert md.index("## Time per iteration by step") < md.index("## Scaling over GPUs") < md.index("## Accuracy")
+    head, body = _md_section(md, "## Scaling over GPUs")
+    # graph capture leaves fp/bp/allreduce blank; corr and update are never timed here: no columns
+    assert head == ["matrix", "data", "configuration", "GPUs", "layout", "reps", "iteration", "fp", "bp", "allreduce",
+                    "speed-up", "efficiency", "GB/s per GPU", "rel. L2 to ref.", "deterministic"]
+    got = {(r[2], r[3], r[4]): dict(zip(head, r)) for r in body}
+    # cpu and the merge run (one GPU count only) are not in it; "cuda" (1 GPU) and "cuda-nccl" are one group
+    assert sorted(got) == sorted([
+        ("cuda csr_vector/csr_vector", "1", "local"), ("cuda csr_vector/csr_vector", "2", "local"),
+        ("cuda csr_vector/csr_vector", "2", "thesis"), ("cuda csr_vector/csr_vector", "4", "local"),
+        ("cuda csr_vector/csr_vector", "4", "thesis"),
+        ("cuda csr_vector/csr_vector graph", "2", "local"), ("cuda csr_vector/csr_vector graph", "4", "local")])
+    # ordered by configuration, then GPUs, then layout
+    assert [(r[2], r[3], r[4]) for r in body][:5] == [("cuda csr_vector/csr_vector", p, lay) for p, lay in
+                                                      (("1", "local"), ("2", "local"), ("2", "thesis"),
+                                                       ("4", "local"), ("4", "thesis"))]
+
+    def cols(key, *names):
+        return [got[key][n] for n in names]
+
+    c = "cuda csr_vector/csr_vector"
+    measures = ("reps", "iteration", "speed-up", "efficiency", "GB/s per GPU")
+    # T1 = 4.0 ms; bandwidth per GPU = 4e9 B / P / T(P)
+    assert cols((c, "1", "local"), *measures) == ["2", "4.000 ms", "1.00", "1.00", "1000"]
+    assert cols((c, "2", "local"), *measures) == ["2", "2.000 ms", "2.00", "1.00", "1000"]
+    assert cols((c, "2", "thesis"), *measures) == ["1", "2.500 ms", "1.60", "0.80", "800"]
+    assert cols((c, "4", "local"), *measures) == ["2", "1.250 ms", "3.20", "0.80", "800"]
+    assert cols((c, "4", "thesis"), *measures) == ["2", "2.000 ms", "2.00", "0.50", "500"]
+    assert cols((c, "4", "local"), "fp", "bp", "allreduce") == ["250.000 us", "750.000 us", "250.000 us"]
+    assert cols((c, "1", "local"), "fp", "bp", "allreduce") == ["", "", ""]
+    assert got[(c, "4", "local")]["rel. L2 to ref."] == "3.000e-07"
+    assert got[(c, "1", "local")]["rel. L2 to ref."] == "2.000e-07"
+    # no 1-GPU run with graph capture: no speed-up, but the bandwidth per GPU is still there
+    assert cols(("cuda csr_vector/csr_vector graph", "2", "local"), *measures) == ["1", "1.600 ms", "–", "–", "1250"]
+    assert cols(("cuda csr_vector/csr_vector graph", "4", "local"), *measures) == ["1", "1.000 ms", "–", "–", "1000"]
+
+    # the records behind the table, unrounded
+    recs = {(r["configuration"], r["gpus"], r["layout"]): r for r in scaling_table(run_rows(load_timings([scaling_runs])))}
+    r4 = recs[(c, 4, "local")]
+    assert r4["speedup"] == pytest.approx(3.2, rel=1e-12) and r4["efficiency"] == pytest.approx(0.8, rel=1e-12)
+    assert r4["bandwidth_per_gpu_GBps"] == pytest.approx(800.0, rel=1e-12)
+    assert recs[(c, 4, "thesis")]["efficiency"] == pytest.approx(0.5, rel=1e-12)
+    assert recs[("cuda csr_vector/csr_vector graph", 4, "local")]["speedup"] is None
+    # nothing to compare: no section
+    rows = run_rows(load_timings([scaling_runs / "csr-1-local", scaling_runs / "merge-1-local", scaling_runs / "cpu"]))
+    assert scaling_section(rows) == "" and scaling_table(rows) == []
+
+
+def test_scaling_graph_column_and_labels(scaling_runs, tmp_path):
+    summarize([scaling_runs], tmp_path / "s")
+    with open(tmp_path / "s" / "runs.csv", newline="") as fh:
+        rows = {r["run"].split("/")[-1]: r for r in csv.DictReader(fh)}
+    assert "graph" in RUN_COLUMNS
+    assert rows["graph-2-local"]["graph"] == "True" and rows["csr-2-local"]["graph"] == "False"
+    assert rows["cpu"]["graph"] == "False"
+    # graph capture is a configuration of its own in the timing table too
+    md = (tmp_path / "s" / "summary.md").read_text()
+    assert "cuda-nccl csr_vector/csr_vector+AT graph x2 local" in md
+    assert "cuda-nccl csr_vector/csr_vector+AT x2 local" in md
+
+
+def test_scaling_plot(scaling_runs, tmp_path):
+    import matplotlib.image as mpimg
+
+    from mlemlib.report import load_timings, run_rows, scaling_series
+
+    lines = scaling_series(run_rows(load_timings([scaling_runs])))
+    conf = "madpet3/nema-seed1 cuda csr_vector/csr_vector"
+    # graph capture has no 1-GPU run: no line
+    assert list(lines) == [(conf, "local"), (conf, "thesis")]
+    assert [p for p, _ in lines[(conf, "local")]] == [1, 2, 4]
+    assert [s for _, s in lines[(conf, "local")]] == pytest.approx([1.0, 2.0, 3.2], rel=1e-12)
+    assert [p for p, _ in lines[(conf, "thesis")]] == [1, 2, 4]
+    assert [s for _, s in lines[(conf, "thesis")]] == pytest.approx([1.0, 1.6, 2.0], rel=1e-12)
+
+    r = summarize([scaling_runs], tmp_path / "s")
+    path = tmp_path / "s" / "plots" / "scaling.png"
+    assert str(path) in r["plots"]
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img[..., :3].std() > 0.01
+    assert "- `plots/scaling.png`" in (tmp_path / "s" / "summary.md").read_text()
+
+    # without a 1-GPU run there is no speed-up to plot: no file, and the other plots as before
+    r = summarize([scaling_runs / "graph-2-local", scaling_runs / "graph-4-local"], tmp_path / "g")
+    assert not (tmp_path / "g" / "plots" / "scaling.png").exists()
+    assert sorted(p.split("/")[-1] for p in r["plots"]) == ["accuracy.png", "time_distribution.png",
+                                                            "time_per_iteration.png"]
+    md = (tmp_path / "g" / "summary.md").read_text()
+    assert "## Scaling over GPUs" in md and "scaling.png" not in md
