@@ -316,3 +316,31 @@ def test_reconstruct_lease_refuses_before_any_work(gpus, tmp_path):
     )
     assert r.returncode == 2 and "asked for 5 GPUs but only 4" in r.stderr
     assert not (tmp_path / "img.h5").exists()
+
+
+def test_nvml_uuids_from_a_fake_nvml_and_none_when_nvml_fails(monkeypatch):
+    import types
+
+    calls = []
+
+    def init():
+        calls.append("init")
+
+    nvml = types.SimpleNamespace(
+        nvmlInit=init,
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUUID=lambda h: f"GPU-{h}".encode(),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert L._nvml_uuids() == ["GPU-0", "GPU-1"]
+    assert calls == ["init", "shutdown"]
+
+    def broken():
+        raise RuntimeError("driver not loaded")
+
+    nvml.nvmlInit = broken
+    assert L._nvml_uuids() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    assert L._nvml_uuids() is None

@@ -42,6 +42,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,29 +170,41 @@ def parse_visible_devices(value: str) -> list[str]:
     return entries
 
 
-def _nvml_uuids() -> list[str] | None:
-    """UUIDs of the devices NVML sees, in NVML (PCI bus) order; None without NVML."""
+@contextlib.contextmanager
+def _nvml() -> Iterator[Any]:
+    """``pynvml``, initialised for the block and shut down after; None where NVML is missing or fails."""
     try:
         import pynvml
     except ImportError:
-        return None
+        yield None
+        return
     try:
         pynvml.nvmlInit()
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
         log.debug("NVML unavailable: %s", exc)
-        return None
+        yield None
+        return
     try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
-            out.append(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
-        return out
-    except Exception as exc:
-        log.debug("NVML query failed: %s", exc)
-        return None
+        yield pynvml
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _nvml_uuids() -> list[str] | None:
+    """UUIDs of the devices NVML sees, in NVML (PCI bus) order; None without NVML."""
+    with _nvml() as nv:
+        if nv is None:
+            return None
+        try:
+            return [_text(nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(i))) for i in range(nv.nvmlDeviceGetCount())]
+        except Exception as exc:
+            log.debug("NVML query failed: %s", exc)
+            return None
 
 
 def _nvml_pci_bus_ids(keys: list[str]) -> list[str] | None:
@@ -202,28 +215,17 @@ def _nvml_pci_bus_ids(keys: list[str]) -> list[str] | None:
     """
     if not any(k.startswith(("GPU-", "MIG-")) for k in keys):
         return None
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        log.debug("NVML unavailable: %s", exc)
-        return None
-    try:
+    with _nvml() as nv:
+        if nv is None:
+            return None
         out = []
         for key in keys:
             try:
-                bus = pynvml.nvmlDeviceGetPciInfo(pynvml.nvmlDeviceGetHandleByUUID(key)).busId
+                out.append(_text(nv.nvmlDeviceGetPciInfo(nv.nvmlDeviceGetHandleByUUID(key)).busId))
             except Exception as exc:  # not a UUID NVML knows
                 log.debug("no PCI bus id for %s: %s", key, exc)
-                bus = "?"
-            out.append(bus.decode() if isinstance(bus, bytes) else str(bus))
+                out.append("?")
         return out
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
 
 
 def _proc_gpu_count() -> int | None:
