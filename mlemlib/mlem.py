@@ -808,6 +808,7 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
             "secsize": secsize,
             "gpus": gpus,
             "layout": layout,
+            "graph": bool(graph),
             "iterations": iterations,
             "repetitions": repetitions,
             "checkpoint_every": checkpoint_every,

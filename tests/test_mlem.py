@@ -140,6 +140,7 @@ def test_outputs_and_timings(problem, tmp_path):
     assert raw.size == a.shape[1] and np.array_equal(raw, img)
     on_disk = json.loads((out.parent / "timings.json").read_text())
     assert on_disk["config"]["iterations"] == 7 and on_disk["config"]["repetitions"] == 3
+    assert on_disk["config"]["graph"] is False
     assert [r["repetition"] for r in on_disk["repetitions"]] == [0, 1, 2]
     for rec in on_disk["repetitions"]:
         for step in ("iteration", "fp", "corr", "bp", "update"):

@@ -13,7 +13,8 @@ def register(sub) -> None:
         sub,
         "summarize",
         "Tabulate and plot runs: runs.csv (one row per run and repetition), summary.md (time per step, "
-        "accuracy spread, transposition times), plots/*.png.",
+        "scaling over GPUs: speed-up, parallel efficiency and bandwidth per GPU of each layout, accuracy "
+        "spread, transposition times), plots/*.png (plots/scaling.png where runs differ in GPU count).",
     )
     p.add_argument("runs", nargs="+", type=existing_file, metavar="RUN", help="run directories (searched for timings.json) or timings.json files")
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (e.g. results/summary)")
