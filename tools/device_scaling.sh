@@ -17,6 +17,8 @@
 #   small     tools/device_dist.py --section small: images through the
 #             workflow's files, 1..P GPUs, both layouts, graphs, and one
 #             process per GPU (file bootstrap, mpirun) against one process
+#   overlap   the local layout's back projection in voxel chunks with the
+#             chunk all-reduces on a second stream (default, NCCL_MAX_CTAS=4, =2)
 #   tests     pytest -m gpu: the distributed and CUDA backends, kernels, benchmark
 #   workflow  tools/device_workflow/run.sh (needs .whl carried)
 set -u
@@ -51,6 +53,12 @@ for s in $STEPS; do
         for v in "" NCCL_MIN_CTAS=8 NCCL_MIN_CTAS=16 NCCL_MIN_CTAS=32 NCCL_PROTO=LL128 NCCL_PROTO=LL NCCL_ALGO=Tree "NCCL_MIN_CTAS=16 NCCL_PROTO=LL128"; do
             step "nccl-${v// /-}" 60 env $v python3 tools/device_dist.py --out "$OUT" --section nccltune
             grep '^TUNE' "$OUT/nccl-${v// /-}.log" >>"$OUT/nccl.jsonl"
+        done
+        ;;
+    overlap)
+        for v in "" NCCL_MAX_CTAS=4 NCCL_MAX_CTAS=2; do
+            step "overlap-${v// /-}" 120 env $v python3 tools/device_dist.py --out "$OUT" --section overlap
+            grep -E 'GPU|overlap' "$OUT/overlap-${v// /-}.log" | sed "s/^/[$v] /" >>"$OUT/overlap.txt"
         done
         ;;
     small) step small 240 python3 tools/device_dist.py --out "$OUT" --section small ;;
