@@ -38,7 +38,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # Snakemake from the wheels of .whl/ where Python has none (the device image).
 if ! python3 -c 'import snakemake' 2> /dev/null; then
     if ! compgen -G "$repo/.whl/*.whl" > /dev/null; then
-        echo "run.sh: error: python3 has no Snakemake and $repo/.whl holds no wheels (carry .whl)" >&2
+        echo "run.sh: error: python3 has no Snakemake and $repo/.whl holds no wheels (make them with tools/device_workflow/fetch_wheels.sh and carry .whl)" >&2
         exit 2
     fi
     if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
