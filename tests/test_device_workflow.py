@@ -255,3 +255,13 @@ def test_configs_plan_the_gpu_runs(tmp_path, name, runs, gpus):
     assert out.count("rule run_mlem:") == runs
     assert out.count(f"gpu={gpus}") == runs
     assert "rule reference_mlem:" not in out and "rule bench_spmv:" not in out
+
+
+def test_wheel_pins_match_the_installed_snakemake():
+    """The wheels carried to GPU nodes are the Snakemake the tests run with (one version per package)."""
+    from importlib.metadata import version
+
+    text = (Path(__file__).resolve().parents[1] / "tools" / "device_workflow" / "wheels.txt").read_text()
+    pins = dict(line.strip().split("==") for line in text.splitlines() if line.strip() and not line.startswith("#"))
+    assert pins["snakemake"] == version("snakemake")
+    assert len(pins) == len([ln for ln in text.splitlines() if "==" in ln])  # no package pinned twice
