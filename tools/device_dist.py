@@ -679,7 +679,7 @@ def _summarize_bench(bench: dict, name: str) -> list[str]:
             f"{name}: scaling ({bench['shape']}, {bench['nnz']} nnz, grid cap {bench.get('waves')} waves; 1-GPU CudaBackend {t1 * 1e3:.3f} ms/it pipelined, "
             f"{bench['one_gpu']['wall_synced'] * 1e3:.3f} synced; copy bw {bench['copy_bandwidth'] / 1e12:.2f} TB/s)"
         )
-        lines.append("  gpus layout mode   fp     bp     allred  upd/corr  it(sync) it(pipe) speedup eff  relL2")
+        lines.append("  gpus layout mode   fp     bp     allred  upd/corr  it(sync) it(pipe) speedup eff  relL2   GB/s/GPU")
         for r in bench["runs"]:
             if "error" in r:
                 lines.append(f"  {r['gpus']} {r['layout']} ERROR {r['error']}")
@@ -692,7 +692,8 @@ def _summarize_bench(bench: dict, name: str) -> list[str]:
                 lines.append(
                     f"  {r['gpus']}    {r['layout']:6} {mode:6} {t.get('fp', 0) * 1e3:6.3f} {t.get('bp', 0) * 1e3:6.3f} "
                     f"{t.get('allreduce', 0) * 1e3:6.3f}  {(t.get('update', 0) + t.get('corr', 0)) * 1e3:6.3f}    "
-                    f"{t['wall_synced'] * 1e3:7.3f} {t['wall_pipelined'] * 1e3:7.3f}  {sp:5.2f}  {sp / r['gpus']:4.2f} {r['rel_l2_vs_1gpu']:.1e}"
+                    f"{t['wall_synced'] * 1e3:7.3f} {t['wall_pipelined'] * 1e3:7.3f}  {sp:5.2f}  {sp / r['gpus']:4.2f} {r['rel_l2_vs_1gpu']:.1e} "
+                    f"{max(r.get('bytes_per_gpu') or [0]) / t['wall_pipelined'] / 1e9:8.0f}"
                 )
         for r in bench["allreduce"]:
             lines.append(f"  allreduce {r['gpus']} GPUs {r['vector']}: {r['median_s'] * 1e6:.1f} us")
