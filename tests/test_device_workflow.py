@@ -257,6 +257,25 @@ def test_configs_plan_the_gpu_runs(tmp_path, name, runs, gpus):
     assert "rule reference_mlem:" not in out and "rule bench_spmv:" not in out
 
 
+def test_madpet2_config_plans_every_stage_and_six_runs(tmp_path):
+    """The thesis-scale scenario: valid, every stage, 1 and 2 GPUs x layouts x graph (6 runs, 4 of them on 2 GPUs)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    config = yaml.safe_load((TOOL / "madpet2.yaml").read_text())
+    jsonschema.validate(config, yaml.safe_load((REPO / "config" / "schema.yaml").read_text()))
+    assert config["matrices"] == {"madpet2": {"preset": "madpet2"}} and config["mlem"]["reference"] is False
+    cmd = [
+        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+        "--configfile", str(TOOL / "madpet2.yaml"), "--config", "use_gpu=true", "--dry-run", "--cores", "4",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for rule in ("generate_matrix", "convert_matrix", "compute_norm", "transpose_matrix", "partition_matrix", "summarize"):
+        assert f"rule {rule}:" in out, rule
+    assert out.count("rule run_mlem:") == 6
+    assert out.count("gpu=2") == 4
+
+
 def test_wheel_pins_match_the_installed_snakemake():
     """The wheels carried to GPU nodes are the Snakemake the tests run with (one version per package)."""
     from importlib.metadata import version

@@ -14,14 +14,21 @@
 #   two-gpu  config two-gpu.yaml: two 2-GPU runs (layouts local, thesis) under
 #            --resources gpu=4; with 4 or more GPUs both at once on disjoint pairs; with 2,
 #            Snakemake starts both and the second waits for the first's lease (serialised).
+#   madpet2  config madpet2.yaml (only when named): the thesis-scale preset through every
+#            stage with all CPUs, then MLEM on 1 and 2 GPUs in both layouts, with and
+#            without graphs, under --resources gpu=GPUS; OUTDIR/madpet2-summary.md is the
+#            workflow's summary (its "Scaling over GPUs" table). About 7 minutes.
+# Default scenarios: one-gpu two-gpu.
 # OUTDIR gets gpus.txt (nvidia-smi) and, per scenario, <scenario>.md (the checker's tables
 # and verdict) and <scenario>.tgz (logs/, benchmarks/, results/summary/, Snakemake's log,
 # the nvidia-smi samples). Exit status 0 when every scenario's workflow and check passed.
 set -uo pipefail
 
-usage="usage: bash tools/device_workflow/run.sh OUTDIR GPUS"
+usage="usage: bash tools/device_workflow/run.sh OUTDIR GPUS [SCENARIO ...]"
 out=${1:?$usage}
 ngpu=${2:?$usage}
+shift 2
+scenarios=${*:-one-gpu two-gpu}
 [[ $ngpu =~ ^[1-9][0-9]*$ ]] || {
     echo "run.sh: error: GPUS must be a positive integer, found '$ngpu'" >&2
     exit 2
@@ -64,10 +71,11 @@ else
     echo "run.sh: warning: no nvidia-smi: the driver's view of the jobs is left out" | tee "$out/gpus.txt" >&2
 fi
 
-# scenario NAME CONFIG GPU_RESOURCE CHECKER_OPTIONS...: one workflow run and its check.
+# scenario NAME CONFIG GPU_RESOURCE CHECKER_OPTIONS...: one workflow run and its check
+# ($CORES cores, default 4; $LIMIT seconds at most, default 240).
 failed=()
 scenario() {
-    local name=$1 config=$2 resource=$3
+    local name=$1 config=$2 resource=$3 cores=${CORES:-4} limit=${LIMIT:-240}
     shift 3
     local w=$scratch/$name
     rm -rf "$w" && mkdir -p "$w/locks"
@@ -81,11 +89,11 @@ scenario() {
         sampler=$!
     fi
     local cmd=(python3 -m snakemake --snakefile "$repo/Snakefile" --configfile "$here/$config"
-        --cores 4 --resources "gpu=$resource")
+        --cores "$cores" --resources "gpu=$resource")
     echo
     echo "== $name: ${cmd[*]} (in $w, MLEM_LOCK_DIR=$w/locks)"
     local t0=$SECONDS
-    (cd "$w" && MLEM_LOCK_DIR=$w/locks timeout 240 "${cmd[@]}") > "$w/snakemake.log" 2>&1
+    (cd "$w" && MLEM_LOCK_DIR=$w/locks timeout "$limit" "${cmd[@]}") > "$w/snakemake.log" 2>&1
     local rc=$? took=$((SECONDS - t0))
     if [[ -n $sampler ]]; then
         kill "$sampler" 2> /dev/null
@@ -96,7 +104,7 @@ scenario() {
     local apps=()
     [[ -n $sampler ]] && apps=(--apps "$w/apps.csv")
     {
-        echo "# $name: \`snakemake --cores 4 --resources gpu=$resource --configfile tools/device_workflow/$config\`"
+        echo "# $name: \`snakemake --cores $cores --resources gpu=$resource --configfile tools/device_workflow/$config\`"
         echo
         echo "$ngpu GPU(s); Snakemake exit status $rc after $took s; checker options: ${*:-none}"
         echo
@@ -107,16 +115,28 @@ scenario() {
     local keep=(snakemake.log)
     for p in logs benchmarks results/summary apps.csv .snakemake/log; do [[ -e $w/$p ]] && keep+=("$p"); done
     tar czf "$out/$name.tgz" -C "$w" "${keep[@]}"
+    [[ -f $w/results/summary/summary.md ]] && cp "$w/results/summary/summary.md" "$out/$name-summary.md"
     ((rc == 0 && crc == 0)) || failed+=("$name (snakemake $rc, check $crc)")
 }
 
 one=$((ngpu < 4 ? ngpu : 4))
-scenario one-gpu one-gpu.yaml "$one" --jobs 4 --min-concurrent "$one" --max-concurrent "$one"
-if ((ngpu >= 4)); then
-    scenario two-gpu two-gpu.yaml 4 --jobs 2 --min-concurrent 2
-elif ((ngpu >= 2)); then
-    scenario two-gpu two-gpu.yaml 4 --jobs 2 --max-concurrent 1 --min-waited 1
-fi
+for name in $scenarios; do
+    case $name in
+    one-gpu) scenario one-gpu one-gpu.yaml "$one" --jobs 4 --min-concurrent "$one" --max-concurrent "$one" ;;
+    two-gpu)
+        if ((ngpu >= 4)); then
+            scenario two-gpu two-gpu.yaml 4 --jobs 2 --min-concurrent 2
+        elif ((ngpu >= 2)); then
+            scenario two-gpu two-gpu.yaml 4 --jobs 2 --max-concurrent 1 --min-waited 1
+        fi
+        ;;
+    madpet2) CORES=$(nproc) LIMIT=${MADPET2_LIMIT:-480} scenario madpet2 madpet2.yaml "$ngpu" --jobs 6 ;;
+    *)
+        echo "run.sh: error: unknown scenario '$name' (one-gpu, two-gpu, madpet2)" >&2
+        exit 2
+        ;;
+    esac
+done
 
 echo
 if ((${#failed[@]})); then
