@@ -219,9 +219,9 @@ def _check_vector(name: str, v: Any, length: int) -> None:
         raise ValueError(f"{name} must be a 1-D float32 CuPy array of length {length}, got {got}")
 
 
-def _launch_rows(kernel: Any, rows: int, lanes: int, args: tuple, waves: int | None = None) -> None:
+def _launch_rows(kernel: Any, rows: int, lanes: int, args: tuple) -> None:
     props = device_properties(cupy().cuda.Device().id)
-    blocks, threads = plan.launch_shape(rows, plan.THREADS // lanes, props["sm_count"], props["max_threads_per_sm"], waves=waves)
+    blocks, threads = plan.launch_shape(rows, plan.THREADS // lanes, props["sm_count"], props["max_threads_per_sm"])
     kernel((blocks,), (threads,), args)
 
 
@@ -236,7 +236,6 @@ def spmv(
     aux0: Any = None,
     aux1: Any = None,
     secsize: int = plan.DEFAULT_SECSIZE,
-    waves: int | None = None,
 ) -> Any:
     """``y = A x`` with one of the row kernels, optionally with a fused epilogue.
 
@@ -260,11 +259,6 @@ def spmv(
         second, elementwise kernel.
     secsize
         Section size of ``merge`` (merge items per thread).
-    waves
-        Grid cap of the row kernels in full waves of the device
-        (:func:`mlemlib.backends._cuda_plan.launch_shape`; default
-        :data:`~mlemlib.backends._cuda_plan.WAVES`, 0: one row group per
-        block slot).
 
     Returns
     -------
@@ -295,7 +289,7 @@ def spmv(
             if lanes_ not in plan.LANE_CHOICES:
                 raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
             fn = _function("spmv", f"csr_vector_{lanes_}")
-        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1), waves)
+        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1))
         return out
     if kernel not in ("merge", "cusparse"):
         raise ConfigError("fp", f"unknown SpMV kernel {kernel!r}")
