@@ -77,10 +77,15 @@ def device_properties(device_id: int) -> dict[str, Any]:
     }
 
 
+def transpose_lane_cap(device_id: int) -> int:
+    """Most lanes per row of ``A^T`` on a device (:func:`mlemlib.backends._cuda_plan.transpose_lane_cap`)."""
+    props = device_properties(device_id)
+    return plan.transpose_lane_cap(props["memory_bandwidth"], props["sm_count"])
+
+
 def transpose_lanes(at: DeviceCSR) -> int:
     """Lanes per row of ``csr_vector`` on ``A^T`` (the back projection) on the current device."""
-    props = device_properties(cupy().cuda.Device().id)
-    return at.lanes(cap=plan.transpose_lane_cap(props["memory_bandwidth"], props["sm_count"]))
+    return at.lanes(cap=transpose_lane_cap(cupy().cuda.Device().id))
 
 
 def kernel_source(name: str) -> str:

@@ -474,7 +474,7 @@ class NcclBackend(Backend):
         # Lanes of the whole matrix, so each row is summed as on one GPU (deterministic across GPU counts).
         self.lanes_override = lanes
         self.lanes_fp = lanes or cplan.choose_lanes(nnz / m if m else 0.0)
-        self.lanes_bp_cap = self._transpose_lane_cap(devices[0])
+        self.lanes_bp_cap = ck.transpose_lane_cap(devices[0])
         self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0, self.lanes_bp_cap)
 
         # ---- shards --------------------------------------------------------------------
@@ -729,14 +729,6 @@ class NcclBackend(Backend):
         if s.at is None or self.lanes_override:
             return self.lanes_bp_global
         return cplan.choose_lanes(s.at.nnz / s.at.shape[0] if s.at.shape[0] else 0.0, self.lanes_bp_cap)
-
-    @staticmethod
-    def _transpose_lane_cap(device: int) -> int:
-        """Most lanes per row of A^T on ``device`` (:func:`mlemlib.backends._cuda_plan.transpose_lane_cap`)."""
-        from mlemlib.backends import _cuda_kernels as ck
-
-        props = ck.device_properties(device)
-        return cplan.transpose_lane_cap(props["memory_bandwidth"], props["sm_count"])
 
     def _warm_up(self) -> None:
         """Compile kernels, connect NCCL and set kernel attributes before any timing or capture."""
