@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from mlemlib import registry
 from mlemlib._io import atomic_path
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib.errors import ConfigError
@@ -47,10 +48,10 @@ from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
 
-#: Kernels timed by default, per operation.
-FP_BENCH = ("cusparse", "csr_vector", "csr_scalar", "merge")
-BP_BENCH = ("cusparse", "csr_vector", "csr_scalar", "merge")
-NOTRANS_BENCH = ("cusparse_notrans", "scatter", "scatter_vec", "scatter_smem")
+#: Kernels timed by default, per operation: every cuda kernel of the registry (selectors left out).
+FP_BENCH = tuple(registry.names("cuda", "forward"))
+BP_BENCH = tuple(registry.names("cuda", "back"))
+NOTRANS_BENCH = tuple(k.name for k in registry.KERNELS if k.backend == "cuda" and k.op == "back_notrans" and not k.selector)
 #: (fp, bp) pairs timed as whole MLEM iterations.
 ITERATION_BENCH = (
     ("cusparse", "cusparse"),
@@ -60,17 +61,15 @@ ITERATION_BENCH = (
     ("csr_vector", "notrans"),
     ("merge", "scatter"),
 )
-#: Deterministic label per kernel name (all ops).
-DETERMINISTIC = {
-    "cusparse": True,
-    "csr_vector": True,
-    "csr_scalar": True,
-    "merge": False,
-    "cusparse_notrans": False,
-    "scatter": False,
-    "scatter_vec": False,
-    "scatter_smem": False,
-}
+#: The benchmark's operation names and the registry's.
+BENCH_OPS = {"fp": "forward", "bp": "back", "bp_notrans": "back_notrans"}
+
+
+def deterministic(op: str, kernel: str) -> bool:
+    """Whether the registry declares kernel ``kernel`` of bench operation ``op`` deterministic."""
+    return registry.get("cuda", BENCH_OPS[op], kernel).deterministic
+
+
 EPS32 = float(np.finfo(np.float32).eps)
 
 
@@ -413,7 +412,7 @@ def bench_spmv(
             row = {
                 "op": op,
                 "kernel": kernel,
-                "deterministic": DETERMINISTIC.get(kernel, False),
+                "deterministic": deterministic(op, kernel),
                 "median_s": med,
                 "min_s": float(t.min()),
                 "max_s": float(t.max()),
@@ -520,7 +519,7 @@ def bench_spmv(
                     a,
                     g,
                     norm,
-                    at if plan.BP_KERNELS.get(bp_k, (0, False))[1] else None,
+                    at if registry.uses_transpose("cuda", bp_k) else None,
                     fp=fp_k,
                     bp=bp_k,
                     device=device,

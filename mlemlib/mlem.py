@@ -2,7 +2,7 @@
 
 :func:`reconstruct` loads a problem (system matrix ``A``, measurement ``g``,
 norm, optionally ``A^T``) once, builds a backend with :func:`make_backend`
-(``cpu``; ``cuda`` on one GPU; several GPUs through :mod:`mlemlib.dist`),
+(:func:`mlemlib.backends.make_backend`: ``cpu``, ``cuda`` on one or several GPUs),
 and runs the numerical contract of DESIGN.md ``repetitions`` times::
 
     f0 = sum(g) / sum(norm)                  (sums in float64)
@@ -31,6 +31,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,87 +39,19 @@ import numpy as np
 
 from mlemlib import __version__
 from mlemlib._io import atomic_path
+from mlemlib.backends import make_backend
 from mlemlib.backends.base import Backend
 from mlemlib.errors import ConfigError, DeviceError, InputError, MatrixFormatError
+from mlemlib.formats import InMemoryMatrix, open_source
+from mlemlib.image import FORMAT_VERSION, attr_value, plain_attr, read_image, write_image, write_raw
+from mlemlib.norm import source_column_sums
 from mlemlib.matrix import CSRMatrix
 from mlemlib.timing import StepTimes, Stopwatch, format_seconds
 
 log = logging.getLogger(__name__)
 
-IMAGE_FORMAT = "mlem-image"
 CHECKPOINT_FORMAT = "mlem-checkpoint"
 TIMINGS_FORMAT = "mlem-timings"
-FORMAT_VERSION = 1
-
-#: Column order of images (see :mod:`mlemlib.phantom`).
-COLUMN_ORDER = "col = x + gridX*(y + gridY*z); image array shape (gridZ, gridY, gridX), C order"
-
-
-# --------------------------------------------------------------------------- matrix sources
-class InMemorySource:
-    """A :class:`~mlemlib.matrix.CSRMatrix` with the file readers' interface (``read_rows``, ``iter_chunks``).
-
-    Parameters
-    ----------
-    matrix
-        The matrix.
-    grid, voxel_size
-        Optional geometry (``(gridX, gridY, gridZ)``, ``(w, h, d)`` mm).
-    source
-        Name used in messages.
-    """
-
-    def __init__(
-        self,
-        matrix: CSRMatrix,
-        *,
-        grid: tuple[int, int, int] | None = None,
-        voxel_size: tuple[float, float, float] | None = None,
-        source: str = "<memory>",
-    ) -> None:
-        self.matrix = matrix
-        self.shape = matrix.shape
-        self.nnz = matrix.nnz
-        self.grid = tuple(grid) if grid is not None else None
-        self.voxel_size = tuple(voxel_size) if voxel_size is not None else None
-        self.source = source
-        self.attrs: dict[str, Any] = {}
-
-    def read_indptr(self) -> np.ndarray:
-        return self.matrix.indptr
-
-    def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
-        if start == 0 and stop == self.shape[0]:
-            return self.matrix
-        ip = self.matrix.indptr
-        lo, hi = int(ip[start]), int(ip[stop])
-        return CSRMatrix(ip[start : stop + 1] - lo, self.matrix.indices[lo:hi], self.matrix.data[lo:hi], (stop - start, self.shape[1]))
-
-    def iter_chunks(self, max_nnz: int = 1 << 26, **_: Any):
-        m = self.shape[0]
-        ip = self.matrix.indptr
-        r0 = 0
-        while r0 < m:
-            target = int(ip[r0]) + max(1, int(max_nnz))
-            r1 = int(np.searchsorted(ip, target, side="right")) - 1
-            r1 = min(max(r1, r0 + 1), m)
-            yield r0, r1, self.read_rows(r0, r1)
-            r0 = r1
-
-
-def open_source(matrix: Any, what: str = "matrix") -> Any:
-    """An opened matrix: a path through ``mlemlib.formats.open_matrix``, a CSRMatrix wrapped, else as is."""
-    if isinstance(matrix, (str, os.PathLike)):
-        from mlemlib.formats import open_matrix
-
-        return open_matrix(matrix)
-    if isinstance(matrix, CSRMatrix):
-        return InMemorySource(matrix, source=f"<{what} in memory>")
-    if hasattr(matrix, "tocsr"):
-        return InMemorySource(CSRMatrix.from_scipy(matrix), source=f"<{what} in memory>")
-    if hasattr(matrix, "shape") and hasattr(matrix, "read_rows"):
-        return matrix
-    raise ConfigError(what, f"expected a path, a CSRMatrix or an opened matrix, got {type(matrix).__name__}")
 
 
 def _source_name(src: Any, given: Any) -> str:
@@ -127,124 +60,6 @@ def _source_name(src: Any, given: Any) -> str:
     return str(getattr(src, "source", None) or getattr(src, "path", None) or "<memory>")
 
 
-def column_sums(src: Any, *, max_nnz: int = 1 << 24) -> np.ndarray:
-    """The norm (column sums of ``A``, float64, in row order), streaming the matrix."""
-    from mlemlib.norm import accumulate_column_sums
-
-    sums = np.zeros(int(src.shape[1]), dtype=np.float64)
-    for _, _, block in src.iter_chunks(max_nnz=max_nnz):
-        accumulate_column_sums(sums, block, source=_source_name(src, None))
-    return sums
-
-
-# --------------------------------------------------------------------------- images
-def _attr_value(v: Any) -> Any:
-    if isinstance(v, (dict, list, tuple)) and not (
-        isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float, np.integer, np.floating)) for x in v)
-    ):
-        return json.dumps(v)
-    if isinstance(v, Path):
-        return os.fspath(v)
-    return v
-
-
-def write_image(
-    path: str | os.PathLike,
-    image: np.ndarray,
-    *,
-    grid: tuple[int, int, int] | None = None,
-    voxel_size: tuple[float, float, float] | None = None,
-    attrs: dict[str, Any] | None = None,
-) -> None:
-    """Write an image as HDF5, atomically.
-
-    Layout: dataset ``/image`` (float32, or float64 for a reference) of shape
-    ``(gridZ, gridY, gridX)`` when ``grid`` is known, else ``(n,)``; attributes
-    ``format="mlem-image"``, ``version``, ``column_order``, ``grid``
-    (``gridX, gridY, gridZ``), ``voxel_size`` (mm), and ``attrs`` (None values
-    skipped, dicts and lists of strings stored as JSON text).
-    """
-    import h5py
-
-    a = np.asarray(image)
-    if a.dtype not in (np.float32, np.float64):
-        a = a.astype(np.float32)
-    n = a.size
-    if grid is not None:
-        gx, gy, gz = (int(v) for v in grid)
-        if gx * gy * gz != n:
-            raise ConfigError("grid", f"grid {gx}x{gy}x{gz} does not hold {n} voxels")
-        a = a.reshape(gz, gy, gx)
-    else:
-        a = a.reshape(-1)
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
-        f.create_dataset("image", data=a)
-        f.attrs["format"] = IMAGE_FORMAT
-        f.attrs["version"] = FORMAT_VERSION
-        f.attrs["column_order"] = COLUMN_ORDER
-        if grid is not None:
-            f.attrs["grid"] = np.asarray(grid, dtype=np.int64)
-        if voxel_size is not None:
-            f.attrs["voxel_size"] = np.asarray(voxel_size, dtype=np.float64)
-        for k, v in (attrs or {}).items():
-            if v is not None:
-                f.attrs[k] = _attr_value(v)
-
-
-def _plain_attr(v: Any) -> Any:
-    if isinstance(v, bytes):
-        return v.decode()
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
-
-
-def read_image(path: str | os.PathLike, expected_length: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
-    """Read an image written by :func:`write_image` (image, truth, reference, checkpoint).
-
-    Returns
-    -------
-    (numpy.ndarray, dict)
-        The flat image (column order, its stored dtype) and its attributes.
-
-    Raises
-    ------
-    InputError
-        Missing or unreadable file, no ``/image`` dataset, wrong length, non-finite values.
-    """
-    import h5py
-
-    source = os.fspath(path)
-    if not os.path.isfile(source):
-        raise InputError(source, "no such image file")
-    try:
-        f = h5py.File(source, "r")
-    except OSError as exc:
-        raise InputError(source, f"not a readable HDF5 file ({exc})") from None
-    with f:
-        if "image" not in f or not isinstance(f["image"], h5py.Dataset):
-            raise InputError(source, "no dataset /image (expected an image written by mlem)")
-        ds = f["image"]
-        if ds.dtype.kind != "f":
-            raise InputError(source, f"/image has dtype {ds.dtype}, expected float32 or float64")
-        img = ds[...].reshape(-1)
-        attrs = {k: _plain_attr(v) for k, v in f.attrs.items()}
-    if expected_length is not None and img.size != int(expected_length):
-        raise InputError(source, f"image has {img.size} voxels, expected {int(expected_length)} (the matrix's columns)")
-    if not np.isfinite(img).all():
-        raise InputError(source, "image holds non-finite values")
-    return img, attrs
-
-
-def write_raw(path: str | os.PathLike, image: np.ndarray) -> None:
-    """Write the image as raw little-endian float32, nCols values, no header (the existing tools' format)."""
-    with atomic_path(path) as tmp:
-        np.ascontiguousarray(np.asarray(image).reshape(-1), dtype="<f4").tofile(tmp)
-
-
-# --------------------------------------------------------------------------- fingerprints
 def _sha(*parts: bytes | str) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -266,7 +81,7 @@ def matrix_fingerprint(src: Any) -> str:
     checksum = attrs.get("checksum") or getattr(src, "checksum", None)
     if checksum:
         parts.append(f"checksum:{checksum}")
-    if isinstance(src, InMemorySource) and not checksum:
+    if isinstance(src, InMemoryMatrix) and not checksum:
         a = src.matrix
         parts += [np.ascontiguousarray(a.indptr).tobytes(), np.ascontiguousarray(a.indices).tobytes(), np.ascontiguousarray(a.data).tobytes()]
     else:
@@ -327,10 +142,10 @@ def read_checkpoint(path: str | os.PathLike, *, key: str, n: int, dtype: np.dtyp
     except OSError as exc:
         raise ConfigError(source, f"not a readable checkpoint ({exc}); delete it to start afresh") from None
     with f:
-        fmt = _plain_attr(f.attrs.get("format", ""))
+        fmt = plain_attr(f.attrs.get("format", ""))
         if fmt != CHECKPOINT_FORMAT or "image" not in f:
             raise ConfigError(source, f"not an mlem checkpoint (format {fmt!r}); delete it or choose another --checkpoint")
-        found = _plain_attr(f.attrs.get("key", ""))
+        found = plain_attr(f.attrs.get("key", ""))
         if found != key:
             raise ConfigError(
                 source,
@@ -344,102 +159,8 @@ def read_checkpoint(path: str | os.PathLike, *, key: str, n: int, dtype: np.dtyp
             "image": img,
             "repetition": int(f.attrs["repetition"]),
             "iteration": int(f.attrs["iteration"]),
-            "state": json.loads(_plain_attr(f.attrs["state"])),
+            "state": json.loads(plain_attr(f.attrs["state"])),
         }
-
-
-# --------------------------------------------------------------------------- backend factory
-def make_backend(
-    name: str,
-    matrix: Any,
-    g: np.ndarray,
-    norm: np.ndarray,
-    transpose: Any | None = None,
-    *,
-    fp: str = "auto",
-    bp: str = "auto",
-    dtype: Any = np.float32,
-    gpus: int = 1,
-    layout: str = "local",
-    plan: Any | None = None,
-    secsize: int | None = None,
-    threads: int | None = None,
-    **options: Any,
-) -> Backend:
-    """Build the backend that runs one problem.
-
-    Parameters
-    ----------
-    name
-        ``auto`` (``cuda`` where CuPy sees a GPU, else ``cpu``; ``$MLEM_BACKEND`` overrides), ``cpu`` or ``cuda``.
-    matrix
-        ``A``: an opened matrix (``read_rows``, ``iter_chunks``, ``shape``) or a CSRMatrix.
-    g
-        Measurement (length m).
-    norm
-        Column sums of ``A`` (float64, length n).
-    transpose
-        ``A^T`` (opened matrix or CSRMatrix, shape (n, m)), or None: back-project with ``A``.
-    fp, bp
-        Kernel names of the backend (``auto`` lets it choose).
-    dtype
-        float32, or float64 (cpu only: the reference).
-    gpus, layout, plan
-        GPU count; multi-GPU layout (``local``: one all-reduce of the image,
-        ``thesis``: all-reduce after both projections); the partition plan
-        (a ``plan.json`` path or directory) for ``gpus > 1``.
-    secsize
-        Section size of the merge-based kernel (cuda).
-    threads
-        Host threads (cpu).
-    options
-        Further backend-specific keyword arguments.
-
-    Returns
-    -------
-    Backend
-        ``mlemlib.backends.cpu.CpuBackend``; for ``cuda`` with one GPU
-        ``mlemlib.backends.cuda.CudaBackend(matrix, g, norm, transpose=, fp=, bp=[, secsize=])``
-        (or that module's ``make_backend``), with several GPUs
-        ``mlemlib.dist.make_backend(matrix, g, norm, transpose=, fp=, bp=, gpus=, layout=, plan=[, secsize=])``
-        (or ``mlemlib.dist.nccl.make_backend``); all imported lazily.
-
-    Raises
-    ------
-    ConfigError
-        Unknown backend, or settings the backend cannot honour.
-    DeviceError
-        CUDA requested but CuPy or the CUDA backend is not available.
-    """
-    from mlemlib.backends import get_backend_name
-
-    resolved = get_backend_name(name)
-    gpus = 1 if gpus is None else int(gpus)
-    if gpus < 1:
-        raise ConfigError("gpus", f"must be >= 1, got {gpus}")
-    if layout not in (None, "local", "thesis"):
-        raise ConfigError("layout", f"unknown layout {layout!r}, expected local or thesis")
-    if resolved == "cpu":
-        if gpus != 1:
-            raise ConfigError("gpus", f"the cpu backend runs on the host: --gpus {gpus} needs --backend cuda")
-        from mlemlib.backends.cpu import CpuBackend
-
-        return CpuBackend(matrix, g, norm, transpose=transpose, fp=fp, bp=bp, dtype=dtype, threads=threads, **options)
-    if np.dtype(dtype) != np.float32:
-        raise ConfigError("dtype", "the cuda backend computes in float32; the float64 reference runs on the cpu")
-    kw: dict[str, Any] = {"transpose": transpose, "fp": fp, "bp": bp, **options}
-    if secsize is not None:
-        kw["secsize"] = secsize
-    try:
-        if gpus == 1 and not options.get("graph"):
-            from mlemlib.backends.cuda import CudaBackend as factory
-        else:  # several GPUs, or graph capture (the NCCL backend's, on one GPU too)
-            from mlemlib.dist import make_backend as factory
-
-            kw.update(gpus=gpus, layout=layout or "local", plan=plan)
-    except ImportError as exc:
-        raise DeviceError(f"backend cuda with {gpus} GPU(s) is not available: {exc}") from exc
-    return factory(matrix, g, norm, **kw)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -596,44 +317,111 @@ def reconstruct(
     dict
         The content of ``timings.json``.
     """
+    settings = RunSettings(
+        iterations=_check_int("iterations", iterations, 0),
+        repetitions=_check_int("repetitions", repetitions, 1),
+        checkpoint_every=_check_int("checkpoint_every", checkpoint_every or 0, 0),
+        backend=backend, fp=fp, bp=bp, secsize=secsize, graph=bool(graph), gpus=gpus, layout=layout, plan=plan,
+        threads=threads, reference_mode=bool(reference_mode), dtype=np.dtype(np.float32),
+    )
+    if reference_mode:
+        settings.backend, settings.dtype = "cpu", np.dtype(np.float64)
+        settings.fp = "scipy" if fp in (None, "auto") else fp
+        settings.bp = "scipy" if bp in (None, "auto") else bp
+        if gpus not in (None, 1):
+            raise ConfigError("gpus", "the reference runs on the cpu (gpus 1)")
+    out_image = Path(out_image)
+    ckpt_path = Path(checkpoint) if checkpoint is not None else out_image.with_name(out_image.stem + ".checkpoint.h5")
+    checkpointed = settings.checkpoint_every > 0 or checkpoint is not None
+    use_checkpoint = checkpointed and ckpt_path.exists()
     opened: list[Any] = []
     try:
-        return _reconstruct(
-            opened, matrix, sino, out_image, iterations=iterations, backend=backend, fp=fp, bp=bp, secsize=secsize,
-            graph=graph, gpus=gpus, layout=layout, norm=norm, transpose=transpose, plan=plan, checkpoint_every=checkpoint_every,
-            checkpoint=checkpoint, repetitions=repetitions, reference=reference, truth=truth, timings_out=timings_out,
-            raw_out=raw_out, reference_mode=reference_mode, threads=threads, device_info=device_info,
-            matrix_name=matrix_name, keep_checkpoint=keep_checkpoint, progress=progress,
+        prob = _load_problem(opened, matrix, sino, norm, transpose, reference, truth, settings)
+        resume = _read_resume(ckpt_path, prob, settings) if use_checkpoint else None
+        with Stopwatch() as sw_setup:
+            be = make_backend(
+                settings.backend, prob.src, prob.g, prob.norm, prob.tsrc, fp=settings.fp, bp=settings.bp,
+                dtype=settings.dtype, gpus=settings.gpus, layout=settings.layout, plan=settings.plan,
+                secsize=settings.secsize, threads=settings.threads, **({"graph": True} if settings.graph else {}),
+            )
+        desc = be.describe()
+        log.info("backend %s ready (%.2f s): %s", desc.get("backend", settings.backend), sw_setup.seconds, desc)
+        config = {
+            "backend": desc.get("backend", settings.backend), "fp": desc.get("fp", settings.fp),
+            "bp": desc.get("bp", settings.bp), "secsize": secsize, "gpus": gpus, "layout": layout,
+            "dtype": str(settings.dtype),
+        }
+        if settings.graph:
+            config["graph"] = True
+        if resume is not None and resume["config"] is not None and resume["config"] != config:
+            log.warning("%s: written by another configuration %s; resuming with %s", ckpt_path, resume["config"], config)
+        # Under a launcher (one process per GPU) every rank holds the same image; rank 0 writes.
+        writer = bool(getattr(be, "writes_output", True))
+        records, host_img = _iterate(be, prob, settings, config, resume, ckpt_path if writer else None, progress)
+        timings = _timings(
+            prob, settings, desc, be, records, config,
+            sources={"matrix": matrix, "sino": sino, "norm": norm, "transpose": transpose, "reference": reference,
+                     "truth": truth, "plan": plan},
+            matrix_name=matrix_name, device_info=device_info, setup_s=sw_setup.seconds,
+        )
+        return _write_outputs(
+            out_image, host_img, timings, prob, writer=writer, raw_out=raw_out, timings_out=timings_out,
+            ckpt_path=ckpt_path if checkpointed else None,
+            keep_checkpoint=keep_checkpoint,
         )
     finally:
         _close_all(opened)
 
 
-def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, iterations: int, backend: str, fp: str,
-                 bp: str, secsize: int | None, graph: bool, gpus: int, layout: str, norm: Any, transpose: Any, plan: Any,
-                 checkpoint_every: int, checkpoint: Any, repetitions: int, reference: Any, truth: Any,
-                 timings_out: Any, raw_out: Any, reference_mode: bool, threads: int | None,
-                 device_info: dict[str, Any] | None, matrix_name: str | None, keep_checkpoint: bool,
-                 progress: Callable[[int, int, Any], None] | None) -> dict[str, Any]:
-    """The body of :func:`reconstruct`; files it opens are appended to ``opened`` (closed by the caller)."""
-    from mlemlib import metrics
+@dataclass
+class RunSettings:
+    """What one :func:`reconstruct` call runs (validated numbers; names resolved by the backend)."""
+
+    iterations: int
+    repetitions: int
+    checkpoint_every: int
+    backend: str
+    fp: str
+    bp: str
+    secsize: int | None
+    graph: bool
+    gpus: int
+    layout: str
+    plan: Any
+    threads: int | None
+    reference_mode: bool
+    dtype: np.dtype
+
+
+@dataclass
+class Problem:
+    """One loaded MLEM problem: the opened matrices, ``g``, the norm, and what it is measured against."""
+
+    src: Any
+    tsrc: Any
+    g: np.ndarray
+    norm: np.ndarray
+    fingerprint: str
+    key: str
+    reference: np.ndarray | None
+    truth: np.ndarray | None
+    regions: Any
+    grid: Any
+    voxel_size: Any
+    load_s: float
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(int(v) for v in self.src.shape)
+
+
+# --------------------------------------------------------------------------- the sections of reconstruct
+def _load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose: Any, reference: Any, truth: Any,
+                  settings: RunSettings) -> Problem:
+    """Open the matrix (and ``A^T``), read ``g`` and the norm, fingerprint the problem, load reference and truth."""
     from mlemlib.formats.lmsino import read_lmsino
     from mlemlib.phantom import matrix_geometry
 
-    iterations = _check_int("iterations", iterations, 0)
-    repetitions = _check_int("repetitions", repetitions, 1)
-    checkpoint_every = _check_int("checkpoint_every", checkpoint_every or 0, 0)
-    out_image = Path(out_image)
-    if reference_mode:
-        backend, dtype = "cpu", np.dtype(np.float64)
-        fp = "scipy" if fp in (None, "auto") else fp
-        bp = "scipy" if bp in (None, "auto") else bp
-        if gpus not in (None, 1):
-            raise ConfigError("gpus", "the reference runs on the cpu (gpus 1)")
-    else:
-        dtype = np.dtype(np.float32)
-
-    # ---- load ---------------------------------------------------------------
     with Stopwatch() as sw_load:
         src = open_source(matrix, "matrix")
         if src is not matrix:
@@ -647,7 +435,7 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
                 raise ConfigError("sino", f"measurement has {g.size} values, the matrix has m = {m} rows")
         if norm is None:
             log.info("no norm given: computing the column sums of the matrix")
-            norm_arr = column_sums(src)
+            norm_arr = source_column_sums(src)
         elif isinstance(norm, (str, os.PathLike)):
             from mlemlib.norm import read_norm
 
@@ -666,65 +454,55 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
                     _source_name(tsrc, transpose), f"transpose has shape {tuple(tsrc.shape)}, expected (n, m) = {(n, m)}"
                 )
         problem = problem_fingerprint(src, g)
-        key = _checkpoint_key(problem, norm_arr, dtype)
-        ref_img = _load_reference(reference, n, problem, iterations)
+        key = _checkpoint_key(problem, norm_arr, settings.dtype)
+        ref_img = _load_reference(reference, n, problem, settings.iterations)
         truth_img, regions = _load_truth(truth, n)
     grid, voxel_size = matrix_geometry(src)
     log.info("loaded problem %s: %d x %d, %d nnz (%.2f s)", problem[:12], m, n, int(src.nnz), sw_load.seconds)
+    return Problem(src, tsrc, g, norm_arr, problem, key, ref_img, truth_img, regions, grid, voxel_size, sw_load.seconds)
 
-    # ---- resume (checked before the backend is built: a refused checkpoint costs no set-up) ----
-    ckpt_path = Path(checkpoint) if checkpoint is not None else out_image.with_name(out_image.stem + ".checkpoint.h5")
-    records: list[dict[str, Any]] = []
-    start_rep, start_it, resume_image, resume_samples, resumed_at = 0, 0, None, None, None
-    ck_config = None
-    if ckpt_path.exists() and (checkpoint_every > 0 or checkpoint is not None):
-        ck = read_checkpoint(ckpt_path, key=key, n=n, dtype=dtype)
-        if ck["repetition"] >= repetitions or ck["iteration"] > iterations:
-            raise ConfigError(
-                os.fspath(ckpt_path),
-                f"checkpoint at repetition {ck['repetition'] + 1}, iteration {ck['iteration']} is beyond this run "
-                f"({repetitions} repetitions of {iterations} iterations); delete it to start afresh",
-            )
-        ck_config = ck["state"].get("config", {})
-        records = ck["state"].get("records", [])
-        start_rep, start_it = ck["repetition"], ck["iteration"]
-        resume_image = ck["image"]
-        resume_samples = ck["state"].get("samples", {})
-        resumed_at = ck["state"].get("resumed_at", []) + [start_it]
-        log.info("resuming from %s: repetition %d, iteration %d", ckpt_path, start_rep + 1, start_it)
 
-    # ---- backend --------------------------------------------------------------
-    with Stopwatch() as sw_setup:
-        be = make_backend(
-            backend, src, g, norm_arr, tsrc, fp=fp, bp=bp, dtype=dtype, gpus=gpus, layout=layout, plan=plan,
-            secsize=secsize, threads=threads, **({"graph": True} if graph else {}),
+def _read_resume(ckpt_path: Path, prob: Problem, settings: RunSettings) -> dict[str, Any]:
+    """The state to resume from (checked before the backend is built: a refused checkpoint costs no set-up)."""
+    ck = read_checkpoint(ckpt_path, key=prob.key, n=prob.shape[1], dtype=settings.dtype)
+    if ck["repetition"] >= settings.repetitions or ck["iteration"] > settings.iterations:
+        raise ConfigError(
+            os.fspath(ckpt_path),
+            f"checkpoint at repetition {ck['repetition'] + 1}, iteration {ck['iteration']} is beyond this run "
+            f"({settings.repetitions} repetitions of {settings.iterations} iterations); delete it to start afresh",
         )
-    desc = be.describe()
-    # Under a launcher (one process per GPU) every rank holds the same image; rank 0 writes.
-    writer = bool(getattr(be, "writes_output", True))
-    log.info("backend %s ready (%.2f s): %s", desc.get("backend", backend), sw_setup.seconds, desc)
-
-    config = {
-        "backend": desc.get("backend", backend), "fp": desc.get("fp", fp), "bp": desc.get("bp", bp),
-        "secsize": secsize, "gpus": gpus, "layout": layout, "dtype": str(dtype),
+    state = ck["state"]
+    log.info("resuming from %s: repetition %d, iteration %d", ckpt_path, ck["repetition"] + 1, ck["iteration"])
+    return {
+        "config": state.get("config", {}),
+        "records": state.get("records", []),
+        "repetition": ck["repetition"],
+        "iteration": ck["iteration"],
+        "image": ck["image"],
+        "samples": state.get("samples", {}),
+        "resumed_at": state.get("resumed_at", []) + [ck["iteration"]],
     }
-    if graph:
-        config["graph"] = True
-    if ck_config is not None and ck_config != config:
-        log.warning("%s: written by another configuration %s; resuming with %s", ckpt_path, ck_config, config)
 
-    # ---- iterate --------------------------------------------------------------
+
+def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str, Any], resume: dict[str, Any] | None,
+             ckpt_path: Path | None, progress: Callable[[int, int, Any], None] | None) -> tuple[list[dict], np.ndarray]:
+    """Run every repetition (from ``resume`` where given); checkpoint (where ``ckpt_path``); return records and image."""
+    from mlemlib import metrics
+
+    iterations, repetitions = settings.iterations, settings.repetitions
+    records: list[dict[str, Any]] = list(resume["records"]) if resume else []
+    start_rep = resume["repetition"] if resume else 0
     every = _log_interval(iterations)
     host_img = None
     for rep in range(start_rep, repetitions):
         times = StepTimes()
-        if rep == start_rep and resume_image is not None:
-            f = be.from_host(resume_image)
-            first = start_it + 1
-            for step, vals in (resume_samples or {}).items():
+        if resume is not None and rep == start_rep:
+            f = be.from_host(resume["image"])
+            first = resume["iteration"] + 1
+            for step, vals in (resume["samples"] or {}).items():
                 for v in vals:
                     times.samples.setdefault(step, []).append(float(v))
-            rep_resumed = resumed_at
+            rep_resumed = resume["resumed_at"]
         else:
             f = be.initial_image()
             first = 1
@@ -736,8 +514,7 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
             t0 = time.perf_counter()
             f = be.iterate(f)
             step_times = dict(be.last_step_times())
-            wall = time.perf_counter() - t0
-            step_times.setdefault("iteration", wall)
+            step_times.setdefault("iteration", time.perf_counter() - t0)
             times.add(step_times)
             now = time.perf_counter()
             if it % every == 0 or it == iterations or now - t_log >= 30.0:
@@ -750,17 +527,17 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
                     rep + 1, repetitions, it, iterations, format_seconds(step_times["iteration"]), parts,
                     format_seconds(left),
                 )
-            if writer and checkpoint_every and it % checkpoint_every == 0:
+            if ckpt_path is not None and settings.checkpoint_every and it % settings.checkpoint_every == 0:
                 t_ck = time.perf_counter()
                 state = {"config": config, "records": records, "samples": times.to_json(), "resumed_at": rep_resumed}
-                write_checkpoint(ckpt_path, be.to_host(f), key=key, repetition=rep, iteration=it, state=state)
+                write_checkpoint(ckpt_path, be.to_host(f), key=prob.key, repetition=rep, iteration=it, state=state)
                 ckpt_s += time.perf_counter() - t_ck
             if progress is not None:
                 progress(rep, it, f)
         with Stopwatch() as sw_back:
             host_img = be.to_host(f)
-        acc = metrics.accuracy(host_img, reference=ref_img, truth=truth_img, regions=regions)
-        record = {
+        acc = metrics.accuracy(host_img, reference=prob.reference, truth=prob.truth, regions=prob.regions)
+        records.append({
             "repetition": rep,
             "iterations": iterations,
             "resumed_at": rep_resumed,
@@ -770,56 +547,66 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
             "steps": times.summary(),
             "samples": times.to_json(),
             "accuracy": acc,
-        }
-        records.append(record)
+        })
         log.info(
             "repetition %d/%d done: mean %s/iteration, image sum %.9g%s",
             rep + 1, repetitions, format_seconds(times.mean("iteration")), acc["image_sum"],
             f", rel. L2 to reference {acc['rel_l2_reference']:.3g}" if "rel_l2_reference" in acc else "",
         )
+    return records, host_img
 
-    # ---- outputs --------------------------------------------------------------
-    nnz = int(src.nnz)
+
+def _path_or(value: Any, other: Any = None) -> Any:
+    """A path argument as text for ``timings.json``; ``other`` for anything else."""
+    return os.fspath(value) if isinstance(value, (str, os.PathLike)) else other
+
+
+def _timings(prob: Problem, settings: RunSettings, desc: dict[str, Any], be: Backend, records: list[dict],
+             config: dict[str, Any], *, sources: dict[str, Any], matrix_name: str | None,
+             device_info: dict[str, Any] | None, setup_s: float) -> dict[str, Any]:
+    """The content of ``timings.json``: configuration, problem, bytes moved, set-up and every repetition."""
+    m, n = prob.shape
+    nnz = int(prob.src.nnz)
     bytes_a = 8 * (m + 1) + 8 * nnz
-    used_t = transpose_used(desc.get("transpose"), tsrc is not None)
+    used_t = transpose_used(desc.get("transpose"), prob.tsrc is not None)
     bytes_at = 8 * (n + 1) + 8 * nnz if used_t else None
-    mname = matrix_name or _matrix_label(matrix) or "matrix"
-    timings: dict[str, Any] = {
+    sino, transpose = sources["sino"], sources["transpose"]
+    return {
         "format": TIMINGS_FORMAT,
         "version": FORMAT_VERSION,
         "created": _now(),
         "mlemlib_version": __version__,
         "host": socket.gethostname(),
         "config": {
-            "matrix": mname,
-            "matrix_path": _source_name(src, matrix),
-            "sino": os.fspath(sino) if isinstance(sino, (str, os.PathLike)) else "<memory>",
+            "matrix": matrix_name or _matrix_label(sources["matrix"]) or "matrix",
+            "matrix_path": _source_name(prob.src, sources["matrix"]),
+            "sino": _path_or(sino, "<memory>"),
             "data": Path(sino).name.split(".")[0] if isinstance(sino, (str, os.PathLike)) else "memory",
-            "norm": os.fspath(norm) if isinstance(norm, (str, os.PathLike)) else None,
-            "transpose": os.fspath(transpose) if isinstance(transpose, (str, os.PathLike)) else (None if transpose is None else "<memory>"),
-            "reference": os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None,
-            "truth": os.fspath(truth) if isinstance(truth, (str, os.PathLike)) else None,
-            "plan": os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None,
+            "norm": _path_or(sources["norm"]),
+            "transpose": _path_or(transpose, None if transpose is None else "<memory>"),
+            "reference": _path_or(sources["reference"]),
+            "truth": _path_or(sources["truth"]),
+            "plan": _path_or(sources["plan"]),
             "backend": config["backend"],
             "fp": config["fp"],
             "bp": config["bp"],
-            "fp_requested": fp,
-            "bp_requested": bp,
-            "secsize": secsize,
-            "gpus": gpus,
-            "layout": layout,
-            "graph": bool(graph),
-            "iterations": iterations,
-            "repetitions": repetitions,
-            "checkpoint_every": checkpoint_every,
-            "dtype": str(dtype),
-            "reference_mode": bool(reference_mode),
+            "fp_requested": settings.fp,
+            "bp_requested": settings.bp,
+            "secsize": settings.secsize,
+            "gpus": settings.gpus,
+            "layout": settings.layout,
+            "graph": settings.graph,
+            "iterations": settings.iterations,
+            "repetitions": settings.repetitions,
+            "checkpoint_every": settings.checkpoint_every,
+            "dtype": str(settings.dtype),
+            "reference_mode": settings.reference_mode,
         },
-        "problem": problem,
+        "problem": prob.fingerprint,
         "shape": [m, n],
         "nnz": nnz,
-        "grid": list(grid) if grid else None,
-        "voxel_size": list(voxel_size) if voxel_size else None,
+        "grid": list(prob.grid) if prob.grid else None,
+        "voxel_size": list(prob.voxel_size) if prob.voxel_size else None,
         "backend": desc,
         "deterministic": bool(desc.get("deterministic", be.deterministic)),
         "device": device_info if device_info is not None else desc.get("device"),
@@ -830,23 +617,32 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
             "bp": bytes_at if used_t else bytes_a,
             "iteration": bytes_a + (bytes_at if used_t else bytes_a),
         },
-        "setup": {"load_s": sw_load.seconds, "backend_s": sw_setup.seconds},
+        "setup": {"load_s": prob.load_s, "backend_s": setup_s},
         "repetitions": records,
     }
+
+
+def _write_outputs(out_image: Path, host_img: np.ndarray, timings: dict[str, Any], prob: Problem, *, writer: bool,
+                   raw_out: Any, timings_out: Any, ckpt_path: Path | None, keep_checkpoint: bool) -> dict[str, Any]:
+    """Write ``image.h5``, ``image.raw`` and ``timings.json`` (rank 0 only); drop the checkpoint; return the timings."""
+    from mlemlib import metrics
+
+    cfg = timings["config"]
+    reference_mode = cfg["reference_mode"]
     attrs = {
-        "iterations": iterations,
-        "repetitions": repetitions,
-        "backend": config["backend"],
-        "fp": config["fp"],
-        "bp": config["bp"],
-        "gpus": gpus,
-        "layout": layout,
-        "dtype": str(dtype),
-        "problem": problem,
-        "reference": bool(reference_mode),
+        "iterations": cfg["iterations"],
+        "repetitions": cfg["repetitions"],
+        "backend": cfg["backend"],
+        "fp": cfg["fp"],
+        "bp": cfg["bp"],
+        "gpus": cfg["gpus"],
+        "layout": cfg["layout"],
+        "dtype": cfg["dtype"],
+        "problem": prob.fingerprint,
+        "reference": reference_mode,
         "deterministic": timings["deterministic"],
-        "matrix": timings["config"]["matrix_path"],
-        "sino": timings["config"]["sino"],
+        "matrix": cfg["matrix_path"],
+        "sino": cfg["sino"],
         "image_sum": metrics.image_sum(host_img),
         "created": timings["created"],
     }
@@ -864,13 +660,13 @@ def _reconstruct(opened: list[Any], matrix: Any, sino: Any, out_image: Any, *, i
     if not writer:
         log.info("not the writing rank: leaving %s to rank 0", out_image)
         return timings
-    write_image(out_image, host_img, grid=grid, voxel_size=voxel_size, attrs=attrs)
+    write_image(out_image, host_img, grid=prob.grid, voxel_size=prob.voxel_size, attrs=attrs)
     if raw_path is not None:
         write_raw(raw_path, host_img)
     if tpath is not None:
         with atomic_path(tpath) as tmp:
             tmp.write_text(json.dumps(_finite(timings), indent=1, default=_json_default, allow_nan=False) + "\n")
-    if ckpt_path.exists() and not keep_checkpoint and (checkpoint_every > 0 or checkpoint is not None):
+    if ckpt_path is not None and ckpt_path.exists() and not keep_checkpoint:
         ckpt_path.unlink()
     log.info("wrote %s", out_image)
     return timings

@@ -91,6 +91,15 @@ def accumulate_column_sums(
         raise MatrixFormatError(source, f"column index {int(indices[bad])} out of range [0, {n})")
 
 
+def source_column_sums(src, *, max_nnz: int = 1 << 24) -> np.ndarray:
+    """The norm (column sums, float64, in row order) of any opened matrix, streamed by row blocks."""
+    sums = np.zeros(int(src.shape[1]), dtype=np.float64)
+    name = str(getattr(src, "source", None) or getattr(src, "path", None) or "<memory>")
+    for _, _, block in src.iter_chunks(max_nnz=max_nnz):
+        accumulate_column_sums(sums, block, source=name)
+    return sums
+
+
 def column_sums(a: CSRMatrix, *, threads: int | None = None) -> np.ndarray:
     """Return the column sums of ``a`` (float64, length n), deterministic.
 

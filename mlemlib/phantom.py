@@ -409,7 +409,7 @@ def region_masks(phantom: Phantom, grid: Sequence[int], voxel_size: Sequence[flo
 # --------------------------------------------------------------------------- matrix helpers
 def _open_source(matrix: Any):
     """An object with ``shape``/``iter_chunks``: opened from a path, or a CSRMatrix wrapped."""
-    from mlemlib.mlem import open_source
+    from mlemlib.formats import open_source
 
     return open_source(matrix, "matrix")
 
@@ -530,7 +530,7 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
               noiseless: bool, counts: float | None, supersample: int, max_nnz: int) -> dict[str, Any]:
     """The body of :func:`simulate` on an opened matrix."""
     from mlemlib.formats.lmsino import write_lmsino
-    from mlemlib.mlem import write_image
+    from mlemlib.image import write_image
 
     source = os.fspath(matrix) if isinstance(matrix, (str, os.PathLike)) else str(getattr(src, "source", "<matrix>"))
     m, n = src.shape

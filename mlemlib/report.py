@@ -739,7 +739,7 @@ def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool
     """Central axial, coronal and sagittal slices of an image (and of the truth above it). False if unreadable."""
     import matplotlib.pyplot as plt
 
-    from mlemlib.mlem import read_image
+    from mlemlib.image import read_image
 
     try:
         img, attrs = read_image(image_path)

@@ -16,7 +16,8 @@ from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake.utils import validate
 
-from mlemlib.backends import uses_transpose
+from mlemlib.errors import ConfigError
+from mlemlib.registry import check_run, uses_transpose
 
 
 def validate_config():
@@ -49,6 +50,10 @@ def validate_config():
                 f"config runs[{index}].gpus: a run with backend cpu takes 1, "
                 f"found {entry['gpus']}"
             )
+        try:
+            check_run(entry, where=f"runs[{index}]")
+        except ConfigError as exc:
+            raise WorkflowError(f"config {exc}") from None
 
 
 validate_config()

@@ -110,35 +110,6 @@ def test_chunk_rows_balances_nnz_and_covers_every_row():
     assert plan.chunk_rows(np.zeros(5, dtype=np.int64), 10).tolist() == [0, 4]
 
 
-# --------------------------------------------------------------------------- kernel names
-def test_resolve_kernels_auto_and_aliases():
-    k = plan.resolve_kernels("auto", "auto", transpose_available=True, fits=True)
-    assert (k.fp, k.bp, k.needs_transpose, k.deterministic) == ("csr_vector", "csr_vector", True, True)
-    k = plan.resolve_kernels("auto", "auto", transpose_available=True, fits=False)
-    assert (k.bp, k.needs_transpose, k.deterministic) == ("notrans", False, False)
-    k = plan.resolve_kernels("csr_vector", "auto", transpose_available=False, fits=True)
-    assert k.bp == "notrans"
-    k = plan.resolve_kernels("merge", "notrans", transpose_available=True, fits=True)
-    assert (k.fp, k.bp, k.deterministic) == ("merge", "notrans", False)
-    k = plan.resolve_kernels("csr_vector", "scatter", transpose_available=True, fits=True)
-    assert (k.bp, k.needs_transpose, k.deterministic) == ("scatter", False, False)
-    k = plan.resolve_kernels("cusparse", "cusparse", transpose_available=False, fits=True)
-    assert k.needs_transpose and not k.deterministic  # cuSPARSE SpMV: not bit-reproducible
-    with pytest.raises(ConfigError, match="fp"):
-        plan.resolve_kernels("numba", "auto", transpose_available=True, fits=True)
-    with pytest.raises(ConfigError, match="bp"):
-        plan.resolve_kernels("auto", "scipy", transpose_available=True, fits=True)
-
-
-def test_choose_notrans():
-    # most chunks in shared memory: the windowed scatter; else cuSPARSE, or the vector scatter past int32
-    assert plan.choose_notrans(1.0, 10**9) == "scatter_smem"
-    assert plan.choose_notrans(plan.SMEM_LOCAL_MIN, 10) == "scatter_smem"
-    assert plan.choose_notrans(0.49, 10**9) == "cusparse_notrans"
-    assert plan.choose_notrans(0.0, 2**31 - 1) == "cusparse_notrans"
-    assert plan.choose_notrans(0.0, 2**31) == "scatter_vec"
-
-
 def test_theoretical_bandwidth_h100():
     # H100 SXM HBM3: 2619 MHz, 5120-bit bus -> 3.35 TB/s
     assert theoretical_bandwidth(2619, 5120) == pytest.approx(3.352e12, rel=1e-3)
@@ -357,30 +328,6 @@ def test_bench_spmv_on_gpu_checks_and_reports_every_kernel(tmp_path):
     saved = json.loads(out_json.read_text())["kernels"]
     assert [(r["op"], r["kernel"]) for r in saved] == [(r["op"], r["kernel"]) for r in rows]
     assert out_md.read_text().count("|") > 10 and len(out_csv.read_text().splitlines()) == len(rows) + 1
-
-
-@pytest.mark.parametrize(
-    ("backend", "bp", "expected"),
-    [
-        ("cpu", "auto", True),
-        ("cpu", "numba", True),
-        ("cpu", "scipy", True),
-        ("cpu", "notrans", False),
-        ("cuda", "auto", True),
-        ("cuda", "csr_vector", True),
-        ("cuda", "merge", True),
-        ("cuda", "cusparse", True),
-        ("cuda", "notrans", False),
-        ("cuda", "scatter", False),
-        ("cuda", "scatter_vec", False),
-        ("cuda", "scatter_smem", False),
-        ("cuda", "cusparse_notrans", False),
-    ],
-)
-def test_uses_transpose_names_the_runs_that_read_transpose_h5(backend, bp, expected):
-    from mlemlib.backends import uses_transpose
-
-    assert uses_transpose(backend, bp) is expected
 
 
 def test_choose_lanes_cap():

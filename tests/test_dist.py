@@ -1,4 +1,4 @@
-"""Multi-GPU backend and multi-process bootstrap (mlemlib.dist.nccl, mlemlib.dist.mpi).
+"""Multi-GPU backend and multi-process bootstrap (mlemlib.backends.nccl, mlemlib.dist.mpi).
 
 The host-side logic (kernel resolution, plans, row slicing, rank detection,
 NCCL-id exchange, the local launcher) runs in CI without a GPU; the backend
@@ -20,9 +20,9 @@ import pytest
 import scipy.sparse as sp
 
 from mlemlib import partition
-from mlemlib.dist import make_backend
+from mlemlib.backends import make_backend
 from mlemlib.dist import mpi as M
-from mlemlib.dist import nccl as N
+from mlemlib.backends import nccl as N
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix
 
@@ -47,6 +47,7 @@ def _transpose(a: CSRMatrix) -> CSRMatrix:
         ("auto", "auto", "thesis", ("csr_vector", "csr_vector", True)),
         ("csr_scalar", "scatter", "local", ("csr_scalar", "scatter", False)),
         ("merge", "csr_vector", "thesis", ("merge", "csr_vector", False)),
+        ("auto", "notrans", "local", ("csr_vector", "notrans", False)),  # settled on the first part
     ],
 )
 def test_resolve_kernels(fp, bp, layout, expected):
@@ -56,10 +57,10 @@ def test_resolve_kernels(fp, bp, layout, expected):
 def test_resolve_kernels_rejects():
     with pytest.raises(ConfigError, match="unknown layout"):
         N.resolve_kernels("auto", "auto", "ring")
-    with pytest.raises(ConfigError, match="needs layout=local"):
+    with pytest.raises(ConfigError, match="'scatter_smem' of backend cuda does not run on 2 GPUs in the thesis layout"):
         N.resolve_kernels("auto", "scatter_smem", "thesis")
-    with pytest.raises(ConfigError, match="not available on several GPUs"):
-        N.resolve_kernels("auto", "notrans", "local")
+    with pytest.raises(ConfigError, match="'cusparse_notrans' of backend cuda does not run on 2 GPUs"):
+        N.resolve_kernels("auto", "cusparse_notrans", "local")
     with pytest.raises(ConfigError, match="unknown forward-projection kernel"):
         N.resolve_kernels("fast", "auto", "local")
 
@@ -237,7 +238,7 @@ def test_mpi_module_runs_as_a_launcher(tmp_path):
 
 def test_make_backend_rejects_unknown_launcher(rng):
     with pytest.raises(ConfigError, match="unknown launcher 'slurm'"):
-        make_backend(_matrix(rng), None, None, launcher="slurm")
+        make_backend("cuda", _matrix(rng), None, None, gpus=2, launcher="slurm")
 
 
 # --------------------------------------------------------------------------- on GPUs

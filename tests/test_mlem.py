@@ -18,7 +18,10 @@ from mlemlib import metrics
 from mlemlib.backends.cpu import CpuBackend, spmv, spmv_t
 from mlemlib.errors import ConfigError, DeviceError, InputError
 from mlemlib.matrix import CSRMatrix
-from mlemlib.mlem import InMemorySource, make_backend, read_image, reconstruct, reference
+from mlemlib.backends import make_backend
+from mlemlib.formats import InMemoryMatrix
+from mlemlib.image import read_image
+from mlemlib.mlem import reconstruct, reference
 
 GRID = (6, 5, 4)  # gridX, gridY, gridZ: n = 120
 
@@ -128,7 +131,7 @@ def test_correlation_update_initial_hand_computed():
 
 def test_outputs_and_timings(problem, tmp_path):
     a, g, _ = problem
-    src = InMemorySource(a, grid=GRID, voxel_size=(2.0, 2.0, 3.0))
+    src = InMemoryMatrix(a, grid=GRID, voxel_size=(2.0, 2.0, 3.0))
     out = tmp_path / "run" / "image.h5"
     t = reconstruct(src, g, out, iterations=7, backend="cpu", repetitions=3, checkpoint_every=0)
     with h5py.File(out) as f:
@@ -154,7 +157,7 @@ def test_outputs_and_timings(problem, tmp_path):
     assert t["backend"]["backend"] == "cpu"
 
 
-class _CountingSource(InMemorySource):
+class _CountingSource(InMemoryMatrix):
     reads = 0
 
     def read_rows(self, start, stop, *, validate=True):
@@ -263,7 +266,7 @@ def test_make_backend_errors(problem, monkeypatch):
     norm = np.ones(a.shape[1])
     with pytest.raises(ConfigError, match="gpus"):
         make_backend("cpu", a, g, norm, gpus=2)
-    with pytest.raises(ConfigError, match="unknown cpu kernel"):
+    with pytest.raises(ConfigError, match="unknown forward-projection kernel .merge. for backend cpu; valid: auto, numba, scipy"):
         make_backend("cpu", a, g, norm, fp="merge")
     with pytest.raises(ConfigError, match="unknown backend"):
         make_backend("opencl", a, g, norm)

@@ -11,7 +11,8 @@ import pytest
 from mlemlib import metrics
 from mlemlib.errors import ConfigError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix
-from mlemlib.mlem import InMemorySource, read_image
+from mlemlib.formats import InMemoryMatrix
+from mlemlib.image import read_image
 from mlemlib.phantom import (
     Cylinder,
     Sphere,
@@ -141,7 +142,7 @@ def _ring_matrix(grid, m=3000, seed=3):
 def test_simulate_deterministic_noiseless_and_truth(tmp_path):
     grid = (12, 12, 6)
     a = _ring_matrix(grid)
-    src = InMemorySource(a, grid=grid, voxel_size=(2.0, 2.0, 2.0))
+    src = InMemoryMatrix(a, grid=grid, voxel_size=(2.0, 2.0, 2.0))
     r1 = simulate(src, "nema", tmp_path / "a.LMsino", tmp_path / "truth.h5", seed=5, counts=2e5)
     simulate(src, "nema", tmp_path / "b.LMsino", None, seed=5, counts=2e5)
     simulate(src, "nema", tmp_path / "c.LMsino", None, seed=6, counts=2e5)
@@ -174,7 +175,7 @@ def test_simulate_poisson_mean_and_variance(tmp_path):
     n = int(np.prod(grid))
     m = 20000
     a = CSRMatrix(np.arange(0, m * n + 1, n), np.tile(np.arange(n), m), np.full(m * n, 0.01, np.float32), (m, n))
-    src = InMemorySource(a, grid=grid, voxel_size=(1.0, 1.0, 1.0))
+    src = InMemoryMatrix(a, grid=grid, voxel_size=(1.0, 1.0, 1.0))
     lam = 12.5
     simulate(src, "uniform", tmp_path / "u.LMsino", None, seed=11, counts=lam * m)
     g = np.fromfile(tmp_path / "u.LMsino", dtype="<i4").astype(np.float64)
@@ -187,8 +188,8 @@ def test_simulate_poisson_mean_and_variance(tmp_path):
 def test_simulate_errors(tmp_path):
     a = _ring_matrix((4, 4, 2), m=50)
     with pytest.raises(MatrixFormatError, match="no voxel grid"):
-        simulate(InMemorySource(a), "nema", tmp_path / "x.LMsino")
-    src = InMemorySource(a, grid=(4, 4, 2), voxel_size=(1.0, 1.0, 1.0))
+        simulate(InMemoryMatrix(a), "nema", tmp_path / "x.LMsino")
+    src = InMemoryMatrix(a, grid=(4, 4, 2), voxel_size=(1.0, 1.0, 1.0))
     with pytest.raises(ConfigError, match="counts"):
         simulate(src, "uniform", tmp_path / "x.LMsino", counts=-3)
     with pytest.raises(ConfigError, match="int32"):

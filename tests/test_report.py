@@ -121,7 +121,8 @@ def test_plots_are_valid_png(runs, tmp_path):
 
 def test_image_plot_and_transpose_table(tmp_path):
     from mlemlib.matrix import CSRMatrix
-    from mlemlib.mlem import InMemorySource, reconstruct
+    from mlemlib.formats import InMemoryMatrix
+    from mlemlib.mlem import reconstruct
 
     rng = np.random.default_rng(1)
     grid = (8, 6, 4)
@@ -131,11 +132,11 @@ def test_image_plot_and_transpose_table(tmp_path):
     a = CSRMatrix(indptr, rng.integers(0, n, 6 * m), rng.uniform(0.1, 1, 6 * m).astype(np.float32), (m, n))
     g = rng.poisson(5.0, m).astype(np.int32)
     truth = tmp_path / "truth.h5"
-    from mlemlib.mlem import write_image
+    from mlemlib.image import write_image
 
     write_image(truth, np.ones(n, np.float32), grid=grid, voxel_size=(1, 1, 1))
     out = tmp_path / "results" / "runs" / "x" / "image.h5"
-    reconstruct(InMemorySource(a, grid=grid, voxel_size=(1.0, 1.0, 1.0)), g, out, iterations=3, backend="cpu",
+    reconstruct(InMemoryMatrix(a, grid=grid, voxel_size=(1.0, 1.0, 1.0)), g, out, iterations=3, backend="cpu",
                 truth=truth, checkpoint_every=0, matrix_name="tiny")
     tsv = tmp_path / "tiny-scipy.tsv"
     tsv.write_text("s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"

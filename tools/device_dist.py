@@ -211,7 +211,7 @@ def section_parts(args, out: Path) -> None:
     from mlemlib.backends import _cuda_kernels as ck
     from mlemlib.backends import _cuda_plan as plan
     from mlemlib.bench import copy_bandwidth, time_gpu
-    from mlemlib.dist.nccl import build_plan, rows_to_device, unpadded
+    from mlemlib.backends.nccl import build_plan, rows_to_device, unpadded
 
     reps = 20
     spec = parse_matrix(args.matrix)
@@ -276,7 +276,7 @@ def section_small(args, out: Path) -> None:
 
     from mlemlib.backends.cuda import CudaBackend
     from mlemlib.dist.mpi import launch_local
-    from mlemlib.dist.nccl import NcclBackend
+    from mlemlib.backends.nccl import NcclBackend
     from mlemlib.formats.h5 import MatrixH5, write_matrix_h5
     from mlemlib.partition import partition_file
 
@@ -386,7 +386,7 @@ def section_rank(args, out: Path) -> None:
     """One rank of the multi-process check (started by launch_local or mpirun)."""
     import numpy as np
 
-    from mlemlib.dist import make_backend
+    from mlemlib.backends import make_backend
     from mlemlib.formats.h5 import MatrixH5
 
     import faulthandler
@@ -486,7 +486,7 @@ def section_bench(args, out: Path) -> None:
 
     from mlemlib.backends.cuda import CudaBackend
     from mlemlib.bench import copy_bandwidth
-    from mlemlib.dist.nccl import NcclBackend
+    from mlemlib.backends.nccl import NcclBackend
 
     t_start = time.perf_counter()
     dims = tuple(args.dims) if args.dims else parse_matrix(args.matrix)
@@ -570,7 +570,7 @@ def section_overlap(args, out: Path) -> None:
     from cupy.cuda import nccl
 
     from mlemlib.backends.cuda import CudaBackend
-    from mlemlib.dist.nccl import NcclBackend
+    from mlemlib.backends.nccl import NcclBackend
 
     t_start = time.perf_counter()
     ndev = cp.cuda.runtime.getDeviceCount()
@@ -627,7 +627,7 @@ def section_nccltune(args, out: Path) -> None:
     import cupy as cp
     from cupy.cuda import nccl
 
-    from mlemlib.dist.nccl import NcclBackend
+    from mlemlib.backends.nccl import NcclBackend
 
     ndev = cp.cuda.runtime.getDeviceCount()
     devices = list(range(ndev))

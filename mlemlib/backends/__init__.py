@@ -1,12 +1,28 @@
-"""Compute backends: ``cpu`` (NumPy/SciPy/Numba) and ``cuda`` (CuPy RawKernels).
+"""Compute backends and the one place that builds them.
 
-:func:`get_backend_name` resolves ``auto`` to ``cuda`` where CuPy sees a GPU,
-else ``cpu``. No GPU is probed at import.
+- :mod:`~mlemlib.backends.cpu` (NumPy/SciPy/Numba), :mod:`~mlemlib.backends.cuda`
+  (one GPU, CuPy RawKernels), :mod:`~mlemlib.backends.nccl` (several GPUs,
+  NCCL all-reduces; also one GPU with CUDA graphs), all deriving from
+  :class:`~mlemlib.backends.base.Backend`;
+- :func:`make_backend` builds the one a run asks for; :func:`get_backend_name`
+  resolves ``auto`` to ``cuda`` where CuPy sees a GPU, else ``cpu``.
+
+Which kernel a name means is decided in :mod:`mlemlib.registry`. No GPU is
+probed and CuPy is not imported at import.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
+
+import numpy as np
+
+from mlemlib.backends.base import Backend
+from mlemlib.errors import ConfigError, DeviceError
+
+#: ``none``: one process drives all GPUs; ``mpi`` / ``file``: one process per GPU (:mod:`mlemlib.dist.mpi`).
+LAUNCHERS = ("none", "mpi", "file")
 
 
 def cuda_available() -> bool:
@@ -25,32 +41,116 @@ def get_backend_name(name: str = "auto") -> str:
     if name == "auto":
         return "cuda" if cuda_available() else "cpu"
     if name not in ("cpu", "cuda"):
-        from mlemlib.errors import ConfigError
-
         raise ConfigError("backend", f"unknown backend {name!r}, expected auto, cpu or cuda")
     return name
 
 
-def make_backend(*args, **kwargs):
-    """Build the backend of one MLEM problem; see :func:`mlemlib.mlem.make_backend` (imported lazily)."""
-    from mlemlib.mlem import make_backend as _make_backend
+def make_backend(
+    name: str,
+    matrix: Any,
+    g: np.ndarray,
+    norm: np.ndarray,
+    transpose: Any | None = None,
+    *,
+    fp: str = "auto",
+    bp: str = "auto",
+    dtype: Any = np.float32,
+    gpus: int = 1,
+    layout: str = "local",
+    plan: Any | None = None,
+    secsize: int | None = None,
+    threads: int | None = None,
+    launcher: str | None = None,
+    **options: Any,
+) -> Backend:
+    """Build the backend that runs one problem.
 
-    return _make_backend(*args, **kwargs)
+    Parameters
+    ----------
+    name
+        ``auto`` (``cuda`` where CuPy sees a GPU, else ``cpu``; ``$MLEM_BACKEND`` overrides), ``cpu`` or ``cuda``.
+    matrix
+        ``A``: an opened matrix (``read_rows``, ``iter_chunks``, ``shape``) or a CSRMatrix.
+    g
+        Measurement (length m).
+    norm
+        Column sums of ``A`` (float64, length n).
+    transpose
+        ``A^T`` (opened matrix or CSRMatrix, shape (n, m)), or None: back-project with ``A``.
+    fp, bp
+        Kernel names of the backend (``auto`` lets it choose).
+    dtype
+        float32, or float64 (cpu only: the reference).
+    gpus, layout, plan
+        GPU count; multi-GPU layout (``local``: one all-reduce of the image,
+        ``thesis``: all-reduce after both projections); the partition plan
+        (a ``plan.json`` path or directory) for ``gpus > 1``.
+    secsize
+        Section size of the merge-based kernel (cuda).
+    threads
+        Host threads (cpu).
+    launcher
+        Several GPUs (or graph capture): ``none`` (default; this process
+        drives every GPU), ``mpi`` or ``file`` (this process is one rank of a
+        launcher and drives one GPU, :mod:`mlemlib.dist.mpi`). Default
+        ``$MLEM_LAUNCHER`` or ``none``.
+    options
+        Further backend-specific keyword arguments.
 
+    Returns
+    -------
+    Backend
+        ``mlemlib.backends.cpu.CpuBackend``; for ``cuda`` with one GPU
+        ``mlemlib.backends.cuda.CudaBackend(matrix, g, norm, transpose=, fp=, bp=[, secsize=])``
+        (or that module's ``make_backend``), with several GPUs
+        ``mlemlib.dist.make_backend(matrix, g, norm, transpose=, fp=, bp=, gpus=, layout=, plan=[, secsize=])``
+        (or ``mlemlib.backends.nccl.make_backend``); all imported lazily.
 
-def uses_transpose(backend: str, bp: str) -> bool:
-    """Whether a run with back-projection kernel ``bp`` reads a stored ``A^T``.
-
-    ``notrans`` and the cuda kernels that scatter from the rows of ``A``
-    (``scatter``, ``scatter_vec``, ``scatter_smem``, ``cusparse_notrans``)
-    do not; every other kernel, ``auto`` included, uses the transpose when one
-    is given. The workflow uses this to decide whether a run needs ``transpose.h5``.
+    Raises
+    ------
+    ConfigError
+        Unknown backend, or settings the backend cannot honour.
+    DeviceError
+        CUDA requested but CuPy or the CUDA backend is not available.
     """
-    if bp == "notrans":
-        return False
-    if backend == "cuda":
-        from mlemlib.backends._cuda_plan import BP_KERNELS  # pure Python: no CuPy import
+    resolved = get_backend_name(name)
+    gpus = 1 if gpus is None else int(gpus)
+    if gpus < 1:
+        raise ConfigError("gpus", f"must be >= 1, got {gpus}")
+    if layout not in (None, "local", "thesis"):
+        raise ConfigError("layout", f"unknown layout {layout!r}, expected local or thesis")
+    if resolved == "cpu":
+        if gpus != 1:
+            raise ConfigError("gpus", f"the cpu backend runs on the host: --gpus {gpus} needs --backend cuda")
+        from mlemlib.backends.cpu import CpuBackend
 
-        kernel = BP_KERNELS.get(bp)
-        return kernel is None or kernel[1]
-    return True
+        return CpuBackend(matrix, g, norm, transpose=transpose, fp=fp, bp=bp, dtype=dtype, threads=threads, **options)
+    if np.dtype(dtype) != np.float32:
+        raise ConfigError("dtype", "the cuda backend computes in float32; the float64 reference runs on the cpu")
+    kw: dict[str, Any] = {"transpose": transpose, "fp": fp, "bp": bp, **options}
+    if secsize is not None:
+        kw["secsize"] = secsize
+    launcher = launcher or os.environ.get("MLEM_LAUNCHER") or "none"
+    if launcher not in LAUNCHERS:
+        raise ConfigError("MLEM_LAUNCHER", f"unknown launcher {launcher!r}, expected one of {', '.join(LAUNCHERS)}")
+    try:
+        if gpus == 1 and not options.get("graph"):
+            from mlemlib.backends.cuda import CudaBackend
+
+            return CudaBackend(matrix, g, norm, **kw)
+        kw.update(gpus=gpus, layout=layout or "local", plan=plan)
+        from mlemlib.backends.nccl import NcclBackend
+    except ImportError as exc:
+        raise DeviceError(f"backend cuda with {gpus} GPU(s) is not available: {exc}") from exc
+    if launcher == "none":
+        return NcclBackend(matrix, g, norm, **kw)
+    # one rank of a launcher: one GPU, part `rank` of a `size`-part plan
+    from mlemlib.dist.mpi import init_communicator
+
+    comm, info, device = init_communicator(launcher)
+    if gpus != info.size:
+        raise ConfigError("gpus", f"--gpus {gpus} but the launcher started {info.size} ranks (one GPU per rank)")
+    kw.pop("devices", None)
+    return NcclBackend(
+        matrix, g, norm, devices=[device], parts=[info.rank], world=info.size, comms=[comm], own_comms=True, **kw
+    )

@@ -12,18 +12,18 @@ launch, kept apart so that CI tests them without a GPU:
   bytes an SpMV or an MLEM iteration must move at least (the denominator of
   every effective bandwidth the project reports);
 - :func:`merge_threads` — threads of the merge-based kernel for a ``secsize``;
-- :func:`chunk_rows` — nnz-balanced row chunks of the shared-memory scatter;
-- :func:`resolve_kernels`, :func:`choose_notrans` — the names users give
-  (``auto``, ``notrans``...) to the kernels the backend runs.
+- :func:`chunk_rows` — nnz-balanced row chunks of the shared-memory scatter.
+
+Which kernel a name means (``auto``, ``notrans``...) is decided in
+:mod:`mlemlib.registry`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import numpy as np
 
+from mlemlib import registry
 from mlemlib.errors import ConfigError
 
 #: Lanes per row ``csr_vector_L`` and ``scatter_L`` are compiled for.
@@ -39,29 +39,8 @@ BYTES_PER_NNZ = 8
 #: The merge kernel's section size when none is given (the thesis's best on V100).
 DEFAULT_SECSIZE = 5
 
-#: Forward-projection kernels and whether each is deterministic.
-# cuSPARSE's default SpMV algorithm (what CuPy calls) is not deterministic: three
-# repetitions of a 20-iteration MLEM on the H100 gave three different images
-# (image sums differing by about 2e-4, docs/benchmarks.md), so it is labelled so.
-FP_KERNELS = {"csr_vector": True, "csr_scalar": True, "merge": False, "cusparse": False}
-#: Back-projection kernels: (deterministic, needs the stored transpose).
-BP_KERNELS = {
-    "csr_vector": (True, True),
-    "csr_scalar": (True, True),
-    "merge": (False, True),
-    "cusparse": (False, True),
-    "scatter": (False, False),
-    "scatter_vec": (False, False),
-    "scatter_smem": (False, False),
-    "cusparse_notrans": (False, False),
-    "notrans": (False, False),  # the best no-transpose kernel for the matrix: see choose_notrans
-}
-#: Names accepted for the back projection and what they mean.
-BP_ALIASES: dict[str, str] = {}
-#: Share of row chunks whose columns must fit shared memory for ``notrans`` to take ``scatter_smem``.
-SMEM_LOCAL_MIN = 0.5
 #: Largest nnz cuSPARSE takes through CuPy (int32 indices).
-CUSPARSE_MAX_NNZ = 2**31 - 1
+CUSPARSE_MAX_NNZ = registry.CUSPARSE_MAX_NNZ
 
 
 def choose_lanes(mean_row_length: float, cap: int = LANE_CHOICES[-1]) -> int:
@@ -219,66 +198,3 @@ def chunk_rows(indptr: np.ndarray, nnz_per_chunk: int) -> np.ndarray:
     cuts = np.searchsorted(indptr, targets, side="left")
     bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, m), [m])))
     return bounds.astype(np.int64)
-
-
-def choose_notrans(local_fraction: float, nnz: int) -> str:
-    """The back-projection kernel without a transpose that ``notrans`` (and ``auto``) take.
-
-    ``scatter_smem`` when at least :data:`SMEM_LOCAL_MIN` of its row chunks
-    accumulate in shared memory (rows whose columns stay in a window, as in
-    sinogram order); otherwise cuSPARSE's transposed product
-    (``cusparse_notrans``), which beat the plain atomic scatter on every matrix
-    measured (docs/benchmarks.md), or ``scatter_vec`` when cuSPARSE cannot
-    take the matrix (2^31 or more non-zeros).
-    """
-    if local_fraction >= SMEM_LOCAL_MIN:
-        return "scatter_smem"
-    return "cusparse_notrans" if nnz <= CUSPARSE_MAX_NNZ else "scatter_vec"
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """The kernels one CUDA backend runs, resolved from the user's names."""
-
-    fp: str
-    bp: str
-    needs_transpose: bool
-    deterministic: bool
-
-
-def resolve_kernels(fp: str, bp: str, *, transpose_available: bool, fits: bool) -> KernelChoice:
-    """Resolve user kernel names to the backend's kernels.
-
-    Parameters
-    ----------
-    fp
-        ``auto`` (= ``csr_vector``) or a key of :data:`FP_KERNELS`.
-    bp
-        ``auto`` or a key of :data:`BP_KERNELS`. ``auto`` takes
-        ``csr_vector`` on the stored transpose when one is available and
-        ``A`` and ``A^T`` both fit on the GPU, else ``notrans``, which the
-        backend resolves with :func:`choose_notrans` once ``A`` is loaded.
-    transpose_available
-        Whether a transpose was given.
-    fits
-        Whether ``A`` and ``A^T`` both fit in free GPU memory.
-
-    Raises
-    ------
-    ConfigError
-        For an unknown name.
-    """
-    fp = "csr_vector" if fp in (None, "auto") else fp
-    if fp not in FP_KERNELS:
-        raise ConfigError(
-            "fp", f"unknown forward-projection kernel {fp!r}, expected auto or one of {sorted(FP_KERNELS)}"
-        )
-    bp = BP_ALIASES.get(bp, bp) if bp is not None else "auto"
-    if bp == "auto":
-        bp = "csr_vector" if (transpose_available and fits) else "notrans"
-    if bp not in BP_KERNELS:
-        raise ConfigError(
-            "bp", f"unknown back-projection kernel {bp!r}, expected auto, notrans or one of {sorted(BP_KERNELS)}"
-        )
-    det_bp, needs_t = BP_KERNELS[bp]
-    return KernelChoice(fp=fp, bp=bp, needs_transpose=needs_t, deterministic=FP_KERNELS[fp] and det_bp)

@@ -18,12 +18,17 @@ One iteration follows the numerical contract of DESIGN.md::
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from mlemlib.errors import ConfigError, SinogramFormatError
+
+log = logging.getLogger(__name__)
 
 #: The step names every backend reports, in order. Multi-GPU backends add "allreduce".
 STEPS = ("fp", "corr", "bp", "update")
@@ -84,6 +89,52 @@ class Backend(ABC):
     @abstractmethod
     def from_host(self, f: np.ndarray) -> Any:
         """Put a host image (a checkpoint) on the backend's device."""
+
+    # --- the problem checks every backend shares ------------------------------
+    def _check_problem(self, g: Any, norm: Any, shape: tuple[int, int], *, float32: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Check ``g`` (length m) and the norm (length n) against ``shape``; keep their float64 sums.
+
+        Sets :attr:`_g64sum` and :attr:`_norm64sum` (the initial image's
+        numerator and denominator, summed in float64) and warns where counts
+        above 2^24 are not exact in float32.
+
+        Returns
+        -------
+        (g, norm)
+            ``g`` as a flat host array (its own dtype) and the norm as float64.
+
+        Raises
+        ------
+        SinogramFormatError
+            ``g`` has not m values.
+        ConfigError
+            The norm has not n values.
+        """
+        m, n = (int(v) for v in shape)
+        g = np.asarray(g).reshape(-1)
+        if g.size != m:
+            raise SinogramFormatError("<measurement>", f"{g.size} values but the matrix has m = {m} rows")
+        norm = np.asarray(norm, dtype=np.float64).reshape(-1)
+        if norm.size != n:
+            raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
+        self._g64sum = float(np.sum(g, dtype=np.float64))
+        self._norm64sum = float(norm.sum())
+        if float32 and g.size and float(np.max(g)) > 2**24:
+            log.warning("counts above 2^24 are not exact in float32 (max %g)", float(np.max(g)))
+        return g, norm
+
+    def _initial_value(self) -> float:
+        """``sum(g) / sum(norm)`` in float64, the value of every voxel of the first image."""
+        if self._norm64sum <= 0:
+            raise ConfigError("norm", "the norm (column sums of A) sums to zero: the matrix sees nothing")
+        return self._g64sum / self._norm64sum
+
+    def _check_image(self, f: np.ndarray, dtype: Any) -> np.ndarray:
+        """A host image (a checkpoint) as a flat copy of ``dtype``, checked to have n values."""
+        f = np.array(f, dtype=dtype, copy=True).reshape(-1)
+        if f.size != self.shape[1]:
+            raise ConfigError("image", f"image has {f.size} values, expected n = {self.shape[1]}")
+        return f
 
     # --- timing --------------------------------------------------------------
     @contextlib.contextmanager

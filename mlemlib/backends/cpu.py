@@ -45,15 +45,12 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from mlemlib import registry
 from mlemlib.backends.base import Backend
-from mlemlib.errors import ConfigError, SinogramFormatError
+from mlemlib.errors import ConfigError
 from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
-
-#: Kernel names accepted for ``fp`` and ``bp`` (besides ``auto``, see :meth:`CpuBackend.auto_kernel`).
-FP_KERNELS = ("numba", "scipy")
-BP_KERNELS = ("numba", "scipy", "notrans")
 
 #: Default number of row blocks of the no-transpose back projection.
 DEFAULT_BLOCKS = 16
@@ -217,7 +214,7 @@ class CpuBackend(Backend):
     transpose
         ``A^T`` (shape (n, m)) as CSRMatrix or opened matrix, or None.
     fp, bp
-        Kernels (see the module docstring and :meth:`auto_kernel`).
+        Kernel names of :mod:`mlemlib.registry` (``auto``: :func:`mlemlib.registry.resolve`).
     dtype
         ``float32`` (default) or ``float64`` (reference mode).
     threads
@@ -253,13 +250,11 @@ class CpuBackend(Backend):
             from mlemlib.transpose import usable_threads
 
             numba.set_num_threads(usable_threads(threads))
-        auto = self.auto_kernel(transpose is not None)
-        self.fp_kernel = self.auto_kernel(True) if fp in ("auto", None) else str(fp)
-        self.bp_kernel = auto if bp in ("auto", None) else str(bp)
-        if self.fp_kernel not in FP_KERNELS:
-            raise ConfigError("fp", f"unknown cpu kernel {fp!r}, expected auto or one of {', '.join(FP_KERNELS)}")
-        if self.bp_kernel not in BP_KERNELS:
-            raise ConfigError("bp", f"unknown cpu kernel {bp!r}, expected auto or one of {', '.join(BP_KERNELS)}")
+        import numba
+
+        choice = registry.resolve("cpu", fp, bp, transpose_available=transpose is not None,
+                                  threads=numba.get_num_threads())
+        self.fp_kernel, self.bp_kernel = choice.fp, choice.bp
         if int(blocks) < 1:
             raise ConfigError("blocks", f"must be >= 1, got {blocks}")
 
@@ -271,17 +266,8 @@ class CpuBackend(Backend):
         if self.at is not None and self.at.shape != (n, m):
             raise ConfigError("transpose", f"transpose has shape {self.at.shape}, expected (n, m) = {(n, m)}")
 
-        g = np.asarray(g).reshape(-1)
-        if g.size != m:
-            raise SinogramFormatError("<measurement>", f"{g.size} values but the matrix has m = {m} rows")
-        self._g64sum = float(np.sum(g, dtype=np.float64))
-        if self.dtype == np.float32 and g.size and float(np.max(g)) > 2**24:
-            log.warning("counts above 2^24 are not exact in float32 (max %g)", float(np.max(g)))
+        g, norm = self._check_problem(g, norm, (m, n), float32=self.dtype == np.float32)
         self.g = np.ascontiguousarray(g, dtype=self.dtype)
-        norm = np.asarray(norm, dtype=np.float64).reshape(-1)
-        if norm.size != n:
-            raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
-        self._norm64sum = float(norm.sum())
         self.norm = norm.astype(self.dtype)
         # Divide by 1 where norm == 0: the contract's "f * bp" there, exactly.
         self._norm_safe = np.where(self.norm != 0, self.norm, self.dtype.type(1))
@@ -300,21 +286,6 @@ class CpuBackend(Backend):
             if self.at is not None:
                 self._sp_at = self._scipy(self.at)
         self._warm_up()
-
-    @staticmethod
-    def auto_kernel(row_parallel: bool) -> str:
-        """The kernel ``auto`` means: ``numba`` with several threads, else ``scipy`` for a CSR SpMV.
-
-        Both compute every row's sum in the same order, so the choice never
-        changes a bit of the result. The no-transpose back projection
-        (``row_parallel`` False) is always ``numba`` (the blocked scatter),
-        whose sums do not depend on the thread count.
-        """
-        import numba
-
-        if not row_parallel:
-            return "numba"
-        return "numba" if numba.get_num_threads() > 1 else "scipy"
 
     # --- set-up helpers --------------------------------------------------------
     def _scipy(self, a: CSRMatrix):
@@ -369,19 +340,14 @@ class CpuBackend(Backend):
 
     # --- set-up and transfers ------------------------------------------------------
     def initial_image(self) -> np.ndarray:
-        if self._norm64sum <= 0:
-            raise ConfigError("norm", "the norm (column sums of A) sums to zero: the matrix sees nothing")
-        value = self._g64sum / self._norm64sum
+        value = self._initial_value()
         return np.full(self.shape[1], value, dtype=self.dtype)
 
     def to_host(self, f: np.ndarray) -> np.ndarray:
         return np.array(f, dtype=self.dtype, copy=True)
 
     def from_host(self, f: np.ndarray) -> np.ndarray:
-        f = np.array(f, dtype=self.dtype, copy=True).reshape(-1)
-        if f.size != self.shape[1]:
-            raise ConfigError("image", f"image has {f.size} values, expected n = {self.shape[1]}")
-        return f
+        return self._check_image(f, self.dtype)
 
     def describe(self) -> dict[str, Any]:
         import numba

@@ -13,7 +13,7 @@ Kernels (``fp=`` / ``bp=``; see docs/gpu.md for when to pick which):
   ``scatter_vec`` (vector atomics), ``scatter_smem`` (shared-memory windows
   per row chunk), ``cusparse_notrans`` (CuPy's ``A.T @ c``), and ``notrans``:
   ``scatter_smem`` where most row chunks fit shared memory, else
-  ``cusparse_notrans`` (:func:`~mlemlib.backends._cuda_plan.choose_notrans`);
+  ``cusparse_notrans`` (:func:`mlemlib.registry.choose_notrans`);
 - ``bp="auto"``: ``csr_vector`` on the transpose when one is given and ``A``
   and ``A^T`` both fit in free GPU memory, else ``notrans`` (logged).
 
@@ -34,10 +34,11 @@ from typing import Any
 
 import numpy as np
 
+from mlemlib import registry
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib.backends.base import STEPS, Backend
-from mlemlib.errors import ConfigError, DeviceError, SinogramFormatError
+from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class CudaBackend(Backend):
                     f"GPU {self.device_id}: A needs {need_a / GIB:.2f} GiB but only {free / GIB:.2f} GiB are free; "
                     "use more GPUs"
                 )
-            choice = plan.resolve_kernels(fp, bp, transpose_available=transpose is not None, fits=fits_both)
+            choice = registry.resolve("cuda", fp, bp, transpose_available=transpose is not None, fits=fits_both)
             if bp in ("auto", None):
                 if transpose is None:
                     log.info("bp=auto: no transpose given, back projection by scatter (no transpose)")
@@ -221,7 +222,8 @@ class CudaBackend(Backend):
                 self._smem = ck.smem_plan(self.a)
                 self.smem_local_fraction = self._smem.local_fraction
             if self.bp_kernel == "notrans":
-                self.bp_kernel = plan.choose_notrans(self._smem.local_fraction, self.a.nnz)
+                self.bp_kernel = registry.choose_notrans(self._smem.local_fraction, self.a.nnz)
+                self.deterministic = choice.settle(self.bp_kernel).deterministic
                 log.info(
                     "bp=notrans: %.0f%% of the row chunks fit shared memory: %s",
                     100 * self._smem.local_fraction,
@@ -246,17 +248,8 @@ class CudaBackend(Backend):
                         ) from exc
                     self.transpose_source = "cusparse on device"
 
-            g = np.asarray(g).reshape(-1)
-            if g.size != m:
-                raise SinogramFormatError("<measurement>", f"{g.size} values but the matrix has m = {m} rows")
-            self._g64sum = float(np.sum(g, dtype=np.float64))
-            if g.size and float(np.max(g)) > 2**24:
-                log.warning("counts above 2^24 are not exact in float32 (max %g)", float(np.max(g)))
+            g, norm = self._check_problem(g, norm, (m, n))
             self.g = cp.asarray(g, dtype=cp.float32)
-            norm = np.asarray(norm, dtype=np.float64).reshape(-1)
-            if norm.size != n:
-                raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
-            self._norm64sum = float(norm.sum())
             self.norm = cp.asarray(norm, dtype=cp.float32)
 
             self._fp = cp.empty(m, dtype=cp.float32)
@@ -382,20 +375,17 @@ class CudaBackend(Backend):
 
     # --- set-up and transfers ------------------------------------------------------
     def initial_image(self) -> Any:
-        if self._norm64sum <= 0:
-            raise ConfigError("norm", "the norm (column sums of A) sums to zero: the matrix sees nothing")
+        value = self._initial_value()
         cp = ck.cupy()
         with self._device:
-            return cp.full(self.shape[1], self._g64sum / self._norm64sum, dtype=cp.float32)
+            return cp.full(self.shape[1], value, dtype=cp.float32)
 
     def to_host(self, f: Any) -> np.ndarray:
         with self._device:
             return np.asarray(f.get(), dtype=np.float32)
 
     def from_host(self, f: np.ndarray) -> Any:
-        f = np.asarray(f, dtype=np.float32).reshape(-1)
-        if f.size != self.shape[1]:
-            raise ConfigError("image", f"image has {f.size} values, expected n = {self.shape[1]}")
+        f = self._check_image(f, np.float32)
         cp = ck.cupy()
         with self._device:
             return cp.asarray(f)

@@ -31,6 +31,7 @@ SUBCOMMANDS = (
     "reconstruct",
     "summarize",
     "bench",
+    "kernels",
     "lease",
 )
 

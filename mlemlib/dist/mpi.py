@@ -1,7 +1,7 @@
 """One process per GPU, on one node or many: NCCL bootstrapped by a launcher (CUDA; CuPy imported lazily).
 
 Every process (rank) owns one GPU and one part of the partition plan and runs
-:class:`mlemlib.dist.nccl.NcclBackend` with a communicator that spans all
+:class:`mlemlib.backends.nccl.NcclBackend` with a communicator that spans all
 ranks: ``NcclCommunicator(nranks, uid, rank)``. The NCCL unique id is made
 by rank 0 and shared through
 
@@ -192,10 +192,11 @@ def init_communicator(
         bootstrap = "file" if id_file else "mpi"
     if bootstrap not in BOOTSTRAPS:
         raise ConfigError("launcher", f"unknown bootstrap {bootstrap!r}, expected one of {BOOTSTRAPS}")
-    from mlemlib.backends import _cuda_kernels as ck
-
-    cp = ck.cupy()
-    from cupy.cuda import nccl
+    try:
+        import cupy as cp
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        raise DeviceError(f"the {bootstrap} bootstrap needs CuPy with NCCL: {exc}") from exc
 
     if bootstrap == "mpi":
         world = _mpi_world()
@@ -241,33 +242,6 @@ def _communicator(nccl: Any, size: int, uid: Any, rank: int) -> Any:
         return nccl.NcclCommunicator(size, value, rank)
     except TypeError:  # an older CuPy takes a tuple of signed chars
         return nccl.NcclCommunicator(size, tuple(b - 256 if b > 127 else b for b in value), rank)
-
-
-def make_backend(
-    matrix: Any,
-    g: Any,
-    norm: Any,
-    *,
-    gpus: int | None = None,
-    bootstrap: str = "auto",
-    id_file: str | os.PathLike | None = None,
-    **kw: Any,
-):
-    """The ``cuda-nccl`` backend of this rank: one GPU, part ``rank`` of a ``size``-part plan.
-
-    ``gpus`` (the run's total GPU count, as the MLEM loop passes it) must
-    equal the number of ranks. Other keywords go to
-    :class:`~mlemlib.dist.nccl.NcclBackend` (layout, plan, transpose, fp, bp, graph...).
-    """
-    from mlemlib.dist.nccl import NcclBackend
-
-    comm, info, device = init_communicator(bootstrap, id_file=id_file)
-    if gpus is not None and int(gpus) != info.size:
-        raise ConfigError("gpus", f"--gpus {gpus} but the launcher started {info.size} ranks (one GPU per rank)")
-    kw.pop("devices", None)
-    return NcclBackend(
-        matrix, g, norm, devices=[device], parts=[info.rank], world=info.size, comms=[comm], own_comms=True, **kw
-    )
 
 
 def launch_local(

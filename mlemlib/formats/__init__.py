@@ -52,6 +52,7 @@ __all__ = [
     "file_kind",
     "info",
     "open_matrix",
+    "open_source",
     "read_csr4",
     "read_lmsino",
     "read_matrix",
@@ -320,3 +321,34 @@ def info(
                 checked.append("checksum")
         res["verdict"] = "valid: " + ", ".join(checked) + ("" if full or kind in ("mtx", "npz") else " (quick)")
     return res
+
+
+def open_source(matrix, what: str = "matrix"):
+    """Any matrix the library is given, opened with the readers' interface.
+
+    Parameters
+    ----------
+    matrix
+        A path (through :func:`open_matrix`), a :class:`~mlemlib.matrix.CSRMatrix`
+        or SciPy sparse matrix (wrapped in :class:`InMemoryMatrix`, no copy of
+        a CSRMatrix), or an opened reader (returned as is).
+    what
+        Its role, for messages (``matrix``, ``transpose``).
+
+    Raises
+    ------
+    ConfigError
+        Anything else.
+    """
+    from mlemlib.errors import ConfigError
+    from mlemlib.matrix import CSRMatrix
+
+    if isinstance(matrix, (str, os.PathLike)):
+        return open_matrix(matrix)
+    if isinstance(matrix, CSRMatrix):
+        return InMemoryMatrix(matrix, f"<{what} in memory>")
+    if hasattr(matrix, "tocsr"):
+        return InMemoryMatrix(CSRMatrix.from_scipy(matrix), f"<{what} in memory>")
+    if hasattr(matrix, "shape") and hasattr(matrix, "read_rows"):
+        return matrix
+    raise ConfigError(what, f"expected a path, a CSRMatrix or an opened matrix, got {type(matrix).__name__}")

@@ -78,14 +78,22 @@ class InMemoryMatrix(RowBlockReader):
         The validated matrix.
     source
         The file it was read from (for messages and ``source`` attributes).
+    grid, voxel_size
+        Optional geometry (``(gridX, gridY, gridZ)``, ``(w, h, d)`` mm).
     """
 
-    grid = None
-    voxel_size = None
-
-    def __init__(self, matrix: CSRMatrix, source: str | os.PathLike = "<memory>") -> None:
+    def __init__(
+        self,
+        matrix: CSRMatrix,
+        source: str | os.PathLike = "<memory>",
+        *,
+        grid: tuple[int, int, int] | None = None,
+        voxel_size: tuple[float, float, float] | None = None,
+    ) -> None:
         self.matrix = matrix
         self.source = os.fspath(source)
+        self.grid = tuple(int(v) for v in grid) if grid is not None else None
+        self.voxel_size = tuple(float(v) for v in voxel_size) if voxel_size is not None else None
         self.shape = matrix.shape
         self.nnz = matrix.nnz
         self.attrs: dict = {}
@@ -98,15 +106,14 @@ class InMemoryMatrix(RowBlockReader):
         return self.matrix.indptr
 
     def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
-        """Rows ``[start, stop)`` as a CSR block with its own arrays (validated on load)."""
+        """Rows ``[start, stop)`` as a CSR block (views of the matrix's arrays: no second copy; validated on load)."""
         start, stop = check_range(start, stop, self.shape[0], self.source)
+        if start == 0 and stop == self.shape[0]:
+            return self.matrix
         ip = self.matrix.indptr
         lo, hi = int(ip[start]), int(ip[stop])
         return CSRMatrix(
-            ip[start : stop + 1] - lo,
-            self.matrix.indices[lo:hi].copy(),
-            self.matrix.data[lo:hi].copy(),
-            (stop - start, self.shape[1]),
+            ip[start : stop + 1] - lo, self.matrix.indices[lo:hi], self.matrix.data[lo:hi], (stop - start, self.shape[1])
         )
 
     def to_csr(self) -> CSRMatrix:

@@ -46,50 +46,43 @@ from typing import Any
 
 import numpy as np
 
+from mlemlib import registry
 from mlemlib.backends import _cuda_plan as cplan
 from mlemlib.backends.base import Backend
-from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError, SinogramFormatError
+from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = ("local", "thesis")
+LAYOUTS = registry.LAYOUTS
 #: Back-projection kernels that work on the rows of A (no transpose), local layout only.
-SCATTER_KERNELS = ("scatter", "scatter_vec", "scatter_smem")
+SCATTER_KERNELS = tuple(k for k in registry.names("cuda", "back_notrans", gpus=2, layout="local") if k != "notrans")
 #: Kernels whose CuPy path allocates (cuSPARSE): not capturable in a CUDA graph.
-ALLOCATING_KERNELS = ("cusparse", "cusparse_notrans")
+ALLOCATING_KERNELS = tuple(k.name for k in registry.KERNELS if k.backend == "cuda" and not k.graph)
 
 
 # --------------------------------------------------------------------------- host-side planning (no GPU)
 
 
-def resolve_kernels(fp: str | None, bp: str | None, layout: str) -> tuple[str, str, bool]:
+def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2) -> tuple[str, str, bool]:
     """The forward and back-projection kernels of a layout, and whether the pair is deterministic.
 
-    ``fp``: ``auto`` is ``csr_vector``; any key of the one-GPU forward
-    kernels. ``bp``: ``auto`` is ``csr_vector`` on the stored transpose;
-    the row kernels (``csr_vector``, ``csr_scalar``, ``merge``, ``cusparse``)
-    need ``A_k^T`` (local) or a row block of ``A^T`` (thesis); the scatter
-    kernels (no transpose, atomics) work only in the local layout.
+    :func:`mlemlib.registry.resolve` with the facts of this backend: the
+    transpose is always available (each GPU's part of ``A^T`` is read from
+    the plan or transposed on its GPU) and fits (each GPU checks its memory
+    when it loads its part). The ``notrans`` selector takes ``scatter_smem``
+    or ``scatter_vec`` (:func:`~mlemlib.registry.choose_notrans`) once the
+    parts are loaded.
 
     Raises
     ------
     ConfigError
-        Unknown layout or kernel, or a scatter kernel with the thesis layout.
+        Unknown layout, or a kernel the layout does not run (one line naming the valid ones).
     """
     if layout not in LAYOUTS:
         raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
-    fp = "csr_vector" if fp in (None, "auto") else fp
-    bp = "csr_vector" if bp in (None, "auto") else bp
-    if fp not in cplan.FP_KERNELS:
-        raise ConfigError("fp", f"unknown forward-projection kernel {fp!r}, expected auto or one of {sorted(cplan.FP_KERNELS)}")
-    allowed = [k for k, (_, needs_t) in cplan.BP_KERNELS.items() if needs_t] + list(SCATTER_KERNELS)
-    if layout == "thesis" and bp in SCATTER_KERNELS:
-        raise ConfigError("bp", f"bp={bp} scatters from the rows of A: it needs layout=local (thesis back-projects rows of A^T)")
-    if bp not in allowed:
-        raise ConfigError("bp", f"back-projection kernel {bp!r} is not available on several GPUs; expected auto or one of {allowed}")
-    deterministic = cplan.FP_KERNELS[fp] and cplan.BP_KERNELS[bp][0]
-    return fp, bp, deterministic
+    choice = registry.resolve("cuda", fp, bp, gpus=max(2, int(world)), layout=layout)
+    return choice.fp, choice.bp, choice.deterministic
 
 
 def _indptr_of(source: Any) -> np.ndarray:
@@ -417,7 +410,7 @@ class NcclBackend(Backend):
         from mlemlib.formats import open_matrix
 
         self.layout = layout
-        self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout)
+        self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout, world or len(devices or []) or gpus or 2)
         if graph is None:
             graph = os.environ.get("MLEM_CUDA_GRAPH", "0").strip().lower() in ("1", "true", "yes", "on")
         self.graph = bool(graph)
@@ -463,14 +456,7 @@ class NcclBackend(Backend):
             (tm, tn), tnnz = _shape_nnz(transpose)
             if (tm, tn) != (n, m) or tnnz != nnz:
                 raise ConfigError("transpose", f"transpose is {(tm, tn)} with {tnnz} nnz, expected {(n, m)} with {nnz}")
-        g = np.asarray(g).reshape(-1)
-        if g.size != m:
-            raise SinogramFormatError("<measurement>", f"{g.size} values but the matrix has m = {m} rows")
-        norm = np.asarray(norm, dtype=np.float64).reshape(-1)
-        if norm.size != n:
-            raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
-        self._g64sum = float(np.sum(g, dtype=np.float64))
-        self._norm64sum = float(norm.sum())
+        g, norm = self._check_problem(g, norm, (m, n))
         # Lanes of the whole matrix, so each row is summed as on one GPU (deterministic across GPU counts).
         self.lanes_override = lanes
         self.lanes_fp = lanes or cplan.choose_lanes(nnz / m if m else 0.0)
@@ -489,12 +475,13 @@ class NcclBackend(Backend):
                 with cp.cuda.Device(dev):
                     s.stream = cp.cuda.Stream(non_blocking=True)
                     # Pad for csr_vector only (scatter kernels and cuSPARSE expect a row pointer from 0).
-                    pad_a = self.fp_kernel == "csr_vector" and self.bp_kernel not in SCATTER_KERNELS
+                    no_t = registry.get_bp("cuda", self.bp_kernel).op == "back_notrans"
+                    pad_a = self.fp_kernel == "csr_vector" and not no_t
                     s.a = rows_to_device(matrix, r0, r1, dev, align=pad_a)
                     s.nnz = int(s.a.indptr[-1] - s.a.indptr[0])
                     if layout == "thesis":
                         s.at = rows_to_device(transpose, c0, c1, dev, align=self.bp_kernel == "csr_vector")
-                    elif self.bp_kernel not in SCATTER_KERNELS:
+                    elif not no_t:
                         if local_files:
                             with open_matrix(local_files[part]) as pf:
                                 s.at = rows_to_device(pf, 0, n, dev)
@@ -505,8 +492,14 @@ class NcclBackend(Backend):
                             s.at = plain.transpose()  # cuSPARSE csr2csc on this GPU: A_k^T, rows sorted
                             plain.drop_cusparse()
                             del plain
-                    elif self.bp_kernel == "scatter_smem":
+                    elif self.bp_kernel in ("scatter_smem", "notrans"):
                         s.smem = ck.smem_plan(s.a)
+                        if self.bp_kernel == "notrans":  # settled on the first part, the same for all
+                            self.bp_kernel = registry.choose_notrans(s.smem.local_fraction, s.nnz, gpus=self.world)
+                            log.info("bp=notrans: %.0f%% of part %d's row chunks fit shared memory: %s",
+                                     100 * s.smem.local_fraction, part, self.bp_kernel)
+                        if self.bp_kernel != "scatter_smem":
+                            s.smem = None
                     s.norm = cp.asarray(norm, dtype=cp.float32)
                     s.f = cp.empty(n, dtype=cp.float32)
                     if layout == "local":
@@ -860,12 +853,11 @@ class NcclBackend(Backend):
         raise NotImplementedError("cuda-nccl runs whole iterations: use iterate()")
 
     def initial_image(self) -> Any:
-        if self._norm64sum <= 0:
-            raise ConfigError("norm", "the norm (column sums of A) sums to zero: the matrix sees nothing")
+        value = self._initial_value()
         cp = _cupy()
         for s in self.shards:
             with cp.cuda.Device(s.device), s.stream:
-                s.f.fill(self._g64sum / self._norm64sum)
+                s.f.fill(value)
         return [s.f for s in self.shards]
 
     def to_host(self, f: Any) -> np.ndarray:
@@ -876,10 +868,7 @@ class NcclBackend(Backend):
             return np.asarray(a.get(), dtype=np.float32)
 
     def from_host(self, f: np.ndarray) -> Any:
-        f = np.asarray(f, dtype=np.float32).reshape(-1)
-        if f.size != self.shape[1]:
-            raise ConfigError("image", f"image has {f.size} values, expected n = {self.shape[1]}")
-        self._adopt(f)
+        self._adopt(self._check_image(f, np.float32))
         return [s.f for s in self.shards]
 
     def close(self) -> None:
@@ -962,8 +951,3 @@ def _close_at_exit(ref: weakref.ref) -> None:
     be = ref()
     if be is not None:
         be.close()
-
-
-def make_backend(matrix: Any, g: Any, norm: Any, **kw: Any) -> NcclBackend:
-    """Factory the MLEM loop calls (:func:`mlemlib.mlem.make_backend` with ``gpus > 1``)."""
-    return NcclBackend(matrix, g, norm, **kw)

@@ -1,0 +1,350 @@
+"""The kernel registry: every SpMV kernel declared once (pure Python; no NumPy, CuPy or GPU needed).
+
+A kernel is what a run's ``fp:`` or ``bp:`` names. Each :class:`Kernel`
+records its name, the operation it computes, the matrix formats it reads,
+the backend that has it (``cpu``; ``cuda`` on one GPU and, where
+``layouts`` says so, on several), whether it is deterministic, whether a
+CUDA graph can capture it, and where its code is. ``auto`` and the
+``notrans`` selector are resolved here too (:func:`resolve`,
+:func:`choose_notrans`), from facts about the matrix and the device that the
+backend passes in, so one GPU and N GPUs pick by the same rules.
+
+Everything that names kernels reads this module: the CPU, CUDA and NCCL
+backends (:func:`resolve`), ``mlem bench spmv`` (:func:`names`,
+:func:`get`), the workflow's config check (:func:`check_run`), the config
+schema's ``enum`` (a test keeps it equal to :func:`all_names`) and
+``mlem kernels`` (:func:`table`).
+
+Operations
+----------
+``forward``       ``fp = A f`` on the rows of ``A``.
+``back``          ``bp = A^T c`` on the rows of a stored transpose ``A^T``.
+``back_notrans``  ``bp = A^T c`` from the rows of ``A`` (no transpose stored).
+``iteration``     a whole MLEM iteration in one kernel (one pass over ``A``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from mlemlib.errors import ConfigError
+
+OPS = ("forward", "back", "back_notrans", "iteration")
+#: Backend names of the config (``backend:``). ``cuda`` with ``gpus > 1`` runs the NCCL backend.
+BACKENDS = ("cpu", "cuda")
+#: Matrix formats on the device.
+FORMATS = ("csr",)
+#: Multi-GPU layouts of the NCCL backend.
+LAYOUTS = ("local", "thesis")
+#: Most non-zeros cuSPARSE takes through CuPy (32-bit indices).
+CUSPARSE_MAX_NNZ = 2**31 - 1
+#: Share of ``scatter_smem``'s row chunks whose columns must fit shared memory for ``notrans`` to take it.
+SMEM_LOCAL_MIN = 0.5
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of one backend.
+
+    Attributes
+    ----------
+    name
+        What ``fp:`` / ``bp:`` say.
+    op
+        One of :data:`OPS`.
+    backend
+        ``cpu`` or ``cuda``.
+    formats
+        Matrix formats it reads.
+    deterministic
+        False where floating-point atomics (or a library that uses them) make
+        the last bits vary run after run.
+    layouts
+        Multi-GPU layouts it runs in (``()``: one GPU only; always ``()`` on the cpu).
+    graph
+        Whether a CUDA graph can capture it (no allocation inside).
+    source
+        Where its code is (``kernels/spmv.cu: csr_vector_L``, a library call...).
+    summary
+        One line for the table.
+    selector
+        True for a name that picks another kernel of the same operation once
+        the matrix is loaded (``notrans``, see :func:`choose_notrans`).
+    """
+
+    name: str
+    op: str
+    backend: str
+    formats: tuple[str, ...]
+    deterministic: bool
+    layouts: tuple[str, ...]
+    graph: bool
+    source: str
+    summary: str
+    selector: bool = False
+
+    @property
+    def needs_transpose(self) -> bool:
+        """Whether it reads a stored ``A^T``."""
+        return self.op == "back"
+
+
+_SPMV = "mlemlib/kernels/spmv.cu"
+_CPU = "mlemlib/backends/cpu.py"
+_BOTH = ("local", "thesis")
+_LOCAL = ("local",)
+
+#: Every kernel, once. Order: backend, then operation, then the table's order.
+KERNELS: tuple[Kernel, ...] = (
+    # ---- cpu
+    Kernel("numba", "forward", "cpu", ("csr",), True, (), False, f"{_CPU}: _spmv32/_spmv64",
+           "row-parallel CSR SpMV (prange over rows, each row summed in order)"),
+    Kernel("scipy", "forward", "cpu", ("csr",), True, (), False, "scipy.sparse csr_matrix @ x",
+           "SciPy's CSR product (one thread; same sums as numba)"),
+    Kernel("numba", "back", "cpu", ("csr",), True, (), False, f"{_CPU}: _spmv32/_spmv64 on A^T",
+           "row-parallel SpMV on the stored transpose; without one, the blocked scatter"),
+    Kernel("scipy", "back", "cpu", ("csr",), True, (), False, "scipy.sparse: A^T @ c (or A.T @ c)",
+           "SciPy's product on the stored transpose, or its CSC product of A"),
+    Kernel("notrans", "back_notrans", "cpu", ("csr",), True, (), False, f"{_CPU}: _spmv_t32/_spmv_t64",
+           "scatter from the rows of A into per-block images, summed in block order (thesis ch. 7)"),
+    # ---- cuda: forward
+    Kernel("csr_vector", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L",
+           "2..32 lanes per row, 16-byte loads, warp-shuffle sum; correlation fused"),
+    Kernel("csr_scalar", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_scalar",
+           "one thread per row (baseline); correlation fused"),
+    Kernel("merge", "forward", "cuda", ("csr",), False, _BOTH, True, f"{_SPMV}: merge_spmv",
+           "merge-path SpMV of the thesis (5.1), secsize items per thread, atomics"),
+    Kernel("cusparse", "forward", "cuda", ("csr",), False, _BOTH, False, "cupyx cuSPARSE: A @ f",
+           "cuSPARSE's default SpMV through CuPy (allocates; not deterministic)"),
+    # ---- cuda: back projection on the stored transpose
+    Kernel("csr_vector", "back", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L on A^T",
+           "csr_vector on the rows of A^T (lanes capped by bandwidth per SM); update fused"),
+    Kernel("csr_scalar", "back", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_scalar on A^T",
+           "one thread per row of A^T; update fused"),
+    Kernel("merge", "back", "cuda", ("csr",), False, _BOTH, True, f"{_SPMV}: merge_spmv on A^T",
+           "merge-path SpMV on A^T, atomics"),
+    Kernel("cusparse", "back", "cuda", ("csr",), False, _BOTH, False, "cupyx cuSPARSE: A_T @ c",
+           "cuSPARSE's SpMV on the stored transpose"),
+    # ---- cuda: back projection without a transpose
+    Kernel("scatter", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_L",
+           "the thesis's atomic scatter from the rows of A (lanes per row)"),
+    Kernel("scatter_vec", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_vec_L",
+           "atomic scatter with 2/4-wide vector atomics (sm_90)"),
+    Kernel("scatter_smem", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_smem",
+           "per row chunk, atomics into a shared-memory window where its columns fit"),
+    Kernel("cusparse_notrans", "back_notrans", "cuda", ("csr",), False, (), False, "cupyx cuSPARSE: A.T @ c",
+           "cuSPARSE's transposed product (one GPU)"),
+    Kernel("notrans", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, "see choose_notrans",
+           "scatter_smem where most row chunks fit shared memory, else cusparse_notrans "
+           "(scatter_vec on several GPUs or above 2^31 nnz)", selector=True),
+)
+
+_INDEX = {(k.backend, k.op, k.name): k for k in KERNELS}
+
+#: What ``auto`` means, in words (``mlem kernels`` prints it; :func:`resolve` implements it).
+AUTO_RULES = (
+    "cpu fp: numba with several Numba threads, scipy with one (identical sums)",
+    "cpu bp: like fp on a stored transpose; numba's blocked scatter without one",
+    "cuda fp (1 and N GPUs): csr_vector",
+    "cuda bp (1 and N GPUs): csr_vector on A^T when a transpose is available and A and A^T fit the GPU, "
+    "else notrans",
+    "cuda notrans: scatter_smem when >= 50% of its row chunks fit shared memory, else cusparse_notrans "
+    "(one GPU, < 2^31 nnz), else scatter_vec",
+)
+
+
+def get(backend: str, op: str, name: str) -> Kernel:
+    """The kernel ``name`` of ``op`` on ``backend``; :class:`ConfigError` if there is none."""
+    try:
+        return _INDEX[(backend, op, name)]
+    except KeyError:
+        raise ConfigError(op, f"no {op} kernel {name!r} on backend {backend}") from None
+
+
+def names(backend: str, *ops: str, gpus: int = 1, layout: str | None = None, fmt: str | None = None) -> list[str]:
+    """Kernel names of ``backend`` for the operations ``ops``, in table order, without duplicates.
+
+    With ``gpus > 1`` only kernels of ``layout`` (or of any layout) are listed;
+    with ``fmt`` only kernels that read that format.
+    """
+    out: list[str] = []
+    for k in KERNELS:
+        if k.backend != backend or (ops and k.op not in ops) or k.name in out:
+            continue
+        if gpus > 1 and not (k.layouts if layout is None else layout in k.layouts):
+            continue
+        if fmt is not None and fmt not in k.formats:
+            continue
+        out.append(k.name)
+    return out
+
+
+def all_names(key: str) -> list[str]:
+    """Every name ``fp`` (``key="fp"``) or ``bp`` may take on any backend, ``auto`` first (the schema's enum)."""
+    ops = ("forward",) if key == "fp" else ("back", "back_notrans")
+    out = ["auto"]
+    for backend in BACKENDS:
+        out += [n for n in names(backend, *ops) if n not in out]
+    return out
+
+
+def _valid(key: str, backend: str, gpus: int, layout: str | None) -> list[str]:
+    ops = ("forward",) if key == "fp" else ("back", "back_notrans")
+    return ["auto"] + names(backend, *ops, gpus=gpus, layout=layout)
+
+
+def check(key: str, name: str | None, backend: str, *, gpus: int = 1, layout: str | None = None,
+          where: str | None = None) -> str:
+    """Check one ``fp``/``bp`` name for a backend, GPU count and layout; return it (``auto`` for None).
+
+    Raises
+    ------
+    ConfigError
+        One line naming the key (``where`` or ``key``) and listing the valid names.
+    """
+    name = "auto" if name is None else str(name)
+    if backend not in BACKENDS:
+        raise ConfigError(where or "backend", f"unknown backend {backend!r}, expected one of {', '.join(BACKENDS)}")
+    valid = _valid(key, backend, gpus, layout)
+    if name in valid:
+        return name
+    what = "forward-projection" if key == "fp" else "back-projection"
+    if name in _valid(key, backend, 1, None):
+        scope = f"{gpus} GPUs" + (f" in the {layout} layout" if layout else "")
+        fault = f"{what} kernel {name!r} of backend {backend} does not run on {scope}"
+    else:
+        fault = f"unknown {what} kernel {name!r} for backend {backend}"
+    raise ConfigError(where or key, f"{fault}; valid: {', '.join(valid)} (mlem kernels lists them)")
+
+
+def check_run(run: dict, where: str = "run") -> None:
+    """Check a config ``runs:`` entry's ``fp``/``bp`` against its backend, every GPU count and layout.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``where.fp`` or ``where.bp``.
+    """
+    backend = run.get("backend", "cpu")
+    gpus = run.get("gpus", 1)
+    layouts = run.get("layout", "local")
+    for g in gpus if isinstance(gpus, list) else [gpus]:
+        for lay in (layouts if isinstance(layouts, list) else [layouts]) if int(g) > 1 else [None]:
+            for key in ("fp", "bp"):
+                check(key, run.get(key), backend, gpus=int(g), layout=lay, where=f"{where}.{key}")
+
+
+def choose_notrans(local_fraction: float, nnz: int, *, gpus: int = 1) -> str:
+    """The no-transpose back projection that ``notrans`` (and ``auto`` without ``A^T``) take on cuda.
+
+    ``scatter_smem`` when at least :data:`SMEM_LOCAL_MIN` of its row chunks
+    accumulate in shared memory (rows whose columns stay in a window, as in
+    sinogram order); otherwise cuSPARSE's transposed product
+    (``cusparse_notrans``), which beat the plain atomic scatter on every matrix
+    measured (docs/benchmarks.md), or ``scatter_vec`` where cuSPARSE cannot
+    take the matrix (2^31 or more non-zeros) or runs on several GPUs.
+    """
+    if local_fraction >= SMEM_LOCAL_MIN:
+        return "scatter_smem"
+    return "cusparse_notrans" if nnz <= CUSPARSE_MAX_NNZ and gpus == 1 else "scatter_vec"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The kernels a backend runs, resolved from the user's names.
+
+    ``bp`` may still be the selector ``notrans``: the backend replaces it with
+    :func:`choose_notrans` once ``A`` is on its device.
+    """
+
+    fp: str
+    bp: str
+    needs_transpose: bool
+    deterministic: bool
+
+    def settle(self, bp: str) -> Choice:
+        """This choice with ``notrans`` replaced by the kernel it chose."""
+        return Choice(self.fp, bp, self.needs_transpose, self.deterministic and get_bp("cuda", bp).deterministic)
+
+
+def get_bp(backend: str, name: str) -> Kernel:
+    """The back-projection kernel ``name`` (on ``A^T`` or without it)."""
+    k = _INDEX.get((backend, "back", name)) or _INDEX.get((backend, "back_notrans", name))
+    if k is None:
+        raise ConfigError("bp", f"no back-projection kernel {name!r} on backend {backend}")
+    return k
+
+
+def resolve(backend: str, fp: str | None, bp: str | None, *, gpus: int = 1, layout: str | None = None,
+            transpose_available: bool = True, fits: bool = True, threads: int = 1) -> Choice:
+    """Resolve ``fp``/``bp`` names (``auto`` included) to the kernels a backend runs.
+
+    Parameters
+    ----------
+    backend
+        ``cpu`` or ``cuda``.
+    fp, bp
+        The user's names (None: ``auto``).
+    gpus, layout
+        GPU count and multi-GPU layout (cuda).
+    transpose_available
+        Whether ``A^T`` is stored (or, on several GPUs, its parts can be made).
+    fits
+        Whether ``A`` and ``A^T`` both fit the device memory (cuda).
+    threads
+        Numba threads (cpu ``auto``).
+
+    Raises
+    ------
+    ConfigError
+        A name the backend, GPU count or layout does not have.
+    """
+    multi = gpus > 1
+    lay = layout if multi else None
+    fp = check("fp", fp, backend, gpus=gpus, layout=lay)
+    bp = check("bp", bp, backend, gpus=gpus, layout=lay)
+    if backend == "cpu":
+        auto = "numba" if threads > 1 else "scipy"
+        fp = auto if fp == "auto" else fp
+        if bp == "auto":
+            bp = auto if transpose_available else "numba"
+        kb = get_bp("cpu", bp)
+        needs_t = transpose_available and kb.op == "back"
+        return Choice(fp, bp, needs_t, get("cpu", "forward", fp).deterministic and kb.deterministic)
+    fp = "csr_vector" if fp == "auto" else fp
+    if bp == "auto":
+        bp = "csr_vector" if transpose_available and fits else "notrans"
+        if layout == "thesis" and multi and bp == "notrans":
+            raise ConfigError("bp", "bp=auto: the thesis layout back-projects rows of A^T, which do not fit; "
+                                    "use layout local")
+    kb = get_bp("cuda", bp)
+    return Choice(fp, bp, kb.needs_transpose, get("cuda", "forward", fp).deterministic and kb.deterministic)
+
+
+def uses_transpose(backend: str, bp: str | None) -> bool:
+    """Whether a run with back projection ``bp`` reads a stored ``A^T`` (the workflow asks before giving one).
+
+    Every ``back`` kernel and ``auto`` do; ``back_notrans`` kernels do not.
+    """
+    bp = "auto" if bp is None else bp
+    if bp == "auto":
+        return True
+    k = _INDEX.get((backend, "back", bp))
+    return k is not None
+
+
+def table(*, as_json: bool = False) -> str:
+    """The registry as a Markdown table (or JSON), with the ``auto`` rules: what ``mlem kernels`` prints."""
+    if as_json:
+        return json.dumps({"kernels": [asdict(k) for k in KERNELS], "auto": list(AUTO_RULES)}, indent=1)
+    head = ("backend", "op", "name", "formats", "deterministic", "multi-GPU layouts", "graph", "source")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for k in KERNELS:
+        cells = (
+            k.backend, k.op, k.name + (" (selector)" if k.selector else ""), ",".join(k.formats),
+            "yes" if k.deterministic else "no", ",".join(k.layouts) or "-", "yes" if k.graph else "no", k.source,
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "auto:"] + [f"- {r}" for r in AUTO_RULES]
+    return "\n".join(lines)
