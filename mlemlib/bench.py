@@ -291,14 +291,12 @@ def _rel_errors(y: Any, ref: Any, absref: Any, lengths: Any) -> dict[str, float]
 
 
 def _load(matrix: Any, what: str) -> Any:
-    """A DeviceCSR of ``matrix`` (path, opened matrix, CSRMatrix or DeviceCSR)."""
-    from mlemlib.backends.cuda import load_device
+    """``matrix`` (path, opened matrix, CSRMatrix or device matrix) on the current GPU, in its own format."""
+    from mlemlib.backends.device_formats import device_type, format_of
+    from mlemlib.formats import open_source
 
-    if isinstance(matrix, (str, os.PathLike)):
-        from mlemlib.formats import open_matrix
-
-        matrix = open_matrix(matrix)
-    return load_device(matrix, what)
+    src = open_source(matrix, what)
+    return device_type(format_of(src)).upload(src, what=what)
 
 
 def bench_spmv(

@@ -120,3 +120,16 @@ def validate_csr_arrays(
             if (data < 0).any():
                 k = int(np.argmax(data < 0))
                 raise MatrixFormatError(source, f"negative value {float(data[k])} at element {k}")
+
+
+def shape_nnz(source) -> tuple[tuple[int, int], int]:
+    """``((m, n), nnz)`` of any matrix: a :class:`CSRMatrix`, an opened file, a device matrix, SciPy sparse.
+
+    Raises
+    ------
+    TypeError
+        For an object without ``shape`` and ``nnz``.
+    """
+    if not hasattr(source, "shape") or not hasattr(source, "nnz"):
+        raise TypeError(f"expected a matrix with shape and nnz, got {type(source).__name__}")
+    return (int(source.shape[0]), int(source.shape[1])), int(source.nnz)

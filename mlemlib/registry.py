@@ -189,13 +189,13 @@ def all_names(key: str) -> list[str]:
     return out
 
 
-def _valid(key: str, backend: str, gpus: int, layout: str | None) -> list[str]:
+def _valid(key: str, backend: str, gpus: int, layout: str | None, fmt: str | None = None) -> list[str]:
     ops = ("forward",) if key == "fp" else ("back", "back_notrans")
-    return ["auto"] + names(backend, *ops, gpus=gpus, layout=layout)
+    return ["auto"] + names(backend, *ops, gpus=gpus, layout=layout, fmt=fmt)
 
 
 def check(key: str, name: str | None, backend: str, *, gpus: int = 1, layout: str | None = None,
-          where: str | None = None) -> str:
+          where: str | None = None, fmt: str | None = None) -> str:
     """Check one ``fp``/``bp`` name for a backend, GPU count and layout; return it (``auto`` for None).
 
     Raises
@@ -206,11 +206,13 @@ def check(key: str, name: str | None, backend: str, *, gpus: int = 1, layout: st
     name = "auto" if name is None else str(name)
     if backend not in BACKENDS:
         raise ConfigError(where or "backend", f"unknown backend {backend!r}, expected one of {', '.join(BACKENDS)}")
-    valid = _valid(key, backend, gpus, layout)
+    valid = _valid(key, backend, gpus, layout, fmt)
     if name in valid:
         return name
     what = "forward-projection" if key == "fp" else "back-projection"
-    if name in _valid(key, backend, 1, None):
+    if fmt is not None and name in _valid(key, backend, gpus, layout):
+        fault = f"{what} kernel {name!r} of backend {backend} does not read the {fmt} format"
+    elif name in _valid(key, backend, 1, None):
         scope = f"{gpus} GPUs" + (f" in the {layout} layout" if layout else "")
         fault = f"{what} kernel {name!r} of backend {backend} does not run on {scope}"
     else:
@@ -277,7 +279,7 @@ def get_bp(backend: str, name: str) -> Kernel:
 
 
 def resolve(backend: str, fp: str | None, bp: str | None, *, gpus: int = 1, layout: str | None = None,
-            transpose_available: bool = True, fits: bool = True, threads: int = 1) -> Choice:
+            transpose_available: bool = True, fits: bool = True, threads: int = 1, fmt: str = "csr") -> Choice:
     """Resolve ``fp``/``bp`` names (``auto`` included) to the kernels a backend runs.
 
     Parameters
@@ -294,6 +296,8 @@ def resolve(backend: str, fp: str | None, bp: str | None, *, gpus: int = 1, layo
         Whether ``A`` and ``A^T`` both fit the device memory (cuda).
     threads
         Numba threads (cpu ``auto``).
+    fmt
+        The matrix format on the device; only kernels that read it are valid.
 
     Raises
     ------
@@ -302,8 +306,8 @@ def resolve(backend: str, fp: str | None, bp: str | None, *, gpus: int = 1, layo
     """
     multi = gpus > 1
     lay = layout if multi else None
-    fp = check("fp", fp, backend, gpus=gpus, layout=lay)
-    bp = check("bp", bp, backend, gpus=gpus, layout=lay)
+    fp = check("fp", fp, backend, gpus=gpus, layout=lay, fmt=fmt)
+    bp = check("bp", bp, backend, gpus=gpus, layout=lay, fmt=fmt)
     if backend == "cpu":
         auto = "numba" if threads > 1 else "scipy"
         fp = auto if fp == "auto" else fp

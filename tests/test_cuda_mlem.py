@@ -211,7 +211,7 @@ def test_streams_an_opened_matrix(pet):
                 s, e = a.indptr[r0], a.indptr[r1]
                 yield r0, r1, CSRMatrix(a.indptr[r0 : r1 + 1] - s, a.indices[s:e], a.data[s:e], (r1 - r0, a.shape[1]))
 
-    d = cuda_backend.load_device(Reader())
+    d = ck.DeviceCSR.upload(Reader())
     np.testing.assert_array_equal(d.indptr.get(), a.indptr)
     np.testing.assert_array_equal(d.indices.get(), a.indices)
     np.testing.assert_array_equal(d.data.get(), a.data)

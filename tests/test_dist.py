@@ -22,6 +22,7 @@ import scipy.sparse as sp
 from mlemlib import partition
 from mlemlib.backends import make_backend
 from mlemlib.dist import mpi as M
+from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import nccl as N
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix
@@ -106,15 +107,15 @@ def test_slice_rows_host_equals_scipy(rng):
     a = _matrix(rng)
     ref = a.to_scipy()
     for r0, r1 in ((0, 10), (13, 40), (59, 60), (30, 30)):
-        b = N.slice_rows_host(a, r0, r1)
+        b = ck.slice_rows_host(a, r0, r1)
         assert b.indptr[0] == 0 and b.shape == (r1 - r0, a.shape[1])
         assert (b.to_scipy() != ref[r0:r1]).nnz == 0
 
 
 def test_aligned_pad_keeps_offsets_modulo_4():
     for base in range(0, 17):
-        pad = N.aligned_pad(base)
-        assert 0 <= pad < N.ALIGN and (base - pad) % N.ALIGN == 0
+        pad = ck.aligned_pad(base)
+        assert 0 <= pad < ck.ALIGN and (base - pad) % ck.ALIGN == 0
 
 
 # --------------------------------------------------------------------------- ranks and the NCCL id

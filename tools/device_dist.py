@@ -211,7 +211,8 @@ def section_parts(args, out: Path) -> None:
     from mlemlib.backends import _cuda_kernels as ck
     from mlemlib.backends import _cuda_plan as plan
     from mlemlib.bench import copy_bandwidth, time_gpu
-    from mlemlib.backends.nccl import build_plan, rows_to_device, unpadded
+    from mlemlib.backends._cuda_kernels import rows_to_device, unpadded
+    from mlemlib.backends.nccl import build_plan
 
     reps = 20
     spec = parse_matrix(args.matrix)

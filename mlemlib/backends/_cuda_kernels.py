@@ -30,8 +30,10 @@ from typing import Any
 import numpy as np
 
 from mlemlib.backends import _cuda_plan as plan
+from mlemlib.backends.device_formats import DeviceMatrix
 from mlemlib.devices import cuda_memory_bandwidth
 from mlemlib.errors import ConfigError, DeviceError
+from mlemlib import matrix as _mx
 from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
@@ -116,7 +118,7 @@ def _function_on(mod_name: str, kernel: str, device_id: int, options: tuple[str,
 
 
 @dataclass
-class DeviceCSR:
+class DeviceCSR(DeviceMatrix):
     """A CSR matrix in GPU memory: ``indptr`` int64 (m+1), ``indices`` int32, ``data`` float32.
 
     The column and value arrays must be 16-byte aligned (the kernels load
@@ -147,6 +149,32 @@ class DeviceCSR:
             if arr.size and arr.data.ptr % 16:
                 log.warning("device CSR %s is not 16-byte aligned: copying it", nm)
                 setattr(self, nm, arr.copy())
+
+    format = "csr"
+
+    @classmethod
+    def upload(
+        cls, source: Any, rows: tuple[int, int] | None = None, *, device: int | None = None, align: bool = False,
+        what: str = "matrix",
+    ) -> DeviceCSR:
+        """The whole ``source`` (streamed by row blocks; a DeviceCSR returned as is) or rows ``[r0, r1)`` of it.
+
+        See :meth:`mlemlib.backends.device_formats.DeviceMatrix.upload`; a row
+        block with ``align`` keeps its first non-zero at its global offset
+        modulo :data:`ALIGN` (:func:`rows_to_device`).
+        """
+        cp = cupy()
+        dev = cp.cuda.Device().id if device is None else int(device)
+        if rows is None:
+            with cp.cuda.Device(dev):
+                return load_device(source, what)
+        r0, r1 = (int(v) for v in rows)
+        return rowsto_device(source, r0, r1, dev, align=align)
+
+    @staticmethod
+    def device_bytes(rows: int, nnz: int) -> int:
+        """8 bytes per non-zero and 8 per row pointer entry."""
+        return plan.csr_bytes(rows, nnz)
 
     @classmethod
     def from_host(cls, a: CSRMatrix) -> DeviceCSR:
@@ -215,6 +243,151 @@ class DeviceCSR:
         t = self.cusparse().T.tocsr()
         out = DeviceCSR(t.indptr.astype(cp.int64), t.indices, t.data, (n, m))
         return out
+
+
+# --------------------------------------------------------------------------- uploads (DeviceCSR.upload)
+def slice_rows_host(a: CSRMatrix, r0: int, r1: int) -> CSRMatrix:
+    """Rows ``[r0, r1)`` of a host CSR matrix, row pointer rebased to 0 (views, no copy of the data)."""
+    ip = np.asarray(a.indptr, dtype=np.int64)
+    base = int(ip[r0])
+    end = int(ip[r1])
+    off = int(ip[0])
+    return CSRMatrix(ip[r0 : r1 + 1] - base, a.indices[base - off : end - off], a.data[base - off : end - off], (r1 - r0, a.shape[1]))
+
+
+def to_device(arr: Any, device: int) -> Any:
+    """Copy a host (NumPy) or device (CuPy, any GPU) array to ``device``."""
+    cp = cupy()
+    with cp.cuda.Device(device):
+        if isinstance(arr, cp.ndarray):
+            if arr.device.id == device:
+                return arr.copy()
+            out = cp.empty(arr.shape, dtype=arr.dtype)
+            if arr.size:
+                out.data.copy_from_device(arr.data, arr.nbytes)
+            return out
+        return cp.asarray(np.ascontiguousarray(arr))
+
+
+#: ``csr_vector`` loads 4 non-zeros at a time from index multiples of 4: a row block keeps its
+#: global offset modulo this, so each row is summed exactly as in the whole matrix.
+ALIGN = 4
+
+
+def aligned_pad(base: int) -> int:
+    """Leading padding that gives a block starting at non-zero ``base`` the same alignment as in the whole matrix."""
+    return int(base) % ALIGN
+
+
+def load_device(matrix: Any, what: str = "matrix") -> DeviceCSR:
+    """Put a matrix on the current GPU as :class:`DeviceCSR`.
+
+    Accepts a ``DeviceCSR`` (returned as is), a :class:`CSRMatrix`, a SciPy
+    sparse matrix, or an opened matrix with ``iter_chunks`` (``.h5``,
+    ``.csr4``), which is streamed row block by row block so the host never
+    holds the whole matrix.
+    """
+    cp = cupy()
+    if isinstance(matrix, DeviceCSR):
+        return matrix
+    if isinstance(matrix, CSRMatrix):
+        return DeviceCSR.from_host(matrix)
+    if hasattr(matrix, "tocsr"):
+        return DeviceCSR.from_host(CSRMatrix.from_scipy(matrix))
+    if hasattr(matrix, "iter_chunks"):
+        (m, n), nnz = _mx.shape_nnz(matrix)
+        log.info("streaming %s (%d x %d, %d nnz, %.2f GiB) to the GPU", what, m, n, nnz, plan.csr_bytes(m, nnz) / float(1 << 30))
+        indptr = cp.empty(m + 1, dtype=cp.int64)
+        indices = cp.empty(nnz, dtype=cp.int32)
+        data = cp.empty(nnz, dtype=cp.float32)
+        indptr[0] = 0
+        k = 0
+        for r0, r1, block in matrix.iter_chunks():
+            bnnz = block.nnz
+            ip = np.asarray(block.indptr, dtype=np.int64)
+            indptr[r0 + 1 : r1 + 1] = cp.asarray(ip[1:] - ip[0] + k)
+            indices[k : k + bnnz] = cp.asarray(block.indices)
+            data[k : k + bnnz] = cp.asarray(block.data)
+            k += bnnz
+        if k != nnz:
+            raise DeviceError(f"{what}: read {k} non-zeros, header says {nnz}")
+        return DeviceCSR(indptr, indices, data, (m, n))
+    raise TypeError(f"{what}: expected a CSRMatrix, DeviceCSR or an opened matrix, got {type(matrix).__name__}")
+
+
+def rowsto_device(source: Any, r0: int, r1: int, device: int, *, align: bool = False) -> DeviceCSR:
+    """Rows ``[r0, r1)`` of a matrix source as a ``DeviceCSR`` on ``device``.
+
+    Parameters
+    ----------
+    source
+        An opened matrix (``read_rows``: only that range is read), a
+        :class:`CSRMatrix`, a SciPy sparse matrix, or a ``DeviceCSR`` on any GPU.
+    r0, r1
+        The row range.
+    device
+        Target GPU.
+    align
+        Keep the block's first non-zero at its global offset modulo
+        :data:`ALIGN`: ``pad = indptr[r0] % 4`` leading zero entries (column
+        0, value 0) that no row covers, and a row pointer starting at
+        ``pad``. ``csr_vector`` then sums every row in the same order as on
+        the whole matrix, so partial results are bit-identical to one GPU's.
+        Only for the row kernels (cuSPARSE needs a row pointer starting at 0).
+    """
+    cp = cupy()
+    if isinstance(source, DeviceCSR):
+        with cp.cuda.Device(source.indptr.device.id):
+            ip = source.indptr[r0 : r1 + 1]
+            base, end = int(ip[0]), int(ip[-1])
+            pad = aligned_pad(base) if align else 0
+            ip = ip - (base - pad)
+            idx, val = source.indices[base - pad : end], source.data[base - pad : end]
+        with cp.cuda.Device(device):
+            idx, val = to_device(idx, device), to_device(val, device)
+            if pad:
+                idx[:pad] = 0
+                val[:pad] = 0
+            return DeviceCSR(to_device(ip, device), idx, val, (r1 - r0, source.shape[1]))
+    if hasattr(source, "read_rows"):
+        block = source.read_rows(r0, r1)
+        base = int(_indptr_at(source, r0)) if align else 0
+    elif isinstance(source, CSRMatrix):
+        block = slice_rows_host(source, r0, r1)
+        base = int(source.indptr[r0] - source.indptr[0])
+    elif hasattr(source, "tocsr"):
+        full = CSRMatrix.from_scipy(source)
+        block = slice_rows_host(full, r0, r1)
+        base = int(full.indptr[r0])
+    else:
+        raise TypeError(f"cannot read rows of {type(source).__name__}")
+    pad = aligned_pad(base) if align else 0
+    with cp.cuda.Device(device):
+        if not pad:
+            return DeviceCSR.from_host(block)
+        ip = np.asarray(block.indptr, dtype=np.int64)
+        ip = ip - ip[0] + pad
+        idx = np.zeros(block.nnz + pad, dtype=np.int32)
+        val = np.zeros(block.nnz + pad, dtype=np.float32)
+        idx[pad:] = block.indices[: block.nnz]
+        val[pad:] = block.data[: block.nnz]
+        return DeviceCSR(cp.asarray(ip), cp.asarray(idx), cp.asarray(val), block.shape)
+
+
+def _indptr_at(source: Any, row: int) -> int:
+    """``indptr[row]`` of an opened matrix (one element read where the reader allows it)."""
+    ds = getattr(source, "_ds", None)
+    if ds is not None and "indptr" in ds:
+        return int(ds["indptr"][row])
+    return int(source.read_indptr()[row])
+
+
+def unpadded(a: Any) -> Any:
+    """A ``DeviceCSR`` without :func:`rows_to_device`'s alignment padding (a copy when padded)."""
+    pad = int(a.indptr[0])
+    if pad == 0:
+        return a
+    return DeviceCSR(a.indptr - pad, a.indices[pad:].copy(), a.data[pad:].copy(), a.shape)
 
 
 def _check_vector(name: str, v: Any, length: int) -> None:

@@ -38,58 +38,15 @@ from mlemlib import registry
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib.backends.base import STEPS, Backend
+from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError
-from mlemlib.matrix import CSRMatrix
+from mlemlib.matrix import CSRMatrix, shape_nnz
 
 log = logging.getLogger(__name__)
 
 #: Share of the free GPU memory the matrices may take (the rest: vectors, cuSPARSE workspace).
 MEMORY_HEADROOM = 0.92
 GIB = float(1 << 30)
-
-
-def _shape_nnz(matrix: Any) -> tuple[tuple[int, int], int]:
-    if isinstance(matrix, (CSRMatrix, ck.DeviceCSR)):
-        return matrix.shape, matrix.nnz
-    if hasattr(matrix, "shape") and hasattr(matrix, "nnz"):
-        return (int(matrix.shape[0]), int(matrix.shape[1])), int(matrix.nnz)
-    raise TypeError(f"expected a CSRMatrix, DeviceCSR or an opened matrix, got {type(matrix).__name__}")
-
-
-def load_device(matrix: Any, what: str = "matrix") -> ck.DeviceCSR:
-    """Put a matrix on the current GPU as :class:`~mlemlib.backends._cuda_kernels.DeviceCSR`.
-
-    Accepts a ``DeviceCSR`` (returned as is), a :class:`CSRMatrix`, a SciPy
-    sparse matrix, or an opened matrix with ``iter_chunks`` (``.h5``,
-    ``.csr4``), which is streamed row block by row block so the host never
-    holds the whole matrix.
-    """
-    cp = ck.cupy()
-    if isinstance(matrix, ck.DeviceCSR):
-        return matrix
-    if isinstance(matrix, CSRMatrix):
-        return ck.DeviceCSR.from_host(matrix)
-    if hasattr(matrix, "tocsr"):
-        return ck.DeviceCSR.from_host(CSRMatrix.from_scipy(matrix))
-    if hasattr(matrix, "iter_chunks"):
-        (m, n), nnz = _shape_nnz(matrix)
-        log.info("streaming %s (%d x %d, %d nnz, %.2f GiB) to the GPU", what, m, n, nnz, plan.csr_bytes(m, nnz) / GIB)
-        indptr = cp.empty(m + 1, dtype=cp.int64)
-        indices = cp.empty(nnz, dtype=cp.int32)
-        data = cp.empty(nnz, dtype=cp.float32)
-        indptr[0] = 0
-        k = 0
-        for r0, r1, block in matrix.iter_chunks():
-            bnnz = block.nnz
-            ip = np.asarray(block.indptr, dtype=np.int64)
-            indptr[r0 + 1 : r1 + 1] = cp.asarray(ip[1:] - ip[0] + k)
-            indices[k : k + bnnz] = cp.asarray(block.indices)
-            data[k : k + bnnz] = cp.asarray(block.data)
-            k += bnnz
-        if k != nnz:
-            raise DeviceError(f"{what}: read {k} non-zeros, header says {nnz}")
-        return ck.DeviceCSR(indptr, indices, data, (m, n))
-    raise TypeError(f"{what}: expected a CSRMatrix, DeviceCSR or an opened matrix, got {type(matrix).__name__}")
 
 
 def free_memory(device_id: int) -> int:
@@ -172,18 +129,20 @@ class CudaBackend(Backend):
             raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes}")
         self.lanes_override = lanes
 
-        (m, n), nnz = _shape_nnz(matrix)
+        (m, n), nnz = shape_nnz(matrix)
         self.shape = (m, n)
+        self.format = format_of(matrix)
+        dev_type = device_type(self.format)
         if transpose is not None:
-            t_shape, t_nnz = _shape_nnz(transpose)
+            t_shape, t_nnz = shape_nnz(transpose)
             if t_shape != (n, m) or t_nnz != nnz:
                 raise ConfigError("transpose", f"transpose is {t_shape} with {t_nnz} nnz, expected {(n, m)} with {nnz}")
 
         with self._device:
             free = free_memory(self.device_id)
             # a DeviceCSR already on the GPU needs nothing more
-            need_a = 0 if isinstance(matrix, ck.DeviceCSR) else plan.csr_bytes(m, nnz)
-            need_t = 0 if isinstance(transpose, ck.DeviceCSR) else plan.csr_bytes(n, nnz)
+            need_a = 0 if isinstance(matrix, DeviceMatrix) else dev_type.device_bytes(m, nnz)
+            need_t = 0 if isinstance(transpose, DeviceMatrix) else dev_type.device_bytes(n, nnz)
             need_vec = 4 * (3 * m + 4 * n)
             fits_a = need_a + need_vec <= MEMORY_HEADROOM * free
             fits_both = need_a + need_t + need_vec <= MEMORY_HEADROOM * free
@@ -193,7 +152,9 @@ class CudaBackend(Backend):
                     f"GPU {self.device_id}: A needs {need_a / GIB:.2f} GiB but only {free / GIB:.2f} GiB are free; "
                     "use more GPUs"
                 )
-            choice = registry.resolve("cuda", fp, bp, transpose_available=transpose is not None, fits=fits_both)
+            choice = registry.resolve(
+                "cuda", fp, bp, transpose_available=transpose is not None, fits=fits_both, fmt=self.format
+            )
             if bp in ("auto", None):
                 if transpose is None:
                     log.info("bp=auto: no transpose given, back projection by scatter (no transpose)")
@@ -215,7 +176,7 @@ class CudaBackend(Backend):
             self.bp_requested = str(bp)
             self.deterministic = choice.deterministic
 
-            self.a = load_device(matrix, "matrix")
+            self.a = dev_type.upload(matrix, what="matrix")
             self._smem = None
             self.smem_local_fraction: float | None = None
             if self.bp_kernel in ("notrans", "scatter_smem"):
@@ -235,7 +196,7 @@ class CudaBackend(Backend):
             self.transpose_source = "none"
             if choice.needs_transpose:
                 if transpose is not None:
-                    self.at = load_device(transpose, "transpose")
+                    self.at = dev_type.upload(transpose, what="transpose")
                     self.transpose_source = "stored"
                 else:
                     log.info("no transpose given: transposing A on GPU %d with cuSPARSE", self.device_id)

@@ -49,8 +49,9 @@ import numpy as np
 from mlemlib import registry
 from mlemlib.backends import _cuda_plan as cplan
 from mlemlib.backends.base import Backend
+from mlemlib.backends.device_formats import device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
-from mlemlib.matrix import CSRMatrix
+from mlemlib.matrix import CSRMatrix, shape_nnz
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ ALLOCATING_KERNELS = tuple(k.name for k in registry.KERNELS if k.backend == "cud
 # --------------------------------------------------------------------------- host-side planning (no GPU)
 
 
-def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2) -> tuple[str, str, bool]:
+def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2, fmt: str = "csr") -> tuple[str, str, bool]:
     """The forward and back-projection kernels of a layout, and whether the pair is deterministic.
 
     :func:`mlemlib.registry.resolve` with the facts of this backend: the
@@ -81,7 +82,7 @@ def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2)
     """
     if layout not in LAYOUTS:
         raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
-    choice = registry.resolve("cuda", fp, bp, gpus=max(2, int(world)), layout=layout)
+    choice = registry.resolve("cuda", fp, bp, gpus=max(2, int(world)), layout=layout, fmt=fmt)
     return choice.fp, choice.bp, choice.deterministic
 
 
@@ -98,13 +99,6 @@ def _indptr_of(source: Any) -> np.ndarray:
     if ip is not None and hasattr(ip, "get"):  # DeviceCSR
         return np.asarray(ip.get(), dtype=np.int64)
     raise TypeError(f"cannot read the row pointer of {type(source).__name__}")
-
-
-def _shape_nnz(source: Any) -> tuple[tuple[int, int], int]:
-    if not hasattr(source, "shape"):
-        raise TypeError(f"expected a matrix, got {type(source).__name__}")
-    shape = (int(source.shape[0]), int(source.shape[1]))
-    return shape, int(source.nnz)
 
 
 def build_plan(matrix: Any, transpose: Any | None, parts: int, plan: Any | None, layout: str) -> dict:
@@ -133,7 +127,7 @@ def build_plan(matrix: Any, transpose: Any | None, parts: int, plan: Any | None,
     """
     from mlemlib import partition
 
-    (m, n), nnz = _shape_nnz(matrix)
+    (m, n), nnz = shape_nnz(matrix)
     if plan is None:
         t_ip = _indptr_of(transpose) if transpose is not None else None
         out = partition.make_plan(_indptr_of(matrix), t_ip, parts, (m, n))
@@ -151,15 +145,6 @@ def build_plan(matrix: Any, transpose: Any | None, parts: int, plan: Any | None,
     if layout == "thesis" and "transpose_rows" not in out:
         raise ConfigError("layout", "layout=thesis needs the transpose (A^T): give --transpose or a plan made with one")
     return out
-
-
-def slice_rows_host(a: CSRMatrix, r0: int, r1: int) -> CSRMatrix:
-    """Rows ``[r0, r1)`` of a host CSR matrix, row pointer rebased to 0 (views, no copy of the data)."""
-    ip = np.asarray(a.indptr, dtype=np.int64)
-    base = int(ip[r0])
-    end = int(ip[r1])
-    off = int(ip[0])
-    return CSRMatrix(ip[r0 : r1 + 1] - base, a.indices[base - off : end - off], a.data[base - off : end - off], (r1 - r0, a.shape[1]))
 
 
 # --------------------------------------------------------------------------- device helpers
@@ -181,109 +166,6 @@ def _nccl():
         raise DeviceError("CuPy's NCCL module is not available (install nvidia-nccl for your CUDA)")
     del cp
     return nccl
-
-
-def _to_device(arr: Any, device: int) -> Any:
-    """Copy a host (NumPy) or device (CuPy, any GPU) array to ``device``."""
-    cp = _cupy()
-    with cp.cuda.Device(device):
-        if isinstance(arr, cp.ndarray):
-            if arr.device.id == device:
-                return arr.copy()
-            out = cp.empty(arr.shape, dtype=arr.dtype)
-            if arr.size:
-                out.data.copy_from_device(arr.data, arr.nbytes)
-            return out
-        return cp.asarray(np.ascontiguousarray(arr))
-
-
-#: ``csr_vector`` loads 4 non-zeros at a time from index multiples of 4: a row block keeps its
-#: global offset modulo this, so each row is summed exactly as in the whole matrix.
-ALIGN = 4
-
-
-def aligned_pad(base: int) -> int:
-    """Leading padding that gives a block starting at non-zero ``base`` the same alignment as in the whole matrix."""
-    return int(base) % ALIGN
-
-
-def rows_to_device(source: Any, r0: int, r1: int, device: int, *, align: bool = False) -> Any:
-    """Rows ``[r0, r1)`` of a matrix source as a ``DeviceCSR`` on ``device``.
-
-    Parameters
-    ----------
-    source
-        An opened matrix (``read_rows``: only that range is read), a
-        :class:`CSRMatrix`, a SciPy sparse matrix, or a ``DeviceCSR`` on any GPU.
-    r0, r1
-        The row range.
-    device
-        Target GPU.
-    align
-        Keep the block's first non-zero at its global offset modulo
-        :data:`ALIGN`: ``pad = indptr[r0] % 4`` leading zero entries (column
-        0, value 0) that no row covers, and a row pointer starting at
-        ``pad``. ``csr_vector`` then sums every row in the same order as on
-        the whole matrix, so partial results are bit-identical to one GPU's.
-        Only for the row kernels (cuSPARSE needs a row pointer starting at 0).
-    """
-    from mlemlib.backends import _cuda_kernels as ck
-
-    cp = _cupy()
-    if isinstance(source, ck.DeviceCSR):
-        with cp.cuda.Device(source.indptr.device.id):
-            ip = source.indptr[r0 : r1 + 1]
-            base, end = int(ip[0]), int(ip[-1])
-            pad = aligned_pad(base) if align else 0
-            ip = ip - (base - pad)
-            idx, val = source.indices[base - pad : end], source.data[base - pad : end]
-        with cp.cuda.Device(device):
-            idx, val = _to_device(idx, device), _to_device(val, device)
-            if pad:
-                idx[:pad] = 0
-                val[:pad] = 0
-            return ck.DeviceCSR(_to_device(ip, device), idx, val, (r1 - r0, source.shape[1]))
-    if hasattr(source, "read_rows"):
-        block = source.read_rows(r0, r1)
-        base = int(_indptr_at(source, r0)) if align else 0
-    elif isinstance(source, CSRMatrix):
-        block = slice_rows_host(source, r0, r1)
-        base = int(source.indptr[r0] - source.indptr[0])
-    elif hasattr(source, "tocsr"):
-        full = CSRMatrix.from_scipy(source)
-        block = slice_rows_host(full, r0, r1)
-        base = int(full.indptr[r0])
-    else:
-        raise TypeError(f"cannot read rows of {type(source).__name__}")
-    pad = aligned_pad(base) if align else 0
-    with cp.cuda.Device(device):
-        if not pad:
-            return ck.DeviceCSR.from_host(block)
-        ip = np.asarray(block.indptr, dtype=np.int64)
-        ip = ip - ip[0] + pad
-        idx = np.zeros(block.nnz + pad, dtype=np.int32)
-        val = np.zeros(block.nnz + pad, dtype=np.float32)
-        idx[pad:] = block.indices[: block.nnz]
-        val[pad:] = block.data[: block.nnz]
-        return ck.DeviceCSR(cp.asarray(ip), cp.asarray(idx), cp.asarray(val), block.shape)
-
-
-def _indptr_at(source: Any, row: int) -> int:
-    """``indptr[row]`` of an opened matrix (one element read where the reader allows it)."""
-    ds = getattr(source, "_ds", None)
-    if ds is not None and "indptr" in ds:
-        return int(ds["indptr"][row])
-    return int(source.read_indptr()[row])
-
-
-def unpadded(a: Any) -> Any:
-    """A ``DeviceCSR`` without :func:`rows_to_device`'s alignment padding (a copy when padded)."""
-    from mlemlib.backends import _cuda_kernels as ck
-
-    pad = int(a.indptr[0])
-    if pad == 0:
-        return a
-    return ck.DeviceCSR(a.indptr - pad, a.indices[pad:].copy(), a.data[pad:].copy(), a.shape)
 
 
 @dataclass
@@ -410,7 +292,12 @@ class NcclBackend(Backend):
         from mlemlib.formats import open_matrix
 
         self.layout = layout
-        self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout, world or len(devices or []) or gpus or 2)
+        if isinstance(matrix, (str, os.PathLike)):
+            matrix = open_matrix(matrix)
+        self.format = format_of(matrix)
+        self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(
+            fp, bp, layout, world or len(devices or []) or gpus or 2, fmt=self.format
+        )
         if graph is None:
             graph = os.environ.get("MLEM_CUDA_GRAPH", "0").strip().lower() in ("1", "true", "yes", "on")
         self.graph = bool(graph)
@@ -443,17 +330,16 @@ class NcclBackend(Backend):
         self.fuse = bool(fuse)
 
         # ---- problem and plan --------------------------------------------------------
-        if isinstance(matrix, (str, os.PathLike)):
-            matrix = open_matrix(matrix)
-        (m, n), nnz = _shape_nnz(matrix)
+        (m, n), nnz = shape_nnz(matrix)
         self.shape = (m, n)
         self.nnz = nnz
+        dev_type = device_type(self.format)
         plan_d = build_plan(matrix, transpose, self.world, plan, layout)
         self.plan = {k: plan_d.get(k) for k in ("parts", "imbalance", "transpose_imbalance", "plan")}
         if transpose is None and layout == "thesis" and plan_d.get("transpose"):
             transpose = open_matrix(plan_d["transpose"])
         if transpose is not None:
-            (tm, tn), tnnz = _shape_nnz(transpose)
+            (tm, tn), tnnz = shape_nnz(transpose)
             if (tm, tn) != (n, m) or tnnz != nnz:
                 raise ConfigError("transpose", f"transpose is {(tm, tn)} with {tnnz} nnz, expected {(n, m)} with {nnz}")
         g, norm = self._check_problem(g, norm, (m, n))
@@ -477,18 +363,18 @@ class NcclBackend(Backend):
                     # Pad for csr_vector only (scatter kernels and cuSPARSE expect a row pointer from 0).
                     no_t = registry.get_bp("cuda", self.bp_kernel).op == "back_notrans"
                     pad_a = self.fp_kernel == "csr_vector" and not no_t
-                    s.a = rows_to_device(matrix, r0, r1, dev, align=pad_a)
+                    s.a = dev_type.upload(matrix, (r0, r1), device=dev, align=pad_a)
                     s.nnz = int(s.a.indptr[-1] - s.a.indptr[0])
                     if layout == "thesis":
-                        s.at = rows_to_device(transpose, c0, c1, dev, align=self.bp_kernel == "csr_vector")
+                        s.at = dev_type.upload(transpose, (c0, c1), device=dev, align=self.bp_kernel == "csr_vector")
                     elif not no_t:
                         if local_files:
                             with open_matrix(local_files[part]) as pf:
-                                s.at = rows_to_device(pf, 0, n, dev)
+                                s.at = dev_type.upload(pf, (0, n), device=dev)
                             if s.at.shape != (n, r1 - r0) or s.at.nnz != s.nnz:
                                 raise MatrixFormatError(local_files[part], f"part is {s.at.shape} with {s.at.nnz} nnz, expected {(n, r1 - r0)} with {s.nnz}")
                         else:
-                            plain = unpadded(s.a)
+                            plain = ck.unpadded(s.a)
                             s.at = plain.transpose()  # cuSPARSE csr2csc on this GPU: A_k^T, rows sorted
                             plain.drop_cusparse()
                             del plain
@@ -791,7 +677,7 @@ class NcclBackend(Backend):
                 if isinstance(a, np.ndarray):
                     s.f.set(np.asarray(a, dtype=np.float32), stream=s.stream)
                 else:
-                    s.f[...] = _to_device(a, s.device) if a.device.id != s.device else a
+                    s.f[...] = ck.to_device(a, s.device) if a.device.id != s.device else a
 
     def synchronize(self) -> None:
         """Wait for every shard's streams."""

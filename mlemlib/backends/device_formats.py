@@ -1,0 +1,88 @@
+"""Matrix formats on the device: the one interface each format's device type implements (no CuPy at import).
+
+A format is one :class:`DeviceMatrix` subclass (how it is uploaded, how many
+bytes it takes, its non-zeros, the rows it holds) plus one module of kernels
+(``mlemlib/kernels/<format>.cu``) whose kernels the registry
+(:mod:`mlemlib.registry`) declares with that format. The one-GPU and the
+multi-GPU backends upload through :meth:`DeviceMatrix.upload` (the whole
+matrix, or the row range a GPU owns), so both run the same kernels on the
+same type.
+
+Formats
+-------
+``csr``   :class:`mlemlib.backends._cuda_kernels.DeviceCSR`: int64 row
+          pointer, int32 columns, float32 values (8 bytes per non-zero).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from mlemlib import registry
+from mlemlib.errors import ConfigError
+
+#: Format name -> ``module:class`` of its device type (imported when first used).
+DEVICE_TYPES = {"csr": "mlemlib.backends._cuda_kernels:DeviceCSR"}
+
+
+class DeviceMatrix(ABC):
+    """A system matrix (or a row block of one) in GPU memory, in one format.
+
+    Attributes
+    ----------
+    format
+        The format's name, as the registry's kernels name it.
+    shape
+        ``(rows held, columns)``.
+    """
+
+    format: ClassVar[str]
+    shape: tuple[int, int]
+
+    @classmethod
+    @abstractmethod
+    def upload(
+        cls, source: Any, rows: tuple[int, int] | None = None, *, device: int | None = None, align: bool = False,
+        what: str = "matrix",
+    ) -> DeviceMatrix:
+        """Put ``source`` (rows ``[r0, r1)`` of it, or all) on ``device`` (default: the current one).
+
+        ``source`` is an opened matrix (only the rows asked for are read,
+        streamed in blocks), an in-memory host matrix, or a device matrix of
+        the same type on any GPU. ``align`` keeps a row block's vector
+        alignment as in the whole matrix, where the format's kernels need it
+        to sum each row exactly as on one GPU.
+        """
+
+    @staticmethod
+    @abstractmethod
+    def device_bytes(rows: int, nnz: int) -> int:
+        """Bytes a matrix of ``rows`` rows and ``nnz`` non-zeros takes on the device (checked before upload)."""
+
+    @property
+    @abstractmethod
+    def nnz(self) -> int:
+        """Stored non-zeros (without alignment padding)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes it takes on the device."""
+
+
+def device_type(fmt: str) -> type[DeviceMatrix]:
+    """The device type of format ``fmt`` (CuPy is imported by that module's methods, not here)."""
+    if fmt not in DEVICE_TYPES:
+        raise ConfigError("format", f"no device type for matrix format {fmt!r}; known: {', '.join(DEVICE_TYPES)}")
+    mod, _, cls = DEVICE_TYPES[fmt].partition(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def format_of(source: Any) -> str:
+    """The format a matrix source holds: a device matrix's, a reader's ``matrix_format`` where it has one, else ``csr``."""
+    fmt = source.format if isinstance(source, DeviceMatrix) else (getattr(source, "matrix_format", None) or "csr")
+    if fmt not in registry.FORMATS:
+        raise ConfigError("format", f"matrix format {fmt!r} has no kernels; known: {', '.join(registry.FORMATS)}")
+    return fmt
