@@ -359,3 +359,30 @@ def test_device_properties_and_lanes(rng):
     d = ck.DeviceCSR.from_host(make_matrix("short_rows", rng))
     assert d.lanes() == 2
     assert ck.DeviceCSR.from_host(make_matrix("long_rows", rng)).lanes() == 32
+
+
+SHAPES = [plan.RowShape(256, False, 0), plan.RowShape(512, True, 0), plan.RowShape(1024, True, None),
+          plan.RowShape(1024, False, 0), plan.RowShape(1024, True, 1)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.label())
+@pytest.mark.parametrize("lanes", plan.BLOCK_LANES)
+def test_csr_vector_launch_shapes_give_the_same_bits(problem, shape, lanes):
+    """csr_block_L (any block size, rows in step or not, any grid) sums each row exactly as csr_vector_L."""
+    d = problem["d"]
+    x = cp.asarray(problem["x"])
+    base = ck.spmv(d, x, poisoned(d.shape[0]), lanes=lanes).copy()
+    got = ck.spmv(d, x, poisoned(d.shape[0]), lanes=lanes, shape=shape)
+    assert cp.array_equal(got, base), f"{problem['kind']} (seed {problem['seed']}): {shape} differs"
+    # the fused update epilogue too (the back projection's)
+    f = cp.asarray(problem["c"])  # length m, like the image the back projection's epilogue updates
+    norm = cp.ones(d.shape[0], dtype=cp.float32)
+    ref = ck.spmv(d, x, poisoned(d.shape[0]), lanes=lanes, mode=ck.MODE_UPDATE, aux0=f.copy(), aux1=norm)
+    fused = ck.spmv(d, x, poisoned(d.shape[0]), lanes=lanes, mode=ck.MODE_UPDATE, aux0=f.copy(), aux1=norm, shape=shape)
+    assert cp.array_equal(fused, ref)
+
+
+def test_block_shape_needs_block_lanes(rng):
+    d = ck.DeviceCSR.from_host(random_csr(rng, 10, 10, np.full(10, 3)))
+    with pytest.raises(ConfigError, match="block shape needs lanes"):
+        ck.spmv(d, cp.ones(10, dtype=cp.float32), lanes=2, shape=plan.RowShape(1024, True, 0))

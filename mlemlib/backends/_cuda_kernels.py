@@ -414,6 +414,7 @@ def spmv(
     aux0: Any = None,
     aux1: Any = None,
     secsize: int = plan.DEFAULT_SECSIZE,
+    shape: plan.RowShape | None = None,
 ) -> Any:
     """``y = A x`` with one of the row kernels, optionally with a fused epilogue.
 
@@ -437,6 +438,11 @@ def spmv(
         second, elementwise kernel.
     secsize
         Section size of ``merge`` (merge items per thread).
+    shape
+        Launch shape of ``csr_vector`` (:class:`~mlemlib.backends._cuda_plan.RowShape`:
+        threads per block, rows in step, grid cap); None or the default shape
+        runs ``csr_vector_L``, any other ``csr_block_L``. The sums, and so the
+        result, are the same bit for bit.
 
     Returns
     -------
@@ -459,15 +465,24 @@ def spmv(
     if kernel in ("csr_vector", "csr_scalar"):
         a0 = aux0 if aux0 is not None else out
         a1 = aux1 if aux1 is not None else out
+        args = (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1)
         if kernel == "csr_scalar":
-            fn = _function("spmv", "csr_scalar")
-            lanes_ = 1
-        else:
-            lanes_ = lanes or a.lanes()
-            if lanes_ not in plan.LANE_CHOICES:
-                raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
-            fn = _function("spmv", f"csr_vector_{lanes_}")
-        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1))
+            _launch_rows(_function("spmv", "csr_scalar"), m, 1, args)
+            return out
+        lanes_ = lanes or a.lanes()
+        if lanes_ not in plan.LANE_CHOICES:
+            raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
+        if shape is None or shape.threads == plan.THREADS and not shape.sync and shape.waves is None:
+            _launch_rows(_function("spmv", f"csr_vector_{lanes_}"), m, lanes_, args)
+            return out
+        if lanes_ not in plan.BLOCK_LANES:
+            raise ConfigError("lanes", f"a block shape needs lanes in {plan.BLOCK_LANES}, got {lanes_}")
+        props = device_properties(cp.cuda.Device().id)
+        blocks, threads = plan.launch_shape(
+            m, shape.threads // lanes_, props["sm_count"], props["max_threads_per_sm"], threads=shape.threads,
+            waves=shape.waves,
+        )
+        _function("spmv", f"csr_block_{lanes_}")((blocks,), (threads,), (*args, np.int32(bool(shape.sync))))
         return out
     if kernel not in ("merge", "cusparse"):
         raise ConfigError("fp", f"unknown SpMV kernel {kernel!r}")

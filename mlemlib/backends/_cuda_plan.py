@@ -21,6 +21,7 @@ Which kernel a name means (``auto``, ``notrans``...) is decided in
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 import numpy as np
 
 from mlemlib import registry
@@ -38,6 +39,34 @@ WAVES = 16
 BYTES_PER_NNZ = 8
 #: The merge kernel's section size when none is given (the thesis's best on V100).
 DEFAULT_SECSIZE = 5
+
+#: Lanes per row ``csr_block_L`` is compiled for.
+BLOCK_LANES = (8, 16, 32)
+
+
+@dataclass(frozen=True)
+class RowShape:
+    """Launch shape of the row kernel ``csr_vector`` (it never changes a result, only the speed).
+
+    Attributes
+    ----------
+    threads
+        Threads per block (256: ``csr_vector_L``; up to 1024: ``csr_block_L``).
+    sync
+        Keep a block's rows in step (a barrier after each trip).
+    waves
+        Grid cap in full waves of the device (None: :data:`WAVES`; 0: one
+        trip per block, no grid-stride loop).
+    """
+
+    threads: int = THREADS
+    sync: bool = False
+    waves: int | None = None
+
+    def label(self) -> str:
+        """``1024t sync w0`` style text for tables."""
+        return f"{self.threads}t" + (" sync" if self.sync else "") + ("" if self.waves is None else f" w{self.waves}")
+
 
 #: Largest nnz cuSPARSE takes through CuPy (int32 indices).
 CUSPARSE_MAX_NNZ = registry.CUSPARSE_MAX_NNZ

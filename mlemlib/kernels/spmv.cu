@@ -13,6 +13,8 @@
 //                       columns and values; warp-shuffle reduction; no atomics.
 //                       Deterministic: a row's summation order depends only on
 //                       its start, end and L.
+//   csr_block_L         csr_vector_L (the same sums) in blocks of up to 1024
+//                       threads whose rows advance together (launch shape only).
 //   merge_spmv          merge-path SpMV of the thesis (5.1): each thread takes
 //                       `secsize` merge items (a non-zero or a row end) and adds
 //                       its partial row sums with atomicAdd. NOT deterministic.
@@ -150,6 +152,47 @@ CSR_VECTOR(4)
 CSR_VECTOR(8)
 CSR_VECTOR(16)
 CSR_VECTOR(32)
+
+// csr_block_L: csr_vector_L with the block's rows kept together. A block of
+// up to 1024 threads takes blockDim.x / L consecutive rows per trip and every
+// thread of the block makes the same trips (the loop runs over block-aligned
+// row bases), so with `sync` set a barrier after each trip keeps the block's
+// rows in step: neighbouring rows of A^T (neighbouring voxels) gather almost
+// the same correlation entries, and in step they find them in L1. Each row is
+// summed by group_dot<L> exactly as in csr_vector_L: the images are
+// bit-identical for the same L, whatever the block size, grid or `sync`.
+template <int L>
+__device__ __forceinline__ void csr_block_body(const i64* __restrict__ rowptr,
+                                               const int* __restrict__ col,
+                                               const float* __restrict__ val,
+                                               const float* __restrict__ x, float* y, i64 m, int mode,
+                                               const float* aux0, const float* aux1, int sync) {
+    const int lane = threadIdx.x & (L - 1);
+    const i64 per_block = blockDim.x / L;
+    const i64 step = (i64)gridDim.x * per_block;
+    for (i64 base = (i64)blockIdx.x * per_block; base < m; base += step) {
+        const i64 r = base + threadIdx.x / L;
+        const bool valid = r < m;
+        const i64 s = valid ? rowptr[r] : 0;
+        const i64 e = valid ? rowptr[r + 1] : 0;
+        float sum = group_dot<L>(s, e, col, val, x, lane);
+#pragma unroll
+        for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, L);
+        if (valid && lane == 0) write_row(mode, r, sum, y, aux0, aux1);
+        if (sync) __syncthreads();
+    }
+}
+
+#define CSR_BLOCK(L)                                                                              \
+    extern "C" __global__ void __launch_bounds__(1024) csr_block_##L(                            \
+        const i64* __restrict__ rowptr, const int* __restrict__ col,                              \
+        const float* __restrict__ val, const float* __restrict__ x, float* y, i64 m, int mode,   \
+        const float* aux0, const float* aux1, int sync) {                                         \
+        csr_block_body<L>(rowptr, col, val, x, y, m, mode, aux0, aux1, sync);                    \
+    }
+CSR_BLOCK(8)
+CSR_BLOCK(16)
+CSR_BLOCK(32)
 
 // ---------------------------------------------------------------------------
 // merge_spmv: the merge-based SpMV of the thesis (5.1, Merrill & Garland).

@@ -1,0 +1,282 @@
+#!/usr/bin/env python3
+"""Every kernel of the registry on the ``madpet2`` matrix, in its own and in shuffled LOR order (one GPU).
+
+Run from the repository root on a GPU machine::
+
+    PYTHONPATH=. python3 tools/device_kernels.py --out $OUT [--rays 81] [--repeat 30] [--ncu] [--orders own,shuffled]
+
+For each LOR order it builds ``A`` (traced on the host's CPUs, then on the
+GPU) and ``A^T`` (cuSPARSE on the GPU), measures the device-to-device copy
+bandwidth, and times with CUDA events (median of ``--repeat`` after warm-ups):
+
+- every forward, back-on-``A^T`` and no-transpose kernel of the registry,
+  cuSPARSE beside them, and ``csr_vector`` under each launch shape of
+  :class:`mlemlib.backends._cuda_plan.RowShape` (block size, rows in step,
+  grid cap);
+- whole MLEM iterations of the main pairs, and the pair ``auto`` resolves to;
+- optional kernels that other modules provide (compressed formats, one-pass
+  iterations) when importable.
+
+Every result is checked first against a float64 product on the GPU (relative
+L2 error), launch shapes of ``csr_vector`` also bit for bit against the
+default shape. Writes ``kernels.json`` and ``kernels.md`` under ``--out`` and
+prints the Markdown. ``--ncu`` profiles the back projection's main shapes
+with Nsight Compute (L1/L2 hit rates, DRAM and L2 throughput) into ``ncu.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: Launch shapes of csr_vector to time: (threads, sync, waves).
+SHAPES = [(256, False, None), (256, False, 0), (512, False, 0), (512, True, 0), (1024, False, 0), (1024, True, 0),
+          (1024, True, None), (1024, False, None)]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def trace(rays: int, save: Path | None = None):
+    """The ``madpet2`` matrix traced on the host's CPUs (detector-pair order); optionally saved as .npy for ncu."""
+    from mlemlib.scanner import get_preset
+    from mlemlib.scanner.system import trace_rows
+
+    cfg = get_preset("madpet2", rays=rays)
+    t0 = time.perf_counter()
+    host = trace_rows(cfg, np.arange(cfg.n_lors, dtype=np.int64))
+    dt = time.perf_counter() - t0
+    log(f"madpet2 rays={rays}: {host.shape} {host.nnz} nnz traced in {dt:.1f} s on {os.cpu_count()} CPUs")
+    if save is not None:
+        save.mkdir(parents=True, exist_ok=True)
+        for k in ("indptr", "indices", "data"):
+            np.save(save / f"{k}.npy", getattr(host, k))
+        (save / "shape.json").write_text(json.dumps(list(host.shape)))
+    return host, dt
+
+
+def build(host, order: str, seed: int = 7):
+    """``(A, A^T)`` on the GPU for one LOR order (``own`` or ``shuffled``: rows in a random permutation)."""
+    import cupy as cp
+
+    from mlemlib.backends import _cuda_kernels as ck
+
+    a = ck.DeviceCSR.from_host(host)
+    if order == "shuffled":
+        perm = cp.asarray(np.random.default_rng(seed).permutation(a.shape[0]))
+        sh = a.cusparse()[perm]
+        a.drop_cusparse()
+        a = ck.DeviceCSR(sh.indptr.astype(cp.int64), sh.indices, sh.data, a.shape)
+        del sh
+    at = a.transpose()
+    a.drop_cusparse()
+    cp.get_default_memory_pool().free_all_blocks()
+    return a, at
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--rays", type=int, default=81)
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--orders", default="own,shuffled")
+    ap.add_argument("--ncu", action="store_true")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import cupy as cp
+
+    from mlemlib import registry
+    from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib.backends import _cuda_plan as plan
+    from mlemlib.backends.cuda import CudaBackend
+    from mlemlib.bench import copy_bandwidth, time_gpu
+    from mlemlib.devices import device_facts
+
+    facts = device_facts(0)
+    results = {"device": facts, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "orders": {}}
+    bw = copy_bandwidth()["bandwidth"]
+    results["copy_bandwidth"] = bw
+    log(f"{facts.get('name')}: copy bandwidth {bw / 1e12:.3f} TB/s")
+    md: list[str] = []
+
+    host, trace_s = trace(args.rays, Path("/tmp/madpet2_npy") if args.ncu else None)
+    for order in args.orders.split(","):
+        a, at = build(host, order)
+        label = f"madpet2 rays={args.rays}, {order} LOR order"
+        m, n = a.shape
+        nnz = a.nnz
+        rng = np.random.default_rng(1)
+        f = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
+        c = cp.asarray(rng.uniform(0.5, 1.5, m).astype(np.float32))
+        a64 = a.cusparse().astype(cp.float64)
+        ref_fp = a64 @ f.astype(cp.float64)
+        ref_bp = a64.T @ c.astype(cp.float64)
+        del a64
+        a.drop_cusparse()
+        cp.get_default_memory_pool().free_all_blocks()
+        bytes_a, bytes_at = plan.csr_bytes(m, nnz), plan.csr_bytes(n, nnz)
+        rows = []
+
+        def run(op, name, fn, nbytes, ref, extra=None, same_as=None):
+            y = fn()
+            err = float(cp.linalg.norm(y.astype(cp.float64) - ref) / cp.linalg.norm(ref))
+            identical = None if same_as is None else bool(cp.array_equal(y, same_as))
+            t = time_gpu(fn, repeat=args.repeat, warmup=3)
+            med = float(np.median(t))
+            row = {"op": op, "kernel": name, "median_ms": med * 1e3, "min_ms": float(t.min()) * 1e3,
+                   "of_copy": nbytes / med / bw, "rel_l2": err, "bit_identical_to_default": identical, **(extra or {})}
+            rows.append(row)
+            log(f"{order:8s} {op:12s} {name:34s} {med * 1e3:7.3f} ms  {100 * row['of_copy']:5.1f}% of copy  "
+                f"err {err:.1e}{'' if identical is None else ('  identical' if identical else '  DIFFERS')}")
+            return y
+
+        y_fp = cp.empty(m, dtype=cp.float32)
+        y_bp = cp.empty(n, dtype=cp.float32)
+        lanes_fp = a.lanes()
+        lanes_bp_cap = ck.transpose_lane_cap(0)
+        # ---- forward
+        run("forward", "cusparse", lambda: a.cusparse() @ f, bytes_a, ref_fp)
+        base_fp = run("forward", f"csr_vector ({lanes_fp} lanes)", lambda: ck.spmv(a, f, y_fp), bytes_a, ref_fp).copy()
+        for thr, sync, waves in SHAPES[1:]:
+            sh = plan.RowShape(thr, sync, waves)
+            for L in sorted({lanes_fp, 16}):
+                run("forward", f"csr_vector ({L} lanes, {sh.label()})",
+                    lambda sh=sh, L=L: ck.spmv(a, f, y_fp, lanes=L, shape=sh), bytes_a, ref_fp,
+                    {"lanes": L, "shape": sh.label()}, same_as=base_fp if L == lanes_fp else None)
+        a.drop_cusparse()
+        run("forward", "merge (secsize 5)", lambda: ck.spmv(a, f, y_fp, kernel="merge"), bytes_a, ref_fp)
+        # ---- back on A^T
+        run("back", "cusparse", lambda: at.cusparse() @ c, bytes_at, ref_bp)
+        at.drop_cusparse()
+        lanes_bp = ck.transpose_lanes(at)
+        base_bp = run("back", f"csr_vector ({lanes_bp} lanes)", lambda: ck.spmv(at, c, y_bp, lanes=lanes_bp),
+                      bytes_at, ref_bp).copy()
+        for thr, sync, waves in SHAPES[1:]:
+            sh = plan.RowShape(thr, sync, waves)
+            for L in (16, 32):
+                run("back", f"csr_vector ({L} lanes, {sh.label()})",
+                    lambda sh=sh, L=L: ck.spmv(at, c, y_bp, lanes=L, shape=sh), bytes_at, ref_bp,
+                    {"lanes": L, "shape": sh.label()}, same_as=base_bp if L == lanes_bp else None)
+        # ---- back without A^T
+        smem = ck.smem_plan(a)
+        run("back_notrans", "cusparse_notrans", lambda: a.cusparse().T @ c, bytes_a, ref_bp)
+        a.drop_cusparse()
+        for k in ("scatter", "scatter_vec"):
+            run("back_notrans", k, lambda k=k: ck.scatter(a, c, y_bp, kernel=k), bytes_a, ref_bp)
+        run("back_notrans", f"scatter_smem ({100 * smem.local_fraction:.0f}% local)",
+            lambda: ck.scatter(a, c, y_bp, kernel="scatter_smem", smem=smem), bytes_a, ref_bp)
+        cp.get_default_memory_pool().free_all_blocks()
+
+        # ---- whole iterations
+        g = (a.cusparse() @ cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))).get()
+        a.drop_cusparse()
+        norm = (at.cusparse() @ cp.ones(m, dtype=cp.float32)).get().astype(np.float64)
+        at.drop_cusparse()
+        its = []
+        pairs = [("cusparse", "cusparse"), ("csr_vector", "csr_vector"), ("csr_vector", "cusparse_notrans"),
+                 ("csr_vector", "scatter_vec"), ("auto", "auto")]
+        for fp_k, bp_k in pairs:
+            be = CudaBackend(a, g, norm, at if registry.uses_transpose("cuda", bp_k) else None, fp=fp_k, bp=bp_k)
+            x = be.initial_image()
+            t = []
+            for i in range(3 + args.repeat):
+                x = be.iterate(x)
+                if i >= 3:
+                    t.append(be.last_step_times())
+            med = {k: float(np.median([s[k] for s in t])) * 1e3 for k in t[0]}
+            floor = plan.iteration_floor_bytes(m, n, nnz, transpose=be.at is not None) / bw * 1e3
+            its.append({"fp": be.fp_kernel, "bp": be.bp_kernel, "requested": f"{fp_k}+{bp_k}",
+                        "deterministic": be.deterministic, "ms": med, "floor_ms": floor,
+                        "of_floor": floor / med["iteration"]})
+            log(f"{order:8s} iteration {fp_k}+{bp_k} -> {be.fp_kernel}+{be.bp_kernel}: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in med.items()) + f" ms; floor {floor:.3f} ms")
+            del be
+            cp.get_default_memory_pool().free_all_blocks()
+        results["orders"][order] = {"label": label, "shape": [m, n], "nnz": nnz, "trace_s": trace_s,
+                                    "kernels": rows, "iterations": its}
+        md.append(_markdown(order, label, m, n, nnz, bw, rows, its))
+        (out / "kernels.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / "kernels.md").write_text("\n\n".join(md) + "\n")
+        if args.ncu and order == args.orders.split(",")[0]:
+            _ncu(out, "/tmp/madpet2_npy")
+        del a, at
+        cp.get_default_memory_pool().free_all_blocks()
+    print("\n\n".join(md))
+    return 0
+
+
+def _markdown(order, label, m, n, nnz, bw, rows, its) -> str:
+    lines = [f"### {label}: {m:,} x {n:,}, {nnz:,} nnz; copy bandwidth {bw / 1e12:.3f} TB/s", "",
+             "| operation | kernel | median ms | of copy bw | rel. L2 vs float64 | same bits as default shape |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        same = "" if r["bit_identical_to_default"] is None else ("yes" if r["bit_identical_to_default"] else "NO")
+        lines.append(f"| {r['op']} | {r['kernel']} | {r['median_ms']:.3f} | {100 * r['of_copy']:.1f}% | "
+                     f"{r['rel_l2']:.1e} | {same} |")
+    lines += ["", "| requested | ran | deterministic | iteration ms | fp ms | bp ms | floor ms | of floor |",
+              "|---|---|---|---|---|---|---|---|"]
+    for it in its:
+        ms = it["ms"]
+        lines.append(f"| {it['requested']} | {it['fp']} + {it['bp']} | {'yes' if it['deterministic'] else 'no'} | "
+                     f"{ms['iteration']:.3f} | {ms.get('fp', float('nan')):.3f} | {ms.get('bp', float('nan')):.3f} | "
+                     f"{it['floor_ms']:.3f} | {100 * it['of_floor']:.1f}% |")
+    return "\n".join(lines)
+
+
+NCU_TARGET = r'''
+import sys, numpy as np, cupy as cp
+sys.path.insert(0, ".")
+from mlemlib.backends import _cuda_kernels as ck, _cuda_plan as plan
+from mlemlib.matrix import CSRMatrix
+d = sys.argv[1]
+host = CSRMatrix(np.load(d + "/indptr.npy"), np.load(d + "/indices.npy"), np.load(d + "/data.npy"),
+                 tuple(__import__("json").load(open(d + "/shape.json"))))
+a = ck.DeviceCSR.from_host(host)
+at = a.transpose(); a.drop_cusparse()
+c = cp.ones(a.shape[0], dtype=cp.float32); y = cp.empty(a.shape[1], dtype=cp.float32)
+for L in (16, 32):
+    ck.spmv(at, c, y, lanes=L)
+    ck.spmv(at, c, y, lanes=L, shape=plan.RowShape(1024, False, 0))
+    ck.spmv(at, c, y, lanes=L, shape=plan.RowShape(1024, True, 0))
+cp.cuda.Device().synchronize()
+'''
+
+
+def _ncu(out: Path, npy_dir: str) -> None:
+    if not shutil.which("ncu"):
+        log("ncu: not found")
+        return
+    target = Path("/tmp/ncu_kernels.py")
+    target.write_text(NCU_TARGET)
+    cmd = (f"cd {ROOT} && ncu --kernel-name regex:'csr_vector|csr_block' --section SpeedOfLight "
+           f"--section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section Occupancy "
+           f"--metrics l1tex__t_sector_hit_rate.pct,lts__t_sector_hit_rate.pct "
+           f"python3 {target} {npy_dir}")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=420)
+    text = proc.stdout + proc.stderr
+    (out / "ncu.txt").write_text(text)
+    keep = [ln for ln in text.splitlines() if re.search(
+        r"csr_vector_\d+|csr_block_\d+|DRAM Throughput|L1/TEX Hit Rate|L2 Hit Rate|Duration|Achieved Occupancy|"
+        r"l1tex__t_sector_hit_rate|lts__t_sector_hit_rate|L2 Cache Throughput|L1/TEX Cache Throughput", ln)]
+    print("\n".join(keep))
+    log(f"ncu: rc {proc.returncode} in {time.perf_counter() - t0:.0f} s, {len(keep)} lines kept")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
