@@ -151,6 +151,8 @@ AUTO_RULES = (
     "else notrans",
     "cuda notrans: scatter_smem when >= 50% of its row chunks fit shared memory, else cusparse_notrans "
     "(one GPU, < 2^31 nnz), else scatter_vec",
+    "cuda csr_vector launch shape: the fastest of _cuda_plan.SHAPE_CANDIDATES, timed on each matrix (and each "
+    "GPU's block) at set-up; a shape never changes a result",
 )
 
 

@@ -351,3 +351,19 @@ def test_choose_lanes_cap():
 )
 def test_transpose_lane_cap(bandwidth, sms, cap):
     assert plan.transpose_lane_cap(bandwidth, sms) == cap
+
+
+def test_row_shapes_name_their_builds():
+    default = plan.RowShape()
+    assert default.is_default and default.options() == () and default.label() == "256t"
+    s = plan.RowShape(1024, True, 0, True, 2)
+    assert not s.is_default
+    assert s.options() == ("-DMLEM_STREAM", "-DMLEM_BLOCK_MINB=2")
+    assert s.label() == "1024t sync w0 stream mb2"
+    # every candidate the backends tune over is a legal launch: at most 1024 threads, whole warps
+    assert plan.SHAPE_CANDIDATES[0].is_default
+    for c in plan.SHAPE_CANDIDATES:
+        assert c.threads <= 1024 and c.threads % 32 == 0
+        assert plan.launch_shape(10**6, c.threads // 32, 132, 2048, threads=c.threads, waves=c.waves)[1] == c.threads
+    # no grid-stride loop (waves 0): one block per row group, however many
+    assert plan.launch_shape(10**6, 32, 132, 2048, threads=1024, waves=0)[0] == 10**6 // 32

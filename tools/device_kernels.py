@@ -41,9 +41,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-#: Launch shapes of csr_vector to time: (threads, sync, waves).
-SHAPES = [(256, False, None), (256, False, 0), (512, False, 0), (512, True, 0), (1024, False, 0), (1024, True, 0),
-          (1024, True, None), (1024, False, None)]
+#: Launch shapes of csr_vector to time: RowShape fields (threads, sync, waves, stream, min_blocks).
+SHAPES = [(256, False, None), (512, False, 0), (1024, False, 0), (1024, True, 0), (512, False, 0, True),
+          (1024, False, 0, True), (1024, True, 0, True), (1024, False, 0, False, 2), (1024, False, 0, True, 2),
+          (1024, True, 0, True, 2)]
 
 
 def log(msg: str) -> None:
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--orders", default="own,shuffled")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--lanes", type=lambda t: [int(v) for v in t.split(",")], default=[32],
+                    help="lanes of the back projection's launch shapes")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,9 +155,9 @@ def main(argv=None) -> int:
         # ---- forward
         run("forward", "cusparse", lambda: a.cusparse() @ f, bytes_a, ref_fp)
         base_fp = run("forward", f"csr_vector ({lanes_fp} lanes)", lambda: ck.spmv(a, f, y_fp), bytes_a, ref_fp).copy()
-        for thr, sync, waves in SHAPES[1:]:
-            sh = plan.RowShape(thr, sync, waves)
-            for L in sorted({lanes_fp, 16}):
+        for fields in SHAPES[1:]:
+            sh = plan.RowShape(*fields)
+            for L in sorted({lanes_fp, 32}):
                 run("forward", f"csr_vector ({L} lanes, {sh.label()})",
                     lambda sh=sh, L=L: ck.spmv(a, f, y_fp, lanes=L, shape=sh), bytes_a, ref_fp,
                     {"lanes": L, "shape": sh.label()}, same_as=base_fp if L == lanes_fp else None)
@@ -166,9 +169,9 @@ def main(argv=None) -> int:
         lanes_bp = ck.transpose_lanes(at)
         base_bp = run("back", f"csr_vector ({lanes_bp} lanes)", lambda: ck.spmv(at, c, y_bp, lanes=lanes_bp),
                       bytes_at, ref_bp).copy()
-        for thr, sync, waves in SHAPES[1:]:
-            sh = plan.RowShape(thr, sync, waves)
-            for L in (16, 32):
+        for fields in SHAPES[1:]:
+            sh = plan.RowShape(*fields)
+            for L in args.lanes:
                 run("back", f"csr_vector ({L} lanes, {sh.label()})",
                     lambda sh=sh, L=L: ck.spmv(at, c, y_bp, lanes=L, shape=sh), bytes_at, ref_bp,
                     {"lanes": L, "shape": sh.label()}, same_as=base_bp if L == lanes_bp else None)
@@ -188,10 +191,12 @@ def main(argv=None) -> int:
         norm = (at.cusparse() @ cp.ones(m, dtype=cp.float32)).get().astype(np.float64)
         at.drop_cusparse()
         its = []
-        pairs = [("cusparse", "cusparse"), ("csr_vector", "csr_vector"), ("csr_vector", "cusparse_notrans"),
-                 ("csr_vector", "scatter_vec"), ("auto", "auto")]
-        for fp_k, bp_k in pairs:
-            be = CudaBackend(a, g, norm, at if registry.uses_transpose("cuda", bp_k) else None, fp=fp_k, bp=bp_k)
+        pairs = [("cusparse", "cusparse", True), ("csr_vector", "csr_vector", False),
+                 ("csr_vector", "cusparse_notrans", True), ("csr_vector", "scatter_vec", True), ("auto", "auto", True)]
+        for fp_k, bp_k, tune in pairs:
+            a.row_shape = at.row_shape = None
+            be = CudaBackend(a, g, norm, at if registry.uses_transpose("cuda", bp_k) else None, fp=fp_k, bp=bp_k,
+                             tune=tune)
             x = be.initial_image()
             t = []
             for i in range(3 + args.repeat):
@@ -200,10 +205,14 @@ def main(argv=None) -> int:
                     t.append(be.last_step_times())
             med = {k: float(np.median([s[k] for s in t])) * 1e3 for k in t[0]}
             floor = plan.iteration_floor_bytes(m, n, nnz, transpose=be.at is not None) / bw * 1e3
-            its.append({"fp": be.fp_kernel, "bp": be.bp_kernel, "requested": f"{fp_k}+{bp_k}",
+            d = be.describe()
+            its.append({"fp": be.fp_kernel, "bp": be.bp_kernel,
+                        "requested": f"{fp_k}+{bp_k}" + ("" if tune else " (untuned)"),
+                        "shapes": f"{d.get('shape_fp')} / {d.get('shape_bp')}",
+                        "tuned": {"fp": a.tuned, "bp": at.tuned},
                         "deterministic": be.deterministic, "ms": med, "floor_ms": floor,
                         "of_floor": floor / med["iteration"]})
-            log(f"{order:8s} iteration {fp_k}+{bp_k} -> {be.fp_kernel}+{be.bp_kernel}: "
+            log(f"{order:8s} iteration {fp_k}+{bp_k} -> {be.fp_kernel}+{be.bp_kernel} ({its[-1]['shapes']}): "
                 + ", ".join(f"{k} {v:.3f}" for k, v in med.items()) + f" ms; floor {floor:.3f} ms")
             del be
             cp.get_default_memory_pool().free_all_blocks()
@@ -228,11 +237,11 @@ def _markdown(order, label, m, n, nnz, bw, rows, its) -> str:
         same = "" if r["bit_identical_to_default"] is None else ("yes" if r["bit_identical_to_default"] else "NO")
         lines.append(f"| {r['op']} | {r['kernel']} | {r['median_ms']:.3f} | {100 * r['of_copy']:.1f}% | "
                      f"{r['rel_l2']:.1e} | {same} |")
-    lines += ["", "| requested | ran | deterministic | iteration ms | fp ms | bp ms | floor ms | of floor |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| requested | ran | shapes fp / bp | deterministic | iteration ms | fp ms | bp ms | floor ms | of floor |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for it in its:
         ms = it["ms"]
-        lines.append(f"| {it['requested']} | {it['fp']} + {it['bp']} | {'yes' if it['deterministic'] else 'no'} | "
+        lines.append(f"| {it['requested']} | {it['fp']} + {it['bp']} | {it['shapes']} | {'yes' if it['deterministic'] else 'no'} | "
                      f"{ms['iteration']:.3f} | {ms.get('fp', float('nan')):.3f} | {ms.get('bp', float('nan')):.3f} | "
                      f"{it['floor_ms']:.3f} | {100 * it['of_floor']:.1f}% |")
     return "\n".join(lines)
@@ -249,10 +258,10 @@ host = CSRMatrix(np.load(d + "/indptr.npy"), np.load(d + "/indices.npy"), np.loa
 a = ck.DeviceCSR.from_host(host)
 at = a.transpose(); a.drop_cusparse()
 c = cp.ones(a.shape[0], dtype=cp.float32); y = cp.empty(a.shape[1], dtype=cp.float32)
-for L in (16, 32):
-    ck.spmv(at, c, y, lanes=L)
-    ck.spmv(at, c, y, lanes=L, shape=plan.RowShape(1024, False, 0))
-    ck.spmv(at, c, y, lanes=L, shape=plan.RowShape(1024, True, 0))
+x = cp.ones(a.shape[1], dtype=cp.float32); z = cp.empty(a.shape[0], dtype=cp.float32)
+for sh in (None, plan.RowShape(1024, False, 0), plan.RowShape(1024, False, 0, True), plan.RowShape(1024, False, 0, True, 2)):
+    ck.spmv(at, c, y, lanes=32, shape=sh)
+    ck.spmv(a, x, z, lanes=32, shape=sh)
 cp.cuda.Device().synchronize()
 '''
 

@@ -132,6 +132,10 @@ class DeviceCSR(DeviceMatrix):
     shape: tuple[int, int]
     _cusparse: Any = field(default=None, repr=False)
     _stats: dict | None = field(default=None, repr=False)
+    #: Launch shape of ``csr_vector`` on this matrix (None: csr_vector_L's own; set by :meth:`tune`).
+    row_shape: plan.RowShape | None = field(default=None, repr=False)
+    #: Milliseconds per candidate shape measured by :meth:`tune`.
+    tuned: dict | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         cp = cupy()
@@ -216,6 +220,40 @@ class DeviceCSR(DeviceMatrix):
     def lanes(self, cap: int = plan.LANE_CHOICES[-1]) -> int:
         """Lanes per row ``csr_vector`` / ``scatter`` take for this matrix (at most ``cap``)."""
         return plan.choose_lanes(self.stats()["mean_row_length"], cap)
+
+    def tune(self, lanes: int, *, candidates=plan.SHAPE_CANDIDATES, repeat: int = 3) -> plan.RowShape:
+        """Time ``csr_vector`` (``lanes`` per row) under each launch shape; keep the fastest as :attr:`row_shape`.
+
+        A shape never changes a result (each row is summed the same way), so
+        choosing by time keeps runs bit-identical. Each candidate runs once to
+        compile and warm up, then ``repeat`` times between CUDA events; the
+        median decides. Candidates a lane count cannot take are skipped.
+        """
+        cp = cupy()
+        m, n = self.shape
+        if m == 0 or self.nnz == 0:
+            self.row_shape, self.tuned = None, {}
+            return plan.RowShape()
+        x = cp.ones(n, dtype=cp.float32)
+        y = cp.empty(m, dtype=cp.float32)
+        times: dict[plan.RowShape, float] = {}
+        for shape in candidates:
+            if not shape.is_default and lanes not in plan.BLOCK_LANES:
+                continue
+            spmv(self, x, y, lanes=lanes, shape=shape)
+            events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)]
+            for start, stop in events:
+                start.record()
+                spmv(self, x, y, lanes=lanes, shape=shape)
+                stop.record()
+            events[-1][1].synchronize()
+            times[shape] = float(np.median([cp.cuda.get_elapsed_time(a, b) for a, b in events]))
+        best = min(times, key=times.get)
+        self.row_shape = None if best.is_default else best
+        self.tuned = {sh.label(): t for sh, t in times.items()}
+        log.info("csr_vector on %s x %s (%d lanes): %s", m, n, lanes,
+                 ", ".join(f"{k} {v:.3f} ms" for k, v in self.tuned.items()) + f" -> {best.label()}")
+        return best
 
     def cusparse(self) -> Any:
         """This matrix as a ``cupyx.scipy.sparse.csr_matrix`` (an int32 row-pointer copy; built once)."""
@@ -440,9 +478,11 @@ def spmv(
         Section size of ``merge`` (merge items per thread).
     shape
         Launch shape of ``csr_vector`` (:class:`~mlemlib.backends._cuda_plan.RowShape`:
-        threads per block, rows in step, grid cap); None or the default shape
-        runs ``csr_vector_L``, any other ``csr_block_L``. The sums, and so the
-        result, are the same bit for bit.
+        threads per block, rows in step, grid cap, streaming loads); None
+        takes the matrix's :attr:`DeviceCSR.row_shape` (set by
+        :meth:`DeviceCSR.tune`). The default shape runs ``csr_vector_L``, any
+        other ``csr_block_L``; the sums, and so the result, are the same bit
+        for bit.
 
     Returns
     -------
@@ -472,7 +512,8 @@ def spmv(
         lanes_ = lanes or a.lanes()
         if lanes_ not in plan.LANE_CHOICES:
             raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
-        if shape is None or shape.threads == plan.THREADS and not shape.sync and shape.waves is None:
+        shape = a.row_shape if shape is None else shape
+        if shape is None or shape.is_default:
             _launch_rows(_function("spmv", f"csr_vector_{lanes_}"), m, lanes_, args)
             return out
         if lanes_ not in plan.BLOCK_LANES:
@@ -482,7 +523,8 @@ def spmv(
             m, shape.threads // lanes_, props["sm_count"], props["max_threads_per_sm"], threads=shape.threads,
             waves=shape.waves,
         )
-        _function("spmv", f"csr_block_{lanes_}")((blocks,), (threads,), (*args, np.int32(bool(shape.sync))))
+        fn = _function("spmv", f"csr_block_{lanes_}", shape.options())
+        fn((blocks,), (threads,), (*args, np.int32(bool(shape.sync))))
         return out
     if kernel not in ("merge", "cusparse"):
         raise ConfigError("fp", f"unknown SpMV kernel {kernel!r}")

@@ -57,15 +57,53 @@ class RowShape:
     waves
         Grid cap in full waves of the device (None: :data:`WAVES`; 0: one
         trip per block, no grid-stride loop).
+    stream
+        Load the matrix's arrays with streaming (evict-first) loads, leaving
+        L1 to the gathers (a separate build, ``-DMLEM_STREAM``).
+    min_blocks
+        Blocks of ``threads`` that must fit a multiprocessor at once (the
+        register cap, ``-DMLEM_BLOCK_MINB``).
     """
 
     threads: int = THREADS
     sync: bool = False
     waves: int | None = None
+    stream: bool = False
+    min_blocks: int = 1
+
+    @property
+    def is_default(self) -> bool:
+        """Whether this is ``csr_vector_L``'s own shape (no ``csr_block_L`` needed)."""
+        return self == RowShape()
+
+    def options(self) -> tuple[str, ...]:
+        """NVRTC options of the spmv.cu build this shape runs."""
+        return (("-DMLEM_STREAM",) if self.stream else ()) + (
+            (f"-DMLEM_BLOCK_MINB={self.min_blocks}",) if self.min_blocks > 1 else ()
+        )
 
     def label(self) -> str:
-        """``1024t sync w0`` style text for tables."""
-        return f"{self.threads}t" + (" sync" if self.sync else "") + ("" if self.waves is None else f" w{self.waves}")
+        """``1024t sync w0 stream mb2`` style text for tables."""
+        return (
+            f"{self.threads}t"
+            + (" sync" if self.sync else "")
+            + ("" if self.waves is None else f" w{self.waves}")
+            + (" stream" if self.stream else "")
+            + (f" mb{self.min_blocks}" if self.min_blocks > 1 else "")
+        )
+
+
+#: The launch shapes ``csr_vector`` is timed under when a backend tunes a matrix
+#: (:meth:`mlemlib.backends._cuda_kernels.DeviceCSR.tune`): csr_vector_L's own,
+#: and block-aligned grids without a grid-stride loop, which keep the rows in
+#: flight together (docs/benchmarks.md section 25: the back projection of
+#: madpet2 on an H100 went from 3.40 to 2.68-2.71 ms).
+SHAPE_CANDIDATES = (
+    RowShape(),
+    RowShape(512, False, 0, True),
+    RowShape(1024, False, 0, True),
+    RowShape(1024, False, 0, True, 2),
+)
 
 
 #: Largest nnz cuSPARSE takes through CuPy (int32 indices).

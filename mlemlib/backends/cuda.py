@@ -85,6 +85,10 @@ class CudaBackend(Backend):
     fuse
         Fuse the correlation and the update into the projections where the
         kernels allow.
+    tune
+        Time ``csr_vector``'s launch shapes on ``A`` and ``A^T`` at set-up and
+        keep the fastest (:meth:`~mlemlib.backends._cuda_kernels.DeviceCSR.tune`;
+        a shape never changes a result). False: csr_vector_L's own shape.
 
     Raises
     ------
@@ -111,6 +115,7 @@ class CudaBackend(Backend):
         device: int = 0,
         lanes: int | None = None,
         fuse: bool = True,
+        tune: bool = True,
     ) -> None:
         super().__init__()
         cp = ck.cupy()
@@ -220,6 +225,10 @@ class CudaBackend(Backend):
             self.fuse_bp = fuse and self.at is not None and self.bp_kernel in ("csr_vector", "csr_scalar")
             self._events: dict[str, Any] = {}
             self._event_order: list[str] = []
+            if tune and self.fp_kernel == "csr_vector":
+                self.a.tune(self._lanes(self.a))
+            if tune and self.at is not None and self.bp_kernel == "csr_vector":
+                self.at.tune(self._lanes(self.at))
             self._warm_up()
         log.info(
             "cuda backend on GPU %d: fp=%s bp=%s (%s transpose), lanes fp=%s, fused fp+corr=%s, bp+update=%s",
@@ -372,6 +381,8 @@ class CudaBackend(Backend):
             "smem_local_chunks": self.smem_local_fraction,
             "transpose": self.transpose_source,
             "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" else None,
+            "shape_fp": _shape_label(self.a) if self.fp_kernel == "csr_vector" else None,
+            "shape_bp": _shape_label(self.at) if self.at is not None and self.bp_kernel == "csr_vector" else None,
             "lanes_bp": (self._lanes(self.at) if self.at is not None else self._lanes(self.a))
             if self.bp_kernel in ("csr_vector", "scatter", "scatter_vec")
             else None,
@@ -382,3 +393,8 @@ class CudaBackend(Backend):
             "memory": self.memory,
         }
         return out
+
+
+def _shape_label(a: ck.DeviceCSR) -> str:
+    """The launch shape ``csr_vector`` runs on ``a`` (what :meth:`DeviceCSR.tune` chose), as text."""
+    return (a.row_shape or plan.RowShape()).label()

@@ -240,6 +240,10 @@ class NcclBackend(Backend):
     graph
         Capture the iteration as CUDA graphs and replay them. None: from
         ``$MLEM_CUDA_GRAPH`` (``1``/``true``/``yes``; default off).
+    tune
+        Time ``csr_vector``'s launch shapes on each GPU's blocks at set-up and
+        keep the fastest (never changes a result; see
+        :meth:`mlemlib.backends._cuda_kernels.DeviceCSR.tune`).
     overlap
         Local layout: back-project ``A_k^T`` in this many voxel chunks and
         all-reduce each chunk on a second stream while the next is computed
@@ -280,6 +284,7 @@ class NcclBackend(Backend):
         fuse: bool = True,
         graph: bool | None = None,
         overlap: int = 0,
+        tune: bool = True,
         parts: list[int] | None = None,
         world: int | None = None,
         comms: list[Any] | None = None,
@@ -386,6 +391,10 @@ class NcclBackend(Backend):
                                      100 * s.smem.local_fraction, part, self.bp_kernel)
                         if self.bp_kernel != "scatter_smem":
                             s.smem = None
+                    if tune and self.fp_kernel == "csr_vector":
+                        s.a.tune(self.lanes_fp)
+                    if tune and s.at is not None and self.bp_kernel == "csr_vector":
+                        s.at.tune(self.lanes_bp(s))
                     s.norm = cp.asarray(norm, dtype=cp.float32)
                     s.f = cp.empty(n, dtype=cp.float32)
                     if layout == "local":
@@ -824,6 +833,8 @@ class NcclBackend(Backend):
             "fused": self.fuse,
             "lanes_fp": self.lanes_fp,
             "lanes_bp": sorted({self.lanes_bp(s) for s in self.shards}) if self.bp_kernel == "csr_vector" else None,
+            "shape_fp": sorted({(s.a.row_shape or cplan.RowShape()).label() for s in self.shards}),
+            "shape_bp": sorted({(s.at.row_shape or cplan.RowShape()).label() for s in self.shards if s.at is not None}),
             "transpose": "local parts" if self.layout == "local" and self.bp_kernel not in SCATTER_KERNELS else ("row blocks" if self.layout == "thesis" else "none"),
             "plan": self.plan,
             "nccl_version": self.nccl_version,

@@ -52,6 +52,21 @@ typedef long long i64;
 #define MLEM_MIN_BLOCKS 1
 #endif
 
+// Loads of the matrix's own arrays (columns, values) in group_dot: through the
+// read-only path (__ldg, the default) or as streaming loads that are evicted
+// first (-DMLEM_STREAM: __ldcs), which leaves L1 to the gathers of x.
+#ifdef MLEM_STREAM
+#define LDM(p) __ldcs(p)
+#else
+#define LDM(p) __ldg(p)
+#endif
+
+// Minimum resident blocks of csr_block_L per multiprocessor (-DMLEM_BLOCK_MINB=2
+// holds 1024-thread blocks to 32 registers so that two fit).
+#ifndef MLEM_BLOCK_MINB
+#define MLEM_BLOCK_MINB 1
+#endif
+
 #define MODE_PLAIN 0
 #define MODE_CORR 1
 #define MODE_UPDATE 2
@@ -98,14 +113,14 @@ __device__ __forceinline__ float group_dot(i64 s, i64 e, const int* __restrict__
     float sum = 0.0f;
     const i64 a = (s + 3) & ~(i64)3;
     const i64 head_end = a < e ? a : e;
-    for (i64 k = s + lane; k < head_end; k += L) sum += __ldg(val + k) * __ldg(x + __ldg(col + k));
+    for (i64 k = s + lane; k < head_end; k += L) sum += LDM(val + k) * __ldg(x + LDM(col + k));
     const i64 qe = e >> 2;
     const int4* __restrict__ col4 = reinterpret_cast<const int4*>(col);
     const float4* __restrict__ val4 = reinterpret_cast<const float4*>(val);
 #pragma unroll 2
     for (i64 q = (a >> 2) + lane; q < qe; q += L) {
-        const int4 c = __ldg(col4 + q);
-        const float4 v = __ldg(val4 + q);
+        const int4 c = LDM(col4 + q);
+        const float4 v = LDM(val4 + q);
         const float x0 = __ldg(x + c.x), x1 = __ldg(x + c.y), x2 = __ldg(x + c.z), x3 = __ldg(x + c.w);
         sum += v.x * x0;
         sum += v.y * x1;
@@ -113,7 +128,7 @@ __device__ __forceinline__ float group_dot(i64 s, i64 e, const int* __restrict__
         sum += v.w * x3;
     }
     const i64 t0 = (qe << 2) > a ? (qe << 2) : a;
-    for (i64 k = t0 + lane; k < e; k += L) sum += __ldg(val + k) * __ldg(x + __ldg(col + k));
+    for (i64 k = t0 + lane; k < e; k += L) sum += LDM(val + k) * __ldg(x + LDM(col + k));
     return sum;
 }
 
@@ -184,7 +199,7 @@ __device__ __forceinline__ void csr_block_body(const i64* __restrict__ rowptr,
 }
 
 #define CSR_BLOCK(L)                                                                              \
-    extern "C" __global__ void __launch_bounds__(1024) csr_block_##L(                            \
+    extern "C" __global__ void __launch_bounds__(1024, MLEM_BLOCK_MINB) csr_block_##L(                            \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                              \
         const float* __restrict__ val, const float* __restrict__ x, float* y, i64 m, int mode,   \
         const float* aux0, const float* aux1, int sync) {                                         \
