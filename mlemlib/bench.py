@@ -292,9 +292,11 @@ def _rel_errors(y: Any, ref: Any, absref: Any, lengths: Any) -> dict[str, float]
 
 def _load(matrix: Any, what: str) -> Any:
     """``matrix`` (path, opened matrix, CSRMatrix or device matrix) on the current GPU, in its own format."""
-    from mlemlib.backends.device_formats import device_type, format_of
+    from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
     from mlemlib.formats import open_source
 
+    if isinstance(matrix, DeviceMatrix):
+        return matrix
     src = open_source(matrix, what)
     return device_type(format_of(src)).upload(src, what=what)
 
