@@ -20,7 +20,7 @@ rule summarize:
         ),
         plots=report(
             directory(f"{SUMMARY_DIR}/plots"),
-            patterns=["{name}.png"],
+            patterns=["{plot}.png"],
             caption="../report/plots.rst",
             category="Plots",
         ),
