@@ -651,8 +651,8 @@ def _slug(text: str) -> str:
 
 #: What the parts of a configuration's label mean (see :func:`config_label`), printed under the plots.
 LABEL_KEY = (
-    "Labels: backend (cpu, cuda) and fp/bp, the forward- and back-projection kernels (cpu: numba, scipy; "
-    "cuda: csr_vector, csr_scalar, merge, cusparse); +AT: the back projection reads a stored transpose A^T; "
+    "Labels: backend (cpu, cuda) and fp/bp, the forward- and back-projection kernels (e.g. cpu: numba, scipy; "
+    "cuda: csr_vector, merge, cusparse); +AT: the back projection reads a stored transpose A^T; "
     "notrans: it scatters with A, no transpose; xP: on P GPUs, with the multi-GPU layout (local: one "
     "all-reduce of the image per iteration; thesis: one after each projection); secN: merge section size; "
     "graph: iterations replayed as CUDA graphs; reference (float64): the CPU reference MLEM."
@@ -672,7 +672,7 @@ def _add_key(fig: Any, text: str, width: int = 130) -> None:
     """Lay the figure out, then put a wrapped explanatory note under it (kept by :func:`_save`)."""
     import textwrap
 
-    if not fig.get_constrained_layout():
+    if fig.get_layout_engine() is None:  # not laid out by constrained layout
         fig.tight_layout()
     fig.text(0.01, -0.01, textwrap.fill(text, width), fontsize=7, va="top", ha="left", color="0.25")
 
@@ -694,7 +694,7 @@ def _sci(value: float, _pos: Any = None) -> str:
 
 
 def plot_times(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
-    """Stacked bars of the mean step times per configuration, a dot per repetition's mean.
+    """Stacked bars of the mean step times per configuration, a circle per repetition's mean.
 
     The legend sits outside the axes (it hides no point) and a key under the
     plot says what the configuration labels mean.
