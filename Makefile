@@ -3,6 +3,11 @@
 #   make run     set up .venv if needed, then run the default workflow
 #   make test    set up .venv if needed, then run the test suite
 #
+# CONFIG=my.yaml runs, reports or dry-runs another configuration (passed as
+# --configfile); its summary is results/summary/<name>/ and its report
+# results/report-<name>.html, <name> being the file's `name:` (default:
+# default, as in config/config.yaml).
+#
 # The virtual environment is created once and reinstalled only when
 # pyproject.toml changes (the stamp file below records the last install).
 
@@ -10,6 +15,13 @@ PYTHON ?= python3
 VENV   ?= .venv
 CORES  ?= all
 EXTRAS ?= workflow,test
+CONFIG ?=
+
+# The configuration's name (its `name:` key; "default" without one), read
+# when a recipe runs, after set-up.
+NAME = $(shell $(BIN)/python -c 'import sys, yaml; print((yaml.safe_load(open(sys.argv[1])) or {}).get("name") or "default")' $(or $(CONFIG),config/config.yaml))
+SNAKEMAKE = $(strip $(BIN)/snakemake $(if $(CONFIG),--configfile $(CONFIG)))
+REPORT = results/report-$(NAME).html
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.mlem-installed
@@ -23,10 +35,12 @@ help:
 	@echo "make test-slurm  start a single-node SLURM here (root), run tests/test_slurm.py, stop it"
 	@echo "make lint     snakefmt --check and snakemake --lint"
 	@echo "make dry-run  show the jobs the workflow would run"
-	@echo "make report   the HTML report of a finished run (results/report.html)"
+	@echo "make report   the HTML report of a finished run (results/report-<name>.html)"
 	@echo "make setup    only create or update $(VENV)"
 	@echo "make clean    remove the workflow's outputs (results, resources, logs, benchmarks)"
-	@echo "variables: PYTHON=$(PYTHON) VENV=$(VENV) CORES=$(CORES) EXTRAS=$(EXTRAS)"
+	@echo "variables: PYTHON=$(PYTHON) VENV=$(VENV) CORES=$(CORES) EXTRAS=$(EXTRAS) CONFIG=$(CONFIG)"
+	@echo "  CONFIG=my.yaml: run, dry-run or report that configuration; its summary is"
+	@echo "  results/summary/<name>/, its report results/report-<name>.html (<name>: its name: key)"
 
 setup: $(STAMP)
 
@@ -38,8 +52,9 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 run: $(STAMP)
-	$(BIN)/snakemake --cores $(CORES)
-	$(BIN)/snakemake --cores $(CORES) --report results/report.html
+	$(SNAKEMAKE) --cores $(CORES)
+	$(SNAKEMAKE) --cores $(CORES) --report $(REPORT)
+	@echo "summary: results/summary/$(NAME)/  report: $(REPORT)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
@@ -52,10 +67,10 @@ lint: $(STAMP)
 	$(BIN)/snakemake --lint
 
 dry-run: $(STAMP)
-	$(BIN)/snakemake --dry-run --quiet rules
+	$(SNAKEMAKE) --dry-run --quiet rules
 
 report: $(STAMP)
-	$(BIN)/snakemake --report results/report.html
+	$(SNAKEMAKE) --report $(REPORT)
 
 clean:
 	rm -rf results resources logs benchmarks

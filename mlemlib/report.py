@@ -1,4 +1,4 @@
-"""Summary of many runs: ``runs.csv``, Markdown tables and PNG plots (host; csv, matplotlib Agg).
+"""Summary of many runs: ``runs.csv``, Markdown and HTML tables, PNG plots (host; csv, matplotlib Agg).
 
 :func:`summarize` reads the ``timings.json`` of every run (and of the float64
 references), the transposition records (``transpose.h5`` attributes and
@@ -13,16 +13,25 @@ benchmark tables, and writes:
     Time per iteration by step (as the thesis's Table 9.3), the scaling over
     GPU counts and layouts (speed-up, parallel efficiency, bandwidth per GPU;
     only where a cuda configuration ran on more than one GPU count), the
-    spread of the accuracy over repetitions, transposition times by method,
-    partition balance, the SpMV benchmark.
+    spread of the accuracy over repetitions, transposition times by method
+    (the transposition alone and the whole job, side by side), partition
+    balance, the SpMV benchmark.
+``summary.html``, ``runs.html``
+    The same two as HTML pages, for the Snakemake report (whose viewer
+    shows HTML and images, but offers CSV and Markdown only as links that
+    open blank).
 ``plots/time_per_iteration.png``
     Mean time per iteration of each configuration, stacked by step, with
-    each repetition's mean as a dot.
+    each repetition's mean as a circle; legend outside the axes, a key to
+    the configuration labels below.
 ``plots/time_distribution.png``
-    Box plot of every iteration's time by configuration.
+    Box plot of every iteration's time by configuration; the boxes and
+    whiskers set the scale, outliers beyond it are marked at the edge with
+    their times.
 ``plots/accuracy.png``
-    Image sum and relative L2 error to the reference per repetition (the
-    thesis's Figures 9.4 and 9.12 show the spread of the image sum).
+    Image sum relative to the reference's, ``(S - S_ref) / S_ref``, and the
+    relative L2 error to the reference, per repetition (the thesis's Figures
+    9.4 and 9.12 show the spread of the image sum).
 ``plots/scaling.png``
     Speed-up against the number of GPUs, one line per configuration and
     layout, with the ideal speed-up (y = P). Written only when some cuda
@@ -30,7 +39,7 @@ benchmark tables, and writes:
     declares ``plots/`` as a directory, so a missing file is no error.
 ``plots/image_<matrix>_<data>.png``
     Central slices (axial, coronal, sagittal) of a reconstruction beside the
-    truth, one per problem.
+    truth, one per problem: axes in mm, one grey scale for both, its units.
 
 The file names are stable; the workflow's report captions refer to them
 (``report/plots.rst`` shows whichever of them exist).
@@ -515,8 +524,25 @@ def _transpose_label(p: Path) -> tuple[str, str]:
 
 
 def transpose_rows(transposes: Iterable[Any] = (), benchmarks: Iterable[Any] = ()) -> list[dict[str, Any]]:
-    """Transposition records: from ``transpose.h5`` attributes and Snakemake benchmark files."""
-    rows: list[dict[str, Any]] = []
+    """Transposition records, one per matrix and method, from ``transpose.h5`` attributes and benchmark files.
+
+    A ``transpose.h5`` gives ``transpose_s``, the transposition alone as
+    measured inside the job (its ``seconds`` attribute), and ``threads``; the
+    Snakemake benchmark of the job that wrote it gives the whole job's time
+    (``job_n``, ``job_mean_s``, ``job_min_s``, ``job_max_s``, ``max_rss_MB``).
+    Files are matched by name: ``results/{matrix}/transpose.h5`` with
+    ``benchmarks/transpose/{matrix}.tsv`` (the configured method, the A^T the
+    runs read: ``used_by_runs``), ``transpose-{method}.h5`` with
+    ``{matrix}-{method}.tsv``.
+    """
+    recs: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+
+    def rec(matrix: str, file_method: str) -> dict[str, Any]:
+        return recs.setdefault((matrix, file_method), {
+            "matrix": matrix, "method": file_method, "used_by_runs": not file_method, "transpose_s": None,
+            "threads": None, "job_n": None, "job_mean_s": None, "job_min_s": None, "job_max_s": None,
+            "max_rss_MB": None, "files": []})
+
     for path in transposes:
         import h5py
 
@@ -526,30 +552,60 @@ def transpose_rows(transposes: Iterable[Any] = (), benchmarks: Iterable[Any] = (
                 attrs = {k: f.attrs[k] for k in f.attrs}
         except OSError as exc:
             raise InputError(p, f"not a readable HDF5 file ({exc})") from None
-        matrix, method = _transpose_label(p)
-        meth = attrs.get("method", method)
-        meth = meth.decode() if isinstance(meth, bytes) else str(meth)
-        rows.append({"matrix": matrix, "method": meth or "?", "source": "transpose.h5 attrs", "n": 1,
-                     "mean_s": _num(attrs.get("seconds")), "min_s": _num(attrs.get("seconds")),
-                     "max_s": _num(attrs.get("seconds")), "threads": _num(attrs.get("threads")), "max_rss_MB": None,
-                     "file": os.fspath(p)})
+        matrix, file_method = _transpose_label(p)
+        r = rec(matrix, file_method)
+        meth = attrs.get("method", file_method)
+        r["method"] = (meth.decode() if isinstance(meth, bytes) else str(meth)) or file_method
+        r["transpose_s"] = _num(attrs.get("seconds"))
+        r["threads"] = _num(attrs.get("threads"))
+        r["files"].append(os.fspath(p))
     for path in benchmarks:
         p = Path(path)
         b = read_benchmark_tsv(p)
-        matrix, method = _transpose_label(p)
-        rows.append({"matrix": matrix, "method": method or "(configured)", "source": "snakemake benchmark (whole job)",
-                     "threads": None, "file": os.fspath(p), **b})
-    return rows
+        matrix, file_method = _transpose_label(p)
+        r = rec(matrix, file_method)
+        r.update(job_n=b["n"], job_mean_s=b["mean_s"], job_min_s=b["min_s"], job_max_s=b["max_s"],
+                 max_rss_MB=b["max_rss_MB"])
+        r["files"].append(os.fspath(p))
+    for r in recs.values():
+        r["method"] = r["method"] or "(the configured method)"
+    return list(recs.values())
+
+
+#: What the columns of the transposition table measure (printed above it).
+TRANSPOSE_INTRO = (
+    "Two different times per method. **transposition alone**: the transposition of A in memory, timed inside "
+    "the job (the `seconds` attribute of the transpose file); compare methods by this column. **whole job**: "
+    "the Snakemake benchmark of the job that wrote the file (the mean where it ran several times), from process "
+    "start to end: Python and library start-up (for scantrans also loading or compiling its Numba kernels), "
+    "reading A, the transposition, checking and writing A^T. **rest of the job**: whole job minus transposition "
+    "alone, the part that is not the method's work. The A^T the runs read (`transpose.method`, "
+    "results/{matrix}/transpose.h5) is marked *yes*; the other methods (`transpose.compare`) are timed for this "
+    "table only.\n\n"
+)
 
 
 def transpose_section(rows: list[dict[str, Any]]) -> str:
-    """Markdown: transposition times by method."""
+    """Markdown: transposition times by method, each column saying what it measures.
+
+    ``jobs``, ``whole job min`` and ``max`` appear only where some method
+    has more than one benchmark row.
+    """
     if not rows:
         return ""
-    body = [[r["matrix"], r["method"], r["source"], r.get("n"), _fmt_s(r.get("mean_s")), _fmt_s(r.get("min_s")),
-             _fmt_s(r.get("max_s")), _fmt_g(r.get("max_rss_MB"), 6), _fmt_g(r.get("threads"), 3)] for r in rows]
-    return "## Transposition times by method\n\n" + _md_table(
-        ["matrix", "method", "measured by", "n", "mean", "min", "max", "max RSS (MB)", "threads"], body)
+    several = any((r.get("job_n") or 0) > 1 for r in rows)
+    head = ["matrix", "method", "A^T of the runs", "transposition alone", "threads", "whole job",
+            "rest of the job", *(["jobs", "whole job min", "whole job max"] if several else []),
+            "job's max RSS (MB)"]
+    body = []
+    for r in rows:
+        rest = (r["job_mean_s"] - r["transpose_s"]
+                if r.get("job_mean_s") is not None and r.get("transpose_s") is not None else None)
+        spread_cells = [r.get("job_n") or "", _fmt_s(r.get("job_min_s")), _fmt_s(r.get("job_max_s"))]
+        body.append([r["matrix"], r["method"], "yes" if r["used_by_runs"] else "", _fmt_s(r.get("transpose_s")),
+                     _fmt_g(r.get("threads"), 3), _fmt_s(r.get("job_mean_s")), _fmt_s(rest),
+                     *(spread_cells if several else []), _fmt_g(r.get("max_rss_MB"), 6)])
+    return "## Transposition times by method\n\n" + TRANSPOSE_INTRO + _md_table(head, body)
 
 
 def plan_section(plans: Iterable[Any]) -> str:
@@ -593,60 +649,171 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_") or "x"
 
 
-def plot_times(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
-    """Stacked bars of the mean step times per configuration, a dot per repetition's mean."""
+#: What the parts of a configuration's label mean (see :func:`config_label`), printed under the plots.
+LABEL_KEY = (
+    "Labels: backend (cpu, cuda) and fp/bp, the forward- and back-projection kernels (e.g. cpu: numba, scipy; "
+    "cuda: csr_vector, merge, cusparse); +AT: the back projection reads a stored transpose A^T; "
+    "notrans: it scatters with A, no transpose; xP: on P GPUs, with the multi-GPU layout (local: one "
+    "all-reduce of the image per iteration; thesis: one after each projection); secN: merge section size; "
+    "graph: iterations replayed as CUDA graphs; reference (float64): the CPU reference MLEM."
+)
+
+
+def _plot_labels(groups: Mapping[tuple, list[dict[str, Any]]]) -> tuple[list[str], str]:
+    """Axis labels of the configurations, and the problem they share (for the title; "" if several)."""
+    problems = [f"{rs[0]['matrix']} / {rs[0]['data']}" for rs in groups.values()]
+    labels = [config_label(rs[0]) for rs in groups.values()]
+    if len(set(problems)) == 1:
+        return labels, problems[0]
+    return [f"{p}\n{label}" for p, label in zip(problems, labels)], ""
+
+
+def _add_key(fig: Any, text: str, width: int = 130) -> None:
+    """Lay the figure out, then put a wrapped explanatory note under it (kept by :func:`_save`)."""
+    import textwrap
+
+    if fig.get_layout_engine() is None:  # not laid out by constrained layout
+        fig.tight_layout()
+    fig.text(0.01, -0.01, textwrap.fill(text, width), fontsize=7, va="top", ha="left", color="0.25")
+
+
+def _save(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Write the figure with everything drawn outside the axes (legend, note) and close it."""
     import matplotlib.pyplot as plt
 
-    labels = [f"{rs[0]['matrix']}/{rs[0]['data']}\n{config_label(rs[0])}" for rs in groups.values()]
-    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.55 * max(1, len(labels))))
+    fig.savefig(path, dpi=dpi, bbox_inches="tight", pad_inches=0.15)
+    plt.close(fig)
+
+
+def _sci(value: float, _pos: Any = None) -> str:
+    """Tick label in compact scientific notation (``-6e-9``, ``0``)."""
+    if value == 0:
+        return "0"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def plot_times(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
+    """Stacked bars of the mean step times per configuration, a circle per repetition's mean.
+
+    The legend sits outside the axes (it hides no point) and a key under the
+    plot says what the configuration labels mean.
+    """
+    import matplotlib.pyplot as plt
+
+    labels, problem = _plot_labels(groups)
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.5 * max(1, len(labels))))
     y = np.arange(len(labels))
     left = np.zeros(len(labels))
     colors = {"fp": "tab:blue", "corr": "tab:orange", "bp": "tab:green", "update": "tab:red", "allreduce": "tab:purple"}
+    names = {"fp": "fp: forward projection A f", "corr": "corr: g / (A f)", "bp": "bp: back projection A^T c",
+             "update": "update: f * bp / norm", "allreduce": "allreduce: between GPUs"}
     for s in STEPS:
         vals = np.array([(_mean(r[f"{s}_mean_s"] for r in rs) or 0.0) * 1e3 for rs in groups.values()])
         if vals.any():
-            ax.barh(y, vals, left=left, color=colors[s], label=s)
+            ax.barh(y, vals, left=left, color=colors[s], label=names[s], height=0.6)
             left += vals
     for k, rs in enumerate(groups.values()):
         pts = [r["iteration_mean_s"] * 1e3 for r in rs if r["iteration_mean_s"] is not None]
-        ax.plot(pts, [k] * len(pts), "k.", ms=6, label="repetition mean (iteration)" if k == 0 else None)
-    ax.set_yticks(y, labels, fontsize=7)
+        ax.plot(pts, [k] * len(pts), "o", color="black", mfc="white", ms=5, zorder=3,
+                label="one repetition's mean time per iteration" if k == 0 else None)
+    ax.set_yticks(y, labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("time per iteration (ms)")
-    ax.set_title("MLEM time per iteration by configuration")
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("time per iteration (ms): bars, the mean of each step over all iterations and repetitions")
+    ax.set_title("MLEM time per iteration by configuration" + (f": {problem}" if problem else ""))
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    _add_key(fig, LABEL_KEY)
+    _save(fig, path)
+
+
+def _whiskers(vals: np.ndarray) -> tuple[float, float]:
+    """The ends of a box plot's whiskers (1.5 IQR beyond the quartiles, clipped to the data)."""
+    q1, q3 = np.percentile(vals, [25, 75])
+    iqr = q3 - q1
+    inside = vals[(vals >= q1 - 1.5 * iqr) & (vals <= q3 + 1.5 * iqr)]
+    return float(inside.min()), float(inside.max())
+
+
+def distribution_limits(data: list[list[float]]) -> tuple[float, float, bool]:
+    """x range of the distribution plot: every box and whisker, not the far outliers.
+
+    Returns ``(low, high, log)``: the span of the whiskers, stretched to
+    outliers no further than half that span beyond them, with a margin; and
+    whether a logarithmic axis is needed (boxes more than 20x apart).
+    Outliers beyond the range are marked at its edge.
+    """
+    ends = [_whiskers(np.asarray(v, dtype=np.float64)) for v in data]
+    lo, hi = min(e[0] for e in ends), max(e[1] for e in ends)
+    if lo > 0 and hi / lo > 20:
+        return lo / 1.3, hi * 1.3, True
+    reach = 0.5 * (hi - lo)
+    values = np.concatenate([np.asarray(v, dtype=np.float64) for v in data])
+    lo = float(values[values >= lo - reach].min())
+    hi = float(values[values <= hi + reach].max())
+    pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 1.0
+    return max(lo - pad, 0.0), hi + pad, False
 
 
 def plot_distribution(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
-    """Box plot of every iteration's time by configuration."""
+    """Box plot of every iteration's time by configuration.
+
+    The axis spans the boxes and whiskers; outliers within it are drawn as
+    circles, those beyond it as a triangle at the edge with their times, so
+    that one slow iteration does not squeeze every box.
+    """
     import matplotlib.pyplot as plt
 
     data, labels = [], []
-    for rs in groups.values():
-        vals = [float(v) * 1e3 for r in rs for v in (r.get("_samples") or {}).get("iteration", []) if v is not None]
-        if vals:
-            data.append(vals)
-            labels.append(f"{rs[0]['matrix']}/{rs[0]['data']}\n{config_label(rs[0])}")
-    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.55 * max(1, len(labels))))
+    shown = OrderedDict((k, rs) for k, rs in groups.items() if any(
+        v is not None for r in rs for v in (r.get("_samples") or {}).get("iteration", [])))
+    if shown:
+        labels, problem = _plot_labels(shown)
+    else:
+        problem = ""
+    for rs in shown.values():
+        data.append([float(v) * 1e3 for r in rs for v in (r.get("_samples") or {}).get("iteration", []) if v is not None])
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.5 * max(1, len(labels))))
     if data:
-        if _mpl_version() >= (3, 10):
-            ax.boxplot(data, orientation="horizontal", tick_labels=labels)
-        elif _mpl_version() >= (3, 9):
-            ax.boxplot(data, vert=False, tick_labels=labels)
-        else:
-            ax.boxplot(data, vert=False, labels=labels)
+        kw = {"orientation": "horizontal"} if _mpl_version() >= (3, 10) else {"vert": False}
+        kw["tick_labels" if _mpl_version() >= (3, 9) else "labels"] = labels
+        ax.boxplot(data, widths=0.5, flierprops={"marker": "o", "ms": 4, "mfc": "none", "mec": "0.3"}, **kw)
+        lo, hi, log = distribution_limits(data)
+        if log:
+            ax.set_xscale("log")
+        ax.set_xlim(lo, hi)
+        for k, vals in enumerate(data, start=1):
+            far = sorted(v for v in vals if v > hi)
+            near = sorted(v for v in vals if v < lo)
+            if far:
+                ax.plot([hi], [k], ">", color="tab:red", ms=7, clip_on=False, zorder=3)
+                ax.annotate(_beyond(far), (hi, k), xytext=(-8, 7), textcoords="offset points", ha="right",
+                            fontsize=7, color="tab:red")
+            if near:
+                ax.plot([lo], [k], "<", color="tab:red", ms=7, clip_on=False, zorder=3)
+                ax.annotate(_beyond(near), (lo, k), xytext=(8, 7), textcoords="offset points", ha="left",
+                            fontsize=7, color="tab:red")
         ax.invert_yaxis()
-        ax.tick_params(axis="y", labelsize=7)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_xlabel("time per iteration (ms), every iteration of every repetition" + (" (log scale)" if log else ""))
     else:
         ax.text(0.5, 0.5, "no per-iteration samples", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("time per iteration (ms), all iterations of all repetitions")
-    ax.set_title("Distribution of the time per iteration")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.set_xlabel("time per iteration (ms)")
+    ax.set_title("Distribution of the time per iteration" + (f": {problem}" if problem else ""))
+    _add_key(fig, "Boxes: median and quartiles; whiskers: the furthest iteration within 1.5 times the box's "
+                  "width; circles: iterations beyond the whiskers; a red triangle at the edge: iterations beyond "
+                  "the plotted range, with their times. " + LABEL_KEY)
+    _save(fig, path)
+
+
+def _beyond(vals: list[float]) -> str:
+    """Label of outliers beyond the plotted range: their count and times (ms)."""
+    shown = ", ".join(f"{v:.4g}" for v in (vals if len(vals) <= 3 else [vals[0], vals[-1]]))
+    if len(vals) > 3:
+        shown = shown.replace(", ", " … ")
+    return f"{len(vals)} beyond: {shown} ms"
 
 
 def _mpl_version() -> tuple[int, int]:
@@ -656,32 +823,88 @@ def _mpl_version() -> tuple[int, int]:
     return major, minor
 
 
+def accuracy_baselines(rows: Iterable[Mapping[str, Any]]) -> dict[tuple, tuple[float, str]]:
+    """Per problem ``(matrix, data)``: the image sum the others are compared with, and what it is.
+
+    The float64 reference's sum where known (a run's ``reference_sum``, or
+    the reference's own image sum), else the mean image sum of the problem's
+    runs.
+    """
+    out: dict[tuple, tuple[float, str]] = {}
+    by_problem: OrderedDict[tuple, list[Mapping[str, Any]]] = OrderedDict()
+    for r in rows:
+        by_problem.setdefault((r.get("matrix"), r.get("data")), []).append(r)
+    for problem, rs in by_problem.items():
+        refs = [_num(r.get("reference_sum")) for r in rs if _num(r.get("reference_sum")) is not None]
+        refs += [_num(r.get("image_sum")) for r in rs if r.get("reference_mode") and _num(r.get("image_sum")) is not None]
+        if refs:
+            out[problem] = (refs[0], "reference")
+            continue
+        sums = [_num(r.get("image_sum")) for r in rs if _num(r.get("image_sum")) is not None]
+        if sums:
+            out[problem] = (float(np.mean(sums)), "mean")
+    return out
+
+
 def plot_accuracy(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
-    """Image sum and relative L2 error to the reference of every repetition, by configuration."""
+    """Image sum (relative to the reference's) and relative L2 error to the reference, per repetition.
+
+    The left panel shows ``(S - S_ref) / S_ref``, so that a spread of a few
+    float32 roundings reads as what it is (1e-8 of the sum), not as the
+    absolute sums' last digits.
+    """
     import matplotlib.pyplot as plt
 
-    labels = [f"{rs[0]['matrix']}/{rs[0]['data']}\n{config_label(rs[0])}" for rs in groups.values()]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 1.2 + 0.55 * max(1, len(labels))), sharey=True)
+    labels, problem = _plot_labels(groups)
+    base = accuracy_baselines(r for rs in groups.values() for r in rs)
+    kinds = {kind for _, kind in base.values()}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 1.4 + 0.5 * max(1, len(labels))), sharey=True)
+    diffs: list[float] = []
     for k, rs in enumerate(groups.values()):
+        ref = base.get((rs[0]["matrix"], rs[0]["data"]))
         sums = [r["image_sum"] for r in rs if r["image_sum"] is not None]
-        ax1.plot(sums, [k] * len(sums), "o", mfc="none", color="tab:blue")
-        refs = [r["reference_sum"] for r in rs if r.get("reference_sum") is not None]
-        if refs:
-            ax1.plot([refs[0]], [k], "k|", ms=14)
-        rel = [r["rel_l2_reference"] for r in rs if r["rel_l2_reference"]]
-        ax2.plot(rel, [k] * len(rel), "o", mfc="none", color="tab:red")
-    ax1.set_yticks(np.arange(len(labels)), labels, fontsize=7)
+        if ref and ref[0]:
+            d = [(s - ref[0]) / ref[0] for s in sums]
+            diffs += d
+            ax1.plot(d, [k] * len(d), "o", mfc="none", color="tab:blue", ms=6)
+        rel = [r["rel_l2_reference"] for r in rs if r["rel_l2_reference"] is not None]
+        pos = [v for v in rel if v > 0]
+        ax2.plot(pos, [k] * len(pos), "o", mfc="none", color="tab:red", ms=6)
+        note = "the reference itself" if rs[0].get("reference_mode") else (
+            "0: identical to the reference" if rel and not pos else ("no reference" if not rel else ""))
+        if note:
+            ax2.annotate(note, (0.02, k), xycoords=("axes fraction", "data"), va="center", fontsize=7, color="0.35")
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    ax1.axvline(0.0, color="0.4", lw=1, ls=":")
+    width = max((abs(d) for d in diffs), default=0.0)
+    width = width * 1.3 if width > 0 else 1e-7
+    ax1.set_xlim(-width, width)
+    ax1.xaxis.set_major_locator(MaxNLocator(7, symmetric=True))
+    ax1.xaxis.set_major_formatter(FuncFormatter(_sci))
+    ax1.tick_params(axis="x", labelsize=7)
+    ax1.set_yticks(np.arange(len(labels)), labels, fontsize=8)
     ax1.invert_yaxis()
-    ax1.set_xlabel("image sum per repetition (|: reference)")
-    ax1.ticklabel_format(axis="x", useOffset=False, style="plain")
-    ax1.tick_params(axis="x", labelrotation=30, labelsize=7)
-    ax2.set_xlabel("relative L2 error to the float64 reference")
-    if any(ax2.get_lines()) and any(len(line.get_xdata()) for line in ax2.get_lines()):
+    against = "the float64 reference's" if kinds == {"reference"} else (
+        "the mean of the problem's runs" if kinds == {"mean"} else "the reference's (else the runs' mean)")
+    ax1.set_xlabel(f"image sum relative to {against}: (S - S_ref) / S_ref\n(0, dotted: equal; float32 rounding "
+                   "is about 1e-7)", fontsize=8)
+    ax1.set_title("image sum, per repetition", fontsize=9)
+    ax2.set_xlabel("relative L2 error to the float64 reference:\n||f - f_ref|| / ||f_ref|| (log scale)", fontsize=8)
+    ax2.set_title("image, per repetition", fontsize=9)
+    errors = [v for line in ax2.get_lines() for v in line.get_xdata()]
+    if errors:
         ax2.set_xscale("log")
-    fig.suptitle("Accuracy over repetitions")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        # Whole decades, so that the ticks are labelled powers of ten.
+        lo, hi = math.floor(math.log10(min(errors)) - 0.1), math.ceil(math.log10(max(errors)) + 0.1)
+        ax2.set_xlim(10.0**lo, 10.0 ** max(hi, lo + 1))
+    else:
+        ax2.set_xticks([])
+    for ax in (ax1, ax2):
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("Accuracy over repetitions" + (f": {problem}" if problem else ""))
+    _add_key(fig, LABEL_KEY, width=160)
+    _save(fig, path)
 
 
 def scaling_series(rows: Iterable[Mapping[str, Any]]) -> OrderedDict[tuple[str, str], list[tuple[int, float]]]:
@@ -735,8 +958,35 @@ def plot_scaling(rows: Iterable[Mapping[str, Any]], path: Path) -> bool:
     return True
 
 
+#: Colour-bar label of the image plots: what a voxel value measures.
+IMAGE_UNITS = "activity per voxel (A f = expected counts per LOR)"
+
+#: The note under the image plots.
+IMAGE_NOTE = (
+    "Central slices through the field of view, centred on 0. A voxel's value is the activity MLEM estimates, in "
+    "the units A gives it: A f is the expected number of counts of each LOR (for the scanner presets, whose "
+    "elements are chord lengths in mm, counts per mm of chord). Truth and reconstruction share one grey scale, "
+    "from 0 to the 99.9th percentile of both (the arrow: brighter voxels)."
+)
+
+
+def _axis_mm(count: int, size: float) -> tuple[float, float]:
+    """Extent (mm) of ``count`` voxels of ``size`` mm, centred on 0 (as the phantoms are)."""
+    return -count * size / 2.0, count * size / 2.0
+
+
+def _centre_mm(count: int, size: float) -> float:
+    """Position (mm) of the centre of the central voxel ``count // 2``."""
+    return (count // 2 + 0.5 - count / 2.0) * size
+
+
 def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool:
-    """Central axial, coronal and sagittal slices of an image (and of the truth above it). False if unreadable."""
+    """Central axial, coronal and sagittal slices of an image (and of the truth above it). False if unreadable.
+
+    Axes in mm (the field of view centred on 0; in voxels where the image
+    has no voxel size), one colour scale shared by truth and reconstruction
+    (0 to the 99.9th percentile of both) and one colour bar with the units.
+    """
     import matplotlib.pyplot as plt
 
     from mlemlib.image import read_image
@@ -759,24 +1009,165 @@ def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool
         except InputError as exc:
             log.warning("truth not shown: %s", exc)
     vols.append(("reconstruction", img.reshape(gz, gy, gx)))
-    vs = attrs.get("voxel_size") or [1.0, 1.0, 1.0]
-    fig, axes = plt.subplots(len(vols), 3, figsize=(10, 3.3 * len(vols)), squeeze=False)
+    voxel = attrs.get("voxel_size")
+    unit = "mm" if voxel else "voxels"
+    vx, vy, vz = (float(v) for v in voxel) if voxel else (1.0, 1.0, 1.0)
+    ex, ey, ez = _axis_mm(gx, vx), _axis_mm(gy, vy), _axis_mm(gz, vz)
+    vmax = max(float(np.percentile(v, 99.9)) for _, v in vols) or max(float(v.max()) for _, v in vols) or 1.0
+    # Columns as wide as their slices: axial x by y, coronal x by z, sagittal y by z.
+    widths = [gx * vx, gx * vx, gy * vy]
+    fig, axes = plt.subplots(len(vols), 3, figsize=(11, 0.6 + 3.2 * len(vols)), squeeze=False,
+                             gridspec_kw={"width_ratios": widths}, constrained_layout=True)
     for row, (name, v) in enumerate(vols):
-        vmax = float(np.percentile(v, 99.9)) or float(v.max()) or 1.0
-        slices = [(f"axial z={gz // 2}", v[gz // 2], vs[1] / vs[0]),
-                  (f"coronal y={gy // 2}", v[:, gy // 2, :], vs[2] / vs[0]),
-                  (f"sagittal x={gx // 2}", v[:, :, gx // 2], vs[2] / vs[1])]
-        for col, (sname, sl, aspect) in enumerate(slices):
+        slices = [
+            (f"axial, z = {_centre_mm(gz, vz):g} {unit}", v[gz // 2], (*ex, *ey), "x", "y"),
+            (f"coronal, y = {_centre_mm(gy, vy):g} {unit}", v[:, gy // 2, :], (*ex, *ez), "x", "z"),
+            (f"sagittal, x = {_centre_mm(gx, vx):g} {unit}", v[:, :, gx // 2], (*ey, *ez), "y", "z"),
+        ]
+        for col, (sname, sl, extent, xl, yl) in enumerate(slices):
             ax = axes[row][col]
-            im = ax.imshow(sl, cmap="gray", vmin=0, vmax=vmax, origin="lower", aspect=aspect, interpolation="nearest")
+            im = ax.imshow(sl, cmap="gray", vmin=0, vmax=vmax, origin="lower", extent=extent,
+                           interpolation="nearest")
             ax.set_title(f"{name}: {sname}", fontsize=8)
-            ax.set_xticks([])
-            ax.set_yticks([])
-        fig.colorbar(im, ax=axes[row].tolist(), shrink=0.8)
+            ax.set_xlabel(f"{xl} ({unit})", fontsize=7)
+            ax.set_ylabel(f"{yl} ({unit})", fontsize=7)
+            ax.tick_params(labelsize=7)
+    bar = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.85, extend="max", aspect=30)
+    bar.set_label(IMAGE_UNITS, fontsize=8)
+    bar.ax.tick_params(labelsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _add_key(fig, IMAGE_NOTE, width=150)
+    _save(fig, path, dpi=100)
     return True
+
+
+# --------------------------------------------------------------------------- HTML
+# The Snakemake report shows HTML files (in a frame) and images; a CSV or
+# Markdown result is only offered as a link that browsers open blank. So the
+# tables go into the report as HTML: summary.html (summary.md rendered) and
+# runs.html (runs.csv as a table).
+_HTML_STYLE = (
+    "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;font-size:13px;margin:1em 1.5em;color:#222}"
+    "h1{font-size:1.5em}h2{font-size:1.25em;margin-top:1.6em;border-bottom:1px solid #ddd}h3{font-size:1.05em}"
+    "p{max-width:75em;line-height:1.4}table{border-collapse:collapse;margin:.5em 0 1.2em}"
+    "th,td{border:1px solid #ccc;padding:2px 7px;text-align:right;white-space:nowrap}"
+    "th{background:#f2f2f2;position:sticky;top:0}td.t{text-align:left}"
+    "code{background:#f4f4f4;padding:0 2px}.wide{overflow-x:auto}"
+)
+
+
+def _html_page(title: str, body: str) -> str:
+    from html import escape
+
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
+            f"<style>{_HTML_STYLE}</style></head><body>\n{body}</body></html>\n")
+
+
+def _inline_html(text: str) -> str:
+    """Escape text and render the inline Markdown the summary uses: `code`, **bold**, *italic*."""
+    from html import escape
+
+    parts = re.split(r"(`[^`]*`)", text)
+    out = []
+    for part in parts:
+        if len(part) >= 2 and part.startswith("`") and part.endswith("`"):
+            out.append(f"<code>{escape(part[1:-1])}</code>")
+            continue
+        s = escape(part, quote=False)
+        s = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", s)
+        s = re.sub(r"(?<![\w*])\*([^*\s][^*]*)\*(?![\w*])", r"<em>\1</em>", s)
+        out.append(s)
+    return "".join(out)
+
+
+def _table_cells(line: str) -> list[str]:
+    """Cells of a Markdown table row as :func:`_md_table` writes it (``\\|`` is a literal bar)."""
+    inner = line.strip()[1:]
+    if inner.endswith("|") and not inner.endswith("\\|"):
+        inner = inner[:-1]
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", inner)]
+
+
+def _numeric(cell: str) -> bool:
+    return bool(re.fullmatch(r"[-+]?[\d.,]+(e[-+]?\d+)?( ?(s|ms|us|ns|x|%))?|–|", cell.strip()))
+
+
+def markdown_to_html(text: str, title: str) -> str:
+    """An HTML page of the Markdown the summary writes (headings, paragraphs, lists, pipe tables).
+
+    Not a general Markdown renderer: it knows the constructs of
+    :func:`summarize`'s sections, and escapes everything else.
+    """
+    out: list[str] = []
+    para: list[str] = []
+    items: list[str] = []
+    table: list[list[str]] = []
+
+    def flush() -> None:
+        if para:
+            out.append(f"<p>{_inline_html(' '.join(para))}</p>")
+            para.clear()
+        if items:
+            out.append("<ul>" + "".join(f"<li>{_inline_html(i)}</li>" for i in items) + "</ul>")
+            items.clear()
+        if table:
+            head, rows = table[0], [r for r in table[1:] if not all(re.fullmatch(r":?-{3,}:?", c) for c in r)]
+            cells = "".join(f"<th>{_inline_html(h)}</th>" for h in head)
+            html_rows = [f"<tr>{cells}</tr>"]
+            for r in rows:
+                html_rows.append("<tr>" + "".join(
+                    f"<td>{_inline_html(c)}</td>" if _numeric(c) else f"<td class=\"t\">{_inline_html(c)}</td>"
+                    for c in r) + "</tr>")
+            out.append("<div class=\"wide\"><table>" + "".join(html_rows) + "</table></div>")
+            table.clear()
+
+    for line in text.splitlines():
+        stripped = line.strip()
+        heading = re.match(r"(#{1,6})\s+(.*)", stripped)
+        if not stripped:
+            flush()
+        elif heading:
+            flush()
+            level = len(heading.group(1))
+            out.append(f"<h{level}>{_inline_html(heading.group(2))}</h{level}>")
+        elif stripped.startswith("|"):
+            if para or items:
+                flush()
+            table.append(_table_cells(stripped))
+        elif stripped.startswith("- "):
+            if para or table:
+                flush()
+            items.append(stripped[2:])
+        else:
+            if table or items:
+                flush()
+            para.append(stripped)
+    flush()
+    return _html_page(title, "\n".join(out) + "\n")
+
+
+def runs_html(rows: list[dict[str, Any]], csv_name: str, title: str) -> str:
+    """An HTML page of ``runs.csv``: one row per run and repetition, numbers to 6 significant digits."""
+    from html import escape
+
+    cols = _columns(rows)
+
+    def cell(v: Any) -> str:
+        if v is None or v == "":
+            return "<td></td>"
+        if isinstance(v, float):
+            return f"<td>{v:.6g}</td>"
+        if isinstance(v, (int, bool)):
+            return f"<td>{v}</td>"
+        return f"<td class=\"t\">{escape(str(v))}</td>"
+
+    head = "".join(f"<th>{escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(cell(r.get(c)) for c in cols) + "</tr>" for r in rows)
+    intro = (f"<h1>{escape(title)}</h1><p>One row per run and repetition ({len(rows)} rows): the configuration, "
+             "times per iteration and per step in seconds, bandwidths in GB/s, the image sum and its errors. "
+             f"Numbers are shown to 6 significant digits; <code>{escape(csv_name)}</code> beside this file has "
+             "them in full. docs/reconstruction.md describes every column.</p>")
+    return _html_page(title, f"{intro}<div class=\"wide\"><table><tr>{head}</tr>{body}</table></div>\n")
 
 
 # --------------------------------------------------------------------------- summary
@@ -793,16 +1184,20 @@ def summarize(
     out_csv: str | os.PathLike | None = None,
     out_md: str | os.PathLike | None = None,
     out_plots: str | os.PathLike | None = None,
+    out_html: str | os.PathLike | None = None,
+    out_runs_html: str | os.PathLike | None = None,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """Write ``runs.csv``, ``summary.md`` and ``plots/`` for a set of runs.
+    """Write ``runs.csv``, ``summary.md``, ``summary.html``, ``runs.html`` and ``plots/`` for a set of runs.
 
     Parameters
     ----------
     runs, timings
         Run directories, ``timings.json`` files or timings dicts (both lists are used).
     out_dir
-        Where ``runs.csv``, ``summary.md`` and ``plots/`` go (individual paths
-        ``out_csv``, ``out_md``, ``out_plots`` take precedence).
+        Where ``runs.csv``, ``summary.md``, ``summary.html``, ``runs.html`` and
+        ``plots/`` go (individual paths ``out_csv``, ``out_md``,
+        ``out_html``, ``out_runs_html``, ``out_plots`` take precedence).
     transpose_benchmarks
         Snakemake benchmark ``.tsv`` files of the transposition jobs.
     references
@@ -813,24 +1208,30 @@ def summarize(
         ``transpose.h5`` files (their ``method``/``seconds`` attributes).
     bench
         SpMV benchmark CSV tables, rendered as they are.
+    name
+        Name of the configuration (the workflow's ``name``), shown in the titles.
 
     Returns
     -------
     dict
         ``rows`` (number of rows), ``configurations``, and the written paths
-        (``runs_csv``, ``summary_md``, ``plots``: list of PNG paths).
+        (``runs_csv``, ``summary_md``, ``summary_html``, ``runs_html``,
+        ``plots``: list of PNG paths).
 
     Raises
     ------
     InputError
         An input that is missing or not what it should be.
     """
-    if out_dir is None and (out_csv is None or out_md is None or out_plots is None):
-        raise InputError("out", "give out_dir, or all of out_csv, out_md and out_plots")
+    if out_dir is None and None in (out_csv, out_md, out_plots, out_html, out_runs_html):
+        raise InputError("out", "give out_dir, or all of out_csv, out_md, out_html, out_runs_html and out_plots")
     out = Path(out_dir) if out_dir is not None else None
     csv_path = Path(out_csv) if out_csv is not None else out / "runs.csv"
     md_path = Path(out_md) if out_md is not None else out / "summary.md"
+    html_path = Path(out_html) if out_html is not None else out / "summary.html"
+    runs_html_path = Path(out_runs_html) if out_runs_html is not None else out / "runs.html"
     plots_dir = Path(out_plots) if out_plots is not None else out / "plots"
+    title = "MLEM runs: summary" + (f" of configuration {name}" if name else "")
 
     refs = [r for r in references if not os.fspath(r).endswith((".h5", ".hdf5"))]
     loaded = load_timings([*runs, *timings, *refs])
@@ -876,17 +1277,24 @@ def summarize(
         "## Plots\n\n" + ("".join(f"- `{plots_dir.name}/{p}`\n" for p in plot_names) or "none\n"),
     ]
     head = (
-        "# MLEM runs: summary\n\n"
+        f"# {title}\n\n"
         f"{len(loaded)} runs, {len(rows)} repetitions, {len(groups)} configurations. "
         f"Every row of `{csv_path.name}` is one repetition of one run.\n\n"
     )
     text = head + "\n".join(sec for sec in sections if sec)
     with atomic_path(md_path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+    with atomic_path(html_path) as tmp:
+        tmp.write_text(markdown_to_html(text, title), encoding="utf-8")
+    with atomic_path(runs_html_path) as tmp:
+        tmp.write_text(runs_html(rows, csv_path.name, title.replace("summary", "every run and repetition")),
+                       encoding="utf-8")
     return {
         "rows": len(rows),
         "configurations": len(groups),
         "runs_csv": os.fspath(csv_path),
         "summary_md": os.fspath(md_path),
+        "summary_html": os.fspath(html_path),
+        "runs_html": os.fspath(runs_html_path),
         "plots": [os.fspath(plots_dir / p) for p in plot_names],
     }

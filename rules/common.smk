@@ -16,7 +16,8 @@ from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake.utils import validate
 
-from mlemlib.errors import ConfigError
+from mlemlib.errors import ConfigError, InputError
+from mlemlib.formats import file_kind
 from mlemlib.registry import check_run, uses_transpose
 
 
@@ -56,7 +57,98 @@ def validate_config():
             raise WorkflowError(f"config {exc}") from None
 
 
+#: What a configured file must be, by role: its kinds (mlemlib.formats.file_kind)
+#: and how a message names them.
+FILE_ROLES = {
+    "matrix": (
+        ("csr4", "mtx", "npz", "h5"),
+        "a system matrix: .csr4, .mtx, .mtx.gz, .npz or .h5",
+    ),
+    "measurement": (("lmsino",), "a measurement: .LMsino or .sino"),
+}
+
+#: How files of some kinds start (compared in lower case), and the kind's name.
+MAGIC = {
+    "mtx": ((b"%%matrixmarket", b"\x1f\x8b"), "Matrix Market"),  # or gzipped
+    "npz": ((b"pk\x03\x04",), "SciPy .npz (zip)"),
+    "h5": ((b"\x89hdf\r\n\x1a\n",), "HDF5"),
+}
+
+
+def _file_fault(path, role):
+    """Why `path` is not a readable file of `role` (FILE_ROLES); None if it is one.
+
+    Cheap enough for every dry run: the file's type, its first bytes and, for
+    a .csr4, its header against its size (mlemlib.formats.csr4.read_header);
+    convert_matrix and the reconstructions validate the whole file.
+    """
+    kinds, expected = FILE_ROLES[role]
+    if not os.path.exists(path):
+        return "no such file"
+    if not os.path.isfile(path):
+        return "not a file (a directory?)"
+    try:
+        kind = file_kind(path)
+    except InputError:
+        kind = None
+    if kind not in kinds:
+        return f"unsupported file type, expected {expected}"
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(16)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if not head:
+        return "empty file"
+    if kind == "csr4":
+        from mlemlib.formats.csr4 import read_header
+
+        try:
+            read_header(path)
+        except InputError as exc:
+            return exc.fault
+    elif kind == "lmsino" and os.path.getsize(path) % 4:
+        return "size is not a multiple of 4 bytes (int32 counts)"
+    elif kind in MAGIC and not head.lower().startswith(MAGIC[kind][0]):
+        return f"not a {MAGIC[kind][1]} file (it starts with {head[:8]!r})"
+    return None
+
+
+def validate_paths():
+    """Stop the workflow unless every configured file is a readable file of its kind.
+
+    Checked on every run, dry runs included, so that a wrong path stops the
+    workflow with one line naming the config key and the path, even where
+    the results of an earlier path are on disk (Snakemake does not look at
+    the inputs of outputs it considers up to date). A measurement of a .csr4
+    matrix must also have one count per row of it.
+    """
+    for name, entry in config["matrices"].items():
+        rows = None
+        if entry["path"] is not None:
+            path = entry["path"]
+            fault = _file_fault(path, "matrix")
+            if fault:
+                raise WorkflowError(f"config matrices.{name}.path: {path}: {fault}")
+            if file_kind(path) == "csr4":
+                from mlemlib.formats.csr4 import read_header
+
+                rows = read_header(path).m
+        for data, path in entry["measurements"].items():
+            fault = _file_fault(path, "measurement")
+            if not fault and rows is not None and os.path.getsize(path) != 4 * rows:
+                fault = (
+                    f"{os.path.getsize(path) // 4} counts, but the matrix "
+                    f"{entry['path']} has {rows} rows (LORs)"
+                )
+            if fault:
+                raise WorkflowError(
+                    f"config matrices.{name}.measurements.{data}: {path}: {fault}"
+                )
+
+
 validate_config()
+validate_paths()
 
 # Jobs import mlemlib from this checkout, also inside --sdm conda environments
 # (which carry the dependencies only).
@@ -79,7 +171,9 @@ wildcard_constraints:
     layout="local|thesis",
 
 
-SUMMARY_DIR = "results/summary"
+# Each configuration's own summary (config key name), so that configurations
+# run in one directory keep their summaries side by side.
+SUMMARY_DIR = f"results/summary/{config['name']}"
 
 
 # ----------------------------------------------------------------- predicates
@@ -147,6 +241,27 @@ def get_matrix_source(wildcards):
     if entry["path"] is not None:
         return entry["path"]
     return f"resources/{wildcards.matrix}.csr4"
+
+
+def _file_stamp(path):
+    """What identifies the contents of a user's file: its path, size and mtime."""
+    stat = os.stat(path)
+    return {"path": path, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def get_matrix_stamp(wildcards):
+    """Provenance of convert_matrix's source, a param so that any change reruns it.
+
+    A user's file: its path, size and modification time, so that pointing
+    the config at another file, or replacing the file with one of another
+    size or time (even an older one), reruns the conversion and what follows.
+    A generated matrix: its preset (generate_matrix's output is tracked by
+    Snakemake itself).
+    """
+    entry = config["matrices"][wildcards.matrix]
+    if entry["path"] is None:
+        return {"preset": entry["preset"]}
+    return _file_stamp(entry["path"])
 
 
 def get_generated_matrix_regex():
@@ -217,6 +332,18 @@ def get_measurement(wildcards):
     if wildcards.data in user:
         return user[wildcards.data]
     return f"results/{wildcards.matrix}/data/{wildcards.data}.LMsino"
+
+
+def get_measurement_stamp(wildcards):
+    """Provenance of {data}: a user's file's path, size and mtime; None if simulated.
+
+    A param of the reconstructions, so that a user's measurement replaced by
+    another file reruns them (as get_matrix_stamp does for a matrix).
+    """
+    user = get_user_measurements(wildcards.matrix)
+    if wildcards.data in user:
+        return _file_stamp(user[wildcards.data])
+    return None
 
 
 def get_simulation_params(wildcards):
@@ -436,6 +563,8 @@ def get_final_outputs():
     return [
         f"{SUMMARY_DIR}/runs.csv",
         f"{SUMMARY_DIR}/summary.md",
+        f"{SUMMARY_DIR}/summary.html",
+        f"{SUMMARY_DIR}/runs.html",
         f"{SUMMARY_DIR}/plots",
     ]
 

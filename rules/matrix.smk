@@ -16,6 +16,9 @@ rule generate_matrix:
         "../scripts/generate_matrix.py"
 
 
+# params.source is provenance, not read by the script: the source file's path,
+# size and modification time, so that a config pointing at another file, or
+# the file replaced by another (even an older one), reruns the conversion.
 rule convert_matrix:
     input:
         source=get_matrix_source,
@@ -30,5 +33,7 @@ rule convert_matrix:
     resources:
         mem_mb=get_mem_mb("convert"),
         runtime=get_runtime("convert"),
+    params:
+        source=get_matrix_stamp,
     script:
         "../scripts/convert_matrix.py"

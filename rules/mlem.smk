@@ -1,5 +1,7 @@
 # The float64 CPU reference MLEM of one problem (matrix x measurement), which
-# every run of that problem is measured against.
+# every run of that problem is measured against. params.measurement (here and
+# in run_mlem) is provenance, not read by the script: a user's measurement's
+# path, size and mtime, so that replacing the file reruns the reconstructions.
 rule reference_mlem:
     input:
         unpack(get_problem_input),
@@ -18,6 +20,7 @@ rule reference_mlem:
         runtime=get_runtime("mlem"),
     params:
         mlem=get_reference_params,
+        measurement=get_measurement_stamp,
     script:
         "../scripts/reference_mlem.py"
 
@@ -47,6 +50,7 @@ rule run_mlem:
         mlem=get_mlem_params,
         checkpoint=get_checkpoint,
         matrix_name="{matrix}",
+        measurement=get_measurement_stamp,
     script:
         "../scripts/run_mlem.py"
 

@@ -1,26 +1,34 @@
+# The summary of this configuration (config key name) in its own folder,
+# results/summary/{name}/: the tables as CSV and Markdown for reading and
+# scripts, the same as HTML for the report (whose viewer shows HTML and
+# images, not CSV or Markdown), and the plots.
 rule summarize:
     input:
         unpack(get_summary_input),
     output:
-        runs=report(
-            "results/summary/runs.csv",
-            caption="../report/runs.rst",
-            category="Tables",
-        ),
-        summary=report(
-            "results/summary/summary.md",
+        runs=f"{SUMMARY_DIR}/runs.csv",
+        summary=f"{SUMMARY_DIR}/summary.md",
+        summary_html=report(
+            f"{SUMMARY_DIR}/summary.html",
             caption="../report/summary.rst",
             category="Tables",
         ),
+        runs_html=report(
+            f"{SUMMARY_DIR}/runs.html",
+            caption="../report/runs.rst",
+            category="Tables",
+        ),
         plots=report(
-            directory("results/summary/plots"),
-            patterns=["{name}.png"],
+            directory(f"{SUMMARY_DIR}/plots"),
+            patterns=["{plot}.png"],
             caption="../report/plots.rst",
             category="Plots",
         ),
     log:
-        "logs/summary/summarize.log",
+        f"logs/summary/{config['name']}.log",
     conda:
         "../envs/cpu.yaml"
+    params:
+        name=config["name"],
     script:
         "../scripts/summarize.py"

@@ -1,4 +1,4 @@
-"""Rule summarize: runs.csv, summary.md and plots of every run."""
+"""Rule summarize: runs.csv, summary.md (and as HTML) and plots of every run."""
 
 import logging
 
@@ -18,5 +18,8 @@ summary = summarize(
     out_csv=snakemake.output.runs,
     out_md=snakemake.output.summary,
     out_plots=snakemake.output.plots,
+    out_html=snakemake.output.summary_html,
+    out_runs_html=snakemake.output.runs_html,
+    name=snakemake.params.name,
 )
 logging.info("summarize: %s", summary)

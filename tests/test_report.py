@@ -144,7 +144,12 @@ def test_image_plot_and_transpose_table(tmp_path):
     r = summarize([out.parent], tmp_path / "s", transpose_benchmarks=[tsv])
     assert any(p.endswith("image_tiny_memory.png") for p in r["plots"])
     md = (tmp_path / "s" / "summary.md").read_text()
-    assert "| tiny | scipy | snakemake benchmark (whole job) | 2 | 2.0000 s | 1.5000 s | 2.5000 s | 130 |" in md
+    # A benchmark without its transpose file: the whole job only; two benchmark rows: their spread.
+    head, rows = _md_section(md, "## Transposition times by method")
+    assert dict(zip(head, rows[0])) == {
+        "matrix": "tiny", "method": "scipy", "A^T of the runs": "", "transposition alone": "", "threads": "",
+        "whole job": "2.0000 s", "rest of the job": "", "jobs": "2", "whole job min": "1.5000 s",
+        "whole job max": "2.5000 s", "job's max RSS (MB)": "130"}
 
 
 def test_bad_inputs(tmp_path):
@@ -352,3 +357,179 @@ def test_scaling_plot(scaling_runs, tmp_path):
                                                             "time_per_iteration.png"]
     md = (tmp_path / "g" / "summary.md").read_text()
     assert "## Scaling over GPUs" in md and "scaling.png" not in md
+
+
+# --------------------------------------------------------------------------- what a reader sees
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the plot functions save, by file name (the files are still written)."""
+    from pathlib import Path
+
+    import mlemlib.report as report
+
+    saved = {}
+    real = report._save
+
+    def save(fig, path, dpi=110):
+        saved[Path(path).name] = fig
+        real(fig, path, dpi)
+
+    monkeypatch.setattr(report, "_save", save)
+    return saved
+
+
+def _iteration_timings(backend, fp, bp, iterations_ms, *, transpose="stored"):
+    """A timings record of one repetition whose iterations took ``iterations_ms`` (ms)."""
+    samples = {"iteration": [v * 1e-3 for v in iterations_ms]}
+    rep = {"repetition": 0, "iterations": len(iterations_ms), "resumed_at": [], "wall_s": 1.0,
+           "steps": {"iteration": stats(samples["iteration"])}, "samples": samples,
+           "accuracy": {"image_sum": 1.0, "image_sha256": "aa"}}
+    return {"config": {"matrix": "m", "data": "d", "backend": backend, "fp": fp, "bp": bp, "gpus": 1,
+                       "layout": "local", "iterations": len(iterations_ms)},
+            "backend": {"backend": backend, "transpose": transpose}, "repetitions": [rep]}
+
+
+def test_time_plot_legend_hides_no_point_and_labels_are_explained(runs, tmp_path, figures):
+    root, _, _ = runs
+    summarize([root], tmp_path / "s")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = figures["time_per_iteration.png"]
+    ax = fig.axes[0]
+    renderer = FigureCanvasAgg(fig).get_renderer()  # the saved figure's canvas is closed
+    legend, frame = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert legend.x0 >= frame.x1  # beside the axes, over no bar or point
+    points = [x for line in ax.get_lines() for x in line.get_xdata()]
+    assert len(points) == 5 and all(ax.get_xlim()[0] <= x <= ax.get_xlim()[1] for x in points)
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["cuda csr_vector/notrans x8 thesis", "cpu numba/numba+AT"]
+    assert "madpet3 / nema-seed1" in ax.get_title()  # the one problem, once
+    key = " ".join(t.get_text() for t in fig.texts).replace("\n", " ")
+    for term in ("+AT: the back projection reads a stored transpose A^T", "notrans", "xP: on P GPUs", "thesis"):
+        assert term in key
+
+
+def test_distribution_outliers_are_shown_but_do_not_set_the_scale(tmp_path, figures):
+    from mlemlib.report import group_rows, load_timings, plot_distribution, run_rows
+
+    rng = np.random.default_rng(3)
+    a = _iteration_timings("cpu", "numba", "numba", [*rng.uniform(1.0, 2.5, 60), 7.0, 13.75])
+    b = _iteration_timings("cpu", "scipy", "notrans", rng.uniform(1.5, 3.0, 60), transpose="none")
+    plot_distribution(group_rows(run_rows(load_timings([a, b]))), tmp_path / "d.png")
+    ax = figures["d.png"].axes[0]
+    low, high = ax.get_xlim()
+    assert 3.0 <= high < 4.0 and low <= 1.0  # every box and whisker, not the outliers
+    notes = [t.get_text() for t in ax.texts]
+    assert notes == ["2 beyond: 7, 13.75 ms"]
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_accuracy_plot_shows_sums_relative_to_the_reference(runs, tmp_path, figures):
+    root, _, _ = runs
+    summarize([root], tmp_path / "s")
+    ax = figures["accuracy.png"].axes[0]
+    points = sorted(x for line in ax.get_lines() if line.get_marker() == "o" for x in line.get_xdata())
+    # image sums 1000.5, 1000.25, 1000.75 and 999 (twice) against the reference's 1000
+    assert points == pytest.approx([-1e-3, -1e-3, 2.5e-4, 5e-4, 7.5e-4], rel=1e-9)
+    low, high = ax.get_xlim()
+    assert low == pytest.approx(-high) and high >= 1e-3
+    assert "(S - S_ref) / S_ref" in ax.get_xlabel()
+    assert max(abs(tick) for tick in ax.get_xticks()) < 0.01  # relative values, not sums of about 1000
+
+
+def _tiny_problem(tmp_path, voxel_size):
+    """A reconstruction of a random 8x6x4-voxel problem beside a truth 10x brighter; the run directory."""
+    from mlemlib.matrix import CSRMatrix
+    from mlemlib.mlem import InMemorySource, reconstruct, write_image
+
+    rng = np.random.default_rng(1)
+    grid = (8, 6, 4)
+    n = int(np.prod(grid))
+    m = 300
+    indptr = np.arange(0, 6 * m + 1, 6)
+    a = CSRMatrix(indptr, rng.integers(0, n, 6 * m), rng.uniform(0.1, 1, 6 * m).astype(np.float32), (m, n))
+    g = rng.poisson(5.0, m).astype(np.int32)
+    truth = tmp_path / "truth.h5"
+    write_image(truth, np.full(n, 1000.0, np.float32), grid=grid, voxel_size=voxel_size)
+    out = tmp_path / "results" / "runs" / "x" / "image.h5"
+    reconstruct(InMemorySource(a, grid=grid, voxel_size=voxel_size), g, out, iterations=3, backend="cpu",
+                truth=truth, checkpoint_every=0, matrix_name="tiny")
+    return out.parent
+
+
+def test_image_plot_has_mm_axes_one_colour_scale_and_units(tmp_path, figures):
+    from mlemlib.mlem import read_image
+
+    run = _tiny_problem(tmp_path, (2.0, 2.0, 3.0))
+    summarize([run], tmp_path / "s")
+    fig = figures["image_tiny_memory.png"]
+    images = [im for ax in fig.axes for im in ax.get_images()]
+    assert len(images) == 6  # truth and reconstruction, three slices each
+    assert {im.get_clim() for im in images} == {images[0].get_clim()}  # one colour scale
+    recon, _ = read_image(run / "image.h5")
+    assert images[0].get_clim()[1] == pytest.approx(max(np.percentile(recon, 99.9), 1000.0))
+    # 8 x 6 x 4 voxels of 2 x 2 x 3 mm, centred on 0: x in +-8, y in +-6, z in +-6 mm
+    assert [tuple(im.get_extent()) for im in images[:3]] == [(-8, 8, -6, 6), (-8, 8, -6, 6), (-6, 6, -6, 6)]
+    assert [ax.get_xlabel() for ax in fig.axes[:3]] == ["x (mm)", "x (mm)", "y (mm)"]
+    bars = [ax for ax in fig.axes if not ax.get_images()]
+    assert len(bars) == 1 and "expected counts per LOR" in bars[0].get_ylabel()
+
+
+def test_transposition_table_says_what_each_time_measures(tmp_path):
+    import h5py
+
+    from mlemlib.report import TRANSPOSE_INTRO
+
+    # The issue's numbers: ScanTrans 48.7 ms in a 5.62 s job, SciPy 149.6 ms in a 0.84 s job.
+    files = {"transpose.h5": ("scantrans", 0.0487, 64, 5.62, "m1.tsv"),
+             "transpose-scipy.h5": ("scipy", 0.1496, 1, 0.84, "m1-scipy.tsv")}
+    transposes, benchmarks = [], []
+    for name, (method, seconds, threads, job, tsv) in files.items():
+        path = tmp_path / "results" / "m1" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with h5py.File(path, "w") as f:
+            f.attrs.update(method=method, seconds=seconds, threads=threads)
+        bench = tmp_path / "benchmarks" / "transpose" / tsv
+        bench.parent.mkdir(parents=True, exist_ok=True)
+        bench.write_text(f"s\th:m:s\tmax_rss\n{job}\t0:00:01\t100.0\n")
+        transposes.append(path)
+        benchmarks.append(bench)
+    summarize([], tmp_path / "s", transposes=transposes, transpose_benchmarks=benchmarks)
+    md = (tmp_path / "s" / "summary.md").read_text()
+    head, rows = _md_section(md, "## Transposition times by method")
+    table = {r[1]: dict(zip(head, r)) for r in rows}
+    assert set(table) == {"scantrans", "scipy"} and "(configured)" not in md
+    assert (table["scantrans"]["A^T of the runs"], table["scipy"]["A^T of the runs"]) == ("yes", "")
+    for method, (_, seconds, _, job, _) in zip(("scantrans", "scipy"), files.values()):
+        assert table[method]["transposition alone"] == format_seconds(seconds)
+        assert table[method]["whole job"] == format_seconds(job)
+        assert table[method]["rest of the job"] == format_seconds(job - seconds)
+    assert "jobs" not in head  # one benchmark row each: no spread columns
+    # the text above the table says which column compares the methods
+    assert TRANSPOSE_INTRO in md and "compare methods by this column" in TRANSPOSE_INTRO
+
+
+def test_html_tables_for_the_report(runs, tmp_path):
+    from mlemlib.report import markdown_to_html
+
+    root, _, _ = runs
+    r = summarize([root], tmp_path / "s", name="mine")
+    md = (tmp_path / "s" / "summary.md").read_text()
+    html = (tmp_path / "s" / "summary.html").read_text()
+    assert r["summary_html"] == str(tmp_path / "s" / "summary.html")
+    assert html.startswith("<!DOCTYPE html>") and "<h1>MLEM runs: summary of configuration mine</h1>" in html
+    for line in md.splitlines():
+        if line.startswith("## "):
+            assert f"<h2>{line[3:]}</h2>" in html
+    assert html.count("<table>") == sum(line.startswith("|---") for line in md.splitlines()) > 3
+    assert "|---" not in html
+    assert "<td>2.0921 s</td>" in html  # a table cell of the thesis table
+    # runs.html: a header and one row per run and repetition, every column of runs.csv
+    runs_page = (tmp_path / "s" / "runs.html").read_text()
+    with open(tmp_path / "s" / "runs.csv", newline="") as fh:
+        header = next(csv.reader(fh))
+    assert runs_page.count("<tr>") == 1 + r["rows"]
+    assert all(f"<th>{c}</th>" in runs_page for c in header)
+    # escaped bars, code and emphasis of the Markdown the summary writes
+    page = markdown_to_html("| a | b\\|c |\n|---|---|\n| 1 | `x` \\| *y* |\n", "t")
+    assert "<th>b|c</th>" in page and '<td class="t"><code>x</code> | <em>y</em></td>' in page

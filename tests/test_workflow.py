@@ -8,7 +8,10 @@ minute on 2 cores; every other test is a dry run or a lint (a few seconds).
 
 from __future__ import annotations
 
+import base64
 import copy
+import csv
+import json
 import os
 import subprocess
 import sys
@@ -211,9 +214,9 @@ def finished(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_finished_run_leaves_summary_and_is_up_to_date(finished):
-    summary = finished / "results/summary"
-    assert (summary / "runs.csv").stat().st_size > 0
-    assert (summary / "summary.md").stat().st_size > 0
+    summary = finished / "results/summary/default"  # TINY has no name: the default one
+    for name in ("runs.csv", "summary.md", "summary.html", "runs.html"):
+        assert (summary / name).stat().st_size > 0
     assert any((summary / "plots").glob("*.png"))
     for run in ("cpu-auto-auto", "cpu-auto-notrans"):
         run_dir = finished / f"results/small/runs/nema-seed1/{run}/gpus-1-local"
@@ -271,3 +274,194 @@ def test_transpose_method_reruns_only_what_reads_the_transpose(finished):
     # The plan and the run with the stored transpose; not the notrans run,
     # the reference, the data, the norm or the conversion.
     assert jobs == {"transpose_matrix": 1, "partition_matrix": 1, "run_mlem": 1, "summarize": 1}
+
+
+# ------------------------------------------------- a user's own data, several configurations
+#: A second configuration, as a user writes one: their own matrix and measurement
+#: (copies of the tiny run's generated matrix and simulated measurement) under
+#: their own name.
+MINE = {
+    "name": "mine",
+    "use_gpu": False,
+    "matrices": {"mine": {"path": "data/mine.csr4", "measurements": {"scan": "data/scan.LMsino"}}},
+    "transpose": {"method": "scantrans", "compare": []},
+    "partition": {"parts": []},
+    "simulation": {"phantoms": []},
+    "mlem": {"iterations": 2, "checkpoint_every": 0, "repetitions": 1, "reference": True},
+    "runs": [{"backend": "cpu"}],
+    "bench": {"spmv": False},
+}
+
+
+def mine(matrix: str = "data/mine.csr4", measurement: str = "data/scan.LMsino") -> dict:
+    """MINE with other paths for the matrix and the measurement."""
+    config = copy.deepcopy(MINE)
+    config["matrices"]["mine"].update(path=matrix, measurements={"scan": measurement})
+    return config
+
+
+def copy_older(src: Path, dst: Path) -> Path:
+    """Copy a file and date the copy back to 2001 (older than every output)."""
+    dst.write_bytes(src.read_bytes())
+    os.utime(dst, (1e9, 1e9))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def two_configs(finished) -> Path:
+    """The tiny run's directory, where MINE then ran to the end too, and both reports were made."""
+    data = finished / "data"
+    data.mkdir()
+    copy_older(finished / "resources/small.csr4", data / "mine.csr4")
+    copy_older(finished / "results/small/data/nema-seed1.LMsino", data / "scan.LMsino")
+    proc = snakemake(finished, "--cores", "2", config=MINE, timeout=600)
+    assert proc.returncode == 0, f"workflow failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+    for config in (TINY, MINE):
+        name = config.get("name", "default")
+        proc = snakemake(finished, "--report", f"results/report-{name}.html", config=config)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return finished
+
+
+def fault_line(proc: subprocess.CompletedProcess) -> str:
+    """The one line of a failed run that names the config key (and no "Nothing to be done")."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "Nothing to be done" not in out
+    lines = [line for line in out.splitlines() if line.startswith("config matrices.")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_two_configurations_keep_their_own_summary_and_report(two_configs):
+    for name, matrix in (("default", "small"), ("mine", "mine")):
+        summary = two_configs / "results/summary" / name
+        with open(summary / "runs.csv", newline="") as fh:
+            assert {row["matrix"] for row in csv.DictReader(fh)} == {matrix}
+        assert f"summary of configuration {name}" in (summary / "summary.md").read_text()
+    # Neither makes the other look out of date, whichever is asked first.
+    assert dry_run(two_configs, TINY) == {}
+    assert dry_run(two_configs, MINE) == {}
+    assert dry_run(two_configs, TINY) == {}
+
+
+def report_results(path: Path) -> dict:
+    """The results a Snakemake report embeds: path -> {"mime_type", "data_uri", ...}."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line.startswith("var results = {"):
+            return json.loads(line[len("var results = ") :].rstrip(";"))
+    raise AssertionError(f"{path}: no results in the report")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["default", "mine"])
+def test_report_shows_every_plot_and_table(two_configs, name):
+    summary = f"results/summary/{name}"
+    results = report_results(two_configs / f"results/report-{name}.html")
+    plots = sorted(f"{summary}/plots/{p.name}" for p in (two_configs / summary / "plots").glob("*.png"))
+    expected = {"time_per_iteration.png", "time_distribution.png", "accuracy.png"}
+    assert expected <= {p.rsplit("/", 1)[1] for p in plots}
+    if name == "default":  # a simulated measurement has a truth to show
+        assert f"{summary}/plots/image_small_nema-seed1.png" in plots
+    tables = [f"{summary}/summary.html", f"{summary}/runs.html"]
+    assert sorted(results) == sorted(plots + tables)  # only this configuration's
+    # Each opens in the report's viewer: images and HTML pages, not CSV or Markdown links.
+    for path in plots:
+        assert results[path]["data_uri"].startswith("data:image/png;")
+        assert base64.b64decode(results[path]["data_uri"].split("base64,", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    for path in tables:
+        assert results[path]["data_uri"].startswith("data:text/html;")
+        page = base64.b64decode(results[path]["data_uri"].split("base64,", 1)[1]).decode()
+        assert page == (two_configs / path).read_text() and "<table>" in page
+    summary_page = base64.b64decode(results[tables[0]]["data_uri"].split("base64,", 1)[1]).decode()
+    for section in ("Time per iteration by step", "Accuracy over repetitions", "Transposition times by method"):
+        assert f"<h2>{section}</h2>" in summary_page
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("config", "line"),
+    [
+        (mine(matrix="data/my_matrx.csr4"), "config matrices.mine.path: data/my_matrx.csr4: no such file"),
+        (mine(measurement="data/scna.LMsino"), "config matrices.mine.measurements.scan: data/scna.LMsino: no such file"),
+        (mine(matrix="data"), "config matrices.mine.path: data: not a file (a directory?)"),
+        (
+            mine(matrix="data/scan.LMsino"),
+            "config matrices.mine.path: data/scan.LMsino: unsupported file type, expected a system matrix: "
+            ".csr4, .mtx, .mtx.gz, .npz or .h5",
+        ),
+        (
+            mine(measurement="data/mine.csr4"),
+            "config matrices.mine.measurements.scan: data/mine.csr4: unsupported file type, expected a "
+            "measurement: .LMsino or .sino",
+        ),
+    ],
+)
+def test_wrong_path_stops_even_where_results_of_an_earlier_path_exist(two_configs, config, line):
+    # results/mine/... of data/mine.csr4 are on disk; Snakemake alone would call them up to date.
+    assert fault_line(snakemake(two_configs, "--dry-run", config=config)) == line
+    assert fault_line(snakemake(two_configs, "--cores", "1", config=config)) == line
+
+
+@pytest.mark.slow
+def test_file_that_is_not_what_its_name_says_stops_the_dry_run(two_configs):
+    data = two_configs / "data"
+    (data / "truncated.csr4").write_bytes((data / "mine.csr4").read_bytes()[:100])
+    (data / "fake.npz").write_bytes(b"not a zip archive")
+    (data / "short.LMsino").write_bytes(bytes(4 * 10))
+    (data / "odd.LMsino").write_bytes(bytes(5))
+    cases = [
+        (mine(matrix="data/truncated.csr4"), "config matrices.mine.path: data/truncated.csr4: truncated"),
+        (mine(matrix="data/fake.npz"), "config matrices.mine.path: data/fake.npz: not a SciPy .npz (zip) file"),
+        (
+            mine(measurement="data/short.LMsino"),
+            "config matrices.mine.measurements.scan: data/short.LMsino: 10 counts, but the matrix "
+            "data/mine.csr4 has 36864 rows (LORs)",
+        ),
+        (
+            mine(measurement="data/odd.LMsino"),
+            "config matrices.mine.measurements.scan: data/odd.LMsino: size is not a multiple of 4 bytes",
+        ),
+    ]
+    for config, start in cases:
+        assert fault_line(snakemake(two_configs, "--dry-run", config=config)).startswith(start)
+
+
+@pytest.fixture
+def clone(two_configs, tmp_path) -> Path:
+    """A copy of the finished directory (file times and Snakemake's records kept) to change files in."""
+    import shutil
+
+    return Path(shutil.copytree(two_configs, tmp_path / "clone", symlinks=True))
+
+
+@pytest.mark.slow
+def test_matrix_path_changed_to_another_file_reruns_its_conversion_and_what_follows(clone):
+    copy_older(clone / "data/mine.csr4", clone / "data/other.csr4")
+    jobs = dry_run(clone, mine(matrix="data/other.csr4"))
+    assert jobs == {"convert_matrix": 1, "compute_norm": 1, "transpose_matrix": 1, "reference_mlem": 1,
+                    "run_mlem": 1, "summarize": 1}
+    # The other configuration is not touched.
+    assert dry_run(clone, TINY) == {}
+
+
+@pytest.mark.slow
+def test_matrix_replaced_by_an_older_file_reruns_its_conversion(clone):
+    # Same path, another (older) file, as cp -p or tar would leave it: its time is
+    # older than matrix.h5's, so only the recorded size and time notice it.
+    path = clone / "data/mine.csr4"
+    os.utime(path, (9e8, 9e8))
+    jobs = dry_run(clone, MINE)
+    assert jobs == {"convert_matrix": 1, "compute_norm": 1, "transpose_matrix": 1, "reference_mlem": 1,
+                    "run_mlem": 1, "summarize": 1}
+
+
+@pytest.mark.slow
+def test_measurement_path_changed_reruns_its_reconstructions(clone):
+    copy_older(clone / "data/scan.LMsino", clone / "data/scan2.LMsino")
+    assert dry_run(clone, mine(measurement="data/scan2.LMsino")) == {
+        "reference_mlem": 1, "run_mlem": 1, "summarize": 1}
+    os.utime(clone / "data/scan.LMsino", (9e8, 9e8))  # the same path, an older file
+    assert dry_run(clone, MINE) == {"reference_mlem": 1, "run_mlem": 1, "summarize": 1}

@@ -20,7 +20,7 @@
 #            workflow's summary (its "Scaling over GPUs" table). About 7 minutes.
 # Default scenarios: one-gpu two-gpu.
 # OUTDIR gets gpus.txt (nvidia-smi) and, per scenario, <scenario>.md (the checker's tables
-# and verdict) and <scenario>.tgz (logs/, benchmarks/, results/summary/, Snakemake's log,
+# and verdict) and <scenario>.tgz (logs/, benchmarks/, results/summary/*/, Snakemake's log,
 # the nvidia-smi samples). Exit status 0 when every scenario's workflow and check passed.
 set -uo pipefail
 
@@ -115,7 +115,10 @@ scenario() {
     local keep=(snakemake.log)
     for p in logs benchmarks results/summary apps.csv .snakemake/log; do [[ -e $w/$p ]] && keep+=("$p"); done
     tar czf "$out/$name.tgz" -C "$w" "${keep[@]}"
-    [[ -f $w/results/summary/summary.md ]] && cp "$w/results/summary/summary.md" "$out/$name-summary.md"
+    # results/summary/{config name}/ (default where the scenario's config sets none)
+    for md in "$w"/results/summary/*/summary.md; do
+        [[ -f $md ]] && cp "$md" "$out/$name-summary.md"
+    done
     ((rc == 0 && crc == 0)) || failed+=("$name (snakemake $rc, check $crc)")
 }
 
