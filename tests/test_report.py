@@ -440,7 +440,9 @@ def test_accuracy_plot_shows_sums_relative_to_the_reference(runs, tmp_path, figu
 def _tiny_problem(tmp_path, voxel_size):
     """A reconstruction of a random 8x6x4-voxel problem beside a truth 10x brighter; the run directory."""
     from mlemlib.matrix import CSRMatrix
-    from mlemlib.mlem import InMemorySource, reconstruct, write_image
+    from mlemlib.formats import InMemoryMatrix
+    from mlemlib.image import write_image
+    from mlemlib.mlem import reconstruct
 
     rng = np.random.default_rng(1)
     grid = (8, 6, 4)
@@ -452,13 +454,13 @@ def _tiny_problem(tmp_path, voxel_size):
     truth = tmp_path / "truth.h5"
     write_image(truth, np.full(n, 1000.0, np.float32), grid=grid, voxel_size=voxel_size)
     out = tmp_path / "results" / "runs" / "x" / "image.h5"
-    reconstruct(InMemorySource(a, grid=grid, voxel_size=voxel_size), g, out, iterations=3, backend="cpu",
+    reconstruct(InMemoryMatrix(a, grid=grid, voxel_size=voxel_size), g, out, iterations=3, backend="cpu",
                 truth=truth, checkpoint_every=0, matrix_name="tiny")
     return out.parent
 
 
 def test_image_plot_has_mm_axes_one_colour_scale_and_units(tmp_path, figures):
-    from mlemlib.mlem import read_image
+    from mlemlib.image import read_image
 
     run = _tiny_problem(tmp_path, (2.0, 2.0, 3.0))
     summarize([run], tmp_path / "s")
