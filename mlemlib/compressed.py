@@ -266,7 +266,9 @@ def _value_bits(values: np.ndarray) -> np.ndarray:
     return values.view(np.uint32 if values.dtype == np.float32 else np.uint16)
 
 
-def encode_csr(block: CSRMatrix, fmt: str = "compressed", *, source: str | os.PathLike = "<matrix>") -> dict:
+def encode_csr(
+    block: CSRMatrix, fmt: str = "compressed", *, source: str | os.PathLike = "<matrix>", row0: int = 0
+) -> dict:
     """Encode CSR rows; return the arrays of :class:`CompressedMatrix` (``slotptr`` instead of the row pointer pair).
 
     Parameters
@@ -275,8 +277,8 @@ def encode_csr(block: CSRMatrix, fmt: str = "compressed", *, source: str | os.Pa
         Rows (``indptr`` may start anywhere), columns sorted within each row.
     fmt
         ``compressed`` or ``compressed-f16``.
-    source
-        Named in error messages.
+    source, row0
+        File and global number of the block's first row, named in error messages.
 
     Returns
     -------
@@ -303,7 +305,7 @@ def encode_csr(block: CSRMatrix, fmt: str = "compressed", *, source: str | os.Pa
         k = int(indptr[r] - indptr[0] + unsorted[r] - 1)
         raise MatrixFormatError(
             source,
-            f"columns of row {r} are not sorted (column {int(indices[k])} after {int(indices[k - 1])}); "
+            f"columns of row {row0 + r} are not sorted (column {int(indices[k])} after {int(indices[k - 1])}); "
             "the compressed format stores sorted rows: sort the rows' columns first",
         )
     lens = np.diff(indptr)
@@ -485,6 +487,7 @@ class CompressedMatrix:
         *,
         validate: bool = True,
         source: str | os.PathLike = "<matrix>",
+        row0: int = 0,
     ) -> CompressedMatrix:
         """Encode a CSR matrix or row block (columns sorted within rows).
 
@@ -496,6 +499,8 @@ class CompressedMatrix:
             ``compressed`` (lossless) or ``compressed-f16`` (lossy).
         validate
             Check the CSR invariants first (row pointer, column range, values finite and >= 0).
+        source, row0
+            File and global number of the first row, for messages.
 
         Raises
         ------
@@ -503,8 +508,8 @@ class CompressedMatrix:
             An invalid matrix, or columns not sorted within a row.
         """
         if validate:
-            check_block(a, source)
-        enc = encode_csr(a, fmt, source=source)
+            check_block(a, source, row0=row0)
+        enc = encode_csr(a, fmt, source=source, row0=row0)
         return cls.from_arrays(enc["slotptr"], enc["codes"], enc["values"], enc["scale"], a.shape, enc["nnz"])
 
     @staticmethod
