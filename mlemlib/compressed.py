@@ -57,8 +57,10 @@ import numpy as np
 from numba import njit, prange
 
 from mlemlib.errors import MatrixFormatError
-from mlemlib.formats._check import chunk_bounds, check_block
 from mlemlib.matrix import CSRMatrix
+
+# mlemlib.formats (which reads and writes this format) imports this module: its
+# helpers are imported inside the functions that use them.
 
 #: Rows per block of the two-level row pointer (``rowbase`` has one entry per block).
 ROW_SHIFT = 6
@@ -508,6 +510,8 @@ class CompressedMatrix:
             An invalid matrix, or columns not sorted within a row.
         """
         if validate:
+            from mlemlib.formats._check import check_block
+
             check_block(a, source, row0=row0)
         enc = encode_csr(a, fmt, source=source, row0=row0)
         return cls.from_arrays(enc["slotptr"], enc["codes"], enc["values"], enc["scale"], a.shape, enc["nnz"])
@@ -586,6 +590,8 @@ class CompressedMatrix:
         Decodes :data:`PIECE_SLOTS` slots at a time; ``validate`` also checks
         the values (the column range is always checked).
         """
+        from mlemlib.formats._check import chunk_bounds
+
         sp = self.slotptr()
         m, n = self.shape
         blocks = []

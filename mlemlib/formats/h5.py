@@ -201,9 +201,7 @@ class MatrixH5(RowBlockReader):
         if "format" not in a:
             raise self._fault(f"missing attribute 'format' (expected {FORMAT!r}); not an mlem matrix container")
         if a["format"] != FORMAT:
-            raise self._fault(
-                f"attribute format is {a['format']!r}, expected {FORMAT!r}, 'mlem-compressed' or 'mlem-compressed-f16'"
-            )
+            raise self._fault(f"attribute format is {a['format']!r}, expected {FORMAT!r}")
         for key in ("version", "shape", "nnz", "checksum"):
             if key not in a:
                 raise self._fault(f"missing attribute {key!r}")
