@@ -456,6 +456,11 @@ class CompressedMatrix:
         m = self.shape[0]
         if self.values.dtype not in (np.float32, np.float16):
             raise TypeError(f"values must be float32 or float16, not {self.values.dtype}")
+        for name, dtype in (("rowbase", np.int64), ("rowoff", np.uint32), ("codes", np.uint8)):
+            if getattr(self, name).dtype != dtype:
+                raise TypeError(f"{name} must be {np.dtype(dtype).name}, not {getattr(self, name).dtype}")
+        if self.scale is not None and self.scale.dtype != np.float32:
+            raise TypeError(f"scale must be float32, not {self.scale.dtype}")
         if len(self.rowbase) != rowbase_length(m) or len(self.rowoff) != m + 1:
             raise ValueError(
                 f"rowbase/rowoff have {len(self.rowbase)}/{len(self.rowoff)} entries, "
