@@ -1,4 +1,4 @@
-"""``mlem convert``: any system matrix (.csr4, .mtx, .npz, .h5) -> the HDF5 container, streaming."""
+"""``mlem convert``: any system matrix (.csr4, .mtx, .npz, .h5) -> the HDF5 container (CSR or compressed), streaming."""
 
 from __future__ import annotations
 
@@ -30,6 +30,14 @@ def register(sub) -> None:
         metavar="N",
         help="elements per streamed row block (peak memory is about 8*N bytes)",
     )
+    p.add_argument(
+        "-f",
+        "--format",
+        choices=("csr", "compressed", "compressed-f16"),
+        default="csr",
+        help="matrix format of the container: csr (8 bytes per non-zero), compressed (lossless, about 5: "
+        "8-bit column deltas, exact float32 values) or compressed-f16 (lossy float16 values, about 3)",
+    )
     p.set_defaults(func=run)
 
 
@@ -37,10 +45,11 @@ def run(args: argparse.Namespace) -> int:
     """Convert ``args.input`` to ``args.out``; print a one-line summary."""
     from mlemlib.formats import convert
 
-    s = convert(args.input, args.out, max_nnz=args.chunk_nnz)
+    s = convert(args.input, args.out, max_nnz=args.chunk_nnz, fmt=args.format)
     m, n = s["shape"]
+    bpn = f"{s['bytes_per_nnz']:.2f}" if s["bytes_per_nnz"] is not None else "n/a"
     print(
-        f"{s['output']}: {m} x {n}, nnz {s['nnz']}, {s['chunks']} chunk(s), "
-        f"{s['bytes'] / 1e6:.1f} MB in {s['seconds']:.1f} s, checksum {s['checksum'][:16]}..."
+        f"{s['output']}: {m} x {n}, nnz {s['nnz']}, {s['format']} ({bpn} bytes per non-zero), "
+        f"{s['chunks']} chunk(s), {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.1f} s, checksum {s['checksum'][:16]}..."
     )
     return 0

@@ -50,6 +50,10 @@ def format_info(d: dict) -> str:
             f"  row nnz      min {d['row_nnz_min']:,}, mean {d['row_nnz_mean']:.1f}, max {d['row_nnz_max']:,}; "
             f"{d['empty_rows']:,} empty rows"
         )
+        if "bytes_per_nnz" in d:
+            bpn = d["bytes_per_nnz"]
+            lines.append(f"  bytes per non-zero: {bpn:.3f}" if bpn is not None else "  bytes per non-zero: n/a")
+            lines.append(f"  lossless: {'yes' if d['lossless'] else 'no'}")
         if d.get("grid"):
             gx, gy, gz = d["grid"]
             lines.append(f"  grid         {gx} x {gy} x {gz}")
@@ -65,7 +69,7 @@ def format_info(d: dict) -> str:
             shown = {
                 k: v
                 for k, v in d["attrs"].items()
-                if k not in ("shape", "nnz", "format", "version", "grid", "voxel_size")
+                if k not in ("shape", "nnz", "format", "version", "grid", "voxel_size", "encoding")
             }
             for k, v in sorted(shown.items()):
                 lines.append(f"  attr {k:<12} {v}")

@@ -3,7 +3,8 @@
 Supported files (see ``docs/formats.md``):
 
 - ``.csr4``: the TUM MLEM tools' system matrix (memory-mapped, read by row range),
-- ``.h5``: the project's own CSR container (chunked HDF5, read by row range),
+- ``.h5``: the project's own container (chunked HDF5, read by row range), holding
+  CSR or the compressed matrix (``compressed``, ``compressed-f16``),
 - ``.mtx`` / ``.mtx.gz``: Matrix Market; ``.npz``: SciPy sparse (read whole),
 - ``.LMsino`` / ``.sino``: measurements (raw int32 counts).
 
@@ -35,12 +36,21 @@ from mlemlib.formats.csr4 import (
     read_csr4,
     write_csr4,
 )
-from mlemlib.formats.h5 import MatrixH5, MatrixH5Writer, read_matrix_h5, write_matrix_h5
+from mlemlib.formats.compressed_h5 import (
+    CompressedH5,
+    CompressedH5Writer,
+    read_compressed_h5,
+    write_compressed_h5,
+)
+from mlemlib.formats.h5 import MatrixH5, MatrixH5Writer, _Checksum, read_matrix_h5, write_matrix_h5
 from mlemlib.formats.lmsino import read_lmsino, write_lmsino
 from mlemlib.formats.mtx import read_mtx
 from mlemlib.formats.npz import read_npz
 
 __all__ = [
+    "MATRIX_FORMATS",
+    "CompressedH5",
+    "CompressedH5Writer",
     "Csr4File",
     "Csr4Header",
     "Csr4Writer",
@@ -53,18 +63,23 @@ __all__ = [
     "info",
     "open_matrix",
     "open_source",
+    "read_compressed_h5",
     "read_csr4",
     "read_lmsino",
     "read_matrix",
     "read_matrix_h5",
     "read_mtx",
     "read_npz",
+    "write_compressed_h5",
     "write_csr4",
     "write_lmsino",
     "write_matrix_h5",
 ]
 
 log = logging.getLogger(__name__)
+
+#: Matrix formats of the container (``mlem convert --format``); ``csr`` is the default.
+MATRIX_FORMATS = ("csr", "compressed", "compressed-f16")
 
 #: suffix (lower case) -> kind
 SUFFIXES = {
@@ -99,7 +114,8 @@ def open_matrix(path: str | os.PathLike) -> Csr4File | MatrixH5 | InMemoryMatrix
 
     The result is a context manager with ``shape``, ``nnz``, ``grid``,
     ``voxel_size``, ``read_rows(start, stop)``, ``iter_chunks(max_nnz)``,
-    ``read_indptr()`` and ``to_csr()``.
+    ``read_indptr()`` and ``to_csr()``. A compressed ``.h5`` container opens
+    as a :class:`CompressedH5` (a :class:`MatrixH5` that decodes into CSR).
 
     Raises
     ------
@@ -124,7 +140,9 @@ def read_matrix(path: str | os.PathLike):
         return f.to_csr()
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DEFAULT_CHUNK_NNZ) -> dict:
+def convert(
+    src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DEFAULT_CHUNK_NNZ, fmt: str = "csr"
+) -> dict:
     """Convert any supported matrix into the container ``out`` (``matrix.h5``), streaming.
 
     ``.csr4`` and ``.h5`` inputs are read one row block of at most ``max_nnz``
@@ -143,13 +161,19 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DE
         Output container.
     max_nnz
         Elements per block.
+    fmt
+        Matrix format of the output: ``csr`` (default), ``compressed``
+        (lossless, about 5 bytes per non-zero) or ``compressed-f16`` (lossy
+        float16 values); the compressed ones encode each block as it passes
+        and need columns sorted within rows.
 
     Returns
     -------
     dict
         ``source``, ``output``, ``shape``, ``nnz``, ``chunks``, ``seconds``,
         ``bytes`` (output size), ``input_bytes``, ``checksum``, ``grid``,
-        ``voxel_size``.
+        ``voxel_size``, ``format``, ``lossless``, ``bytes_per_nnz`` (of the
+        matrix arrays, not the file).
 
     Raises
     ------
@@ -158,6 +182,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DE
     """
     if max_nnz < 1:
         raise ValueError(f"max_nnz must be >= 1, got {max_nnz}")
+    if fmt not in MATRIX_FORMATS:
+        raise ValueError(f"unknown matrix format {fmt!r}, expected one of {', '.join(MATRIX_FORMATS)}")
     src, out = Path(src), Path(out)
     if src.resolve() == out.resolve():
         raise MatrixFormatError(out, "output would overwrite the input")
@@ -172,13 +198,21 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DE
         elif isinstance(reader, MatrixH5):
             scanner_block = reader.scanner_block
             skip = {"format", "version", "shape", "nnz", "checksum", "checksum_method", "source"}
-            skip |= {"grid", "voxel_size", "scanner_block"}
+            skip |= {"grid", "voxel_size", "scanner_block", "slots", "encoding"}
             extra.update({k: v for k, v in reader.attrs.items() if k not in skip})
-        log.info("converting %s (%d x %d, nnz %d) -> %s", src, m, n, reader.nnz, out)
+        log.info("converting %s (%d x %d, nnz %d) -> %s (%s)", src, m, n, reader.nnz, out, fmt)
         chunks = 0
         done = 0
         last_log = t0
-        with MatrixH5Writer(
+        if fmt == "csr":
+            writer_cls, fmt_kw = MatrixH5Writer, {}
+        else:
+            writer_cls, fmt_kw = CompressedH5Writer, {"fmt": fmt}
+        # the writer's checksum is the input's unless the output rounds the values
+        input_sum = _Checksum() if isinstance(reader, MatrixH5) and fmt == "compressed-f16" else None
+        if input_sum is not None:
+            input_sum.update("indptr", np.zeros(1, dtype=np.int64))
+        with writer_cls(
             out,
             (m, n),
             reader.nnz,
@@ -186,10 +220,18 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DE
             grid=reader.grid,
             voxel_size=reader.voxel_size,
             scanner_block=scanner_block,
+            **fmt_kw,
             **extra,
         ) as writer:
             for _r0, r1, block in reader.iter_chunks(max_nnz):
-                writer.write_rows(block, validate=False)  # the reader validated it
+                if fmt == "csr":
+                    writer.write_rows(block, validate=False)  # the reader validated it
+                else:
+                    writer.write_rows(block, validate=False, source=src)
+                if input_sum is not None:
+                    input_sum.update("indptr", block.indptr[1:] + done)
+                    input_sum.update("indices", block.indices)
+                    input_sum.update("data", block.data)
                 chunks += 1
                 done += block.nnz
                 del block  # free it before the next block is read: one block in memory at a time
@@ -197,12 +239,15 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DE
                 if now - last_log > 10:
                     last_log = now
                     log.info("  %d/%d rows, %.1f%% of nnz, %.0f s", r1, m, 100 * done / max(reader.nnz, 1), now - t0)
-            if isinstance(reader, MatrixH5) and writer.checksum != reader.checksum:
-                raise MatrixFormatError(
-                    src,
-                    f"checksum mismatch: attribute says {reader.checksum}, data gives {writer.checksum} (file corrupted)",
-                )
+            if isinstance(reader, MatrixH5):
+                got = input_sum.hexdigest() if input_sum is not None else writer.checksum
+                if got != reader.checksum:
+                    raise MatrixFormatError(
+                        src,
+                        f"checksum mismatch: attribute says {reader.checksum}, data gives {got} (file corrupted)",
+                    )
     seconds = time.perf_counter() - t0
+    nbytes = _matrix_nbytes(out, fmt, m, int(reader.nnz))
     summary = {
         "source": os.fspath(src),
         "output": os.fspath(out),
@@ -215,9 +260,41 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DE
         "checksum": writer.checksum,
         "grid": list(reader.grid) if reader.grid else None,
         "voxel_size": list(reader.voxel_size) if reader.voxel_size else None,
+        "format": fmt,
+        "lossless": fmt != "compressed-f16",
+        "bytes_per_nnz": nbytes / reader.nnz if reader.nnz else None,
     }
     log.info("converted %s -> %s: nnz %d in %.1f s", src, out, summary["nnz"], seconds)
     return summary
+
+
+def _matrix_nbytes(path: str | os.PathLike, fmt: str, m: int, nnz: int) -> int:
+    """Bytes of the matrix arrays of a container (the CSR arrays, or the encoded ones)."""
+    if fmt == "csr":
+        return 8 * nnz + 8 * (m + 1)
+    with CompressedH5(path) as f:
+        return f.nbytes
+
+
+def _matrix_facts(reader) -> dict:
+    """``matrix_format``, ``lossless`` and ``bytes_per_nnz`` of an opened matrix of any kind."""
+    m = reader.shape[0]
+    nnz = int(reader.nnz)
+    if isinstance(reader, CompressedH5):
+        return {
+            "matrix_format": reader.format,
+            "lossless": reader.lossless,
+            "slots": reader.slots,
+            "matrix_bytes": reader.nbytes,
+            "bytes_per_nnz": reader.nbytes / nnz if nnz else None,
+        }
+    nbytes = 8 * nnz + 8 * (m + 1)  # int32 column + float32 value per element, int64 row pointer
+    return {
+        "matrix_format": "csr",
+        "lossless": True,
+        "matrix_bytes": nbytes,
+        "bytes_per_nnz": nbytes / nnz if nnz else None,
+    }
 
 
 def _row_stats(indptr: np.ndarray) -> dict:
@@ -259,7 +336,11 @@ def info(
     dict
         ``path``, ``kind``, ``bytes``, ``verdict`` (what was checked), and per
         kind: ``shape``, ``nnz``, ``density``, row statistics, ``grid``,
-        ``voxel_size``, ``flags``/``scanner`` (csr4), ``attrs`` (h5);
+        ``voxel_size``, ``matrix_format`` (csr, compressed, compressed-f16),
+        ``lossless``, ``matrix_bytes`` and ``bytes_per_nnz`` (of the matrix
+        arrays: CSR's 8 bytes per element plus the int64 row pointer, or the
+        encoded arrays; None without elements), ``slots`` (compressed),
+        ``flags``/``scanner`` (csr4), ``attrs`` (h5);
         ``length``, ``total_counts``, ``max_count``, ``zero_counts``
         (measurements).
 
@@ -305,9 +386,13 @@ def info(
                     "n_rings": geo.n_rings,
                 },
             )
+        elif isinstance(reader, CompressedH5):
+            res["format"] = f"mlem-{reader.format} container version 1 ({'lossless' if reader.lossless else 'lossy'})"
+            res["attrs"] = {k: (f"<{len(v)} bytes>" if isinstance(v, bytes) else v) for k, v in reader.attrs.items()}
         elif isinstance(reader, MatrixH5):
             res["format"] = "mlem-csr container version 1"
             res["attrs"] = {k: (f"<{len(v)} bytes>" if isinstance(v, bytes) else v) for k, v in reader.attrs.items()}
+        res.update(_matrix_facts(reader))
         indptr = reader.read_indptr()
         res.update(_row_stats(indptr))
         checked = {"csr4": ["header", "file size"], "h5": ["attributes", "dataset sizes"]}.get(kind, ["parsed"])

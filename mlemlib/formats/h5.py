@@ -119,6 +119,18 @@ def _plain(value):
     return value
 
 
+def _peek_format(path: str | os.PathLike) -> str | None:
+    """The ``format`` attribute of an HDF5 file, or None (no file, not HDF5, no such attribute)."""
+    import h5py
+
+    try:
+        with h5py.File(os.fspath(path), "r") as f:
+            value = _plain(f.attrs.get("format"))
+    except Exception:  # noqa: BLE001 - any failure: let the reader report it
+        return None
+    return value if isinstance(value, str) else None
+
+
 # --------------------------------------------------------------------------- reader
 
 
@@ -150,6 +162,17 @@ class MatrixH5(RowBlockReader):
         row pointer that does not start at 0 or end at nnz, or a grid whose
         product differs from the number of columns.
     """
+
+    def __new__(cls, path: str | os.PathLike, *args, **kwargs):
+        # One entry point for every container: a compressed one opens as its
+        # subclass (mlemlib.formats.compressed_h5.CompressedH5), so the stages
+        # that open MatrixH5 stream it as CSR unchanged.
+        if cls is MatrixH5:
+            from mlemlib.formats import compressed_h5
+
+            if _peek_format(path) in compressed_h5.FORMATS:
+                return super().__new__(compressed_h5.CompressedH5)
+        return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike) -> None:
         import h5py
@@ -215,6 +238,12 @@ class MatrixH5(RowBlockReader):
             raise self._fault(f"row pointer starts at {first}, expected 0")
         if last != self.nnz:
             raise self._fault(f"row pointer ends at {last}, expected nnz = {self.nnz}")
+        self._geometry(n)
+        self.checksum = str(a["checksum"])
+
+    def _geometry(self, n: int) -> None:
+        """Parse the optional ``grid``, ``voxel_size`` and ``scanner_block`` attributes."""
+        a = self.attrs
         self.grid = None
         self.voxel_size = None
         if "grid" in a:
@@ -231,7 +260,6 @@ class MatrixH5(RowBlockReader):
             self.voxel_size = (float(v[0]), float(v[1]), float(v[2]))
         sb = a.get("scanner_block")
         self.scanner_block = sb if isinstance(sb, bytes) else None
-        self.checksum = str(a["checksum"])
 
     # -- context management
     def close(self) -> None:

@@ -1,0 +1,491 @@
+"""CuPy launchers of ``mlemlib/kernels/compressed.cu``: the compressed matrix and the one-pass iteration on a GPU.
+
+Provides
+
+- :class:`DeviceCompressed` — a :class:`~mlemlib.compressed.CompressedMatrix`
+  in GPU memory (:meth:`DeviceCompressed.from_host`);
+- :func:`upload_csr` — CSR arrays in GPU memory for the CSR one-pass kernels
+  (any object with ``indptr``, ``indices``, ``data``, ``shape`` on the device,
+  e.g. :class:`mlemlib.backends._cuda_kernels.DeviceCSR`, works as well);
+- :func:`spmv` — ``y = A x`` on a compressed matrix (also ``A^T c`` on a
+  compressed ``A^T``), with the fused epilogues of ``spmv.cu``; deterministic;
+- :func:`scatter` — ``A^T c`` from the rows of a compressed ``A``
+  (atomics, or deterministic fixed point);
+- :func:`onepass` — the one-pass MLEM step (``fp = A f``, ``c = g / fp``,
+  ``bp = A^T c`` in one pass over ``A``) on CSR or compressed, with float
+  atomics or deterministic 64-bit fixed point; :func:`onepass_fixed` and
+  :func:`fixed_to_float` are its two halves for a multi-GPU all-reduce of the
+  integer partial sums;
+- :func:`fixed_scale`, :func:`onepass_bound` — the fixed-point scale and the
+  default bound it is chosen from.
+
+CuPy is imported inside the functions: importing this module needs neither
+CuPy nor a GPU. Nothing here synchronises the device, except the fixed-point
+paths with ``check=True`` (one 4-byte read of the overflow flag) and the
+default bounds (a reduction read back to the host).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlemlib.errors import ConfigError, DeviceError
+
+log = logging.getLogger(__name__)
+
+#: Lanes per row the kernels are compiled for.
+LANE_CHOICES = (4, 8, 16, 32)
+#: Threads per block.
+THREADS = 256
+#: Cap of a launch in full waves of the device (the kernels loop over the rest).
+WAVES = 16
+#: Extra NVRTC options (e.g. ``("-DMLEM_OP_CACHE=24",)``: trips of a row kept in registers by the one-pass kernels).
+OPTIONS: tuple[str, ...] = ()
+#: Epilogues of :func:`spmv` (as spmv.cu).
+MODE_PLAIN, MODE_CORR, MODE_UPDATE = 0, 1, 2
+#: Retries of a fixed-point launch that overflowed, each with a bound 2**20 times larger.
+FIXED_RETRIES = 3
+FIXED_RETRY_FACTOR = 2.0**20
+#: Fixed point: the bound maps below 2**FIXED_HEADROOM_BITS (of 64).
+FIXED_HEADROOM_BITS = 62
+
+
+def cupy():
+    """Import CuPy, or raise :class:`DeviceError` saying how to get it."""
+    try:
+        import cupy as cp
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise DeviceError(f"the compressed CUDA kernels need CuPy (pip install 'mlemlib[gpu]'): {exc}") from exc
+    return cp
+
+
+def kernel_source() -> str:
+    """Text of ``mlemlib/kernels/compressed.cu``."""
+    return importlib.resources.files("mlemlib.kernels").joinpath("compressed.cu").read_text()
+
+
+@functools.cache
+def _module(device_id: int, options: tuple[str, ...]) -> Any:
+    cp = cupy()
+    with cp.cuda.Device(device_id):
+        mod = cp.RawModule(code=kernel_source(), options=("--std=c++17", *options))
+        mod.compile()
+    log.debug("compiled compressed.cu for device %d", device_id)
+    return mod
+
+
+@functools.cache
+def _function_on(name: str, device_id: int, options: tuple[str, ...]) -> Any:
+    return _module(device_id, options).get_function(name)
+
+
+def function(name: str) -> Any:
+    """Kernel ``name`` of compressed.cu, compiled for the current device (memoized)."""
+    return _function_on(name, cupy().cuda.Device().id, OPTIONS)
+
+
+@functools.cache
+def _device_shape(device_id: int) -> tuple[int, int]:
+    p = cupy().cuda.runtime.getDeviceProperties(device_id)
+    return int(p["multiProcessorCount"]), int(p["maxThreadsPerMultiProcessor"])
+
+
+def _launch_rows(fn: Any, m: int, lanes: int, args: tuple) -> None:
+    """Launch a row kernel: ``lanes`` per row, grid-stride, capped at :data:`WAVES` waves."""
+    sms, per_sm = _device_shape(cupy().cuda.Device().id)
+    rows_per_block = THREADS // lanes
+    needed = max(1, -(-m // rows_per_block))
+    cap = max(1, sms * max(1, per_sm // THREADS) * WAVES)
+    fn((min(needed, cap),), (THREADS,), args)
+
+
+def choose_lanes(mean_slots_per_row: float, cap: int = 32) -> int:
+    """Lanes per row: the power of two at or above the mean row length (one slot per lane per trip), in [4, cap]."""
+    if cap not in LANE_CHOICES:
+        raise ValueError(f"cap must be one of {LANE_CHOICES}, got {cap}")
+    if not math.isfinite(mean_slots_per_row) or mean_slots_per_row <= LANE_CHOICES[0]:
+        return LANE_CHOICES[0]
+    lanes = 1 << math.ceil(math.log2(mean_slots_per_row))
+    return int(min(max(lanes, LANE_CHOICES[0]), cap))
+
+
+def _lanes(lanes: int | None, default: int) -> int:
+    lanes = default if lanes is None else int(lanes)
+    if lanes not in LANE_CHOICES:
+        raise ConfigError("lanes", f"lanes per row must be one of {LANE_CHOICES}, got {lanes}")
+    return lanes
+
+
+def _check_vector(name: str, v: Any, size: int) -> None:
+    cp = cupy()
+    if not isinstance(v, cp.ndarray) or v.dtype != cp.float32 or v.shape != (size,) or not v.flags.c_contiguous:
+        raise ValueError(f"{name} must be a contiguous float32 CuPy vector of {size} entries")
+
+
+# --------------------------------------------------------------------------- matrices on the device
+@dataclass
+class DeviceCompressed:
+    """A compressed matrix in GPU memory (arrays as in :class:`mlemlib.compressed.CompressedMatrix`)."""
+
+    rowbase: Any
+    rowoff: Any
+    codes: Any
+    values: Any
+    scale: Any | None
+    shape: tuple[int, int]
+    nnz: int
+
+    @classmethod
+    def from_host(cls, a) -> DeviceCompressed:
+        """Upload a :class:`~mlemlib.compressed.CompressedMatrix` (its row pointer must start at slot 0)."""
+        cp = cupy()
+        if a.shape[0] >= 0 and int(a.rowbase[0]) + int(a.rowoff[0]) != 0:
+            raise ValueError("the row pointer must start at slot 0 (use row_range or read_encoded, which rebase)")
+        scale = cp.asarray(a.scale) if a.scale is not None else None
+        return cls(
+            cp.asarray(a.rowbase), cp.asarray(a.rowoff), cp.asarray(a.codes), cp.asarray(a.values), scale,
+            a.shape, a.nnz,
+        )
+
+    @property
+    def format(self) -> str:
+        return "compressed" if self.scale is None else "compressed-f16"
+
+    @property
+    def lossless(self) -> bool:
+        return self.scale is None
+
+    @property
+    def slots(self) -> int:
+        return int(self.codes.size)
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.scale.nbytes if self.scale is not None else 0
+        return int(self.rowbase.nbytes + self.rowoff.nbytes + self.codes.nbytes + self.values.nbytes + extra)
+
+    def lanes(self, cap: int = 32) -> int:
+        """Default lanes per row: from the mean slots per row."""
+        return choose_lanes(self.slots / self.shape[0] if self.shape[0] else 0.0, cap)
+
+    def max_value(self) -> float:
+        """An upper bound of the matrix's values (exact for float32; ``max(scale) * 32768`` for float16)."""
+        cp = cupy()
+        if self.slots == 0:
+            return 0.0
+        if self.scale is None:
+            return float(cp.max(cp.where(self.codes < 254, self.values, cp.float32(0))))
+        return float(cp.max(self.scale)) * 32768.0 if self.scale.size else 0.0
+
+    def kernel_args(self) -> tuple:
+        """``(rp, roff, idx, val, scale)`` as the kernels take them."""
+        return (self.rowbase, self.rowoff, self.codes, self.values, self.scale if self.scale is not None else self.values)
+
+    @property
+    def kind(self) -> str:
+        """Kernel name part: ``cmp`` or ``cmp16``."""
+        return "cmp" if self.scale is None else "cmp16"
+
+
+@dataclass
+class DeviceCSRArrays:
+    """CSR arrays in GPU memory: int64 ``indptr`` (from 0), int32 ``indices``, float32 ``data``."""
+
+    indptr: Any
+    indices: Any
+    data: Any
+    shape: tuple[int, int]
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.size)
+
+
+def upload_csr(a) -> DeviceCSRArrays:
+    """Upload a host :class:`~mlemlib.matrix.CSRMatrix` (``indptr`` rebased to 0)."""
+    cp = cupy()
+    ip = np.asarray(a.indptr, dtype=np.int64)
+    return DeviceCSRArrays(
+        cp.asarray(ip - ip[0]),
+        cp.asarray(np.asarray(a.indices, dtype=np.int32)),
+        cp.asarray(np.asarray(a.data, dtype=np.float32)),
+        tuple(a.shape),
+    )
+
+
+def _matrix_args(a) -> tuple[str, tuple, float]:
+    """(kernel name part, the five matrix arguments, mean slots per row) of a compressed or CSR device matrix."""
+    if isinstance(a, DeviceCompressed):
+        m = a.shape[0]
+        return a.kind, a.kernel_args(), (a.slots / m if m else 0.0)
+    if all(hasattr(a, k) for k in ("indptr", "indices", "data", "shape")):
+        m = a.shape[0]
+        nnz = int(a.indices.size)
+        return "csr", (a.indptr, a.indptr, a.indices, a.data, a.data), (nnz / m if m else 0.0)
+    raise TypeError(f"expected a DeviceCompressed or device CSR arrays, got {type(a).__name__}")
+
+
+# --------------------------------------------------------------------------- fixed point
+def fixed_scale(bound: float) -> float:
+    """The power of two ``scale`` with ``bound * scale < 2**62`` (``2**62`` for a bound of 0).
+
+    Each fixed-point term is then off by at most ``0.5 / scale <= bound * 2**-62``.
+
+    Raises
+    ------
+    ValueError
+        For a negative or non-finite bound.
+    """
+    bound = float(bound)
+    if not math.isfinite(bound) or bound < 0:
+        raise ValueError(f"fixed-point bound must be finite and >= 0, got {bound}")
+    if bound == 0:
+        return 2.0**FIXED_HEADROOM_BITS
+    _, e = math.frexp(bound)  # bound < 2**e
+    k = min(max(FIXED_HEADROOM_BITS - e, -1000), 1000)
+    return math.ldexp(1.0, k)
+
+
+def onepass_bound(g: Any, f: Any) -> float:
+    """Upper bound of every ``bp_j`` with ``f_j > 0`` in a one-pass step: ``sum(g) / min(f_j > 0)``.
+
+    From ``sum_j f_j bp_j = sum_i c_i fp_i <= sum_i g_i`` with every term
+    >= 0. Voxels with ``f_j = 0`` are not covered (their ``bp_j`` may exceed
+    it; the fixed-point kernels then flag an overflow and :func:`onepass`
+    retries). On several GPUs use the global ``sum(g)`` so every GPU takes the
+    same scale. Reads two reductions back to the host.
+    """
+    cp = cupy()
+    total = float(cp.sum(g, dtype=cp.float64))
+    pos = f[f > 0]
+    if total <= 0 or pos.size == 0:
+        return 0.0
+    return total / float(cp.min(pos))
+
+
+def fixed_to_float(acc: Any, out: Any, scale: float) -> Any:
+    """``out = acc / scale`` as float32 (the deterministic kernels' final step)."""
+    cp = cupy()
+    n = int(acc.size)
+    if acc.dtype != cp.uint64 or out.dtype != cp.float32 or out.size != n:
+        raise ValueError("acc must be uint64 and out float32 of the same length")
+    if n:
+        sms, per_sm = _device_shape(cp.cuda.Device().id)
+        blocks = min(-(-n // THREADS), sms * max(1, per_sm // THREADS) * WAVES)
+        function("fixed_to_float")((blocks,), (THREADS,), (acc, out, np.int64(n), np.float64(1.0 / scale)))
+    return out
+
+
+# --------------------------------------------------------------------------- launches
+def spmv(
+    a: DeviceCompressed,
+    x: Any,
+    out: Any = None,
+    *,
+    lanes: int | None = None,
+    mode: int = MODE_PLAIN,
+    aux0: Any = None,
+    aux1: Any = None,
+) -> Any:
+    """``out = A x`` on a compressed matrix (the back projection on a compressed ``A^T`` likewise).
+
+    ``mode`` as :func:`mlemlib.backends._cuda_kernels.spmv`: ``MODE_CORR``
+    writes ``aux0 / (A x)`` (0 where ``A x`` is 0), ``MODE_UPDATE`` writes
+    ``aux0 * (A x) / aux1`` (``aux0 * (A x)`` where ``aux1`` is 0; ``out`` may
+    be ``aux0``). Deterministic. Returns ``out``.
+    """
+    cp = cupy()
+    if not isinstance(a, DeviceCompressed):
+        raise TypeError("spmv takes a DeviceCompressed (CSR has mlemlib.backends._cuda_kernels.spmv)")
+    m, n = a.shape
+    _check_vector("x", x, n)
+    if out is None:
+        out = cp.empty(m, dtype=cp.float32)
+    _check_vector("out", out, m)
+    if mode != MODE_PLAIN:
+        _check_vector("aux0", aux0, m)
+        if mode == MODE_UPDATE:
+            _check_vector("aux1", aux1, m)
+    if m == 0:
+        return out
+    L = _lanes(lanes, a.lanes())
+    fn = function(f"{a.kind}_spmv_{L}")
+    a0 = aux0 if aux0 is not None else out
+    a1 = aux1 if aux1 is not None else out
+    _launch_rows(fn, m, L, (*a.kernel_args(), x, out, np.int64(m), np.int32(mode), a0, a1))
+    return out
+
+
+def _fixed_loop(launch, acc: Any, flag: Any, bound: float, check: bool, stats: dict | None) -> float:
+    """Run a fixed-point launch, retrying with a larger bound on overflow; return the scale used."""
+    scale = fixed_scale(bound)
+    for attempt in range(FIXED_RETRIES + 1):
+        acc.fill(0)
+        flag.fill(0)
+        launch(scale)
+        if not check:
+            break
+        bad = int(flag.get()[0])
+        if bad == 0:
+            break
+        if attempt == FIXED_RETRIES:
+            raise DeviceError(f"fixed-point accumulation overflowed (flag {bad}) after {FIXED_RETRIES} larger bounds")
+        log.info("fixed-point overflow (flag %d) at scale 2^%d; retrying", bad, round(math.log2(scale)))
+        bound = max(bound, 1e-300) * FIXED_RETRY_FACTOR
+        scale = fixed_scale(bound)
+        if stats is not None:
+            stats["retries"] = stats.get("retries", 0) + 1
+    if stats is not None:
+        stats["scale"] = scale
+        stats["bound"] = bound
+    return scale
+
+
+def scatter(
+    a: DeviceCompressed,
+    c: Any,
+    out: Any = None,
+    *,
+    lanes: int | None = None,
+    deterministic: bool = False,
+    bound: float | None = None,
+    check: bool = True,
+    stats: dict | None = None,
+) -> Any:
+    """``out = A^T c`` from the rows of a compressed ``A`` (no transpose).
+
+    With ``deterministic=False`` float atomics (order-dependent); with
+    ``True`` 64-bit fixed point (bit-reproducible), its scale from ``bound``
+    (default ``sum(c) * max(A)``, which bounds every output). ``stats``
+    receives ``scale``, ``bound`` and ``retries``. Returns ``out``.
+    """
+    cp = cupy()
+    m, n = a.shape
+    _check_vector("c", c, m)
+    if out is None:
+        out = cp.empty(n, dtype=cp.float32)
+    _check_vector("out", out, n)
+    L = _lanes(lanes, a.lanes())
+    args = a.kernel_args()
+    if not deterministic:
+        out.fill(0)
+        if m:
+            _launch_rows(function(f"scatter_{a.kind}_{L}"), m, L, (*args, c, out, np.int64(m)))
+        return out
+    if bound is None:
+        bound = float(cp.sum(c, dtype=cp.float64)) * a.max_value()
+    acc = cp.empty(n, dtype=cp.uint64)
+    flag = cp.zeros(1, dtype=cp.int32)
+    fn = function(f"scatter_det_{a.kind}_{L}")
+
+    def launch(scale: float) -> None:
+        if m:
+            _launch_rows(fn, m, L, (*args, c, acc, np.float64(scale), flag, np.int64(m)))
+
+    scale = _fixed_loop(launch, acc, flag, bound, check, stats)
+    return fixed_to_float(acc, out, scale)
+
+
+def onepass_fixed(
+    a: Any,
+    g: Any,
+    f: Any,
+    acc: Any,
+    fp: Any,
+    scale: float,
+    flag: Any,
+    *,
+    lanes: int | None = None,
+) -> None:
+    """The deterministic one-pass kernel alone: ``acc += rint(c_i a_ij * scale)``, ``fp = A f``.
+
+    ``acc`` (uint64, n) must be zero (or hold other GPUs' partial sums of
+    the same scale) and ``flag`` (int32, 1) zero; nothing is synchronised.
+    For several GPUs: every GPU runs this on its row block with the same
+    ``scale`` (and ``lanes``), the ``acc`` arrays are summed as uint64
+    (e.g. an NCCL all-reduce), then :func:`fixed_to_float` gives ``bp``:
+    bit-identical for every GPU count.
+    """
+    kind, args, mean = _matrix_args(a)
+    m, n = a.shape
+    L = _lanes(lanes, choose_lanes(mean))
+    if m:
+        _launch_rows(
+            function(f"onepass_det_{kind}_{L}"), m, L, (*args, f, g, fp, acc, np.float64(scale), flag, np.int64(m))
+        )
+
+
+def onepass(
+    a: Any,
+    g: Any,
+    f: Any,
+    *,
+    bp: Any = None,
+    fp: Any = None,
+    lanes: int | None = None,
+    deterministic: bool = False,
+    bound: float | None = None,
+    check: bool = True,
+    stats: dict | None = None,
+) -> tuple[Any, Any]:
+    """One-pass MLEM step on the GPU: ``fp = A f``, ``c = g / fp`` (0 where fp is 0), ``bp = A^T c``.
+
+    Parameters
+    ----------
+    a
+        A :class:`DeviceCompressed` or device CSR arrays (:func:`upload_csr`,
+        :class:`~mlemlib.backends._cuda_kernels.DeviceCSR`).
+    g, f
+        float32 CuPy vectors (m and n).
+    bp, fp
+        Outputs (float32, n and m), allocated when None.
+    lanes
+        Lanes per row (default from the mean row length). For bit-identical
+        results across GPU counts every GPU must use the same value.
+    deterministic
+        False: float atomics (fast, order-dependent). True: 64-bit fixed
+        point (bit-reproducible), its scale from ``bound`` (default
+        :func:`onepass_bound`), retried with a larger bound on overflow when
+        ``check`` (one flag read).
+    stats
+        Receives ``scale``, ``bound``, ``retries`` (deterministic only).
+
+    Returns
+    -------
+    (bp, fp)
+    """
+    cp = cupy()
+    kind, args, mean = _matrix_args(a)
+    m, n = a.shape
+    _check_vector("g", g, m)
+    _check_vector("f", f, n)
+    if bp is None:
+        bp = cp.empty(n, dtype=cp.float32)
+    if fp is None:
+        fp = cp.empty(m, dtype=cp.float32)
+    _check_vector("bp", bp, n)
+    _check_vector("fp", fp, m)
+    L = _lanes(lanes, choose_lanes(mean))
+    if not deterministic:
+        bp.fill(0)
+        if m:
+            _launch_rows(function(f"onepass_{kind}_{L}"), m, L, (*args, f, g, fp, bp, np.int64(m)))
+        return bp, fp
+    if bound is None:
+        bound = onepass_bound(g, f)
+    acc = cp.empty(n, dtype=cp.uint64)
+    flag = cp.zeros(1, dtype=cp.int32)
+
+    def launch(scale: float) -> None:
+        onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=L)
+
+    scale = _fixed_loop(launch, acc, flag, bound, check, stats)
+    fixed_to_float(acc, bp, scale)
+    return bp, fp

@@ -1,0 +1,520 @@
+"""The compressed matrix in the project's HDF5 container (h5py; host memory, NumPy).
+
+Layout (see ``docs/formats.md``, "The compressed matrix" and
+:mod:`mlemlib.compressed`), for ``m`` rows, ``nnz`` elements and ``S`` slots::
+
+    /rowbase  int64[m // 64 + 1]   slot offset of rows 0, 64, 128, ...
+    /rowoff   uint32[m + 1]        slot offset of row r minus rowbase[r >> 6]
+    /codes    uint8[S]             column delta (0..253) or marker code (254, 255)
+    /values   float32[S]           values and marker deltas (float16[S] in compressed-f16)
+    /scale    float32[m]           compressed-f16 only: power-of-two row scales
+    attrs: format="mlem-compressed" | "mlem-compressed-f16", version=1,
+           shape=(m, n), nnz, slots, checksum, checksum_method, source,
+           optional grid, voxel_size, scanner_block, extras (kind, ...).
+
+The ``checksum`` is the CSR container's checksum of the *decoded* matrix
+(:func:`mlemlib.formats.h5.checksum_arrays` of its int64 row pointer, int32
+columns and float32 values), so a lossless container has the same checksum as
+the CSR container of the same matrix.
+
+:class:`CompressedH5` is a :class:`~mlemlib.formats.h5.MatrixH5` (opening a
+compressed file with ``MatrixH5(path)`` or :func:`mlemlib.formats.open_matrix`
+returns one): ``read_rows`` and ``iter_chunks`` decode into CSR, so every
+stage that streams a matrix streams this one; :meth:`CompressedH5.read_encoded`
+returns the raw encoded arrays of a row range (for a GPU upload).
+:class:`CompressedH5Writer` encodes CSR row blocks as they stream in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from mlemlib._io import atomic_path
+from mlemlib.compressed import (
+    CODE_HIGH,
+    ROW_BLOCK,
+    ROW_SHIFT,
+    VALUE_DTYPES,
+    CompressedMatrix,
+    decode_slots,
+    encode_csr,
+    rowbase_length,
+    unpack_rowptr,
+)
+from mlemlib.errors import MatrixFormatError
+from mlemlib.formats._check import DEFAULT_CHUNK_NNZ, RowBlockWriter, check_range, check_row_ends, chunk_bounds
+from mlemlib.formats.h5 import CHECKSUM_METHOD, CHUNK_BYTES, RESERVED_ATTRS, MatrixH5, _Checksum, _chunk, _plain
+from mlemlib.matrix import CSRMatrix
+
+log = logging.getLogger(__name__)
+
+#: ``format`` attribute -> matrix format name (``mlem convert --format``).
+FORMATS = {"mlem-compressed": "compressed", "mlem-compressed-f16": "compressed-f16"}
+#: matrix format name -> ``format`` attribute.
+FORMAT_ATTRS = {v: k for k, v in FORMATS.items()}
+VERSION = 1
+#: Attributes the writer sets itself.
+RESERVED = RESERVED_ATTRS | {"slots", "encoding"}
+#: A short statement of the encoding, stored as attribute ``encoding``.
+ENCODING = (
+    "row r = slots [rowbase[r>>6]+rowoff[r], rowbase[(r+1)>>6]+rowoff[r+1]); per slot: code 0..253 = column delta "
+    "(element), 255 = marker adding the slot's value bits, 254 = marker adding bits<<16; column starts at 0 per row"
+)
+#: Slots read per piece by the whole-file passes.
+PIECE_SLOTS = 1 << 24
+
+
+def _datasets(fmt: str) -> dict[str, np.dtype]:
+    d = {
+        "rowbase": np.dtype("<i8"),
+        "rowoff": np.dtype("<u4"),
+        "codes": np.dtype("u1"),
+        "values": VALUE_DTYPES[fmt].newbyteorder("<"),
+    }
+    if fmt == "compressed-f16":
+        d["scale"] = np.dtype("<f4")
+    return d
+
+
+class CompressedH5(MatrixH5):
+    """Reader of a compressed container; same interface as :class:`MatrixH5`, plus the encoded arrays.
+
+    ``read_rows``, ``iter_chunks`` and ``to_csr`` decode into CSR;
+    ``read_indptr`` is the CSR row pointer (counting a range's elements
+    reads its codes: one byte per slot). :meth:`read_encoded` and
+    :meth:`read_slotptr` give the encoding itself.
+
+    Attributes
+    ----------
+    format : str
+        ``compressed`` or ``compressed-f16``.
+    lossless : bool
+    slots : int
+        Stored slots (elements plus markers).
+    nbytes : int
+        Bytes of the encoded arrays.
+    bytes_per_nnz : float
+
+    Raises
+    ------
+    MatrixFormatError
+        On open: a bad ``format``/``version``, missing or malformed
+        attributes, missing datasets or wrong dtypes, sizes that disagree with
+        ``shape``/``nnz``/``slots``, a slot pointer that does not start at 0 or
+        end at ``slots``, a bad grid. On read: a slot pointer that decreases or
+        leaves ``[0, slots]``, column deltas that decode outside ``[0, n)``,
+        non-finite or negative values, row scales that are not finite and
+        positive; on a whole pass: an element count other than ``nnz``, a
+        checksum mismatch.
+    """
+
+    def _open(self) -> None:
+        f = self._f
+        self.attrs = {k: _plain(v) for k, v in f.attrs.items()}
+        a = self.attrs
+        fmt_attr = a.get("format")
+        if fmt_attr not in FORMATS:
+            raise self._fault(f"attribute format is {fmt_attr!r}, expected one of {', '.join(map(repr, FORMATS))}")
+        self.format = FORMATS[fmt_attr]
+        self.lossless = self.format == "compressed"
+        for key in ("version", "shape", "nnz", "slots", "checksum"):
+            if key not in a:
+                raise self._fault(f"missing attribute {key!r}")
+        if a["version"] != VERSION:
+            raise self._fault(f"unsupported container version {a['version']!r}, expected {VERSION}")
+        shape = a["shape"]
+        if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(v, int) and v >= 0 for v in shape)):
+            raise self._fault(f"attribute shape is {shape!r}, expected two non-negative integers")
+        for key in ("nnz", "slots"):
+            if not isinstance(a[key], int) or a[key] < 0:
+                raise self._fault(f"attribute {key} is {a[key]!r}, expected a non-negative integer")
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.nnz = int(a["nnz"])
+        self.slots = int(a["slots"])
+        m, n = self.shape
+        if n > np.iinfo(np.int32).max:
+            raise self._fault(f"{n} columns exceed the int32 column index range")
+        if self.nnz > self.slots:
+            raise self._fault(f"attribute nnz = {self.nnz} exceeds slots = {self.slots}")
+        expected = {"rowbase": rowbase_length(m), "rowoff": m + 1, "codes": self.slots, "values": self.slots, "scale": m}
+        what = {"rowbase": "shape[0] // 64 + 1", "rowoff": "shape[0] + 1", "codes": "slots", "values": "slots",
+                "scale": "shape[0]"}
+        self._ds = {}
+        for name, dtype in _datasets(self.format).items():
+            if name not in f:
+                raise self._fault(f"missing dataset /{name}")
+            ds = f[name]
+            if not hasattr(ds, "dtype"):
+                raise self._fault(f"/{name} is a group, expected a dataset")
+            if ds.dtype != dtype or ds.ndim != 1:
+                raise self._fault(f"dataset /{name} is {ds.dtype}{list(ds.shape)}, expected 1-D {dtype.name}")
+            if ds.shape[0] != expected[name]:
+                raise self._fault(
+                    f"dataset /{name} has {ds.shape[0]} entries, but attribute {what[name]} = {expected[name]}"
+                )
+            self._ds[name] = ds
+        first = int(self._ds["rowbase"][0]) + int(self._ds["rowoff"][0])
+        last = int(self._ds["rowbase"][m >> ROW_SHIFT]) + int(self._ds["rowoff"][m])
+        if first != 0:
+            raise self._fault(f"slot pointer starts at {first}, expected 0")
+        if last != self.slots:
+            raise self._fault(f"slot pointer ends at {last}, expected slots = {self.slots}")
+        self._geometry(n)
+        self.checksum = str(a["checksum"])
+        self._indptr: np.ndarray | None = None
+        self.nbytes = int(sum(ds.shape[0] * ds.dtype.itemsize for ds in self._ds.values()))
+        self.bytes_per_nnz = self.nbytes / self.nnz if self.nnz else math.inf
+
+    def __repr__(self) -> str:
+        return f"CompressedH5({self.source!r}, {self.format}, shape={self.shape}, nnz={self.nnz}, slots={self.slots})"
+
+    # -- row pointers
+    def _slotptr(self, start: int, stop: int) -> np.ndarray:
+        """Absolute slot offsets of rows ``start .. stop`` (``stop - start + 1`` values), unchecked."""
+        rb = self._read("rowbase", start >> ROW_SHIFT, (stop >> ROW_SHIFT) + 1)
+        ro = self._read("rowoff", start, stop + 1)
+        return unpack_rowptr(rb, ro, start)
+
+    def read_slotptr(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The slot pointer of rows ``[start, stop)`` (``stop - start + 1`` absolute int64 offsets), validated."""
+        stop = self.shape[0] if stop is None else stop
+        start, stop = check_range(start, stop, self.shape[0], self.source)
+        sp = self._slotptr(start, stop)
+        check_row_ends(sp[1:], int(sp[0]), self.slots, self.source, row0=start, what="slot pointer")
+        return sp
+
+    def read_indptr(self) -> np.ndarray:
+        """The CSR row pointer (elements, ``m + 1`` entries); reads every code once, then cached."""
+        if self._indptr is None:
+            sp = self.read_slotptr()
+            m = self.shape[0]
+            counts = np.empty(m, dtype=np.int64)
+            for r0, r1 in chunk_bounds(sp, PIECE_SLOTS):
+                codes = self._read("codes", int(sp[r0]), int(sp[r1]))
+                marks = np.zeros(len(codes) + 1, dtype=np.int64)
+                np.cumsum(codes >= CODE_HIGH, out=marks[1:])
+                local = sp[r0 : r1 + 1] - sp[r0]
+                counts[r0:r1] = np.diff(local) - np.diff(marks[local])
+            indptr = np.zeros(m + 1, dtype=np.int64)
+            np.cumsum(counts, out=indptr[1:])
+            if int(indptr[-1]) != self.nnz:
+                raise self._fault(f"the codes hold {int(indptr[-1])} elements, attribute nnz = {self.nnz}")
+            self._indptr = indptr
+        return self._indptr
+
+    def chunk_bounds(self, max_nnz: int = DEFAULT_CHUNK_NNZ) -> list[tuple[int, int]]:
+        """Row blocks of at most ``max_nnz`` slots (so at most ``max_nnz`` elements); a longer row is a block of its own."""
+        return chunk_bounds(self.read_slotptr(), max_nnz)
+
+    # -- reads
+    def read_encoded(self, start: int, stop: int, *, validate: bool = True) -> CompressedMatrix:
+        """Rows ``[start, stop)`` as encoded (for a GPU upload); only that range is read.
+
+        Parameters
+        ----------
+        start, stop
+            Row range, ``0 <= start <= stop <= m``.
+        validate
+            Decode the range once to check its columns and values (the slot
+            pointer is always checked).
+
+        Returns
+        -------
+        CompressedMatrix
+            Shape ``(stop - start, n)``, its row pointer rebased to slot 0.
+        """
+        start, stop = check_range(start, stop, self.shape[0], self.source)
+        sp = self.read_slotptr(start, stop)
+        lo, hi = int(sp[0]), int(sp[-1])
+        codes = self._read("codes", lo, hi)
+        values = self._read("values", lo, hi)
+        scale = self._read("scale", start, stop) if not self.lossless else None
+        if validate:
+            nnz = decode_slots(
+                sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo
+            ).nnz
+        else:
+            nnz = int(np.count_nonzero(codes < CODE_HIGH))
+        return CompressedMatrix.from_arrays(sp - lo, codes, values, scale, (stop - start, self.shape[1]), nnz)
+
+    def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
+        """Rows ``[start, stop)`` decoded into CSR (``indptr`` from 0).
+
+        The column range is always checked (the decoder must stay inside the
+        image); ``validate`` also checks the values.
+        """
+        start, stop = check_range(start, stop, self.shape[0], self.source)
+        sp = self.read_slotptr(start, stop)
+        lo, hi = int(sp[0]), int(sp[-1])
+        codes = self._read("codes", lo, hi)
+        values = self._read("values", lo, hi)
+        scale = self._read("scale", start, stop) if not self.lossless else None
+        return decode_slots(
+            sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo, check_values=validate
+        )
+
+    def compute_checksum(self) -> str:
+        """The checksum of the decoded matrix, decoding it piece by piece; also checks the element count."""
+        c = _Checksum()
+        c.update("indptr", np.zeros(1, dtype=np.int64))
+        done = 0
+        for r0, r1 in chunk_bounds(self.read_slotptr(), PIECE_SLOTS):
+            block = self.read_rows(r0, r1, validate=False)
+            c.update("indptr", block.indptr[1:] + done)
+            c.update("indices", block.indices)
+            c.update("data", block.data)
+            done += block.nnz
+        if done != self.nnz:
+            raise self._fault(f"the codes hold {done} elements, attribute nnz = {self.nnz}")
+        return c.hexdigest()
+
+
+# --------------------------------------------------------------------------- writer
+class CompressedH5Writer(RowBlockWriter):
+    """Streaming, atomic writer of a compressed container; encodes CSR row blocks as they come.
+
+    Takes the same arguments as :class:`~mlemlib.formats.h5.MatrixH5Writer`
+    plus ``fmt``; :meth:`write_rows` takes CSR blocks (columns sorted within
+    rows), :meth:`write_encoded` already encoded ones. Each block is encoded
+    on its own (rows are independent), so peak memory is about one block. The
+    checksum is that of the decoded matrix (equal to the CSR container's for
+    ``compressed``).
+
+    Parameters
+    ----------
+    path, shape, nnz, source, grid, voxel_size, scanner_block, **attrs
+        As for :class:`~mlemlib.formats.h5.MatrixH5Writer`.
+    fmt
+        ``compressed`` (lossless) or ``compressed-f16`` (lossy).
+
+    Raises
+    ------
+    ValueError
+        A reserved attribute name, an unknown ``fmt``, an inconsistent grid.
+    MatrixFormatError
+        A block that does not fit, fails validation or has unsorted rows.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        shape: tuple[int, int],
+        nnz: int,
+        *,
+        fmt: str = "compressed",
+        source: str = "",
+        grid: tuple[int, int, int] | None = None,
+        voxel_size: tuple[float, float, float] | None = None,
+        scanner_block: bytes | None = None,
+        **attrs,
+    ) -> None:
+        import h5py
+
+        if fmt not in FORMAT_ATTRS:
+            raise ValueError(f"unknown compressed format {fmt!r}, expected one of {', '.join(FORMAT_ATTRS)}")
+        self.fmt = fmt
+        self.path = Path(path)
+        m, n = int(shape[0]), int(shape[1])
+        self.shape = (m, n)
+        self.nnz = int(nnz)
+        if m < 0 or n < 0 or self.nnz < 0:
+            raise ValueError(f"bad shape {shape} or nnz {nnz}")
+        if n > np.iinfo(np.int32).max:
+            raise ValueError(f"n = {n} exceeds the int32 column index range")
+        bad = RESERVED.intersection(attrs)
+        if bad:
+            raise ValueError(f"reserved attribute names {sorted(bad)}; pass them as keywords")
+        if grid is not None:
+            grid = tuple(int(g) for g in grid)
+            if len(grid) != 3 or math.prod(grid) != n:
+                raise ValueError(f"grid {grid} does not multiply to n = {n}")
+        if voxel_size is not None:
+            voxel_size = tuple(float(v) for v in voxel_size)
+            if len(voxel_size) != 3:
+                raise ValueError(f"voxel_size {voxel_size} needs 3 values")
+        self._rows = 0
+        self._written = 0
+        self._slots = 0
+        self._rowbase = np.zeros(rowbase_length(m), dtype=np.int64)
+        self._checksum = _Checksum()
+        self._stack = contextlib.ExitStack()
+        self._tmp = self._stack.enter_context(atomic_path(self.path))
+        self._open = True
+        try:
+            f = self._f = h5py.File(self._tmp, "w")
+            dts = _datasets(fmt)
+            for name in ("rowbase", "rowoff", "scale"):
+                if name in dts:
+                    size = {"rowbase": rowbase_length(m), "rowoff": m + 1, "scale": m}[name]
+                    f.create_dataset(name, shape=(size,), dtype=dts[name], chunks=_chunk(size, dts[name].itemsize))
+            for name in ("codes", "values"):
+                per_chunk = CHUNK_BYTES // dts[name].itemsize
+                f.create_dataset(
+                    name, shape=(0,), maxshape=(None,), dtype=dts[name], chunks=(max(1, min(per_chunk, self.nnz)),)
+                )
+            f.attrs["format"] = FORMAT_ATTRS[fmt]
+            f.attrs["version"] = np.int64(VERSION)
+            f.attrs["shape"] = np.array([m, n], dtype=np.int64)
+            f.attrs["nnz"] = np.int64(self.nnz)
+            f.attrs["source"] = str(source)
+            f.attrs["checksum_method"] = CHECKSUM_METHOD + ", of the decoded CSR arrays"
+            f.attrs["encoding"] = ENCODING
+            if grid is not None:
+                f.attrs["grid"] = np.array(grid, dtype=np.int64)
+            if voxel_size is not None:
+                f.attrs["voxel_size"] = np.array(voxel_size, dtype=np.float64)
+            if scanner_block is not None:
+                f.attrs["scanner_block"] = np.void(bytes(scanner_block))
+            for k, v in attrs.items():
+                f.attrs[k] = v
+            f["rowoff"][0:1] = np.zeros(1, dtype=np.uint32)
+            self._checksum.update("indptr", np.zeros(1, dtype=np.int64))
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def checksum(self) -> str:
+        """The checksum of the decoded matrix written so far (final once every row is written)."""
+        return self._checksum.hexdigest()
+
+    @property
+    def slots(self) -> int:
+        """Slots written so far."""
+        return self._slots
+
+    def write_rows(self, block: CSRMatrix, *, validate: bool = True, source: str | os.PathLike | None = None) -> None:
+        """Encode and append the next CSR row block (``indptr`` may start anywhere).
+
+        ``source`` is the file named if the block's columns are not sorted
+        (default: the output file).
+        """
+        bnnz = self._accept(block, validate=validate)
+        try:
+            enc = CompressedMatrix.from_csr(
+                block, self.fmt, validate=False, source=self.path if source is None else source, row0=self._rows
+            )
+        except BaseException:
+            self.abort()
+            raise
+        if self.fmt == "compressed":
+            decoded = block  # lossless: the decoded block is the block itself
+        else:
+            decoded = enc.to_csr(validate=False, source=self.path)
+        self._append(enc, decoded, bnnz)
+
+    def write_encoded(self, block: CompressedMatrix, *, validate: bool = True) -> None:
+        """Append the next row block, already encoded (its format must be the writer's)."""
+        if block.format != self.fmt:
+            raise ValueError(f"{self.path}: a {block.format} block for a {self.fmt} file")
+        decoded = block.to_csr(validate=validate, source=self.path)
+        bnnz = self._accept(decoded, validate=False)
+        if bnnz != block.nnz:
+            raise MatrixFormatError(self.path, f"encoded block decodes to {bnnz} elements, says nnz = {block.nnz}")
+        self._append(block, decoded, bnnz)
+
+    def _append(self, enc: CompressedMatrix, decoded: CSRMatrix, bnnz: int) -> None:
+        k = enc.shape[0]
+        try:
+            lp = enc.slotptr()
+            gp = lp - lp[0] + self._slots  # absolute slot offsets of rows _rows .. _rows + k
+            rows = np.arange(self._rows, self._rows + k + 1, dtype=np.int64)
+            starts = rows[rows % ROW_BLOCK == 0]
+            self._rowbase[starts >> ROW_SHIFT] = gp[starts - self._rows]
+            off = gp - self._rowbase[rows >> ROW_SHIFT]
+            if off.size and int(off.max()) > np.iinfo(np.uint32).max:
+                raise MatrixFormatError(
+                    self.path, "a block of 64 rows spans more than 2**32 - 1 slots; store this matrix as csr"
+                )
+            f = self._f
+            if k:
+                f["rowoff"][self._rows + 1 : self._rows + k + 1] = off[1:].astype(np.uint32)
+            s = enc.slots
+            if s:
+                lo, hi = self._slots, self._slots + s
+                for name, arr in (("codes", enc.codes), ("values", enc.values)):
+                    f[name].resize((hi,))
+                    f[name][lo:hi] = arr
+            if enc.scale is not None and k:
+                f["scale"][self._rows : self._rows + k] = enc.scale
+            ends = decoded.indptr[1:] - decoded.indptr[0] + self._written
+            self._checksum.update("indptr", ends)
+            self._checksum.update("indices", decoded.indices)
+            self._checksum.update("data", decoded.data)
+        except BaseException:
+            self.abort()
+            raise
+        self._rows += k
+        self._written += bnnz
+        self._slots += enc.slots
+
+    def close(self) -> str:
+        """Check completeness, store ``rowbase``, ``slots`` and the checksum, rename into place; return the checksum."""
+        if not self._open:
+            return self.checksum
+        self._check_complete()
+        digest = self.checksum
+        self._open = False
+        try:
+            self._f["rowbase"][...] = self._rowbase
+            self._f.attrs["slots"] = np.int64(self._slots)
+            self._f.attrs["checksum"] = digest
+            self._f.close()
+        except BaseException as exc:
+            self._stack.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._stack.close()
+        log.debug("wrote %s (%s, %d x %d, nnz %d, %d slots)", self.path, self.fmt, *self.shape, self.nnz, self._slots)
+        return digest
+
+    def abort(self) -> None:
+        """Discard the partial file (the target is left untouched)."""
+        if not self._open:
+            return
+        self._open = False
+        with contextlib.suppress(Exception):
+            self._f.close()
+        self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+
+def write_compressed_h5(
+    path: str | os.PathLike,
+    matrix: CSRMatrix | CompressedMatrix,
+    *,
+    fmt: str | None = None,
+    max_nnz: int = DEFAULT_CHUNK_NNZ,
+    **attrs,
+) -> str:
+    """Write a matrix (CSR, or already compressed) as a compressed container, atomically; return its checksum.
+
+    ``fmt`` defaults to the compressed matrix's own format, else ``compressed``.
+    ``attrs`` go to :class:`CompressedH5Writer`.
+    """
+    if isinstance(matrix, CompressedMatrix):
+        fmt = fmt or matrix.format
+        if fmt != matrix.format:
+            matrix = matrix.to_csr()
+    fmt = fmt or "compressed"
+    with CompressedH5Writer(path, matrix.shape, matrix.nnz, fmt=fmt, **attrs) as w:
+        if isinstance(matrix, CompressedMatrix):
+            for r0, r1 in chunk_bounds(matrix.slotptr(), max_nnz) if matrix.shape[0] else []:
+                w.write_encoded(matrix.row_range(r0, r1))
+        else:
+            from mlemlib.formats._check import check_block, split_rows
+
+            check_block(matrix, path)
+            for block in split_rows(matrix, max_nnz):
+                w.write_rows(block, validate=False)
+    return w.checksum
+
+
+def read_compressed_h5(path: str | os.PathLike) -> CompressedMatrix:
+    """Read a whole compressed container as a :class:`CompressedMatrix`, validated."""
+    with CompressedH5(path) as f:
+        return f.read_encoded(0, f.shape[0])

@@ -1,0 +1,772 @@
+"""Tests of the compressed matrix format: encoding, container, validation, CLI, CPU kernels (and GPU ones on a GPU).
+
+The encoding is checked against an independent per-row Python encoder
+(:func:`encode_by_hand`) written from the layout in docs/formats.md, the CPU
+kernels against float64 SciPy products and against the CSR Numba kernels
+(bit for bit where the summation order is the same).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from mlemlib.backends import _compressed_cpu as cc
+from mlemlib.backends import cpu
+from mlemlib.cli import main
+from mlemlib.compressed import (
+    ROW_BLOCK,
+    CompressedMatrix,
+    csr_bytes_per_nnz,
+    pack_rowptr,
+    rowbase_length,
+    unpack_rowptr,
+)
+from mlemlib.errors import MatrixFormatError
+from mlemlib.formats import (
+    CompressedH5,
+    CompressedH5Writer,
+    MatrixH5,
+    convert,
+    info,
+    open_matrix,
+    read_compressed_h5,
+    write_compressed_h5,
+    write_matrix_h5,
+)
+from mlemlib.formats.h5 import checksum_arrays
+from mlemlib.matrix import CSRMatrix
+
+FORMATS = ("compressed", "compressed-f16")
+
+
+# --------------------------------------------------------------------------- matrices
+def random_csr(m: int, n: int, seed: int = 0, *, density: float = 0.05, empty_every: int = 5) -> CSRMatrix:
+    """A random matrix with empty rows, rows of one element, a long row and column jumps of every size."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for r in range(m):
+        if empty_every and r % empty_every == 1:
+            k = 0
+        elif r % 7 == 3:
+            k = 1
+        elif r == m // 2:
+            k = min(n, 1500)  # a long row: many trips of a warp
+        else:
+            k = int(rng.binomial(n, density))
+        cols = np.sort(rng.choice(n, size=k, replace=False)) if k else np.zeros(0, np.int64)
+        rows.append(cols)
+    indptr = np.zeros(m + 1, dtype=np.int64)
+    indptr[1:] = np.cumsum([len(c) for c in rows])
+    indices = np.concatenate(rows).astype(np.int32) if m else np.zeros(0, np.int32)
+    data = rng.random(len(indices)).astype(np.float32) * np.float32(3.0)
+    data[::17] = 0.0  # explicit zeros are elements too
+    return CSRMatrix(indptr, indices, data, (m, n))
+
+
+def jumpy_csr() -> CSRMatrix:
+    """Rows whose deltas need markers: 253/254 at the edge, 16-bit, above 16 bits, near 2**31; a row starting at 0."""
+    n = 2**31 - 1
+    rows = [
+        [0, 253, 507, 508],  # 253 direct, 254 a marker
+        [254],  # first column needs a marker
+        [5, 65535 + 5, 65536 + 65535 + 5, 2 * 65536 + 65535 + 5 + 65536],  # 16-bit and 17-bit deltas
+        [],
+        [n - 1],  # the largest column: a 31-bit delta
+        [0, 1, 2, 3, 2**20, 2**30, n - 2, n - 1],
+        [7],
+    ]
+    indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    indptr[1:] = np.cumsum([len(r) for r in rows])
+    indices = np.array([c for r in rows for c in r], dtype=np.int64).astype(np.int32)
+    data = np.linspace(0.5, 7.0, len(indices)).astype(np.float32)
+    return CSRMatrix(indptr, indices, data, (len(rows), n))
+
+
+def encode_by_hand(a: CSRMatrix, half: bool):
+    """The layout of docs/formats.md, row by row in plain Python: (slotptr, codes, value bits, scale)."""
+    codes, bits, slotptr, scale = [], [], [0], []
+    for r in range(a.shape[0]):
+        lo, hi = int(a.indptr[r]), int(a.indptr[r + 1])
+        vals = a.data[lo:hi].astype(np.float64)
+        if half:
+            vmax = float(vals.max()) if hi > lo else 0.0
+            k = max(np.frexp(vmax)[1] - 15, -149) if vmax > 0 else 0
+            scale.append(np.float32(2.0**k))
+            q = (vals / 2.0**k).astype(np.float16).view(np.uint16)
+        else:
+            q = a.data[lo:hi].view(np.uint32)
+        prev = 0
+        for j, col in enumerate(a.indices[lo:hi]):
+            d = int(col) - prev
+            prev = int(col)
+            if d <= 253:
+                codes.append(d)
+            else:
+                if half and d > 65535:
+                    codes += [254, 255]
+                    bits += [d >> 16, d & 0xFFFF]
+                else:
+                    codes.append(255)
+                    bits.append(d)
+                codes.append(0)
+            bits.append(int(q[j]))
+        slotptr.append(len(codes))
+    return np.array(slotptr), np.array(codes, dtype=np.uint8), np.array(bits, dtype=np.uint64), np.array(scale)
+
+
+def assert_csr_equal(x: CSRMatrix, y: CSRMatrix) -> None:
+    assert x.shape == y.shape
+    np.testing.assert_array_equal(x.indptr - x.indptr[0], y.indptr - y.indptr[0])
+    np.testing.assert_array_equal(x.indices, y.indices)
+    np.testing.assert_array_equal(x.data.view(np.uint32), y.data.view(np.uint32))
+
+
+def f16_reference(a: CSRMatrix) -> CSRMatrix:
+    """The matrix compressed-f16 stores: values rounded to 11 significant bits relative to a power-of-two row scale."""
+    out = a.data.astype(np.float64).copy()
+    for r in range(a.shape[0]):
+        lo, hi = int(a.indptr[r]), int(a.indptr[r + 1])
+        if hi > lo and a.data[lo:hi].max() > 0:
+            k = max(np.frexp(float(a.data[lo:hi].max()))[1] - 15, -149)
+            out[lo:hi] = (out[lo:hi] / 2.0**k).astype(np.float16).astype(np.float64) * 2.0**k
+    return CSRMatrix(a.indptr, a.indices, out.astype(np.float32), a.shape)
+
+
+MATRICES = {
+    "random": lambda: random_csr(150, 700, 1),
+    "blocks": lambda: random_csr(ROW_BLOCK * 3, 300, 2, density=0.2),  # m a multiple of 64
+    "one_row": lambda: random_csr(1, 2000, 3, empty_every=0),
+    "jumpy": jumpy_csr,
+    "empty_rows": lambda: CSRMatrix(np.zeros(70, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), (69, 5)),
+    "no_rows": lambda: CSRMatrix(np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), (0, 5)),
+}
+
+
+# --------------------------------------------------------------------------- encoding
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", sorted(MATRICES))
+def test_encoding_matches_hand_encoder_and_round_trips(name, fmt):
+    a = MATRICES[name]()
+    c = CompressedMatrix.from_csr(a, fmt)
+    sp_, codes, bits, scale = encode_by_hand(a, fmt == "compressed-f16")
+    np.testing.assert_array_equal(c.slotptr(), sp_)
+    np.testing.assert_array_equal(c.codes, codes)
+    np.testing.assert_array_equal(c.value_bits().astype(np.uint64), bits)
+    if fmt == "compressed-f16":
+        np.testing.assert_array_equal(c.scale, scale.astype(np.float32))
+    assert c.nnz == a.nnz and c.shape == a.shape and c.lossless == (fmt == "compressed")
+    back = c.to_csr()
+    assert_csr_equal(back, a if fmt == "compressed" else f16_reference(a))
+
+
+def test_f16_relative_error_bound():
+    a = random_csr(120, 500, 4)
+    a.data[:] = np.random.default_rng(0).lognormal(0, 2, a.nnz).astype(np.float32)  # 4 to 7 decades per row
+    back = CompressedMatrix.from_csr(a, "compressed-f16").to_csr()
+    nz = a.data > 0
+    rel = np.abs(back.data[nz].astype(np.float64) - a.data[nz]) / a.data[nz]
+    assert rel.max() <= 2.0**-11 * (1 + 1e-6)
+    assert np.all(back.data[~nz] == 0)
+
+
+def test_row_blocks_encode_independently_and_concatenate():
+    a = random_csr(300, 400, 5)
+    for fmt in FORMATS:
+        whole = CompressedMatrix.from_csr(a, fmt)
+        cuts = [0, 1, 64, 65, 200, 300]
+        parts = [
+            CompressedMatrix.from_csr(
+                CSRMatrix(a.indptr[r0 : r1 + 1], a.indices[a.indptr[r0] : a.indptr[r1]],
+                          a.data[a.indptr[r0] : a.indptr[r1]], (r1 - r0, a.shape[1])),
+                fmt,
+            )
+            for r0, r1 in zip(cuts[:-1], cuts[1:])
+        ]
+        joined = CompressedMatrix.concatenate(parts)
+        for field in ("rowbase", "rowoff", "codes"):
+            np.testing.assert_array_equal(getattr(joined, field), getattr(whole, field))
+        np.testing.assert_array_equal(joined.value_bits(), whole.value_bits())
+        for r0, r1 in [(0, 0), (0, 300), (63, 64), (64, 190), (299, 300), (5, 5)]:
+            part = whole.row_range(r0, r1)
+            ref = whole.to_csr()
+            lo, hi = ref.indptr[r0], ref.indptr[r1]
+            assert_csr_equal(part.to_csr(), CSRMatrix(ref.indptr[r0 : r1 + 1] - lo, ref.indices[lo:hi],
+                                                      ref.data[lo:hi], (r1 - r0, a.shape[1])))
+            assert part.nnz == hi - lo
+
+
+def test_bytes_per_nnz_accounting():
+    a = random_csr(200, 400, 6, density=0.3)
+    c = CompressedMatrix.from_csr(a)
+    m = a.shape[0]
+    assert c.nbytes == 8 * rowbase_length(m) + 4 * (m + 1) + 5 * c.slots
+    assert c.bytes_per_nnz == pytest.approx(c.nbytes / a.nnz)
+    assert c.bytes_per_nnz < 5.5 < csr_bytes_per_nnz(m, a.nnz)
+    h = CompressedMatrix.from_csr(a, "compressed-f16")
+    assert h.nbytes == 8 * rowbase_length(m) + 4 * (m + 1) + 3 * h.slots + 4 * m
+    assert csr_bytes_per_nnz(m, a.nnz) == pytest.approx(8 + 8 * (m + 1) / a.nnz)
+
+
+def test_bytes_per_nnz_on_scanner_rows():
+    """Tube-of-response rows of the small preset: well under CSR's 8 bytes per non-zero."""
+    from mlemlib.scanner.system import trace_rows
+
+    a = trace_rows("small", np.arange(0, 36864, 7))
+    c = CompressedMatrix.from_csr(a)
+    assert c.bytes_per_nnz < 5.5
+    assert CompressedMatrix.from_csr(a, "compressed-f16").bytes_per_nnz < 3.6
+    assert_csr_equal(c.to_csr(), a)
+
+
+def test_unsorted_rows_are_refused():
+    a = CSRMatrix([0, 2, 4], [1, 3, 5, 2], [1, 1, 1, 1], (2, 8))
+    with pytest.raises(MatrixFormatError, match=r"<matrix>: columns of row 1 are not sorted \(column 2 after 5\)"):
+        CompressedMatrix.from_csr(a)
+
+
+def test_row_pointer_packing_and_64_bit_offsets():
+    sp_ = np.array([0, 3, 3, 10], dtype=np.int64)
+    rb, ro = pack_rowptr(sp_)
+    assert rb.tolist() == [0] and ro.tolist() == [0, 3, 3, 10] and ro.dtype == np.uint32
+    big = np.arange(0, 200, dtype=np.int64) * (2**26) + 2**33  # slots beyond 2**32 in absolute terms
+    big -= big[0]
+    rb, ro = pack_rowptr(big)
+    np.testing.assert_array_equal(unpack_rowptr(rb, ro), big)
+    np.testing.assert_array_equal(unpack_rowptr(rb[1:], ro[70:150], 70), big[70:150])
+    too_big = np.array([0, 2**31, 2**32 + 5], dtype=np.int64)
+    with pytest.raises(ValueError, match=r"span 4294967301 slots"):
+        pack_rowptr(too_big)
+
+
+# --------------------------------------------------------------------------- CPU kernels
+def _vectors(a: CSRMatrix, seed=0):
+    rng = np.random.default_rng(seed)
+    m, n = a.shape
+    f = (rng.random(n) + 0.1).astype(np.float32)
+    f[rng.random(n) < 0.1] = 0
+    g = rng.poisson(4, m).astype(np.float32)
+    return f, g
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", ["random", "blocks", "one_row", "empty_rows"])
+def test_cpu_kernels_match_csr_kernels_bit_for_bit(name, fmt):
+    a = MATRICES[name]()
+    c = CompressedMatrix.from_csr(a, fmt)
+    r = a if fmt == "compressed" else c.to_csr()
+    m, n = a.shape
+    f, g = _vectors(a)
+    y = cc.spmv(c, f)
+    y0 = cpu.spmv(r.indptr, r.indices, r.data, f, np.empty(m, np.float32))
+    np.testing.assert_array_equal(y, y0)
+    part = np.empty((cc.DEFAULT_BLOCKS, n), np.float32)
+    b = cc.spmv_t(c, g)
+    b0 = cpu.spmv_t(r.indptr, r.indices, r.data, g, np.empty(n, np.float32), part)
+    np.testing.assert_array_equal(b, b0)
+    # the one-pass step equals forward + correlate + back projection, bit for bit (same row blocks)
+    corr = np.zeros(m, np.float32)
+    np.divide(g, y0, out=corr, where=y0 != 0)
+    bp_ref = cpu.spmv_t(r.indptr, r.indices, r.data, corr, np.empty(n, np.float32), part)
+    bp, fp = cc.onepass(c, g, f)
+    np.testing.assert_array_equal(fp, y0)
+    np.testing.assert_array_equal(bp, bp_ref)
+    bp2, fp2 = cc.csr_onepass(r.indptr, r.indices, r.data, g, f)
+    np.testing.assert_array_equal(fp2, y0)
+    np.testing.assert_array_equal(bp2, bp_ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_kernels_against_float64_scipy(fmt):
+    a = random_csr(180, 900, 7, density=0.1)
+    c = CompressedMatrix.from_csr(a, fmt)
+    r = a if fmt == "compressed" else c.to_csr()
+    s = sp.csr_matrix((r.data.astype(np.float64), r.indices, r.indptr), shape=r.shape)
+    f, g = _vectors(a, 1)
+    fp64 = s @ f.astype(np.float64)
+    np.testing.assert_allclose(cc.spmv(c, f), fp64, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(cc.spmv_t(c, g, blocks=3), s.T @ g.astype(np.float64), rtol=2e-5, atol=1e-6)
+    corr = np.divide(g, fp64, out=np.zeros_like(fp64), where=fp64 != 0)
+    bp, fp = cc.onepass(c, g, f, blocks=5)
+    np.testing.assert_allclose(fp, fp64, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(bp, s.T @ corr, rtol=1e-4, atol=1e-5)
+    # back projection on a stored compressed transpose: the forward kernel on A^T
+    t = CSRMatrix.from_scipy(s.T.tocsr().astype(np.float32))
+    ct = CompressedMatrix.from_csr(t, fmt)
+    np.testing.assert_allclose(cc.spmv(ct, g), s.T @ g.astype(np.float64), rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_kernels_with_a_row_pointer_beyond_2_31():
+    """Kernels subtract the row pointer's base: offsets above 2**31 (and 2**32) work the same."""
+    a = random_csr(130, 300, 8)
+    c = CompressedMatrix.from_csr(a)
+    shifted = CompressedMatrix(c.rowbase + 2**33 + 7, c.rowoff, c.codes, c.values, None, c.shape, c.nnz)
+    f, g = _vectors(a)
+    np.testing.assert_array_equal(cc.spmv(shifted, f), cc.spmv(c, f))
+    np.testing.assert_array_equal(cc.spmv_t(shifted, g), cc.spmv_t(c, g))
+    np.testing.assert_array_equal(cc.onepass(shifted, g, f)[0], cc.onepass(c, g, f)[0])
+    ip = a.indptr + 2**32 + 3
+    np.testing.assert_array_equal(cc.csr_onepass(ip, a.indices, a.data, g, f)[0],
+                                  cc.csr_onepass(a.indptr, a.indices, a.data, g, f)[0])
+
+
+def test_cpu_kernels_check_sizes():
+    c = CompressedMatrix.from_csr(random_csr(10, 20, 9))
+    with pytest.raises(ValueError, match=r"x has 19 entries, expected 20"):
+        cc.spmv(c, np.ones(19, np.float32))
+    with pytest.raises(ValueError, match=r"partial must be"):
+        cc.spmv_t(c, np.ones(10), partial=np.zeros((2, 3), np.float32))
+
+
+# --------------------------------------------------------------------------- the container
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("max_nnz", [1, 37, 10**9])
+def test_container_round_trip(tmp_path, fmt, max_nnz):
+    a = random_csr(150, 700, 10)
+    p = tmp_path / "c.h5"
+    digest = write_compressed_h5(p, a, fmt=fmt, max_nnz=max_nnz, grid=(7, 10, 10), voxel_size=(1, 2, 3), kind="matrix")
+    c_mem = CompressedMatrix.from_csr(a, fmt)
+    want = a if fmt == "compressed" else c_mem.to_csr()
+    assert digest == checksum_arrays(want.indptr, want.indices, want.data)
+    with MatrixH5(p) as f:  # the CSR reader's entry point opens a compressed file too
+        assert isinstance(f, CompressedH5) and f.format == fmt and f.lossless == (fmt == "compressed")
+        assert f.shape == a.shape and f.nnz == a.nnz and f.slots == c_mem.slots
+        assert f.grid == (7, 10, 10) and f.voxel_size == (1.0, 2.0, 3.0) and f.attrs["kind"] == "matrix"
+        assert f.nbytes == c_mem.nbytes and f.bytes_per_nnz == pytest.approx(c_mem.bytes_per_nnz)
+        np.testing.assert_array_equal(f.read_indptr(), a.indptr)
+        assert_csr_equal(f.to_csr(), want)
+        f.verify_checksum()
+        for r0, r1 in [(0, 0), (3, 70), (64, 128), (149, 150)]:
+            lo, hi = want.indptr[r0], want.indptr[r1]
+            assert_csr_equal(f.read_rows(r0, r1), CSRMatrix(want.indptr[r0 : r1 + 1] - lo, want.indices[lo:hi],
+                                                            want.data[lo:hi], (r1 - r0, a.shape[1])))
+            enc = f.read_encoded(r0, r1)
+            ref = c_mem.row_range(r0, r1)
+            for field in ("rowbase", "rowoff", "codes"):
+                np.testing.assert_array_equal(getattr(enc, field), getattr(ref, field))
+            np.testing.assert_array_equal(enc.value_bits(), ref.value_bits())
+            assert enc.nnz == ref.nnz
+        seen = []
+        for r0, r1, block in f.iter_chunks(max_nnz):
+            assert block.nnz <= max_nnz or r1 - r0 == 1
+            seen.append((r0, r1))
+        assert seen[0][0] == 0 and seen[-1][1] == a.shape[0]
+        assert all(x[1] == y[0] for x, y in zip(seen[:-1], seen[1:]))
+    whole = read_compressed_h5(p)
+    np.testing.assert_array_equal(whole.codes, c_mem.codes)
+    with open_matrix(p) as f:
+        assert isinstance(f, CompressedH5)
+
+
+def test_lossless_container_has_the_csr_checksum_and_streaming_writer(tmp_path):
+    a = random_csr(100, 300, 11)
+    csr = tmp_path / "a.h5"
+    digest = write_matrix_h5(csr, a)
+    out = tmp_path / "c.h5"
+    with CompressedH5Writer(out, a.shape, a.nnz) as w:
+        for r0, r1 in [(0, 1), (1, 64), (64, 65), (65, 100)]:
+            lo, hi = a.indptr[r0], a.indptr[r1]
+            w.write_rows(CSRMatrix(a.indptr[r0 : r1 + 1], a.indices[lo:hi], a.data[lo:hi], (r1 - r0, 300)))
+    assert w.checksum == digest
+    with MatrixH5(out) as f:
+        assert f.checksum == digest
+        np.testing.assert_array_equal(f.read_encoded(0, 100).codes, CompressedMatrix.from_csr(a).codes)
+    # encoded blocks written as they are
+    out2 = tmp_path / "e.h5"
+    write_compressed_h5(out2, CompressedMatrix.from_csr(a), max_nnz=50)
+    with MatrixH5(out2) as f:
+        assert f.checksum == digest
+
+
+def test_writer_incomplete_or_unsorted_leaves_nothing(tmp_path):
+    a = random_csr(10, 30, 12)
+    out = tmp_path / "c.h5"
+    with pytest.raises(MatrixFormatError, match=r"writer closed after 0 of 10 rows"):
+        with CompressedH5Writer(out, a.shape, a.nnz):
+            pass
+    bad = CSRMatrix([0, 2], [5, 1], [1, 1], (1, 30))
+    with pytest.raises(MatrixFormatError, match=r"in\.csr4: columns of row 3 are not sorted"):
+        with CompressedH5Writer(out, (4, 30), 2) as w:
+            w.write_rows(CSRMatrix([0, 0, 0, 0], [], [], (3, 30)))
+            w.write_rows(bad, source="in.csr4")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stages_stream_a_compressed_matrix(tmp_path):
+    """norm and transpose open the container with MatrixH5: a compressed one gives the same results."""
+    from mlemlib.norm import compute_norm
+    from mlemlib.transpose import transpose_file
+
+    a = random_csr(90, 120, 13)
+    csr, cmp_ = tmp_path / "a.h5", tmp_path / "c.h5"
+    write_matrix_h5(csr, a)
+    write_compressed_h5(cmp_, a)
+    n1 = compute_norm(csr, tmp_path / "n1.h5", chunk_nnz=100)
+    n2 = compute_norm(cmp_, tmp_path / "n2.h5", chunk_nnz=100)
+    np.testing.assert_array_equal(n1, n2)
+    transpose_file(csr, tmp_path / "t1.h5", chunk_nnz=100)
+    transpose_file(cmp_, tmp_path / "t2.h5", chunk_nnz=100)
+    with MatrixH5(tmp_path / "t1.h5") as t1, MatrixH5(tmp_path / "t2.h5") as t2:
+        assert t1.checksum == t2.checksum
+
+
+# --------------------------------------------------------------------------- bad files
+def _good(tmp_path, fmt="compressed", name="good.h5"):
+    a = random_csr(80, 600, 14)
+    p = tmp_path / name
+    write_compressed_h5(p, a, fmt=fmt)
+    return p, a
+
+
+def _edit(p, fn):
+    with h5py.File(p, "r+") as f:
+        fn(f)
+    return p
+
+
+def _replace(f, name, data):
+    del f[name]
+    f.create_dataset(name, data=data)
+
+
+def _first_big_delta(f):
+    """Slot of a code-255 marker, and the row it is in."""
+    codes = f["codes"][...]
+    return int(np.argmax(codes == 255))
+
+
+def _bad_cases():
+    """name -> (fmt, edit of the good file, pattern of the message)."""
+
+    def attr(key, value):
+        def fn(f):
+            if value is None:
+                del f.attrs[key]
+            else:
+                f.attrs[key] = value
+
+        return fn
+
+    def code_edit(f):  # a direct delta raised so that the running column reaches n = 600
+        codes = f["codes"][...]
+        bits = f["values"][...].view(np.uint32)
+        sp_ = unpack_rowptr(f["rowbase"][...], f["rowoff"][...])
+        for r in range(len(sp_) - 1):
+            col = 0
+            for k in range(sp_[r], sp_[r + 1]):
+                col += int(codes[k]) if codes[k] < 254 else int(bits[k])
+                if codes[k] < 254 and int(codes[k]) + 600 - col <= 253:
+                    codes[k] = int(codes[k]) + 600 - col
+                    _replace(f, "codes", codes)
+                    return
+        raise AssertionError("no element to corrupt")
+
+    def marker_small(f):  # a marker whose delta leads just outside the image
+        vals = f["values"][...]
+        vals.view(np.uint32)[_first_big_delta(f)] = 600
+        _replace(f, "values", vals)
+
+    def marker_huge(f):
+        vals = f["values"][...]
+        vals.view(np.uint32)[_first_big_delta(f)] = 0xFFFFFFF0
+        _replace(f, "values", vals)
+
+    def nan_value(f):
+        vals = f["values"][...]
+        k = int(np.argmax(f["codes"][...] < 254))
+        vals[k] = np.nan
+        _replace(f, "values", vals)
+
+    def neg_value(f):
+        vals = f["values"][...]
+        k = int(np.argmax((f["codes"][...] < 254) & (vals > 0)))
+        vals[k] = -1.5
+        _replace(f, "values", vals)
+
+    def half_nan(f):
+        vals = f["values"][...]
+        k = int(np.argmax(f["codes"][...] < 254))
+        vals.view(np.uint16)[k] = 0x7E00
+        _replace(f, "values", vals)
+
+    def scale(value):
+        def fn(f):
+            s = f["scale"][...]
+            s[3] = value
+            _replace(f, "scale", s)
+
+        return fn
+
+    def count(f):  # an element code turned into a marker: one element fewer than nnz
+        codes = f["codes"][...]
+        vals = f["values"][...]
+        k = int(np.argmax(codes == 0))
+        codes[k] = 255
+        vals.view(np.uint32)[k] = 0
+        _replace(f, "codes", codes)
+        _replace(f, "values", vals)
+
+    def checksum(f):
+        vals = f["values"][...]
+        k = int(np.argmax((f["codes"][...] < 254) & (vals > 0)))
+        vals[k] = np.nextafter(vals[k], np.float32(10))
+        _replace(f, "values", vals)
+
+    def rowoff_end(f):
+        ro = f["rowoff"][...]
+        ro[-1] -= 1
+        _replace(f, "rowoff", ro)
+
+    def rowoff_dec(f):
+        ro = f["rowoff"][...]
+        ro[10] = ro[9] - 1 if ro[9] > 0 else 0
+        ro[9] = ro[10] + 3
+        _replace(f, "rowoff", ro)
+
+    def short(name):
+        def fn(f):
+            _replace(f, name, f[name][...][:-1])
+
+        return fn
+
+    def dtype(f):
+        _replace(f, "values", f["values"][...].astype(np.float64))
+
+    def group(f):
+        del f["codes"]
+        f.create_group("codes")
+
+    def missing_scale(f):
+        del f["scale"]
+
+    return {
+        "no_format": ("compressed", attr("format", None), r"missing attribute 'format'"),
+        "format": ("compressed", attr("format", "mlem-compressed-x"),
+                   r"attribute format is 'mlem-compressed-x', expected 'mlem-csr'"),
+        "version": ("compressed", attr("version", 2), r"unsupported container version 2"),
+        "no_slots": ("compressed", attr("slots", None), r"missing attribute 'slots'"),
+        "nnz_slots": ("compressed", attr("nnz", 10**6), r"attribute nnz = 1000000 exceeds slots"),
+        "codes_size": ("compressed", short("codes"), r"dataset /codes has \d+ entries, but attribute slots = \d+"),
+        "values_size": ("compressed", short("values"), r"dataset /values has \d+ entries, but attribute slots"),
+        "rowoff_size": ("compressed", short("rowoff"), r"dataset /rowoff has 80 entries, but attribute shape\[0\] \+ 1 = 81"),
+        "rowbase_size": ("compressed", short("rowbase"), r"dataset /rowbase has 1 entries, but attribute shape\[0\] // 64 \+ 1 = 2"),
+        "dtype": ("compressed", dtype, r"dataset /values is float64\[\d+\], expected 1-D float32"),
+        "group": ("compressed", group, r"/codes is a group, expected a dataset"),
+        "slot_end": ("compressed", rowoff_end, r"slot pointer ends at \d+, expected slots = \d+"),
+        "slot_decreasing": ("compressed", rowoff_dec, r"slot pointer is not non-decreasing at row 9"),
+        "column": ("compressed", code_edit, r"row \d+: the column deltas decode to column 600 at slot \d+, outside \[0, 600\)"),
+        "marker_600": ("compressed", marker_small, r"the column deltas decode to column \d+ at slot \d+, outside \[0, 600\)"),
+        "marker": ("compressed", marker_huge, r"the column deltas decode to column 42949\d+ at slot \d+, outside \[0, 600\)"),
+        "nan": ("compressed", nan_value, r"non-finite value nan at slot \d+ \(row \d+\)"),
+        "negative": ("compressed", neg_value, r"negative value -1\.5 at slot \d+ \(row \d+\)"),
+        "count": ("compressed", count, r"the codes hold \d+ elements, attribute nnz = \d+"),
+        "checksum": ("compressed", checksum, r"checksum mismatch"),
+        "f16_nan": ("compressed-f16", half_nan, r"non-finite value nan at slot \d+"),
+        "f16_scale_zero": ("compressed-f16", scale(0.0), r"row scale 0\.0 of row 3 is not a finite positive number"),
+        "f16_scale_inf": ("compressed-f16", scale(np.inf), r"row scale inf of row 3 is not a finite positive number"),
+        "f16_no_scale": ("compressed-f16", missing_scale, r"missing dataset /scale"),
+        "f16_dtype": ("compressed-f16", lambda f: _replace(f, "values", f["values"][...].astype(np.float32)),
+                      r"dataset /values is float32\[\d+\], expected 1-D float16"),
+    }
+
+
+BAD = _bad_cases()
+
+
+def read_everything(p):
+    with open_matrix(p) as f:
+        f.read_indptr()
+        for _ in f.iter_chunks(50):
+            pass
+        f.verify_checksum()
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_compressed_file_one_clear_error(tmp_path, case):
+    fmt, edit, pattern = BAD[case]
+    p, _ = _good(tmp_path, fmt, f"bad_{case}.h5")
+    _edit(p, edit)
+    with pytest.raises(MatrixFormatError) as e:
+        read_everything(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: ") and "\n" not in msg, msg
+    assert re.search(pattern, msg), msg
+
+
+def test_truncated_compressed_file(tmp_path):
+    p, _ = _good(tmp_path)
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(MatrixFormatError, match=re.escape(str(p)) + r": not a readable HDF5 file"):
+        read_everything(p)
+
+
+def test_read_encoded_validates_its_range(tmp_path):
+    p, a = _good(tmp_path)
+    _edit(p, BAD["nan"][1])
+    with CompressedH5(p) as f:
+        bad_row = int(re.search(r"row (\d+)", str(pytest.raises(MatrixFormatError, f.read_encoded, 0, 80).value))[1])
+        f.read_encoded(bad_row + 1, 80)  # other rows read fine
+        f.read_encoded(0, 80, validate=False)
+    with pytest.raises(MatrixFormatError, match=r"attribute format is 'mlem-csr', expected one of"):
+        q = tmp_path / "csr.h5"
+        write_matrix_h5(q, a)
+        CompressedH5(q)
+
+
+# --------------------------------------------------------------------------- convert / info / CLI
+def scanner_bytes(grid=(4, 3, 2)) -> bytes:
+    """A .csr4 scanner block (as tests/test_formats.py encodes it): one layer, 8 blocks of 3, 2 rings."""
+    b = struct.pack("<I", 1) + struct.pack("<5f", 2.0, 2.0, 10.0, 50.0, 0.096)
+    b += struct.pack("<II", 8, 3) + struct.pack("<2f", 0.25, 0.5)
+    b += struct.pack("<I", 2) + struct.pack("<1f", 0.5)
+    return b + struct.pack("<3f", 1.5, 1.5, 2.0) + struct.pack("<3I", *grid)
+
+
+def encode_csr4(indptr, cols, vals, m, n=24) -> bytes:
+    """A .csr4 file byte by byte: header, scanner block, row ends, (column, value) pairs."""
+    sb = scanner_bytes()
+    out = b"PCSR" + struct.pack("<BBHIIQI", 4, 0, 0, m, n, len(cols), len(sb)) + sb
+    out += b"".join(struct.pack("<Q", int(e)) for e in indptr[1:])
+    return out + b"".join(struct.pack("<If", int(c), float(v)) for c, v in zip(cols, vals))
+
+
+@pytest.fixture
+def csr4_file(tmp_path):
+    a = random_csr(90, 24, 15, density=0.3)
+    p = tmp_path / "a.csr4"
+    p.write_bytes(encode_csr4(a.indptr, a.indices, a.data, 90))
+    return p, a
+
+
+def test_convert_formats_and_back(tmp_path, csr4_file):
+    src, a = csr4_file
+    s_csr = convert(src, tmp_path / "a.h5")
+    s_c = convert(src, tmp_path / "c.h5", fmt="compressed", max_nnz=40)
+    s_h = convert(src, tmp_path / "h.h5", fmt="compressed-f16", max_nnz=40)
+    assert s_c["checksum"] == s_csr["checksum"] and s_c["lossless"] and not s_h["lossless"]
+    assert s_c["format"] == "compressed" and s_c["bytes_per_nnz"] < s_csr["bytes_per_nnz"]
+    assert s_csr["bytes_per_nnz"] == pytest.approx(8 + 8 * 91 / a.nnz)
+    back = convert(tmp_path / "c.h5", tmp_path / "back.h5")  # compressed -> csr, checked against its checksum
+    assert back["checksum"] == s_csr["checksum"]
+    h2c = convert(tmp_path / "h.h5", tmp_path / "h2c.h5", fmt="compressed")  # f16 values, stored exactly
+    assert h2c["checksum"] == s_h["checksum"]
+    with MatrixH5(tmp_path / "back.h5") as f:
+        assert f.attrs["grid"] == [4, 3, 2] and f.attrs["source"] == "c.h5"
+    for p, fmt, lossless in [(tmp_path / "c.h5", "compressed", True), (tmp_path / "h.h5", "compressed-f16", False),
+                             (tmp_path / "a.h5", "csr", True), (src, "csr", True)]:
+        d = info(p)
+        assert d["matrix_format"] == fmt and d["lossless"] is lossless and d["verdict"].startswith("valid")
+        assert d["nnz"] == a.nnz and d["empty_rows"] == int(np.sum(np.diff(a.indptr) == 0))
+
+
+def test_convert_f16_of_a_corrupt_h5_is_refused(tmp_path):
+    a = random_csr(40, 50, 16)
+    p = tmp_path / "a.h5"
+    write_matrix_h5(p, a)
+    with h5py.File(p, "r+") as f:
+        d = f["data"][...]
+        d[3] = np.nextafter(d[3], np.float32(9))
+        f["data"][...] = d
+    with pytest.raises(MatrixFormatError, match=r"a\.h5: checksum mismatch"):
+        convert(p, tmp_path / "h.h5", fmt="compressed-f16")
+    assert not (tmp_path / "h.h5").exists()
+
+
+def test_cli_convert_and_info(tmp_path, csr4_file, capsys):
+    src, a = csr4_file
+    out = tmp_path / "c.h5"
+    assert main(["convert", str(src), "--out", str(out), "--format", "compressed"]) == 0
+    line = capsys.readouterr().out
+    assert "compressed (" in line and "bytes per non-zero" in line
+    assert main(["info", str(out)]) == 0
+    text = capsys.readouterr().out
+    bpn = float(re.search(r"^  bytes per non-zero: ([\d.]+)$", text, re.M)[1])
+    assert bpn < 8 and re.search(r"^  lossless: yes$", text, re.M) and "mlem-compressed container" in text
+    assert main(["convert", str(src), "--out", str(tmp_path / "h.h5"), "-f", "compressed-f16"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "h.h5"), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["lossless"] is False and d["matrix_format"] == "compressed-f16"
+    assert main(["info", str(src)]) == 0
+    text = capsys.readouterr().out
+    assert f"  bytes per non-zero: {8 + 8 * 91 / a.nnz:.3f}" in text and "  lossless: yes" in text
+
+
+def test_cli_help_lists_formats():
+    r = subprocess.run([sys.executable, "-m", "mlemlib", "convert", "--help"], capture_output=True, text=True, check=True)
+    assert "{csr,compressed,compressed-f16}" in r.stdout and re.search(r"\(default:\s+csr\)", r.stdout)
+
+
+def test_cli_unsorted_input_exit_2(tmp_path, capsys):
+    p = tmp_path / "u.csr4"
+    p.write_bytes(encode_csr4([0, 2, 3], [5, 1, 2], [1.0, 1.0, 1.0], 2))
+    out = tmp_path / "c.h5"
+    assert main(["convert", str(p), "--out", str(out), "-f", "compressed"]) == 2
+    assert capsys.readouterr().err == f"mlem: error: {p}: columns of row 0 are not sorted (column 1 after 5); " \
+        "the compressed format stores sorted rows: sort the rows' columns first\n"
+    assert not out.exists()
+    assert main(["convert", str(p), "--out", str(out)]) == 0  # csr keeps the order it was given
+
+
+# --------------------------------------------------------------------------- the CUDA side without a GPU
+def test_cuda_launcher_imports_without_cupy():
+    code = (
+        "import sys; import mlemlib.backends._compressed_cuda as m; "
+        "assert 'cupy' not in sys.modules; print(m.kernel_source().count('extern \"C\"'))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(r.stdout) >= 5
+
+
+def test_fixed_point_scale_and_lanes():
+    from mlemlib.backends._compressed_cuda import choose_lanes, fixed_scale
+
+    for bound in (1e-30, 0.7, 1.0, 3.0, 1e12):
+        s = fixed_scale(bound)
+        assert s == 2.0 ** round(np.log2(s)) and bound * s < 2.0**62 <= 2 * bound * s
+    assert fixed_scale(0) == 2.0**62
+    with pytest.raises(ValueError):
+        fixed_scale(float("nan"))
+    assert [choose_lanes(x) for x in (0, 3, 5, 16, 17, 700)] == [4, 4, 8, 16, 32, 32]
+    assert choose_lanes(700, cap=16) == 16
+
+
+# --------------------------------------------------------------------------- GPU (skipped without one)
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_kernels_match_numba(fmt):
+    import cupy as cp
+
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    a = random_csr(300, 800, 17)
+    c = CompressedMatrix.from_csr(a, fmt)
+    r = a if fmt == "compressed" else c.to_csr()
+    d = gpu.DeviceCompressed.from_host(c)
+    f, g = _vectors(a, 2)
+    fd, gd = cp.asarray(f), cp.asarray(g)
+    want_fp = cc.spmv(c, f)
+    bp_ref, _ = cc.onepass(c, g, f)
+    corr = np.zeros_like(want_fp)
+    np.divide(g, want_fp, out=corr, where=want_fp != 0)
+    for lanes in gpu.LANE_CHOICES:
+        np.testing.assert_allclose(gpu.spmv(d, fd, lanes=lanes).get(), want_fp, rtol=1e-5, atol=1e-6)
+        for det in (False, True):
+            sc = gpu.scatter(d, cp.asarray(corr), lanes=lanes, deterministic=det).get()
+            np.testing.assert_allclose(sc, cc.spmv_t(c, corr), rtol=1e-5, atol=1e-6)
+            for m_ in (d, gpu.upload_csr(r)):
+                bp, fp = gpu.onepass(m_, gd, fd, lanes=lanes, deterministic=det)
+                np.testing.assert_allclose(fp.get(), want_fp, rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(bp.get(), bp_ref, rtol=1e-4, atol=1e-5)
+                if det:
+                    again, _ = gpu.onepass(m_, gd, fd, lanes=lanes, deterministic=True)
+                    np.testing.assert_array_equal(bp.get(), again.get())
