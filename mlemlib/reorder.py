@@ -492,10 +492,12 @@ def compute_permutation(
             src.close()
 
 
-def _progress(name: str, what: str, done: int, total: int, t0: float) -> None:
+def _progress(name: str, what: str, row: int, m: int, t0: float, done: int | None = None, total: int | None = None) -> None:
+    """Log rows done and the ETA; ``done``/``total`` count the work of every pass (default ``row``/``m``)."""
+    done, total = (row, m) if done is None or total is None else (done, total)
     el = time.perf_counter() - t0
     eta = el * (total - done) / done if done else float("nan")
-    log.info("%s: %s rows up to %d of %d (%.0f%%), ETA %.1f s", name, what, done, total, 100.0 * done / total, eta)
+    log.info("%s: %s rows up to %d of %d (%.0f%% of the work), ETA %.1f s", name, what, row, m, 100.0 * done / total, eta)
 
 
 # --------------------------------------------------------------------------- apply
@@ -658,12 +660,12 @@ def apply(
                 voxel_size=getattr(src, "voxel_size", None), scanner_block=getattr(src, "scanner_block", None),
                 **attrs,
             ) as w, numba_threads(threads):
+                next_report = 0.1
                 for s in range(passes):
                     lo_row, hi_row = bounds[s], bounds[s + 1]
                     base, top = int(out_ip[lo_row]), int(out_ip[hi_row])
                     out_idx = np.empty(top - base, dtype=np.int32)
                     out_dat = np.empty(top - base, dtype=np.float32)
-                    next_report = 0.1
                     for r0, r1, block in src.iter_chunks(max_nnz=chunk_nnz):
                         ip = block.indptr - block.indptr[0]
                         if r1 > r0 and hi_row > lo_row:
@@ -673,7 +675,7 @@ def apply(
                             )
                         done = s * m + r1
                         if total and done / total >= next_report:
-                            _progress(name, f"pass {s + 1}/{passes}: permuted", r1, m, t0)
+                            _progress(name, f"pass {s + 1}/{passes}: permuted", r1, m, t0, done, total)
                             next_report = done / total + 0.1
                     r = lo_row
                     while r < hi_row:
