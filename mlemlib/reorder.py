@@ -538,8 +538,8 @@ def _check_belongs(perm: Permutation, src: Any, name: str, perm_name: str) -> No
     m, n = (int(v) for v in src.shape)
     if perm.shape != (m, n) or perm.nnz != int(src.nnz):
         raise MatrixFormatError(
-            perm_name, f"permutation of a {perm.shape[0]} x {perm.shape[1]} matrix with {perm.nnz} non-zeros, "
-            f"{name} is {m} x {n} with {int(src.nnz)}"
+            perm_name, f"permutation of another matrix ({perm.shape[0]} x {perm.shape[1]} with {perm.nnz} non-zeros, "
+            f"{name} is {m} x {n} with {int(src.nnz)})"
         )
     checksum = fingerprint(src)
     if perm.source_checksum != checksum:
