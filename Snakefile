@@ -20,6 +20,7 @@ report: "report/workflow.rst"
 
 include: "rules/common.smk"
 include: "rules/matrix.smk"
+include: "rules/reorder.smk"
 include: "rules/norm.smk"
 include: "rules/transpose.smk"
 include: "rules/partition.smk"

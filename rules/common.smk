@@ -291,6 +291,28 @@ def get_compared_transpose_methods():
     ]
 
 
+# --------------------------------------------------------------------- reorder
+
+
+def is_reordered():
+    """True when reorder_matrix makes results/{matrix}/matrix.h5 (reorder: rows or rows+voxels)."""
+    return config["reorder"] != "none"
+
+
+def get_reorder_mode(wildcards):
+    """The permutation reorder_matrix computes: rows or rows+voxels."""
+    return config["reorder"]
+
+
+def get_converted_matrix():
+    """Path pattern of the user's matrix as convert_matrix writes it (and
+    simulate_measurement reads it): matrix.h5, or converted.h5 when
+    reorder_matrix makes matrix.h5 from it."""
+    if is_reordered():
+        return "results/{matrix}/converted.h5"
+    return "results/{matrix}/matrix.h5"
+
+
 # ------------------------------------------------------------------- partitions
 
 

@@ -1,6 +1,6 @@
 rule simulate_measurement:
     input:
-        matrix="results/{matrix}/matrix.h5",
+        matrix=get_converted_matrix(),
     output:
         sino="results/{matrix}/data/{phantom}-seed{seed}.LMsino",
         truth="results/{matrix}/data/{phantom}-seed{seed}-truth.h5",

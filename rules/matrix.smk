@@ -23,7 +23,7 @@ rule convert_matrix:
     input:
         source=get_matrix_source,
     output:
-        matrix="results/{matrix}/matrix.h5",
+        matrix=get_converted_matrix(),
     log:
         "logs/matrix/{matrix}-convert.log",
     benchmark:

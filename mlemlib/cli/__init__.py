@@ -24,6 +24,7 @@ SUBCOMMANDS = (
     "generate",
     "convert",
     "info",
+    "reorder",
     "norm",
     "transpose",
     "partition",

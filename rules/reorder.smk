@@ -1,0 +1,29 @@
+# The locality permutation (config reorder: rows | rows+voxels): the user's
+# matrix, converted to results/{matrix}/converted.h5, is renumbered into
+# results/{matrix}/matrix.h5, which norm, transpose, partition, the runs and the
+# benchmark read. simulate_measurement reads converted.h5 (the user's order),
+# so the data do not depend on the setting. With reorder: none convert_matrix
+# writes matrix.h5 itself and this rule does not exist.
+if is_reordered():
+
+    rule reorder_matrix:
+        input:
+            matrix="results/{matrix}/converted.h5",
+        output:
+            matrix="results/{matrix}/matrix.h5",
+        log:
+            "logs/reorder/{matrix}.log",
+        benchmark:
+            "benchmarks/reorder/{matrix}.tsv"
+        conda:
+            "../envs/cpu.yaml"
+        threads: workflow.cores
+        # Sized like a transposition: one copy of the matrix in memory plus a
+        # chunk, the matrix read and written once.
+        resources:
+            mem_mb=get_mem_mb("transpose"),
+            runtime=get_runtime("transpose"),
+        params:
+            mode=get_reorder_mode,
+        script:
+            "../scripts/reorder_matrix.py"

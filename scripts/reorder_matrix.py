@@ -1,0 +1,17 @@
+"""Rule reorder_matrix: renumber LORs (and voxels) of the user's matrix into matrix.h5."""
+
+import logging
+
+from mlemlib.logs import send_to_log
+
+send_to_log(snakemake.log[0])
+
+from mlemlib.reorder import reorder_file  # noqa: E402
+
+summary = reorder_file(
+    snakemake.input.matrix,
+    snakemake.output.matrix,
+    snakemake.params.mode,
+    threads=snakemake.threads,
+)
+logging.info("reorder_matrix: %s", summary)
