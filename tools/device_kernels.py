@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--orders", default="own,shuffled")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--compressed", action="store_true", help="also the compressed formats and one-pass iterations")
     ap.add_argument("--lanes", type=lambda t: [int(v) for v in t.split(",")], default=[32],
                     help="lanes of the back projection's launch shapes")
     args = ap.parse_args(argv)
@@ -129,7 +130,11 @@ def main(argv=None) -> int:
         a64 = a.cusparse().astype(cp.float64)
         ref_fp = a64 @ f.astype(cp.float64)
         ref_bp = a64.T @ c.astype(cp.float64)
-        del a64
+        # the one-pass step's reference: g = A f_true, c = g / (A f), bp = A^T c (float64 throughout)
+        g_op = (a.cusparse() @ cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))).astype(cp.float32)
+        c64 = cp.where(ref_fp != 0, g_op.astype(cp.float64) / cp.where(ref_fp != 0, ref_fp, 1.0), 0.0)
+        ref_op = a64.T @ c64
+        del a64, c64
         a.drop_cusparse()
         cp.get_default_memory_pool().free_all_blocks()
         bytes_a, bytes_at = plan.csr_bytes(m, nnz), plan.csr_bytes(n, nnz)
@@ -185,6 +190,8 @@ def main(argv=None) -> int:
             lambda: ck.scatter(a, c, y_bp, kernel="scatter_smem", smem=smem), bytes_a, ref_bp)
         cp.get_default_memory_pool().free_all_blocks()
 
+        if args.compressed:
+            compressed_section(a, at, f, c, g_op, ref_fp, ref_bp, ref_op, run, args, order)
         # ---- whole iterations
         g = (a.cusparse() @ cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))).get()
         a.drop_cusparse()
@@ -217,8 +224,12 @@ def main(argv=None) -> int:
             del be
             cp.get_default_memory_pool().free_all_blocks()
         results["orders"][order] = {"label": label, "shape": [m, n], "nnz": nnz, "trace_s": trace_s,
-                                    "kernels": rows, "iterations": its}
+                                    "kernels": rows, "iterations": its,
+                                    "formats": [r for r in RESULTS_FORMATS if r["order"] == order]}
         md.append(_markdown(order, label, m, n, nnz, bw, rows, its))
+        md.append("\n".join(f"- {r['format']} {r['matrix']}: {r['bytes_per_nnz']:.3f} bytes per non-zero, "
+                            f"{r['markers']:,} markers, encoded in {r['encode_s']:.1f} s"
+                            for r in RESULTS_FORMATS if r["order"] == order))
         (out / "kernels.json").write_text(json.dumps(results, indent=1, default=str))
         (out / "kernels.md").write_text("\n\n".join(md) + "\n")
         if args.ncu and order == args.orders.split(",")[0]:
@@ -227,6 +238,71 @@ def main(argv=None) -> int:
         cp.get_default_memory_pool().free_all_blocks()
     print("\n\n".join(md))
     return 0
+
+
+#: Launch shapes of the compressed and one-pass kernels: (threads per block, waves; 0 = no grid-stride loop).
+CMP_SHAPES = [(256, 16), (512, 0), (1024, 0)]
+
+
+def compressed_section(a, at, f, c, g, ref_fp, ref_bp, ref_op, run, args, order) -> None:
+    """The compressed formats (lossless and float16) and the one-pass iteration, timed like the CSR kernels."""
+    import cupy as cp
+
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.compressed import CompressedMatrix
+
+    m, n = a.shape
+    nnz = a.nnz
+    t0 = time.perf_counter()
+    host_a, host_at = a.to_host(), at.to_host()
+    log(f"{order}: A and A^T to the host in {time.perf_counter() - t0:.1f} s")
+    mats = {}
+    for fmt in ("compressed", "compressed-f16"):
+        for name, h in (("A", host_a), ("AT", host_at)):
+            t0 = time.perf_counter()
+            cm = CompressedMatrix.from_csr(h, fmt, validate=False)
+            dt = time.perf_counter() - t0
+            log(f"{order}: {fmt} {name}: {cm.bytes_per_nnz:.3f} bytes per non-zero "
+                f"({cm.slots - cm.nnz} markers, {100 * (cm.slots - cm.nnz) / max(1, cm.nnz):.2f}%), encoded in {dt:.1f} s")
+            mats[(fmt, name)] = gpu.DeviceCompressed.from_host(cm)
+            RESULTS_FORMATS.append({"order": order, "format": fmt, "matrix": name, "bytes_per_nnz": cm.bytes_per_nnz,
+                                    "markers": int(cm.slots - cm.nnz), "encode_s": dt})
+            del cm
+    del host_a, host_at
+    BOUND[0] = 4.0 * float(ref_op.max())  # the deterministic one-pass's fixed-point range (bp <= bound)
+    y_fp = cp.empty(m, dtype=cp.float32)
+    y_bp = cp.empty(n, dtype=cp.float32)
+    fp_out = cp.empty(m, dtype=cp.float32)
+    for threads, waves in CMP_SHAPES:
+        gpu.THREADS, gpu.WAVES = threads, waves
+        tag = f"{threads}t w{waves}"
+        for fmt in ("compressed", "compressed-f16"):
+            ca, cat = mats[(fmt, "A")], mats[(fmt, "AT")]
+            for L in (32,):
+                run("forward", f"{fmt} ({L} lanes, {tag})", lambda ca=ca, L=L: gpu.spmv(ca, f, y_fp, lanes=L),
+                    ca.nbytes, ref_fp, {"format": fmt, "bytes": ca.nbytes})
+            for L in (16, 32):
+                run("back", f"{fmt} on A^T ({L} lanes, {tag})", lambda cat=cat, L=L: gpu.spmv(cat, c, y_bp, lanes=L),
+                    cat.nbytes, ref_bp, {"format": fmt, "bytes": cat.nbytes})
+        for label, mat in (("csr", a), ("compressed", mats[("compressed", "A")]),
+                           ("compressed-f16", mats[("compressed-f16", "A")])):
+            nb = mat.nbytes
+            for L in (16, 32):
+                run("onepass", f"onepass {label} ({L} lanes, {tag}, atomics)",
+                    lambda mat=mat, L=L: gpu.onepass(mat, g, f, bp=y_bp, fp=fp_out, lanes=L)[0], nb, ref_op,
+                    {"format": label, "bytes": nb})
+            run("onepass", f"onepass {label} (32 lanes, {tag}, fixed point)",
+                lambda mat=mat: gpu.onepass(mat, g, f, bp=y_bp, fp=fp_out, lanes=32, deterministic=True,
+                                            bound=float(BOUND[0]), check=False)[0], nb, ref_op,
+                {"format": label, "bytes": nb, "deterministic": True})
+    gpu.THREADS, gpu.WAVES = 256, 16
+    del mats
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+RESULTS_FORMATS: list[dict] = []
+#: The fixed-point bound of the timed deterministic one-pass runs (set from the problem).
+BOUND = [0.0]
 
 
 def _markdown(order, label, m, n, nnz, bw, rows, its) -> str:

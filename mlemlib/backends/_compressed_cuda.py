@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 
 #: Lanes per row the kernels are compiled for.
 LANE_CHOICES = (4, 8, 16, 32)
-#: Threads per block.
+#: Threads per block (kernels are built for it: ``-DMLEM_CMP_THREADS``).
 THREADS = 256
-#: Cap of a launch in full waves of the device (the kernels loop over the rest).
+#: Cap of a launch in full waves of the device (the kernels loop over the rest); 0: no cap.
 WAVES = 16
 #: Extra NVRTC options (e.g. ``("-DMLEM_OP_CACHE=24",)``: trips of a row kept in registers by the one-pass kernels).
 OPTIONS: tuple[str, ...] = ()
@@ -87,8 +87,9 @@ def _function_on(name: str, device_id: int, options: tuple[str, ...]) -> Any:
 
 
 def function(name: str) -> Any:
-    """Kernel ``name`` of compressed.cu, compiled for the current device (memoized)."""
-    return _function_on(name, cupy().cuda.Device().id, OPTIONS)
+    """Kernel ``name`` of compressed.cu, compiled for the current device and :data:`THREADS` (memoized)."""
+    opts = OPTIONS + ((f"-DMLEM_CMP_THREADS={THREADS}",) if THREADS != 256 else ())
+    return _function_on(name, cupy().cuda.Device().id, opts)
 
 
 @functools.cache
@@ -98,10 +99,13 @@ def _device_shape(device_id: int) -> tuple[int, int]:
 
 
 def _launch_rows(fn: Any, m: int, lanes: int, args: tuple) -> None:
-    """Launch a row kernel: ``lanes`` per row, grid-stride, capped at :data:`WAVES` waves."""
+    """Launch a row kernel: ``lanes`` per row, grid-stride, capped at :data:`WAVES` waves (0: no cap, one row per group)."""
     sms, per_sm = _device_shape(cupy().cuda.Device().id)
     rows_per_block = THREADS // lanes
     needed = max(1, -(-m // rows_per_block))
+    if WAVES == 0:
+        fn((needed,), (THREADS,), args)
+        return
     cap = max(1, sms * max(1, per_sm // THREADS) * WAVES)
     fn((min(needed, cap),), (THREADS,), args)
 

@@ -59,6 +59,11 @@ typedef unsigned long long u64;
 #define FULL_MASK 0xffffffffu
 #define ROW_SHIFT 6
 
+// Threads per block the kernels are built for (the launcher's THREADS).
+#ifndef MLEM_CMP_THREADS
+#define MLEM_CMP_THREADS 256
+#endif
+
 #ifndef MLEM_OP_CACHE
 #define MLEM_OP_CACHE 16
 #endif
@@ -320,31 +325,31 @@ __device__ __forceinline__ void onepass_body(const i64* __restrict__ rp, const u
 // Unused pointers may be any device array.
 
 #define SPMV_KERNEL(NAME, L, FMT)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_##L(                                          \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) NAME##_##L(                                          \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* x, float* y, i64 m, int mode, const float* aux0, const float* aux1) {                 \
         spmv_body<L, FMT>(rp, roff, idx, val, scale, x, y, m, mode, aux0, aux1);                           \
     }
 
 #define SCATTER_KERNELS(NAME, L, FMT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) scatter_##NAME##_##L(                                \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) scatter_##NAME##_##L(                                \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* c, float* out, i64 m) {                                                               \
         scatter_body<L, FMT, false>(rp, roff, idx, val, scale, c, out, nullptr, 0.0, nullptr, m);          \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) scatter_det_##NAME##_##L(                            \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) scatter_det_##NAME##_##L(                            \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* c, u64* acc, double fscale, int* flag, i64 m) {                                       \
         scatter_body<L, FMT, true>(rp, roff, idx, val, scale, c, nullptr, acc, fscale, flag, m);           \
     }
 
 #define ONEPASS_KERNELS(NAME, L, FMT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) onepass_##NAME##_##L(                                \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) onepass_##NAME##_##L(                                \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, float* fp, float* bp, i64 m) {                                     \
         onepass_body<L, FMT, false>(rp, roff, idx, val, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m);    \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256) onepass_det_##NAME##_##L(                            \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) onepass_det_##NAME##_##L(                            \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m) {            \
         onepass_body<L, FMT, true>(rp, roff, idx, val, scale, f, g, fp, nullptr, acc, fscale, flag, m);    \
