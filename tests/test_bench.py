@@ -340,19 +340,6 @@ def test_choose_lanes_cap():
         plan.choose_lanes(100.0, cap=12)
 
 
-@pytest.mark.parametrize(
-    ("bandwidth", "sms", "cap"),
-    [
-        (4.8e12, 132, 16),  # H200: 36 GB/s per SM
-        (3.35e12, 132, 32),  # H100 SXM: 25 GB/s per SM
-        (0.0, 132, 32),  # unknown bandwidth: the warp
-        (4.8e12, 0, 32),
-    ],
-)
-def test_transpose_lane_cap(bandwidth, sms, cap):
-    assert plan.transpose_lane_cap(bandwidth, sms) == cap
-
-
 def test_row_shapes_name_their_builds():
     default = plan.RowShape()
     assert default.is_default and default.options() == () and default.label() == "256t"

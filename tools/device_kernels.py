@@ -156,7 +156,6 @@ def main(argv=None) -> int:
         y_fp = cp.empty(m, dtype=cp.float32)
         y_bp = cp.empty(n, dtype=cp.float32)
         lanes_fp = a.lanes()
-        lanes_bp_cap = ck.transpose_lane_cap(0)
         # ---- forward
         run("forward", "cusparse", lambda: a.cusparse() @ f, bytes_a, ref_fp)
         base_fp = run("forward", f"csr_vector ({lanes_fp} lanes)", lambda: ck.spmv(a, f, y_fp), bytes_a, ref_fp).copy()

@@ -79,15 +79,15 @@ def device_properties(device_id: int) -> dict[str, Any]:
     }
 
 
-def transpose_lane_cap(device_id: int) -> int:
-    """Most lanes per row of ``A^T`` on a device (:func:`mlemlib.backends._cuda_plan.transpose_lane_cap`)."""
-    props = device_properties(device_id)
-    return plan.transpose_lane_cap(props["memory_bandwidth"], props["sm_count"])
-
-
 def transpose_lanes(at: DeviceCSR) -> int:
-    """Lanes per row of ``csr_vector`` on ``A^T`` (the back projection) on the current device."""
-    return at.lanes(cap=transpose_lane_cap(cupy().cuda.Device().id))
+    """Lanes per row of ``csr_vector`` on ``A^T`` (the back projection): as for any matrix, from its mean row length.
+
+    (Until 2026-11-23 the rows of ``A^T`` got at most 16 lanes on GPUs of high
+    bandwidth per multiprocessor, measured with the grid-stride launch; with the
+    tuned launch shapes 32 lanes are as fast or faster on the H100 and the H200,
+    docs/benchmarks.md section 26.)
+    """
+    return at.lanes()
 
 
 def kernel_source(name: str) -> str:

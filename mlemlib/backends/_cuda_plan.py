@@ -4,8 +4,7 @@ Provides the decisions the CUDA backend and the benchmark make before a
 launch, kept apart so that CI tests them without a GPU:
 
 - :func:`choose_lanes` — lanes per row of ``csr_vector`` / ``scatter`` from the
-  mean row length; :func:`transpose_lane_cap` — the cap for rows of ``A^T``
-  from the device's memory bandwidth per multiprocessor;
+  mean row length;
 - :func:`launch_shape` — blocks and threads of a grid-stride launch from the
   device's multiprocessor count;
 - :func:`spmv_bytes`, :func:`csr_bytes`, :func:`iteration_floor_bytes` — the
@@ -102,6 +101,7 @@ SHAPE_CANDIDATES = (
     RowShape(),
     RowShape(512, False, 0, True),
     RowShape(1024, False, 0, True),
+    RowShape(1024, False, 0, False, 2),
     RowShape(1024, False, 0, True, 2),
 )
 
@@ -123,8 +123,7 @@ def choose_lanes(mean_row_length: float, cap: int = LANE_CHOICES[-1]) -> int:
     mean_row_length
         Non-zeros per row, on average (nnz / m).
     cap
-        Most lanes per row, one of :data:`LANE_CHOICES` (32: a warp;
-        :func:`transpose_lane_cap` for the rows of ``A^T``).
+        Most lanes per row, one of :data:`LANE_CHOICES` (32: a warp).
 
     Returns
     -------
@@ -138,39 +137,6 @@ def choose_lanes(mean_row_length: float, cap: int = LANE_CHOICES[-1]) -> int:
     want = mean_row_length / VECTOR_WIDTH
     lanes = 1 << max(0, math.ceil(math.log2(want))) if want > 1 else 1
     return int(min(max(lanes, LANE_CHOICES[0]), cap))
-
-
-#: Memory bandwidth per multiprocessor (bytes/s, theoretical) from which the
-#: rows of ``A^T`` get at most 16 lanes (docs/benchmarks.md, section 15).
-TRANSPOSE_16_LANES_FROM = 30e9
-
-
-def transpose_lane_cap(bandwidth: float, sm_count: int) -> int:
-    """Most lanes per row of ``A^T`` (the back projection) on a device.
-
-    A row of ``A^T`` (one voxel's LORs) gathers the correlation vector at
-    scattered positions. Where each multiprocessor must keep more bytes in
-    flight (an H200: 4.8 TB/s over 132 SMs, 36 GB/s each), 16 lanes per row
-    (two rows per warp, twice the loads per lane) beat 32 by 3-13% on rows of
-    255 to 1,226 non-zeros; on an H100 (3.35 TB/s, 25 GB/s per SM) 32 lanes
-    stay 2.6% ahead. Measured, not modelled: docs/benchmarks.md.
-
-    Parameters
-    ----------
-    bandwidth
-        Theoretical memory bandwidth of the device in bytes/s (0 if unknown).
-    sm_count
-        Multiprocessors of the device.
-
-    Returns
-    -------
-    int
-        16 from :data:`TRANSPOSE_16_LANES_FROM` bytes/s per multiprocessor,
-        else 32 (also when the bandwidth is unknown).
-    """
-    if bandwidth > 0 and sm_count > 0 and bandwidth / sm_count >= TRANSPOSE_16_LANES_FROM:
-        return 16
-    return LANE_CHOICES[-1]
 
 
 def launch_shape(

@@ -351,7 +351,7 @@ class NcclBackend(Backend):
         # Lanes of the whole matrix, so each row is summed as on one GPU (deterministic across GPU counts).
         self.lanes_override = lanes
         self.lanes_fp = lanes or cplan.choose_lanes(nnz / m if m else 0.0)
-        self.lanes_bp_cap = ck.transpose_lane_cap(devices[0])
+        self.lanes_bp_cap = cplan.LANE_CHOICES[-1]
         self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0, self.lanes_bp_cap)
 
         # ---- shards --------------------------------------------------------------------
