@@ -33,8 +33,10 @@ from mlemlib.errors import ConfigError
 OPS = ("forward", "back", "back_notrans", "iteration")
 #: Backend names of the config (``backend:``). ``cuda`` with ``gpus > 1`` runs the NCCL backend.
 BACKENDS = ("cpu", "cuda")
-#: Matrix formats on the device.
-FORMATS = ("csr",)
+#: Matrix formats on the device (the matrix file's format: ``mlem convert --format``).
+FORMATS = ("csr", "compressed", "compressed-f16")
+_CMP = ("compressed", "compressed-f16")
+_ALL = FORMATS
 #: Multi-GPU layouts of the NCCL backend.
 LAYOUTS = ("local", "thesis")
 #: Most non-zeros cuSPARSE takes through CuPy (32-bit indices).
@@ -91,6 +93,8 @@ class Kernel:
 
 
 _SPMV = "mlemlib/kernels/spmv.cu"
+_CMPCU = "mlemlib/kernels/compressed.cu"
+_CMPCPU = "mlemlib/backends/_compressed_cpu.py"
 _CPU = "mlemlib/backends/cpu.py"
 _BOTH = ("local", "thesis")
 _LOCAL = ("local",)
@@ -98,16 +102,18 @@ _LOCAL = ("local",)
 #: Every kernel, once. Order: backend, then operation, then the table's order.
 KERNELS: tuple[Kernel, ...] = (
     # ---- cpu
-    Kernel("numba", "forward", "cpu", ("csr",), True, (), False, f"{_CPU}: _spmv32/_spmv64",
-           "row-parallel CSR SpMV (prange over rows, each row summed in order)"),
+    Kernel("numba", "forward", "cpu", _ALL, True, (), False, f"{_CPU}: _spmv32/_spmv64; {_CMPCPU}: cmp_spmv32",
+           "row-parallel SpMV (prange over rows, each row summed in order; compressed rows decoded on the fly)"),
     Kernel("scipy", "forward", "cpu", ("csr",), True, (), False, "scipy.sparse csr_matrix @ x",
            "SciPy's CSR product (one thread; same sums as numba)"),
-    Kernel("numba", "back", "cpu", ("csr",), True, (), False, f"{_CPU}: _spmv32/_spmv64 on A^T",
+    Kernel("numba", "back", "cpu", _ALL, True, (), False, f"{_CPU}: _spmv32/_spmv64 on A^T; {_CMPCPU}: cmp_spmv32",
            "row-parallel SpMV on the stored transpose; without one, the blocked scatter"),
     Kernel("scipy", "back", "cpu", ("csr",), True, (), False, "scipy.sparse: A^T @ c (or A.T @ c)",
            "SciPy's product on the stored transpose, or its CSC product of A"),
-    Kernel("notrans", "back_notrans", "cpu", ("csr",), True, (), False, f"{_CPU}: _spmv_t32/_spmv_t64",
+    Kernel("notrans", "back_notrans", "cpu", _ALL, True, (), False, f"{_CPU}: _spmv_t32/_spmv_t64; {_CMPCPU}: cmp_spmv_t32",
            "scatter from the rows of A into per-block images, summed in block order (thesis ch. 7)"),
+    Kernel("onepass", "iteration", "cpu", _ALL, True, (), False, f"{_CMPCPU}: csr_onepass32 / cmp_onepass32",
+           "one pass over A per iteration: per row a . f, g / (a . f), and its scatter into per-block images"),
     # ---- cuda: forward
     Kernel("csr_vector", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L",
            "2..32 lanes per row, 16-byte loads, warp-shuffle sum; correlation fused"),
@@ -117,6 +123,8 @@ KERNELS: tuple[Kernel, ...] = (
            "merge-path SpMV of the thesis (5.1), secsize items per thread, atomics"),
     Kernel("cusparse", "forward", "cuda", ("csr",), False, _BOTH, False, "cupyx cuSPARSE: A @ f",
            "cuSPARSE's default SpMV through CuPy (allocates; not deterministic)"),
+    Kernel("delta_vector", "forward", "cuda", _CMP, True, _BOTH, True, f"{_CMPCU}: cspmv_<kind>_L",
+           "compressed rows: 4 slots per lane, warp scan of the column deltas; correlation fused"),
     # ---- cuda: back projection on the stored transpose
     Kernel("csr_vector", "back", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L on A^T",
            "csr_vector on the rows of A^T (lanes capped by bandwidth per SM); update fused"),
@@ -126,6 +134,8 @@ KERNELS: tuple[Kernel, ...] = (
            "merge-path SpMV on A^T, atomics"),
     Kernel("cusparse", "back", "cuda", ("csr",), False, _BOTH, False, "cupyx cuSPARSE: A_T @ c",
            "cuSPARSE's SpMV on the stored transpose"),
+    Kernel("delta_vector", "back", "cuda", _CMP, True, _BOTH, True, f"{_CMPCU}: cspmv_<kind>_L on A^T",
+           "delta_vector on the rows of A^T (stored as CSR, compressed when uploaded); update fused"),
     # ---- cuda: back projection without a transpose
     Kernel("scatter", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_L",
            "the thesis's atomic scatter from the rows of A (lanes per row)"),
@@ -138,6 +148,15 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("notrans", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, "see choose_notrans",
            "scatter_smem where most row chunks fit shared memory, else cusparse_notrans "
            "(scatter_vec on several GPUs or above 2^31 nnz)", selector=True),
+    Kernel("delta_scatter", "back_notrans", "cuda", _CMP, False, _LOCAL, True, f"{_CMPCU}: cscatter_<kind>_L",
+           "atomic scatter from compressed rows of A"),
+    # ---- cuda: one pass over A per iteration
+    Kernel("onepass", "iteration", "cuda", _ALL, False, _LOCAL, True,
+           f"{_CMPCU}: onepass_csr_L / conepass_<kind>_L",
+           "one pass over A: per row a . f (row kept in registers), g / (a . f), float atomics into bp"),
+    Kernel("onepass_fixed", "iteration", "cuda", _ALL, True, _LOCAL, True,
+           f"{_CMPCU}: onepass_det_csr_L / conepass_det_<kind>_L",
+           "onepass with bp summed as 64-bit fixed point (order-independent: bit-identical for any GPU count)"),
 )
 
 _INDEX = {(k.backend, k.op, k.name): k for k in KERNELS}
@@ -146,9 +165,11 @@ _INDEX = {(k.backend, k.op, k.name): k for k in KERNELS}
 AUTO_RULES = (
     "cpu fp: numba with several Numba threads, scipy with one (identical sums)",
     "cpu bp: like fp on a stored transpose; numba's blocked scatter without one",
-    "cuda fp (1 and N GPUs): csr_vector",
-    "cuda bp (1 and N GPUs): csr_vector on A^T when a transpose is available and A and A^T fit the GPU, "
-    "else notrans",
+    "cpu with a compressed matrix: numba (scipy reads CSR only)",
+    "cuda fp (1 and N GPUs): csr_vector (delta_vector on a compressed matrix)",
+    "cuda bp (1 and N GPUs): csr_vector (delta_vector) on A^T when a transpose is available and A and A^T fit "
+    "the GPU, else notrans (onepass_fixed on a compressed matrix)",
+    "bp naming a whole-iteration kernel (onepass, onepass_fixed) runs the iteration in one pass; fp is then auto",
     "cuda notrans: scatter_smem when >= 50% of its row chunks fit shared memory, else cusparse_notrans "
     "(one GPU, < 2^31 nnz), else scatter_vec",
     "cuda csr_vector launch shape: the fastest of _cuda_plan.SHAPE_CANDIDATES, timed on each matrix (and each "
@@ -182,9 +203,13 @@ def names(backend: str, *ops: str, gpus: int = 1, layout: str | None = None, fmt
     return out
 
 
+#: The operations a config key names: ``bp`` also names whole-iteration kernels (``fp`` is then ``auto``).
+KEY_OPS = {"fp": ("forward",), "bp": ("back", "back_notrans", "iteration")}
+
+
 def all_names(key: str) -> list[str]:
     """Every name ``fp`` (``key="fp"``) or ``bp`` may take on any backend, ``auto`` first (the schema's enum)."""
-    ops = ("forward",) if key == "fp" else ("back", "back_notrans")
+    ops = KEY_OPS[key]
     out = ["auto"]
     for backend in BACKENDS:
         out += [n for n in names(backend, *ops) if n not in out]
@@ -192,7 +217,7 @@ def all_names(key: str) -> list[str]:
 
 
 def _valid(key: str, backend: str, gpus: int, layout: str | None, fmt: str | None = None) -> list[str]:
-    ops = ("forward",) if key == "fp" else ("back", "back_notrans")
+    ops = KEY_OPS[key]
     return ["auto"] + names(backend, *ops, gpus=gpus, layout=layout, fmt=fmt)
 
 
@@ -273,8 +298,9 @@ class Choice:
 
 
 def get_bp(backend: str, name: str) -> Kernel:
-    """The back-projection kernel ``name`` (on ``A^T`` or without it)."""
-    k = _INDEX.get((backend, "back", name)) or _INDEX.get((backend, "back_notrans", name))
+    """The kernel ``bp`` names: a back projection (on ``A^T`` or without it) or a whole iteration."""
+    k = (_INDEX.get((backend, "back", name)) or _INDEX.get((backend, "back_notrans", name))
+         or _INDEX.get((backend, "iteration", name)))
     if k is None:
         raise ConfigError("bp", f"no back-projection kernel {name!r} on backend {backend}")
     return k
@@ -310,28 +336,37 @@ def resolve(backend: str, fp: str | None, bp: str | None, *, gpus: int = 1, layo
     lay = layout if multi else None
     fp = check("fp", fp, backend, gpus=gpus, layout=lay, fmt=fmt)
     bp = check("bp", bp, backend, gpus=gpus, layout=lay, fmt=fmt)
+    kb = get_bp(backend, bp) if bp != "auto" else None
+    if kb is not None and kb.op == "iteration":  # a whole iteration: fp must say nothing else
+        if fp not in ("auto", bp):
+            raise ConfigError("fp", f"bp={bp} runs the whole iteration in one pass over A: fp must be auto or {bp}, "
+                                    f"not {fp!r}")
+        return Choice(bp, bp, False, kb.deterministic)
     if backend == "cpu":
-        auto = "numba" if threads > 1 else "scipy"
+        auto = "numba" if threads > 1 or fmt != "csr" else "scipy"
         fp = auto if fp == "auto" else fp
         if bp == "auto":
             bp = auto if transpose_available else "numba"
         kb = get_bp("cpu", bp)
         needs_t = transpose_available and kb.op == "back"
         return Choice(fp, bp, needs_t, get("cpu", "forward", fp).deterministic and kb.deterministic)
-    fp = "csr_vector" if fp == "auto" else fp
+    row = "csr_vector" if fmt == "csr" else "delta_vector"
+    fp = row if fp == "auto" else fp
     if bp == "auto":
-        bp = "csr_vector" if transpose_available and fits else "notrans"
-        if layout == "thesis" and multi and bp == "notrans":
+        bp = row if transpose_available and fits else ("notrans" if fmt == "csr" else "onepass_fixed")
+        if layout == "thesis" and multi and get_bp("cuda", bp).op != "back":
             raise ConfigError("bp", "bp=auto: the thesis layout back-projects rows of A^T, which do not fit; "
                                     "use layout local")
     kb = get_bp("cuda", bp)
+    if kb.op == "iteration":
+        return Choice(bp, bp, False, kb.deterministic)
     return Choice(fp, bp, kb.needs_transpose, get("cuda", "forward", fp).deterministic and kb.deterministic)
 
 
 def uses_transpose(backend: str, bp: str | None) -> bool:
     """Whether a run with back projection ``bp`` reads a stored ``A^T`` (the workflow asks before giving one).
 
-    Every ``back`` kernel and ``auto`` do; ``back_notrans`` kernels do not.
+    Every ``back`` kernel and ``auto`` do; ``back_notrans`` and whole-iteration kernels do not.
     """
     bp = "auto" if bp is None else bp
     if bp == "auto":

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from mlemlib.backends.device_formats import DeviceMatrix
 from mlemlib.errors import ConfigError, DeviceError
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,10 @@ log = logging.getLogger(__name__)
 #: Lanes per row the kernels are compiled for.
 LANE_CHOICES = (4, 8, 16, 32)
 #: Threads per block (kernels are built for it: ``-DMLEM_CMP_THREADS``).
-THREADS = 256
-#: Cap of a launch in full waves of the device (the kernels loop over the rest); 0: no cap.
-WAVES = 16
+THREADS = 512
+#: Cap of a launch in full waves of the device (the kernels loop over the rest); 0: no cap, one
+#: row per lane group, which keeps neighbouring rows in flight together (docs/benchmarks.md §25).
+WAVES = 0
 #: Extra NVRTC options (e.g. ``("-DMLEM_OP_CACHE=24",)``: trips of a row kept in registers by the one-pass kernels).
 OPTIONS: tuple[str, ...] = ()
 #: Epilogues of :func:`spmv` (as spmv.cu).
@@ -88,7 +90,7 @@ def _function_on(name: str, device_id: int, options: tuple[str, ...]) -> Any:
 
 def function(name: str) -> Any:
     """Kernel ``name`` of compressed.cu, compiled for the current device and :data:`THREADS` (memoized)."""
-    opts = OPTIONS + ((f"-DMLEM_CMP_THREADS={THREADS}",) if THREADS != 256 else ())
+    opts = OPTIONS + ((f"-DMLEM_CMP_THREADS={THREADS}",) if THREADS != 512 else ())
     return _function_on(name, cupy().cuda.Device().id, opts)
 
 
@@ -135,8 +137,16 @@ def _check_vector(name: str, v: Any, size: int) -> None:
 
 # --------------------------------------------------------------------------- matrices on the device
 @dataclass
-class DeviceCompressed:
-    """A compressed matrix in GPU memory (arrays as in :class:`mlemlib.compressed.CompressedMatrix`)."""
+class DeviceCompressed(DeviceMatrix):
+    """A compressed matrix in GPU memory (arrays as in :class:`mlemlib.compressed.CompressedMatrix`).
+
+    The device type of the ``compressed`` and ``compressed-f16`` formats
+    (:mod:`mlemlib.backends.device_formats`): :meth:`upload` takes a
+    compressed container (only the rows asked for are read, still encoded),
+    an in-memory :class:`~mlemlib.compressed.CompressedMatrix`, or any CSR
+    source, which is encoded on the host block by block on the way (how a
+    stored CSR ``A^T`` reaches the GPU compressed).
+    """
 
     rowbase: Any
     rowoff: Any
@@ -145,6 +155,7 @@ class DeviceCompressed:
     scale: Any | None
     shape: tuple[int, int]
     nnz: int
+    code_bits: int = 8
 
     @classmethod
     def from_host(cls, a) -> DeviceCompressed:
@@ -155,12 +166,35 @@ class DeviceCompressed:
         scale = cp.asarray(a.scale) if a.scale is not None else None
         return cls(
             cp.asarray(a.rowbase), cp.asarray(a.rowoff), cp.asarray(a.codes), cp.asarray(a.values), scale,
-            a.shape, a.nnz,
+            a.shape, a.nnz, int(getattr(a, "code_bits", 8)),
         )
 
     @property
-    def format(self) -> str:
+    def format(self) -> str:  # type: ignore[override]
         return "compressed" if self.scale is None else "compressed-f16"
+
+    @classmethod
+    def upload(
+        cls, source: Any, rows: tuple[int, int] | None = None, *, device: int | None = None, align: bool = False,
+        what: str = "matrix", fmt: str | None = None,
+    ) -> DeviceCompressed:
+        """Rows ``[r0, r1)`` (or all) of ``source`` on ``device``, compressed (``align`` is implied: rows start at 4 slots)."""
+        cp = cupy()
+        dev = cp.cuda.Device().id if device is None else int(device)
+        if isinstance(source, DeviceCompressed) and rows is None:
+            return source
+        m = int(source.shape[0])
+        r0, r1 = (0, m) if rows is None else (int(rows[0]), int(rows[1]))
+        with cp.cuda.Device(dev):
+            return cls.from_host(_encoded_rows(source, r0, r1, fmt or "compressed", what))
+
+    @staticmethod
+    def device_bytes(source: Any) -> int:
+        """Bytes ``source`` takes on the GPU: a compressed container's own size, else about 6.5 per non-zero."""
+        nb = getattr(source, "nbytes", None)
+        if getattr(source, "format", None) in ("compressed", "compressed-f16") and nb is not None:
+            return int(nb)
+        return int(6.5 * int(source.nnz)) + 5 * int(source.shape[0])
 
     @property
     def lossless(self) -> bool:
@@ -176,8 +210,8 @@ class DeviceCompressed:
         return int(self.rowbase.nbytes + self.rowoff.nbytes + self.codes.nbytes + self.values.nbytes + extra)
 
     def lanes(self, cap: int = 32) -> int:
-        """Default lanes per row: from the mean slots per row."""
-        return choose_lanes(self.slots / self.shape[0] if self.shape[0] else 0.0, cap)
+        """Default lanes per row: from the mean quads (4 slots, one lane's share of a trip) per row."""
+        return choose_lanes(self.slots / 4 / self.shape[0] if self.shape[0] else 0.0, cap)
 
     def max_value(self) -> float:
         """An upper bound of the matrix's values (exact for float32; ``max(scale) * 32768`` for float16)."""
@@ -194,8 +228,8 @@ class DeviceCompressed:
 
     @property
     def kind(self) -> str:
-        """Kernel name part: ``cmp`` or ``cmp16``."""
-        return "cmp" if self.scale is None else "cmp16"
+        """Kernel name part: values and code bits, ``f32c8``, ``f32c16``, ``f16c8`` or ``f16c16``."""
+        return f"{'f32' if self.scale is None else 'f16'}c{self.code_bits}"
 
 
 @dataclass
@@ -210,6 +244,44 @@ class DeviceCSRArrays:
     @property
     def nnz(self) -> int:
         return int(self.indices.size)
+
+
+def _encoded_rows(source: Any, r0: int, r1: int, fmt: str, what: str):
+    """Rows ``[r0, r1)`` of any matrix source as a host :class:`~mlemlib.compressed.CompressedMatrix`.
+
+    A compressed container or in-memory compressed matrix gives its own
+    encoding (``read_encoded`` / ``row_range``); anything else is read as CSR
+    block by block and encoded in ``fmt`` with one code width for all blocks
+    (chosen on the first block).
+    """
+    from mlemlib.compressed import CompressedMatrix
+
+    if hasattr(source, "read_encoded"):
+        return source.read_encoded(r0, r1)
+    if isinstance(source, CompressedMatrix):
+        return source.row_range(r0, r1)
+    from mlemlib.formats import open_source
+
+    src = open_source(source, what)
+    parts, bits = [], None
+    step = 1 << 26
+    ip = np.asarray(src.read_indptr(), dtype=np.int64) if hasattr(src, "read_indptr") else None
+    r = r0
+    while r < r1:
+        if ip is None:
+            stop = r1
+        else:  # about `step` non-zeros per block
+            stop = int(np.searchsorted(ip, ip[r] + step, side="right")) - 1
+            stop = min(max(stop, r + 1), r1)
+        block = src.read_rows(r, stop)
+        enc = CompressedMatrix.from_csr(block, fmt, code_bits=bits, validate=False)
+        bits = enc.code_bits
+        parts.append(enc)
+        r = stop
+    if not parts:
+        return CompressedMatrix.from_csr(src.read_rows(r0, r1), fmt, validate=False)
+    log.info("%s: rows %d..%d encoded as %s (%d-bit codes) on the way to the GPU", what, r0, r1, fmt, bits)
+    return parts[0] if len(parts) == 1 else CompressedMatrix.concatenate(parts)
 
 
 def upload_csr(a) -> DeviceCSRArrays:
@@ -228,12 +300,18 @@ def _matrix_args(a) -> tuple[str, tuple, float]:
     """(kernel name part, the five matrix arguments, mean slots per row) of a compressed or CSR device matrix."""
     if isinstance(a, DeviceCompressed):
         m = a.shape[0]
-        return a.kind, a.kernel_args(), (a.slots / m if m else 0.0)
+        return a.kind, a.kernel_args(), (a.slots / 4 / m if m else 0.0)
     if all(hasattr(a, k) for k in ("indptr", "indices", "data", "shape")):
         m = a.shape[0]
         nnz = int(a.indices.size)
         return "csr", (a.indptr, a.indptr, a.indices, a.data, a.data), (nnz / m if m else 0.0)
     raise TypeError(f"expected a DeviceCompressed or device CSR arrays, got {type(a).__name__}")
+
+
+def _onepass_name(kind: str, lanes: int, det: bool) -> str:
+    """The one-pass kernel of a matrix kind (``csr``: one element per lane; compressed: 4 slots per lane)."""
+    det_ = "det_" if det else ""
+    return f"onepass_{det_}csr_{lanes}" if kind == "csr" else f"conepass_{det_}{kind}_{lanes}"
 
 
 # --------------------------------------------------------------------------- fixed point
@@ -320,7 +398,7 @@ def spmv(
     if m == 0:
         return out
     L = _lanes(lanes, a.lanes())
-    fn = function(f"{a.kind}_spmv_{L}")
+    fn = function(f"cspmv_{a.kind}_{L}")
     a0 = aux0 if aux0 is not None else out
     a1 = aux1 if aux1 is not None else out
     _launch_rows(fn, m, L, (*a.kernel_args(), x, out, np.int64(m), np.int32(mode), a0, a1))
@@ -381,13 +459,13 @@ def scatter(
     if not deterministic:
         out.fill(0)
         if m:
-            _launch_rows(function(f"scatter_{a.kind}_{L}"), m, L, (*args, c, out, np.int64(m)))
+            _launch_rows(function(f"cscatter_{a.kind}_{L}"), m, L, (*args, c, out, np.int64(m)))
         return out
     if bound is None:
         bound = float(cp.sum(c, dtype=cp.float64)) * a.max_value()
     acc = cp.empty(n, dtype=cp.uint64)
     flag = cp.zeros(1, dtype=cp.int32)
-    fn = function(f"scatter_det_{a.kind}_{L}")
+    fn = function(f"cscatter_det_{a.kind}_{L}")
 
     def launch(scale: float) -> None:
         if m:
@@ -422,7 +500,7 @@ def onepass_fixed(
     L = _lanes(lanes, choose_lanes(mean))
     if m:
         _launch_rows(
-            function(f"onepass_det_{kind}_{L}"), m, L, (*args, f, g, fp, acc, np.float64(scale), flag, np.int64(m))
+            function(_onepass_name(kind, L, True)), m, L, (*args, f, g, fp, acc, np.float64(scale), flag, np.int64(m))
         )
 
 
@@ -480,7 +558,7 @@ def onepass(
     if not deterministic:
         bp.fill(0)
         if m:
-            _launch_rows(function(f"onepass_{kind}_{L}"), m, L, (*args, f, g, fp, bp, np.int64(m)))
+            _launch_rows(function(_onepass_name(kind, L, False)), m, L, (*args, f, g, fp, bp, np.int64(m)))
         return bp, fp
     if bound is None:
         bound = onepass_bound(g, f)

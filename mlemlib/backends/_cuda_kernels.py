@@ -159,7 +159,7 @@ class DeviceCSR(DeviceMatrix):
     @classmethod
     def upload(
         cls, source: Any, rows: tuple[int, int] | None = None, *, device: int | None = None, align: bool = False,
-        what: str = "matrix",
+        what: str = "matrix", fmt: str | None = None,
     ) -> DeviceCSR:
         """The whole ``source`` (streamed by row blocks; a DeviceCSR returned as is) or rows ``[r0, r1)`` of it.
 
@@ -176,9 +176,12 @@ class DeviceCSR(DeviceMatrix):
         return rowsto_device(source, r0, r1, dev, align=align)
 
     @staticmethod
-    def device_bytes(rows: int, nnz: int) -> int:
-        """8 bytes per non-zero and 8 per row pointer entry."""
-        return plan.csr_bytes(rows, nnz)
+    def device_bytes(source: Any) -> int:
+        """8 bytes per non-zero and 8 per row pointer entry (a DeviceCSR already there: 0)."""
+        if isinstance(source, DeviceCSR):
+            return 0
+        (m, _), nnz = _mx.shape_nnz(source)
+        return plan.csr_bytes(m, nnz)
 
     @classmethod
     def from_host(cls, a: CSRMatrix) -> DeviceCSR:

@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 
 #: Share of the free GPU memory the matrices may take (the rest: vectors, cuSPARSE workspace).
 MEMORY_HEADROOM = 0.92
+#: Kernels with the fused epilogues (correlation into fp, update into bp on A^T).
+FUSED = ("csr_vector", "csr_scalar", "delta_vector")
+#: The deterministic one-pass kernel's fixed-point range: bp_j <= ONEPASS_C_MAX * max(norm), i.e. every
+#: correlation g_i / fp_i below 2^20 (an overflow is detected and the iteration redone with a larger range).
+ONEPASS_C_MAX = float(2**20)
 GIB = float(1 << 30)
 
 
@@ -146,8 +151,10 @@ class CudaBackend(Backend):
         with self._device:
             free = free_memory(self.device_id)
             # a DeviceCSR already on the GPU needs nothing more
-            need_a = 0 if isinstance(matrix, DeviceMatrix) else dev_type.device_bytes(m, nnz)
-            need_t = 0 if isinstance(transpose, DeviceMatrix) else dev_type.device_bytes(n, nnz)
+            need_a = 0 if isinstance(matrix, DeviceMatrix) else dev_type.device_bytes(matrix)
+            need_t = 0 if isinstance(transpose, DeviceMatrix) or transpose is None else dev_type.device_bytes(transpose)
+            if transpose is None:
+                need_t = need_a
             need_vec = 4 * (3 * m + 4 * n)
             fits_a = need_a + need_vec <= MEMORY_HEADROOM * free
             fits_both = need_a + need_t + need_vec <= MEMORY_HEADROOM * free
@@ -181,7 +188,7 @@ class CudaBackend(Backend):
             self.bp_requested = str(bp)
             self.deterministic = choice.deterministic
 
-            self.a = dev_type.upload(matrix, what="matrix")
+            self.a = dev_type.upload(matrix, what="matrix", fmt=self.format)
             self._smem = None
             self.smem_local_fraction: float | None = None
             if self.bp_kernel in ("notrans", "scatter_smem"):
@@ -201,8 +208,13 @@ class CudaBackend(Backend):
             self.transpose_source = "none"
             if choice.needs_transpose:
                 if transpose is not None:
-                    self.at = dev_type.upload(transpose, what="transpose")
-                    self.transpose_source = "stored"
+                    self.at = dev_type.upload(transpose, what="transpose", fmt=self.format)
+                    self.transpose_source = "stored" if format_of(transpose) == self.format else f"stored, as {self.format}"
+                elif self.format != "csr":
+                    raise ConfigError(
+                        "transpose", f"bp={self.bp_kernel} on a {self.format} matrix needs a stored transpose "
+                        "(mlem transpose), or use bp=onepass_fixed"
+                    )
                 else:
                     log.info("no transpose given: transposing A on GPU %d with cuSPARSE", self.device_id)
                     try:
@@ -221,8 +233,11 @@ class CudaBackend(Backend):
             self._fp = cp.empty(m, dtype=cp.float32)
             self._c = cp.empty(m, dtype=cp.float32)
             self._bp = cp.empty(n, dtype=cp.float32)
-            self.fuse_fp = fuse and self.fp_kernel in ("csr_vector", "csr_scalar")
-            self.fuse_bp = fuse and self.at is not None and self.bp_kernel in ("csr_vector", "csr_scalar")
+            self.onepass = registry.get_bp("cuda", self.bp_kernel).op == "iteration"
+            self.fuse_fp = fuse and self.fp_kernel in FUSED
+            self.fuse_bp = fuse and self.at is not None and self.bp_kernel in FUSED
+            self._fixed_bound = (ONEPASS_C_MAX * float(np.max(norm))) if norm.size else 1.0
+            self.fixed_stats: dict[str, Any] = {}
             self._events: dict[str, Any] = {}
             self._event_order: list[str] = []
             if tune and self.fp_kernel == "csr_vector":
@@ -242,7 +257,9 @@ class CudaBackend(Backend):
         )
 
     # --- helpers -------------------------------------------------------------------
-    def _lanes(self, a: ck.DeviceCSR) -> int:
+    def _lanes(self, a: Any) -> int:
+        if not isinstance(a, ck.DeviceCSR):
+            return a.lanes()
         if self.lanes_override:
             return self.lanes_override
         return ck.transpose_lanes(a) if a is self.at else a.lanes()
@@ -264,11 +281,19 @@ class CudaBackend(Backend):
         self._event_order.append(name)
 
     # --- the four steps ----------------------------------------------------------
+    def _project(self, mat: Any, x: Any, out: Any, kernel: str, **kw: Any) -> Any:
+        """``out = mat x`` (with ``kw``'s epilogue) by the row kernel ``kernel`` of ``mat``'s format."""
+        if kernel == "delta_vector":
+            return cc().spmv(mat, x, out, **kw)
+        return ck.spmv(mat, x, out, kernel=kernel, lanes=self._lanes(mat), secsize=self.secsize, **kw)
+
     def forward(self, f: Any) -> Any:
         with self._device:
+            if self.onepass:
+                return self._project(self.a, f, self._fp, "delta_vector" if self.format != "csr" else "csr_vector")
             if self.fp_kernel == "cusparse":
                 return self.a.cusparse() @ f
-            return ck.spmv(self.a, f, self._fp, kernel=self.fp_kernel, lanes=self._lanes(self.a), secsize=self.secsize)
+            return self._project(self.a, f, self._fp, self.fp_kernel)
 
     def correlate(self, fp: Any) -> Any:
         with self._device:
@@ -279,11 +304,13 @@ class CudaBackend(Backend):
             if self.bp_kernel == "cusparse":
                 return self.at.cusparse() @ c
             if self.at is not None:
-                return ck.spmv(
-                    self.at, c, self._bp, kernel=self.bp_kernel, lanes=self._lanes(self.at), secsize=self.secsize
-                )
+                return self._project(self.at, c, self._bp, self.bp_kernel)
             if self.bp_kernel == "cusparse_notrans":
                 return self.a.cusparse().T @ c
+            if self.bp_kernel == "delta_scatter":
+                return cc().scatter(self.a, c, self._bp)
+            if self.onepass:
+                raise ConfigError("bp", f"bp={self.bp_kernel} runs whole iterations (iterate), not a back projection")
             return ck.scatter(self.a, c, self._bp, kernel=self.bp_kernel, lanes=self._lanes(self.a), smem=self._smem)
 
     def update(self, f: Any, bp: Any) -> Any:
@@ -296,10 +323,15 @@ class CudaBackend(Backend):
             self._times = {}
             self._event_order = []
             self._record("start")
+            if self.onepass:  # one pass over A: forward, correlation and back projection in one kernel
+                cc().onepass(self.a, self.g, f, bp=self._bp, fp=self._fp, deterministic=self.deterministic,
+                             bound=self._fixed_bound, stats=self.fixed_stats)
+                self._record("bp")
+                f = self.update(f, self._bp)
+                self._record("update")
+                return f
             if self.fuse_fp:
-                c = ck.spmv(
-                    self.a, f, self._c, kernel=self.fp_kernel, lanes=self._lanes(self.a), mode=ck.MODE_CORR, aux0=self.g
-                )
+                c = self._project(self.a, f, self._c, self.fp_kernel, mode=ck.MODE_CORR, aux0=self.g)
                 self._record("fp")
             else:
                 fp = self.forward(f)
@@ -307,16 +339,7 @@ class CudaBackend(Backend):
                 c = self.correlate(fp)
                 self._record("corr")
             if self.fuse_bp:
-                f = ck.spmv(
-                    self.at,
-                    c,
-                    f,
-                    kernel=self.bp_kernel,
-                    lanes=self._lanes(self.at),
-                    mode=ck.MODE_UPDATE,
-                    aux0=f,
-                    aux1=self.norm,
-                )
+                f = self._project(self.at, c, f, self.bp_kernel, mode=ck.MODE_UPDATE, aux0=f, aux1=self.norm)
                 self._record("bp")
             else:
                 bp = self.back(c)
@@ -380,6 +403,11 @@ class CudaBackend(Backend):
             "bp_requested": self.bp_requested,
             "smem_local_chunks": self.smem_local_fraction,
             "transpose": self.transpose_source,
+            "format": self.format,
+            "bytes_per_nnz": {"A": self.a.nbytes / max(1, self.a.nnz),
+                              "AT": (self.at.nbytes / max(1, self.at.nnz)) if self.at is not None else None},
+            "onepass": self.onepass,
+            "fixed_point": dict(self.fixed_stats) if self.onepass and self.deterministic else None,
             "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" else None,
             "shape_fp": _shape_label(self.a) if self.fp_kernel == "csr_vector" else None,
             "shape_bp": _shape_label(self.at) if self.at is not None and self.bp_kernel == "csr_vector" else None,
@@ -388,11 +416,20 @@ class CudaBackend(Backend):
             else None,
             "secsize": self.secsize if "merge" in (self.fp_kernel, self.bp_kernel) else None,
             "fused": fused,
-            "steps": [s for s in STEPS if not (s == "corr" and self.fuse_fp) and not (s == "update" and self.fuse_bp)],
+            "steps": ["bp", "update"] if self.onepass else [
+                s for s in STEPS if not (s == "corr" and self.fuse_fp) and not (s == "update" and self.fuse_bp)
+            ],
             "device": {"index": self.device_id, **dev},
             "memory": self.memory,
         }
         return out
+
+
+def cc():
+    """The compressed-format and one-pass launchers (:mod:`mlemlib.backends._compressed_cuda`)."""
+    from mlemlib.backends import _compressed_cuda
+
+    return _compressed_cuda
 
 
 def _shape_label(a: ck.DeviceCSR) -> str:

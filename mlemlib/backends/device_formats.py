@@ -12,6 +12,10 @@ Formats
 -------
 ``csr``   :class:`mlemlib.backends._cuda_kernels.DeviceCSR`: int64 row
           pointer, int32 columns, float32 values (8 bytes per non-zero).
+``compressed``, ``compressed-f16``
+          :class:`mlemlib.backends._compressed_cuda.DeviceCompressed`: column
+          deltas of 8 or 16 bits and float32 (float16) values, about 5-6 (3-4)
+          bytes per non-zero; a CSR source is encoded on its way to the GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from mlemlib import registry
 from mlemlib.errors import ConfigError
 
 #: Format name -> ``module:class`` of its device type (imported when first used).
-DEVICE_TYPES = {"csr": "mlemlib.backends._cuda_kernels:DeviceCSR"}
+DEVICE_TYPES = {
+    "csr": "mlemlib.backends._cuda_kernels:DeviceCSR",
+    "compressed": "mlemlib.backends._compressed_cuda:DeviceCompressed",
+    "compressed-f16": "mlemlib.backends._compressed_cuda:DeviceCompressed",
+}
 
 
 class DeviceMatrix(ABC):
@@ -45,7 +53,7 @@ class DeviceMatrix(ABC):
     @abstractmethod
     def upload(
         cls, source: Any, rows: tuple[int, int] | None = None, *, device: int | None = None, align: bool = False,
-        what: str = "matrix",
+        what: str = "matrix", fmt: str | None = None,
     ) -> DeviceMatrix:
         """Put ``source`` (rows ``[r0, r1)`` of it, or all) on ``device`` (default: the current one).
 
@@ -53,23 +61,18 @@ class DeviceMatrix(ABC):
         streamed in blocks), an in-memory host matrix, or a device matrix of
         the same type on any GPU. ``align`` keeps a row block's vector
         alignment as in the whole matrix, where the format's kernels need it
-        to sum each row exactly as on one GPU.
+        to sum each row exactly as on one GPU. ``fmt`` names the format to
+        encode a source of another format into (one type may hold several).
         """
 
     @staticmethod
     @abstractmethod
-    def device_bytes(rows: int, nnz: int) -> int:
-        """Bytes a matrix of ``rows`` rows and ``nnz`` non-zeros takes on the device (checked before upload)."""
+    def device_bytes(source: Any) -> int:
+        """Bytes all of ``source`` will take on the device in this format (checked before upload)."""
 
-    @property
-    @abstractmethod
-    def nnz(self) -> int:
-        """Stored non-zeros (without alignment padding)."""
-
-    @property
-    @abstractmethod
-    def nbytes(self) -> int:
-        """Bytes it takes on the device."""
+    #: Stored non-zeros (without padding) and bytes on the device: attributes or properties of each type.
+    nnz: int
+    nbytes: int
 
 
 def device_type(fmt: str) -> type[DeviceMatrix]:
@@ -81,8 +84,10 @@ def device_type(fmt: str) -> type[DeviceMatrix]:
 
 
 def format_of(source: Any) -> str:
-    """The format a matrix source holds: a device matrix's, a reader's ``matrix_format`` where it has one, else ``csr``."""
-    fmt = source.format if isinstance(source, DeviceMatrix) else (getattr(source, "matrix_format", None) or "csr")
+    """The format a matrix source holds: a device matrix's, a compressed reader's or matrix's, else ``csr``."""
+    fmt = getattr(source, "format", None)
+    if not isinstance(fmt, str) or fmt not in registry.FORMATS:
+        fmt = "csr"
     if fmt not in registry.FORMATS:
         raise ConfigError("format", f"matrix format {fmt!r} has no kernels; known: {', '.join(registry.FORMATS)}")
     return fmt

@@ -1,57 +1,56 @@
-// Kernels on the compressed matrix and the one-pass MLEM iteration (compiled
-// at run time by cupy.RawModule; launched by mlemlib/backends/_compressed_cuda.py).
+// Kernels of the compressed matrix (version 2) and of the one-pass MLEM iteration
+// (compiled at run time by cupy.RawModule; launched by mlemlib/backends/_compressed_cuda.py).
 //
-// The compressed matrix (mlemlib/compressed.py, docs/formats.md): row r owns
-// slots [p(r), p(r+1)), p(r) = rowbase[r >> 6] + rowoff[r]; per slot a code
-// byte and a value slot (float32, or float16 times the row's float32 scale).
-// Code c <= 253: the running column advances by c and the slot is an element;
-// code 255: the column advances by the value slot's bits (unsigned 32- or
-// 16-bit), code 254: by those bits << 16; markers hold no element. The
-// running column starts at 0 in every row. Every array is rebased so that
-// p(0) = 0 (the Python side checks).
+// The compressed matrix, version 2 (mlemlib/compressed.py, docs/formats.md): row r
+// owns slots [p(r), p(r+1)), p(r) = rowbase[r >> 6] + rowoff[r], every p(r) a
+// multiple of 4 (rows are padded at their end with pad slots). Per slot a code
+// (CB = 8 or 16 bits) and a value slot (float32, or float16 bits times the
+// row's float32 scale). With MARK = 2^CB - 1 and HIGH = 2^CB - 2: a code below
+// HIGH advances the row's running column by the code and the slot is an
+// element; MARK advances it by the value slot's bits, HIGH by those bits << 16
+// (float16 only), and neither holds an element (a pad slot is MARK with bits 0).
+// The running column starts at 0 in every row.
 //
-// A group of L lanes (L = 4, 8, 16, 32) takes one row; one "trip" decodes L
-// consecutive slots, one per lane: the lanes load their code and value
-// (coalesced), form their deltas, and an inclusive prefix sum over the group
-// (__shfl_up_sync) plus the running column of the previous trip gives every
-// lane its column. Trip counts are made uniform over the warp (the warp's
-// longest row), so the full-mask shuffles are always legal.
+// Decoding (cspmv, cscatter, conepass): a group of L lanes takes one row; a trip
+// covers 4 L slots, 4 per lane: each lane loads its 4 codes (4 or 8 bytes) and
+// 4 values (16 or 8 bytes) with one vector load each, forms its 4 deltas and
+// their running sum, and an exclusive scan of the lanes' sums over the group
+// (log2 L shuffles) plus the running column before the trip gives each slot
+// its column. Trip counts are made uniform over the warp so the shuffles are
+// legal. The row loop runs over block-aligned row bases (as csr_block_L of
+// spmv.cu): launched with one row per group and no grid-stride loop, the rows
+// in flight are neighbours and share their gathers in L1.
 //
-// Kernels (extern "C"; <L> = 4, 8, 16, 32):
-//   cmp_spmv_<L>, cmp16_spmv_<L>     y = A x (float32 / float16 values); also the
-//                                    back projection on a stored compressed A^T.
-//                                    Epilogue `mode` as spmv.cu (0 plain, 1 g/fp,
-//                                    2 f*bp/norm). Deterministic (no atomics).
-//   scatter_cmp_<L>, scatter_cmp16_<L>          out += A^T c from the rows of A,
-//                                    float atomicAdd. NOT deterministic.
-//   scatter_det_cmp_<L>, scatter_det_cmp16_<L>  the same into 64-bit fixed point
-//                                    (acc); deterministic.
-//   onepass_csr_<L>, onepass_cmp_<L>, onepass_cmp16_<L>
-//                                    one-pass MLEM step: per row fp = a_i . f,
-//                                    c = g_i / fp (0 where fp == 0), bp += c a_i
-//                                    with float atomicAdd. NOT deterministic.
-//   onepass_det_csr_<L>, onepass_det_cmp_<L>, onepass_det_cmp16_<L>
-//                                    the same, bp accumulated in 64-bit fixed point
-//                                    (acc): deterministic.
-//   fixed_to_float                   out = acc / scale (float32).
+// Kernels (extern "C"; <K> = f32c8, f32c16, f16c8, f16c16 (values, code bits);
+// <L> = 4, 8, 16, 32):
+//   cspmv_<K>_<L>          y = A x, fused epilogue `mode` as spmv.cu; also the
+//                          back projection on a stored compressed A^T.
+//                          Deterministic (no atomics).
+//   cscatter_<K>_<L>       out += A^T c from the rows of A, float atomics.
+//                          NOT deterministic.
+//   cscatter_det_<K>_<L>   the same into 64-bit fixed point; deterministic.
+//   conepass_<K>_<L>       one-pass MLEM step on the compressed A: per row
+//                          fp = a . f, c = g / fp (0 where fp == 0), bp += c a;
+//                          float atomics. NOT deterministic.
+//   conepass_det_<K>_<L>   the same in 64-bit fixed point; deterministic.
+//   onepass_csr_<L>, onepass_det_csr_<L>   the one-pass step on CSR (one element
+//                          per lane per trip).
+//   fixed_to_float         out = acc / scale.
 //
-// One-pass: the L lanes keep the first MLEM_OP_CACHE trips of their row
-// (MLEM_OP_CACHE * L slots: columns and values) in registers between the dot
-// product and the scatter; a longer row's tail is decoded again.
+// One-pass: the lanes keep the first MLEM_OP_CACHE trips of their row (4 slots
+// each) in registers between the dot product and the scatter; a longer row's
+// tail is decoded again.
 //
-// Fixed point (the _det kernels): each term t = v * c (float32, >= 0) is added
-// as the unsigned 64-bit integer rint(t * scale) with an integer atomicAdd:
-// integer sums do not depend on the order, so the result is bit-identical run
-// after run (and across GPUs when their partial sums are added as integers).
-// `scale` is a power of two chosen by the caller from an upper bound B of every
-// output (scale * B <= 2^62); each term is off by at most 0.5 / scale, so an
-// output of K terms is off by at most K / (2 scale) <= K * B * 2^-63 before the
-// final float32 rounding. A term that does not fit (t * scale >= 2^64, NaN) sets
-// bit 0 of *flag, an addition that wraps sets bit 1: the caller then retries
-// with a larger bound.
+// Fixed point (the _det kernels): each term t = v * c (>= 0) is added as the
+// unsigned 64-bit integer rint(t * scale) with an integer atomicAdd: integer
+// sums do not depend on the order, so the result is bit-identical run after run
+// and for every GPU count when the partial sums are added as integers. `scale`
+// is a power of two from an upper bound B of every output (scale * B <= 2^62);
+// an output of K terms is off by at most K / (2 scale) before its final float32
+// rounding. A term that does not fit sets bit 0 of *flag, a wrapping addition
+// bit 1: the caller retries with a larger bound.
 //
-// Row pointer: CSR indptr is int64 (m+1); the compressed rowbase is int64 and
-// rowoff uint32. Slot and element offsets are 64-bit throughout.
+// Offsets (slots, elements, rows) are 64-bit throughout.
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -61,7 +60,12 @@ typedef unsigned long long u64;
 
 // Threads per block the kernels are built for (the launcher's THREADS).
 #ifndef MLEM_CMP_THREADS
-#define MLEM_CMP_THREADS 256
+#define MLEM_CMP_THREADS 512
+#endif
+
+// Trips (4 slots per lane each) the compressed one-pass kernels keep in registers.
+#ifndef MLEM_CMP_CACHE
+#define MLEM_CMP_CACHE 4
 #endif
 
 #ifndef MLEM_OP_CACHE
@@ -182,69 +186,6 @@ __device__ __forceinline__ void add_term(float* bp, u64* acc, unsigned j, float 
     }
 }
 
-// ---------------------------------------------------------------------------
-// y = A x, one group of L lanes per row, grid-stride over warp-aligned rows.
-template <int L, int FMT>
-__device__ __forceinline__ void spmv_body(const i64* __restrict__ rp, const unsigned* __restrict__ roff,
-                                          const void* __restrict__ idx, const void* __restrict__ val,
-                                          const float* __restrict__ scale, const float* __restrict__ x,
-                                          float* y, i64 m, int mode, const float* aux0, const float* aux1) {
-    const int lane = threadIdx.x & (L - 1);
-    const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
-    for (i64 r = gtid / L; r - (i64)((threadIdx.x & 31) / L) < m; r += ngroups) {
-        const bool valid = r < m;
-        i64 s = 0, e = 0;
-        float rs = 1.0f;
-        if (valid) {
-            s = row_start<FMT>(rp, roff, r);
-            e = row_start<FMT>(rp, roff, r + 1);
-            if (FMT == FMT_CMP16) rs = __ldg(scale + r);
-        }
-        const i64 trips = warp_max((e - s + L - 1) / L);
-        float sum = 0.0f;
-        unsigned carry = 0u;
-        for (i64 t = 0; t < trips; ++t) {
-            unsigned col;
-            float v;
-            if (trip<L, FMT>(s + t * L, e, lane, idx, val, rs, carry, col, v)) sum += v * __ldg(x + col);
-        }
-#pragma unroll
-        for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off, L);
-        if (valid && lane == 0) write_row(mode, r, sum, y, aux0, aux1);
-    }
-}
-
-// out += A^T c from the rows of A (rows with c_r == 0 are skipped).
-template <int L, int FMT, bool DET>
-__device__ __forceinline__ void scatter_body(const i64* __restrict__ rp, const unsigned* __restrict__ roff,
-                                             const void* __restrict__ idx, const void* __restrict__ val,
-                                             const float* __restrict__ scale, const float* __restrict__ c,
-                                             float* out, u64* acc, double fscale, int* flag, i64 m) {
-    const int lane = threadIdx.x & (L - 1);
-    const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
-    for (i64 r = gtid / L; r - (i64)((threadIdx.x & 31) / L) < m; r += ngroups) {
-        const bool valid = r < m;
-        i64 s = 0, e = 0;
-        float rs = 1.0f, cr = 0.0f;
-        if (valid) cr = __ldg(c + r);
-        if (cr != 0.0f) {
-            s = row_start<FMT>(rp, roff, r);
-            e = row_start<FMT>(rp, roff, r + 1);
-            if (FMT == FMT_CMP16) rs = __ldg(scale + r);
-        }
-        const i64 trips = warp_max((e - s + L - 1) / L);
-        unsigned carry = 0u;
-        for (i64 t = 0; t < trips; ++t) {
-            unsigned col;
-            float v;
-            if (trip<L, FMT>(s + t * L, e, lane, idx, val, rs, carry, col, v) && v != 0.0f)
-                add_term<DET>(out, acc, col, v * cr, fscale, flag);
-        }
-    }
-}
-
 // One-pass MLEM step: fp_r = a_r . f, c_r = g_r / fp_r (0 where fp_r == 0),
 // bp += c_r a_r. fp (length m) receives fp_r.
 template <int L, int FMT, bool DET>
@@ -317,57 +258,315 @@ __device__ __forceinline__ void onepass_body(const i64* __restrict__ rp, const u
     }
 }
 
+
 // ---------------------------------------------------------------------------
-// Entry points. Every kernel takes the matrix as (rp, roff, idx, val, scale):
-//   CSR:           rp = indptr (int64), roff unused, idx = indices (int32), val = data (float32), scale unused
-//   compressed:    rp = rowbase (int64), roff = rowoff (uint32), idx = codes (uint8), val = values (float32 bits)
-//   compressed16:  the same with val = values (float16 bits) and scale = row scales (float32)
-// Unused pointers may be any device array.
+// Version-2 decoding: 4 slots per lane per trip.
 
-#define SPMV_KERNEL(NAME, L, FMT)                                                                          \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) NAME##_##L(                                          \
-        const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
+__device__ __forceinline__ i64 cstart(const i64* __restrict__ rb, const unsigned* __restrict__ ro, i64 r) {
+    return rb[r >> ROW_SHIFT] + (i64)ro[r];
+}
+
+// Load and decode quad q (slots 4q .. 4q+3) when `in`; else 4 empty slots.
+// d: the 4 column deltas; v: values (0 for markers); el: element or not.
+// Returns the sum of the 4 deltas.
+template <int VB, int CB>
+__device__ __forceinline__ unsigned load_quad(const void* __restrict__ codes, const void* __restrict__ vals,
+                                               float rs, i64 q, bool in, unsigned d[4], float v[4], bool el[4]) {
+    const unsigned MARK = (1u << CB) - 1u;
+    const unsigned HIGH = MARK - 1u;
+    unsigned c[4], b[4];
+    if (in) {
+        if (CB == 8) {
+            const uchar4 u = __ldcs(reinterpret_cast<const uchar4*>(codes) + q);
+            c[0] = u.x; c[1] = u.y; c[2] = u.z; c[3] = u.w;
+        } else {
+            const ushort4 u = __ldcs(reinterpret_cast<const ushort4*>(codes) + q);
+            c[0] = u.x; c[1] = u.y; c[2] = u.z; c[3] = u.w;
+        }
+        if (VB == 32) {
+            const uint4 w = __ldcs(reinterpret_cast<const uint4*>(vals) + q);
+            b[0] = w.x; b[1] = w.y; b[2] = w.z; b[3] = w.w;
+        } else {
+            const ushort4 w = __ldcs(reinterpret_cast<const ushort4*>(vals) + q);
+            b[0] = w.x; b[1] = w.y; b[2] = w.z; b[3] = w.w;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            c[k] = MARK;
+            b[k] = 0u;
+        }
+    }
+    unsigned tot = 0u;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        el[k] = c[k] < HIGH;
+        if (el[k]) {
+            d[k] = c[k];
+            v[k] = (VB == 32) ? __uint_as_float(b[k]) : half_bits_to_float((unsigned short)b[k]) * rs;
+        } else {
+            d[k] = (c[k] == HIGH) ? (b[k] << 16) : b[k];
+            v[k] = 0.0f;
+        }
+        tot += d[k];
+    }
+    return tot;
+}
+
+// Exclusive scan of t over the L lanes of a group; `all` receives the group's total.
+template <int L>
+__device__ __forceinline__ unsigned group_excl_scan(unsigned t, int lane, unsigned& all) {
+    unsigned inc = t;
+#pragma unroll
+    for (int o = 1; o < L; o <<= 1) {
+        const unsigned u = __shfl_up_sync(FULL_MASK, inc, o, L);
+        if (lane >= o) inc += u;
+    }
+    all = __shfl_sync(FULL_MASK, inc, L - 1, L);
+    return inc - t;
+}
+
+// The quads [qs, qe) of row r (qs = qe = 0 for a row not taken).
+template <int VB>
+__device__ __forceinline__ void row_quads(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
+                                          const float* __restrict__ scale, i64 r, bool take, i64& qs, i64& qe,
+                                          float& rs) {
+    qs = 0;
+    qe = 0;
+    rs = 1.0f;
+    if (take) {
+        qs = cstart(rb, ro, r) >> 2;
+        qe = cstart(rb, ro, r + 1) >> 2;
+        if (VB == 16) rs = __ldg(scale + r);
+    }
+}
+
+template <int L, int VB, int CB>
+__device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
+                                           const void* __restrict__ codes, const void* __restrict__ vals,
+                                           const float* __restrict__ scale, const float* __restrict__ x, float* y,
+                                           i64 m, int mode, const float* aux0, const float* aux1) {
+    const int lane = threadIdx.x & (L - 1);
+    const i64 per_block = blockDim.x / L;
+    const i64 step = (i64)gridDim.x * per_block;
+    for (i64 base = (i64)blockIdx.x * per_block; base < m; base += step) {
+        const i64 r = base + threadIdx.x / L;
+        const bool valid = r < m;
+        i64 qs, qe;
+        float rs;
+        row_quads<VB>(rb, ro, scale, r, valid, qs, qe, rs);
+        const i64 trips = warp_max((qe - qs + L - 1) / L);
+        float sum = 0.0f;
+        unsigned carry = 0u;
+#pragma unroll 2
+        for (i64 t = 0; t < trips; ++t) {
+            const i64 q = qs + t * L + lane;
+            unsigned d[4];
+            float v[4];
+            bool el[4];
+            const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
+            unsigned all;
+            unsigned col = carry + group_excl_scan<L>(tot, lane, all);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                col += d[k];
+                if (el[k]) sum += v[k] * __ldg(x + col);
+            }
+            carry += all;
+        }
+#pragma unroll
+        for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off, L);
+        if (valid && lane == 0) write_row(mode, r, sum, y, aux0, aux1);
+    }
+}
+
+template <int L, int VB, int CB, bool DET>
+__device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
+                                              const void* __restrict__ codes, const void* __restrict__ vals,
+                                              const float* __restrict__ scale, const float* __restrict__ c,
+                                              float* out, u64* acc, double fscale, int* flag, i64 m) {
+    const int lane = threadIdx.x & (L - 1);
+    const i64 per_block = blockDim.x / L;
+    const i64 step = (i64)gridDim.x * per_block;
+    for (i64 base = (i64)blockIdx.x * per_block; base < m; base += step) {
+        const i64 r = base + threadIdx.x / L;
+        const float cr = r < m ? __ldg(c + r) : 0.0f;
+        i64 qs, qe;
+        float rs;
+        row_quads<VB>(rb, ro, scale, r, cr != 0.0f, qs, qe, rs);
+        const i64 trips = warp_max((qe - qs + L - 1) / L);
+        unsigned carry = 0u;
+        for (i64 t = 0; t < trips; ++t) {
+            const i64 q = qs + t * L + lane;
+            unsigned d[4];
+            float v[4];
+            bool el[4];
+            const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
+            unsigned all;
+            unsigned col = carry + group_excl_scan<L>(tot, lane, all);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                col += d[k];
+                if (el[k] && v[k] != 0.0f) add_term<DET>(out, acc, col, v[k] * cr, fscale, flag);
+            }
+            carry += all;
+        }
+    }
+}
+
+template <int L, int VB, int CB, bool DET>
+__device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
+                                              const void* __restrict__ codes, const void* __restrict__ vals,
+                                              const float* __restrict__ scale, const float* __restrict__ f,
+                                              const float* __restrict__ g, float* fp, float* bp, u64* acc,
+                                              double fscale, int* flag, i64 m) {
+    const int lane = threadIdx.x & (L - 1);
+    const i64 per_block = blockDim.x / L;
+    const i64 step = (i64)gridDim.x * per_block;
+    for (i64 base = (i64)blockIdx.x * per_block; base < m; base += step) {
+        const i64 r = base + threadIdx.x / L;
+        const bool valid = r < m;
+        i64 qs, qe;
+        float rs;
+        row_quads<VB>(rb, ro, scale, r, valid, qs, qe, rs);
+        const i64 trips = warp_max((qe - qs + L - 1) / L);
+        float cv[4 * MLEM_CMP_CACHE];
+        unsigned cc[4 * MLEM_CMP_CACHE];
+        float sum = 0.0f;
+        unsigned carry = 0u;
+#pragma unroll
+        for (int t = 0; t < MLEM_CMP_CACHE; ++t) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                cv[4 * t + k] = 0.0f;
+                cc[4 * t + k] = 0u;
+            }
+            if (t < trips) {
+                const i64 q = qs + (i64)t * L + lane;
+                unsigned d[4];
+                float v[4];
+                bool el[4];
+                const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
+                unsigned all;
+                unsigned col = carry + group_excl_scan<L>(tot, lane, all);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    col += d[k];
+                    if (el[k]) {
+                        sum += v[k] * __ldg(f + col);
+                        cv[4 * t + k] = v[k];
+                        cc[4 * t + k] = col;
+                    }
+                }
+                carry += all;
+            }
+        }
+        const unsigned carry_cached = carry;
+        for (i64 t = MLEM_CMP_CACHE; t < trips; ++t) {
+            const i64 q = qs + t * L + lane;
+            unsigned d[4];
+            float v[4];
+            bool el[4];
+            const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
+            unsigned all;
+            unsigned col = carry + group_excl_scan<L>(tot, lane, all);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                col += d[k];
+                if (el[k]) sum += v[k] * __ldg(f + col);
+            }
+            carry += all;
+        }
+#pragma unroll
+        for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off, L);
+        float ci = 0.0f;
+        if (valid) {
+            if (sum != 0.0f) ci = __ldg(g + r) / sum;
+            if (lane == 0) fp[r] = sum;
+        }
+        if (ci != 0.0f) {
+#pragma unroll
+            for (int k = 0; k < 4 * MLEM_CMP_CACHE; ++k)
+                if (cv[k] != 0.0f) add_term<DET>(bp, acc, cc[k], cv[k] * ci, fscale, flag);
+        }
+        if (trips > MLEM_CMP_CACHE) {  // warp-uniform: the tail decoded again
+            carry = carry_cached;
+            for (i64 t = MLEM_CMP_CACHE; t < trips; ++t) {
+                const i64 q = qs + t * L + lane;
+                unsigned d[4];
+                float v[4];
+                bool el[4];
+                const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
+                unsigned all;
+                unsigned col = carry + group_excl_scan<L>(tot, lane, all);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    col += d[k];
+                    if (el[k] && ci != 0.0f && v[k] != 0.0f) add_term<DET>(bp, acc, col, v[k] * ci, fscale, flag);
+                }
+                carry += all;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Entry points. The compressed kernels take the matrix as (rowbase, rowoff, codes, values, scale);
+// the CSR one-pass kernels as (indptr, indptr (unused), indices, data, data (unused)).
+
+#define CMP_KERNELS(K, VB, CB, L)                                                                          \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cspmv_##K##_##L(                        \
+        const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* x, float* y, i64 m, int mode, const float* aux0, const float* aux1) {                 \
-        spmv_body<L, FMT>(rp, roff, idx, val, scale, x, y, m, mode, aux0, aux1);                           \
-    }
-
-#define SCATTER_KERNELS(NAME, L, FMT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) scatter_##NAME##_##L(                                \
-        const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
-        const float* c, float* out, i64 m) {                                                               \
-        scatter_body<L, FMT, false>(rp, roff, idx, val, scale, c, out, nullptr, 0.0, nullptr, m);          \
+        cspmv_body<L, VB, CB>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                      \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) scatter_det_##NAME##_##L(                            \
-        const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cscatter_##K##_##L(                     \
+        const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
+        const float* c, float* out, i64 m) {                                                               \
+        cscatter_body<L, VB, CB, false>(rb, ro, codes, vals, scale, c, out, nullptr, 0.0, nullptr, m);     \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cscatter_det_##K##_##L(                 \
+        const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* c, u64* acc, double fscale, int* flag, i64 m) {                                       \
-        scatter_body<L, FMT, true>(rp, roff, idx, val, scale, c, nullptr, acc, fscale, flag, m);           \
+        cscatter_body<L, VB, CB, true>(rb, ro, codes, vals, scale, c, nullptr, acc, fscale, flag, m);      \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) conepass_##K##_##L(                     \
+        const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
+        const float* f, const float* g, float* fp, float* bp, i64 m) {                                     \
+        conepass_body<L, VB, CB, false>(rb, ro, codes, vals, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m); \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) conepass_det_##K##_##L(                 \
+        const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
+        const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m) {            \
+        conepass_body<L, VB, CB, true>(rb, ro, codes, vals, scale, f, g, fp, nullptr, acc, fscale, flag, m); \
     }
 
-#define ONEPASS_KERNELS(NAME, L, FMT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) onepass_##NAME##_##L(                                \
+#define ALL_KINDS(L)                 \
+    CMP_KERNELS(f32c8, 32, 8, L)     \
+    CMP_KERNELS(f32c16, 32, 16, L)   \
+    CMP_KERNELS(f16c8, 16, 8, L)     \
+    CMP_KERNELS(f16c16, 16, 16, L)
+
+ALL_KINDS(4)
+ALL_KINDS(8)
+ALL_KINDS(16)
+ALL_KINDS(32)
+
+#define CSR_ONEPASS(L)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) onepass_csr_##L(                        \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, float* fp, float* bp, i64 m) {                                     \
-        onepass_body<L, FMT, false>(rp, roff, idx, val, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m);    \
+        onepass_body<L, FMT_CSR, false>(rp, roff, idx, val, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m); \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) onepass_det_##NAME##_##L(                            \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) onepass_det_csr_##L(                    \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m) {            \
-        onepass_body<L, FMT, true>(rp, roff, idx, val, scale, f, g, fp, nullptr, acc, fscale, flag, m);    \
+        onepass_body<L, FMT_CSR, true>(rp, roff, idx, val, scale, f, g, fp, nullptr, acc, fscale, flag, m); \
     }
-
-#define ALL_LANES(L)                          \
-    SPMV_KERNEL(cmp_spmv, L, FMT_CMP)         \
-    SPMV_KERNEL(cmp16_spmv, L, FMT_CMP16)     \
-    SCATTER_KERNELS(cmp, L, FMT_CMP)          \
-    SCATTER_KERNELS(cmp16, L, FMT_CMP16)      \
-    ONEPASS_KERNELS(csr, L, FMT_CSR)          \
-    ONEPASS_KERNELS(cmp, L, FMT_CMP)          \
-    ONEPASS_KERNELS(cmp16, L, FMT_CMP16)
-
-ALL_LANES(4)
-ALL_LANES(8)
-ALL_LANES(16)
-ALL_LANES(32)
+CSR_ONEPASS(4)
+CSR_ONEPASS(8)
+CSR_ONEPASS(16)
+CSR_ONEPASS(32)
 
 // out[j] = acc[j] / scale, as float32 (inv_scale = 1 / scale, a power of two).
 extern "C" __global__ void fixed_to_float(const u64* __restrict__ acc, float* __restrict__ out, i64 n,
