@@ -16,6 +16,13 @@ shape, voxel size), ``image.raw`` (nCols float32, no header, for the existing
 tools) and ``timings.json`` (per-step statistics per repetition, set-up
 times, backend and device facts, accuracy).
 
+A reordered matrix (``mlem reorder``, :mod:`mlemlib.reorder`) is run in its
+permuted space and transparently so: the measurement is read in the user's
+LOR order and permuted (``g' = g[rows]``) before the problem is fingerprinted,
+the iterated images (and checkpoints) are in the permuted voxel order, and the
+image is mapped back to the user's voxel order before it is measured against
+the reference and truth (both in the user's order) and written.
+
 :func:`reference` is the same loop in float64 on the CPU: the yardstick every
 run of the problem is measured against (``reference.h5``).
 """
@@ -46,6 +53,13 @@ from mlemlib.formats import InMemoryMatrix, open_source
 from mlemlib.image import FORMAT_VERSION, attr_value, plain_attr, read_image, write_image, write_raw
 from mlemlib.norm import source_column_sums
 from mlemlib.matrix import CSRMatrix
+from mlemlib.reorder import (
+    Permutation,
+    image_to_permuted_order,
+    image_to_user_order,
+    permutation_of,
+    to_permuted_measurement,
+)
 from mlemlib.timing import StepTimes, Stopwatch, format_seconds
 
 log = logging.getLogger(__name__)
@@ -270,8 +284,12 @@ def reconstruct(
     ----------
     matrix
         System matrix: a path (``.h5``, ``.csr4``, ``.mtx``, ``.npz``), an opened matrix or a CSRMatrix.
+        A reordered container (``mlem reorder``) is reconstructed in its
+        permuted space, transparently: ``sino``, ``reference``, ``truth`` and
+        a norm given as an array are in the user's order, the image written
+        is in the user's voxel order (see :mod:`mlemlib.reorder`).
     sino
-        Measurement: a ``.LMsino`` path or an array of m counts.
+        Measurement: a ``.LMsino`` path or an array of m counts, in the user's LOR order.
     out_image
         The ``image.h5`` to write.
     iterations
@@ -280,14 +298,20 @@ def reconstruct(
         Passed to :func:`make_backend`.
     norm
         ``norm.h5`` path or array (float64, n); None computes the column sums.
+        For a reordered matrix a ``norm.h5`` must be that of the reordered
+        matrix (``mlem norm`` of it: the permuted voxel order, checked by its
+        ``checksum`` attribute), an array is in the user's voxel order.
     transpose
         ``transpose.h5`` path, opened matrix or CSRMatrix of ``A^T``; None back-projects with ``A``.
+        For a reordered matrix: the transpose of the reordered matrix.
     checkpoint_every
         Save the image every K iterations (0: never).
     checkpoint
         Checkpoint file (default: ``<out_image stem>.checkpoint.h5`` beside the
         image). Where it exists, the run resumes from it; it is removed once the
-        outputs are written (unless ``keep_checkpoint``).
+        outputs are written (unless ``keep_checkpoint``). For a reordered matrix
+        its image is in the permuted voxel order (its key is that of the
+        permuted problem).
     repetitions
         Times the reconstruction is repeated (the matrix is loaded once); each
         repetition is timed and measured separately.
@@ -311,6 +335,9 @@ def reconstruct(
     progress
         Called as ``progress(repetition, iteration, image)`` after every
         iteration (and after its checkpoint), e.g. for a progress bar.
+        ``image`` is the backend's device image: for a reordered matrix it is
+        in the permuted voxel order (``mlemlib.reorder.image_to_user_order``
+        maps it back).
 
     Returns
     -------
@@ -409,6 +436,21 @@ class Problem:
     grid: Any
     voxel_size: Any
     load_s: float
+    #: The permutation of a reordered matrix (None otherwise): ``g``, ``norm`` and
+    #: the iterated images are in its permuted order; ``reference``, ``truth`` and
+    #: ``regions`` stay in the user's order.
+    perm: Permutation | None = None
+
+    @property
+    def reorder(self) -> str:
+        """The reorder mode of the matrix: ``none``, ``rows`` or ``rows+voxels``."""
+        return "none" if self.perm is None else self.perm.mode
+
+    def to_user(self, image: np.ndarray) -> np.ndarray:
+        """A host image of the iteration (permuted order) in the user's voxel order."""
+        if self.perm is None:
+            return image
+        return np.ascontiguousarray(image_to_user_order(image, self.perm))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -433,17 +475,32 @@ def _load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpos
             g = np.asarray(sino).reshape(-1)
             if g.size != m:
                 raise ConfigError("sino", f"measurement has {g.size} values, the matrix has m = {m} rows")
+        perm = permutation_of(src)
+        if perm is not None:
+            if perm.shape != (m, n):
+                raise MatrixFormatError(
+                    _source_name(src, matrix), f"permutation of a {perm.m} x {perm.n} matrix, the matrix is {m} x {n}"
+                )
+            # g is in the user's LOR order; the problem (and its fingerprint) lives in the permuted space.
+            g = to_permuted_measurement(g, perm)
+            log.info("%s is reordered (%s): measurement and images are mapped between the user's and the "
+                     "permuted order", _source_name(src, matrix), perm.mode)
         if norm is None:
             log.info("no norm given: computing the column sums of the matrix")
-            norm_arr = source_column_sums(src)
+            norm_arr = source_column_sums(src)  # of the permuted matrix: in the permuted order
         elif isinstance(norm, (str, os.PathLike)):
             from mlemlib.norm import read_norm
 
-            norm_arr = read_norm(norm, expected_length=n)
+            if perm is None:
+                norm_arr = read_norm(norm, expected_length=n)
+            else:
+                norm_arr = _read_permuted_norm(norm, n, src, perm, _source_name(src, matrix))
         else:
             norm_arr = np.asarray(norm, dtype=np.float64).reshape(-1)
             if norm_arr.size != n:
                 raise ConfigError("norm", f"norm has {norm_arr.size} values, the matrix has n = {n} columns")
+            if perm is not None:  # an array is in the user's voxel order
+                norm_arr = np.ascontiguousarray(image_to_permuted_order(norm_arr, perm))
         tsrc = None
         if transpose is not None:
             tsrc = open_source(transpose, "transpose")
@@ -453,13 +510,50 @@ def _load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpos
                 raise MatrixFormatError(
                     _source_name(tsrc, transpose), f"transpose has shape {tuple(tsrc.shape)}, expected (n, m) = {(n, m)}"
                 )
+            t_source = (getattr(tsrc, "attrs", None) or {}).get("source_checksum")
+            if perm is not None and t_source and t_source == perm.source_checksum:
+                raise MatrixFormatError(
+                    _source_name(tsrc, transpose),
+                    f"transpose of the un-reordered matrix, but {_source_name(src, matrix)} is reordered "
+                    f"({perm.mode}); transpose the reordered matrix ('mlem transpose')",
+                )
         problem = problem_fingerprint(src, g)
         key = _checkpoint_key(problem, norm_arr, settings.dtype)
         ref_img = _load_reference(reference, n, problem, settings.iterations)
         truth_img, regions = _load_truth(truth, n)
     grid, voxel_size = matrix_geometry(src)
     log.info("loaded problem %s: %d x %d, %d nnz (%.2f s)", problem[:12], m, n, int(src.nnz), sw_load.seconds)
-    return Problem(src, tsrc, g, norm_arr, problem, key, ref_img, truth_img, regions, grid, voxel_size, sw_load.seconds)
+    return Problem(src, tsrc, g, norm_arr, problem, key, ref_img, truth_img, regions, grid, voxel_size, sw_load.seconds,
+                   perm)
+
+
+def _read_permuted_norm(path: Any, n: int, src: Any, perm: Permutation, matrix_name: str) -> np.ndarray:
+    """The ``norm.h5`` of a reordered matrix: it must be that matrix's own norm (in the permuted voxel order).
+
+    The norm of the user's matrix has the same length but the user's voxel
+    order; it is recognised by its ``checksum`` attribute (the user's matrix's)
+    and refused in one line naming the file, as is any norm of another matrix.
+    """
+    from mlemlib.norm import read_norm
+
+    expected = getattr(src, "checksum", None) or (getattr(src, "attrs", None) or {}).get("checksum")
+    try:
+        return read_norm(path, expected_length=n, expected_checksum=str(expected) if expected else None)
+    except MatrixFormatError as exc:
+        import h5py
+
+        try:
+            with h5py.File(path, "r") as f:
+                found = plain_attr(f.attrs.get("checksum", ""))
+        except OSError:
+            raise exc from None
+        if found and found == perm.source_checksum:
+            raise MatrixFormatError(
+                path,
+                f"norm of the un-reordered matrix (in the user's voxel order), but {matrix_name} is reordered "
+                f"({perm.mode}); use the norm of the reordered matrix ('mlem norm {matrix_name}')",
+            ) from None
+        raise
 
 
 def _read_resume(ckpt_path: Path, prob: Problem, settings: RunSettings) -> dict[str, Any]:
@@ -535,7 +629,7 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
             if progress is not None:
                 progress(rep, it, f)
         with Stopwatch() as sw_back:
-            host_img = be.to_host(f)
+            host_img = prob.to_user(be.to_host(f))
         acc = metrics.accuracy(host_img, reference=prob.reference, truth=prob.truth, regions=prob.regions)
         records.append({
             "repetition": rep,
@@ -601,6 +695,7 @@ def _timings(prob: Problem, settings: RunSettings, desc: dict[str, Any], be: Bac
             "checkpoint_every": settings.checkpoint_every,
             "dtype": str(settings.dtype),
             "reference_mode": settings.reference_mode,
+            "reorder": prob.reorder,
         },
         "problem": prob.fingerprint,
         "shape": [m, n],
@@ -638,6 +733,7 @@ def _write_outputs(out_image: Path, host_img: np.ndarray, timings: dict[str, Any
         "gpus": cfg["gpus"],
         "layout": cfg["layout"],
         "dtype": cfg["dtype"],
+        "reorder": cfg["reorder"],
         "problem": prob.fingerprint,
         "reference": reference_mode,
         "deterministic": timings["deterministic"],

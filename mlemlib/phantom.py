@@ -31,6 +31,8 @@ total count and draws Poisson counts with a seeded :class:`numpy.random.Generato
 (or rounds the expectation: ``noiseless``). It writes the ``.LMsino`` and
 ``truth.h5``: the phantom scaled by the same factor, so that ``A @ truth`` is
 the expected measurement and reconstructions compare with it directly.
+Given a reordered matrix (``mlem reorder``) it writes both in the user's
+order (LORs and voxels of the matrix the permutation was computed from).
 """
 
 from __future__ import annotations
@@ -556,8 +558,18 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
         if not np.isfinite(f).all() or (f < 0).any():
             raise ConfigError("phantom", "image must be finite and non-negative")
         name = "custom"
+    from mlemlib.reorder import image_to_permuted_order, measurement_to_user_order, permutation_of
+
+    perm = permutation_of(src)
     log.info("forward projecting the phantom through %s (%d x %d)", source, m, n)
-    expected = forward_project(src, f, max_nnz=max_nnz)
+    if perm is None:
+        expected = forward_project(src, f, max_nnz=max_nnz)
+    else:
+        # A reordered matrix: project the phantom in its permuted voxel order and
+        # bring the LORs back to the user's order (f, the truth, stays in the user's).
+        log.info("%s is reordered (%s): the measurement is written in the user's LOR order", source, perm.mode)
+        f_perm = image_to_permuted_order(np.ascontiguousarray(f).reshape(-1), perm)
+        expected = measurement_to_user_order(forward_project(src, f_perm, max_nnz=max_nnz), perm)
     esum = float(expected.sum())
     if not esum > 0:
         raise MatrixFormatError(source, "the phantom's forward projection is zero everywhere (does the matrix see the grid?)")

@@ -138,12 +138,14 @@ def test_outputs_and_timings(problem, tmp_path):
         assert f["image"].shape == (4, 5, 6)  # (gridZ, gridY, gridX)
         assert list(f.attrs["voxel_size"]) == [2.0, 2.0, 3.0]
         assert list(f.attrs["grid"]) == [6, 5, 4]
+        assert f.attrs["reorder"] == "none"
         img = f["image"][...].reshape(-1)
     raw = np.fromfile(out.with_suffix(".raw"), dtype="<f4")
     assert raw.size == a.shape[1] and np.array_equal(raw, img)
     on_disk = json.loads((out.parent / "timings.json").read_text())
     assert on_disk["config"]["iterations"] == 7 and on_disk["config"]["repetitions"] == 3
     assert on_disk["config"]["graph"] is False
+    assert on_disk["config"]["reorder"] == "none"  # not a reordered container (tests/test_reorder.py for those)
     assert [r["repetition"] for r in on_disk["repetitions"]] == [0, 1, 2]
     for rec in on_disk["repetitions"]:
         for step in ("iteration", "fp", "corr", "bp", "update"):
