@@ -57,7 +57,7 @@ import numpy as np
 from numba import njit, prange
 
 from mlemlib.errors import MatrixFormatError
-from mlemlib.matrix import CSRMatrix
+from mlemlib.matrix import CSRMatrix, chunk_bounds, validate_csr_arrays
 
 # mlemlib.formats (which reads and writes this format) imports this module: its
 # helpers are imported inside the functions that use them.
@@ -515,9 +515,7 @@ class CompressedMatrix:
             An invalid matrix, or columns not sorted within a row.
         """
         if validate:
-            from mlemlib.formats._check import check_block
-
-            check_block(a, source, row0=row0)
+            validate_csr_arrays(a.indptr, a.indices, a.data, a.shape, source, row_offset=row0)
         enc = encode_csr(a, fmt, source=source, row0=row0)
         return cls.from_arrays(enc["slotptr"], enc["codes"], enc["values"], enc["scale"], a.shape, enc["nnz"])
 
@@ -595,7 +593,6 @@ class CompressedMatrix:
         Decodes :data:`PIECE_SLOTS` slots at a time; ``validate`` also checks
         the values (the column range is always checked).
         """
-        from mlemlib.formats._check import chunk_bounds
 
         sp = self.slotptr()
         m, n = self.shape

@@ -133,3 +133,25 @@ def shape_nnz(source) -> tuple[tuple[int, int], int]:
     if not hasattr(source, "shape") or not hasattr(source, "nnz"):
         raise TypeError(f"expected a matrix with shape and nnz, got {type(source).__name__}")
     return (int(source.shape[0]), int(source.shape[1])), int(source.nnz)
+
+
+def chunk_bounds(indptr: np.ndarray, max_nnz: int) -> list[tuple[int, int]]:
+    """Split rows into consecutive blocks of at most ``max_nnz`` elements.
+
+    ``indptr`` is the full (validated, non-decreasing) row pointer. A single row
+    longer than ``max_nnz`` forms a block of its own. Every row is in exactly
+    one block; a matrix with no rows gives no blocks.
+    """
+    if max_nnz < 1:
+        raise ValueError(f"max_nnz must be >= 1, got {max_nnz}")
+    m = len(indptr) - 1
+    bounds = []
+    r0 = 0
+    while r0 < m:
+        target = int(indptr[r0]) + max_nnz
+        # rows r0..r1-1 end at or before target
+        r1 = int(np.searchsorted(indptr, target, side="right")) - 1
+        r1 = min(max(r1, r0 + 1), m)
+        bounds.append((r0, r1))
+        r0 = r1
+    return bounds

@@ -17,7 +17,7 @@ from typing import Self
 import numpy as np
 
 from mlemlib.errors import MatrixFormatError
-from mlemlib.matrix import CSRMatrix
+from mlemlib.matrix import CSRMatrix, chunk_bounds
 
 #: Elements per streamed row block, unless the caller says otherwise.
 DEFAULT_CHUNK_NNZ = 1 << 26
@@ -131,28 +131,6 @@ def check_range(start: int, stop: int, m: int, source: str | os.PathLike) -> tup
     if not 0 <= start <= stop <= m:
         raise IndexError(f"{os.fspath(source)}: row range [{start}, {stop}) outside [0, {m}]")
     return start, stop
-
-
-def chunk_bounds(indptr: np.ndarray, max_nnz: int) -> list[tuple[int, int]]:
-    """Split rows into consecutive blocks of at most ``max_nnz`` elements.
-
-    ``indptr`` is the full (validated, non-decreasing) row pointer. A single row
-    longer than ``max_nnz`` forms a block of its own. Every row is in exactly
-    one block; a matrix with no rows gives no blocks.
-    """
-    if max_nnz < 1:
-        raise ValueError(f"max_nnz must be >= 1, got {max_nnz}")
-    m = len(indptr) - 1
-    bounds = []
-    r0 = 0
-    while r0 < m:
-        target = int(indptr[r0]) + max_nnz
-        # rows r0..r1-1 end at or before target
-        r1 = int(np.searchsorted(indptr, target, side="right")) - 1
-        r1 = min(max(r1, r0 + 1), m)
-        bounds.append((r0, r1))
-        r0 = r1
-    return bounds
 
 
 def check_block(block, source: str | os.PathLike, *, row0: int = 0, elem0: int = 0) -> None:
