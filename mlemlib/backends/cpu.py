@@ -47,6 +47,7 @@ from numba import njit, prange
 
 from mlemlib import registry
 from mlemlib.backends.base import Backend
+from mlemlib.backends.device_formats import format_of
 from mlemlib.errors import ConfigError
 from mlemlib.matrix import CSRMatrix
 
@@ -184,6 +185,30 @@ def _load_csr(matrix: Any, what: str) -> CSRMatrix:
     raise TypeError(f"{what}: expected a CSRMatrix or an opened matrix, got {type(matrix).__name__}")
 
 
+def _load(matrix: Any, what: str, fmt: str) -> Any:
+    """The whole matrix in host memory: a CSRMatrix (``fmt`` csr), else a CompressedMatrix of ``fmt``.
+
+    A compressed container or matrix is taken as it is encoded (``read_encoded``);
+    a CSR source asked for in a compressed format (a stored transpose) is encoded here.
+    """
+    if fmt == "csr":
+        return _load_csr(matrix, what)
+    from mlemlib.compressed import CompressedMatrix
+
+    if isinstance(matrix, CompressedMatrix):
+        return matrix
+    if hasattr(matrix, "read_encoded"):
+        return matrix.read_encoded(0, int(matrix.shape[0]))
+    return CompressedMatrix.from_csr(_load_csr(matrix, what), fmt, validate=False)
+
+
+def cmpcpu():
+    """The Numba kernels of the compressed format and the one-pass step (:mod:`mlemlib.backends._compressed_cpu`)."""
+    from mlemlib.backends import _compressed_cpu
+
+    return _compressed_cpu
+
+
 def cpu_facts() -> dict[str, Any]:
     """Name and core count of the host CPU (for ``timings.json``)."""
     name = platform.processor() or platform.machine()
@@ -252,18 +277,23 @@ class CpuBackend(Backend):
             numba.set_num_threads(usable_threads(threads))
         import numba
 
+        # A compressed matrix runs its own (float32) kernels; the float64 reference reads it decoded.
+        self.format = format_of(matrix) if self.dtype == np.float32 else "csr"
         choice = registry.resolve("cpu", fp, bp, transpose_available=transpose is not None,
-                                  threads=numba.get_num_threads())
+                                  threads=numba.get_num_threads(), fmt=self.format)
         self.fp_kernel, self.bp_kernel = choice.fp, choice.bp
+        self.onepass = registry.get_bp("cpu", self.bp_kernel).op == "iteration"
+        if self.onepass and self.dtype != np.float32:
+            raise ConfigError("bp", f"bp={self.bp_kernel} computes in float32; the float64 reference uses scipy")
         if int(blocks) < 1:
             raise ConfigError("blocks", f"must be >= 1, got {blocks}")
 
-        self.a = _load_csr(matrix, "matrix")
+        self.a = _load(matrix, "matrix", self.format)
         m, n = self.a.shape
         self.shape = (m, n)
-        self.use_transpose = transpose is not None and self.bp_kernel != "notrans"
-        self.at = _load_csr(transpose, "transpose") if self.use_transpose else None
-        if self.at is not None and self.at.shape != (n, m):
+        self.use_transpose = transpose is not None and choice.needs_transpose
+        self.at = _load(transpose, "transpose", self.format) if self.use_transpose else None
+        if self.at is not None and tuple(self.at.shape) != (n, m):
             raise ConfigError("transpose", f"transpose has shape {self.at.shape}, expected (n, m) = {(n, m)}")
 
         g, norm = self._check_problem(g, norm, (m, n), float32=self.dtype == np.float32)
@@ -277,7 +307,7 @@ class CpuBackend(Backend):
         self._c = np.empty(m, dtype=self.dtype)
         self._bp = np.empty(n, dtype=self.dtype)
         self._partial = None
-        if not self.use_transpose and self.bp_kernel in ("numba", "notrans"):
+        if not self.use_transpose and self.bp_kernel in ("numba", "notrans", "onepass"):
             self._partial = np.empty((self.blocks, n), dtype=self.dtype)
 
         self._sp_a = self._sp_at = None
@@ -305,7 +335,24 @@ class CpuBackend(Backend):
             spmv_t(ip, ix, d, x, np.empty(1, dtype=self.dtype), np.empty((1, 1), dtype=self.dtype))
 
     # --- the four steps ----------------------------------------------------------
+    def iterate(self, f: np.ndarray) -> np.ndarray:
+        if not self.onepass:
+            return super().iterate(f)
+        self._times = {}
+        with self.timer("bp"):  # one pass: forward, correlation and back projection
+            if self.format == "csr":
+                a = self.a
+                cmpcpu().csr_onepass(a.indptr, a.indices, a.data, self.g, f, bp=self._bp, fp=self._fp,
+                                     blocks=self.blocks, partial=self._partial)
+            else:
+                cmpcpu().onepass(self.a, self.g, f, bp=self._bp, fp=self._fp, blocks=self.blocks, partial=self._partial)
+        with self.timer("update"):
+            f = self.update(f, self._bp)
+        return f
+
     def forward(self, f: np.ndarray) -> np.ndarray:
+        if self.format != "csr":
+            return cmpcpu().spmv(self.a, f, self._fp)
         if self.fp_kernel == "scipy":
             self._fp[:] = self._sp_a @ f
         else:
@@ -320,6 +367,10 @@ class CpuBackend(Backend):
         return c
 
     def back(self, c: np.ndarray) -> np.ndarray:
+        if self.format != "csr":
+            if self.use_transpose:
+                return cmpcpu().spmv(self.at, c, self._bp)
+            return cmpcpu().spmv_t(self.a, c, self._bp, blocks=self.blocks, partial=self._partial)
         if self.use_transpose:
             if self.bp_kernel == "scipy":
                 self._bp[:] = self._sp_at @ c
@@ -352,7 +403,9 @@ class CpuBackend(Backend):
     def describe(self) -> dict[str, Any]:
         import numba
 
-        if self.use_transpose:
+        if self.onepass:
+            bp_path = f"one pass over A (blocked scatter, {self.blocks} blocks)"
+        elif self.use_transpose:
             bp_path = "stored transpose"
         elif self.bp_kernel == "scipy":
             bp_path = "A.T @ c (scipy)"
@@ -364,6 +417,9 @@ class CpuBackend(Backend):
             "fp": self.fp_kernel,
             "bp": self.bp_kernel,
             "bp_path": bp_path,
+            "format": self.format,
+            "onepass": self.onepass,
+            "steps": ["bp", "update"] if self.onepass else ["fp", "corr", "bp", "update"],
             "transpose": self.use_transpose,
             "dtype": str(self.dtype),
             "threads": int(numba.get_num_threads()),

@@ -56,6 +56,8 @@ from mlemlib.matrix import CSRMatrix, shape_nnz
 log = logging.getLogger(__name__)
 
 LAYOUTS = registry.LAYOUTS
+#: Kernels with the fused epilogues (correlation into fp, update into bp).
+FUSED = ("csr_vector", "csr_scalar", "delta_vector")
 #: Back-projection kernels that work on the rows of A (no transpose), local layout only.
 SCATTER_KERNELS = tuple(k for k in registry.names("cuda", "back_notrans", gpus=2, layout="local") if k != "notrans")
 #: Kernels whose CuPy path allocates (cuSPARSE): not capturable in a CUDA graph.
@@ -185,6 +187,8 @@ class _Shard:
     events: dict = field(default_factory=dict)
     order: list = field(default_factory=list)
     a: Any = None  # A_k (row pointer may start at an alignment pad, see rows_to_device)
+    acc: Any = None  # onepass_fixed: the 64-bit fixed-point bp
+    flag: Any = None  # onepass_fixed: overflow flag
     nnz: int = 0  # non-zeros of A_k (without padding)
     at: Any = None  # A_k^T (local) or rows cols of A^T (thesis); None for scatter
     smem: Any = None
@@ -306,6 +310,8 @@ class NcclBackend(Backend):
         if graph is None:
             graph = os.environ.get("MLEM_CUDA_GRAPH", "0").strip().lower() in ("1", "true", "yes", "on")
         self.graph = bool(graph)
+        self.graph_capturing = False
+        self.onepass = registry.get_bp("cuda", self.bp_kernel).op == "iteration"
         if self.graph and (self.fp_kernel in ALLOCATING_KERNELS or self.bp_kernel in ALLOCATING_KERNELS):
             raise ConfigError("graph", f"graph capture needs non-allocating kernels; fp={self.fp_kernel} bp={self.bp_kernel} use cuSPARSE through CuPy")
         self.secsize = cplan.DEFAULT_SECSIZE if secsize is None else int(secsize)
@@ -351,6 +357,13 @@ class NcclBackend(Backend):
         # Lanes of the whole matrix, so each row is summed as on one GPU (deterministic across GPU counts).
         self.lanes_override = lanes
         self.lanes_fp = lanes or cplan.choose_lanes(nnz / m if m else 0.0)
+        # one-pass lanes from the whole matrix (the same on every GPU: each row is summed the same way)
+        from mlemlib.backends import _compressed_cuda as cc
+
+        self.lanes_onepass = cc.choose_lanes((nnz / m if m else 0.0) / (1 if self.format == "csr" else 4))
+        from mlemlib.backends.cuda import ONEPASS_C_MAX
+
+        self._fixed_bound = ONEPASS_C_MAX * float(np.max(norm)) if np.size(norm) else 1.0
         self.lanes_bp_cap = cplan.LANE_CHOICES[-1]
         self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0, self.lanes_bp_cap)
 
@@ -366,18 +379,22 @@ class NcclBackend(Backend):
                 with cp.cuda.Device(dev):
                     s.stream = cp.cuda.Stream(non_blocking=True)
                     # Pad for csr_vector only (scatter kernels and cuSPARSE expect a row pointer from 0).
-                    no_t = registry.get_bp("cuda", self.bp_kernel).op == "back_notrans"
+                    no_t = registry.get_bp("cuda", self.bp_kernel).op != "back"
                     pad_a = self.fp_kernel == "csr_vector" and not no_t
-                    s.a = dev_type.upload(matrix, (r0, r1), device=dev, align=pad_a)
-                    s.nnz = int(s.a.indptr[-1] - s.a.indptr[0])
+                    s.a = dev_type.upload(matrix, (r0, r1), device=dev, align=pad_a, fmt=self.format)
+                    s.nnz = int(s.a.nnz) if self.format != "csr" else int(s.a.indptr[-1] - s.a.indptr[0])
                     if layout == "thesis":
-                        s.at = dev_type.upload(transpose, (c0, c1), device=dev, align=self.bp_kernel == "csr_vector")
+                        s.at = dev_type.upload(transpose, (c0, c1), device=dev, align=self.bp_kernel == "csr_vector",
+                                               fmt=self.format)
                     elif not no_t:
                         if local_files:
                             with open_matrix(local_files[part]) as pf:
-                                s.at = dev_type.upload(pf, (0, n), device=dev)
+                                s.at = dev_type.upload(pf, (0, n), device=dev, fmt=self.format)
                             if s.at.shape != (n, r1 - r0) or s.at.nnz != s.nnz:
                                 raise MatrixFormatError(local_files[part], f"part is {s.at.shape} with {s.at.nnz} nnz, expected {(n, r1 - r0)} with {s.nnz}")
+                        elif self.format != "csr":
+                            raise ConfigError("plan", f"the local layout on a {self.format} matrix reads each GPU's "
+                                              "A_k^T from the partition's part files (mlem partition); none given")
                         else:
                             plain = ck.unpadded(s.a)
                             s.at = plain.transpose()  # cuSPARSE csr2csc on this GPU: A_k^T, rows sorted
@@ -397,10 +414,13 @@ class NcclBackend(Backend):
                         s.at.tune(self.lanes_bp(s))
                     s.norm = cp.asarray(norm, dtype=cp.float32)
                     s.f = cp.empty(n, dtype=cp.float32)
+                    if self.onepass and self.deterministic:
+                        s.acc = cp.empty(n, dtype=cp.uint64)
+                        s.flag = cp.zeros(1, dtype=cp.int32)
                     if layout == "local":
                         s.g = cp.asarray(g[r0:r1], dtype=cp.float32)
                         s.c = cp.empty(r1 - r0, dtype=cp.float32)
-                        s.fp = s.c if self.fuse and self.fp_kernel in ("csr_vector", "csr_scalar") else cp.empty(r1 - r0, dtype=cp.float32)
+                        s.fp = s.c if self.fuse and self.fp_kernel in FUSED else cp.empty(r1 - r0, dtype=cp.float32)
                         s.bp = cp.empty(n, dtype=cp.float32)
                     else:
                         s.g = cp.asarray(g, dtype=cp.float32)
@@ -487,16 +507,78 @@ class NcclBackend(Backend):
     def _spmv(self, a: Any, x: Any, out: Any, lanes: int, **kw: Any) -> Any:
         from mlemlib.backends import _cuda_kernels as ck
 
-        return ck.spmv(a, x, out, kernel=self.fp_kernel if kw.pop("fwd", False) else self.bp_kernel, lanes=lanes, secsize=self.secsize, **kw)
+        kernel = self.fp_kernel if kw.pop("fwd", False) else self.bp_kernel
+        if kernel == "delta_vector":
+            from mlemlib.backends import _compressed_cuda as cc
+
+            return cc.spmv(a, x, out, **kw)
+        return ck.spmv(a, x, out, kernel=kernel, lanes=lanes, secsize=self.secsize, **kw)
+
+    def _onepass(self, record: bool) -> None:
+        """The local layout's one-pass iteration: each GPU's pass over A_k, one all-reduce of bp, the update.
+
+        ``onepass_fixed`` sums 64-bit fixed-point integers (every GPU with the
+        same scale) and all-reduces them as integers, so the image is the same
+        bits for every GPU count; an overflow (a correlation above the range)
+        is detected after the all-reduce and the iteration is redone with a
+        range 2^20 times larger.
+        """
+        from mlemlib.backends import _compressed_cuda as cc
+        from mlemlib.backends import _cuda_kernels as ck
+
+        cp = _cupy()
+        nccl = _nccl()
+        for attempt in range(cc.FIXED_RETRIES + 1):
+            scale = cc.fixed_scale(self._fixed_bound)
+            for s in self.shards:
+                with cp.cuda.Device(s.device), s.stream:
+                    self._mark(s, "start", record)
+                    if self.deterministic:
+                        s.acc.fill(0)
+                        s.flag.fill(0)
+                        cc.onepass_fixed(s.a, s.g, s.f, s.acc, s.fp, scale, s.flag, lanes=self.lanes_onepass)
+                    else:
+                        cc.onepass(s.a, s.g, s.f, bp=s.bp, fp=s.fp, lanes=self.lanes_onepass)
+                    self._mark(s, "bp", record)
+            nccl.groupStart()
+            try:
+                for s in self.shards:
+                    with cp.cuda.Device(s.device):
+                        buf, kind = (s.acc, nccl.NCCL_UINT64) if self.deterministic else (s.bp, nccl.NCCL_FLOAT32)
+                        s.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, kind, nccl.NCCL_SUM, s.stream.ptr)
+            finally:
+                nccl.groupEnd()
+            if not self.deterministic or self.graph_capturing:
+                break
+            bad = 0
+            for s in self.shards:
+                with cp.cuda.Device(s.device), s.stream:
+                    bad |= int(s.flag.get(stream=s.stream)[0])
+            if not bad:
+                break
+            if attempt == cc.FIXED_RETRIES:
+                raise DeviceError(f"fixed-point accumulation overflowed (flag {bad}) after {cc.FIXED_RETRIES} retries")
+            self._fixed_bound *= cc.FIXED_RETRY_FACTOR
+            log.info("onepass_fixed: overflow (flag %d); range raised to %.3g", bad, self._fixed_bound)
+        for s in self.shards:
+            with cp.cuda.Device(s.device), s.stream:
+                self._mark(s, "allreduce", record)
+                if self.deterministic:
+                    cc.fixed_to_float(s.acc, s.bp, scale)
+                ck.update(s.f, s.bp, s.norm, out=s.f)
+                self._mark(s, "update", record)
 
     def _launch(self, record: bool) -> None:
         """Launch one iteration on every shard's stream (events when ``record``)."""
         from mlemlib.backends import _cuda_kernels as ck
 
         cp = _cupy()
-        fused_fp = self.fuse and self.fp_kernel in ("csr_vector", "csr_scalar")
+        fused_fp = self.fuse and self.fp_kernel in FUSED
         for s in self.shards:
             s.order = []
+        if self.onepass:
+            self._onepass(record)
+            return
         if self.layout == "local":
             for s in self.shards:
                 with cp.cuda.Device(s.device), s.stream:
@@ -645,9 +727,11 @@ class NcclBackend(Backend):
         for s in self.shards:
             with cp.cuda.Device(s.device):
                 s.stream.begin_capture()
+        self.graph_capturing = True
         try:
             self._launch(record=False)
         finally:
+            self.graph_capturing = False
             for s in self.shards:
                 with cp.cuda.Device(s.device):
                     s.graph = s.stream.end_capture()
@@ -671,6 +755,12 @@ class NcclBackend(Backend):
                     self._mark(s, "start", True)
                     s.graph.launch(s.stream)
                     self._mark(s, "iteration", True)
+            if self.onepass and self.deterministic:  # the replayed graph cannot retry: check its overflow flags
+                for s in self.shards:
+                    with cp.cuda.Device(s.device):
+                        if int(s.flag.get(stream=s.stream)[0]):
+                            raise DeviceError("onepass_fixed overflowed inside a CUDA graph; run without graph=True "
+                                              "(the eager path retries with a larger range)")
         else:
             self._launch(record=True)
         return [s.f for s in self.shards]
@@ -816,8 +906,8 @@ class NcclBackend(Backend):
             except Exception as exc:  # NVML/CuPy trouble must not stop a run
                 facts = {"error": str(exc)}
             devs.append({"index": s.device, "part": s.part, "rows": list(s.rows), "cols": list(s.cols), "nnz": s.nnz, **facts})
-        steps = ["fp", "corr", "bp", "allreduce", "update"]
-        if self.layout == "local" and self.fuse and self.fp_kernel in ("csr_vector", "csr_scalar"):
+        steps = ["bp", "allreduce", "update"] if self.onepass else ["fp", "corr", "bp", "allreduce", "update"]
+        if not self.onepass and self.layout == "local" and self.fuse and self.fp_kernel in FUSED:
             steps.remove("corr")
         if self.layout == "thesis" and self.fuse:
             steps.remove("update")
@@ -835,7 +925,9 @@ class NcclBackend(Backend):
             "lanes_bp": sorted({self.lanes_bp(s) for s in self.shards}) if self.bp_kernel == "csr_vector" else None,
             "shape_fp": sorted({(s.a.row_shape or cplan.RowShape()).label() for s in self.shards}),
             "shape_bp": sorted({(s.at.row_shape or cplan.RowShape()).label() for s in self.shards if s.at is not None}),
-            "transpose": "local parts" if self.layout == "local" and self.bp_kernel not in SCATTER_KERNELS else ("row blocks" if self.layout == "thesis" else "none"),
+            "transpose": ("none" if self.onepass or self.bp_kernel in SCATTER_KERNELS else "local parts")
+            if self.layout == "local" else "row blocks",
+            "format": self.format,
             "plan": self.plan,
             "nccl_version": self.nccl_version,
             "steps": steps if not self.graph else ["iteration"],

@@ -49,7 +49,7 @@ from mlemlib.compressed import (
 )
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import DEFAULT_CHUNK_NNZ, RowBlockWriter, check_range, check_row_ends, chunk_bounds
-from mlemlib.formats.h5 import CHECKSUM_METHOD, CHUNK_BYTES, RESERVED_ATTRS, MatrixH5, _Checksum, _chunk, _plain
+from mlemlib.formats.h5 import CHECKSUM_METHOD, CHUNK_BYTES, RESERVED_ATTRS, SUBTYPES, MatrixH5, _Checksum, _chunk, _plain
 from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
@@ -276,6 +276,10 @@ class CompressedH5(MatrixH5):
 
 
 # --------------------------------------------------------------------------- writer
+for _attr in FORMATS:  # MatrixH5(path) opens a compressed container as CompressedH5
+    SUBTYPES[_attr] = CompressedH5
+
+
 class CompressedH5Writer(RowBlockWriter):
     """Streaming, atomic writer of a compressed container; encodes CSR row blocks as they come.
 

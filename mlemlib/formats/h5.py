@@ -134,6 +134,10 @@ def _peek_format(path: str | os.PathLike) -> str | None:
 # --------------------------------------------------------------------------- reader
 
 
+#: ``format`` attribute -> reader class of containers that are not plain CSR (registered by their modules).
+SUBTYPES: dict[str, type] = {}
+
+
 class MatrixH5(RowBlockReader):
     """Reader of a matrix container; checks its attributes against its datasets on open.
 
@@ -164,14 +168,14 @@ class MatrixH5(RowBlockReader):
     """
 
     def __new__(cls, path: str | os.PathLike, *args, **kwargs):
-        # One entry point for every container: a compressed one opens as its
-        # subclass (mlemlib.formats.compressed_h5.CompressedH5), so the stages
-        # that open MatrixH5 stream it as CSR unchanged.
-        if cls is MatrixH5:
-            from mlemlib.formats import compressed_h5
-
-            if _peek_format(path) in compressed_h5.FORMATS:
-                return super().__new__(compressed_h5.CompressedH5)
+        # One entry point for every container: a container whose ``format``
+        # attribute another reader registered (SUBTYPES, filled by
+        # mlemlib.formats.compressed_h5 when mlemlib.formats is imported) opens
+        # as that subclass, so the stages that open MatrixH5 stream it as CSR.
+        if cls is MatrixH5 and SUBTYPES:
+            sub = SUBTYPES.get(_peek_format(path))
+            if sub is not None:
+                return super().__new__(sub)
         return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike) -> None:
