@@ -457,10 +457,25 @@ def bench_spmv(
                     run(
                         op,
                         k,
-                        lambda L=L: ck.spmv(mat, vec, out, kernel="csr_vector", lanes=L),
+                        lambda L=L: ck.spmv(mat, vec, out, kernel="csr_vector", lanes=L, shape=plan.RowShape()),
                         nbytes,
-                        {"lanes": L, "lanes_auto": L == lanes_auto},
+                        {"lanes": L, "lanes_auto": L == lanes_auto, "shape": plan.RowShape().label()},
                     )
+                # the launch shapes a backend tunes over, and the one its tuning picks on this matrix
+                picked = mat.tune(lanes_auto).label()
+                for sh in plan.SHAPE_CANDIDATES[1:]:
+                    if lanes_auto not in plan.BLOCK_LANES:
+                        break
+                    run(
+                        op,
+                        k,
+                        lambda sh=sh: ck.spmv(mat, vec, out, kernel="csr_vector", lanes=lanes_auto, shape=sh),
+                        nbytes,
+                        {"lanes": lanes_auto, "lanes_auto": True, "shape": sh.label()},
+                    )
+                for r in rows:
+                    if r["op"] == op and r["kernel"] == "csr_vector" and r.get("lanes_auto"):
+                        r["auto"] = r.get("shape") == picked
             else:
                 run(op, k, lambda: ck.spmv(mat, vec, out, kernel=k), nbytes)
 
@@ -497,6 +512,11 @@ def bench_spmv(
             else:
                 run("bp_notrans", k, lambda k=k: ck.scatter(a, c, y_n, kernel=k), nt_bytes, {"lanes": lanes_a})
 
+        # what auto picks beside the fastest of each operation
+        auto_rows = {"fp": "csr_vector", "bp": "csr_vector"}
+        for r in rows:
+            if r["op"] in auto_rows and r["kernel"] != auto_rows[r["op"]]:
+                r.setdefault("auto", False)
         # cuSPARSE ratios, per operation
         base = {}
         for r in rows:
@@ -596,13 +616,34 @@ def _fmt(v: Any, spec: str) -> str:
     return format(v, spec)
 
 
+def auto_vs_fastest(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per operation: the configuration ``auto`` runs (kernel, lanes, tuned shape) beside the fastest timed one."""
+    out = []
+    for op in ("fp", "bp"):
+        rows = [r for r in result["kernels"] if r["op"] == op]
+        picked = [r for r in rows if r.get("auto")]
+        if not rows or not picked:
+            continue
+        fastest = min(rows, key=lambda r: r["median_s"])
+        fastest_det = min((r for r in rows if r["deterministic"]), key=lambda r: r["median_s"], default=fastest)
+        a = picked[0]
+        out.append({
+            "op": op, "auto": kernel_label(a), "auto_s": a["median_s"], "fastest": kernel_label(fastest),
+            "fastest_s": fastest["median_s"], "fastest_deterministic": kernel_label(fastest_det),
+            "fastest_deterministic_s": fastest_det["median_s"], "slower_by": a["median_s"] / fastest["median_s"] - 1,
+        })
+    return out
+
+
 def kernel_label(row: dict[str, Any]) -> str:
     """``csr_vector (32 lanes)``, ``merge (secsize 5)``... for tables."""
     k = row["kernel"]
     if row.get("secsize") is not None:
         return f"{k} (secsize {row['secsize']})"
     if row.get("lanes") is not None and k == "csr_vector":
-        return f"{k} ({row['lanes']} lanes{'' if row.get('lanes_auto', True) else ', forced'})"
+        shape = row.get("shape")
+        shape = f", {shape}" if shape and shape != "256t" else ""
+        return f"{k} ({row['lanes']} lanes{'' if row.get('lanes_auto', True) else ', forced'}{shape})"
     return k
 
 
@@ -641,6 +682,21 @@ def format_markdown(result: dict[str, Any]) -> str:
                 f"| {kernel_label(r)} | {'yes' if r['deterministic'] else 'no'} | {r['median_s'] * 1e3:.3f} | "
                 f"{r['bandwidth'] / 1e12:.3f} | {_fmt(r['of_copy'], '.1%')} | {_fmt(r.get('vs_cusparse'), '.2f')} | "
                 f"{_fmt(r.get('rel_l2'), '.1e')} |"
+            )
+        lines.append("")
+    choice = auto_vs_fastest(result)
+    if choice:
+        lines += [
+            "### what auto picks, beside the fastest",
+            "",
+            "| operation | auto runs | ms | fastest | ms | auto slower by | fastest deterministic | ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for c in choice:
+            lines.append(
+                f"| {OP_TITLES[c['op']]} | {c['auto']} | {c['auto_s'] * 1e3:.3f} | {c['fastest']} | "
+                f"{c['fastest_s'] * 1e3:.3f} | {c['slower_by']:.1%} | {c['fastest_deterministic']} | "
+                f"{c['fastest_deterministic_s'] * 1e3:.3f} |"
             )
         lines.append("")
     if result.get("iterations"):

@@ -354,3 +354,23 @@ def test_row_shapes_name_their_builds():
         assert plan.launch_shape(10**6, c.threads // 32, 132, 2048, threads=c.threads, waves=c.waves)[1] == c.threads
     # no grid-stride loop (waves 0): one block per row group, however many
     assert plan.launch_shape(10**6, 32, 132, 2048, threads=1024, waves=0)[0] == 10**6 // 32
+
+
+def test_auto_is_shown_beside_the_fastest():
+    from mlemlib.bench import auto_vs_fastest
+
+    def row(op, kernel, ms, det=True, **kw):
+        return {"op": op, "kernel": kernel, "median_s": ms / 1e3, "deterministic": det, **kw}
+
+    result = {"kernels": [
+        row("fp", "cusparse", 2.6, det=False, auto=False),
+        row("fp", "csr_vector", 2.8, lanes=32, lanes_auto=True, shape="256t", auto=True),
+        row("fp", "csr_vector", 2.7, lanes=32, lanes_auto=True, shape="512t w0 stream", auto=False),
+        row("bp", "csr_vector", 2.7, lanes=32, lanes_auto=True, shape="512t w0 stream", auto=True),
+        row("bp", "cusparse", 3.6, det=False, auto=False),
+    ]}
+    fp, bp = auto_vs_fastest(result)
+    assert fp["auto"] == "csr_vector (32 lanes)" and fp["fastest"] == "cusparse"
+    assert fp["slower_by"] == pytest.approx(2.8 / 2.6 - 1)
+    assert fp["fastest_deterministic"] == "csr_vector (32 lanes, 512t w0 stream)"
+    assert bp["slower_by"] == 0.0 and bp["fastest"] == bp["auto"] == "csr_vector (32 lanes, 512t w0 stream)"

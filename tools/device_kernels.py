@@ -70,22 +70,61 @@ def trace(rays: int, save: Path | None = None):
 
 
 def build(host, order: str, seed: int = 7):
-    """``(A, A^T)`` on the GPU for one LOR order (``own`` or ``shuffled``: rows in a random permutation)."""
+    """``(A, A^T)`` on the GPU for one LOR order.
+
+    ``own`` (detector pairs), ``shuffled`` (rows in a random permutation),
+    and ``X-reordered``: order X passed through the reorder stage's
+    permutation (``mlemlib.reorder.compute_permutation``, ``rows+voxels``),
+    computed on the host from the matrix alone and applied on the GPU.
+    """
     import cupy as cp
 
     from mlemlib.backends import _cuda_kernels as ck
 
+    base, _, re_ = order.partition("-")
     a = ck.DeviceCSR.from_host(host)
-    if order == "shuffled":
+    if base == "shuffled":
         perm = cp.asarray(np.random.default_rng(seed).permutation(a.shape[0]))
-        sh = a.cusparse()[perm]
-        a.drop_cusparse()
-        a = ck.DeviceCSR(sh.indptr.astype(cp.int64), sh.indices, sh.data, a.shape)
-        del sh
+        a = _rows_cols(a, perm, None)
+    if re_ == "reordered":
+        from mlemlib.formats import InMemoryMatrix
+        from mlemlib.reorder import compute_permutation
+        from mlemlib.scanner import get_preset
+
+        t0 = time.perf_counter()
+        h = a.to_host() if base != "own" else host
+        p = compute_permutation(InMemoryMatrix(h, grid=get_preset("madpet2").grid), "rows+voxels")
+        del h
+        t1 = time.perf_counter()
+        a = _rows_cols(a, cp.asarray(p.rows), None if p.voxels is None else cp.asarray(p.voxels))
+        log(f"{order}: permutation computed in {t1 - t0:.1f} s on the host, applied on the GPU in "
+            f"{time.perf_counter() - t1:.1f} s")
     at = a.transpose()
     a.drop_cusparse()
     cp.get_default_memory_pool().free_all_blocks()
     return a, at
+
+
+def _rows_cols(a, rows, cols):
+    """``A[rows][:, cols]`` (new row i = old row rows[i], new column j = old column cols[j]) as a DeviceCSR."""
+    import cupy as cp
+
+    from mlemlib.backends import _cuda_kernels as ck
+
+    sp = a.cusparse()[rows]
+    a.drop_cusparse()
+    shape = a.shape
+    del a
+    if cols is not None:
+        inv = cp.empty_like(cols)
+        inv[cols] = cp.arange(cols.size, dtype=cols.dtype)
+        sp.indices = inv[sp.indices].astype(cp.int32)
+        sp.has_sorted_indices = False
+        sp.sort_indices()
+    out = ck.DeviceCSR(sp.indptr.astype(cp.int64), sp.indices, sp.data, shape)
+    del sp
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
 
 
 def main(argv=None) -> int:
