@@ -1,0 +1,148 @@
+"""MLEM runs on every matrix format and with the one-pass iteration, on the CPU and (marked gpu) on GPUs.
+
+Independent expectations: the CPU's compressed kernels and its one-pass step
+sum every row and every voxel in the same order as the CSR kernels (so the
+images are equal bit for bit); the GPU variants are checked against the CPU's
+float32 image within a float32 tolerance, the deterministic ones bit for bit
+run after run, and the fixed-point one-pass bit for bit across GPU counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from mlemlib.backends import make_backend
+from mlemlib.compressed import CompressedMatrix
+from mlemlib.errors import ConfigError
+from mlemlib.matrix import CSRMatrix
+
+
+def problem(seed: int = 0, m: int = 900, n: int = 400):
+    """A PET-like positive problem: rows of 0..60 columns (some far apart: 16-bit deltas), a noiseless measurement."""
+    rng = np.random.default_rng(seed)
+    rows, cols, vals = [], [], []
+    for i in range(m):
+        k = int(rng.integers(0, min(60, n)))
+        c = np.sort(rng.choice(n, size=k, replace=False))
+        rows += [i] * k
+        cols += c.tolist()
+        vals += rng.uniform(0.05, 1.0, k).tolist()
+    a = sp.csr_matrix((np.float32(vals), (rows, cols)), shape=(m, n))
+    a.sort_indices()
+    A = CSRMatrix.from_scipy(a)
+    At = CSRMatrix.from_scipy(a.T.tocsr())
+    g = (a @ rng.uniform(0.5, 1.5, n)).astype(np.float32)
+    norm = np.asarray(a.sum(axis=0), dtype=np.float64).ravel()
+    return A, At, g, norm
+
+
+def run(backend, matrix, g, norm, transpose=None, *, bp="auto", iterations=15, **kw):
+    be = make_backend(backend, matrix, g, norm, transpose, bp=bp, **kw)
+    f = be.initial_image()
+    for _ in range(iterations):
+        f = be.iterate(f)
+    img = be.to_host(f)
+    d = be.describe()
+    if hasattr(be, "close"):
+        be.close()
+    return img, d
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b))
+
+
+# --------------------------------------------------------------------------- CPU (CI)
+@pytest.mark.parametrize("fmt", ["compressed", "compressed-f16"])
+def test_cpu_compressed_runs_the_csr_sums(fmt):
+    A, At, g, norm = problem()
+    C = CompressedMatrix.from_csr(A, fmt)
+    ref_t, _ = run("cpu", A, g, norm, At, bp="numba")
+    ref_n, _ = run("cpu", A, g, norm, None, bp="notrans")
+    got_t, d = run("cpu", C, g, norm, At, bp="numba")
+    got_n, _ = run("cpu", C, g, norm, None, bp="notrans")
+    assert d["format"] == fmt
+    if fmt == "compressed":  # lossless, and every row and voxel summed in the CSR kernels' order
+        np.testing.assert_array_equal(got_t, ref_t)
+        np.testing.assert_array_equal(got_n, ref_n)
+    else:  # 16-bit values: at most 2^-11 relative per value
+        assert rel(got_t, ref_t) < 2e-3 and rel(got_n, ref_n) < 2e-3
+
+
+@pytest.mark.parametrize("fmt", ["csr", "compressed"])
+def test_cpu_one_pass_equals_forward_then_blocked_scatter(fmt):
+    A, _, g, norm = problem(1)
+    mat = A if fmt == "csr" else CompressedMatrix.from_csr(A, fmt)
+    two, _ = run("cpu", A, g, norm, None, bp="notrans")
+    one, d = run("cpu", mat, g, norm, None, bp="onepass")
+    assert d["onepass"] and d["steps"] == ["bp", "update"]
+    np.testing.assert_array_equal(one, two)
+
+
+def test_cpu_one_pass_names():
+    A, _, g, norm = problem(2, 50, 30)
+    with pytest.raises(ConfigError, match="fp must be auto or onepass"):
+        make_backend("cpu", A, g, norm, fp="scipy", bp="onepass")
+    with pytest.raises(ConfigError, match="float32"):
+        make_backend("cpu", A, g, norm, bp="onepass", dtype=np.float64)
+    with pytest.raises(ConfigError, match="does not read the compressed format"):
+        make_backend("cpu", CompressedMatrix.from_csr(A, "compressed"), g, norm, fp="scipy")
+
+
+# --------------------------------------------------------------------------- one GPU
+def _cuda():
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no GPU")
+    except Exception:  # no driver
+        pytest.skip("no GPU")
+    return cp
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["compressed", "compressed-f16"])
+def test_gpu_compressed_with_transpose_matches_the_cpu(fmt):
+    _cuda()
+    A, At, g, norm = problem(3)
+    C = CompressedMatrix.from_csr(A, fmt)
+    cpu, _ = run("cpu", C, g, norm, At, bp="numba")
+    gpu1, d = run("cuda", C, g, norm, At)
+    gpu2, _ = run("cuda", C, g, norm, At)
+    assert (d["fp"], d["bp"], d["format"]) == ("delta_vector", "delta_vector", fmt) and d["deterministic"]
+    np.testing.assert_array_equal(gpu1, gpu2)  # no atomics: the same bits run after run
+    assert rel(gpu1, cpu) < 2e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["csr", "compressed"])
+def test_gpu_one_pass(fmt):
+    _cuda()
+    A, _, g, norm = problem(4)
+    mat = A if fmt == "csr" else CompressedMatrix.from_csr(A, fmt)
+    cpu, _ = run("cpu", A, g, norm, None, bp="notrans")
+    atom, d = run("cuda", mat, g, norm, None, bp="onepass")
+    assert d["onepass"] and not d["deterministic"]
+    fixed1, d1 = run("cuda", mat, g, norm, None, bp="onepass_fixed")
+    fixed2, _ = run("cuda", mat, g, norm, None, bp="onepass_fixed")
+    assert d1["deterministic"]
+    np.testing.assert_array_equal(fixed1, fixed2)
+    assert rel(atom, cpu) < 2e-6 and rel(fixed1, cpu) < 2e-6
+
+
+@pytest.mark.gpu
+def test_gpu_fixed_point_one_pass_is_the_same_on_every_gpu_count():
+    cp = _cuda()
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs")
+    A, _, g, norm = problem(5)
+    one, _ = run("cuda", A, g, norm, None, bp="onepass_fixed", gpus=1, graph=True)
+    two, d = run("cuda", A, g, norm, None, bp="onepass_fixed", gpus=2, layout="local")
+    assert d["gpus"] == 2
+    np.testing.assert_array_equal(one, two)
+    C = CompressedMatrix.from_csr(A, "compressed")
+    c1, _ = run("cuda", C, g, norm, None, bp="onepass_fixed", gpus=1, graph=True)
+    c2, _ = run("cuda", C, g, norm, None, bp="onepass_fixed", gpus=2, layout="local")
+    np.testing.assert_array_equal(c1, c2)
