@@ -852,7 +852,7 @@ def get_stage_needs():
                 )
             for run in get_runs():
                 stored = uses_transpose(run["backend"], run["bp"])
-                label = f"{matrix}, {data}, {run['name']} on {run['gpus']} {'GPU' if run['backend'] == 'cuda' else 'CPU'}"
+                label = f"{matrix}, {data}, {run['name']} on {run['gpus']} {'GPU' if run['backend'] == 'cuda' else 'CPU'}{'s' if run['gpus'] > 1 else ''}"
                 if run["gpus"] > 1:
                     label += f", {run['layout']}"
                 path = f"results/{matrix}/runs/{data}/{run['name']}/gpus-{run['gpus']}-{run['layout']}/image.h5"
