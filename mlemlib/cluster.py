@@ -488,7 +488,10 @@ def estimate_runtime_min(
     elif stage == "transpose":
         seconds = (a + at) / io + 2 * a / cpu
     elif stage == "partition":
-        seconds = (2 * a + at) / io + a / cpu
+        if stored_transpose:  # the parts' A_k^T: read A^T, write it split
+            seconds = (2 * a + at) / io + a / cpu
+        else:  # the row pointers (a compressed container's codes: one byte per element)
+            seconds = (8 * (size.rows + size.cols) + size.nnz) / io
     elif stage == "simulate":
         seconds = a / io + a / cpu
     elif stage in ("mlem", "bench"):
