@@ -54,6 +54,7 @@ __all__ = [
     "matrix_bytes",
     "matrix_size",
     "needs_table",
+    "preset_size",
     "shortfalls",
     "stage_need",
     "stage_resources",
@@ -288,6 +289,23 @@ def generated_size(preset: str) -> MatrixSize:
     per_row = min(cols, TUBE_VOXELS_PER_EDGE * sum(cfg.grid))
     recorded = math.ceil(NNZ.get(preset, 0) * (1 + PRESET_NNZ_MARGIN))
     return MatrixSize(rows=rows, cols=cols, nnz=max(rows * per_row, recorded))
+
+
+def preset_size(preset: str) -> MatrixSize:
+    """The size a preset's matrix will have: its recorded non-zeros plus :data:`PRESET_NNZ_MARGIN`.
+
+    :data:`mlemlib.scanner.presets.NNZ` is exact for ``small`` and
+    ``madpet2`` and a sampled estimate for ``matrix3``; a preset without a
+    record falls back to :func:`generated_size`'s upper bound. The workflow's
+    statement of each stage's needs uses it before the matrix exists.
+    """
+    from mlemlib.scanner import get_preset
+    from mlemlib.scanner.presets import NNZ
+
+    if preset not in NNZ:
+        return generated_size(preset)
+    rows, cols = get_preset(preset).shape
+    return MatrixSize(rows=rows, cols=cols, nnz=math.ceil(NNZ[preset] * (1 + PRESET_NNZ_MARGIN)))
 
 
 # --- the model ---------------------------------------------------------------------

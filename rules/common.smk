@@ -691,7 +691,7 @@ def _job_resources(stage, wildcards, input, threads, attempt):
 
     options = {"threads": threads, "attempt": attempt}
     if stage == "generate":
-        # No input: the preset's recorded size (mlemlib.cluster.generated_size).
+        # No input: the preset's recorded size (mlemlib.cluster.preset_size).
         return stage_resources(stage, _matrix_size_of(wildcards.matrix), **options)
     path = input.matrix if "matrix" in input.keys() else input.source
     if not os.path.exists(path):
@@ -744,7 +744,7 @@ def get_runtime(stage):
 
 def _matrix_size_of(matrix):
     """Size of `matrix`: its container's header, the user's file's, or the preset's estimate."""
-    from mlemlib.cluster import generated_size, matrix_size
+    from mlemlib.cluster import matrix_size, preset_size
 
     entry = config["matrices"][matrix]
     made = Path(f"results/{matrix}/matrix.h5")
@@ -752,7 +752,7 @@ def _matrix_size_of(matrix):
         return matrix_size(made)
     if entry["path"] is not None:
         return matrix_size(entry["path"])
-    return generated_size(entry["preset"])
+    return preset_size(entry["preset"])
 
 
 def _device_format(matrix):

@@ -7,6 +7,7 @@ before any job, one line naming the stage and the shortfall.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -46,6 +47,9 @@ def test_generated_size_of_matrix3_is_at_least_its_estimate():
     size = cluster.generated_size("matrix3")
     assert (size.rows, size.cols) == (M3.rows, M3.cols)
     assert M3.nnz < size.nnz <= 1.03 * M3.nnz
+    # the statement's size: the recorded non-zeros plus 2% (madpet2's are exact: 960,942,960)
+    assert cluster.preset_size("matrix3") == size
+    assert cluster.preset_size("madpet2").nnz == math.ceil(960_942_960 * 1.02)
 
 
 def test_partition_by_reference_needs_only_the_row_pointers():
