@@ -40,14 +40,23 @@ from mlemlib.errors import ConfigError, MatrixFormatError
 __all__ = [
     "BASE_MB",
     "CPUS_PER_GPU",
+    "FORMAT_BYTES",
     "STAGES",
     "MatrixSize",
+    "NodeLimits",
+    "StageNeed",
+    "detect_node",
     "estimate_gpu_mem_mb",
     "estimate_mem_mb",
     "estimate_runtime_min",
     "generated_size",
     "gpus_for",
+    "matrix_bytes",
     "matrix_size",
+    "needs_table",
+    "preset_size",
+    "shortfalls",
+    "stage_need",
     "stage_resources",
 ]
 
@@ -136,6 +145,13 @@ def _h5_size(path: Path) -> MatrixSize:
 
     try:
         with h5py.File(path, "r") as f:
+            fmt = f.attrs.get("format")
+            fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+            if isinstance(fmt, str) and fmt.startswith("mlem-compressed"):
+                shape, nnz = f.attrs.get("shape"), f.attrs.get("nnz")
+                if shape is None or len(shape) != 2 or nnz is None:
+                    raise MatrixFormatError(path, "missing or malformed attribute 'shape' or 'nnz'")
+                return MatrixSize(rows=int(shape[0]), cols=int(shape[1]), nnz=int(nnz))
             missing = [k for k in ("indptr", "indices", "data") if k not in f]
             if missing:
                 raise MatrixFormatError(path, f"not an mlem-csr HDF5 matrix: missing dataset(s) {', '.join(missing)}")
@@ -239,6 +255,9 @@ def matrix_size(path: str | os.PathLike) -> MatrixSize:
     raise MatrixFormatError(p, f"a {kind} file holds no system matrix")
 
 
+#: Relative margin on a preset's recorded (possibly sampled) non-zeros.
+PRESET_NNZ_MARGIN = 0.02
+
 #: Voxels a tube of response crosses, per voxel of ``gridX + gridY + gridZ``
 #: (one ray crosses at most that many; a tube of several rays a few times more).
 TUBE_VOXELS_PER_EDGE = 4
@@ -249,9 +268,12 @@ def generated_size(preset: str) -> MatrixSize:
 
     Rows and columns are exact (the preset's shape); ``nnz`` is an upper
     estimate: every row holds at most ``TUBE_VOXELS_PER_EDGE * (gridX + gridY
-    + gridZ)`` voxels (and at most all columns). For MADPET-II that is 1.70e9
-    against the real 1.60e9; for ``small`` 7.1e6 against 0.74e6 (most of its
-    rows are empty), which the request floor absorbs.
+    + gridZ)`` voxels (and at most all columns), and at least the preset's
+    recorded non-zeros (:data:`mlemlib.scanner.presets.NNZ`, exact or a
+    sampled estimate) plus :data:`PRESET_NNZ_MARGIN`. For MADPET-II that is
+    1.70e9 against the real 1.60e9 (0.96e9 generated); for ``small`` 7.1e6
+    against 0.74e6 (most of its rows are empty), which the request floor
+    absorbs; for ``matrix3`` (wide tubes) the recorded 1.237e10 plus 2%.
 
     Raises
     ------
@@ -260,10 +282,30 @@ def generated_size(preset: str) -> MatrixSize:
     """
     from mlemlib.scanner import get_preset
 
+    from mlemlib.scanner.presets import NNZ
+
     cfg = get_preset(preset)
     rows, cols = cfg.shape
     per_row = min(cols, TUBE_VOXELS_PER_EDGE * sum(cfg.grid))
-    return MatrixSize(rows=rows, cols=cols, nnz=rows * per_row)
+    recorded = math.ceil(NNZ.get(preset, 0) * (1 + PRESET_NNZ_MARGIN))
+    return MatrixSize(rows=rows, cols=cols, nnz=max(rows * per_row, recorded))
+
+
+def preset_size(preset: str) -> MatrixSize:
+    """The size a preset's matrix will have: its recorded non-zeros plus :data:`PRESET_NNZ_MARGIN`.
+
+    :data:`mlemlib.scanner.presets.NNZ` is exact for ``small`` and
+    ``madpet2`` and a sampled estimate for ``matrix3``; a preset without a
+    record falls back to :func:`generated_size`'s upper bound. The workflow's
+    statement of each stage's needs uses it before the matrix exists.
+    """
+    from mlemlib.scanner import get_preset
+    from mlemlib.scanner.presets import NNZ
+
+    if preset not in NNZ:
+        return generated_size(preset)
+    rows, cols = get_preset(preset).shape
+    return MatrixSize(rows=rows, cols=cols, nnz=math.ceil(NNZ[preset] * (1 + PRESET_NNZ_MARGIN)))
 
 
 # --- the model ---------------------------------------------------------------------
@@ -315,9 +357,11 @@ def peak_host_bytes(
         ``cpu`` keeps the matrix in host memory for the whole run; ``cuda`` and
         ``auto`` stream it to the GPUs, one row block at a time.
     stored_transpose
-        Whether back projection reads a stored ``A^T`` (``mlem``, ``bench``).
+        Whether back projection reads a stored ``A^T`` (``mlem``, ``bench``);
+        for ``partition``, whether the parts' ``A_k^T`` are written.
     threads
-        Worker threads of ``transpose`` (ScanTrans keeps one column histogram each).
+        Worker threads of ``transpose`` (ScanTrans keeps one column histogram
+        each) and ``generate`` (one tracer scratch each).
     chunk_nnz
         Elements per streamed chunk.
     """
@@ -326,8 +370,11 @@ def peak_host_bytes(
     vec_m, vec_n = 8 * size.rows, 8 * size.cols  # one float64 vector of each length
     a, at = size.csr_bytes, size.csr_t_bytes
     if stage == "generate":
-        # Rows are traced in chunks; the row pointer is kept for the header.
-        return 3 * 8 * chunk + 2 * vec_m + 4 * vec_n
+        # Rows are traced in chunks of 2^24 (two in flight, one being encoded);
+        # the row counts; per thread a float64 accumulator and an int64 marker
+        # of n entries.
+        gen_chunk = min(size.nnz, 1 << 24)
+        return 3 * 8 * gen_chunk + 2 * vec_m + 2 * vec_n * max(threads, 1)
     if stage == "convert":
         # Source chunk, validated copy, write buffer; both row pointers.
         return 3 * 8 * chunk + 2 * vec_m
@@ -337,9 +384,10 @@ def peak_host_bytes(
         # A and A^T in memory at once, plus one int64 column histogram per thread.
         return a + at + 8 * (size.cols + 1) * max(threads, 1)
     if stage == "partition":
-        # One row block and its local transpose at a time, plus the row pointer.
-        block = math.ceil(size.nnz / parts)
-        return 2 * (8 * block) + vec_m + vec_n + 8 * chunk
+        # The row pointers (A's, and A^T's); with the parts' A_k^T
+        # (stored_transpose) one chunk of A^T, its split copy and split points.
+        refs = 2 * vec_m + vec_n
+        return refs + (2 * 8 * chunk + 8 * (parts + 1) * min(chunk, size.cols) if stored_transpose else 0)
     if stage == "simulate":
         return 2 * 8 * chunk + 3 * vec_m + 3 * vec_n
     if stage in ("mlem", "bench"):
@@ -391,17 +439,23 @@ def estimate_mem_mb(
     return int(math.ceil(mb / MEM_ROUND_MB) * MEM_ROUND_MB)
 
 
-def estimate_gpu_mem_mb(size: MatrixSize, *, parts: int = 1, stored_transpose: bool = True) -> int:
+def estimate_gpu_mem_mb(
+    size: MatrixSize, *, parts: int = 1, stored_transpose: bool = True, fmt: str = "csr"
+) -> int:
     """Device memory (MB) each of ``parts`` GPUs needs for its row block.
 
-    The row block of ``A`` (nnz-balanced, so about ``nnz / parts`` elements),
-    its share of ``A^T`` when stored, the full-length image, norm and back
-    projection vectors (float32), plus :data:`GPU_RESERVE_MB`. Compare it with
-    the GPU model's memory to choose the number of GPUs.
+    The row block of ``A`` (nnz-balanced, so about ``nnz / parts`` elements)
+    in the device format ``fmt`` (:data:`FORMAT_BYTES`), its share of ``A^T``
+    (CSR) when stored, the full-length image, norm and back projection
+    vectors (float32), plus :data:`GPU_RESERVE_MB`. Compare it with the GPU
+    model's memory to choose the number of GPUs.
     """
     _check("mlem", "cuda", parts)
+    if fmt not in FORMAT_BYTES:
+        raise ConfigError("format", f"unknown matrix format {fmt!r}, expected one of {', '.join(FORMAT_BYTES)}")
+    per_nnz, per_row = FORMAT_BYTES[fmt]
     per_part = math.ceil(size.nnz / parts)
-    block = 8 * per_part + 8 * (math.ceil(size.rows / parts) + 1)
+    block = math.ceil(per_nnz * per_part + per_row * (math.ceil(size.rows / parts) + 1))
     if stored_transpose:
         block += 8 * per_part + 8 * (size.cols + 1)
     vectors = 4 * (2 * math.ceil(size.rows / parts) + 4 * size.cols)
@@ -452,7 +506,10 @@ def estimate_runtime_min(
     elif stage == "transpose":
         seconds = (a + at) / io + 2 * a / cpu
     elif stage == "partition":
-        seconds = (2 * a + at) / io + a / cpu
+        if stored_transpose:  # the parts' A_k^T: read A^T, write it split
+            seconds = (2 * a + at) / io + a / cpu
+        else:  # the row pointers (a compressed container's codes: one byte per element)
+            seconds = (8 * (size.rows + size.cols) + size.nnz) / io
     elif stage == "simulate":
         seconds = a / io + a / cpu
     elif stage in ("mlem", "bench"):
@@ -509,3 +566,307 @@ def stage_resources(
     if resources["gpu"]:
         resources["cpus_per_gpu"] = CPUS_PER_GPU
     return resources
+
+
+# --- what each stage needs, and whether the node holds it ------------------------------
+
+#: Bytes of the matrix arrays per non-zero and per row, by container format:
+#: CSR's int32 column + float32 value and int64 row pointer; the compressed
+#: formats' measured 5.03 and 3.03 bytes per non-zero (docs/formats.md; the
+#: markers of large column jumps included, rounded up) and their two-level
+#: row pointer (plus the float32 row scale of ``compressed-f16``).
+FORMAT_BYTES: dict[str, tuple[float, float]] = {
+    "csr": (8.0, 8.0),
+    "compressed": (5.05, 4.125),
+    "compressed-f16": (3.05, 8.125),
+}
+#: What a ``plan.json`` or a small table takes on disk (bytes).
+SMALL_FILE_BYTES = 1 << 16
+
+_GB = 1e9
+
+
+def matrix_bytes(size: MatrixSize, fmt: str = "csr") -> int:
+    """Bytes of a matrix's arrays in format ``fmt`` (``csr``, ``compressed``, ``compressed-f16``).
+
+    The container on disk is this plus a few kB of HDF5 metadata; a ``.csr4``
+    is the CSR size plus its header.
+    """
+    if fmt not in FORMAT_BYTES:
+        raise ConfigError("format", f"unknown matrix format {fmt!r}, expected one of {', '.join(FORMAT_BYTES)}")
+    per_nnz, per_row = FORMAT_BYTES[fmt]
+    return math.ceil(per_nnz * size.nnz + per_row * (size.rows + 1))
+
+
+@dataclass(frozen=True)
+class StageNeed:
+    """What one job of a stage needs: disk it writes, peak host memory, GPU memory per GPU.
+
+    Attributes
+    ----------
+    stage
+        The rule's name (``generate_container``, ``run_mlem``, ...).
+    label
+        Which job: matrix, part count, run (for the table and messages).
+    disk_bytes
+        Bytes its outputs take (they stay on disk).
+    host_bytes
+        Modelled peak host memory (:func:`peak_host_bytes` plus :data:`BASE_MB`).
+    gpu_bytes
+        Device memory per GPU (0 for CPU stages).
+    gpus
+        GPUs it occupies.
+    mem_mb
+        Host memory the job asks a scheduler for (:func:`estimate_mem_mb`, with the safety factor).
+    done
+        Whether its outputs exist already (they need no new disk).
+    """
+
+    stage: str
+    label: str
+    disk_bytes: int
+    host_bytes: int
+    gpu_bytes: int = 0
+    gpus: int = 0
+    mem_mb: int = 0
+    done: bool = False
+
+
+def stage_need(
+    stage: str,
+    rule: str,
+    label: str,
+    size: MatrixSize,
+    *,
+    disk_bytes: int,
+    parts: int = 1,
+    backend: str = "cpu",
+    gpus: int = 0,
+    stored_transpose: bool = True,
+    threads: int = 1,
+    device_format: str = "csr",
+    done: bool = False,
+) -> StageNeed:
+    """The :class:`StageNeed` of one job of model ``stage`` (see :func:`peak_host_bytes`)."""
+    peak = peak_host_bytes(
+        stage, size, parts=parts, backend=backend, stored_transpose=stored_transpose, threads=threads
+    )
+    gpu_job = backend != "cpu" and stage in ("mlem", "bench") and gpus > 0
+    base = BASE_MB + (GPU_BASE_MB if gpu_job else 0)
+    gpu_bytes = 0
+    if gpu_job:
+        gpu_bytes = estimate_gpu_mem_mb(size, parts=parts, stored_transpose=stored_transpose, fmt=device_format) * _MB
+    return StageNeed(
+        stage=rule,
+        label=label,
+        disk_bytes=int(disk_bytes),
+        host_bytes=int(peak + base * _MB),
+        gpu_bytes=int(gpu_bytes),
+        gpus=gpus if gpu_job else 0,
+        mem_mb=estimate_mem_mb(
+            stage, size, parts=parts, backend=backend, stored_transpose=stored_transpose, threads=threads
+        ),
+        done=done,
+    )
+
+
+@dataclass(frozen=True)
+class NodeLimits:
+    """What the machine (or a SLURM node) offers the workflow's jobs; None where unknown.
+
+    Attributes
+    ----------
+    disk_free_bytes
+        Free space of the file system of the results.
+    host_bytes
+        Host memory of one node.
+    gpu_bytes
+        Memory of one GPU.
+    gpus
+        GPUs of one node.
+    slurm_mem_mb, slurm_gpus
+        The global limits given to Snakemake (``--resources mem_mb=... gpu=...``), if any.
+    sources
+        Where each value came from (``detected``, ``config``, ``unknown``).
+    """
+
+    disk_free_bytes: int | None = None
+    host_bytes: int | None = None
+    gpu_bytes: int | None = None
+    gpus: int | None = None
+    slurm_mem_mb: int | None = None
+    slurm_gpus: int | None = None
+    sources: dict = None  # type: ignore[assignment]
+
+
+def host_memory_bytes(meminfo: str | os.PathLike = "/proc/meminfo") -> int | None:
+    """``MemTotal`` of ``/proc/meminfo`` in bytes, or None where there is none."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def gpu_facts() -> tuple[int | None, int | None]:
+    """``(gpus, bytes of the smallest GPU)`` from NVML (nvidia-ml-py), or ``(None, None)`` without it."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, None
+    try:
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            sizes = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total for i in range(count)]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no device: unknown
+        return None, None
+    return count, (min(sizes) if sizes else None)
+
+
+def detect_node(
+    directory: str | os.PathLike = ".",
+    *,
+    host_memory_gb: float | str = "auto",
+    gpu_memory_gb: float | str = "auto",
+    gpus: int | str = "auto",
+    disk_free_gb: float | str = "auto",
+    slurm_mem_mb: int | None = None,
+    slurm_gpus: int | None = None,
+) -> NodeLimits:
+    """The node's limits: each configured number, else detected here (``auto``), else unknown.
+
+    ``auto`` detects on the machine that builds the DAG: free disk of
+    ``directory`` (its nearest existing parent), host memory from
+    ``/proc/meminfo``, GPUs and their memory from NVML where nvidia-ml-py and
+    a driver are present. Give numbers where the jobs run elsewhere (a SLURM
+    compute node) or detection is impossible.
+    """
+    import shutil
+
+    sources = {}
+
+    def pick(name, value, detect, scale):
+        if value not in ("auto", None):
+            sources[name] = "config"
+            return int(float(value) * scale)
+        got = detect()
+        sources[name] = "detected" if got is not None else "unknown"
+        return got
+
+    def free_disk():
+        d = Path(directory).resolve()
+        while not d.exists() and d != d.parent:
+            d = d.parent
+        try:
+            return int(shutil.disk_usage(d).free)
+        except OSError:
+            return None
+
+    facts: list = []
+
+    def nvml():
+        if not facts:
+            facts.extend(gpu_facts())
+        return facts
+
+    return NodeLimits(
+        disk_free_bytes=pick("disk", disk_free_gb, free_disk, _GB),
+        host_bytes=pick("host memory", host_memory_gb, host_memory_bytes, _GB),
+        gpu_bytes=pick("GPU memory", gpu_memory_gb, lambda: nvml()[1], _GB),
+        gpus=pick("GPUs", gpus, lambda: nvml()[0], 1),
+        slurm_mem_mb=slurm_mem_mb,
+        slurm_gpus=slurm_gpus,
+        sources=sources,
+    )
+
+
+def _gb(b: float) -> str:
+    """Bytes in GB (10^9), or MB below 1 GB."""
+    return f"{b / _GB:.1f} GB" if abs(b) >= _GB else f"{b / 1e6:.1f} MB"
+
+
+def shortfalls(needs: list[StageNeed], node: NodeLimits, *, scheduler: bool = False) -> list[str]:
+    """One line per stage the node cannot hold, naming the stage and the shortfall; empty if all fit.
+
+    Disk is cumulative: every output stays, so the stages not yet done must
+    fit the free disk together; the line names the first stage whose outputs
+    no longer fit. Host memory is each job's modelled peak against the node's
+    memory (with ``scheduler``, the job's request ``mem_mb``, which a SLURM
+    node must grant); GPU memory each GPU's share against one GPU's memory;
+    GPUs against the node's GPUs and ``--resources gpu``.
+    """
+    out = []
+    if node.disk_free_bytes is not None:
+        used = 0
+        for need in needs:
+            if need.done:
+                continue
+            used += need.disk_bytes
+            if used > node.disk_free_bytes:
+                out.append(
+                    f"stage {need.stage} ({need.label}) writes {_gb(need.disk_bytes)}, and the stages up to it "
+                    f"{_gb(used)}; the disk has {_gb(node.disk_free_bytes)} free (short by "
+                    f"{_gb(used - node.disk_free_bytes)})"
+                )
+                break
+    for need in needs:
+        where = f"stage {need.stage} ({need.label})"
+        if node.host_bytes is not None:
+            asked = need.mem_mb * _MB if scheduler else need.host_bytes
+            what = f"asks for mem_mb={need.mem_mb}" if scheduler else f"needs {_gb(asked)} of host memory"
+            if asked > node.host_bytes:
+                out.append(f"{where} {what}, the node has {_gb(node.host_bytes)} (short by {_gb(asked - node.host_bytes)})")
+        if node.slurm_mem_mb is not None and need.mem_mb > node.slurm_mem_mb:
+            out.append(
+                f"{where} asks for mem_mb={need.mem_mb}, --resources gives mem_mb={node.slurm_mem_mb} "
+                f"(short by {need.mem_mb - node.slurm_mem_mb} MB)"
+            )
+        if need.gpus:
+            if node.gpus is not None and need.gpus > node.gpus:
+                out.append(f"{where} needs {need.gpus} GPUs, the node has {node.gpus}")
+            if node.slurm_gpus is not None and need.gpus > node.slurm_gpus:
+                out.append(f"{where} needs {need.gpus} GPUs, --resources gives gpu={node.slurm_gpus}")
+            if node.gpu_bytes is not None and need.gpu_bytes > node.gpu_bytes:
+                out.append(
+                    f"{where} needs {_gb(need.gpu_bytes)} of GPU memory per GPU, the node's GPUs have "
+                    f"{_gb(node.gpu_bytes)} (short by {_gb(need.gpu_bytes - node.gpu_bytes)})"
+                )
+    return out
+
+
+def needs_table(needs: list[StageNeed], node: NodeLimits) -> str:
+    """The stages' needs and the node's limits as a fixed-width table (logged before any job runs)."""
+    rows = [("stage", "job", "disk", "host memory", "mem_mb", "GPU memory/GPU", "GPUs", "")]
+    for need in needs:
+        rows.append(
+            (
+                need.stage,
+                need.label,
+                _gb(need.disk_bytes),
+                _gb(need.host_bytes),
+                str(need.mem_mb),
+                _gb(need.gpu_bytes) if need.gpus else "-",
+                str(need.gpus) if need.gpus else "-",
+                "(done)" if need.done else "",
+            )
+        )
+    todo = sum(n.disk_bytes for n in needs if not n.done)
+    src = node.sources or {}
+
+    def lim(value, key, fmt=_gb):
+        return f"{fmt(value)} ({src.get(key, 'config')})" if value is not None else "unknown"
+
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.append(
+        f"still to write {_gb(todo)}; node: disk free {lim(node.disk_free_bytes, 'disk')}, "
+        f"host memory {lim(node.host_bytes, 'host memory')}, GPU memory {lim(node.gpu_bytes, 'GPU memory')}, "
+        f"GPUs {lim(node.gpus, 'GPUs', str)}"
+    )
+    return "\n".join(lines)

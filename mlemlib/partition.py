@@ -3,8 +3,9 @@
 Provides :func:`balanced_bounds` (the split rule), :func:`imbalance`,
 :func:`make_plan` (the plan of one matrix, in memory), :func:`split_transpose`
 (``A^T`` -> the transposes ``A_k^T`` of the row blocks), :func:`partition_file`
-(the ``partition`` stage: ``plan.json`` + ``part-{k}.h5``) and
-:func:`read_plan` (load and validate a plan, resolving its paths).
+(the ``partition`` stage: ``plan.json``, plus ``part-{k}.h5`` only where a
+run needs ``A_k^T`` stored) and :func:`read_plan` (load and validate a plan,
+resolving its paths).
 
 The split follows the thesis (ch. 8: row blocks balanced by non-zeros) with
 MSREP's balance rule and pCSR idea (sections 3-4): part ``s`` starts at the
@@ -26,15 +27,24 @@ Two multi-GPU layouts are planned together:
 ``local``
     GPU ``k`` owns row block ``k`` of ``A`` and ``A_k^T``, the transpose of
     that block (shape ``(n, r1 - r0)``), so one all-reduce of the n-vector per
-    iteration suffices. ``A_k^T`` is not contiguous in ``transpose.h5``, so it
-    is written as ``part-{k}.h5``: the rows of ``A^T`` have sorted LOR
-    indices, so each row splits into P contiguous segments at the block
-    boundaries. Streaming ``transpose.h5`` in chunks, all P files take one
-    copy of ``A^T`` on disk in all.
+    iteration suffices. A back projection without a transpose (``notrans``,
+    the one-pass iteration) needs nothing more than the reference to ``A``'s
+    rows. One that reads ``A_k^T`` gets it either from the GPU (which
+    transposes its block) or, when the stage is asked (``local_transpose``),
+    from ``part-{k}.h5``: ``A_k^T`` is not contiguous in ``transpose.h5``, so
+    it is written out; the rows of ``A^T`` have sorted LOR indices, so each
+    row splits into P contiguous segments at the block boundaries. Streaming
+    ``transpose.h5`` in chunks, all P files take one copy of ``A^T`` on disk in
+    all. Without ``local_transpose`` the stage writes ``plan.json`` only: no
+    element of the matrix is copied.
+
+Every count and offset is an int64 (NumPy) or a Python int (JSON): plans of
+matrices with more than 2**32 non-zeros are exact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -305,41 +315,59 @@ def _relpath(target: str | os.PathLike, start: Path) -> str:
 
 def partition_file(
     matrix_h5: str | os.PathLike,
-    transpose_h5: str | os.PathLike,
+    transpose_h5: str | os.PathLike | None,
     parts: int,
     out_dir: str | os.PathLike,
     *,
+    local_transpose: bool = False,
     chunk_nnz: int = DEFAULT_CHUNK_NNZ,
     threads: int | None = None,
 ) -> dict:
-    """The ``partition`` stage: write ``out_dir/plan.json`` and ``out_dir/part-{k}.h5``.
+    """The ``partition`` stage: write ``out_dir/plan.json`` (and ``out_dir/part-{k}.h5`` when asked).
 
-    Reads the row pointers of ``matrix.h5`` and ``transpose.h5`` and streams
-    ``transpose.h5`` once in row chunks, splitting each chunk into the P
-    local transposes ``A_k^T``. The whole directory is written atomically.
+    The plan *references* ``matrix.h5``: each part is a row range with its
+    non-zero offset and count, read by whoever loads it (MSREP's pCSR); no
+    element is copied. Only the row pointers are read (for a compressed
+    container, its codes once: one byte per slot). With ``transpose_h5`` the
+    plan also has the nnz-balanced row blocks of ``A^T`` (thesis layout),
+    referencing ``transpose.h5``. With ``local_transpose`` the stage also
+    streams ``transpose.h5`` once in row chunks, splitting each chunk into
+    the P local transposes ``A_k^T``, written as ``part-{k}.h5`` (one copy
+    of ``A^T`` on disk in all): ask for it only where a run reads a stored
+    ``A_k^T`` in the local layout (the GPUs can also transpose their blocks
+    themselves). The whole directory is written atomically.
 
-    Memory: both row pointers (8 bytes per row of ``A`` and of ``A^T``), one
-    chunk of ``A^T`` and its split copy (8 + 8 bytes per chunk non-zero) and
-    ``(P + 1)`` int64 split points per chunk row.
+    Memory: the row pointers (8 bytes per row of ``A``, and of ``A^T``);
+    with ``local_transpose`` also one chunk of ``A^T`` and its split copy
+    (8 + 8 bytes per chunk non-zero) and ``(P + 1)`` int64 split points per
+    chunk row.
 
     ``plan.json`` fields: ``format="mlem-plan"``, ``version``, ``parts``,
     ``shape`` ``[m, n]``, ``nnz``, ``imbalance`` (max over mean of
     ``nnz_per_part``), ``rows`` (half-open ``[r0, r1)`` per part),
-    ``nnz_per_part``, ``nnz_offsets`` (``indptr[r0]``), the same for the row
-    blocks of ``A^T`` (``transpose_rows``, ``transpose_nnz_per_part``,
-    ``transpose_nnz_offsets``, ``transpose_imbalance``), ``local_transpose``
-    (``part-{k}.h5`` file names), ``matrix`` and ``transpose`` (paths), their
-    checksums ``matrix_checksum``, ``transpose_checksum``, and ``paths =
-    "relative to the plan's directory"``.
+    ``nnz_per_part``, ``nnz_offsets`` (``indptr[r0]``), ``matrix`` (path),
+    ``matrix_checksum``, ``matrix_format`` (``csr``, ``compressed``,
+    ``compressed-f16``), for a compressed container ``slot_offsets`` and
+    ``slots_per_part`` (where each part's encoded slots start in the file,
+    and how many), ``reference`` (a sentence saying what the ranges refer
+    to), ``paths = "relative to the plan's directory"``; with a transpose
+    also ``transpose_rows``, ``transpose_nnz_per_part``,
+    ``transpose_nnz_offsets``, ``transpose_imbalance``, ``transpose``,
+    ``transpose_checksum``; with ``local_transpose`` also
+    ``local_transpose`` (``part-{k}.h5`` file names).
 
     Parameters
     ----------
-    matrix_h5, transpose_h5
-        The matrix and its transpose (from ``mlem transpose``).
+    matrix_h5
+        The matrix container (CSR or compressed).
+    transpose_h5
+        Its transpose (from ``mlem transpose``), or None.
     parts
         Number of GPUs ``P >= 1``.
     out_dir
         The parts directory (replaced atomically when complete).
+    local_transpose
+        Also write ``part-{k}.h5`` (``A_k^T``); needs ``transpose_h5``.
     chunk_nnz
         Non-zeros per streamed chunk of ``A^T``.
     threads
@@ -349,12 +377,13 @@ def partition_file(
     -------
     dict
         The plan as written, with ``matrix``, ``transpose`` and
-        ``local_transpose`` resolved to absolute paths, plus ``plan`` (its path).
+        ``local_transpose`` resolved to absolute paths, plus ``plan`` (its
+        path) and ``disk_bytes`` (what the stage wrote).
 
     Raises
     ------
     ConfigError
-        For ``parts < 1`` or a bad chunk size.
+        For ``parts < 1``, a bad chunk size, or ``local_transpose`` without a transpose.
     MatrixFormatError
         If a file is corrupt or the transpose does not match the matrix.
     """
@@ -363,21 +392,28 @@ def partition_file(
     parts = _check_parts(parts)
     if not isinstance(chunk_nnz, (int, np.integer)) or chunk_nnz < 1:
         raise ConfigError("chunk_nnz", f"{chunk_nnz!r} is not a positive number of non-zeros")
+    if local_transpose and transpose_h5 is None:
+        raise ConfigError("local_transpose", "writing the parts' transposes A_k^T needs the transpose (A^T)")
     out_dir = Path(out_dir)
-    with MatrixH5(matrix_h5) as a, MatrixH5(transpose_h5) as at, numba_threads(threads):
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(MatrixH5(matrix_h5))
+        at = stack.enter_context(MatrixH5(transpose_h5)) if transpose_h5 is not None else None
+        stack.enter_context(numba_threads(threads))
         m, n = a.shape
-        if at.shape != (n, m) or at.nnz != a.nnz:
-            raise MatrixFormatError(
-                transpose_h5,
-                f"shape {at.shape} with {at.nnz} non-zeros is not the transpose of {a.shape} with {a.nnz}",
-            )
-        came_from = at.attrs.get("source_checksum")
-        if came_from is not None and came_from != a.checksum:
-            raise MatrixFormatError(
-                transpose_h5, f"is the transpose of a matrix with checksum {came_from}, not of {matrix_h5} ({a.checksum})"
-            )
+        if at is not None:
+            if at.shape != (n, m) or at.nnz != a.nnz:
+                raise MatrixFormatError(
+                    transpose_h5,
+                    f"shape {at.shape} with {at.nnz} non-zeros is not the transpose of {a.shape} with {a.nnz}",
+                )
+            came_from = at.attrs.get("source_checksum")
+            if came_from is not None and came_from != a.checksum:
+                raise MatrixFormatError(
+                    transpose_h5,
+                    f"is the transpose of a matrix with checksum {came_from}, not of {matrix_h5} ({a.checksum})",
+                )
         indptr = a.read_indptr()
-        t_indptr = at.read_indptr()
+        t_indptr = at.read_indptr() if at is not None else None
         plan = make_plan(indptr, t_indptr, parts, (m, n))
         del indptr, t_indptr
         bounds = np.array([r[0] for r in plan["rows"]] + [m], dtype=np.int64)
@@ -385,52 +421,77 @@ def partition_file(
         if empty:
             log.warning("%d of %d parts are empty (parts %s): more parts than non-empty rows", len(empty), parts, empty)
         log.info(
-            "%s: %d parts, imbalance %.4f (A), %.4f (A^T row blocks)",
-            Path(matrix_h5).name, parts, plan["imbalance"], plan["transpose_imbalance"],
-        )
-        names = [f"part-{k}.h5" for k in range(parts)]
+            "%s: %d parts, imbalance %.4f (A)%s; rows referenced, %s",
+            Path(matrix_h5).name, parts, plan["imbalance"],
+            f", {plan['transpose_imbalance']:.4f} (A^T row blocks)" if at is not None else "",
+            "A_k^T written as part-{k}.h5" if local_transpose else "nothing copied",
+        )  # fmt: skip
+        fmt = getattr(a, "format", "csr")
         plan.update(
             {
                 "paths": "relative to the plan's directory",
+                "reference": (
+                    "each part is rows [r0, r1) of 'matrix' (its elements start at nnz_offsets[k]); "
+                    "nothing is copied: read the range from the matrix file"
+                ),
                 "matrix": _relpath(matrix_h5, out_dir),
                 "matrix_checksum": a.checksum,
-                "transpose": _relpath(transpose_h5, out_dir),
-                "transpose_checksum": at.checksum,
-                "local_transpose": names,
+                "matrix_format": fmt,
             }
         )
+        if fmt != "csr":
+            sp = a.read_slotptr()
+            slot_off = [int(sp[b]) for b in bounds[:-1]]
+            plan["slot_offsets"] = slot_off
+            plan["slots_per_part"] = [int(sp[bounds[k + 1]]) - slot_off[k] for k in range(parts)]
+            del sp
+        if at is not None:
+            plan.update({"transpose": _relpath(transpose_h5, out_dir), "transpose_checksum": at.checksum})
+        names = [f"part-{k}.h5" for k in range(parts)]
+        if local_transpose:
+            plan["local_transpose"] = names
         with atomic_dir(out_dir) as tmp:
-            writers = []
-            try:
-                for k in range(parts):
-                    r0, r1 = plan["rows"][k]
-                    writers.append(
-                        MatrixH5Writer(
-                            tmp / names[k], (n, r1 - r0), plan["nnz_per_part"][k],
-                            source=Path(transpose_h5).name,
-                            kind="local_transpose", part=k, parts=parts,
-                            rows=np.array([r0, r1], dtype=np.int64),
-                            source_checksum=at.checksum, matrix_checksum=a.checksum,
-                        )
-                    )
-                next_report = 0.1
-                for c0, c1, block in at.iter_chunks(max_nnz=chunk_nnz):
-                    for w, piece in zip(writers, split_transpose(block, bounds, row0=c0, source=transpose_h5)):
-                        w.write_rows(piece, validate=False)
-                    if n and c1 / n >= next_report:
-                        log.info("split transpose rows up to %d of %d (%.0f%%)", c1, n, 100.0 * c1 / n)
-                        next_report = c1 / n + 0.1
-                for w in writers:
-                    w.close()
-            except BaseException:
-                for w in writers:
-                    w.abort()
-                raise
+            if local_transpose:
+                _write_local_transposes(a, at, plan, bounds, names, tmp, transpose_h5, chunk_nnz, MatrixH5Writer)
             with open(tmp / PLAN_NAME, "w", encoding="utf-8") as f:
                 json.dump(plan, f, indent=1)
                 f.write("\n")
-    log.info("wrote %s (%d parts)", out_dir, parts)
-    return read_plan(out_dir)
+    out = read_plan(out_dir)
+    out["disk_bytes"] = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
+    log.info("wrote %s (%d parts, %.3g MB)", out_dir, parts, out["disk_bytes"] / 1e6)
+    return out
+
+
+def _write_local_transposes(a, at, plan, bounds, names, tmp, transpose_h5, chunk_nnz, writer_cls) -> None:
+    """Stream ``transpose.h5`` once, writing each part's ``A_k^T`` to ``tmp/part-{k}.h5``."""
+    m, n = a.shape
+    parts = len(names)
+    writers = []
+    try:
+        for k in range(parts):
+            r0, r1 = plan["rows"][k]
+            writers.append(
+                writer_cls(
+                    tmp / names[k], (n, r1 - r0), plan["nnz_per_part"][k],
+                    source=Path(transpose_h5).name,
+                    kind="local_transpose", part=k, parts=parts,
+                    rows=np.array([r0, r1], dtype=np.int64),
+                    source_checksum=at.checksum, matrix_checksum=a.checksum,
+                )
+            )  # fmt: skip
+        next_report = 0.1
+        for c0, c1, block in at.iter_chunks(max_nnz=chunk_nnz):
+            for w, piece in zip(writers, split_transpose(block, bounds, row0=c0, source=transpose_h5)):
+                w.write_rows(piece, validate=False)
+            if n and c1 / n >= next_report:
+                log.info("split transpose rows up to %d of %d (%.0f%%)", c1, n, 100.0 * c1 / n)
+                next_report = c1 / n + 0.1
+        for w in writers:
+            w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
 
 
 # --------------------------------------------------------------------------- reading a plan
@@ -520,6 +581,12 @@ def read_plan(out_dir_or_plan_json: str | os.PathLike) -> dict:
             if key not in plan:
                 raise MatrixFormatError(p, f"missing field {key!r}")
         _check_ranges(p, plan, "transpose_rows", shape[1], "transpose_nnz_per_part", "transpose_nnz_offsets", nnz)
+    if "slot_offsets" in plan:
+        offs, sizes = plan["slot_offsets"], plan.get("slots_per_part")
+        ok = isinstance(offs, list) and isinstance(sizes, list) and len(offs) == len(sizes) == parts
+        ok = ok and all(_is_int(v) and v >= 0 for v in offs + sizes)
+        if not ok or any(offs[k] + sizes[k] != offs[k + 1] for k in range(parts - 1)) or (offs and offs[0] != 0):
+            raise MatrixFormatError(p, f"'slot_offsets' and 'slots_per_part' must list {parts} contiguous slot ranges")
     base = p.parent.resolve()
     plan["matrix"] = os.path.normpath(base / plan["matrix"])
     if plan.get("transpose") is not None:

@@ -264,10 +264,44 @@ def get_matrix_stamp(wildcards):
     return _file_stamp(entry["path"])
 
 
-def get_generated_matrix_regex():
-    """Wildcard regex of the matrices generate_matrix makes (those with a preset)."""
-    names = [name for name, entry in config["matrices"].items() if entry["preset"]]
+def _names_regex(names):
     return "|".join(names) if names else "(?!)"
+
+
+def is_generated_direct(matrix):
+    """True when generate_container writes the container of `matrix` itself
+    (a preset with csr4: false): no .csr4, no conversion."""
+    entry = config["matrices"][matrix]
+    return bool(entry["preset"]) and not entry["csr4"]
+
+
+def get_generated_matrix_regex():
+    """Wildcard regex of the matrices generate_matrix makes as .csr4 (presets with csr4: true)."""
+    names = [
+        name
+        for name, entry in config["matrices"].items()
+        if entry["preset"] and not is_generated_direct(name)
+    ]
+    return _names_regex(names)
+
+
+def get_direct_matrix_regex():
+    """Wildcard regex of the matrices generate_container writes directly."""
+    return _names_regex(
+        [name for name in config["matrices"] if is_generated_direct(name)]
+    )
+
+
+def get_converted_matrix_regex():
+    """Wildcard regex of the matrices convert_matrix makes (every other one)."""
+    return _names_regex(
+        [name for name in config["matrices"] if not is_generated_direct(name)]
+    )
+
+
+def get_matrix_format(wildcards):
+    """Matrix format of results/{matrix}/matrix.h5: csr, compressed or compressed-f16."""
+    return config["matrices"][wildcards.matrix]["format"]
 
 
 def get_transpose_method(wildcards=None):
@@ -326,6 +360,53 @@ def get_part_counts():
 def get_parts(wildcards):
     """Part count of partition_matrix (the {parts} wildcard as an integer)."""
     return int(wildcards.parts)
+
+
+def _runs_of(parts):
+    return [run for run in get_runs() if run["gpus"] == parts]
+
+
+def is_local_transpose(parts):
+    """True when a run on `parts` GPUs reads a stored A_k^T in the local layout:
+    then partition_matrix writes part-{k}.h5 (else the plan only references A)."""
+    return any(
+        run["layout"] == "local" and uses_transpose(run["backend"], run["bp"])
+        for run in _runs_of(parts)
+    )
+
+
+def is_partition_transposed(parts):
+    """True when the plan of `parts` needs transpose.h5: for part-{k}.h5, or
+    for the row blocks of A^T of a thesis-layout run."""
+    return is_local_transpose(parts) or any(
+        run["layout"] == "thesis" for run in _runs_of(parts)
+    )
+
+
+def get_partition_input(wildcards):
+    """Named inputs of partition_matrix: the matrix, and transpose.h5 where needed."""
+    inputs = {"matrix": f"results/{wildcards.matrix}/matrix.h5"}
+    if is_partition_transposed(int(wildcards.parts)):
+        inputs["transpose"] = f"results/{wildcards.matrix}/transpose.h5"
+    return inputs
+
+
+def get_local_transpose(wildcards):
+    """Whether partition_matrix writes the parts' A_k^T (is_local_transpose)."""
+    return is_local_transpose(int(wildcards.parts))
+
+
+def is_transpose_needed():
+    """True when some job reads results/{matrix}/transpose.h5: a run with a
+    stored-transpose back projection, a thesis-layout run, the SpMV benchmark
+    or the transposition comparison. Runs without a transpose (notrans, the
+    one-pass iteration) never make one."""
+    return (
+        any(uses_transpose(run["backend"], run["bp"]) for run in get_runs())
+        or any(run["layout"] == "thesis" and run["gpus"] > 1 for run in get_runs())
+        or is_bench_enabled()
+        or bool(get_compared_transpose_methods())
+    )
 
 
 # ------------------------------------------------------------------ measurements
@@ -549,14 +630,20 @@ def get_summary_input(wildcards):
             for matrix in matrices
             for parts in get_part_counts()
         ],
-        "transposes": [f"results/{matrix}/transpose.h5" for matrix in matrices]
+        "transposes": [
+            f"results/{matrix}/transpose.h5"
+            for matrix in matrices
+            if is_transpose_needed()
+        ]
         + [
             f"results/{matrix}/transpose-{method}.h5"
             for matrix in matrices
             for method in get_compared_transpose_methods()
         ],
         "transpose_benchmarks": [
-            f"benchmarks/transpose/{matrix}.tsv" for matrix in matrices
+            f"benchmarks/transpose/{matrix}.tsv"
+            for matrix in matrices
+            if is_transpose_needed()
         ]
         + [
             f"benchmarks/transpose/{matrix}-{method}.tsv"
@@ -602,13 +689,17 @@ def _job_resources(stage, wildcards, input, threads, attempt):
     """mlemlib.cluster.stage_resources of one job of `stage`."""
     from mlemlib.cluster import matrix_size, stage_resources
 
+    options = {"threads": threads, "attempt": attempt}
+    if stage == "generate":
+        # No input: the preset's recorded size (mlemlib.cluster.preset_size).
+        return stage_resources(stage, _matrix_size_of(wildcards.matrix), **options)
     path = input.matrix if "matrix" in input.keys() else input.source
     if not os.path.exists(path):
         # Snakemake defers the resource until its input exists.
         raise FileNotFoundError(errno.ENOENT, "not made yet", path)
-    options = {"threads": threads, "attempt": attempt}
     if stage == "partition":
         options["parts"] = int(wildcards.parts)
+        options["stored_transpose"] = is_local_transpose(int(wildcards.parts))
     elif stage == "mlem":
         mlem = config["mlem"]
         options.update(iterations=mlem["iterations"], backend="cpu")
@@ -642,3 +733,183 @@ def get_runtime(stage):
         return _job_resources(stage, wildcards, input, threads, attempt)["runtime"]
 
     return runtime
+
+
+# ------------------------------------------------------------ what each stage needs
+# Before any job runs: every job's disk, host memory and GPU memory, from the
+# matrix's header (or the preset's recorded size before it exists), logged as
+# a table; a run the node (config node:) or --resources cannot hold stops here
+# with one line naming the stage and the shortfall.
+
+
+def _matrix_size_of(matrix):
+    """Size of `matrix`: its container's header, the user's file's, or the preset's estimate."""
+    from mlemlib.cluster import matrix_size, preset_size
+
+    entry = config["matrices"][matrix]
+    made = Path(f"results/{matrix}/matrix.h5")
+    if made.exists():
+        return matrix_size(made)
+    if entry["path"] is not None:
+        return matrix_size(entry["path"])
+    return preset_size(entry["preset"])
+
+
+def _device_format(matrix):
+    """The format the GPUs hold: the container's where the registry has kernels for it, else csr."""
+    from mlemlib import registry
+
+    fmt = config["matrices"][matrix]["format"]
+    return fmt if fmt in registry.FORMATS else "csr"
+
+
+def get_stage_needs():
+    """Every job of this workflow as mlemlib.cluster.StageNeed, in DAG order."""
+    from mlemlib.cluster import SMALL_FILE_BYTES, matrix_bytes, stage_need
+
+    needs = []
+    cores = workflow.cores or 1
+    for matrix in get_matrices():
+        size = _matrix_size_of(matrix)
+        entry = config["matrices"][matrix]
+        fmt = entry["format"]
+        h5_bytes = matrix_bytes(size, fmt)
+        csr_t = size.csr_t_bytes
+
+        def add(stage, rule, label, disk, output, **kw):
+            done = os.path.exists(output)
+            needs.append(
+                stage_need(stage, rule, label, size, disk_bytes=disk, done=done, **kw)
+            )
+
+        converted = get_converted_matrix().format(matrix=matrix)
+        if entry["preset"] and entry["csr4"]:
+            source = f"resources/{matrix}.csr4"
+            add(
+                "generate",
+                "generate_matrix",
+                matrix,
+                size.csr_bytes,
+                source,
+                threads=cores,
+            )
+        if is_generated_direct(matrix):
+            add(
+                "generate",
+                "generate_container",
+                f"{matrix}, {fmt}",
+                h5_bytes,
+                converted,
+                threads=cores,
+            )
+        else:
+            add("convert", "convert_matrix", f"{matrix}, {fmt}", h5_bytes, converted)
+        if is_reordered():
+            path = f"results/{matrix}/matrix.h5"
+            add("transpose", "reorder_matrix", matrix, size.csr_bytes, path)
+        add("norm", "compute_norm", matrix, 8 * size.cols, f"results/{matrix}/norm.h5")
+        if is_transpose_needed():
+            path = f"results/{matrix}/transpose.h5"
+            add("transpose", "transpose_matrix", matrix, csr_t, path, threads=cores)
+        for method in get_compared_transpose_methods():
+            path = f"results/{matrix}/transpose-{method}.h5"
+            add(
+                "transpose",
+                "compare_transpose",
+                f"{matrix}, {method}",
+                csr_t,
+                path,
+                threads=cores,
+            )
+        for parts in get_part_counts():
+            local = is_local_transpose(parts)
+            path = f"results/{matrix}/parts-{parts}/plan.json"
+            label = f"{matrix}, {parts} parts" + (", A_k^T" if local else "")
+            disk = SMALL_FILE_BYTES + (csr_t if local else 0)
+            add(
+                "partition",
+                "partition_matrix",
+                label,
+                disk,
+                path,
+                parts=parts,
+                stored_transpose=local,
+            )
+        vectors = 4 * size.rows + 4 * size.cols
+        for data in get_simulated_measurements():
+            path = f"results/{matrix}/data/{data}.LMsino"
+            add("simulate", "simulate_measurement", f"{matrix}, {data}", vectors, path)
+        for data in get_measurements(matrix):
+            if is_reference_enabled():
+                path = f"results/{matrix}/runs/{data}/reference/image.h5"
+                add(
+                    "mlem",
+                    "reference_mlem",
+                    f"{matrix}, {data}",
+                    8 * size.cols,
+                    path,
+                    stored_transpose=False,
+                )
+            for run in get_runs():
+                stored = uses_transpose(run["backend"], run["bp"])
+                label = f"{matrix}, {data}, {run['name']} on {run['gpus']} {'GPU' if run['backend'] == 'cuda' else 'CPU'}{'s' if run['gpus'] > 1 else ''}"
+                if run["gpus"] > 1:
+                    label += f", {run['layout']}"
+                path = f"results/{matrix}/runs/{data}/{run['name']}/gpus-{run['gpus']}-{run['layout']}/image.h5"
+                add(
+                    "mlem", "run_mlem", label, 12 * size.cols, path,
+                    backend=run["backend"], gpus=run["gpus"], parts=run["gpus"],
+                    stored_transpose=stored, device_format=_device_format(matrix),
+                )  # fmt: skip
+        if is_bench_enabled():
+            path = f"results/{matrix}/bench/spmv.csv"
+            add(
+                "bench",
+                "bench_spmv",
+                matrix,
+                SMALL_FILE_BYTES,
+                path,
+                backend="cuda",
+                gpus=1,
+            )
+    return needs
+
+
+def _global_resource(name):
+    value = workflow.global_resources.get(name)
+    value = getattr(value, "value", value)
+    return int(value) if isinstance(value, (int, float)) else None
+
+
+def check_resources():
+    """Log every job's needs and the node's limits; stop on a shortfall (config node:).
+
+    Skipped inside jobs (Snakemake parses the workflow again there).
+    """
+    from mlemlib.cluster import detect_node, needs_table, shortfalls
+
+    if workflow.remote_exec or workflow.subprocess_exec:
+        return
+    node_cfg = config["node"]
+    node = detect_node(
+        ".",
+        host_memory_gb=node_cfg["host_memory_gb"],
+        gpu_memory_gb=node_cfg["gpu_memory_gb"],
+        gpus=node_cfg["gpus"],
+        disk_free_gb=node_cfg["disk_free_gb"],
+        slurm_mem_mb=_global_resource("mem_mb"),
+        slurm_gpus=_global_resource("gpu"),
+    )
+    needs = get_stage_needs()
+    logger.info(
+        "what each job needs (mlemlib.cluster; docs/cluster.md):\n"
+        + needs_table(needs, node)
+    )
+    faults = shortfalls(needs, node, scheduler=workflow.non_local_exec)
+    if faults and node_cfg["check"]:
+        raise WorkflowError(f"resources: {faults[0]}")
+    for fault in faults:
+        logger.warning(f"resources (not checked, node.check: false): {fault}")
+
+
+check_resources()

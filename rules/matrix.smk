@@ -10,8 +10,37 @@ rule generate_matrix:
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores
+    resources:
+        mem_mb=get_mem_mb("generate"),
+        runtime=get_runtime("generate"),
     params:
         preset=get_preset,
+        format="csr",
+    script:
+        "../scripts/generate_matrix.py"
+
+
+# A preset with csr4: false: the generator streams the rows straight into the
+# container (CSR or compressed), so a matrix near the disk's size is written
+# once, and there is no convert_matrix job for it.
+rule generate_container:
+    output:
+        matrix=get_converted_matrix(),
+    log:
+        "logs/matrix/{matrix}-generate.log",
+    benchmark:
+        "benchmarks/matrix/{matrix}-generate.tsv"
+    wildcard_constraints:
+        matrix=get_direct_matrix_regex(),
+    conda:
+        "../envs/cpu.yaml"
+    threads: workflow.cores
+    resources:
+        mem_mb=get_mem_mb("generate"),
+        runtime=get_runtime("generate"),
+    params:
+        preset=get_preset,
+        format=get_matrix_format,
     script:
         "../scripts/generate_matrix.py"
 
@@ -28,6 +57,8 @@ rule convert_matrix:
         "logs/matrix/{matrix}-convert.log",
     benchmark:
         "benchmarks/matrix/{matrix}-convert.tsv"
+    wildcard_constraints:
+        matrix=get_converted_matrix_regex(),
     conda:
         "../envs/cpu.yaml"
     resources:
@@ -35,5 +66,6 @@ rule convert_matrix:
         runtime=get_runtime("convert"),
     params:
         source=get_matrix_stamp,
+        format=get_matrix_format,
     script:
         "../scripts/convert_matrix.py"

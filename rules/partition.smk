@@ -1,7 +1,8 @@
+# plan.json references row ranges of matrix.h5 (nothing copied); transpose.h5 is
+# read, and the parts' A_k^T written, only where a run of this part count needs them.
 rule partition_matrix:
     input:
-        matrix="results/{matrix}/matrix.h5",
-        transpose="results/{matrix}/transpose.h5",
+        unpack(get_partition_input),
     output:
         plan="results/{matrix}/parts-{parts}/plan.json",
     log:
@@ -16,5 +17,6 @@ rule partition_matrix:
         runtime=get_runtime("partition"),
     params:
         parts=get_parts,
+        local_transpose=get_local_transpose,
     script:
         "../scripts/partition_matrix.py"

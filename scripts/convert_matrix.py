@@ -8,5 +8,7 @@ send_to_log(snakemake.log[0])
 
 from mlemlib.formats import convert  # noqa: E402
 
-summary = convert(snakemake.input.source, snakemake.output.matrix)
+summary = convert(
+    snakemake.input.source, snakemake.output.matrix, fmt=snakemake.params.format
+)
 logging.info("convert_matrix: %s", summary)

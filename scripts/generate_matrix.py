@@ -1,4 +1,5 @@
-"""Rule generate_matrix: synthesise a scanner preset's system matrix (.csr4)."""
+"""Rules generate_matrix and generate_container: synthesise a scanner preset's
+system matrix into a .csr4, or straight into the container (csr or compressed)."""
 
 import logging
 
@@ -9,6 +10,9 @@ send_to_log(snakemake.log[0])
 from mlemlib.scanner import generate  # noqa: E402
 
 summary = generate(
-    snakemake.params.preset, snakemake.output.matrix, threads=snakemake.threads
+    snakemake.params.preset,
+    snakemake.output.matrix,
+    threads=snakemake.threads,
+    fmt=snakemake.params.format,
 )
 logging.info("generate_matrix: %s", summary)

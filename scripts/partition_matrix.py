@@ -12,9 +12,14 @@ from mlemlib.partition import partition_file  # noqa: E402
 
 plan = partition_file(
     snakemake.input.matrix,
-    snakemake.input.transpose,
+    snakemake.input.get("transpose"),
     snakemake.params.parts,
     Path(snakemake.output.plan).parent,
+    local_transpose=snakemake.params.local_transpose,
     threads=snakemake.threads,
 )
-logging.info("partition_matrix: imbalance %s", plan.get("imbalance"))
+logging.info(
+    "partition_matrix: imbalance %s, disk %d bytes",
+    plan.get("imbalance"),
+    plan["disk_bytes"],
+)

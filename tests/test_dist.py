@@ -97,7 +97,7 @@ def test_build_plan_reads_the_partition_files(rng, tmp_path):
     a = _matrix(rng)
     write_matrix_h5(tmp_path / "matrix.h5", a)
     write_matrix_h5(tmp_path / "transpose.h5", _transpose(a))
-    partition.partition_file(tmp_path / "matrix.h5", tmp_path / "transpose.h5", 3, tmp_path / "parts-3")
+    partition.partition_file(tmp_path / "matrix.h5", tmp_path / "transpose.h5", 3, tmp_path / "parts-3", local_transpose=True)
     with MatrixH5(tmp_path / "matrix.h5") as mat:
         plan = N.build_plan(mat, None, 3, tmp_path / "parts-3", "thesis")
     assert len(plan["local_transpose"]) == 3 and plan["transpose_rows"][-1][1] == a.shape[1]

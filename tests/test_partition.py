@@ -181,7 +181,7 @@ def files(tmp_path):
 def test_partition_file(files, tmp_path, parts, chunk_nnz):
     mpath, tpath, a = files
     out = tmp_path / f"parts-{parts}"
-    plan = partition_file(mpath, tpath, parts, out, chunk_nnz=chunk_nnz)
+    plan = partition_file(mpath, tpath, parts, out, chunk_nnz=chunk_nnz, local_transpose=True)
     m, n = a.shape
     assert plan["parts"] == parts and plan["shape"] == [m, n] and plan["nnz"] == a.nnz
     # row blocks: contiguous, covering, referenced (offsets into matrix.h5), balanced by the rule
@@ -216,7 +216,7 @@ def test_partition_file(files, tmp_path, parts, chunk_nnz):
 def test_plan_paths_are_relative_and_relocatable(files, tmp_path):
     mpath, tpath, _ = files
     out = tmp_path / "parts-2"
-    partition_file(mpath, tpath, 2, out)
+    partition_file(mpath, tpath, 2, out, local_transpose=True)
     raw = json.loads((out / "plan.json").read_text())
     assert raw["matrix"] == "../matrix.h5" and raw["transpose"] == "../transpose.h5"
     assert raw["local_transpose"] == ["part-0.h5", "part-1.h5"]
@@ -234,7 +234,7 @@ def test_more_parts_than_nonempty_rows_in_files(tmp_path):
     a = CSRMatrix(np.array([0, 0, 2, 2, 3, 3]), np.array([1, 2, 0]), np.array([1.0, 2.0, 3.0]), (5, 3))
     write_matrix_h5(tmp_path / "m.h5", a)
     transpose_file(tmp_path / "m.h5", tmp_path / "t.h5")
-    plan = partition_file(tmp_path / "m.h5", tmp_path / "t.h5", 4, tmp_path / "p")
+    plan = partition_file(tmp_path / "m.h5", tmp_path / "t.h5", 4, tmp_path / "p", local_transpose=True)
     assert sum(plan["nnz_per_part"]) == 3 and plan["nnz_per_part"].count(0) >= 2
     for k, (r0, r1) in enumerate(plan["rows"]):
         with MatrixH5(plan["local_transpose"][k]) as f:
@@ -244,14 +244,14 @@ def test_more_parts_than_nonempty_rows_in_files(tmp_path):
 def test_partition_replaces_old_directory_only_when_complete(files, tmp_path):
     mpath, tpath, _ = files
     out = tmp_path / "parts"
-    partition_file(mpath, tpath, 2, out)
+    partition_file(mpath, tpath, 2, out, local_transpose=True)
     before = (out / "plan.json").read_text()
     with h5py.File(tpath, "r+") as f:  # unsort one row of the transpose
         lo, hi = f["indptr"][3], f["indptr"][4]
         assert hi - lo >= 2
         f["indices"][lo : lo + 2] = f["indices"][lo : lo + 2][::-1]
     with pytest.raises(MatrixFormatError, match="row 3 of the transpose has unsorted column indices"):
-        partition_file(mpath, tpath, 3, out)
+        partition_file(mpath, tpath, 3, out, local_transpose=True)
     assert (out / "plan.json").read_text() == before  # the old plan stands, nothing half-written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["matrix.h5", "parts", "transpose.h5"]
 
@@ -268,13 +268,64 @@ def test_partition_rejects_a_foreign_transpose(files, tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.parametrize("fmt", ["csr", "compressed"])
+def test_partition_references_the_matrix_and_copies_nothing(files, tmp_path, fmt):
+    """Without local_transpose the stage writes plan.json only: row ranges of matrix.h5 (MSREP's pCSR)."""
+    mpath, tpath, a = files
+    if fmt != "csr":
+        from mlemlib.formats import convert
+
+        convert(mpath, tmp_path / "c.h5", fmt=fmt)
+        mpath = tmp_path / "c.h5"
+    out = tmp_path / "parts-3"
+    plan = partition_file(mpath, None, 3, out)
+    assert [p.name for p in out.iterdir()] == ["plan.json"]
+    assert plan["disk_bytes"] == (out / "plan.json").stat().st_size
+    assert "local_transpose" not in plan and "transpose_rows" not in plan and "transpose" not in plan
+    assert plan["matrix_format"] == fmt and "nothing is copied" in plan["reference"]
+    with MatrixH5(mpath) as f:
+        for k, (r0, r1) in enumerate(plan["rows"]):
+            block = f.read_rows(r0, r1)  # what a GPU loads: its range of the one matrix file
+            assert block.nnz == plan["nnz_per_part"][k] and plan["nnz_offsets"][k] == int(a.indptr[r0])
+            assert_identical(block, CSRMatrix.from_scipy(to_scipy(a)[r0:r1]))
+            if fmt != "csr":
+                sp = f.read_slotptr()
+                assert plan["slot_offsets"][k] == int(sp[r0])
+                assert plan["slots_per_part"][k] == int(sp[r1] - sp[r0])
+    # with the transpose: the thesis layout's row blocks of A^T, still no copy
+    plan_t = partition_file(mpath, tpath, 3, tmp_path / "t3")
+    assert [p.name for p in (tmp_path / "t3").iterdir()] == ["plan.json"]
+    assert plan_t["transpose_rows"][-1][1] == a.shape[1] and plan_t["rows"] == plan["rows"]
+    # the NCCL backend's plan reader takes it: row ranges, no part files (it transposes on the GPU if asked)
+    from mlemlib.backends.nccl import build_plan
+
+    with MatrixH5(mpath) as f:
+        got = build_plan(f, None, 3, out, "local")
+    assert got["rows"] == plan["rows"] and got.get("local_transpose") is None
+
+
+def test_local_transpose_needs_the_transpose(files, tmp_path):
+    mpath, _, _ = files
+    with pytest.raises(ConfigError, match="needs the transpose"):
+        partition_file(mpath, None, 2, tmp_path / "p", local_transpose=True)
+    assert not (tmp_path / "p").exists()
+
+
+def test_partition_cli_without_transpose(files, tmp_path, capsys):
+    mpath, tpath, _ = files
+    assert main(["partition", str(mpath), "-p", "2", "-o", str(tmp_path / "p2")]) == 0
+    assert "imbalance" in capsys.readouterr().out and (tmp_path / "p2" / "plan.json").is_file()
+    assert main(["partition", str(mpath), "-T", str(tpath), "-p", "2", "-L", "-o", str(tmp_path / "q")]) == 0
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == ["part-0.h5", "part-1.h5", "plan.json"]
+
+
 # --------------------------------------------------------------------------- read_plan validation
 
 
 def test_read_plan_faults(files, tmp_path):
     mpath, tpath, _ = files
     out = tmp_path / "p"
-    partition_file(mpath, tpath, 3, out)
+    partition_file(mpath, tpath, 3, out, local_transpose=True)
     good = json.loads((out / "plan.json").read_text())
 
     def broken(drop=None, **change):

@@ -397,3 +397,73 @@ def test_cli_estimate_writes_nothing(tmp_path, capsys):
     assert mlem_main(["generate", "--preset", "small", "--estimate", "2000"]) == 0
     out = capsys.readouterr().out
     assert '"nnz_estimate"' in out
+
+
+# --------------------------------------------------------------------------- matrix3, and the container written directly
+
+
+def test_matrix3_preset_has_thesis_matrix3_dimensions():
+    from mlemlib.scanner.presets import MAX_ROW_NNZ, NNZ
+
+    cfg = get_preset("matrix3")
+    assert cfg.n_crystals == 2304
+    assert cfg.shape == (5_308_416, 2_592_000)
+    assert cfg.grid == (180, 180, 80)
+    _, hi = box_bounds(cfg)
+    assert math.hypot(hi[0], hi[1]) < 71.0  # inside the front layer
+    centres, _, sizes = crystal_faces(cfg)
+    assert hi[2] <= centres[:, 2].max() + 0.5 * sizes[:, 1].max()  # inside the rings
+    # the recorded estimate is within 1% of Matrix 3's 12,312,716,683 non-zeros
+    assert abs(NNZ["matrix3"] / 12_312_716_683 - 1) < 0.01
+    assert set(NNZ) == set(MAX_ROW_NNZ) == set(PRESETS)
+
+
+def test_matrix3_estimate_from_a_small_sample():
+    from mlemlib.scanner import estimate
+
+    res = estimate("matrix3", sample=1500, threads=1)
+    # a coarse sample: within 5% of the documented 60,000-row estimate
+    assert abs(res["nnz_estimate"] / 12_366_460_674 - 1) < 0.05
+    sizes = res["bytes_by_format"]
+    assert sizes["csr4"] > sizes["csr"] * 0.99 > sizes["compressed"] > sizes["compressed-f16"]
+    assert 4.9 < sizes["compressed"] / res["nnz_estimate"] < 5.5
+    assert res["seconds_by_threads"]["32"] == pytest.approx(res["seconds_estimate"] / 32)
+    assert res["max_row_nnz_sampled"] > res["mean_nnz_per_nonempty_row"]
+
+
+@pytest.mark.parametrize("fmt", ["csr", "compressed", "compressed-f16"])
+def test_generate_writes_the_container_directly(tmp_path, fmt):
+    """An .h5 output is the container convert would make from the .csr4: same arrays, same checksum."""
+    from mlemlib.formats import MatrixH5, convert
+
+    generate("small", tmp_path / "a.csr4", threads=2, max_nnz=100_000)
+    ref = convert(tmp_path / "a.csr4", tmp_path / "ref.h5", fmt=fmt)
+    res = generate("small", tmp_path / "a.h5", threads=1, max_nnz=77_777, fmt=fmt)
+    assert res["format"] == fmt and res["checksum"] == ref["checksum"]
+    assert res["bytes"] == (tmp_path / "a.h5").stat().st_size
+    with MatrixH5(tmp_path / "a.h5") as f, MatrixH5(tmp_path / "ref.h5") as g:
+        assert f.grid == g.grid == SMALL.grid and f.voxel_size == g.voxel_size
+        assert f.scanner_block == g.scanner_block and f.attrs["preset"] == "small"
+        f.verify_checksum()
+        a, b = f.to_csr(), g.to_csr()
+    np.testing.assert_array_equal(a.indptr, b.indptr)
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_generate_refuses_a_format_its_file_cannot_hold(tmp_path):
+    with pytest.raises(ConfigError, match="a .csr4 file holds CSR"):
+        generate("small", tmp_path / "a.csr4", fmt="compressed")
+    with pytest.raises(ConfigError, match="unknown matrix format"):
+        generate("small", tmp_path / "a.h5", fmt="zip")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_generate_compressed_container(tmp_path, capsys):
+    out = tmp_path / "m.h5"
+    assert mlem_main(["generate", "-p", "small", "-f", "compressed", "-o", str(out)]) == 0
+    assert '"format": "compressed"' in capsys.readouterr().out
+    from mlemlib.formats import MatrixH5
+
+    with MatrixH5(out) as f:
+        assert f.format == "compressed" and f.nnz == 742_368

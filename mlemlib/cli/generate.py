@@ -1,8 +1,11 @@
-"""``mlem generate``: trace a synthetic PET scanner's system matrix into a ``.csr4`` file (CPU).
+"""``mlem generate``: trace a synthetic PET scanner's system matrix into a ``.csr4`` file or the container (CPU).
 
 Prints a JSON summary (shape, nnz, timings) on stdout; progress goes to the log.
-With ``--estimate`` nothing is written: a strided sample of rows is traced and
-the full run's nnz and time are extrapolated.
+An ``.h5`` output is the project's container, written directly (CSR, or
+``--format compressed``), so no ``.csr4`` copy is needed. With
+``--estimate`` nothing is written: a strided sample of rows is traced and the
+full run's nnz, file sizes and time (here and scaled to other core counts)
+are extrapolated.
 """
 
 from __future__ import annotations
@@ -21,9 +24,18 @@ def register(sub) -> None:
     p = add_parser(sub, "generate", "Generate a synthetic scanner's system matrix (.csr4) by exact ray tracing.")
     p.add_argument(
         "-p", "--preset", choices=sorted(PRESETS), default="small",
-        help="scanner and voxel grid: small (CI, seconds) or madpet2 (thesis Matrix 2 sizes, ~1e9 nnz)",
+        help="scanner and voxel grid: small (CI, seconds), madpet2 (thesis Matrix 2 sizes, ~1e9 nnz) or "
+        "matrix3 (thesis Matrix 3 sizes, ~1.2e10 nnz, ~100 GB as CSR)",
     )  # fmt: skip
-    p.add_argument("-o", "--out", type=Path, metavar="FILE.csr4", help="output matrix (required unless --estimate)")
+    p.add_argument(
+        "-o", "--out", type=Path, metavar="FILE",
+        help="output matrix, required unless --estimate: FILE.csr4, or FILE.h5 for the container written directly",
+    )  # fmt: skip
+    p.add_argument(
+        "-f", "--format", choices=("csr", "compressed", "compressed-f16"), default="csr",
+        help="matrix format of an .h5 output (a .csr4 is csr): csr (8 bytes per non-zero), compressed "
+        "(lossless, about 5) or compressed-f16 (lossy, about 3)",
+    )  # fmt: skip
     p.add_argument(
         "-r", "--rays", type=positive_int, metavar="N", default=None,
         help="rays per tube of response, k**4 for k x k points per crystal face (1 = thin line); "
@@ -51,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.out is None:
             raise ConfigError("--out", "an output file is required (or use --estimate)")
-        res = generate(args.preset, args.out, rays=args.rays, threads=args.threads, max_nnz=args.max_nnz)
+        res = generate(
+            args.preset, args.out, rays=args.rays, threads=args.threads, max_nnz=args.max_nnz, fmt=args.format
+        )
     print(json.dumps(res, indent=2))
     return 0

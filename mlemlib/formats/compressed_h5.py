@@ -38,6 +38,7 @@ import numpy as np
 from mlemlib._io import atomic_path
 from mlemlib.compressed import (
     CODE_HIGH,
+    MAX_BLOCK_SLOTS,
     ROW_BLOCK,
     ROW_SHIFT,
     VALUE_DTYPES,
@@ -432,9 +433,11 @@ class CompressedH5Writer(RowBlockWriter):
             starts = rows[rows % ROW_BLOCK == 0]
             self._rowbase[starts >> ROW_SHIFT] = gp[starts - self._rows]
             off = gp - self._rowbase[rows >> ROW_SHIFT]
-            if off.size and int(off.max()) > np.iinfo(np.uint32).max:
+            if off.size and int(off.max()) > MAX_BLOCK_SLOTS:
                 raise MatrixFormatError(
-                    self.path, "a block of 64 rows spans more than 2**32 - 1 slots; store this matrix as csr"
+                    self.path,
+                    f"a block of {ROW_BLOCK} rows spans more than {MAX_BLOCK_SLOTS} slots (32-bit row offsets); "
+                    "store this matrix as csr",
                 )
             f = self._f
             if k:

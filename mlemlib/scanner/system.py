@@ -1,17 +1,22 @@
-"""System-matrix generation: trace every tube of response and stream the rows to ``.csr4`` (CPU, Numba).
+"""System-matrix generation: trace every tube of response and stream the rows to a file (CPU, Numba).
 
 :func:`generate` makes two passes over the lines of response. The first
 counts the distinct voxels of each row (only pairs ``i < j``: row ``(j, i)``
 equals row ``(i, j)``), which gives the row pointer and the file's ``nnz``;
 the second traces the rows again in chunks of at most ``max_nnz`` elements,
 fills columns and values straight into arrays of the exact size and hands
-each chunk to :class:`mlemlib.formats.csr4.Csr4Writer`, which a helper thread
-writes while the next chunk is traced. Peak memory is two chunks plus the row
+each chunk to the writer of the output, which a helper thread runs while the
+next chunk is traced: a ``.csr4`` (:class:`mlemlib.formats.csr4.Csr4Writer`)
+or, for an ``.h5`` output, the project's container directly, as CSR or
+compressed (:class:`~mlemlib.formats.h5.MatrixH5Writer`,
+:class:`~mlemlib.formats.compressed_h5.CompressedH5Writer`), so that a big
+matrix is never written twice. Peak memory is two chunks plus the row
 counts (8 bytes per row) and two dense per-thread scratch vectors of the
-voxel count.
+voxel count (16 bytes per voxel and thread).
 
 The output depends only on the :class:`~mlemlib.scanner.geometry.ScannerConfig`,
-not on the thread count or chunk size: same configuration, same bytes.
+not on the thread count or chunk size: same configuration, same bytes (and
+the same container checksum whichever file is written).
 """
 
 from __future__ import annotations
@@ -225,6 +230,61 @@ def _fill_chunks(row_counts: np.ndarray, max_nnz: int, max_rows: int) -> Iterato
         r0 = r1
 
 
+def _writer_for(out: Path, fmt: str, cfg: ScannerConfig):
+    """A factory ``(m, n, nnz) -> writer`` for ``out``: ``.csr4``, or the container in format ``fmt``."""
+    from mlemlib.errors import ConfigError
+    from mlemlib.formats import MATRIX_FORMATS, file_kind
+
+    kind = file_kind(out)
+    if fmt not in MATRIX_FORMATS:
+        raise ConfigError("format", f"unknown matrix format {fmt!r}, expected one of {', '.join(MATRIX_FORMATS)}")
+    if kind == "csr4":
+        if fmt != "csr":
+            raise ConfigError("format", f"a .csr4 file holds CSR; write {fmt} into an .h5 container")
+        from mlemlib.formats.csr4 import Csr4Writer
+
+        return lambda m, n, nnz: Csr4Writer(out, m, n, nnz, scanner_block=cfg.scanner_block(), flags=0)
+    if kind != "h5":
+        raise ConfigError("out", f"{out}: generate writes a .csr4 or an .h5 container, not a .{kind} file")
+    attrs = {
+        "source": f"mlem generate --preset {cfg.name}",
+        "grid": cfg.grid,
+        "voxel_size": cfg.voxel_size,
+        "scanner_block": cfg.scanner_block(),
+        "kind": "matrix",
+        "csr4_flags": np.int64(0),
+        "preset": cfg.name,
+        "rays": np.int64(cfg.rays),
+    }
+    if fmt == "csr":
+        from mlemlib.formats.h5 import MatrixH5Writer
+
+        return lambda m, n, nnz: _Validated(MatrixH5Writer(out, (m, n), nnz, **attrs))
+    from mlemlib.formats.compressed_h5 import CompressedH5Writer
+
+    return lambda m, n, nnz: _Validated(CompressedH5Writer(out, (m, n), nnz, fmt=fmt, **attrs))
+
+
+class _Validated:
+    """A container writer fed blocks the tracer made (sorted, in range, finite): not validated again."""
+
+    def __init__(self, writer) -> None:
+        self.writer = writer
+
+    @property
+    def checksum(self) -> str:
+        return self.writer.checksum
+
+    def write_rows(self, block: CSRMatrix) -> None:
+        self.writer.write_rows(block, validate=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.writer.__exit__(*exc)
+
+
 def generate(
     preset: str | ScannerConfig,
     out: str | os.PathLike,
@@ -232,39 +292,45 @@ def generate(
     rays: int | None = None,
     threads: int | None = None,
     max_nnz: int = DEFAULT_MAX_NNZ,
+    fmt: str = "csr",
 ) -> dict:
-    """Generate a scanner's system matrix and write it as a ``.csr4`` file with its scanner block.
+    """Generate a scanner's system matrix and write it, with its scanner block, as ``.csr4`` or container.
 
     Parameters
     ----------
     preset
-        ``"small"``, ``"madpet2"`` or a :class:`ScannerConfig`.
+        ``"small"``, ``"madpet2"``, ``"matrix3"`` or a :class:`ScannerConfig`.
     out
-        Target ``.csr4`` path (written atomically).
+        Target path (written atomically): ``.csr4``, or ``.h5`` for the
+        project's container (``matrix.h5``, the same file ``mlem convert``
+        makes from the ``.csr4``: same arrays, same checksum).
     rays
         Override of the rays per tube (``k**4``).
     threads
         Numba threads (default: Numba's default, all cores).
     max_nnz
         Bound on the elements traced and written per chunk (memory bound).
+    fmt
+        Matrix format of an ``.h5`` output: ``csr``, ``compressed`` or
+        ``compressed-f16`` (see ``docs/formats.md``); a ``.csr4`` is CSR.
 
     Returns
     -------
     dict
-        ``path, preset, shape, nnz, rays, threads, empty_rows, max_row_nnz,
-        count_seconds, fill_seconds, fill_trace_seconds (tracing inside the
-        fill pass), fill_write_wait_seconds (waiting for the writer thread),
-        seconds, nnz_per_second, bytes``.
+        ``path, preset, format, shape, nnz, rays, threads, empty_rows,
+        max_row_nnz, count_seconds, fill_seconds, fill_trace_seconds (tracing
+        inside the fill pass), fill_write_wait_seconds (waiting for the writer
+        thread), seconds, nnz_per_second, bytes, checksum`` (the container's,
+        None for a ``.csr4``).
 
     Raises
     ------
     ConfigError
-        For an invalid preset, ray count or thread count.
+        For an invalid preset, ray count, thread count, output suffix or format.
     """
-    from mlemlib.formats.csr4 import Csr4Writer
-
     cfg = _resolve(preset, rays)
     out = Path(out)
+    make_writer = _writer_for(out, fmt, cfg)
     m, n = cfg.shape
     t_start = time.perf_counter()
     with _numba_threads(threads) as nt:
@@ -285,8 +351,8 @@ def generate(
         # while chunk k+1 is traced (at most two chunks in memory). Leaving the
         # pool's block joins the helper before the writer closes or aborts.
         with (
-            Csr4Writer(out, m, n, nnz, scanner_block=cfg.scanner_block(), flags=0) as writer,
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="csr4-writer") as pool,
+            make_writer(m, n, nnz) as writer,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-writer") as pool,
         ):
             pending = None
             for r0, r1 in _fill_chunks(row_counts, max_nnz, max_rows):
@@ -301,7 +367,7 @@ def generate(
                 t_trace += t1 - t0
                 pending = pool.submit(writer.write_rows, block)
                 done += block.nnz
-                prog.update(done, f", rows {r1}/{m}")
+                prog.update(done, f", rows {r1}/{m}, {done * 8 / 1e9:.1f} GB of CSR")
                 del block
             if pending is not None:
                 t1 = time.perf_counter()
@@ -312,6 +378,7 @@ def generate(
     summary = {
         "path": str(out),
         "preset": cfg.name,
+        "format": "csr4" if out.suffix.lower() == ".csr4" else fmt,
         "shape": [m, n],
         "nnz": nnz,
         "rays": cfg.rays,
@@ -325,6 +392,7 @@ def generate(
         "seconds": round(seconds, 3),
         "nnz_per_second": nnz / seconds if seconds > 0 else 0.0,
         "bytes": out.stat().st_size,
+        "checksum": getattr(writer, "checksum", None),
     }
     log.info(
         "wrote %s: %d x %d, nnz %d, %.1f s (%.3g nnz/s)", out, m, n, nnz, seconds, summary["nnz_per_second"]
@@ -339,6 +407,10 @@ def _coprime_stride(m: int, n_crystals: int, sample: int) -> int:
     return stride
 
 
+#: Core counts :func:`estimate` scales its time to (besides the threads it ran on).
+SCALE_THREADS = (1, 2, 4, 8, 16, 32, 64)
+
+
 def estimate(
     preset: str | ScannerConfig,
     *,
@@ -346,20 +418,32 @@ def estimate(
     threads: int | None = None,
     sample: int = 20000,
 ) -> dict:
-    """Estimate nnz and generation time from a strided sample of rows, without writing.
+    """Estimate nnz, file sizes and generation time from a strided sample of rows, without writing.
 
     Rows ``0, s, 2s, ...`` (``s`` coprime with the crystal count, so every
     crystal pair pattern is sampled) are counted and filled; totals are
     scaled by ``m / sample``. The count pass of :func:`generate` traces only
     half the rows, so the time estimate is ``(t_count / 2 + t_fill) * m / sample``,
-    writing excluded.
+    writing excluded. ``seconds_by_threads`` scales it linearly to other
+    core counts (the tracer is parallel over rows, with no shared state: on
+    the 16-core machine of ``docs/scanner.md`` it scaled 8.2x from 1 to 16
+    threads); writing runs beside the tracing in a helper thread and adds
+    about ``bytes / disk write rate`` where that is the slower part.
 
     Returns
     -------
     dict
-        ``shape, rays, threads, sampled_rows, nnz_estimate, seconds_estimate,
-        nnz_per_second, bytes_estimate`` (``.csr4``: ``8 * (m + nnz)`` plus the header).
+        ``preset, shape, rays, threads, sampled_rows, sample_seconds,
+        nnz_estimate, mean_nnz_per_row, mean_nnz_per_nonempty_row,
+        empty_row_fraction, max_row_nnz_sampled, seconds_estimate,
+        seconds_by_threads`` (threads -> seconds), ``nnz_per_second``,
+        ``bytes_estimate`` (``.csr4``: ``8 * (m + nnz)`` plus the header) and
+        ``bytes_by_format`` (``csr4``, ``csr``, ``compressed``,
+        ``compressed-f16``: the matrix arrays, the compressed ones from
+        encoding the sampled rows).
     """
+    from mlemlib.compressed import CompressedMatrix
+
     cfg = _resolve(preset, rays)
     m, n = cfg.shape
     stride = _coprime_stride(m, cfg.n_crystals, sample)
@@ -372,11 +456,19 @@ def estimate(
         t1 = time.perf_counter()
         indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=indptr[1:])
-        tracer.fill(rows, indptr)
+        block = tracer.fill(rows, indptr)
         t2 = time.perf_counter()
     scale = m / len(rows)
     nnz_est = float(counts.sum()) * scale
     sec_est = ((t1 - t0) / 2 + (t2 - t1)) * scale
+    nonempty = counts > 0
+    by_format = {"csr4": 8 * (m + nnz_est), "csr": 8 * nnz_est + 8 * (m + 1)}
+    for fmt in ("compressed", "compressed-f16"):
+        enc = CompressedMatrix.from_csr(block, fmt, validate=False)
+        per_slot = 1 + enc.values.dtype.itemsize
+        # slots scale like the elements; the row pointer (and f16 scales) like the rows
+        row_bytes = 4.125 + (4 if fmt == "compressed-f16" else 0)
+        by_format[fmt] = enc.slots * scale * per_slot + row_bytes * m
     res = {
         "preset": cfg.name,
         "shape": [m, n],
@@ -385,13 +477,20 @@ def estimate(
         "sampled_rows": len(rows),
         "sample_seconds": round(t2 - t0, 3),
         "nnz_estimate": nnz_est,
-        "mean_nnz_per_nonempty_row": float(counts[counts > 0].mean()) if (counts > 0).any() else 0.0,
+        "mean_nnz_per_row": nnz_est / m if m else 0.0,
+        "mean_nnz_per_nonempty_row": float(counts[nonempty].mean()) if nonempty.any() else 0.0,
+        "empty_row_fraction": float(1.0 - nonempty.mean()) if len(counts) else 0.0,
+        "max_row_nnz_sampled": int(counts.max()) if len(counts) else 0,
         "seconds_estimate": sec_est,
+        "seconds_by_threads": {str(k): sec_est * nt / k for k in sorted({*SCALE_THREADS, nt})},
         "nnz_per_second": nnz_est / sec_est if sec_est > 0 else 0.0,
         "bytes_estimate": 8 * (m + nnz_est),
+        "bytes_by_format": {k: float(v) for k, v in by_format.items()},
     }
     log.info(
-        "estimate for %s (%d rays, %d threads, %d sampled rows): nnz ~ %.3g, ~ %.0f s without writing",
-        cfg.name, cfg.rays, nt, len(rows), nnz_est, sec_est,
+        "estimate for %s (%d rays, %d threads, %d sampled rows): nnz ~ %.4g, %.1f GB as CSR, %.1f GB compressed, "
+        "~ %.0f s of tracing here, ~ %.0f s on 32 cores (writing excluded)",
+        cfg.name, cfg.rays, nt, len(rows), nnz_est, by_format["csr"] / 1e9, by_format["compressed"] / 1e9,
+        sec_est, sec_est * nt / 32,
     )  # fmt: skip
     return res
