@@ -60,7 +60,16 @@ from mlemlib.compressed import (
 )
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import DEFAULT_CHUNK_NNZ, RowBlockWriter, check_range, check_row_ends, chunk_bounds
-from mlemlib.formats.h5 import CHECKSUM_METHOD, CHUNK_BYTES, RESERVED_ATTRS, MatrixH5, _Checksum, _chunk, _plain
+from mlemlib.formats.h5 import (
+    CHECKSUM_METHOD,
+    CHUNK_BYTES,
+    RESERVED_ATTRS,
+    SUBCLASSES,
+    MatrixH5,
+    _Checksum,
+    _chunk,
+    _plain,
+)
 from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
@@ -321,6 +330,9 @@ class CompressedH5(MatrixH5):
         if done != self.nnz:
             raise self._fault(f"the codes hold {done} elements, attribute nnz = {self.nnz}")
         return c.hexdigest()
+
+
+SUBCLASSES.update(dict.fromkeys(FORMATS, CompressedH5))  # MatrixH5(path) opens a compressed file as CompressedH5
 
 
 # --------------------------------------------------------------------------- writer

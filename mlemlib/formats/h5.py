@@ -133,6 +133,10 @@ def _peek_format(path: str | os.PathLike) -> str | None:
 
 # --------------------------------------------------------------------------- reader
 
+#: ``format`` attribute -> reader subclass that opens it (filled by the subclasses' modules:
+#: :mod:`mlemlib.formats.compressed_h5`, imported with :mod:`mlemlib.formats`, so before any reader opens).
+SUBCLASSES: dict[str, type] = {}
+
 
 class MatrixH5(RowBlockReader):
     """Reader of a matrix container; checks its attributes against its datasets on open.
@@ -167,11 +171,10 @@ class MatrixH5(RowBlockReader):
         # One entry point for every container: a compressed one opens as its
         # subclass (mlemlib.formats.compressed_h5.CompressedH5), so the stages
         # that open MatrixH5 stream it as CSR unchanged.
-        if cls is MatrixH5:
-            from mlemlib.formats import compressed_h5
-
-            if _peek_format(path) in compressed_h5.FORMATS:
-                return super().__new__(compressed_h5.CompressedH5)
+        if cls is MatrixH5 and SUBCLASSES:
+            sub = SUBCLASSES.get(_peek_format(path))
+            if sub is not None:
+                return super().__new__(sub)
         return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike) -> None:
