@@ -1,39 +1,54 @@
-"""The compressed system matrix: 8-bit column deltas, exact float32 values (host memory; NumPy and Numba).
+"""The compressed system matrix: 8- or 16-bit column deltas, exact float32 values (host memory; NumPy and Numba).
 
 A :class:`CompressedMatrix` holds the same matrix as a CSR
 (:class:`mlemlib.matrix.CSRMatrix`) in about 5 bytes per non-zero instead of
 8: each column index becomes its difference from the previous column of the
-row (one byte), and the few differences that do not fit a byte travel in a
-*marker* slot placed just before the element, whose value slot holds the
-difference instead of a value. The layout (docs/formats.md, "The compressed
-matrix"), for ``m`` rows and ``S`` slots (non-zeros plus markers):
+row (one *code* of ``code_bits`` = 8 or 16 bits), and the few differences
+that do not fit a code travel in a *marker* slot placed just before the
+element, whose value slot holds the difference instead of a value. Layout
+version 2 (docs/formats.md, "The compressed matrix"), for ``m`` rows and
+``S`` slots (non-zeros, markers and pads):
 
-==========  =====================  ==============================================
-array       dtype, length          content
-==========  =====================  ==============================================
-``rowbase``  int64[m // 64 + 1]     slot offset of rows 0, 64, 128, ...
-``rowoff``   uint32[m + 1]          slot offset of row r minus ``rowbase[r >> 6]``
-``codes``    uint8[S]               per slot: 0..253 a column delta; 254, 255 markers
-``values``   float32[S] / float16   per slot: the value, or a marker's delta bits
-``scale``    float32[m]             ``compressed-f16`` only: power-of-two row scale
-==========  =====================  ==============================================
+==========  ==========================  ==========================================
+array       dtype, length               content
+==========  ==========================  ==========================================
+``rowbase``  int64[m // 64 + 1]          slot offset of rows 0, 64, 128, ...
+``rowoff``   uint32[m + 1]               slot offset of row r minus ``rowbase[r >> 6]``
+``codes``    uint8[S] / uint16[S]        per slot (``code_bits`` 8 / 16): a column delta or a marker
+``values``   float32[S] / float16[S]     per slot: the value, or a marker's delta bits
+``scale``    float32[m]                  ``compressed-f16`` only: power-of-two row scale
+==========  ==========================  ==========================================
 
+With ``B = code_bits``: :func:`max_direct` ``= 2**B - 3`` (253 / 65533) is
+the largest delta a code holds, :func:`code_high` ``= 2**B - 2`` (254 /
+65534) and :func:`code_mark` ``= 2**B - 1`` (255 / 65535) are the markers.
 Row ``r`` occupies slots ``[p(r), p(r+1))`` with ``p(r) = rowbase[r >> 6] +
-rowoff[r]``. Decoding a row keeps a running column ``col`` (0 at the row's
-start) and, slot by slot: code ``c <= 253`` adds ``c`` to ``col`` and the slot
-is the element ``(col, value)``; code 255 adds the slot's value bits (read as
-an unsigned integer: 32 bits, or 16 in ``compressed-f16``) and code 254 adds
-those bits shifted left by 16 (``compressed-f16`` only), and the slot holds no
-element. Every delta is >= 0 (columns are sorted within a row). The encoder
-gives a delta of 254 or more to a marker (float32: one code-255 marker;
-float16: one code-255 marker below 65,536, else a 254 marker with the high
-16 bits and a 255 marker with the low 16 bits) and the element itself the
-delta 0.
+rowoff[r]``; every ``p(r)`` is a multiple of :data:`SLOT_ALIGN` (4), so
+every row starts at a multiple of 4 and holds a multiple of 4 slots.
+Decoding a row keeps a running column ``col`` (0 at the row's start) and,
+slot by slot: code ``c <= max_direct`` adds ``c`` to ``col`` and the slot is
+the element ``(col, value)``; ``code_mark`` adds the slot's value bits (read
+as an unsigned integer: 32 bits, or 16 in ``compressed-f16``) and
+``code_high`` adds those bits shifted left by 16 (``compressed-f16`` only;
+refused in a float32 matrix), and the slot holds no element. Every delta is
+>= 0 (columns are sorted within a row). The encoder gives a delta above
+``max_direct`` to a marker (float32: one ``code_mark`` marker; float16: one
+``code_mark`` marker below 65,536, else a ``code_high`` marker with the high
+16 bits and a ``code_mark`` marker with the low 16 bits) and the element
+itself the delta 0, then pads the row to a multiple of 4 slots with *pad*
+slots: ``code_mark`` with value bits 0 (a marker of delta 0: no element,
+moves nothing). An empty row has no slot.
 
-Because codes and values are aligned slot for slot, a GPU warp decodes 32
-consecutive slots of a row with one coalesced byte load and one coalesced
-value load per lane and an inclusive warp prefix sum of the deltas (plus the
-running column of the previous 32 slots); rows are independent, so any row
+``code_bits`` is one per matrix; :meth:`CompressedMatrix.from_csr` takes the
+width whose encoding is smaller (markers and pads counted): 8 bits for rows
+of small deltas (rows of ``A``: a tube's voxels), 16 bits where most deltas
+lie in 254..65,533 (rows of ``A^T``: a voxel's LORs ``i * N + j``, where an
+8-bit code would need a marker for about every second element).
+
+Because codes and values are aligned slot for slot and rows are aligned to 4
+slots, a GPU lane decodes 4 consecutive slots of a row with one 4-byte (or
+8-byte) code load and one 16-byte (or 8-byte) value load, and a warp forms
+the columns with a prefix sum of the deltas; rows are independent, so any row
 range (a GPU's row block, a streamed chunk) is encoded and decoded on its own
 and encoded blocks concatenate. The two-level row pointer costs 4.125 bytes
 per row (a 64-bit pointer would cost 8, most of the overhead on matrices with
@@ -57,25 +72,55 @@ import numpy as np
 from numba import njit, prange
 
 from mlemlib.errors import MatrixFormatError
-from mlemlib.matrix import CSRMatrix, chunk_bounds, validate_csr_arrays
+from mlemlib.matrix import CSRMatrix, validate_csr_arrays
 
-# mlemlib.formats (which reads and writes this format) imports this module: its
-# helpers are imported inside the functions that use them.
+# mlemlib.formats (which reads and writes this format) imports this module, so
+# this module imports nothing of mlemlib.formats (no import circle).
 
+#: Layout version (the container's ``version`` attribute).
+LAYOUT_VERSION = 2
 #: Rows per block of the two-level row pointer (``rowbase`` has one entry per block).
 ROW_SHIFT = 6
 ROW_BLOCK = 1 << ROW_SHIFT
-#: Largest column delta stored in a code byte.
-MAX_DIRECT = 253
-#: Marker codes: delta += bits << 16 (float16 slots), delta += bits.
-CODE_HIGH = 254
-CODE_MARK = 255
+#: Every row starts at a slot offset that is a multiple of this, and holds a multiple of it slots.
+SLOT_ALIGN = 4
+#: Code widths -> dtype of ``codes``.
+CODE_DTYPES = {8: np.dtype(np.uint8), 16: np.dtype(np.uint16)}
 #: Matrix format names (``mlem convert --format``) -> value dtype.
 VALUE_DTYPES = {"compressed": np.dtype(np.float32), "compressed-f16": np.dtype(np.float16)}
 #: Largest slot offset within one row block (``rowoff`` is uint32).
 MAX_BLOCK_SLOTS = (1 << 32) - 1
 #: Slots decoded per piece by the whole-matrix helpers (bounds their scratch memory).
 PIECE_SLOTS = 1 << 22
+
+
+def max_direct(code_bits: int) -> int:
+    """Largest column delta a code holds: ``2**code_bits - 3`` (253 or 65,533)."""
+    return (1 << code_bits) - 3
+
+
+def code_high(code_bits: int) -> int:
+    """The high marker (``compressed-f16`` only; delta += bits << 16): ``2**code_bits - 2`` (254 or 65,534)."""
+    return (1 << code_bits) - 2
+
+
+def code_mark(code_bits: int) -> int:
+    """The marker (delta += bits; with bits 0 a pad): ``2**code_bits - 1`` (255 or 65,535)."""
+    return (1 << code_bits) - 1
+
+
+def code_bits_of(codes: np.ndarray) -> int:
+    """The code width of a codes array (8 for uint8, 16 for uint16)."""
+    for bits, dtype in CODE_DTYPES.items():
+        if codes.dtype == dtype:
+            return bits
+    raise TypeError(f"codes must be uint8 or uint16, not {codes.dtype}")
+
+
+def _check_code_bits(code_bits) -> int:
+    if code_bits not in CODE_DTYPES:
+        raise ValueError(f"code_bits must be 8 or 16, not {code_bits!r}")
+    return int(code_bits)
 
 
 # --------------------------------------------------------------------------- Numba kernels
@@ -97,13 +142,17 @@ def half_bits_to_float32(h):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _count_markers(indptr, indices, half, markers, unsorted):  # pragma: no cover - compiled
-    """Markers each row needs (``markers[r]``); ``unsorted[r]`` = 1 + position of a decreasing column, else 0."""
-    m = markers.shape[0]
+def _count_markers(indptr, indices, half, markers8, markers16, unsorted):  # pragma: no cover - compiled
+    """Markers each row needs with 8-bit and 16-bit codes.
+
+    ``unsorted[r]`` = 1 + position of a decreasing column, else 0.
+    """
+    m = markers8.shape[0]
     base = indptr[0]
     for r in prange(m):
         prev = np.int64(0)
-        cnt = np.int64(0)
+        c8 = np.int64(0)
+        c16 = np.int64(0)
         bad = np.int64(0)
         s = indptr[r] - base
         for k in range(s, indptr[r + 1] - base):
@@ -113,18 +162,19 @@ def _count_markers(indptr, indices, half, markers, unsorted):  # pragma: no cove
                 if bad == 0:
                     bad = k - s + 1
             elif d > 253:
-                if half and d > 65535:
-                    cnt += 2
-                else:
-                    cnt += 1
+                extra = 1 if (half and d > 65535) else 0  # a high marker too
+                c8 += 1 + extra
+                if d > 65533:
+                    c16 += 1 + extra
             prev = c
-        markers[r] = cnt
+        markers8[r] = c8
+        markers16[r] = c16
         unsorted[r] = bad
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _fill(indptr, indices, bits_in, slotptr, half, codes, bits_out):  # pragma: no cover - compiled
-    """Write codes and value slots of rows (``slotptr`` from :func:`_count_markers`, starting at 0)."""
+def _fill(indptr, indices, bits_in, slotptr, half, direct, high, mark, codes, bits_out):  # pragma: no cover
+    """Write the codes and value slots of rows, pads included (``slotptr`` from the marker counts, from 0)."""
     m = slotptr.shape[0] - 1
     base = indptr[0]
     for r in prange(m):
@@ -134,22 +184,25 @@ def _fill(indptr, indices, bits_in, slotptr, half, codes, bits_out):  # pragma: 
             c = np.int64(indices[k])
             d = c - prev
             prev = c
-            if d <= 253:
+            if d <= direct:
                 codes[p] = d
             else:
                 if half and d > 65535:
-                    codes[p] = 254
+                    codes[p] = high
                     bits_out[p] = d >> 16
                     p += 1
-                    codes[p] = 255
+                    codes[p] = mark
                     bits_out[p] = d & 0xFFFF
                 else:
-                    codes[p] = 255
+                    codes[p] = mark
                     bits_out[p] = d
                 p += 1
                 codes[p] = 0
             bits_out[p] = bits_in[k]
             p += 1
+        for q in range(p, slotptr[r + 1]):  # pads: markers of delta 0
+            codes[q] = mark
+            bits_out[q] = 0
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -176,25 +229,26 @@ def _row_scales(indptr, data, scale, scaled):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _real_counts(slotptr, codes, counts):  # pragma: no cover - compiled
-    """Elements (slots that are not markers) of each row."""
+def _real_counts(slotptr, codes, high, counts):  # pragma: no cover - compiled
+    """Elements (slots that are not markers or pads) of each row."""
     m = counts.shape[0]
     base = slotptr[0]
     for r in prange(m):
         c = np.int64(0)
         for k in range(slotptr[r] - base, slotptr[r + 1] - base):
-            if codes[k] < 254:
+            if codes[k] < high:
                 c += 1
         counts[r] = c
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _decode(slotptr, codes, vf, vb, scale, half, n, indptr, cols, vals, bad_slot, bad_col):  # pragma: no cover
+def _decode(slotptr, codes, vf, vb, scale, half, high, n, indptr, cols, vals, bad_slot, bad_col):  # pragma: no cover
     """Decode rows into CSR arrays; a running column >= n stops the row and is reported.
 
     ``indptr`` (from :func:`_real_counts`) gives each row's output offset;
     ``bad_slot[r]`` is 1 + the slot (within the row) where the running column
-    left ``[0, n)``, ``bad_col[r]`` that column, both 0 for a good row.
+    left ``[0, n)`` (``bad_col[r]`` that column) or where a float32 row holds
+    a high marker (``bad_col[r]`` = -1), both 0 for a good row.
     """
     m = indptr.shape[0] - 1
     base = slotptr[0]
@@ -206,9 +260,13 @@ def _decode(slotptr, codes, vf, vb, scale, half, n, indptr, cols, vals, bad_slot
         bad_col[r] = 0
         for k in range(s, slotptr[r + 1] - base):
             cd = codes[k]
-            if cd < 254:
+            if cd < high:
                 col += cd
-            elif cd == 254:
+            elif cd == high:
+                if not half:
+                    bad_slot[r] = k - s + 1
+                    bad_col[r] = -1
+                    break
                 col += np.int64(vb[k]) << 16
             else:
                 col += np.int64(vb[k])
@@ -216,7 +274,7 @@ def _decode(slotptr, codes, vf, vb, scale, half, n, indptr, cols, vals, bad_slot
                 bad_slot[r] = k - s + 1
                 bad_col[r] = col
                 break
-            if cd < 254:
+            if cd < high:
                 cols[q] = col
                 if half:
                     vals[q] = half_bits_to_float32(vb[k]) * scale[r]
@@ -262,46 +320,41 @@ def rowbase_length(m: int) -> int:
     return m // ROW_BLOCK + 1
 
 
+def check_alignment(slotptr: np.ndarray, source: str | os.PathLike, *, row0: int = 0, slot0: int = 0) -> None:
+    """Raise :class:`MatrixFormatError` unless every slot offset is a multiple of :data:`SLOT_ALIGN`.
+
+    ``slotptr`` may start anywhere; the offset checked for row ``r`` is
+    ``slot0 + slotptr[r] - slotptr[0]`` (its offset in the file or matrix).
+    """
+    if not len(slotptr):
+        return
+    rel = np.asarray(slotptr, dtype=np.int64) - int(slotptr[0]) + int(slot0)
+    bad = (rel & (SLOT_ALIGN - 1)) != 0
+    if bad.any():
+        r = int(np.argmax(bad))
+        raise MatrixFormatError(
+            source, f"slot offset {int(rel[r])} of row {row0 + r} is not a multiple of {SLOT_ALIGN}"
+        )
+
+
 # --------------------------------------------------------------------------- encode / decode
 def _value_bits(values: np.ndarray) -> np.ndarray:
     """The slots' bits as unsigned integers (uint32 for float32, uint16 for float16), a view."""
     return values.view(np.uint32 if values.dtype == np.float32 else np.uint16)
 
 
-def encode_csr(
-    block: CSRMatrix, fmt: str = "compressed", *, source: str | os.PathLike = "<matrix>", row0: int = 0
-) -> dict:
-    """Encode CSR rows; return the arrays of :class:`CompressedMatrix` (``slotptr`` instead of the row pointer pair).
+def _padded(slots: np.ndarray) -> np.ndarray:
+    """Slot counts rounded up to a multiple of :data:`SLOT_ALIGN` (0 stays 0)."""
+    return (slots + (SLOT_ALIGN - 1)) & ~np.int64(SLOT_ALIGN - 1)
 
-    Parameters
-    ----------
-    block
-        Rows (``indptr`` may start anywhere), columns sorted within each row.
-    fmt
-        ``compressed`` or ``compressed-f16``.
-    source, row0
-        File and global number of the block's first row, named in error messages.
 
-    Returns
-    -------
-    dict
-        ``slotptr`` (int64, m+1, from 0), ``codes``, ``values``, ``scale`` (or None), ``nnz``.
-
-    Raises
-    ------
-    MatrixFormatError
-        Columns that decrease within a row (the format stores deltas >= 0).
-    """
-    if fmt not in VALUE_DTYPES:
-        raise ValueError(f"unknown compressed format {fmt!r}, expected one of {', '.join(VALUE_DTYPES)}")
-    half = fmt == "compressed-f16"
-    m = block.shape[0]
-    indptr = np.ascontiguousarray(block.indptr, dtype=np.int64)
-    indices = np.ascontiguousarray(block.indices, dtype=np.int32)
-    data = np.ascontiguousarray(block.data, dtype=np.float32)
-    markers = np.empty(m, dtype=np.int64)
+def _count(indptr, indices, half, source, row0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row lengths and padded slot counts with 8-bit and 16-bit codes; refuses unsorted rows."""
+    m = len(indptr) - 1
+    markers8 = np.empty(m, dtype=np.int64)
+    markers16 = np.empty(m, dtype=np.int64)
     unsorted = np.empty(m, dtype=np.int64)
-    _count_markers(indptr, indices, half, markers, unsorted)
+    _count_markers(indptr, indices, half, markers8, markers16, unsorted)
     if m and unsorted.any():
         r = int(np.argmax(unsorted > 0))
         k = int(indptr[r] - indptr[0] + unsorted[r] - 1)
@@ -311,11 +364,109 @@ def encode_csr(
             "the compressed format stores sorted rows: sort the rows' columns first",
         )
     lens = np.diff(indptr)
+    return lens, _padded(lens + markers8), _padded(lens + markers16)
+
+
+def _csr_arrays(block: CSRMatrix) -> tuple[np.ndarray, np.ndarray]:
+    return (
+        np.ascontiguousarray(block.indptr, dtype=np.int64),
+        np.ascontiguousarray(block.indices, dtype=np.int32),
+    )
+
+
+def _slot_bytes(fmt: str, code_bits: int) -> int:
+    return CODE_DTYPES[code_bits].itemsize + VALUE_DTYPES[fmt].itemsize
+
+
+def encoded_nbytes(
+    block: CSRMatrix, fmt: str = "compressed", *, source: str | os.PathLike = "<matrix>", row0: int = 0
+) -> dict[int, int]:
+    """Bytes of the encoding of CSR rows with each code width: ``{8: bytes, 16: bytes}`` (every array counted).
+
+    One counting pass over the columns, nothing encoded. Raises
+    :class:`MatrixFormatError` on columns not sorted within a row.
+    """
+    if fmt not in VALUE_DTYPES:
+        raise ValueError(f"unknown compressed format {fmt!r}, expected one of {', '.join(VALUE_DTYPES)}")
+    indptr, indices = _csr_arrays(block)
+    _, s8, s16 = _count(indptr, indices, fmt == "compressed-f16", source, row0)
+    m = block.shape[0]
+    fixed = 8 * rowbase_length(m) + 4 * (m + 1) + (4 * m if fmt == "compressed-f16" else 0)
+    return {
+        8: fixed + int(s8.sum()) * _slot_bytes(fmt, 8),
+        16: fixed + int(s16.sum()) * _slot_bytes(fmt, 16),
+    }
+
+
+def pick_code_bits(nbytes: dict[int, int]) -> int:
+    """The code width of the smaller encoding (8 on a tie)."""
+    return 16 if nbytes[16] < nbytes[8] else 8
+
+
+def choose_code_bits(
+    block: CSRMatrix, fmt: str = "compressed", *, source: str | os.PathLike = "<matrix>", row0: int = 0
+) -> int:
+    """8 or 16: the code width whose encoding of these rows takes fewer bytes (markers and pads counted; 8 on a tie)."""
+    return pick_code_bits(encoded_nbytes(block, fmt, source=source, row0=row0))
+
+
+def _encode_rows(indptr, indices, bits_in, half, code_bits, source, row0):
+    """Slot pointer (from 0), codes and value bits of rows with given element bits; ``code_bits`` None = choose."""
+    lens, s8, s16 = _count(indptr, indices, half, source, row0)
+    vbytes = 2 if half else 4
+    if code_bits is None:
+        code_bits = 16 if int(s16.sum()) * (2 + vbytes) < int(s8.sum()) * (1 + vbytes) else 8
+    m = len(lens)
     slotptr = np.zeros(m + 1, dtype=np.int64)
-    np.cumsum(lens + markers, out=slotptr[1:])
+    np.cumsum(s8 if code_bits == 8 else s16, out=slotptr[1:])
     slots = int(slotptr[-1])
-    codes = np.empty(slots, dtype=np.uint8)
-    values = np.empty(slots, dtype=VALUE_DTYPES[fmt])
+    codes = np.empty(slots, dtype=CODE_DTYPES[code_bits])
+    bits_out = np.empty(slots, dtype=np.uint16 if half else np.uint32)
+    _fill(indptr, indices, bits_in, slotptr, half, max_direct(code_bits), code_high(code_bits),
+          code_mark(code_bits), codes, bits_out)
+    return slotptr, codes, bits_out, code_bits, int(lens.sum())
+
+
+def encode_csr(
+    block: CSRMatrix,
+    fmt: str = "compressed",
+    *,
+    code_bits: int | None = None,
+    source: str | os.PathLike = "<matrix>",
+    row0: int = 0,
+) -> dict:
+    """Encode CSR rows; return the arrays of :class:`CompressedMatrix` (``slotptr`` instead of the row pointer pair).
+
+    Parameters
+    ----------
+    block
+        Rows (``indptr`` may start anywhere), columns sorted within each row.
+    fmt
+        ``compressed`` or ``compressed-f16``.
+    code_bits
+        8 or 16; None takes the one whose encoding is smaller (8 on a tie).
+    source, row0
+        File and global number of the block's first row, named in error messages.
+
+    Returns
+    -------
+    dict
+        ``slotptr`` (int64, m+1, from 0, multiples of 4), ``codes``,
+        ``values``, ``scale`` (or None), ``nnz``, ``code_bits``.
+
+    Raises
+    ------
+    MatrixFormatError
+        Columns that decrease within a row (the format stores deltas >= 0).
+    """
+    if fmt not in VALUE_DTYPES:
+        raise ValueError(f"unknown compressed format {fmt!r}, expected one of {', '.join(VALUE_DTYPES)}")
+    if code_bits is not None:
+        code_bits = _check_code_bits(code_bits)
+    half = fmt == "compressed-f16"
+    m = block.shape[0]
+    indptr, indices = _csr_arrays(block)
+    data = np.ascontiguousarray(block.data, dtype=np.float32)
     scale = None
     if half:
         scale = np.empty(m, dtype=np.float32)
@@ -325,8 +476,9 @@ def encode_csr(
         del scaled
     else:
         bits_in = data.view(np.uint32)
-    _fill(indptr, indices, bits_in, slotptr, half, codes, _value_bits(values))
-    return {"slotptr": slotptr, "codes": codes, "values": values, "scale": scale, "nnz": int(lens.sum())}
+    slotptr, codes, bits, code_bits, nnz = _encode_rows(indptr, indices, bits_in, half, code_bits, source, row0)
+    values = bits.view(VALUE_DTYPES[fmt])
+    return {"slotptr": slotptr, "codes": codes, "values": values, "scale": scale, "nnz": nnz, "code_bits": code_bits}
 
 
 def decode_slots(
@@ -348,11 +500,13 @@ def decode_slots(
     slotptr
         int64 slot pointer of the rows (may start anywhere; ``codes``/``values`` start at ``slotptr[0]``).
     codes, values, scale
-        The rows' slots (and row scales for float16 values).
+        The rows' slots (and row scales for float16 values); the code width
+        is that of ``codes`` (uint8: 8 bits, uint16: 16).
     n
         Columns: every running column must stay below ``n``.
     source, row0, slot0
-        File, first row and first slot in the file, for messages.
+        File, first row and first slot in the file, for messages (and the
+        alignment check: row ``r`` starts at ``slot0 + slotptr[r] - slotptr[0]``).
     check_values
         Also reject non-finite or negative values (and row scales that are not
         finite and positive).
@@ -360,15 +514,18 @@ def decode_slots(
     Raises
     ------
     MatrixFormatError
-        A delta stream that leaves ``[0, n)``, a bad value or row scale.
+        A slot offset that is not a multiple of 4, a delta stream that leaves
+        ``[0, n)``, a high marker in a float32 row, a bad value or row scale.
     """
     slotptr = np.ascontiguousarray(slotptr, dtype=np.int64)
     m = len(slotptr) - 1
     half = values.dtype == np.float16
+    high = code_high(code_bits_of(codes))
+    check_alignment(slotptr, source, row0=row0, slot0=slot0)
     if check_values:
         check_encoded_values(slotptr, codes, values, scale, source, row0=row0, slot0=slot0)
     counts = np.empty(m, dtype=np.int64)
-    _real_counts(slotptr, codes, counts)
+    _real_counts(slotptr, codes, high, counts)
     indptr = np.zeros(m + 1, dtype=np.int64)
     np.cumsum(counts, out=indptr[1:])
     nnz = int(indptr[-1])
@@ -378,10 +535,16 @@ def decode_slots(
     bad_col = np.empty(m, dtype=np.int64)
     vf = values if not half else np.empty(0, dtype=np.float32)
     sc = scale if half else np.empty(0, dtype=np.float32)
-    _decode(slotptr, codes, vf, _value_bits(values), sc, half, int(n), indptr, cols, vals, bad_slot, bad_col)
+    _decode(slotptr, codes, vf, _value_bits(values), sc, half, high, int(n), indptr, cols, vals, bad_slot, bad_col)
     if m and bad_slot.any():
         r = int(np.argmax(bad_slot > 0))
         k = int(slotptr[r] - slotptr[0] + bad_slot[r] - 1)
+        if bad_col[r] < 0:
+            raise MatrixFormatError(
+                source,
+                f"row {row0 + r}: high marker (code {high}) at slot {slot0 + k} in a float32 matrix "
+                "(compressed-f16 only)",
+            )
         raise MatrixFormatError(
             source,
             f"row {row0 + r}: the column deltas decode to column {int(bad_col[r])} at slot {slot0 + k}, "
@@ -413,7 +576,7 @@ def check_encoded_values(
                 )
     if len(codes) == 0:
         return
-    real = codes < CODE_HIGH
+    real = codes < code_high(code_bits_of(codes))
     v = values if values.dtype == np.float32 else values.astype(np.float32)
     bad = real & ~(v >= 0)  # NaN, negative
     bad |= real & np.isinf(v)
@@ -424,6 +587,19 @@ def check_encoded_values(
         raise MatrixFormatError(source, f"{what} value {float(v[k])!r} at slot {slot0 + k} (row {row0 + r})")
 
 
+def _pieces(slotptr: np.ndarray, max_slots: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges of at most ``max_slots`` slots (a longer row alone), as ``formats._check.chunk_bounds``."""
+    m = len(slotptr) - 1
+    out = []
+    r0 = 0
+    while r0 < m:
+        r1 = int(np.searchsorted(slotptr, int(slotptr[r0]) + max_slots, side="right")) - 1
+        r1 = min(max(r1, r0 + 1), m)
+        out.append((r0, r1))
+        r0 = r1
+    return out
+
+
 # --------------------------------------------------------------------------- the type
 @dataclass
 class CompressedMatrix:
@@ -431,15 +607,26 @@ class CompressedMatrix:
 
     Build with :meth:`from_csr`; :meth:`to_csr` gives the exact CSR back
     (``compressed``) or the CSR of the float16-rounded values
-    (``compressed-f16``). Arrays are NumPy; ``values`` is float32 or float16.
+    (``compressed-f16``). Arrays are NumPy; ``values`` is float32 or float16,
+    ``codes`` uint8 or uint16.
 
     Attributes
     ----------
-    rowbase, rowoff, codes, values, scale
-        The encoded arrays (``scale`` None for float32 values).
+    rowbase : numpy.ndarray
+        int64[m // 64 + 1].
+    rowoff : numpy.ndarray
+        uint32[m + 1]; every ``rowbase[r >> 6] + rowoff[r]`` a multiple of 4.
+    codes : numpy.ndarray
+        uint8[S] (``code_bits`` 8) or uint16[S] (16).
+    values : numpy.ndarray
+        float32[S] or float16[S].
+    scale : numpy.ndarray or None
+        float32[m] row scales for float16 values, else None.
     shape : tuple[int, int]
     nnz : int
-        Stored elements (markers not counted).
+        Stored elements (markers and pads not counted).
+    code_bits : int
+        8 or 16; None on construction takes it from the dtype of ``codes``.
     """
 
     rowbase: np.ndarray
@@ -449,6 +636,7 @@ class CompressedMatrix:
     scale: np.ndarray | None
     shape: tuple[int, int]
     nnz: int
+    code_bits: int | None = None
 
     def __post_init__(self) -> None:
         self.shape = (int(self.shape[0]), int(self.shape[1]))
@@ -456,9 +644,13 @@ class CompressedMatrix:
         m = self.shape[0]
         if self.values.dtype not in (np.float32, np.float16):
             raise TypeError(f"values must be float32 or float16, not {self.values.dtype}")
-        for name, dtype in (("rowbase", np.int64), ("rowoff", np.uint32), ("codes", np.uint8)):
+        if self.code_bits is None:
+            self.code_bits = code_bits_of(self.codes)
+        self.code_bits = _check_code_bits(self.code_bits)
+        for name, dtype in (("rowbase", np.int64), ("rowoff", np.uint32), ("codes", CODE_DTYPES[self.code_bits])):
             if getattr(self, name).dtype != dtype:
-                raise TypeError(f"{name} must be {np.dtype(dtype).name}, not {getattr(self, name).dtype}")
+                extra = f" (code_bits = {self.code_bits})" if name == "codes" else ""
+                raise TypeError(f"{name} must be {np.dtype(dtype).name}{extra}, not {getattr(self, name).dtype}")
         if self.scale is not None and self.scale.dtype != np.float32:
             raise TypeError(f"scale must be float32, not {self.scale.dtype}")
         if len(self.rowbase) != rowbase_length(m) or len(self.rowoff) != m + 1:
@@ -481,10 +673,11 @@ class CompressedMatrix:
         scale: np.ndarray | None,
         shape: tuple[int, int],
         nnz: int,
+        code_bits: int | None = None,
     ) -> CompressedMatrix:
         """Build from a slot pointer (int64, from 0) and slot arrays (see :func:`encode_csr`)."""
         rowbase, rowoff = pack_rowptr(slotptr)
-        return cls(rowbase, rowoff, codes, values, scale, shape, nnz)
+        return cls(rowbase, rowoff, codes, values, scale, shape, nnz, code_bits)
 
     @classmethod
     def from_csr(
@@ -492,6 +685,7 @@ class CompressedMatrix:
         a: CSRMatrix,
         fmt: str = "compressed",
         *,
+        code_bits: int | None = None,
         validate: bool = True,
         source: str | os.PathLike = "<matrix>",
         row0: int = 0,
@@ -504,6 +698,9 @@ class CompressedMatrix:
             The matrix; ``indptr`` may start anywhere.
         fmt
             ``compressed`` (lossless) or ``compressed-f16`` (lossy).
+        code_bits
+            8 or 16 (forced); None takes the width whose encoding is smaller,
+            markers and pads counted (8 on a tie).
         validate
             Check the CSR invariants first (row pointer, column range, values finite and >= 0).
         source, row0
@@ -516,12 +713,33 @@ class CompressedMatrix:
         """
         if validate:
             validate_csr_arrays(a.indptr, a.indices, a.data, a.shape, source, row_offset=row0)
-        enc = encode_csr(a, fmt, source=source, row0=row0)
-        return cls.from_arrays(enc["slotptr"], enc["codes"], enc["values"], enc["scale"], a.shape, enc["nnz"])
+        enc = encode_csr(a, fmt, code_bits=code_bits, source=source, row0=row0)
+        return cls.from_arrays(
+            enc["slotptr"], enc["codes"], enc["values"], enc["scale"], a.shape, enc["nnz"], enc["code_bits"]
+        )
+
+    def with_code_bits(self, code_bits: int) -> CompressedMatrix:
+        """The same matrix (values and row scales bit for bit) encoded with ``code_bits`` (self if it already is)."""
+        code_bits = _check_code_bits(code_bits)
+        if code_bits == self.code_bits:
+            return self
+        half = not self.lossless
+        csr = self.to_csr(validate=False)
+        bits_in = np.ascontiguousarray(self.value_bits()[self.codes < self.code_high])
+        slotptr, codes, bits, _, nnz = _encode_rows(
+            csr.indptr, csr.indices, bits_in, half, code_bits, "<matrix>", 0
+        )
+        return CompressedMatrix.from_arrays(
+            slotptr, codes, bits.view(self.values.dtype), self.scale, self.shape, nnz, code_bits
+        )
 
     @staticmethod
-    def concatenate(parts: list[CompressedMatrix]) -> CompressedMatrix:
-        """Stack row blocks (encoded independently) into one matrix."""
+    def concatenate(parts: list[CompressedMatrix], code_bits: int | None = None) -> CompressedMatrix:
+        """Stack row blocks (encoded independently) into one matrix.
+
+        ``code_bits`` None: the blocks with slots must share one code width
+        (else ValueError); given: blocks of another width are re-encoded.
+        """
         if not parts:
             raise ValueError("nothing to concatenate")
         n = parts[0].shape[1]
@@ -529,6 +747,12 @@ class CompressedMatrix:
         for p in parts:
             if p.shape[1] != n or (p.values.dtype == np.float16) != half:
                 raise ValueError("row blocks differ in columns or value type")
+        if code_bits is None:
+            widths = sorted({p.code_bits for p in parts if p.slots})
+            if len(widths) > 1:
+                raise ValueError(f"row blocks differ in code_bits ({widths}); pass code_bits= to re-encode")
+            code_bits = widths[0] if widths else parts[0].code_bits
+        parts = [p.with_code_bits(code_bits) for p in parts]
         ptrs = [np.zeros(1, dtype=np.int64)]
         total = 0
         for p in parts:
@@ -540,7 +764,9 @@ class CompressedMatrix:
         values = np.concatenate([p.values for p in parts])
         scale = np.concatenate([p.scale for p in parts]) if half else None
         m = sum(p.shape[0] for p in parts)
-        return CompressedMatrix.from_arrays(slotptr, codes, values, scale, (m, n), sum(p.nnz for p in parts))
+        return CompressedMatrix.from_arrays(
+            slotptr, codes, values, scale, (m, n), sum(p.nnz for p in parts), code_bits
+        )
 
     # -- facts
     @property
@@ -554,8 +780,23 @@ class CompressedMatrix:
         return self.values.dtype == np.float32
 
     @property
+    def max_direct(self) -> int:
+        """Largest delta a code holds (253 or 65,533)."""
+        return max_direct(self.code_bits)
+
+    @property
+    def code_high(self) -> int:
+        """The high marker code (254 or 65,534)."""
+        return code_high(self.code_bits)
+
+    @property
+    def code_mark(self) -> int:
+        """The marker (and pad) code (255 or 65,535)."""
+        return code_mark(self.code_bits)
+
+    @property
     def slots(self) -> int:
-        """Stored slots: non-zeros plus markers."""
+        """Stored slots: non-zeros, markers and pads."""
         return len(self.codes)
 
     @property
@@ -581,7 +822,7 @@ class CompressedMatrix:
         """The CSR row pointer of the matrix (elements, not slots), from 0."""
         sp = self.slotptr()
         counts = np.empty(self.shape[0], dtype=np.int64)
-        _real_counts(sp, self.codes, counts)
+        _real_counts(sp, self.codes, self.code_high, counts)
         out = np.zeros(self.shape[0] + 1, dtype=np.int64)
         np.cumsum(counts, out=out[1:])
         return out
@@ -591,13 +832,12 @@ class CompressedMatrix:
         """Decode into CSR (exactly the encoded matrix for ``compressed``).
 
         Decodes :data:`PIECE_SLOTS` slots at a time; ``validate`` also checks
-        the values (the column range is always checked).
+        the values (the column range and the row alignment are always checked).
         """
-
         sp = self.slotptr()
         m, n = self.shape
         blocks = []
-        for r0, r1 in chunk_bounds(sp, PIECE_SLOTS) if m else [(0, 0)]:
+        for r0, r1 in _pieces(sp - sp[0], PIECE_SLOTS) if m else [(0, 0)]:
             lo, hi = int(sp[r0] - sp[0]), int(sp[r1] - sp[0])
             sc = self.scale[r0:r1] if self.scale is not None else None
             blocks.append(
@@ -621,7 +861,10 @@ class CompressedMatrix:
         )
 
     def row_range(self, r0: int, r1: int) -> CompressedMatrix:
-        """Rows ``[r0, r1)`` as a compressed matrix (slot arrays are views, the row pointer is rebuilt)."""
+        """Rows ``[r0, r1)`` as a compressed matrix (slot arrays are views, the row pointer is rebuilt).
+
+        Every row starts at a multiple of 4 slots, so the range keeps the alignment.
+        """
         m = self.shape[0]
         if not 0 <= r0 <= r1 <= m:
             raise IndexError(f"row range [{r0}, {r1}) outside [0, {m}]")
@@ -629,15 +872,18 @@ class CompressedMatrix:
         sp = full[r0 : r1 + 1]
         lo, hi = int(sp[0] - full[0]), int(sp[-1] - full[0])
         codes = self.codes[lo:hi]
-        nnz = int(np.count_nonzero(codes < CODE_HIGH))
+        nnz = int(np.count_nonzero(codes < self.code_high))
         scale = self.scale[r0:r1] if self.scale is not None else None
-        return CompressedMatrix.from_arrays(sp - sp[0], codes, self.values[lo:hi], scale, (r1 - r0, self.shape[1]), nnz)
+        return CompressedMatrix.from_arrays(
+            sp - sp[0], codes, self.values[lo:hi], scale, (r1 - r0, self.shape[1]), nnz, self.code_bits
+        )
 
     def validate(self, source: str | os.PathLike = "<matrix>") -> None:
         """Decode everything once; raise :class:`MatrixFormatError` on any fault (also a wrong ``nnz``)."""
         sp = self.slotptr()
         if len(sp) and (sp[0] != 0 or int(sp[-1]) != self.slots or (np.diff(sp) < 0).any()):
             raise MatrixFormatError(source, f"slot pointer is not non-decreasing from 0 to {self.slots}")
+        check_alignment(sp, source)
         got = self.to_csr(source=source).nnz
         if got != self.nnz:
             raise MatrixFormatError(source, f"{got} elements decoded, expected nnz = {self.nnz}")
@@ -646,7 +892,7 @@ class CompressedMatrix:
         m, n = self.shape
         return (
             f"CompressedMatrix({self.format}, {m} x {n}, nnz {self.nnz}, slots {self.slots}, "
-            f"{self.bytes_per_nnz:.3f} B/nnz)"
+            f"{self.code_bits}-bit codes, {self.bytes_per_nnz:.3f} B/nnz)"
         )
 
 

@@ -247,8 +247,11 @@ def check(key: str, name: str | None, backend: str, *, gpus: int = 1, layout: st
     raise ConfigError(where or key, f"{fault}; valid: {', '.join(valid)} (mlem kernels lists them)")
 
 
-def check_run(run: dict, where: str = "run") -> None:
-    """Check a config ``runs:`` entry's ``fp``/``bp`` against its backend, every GPU count and layout.
+def check_run(run: dict, where: str = "run", formats: tuple[str, ...] = ("csr",)) -> None:
+    """Check a config ``runs:`` entry's ``fp``/``bp`` against its backend, every GPU count, layout and matrix format.
+
+    ``formats`` are the formats of the matrices the run will read (the
+    ``format`` of each configured matrix).
 
     Raises
     ------
@@ -258,10 +261,11 @@ def check_run(run: dict, where: str = "run") -> None:
     backend = run.get("backend", "cpu")
     gpus = run.get("gpus", 1)
     layouts = run.get("layout", "local")
-    for g in gpus if isinstance(gpus, list) else [gpus]:
-        for lay in (layouts if isinstance(layouts, list) else [layouts]) if int(g) > 1 else [None]:
-            for key in ("fp", "bp"):
-                check(key, run.get(key), backend, gpus=int(g), layout=lay, where=f"{where}.{key}")
+    for fmt in formats:
+        for g in gpus if isinstance(gpus, list) else [gpus]:
+            for lay in (layouts if isinstance(layouts, list) else [layouts]) if int(g) > 1 else [None]:
+                for key in ("fp", "bp"):
+                    check(key, run.get(key), backend, gpus=int(g), layout=lay, where=f"{where}.{key}", fmt=fmt)
 
 
 def choose_notrans(local_fraction: float, nnz: int, *, gpus: int = 1) -> str:

@@ -21,6 +21,11 @@ from mlemlib.formats import file_kind
 from mlemlib.registry import check_run, uses_transpose
 
 
+def get_matrix_formats():
+    """The matrix formats of the configured matrices (what the runs' kernels must read)."""
+    return tuple(sorted({m.get("format", "csr") for m in config["matrices"].values()}))
+
+
 def validate_config():
     """Validate the config against config/schema.yaml, filling in defaults.
 
@@ -52,7 +57,7 @@ def validate_config():
                 f"found {entry['gpus']}"
             )
         try:
-            check_run(entry, where=f"runs[{index}]")
+            check_run(entry, where=f"runs[{index}]", formats=get_matrix_formats())
         except ConfigError as exc:
             raise WorkflowError(f"config {exc}") from None
 

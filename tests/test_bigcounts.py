@@ -77,19 +77,20 @@ def test_csr_container_beyond_2_32_elements(tmp_path, rng):
 
 def test_compressed_container_beyond_2_32_slots(tmp_path, rng):
     """rowbase (int64) carries offsets past 2**32; rowoff (uint32) stays relative to its 64-row block."""
+    BIG4 = 2**32 + 8  # slot offsets of version 2 are multiples of 4
     tail = tail_block(rng, rows=150)
-    head = 128  # rows 63 and 127 hold the 2**32 + 5 unwritten slots (2**31 and 2**31 + 5)
+    head = 128  # rows 63 and 127 hold the 2**32 + 8 unwritten slots (2**31 and 2**31 + 8: rows start at multiples of 4 slots)
     m, n = head + tail.shape[0], tail.shape[1]
     path = tmp_path / "big_c.h5"
-    with CompressedH5Writer(path, (m, n), BIG + tail.nnz, fmt="compressed", source="test") as w:
+    with CompressedH5Writer(path, (m, n), BIG4 + tail.nnz, fmt="compressed", source="test") as w:
         w._rowbase[1] = 2**31  # rows 64..127 start at slot 2**31
-        w._rows, w._written, w._slots = head, BIG, BIG
+        w._rows, w._written, w._slots = head, BIG4, BIG4
         w.write_rows(tail)
     assert path.stat().st_size < 50 * 2**20
     with CompressedH5(path) as f:
-        assert f.slots >= BIG + tail.nnz  # plus the tail's markers
+        assert f.slots >= BIG4 + tail.nnz  # plus the tail's markers
         sp = f.read_slotptr(head - 1, m)
-        assert int(sp[0]) == 2**31 and int(sp[1]) == BIG and sp.dtype == np.int64
+        assert int(sp[0]) == 2**31 and int(sp[1]) == BIG4 and sp.dtype == np.int64
         same(f.read_rows(head, m), tail)
         enc = f.read_encoded(head, m)
         same(enc.to_csr(), tail)

@@ -1,9 +1,10 @@
-"""Tests of the compressed matrix format: encoding, container, validation, CLI, CPU kernels (and GPU ones on a GPU).
+"""Tests of the compressed matrix format (layout version 2): encoding, container, validation, CLI, CPU kernels (and GPU ones on a GPU).
 
 The encoding is checked against an independent per-row Python encoder
-(:func:`encode_by_hand`) written from the layout in docs/formats.md, the CPU
-kernels against float64 SciPy products and against the CSR Numba kernels
-(bit for bit where the summation order is the same).
+(:func:`encode_by_hand`) written from the layout in docs/formats.md (8- and
+16-bit codes, rows padded to 4 slots), the CPU kernels against float64 SciPy
+products and against the CSR Numba kernels (bit for bit where the summation
+order is the same).
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ from mlemlib.backends import cpu
 from mlemlib.cli import main
 from mlemlib.compressed import (
     ROW_BLOCK,
+    SLOT_ALIGN,
     CompressedMatrix,
+    choose_code_bits,
+    code_high,
+    code_mark,
     csr_bytes_per_nnz,
+    encoded_nbytes,
+    max_direct,
     pack_rowptr,
     rowbase_length,
     unpack_rowptr,
@@ -39,6 +46,7 @@ from mlemlib.formats import (
     info,
     open_matrix,
     read_compressed_h5,
+    sample_code_bits,
     write_compressed_h5,
     write_matrix_h5,
 )
@@ -46,6 +54,7 @@ from mlemlib.formats.h5 import checksum_arrays
 from mlemlib.matrix import CSRMatrix
 
 FORMATS = ("compressed", "compressed-f16")
+CODE_BITS = (None, 8, 16)  # None: the encoder chooses
 
 
 # --------------------------------------------------------------------------- matrices
@@ -91,8 +100,27 @@ def jumpy_csr() -> CSRMatrix:
     return CSRMatrix(indptr, indices, data, (len(rows), n))
 
 
-def encode_by_hand(a: CSRMatrix, half: bool):
-    """The layout of docs/formats.md, row by row in plain Python: (slotptr, codes, value bits, scale)."""
+def far_csr(m: int = 40, k: int = 400, seed: int = 0, lo: int = 300, hi: int = 60000) -> CSRMatrix:
+    """Rows of ``k`` elements whose column deltas lie in ``[lo, hi]`` (rows of A^T: a voxel's LORs)."""
+    rng = np.random.default_rng(seed)
+    deltas = rng.integers(lo, hi + 1, size=(m, k))
+    cols = np.cumsum(deltas, axis=1)
+    n = int(cols.max()) + 1
+    indptr = np.arange(m + 1, dtype=np.int64) * k
+    data = rng.random(m * k).astype(np.float32) + np.float32(0.01)
+    return CSRMatrix(indptr, cols.reshape(-1).astype(np.int32), data, (m, n))
+
+
+def encode_by_hand(a: CSRMatrix, half: bool, code_bits: int | None = 8):
+    """The layout of docs/formats.md, row by row in plain Python: (slotptr, codes, value bits, scale, code_bits).
+
+    ``code_bits`` None encodes with 8 and with 16 bits and keeps the smaller (8 on a tie).
+    """
+    if code_bits is None:
+        e8, e16 = encode_by_hand(a, half, 8), encode_by_hand(a, half, 16)
+        vb = 2 if half else 4
+        return e16 if len(e16[1]) * (2 + vb) < len(e8[1]) * (1 + vb) else e8
+    direct, high, mark = 2**code_bits - 3, 2**code_bits - 2, 2**code_bits - 1
     codes, bits, slotptr, scale = [], [], [0], []
     for r in range(a.shape[0]):
         lo, hi = int(a.indptr[r]), int(a.indptr[r + 1])
@@ -108,19 +136,24 @@ def encode_by_hand(a: CSRMatrix, half: bool):
         for j, col in enumerate(a.indices[lo:hi]):
             d = int(col) - prev
             prev = int(col)
-            if d <= 253:
+            if d <= direct:
                 codes.append(d)
             else:
                 if half and d > 65535:
-                    codes += [254, 255]
+                    codes += [high, mark]
                     bits += [d >> 16, d & 0xFFFF]
                 else:
-                    codes.append(255)
+                    codes.append(mark)
                     bits.append(d)
                 codes.append(0)
             bits.append(int(q[j]))
+        while len(codes) % 4:  # pads: markers of delta 0
+            codes.append(mark)
+            bits.append(0)
         slotptr.append(len(codes))
-    return np.array(slotptr), np.array(codes, dtype=np.uint8), np.array(bits, dtype=np.uint64), np.array(scale)
+    dtype = np.uint8 if code_bits == 8 else np.uint16
+    return (np.array(slotptr), np.array(codes, dtype=dtype), np.array(bits, dtype=np.uint64), np.array(scale),
+            code_bits)
 
 
 def assert_csr_equal(x: CSRMatrix, y: CSRMatrix) -> None:
@@ -152,12 +185,17 @@ MATRICES = {
 
 
 # --------------------------------------------------------------------------- encoding
+MATRICES["far"] = far_csr  # deltas 300..60000: 16-bit codes
+
+
+@pytest.mark.parametrize("code_bits", CODE_BITS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", sorted(MATRICES))
-def test_encoding_matches_hand_encoder_and_round_trips(name, fmt):
+def test_encoding_matches_hand_encoder_and_round_trips(name, fmt, code_bits):
     a = MATRICES[name]()
-    c = CompressedMatrix.from_csr(a, fmt)
-    sp_, codes, bits, scale = encode_by_hand(a, fmt == "compressed-f16")
+    c = CompressedMatrix.from_csr(a, fmt, code_bits=code_bits)
+    sp_, codes, bits, scale, bits_chosen = encode_by_hand(a, fmt == "compressed-f16", code_bits)
+    assert c.code_bits == bits_chosen and c.codes.dtype == codes.dtype
     np.testing.assert_array_equal(c.slotptr(), sp_)
     np.testing.assert_array_equal(c.codes, codes)
     np.testing.assert_array_equal(c.value_bits().astype(np.uint64), bits)
@@ -178,53 +216,179 @@ def test_f16_relative_error_bound():
     assert np.all(back.data[~nz] == 0)
 
 
+def test_constants_of_both_code_widths():
+    assert (max_direct(8), code_high(8), code_mark(8)) == (253, 254, 255)
+    assert (max_direct(16), code_high(16), code_mark(16)) == (65533, 65534, 65535)
+    assert SLOT_ALIGN == 4
+    c = CompressedMatrix.from_csr(random_csr(10, 50, 0), code_bits=16)
+    assert (c.max_direct, c.code_high, c.code_mark, c.codes.dtype) == (65533, 65534, 65535, np.uint16)
+
+
+@pytest.mark.parametrize("code_bits", [8, 16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_padding_invariants(fmt, code_bits):
+    """Every row starts at a multiple of 4 slots and holds a multiple of 4; pads close a row, empty rows have none."""
+    a = random_csr(130, 900, 20)
+    c = CompressedMatrix.from_csr(a, fmt, code_bits=code_bits)
+    slotptr = c.slotptr()
+    assert np.all(slotptr % 4 == 0) and np.all(c.rowbase % 4 == 0) and np.all(c.rowoff % 4 == 0)
+    per_row = np.diff(slotptr)
+    lens = np.diff(a.indptr)
+    assert np.all(per_row[lens == 0] == 0) and np.all(per_row[lens > 0] >= 4)
+    bits = c.value_bits()
+    real = c.codes < c.code_high
+    counts = np.add.reduceat(real.astype(np.int64), slotptr[:-1][per_row > 0]) if c.slots else np.zeros(0)
+    np.testing.assert_array_equal(counts, lens[lens > 0])
+    pads_total = 0
+    for r in np.flatnonzero(per_row):
+        row = slice(slotptr[r], slotptr[r + 1])
+        last = int(np.flatnonzero(real[row])[-1])  # the row's last element; after it only pads
+        tail_codes, tail_bits = c.codes[row][last + 1 :], bits[row][last + 1 :]
+        assert len(tail_codes) < 4
+        assert np.all(tail_codes == c.code_mark) and np.all(tail_bits == 0)
+        pads_total += len(tail_codes)
+    deltas = np.diff(np.concatenate([[0], a.indices.astype(np.int64)]))
+    deltas[a.indptr[:-1][lens > 0]] = a.indices[a.indptr[:-1][lens > 0]]  # each row starts from column 0
+    markers = np.count_nonzero(deltas > c.max_direct)
+    if fmt == "compressed-f16":
+        markers += np.count_nonzero(deltas > 65535)
+    assert pads_total == c.slots - c.nnz - markers
+    assert_csr_equal(c.to_csr(), a if fmt == "compressed" else f16_reference(a))
+    c.validate()
+
+
+def test_code_bits_chosen_per_matrix():
+    """Deltas mostly 300..60000 (rows of A^T) take 16-bit codes, about 6 bytes per non-zero; small deltas take 8."""
+    far = far_csr(60, 500, 1)
+    c = CompressedMatrix.from_csr(far)
+    assert c.code_bits == 16 and choose_code_bits(far) == 16
+    assert c.slots - c.nnz < 0.01 * c.nnz  # no markers (deltas <= 65533), few pads
+    assert 6.0 <= c.bytes_per_nnz < 6.1
+    c8 = CompressedMatrix.from_csr(far, code_bits=8)  # a marker for every element: 10 bytes per non-zero
+    assert c8.code_bits == 8 and c8.codes.dtype == np.uint8 and 10.0 <= c8.bytes_per_nnz < 10.1
+    nb = encoded_nbytes(far)
+    assert nb == {8: c8.nbytes, 16: c.nbytes}
+    h = CompressedMatrix.from_csr(far, "compressed-f16")
+    assert h.code_bits == 16 and 4.0 <= h.bytes_per_nnz < 4.15
+    assert encoded_nbytes(far, "compressed-f16")[16] == h.nbytes
+    near = random_csr(200, 400, 6, density=0.3)
+    c = CompressedMatrix.from_csr(near)
+    assert c.code_bits == 8 and choose_code_bits(near) == 8 and c.codes.dtype == np.uint8
+    assert c.nbytes < CompressedMatrix.from_csr(near, code_bits=16).nbytes
+    empty = MATRICES["empty_rows"]()
+    assert CompressedMatrix.from_csr(empty).code_bits == 8  # a tie: 8
+    with pytest.raises(ValueError, match=r"code_bits must be 8 or 16, not 12"):
+        CompressedMatrix.from_csr(near, code_bits=12)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_with_code_bits_keeps_every_bit(fmt):
+    a = random_csr(150, 70000, 21, density=0.001)  # a mix of small and 16-bit deltas
+    a = CSRMatrix(a.indptr, a.indices, a.data * np.float32(1e3), a.shape)
+    for src in (8, 16):
+        c = CompressedMatrix.from_csr(a, fmt, code_bits=src)
+        for dst in (8, 16):
+            t = c.with_code_bits(dst)
+            direct = CompressedMatrix.from_csr(a, fmt, code_bits=dst)
+            assert t.code_bits == dst and (t is c) == (src == dst)
+            for field in ("rowbase", "rowoff", "codes"):
+                np.testing.assert_array_equal(getattr(t, field), getattr(direct, field))
+            np.testing.assert_array_equal(t.value_bits(), direct.value_bits())
+            if fmt == "compressed-f16":
+                np.testing.assert_array_equal(t.scale, c.scale)
+
+
+def test_codes_dtype_must_match_code_bits():
+    c = CompressedMatrix.from_csr(random_csr(10, 50, 0))
+    with pytest.raises(TypeError, match=r"codes must be uint16 \(code_bits = 16\), not uint8"):
+        CompressedMatrix(c.rowbase, c.rowoff, c.codes, c.values, None, c.shape, c.nnz, 16)
+    with pytest.raises(TypeError, match=r"codes must be uint8 or uint16, not int16"):
+        CompressedMatrix(c.rowbase, c.rowoff, c.codes.astype(np.int16), c.values, None, c.shape, c.nnz)
+    assert CompressedMatrix(c.rowbase, c.rowoff, c.codes, c.values, None, c.shape, c.nnz).code_bits == 8
+
+
+def test_misaligned_rows_and_high_markers_in_float32_are_refused():
+    a = random_csr(20, 300, 22)
+    c = CompressedMatrix.from_csr(a)
+    sp_ = c.slotptr()
+    r = int(np.flatnonzero(np.diff(sp_))[0]) + 1  # the row after the first non-empty one
+    bad = sp_.copy()
+    bad[r] -= 1
+    codes = np.delete(c.codes, bad[r])  # one slot fewer, so the pointer still ends at the slot count
+    vals = np.delete(c.values, bad[r])
+    bad[r + 1 :] -= 1
+    m = CompressedMatrix.from_arrays(bad, codes, vals, None, c.shape, c.nnz)
+    with pytest.raises(MatrixFormatError, match=rf"<matrix>: slot offset {int(bad[r])} of row {r} is not a multiple of 4"):
+        m.to_csr()
+    with pytest.raises(MatrixFormatError, match=r"is not a multiple of 4"):
+        m.validate()
+    pad = int(np.flatnonzero((c.codes == 255) & (c.value_bits() == 0))[0])
+    codes = c.codes.copy()
+    codes[pad] = 254
+    h = CompressedMatrix(c.rowbase, c.rowoff, codes, c.values, None, c.shape, c.nnz)
+    with pytest.raises(MatrixFormatError, match=rf"high marker \(code 254\) at slot {pad} in a float32 matrix"):
+        h.to_csr()
+
+
 def test_row_blocks_encode_independently_and_concatenate():
     a = random_csr(300, 400, 5)
     for fmt in FORMATS:
-        whole = CompressedMatrix.from_csr(a, fmt)
-        cuts = [0, 1, 64, 65, 200, 300]
-        parts = [
-            CompressedMatrix.from_csr(
+        for code_bits in (8, 16):
+            whole = CompressedMatrix.from_csr(a, fmt, code_bits=code_bits)
+            cuts = [0, 1, 64, 65, 200, 300]
+            blocks = [
                 CSRMatrix(a.indptr[r0 : r1 + 1], a.indices[a.indptr[r0] : a.indptr[r1]],
-                          a.data[a.indptr[r0] : a.indptr[r1]], (r1 - r0, a.shape[1])),
-                fmt,
-            )
-            for r0, r1 in zip(cuts[:-1], cuts[1:])
-        ]
-        joined = CompressedMatrix.concatenate(parts)
-        for field in ("rowbase", "rowoff", "codes"):
-            np.testing.assert_array_equal(getattr(joined, field), getattr(whole, field))
-        np.testing.assert_array_equal(joined.value_bits(), whole.value_bits())
-        for r0, r1 in [(0, 0), (0, 300), (63, 64), (64, 190), (299, 300), (5, 5)]:
-            part = whole.row_range(r0, r1)
+                          a.data[a.indptr[r0] : a.indptr[r1]], (r1 - r0, a.shape[1]))
+                for r0, r1 in zip(cuts[:-1], cuts[1:])
+            ]
+            parts = [CompressedMatrix.from_csr(b, fmt, code_bits=code_bits) for b in blocks]
+            joined = CompressedMatrix.concatenate(parts)
+            mixed = [CompressedMatrix.from_csr(b, fmt, code_bits=(8, 16)[i % 2]) for i, b in enumerate(blocks)]
+            with pytest.raises(ValueError, match=r"row blocks differ in code_bits \(\[8, 16\]\)"):
+                CompressedMatrix.concatenate(mixed)
+            for j in (joined, CompressedMatrix.concatenate(mixed, code_bits=code_bits)):
+                assert j.code_bits == code_bits
+                for field in ("rowbase", "rowoff", "codes"):
+                    np.testing.assert_array_equal(getattr(j, field), getattr(whole, field))
+                np.testing.assert_array_equal(j.value_bits(), whole.value_bits())
             ref = whole.to_csr()
-            lo, hi = ref.indptr[r0], ref.indptr[r1]
-            assert_csr_equal(part.to_csr(), CSRMatrix(ref.indptr[r0 : r1 + 1] - lo, ref.indices[lo:hi],
-                                                      ref.data[lo:hi], (r1 - r0, a.shape[1])))
-            assert part.nnz == hi - lo
+            for r0, r1 in [(0, 0), (0, 300), (63, 64), (64, 190), (299, 300), (5, 5), (7, 131)]:
+                part = whole.row_range(r0, r1)
+                assert part.code_bits == code_bits and np.all(part.slotptr() % 4 == 0)
+                lo, hi = ref.indptr[r0], ref.indptr[r1]
+                assert_csr_equal(part.to_csr(), CSRMatrix(ref.indptr[r0 : r1 + 1] - lo, ref.indices[lo:hi],
+                                                          ref.data[lo:hi], (r1 - r0, a.shape[1])))
+                assert part.nnz == hi - lo
+                part.validate()
 
 
-def test_bytes_per_nnz_accounting():
+@pytest.mark.parametrize("code_bits", [8, 16])
+def test_bytes_per_nnz_accounting(code_bits):
     a = random_csr(200, 400, 6, density=0.3)
-    c = CompressedMatrix.from_csr(a)
+    c = CompressedMatrix.from_csr(a, code_bits=code_bits)
     m = a.shape[0]
-    assert c.nbytes == 8 * rowbase_length(m) + 4 * (m + 1) + 5 * c.slots
+    cb = code_bits // 8
+    assert c.nbytes == 8 * rowbase_length(m) + 4 * (m + 1) + (cb + 4) * c.slots
     assert c.bytes_per_nnz == pytest.approx(c.nbytes / a.nnz)
-    assert c.bytes_per_nnz < 5.5 < csr_bytes_per_nnz(m, a.nnz)
-    h = CompressedMatrix.from_csr(a, "compressed-f16")
-    assert h.nbytes == 8 * rowbase_length(m) + 4 * (m + 1) + 3 * h.slots + 4 * m
+    assert c.bytes_per_nnz < 5.5 + (cb - 1) < csr_bytes_per_nnz(m, a.nnz)
+    h = CompressedMatrix.from_csr(a, "compressed-f16", code_bits=code_bits)
+    assert h.nbytes == 8 * rowbase_length(m) + 4 * (m + 1) + (cb + 2) * h.slots + 4 * m
     assert csr_bytes_per_nnz(m, a.nnz) == pytest.approx(8 + 8 * (m + 1) / a.nnz)
 
 
 def test_bytes_per_nnz_on_scanner_rows():
-    """Tube-of-response rows of the small preset: well under CSR's 8 bytes per non-zero."""
+    """Tube-of-response rows of the small preset (and their transpose): under CSR's 8 bytes per non-zero."""
     from mlemlib.scanner.system import trace_rows
 
     a = trace_rows("small", np.arange(0, 36864, 7))
     c = CompressedMatrix.from_csr(a)
-    assert c.bytes_per_nnz < 5.5
-    assert CompressedMatrix.from_csr(a, "compressed-f16").bytes_per_nnz < 3.6
+    assert c.code_bits == 8 and c.bytes_per_nnz < 5.9
+    assert CompressedMatrix.from_csr(a, "compressed-f16").bytes_per_nnz < 3.9
     assert_csr_equal(c.to_csr(), a)
+    t = CSRMatrix.from_scipy(a.to_scipy().T.tocsr())
+    ct = CompressedMatrix.from_csr(t)
+    assert ct.bytes_per_nnz < 8 and ct.nbytes == min(encoded_nbytes(t).values())
+    assert_csr_equal(ct.to_csr(), t)
 
 
 def test_unsorted_rows_are_refused():
@@ -257,11 +421,12 @@ def _vectors(a: CSRMatrix, seed=0):
     return f, g
 
 
+@pytest.mark.parametrize("code_bits", [8, 16])
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name", ["random", "blocks", "one_row", "empty_rows"])
-def test_cpu_kernels_match_csr_kernels_bit_for_bit(name, fmt):
+@pytest.mark.parametrize("name", ["random", "blocks", "one_row", "empty_rows", "far"])
+def test_cpu_kernels_match_csr_kernels_bit_for_bit(name, fmt, code_bits):
     a = MATRICES[name]()
-    c = CompressedMatrix.from_csr(a, fmt)
+    c = CompressedMatrix.from_csr(a, fmt, code_bits=code_bits)
     r = a if fmt == "compressed" else c.to_csr()
     m, n = a.shape
     f, g = _vectors(a)
@@ -284,10 +449,11 @@ def test_cpu_kernels_match_csr_kernels_bit_for_bit(name, fmt):
     np.testing.assert_array_equal(bp2, bp_ref)
 
 
+@pytest.mark.parametrize("code_bits", [8, 16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cpu_kernels_against_float64_scipy(fmt):
+def test_cpu_kernels_against_float64_scipy(fmt, code_bits):
     a = random_csr(180, 900, 7, density=0.1)
-    c = CompressedMatrix.from_csr(a, fmt)
+    c = CompressedMatrix.from_csr(a, fmt, code_bits=code_bits)
     r = a if fmt == "compressed" else c.to_csr()
     s = sp.csr_matrix((r.data.astype(np.float64), r.indices, r.indptr), shape=r.shape)
     f, g = _vectors(a, 1)
@@ -300,7 +466,7 @@ def test_cpu_kernels_against_float64_scipy(fmt):
     np.testing.assert_allclose(bp, s.T @ corr, rtol=1e-4, atol=1e-5)
     # back projection on a stored compressed transpose: the forward kernel on A^T
     t = CSRMatrix.from_scipy(s.T.tocsr().astype(np.float32))
-    ct = CompressedMatrix.from_csr(t, fmt)
+    ct = CompressedMatrix.from_csr(t, fmt, code_bits=code_bits)
     np.testing.assert_allclose(cc.spmv(ct, g), s.T @ g.astype(np.float64), rtol=1e-4, atol=1e-5)
 
 
@@ -308,7 +474,7 @@ def test_cpu_kernels_with_a_row_pointer_beyond_2_31():
     """Kernels subtract the row pointer's base: offsets above 2**31 (and 2**32) work the same."""
     a = random_csr(130, 300, 8)
     c = CompressedMatrix.from_csr(a)
-    shifted = CompressedMatrix(c.rowbase + 2**33 + 7, c.rowoff, c.codes, c.values, None, c.shape, c.nnz)
+    shifted = CompressedMatrix(c.rowbase + 2**33 + 8, c.rowoff, c.codes, c.values, None, c.shape, c.nnz)
     f, g = _vectors(a)
     np.testing.assert_array_equal(cc.spmv(shifted, f), cc.spmv(c, f))
     np.testing.assert_array_equal(cc.spmv_t(shifted, g), cc.spmv_t(c, g))
@@ -327,17 +493,21 @@ def test_cpu_kernels_check_sizes():
 
 
 # --------------------------------------------------------------------------- the container
+@pytest.mark.parametrize("code_bits", CODE_BITS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("max_nnz", [1, 37, 10**9])
-def test_container_round_trip(tmp_path, fmt, max_nnz):
+def test_container_round_trip(tmp_path, fmt, max_nnz, code_bits):
     a = random_csr(150, 700, 10)
     p = tmp_path / "c.h5"
-    digest = write_compressed_h5(p, a, fmt=fmt, max_nnz=max_nnz, grid=(7, 10, 10), voxel_size=(1, 2, 3), kind="matrix")
-    c_mem = CompressedMatrix.from_csr(a, fmt)
+    digest = write_compressed_h5(p, a, fmt=fmt, max_nnz=max_nnz, code_bits=code_bits, grid=(7, 10, 10),
+                                 voxel_size=(1, 2, 3), kind="matrix")
+    c_mem = CompressedMatrix.from_csr(a, fmt, code_bits=code_bits)
     want = a if fmt == "compressed" else c_mem.to_csr()
     assert digest == checksum_arrays(want.indptr, want.indices, want.data)
     with MatrixH5(p) as f:  # the CSR reader's entry point opens a compressed file too
         assert isinstance(f, CompressedH5) and f.format == fmt and f.lossless == (fmt == "compressed")
+        assert f.attrs["version"] == 2 and f.attrs["code_bits"] == f.code_bits == c_mem.code_bits
+        assert f._ds["codes"].dtype == c_mem.codes.dtype and f.slots % 4 == 0
         assert f.shape == a.shape and f.nnz == a.nnz and f.slots == c_mem.slots
         assert f.grid == (7, 10, 10) and f.voxel_size == (1.0, 2.0, 3.0) and f.attrs["kind"] == "matrix"
         assert f.nbytes == c_mem.nbytes and f.bytes_per_nnz == pytest.approx(c_mem.bytes_per_nnz)
@@ -350,6 +520,7 @@ def test_container_round_trip(tmp_path, fmt, max_nnz):
                                                             want.data[lo:hi], (r1 - r0, a.shape[1])))
             enc = f.read_encoded(r0, r1)
             ref = c_mem.row_range(r0, r1)
+            assert enc.code_bits == c_mem.code_bits and enc.codes.dtype == c_mem.codes.dtype
             for field in ("rowbase", "rowoff", "codes"):
                 np.testing.assert_array_equal(getattr(enc, field), getattr(ref, field))
             np.testing.assert_array_equal(enc.value_bits(), ref.value_bits())
@@ -362,6 +533,7 @@ def test_container_round_trip(tmp_path, fmt, max_nnz):
         assert all(x[1] == y[0] for x, y in zip(seen[:-1], seen[1:]))
     whole = read_compressed_h5(p)
     np.testing.assert_array_equal(whole.codes, c_mem.codes)
+    assert whole.code_bits == c_mem.code_bits
     with open_matrix(p) as f:
         assert isinstance(f, CompressedH5)
 
@@ -384,6 +556,43 @@ def test_lossless_container_has_the_csr_checksum_and_streaming_writer(tmp_path):
     write_compressed_h5(out2, CompressedMatrix.from_csr(a), max_nnz=50)
     with MatrixH5(out2) as f:
         assert f.checksum == digest
+
+
+def test_writer_code_bits_one_per_file(tmp_path):
+    """The first block with an element decides the width (unless given); later blocks follow it."""
+    near, far = random_csr(70, 300, 30), far_csr(30, 200, 31)
+    n = far.shape[1]
+    near = CSRMatrix(near.indptr, near.indices, near.data, (70, n))
+    empty = CSRMatrix(np.zeros(5, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), (4, n))
+    whole = CSRMatrix.from_scipy(sp.vstack([empty.to_scipy(), far.to_scipy(), near.to_scipy()]).tocsr())
+    for blocks, given, want in [((empty, far, near), None, 16), ((empty, near, far), None, 8),
+                                ((empty, far, near), 8, 8), ((empty,), None, 8)]:
+        shape = (sum(b.shape[0] for b in blocks), n)
+        nnz = sum(b.nnz for b in blocks)
+        for encoded in (False, True):
+            out = tmp_path / f"w{want}{given}{encoded}{len(blocks)}.h5"
+            with CompressedH5Writer(out, shape, nnz, code_bits=given) as w:
+                for b in blocks:
+                    if encoded:  # blocks of their own best width, re-encoded to the file's
+                        w.write_encoded(CompressedMatrix.from_csr(b))
+                    else:
+                        w.write_rows(b)
+            assert w.code_bits == want
+            with CompressedH5(out) as f:
+                assert f.code_bits == want and f.attrs["code_bits"] == want
+                assert f.read_encoded(0, shape[0]).code_bits == want
+                ref = whole if len(blocks) == 3 and blocks[1] is far else None
+                if ref is not None:
+                    assert_csr_equal(f.to_csr(), ref)
+                    np.testing.assert_array_equal(
+                        f.read_encoded(0, shape[0]).codes, CompressedMatrix.from_csr(ref, code_bits=want).codes
+                    )
+    # write_compressed_h5 of a CSR matrix chooses from the whole matrix
+    write_compressed_h5(tmp_path / "whole.h5", whole, max_nnz=100)
+    with CompressedH5(tmp_path / "whole.h5") as f:
+        assert f.code_bits == choose_code_bits(whole)
+    with pytest.raises(ValueError, match=r"code_bits must be 8 or 16"):
+        CompressedH5Writer(tmp_path / "x.h5", (1, 1), 0, code_bits=4)
 
 
 def test_writer_incomplete_or_unsorted_leaves_nothing(tmp_path):
@@ -419,10 +628,10 @@ def test_stages_stream_a_compressed_matrix(tmp_path):
 
 
 # --------------------------------------------------------------------------- bad files
-def _good(tmp_path, fmt="compressed", name="good.h5"):
+def _good(tmp_path, fmt="compressed", name="good.h5", code_bits=8):
     a = random_csr(80, 600, 14)
     p = tmp_path / name
-    write_compressed_h5(p, a, fmt=fmt)
+    write_compressed_h5(p, a, fmt=fmt, code_bits=code_bits)
     return p, a
 
 
@@ -437,10 +646,24 @@ def _replace(f, name, data):
     f.create_dataset(name, data=data)
 
 
+def _bits(f, vals=None):
+    vals = f["values"][...] if vals is None else vals
+    return vals.view(np.uint32 if vals.dtype == np.float32 else np.uint16)
+
+
 def _first_big_delta(f):
-    """Slot of a code-255 marker, and the row it is in."""
-    codes = f["codes"][...]
-    return int(np.argmax(codes == 255))
+    """Slot of a marker (not a pad)."""
+    mark = code_mark(int(f.attrs["code_bits"]))
+    big = (f["codes"][...] == mark) & (_bits(f) != 0)
+    assert big.any()
+    return int(np.argmax(big))
+
+
+def _first_pad(f):
+    mark = code_mark(int(f.attrs["code_bits"]))
+    pad = (f["codes"][...] == mark) & (_bits(f) == 0)
+    assert pad.any()
+    return int(np.argmax(pad))
 
 
 def _bad_cases():
@@ -457,13 +680,14 @@ def _bad_cases():
 
     def code_edit(f):  # a direct delta raised so that the running column reaches n = 600
         codes = f["codes"][...]
-        bits = f["values"][...].view(np.uint32)
+        bits = _bits(f)
+        high = code_high(int(f.attrs["code_bits"]))
         sp_ = unpack_rowptr(f["rowbase"][...], f["rowoff"][...])
         for r in range(len(sp_) - 1):
             col = 0
             for k in range(sp_[r], sp_[r + 1]):
-                col += int(codes[k]) if codes[k] < 254 else int(bits[k])
-                if codes[k] < 254 and int(codes[k]) + 600 - col <= 253:
+                col += int(codes[k]) if codes[k] < high else int(bits[k])
+                if codes[k] < high and int(codes[k]) + 600 - col <= high - 1:
                     codes[k] = int(codes[k]) + 600 - col
                     _replace(f, "codes", codes)
                     return
@@ -474,6 +698,11 @@ def _bad_cases():
         vals.view(np.uint32)[_first_big_delta(f)] = 600
         _replace(f, "values", vals)
 
+    def pad_600(f):  # a pad that moves the column: beyond the image at the row's end
+        vals = f["values"][...]
+        _bits(f, vals)[_first_pad(f)] = 600
+        _replace(f, "values", vals)
+
     def marker_huge(f):
         vals = f["values"][...]
         vals.view(np.uint32)[_first_big_delta(f)] = 0xFFFFFFF0
@@ -481,19 +710,19 @@ def _bad_cases():
 
     def nan_value(f):
         vals = f["values"][...]
-        k = int(np.argmax(f["codes"][...] < 254))
+        k = int(np.argmax(f["codes"][...] < code_high(int(f.attrs["code_bits"]))))
         vals[k] = np.nan
         _replace(f, "values", vals)
 
     def neg_value(f):
         vals = f["values"][...]
-        k = int(np.argmax((f["codes"][...] < 254) & (vals > 0)))
+        k = int(np.argmax((f["codes"][...] < code_high(int(f.attrs["code_bits"]))) & (vals > 0)))
         vals[k] = -1.5
         _replace(f, "values", vals)
 
     def half_nan(f):
         vals = f["values"][...]
-        k = int(np.argmax(f["codes"][...] < 254))
+        k = int(np.argmax(f["codes"][...] < code_high(int(f.attrs["code_bits"]))))
         vals.view(np.uint16)[k] = 0x7E00
         _replace(f, "values", vals)
 
@@ -505,18 +734,18 @@ def _bad_cases():
 
         return fn
 
-    def count(f):  # an element code turned into a marker: one element fewer than nnz
+    def count(f):  # an element code turned into a pad: one element fewer than nnz
         codes = f["codes"][...]
         vals = f["values"][...]
         k = int(np.argmax(codes == 0))
-        codes[k] = 255
-        vals.view(np.uint32)[k] = 0
+        codes[k] = code_mark(int(f.attrs["code_bits"]))
+        _bits(f, vals)[k] = 0
         _replace(f, "codes", codes)
         _replace(f, "values", vals)
 
     def checksum(f):
         vals = f["values"][...]
-        k = int(np.argmax((f["codes"][...] < 254) & (vals > 0)))
+        k = int(np.argmax((f["codes"][...] < code_high(int(f.attrs["code_bits"]))) & (vals > 0)))
         vals[k] = np.nextafter(vals[k], np.float32(10))
         _replace(f, "values", vals)
 
@@ -547,11 +776,46 @@ def _bad_cases():
     def missing_scale(f):
         del f["scale"]
 
+    def version_1(f):  # what a version-1 file holds: no code_bits
+        f.attrs["version"] = 1
+        del f.attrs["code_bits"]
+
+    def codes_dtype(f):
+        _replace(f, "codes", f["codes"][...].astype(np.uint16))
+
+    def misaligned(f):  # a row moved back by one slot (non-decreasing, ends right): not a multiple of 4
+        ro = f["rowoff"][...]
+        r = next(r for r in range(1, len(ro) - 1) if r % 64 and ro[r] - ro[r - 1] >= 4)
+        ro[r] -= 1
+        _replace(f, "rowoff", ro)
+
+    def slots_attr(f):
+        f.attrs["slots"] = f.attrs["slots"] + 2
+
+    def high_marker(f):  # a pad turned into a high marker of a float32 matrix
+        codes = f["codes"][...]
+        codes[_first_pad(f)] = code_high(int(f.attrs["code_bits"]))
+        _replace(f, "codes", codes)
+
     return {
         "no_format": ("compressed", attr("format", None), r"missing attribute 'format'"),
         "format": ("compressed", attr("format", "mlem-compressed-x"),
                    r"attribute format is 'mlem-compressed-x', expected 'mlem-csr'"),
-        "version": ("compressed", attr("version", 2), r"unsupported container version 2"),
+        "version": ("compressed", attr("version", 3), r"unsupported container version 3, expected 2$"),
+        "version_1": ("compressed", version_1,
+                      r"compressed container version 1 \(8-bit codes, rows not aligned to 4 slots\) is no longer "
+                      r"read; re-run `mlem convert --format compressed` on the source matrix to write version 2$"),
+        "version_1_f16": ("compressed-f16", version_1, r"re-run `mlem convert --format compressed-f16`"),
+        "no_code_bits": ("compressed", attr("code_bits", None), r"missing attribute 'code_bits'"),
+        "code_bits": ("compressed", attr("code_bits", 12), r"attribute code_bits is 12, expected 8 or 16$"),
+        "code_bits_16": ("compressed", attr("code_bits", 16),
+                         r"dataset /codes is uint8\[\d+\], expected 1-D uint16 \(attribute code_bits = 16\)$"),
+        "codes_dtype": ("compressed", codes_dtype,
+                        r"dataset /codes is uint16\[\d+\], expected 1-D uint8 \(attribute code_bits = 8\)$"),
+        "slots_align": ("compressed", slots_attr, r"attribute slots = \d+ is not a multiple of 4$"),
+        "misaligned": ("compressed", misaligned, r"slot offset \d+ of row \d+ is not a multiple of 4$"),
+        "high_marker": ("compressed", high_marker,
+                        r"row \d+: high marker \(code 254\) at slot \d+ in a float32 matrix \(compressed-f16 only\)$"),
         "no_slots": ("compressed", attr("slots", None), r"missing attribute 'slots'"),
         "nnz_slots": ("compressed", attr("nnz", 10**6), r"attribute nnz = 1000000 exceeds slots"),
         "codes_size": ("compressed", short("codes"), r"dataset /codes has \d+ entries, but attribute slots = \d+"),
@@ -575,6 +839,16 @@ def _bad_cases():
         "f16_no_scale": ("compressed-f16", missing_scale, r"missing dataset /scale"),
         "f16_dtype": ("compressed-f16", lambda f: _replace(f, "values", f["values"][...].astype(np.float32)),
                       r"dataset /values is float32\[\d+\], expected 1-D float16"),
+        # files of 16-bit codes
+        "column_16": ("compressed", code_edit, r"the column deltas decode to column 600 at slot \d+, outside", 16),
+        "pad_16": ("compressed", pad_600, r"the column deltas decode to column \d+ at slot \d+, outside", 16),
+        "pad": ("compressed", pad_600, r"the column deltas decode to column \d+ at slot \d+, outside"),
+        "count_16": ("compressed", count, r"the codes hold \d+ elements, attribute nnz = \d+", 16),
+        "codes_dtype_16": ("compressed", lambda f: _replace(f, "codes", f["codes"][...].astype(np.uint8)),
+                           r"dataset /codes is uint8\[\d+\], expected 1-D uint16 \(attribute code_bits = 16\)$", 16),
+        "misaligned_16": ("compressed", misaligned, r"slot offset \d+ of row \d+ is not a multiple of 4$", 16),
+        "high_marker_16": ("compressed", high_marker, r"high marker \(code 65534\) at slot \d+ in a float32 matrix", 16),
+        "f16_nan_16": ("compressed-f16", half_nan, r"non-finite value nan at slot \d+", 16),
     }
 
 
@@ -591,8 +865,8 @@ def read_everything(p):
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_compressed_file_one_clear_error(tmp_path, case):
-    fmt, edit, pattern = BAD[case]
-    p, _ = _good(tmp_path, fmt, f"bad_{case}.h5")
+    fmt, edit, pattern, *code_bits = BAD[case]
+    p, _ = _good(tmp_path, fmt, f"bad_{case}.h5", *code_bits)
     _edit(p, edit)
     with pytest.raises(MatrixFormatError) as e:
         read_everything(p)
@@ -666,6 +940,55 @@ def test_convert_formats_and_back(tmp_path, csr4_file):
         d = info(p)
         assert d["matrix_format"] == fmt and d["lossless"] is lossless and d["verdict"].startswith("valid")
         assert d["nnz"] == a.nnz and d["empty_rows"] == int(np.sum(np.diff(a.indptr) == 0))
+
+
+def test_convert_chooses_code_bits_from_a_sample(tmp_path, capsys):
+    far = far_csr(64, 300, 40)
+    n = far.shape[1]
+    near = random_csr(64, 2000, 41, density=0.2)
+    near = CSRMatrix(near.indptr, near.indices, near.data, (64, n))
+    for name, a, want in [("far", far, 16), ("near", near, 8)]:
+        src = tmp_path / f"{name}.h5"
+        write_matrix_h5(src, a)
+        for fmt in FORMATS:
+            s = convert(src, tmp_path / f"{name}_{fmt}.h5", fmt=fmt, max_nnz=1000)
+            assert s["code_bits"] == want
+            with CompressedH5(tmp_path / f"{name}_{fmt}.h5") as f:
+                assert f.code_bits == want and f.bytes_per_nnz == pytest.approx(s["bytes_per_nnz"])
+                assert f.nbytes == encoded_nbytes(a, fmt)[want]
+        forced = convert(src, tmp_path / f"{name}_forced.h5", fmt="compressed", code_bits=24 - want)
+        as_csr = convert(src, tmp_path / f"{name}_csr.h5")
+        assert forced["code_bits"] == 24 - want and as_csr["code_bits"] is None
+        assert forced["checksum"] == as_csr["checksum"]
+        with CompressedH5(tmp_path / f"{name}_forced.h5") as f:
+            assert f.code_bits == 24 - want
+            assert_csr_equal(f.to_csr(), a)
+    # the CLI: --code-bits forces, info shows the width
+    out = tmp_path / "cli.h5"
+    assert main(["convert", str(tmp_path / "far.h5"), "--out", str(out), "-f", "compressed", "--code-bits", "8"]) == 0
+    assert "8-bit codes" in capsys.readouterr().out
+    assert main(["info", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "mlem-compressed container version 2 (lossless, 8-bit codes)" in text
+    with pytest.raises(ValueError, match=r"code_bits must be 8 or 16"):
+        convert(tmp_path / "far.h5", tmp_path / "x.h5", fmt="compressed", code_bits=7)
+
+
+def test_sample_code_bits_reads_rows_spread_over_the_matrix():
+    """A matrix whose first rows have small deltas and most rows large ones: the sample sees both."""
+    from mlemlib.formats import InMemoryMatrix
+
+    far = far_csr(200, 100, 42)
+    n = far.shape[1]
+    near = random_csr(20, 2000, 43, density=0.3)
+    near = CSRMatrix(near.indptr, near.indices, near.data, (20, n))
+    a = CSRMatrix.from_scipy(sp.vstack([near.to_scipy(), far.to_scipy()]).tocsr())
+    reader = InMemoryMatrix(a)
+    assert sample_code_bits(reader, sample_nnz=1600, pieces=16) == 16  # 16 pieces of 100: 2 of 16 near rows
+    assert sample_code_bits(reader, sample_nnz=1600, pieces=1) == 8  # the first rows only
+    assert sample_code_bits(reader, sample_nnz=10**9) == choose_code_bits(a) == 16  # the whole matrix
+    empty = InMemoryMatrix(MATRICES["empty_rows"]())
+    assert sample_code_bits(empty) == 8
 
 
 def test_convert_f16_of_a_corrupt_h5_is_refused(tmp_path):

@@ -139,7 +139,7 @@ def test_thesis_matrix3_fits_the_h200_node(tmp_path):
         assert f"rule {rule}:" in out, rule
     for rule in ("generate_matrix", "convert_matrix", "transpose_matrix", "reference_mlem", "bench_spmv"):
         assert f"rule {rule}:" not in out, rule
-    assert out.count("rule run_mlem:") == 2
+    assert out.count("rule run_mlem:") == 4  # onepass_fixed and onepass, each on 1 and 2 GPUs
     assert "results/matrix3/transpose.h5" not in out and "part-0.h5" not in out
     # the table: every stage, sized from the preset's estimate
     assert "generate_container    matrix3, compressed" in out and "63.7 GB" in out
@@ -149,13 +149,13 @@ def test_thesis_matrix3_fits_the_h200_node(tmp_path):
 @pytest.mark.parametrize(
     ("node", "line"),
     [
-        ({"gpu_memory_gb": 80}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-notrans on 1 GPU) needs "
-         "102.1 GB of GPU memory per GPU, the node's GPUs have 80.0 GB (short by 22.1 GB)"),
+        ({"gpu_memory_gb": 40}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 1 GPU) needs "
+         "64.9 GB of GPU memory per GPU, the node's GPUs have 40.0 GB (short by 24.9 GB)"),
         ({"disk_free_gb": 50}, "resources: stage generate_container (matrix3, compressed) writes 63.7 GB, and the "
          "stages up to it 63.7 GB; the disk has 50.0 GB free (short by 13.7 GB)"),
-        ({"host_memory_gb": 64}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-notrans on 1 GPU) needs "
+        ({"host_memory_gb": 64}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 1 GPU) needs "
          "103.4 GB of host memory, the node has 64.0 GB (short by 39.4 GB)"),
-        ({"gpus": 1}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-notrans on 2 GPUs, local) needs 2 "
+        ({"gpus": 1}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 2 GPUs, local) needs 2 "
          "GPUs, the node has 1"),
     ],
 )
@@ -168,7 +168,7 @@ def test_thesis_matrix3_refused_on_a_smaller_node(tmp_path, node, line):
 
 
 def test_check_false_only_logs(tmp_path):
-    proc = dry_run(tmp_path, matrix3_config(gpu_memory_gb=80, check=False))
+    proc = dry_run(tmp_path, matrix3_config(gpu_memory_gb=40, check=False))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "resources (not checked, node.check: false): stage run_mlem" in out

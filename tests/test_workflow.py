@@ -442,8 +442,8 @@ def clone(two_configs, tmp_path) -> Path:
 def test_matrix_path_changed_to_another_file_reruns_its_conversion_and_what_follows(clone):
     copy_older(clone / "data/mine.csr4", clone / "data/other.csr4")
     jobs = dry_run(clone, mine(matrix="data/other.csr4"))
-    assert jobs == {"convert_matrix": 1, "compute_norm": 1, "transpose_matrix": 1, "reference_mlem": 1,
-                    "run_mlem": 1, "summarize": 1}
+    assert jobs == {"convert_matrix": 1, "reorder_matrix": 1, "compute_norm": 1, "transpose_matrix": 1,
+                    "reference_mlem": 1, "run_mlem": 1, "summarize": 1}
     # The other configuration is not touched.
     assert dry_run(clone, TINY) == {}
 
@@ -455,8 +455,8 @@ def test_matrix_replaced_by_an_older_file_reruns_its_conversion(clone):
     path = clone / "data/mine.csr4"
     os.utime(path, (9e8, 9e8))
     jobs = dry_run(clone, MINE)
-    assert jobs == {"convert_matrix": 1, "compute_norm": 1, "transpose_matrix": 1, "reference_mlem": 1,
-                    "run_mlem": 1, "summarize": 1}
+    assert jobs == {"convert_matrix": 1, "reorder_matrix": 1, "compute_norm": 1, "transpose_matrix": 1,
+                    "reference_mlem": 1, "run_mlem": 1, "summarize": 1}
 
 
 @pytest.mark.slow

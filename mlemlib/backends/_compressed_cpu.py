@@ -24,8 +24,11 @@ each row's column deltas as it goes.
 
 float16 values (``compressed-f16``) are decoded exactly (``float32(half) *
 row scale``); accumulation is float32 throughout. Kernels take the encoded
-arrays as ``(rowbase, rowoff, codes, vf, vb, scale, half)`` (see
-:func:`kernel_args`) and accept a row pointer that does not start at slot 0.
+arrays as ``(rowbase, rowoff, codes, vf, vb, scale, half, high)`` (see
+:func:`kernel_args`; ``codes`` uint8 or uint16, ``high`` the matrix's high
+marker code, 254 or 65,534) and accept a row pointer that does not start at
+slot 0. Markers and pads (the marker code with value bits 0) move the column
+and add nothing.
 """
 
 from __future__ import annotations
@@ -46,11 +49,11 @@ def _rp(rowbase, rowoff, r):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _delta(cd, bits):  # pragma: no cover - compiled
-    """Column delta of a slot with code ``cd`` and value bits ``bits``."""
-    if cd < 254:
+def _delta(cd, bits, high):  # pragma: no cover - compiled
+    """Column delta of a slot with code ``cd`` and value bits ``bits`` (``high``: the high marker code)."""
+    if cd < high:
         return np.int64(cd)
-    if cd == 254:
+    if cd == high:
         return np.int64(bits) << 16
     return np.int64(bits)
 
@@ -64,7 +67,7 @@ def _val(vf, vb, scale, half, r, k):  # pragma: no cover - compiled
 
 # --------------------------------------------------------------------------- kernels on the encoding
 @njit(parallel=True, cache=True, nogil=True)
-def cmp_spmv32(rowbase, rowoff, codes, vf, vb, scale, half, x, y):  # pragma: no cover - compiled
+def cmp_spmv32(rowbase, rowoff, codes, vf, vb, scale, half, high, x, y):  # pragma: no cover - compiled
     """``y[i] = sum_k a_ik x_k`` per row, in slot order, float32."""
     base = _rp(rowbase, rowoff, 0)
     for i in prange(y.shape[0]):
@@ -74,14 +77,14 @@ def cmp_spmv32(rowbase, rowoff, codes, vf, vb, scale, half, x, y):  # pragma: no
         col = np.int64(0)
         for k in range(s, e):
             cd = codes[k]
-            col += _delta(cd, vb[k])
-            if cd < 254:
+            col += _delta(cd, vb[k], high)
+            if cd < high:
                 acc += _val(vf, vb, scale, half, i, k) * np.float32(x[col])
         y[i] = acc
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def cmp_spmv_t32(rowbase, rowoff, codes, vf, vb, scale, half, c, out, partial):  # pragma: no cover - compiled
+def cmp_spmv_t32(rowbase, rowoff, codes, vf, vb, scale, half, high, c, out, partial):  # pragma: no cover - compiled
     """``out = A^T c`` by a scatter over row blocks (``partial``: blocks x n scratch), fixed-order sum."""
     nb = partial.shape[0]
     m = c.shape[0]
@@ -99,8 +102,8 @@ def cmp_spmv_t32(rowbase, rowoff, codes, vf, vb, scale, half, c, out, partial): 
                 col = np.int64(0)
                 for k in range(_rp(rowbase, rowoff, i) - base, _rp(rowbase, rowoff, i + 1) - base):
                     cd = codes[k]
-                    col += _delta(cd, vb[k])
-                    if cd < 254:
+                    col += _delta(cd, vb[k], high)
+                    if cd < high:
                         p[col] += _val(vf, vb, scale, half, i, k) * ci
     for j in prange(n):
         s = np.float32(0.0)
@@ -110,7 +113,7 @@ def cmp_spmv_t32(rowbase, rowoff, codes, vf, vb, scale, half, c, out, partial): 
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, half, g, f, fp, bp, partial):  # pragma: no cover
+def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, half, high, g, f, fp, bp, partial):  # pragma: no cover
     """One-pass MLEM step on the encoding: ``fp = A f``, ``c = g / fp``, ``bp = A^T c``."""
     nb = partial.shape[0]
     m = g.shape[0]
@@ -129,8 +132,8 @@ def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, half, g, f, fp, bp, par
             col = np.int64(0)
             for k in range(s, e):
                 cd = codes[k]
-                col += _delta(cd, vb[k])
-                if cd < 254:
+                col += _delta(cd, vb[k], high)
+                if cd < high:
                     acc += _val(vf, vb, scale, half, i, k) * np.float32(f[col])
             fp[i] = acc
             ci = np.float32(0.0)
@@ -140,8 +143,8 @@ def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, half, g, f, fp, bp, par
                 col = np.int64(0)
                 for k in range(s, e):
                     cd = codes[k]
-                    col += _delta(cd, vb[k])
-                    if cd < 254:
+                    col += _delta(cd, vb[k], high)
+                    if cd < high:
                         p[col] += _val(vf, vb, scale, half, i, k) * ci
     for j in prange(n):
         t = np.float32(0.0)
@@ -185,16 +188,18 @@ def csr_onepass32(indptr, indices, data, g, f, fp, bp, partial):  # pragma: no c
 
 # --------------------------------------------------------------------------- wrappers
 def kernel_args(a: CompressedMatrix) -> tuple:
-    """``(rowbase, rowoff, codes, vf, vb, scale, half)``: the encoded arrays as the kernels take them.
+    """``(rowbase, rowoff, codes, vf, vb, scale, half, high)``: the encoded arrays as the kernels take them.
 
-    ``vf`` is the float32 value array (an empty array for float16 values),
-    ``vb`` the value slots' bits (uint32 or uint16 view), ``scale`` the row
-    scales (an empty array for float32 values), ``half`` True for float16.
+    ``codes`` is uint8 or uint16 (``a.code_bits``), ``vf`` the float32 value
+    array (an empty array for float16 values), ``vb`` the value slots' bits
+    (uint32 or uint16 view), ``scale`` the row scales (an empty array for
+    float32 values), ``half`` True for float16, ``high`` the high marker code
+    (:func:`mlemlib.compressed.code_high`: 254 or 65,534).
     """
     half = not a.lossless
     vf = a.values if not half else np.empty(0, dtype=np.float32)
     scale = a.scale if half else np.empty(0, dtype=np.float32)
-    return (a.rowbase, a.rowoff, a.codes, vf, a.value_bits(), scale, half)
+    return (a.rowbase, a.rowoff, a.codes, vf, a.value_bits(), scale, half, np.int64(a.code_high))
 
 
 def _vec(name: str, v: np.ndarray, size: int) -> np.ndarray:

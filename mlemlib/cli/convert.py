@@ -36,7 +36,15 @@ def register(sub) -> None:
         choices=("csr", "compressed", "compressed-f16"),
         default="csr",
         help="matrix format of the container: csr (8 bytes per non-zero), compressed (lossless, about 5: "
-        "8-bit column deltas, exact float32 values) or compressed-f16 (lossy float16 values, about 3)",
+        "8- or 16-bit column deltas, exact float32 values) or compressed-f16 (lossy float16 values, about 3)",
+    )
+    p.add_argument(
+        "--code-bits",
+        type=int,
+        choices=(8, 16),
+        default=None,
+        help="compressed formats: width of the column-delta codes (default: the smaller encoding of a sample "
+        "of rows spread over the input: 8 for rows of A, 16 for rows of a large scanner's A^T)",
     )
     p.set_defaults(func=run)
 
@@ -45,11 +53,12 @@ def run(args: argparse.Namespace) -> int:
     """Convert ``args.input`` to ``args.out``; print a one-line summary."""
     from mlemlib.formats import convert
 
-    s = convert(args.input, args.out, max_nnz=args.chunk_nnz, fmt=args.format)
+    s = convert(args.input, args.out, max_nnz=args.chunk_nnz, fmt=args.format, code_bits=args.code_bits)
     m, n = s["shape"]
     bpn = f"{s['bytes_per_nnz']:.2f}" if s["bytes_per_nnz"] is not None else "n/a"
+    codes = f", {s['code_bits']}-bit codes" if s.get("code_bits") else ""
     print(
-        f"{s['output']}: {m} x {n}, nnz {s['nnz']}, {s['format']} ({bpn} bytes per non-zero), "
+        f"{s['output']}: {m} x {n}, nnz {s['nnz']}, {s['format']} ({bpn} bytes per non-zero{codes}), "
         f"{s['chunks']} chunk(s), {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.1f} s, checksum {s['checksum'][:16]}..."
     )
     return 0

@@ -40,6 +40,7 @@ from mlemlib.formats.compressed_h5 import (
     CompressedH5,
     CompressedH5Writer,
     read_compressed_h5,
+    sample_code_bits,
     write_compressed_h5,
 )
 from mlemlib.formats.h5 import MatrixH5, MatrixH5Writer, _Checksum, read_matrix_h5, write_matrix_h5
@@ -64,6 +65,7 @@ __all__ = [
     "open_matrix",
     "open_source",
     "read_compressed_h5",
+    "sample_code_bits",
     "read_csr4",
     "read_lmsino",
     "read_matrix",
@@ -141,7 +143,12 @@ def read_matrix(path: str | os.PathLike):
 
 
 def convert(
-    src: str | os.PathLike, out: str | os.PathLike, *, max_nnz: int = DEFAULT_CHUNK_NNZ, fmt: str = "csr"
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    max_nnz: int = DEFAULT_CHUNK_NNZ,
+    fmt: str = "csr",
+    code_bits: int | None = None,
 ) -> dict:
     """Convert any supported matrix into the container ``out`` (``matrix.h5``), streaming.
 
@@ -166,6 +173,11 @@ def convert(
         (lossless, about 5 bytes per non-zero) or ``compressed-f16`` (lossy
         float16 values); the compressed ones encode each block as it passes
         and need columns sorted within rows.
+    code_bits
+        Compressed formats: the code width, 8 or 16; None chooses it before
+        the conversion from a sample of rows spread over the input
+        (:func:`sample_code_bits`: 16 row ranges, about 4 million elements
+        in all), the width whose encoding of the sample is smaller.
 
     Returns
     -------
@@ -173,7 +185,7 @@ def convert(
         ``source``, ``output``, ``shape``, ``nnz``, ``chunks``, ``seconds``,
         ``bytes`` (output size), ``input_bytes``, ``checksum``, ``grid``,
         ``voxel_size``, ``format``, ``lossless``, ``bytes_per_nnz`` (of the
-        matrix arrays, not the file).
+        matrix arrays, not the file), ``code_bits`` (compressed formats, else None).
 
     Raises
     ------
@@ -184,6 +196,8 @@ def convert(
         raise ValueError(f"max_nnz must be >= 1, got {max_nnz}")
     if fmt not in MATRIX_FORMATS:
         raise ValueError(f"unknown matrix format {fmt!r}, expected one of {', '.join(MATRIX_FORMATS)}")
+    if code_bits is not None and code_bits not in (8, 16):
+        raise ValueError(f"code_bits must be 8 or 16, not {code_bits!r}")
     src, out = Path(src), Path(out)
     if src.resolve() == out.resolve():
         raise MatrixFormatError(out, "output would overwrite the input")
@@ -198,7 +212,7 @@ def convert(
         elif isinstance(reader, MatrixH5):
             scanner_block = reader.scanner_block
             skip = {"format", "version", "shape", "nnz", "checksum", "checksum_method", "source"}
-            skip |= {"grid", "voxel_size", "scanner_block", "slots", "encoding"}
+            skip |= {"grid", "voxel_size", "scanner_block", "slots", "encoding", "code_bits"}
             extra.update({k: v for k, v in reader.attrs.items() if k not in skip})
         log.info("converting %s (%d x %d, nnz %d) -> %s (%s)", src, m, n, reader.nnz, out, fmt)
         chunks = 0
@@ -207,7 +221,10 @@ def convert(
         if fmt == "csr":
             writer_cls, fmt_kw = MatrixH5Writer, {}
         else:
-            writer_cls, fmt_kw = CompressedH5Writer, {"fmt": fmt}
+            if code_bits is None:  # one width for the whole file: chosen from rows spread over the input
+                code_bits = sample_code_bits(reader, fmt)
+                log.info("%s: %d-bit codes (the smaller encoding of a sample of rows)", out, code_bits)
+            writer_cls, fmt_kw = CompressedH5Writer, {"fmt": fmt, "code_bits": code_bits}
         # the writer's checksum is the input's unless the output rounds the values
         input_sum = _Checksum() if isinstance(reader, MatrixH5) and fmt == "compressed-f16" else None
         if input_sum is not None:
@@ -263,6 +280,7 @@ def convert(
         "format": fmt,
         "lossless": fmt != "compressed-f16",
         "bytes_per_nnz": nbytes / reader.nnz if reader.nnz else None,
+        "code_bits": code_bits if fmt != "csr" else None,
     }
     log.info("converted %s -> %s: nnz %d in %.1f s", src, out, summary["nnz"], seconds)
     return summary
@@ -285,6 +303,7 @@ def _matrix_facts(reader) -> dict:
             "matrix_format": reader.format,
             "lossless": reader.lossless,
             "slots": reader.slots,
+            "code_bits": reader.code_bits,
             "matrix_bytes": reader.nbytes,
             "bytes_per_nnz": reader.nbytes / nnz if nnz else None,
         }
@@ -387,7 +406,10 @@ def info(
                 },
             )
         elif isinstance(reader, CompressedH5):
-            res["format"] = f"mlem-{reader.format} container version 1 ({'lossless' if reader.lossless else 'lossy'})"
+            res["format"] = (
+                f"mlem-{reader.format} container version {reader.attrs['version']} "
+                f"({'lossless' if reader.lossless else 'lossy'}, {reader.code_bits}-bit codes)"
+            )
             res["attrs"] = {k: (f"<{len(v)} bytes>" if isinstance(v, bytes) else v) for k, v in reader.attrs.items()}
         elif isinstance(reader, MatrixH5):
             res["format"] = "mlem-csr container version 1"

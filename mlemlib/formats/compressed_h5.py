@@ -1,16 +1,21 @@
 """The compressed matrix in the project's HDF5 container (h5py; host memory, NumPy).
 
-Layout (see ``docs/formats.md``, "The compressed matrix" and
-:mod:`mlemlib.compressed`), for ``m`` rows, ``nnz`` elements and ``S`` slots::
+Layout version 2 (see ``docs/formats.md``, "The compressed matrix" and
+:mod:`mlemlib.compressed`), for ``m`` rows, ``nnz`` elements and ``S`` slots
+(elements, markers and pads; every row starts at a multiple of 4 slots)::
 
     /rowbase  int64[m // 64 + 1]   slot offset of rows 0, 64, 128, ...
     /rowoff   uint32[m + 1]        slot offset of row r minus rowbase[r >> 6]
-    /codes    uint8[S]             column delta (0..253) or marker code (254, 255)
+    /codes    uint8[S] | uint16[S] column delta (0..2**B-3) or marker (2**B-2, 2**B-1), B = code_bits
     /values   float32[S]           values and marker deltas (float16[S] in compressed-f16)
     /scale    float32[m]           compressed-f16 only: power-of-two row scales
-    attrs: format="mlem-compressed" | "mlem-compressed-f16", version=1,
-           shape=(m, n), nnz, slots, checksum, checksum_method, source,
-           optional grid, voxel_size, scanner_block, extras (kind, ...).
+    attrs: format="mlem-compressed" | "mlem-compressed-f16", version=2,
+           code_bits=8 | 16, shape=(m, n), nnz, slots, checksum,
+           checksum_method, encoding, source, optional grid, voxel_size,
+           scanner_block, extras (kind, ...).
+
+Version 1 files (8-bit codes, rows not aligned) are refused: re-run ``mlem
+convert``.
 
 The ``checksum`` is the CSR container's checksum of the *decoded* matrix
 (:func:`mlemlib.formats.h5.checksum_arrays` of its int64 row pointer, int32
@@ -37,20 +42,35 @@ import numpy as np
 
 from mlemlib._io import atomic_path
 from mlemlib.compressed import (
-    CODE_HIGH,
+    CODE_DTYPES,
+    LAYOUT_VERSION,
     MAX_BLOCK_SLOTS,
     ROW_BLOCK,
     ROW_SHIFT,
+    SLOT_ALIGN,
     VALUE_DTYPES,
     CompressedMatrix,
+    check_alignment,
+    choose_code_bits,
+    code_high,
     decode_slots,
-    encode_csr,
+    encoded_nbytes,
+    pick_code_bits,
     rowbase_length,
     unpack_rowptr,
 )
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import DEFAULT_CHUNK_NNZ, RowBlockWriter, check_range, check_row_ends, chunk_bounds
-from mlemlib.formats.h5 import CHECKSUM_METHOD, CHUNK_BYTES, RESERVED_ATTRS, SUBTYPES, MatrixH5, _Checksum, _chunk, _plain
+from mlemlib.formats.h5 import (
+    CHECKSUM_METHOD,
+    CHUNK_BYTES,
+    RESERVED_ATTRS,
+    SUBCLASSES,
+    MatrixH5,
+    _Checksum,
+    _chunk,
+    _plain,
+)
 from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
@@ -59,23 +79,28 @@ log = logging.getLogger(__name__)
 FORMATS = {"mlem-compressed": "compressed", "mlem-compressed-f16": "compressed-f16"}
 #: matrix format name -> ``format`` attribute.
 FORMAT_ATTRS = {v: k for k, v in FORMATS.items()}
-VERSION = 1
+VERSION = LAYOUT_VERSION
 #: Attributes the writer sets itself.
-RESERVED = RESERVED_ATTRS | {"slots", "encoding"}
+RESERVED = RESERVED_ATTRS | {"slots", "encoding", "code_bits"}
 #: A short statement of the encoding, stored as attribute ``encoding``.
 ENCODING = (
-    "row r = slots [rowbase[r>>6]+rowoff[r], rowbase[(r+1)>>6]+rowoff[r+1]); per slot: code 0..253 = column delta "
-    "(element), 255 = marker adding the slot's value bits, 254 = marker adding bits<<16; column starts at 0 per row"
+    "row r = slots [rowbase[r>>6]+rowoff[r], rowbase[(r+1)>>6]+rowoff[r+1]), each a multiple of 4; per slot, "
+    "with B = code_bits: code 0..2**B-3 = column delta (element), 2**B-1 = marker adding the slot's value bits "
+    "(value bits 0: a pad), 2**B-2 = marker adding bits<<16 (float16 values only); column starts at 0 per row"
 )
 #: Slots read per piece by the whole-file passes.
 PIECE_SLOTS = 1 << 24
+#: Elements :func:`sample_code_bits` encodes to choose the code width of a streamed conversion.
+SAMPLE_NNZ = 1 << 22
+#: Row ranges, spread evenly over the matrix, that :func:`sample_code_bits` reads.
+SAMPLE_PIECES = 16
 
 
-def _datasets(fmt: str) -> dict[str, np.dtype]:
+def _datasets(fmt: str, code_bits: int) -> dict[str, np.dtype]:
     d = {
         "rowbase": np.dtype("<i8"),
         "rowoff": np.dtype("<u4"),
-        "codes": np.dtype("u1"),
+        "codes": CODE_DTYPES[code_bits].newbyteorder("<"),
         "values": VALUE_DTYPES[fmt].newbyteorder("<"),
     }
     if fmt == "compressed-f16":
@@ -97,7 +122,9 @@ class CompressedH5(MatrixH5):
         ``compressed`` or ``compressed-f16``.
     lossless : bool
     slots : int
-        Stored slots (elements plus markers).
+        Stored slots (elements, markers and pads).
+    code_bits : int
+        8 or 16: the width of a code.
     nbytes : int
         Bytes of the encoded arrays.
     bytes_per_nnz : float
@@ -105,11 +132,15 @@ class CompressedH5(MatrixH5):
     Raises
     ------
     MatrixFormatError
-        On open: a bad ``format``/``version``, missing or malformed
-        attributes, missing datasets or wrong dtypes, sizes that disagree with
-        ``shape``/``nnz``/``slots``, a slot pointer that does not start at 0 or
-        end at ``slots``, a bad grid. On read: a slot pointer that decreases or
-        leaves ``[0, slots]``, column deltas that decode outside ``[0, n)``,
+        On open: a bad ``format``/``version`` (version 1: re-run ``mlem
+        convert``), missing or malformed attributes (``code_bits`` not 8 or
+        16, ``slots`` not a multiple of 4), missing datasets or wrong dtypes
+        (``codes`` not uint8/uint16 as ``code_bits`` says), sizes that
+        disagree with ``shape``/``nnz``/``slots``, a slot pointer that does
+        not start at 0 or end at ``slots``, a bad grid. On read: a slot
+        pointer that decreases, leaves ``[0, slots]`` or is not a multiple of
+        4, column deltas that decode outside ``[0, n)``, a high marker in a
+        float32 matrix,
         non-finite or negative values, row scales that are not finite and
         positive; on a whole pass: an element count other than ``nnz``, a
         checksum mismatch.
@@ -124,11 +155,23 @@ class CompressedH5(MatrixH5):
             raise self._fault(f"attribute format is {fmt_attr!r}, expected one of {', '.join(map(repr, FORMATS))}")
         self.format = FORMATS[fmt_attr]
         self.lossless = self.format == "compressed"
-        for key in ("version", "shape", "nnz", "slots", "checksum"):
-            if key not in a:
-                raise self._fault(f"missing attribute {key!r}")
+        if "version" not in a:
+            raise self._fault("missing attribute 'version'")
+        if a["version"] == 1:
+            raise self._fault(
+                "compressed container version 1 (8-bit codes, rows not aligned to 4 slots) is no longer read; "
+                f"re-run `mlem convert --format {self.format}` on the source matrix to write version {VERSION}"
+            )
         if a["version"] != VERSION:
             raise self._fault(f"unsupported container version {a['version']!r}, expected {VERSION}")
+        for key in ("code_bits", "shape", "nnz", "slots", "checksum"):
+            if key not in a:
+                raise self._fault(f"missing attribute {key!r}")
+        cb = a["code_bits"]
+        if not isinstance(cb, int) or isinstance(cb, bool) or cb not in CODE_DTYPES:
+            raise self._fault(f"attribute code_bits is {a['code_bits']!r}, expected 8 or 16")
+        self.code_bits = int(a["code_bits"])
+        self.code_high = code_high(self.code_bits)
         shape = a["shape"]
         if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(v, int) and v >= 0 for v in shape)):
             raise self._fault(f"attribute shape is {shape!r}, expected two non-negative integers")
@@ -143,18 +186,23 @@ class CompressedH5(MatrixH5):
             raise self._fault(f"{n} columns exceed the int32 column index range")
         if self.nnz > self.slots:
             raise self._fault(f"attribute nnz = {self.nnz} exceeds slots = {self.slots}")
+        if self.slots % SLOT_ALIGN:
+            raise self._fault(f"attribute slots = {self.slots} is not a multiple of {SLOT_ALIGN}")
         expected = {"rowbase": rowbase_length(m), "rowoff": m + 1, "codes": self.slots, "values": self.slots, "scale": m}
         what = {"rowbase": "shape[0] // 64 + 1", "rowoff": "shape[0] + 1", "codes": "slots", "values": "slots",
                 "scale": "shape[0]"}
         self._ds = {}
-        for name, dtype in _datasets(self.format).items():
+        for name, dtype in _datasets(self.format, self.code_bits).items():
             if name not in f:
                 raise self._fault(f"missing dataset /{name}")
             ds = f[name]
             if not hasattr(ds, "dtype"):
                 raise self._fault(f"/{name} is a group, expected a dataset")
             if ds.dtype != dtype or ds.ndim != 1:
-                raise self._fault(f"dataset /{name} is {ds.dtype}{list(ds.shape)}, expected 1-D {dtype.name}")
+                extra = f" (attribute code_bits = {self.code_bits})" if name == "codes" else ""
+                raise self._fault(
+                    f"dataset /{name} is {ds.dtype}{list(ds.shape)}, expected 1-D {dtype.name}{extra}"
+                )
             if ds.shape[0] != expected[name]:
                 raise self._fault(
                     f"dataset /{name} has {ds.shape[0]} entries, but attribute {what[name]} = {expected[name]}"
@@ -173,7 +221,10 @@ class CompressedH5(MatrixH5):
         self.bytes_per_nnz = self.nbytes / self.nnz if self.nnz else math.inf
 
     def __repr__(self) -> str:
-        return f"CompressedH5({self.source!r}, {self.format}, shape={self.shape}, nnz={self.nnz}, slots={self.slots})"
+        return (
+            f"CompressedH5({self.source!r}, {self.format}, shape={self.shape}, nnz={self.nnz}, slots={self.slots}, "
+            f"code_bits={self.code_bits})"
+        )
 
     # -- row pointers
     def _slotptr(self, start: int, stop: int) -> np.ndarray:
@@ -183,11 +234,15 @@ class CompressedH5(MatrixH5):
         return unpack_rowptr(rb, ro, start)
 
     def read_slotptr(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """The slot pointer of rows ``[start, stop)`` (``stop - start + 1`` absolute int64 offsets), validated."""
+        """The slot pointer of rows ``[start, stop)`` (``stop - start + 1`` absolute int64 offsets), validated.
+
+        Checked: within ``[0, slots]``, non-decreasing, every offset a multiple of 4.
+        """
         stop = self.shape[0] if stop is None else stop
         start, stop = check_range(start, stop, self.shape[0], self.source)
         sp = self._slotptr(start, stop)
         check_row_ends(sp[1:], int(sp[0]), self.slots, self.source, row0=start, what="slot pointer")
+        check_alignment(sp, self.source, row0=start, slot0=int(sp[0]) if len(sp) else 0)
         return sp
 
     def read_indptr(self) -> np.ndarray:
@@ -199,7 +254,7 @@ class CompressedH5(MatrixH5):
             for r0, r1 in chunk_bounds(sp, PIECE_SLOTS):
                 codes = self._read("codes", int(sp[r0]), int(sp[r1]))
                 marks = np.zeros(len(codes) + 1, dtype=np.int64)
-                np.cumsum(codes >= CODE_HIGH, out=marks[1:])
+                np.cumsum(codes >= self.code_high, out=marks[1:])
                 local = sp[r0 : r1 + 1] - sp[r0]
                 counts[r0:r1] = np.diff(local) - np.diff(marks[local])
             indptr = np.zeros(m + 1, dtype=np.int64)
@@ -241,8 +296,10 @@ class CompressedH5(MatrixH5):
                 sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo
             ).nnz
         else:
-            nnz = int(np.count_nonzero(codes < CODE_HIGH))
-        return CompressedMatrix.from_arrays(sp - lo, codes, values, scale, (stop - start, self.shape[1]), nnz)
+            nnz = int(np.count_nonzero(codes < self.code_high))
+        return CompressedMatrix.from_arrays(
+            sp - lo, codes, values, scale, (stop - start, self.shape[1]), nnz, self.code_bits
+        )
 
     def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
         """Rows ``[start, stop)`` decoded into CSR (``indptr`` from 0).
@@ -276,20 +333,26 @@ class CompressedH5(MatrixH5):
         return c.hexdigest()
 
 
+SUBCLASSES.update(dict.fromkeys(FORMATS, CompressedH5))  # MatrixH5(path) opens a compressed file as CompressedH5
+
+
 # --------------------------------------------------------------------------- writer
-for _attr in FORMATS:  # MatrixH5(path) opens a compressed container as CompressedH5
-    SUBTYPES[_attr] = CompressedH5
-
-
 class CompressedH5Writer(RowBlockWriter):
     """Streaming, atomic writer of a compressed container; encodes CSR row blocks as they come.
 
     Takes the same arguments as :class:`~mlemlib.formats.h5.MatrixH5Writer`
-    plus ``fmt``; :meth:`write_rows` takes CSR blocks (columns sorted within
-    rows), :meth:`write_encoded` already encoded ones. Each block is encoded
-    on its own (rows are independent), so peak memory is about one block. The
-    checksum is that of the decoded matrix (equal to the CSR container's for
-    ``compressed``).
+    plus ``fmt`` and ``code_bits``; :meth:`write_rows` takes CSR blocks
+    (columns sorted within rows), :meth:`write_encoded` already encoded ones.
+    Each block is encoded on its own (rows are independent), so peak memory is
+    about one block. The checksum is that of the decoded matrix (equal to the
+    CSR container's for ``compressed``).
+
+    One file has one code width. With ``code_bits=None`` the first block that
+    holds an element decides (the smaller encoding of that block, see
+    :func:`mlemlib.compressed.choose_code_bits`) and every later block is
+    encoded with it; a caller that knows the whole matrix better (``mlem
+    convert`` samples rows spread over it, :func:`sample_code_bits`) passes
+    ``code_bits``. A matrix without elements gets 8.
 
     Parameters
     ----------
@@ -297,6 +360,8 @@ class CompressedH5Writer(RowBlockWriter):
         As for :class:`~mlemlib.formats.h5.MatrixH5Writer`.
     fmt
         ``compressed`` (lossless) or ``compressed-f16`` (lossy).
+    code_bits
+        8 or 16, or None (decided by the first block with an element).
 
     Raises
     ------
@@ -313,6 +378,7 @@ class CompressedH5Writer(RowBlockWriter):
         nnz: int,
         *,
         fmt: str = "compressed",
+        code_bits: int | None = None,
         source: str = "",
         grid: tuple[int, int, int] | None = None,
         voxel_size: tuple[float, float, float] | None = None,
@@ -323,7 +389,10 @@ class CompressedH5Writer(RowBlockWriter):
 
         if fmt not in FORMAT_ATTRS:
             raise ValueError(f"unknown compressed format {fmt!r}, expected one of {', '.join(FORMAT_ATTRS)}")
+        if code_bits is not None and code_bits not in CODE_DTYPES:
+            raise ValueError(f"code_bits must be 8 or 16, not {code_bits!r}")
         self.fmt = fmt
+        self.code_bits: int | None = None
         self.path = Path(path)
         m, n = int(shape[0]), int(shape[1])
         self.shape = (m, n)
@@ -353,16 +422,14 @@ class CompressedH5Writer(RowBlockWriter):
         self._open = True
         try:
             f = self._f = h5py.File(self._tmp, "w")
-            dts = _datasets(fmt)
+            dts = _datasets(fmt, 8)
             for name in ("rowbase", "rowoff", "scale"):
                 if name in dts:
                     size = {"rowbase": rowbase_length(m), "rowoff": m + 1, "scale": m}[name]
                     f.create_dataset(name, shape=(size,), dtype=dts[name], chunks=_chunk(size, dts[name].itemsize))
-            for name in ("codes", "values"):
-                per_chunk = CHUNK_BYTES // dts[name].itemsize
-                f.create_dataset(
-                    name, shape=(0,), maxshape=(None,), dtype=dts[name], chunks=(max(1, min(per_chunk, self.nnz)),)
-                )
+            self._slot_dataset("values", dts["values"])
+            if code_bits is not None:
+                self._set_code_bits(int(code_bits))
             f.attrs["format"] = FORMAT_ATTRS[fmt]
             f.attrs["version"] = np.int64(VERSION)
             f.attrs["shape"] = np.array([m, n], dtype=np.int64)
@@ -384,6 +451,18 @@ class CompressedH5Writer(RowBlockWriter):
             self.abort()
             raise
 
+    def _slot_dataset(self, name: str, dtype: np.dtype) -> None:
+        per_chunk = CHUNK_BYTES // dtype.itemsize
+        self._f.create_dataset(
+            name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(max(1, min(per_chunk, self.nnz)),)
+        )
+
+    def _set_code_bits(self, code_bits: int) -> None:
+        """Fix the file's code width: create ``/codes`` and the ``code_bits`` attribute."""
+        self.code_bits = code_bits
+        self._slot_dataset("codes", CODE_DTYPES[code_bits].newbyteorder("<"))
+        self._f.attrs["code_bits"] = np.int64(code_bits)
+
     @property
     def checksum(self) -> str:
         """The checksum of the decoded matrix written so far (final once every row is written)."""
@@ -403,8 +482,11 @@ class CompressedH5Writer(RowBlockWriter):
         bnnz = self._accept(block, validate=validate)
         try:
             enc = CompressedMatrix.from_csr(
-                block, self.fmt, validate=False, source=self.path if source is None else source, row0=self._rows
+                block, self.fmt, code_bits=self.code_bits, validate=False,
+                source=self.path if source is None else source, row0=self._rows,
             )
+            if self.code_bits is None and enc.slots:
+                self._set_code_bits(enc.code_bits)
         except BaseException:
             self.abort()
             raise
@@ -415,13 +497,24 @@ class CompressedH5Writer(RowBlockWriter):
         self._append(enc, decoded, bnnz)
 
     def write_encoded(self, block: CompressedMatrix, *, validate: bool = True) -> None:
-        """Append the next row block, already encoded (its format must be the writer's)."""
+        """Append the next row block, already encoded (its format must be the writer's).
+
+        A block of another code width than the file's is re-encoded (values bit for bit).
+        """
         if block.format != self.fmt:
             raise ValueError(f"{self.path}: a {block.format} block for a {self.fmt} file")
         decoded = block.to_csr(validate=validate, source=self.path)
         bnnz = self._accept(decoded, validate=False)
         if bnnz != block.nnz:
             raise MatrixFormatError(self.path, f"encoded block decodes to {bnnz} elements, says nnz = {block.nnz}")
+        try:
+            if block.slots:
+                if self.code_bits is None:
+                    self._set_code_bits(block.code_bits)
+                block = block.with_code_bits(self.code_bits)
+        except BaseException:
+            self.abort()
+            raise
         self._append(block, decoded, bnnz)
 
     def _append(self, enc: CompressedMatrix, decoded: CSRMatrix, bnnz: int) -> None:
@@ -469,6 +562,8 @@ class CompressedH5Writer(RowBlockWriter):
         digest = self.checksum
         self._open = False
         try:
+            if self.code_bits is None:  # no element: nothing decided the width
+                self._set_code_bits(8)
             self._f["rowbase"][...] = self._rowbase
             self._f.attrs["slots"] = np.int64(self._slots)
             self._f.attrs["checksum"] = digest
@@ -477,7 +572,10 @@ class CompressedH5Writer(RowBlockWriter):
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
             raise
         self._stack.close()
-        log.debug("wrote %s (%s, %d x %d, nnz %d, %d slots)", self.path, self.fmt, *self.shape, self.nnz, self._slots)
+        log.debug(
+            "wrote %s (%s, %d x %d, nnz %d, %d slots, %d-bit codes)",
+            self.path, self.fmt, *self.shape, self.nnz, self._slots, self.code_bits,
+        )  # fmt: skip
         return digest
 
     def abort(self) -> None:
@@ -495,30 +593,93 @@ def write_compressed_h5(
     matrix: CSRMatrix | CompressedMatrix,
     *,
     fmt: str | None = None,
+    code_bits: int | None = None,
     max_nnz: int = DEFAULT_CHUNK_NNZ,
     **attrs,
 ) -> str:
     """Write a matrix (CSR, or already compressed) as a compressed container, atomically; return its checksum.
 
     ``fmt`` defaults to the compressed matrix's own format, else ``compressed``.
-    ``attrs`` go to :class:`CompressedH5Writer`.
+    ``code_bits`` defaults to the compressed matrix's own width, else the
+    smaller encoding of the whole CSR matrix
+    (:func:`mlemlib.compressed.choose_code_bits`). ``attrs`` go to
+    :class:`CompressedH5Writer`.
     """
     if isinstance(matrix, CompressedMatrix):
         fmt = fmt or matrix.format
         if fmt != matrix.format:
             matrix = matrix.to_csr()
+        elif code_bits is None:
+            code_bits = matrix.code_bits
     fmt = fmt or "compressed"
-    with CompressedH5Writer(path, matrix.shape, matrix.nnz, fmt=fmt, **attrs) as w:
+    if not isinstance(matrix, CompressedMatrix):
+        from mlemlib.formats._check import check_block, split_rows
+
+        check_block(matrix, path)
+        if code_bits is None:
+            code_bits = choose_code_bits(matrix, fmt, source=path)
+    with CompressedH5Writer(path, matrix.shape, matrix.nnz, fmt=fmt, code_bits=code_bits, **attrs) as w:
         if isinstance(matrix, CompressedMatrix):
             for r0, r1 in chunk_bounds(matrix.slotptr(), max_nnz) if matrix.shape[0] else []:
                 w.write_encoded(matrix.row_range(r0, r1))
         else:
-            from mlemlib.formats._check import check_block, split_rows
-
-            check_block(matrix, path)
             for block in split_rows(matrix, max_nnz):
                 w.write_rows(block, validate=False)
     return w.checksum
+
+
+def sample_code_bits(
+    reader,
+    fmt: str = "compressed",
+    *,
+    sample_nnz: int = SAMPLE_NNZ,
+    pieces: int = SAMPLE_PIECES,
+) -> int:
+    """The code width for a streamed encoding of a whole matrix, from a sample of its rows.
+
+    Reads ``pieces`` row ranges spread evenly over the matrix (each from an
+    evenly spaced row on, about ``sample_nnz / pieces`` elements; the whole
+    matrix when it holds at most ``sample_nnz`` elements), and returns the
+    width (8 or 16) whose encoding of those rows is smaller (8 on a tie, or
+    without elements).
+
+    Parameters
+    ----------
+    reader
+        An opened matrix (``read_indptr()``, ``read_rows(start, stop)``), e.g.
+        from :func:`mlemlib.formats.open_matrix`.
+    fmt
+        ``compressed`` or ``compressed-f16``.
+
+    Raises
+    ------
+    MatrixFormatError
+        A fault of the rows read, or columns not sorted within a row.
+    """
+    indptr = reader.read_indptr()
+    m = len(indptr) - 1
+    total = int(indptr[-1]) if m else 0
+    if total == 0:
+        return 8
+    if total <= sample_nnz:
+        ranges = [(0, m)]
+    else:
+        per = max(1, sample_nnz // pieces)
+        ranges = []
+        for q in range(pieces):
+            r0 = q * m // pieces
+            r1 = int(np.searchsorted(indptr, indptr[r0] + per, side="left"))
+            r1 = min(m, max(r0 + 1, r1))
+            if ranges and r0 < ranges[-1][1]:
+                ranges[-1] = (ranges[-1][0], max(ranges[-1][1], r1))
+            else:
+                ranges.append((r0, r1))
+    sums = {8: 0, 16: 0}
+    for r0, r1 in ranges:
+        nb = encoded_nbytes(reader.read_rows(r0, r1), fmt, source=getattr(reader, "source", "<matrix>"), row0=r0)
+        for k in sums:
+            sums[k] += nb[k]
+    return pick_code_bits(sums)
 
 
 def read_compressed_h5(path: str | os.PathLike) -> CompressedMatrix:

@@ -133,9 +133,9 @@ def _peek_format(path: str | os.PathLike) -> str | None:
 
 # --------------------------------------------------------------------------- reader
 
-
-#: ``format`` attribute -> reader class of containers that are not plain CSR (registered by their modules).
-SUBTYPES: dict[str, type] = {}
+#: ``format`` attribute -> reader subclass that opens it (filled by the subclasses' modules:
+#: :mod:`mlemlib.formats.compressed_h5`, imported with :mod:`mlemlib.formats`, so before any reader opens).
+SUBCLASSES: dict[str, type] = {}
 
 
 class MatrixH5(RowBlockReader):
@@ -168,12 +168,11 @@ class MatrixH5(RowBlockReader):
     """
 
     def __new__(cls, path: str | os.PathLike, *args, **kwargs):
-        # One entry point for every container: a container whose ``format``
-        # attribute another reader registered (SUBTYPES, filled by
-        # mlemlib.formats.compressed_h5 when mlemlib.formats is imported) opens
-        # as that subclass, so the stages that open MatrixH5 stream it as CSR.
-        if cls is MatrixH5 and SUBTYPES:
-            sub = SUBTYPES.get(_peek_format(path))
+        # One entry point for every container: a compressed one opens as its
+        # subclass (mlemlib.formats.compressed_h5.CompressedH5), so the stages
+        # that open MatrixH5 stream it as CSR unchanged.
+        if cls is MatrixH5 and SUBCLASSES:
+            sub = SUBCLASSES.get(_peek_format(path))
             if sub is not None:
                 return super().__new__(sub)
         return super().__new__(cls)
