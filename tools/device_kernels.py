@@ -304,11 +304,12 @@ def compressed_section(a, at, f, c, g, ref_fp, ref_bp, ref_op, run, args, order)
             t0 = time.perf_counter()
             cm = CompressedMatrix.from_csr(h, fmt, validate=False)
             dt = time.perf_counter() - t0
-            log(f"{order}: {fmt} {name}: {cm.bytes_per_nnz:.3f} bytes per non-zero "
-                f"({cm.slots - cm.nnz} markers, {100 * (cm.slots - cm.nnz) / max(1, cm.nnz):.2f}%), encoded in {dt:.1f} s")
+            log(f"{order}: {fmt} {name}: {cm.bytes_per_nnz:.3f} bytes per non-zero, {cm.code_bits}-bit codes "
+                f"({cm.slots - cm.nnz} markers and pads, {100 * (cm.slots - cm.nnz) / max(1, cm.nnz):.2f}%), "
+                f"encoded in {dt:.1f} s")
             mats[(fmt, name)] = gpu.DeviceCompressed.from_host(cm)
             RESULTS_FORMATS.append({"order": order, "format": fmt, "matrix": name, "bytes_per_nnz": cm.bytes_per_nnz,
-                                    "markers": int(cm.slots - cm.nnz), "encode_s": dt})
+                                    "markers": int(cm.slots - cm.nnz), "code_bits": cm.code_bits, "encode_s": dt})
             del cm
     del host_a, host_at
     BOUND[0] = 4.0 * float(ref_op.max())  # the deterministic one-pass's fixed-point range (bp <= bound)

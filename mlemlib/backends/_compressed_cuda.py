@@ -219,7 +219,8 @@ class DeviceCompressed(DeviceMatrix):
         if self.slots == 0:
             return 0.0
         if self.scale is None:
-            return float(cp.max(cp.where(self.codes < 254, self.values, cp.float32(0))))
+            high = (1 << self.code_bits) - 2  # codes from here on are markers
+            return float(cp.max(cp.where(self.codes < high, self.values, cp.float32(0))))
         return float(cp.max(self.scale)) * 32768.0 if self.scale.size else 0.0
 
     def kernel_args(self) -> tuple:
