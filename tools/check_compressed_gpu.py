@@ -245,7 +245,7 @@ def check_matrix(name: str, a: CSRMatrix, args) -> None:
                     gpu.scatter(da, c, lanes=L, deterministic=True, stats=st)
                     acc = cp.zeros(n, dtype=cp.uint64)
                     flag = cp.zeros(1, dtype=cp.int32)
-                    fn = gpu.function(f"scatter_det_{da.kind}_{L}")
+                    fn = gpu.function(f"cscatter_det_{da.kind}_{L}")
 
                     def run_scatter(acc=acc, flag=flag, fn=fn, st=st):
                         acc.fill(0)
