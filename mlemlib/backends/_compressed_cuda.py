@@ -48,6 +48,8 @@ THREADS = 512
 #: Cap of a launch in full waves of the device (the kernels loop over the rest); 0: no cap, one
 #: row per lane group, which keeps neighbouring rows in flight together (docs/benchmarks.md §25).
 WAVES = 0
+#: Quads (4 slots) per lane per trip of the compressed SpMV: 1 (cspmv) or 2 (cspmv8).
+QUADS = 1
 #: Extra NVRTC options (e.g. ``("-DMLEM_OP_CACHE=24",)``: trips of a row kept in registers by the one-pass kernels).
 OPTIONS: tuple[str, ...] = ()
 #: Epilogues of :func:`spmv` (as spmv.cu).
@@ -398,8 +400,8 @@ def spmv(
             _check_vector("aux1", aux1, m)
     if m == 0:
         return out
-    L = _lanes(lanes, a.lanes())
-    fn = function(f"cspmv_{a.kind}_{L}")
+    L = _lanes(lanes, a.lanes() if QUADS == 1 else choose_lanes(a.slots / 8 / m if m else 0.0))
+    fn = function(f"cspmv{'8' if QUADS == 2 else ''}_{a.kind}_{L}")
     a0 = aux0 if aux0 is not None else out
     a1 = aux1 if aux1 is not None else out
     _launch_rows(fn, m, L, (*a.kernel_args(), x, out, np.int64(m), np.int32(mode), a0, a1))

@@ -26,6 +26,8 @@
 //   cspmv_<K>_<L>          y = A x, fused epilogue `mode` as spmv.cu; also the
 //                          back projection on a stored compressed A^T.
 //                          Deterministic (no atomics).
+//   cspmv8_<K>_<L>         the same with 8 consecutive slots per lane per trip
+//                          (two quads, one scan per 8 slots).
 //   cscatter_<K>_<L>       out += A^T c from the rows of A, float atomics.
 //                          NOT deterministic.
 //   cscatter_det_<K>_<L>   the same into 64-bit fixed point; deterministic.
@@ -341,7 +343,8 @@ __device__ __forceinline__ void row_quads(const i64* __restrict__ rb, const unsi
     }
 }
 
-template <int L, int VB, int CB>
+// Q = quads per lane per trip (1: 4 slots, 2: 8 consecutive slots, one scan per 8).
+template <int L, int VB, int CB, int Q>
 __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                            const void* __restrict__ codes, const void* __restrict__ vals,
                                            const float* __restrict__ scale, const float* __restrict__ x, float* y,
@@ -355,22 +358,29 @@ __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const uns
         i64 qs, qe;
         float rs;
         row_quads<VB>(rb, ro, scale, r, valid, qs, qe, rs);
-        const i64 trips = warp_max((qe - qs + L - 1) / L);
+        const i64 trips = warp_max((qe - qs + Q * L - 1) / (Q * L));
         float sum = 0.0f;
         unsigned carry = 0u;
 #pragma unroll 2
         for (i64 t = 0; t < trips; ++t) {
-            const i64 q = qs + t * L + lane;
-            unsigned d[4];
-            float v[4];
-            bool el[4];
-            const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
+            unsigned d[Q][4];
+            float v[Q][4];
+            bool el[Q][4];
+            unsigned tot = 0u;
+#pragma unroll
+            for (int h = 0; h < Q; ++h) {
+                const i64 q = qs + (t * L + lane) * Q + h;
+                tot += load_quad<VB, CB>(codes, vals, rs, q, q < qe, d[h], v[h], el[h]);
+            }
             unsigned all;
             unsigned col = carry + group_excl_scan<L>(tot, lane, all);
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                col += d[k];
-                if (el[k]) sum += v[k] * __ldg(x + col);
+            for (int h = 0; h < Q; ++h) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    col += d[h][k];
+                    if (el[h][k]) sum += v[h][k] * __ldg(x + col);
+                }
             }
             carry += all;
         }
@@ -518,7 +528,12 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cspmv_##K##_##L(                        \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* x, float* y, i64 m, int mode, const float* aux0, const float* aux1) {                 \
-        cspmv_body<L, VB, CB>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                      \
+        cspmv_body<L, VB, CB, 1>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                   \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cspmv8_##K##_##L(                       \
+        const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
+        const float* x, float* y, i64 m, int mode, const float* aux0, const float* aux1) {                 \
+        cspmv_body<L, VB, CB, 2>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                   \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cscatter_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
