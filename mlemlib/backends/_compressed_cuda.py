@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 
 #: Lanes per row the kernels are compiled for.
 LANE_CHOICES = (4, 8, 16, 32)
-#: Threads per block (kernels are built for it: ``-DMLEM_CMP_THREADS``).
-THREADS = 512
+#: Threads per block (kernels are built for it: ``-DMLEM_CMP_THREADS``); 256 measured fastest
+#: on madpet2 (H100, docs/benchmarks.md section 27).
+THREADS = 256
 #: Cap of a launch in full waves of the device (the kernels loop over the rest); 0: no cap, one
 #: row per lane group, which keeps neighbouring rows in flight together (docs/benchmarks.md §25).
 WAVES = 0
@@ -92,7 +93,7 @@ def _function_on(name: str, device_id: int, options: tuple[str, ...]) -> Any:
 
 def function(name: str) -> Any:
     """Kernel ``name`` of compressed.cu, compiled for the current device and :data:`THREADS` (memoized)."""
-    opts = OPTIONS + ((f"-DMLEM_CMP_THREADS={THREADS}",) if THREADS != 512 else ())
+    opts = OPTIONS + ((f"-DMLEM_CMP_THREADS={THREADS}",) if THREADS != 512 else ())  # the .cu's default is 512
     return _function_on(name, cupy().cuda.Device().id, opts)
 
 
