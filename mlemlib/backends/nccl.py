@@ -95,6 +95,8 @@ def _indptr_of(source: Any) -> np.ndarray:
         return ip - ip[0] if len(ip) and ip[0] else ip
     if hasattr(source, "read_indptr"):
         return np.asarray(source.read_indptr(), dtype=np.int64)
+    if hasattr(source, "csr_indptr"):  # an in-memory compressed matrix: its elements' row pointer
+        return np.asarray(source.csr_indptr(), dtype=np.int64)
     if hasattr(source, "tocsr"):
         return np.asarray(source.tocsr().indptr, dtype=np.int64)
     ip = getattr(source, "indptr", None)
