@@ -925,8 +925,8 @@ class NcclBackend(Backend):
             "fused": self.fuse,
             "lanes_fp": self.lanes_fp,
             "lanes_bp": sorted({self.lanes_bp(s) for s in self.shards}) if self.bp_kernel == "csr_vector" else None,
-            "shape_fp": sorted({(s.a.row_shape or cplan.RowShape()).label() for s in self.shards}),
-            "shape_bp": sorted({(s.at.row_shape or cplan.RowShape()).label() for s in self.shards if s.at is not None}),
+            "shape_fp": sorted({_shape_label(s.a) for s in self.shards}),
+            "shape_bp": sorted({_shape_label(s.at) for s in self.shards if s.at is not None}),
             "transpose": ("none" if self.onepass or self.bp_kernel in SCATTER_KERNELS else "local parts")
             if self.layout == "local" else "row blocks",
             "format": self.format,
@@ -935,6 +935,13 @@ class NcclBackend(Backend):
             "steps": steps if not self.graph else ["iteration"],
             "devices": devs,
         }
+
+
+def _shape_label(a: Any) -> str:
+    """The launch shape csr_vector runs on ``a`` (a DeviceCSR's tuned ``row_shape``; '-' for other formats)."""
+    if not hasattr(a, "row_shape"):
+        return "-"
+    return (a.row_shape or cplan.RowShape()).label()
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
