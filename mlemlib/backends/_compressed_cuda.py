@@ -390,15 +390,10 @@ def spmv(
     cp = cupy()
     if not isinstance(a, DeviceCompressed):
         raise TypeError("spmv takes a DeviceCompressed (CSR has mlemlib.backends._cuda_kernels.spmv)")
+    from mlemlib.backends._cuda_kernels import spmv_vectors
+
     m, n = a.shape
-    _check_vector("x", x, n)
-    if out is None:
-        out = cp.empty(m, dtype=cp.float32)
-    _check_vector("out", out, m)
-    if mode != MODE_PLAIN:
-        _check_vector("aux0", aux0, m)
-        if mode == MODE_UPDATE:
-            _check_vector("aux1", aux1, m)
+    out = spmv_vectors(a.shape, x, out, mode, aux0, aux1)
     if m == 0:
         return out
     L = _lanes(lanes, a.lanes() if QUADS == 1 else choose_lanes(a.slots / 8 / m if m else 0.0))

@@ -431,6 +431,21 @@ def unpadded(a: Any) -> Any:
     return DeviceCSR(a.indptr - pad, a.indices[pad:].copy(), a.data[pad:].copy(), a.shape)
 
 
+def spmv_vectors(shape: tuple[int, int], x: Any, out: Any, mode: int, aux0: Any, aux1: Any) -> Any:
+    """Check an SpMV's vectors against ``shape`` (``x``; ``out``, allocated when None; the epilogue's); return ``out``."""
+    m, n = shape
+    _check_vector("x", x, n)
+    if out is None:
+        out = cupy().empty(m, dtype=cupy().float32)
+    else:
+        _check_vector("out", out, m)
+    if mode != MODE_PLAIN:
+        _check_vector("aux0", aux0, m)
+        if mode == MODE_UPDATE:
+            _check_vector("aux1", aux1, m)
+    return out
+
+
 def _check_vector(name: str, v: Any, length: int) -> None:
     cp = cupy()
     if not isinstance(v, cp.ndarray) or v.dtype != cp.float32 or v.ndim != 1 or v.size != length:
@@ -494,15 +509,7 @@ def spmv(
     """
     cp = cupy()
     m, n = a.shape
-    _check_vector("x", x, n)
-    if out is None:
-        out = cp.empty(m, dtype=cp.float32)
-    else:
-        _check_vector("out", out, m)
-    if mode != MODE_PLAIN:
-        _check_vector("aux0", aux0, m)
-        if mode == MODE_UPDATE:
-            _check_vector("aux1", aux1, m)
+    out = spmv_vectors(a.shape, x, out, mode, aux0, aux1)
     if m == 0:
         return out
     if kernel in ("csr_vector", "csr_scalar"):
