@@ -48,10 +48,14 @@ from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
 
-#: Kernels timed by default, per operation: every cuda kernel of the registry (selectors left out).
-FP_BENCH = tuple(registry.names("cuda", "forward"))
-BP_BENCH = tuple(registry.names("cuda", "back"))
-NOTRANS_BENCH = tuple(k.name for k in registry.KERNELS if k.backend == "cuda" and k.op == "back_notrans" and not k.selector)
+#: Kernels timed by default, per operation: every cuda kernel of the registry that reads CSR
+#: (selectors left out; the compressed formats' kernels: tools/device_kernels.py --compressed).
+FP_BENCH = tuple(registry.names("cuda", "forward", fmt="csr"))
+BP_BENCH = tuple(registry.names("cuda", "back", fmt="csr"))
+NOTRANS_BENCH = tuple(
+    k.name for k in registry.KERNELS
+    if k.backend == "cuda" and k.op == "back_notrans" and not k.selector and "csr" in k.formats
+)
 #: (fp, bp) pairs timed as whole MLEM iterations.
 ITERATION_BENCH = (
     ("cusparse", "cusparse"),

@@ -522,7 +522,8 @@ def spmv(
         lanes_ = lanes or a.lanes()
         if lanes_ not in plan.LANE_CHOICES:
             raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
-        shape = a.row_shape if shape is None else shape
+        if shape is None:  # the matrix's tuned shape, where this lane count can take it
+            shape = a.row_shape if lanes_ in plan.BLOCK_LANES else None
         if shape is None or shape.is_default:
             _launch_rows(_function("spmv", f"csr_vector_{lanes_}"), m, lanes_, args)
             return out
