@@ -371,19 +371,23 @@ def _runs_of(parts):
     return [run for run in get_runs() if run["gpus"] == parts]
 
 
-def is_local_transpose(parts):
-    """True when a run on `parts` GPUs reads a stored A_k^T in the local layout:
-    then partition_matrix writes part-{k}.h5 (else the plan only references A)."""
+def is_local_transpose(parts, matrix):
+    """True when partition_matrix writes part-{k}.h5 (A_k^T) for `parts` GPUs
+    (else the plan only references A): a local-layout run on `parts` GPUs
+    back-projects on a stored A_k^T and the matrix is compressed. The GPUs
+    transpose a CSR block themselves (cuSPARSE), not a compressed one."""
+    if config["matrices"][matrix].get("format", "csr") == "csr":
+        return False
     return any(
         run["layout"] == "local" and uses_transpose(run["backend"], run["bp"])
         for run in _runs_of(parts)
     )
 
 
-def is_partition_transposed(parts):
+def is_partition_transposed(parts, matrix):
     """True when the plan of `parts` needs transpose.h5: for part-{k}.h5, or
     for the row blocks of A^T of a thesis-layout run."""
-    return is_local_transpose(parts) or any(
+    return is_local_transpose(parts, matrix) or any(
         run["layout"] == "thesis" for run in _runs_of(parts)
     )
 
@@ -391,14 +395,14 @@ def is_partition_transposed(parts):
 def get_partition_input(wildcards):
     """Named inputs of partition_matrix: the matrix, and transpose.h5 where needed."""
     inputs = {"matrix": f"results/{wildcards.matrix}/matrix.h5"}
-    if is_partition_transposed(int(wildcards.parts)):
+    if is_partition_transposed(int(wildcards.parts), wildcards.matrix):
         inputs["transpose"] = f"results/{wildcards.matrix}/transpose.h5"
     return inputs
 
 
 def get_local_transpose(wildcards):
     """Whether partition_matrix writes the parts' A_k^T (is_local_transpose)."""
-    return is_local_transpose(int(wildcards.parts))
+    return is_local_transpose(int(wildcards.parts), wildcards.matrix)
 
 
 def is_transpose_needed():
@@ -704,7 +708,9 @@ def _job_resources(stage, wildcards, input, threads, attempt):
         raise FileNotFoundError(errno.ENOENT, "not made yet", path)
     if stage == "partition":
         options["parts"] = int(wildcards.parts)
-        options["stored_transpose"] = is_local_transpose(int(wildcards.parts))
+        options["stored_transpose"] = is_local_transpose(
+            int(wildcards.parts), wildcards.matrix
+        )
     elif stage == "mlem":
         mlem = config["mlem"]
         options.update(iterations=mlem["iterations"], backend="cpu")
@@ -827,7 +833,7 @@ def get_stage_needs():
                 threads=cores,
             )
         for parts in get_part_counts():
-            local = is_local_transpose(parts)
+            local = is_local_transpose(parts, matrix)
             path = f"results/{matrix}/parts-{parts}/plan.json"
             label = f"{matrix}, {parts} parts" + (", A_k^T" if local else "")
             disk = SMALL_FILE_BYTES + (csr_t if local else 0)
