@@ -516,11 +516,6 @@ def bench_spmv(
             else:
                 run("bp_notrans", k, lambda k=k: ck.scatter(a, c, y_n, kernel=k), nt_bytes, {"lanes": lanes_a})
 
-        # what auto picks beside the fastest of each operation
-        auto_rows = {"fp": "csr_vector", "bp": "csr_vector"}
-        for r in rows:
-            if r["op"] in auto_rows and r["kernel"] != auto_rows[r["op"]]:
-                r.setdefault("auto", False)
         # cuSPARSE ratios, per operation
         base = {}
         for r in rows:

@@ -146,3 +146,16 @@ def test_gpu_fixed_point_one_pass_is_the_same_on_every_gpu_count():
     c1, _ = run("cuda", C, g, norm, None, bp="onepass_fixed", gpus=1, graph=True)
     c2, _ = run("cuda", C, g, norm, None, bp="onepass_fixed", gpus=2, layout="local")
     np.testing.assert_array_equal(c1, c2)
+
+
+@pytest.mark.parametrize(("r0", "r1"), [(0, 900), (37, 611), (5, 5)])
+def test_csr_source_is_encoded_block_by_block_for_the_gpu(monkeypatch, r0, r1):
+    """The host half of DeviceCompressed.upload: a CSR source read in blocks encodes as the whole rows would."""
+    from mlemlib.backends import _compressed_cuda as cc
+
+    A, _, _, _ = problem(6)
+    monkeypatch.setattr(cc, "UPLOAD_CHUNK_NNZ", 997)  # many blocks
+    got = cc._encoded_rows(A, r0, r1, "compressed", "matrix")
+    want = CompressedMatrix.from_csr(A, "compressed").row_range(r0, r1)
+    assert got.shape == want.shape and got.nnz == want.nnz
+    assert (got.to_csr().to_scipy() != want.to_csr().to_scipy()).nnz == 0

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib.backends.device_formats import DeviceMatrix
+from mlemlib.matrix import chunk_bounds
 from mlemlib.errors import ConfigError, DeviceError
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ THREADS = 256
 #: Cap of a launch in full waves of the device (the kernels loop over the rest); 0: no cap, one
 #: row per lane group, which keeps neighbouring rows in flight together (docs/benchmarks.md §25).
 WAVES = 0
+#: Non-zeros per block a CSR source is read and encoded in on its way to the GPU.
+UPLOAD_CHUNK_NNZ = 1 << 26
 #: Quads (4 slots) per lane per trip of the compressed SpMV: 1 (cspmv) or 2 (cspmv8).
 QUADS = 1
 #: Extra NVRTC options (e.g. ``("-DMLEM_OP_CACHE=24",)``: trips of a row kept in registers by the one-pass kernels).
@@ -268,20 +271,11 @@ def _encoded_rows(source: Any, r0: int, r1: int, fmt: str, what: str):
 
     src = open_source(source, what)
     parts, bits = [], None
-    step = 1 << 26
-    ip = np.asarray(src.read_indptr(), dtype=np.int64) if hasattr(src, "read_indptr") else None
-    r = r0
-    while r < r1:
-        if ip is None:
-            stop = r1
-        else:  # about `step` non-zeros per block
-            stop = int(np.searchsorted(ip, ip[r] + step, side="right")) - 1
-            stop = min(max(stop, r + 1), r1)
-        block = src.read_rows(r, stop)
-        enc = CompressedMatrix.from_csr(block, fmt, code_bits=bits, validate=False)
+    ip = np.asarray(src.read_indptr(), dtype=np.int64)[r0 : r1 + 1]
+    for a, b in chunk_bounds(ip, UPLOAD_CHUNK_NNZ):
+        enc = CompressedMatrix.from_csr(src.read_rows(r0 + a, r0 + b), fmt, code_bits=bits, validate=False)
         bits = enc.code_bits
         parts.append(enc)
-        r = stop
     if not parts:
         return CompressedMatrix.from_csr(src.read_rows(r0, r1), fmt, validate=False)
     log.info("%s: rows %d..%d encoded as %s (%d-bit codes) on the way to the GPU", what, r0, r1, fmt, bits)

@@ -79,6 +79,13 @@ def device_properties(device_id: int) -> dict[str, Any]:
     }
 
 
+def shape_label(a: Any) -> str:
+    """The launch shape ``csr_vector`` runs on ``a`` (a DeviceCSR's tuned ``row_shape``), as text; ``-`` for other formats."""
+    if not isinstance(a, DeviceCSR):
+        return "-"
+    return (a.row_shape or plan.RowShape()).label()
+
+
 def transpose_lanes(at: DeviceCSR) -> int:
     """Lanes per row of ``csr_vector`` on ``A^T`` (the back projection): as for any matrix, from its mean row length.
 

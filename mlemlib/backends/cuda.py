@@ -152,9 +152,10 @@ class CudaBackend(Backend):
             free = free_memory(self.device_id)
             # a DeviceCSR already on the GPU needs nothing more
             need_a = 0 if isinstance(matrix, DeviceMatrix) else dev_type.device_bytes(matrix)
-            need_t = 0 if isinstance(transpose, DeviceMatrix) or transpose is None else dev_type.device_bytes(transpose)
-            if transpose is None:
+            if transpose is None:  # transposed on the GPU, about A's size
                 need_t = need_a
+            else:
+                need_t = 0 if isinstance(transpose, DeviceMatrix) else dev_type.device_bytes(transpose)
             need_vec = 4 * (3 * m + 4 * n)
             fits_a = need_a + need_vec <= MEMORY_HEADROOM * free
             fits_both = need_a + need_t + need_vec <= MEMORY_HEADROOM * free
@@ -409,8 +410,8 @@ class CudaBackend(Backend):
             "onepass": self.onepass,
             "fixed_point": dict(self.fixed_stats) if self.onepass and self.deterministic else None,
             "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" else None,
-            "shape_fp": _shape_label(self.a) if self.fp_kernel == "csr_vector" else None,
-            "shape_bp": _shape_label(self.at) if self.at is not None and self.bp_kernel == "csr_vector" else None,
+            "shape_fp": ck.shape_label(self.a) if self.fp_kernel == "csr_vector" else None,
+            "shape_bp": ck.shape_label(self.at) if self.at is not None and self.bp_kernel == "csr_vector" else None,
             "lanes_bp": (self._lanes(self.at) if self.at is not None else self._lanes(self.a))
             if self.bp_kernel in ("csr_vector", "scatter", "scatter_vec")
             else None,
@@ -430,8 +431,3 @@ def cc():
     from mlemlib.backends import _compressed_cuda
 
     return _compressed_cuda
-
-
-def _shape_label(a: ck.DeviceCSR) -> str:
-    """The launch shape ``csr_vector`` runs on ``a`` (what :meth:`DeviceCSR.tune` chose), as text."""
-    return (a.row_shape or plan.RowShape()).label()

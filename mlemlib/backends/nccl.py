@@ -49,6 +49,7 @@ import numpy as np
 from mlemlib import registry
 from mlemlib.backends import _cuda_plan as cplan
 from mlemlib.backends.base import Backend
+from mlemlib.backends.cuda import FUSED, ONEPASS_C_MAX
 from mlemlib.backends.device_formats import device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix, shape_nnz
@@ -56,8 +57,6 @@ from mlemlib.matrix import CSRMatrix, shape_nnz
 log = logging.getLogger(__name__)
 
 LAYOUTS = registry.LAYOUTS
-#: Kernels with the fused epilogues (correlation into fp, update into bp).
-FUSED = ("csr_vector", "csr_scalar", "delta_vector")
 #: Back-projection kernels that work on the rows of A (no transpose), local layout only.
 SCATTER_KERNELS = tuple(k for k in registry.names("cuda", "back_notrans", gpus=2, layout="local") if k != "notrans")
 #: Kernels whose CuPy path allocates (cuSPARSE): not capturable in a CUDA graph.
@@ -363,8 +362,6 @@ class NcclBackend(Backend):
         from mlemlib.backends import _compressed_cuda as cc
 
         self.lanes_onepass = cc.choose_lanes((nnz / m if m else 0.0) / (1 if self.format == "csr" else 4))
-        from mlemlib.backends.cuda import ONEPASS_C_MAX
-
         self._fixed_bound = ONEPASS_C_MAX * float(np.max(norm)) if np.size(norm) else 1.0
         self.lanes_bp_cap = cplan.LANE_CHOICES[-1]
         self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0, self.lanes_bp_cap)
@@ -899,6 +896,7 @@ class NcclBackend(Backend):
         return any(s.part == 0 for s in self.shards)
 
     def describe(self) -> dict[str, Any]:
+        from mlemlib.backends import _cuda_kernels as ck
         from mlemlib.devices import device_facts
 
         devs = []
@@ -925,8 +923,8 @@ class NcclBackend(Backend):
             "fused": self.fuse,
             "lanes_fp": self.lanes_fp,
             "lanes_bp": sorted({self.lanes_bp(s) for s in self.shards}) if self.bp_kernel == "csr_vector" else None,
-            "shape_fp": sorted({_shape_label(s.a) for s in self.shards}),
-            "shape_bp": sorted({_shape_label(s.at) for s in self.shards if s.at is not None}),
+            "shape_fp": sorted({ck.shape_label(s.a) for s in self.shards}),
+            "shape_bp": sorted({ck.shape_label(s.at) for s in self.shards if s.at is not None}),
             "transpose": ("none" if self.onepass or self.bp_kernel in SCATTER_KERNELS else "local parts")
             if self.layout == "local" else "row blocks",
             "format": self.format,
@@ -935,13 +933,6 @@ class NcclBackend(Backend):
             "steps": steps if not self.graph else ["iteration"],
             "devices": devs,
         }
-
-
-def _shape_label(a: Any) -> str:
-    """The launch shape csr_vector runs on ``a`` (a DeviceCSR's tuned ``row_shape``; '-' for other formats)."""
-    if not hasattr(a, "row_shape"):
-        return "-"
-    return (a.row_shape or cplan.RowShape()).label()
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
