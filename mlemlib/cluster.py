@@ -76,6 +76,10 @@ STAGES = (
 
 #: Host memory of a Python process with NumPy, SciPy, Numba and h5py loaded (MB).
 BASE_MB = 1024
+#: Slots of a compressed container read per piece on the way to a GPU
+#: (``mlemlib.backends._compressed_cuda.UPLOAD_CHUNK_NNZ``, kept equal by a test).
+UPLOAD_PIECE_SLOTS = 1 << 26
+
 #: Extra host memory when CuPy and the CUDA runtime are loaded (MB).
 GPU_BASE_MB = 1024
 #: Factor on the modelled peak memory (allocator slack, temporaries).
@@ -342,6 +346,7 @@ def peak_host_bytes(
     stored_transpose: bool = True,
     threads: int = 1,
     chunk_nnz: int = CHUNK_NNZ,
+    source_format: str = "csr",
 ) -> int:
     """Modelled peak host memory of one stage, in bytes, before base and safety.
 
@@ -364,6 +369,11 @@ def peak_host_bytes(
         each) and ``generate`` (one tracer scratch each).
     chunk_nnz
         Elements per streamed chunk.
+    source_format
+        Format of the matrix file (``mlem``, ``bench``): a compressed
+        container reaches the GPUs piece by piece (each GPU's uploader holds
+        one piece of :data:`UPLOAD_PIECE_SLOTS` slots, its decoded check and
+        the row pointer), a CSR file one whole row block per GPU.
     """
     _check(stage, backend, parts)
     chunk = min(size.nnz, chunk_nnz)
@@ -394,6 +404,11 @@ def peak_host_bytes(
         vectors = 4 * (vec_m + vec_n)
         if backend == "cpu":
             return a + (at if stored_transpose else 0) + vectors
+        if source_format != "csr" and not stored_transpose:
+            # Per GPU (uploaded side by side): one piece (codes, values and its
+            # decoded CSR check, at most 13 bytes a slot) and the row pointer.
+            piece = 13 * min(UPLOAD_PIECE_SLOTS, size.nnz + 4 * size.rows)
+            return parts * piece + 2 * vec_m + vectors
         # Each GPU's block passes through host memory on its way to the device.
         block = math.ceil((a + (at if stored_transpose else 0)) / parts)
         return block + vectors
@@ -410,6 +425,7 @@ def estimate_mem_mb(
     stored_transpose: bool = True,
     threads: int = 1,
     attempt: int = 1,
+    source_format: str = "csr",
 ) -> int:
     """Host memory (MB) to request for one job of ``stage``.
 
@@ -419,7 +435,7 @@ def estimate_mem_mb(
 
     Parameters
     ----------
-    stage, size, parts, backend, stored_transpose, threads
+    stage, size, parts, backend, stored_transpose, threads, source_format
         See :func:`peak_host_bytes`.
     attempt
         Snakemake's ``attempt`` (>= 1).
@@ -432,7 +448,8 @@ def estimate_mem_mb(
     if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
         raise ConfigError("attempt", f"must be a positive integer, got {attempt!r}")
     peak = peak_host_bytes(
-        stage, size, parts=parts, backend=backend, stored_transpose=stored_transpose, threads=threads
+        stage, size, parts=parts, backend=backend, stored_transpose=stored_transpose, threads=threads,
+        source_format=source_format,
     )
     base = BASE_MB + (GPU_BASE_MB if backend != "cpu" and stage in ("mlem", "bench") else 0)
     mb = (base + peak / _MB) * MEM_SAFETY * attempt
@@ -535,6 +552,7 @@ def stage_resources(
     stored_transpose: bool = True,
     threads: int = 1,
     attempt: int = 1,
+    source_format: str = "csr",
 ) -> dict[str, int]:
     """All scheduler resources of one job: ``mem_mb``, ``runtime``, ``gpu`` (+ ``cpus_per_gpu``).
 
@@ -550,6 +568,7 @@ def stage_resources(
             stored_transpose=stored_transpose,
             threads=threads,
             attempt=attempt,
+            source_format=source_format,
         ),
         "runtime": estimate_runtime_min(
             stage,
@@ -645,11 +664,13 @@ def stage_need(
     stored_transpose: bool = True,
     threads: int = 1,
     device_format: str = "csr",
+    source_format: str = "csr",
     done: bool = False,
 ) -> StageNeed:
     """The :class:`StageNeed` of one job of model ``stage`` (see :func:`peak_host_bytes`)."""
     peak = peak_host_bytes(
-        stage, size, parts=parts, backend=backend, stored_transpose=stored_transpose, threads=threads
+        stage, size, parts=parts, backend=backend, stored_transpose=stored_transpose, threads=threads,
+        source_format=source_format,
     )
     gpu_job = backend != "cpu" and stage in ("mlem", "bench") and gpus > 0
     base = BASE_MB + (GPU_BASE_MB if gpu_job else 0)
@@ -664,7 +685,8 @@ def stage_need(
         gpu_bytes=int(gpu_bytes),
         gpus=gpus if gpu_job else 0,
         mem_mb=estimate_mem_mb(
-            stage, size, parts=parts, backend=backend, stored_transpose=stored_transpose, threads=threads
+            stage, size, parts=parts, backend=backend, stored_transpose=stored_transpose, threads=threads,
+            source_format=source_format,
         ),
         done=done,
     )

@@ -229,6 +229,30 @@ def _row_scales(indptr, data, scale, scaled):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def _first_bad_value(codes, bits, high, exp_mask, sign, nparts):  # pragma: no cover - compiled
+    """The first slot holding an element (code below ``high``) whose value is NaN, infinite or below 0, else -1.
+
+    On the value bits: an all-ones exponent (``exp_mask``) is NaN or
+    infinity; the sign bit with any other bit set is a negative number (-0
+    passes, as ``-0.0 >= 0``). Parallel over ``nparts`` pieces.
+    """
+    n = codes.shape[0]
+    per = (n + nparts - 1) // nparts
+    firsts = np.full(nparts, -1, dtype=np.int64)
+    for p in prange(nparts):
+        for k in range(p * per, min(n, (p + 1) * per)):
+            if codes[k] < high:
+                b = np.int64(bits[k])
+                if (b & exp_mask) == exp_mask or ((b & sign) != 0 and (b & (sign - 1)) != 0):
+                    firsts[p] = k
+                    break
+    for p in range(nparts):
+        if firsts[p] >= 0:
+            return firsts[p]
+    return -1
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def _real_counts(slotptr, codes, high, counts):  # pragma: no cover - compiled
     """Elements (slots that are not markers or pads) of each row."""
     m = counts.shape[0]
@@ -576,15 +600,18 @@ def check_encoded_values(
                 )
     if len(codes) == 0:
         return
-    real = codes < code_high(code_bits_of(codes))
-    v = values if values.dtype == np.float32 else values.astype(np.float32)
-    bad = real & ~(v >= 0)  # NaN, negative
-    bad |= real & np.isinf(v)
-    if bad.any():
-        k = int(np.argmax(bad))
+    from numba import get_num_threads
+
+    f32 = values.dtype == np.float32
+    k = int(_first_bad_value(
+        codes, _value_bits(values), code_high(code_bits_of(codes)), 0x7F800000 if f32 else 0x7C00,
+        0x80000000 if f32 else 0x8000, max(1, 4 * get_num_threads()),
+    ))
+    if k >= 0:
+        v = float(values[k])
         r = int(np.searchsorted(slotptr - slotptr[0], k, side="right")) - 1
-        what = "non-finite" if not np.isfinite(v[k]) else "negative"
-        raise MatrixFormatError(source, f"{what} value {float(v[k])!r} at slot {slot0 + k} (row {row0 + r})")
+        what = "non-finite" if not math.isfinite(v) else "negative"
+        raise MatrixFormatError(source, f"{what} value {v!r} at slot {slot0 + k} (row {row0 + r})")
 
 
 def _pieces(slotptr: np.ndarray, max_slots: int) -> list[tuple[int, int]]:

@@ -722,6 +722,7 @@ def _job_resources(stage, wildcards, input, threads, attempt):
                 gpus=run["gpus"],
                 parts=run["gpus"],
                 repetitions=mlem["repetitions"],
+                source_format=config["matrices"][wildcards.matrix]["format"],
             )
     elif stage == "bench":
         options.update(backend="cuda", gpus=1, repetitions=config["bench"]["repeats"])
@@ -870,7 +871,7 @@ def get_stage_needs():
                 add(
                     "mlem", "run_mlem", label, 12 * size.cols, path,
                     backend=run["backend"], gpus=run["gpus"], parts=run["gpus"],
-                    stored_transpose=stored, device_format=_device_format(matrix),
+                    stored_transpose=stored, device_format=_device_format(matrix), source_format=fmt,
                 )  # fmt: skip
         if is_bench_enabled():
             path = f"results/{matrix}/bench/spmv.csv"

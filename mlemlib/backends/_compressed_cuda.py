@@ -192,7 +192,46 @@ class DeviceCompressed(DeviceMatrix):
         m = int(source.shape[0])
         r0, r1 = (0, m) if rows is None else (int(rows[0]), int(rows[1]))
         with cp.cuda.Device(dev):
+            if hasattr(source, "read_encoded") and hasattr(source, "read_slotptr"):
+                return cls._stream(source, r0, r1, what)
             return cls.from_host(_encoded_rows(source, r0, r1, fmt or "compressed", what))
+
+    @classmethod
+    def _stream(cls, source: Any, r0: int, r1: int, what: str) -> DeviceCompressed:
+        """Rows ``[r0, r1)`` of a compressed container, read, validated and copied piece by piece.
+
+        The device arrays are allocated once from the slot pointer; each piece
+        of about :data:`UPLOAD_CHUNK_NNZ` slots is read (still encoded),
+        checked and copied into its place, so the host holds one piece and the
+        row pointer, never the whole block.
+        """
+        from mlemlib.compressed import CODE_DTYPES, VALUE_DTYPES, pack_rowptr
+
+        cp = cupy()
+        sp = np.asarray(source.read_slotptr(r0, r1), dtype=np.int64)
+        rel = sp - sp[0]
+        total = int(rel[-1])
+        rowbase, rowoff = pack_rowptr(rel)
+        lossless = source.format == "compressed"
+        codes = cp.empty(total, dtype=CODE_DTYPES[int(source.code_bits)])
+        values = cp.empty(total, dtype=VALUE_DTYPES[source.format])
+        scale = None if lossless else cp.empty(r1 - r0, dtype=cp.float32)
+        nnz = 0
+        pieces = chunk_bounds(rel, UPLOAD_CHUNK_NNZ)
+        for k, (a, b) in enumerate(pieces):
+            enc = source.read_encoded(r0 + a, r0 + b)  # validated: columns in range, values finite and >= 0
+            lo, hi = int(rel[a]), int(rel[b])
+            if hi > lo:
+                codes[lo:hi].set(enc.codes)
+                values[lo:hi].set(enc.values)
+            if scale is not None and b > a:
+                scale[a:b].set(enc.scale)
+            nnz += int(enc.nnz)
+            if len(pieces) > 8 and (k + 1) % max(1, len(pieces) // 10) == 0:
+                log.info("%s: rows %d..%d on GPU %d: %d of %d slots copied", what, r0, r1,
+                         cp.cuda.Device().id, hi, total)
+        return cls(cp.asarray(rowbase), cp.asarray(rowoff), codes, values, scale, (r1 - r0, int(source.shape[1])),
+                   nnz, int(source.code_bits))
 
     @staticmethod
     def device_bytes(source: Any) -> int:

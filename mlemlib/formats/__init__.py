@@ -246,9 +246,7 @@ def convert(
                 else:
                     writer.write_rows(block, validate=False, source=src)
                 if input_sum is not None:
-                    input_sum.update("indptr", block.indptr[1:] + done)
-                    input_sum.update("indices", block.indices)
-                    input_sum.update("data", block.data)
+                    input_sum.update_rows(block.indptr[1:] + done, block.indices, block.data)
                 chunks += 1
                 done += block.nnz
                 del block  # free it before the next block is read: one block in memory at a time

@@ -324,9 +324,7 @@ class CompressedH5(MatrixH5):
         done = 0
         for r0, r1 in chunk_bounds(self.read_slotptr(), PIECE_SLOTS):
             block = self.read_rows(r0, r1, validate=False)
-            c.update("indptr", block.indptr[1:] + done)
-            c.update("indices", block.indices)
-            c.update("data", block.data)
+            c.update_rows(block.indptr[1:] + done, block.indices, block.data)
             done += block.nnz
         if done != self.nnz:
             raise self._fault(f"the codes hold {done} elements, attribute nnz = {self.nnz}")
@@ -533,20 +531,21 @@ class CompressedH5Writer(RowBlockWriter):
                     "store this matrix as csr",
                 )
             f = self._f
-            if k:
-                f["rowoff"][self._rows + 1 : self._rows + k + 1] = off[1:].astype(np.uint32)
-            s = enc.slots
-            if s:
-                lo, hi = self._slots, self._slots + s
-                for name, arr in (("codes", enc.codes), ("values", enc.values)):
-                    f[name].resize((hi,))
-                    f[name][lo:hi] = arr
-            if enc.scale is not None and k:
-                f["scale"][self._rows : self._rows + k] = enc.scale
+
+            def write() -> None:
+                if k:
+                    f["rowoff"][self._rows + 1 : self._rows + k + 1] = off[1:].astype(np.uint32)
+                s = enc.slots
+                if s:
+                    lo, hi = self._slots, self._slots + s
+                    for name, arr in (("codes", enc.codes), ("values", enc.values)):
+                        f[name].resize((hi,))
+                        f[name][lo:hi] = arr
+                if enc.scale is not None and k:
+                    f["scale"][self._rows : self._rows + k] = enc.scale
+
             ends = decoded.indptr[1:] - decoded.indptr[0] + self._written
-            self._checksum.update("indptr", ends)
-            self._checksum.update("indices", decoded.indices)
-            self._checksum.update("data", decoded.data)
+            self._checksum.update_rows(ends, decoded.indices, decoded.data, during=write)
         except BaseException:
             self.abort()
             raise
