@@ -8,6 +8,8 @@ Provides
   arrays;
 - :func:`copy_bandwidth` — the device-to-device copy bandwidth (bytes read +
   written per second), the yardstick of every fraction reported;
+  :func:`record_copy_bandwidths` measures it cheaply on each GPU of a run
+  for its ``timings.json``;
 - :func:`bench_spmv` — times every kernel (CUDA events, median of ``repeat``
   runs after warm-up) on one matrix: forward ``A x``, back projection on the
   stored transpose ``A^T c`` and without it (scatter from ``A``), each with
@@ -272,6 +274,39 @@ def copy_bandwidth(nbytes: int = 1 << 31, *, repeat: int = 20) -> dict[str, floa
     ok = bool(cp.array_equal(dst[-1024:], src[-1024:]))
     med = float(np.median(t))
     return {"bytes": 2 * count * 4, "median_s": med, "bandwidth": 2 * count * 4 / med, "checked": ok}
+
+
+
+#: Buffer and repeats of the copy bandwidth recorded with every GPU run (cheap: well under a second per GPU).
+RUN_COPY_BYTES = 256 << 20
+RUN_COPY_REPEAT = 5
+
+
+def record_copy_bandwidths(gpus: Sequence[dict[str, Any]], *, nbytes: int = RUN_COPY_BYTES,
+                           repeat: int = RUN_COPY_REPEAT) -> None:
+    """Measure :func:`copy_bandwidth` on each GPU and store it in its dict under ``copy_bandwidth``.
+
+    ``gpus`` are the device dicts of a backend's ``describe()``
+    (:func:`mlemlib.devices.backend_gpus`, each with ``index``), changed in
+    place, so the figure lands in ``timings.json`` beside the GPU's other
+    facts. A failure (too little free memory) is recorded as
+    ``{"error": ...}`` and logged; it never stops the run. The pool's unused
+    blocks are freed afterwards.
+    """
+    from mlemlib.backends import _cuda_kernels as ck
+
+    cp = ck.cupy()
+    for g in gpus:
+        try:
+            with cp.cuda.Device(int(g["index"])):
+                g["copy_bandwidth"] = copy_bandwidth(nbytes, repeat=repeat)
+                cp.get_default_memory_pool().free_all_blocks()
+        except Exception as exc:  # noqa: BLE001 - out of memory, a CUDA error: the run goes on without it
+            log.warning("GPU %s: copy bandwidth not measured: %s", g.get("index"), exc)
+            g["copy_bandwidth"] = {"error": str(exc)}
+        else:
+            log.info("GPU %s: copy bandwidth %.1f GB/s (median of %d copies of %d MiB)", g["index"],
+                     g["copy_bandwidth"]["bandwidth"] / 1e9, repeat, nbytes >> 20)
 
 
 # --------------------------------------------------------------------------- the benchmark

@@ -1,4 +1,4 @@
-"""GPU facts from NVML (nvidia-ml-py), with CuPy as the fallback (CUDA only; no probing at import).
+"""GPU facts and energy from NVML (nvidia-ml-py), with CuPy as the fallback (CUDA only; no probing at import).
 
 Provides :func:`device_facts`: name, total and free memory, memory clock, bus
 width, PCI bus id and the theoretical memory bandwidth (2 transfers per clock x clock x
@@ -6,6 +6,11 @@ bus width, as NVIDIA quotes it for HBM and GDDR), for the tables and
 ``timings.json``. The theoretical figure is for context only: every fraction
 the project reports is taken against the copy bandwidth *measured* in the same
 run (:func:`mlemlib.bench.copy_bandwidth`).
+
+:class:`EnergyMeter` reads the energy counters of the GPUs a backend uses
+(:func:`backend_gpus`) around each repetition's iterations; it reports "not
+available" (None) without ``pynvml``, on GPUs without the counter and on the
+CPU backend.
 """
 
 from __future__ import annotations
@@ -148,3 +153,140 @@ def device_facts(index: int = 0) -> dict[str, Any]:
         return _cupy_facts(index)
     except Exception as exc:
         raise DeviceError(f"GPU {index}: neither NVML nor CuPy can read it: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- energy
+def backend_gpus(desc: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The GPUs a backend's ``describe()`` names: ``device`` (one GPU) or ``devices`` (several), as dicts.
+
+    Each has at least ``index`` (the CUDA device number in this process);
+    ``pci_bus_id`` where the facts had it. Empty for the CPU backend (whose
+    ``device`` is the host) and where no GPU is named. Under the one-GPU-per-
+    process launcher (:mod:`mlemlib.dist.mpi`) a backend names only this
+    process's GPU.
+    """
+    if not desc or not str(desc.get("backend", "")).startswith("cuda"):
+        return []
+    devs = desc.get("devices") if desc.get("devices") is not None else desc.get("device")
+    if isinstance(devs, dict):
+        devs = [devs]
+    return [d for d in devs or [] if isinstance(d, dict) and isinstance(d.get("index"), int)]
+
+
+class EnergyMeter:
+    """Energy drawn by a set of GPUs, from NVML's counters (``nvmlDeviceGetTotalEnergyConsumption``; CUDA only).
+
+    The counter of each GPU is the energy in millijoules since the driver was
+    loaded (Volta and newer). :meth:`read` returns the sum over the GPUs in
+    joules; the difference of two readings is the energy of the interval
+    between them. Where it cannot be had (no ``pynvml``, a GPU without the
+    counter, an NVML error, no GPU at all: the CPU backend) the meter is not
+    :attr:`available`, :meth:`read` returns None, and :attr:`note` says why
+    (logged once, at debug level).
+
+    Parameters
+    ----------
+    gpus
+        The GPUs: CUDA device numbers, PCI bus ids (``0000:00:06.0``), or
+        dicts with ``index`` and optionally ``pci_bus_id`` (as in a backend's
+        ``describe()``; :func:`backend_gpus`). A bus id is used as it is; a
+        number is mapped to NVML's by :func:`_nvml_handle`.
+    world
+        GPUs the run uses in all (default: ``len(gpus)``); more than
+        ``len(gpus)`` where other processes drive the rest (one GPU per
+        process), whose energy this meter does not see: the note says so.
+    """
+
+    def __init__(self, gpus: list[int | str | dict[str, Any]], *, world: int | None = None) -> None:
+        self.gpus = list(gpus)
+        self.world = len(self.gpus) if world is None else int(world)
+        self._nvml: Any = None
+        self._handles: list[Any] = []
+        self.available = False
+        self.note = ""
+        if not self.gpus:
+            self._unavailable("no GPU (cpu backend)")
+            return
+        try:
+            import pynvml  # nvidia-ml-py
+        except ImportError:
+            self._unavailable("pynvml (nvidia-ml-py) not installed")
+            return
+        try:
+            pynvml.nvmlInit()
+        except Exception as exc:  # noqa: BLE001 - NVMLError or a driver without NVML
+            self._unavailable(f"NVML not usable: {exc}")
+            return
+        self._nvml = pynvml
+        try:
+            self._handles = [self._handle(g) for g in self.gpus]
+            for h in self._handles:  # a GPU without the counter raises here (NVML_ERROR_NOT_SUPPORTED)
+                pynvml.nvmlDeviceGetTotalEnergyConsumption(h)
+        except Exception as exc:  # noqa: BLE001 - NVMLError, or CuPy failing to name a bus id
+            self.close()
+            self._unavailable(f"NVML energy counter not supported: {exc}")
+            return
+        self.available = True
+        names = ", ".join(str(g.get("index") if isinstance(g, dict) else g) for g in self.gpus)
+        self.note = f"NVML total energy of GPU {names}"
+        if self.world > len(self.gpus):
+            self.note += (f" (this process's {len(self.gpus)} of {self.world} GPUs; the other processes' GPUs "
+                          "are not counted)")
+
+    def _handle(self, gpu: int | str | dict[str, Any]) -> Any:
+        bus = gpu.get("pci_bus_id") if isinstance(gpu, dict) else (gpu if isinstance(gpu, str) else None)
+        if bus:
+            return self._nvml.nvmlDeviceGetHandleByPciBusId(bus)
+        index = int(gpu["index"]) if isinstance(gpu, dict) else int(gpu)
+        return _nvml_handle(self._nvml, index)[0]
+
+    def _unavailable(self, why: str) -> None:
+        self.available = False
+        self.note = f"not available: {why}"
+        log.debug("GPU energy %s", self.note)
+
+    def read(self) -> float | None:
+        """Joules the GPUs have drawn since their driver was loaded (summed), or None where not available."""
+        if not self.available:
+            return None
+        try:
+            return sum(float(self._nvml.nvmlDeviceGetTotalEnergyConsumption(h)) for h in self._handles) / 1e3
+        except self._nvml.NVMLError as exc:
+            self.close()
+            self._unavailable(f"NVML energy counter failed: {exc}")
+            return None
+
+    def close(self) -> None:
+        """Release NVML (idempotent)."""
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception as exc:  # noqa: BLE001 - shutting down twice or a vanished driver
+                log.debug("nvmlShutdown: %s", exc)
+            self._nvml = None
+        self.available = False
+
+    def __enter__(self) -> EnergyMeter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def energy_record(joules: float | None, seconds: float, iterations: int, note: str, gpus: int = 0) -> dict[str, Any]:
+    """The energy fields of one repetition's record in ``timings.json``.
+
+    ``energy_J`` (the GPUs' energy over the iteration loop), ``energy_per_iteration_J``,
+    ``power_W`` (energy over the loop's wall time ``seconds``), ``energy_gpus``
+    (how many GPUs were counted) and ``energy_note``; None where not measured.
+    """
+    if joules is None:
+        return {"energy_J": None, "energy_per_iteration_J": None, "power_W": None, "energy_gpus": None,
+                "energy_note": note}
+    return {
+        "energy_J": joules,
+        "energy_per_iteration_J": joules / iterations if iterations > 0 else None,
+        "power_W": joules / seconds if seconds > 0 else None,
+        "energy_gpus": gpus,
+        "energy_note": note,
+    }

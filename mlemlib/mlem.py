@@ -14,7 +14,11 @@ inputs) so that a killed run resumes where it stopped and ends with the same
 image, bit for bit, on a deterministic backend. It writes ``image.h5`` (grid
 shape, voxel size), ``image.raw`` (nCols float32, no header, for the existing
 tools) and ``timings.json`` (per-step statistics per repetition, set-up
-times, backend and device facts, accuracy).
+times, backend and device facts, accuracy). On GPUs it also records each
+GPU's measured copy bandwidth once per run (in the backend's device facts)
+and each repetition's energy from NVML (:class:`mlemlib.devices.EnergyMeter`):
+``energy_J``, ``energy_per_iteration_J``, ``power_W``, None where not
+available (the CPU, no ``pynvml``, a GPU without the counter).
 
 A reordered matrix (``mlem reorder``, :mod:`mlemlib.reorder`) is run in its
 permuted space and transparently so: the measurement is read in the user's
@@ -48,6 +52,7 @@ from mlemlib import __version__
 from mlemlib._io import atomic_path
 from mlemlib.backends import make_backend
 from mlemlib.backends.base import Backend
+from mlemlib.devices import EnergyMeter, backend_gpus, energy_record
 from mlemlib.errors import ConfigError, DeviceError, InputError, MatrixFormatError
 from mlemlib.formats import InMemoryMatrix, open_source
 from mlemlib.image import FORMAT_VERSION, attr_value, plain_attr, read_image, write_image, write_raw
@@ -373,6 +378,13 @@ def reconstruct(
             )
         desc = be.describe()
         log.info("backend %s ready (%.2f s): %s", desc.get("backend", settings.backend), sw_setup.seconds, desc)
+        gpus_used = backend_gpus(desc)
+        if gpus_used:  # once per run, after the set-up's timing: each GPU's copy bandwidth, the yardstick
+            from mlemlib.bench import record_copy_bandwidths
+
+            record_copy_bandwidths(gpus_used)
+        energy = EnergyMeter(gpus_used, world=desc.get("gpus") or len(gpus_used))
+        opened.append(energy)
         config = {
             "backend": desc.get("backend", settings.backend), "fp": desc.get("fp", settings.fp),
             "bp": desc.get("bp", settings.bp), "secsize": secsize, "gpus": gpus, "layout": layout,
@@ -384,7 +396,8 @@ def reconstruct(
             log.warning("%s: written by another configuration %s; resuming with %s", ckpt_path, resume["config"], config)
         # Under a launcher (one process per GPU) every rank holds the same image; rank 0 writes.
         writer = bool(getattr(be, "writes_output", True))
-        records, host_img = _iterate(be, prob, settings, config, resume, ckpt_path if writer else None, progress)
+        records, host_img = _iterate(be, prob, settings, config, resume, ckpt_path if writer else None, progress,
+                                     energy)
         timings = _timings(
             prob, settings, desc, be, records, config,
             sources={"matrix": matrix, "sino": sino, "norm": norm, "transpose": transpose, "reference": reference,
@@ -579,8 +592,16 @@ def _read_resume(ckpt_path: Path, prob: Problem, settings: RunSettings) -> dict[
 
 
 def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str, Any], resume: dict[str, Any] | None,
-             ckpt_path: Path | None, progress: Callable[[int, int, Any], None] | None) -> tuple[list[dict], np.ndarray]:
-    """Run every repetition (from ``resume`` where given); checkpoint (where ``ckpt_path``); return records and image."""
+             ckpt_path: Path | None, progress: Callable[[int, int, Any], None] | None,
+             energy: EnergyMeter | None = None) -> tuple[list[dict], np.ndarray]:
+    """Run every repetition (from ``resume`` where given); checkpoint (where ``ckpt_path``); return records and image.
+
+    Where ``energy`` is available, each repetition's GPU energy is read
+    before and after its iteration loop, the GPUs synchronised first (an
+    iteration may still run when ``iterate`` returns), outside the step
+    timings; the record gets :func:`mlemlib.devices.energy_record`'s fields
+    (None where not measured).
+    """
     from mlemlib import metrics
 
     iterations, repetitions = settings.iterations, settings.repetitions
@@ -601,6 +622,10 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
             f = be.initial_image()
             first = 1
             rep_resumed = []
+        metered = energy is not None and energy.available
+        if metered:
+            be.synchronize()  # the initial image's (or the previous repetition's) work is not this loop's
+        e0 = energy.read() if metered else None
         t_rep = time.perf_counter()
         t_log = t_rep
         ckpt_s = 0.0
@@ -628,6 +653,14 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
                 ckpt_s += time.perf_counter() - t_ck
             if progress is not None:
                 progress(rep, it, f)
+        if metered:
+            be.synchronize()
+        e1 = energy.read() if metered else None
+        loop_s = time.perf_counter() - t_rep
+        joules = e1 - e0 if e0 is not None and e1 is not None else None
+        energy_fields = energy_record(joules, loop_s, iterations - first + 1,
+                                      energy.note if energy is not None else "not measured",
+                                      len(energy.gpus) if energy is not None else 0)
         with Stopwatch() as sw_back:
             host_img = prob.to_user(be.to_host(f))
         acc = metrics.accuracy(host_img, reference=prob.reference, truth=prob.truth, regions=prob.regions)
@@ -641,11 +674,13 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
             "steps": times.summary(),
             "samples": times.to_json(),
             "accuracy": acc,
+            **energy_fields,
         })
         log.info(
-            "repetition %d/%d done: mean %s/iteration, image sum %.9g%s",
+            "repetition %d/%d done: mean %s/iteration, image sum %.9g%s%s",
             rep + 1, repetitions, format_seconds(times.mean("iteration")), acc["image_sum"],
             f", rel. L2 to reference {acc['rel_l2_reference']:.3g}" if "rel_l2_reference" in acc else "",
+            f", GPU energy {joules:.4g} J ({energy_fields['power_W']:.4g} W)" if energy_fields["power_W"] else "",
         )
     return records, host_img
 
@@ -704,7 +739,7 @@ def _timings(prob: Problem, settings: RunSettings, desc: dict[str, Any], be: Bac
         "voxel_size": list(prob.voxel_size) if prob.voxel_size else None,
         "backend": desc,
         "deterministic": bool(desc.get("deterministic", be.deterministic)),
-        "device": device_info if device_info is not None else desc.get("device"),
+        "device": device_info if device_info is not None else desc.get("device", desc.get("devices")),
         "bytes": {
             "A": bytes_a,
             "AT": bytes_at,

@@ -8,11 +8,20 @@ benchmark tables, and writes:
 ``runs.csv``
     One row per run and repetition: every configuration dimension and every
     measure (see :data:`RUN_COLUMNS`; ``cr_<label>`` columns follow for the
-    contrast recovery of each phantom insert).
+    contrast recovery of each phantom insert). Besides the times and
+    bandwidths: the matrix format and its bytes per non-zero on the device,
+    the GPUs' theoretical and measured copy bandwidth (all GPUs together),
+    and the GPUs' energy per repetition and per iteration and mean power
+    (NVML, :class:`mlemlib.devices.EnergyMeter`; empty where not measured).
 ``summary.md``
-    Time per iteration by step (as the thesis's Table 9.3), the scaling over
-    GPU counts and layouts (speed-up, parallel efficiency, bandwidth per GPU;
-    only where a cuda configuration ran on more than one GPU count), the
+    Time per iteration by step (as the thesis's Table 9.3; with the format,
+    bytes per non-zero and, where measured, energy per iteration), the
+    scaling over GPU counts and layouts (speed-up, parallel efficiency,
+    bandwidth per GPU; only where a cuda configuration ran on more than one
+    GPU count), the thesis beside us (only where a run's matrix has the shape
+    of a thesis matrix, :mod:`mlemlib.thesis`: the thesis's run and each of
+    our configurations, speed-up over the thesis, the ratio of aggregate
+    theoretical memory bandwidths and the speed-up beyond it), the
     spread of the accuracy over repetitions, transposition times by method
     (the transposition alone and the whole job, side by side), partition
     balance, the SpMV benchmark.
@@ -31,12 +40,18 @@ benchmark tables, and writes:
 ``plots/accuracy.png``
     Image sum relative to the reference's, ``(S - S_ref) / S_ref``, and the
     relative L2 error to the reference, per repetition (the thesis's Figures
-    9.4 and 9.12 show the spread of the image sum).
+    9.4 and 9.12 show the spread of the image sum). Without a float64
+    reference the sums are relative to the mean of the problem's runs.
 ``plots/scaling.png``
     Speed-up against the number of GPUs, one line per configuration and
     layout, with the ideal speed-up (y = P). Written only when some cuda
     configuration has a 1-GPU run and a run on more GPUs; the workflow
     declares ``plots/`` as a directory, so a missing file is no error.
+``plots/time_vs_gpus.png``
+    Time per iteration (ms) against the number of GPUs, one line per
+    configuration and layout through the means over repetitions, each
+    repetition's mean a circle, and a star for the thesis's run where a
+    run's matrix has a thesis matrix's shape. Written where a cuda run is.
 ``plots/image_<matrix>_<data>.png``
     Central slices (axial, coronal, sagittal) of a reconstruction beside the
     truth, one per problem: axes in mm, one grey scale for both, its units.
@@ -74,12 +89,13 @@ STEPS = ("fp", "corr", "bp", "update", "allreduce")
 #: The fixed columns of ``runs.csv`` (``cr_<label>`` columns follow).
 RUN_COLUMNS = (
     "run", "matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "graph", "dtype",
-    "reference_mode", "iterations", "repetition", "deterministic", "device",
+    "reference_mode", "iterations", "repetition", "deterministic", "device", "format", "bytes_per_nnz",
     "iteration_mean_s", "iteration_median_s", "iteration_min_s", "iteration_max_s", "iteration_std_s",
     *(f"{s}_{k}_s" for s in STEPS for k in ("mean", "median", "min", "max")),
     "load_s", "setup_s", "wall_s", "bytes_per_iteration", "bandwidth_GBps", "fp_bandwidth_GBps",
-    "bp_bandwidth_GBps", "image_sum", "reference_sum", "rel_l2_reference", "sum_rel_error_reference",
-    "rel_l2_truth", "image_sha256", "resumed_at",
+    "bp_bandwidth_GBps", "gpu_bandwidth_theoretical_GBps", "gpu_bandwidth_measured_GBps",
+    "energy_J", "energy_per_iteration_J", "power_W", "energy_gpus",
+    "image_sum", "reference_sum", "rel_l2_reference", "sum_rel_error_reference", "rel_l2_truth", "image_sha256", "resumed_at",
 )
 
 _TRANSPOSE_METHODS = ("scantrans", "scipy", "cusparse")
@@ -154,6 +170,38 @@ def _device_name(t: dict[str, Any]) -> str:
     return str(dev or "")
 
 
+def run_gpus(t: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The device dicts of the GPUs of a cuda run (the backend's ``device`` or ``devices``); empty for the CPU."""
+    if _family((t.get("config") or {}).get("backend")) != "cuda":
+        return []
+    be = t.get("backend") if isinstance(t.get("backend"), dict) else {}
+    devs = next((d for d in (be.get("devices"), be.get("device"), t.get("device")) if d), None)
+    if isinstance(devs, dict):
+        devs = [devs]
+    return [d for d in devs or [] if isinstance(d, dict)]
+
+
+def _copy_bandwidth(d: Mapping[str, Any]) -> float | None:
+    cb = d.get("copy_bandwidth")
+    return _num(cb.get("bandwidth")) if isinstance(cb, dict) else _num(cb)
+
+
+def gpu_bandwidth_sum(devs: list[dict[str, Any]], gpus: Any, key: str) -> float | None:
+    """Bytes/s of all the run's GPUs: ``theoretical_bandwidth`` or the measured ``copy_bandwidth`` (``key``).
+
+    The sum over the GPUs, as the mean of the known ones times the run's GPU
+    count ``gpus``: the same where every GPU is recorded, and the estimate for
+    a run under the one-GPU-per-process launcher, whose ``timings.json``
+    (rank 0's) records only its own GPU. None where no GPU has the figure.
+    """
+    get = _copy_bandwidth if key == "copy_bandwidth" else (lambda d: _num(d.get(key)))
+    vals = [v for v in (get(d) for d in devs) if v is not None]
+    if not vals:
+        return None
+    count = int(_num(gpus) or len(devs))
+    return float(np.mean(vals)) * max(count, len(devs))
+
+
 def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per run and repetition (the rows of ``runs.csv``)."""
     rows = []
@@ -162,6 +210,10 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
         be = t.get("backend", {}) if isinstance(t.get("backend"), dict) else {}
         nbytes = t.get("bytes", {}) or {}
         setup = t.get("setup", {}) or {}
+        devs = run_gpus(t)
+        theo = gpu_bandwidth_sum(devs, cfg.get("gpus"), "theoretical_bandwidth")
+        measured = gpu_bandwidth_sum(devs, cfg.get("gpus"), "copy_bandwidth")
+        bpn = be.get("bytes_per_nnz")
         for rep in t.get("repetitions", []):
             steps = rep.get("steps", {})
             acc = rep.get("accuracy", {}) or {}
@@ -184,6 +236,8 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
                 "repetition": rep.get("repetition"),
                 "deterministic": bool(t.get("deterministic", be.get("deterministic", True))),
                 "device": _device_name(t),
+                "format": be.get("format"),
+                "bytes_per_nnz": _num(bpn.get("A")) if isinstance(bpn, dict) else _num(bpn),
                 "load_s": _num(setup.get("load_s")),
                 "setup_s": _num(setup.get("backend_s")),
                 "wall_s": _num(rep.get("wall_s")),
@@ -211,6 +265,11 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
             row["bandwidth_GBps"] = bw(nbytes.get("iteration"), row["iteration_mean_s"])
             row["fp_bandwidth_GBps"] = bw(nbytes.get("fp"), row["fp_mean_s"])
             row["bp_bandwidth_GBps"] = bw(nbytes.get("bp"), row["bp_mean_s"])
+            row["gpu_bandwidth_theoretical_GBps"] = theo / 1e9 if theo is not None else None
+            row["gpu_bandwidth_measured_GBps"] = measured / 1e9 if measured is not None else None
+            for k in ("energy_J", "energy_per_iteration_J", "power_W"):
+                row[k] = _num(rep.get(k))
+            row["energy_gpus"] = rep.get("energy_gpus") if row["energy_J"] is not None else None
             for label, v in (acc.get("contrast_recovery") or {}).items():
                 row[f"cr_{label}"] = _num(v)
             row["_samples"] = rep.get("samples", {})
@@ -219,6 +278,10 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
             # The kernels as configured ("auto", "notrans" resolve per backend and GPU count).
             row["_fp_requested"] = cfg.get("fp_requested") or cfg.get("fp")
             row["_bp_requested"] = cfg.get("bp_requested") or cfg.get("bp")
+            row["_shape"] = tuple(int(v) for v in t["shape"]) if isinstance(t.get("shape"), (list, tuple)) else None
+            row["_gpu_model"] = str(devs[0].get("name", "")) if devs else ""
+            per_gpu = _mean(d.get("theoretical_bandwidth") for d in devs)
+            row["_gpu_theoretical_GBps"] = per_gpu / 1e9 if per_gpu else None
             rows.append(row)
     return rows
 
@@ -300,25 +363,39 @@ def _fmt_e(v: Any) -> str:
 
 
 def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
-    """Markdown: time per iteration by step, one row per configuration, then a thesis-style table each."""
-    head = ["matrix", "data", "configuration", "reps", "iteration", "min", "max", *STEPS, "GB/s", "deterministic"]
+    """Markdown: time per iteration by step, one row per configuration, then a thesis-style table each.
+
+    The ``format`` column gives the matrix format on the device and its bytes
+    per non-zero of ``A`` where the backend recorded them; ``J/iteration``
+    (the GPUs' energy per iteration, mean over repetitions) appears only
+    where some run measured it.
+    """
+    energy = any(r.get("energy_per_iteration_J") is not None for rs in groups.values() for r in rs)
+    head = ["matrix", "data", "configuration", "format", "reps", "iteration", "min", "max", *STEPS, "GB/s",
+            *(["J/iteration"] if energy else []), "deterministic"]
     body = []
     for rs in groups.values():
         r0 = rs[0]
         body.append(
             [
-                r0["matrix"], r0["data"], config_label(r0), len(rs),
+                r0["matrix"], r0["data"], config_label(r0), _format_cell(r0), len(rs),
                 _fmt_s(_mean(r["iteration_mean_s"] for r in rs)),
                 _fmt_s(min((r["iteration_min_s"] for r in rs if r["iteration_min_s"] is not None), default=None)),
                 _fmt_s(max((r["iteration_max_s"] for r in rs if r["iteration_max_s"] is not None), default=None)),
                 *(_fmt_s(_mean(r[f"{s}_mean_s"] for r in rs)) for s in STEPS),
                 _fmt_g(_mean(r["bandwidth_GBps"] for r in rs), 4),
+                *([_fmt_g(_mean(r.get("energy_per_iteration_J") for r in rs), 4)] if energy else []),
                 "yes" if r0["deterministic"] else "NO (atomics)",
             ]
         )
     intro = (
         "Mean over all iterations and repetitions (min and max: the fastest and slowest single iteration). "
-        "GB/s: bytes of A (and of A^T where stored) read per iteration over the mean time.\n\n"
+        "format: the matrix format on the device, with its bytes per non-zero of A in brackets where recorded "
+        "(CSR: 8, a 4-byte value and a 4-byte column, plus the row pointer). "
+        "GB/s: bytes of A (and of A^T where stored) read per iteration over the mean time."
+        + (" J/iteration: the GPUs' energy per iteration from NVML's counters, mean over repetitions (empty: "
+           "not measured, e.g. on the CPU)." if energy else "")
+        + "\n\n"
     )
     out = ["## Time per iteration by step\n", intro, _md_table(head, body)]
     for rs in groups.values():
@@ -344,6 +421,13 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
             )
         )
     return "".join(out)
+
+
+def _format_cell(r: Mapping[str, Any]) -> str:
+    """``compressed (5.04)``: the format and its bytes per non-zero of A; the format alone where unknown."""
+    fmt = r.get("format") or ""
+    bpn = _num(r.get("bytes_per_nnz"))
+    return f"{fmt} ({bpn:.3g})" if fmt and bpn is not None else (f"{bpn:.3g} B" if bpn is not None else fmt)
 
 
 def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
@@ -490,6 +574,127 @@ def scaling_section(rows: Iterable[Mapping[str, Any]]) -> str:
         "over repetitions.\n\n"
     )
     return "## Scaling over GPUs\n\n" + intro + _md_table(head, body)
+
+
+# --------------------------------------------------------------------------- the thesis beside us
+def _step_cell(r: Mapping[str, Any], step: str, fused_into: str | None) -> str:
+    """A step's mean time; ``fused into <step>`` where the backend timed it inside another; – where not timed."""
+    t = r.get(f"{step}_s")
+    if t is not None:
+        return _fmt_s(t)
+    if fused_into and r.get(f"{fused_into}_s") is not None:
+        return f"fused into {fused_into}"
+    return "–"
+
+
+def thesis_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Our configurations on a thesis matrix beside the thesis's run (:mod:`mlemlib.thesis`).
+
+    For every published run whose matrix has the shape of some run of ours:
+    first the thesis's record, then one per configuration of ours on that
+    matrix (every configuration dimension, GPU count and layout included;
+    the float64 reference left out), in first-seen order; ``beside`` holds
+    the :class:`mlemlib.thesis.ThesisRun` of both. Each record has
+    ``iteration_s`` and ``fp_s``, ``bp_s``, ``allreduce_s`` (mean over
+    repetitions; None where not timed), ``gpus``, ``gpu_model``,
+    ``theoretical_per_gpu_GBps``, ``theoretical_GBps`` (all GPUs),
+    ``measured_GBps`` (our copy bandwidth, all GPUs), ``speedup`` = T_thesis /
+    T_ours, ``bandwidth_ratio`` = ours / the thesis's aggregate theoretical
+    bandwidth, ``kernel_gain`` = speedup / bandwidth_ratio, and
+    ``energy_per_iteration_J``, ``energy_gpus``.
+    """
+    from mlemlib import thesis
+
+    rows = [r for r in rows if not r.get("reference_mode")]
+    out: list[dict[str, Any]] = []
+    for run in thesis.RUNS:
+        ours = [r for r in rows if r.get("_shape") == run.matrix.shape]
+        if not ours:
+            continue
+        t_thesis = run.iteration_s
+        theo_thesis = run.theoretical_bandwidth / 1e9
+        out.append({
+            "thesis": True, "beside": run, "matrix": run.matrix.name, "data": f"{run.table}, run {run.runs}x",
+            "configuration": run.label, "reps": run.runs, "gpus": run.gpus, "gpu_model": run.gpu.model,
+            "theoretical_per_gpu_GBps": run.gpu.theoretical_bandwidth / 1e9, "theoretical_GBps": theo_thesis,
+            "measured_GBps": None, "iteration_s": t_thesis,
+            **{f"{s}_s": run.steps.get(s) for s in STEPS},
+            "speedup": 1.0, "bandwidth_ratio": 1.0, "kernel_gain": 1.0,
+            "energy_per_iteration_J": None, "energy_gpus": None,
+        })
+        for rs in group_rows(ours).values():
+            r0 = rs[0]
+            t = _mean(r["iteration_mean_s"] for r in rs)
+            theo = _mean(r.get("gpu_bandwidth_theoretical_GBps") for r in rs)
+            speedup = t_thesis / t if t else None
+            ratio = theo / theo_thesis if theo else None
+            counted = {r.get("energy_gpus") for r in rs if r.get("energy_gpus") is not None}
+            out.append({
+                "thesis": False, "beside": run, "matrix": r0["matrix"], "data": r0["data"],
+                "configuration": config_label(r0),
+                "reps": len(rs), "gpus": int(_num(r0.get("gpus")) or 1), "gpu_model": r0.get("_gpu_model") or "",
+                "theoretical_per_gpu_GBps": r0.get("_gpu_theoretical_GBps"), "theoretical_GBps": theo,
+                "measured_GBps": _mean(r.get("gpu_bandwidth_measured_GBps") for r in rs), "iteration_s": t,
+                **{f"{s}_s": _mean(r.get(f"{s}_mean_s") for r in rs) for s in STEPS},
+                "speedup": speedup, "bandwidth_ratio": ratio,
+                "kernel_gain": speedup / ratio if speedup is not None and ratio else None,
+                "energy_per_iteration_J": _mean(r.get("energy_per_iteration_J") for r in rs),
+                "energy_gpus": min(counted) if counted else None,
+            })
+    return out
+
+
+#: The sentence above the thesis table: what its columns compare.
+THESIS_INTRO = (
+    "The thesis's run on this matrix (first row; {table}: mean time per iteration of each step, 1 run of "
+    "{iterations} iterations on {gpus} {model} GPUs of a {platform}, {bw:.1f} GB/s theoretical memory bandwidth "
+    "each) beside each of our configurations on a matrix of the same shape ({rows:,} x {cols:,}). "
+    "iteration: the thesis's is the sum of its steps. "
+    "speed-up: the thesis's time per iteration over ours. bandwidth ratio: our GPUs' aggregate theoretical "
+    "memory bandwidth over the thesis's ({total:.0f} GB/s), the speed-up the hardware alone would explain for "
+    "a memory-bound iteration. kernel gain: speed-up / bandwidth ratio, the part of the speed-up that is not "
+    "the hardware's (above 1: our kernels and layout do better per byte/s of memory bandwidth). "
+    "measured copy: our GPUs' device-to-device copy bandwidth, all GPUs together, measured in the run. "
+    "Our fp includes the correlation where it runs in the forward projection's epilogue, our bp the update "
+    "where fused; a one-pass iteration has no separate fp (*fused into bp*); graph capture times only the "
+    "whole iteration (–). J/iteration: the GPUs' energy per iteration (NVML), where measured.\n\n"
+)
+
+
+def thesis_section(rows: Iterable[Mapping[str, Any]]) -> str:
+    """Markdown: the thesis beside us, only where a run's matrix has a thesis matrix's shape ("" otherwise)."""
+    from mlemlib import thesis
+
+    recs = thesis_table(rows)
+    if not recs:
+        return ""
+    head = ["configuration", "matrix / data", "reps", "GPUs", "GPU", "GB/s per GPU (theor.)", "GB/s total (theor.)",
+            "GB/s total (measured copy)", "iteration", "fp", "bp", "allreduce", "speed-up over thesis",
+            "bandwidth ratio", "kernel gain", "J/iteration"]
+    out = []
+    for run in thesis.RUNS:
+        body = []
+        for r in (r for r in recs if r["beside"] is run):
+            energy = _fmt_g(r["energy_per_iteration_J"], 4)
+            if energy and r["energy_gpus"] is not None and r["energy_gpus"] < r["gpus"]:
+                energy += f" ({r['energy_gpus']} of {r['gpus']} GPUs)"
+            body.append([
+                r["configuration"], f"{r['matrix']} / {r['data']}", r["reps"], r["gpus"], r["gpu_model"],
+                _fmt_g(r["theoretical_per_gpu_GBps"], 5) or "–", _fmt_g(r["theoretical_GBps"], 5) or "–",
+                _fmt_g(r["measured_GBps"], 5) or "–", _fmt_s(r["iteration_s"]),
+                _step_cell(r, "fp", "bp"), _step_cell(r, "bp", None), _step_cell(r, "allreduce", None),
+                _fmt_ratio(r["speedup"]), _fmt_ratio(r["bandwidth_ratio"]), _fmt_ratio(r["kernel_gain"]),
+                energy or "–",
+            ])
+        if not body:
+            continue
+        intro = THESIS_INTRO.format(
+            table=run.table, iterations=run.iterations, gpus=run.gpus, model=run.gpu.model, platform=run.platform,
+            bw=run.gpu.theoretical_bandwidth / 1e9, rows=run.matrix.rows, cols=run.matrix.cols,
+            total=run.theoretical_bandwidth / 1e9)
+        out.append(f"## The thesis beside us: {run.matrix.name} ({run.matrix.table})\n\n" + intro
+                   + _md_table(head, body))
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- other records
@@ -958,6 +1163,91 @@ def plot_scaling(rows: Iterable[Mapping[str, Any]], path: Path) -> bool:
     return True
 
 
+def time_vs_gpus_series(rows: Iterable[Mapping[str, Any]]) -> OrderedDict[tuple[str, str], dict[int, list[float]]]:
+    """Time per iteration (s) against the GPU count, per configuration and layout (``plots/time_vs_gpus.png``).
+
+    Keys are ``("{matrix}/{data} {configuration}", layout)`` as in
+    :func:`scaling_series`; values map a GPU count to each repetition's
+    ``iteration_mean_s``. A configuration's 1-GPU runs start each of its
+    layouts' lines (one GPU has no layout); cuda runs only, the reference left
+    out.
+    """
+    cells: OrderedDict[tuple[str, int, str], list[float]] = OrderedDict()
+    for r in rows:
+        if r.get("reference_mode") or _family(r.get("backend")) != "cuda" or r.get("iteration_mean_s") is None:
+            continue
+        conf = f"{r['matrix']}/{r['data']} {_scaling_label(r)}"
+        p = int(_num(r.get("gpus")) or 1)
+        layout = "local" if p == 1 else str(r.get("layout"))
+        cells.setdefault((conf, p, layout), []).append(float(r["iteration_mean_s"]))
+    lines: OrderedDict[tuple[str, str], dict[int, list[float]]] = OrderedDict()
+    for conf in dict.fromkeys(c for c, _, _ in cells):
+        layouts = list(dict.fromkeys(lay for c, p, lay in cells if c == conf and p > 1)) or ["local"]
+        for layout in layouts:
+            pts = {p: v for (c, p, lay), v in cells.items() if c == conf and (lay == layout or p == 1)}
+            lines[(conf, layout)] = dict(sorted(pts.items()))
+    return lines
+
+
+def plot_time_vs_gpus(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Time per iteration (ms) against GPUs: a line per configuration and layout, the thesis's run where it fits.
+
+    The line joins the means over repetitions; each repetition's mean is a
+    small circle. Where a run's matrix has the shape of a thesis matrix, the
+    thesis's time per iteration on its GPUs is a star. The y axis is
+    logarithmic where the times span more than a factor of 20. False (nothing
+    written) without a cuda run.
+    """
+    import matplotlib.pyplot as plt
+
+    from mlemlib import thesis
+
+    lines = time_vs_gpus_series(rows)
+    if not lines:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors: dict[str, str] = {}
+    times: list[float] = []
+    counts: set[int] = set()
+    for (conf, layout), pts in lines.items():
+        color = colors.setdefault(conf, f"C{len(colors) % 10}")
+        xs = list(pts)
+        means = [float(np.mean(v)) * 1e3 for v in pts.values()]
+        ax.plot(xs, means, marker="s", ms=5, color=color, ls="--" if layout == "thesis" else "-",
+                label=f"{conf} {layout}")
+        for p, v in pts.items():
+            ax.plot([p] * len(v), [x * 1e3 for x in v], "o", ms=4, mfc="none", color=color, alpha=0.8)
+            times += [x * 1e3 for x in v]
+        counts.update(xs)
+    shapes = {r.get("_shape") for r in rows if r.get("_shape")}
+    for run in thesis.RUNS:
+        if run.matrix.shape in shapes:
+            t = run.iteration_s * 1e3
+            ax.plot([run.gpus], [t], "*", ms=14, color="black", zorder=4,
+                    label=f"thesis {run.table}: {run.matrix.name}, {run.gpus}x {run.gpu.model} ({run.platform})")
+            ax.annotate(f"thesis: {t:.4g} ms", (run.gpus, t), xytext=(-10, -3), textcoords="offset points",
+                        fontsize=7, ha="right")
+            times.append(t)
+            counts.add(run.gpus)
+    if times and min(times) > 0 and max(times) / min(times) > 20:
+        ax.set_yscale("log")
+        ax.set_ylabel("time per iteration (ms, log scale)")
+    else:
+        ax.set_ylim(bottom=0, top=max(times) * 1.1 if times else None)
+        ax.set_ylabel("time per iteration (ms)")
+    ax.set_xticks(sorted(counts), [str(p) for p in sorted(counts)])
+    ax.set_xlim(0.5, max(counts) + 0.5)
+    ax.set_xlabel("GPUs (P)")
+    ax.set_title("MLEM time per iteration against the number of GPUs")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    _add_key(fig, "Squares joined by a line: the mean over repetitions of each configuration and layout (dashed: "
+                  "the thesis layout); circles: each repetition's mean time per iteration; a star: the thesis's "
+                  "run on a matrix of the same shape (the sum of its published step times). " + LABEL_KEY, width=110)
+    _save(fig, path)
+    return True
+
+
 #: Colour-bar label of the image plots: what a voxel value measures.
 IMAGE_UNITS = "activity per voxel (A f = expected counts per LOR)"
 
@@ -1254,6 +1544,8 @@ def summarize(
             plot_names += ["time_per_iteration.png", "time_distribution.png", "accuracy.png"]
             if plot_scaling(rows, tmp / "scaling.png"):
                 plot_names.append("scaling.png")
+            if plot_time_vs_gpus(rows, tmp / "time_vs_gpus.png"):
+                plot_names.append("time_vs_gpus.png")
         seen: set[tuple] = set()
         for r in sorted(rows, key=lambda r: (bool(r["reference_mode"]), r["run"])):
             problem = (r["matrix"], r["data"])
@@ -1270,6 +1562,7 @@ def summarize(
     sections = [
         timing_section(groups) if groups else "No runs.\n",
         scaling_section(rows),
+        thesis_section(rows),
         accuracy_section(groups) if groups else "",
         transpose_section(trows),
         plan_section(plans),

@@ -110,7 +110,7 @@ def test_plots_are_valid_png(runs, tmp_path):
     root, _, _ = runs
     r = summarize([root], tmp_path / "s")
     names = sorted(p.split("/")[-1] for p in r["plots"])
-    assert names == ["accuracy.png", "time_distribution.png", "time_per_iteration.png"]
+    assert names == ["accuracy.png", "time_distribution.png", "time_per_iteration.png", "time_vs_gpus.png"]
     for p in r["plots"]:
         with open(p, "rb") as fh:
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -354,7 +354,7 @@ def test_scaling_plot(scaling_runs, tmp_path):
     r = summarize([scaling_runs / "graph-2-local", scaling_runs / "graph-4-local"], tmp_path / "g")
     assert not (tmp_path / "g" / "plots" / "scaling.png").exists()
     assert sorted(p.split("/")[-1] for p in r["plots"]) == ["accuracy.png", "time_distribution.png",
-                                                            "time_per_iteration.png"]
+                                                            "time_per_iteration.png", "time_vs_gpus.png"]
     md = (tmp_path / "g" / "summary.md").read_text()
     assert "## Scaling over GPUs" in md and "scaling.png" not in md
 
@@ -535,3 +535,117 @@ def test_html_tables_for_the_report(runs, tmp_path):
     # escaped bars, code and emphasis of the Markdown the summary writes
     page = markdown_to_html("| a | b\\|c |\n|---|---|\n| 1 | `x` \\| *y* |\n", "t")
     assert "<th>b|c</th>" in page and '<td class="t"><code>x</code> | <em>y</em></td>' in page
+
+
+# --------------------------------------------------------------------------- hardware, energy, the thesis beside us
+MATRIX3_SHAPE = [5_308_416, 2_592_000]
+
+
+def _gpu(i, theoretical=4.8e12, copy=4.0e12):
+    return {"index": i, "name": "NVIDIA H200", "theoretical_bandwidth": theoretical,
+            "copy_bandwidth": {"bytes": 1 << 29, "median_s": 1e-4, "bandwidth": copy, "checked": True}}
+
+
+def _gpu_run(gpus, *, shape=MATRIX3_SHAPE, scale=0.25, onepass=False, devices=None, energy=(400.0, 410.0)):
+    """A cuda run on ``gpus`` H200s: TABLE_93's steps times ``scale``, energy per iteration per repetition."""
+    t = _timings(backend="cuda" if gpus == 1 else "cuda-nccl", fp="csr_vector", bp="onepass" if onepass else "notrans",
+                 gpus=gpus, layout="local", sums=[1000.0] * len(energy), digests=["x"] * len(energy),
+                 deterministic=False, scale=scale, transpose="none")
+    t["shape"] = shape
+    devs = devices if devices is not None else [_gpu(i, copy=4.0e12 + 1e10 * i) for i in range(gpus)]
+    t["backend"].update(format="compressed", bytes_per_nnz={"A": 5.25, "AT": None})
+    if gpus == 1:
+        t["backend"]["device"] = t["device"] = devs[0]
+    else:
+        t["backend"]["devices"] = t["device"] = devs
+    for rep, e in zip(t["repetitions"], energy):
+        rep.update(energy_J=4 * e, energy_per_iteration_J=e, power_W=700.0, energy_gpus=len(devs),
+                   energy_note="NVML")
+        if onepass:  # one kernel: no separate fp (nor corr)
+            for step in ("fp", "corr"):
+                del rep["samples"][step], rep["steps"][step]
+    return t
+
+
+def test_runs_csv_hardware_and_energy_columns(tmp_path):
+    one = _gpu_run(1)
+    two = _gpu_run(2)
+    mpi = _gpu_run(2, devices=[_gpu(0, copy=3.9e12)])  # one GPU per process: rank 0 records only its own
+    cpu = _timings(backend="cpu", fp="numba", bp="numba", gpus=1, layout="local", sums=[999.0], digests=["d"])
+    cpu["device"] = {"name": "host", "theoretical_bandwidth": 1e11}
+    r = summarize([one, two, mpi, cpu], tmp_path / "s")
+    with open(r["runs_csv"], newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    for col in ("format", "bytes_per_nnz", "energy_per_iteration_J", "power_W", "gpu_bandwidth_theoretical_GBps",
+                "gpu_bandwidth_measured_GBps"):
+        assert col in RUN_COLUMNS
+    r1, r2, r3, r4 = rows[0], rows[2], rows[4], rows[6]
+    assert (r1["format"], float(r1["bytes_per_nnz"])) == ("compressed", 5.25)
+    assert float(r1["gpu_bandwidth_theoretical_GBps"]) == pytest.approx(4800.0)
+    assert float(r1["gpu_bandwidth_measured_GBps"]) == pytest.approx(4000.0)
+    assert float(r2["gpu_bandwidth_theoretical_GBps"]) == pytest.approx(9600.0)  # 2 x 4800
+    assert float(r2["gpu_bandwidth_measured_GBps"]) == pytest.approx(8010.0)  # 4000 + 4010
+    assert float(r3["gpu_bandwidth_theoretical_GBps"]) == pytest.approx(9600.0)  # its GPU's x 2 GPUs
+    assert float(r3["gpu_bandwidth_measured_GBps"]) == pytest.approx(7800.0)
+    assert (float(rows[0]["energy_per_iteration_J"]), float(rows[1]["energy_per_iteration_J"])) == (400.0, 410.0)
+    assert (float(r1["energy_J"]), float(r1["power_W"]), r1["energy_gpus"]) == (1600.0, 700.0, "1")
+    assert r3["energy_gpus"] == "1"  # this process's GPU only
+    # the CPU: no GPU figures, no energy
+    assert r4["backend"] == "cpu"
+    for col in ("gpu_bandwidth_theoretical_GBps", "gpu_bandwidth_measured_GBps", "energy_per_iteration_J",
+                "power_W", "bytes_per_nnz"):
+        assert r4[col] == ""
+    md = (tmp_path / "s" / "summary.md").read_text()
+    line = next(ln for ln in md.splitlines() if ln.startswith("| madpet3 | nema-seed1 | cuda csr_vector/notrans x1 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    head = next(ln for ln in md.splitlines() if ln.startswith("| matrix | data | configuration | format |"))
+    named = dict(zip([c.strip() for c in head.strip("|").split("|")], cells))
+    assert named["format"] == "compressed (5.25)" and named["J/iteration"] == "405"
+
+
+def test_thesis_section_for_matrix3_only(tmp_path):
+    from mlemlib import thesis
+    from mlemlib.report import run_rows, thesis_table
+
+    # Table 9.3's steps sum to 3.208800624 s per iteration; scale 0.25: ours take a quarter, a speed-up of 4.
+    assert thesis.MATRIX3_DGX1.iteration_s == pytest.approx(3.208800624, rel=1e-12)
+    r = summarize([_gpu_run(1), _gpu_run(2, onepass=True, scale=0.125)], tmp_path / "s")
+    md = (tmp_path / "s" / "summary.md").read_text()
+    assert "## The thesis beside us: Matrix 3 (Table 4.3)" in md
+    rows = [ln for ln in md.splitlines() if ln.startswith("| thesis: ") or ln.startswith("| cuda")]
+    thesis_rows = [ln for ln in rows if "Table 9.3" in ln or "x8 (DGX-1)" in ln]
+    assert len(thesis_rows) == 1 and "| 3.2088 s | 16.498 ms | 2.0921 s | 1.1001 s | 1.00 | 1.00 | 1.00 |" in md
+    # 1 H200: speed-up 4, bandwidth ratio 4800 / (8 x 897) = 0.6689, kernel gain 4 / 0.6689 = 5.98
+    assert "| 4800 | 4800 | 4000 | 802.200 ms | 4.124 ms | 523.030 ms | 275.033 ms | 4.00 | 0.67 | 5.98 | 405 |" in md
+    # 2 H200, one pass (no fp of its own): speed-up 8, ratio 1.338, gain 5.98; "fused into bp", not 0
+    two = next(ln for ln in md.splitlines() if ln.startswith("| cuda-nccl csr_vector/onepass x2 local | madpet3"))
+    assert "| fused into bp |" in two and "| 0 " not in two and "| 8.00 | 1.34 | 5.98 |" in two
+    recs = thesis_table(run_rows([("a", _gpu_run(1)), ("b", _gpu_run(2, onepass=True, scale=0.125))]))
+    assert [rec["thesis"] for rec in recs] == [True, False, False]
+    assert recs[1]["speedup"] == pytest.approx(4.0, rel=1e-12)
+    assert recs[1]["bandwidth_ratio"] == pytest.approx(4800 / 7176, rel=1e-12)
+    assert recs[2]["kernel_gain"] == pytest.approx(8.0 / (9600 / 7176), rel=1e-12)
+    assert recs[2]["fp_s"] is None
+    # any other shape: no section
+    r = summarize([_gpu_run(1, shape=[5_308_416, 2_591_999])], tmp_path / "o")
+    assert "thesis beside us" not in (tmp_path / "o" / "summary.md").read_text()
+
+
+def test_time_vs_gpus_plot(tmp_path):
+    import matplotlib.image as mpimg
+
+    from mlemlib.report import run_rows, time_vs_gpus_series
+
+    runs = [("a", _gpu_run(1)), ("b", _gpu_run(2, scale=0.15))]
+    lines = time_vs_gpus_series(run_rows(runs))
+    assert list(lines) == [("madpet3/nema-seed1 cuda csr_vector/notrans", "local")]
+    pts = lines[("madpet3/nema-seed1 cuda csr_vector/notrans", "local")]
+    assert sorted(pts) == [1, 2] and pts[2] == pytest.approx([0.15 * sum(TABLE_93.values())] * 2, rel=1e-12)
+    r = summarize([t for _, t in runs], tmp_path / "s")
+    path = tmp_path / "s" / "plots" / "time_vs_gpus.png"
+    assert str(path) in r["plots"] and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert mpimg.imread(path)[..., :3].std() > 0.01
+    # a CPU-only summary has no GPU axis: no file
+    cpu = _timings(backend="cpu", fp="numba", bp="numba", gpus=1, layout="local", sums=[999.0], digests=["d"])
+    r = summarize([cpu], tmp_path / "c")
+    assert not (tmp_path / "c" / "plots" / "time_vs_gpus.png").exists()

@@ -161,6 +161,9 @@ class Backend(ABC):
         """Seconds spent in each step of the last :meth:`iterate` (resolved; GPU backends synchronise here)."""
         return dict(self._times)
 
+    def synchronize(self) -> None:
+        """Wait until the device has finished all work queued so far (the CPU works synchronously: nothing to do)."""
+
     def describe(self) -> dict[str, Any]:
         """Facts for ``timings.json``: backend, kernels, device, deterministic."""
         return {"backend": self.name, "deterministic": self.deterministic}

@@ -367,6 +367,10 @@ class CudaBackend(Backend):
         self._times = times
         return dict(times)
 
+    def synchronize(self) -> None:
+        """Wait for every stream of this backend's GPU."""
+        self._device.synchronize()
+
     # --- set-up and transfers ------------------------------------------------------
     def initial_image(self) -> Any:
         value = self._initial_value()

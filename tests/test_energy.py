@@ -1,0 +1,187 @@
+"""GPU energy from NVML with a fake pynvml, and its records in the MLEM loop (no GPU needed)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from mlemlib import devices
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def _fake_nvml(counters: dict[str, list[int]], *, unsupported: set[str] = frozenset()):
+    """A pynvml whose energy counter of the GPU at bus id B returns counters[B] one value per call (mJ)."""
+    calls = {"init": 0, "shutdown": 0}
+
+    def energy(handle):
+        if handle in unsupported:
+            raise FakeNVMLError("Not Supported")
+        return counters[handle].pop(0)
+
+    def init():
+        calls["init"] += 1
+
+    def shutdown():
+        calls["shutdown"] += 1
+
+    nvml = types.SimpleNamespace(
+        NVMLError=FakeNVMLError,
+        nvmlInit=init,
+        nvmlShutdown=shutdown,
+        nvmlDeviceGetHandleByPciBusId=lambda bus: bus,
+        nvmlDeviceGetHandleByIndex=lambda i: ["0000:00:06.0", "0000:00:07.0"][i],
+        nvmlDeviceGetTotalEnergyConsumption=energy,
+    )
+    return nvml, calls
+
+
+def test_energy_of_two_gpus_hand_computed(monkeypatch):
+    # First value of each list: the support check at construction. GPU 0 draws 450.5 J, GPU 1 300.25 J.
+    nvml, calls = _fake_nvml({"0000:00:06.0": [999_000, 1_000_000, 1_450_500],
+                              "0000:00:07.0": [1_999_000, 2_000_000, 2_300_250]})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    gpus = [{"index": 0, "pci_bus_id": "0000:00:06.0"}, {"index": 1, "pci_bus_id": "0000:00:07.0"}]
+    with devices.EnergyMeter(gpus) as meter:
+        assert meter.available
+        e0, e1 = meter.read(), meter.read()
+        assert e0 == pytest.approx(3000.0) and e1 - e0 == pytest.approx(750.75)
+        assert meter.note == "NVML total energy of GPU 0, 1"
+    assert calls == {"init": 1, "shutdown": 1} and not meter.available
+
+
+def test_energy_by_cuda_index_without_bus_id(monkeypatch):
+    # No bus id and no CuPy: the CUDA index is taken as NVML's (devices._nvml_handle).
+    nvml, _ = _fake_nvml({"0000:00:07.0": [5, 7_000, 9_500]})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    meter = devices.EnergyMeter([1], world=4)
+    assert meter.read() == pytest.approx(7.0) and meter.read() == pytest.approx(9.5)
+    assert "this process's 1 of 4 GPUs" in meter.note
+
+
+def test_unsupported_counter_is_not_available(monkeypatch, caplog):
+    nvml, calls = _fake_nvml({"0000:00:06.0": [1, 2, 3]}, unsupported={"0000:00:06.0"})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    with caplog.at_level(logging.DEBUG, logger="mlemlib.devices"):
+        meter = devices.EnergyMeter([{"index": 0, "pci_bus_id": "0000:00:06.0"}])
+    assert not meter.available and meter.read() is None
+    assert meter.note.startswith("not available: NVML energy counter not supported")
+    assert len([r for r in caplog.records if "GPU energy" in r.getMessage()]) == 1
+    assert calls["shutdown"] == 1
+
+
+def test_no_pynvml_and_cpu_are_not_available(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    meter = devices.EnergyMeter([0])
+    assert meter.read() is None and "pynvml" in meter.note
+    cpu = devices.EnergyMeter([])
+    assert cpu.read() is None and cpu.note == "not available: no GPU (cpu backend)"
+
+
+def test_counter_failing_later_gives_none(monkeypatch):
+    nvml, _ = _fake_nvml({})
+    counters = iter([1, 2])
+
+    def energy(handle):
+        try:
+            return next(counters)
+        except StopIteration:
+            raise FakeNVMLError("GPU is lost") from None
+
+    nvml.nvmlDeviceGetTotalEnergyConsumption = energy
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    meter = devices.EnergyMeter(["0000:00:06.0"])
+    assert meter.read() == pytest.approx(0.002)
+    assert meter.read() is None and "GPU is lost" in meter.note
+
+
+def test_backend_gpus_from_describe():
+    one = {"backend": "cuda", "device": {"index": 0, "name": "H200", "pci_bus_id": "0000:00:06.0"}}
+    many = {"backend": "cuda-nccl", "devices": [{"index": 0, "part": 0}, {"index": 1, "part": 1}]}
+    assert devices.backend_gpus(one) == [one["device"]]
+    assert [d["index"] for d in devices.backend_gpus(many)] == [0, 1]
+    assert devices.backend_gpus({"backend": "cpu", "device": {"name": "host", "index": 0}}) == []
+    assert devices.backend_gpus(None) == []
+
+
+def test_energy_record_hand_computed():
+    r = devices.energy_record(120.0, 2.0, 10, "NVML total energy of GPU 0", 1)
+    assert r == {"energy_J": 120.0, "energy_per_iteration_J": 12.0, "power_W": 60.0, "energy_gpus": 1,
+                 "energy_note": "NVML total energy of GPU 0"}
+    none = devices.energy_record(None, 2.0, 10, "not available: x")
+    assert none["energy_J"] is None and none["energy_per_iteration_J"] is None and none["power_W"] is None
+
+
+# --------------------------------------------------------------------------- in the MLEM loop
+def _problem():
+    import scipy.sparse as sp
+
+    from mlemlib.matrix import CSRMatrix
+
+    a = sp.random(60, 24, density=0.3, random_state=3, format="csr", dtype=np.float32)
+    g = np.random.default_rng(3).poisson(a @ np.ones(24) * 30).astype(np.int32)
+    return CSRMatrix.from_scipy(a), g
+
+
+def test_cpu_run_records_no_energy(tmp_path):
+    from mlemlib.mlem import reconstruct
+
+    a, g = _problem()
+    t = reconstruct(a, g, tmp_path / "image.h5", iterations=3, repetitions=2, backend="cpu", checkpoint_every=0)
+    for rec in t["repetitions"]:
+        assert rec["energy_J"] is None and rec["energy_per_iteration_J"] is None and rec["power_W"] is None
+        assert rec["energy_note"] == "not available: no GPU (cpu backend)"
+
+
+def test_gpu_run_records_energy_per_repetition(tmp_path, monkeypatch):
+    """A cpu run dressed as a GPU run: fake GPUs, a fake meter; energy read around each repetition's loop."""
+    from mlemlib import bench, mlem
+    from mlemlib.backends.cpu import CpuBackend
+
+    events: list[str] = []
+    copied: list[list] = []
+
+    class Meter:
+        def __init__(self, gpus, *, world=None):
+            self.gpus, self.available, self.note = list(gpus), True, "fake meter of GPU 0"
+            self.joules = 1000.0
+
+        def read(self):
+            events.append("read")
+            self.joules += 30.0  # 30 J between two readings: one repetition's loop
+            return self.joules
+
+        def close(self):
+            events.append("close")
+
+    monkeypatch.setattr(mlem, "backend_gpus", lambda desc: [{"index": 0}])
+    monkeypatch.setattr(mlem, "EnergyMeter", Meter)
+    monkeypatch.setattr(bench, "record_copy_bandwidths", lambda gpus: copied.append(gpus))
+    monkeypatch.setattr(CpuBackend, "synchronize", lambda self: events.append("sync"), raising=False)
+    a, g = _problem()
+    t = mlem.reconstruct(a, g, tmp_path / "image.h5", iterations=5, repetitions=2, backend="cpu",
+                         checkpoint_every=0)
+    assert copied == [[{"index": 0}]]  # once per run
+    assert events == ["sync", "read", "sync", "read"] * 2 + ["close"]
+    for rec in t["repetitions"]:
+        assert rec["energy_J"] == pytest.approx(30.0)
+        assert rec["energy_per_iteration_J"] == pytest.approx(6.0)  # 30 J / 5 iterations
+        assert rec["power_W"] > 0 and rec["energy_gpus"] == 1 and rec["energy_note"] == "fake meter of GPU 0"
+        # the readings are outside the iterations: each iteration's time is one step sample
+        assert rec["steps"]["iteration"]["n"] == 5
+
+
+def test_nccl_bytes_per_nnz_of_its_blocks():
+    from mlemlib.backends.nccl import NcclBackend
+
+    be = NcclBackend.__new__(NcclBackend)
+    blk = types.SimpleNamespace
+    be.shards = [blk(a=blk(nnz=100, nbytes=900), at=None), blk(a=blk(nnz=300, nbytes=1500), at=None)]
+    assert be._bytes_per_nnz() == {"A": pytest.approx(2400 / 400), "AT": None}
