@@ -277,6 +277,21 @@ def test_transpose_method_reruns_only_what_reads_the_transpose(finished):
     assert jobs == {"transpose_matrix": 1, "run_mlem": 1, "summarize": 1}
 
 
+@pytest.mark.slow
+def test_format_reruns_the_conversion_and_exactly_what_reads_the_matrix(finished):
+    config = changed(matrices={"small": {"preset": "small", "format": "compressed"}})
+    jobs = dry_run(finished, config)
+    # The container in the new format and every job that reads it; not the
+    # generator's .csr4, which holds the same matrix in any format.
+    assert jobs == {
+        "convert_matrix": 1, "reorder_matrix": 1, "compute_norm": 1, "transpose_matrix": 1, "partition_matrix": 1,
+        "simulate_measurement": 1, "reference_mlem": 1, "run_mlem": 2, "summarize": 1,
+    }  # fmt: skip
+    planned = snakemake(finished, "--dry-run", config=config).stdout
+    conversion = planned.split("rule convert_matrix:", 1)[1].split("\n\n", 1)[0]
+    assert "reason: Params have changed since last execution" in conversion, conversion
+
+
 # ------------------------------------------------- a user's own data, several configurations
 #: A second configuration, as a user writes one: their own matrix and measurement
 #: (copies of the tiny run's generated matrix and simulated measurement) under
