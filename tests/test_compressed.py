@@ -1093,3 +1093,45 @@ def test_gpu_kernels_match_numba(fmt):
                 if det:
                     again, _ = gpu.onepass(m_, gd, fd, lanes=lanes, deterministic=True)
                     np.testing.assert_array_equal(bp.get(), again.get())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("r0", "r1"), [(0, 300), (41, 257), (9, 9)])
+def test_gpu_upload_streams_a_container_piece_by_piece(tmp_path, monkeypatch, fmt, r0, r1):
+    """A compressed container reaches the GPU in pieces of UPLOAD_CHUNK_NNZ slots, equal to the whole rows' upload."""
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.formats.compressed_h5 import CompressedH5
+
+    a = random_csr(300, 800, 23)
+    c = CompressedMatrix.from_csr(a, fmt)
+    path = tmp_path / "m.h5"
+    write_compressed_h5(path, c, max_nnz=500)
+    monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)  # many pieces
+    with CompressedH5(path) as src:
+        got = gpu.DeviceCompressed.upload(src, (r0, r1))
+    want = gpu.DeviceCompressed.from_host(c.row_range(r0, r1))
+    assert got.shape == want.shape and got.nnz == want.nnz and got.code_bits == want.code_bits
+    for name in ("rowbase", "rowoff", "codes", "values"):
+        np.testing.assert_array_equal(getattr(got, name).get(), getattr(want, name).get(), err_msg=name)
+    if fmt != "compressed":
+        np.testing.assert_array_equal(got.scale.get(), want.scale.get())
+
+
+@pytest.mark.gpu
+def test_gpu_upload_of_a_corrupt_container_names_the_file(tmp_path, monkeypatch):
+    """A NaN in a piece stops the streamed upload with the file and the slot named."""
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.formats.compressed_h5 import CompressedH5
+
+    a = random_csr(300, 800, 29)
+    path = tmp_path / "bad.h5"
+    write_compressed_h5(path, a)
+    with h5py.File(path, "r+") as f:
+        v = f["values"][...]
+        real = np.flatnonzero(f["codes"][...] < code_high(int(f.attrs["code_bits"])))
+        v[real[-3]] = np.nan  # an element's value, in the last piece
+        f["values"][...] = v
+    monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)
+    with CompressedH5(path) as src, pytest.raises(MatrixFormatError, match=r"bad\.h5.*non-finite value nan"):
+        gpu.DeviceCompressed.upload(src)
