@@ -307,6 +307,41 @@ def _decode(slotptr, codes, vf, vb, scale, half, high, n, indptr, cols, vals, ba
                 q += 1
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _check_rows(slotptr, codes, vb, half, high, n, counts, bad_slot, bad_col):  # pragma: no cover - compiled
+    """:func:`_decode` without its output: each row's element count, and where its running column leaves ``[0, n)``.
+
+    ``bad_slot[r]``/``bad_col[r]`` as in :func:`_decode` (0 for a good row);
+    ``counts[r]`` the row's elements (slots that are not markers or pads).
+    """
+    m = counts.shape[0]
+    base = slotptr[0]
+    for r in prange(m):
+        col = np.int64(0)
+        c = np.int64(0)
+        s = slotptr[r] - base
+        bad_slot[r] = 0
+        bad_col[r] = 0
+        for k in range(s, slotptr[r + 1] - base):
+            cd = codes[k]
+            if cd < high:
+                col += cd
+                c += 1
+            elif cd == high:
+                if not half:
+                    bad_slot[r] = k - s + 1
+                    bad_col[r] = -1
+                    break
+                col += np.int64(vb[k]) << 16
+            else:
+                col += np.int64(vb[k])
+            if col >= n:
+                bad_slot[r] = k - s + 1
+                bad_col[r] = col
+                break
+        counts[r] = c
+
+
 # --------------------------------------------------------------------------- row pointer
 def pack_rowptr(slotptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Split a slot pointer (int64, ``m + 1`` entries, starting at 0) into ``(rowbase, rowoff)``.
@@ -560,21 +595,59 @@ def decode_slots(
     vf = values if not half else np.empty(0, dtype=np.float32)
     sc = scale if half else np.empty(0, dtype=np.float32)
     _decode(slotptr, codes, vf, _value_bits(values), sc, half, high, int(n), indptr, cols, vals, bad_slot, bad_col)
-    if m and bad_slot.any():
-        r = int(np.argmax(bad_slot > 0))
-        k = int(slotptr[r] - slotptr[0] + bad_slot[r] - 1)
-        if bad_col[r] < 0:
-            raise MatrixFormatError(
-                source,
-                f"row {row0 + r}: high marker (code {high}) at slot {slot0 + k} in a float32 matrix "
-                "(compressed-f16 only)",
-            )
+    _raise_bad_row(slotptr, bad_slot, bad_col, high, n, source, row0, slot0)
+    return CSRMatrix(indptr, cols, vals, (m, int(n)))
+
+
+def _raise_bad_row(slotptr, bad_slot, bad_col, high, n, source, row0, slot0) -> None:
+    """The error of the first row :func:`_decode` or :func:`_check_rows` marked bad, if any."""
+    if not len(bad_slot) or not bad_slot.any():
+        return
+    r = int(np.argmax(bad_slot > 0))
+    k = int(slotptr[r] - slotptr[0] + bad_slot[r] - 1)
+    if bad_col[r] < 0:
         raise MatrixFormatError(
             source,
-            f"row {row0 + r}: the column deltas decode to column {int(bad_col[r])} at slot {slot0 + k}, "
-            f"outside [0, {n})",
+            f"row {row0 + r}: high marker (code {high}) at slot {slot0 + k} in a float32 matrix "
+            "(compressed-f16 only)",
         )
-    return CSRMatrix(indptr, cols, vals, (m, int(n)))
+    raise MatrixFormatError(
+        source,
+        f"row {row0 + r}: the column deltas decode to column {int(bad_col[r])} at slot {slot0 + k}, "
+        f"outside [0, {n})",
+    )
+
+
+def check_slots(
+    slotptr: np.ndarray,
+    codes: np.ndarray,
+    values: np.ndarray,
+    scale: np.ndarray | None,
+    n: int,
+    *,
+    source: str | os.PathLike = "<matrix>",
+    row0: int = 0,
+    slot0: int = 0,
+) -> int:
+    """Check encoded rows as :func:`decode_slots` does, without decoding them; return their element count.
+
+    The same checks and messages (alignment, values, row scales, columns in
+    ``[0, n)``, high markers), in one parallel pass that writes nothing but
+    a count per row: what a reader that keeps the encoding (a GPU upload)
+    needs.
+    """
+    slotptr = np.ascontiguousarray(slotptr, dtype=np.int64)
+    m = len(slotptr) - 1
+    half = values.dtype == np.float16
+    high = code_high(code_bits_of(codes))
+    check_alignment(slotptr, source, row0=row0, slot0=slot0)
+    check_encoded_values(slotptr, codes, values, scale, source, row0=row0, slot0=slot0)
+    counts = np.empty(m, dtype=np.int64)
+    bad_slot = np.empty(m, dtype=np.int64)
+    bad_col = np.empty(m, dtype=np.int64)
+    _check_rows(slotptr, codes, _value_bits(values), half, high, int(n), counts, bad_slot, bad_col)
+    _raise_bad_row(slotptr, bad_slot, bad_col, high, n, source, row0, slot0)
+    return int(counts.sum())
 
 
 def check_encoded_values(

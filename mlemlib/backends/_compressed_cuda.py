@@ -206,6 +206,7 @@ class DeviceCompressed(DeviceMatrix):
         row pointer, never the whole block.
         """
         from mlemlib.compressed import CODE_DTYPES, VALUE_DTYPES, pack_rowptr
+        from mlemlib.formats.h5 import prefetched
 
         cp = cupy()
         sp = np.asarray(source.read_slotptr(r0, r1), dtype=np.int64)
@@ -218,8 +219,9 @@ class DeviceCompressed(DeviceMatrix):
         scale = None if lossless else cp.empty(r1 - r0, dtype=cp.float32)
         nnz = 0
         pieces = chunk_bounds(rel, UPLOAD_CHUNK_NNZ)
-        for k, (a, b) in enumerate(pieces):
-            enc = source.read_encoded(r0 + a, r0 + b)  # validated: columns in range, values finite and >= 0
+        # Piece k + 1 is read and checked (columns in range, values finite and >= 0) while piece k is copied.
+        encoded = prefetched(lambda ab: source.read_encoded(r0 + ab[0], r0 + ab[1]), pieces)
+        for k, ((a, b), enc) in enumerate(zip(pieces, encoded)):
             lo, hi = int(rel[a]), int(rel[b])
             if hi > lo:
                 codes[lo:hi].set(enc.codes)

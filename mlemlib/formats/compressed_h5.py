@@ -50,7 +50,9 @@ from mlemlib.compressed import (
     SLOT_ALIGN,
     VALUE_DTYPES,
     CompressedMatrix,
+    _real_counts,
     check_alignment,
+    check_slots,
     choose_code_bits,
     code_high,
     decode_slots,
@@ -251,12 +253,10 @@ class CompressedH5(MatrixH5):
             sp = self.read_slotptr()
             m = self.shape[0]
             counts = np.empty(m, dtype=np.int64)
-            for r0, r1 in chunk_bounds(sp, PIECE_SLOTS):
-                codes = self._read("codes", int(sp[r0]), int(sp[r1]))
-                marks = np.zeros(len(codes) + 1, dtype=np.int64)
-                np.cumsum(codes >= self.code_high, out=marks[1:])
-                local = sp[r0 : r1 + 1] - sp[r0]
-                counts[r0:r1] = np.diff(local) - np.diff(marks[local])
+            pieces = chunk_bounds(sp, PIECE_SLOTS)
+            codes = self.read_ahead("codes", [(int(sp[r0]), int(sp[r1])) for r0, r1 in pieces])
+            for (r0, r1), piece in zip(pieces, codes):
+                _real_counts(sp[r0 : r1 + 1], piece, self.code_high, counts[r0:r1])  # parallel
             indptr = np.zeros(m + 1, dtype=np.int64)
             np.cumsum(counts, out=indptr[1:])
             if int(indptr[-1]) != self.nnz:
@@ -292,9 +292,7 @@ class CompressedH5(MatrixH5):
         values = self._read("values", lo, hi)
         scale = self._read("scale", start, stop) if not self.lossless else None
         if validate:
-            nnz = decode_slots(
-                sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo
-            ).nnz
+            nnz = check_slots(sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo)
         else:
             nnz = int(np.count_nonzero(codes < self.code_high))
         return CompressedMatrix.from_arrays(

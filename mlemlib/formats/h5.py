@@ -26,9 +26,10 @@ import hashlib
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +74,20 @@ RESERVED_ATTRS = frozenset(
 )
 #: Piece size (elements) for verifying checksums without holding a dataset.
 _HASH_PIECE = 1 << 24
+
+
+def prefetched(read: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
+    """``read(item)`` for each item in order, item k + 1 read on a helper thread while item k is used."""
+    items = list(items)
+    if not items:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead") as pool:
+        pending = pool.submit(read, items[0])
+        for nxt in items[1:]:
+            got = pending.result()
+            pending = pool.submit(read, nxt)
+            yield got
+        yield pending.result()
 
 
 #: Threads hashing a block's indices and data side by side (see :meth:`_Checksum.update_rows`).
@@ -344,6 +359,14 @@ class MatrixH5(RowBlockReader):
         if hi > lo:
             ds.read_direct(out, np.s_[lo:hi])
         return out
+
+    def read_ahead(self, name: str, ranges: list[tuple[int, int]]) -> Iterator[np.ndarray]:
+        """Dataset ``name``'s pieces ``[lo, hi)`` in order, the next one read on a helper thread meanwhile.
+
+        While the caller works on piece k, piece k + 1 is read: two pieces in
+        memory at most.
+        """
+        return prefetched(lambda r: self._read(name, *r), ranges)
 
     def compute_checksum(self) -> str:
         """Recompute the checksum from the datasets, reading them piece by piece."""
