@@ -696,9 +696,17 @@ def _timings(prob: Problem, settings: RunSettings, desc: dict[str, Any], be: Bac
     """The content of ``timings.json``: configuration, problem, bytes moved, set-up and every repetition."""
     m, n = prob.shape
     nnz = int(prob.src.nnz)
-    bytes_a = 8 * (m + 1) + 8 * nnz
     used_t = transpose_used(desc.get("transpose"), prob.tsrc is not None)
-    bytes_at = 8 * (n + 1) + 8 * nnz if used_t else None
+    # Bytes each projection reads: CSR's 8 per non-zero plus the row pointer, or
+    # the bytes of the format on the device (the backend's bytes_per_nnz).
+    per_nnz = desc.get("bytes_per_nnz") if desc.get("format", "csr") != "csr" else None
+    per_nnz = per_nnz if isinstance(per_nnz, dict) else {}
+    bytes_a = round(per_nnz["A"] * nnz) if per_nnz.get("A") else 8 * (m + 1) + 8 * nnz
+    bytes_at = None
+    if used_t:
+        bytes_at = round(per_nnz["AT"] * nnz) if per_nnz.get("AT") else 8 * (n + 1) + 8 * nnz
+    # One pass (forward and back projection from one read of A) reads A once an iteration.
+    onepass = bool(desc.get("onepass"))
     sino, transpose = sources["sino"], sources["transpose"]
     return {
         "format": TIMINGS_FORMAT,
@@ -745,7 +753,7 @@ def _timings(prob: Problem, settings: RunSettings, desc: dict[str, Any], be: Bac
             "AT": bytes_at,
             "fp": bytes_a,
             "bp": bytes_at if used_t else bytes_a,
-            "iteration": bytes_a + (bytes_at if used_t else bytes_a),
+            "iteration": bytes_a if onepass else bytes_a + (bytes_at if used_t else bytes_a),
         },
         "setup": {"load_s": prob.load_s, "backend_s": setup_s},
         "repetitions": records,

@@ -392,7 +392,8 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
         "Mean over all iterations and repetitions (min and max: the fastest and slowest single iteration). "
         "format: the matrix format on the device, with its bytes per non-zero of A in brackets where recorded "
         "(CSR: 8, a 4-byte value and a 4-byte column, plus the row pointer). "
-        "GB/s: bytes of A (and of A^T where stored) read per iteration over the mean time."
+        "GB/s: bytes the iteration reads over its mean time: A and A^T where stored (A twice without it; once "
+        "in one pass), in the format on the device."
         + (" J/iteration: the GPUs' energy per iteration from NVML's counters, mean over repetitions (empty: "
            "not measured, e.g. on the CPU)." if energy else "")
         + "\n\n"
@@ -569,8 +570,8 @@ def scaling_section(rows: Iterable[Mapping[str, Any]]) -> str:
         "Every cuda configuration run on more than one GPU count, by GPU count P and layout. iteration and steps: "
         "mean time per iteration over all iterations and repetitions, as in the table above (graph capture times "
         "only the whole iteration). speed-up: T(1)/T(P), T(1) the configuration's 1-GPU run (– without one); "
-        "efficiency: speed-up / P (1 is perfect). GB/s per GPU: bytes of A (and of A^T where stored) per "
-        "iteration / P / T(P), each GPU reading its nnz-balanced part, about 1/P of them. rel. L2 to ref.: mean "
+        "efficiency: speed-up / P (1 is perfect). GB/s per GPU: bytes an iteration reads (as in the table above) "
+        "/ P / T(P), each GPU reading its nnz-balanced part, about 1/P of them. rel. L2 to ref.: mean "
         "over repetitions.\n\n"
     )
     return "## Scaling over GPUs\n\n" + intro + _md_table(head, body)

@@ -159,3 +159,28 @@ def test_csr_source_is_encoded_block_by_block_for_the_gpu(monkeypatch, r0, r1):
     want = CompressedMatrix.from_csr(A, "compressed").row_range(r0, r1)
     assert got.shape == want.shape and got.nnz == want.nnz
     assert (got.to_csr().to_scipy() != want.to_csr().to_scipy()).nnz == 0
+
+
+def test_timings_count_the_bytes_each_iteration_reads(tmp_path):
+    """timings.json: the format's own bytes (not CSR's 8 per non-zero), and A once an iteration in one pass."""
+    import json
+
+    from mlemlib.formats.compressed_h5 import write_compressed_h5
+    from mlemlib.mlem import reconstruct
+
+    A, _, g, norm = problem(7)
+    path = tmp_path / "c.h5"
+    write_compressed_h5(path, A, fmt="compressed")
+    from mlemlib.formats import open_source
+
+    with open_source(path) as src:
+        stored = src.nbytes
+    for bp, reads in (("onepass", 1), ("notrans", 2)):
+        out = tmp_path / bp / "image.h5"
+        reconstruct(path, g, out, norm=norm, backend="cpu", bp=bp, iterations=2)
+        t = json.loads((out.parent / "timings.json").read_text())
+        per_nnz = t["backend"]["bytes_per_nnz"]["A"]
+        assert 4.0 < per_nnz < 8.0  # the compressed format, below CSR's 8
+        assert t["bytes"]["A"] == round(per_nnz * A.nnz)
+        assert abs(t["bytes"]["A"] - stored) < 0.01 * stored  # what the container holds
+        assert t["bytes"]["iteration"] == reads * t["bytes"]["A"]

@@ -418,6 +418,8 @@ class CpuBackend(Backend):
             "bp": self.bp_kernel,
             "bp_path": bp_path,
             "format": self.format,
+            "bytes_per_nnz": {"A": self.a.nbytes / max(1, self.a.nnz),
+                              "AT": (self.at.nbytes / max(1, self.at.nnz)) if self.at is not None else None},
             "onepass": self.onepass,
             "steps": ["bp", "update"] if self.onepass else ["fp", "corr", "bp", "update"],
             "transpose": self.use_transpose,
