@@ -380,11 +380,11 @@ def peak_host_bytes(
     vec_m, vec_n = 8 * size.rows, 8 * size.cols  # one float64 vector of each length
     a, at = size.csr_bytes, size.csr_t_bytes
     if stage == "generate":
-        # Rows are traced in chunks of 2^24 (two in flight, one being encoded);
-        # the row counts; per thread a float64 accumulator and an int64 marker
-        # of n entries.
+        # Rows are traced in chunks of 2^24 (one being traced, one encoded,
+        # two being written, with their encodings); the row counts; per
+        # thread a float64 accumulator and an int64 marker of n entries.
         gen_chunk = min(size.nnz, 1 << 24)
-        return 3 * 8 * gen_chunk + 2 * vec_m + 2 * vec_n * max(threads, 1)
+        return (4 * 8 + 3 * 5) * gen_chunk + 2 * vec_m + 2 * vec_n * max(threads, 1)
     if stage == "convert":
         # Source chunk, validated copy, write buffer; both row pointers.
         return 3 * 8 * chunk + 2 * vec_m

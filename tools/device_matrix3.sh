@@ -6,6 +6,9 @@
 #                                                         its own process session, then follow it
 #   bash tools/device_matrix3.sh wait OUTDIR [SECONDS]    follow a running chain (next call, machine warm)
 #   bash tools/device_matrix3.sh collect OUTDIR           only copy what there is into OUTDIR
+#   bash tools/device_matrix3.sh profile OUTDIR           after the chain: Nsight Compute on one launch of the
+#                                                         one-pass kernels (float atomics and fixed point) on
+#                                                         Matrix 3 (OUTDIR/ncu-*.txt)
 #
 # The chain is one `snakemake --cores $(nproc) --resources gpu=2 --configfile
 # config/thesis-matrix3.yaml` (every stage, then the report) in $M3_WORK (default: a folder on the
@@ -166,6 +169,22 @@ wait)
     follow "$limit"
     ;;
 collect) ;;
+profile)
+    w=$(cat "$state/work") || exit 2
+    cd "$w" || exit 2
+    for bp in onepass onepass_fixed; do
+        mkdir -p "/tmp/ncu-$bp"
+        # The third launch: after the kernels' first runs (compilation, tuning). ncu keeps its own clocks off.
+        timeout 280 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            --section Occupancy --section LaunchStats -k regex:onepass --launch-skip 2 --launch-count 1 \
+            python3 -m mlemlib reconstruct -m results/matrix3/matrix.h5 -s results/matrix3/data/nema-seed1.LMsino \
+            --norm results/matrix3/norm.h5 -n 3 -b cuda --bp "$bp" -k 0 -o "/tmp/ncu-$bp/image.h5" \
+            > "$out/ncu-$bp.txt" 2>&1
+        echo "ncu $bp: exit status $? ($(grep -c 'Duration' "$out/ncu-$bp.txt") duration lines)"
+        grep -E 'onepass|Duration|Memory Throughput|DRAM Throughput|L2 Cache Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per' "$out/ncu-$bp.txt" | head -12
+    done
+    cd - > /dev/null || exit 2
+    ;;
 *)
     echo "$usage" >&2
     exit 2

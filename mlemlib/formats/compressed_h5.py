@@ -476,21 +476,41 @@ class CompressedH5Writer(RowBlockWriter):
         (default: the output file).
         """
         bnnz = self._accept(block, validate=validate)
+        enc = self.encode_rows(block, source=source, row0=self._rows)
+        self._append(enc, self._decoded(enc, block), bnnz)
+
+    def encode_rows(
+        self, block: CSRMatrix, *, source: str | os.PathLike | None = None, row0: int | None = None
+    ) -> CompressedMatrix:
+        """Encode a row block in the file's format and code width (the first block with slots sets the width).
+
+        With :meth:`append_encoded_rows`, the two halves of :meth:`write_rows`
+        for a writer that encodes block k + 1 while block k is written (the
+        generator): blocks must be encoded in order, one at a time. ``row0``:
+        the block's first row, for messages.
+        """
         try:
             enc = CompressedMatrix.from_csr(
                 block, self.fmt, code_bits=self.code_bits, validate=False,
-                source=self.path if source is None else source, row0=self._rows,
+                source=self.path if source is None else source, row0=self._rows if row0 is None else row0,
             )
             if self.code_bits is None and enc.slots:
                 self._set_code_bits(enc.code_bits)
         except BaseException:
             self.abort()
             raise
+        return enc
+
+    def append_encoded_rows(self, enc: CompressedMatrix, block: CSRMatrix) -> None:
+        """Append the next row block, ``enc`` being :meth:`encode_rows` of ``block`` (not validated again)."""
+        bnnz = self._accept(block, validate=False)
+        self._append(enc, self._decoded(enc, block), bnnz)
+
+    def _decoded(self, enc: CompressedMatrix, block: CSRMatrix) -> CSRMatrix:
+        """The matrix the file will hold for these rows (its checksum's input)."""
         if self.fmt == "compressed":
-            decoded = block  # lossless: the decoded block is the block itself
-        else:
-            decoded = enc.to_csr(validate=False, source=self.path)
-        self._append(enc, decoded, bnnz)
+            return block  # lossless: the decoded block is the block itself
+        return enc.to_csr(validate=False, source=self.path)
 
     def write_encoded(self, block: CompressedMatrix, *, validate: bool = True) -> None:
         """Append the next row block, already encoded (its format must be the writer's).

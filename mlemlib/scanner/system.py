@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -278,6 +279,17 @@ class _Validated:
     def write_rows(self, block: CSRMatrix) -> None:
         self.writer.write_rows(block, validate=False)
 
+    @property
+    def encodes(self) -> bool:
+        """Whether the format encodes blocks (then :meth:`encode_rows` and :meth:`append` split :meth:`write_rows`)."""
+        return hasattr(self.writer, "encode_rows")
+
+    def encode_rows(self, block: CSRMatrix, row0: int):
+        return self.writer.encode_rows(block, row0=row0)
+
+    def append(self, encoded, block: CSRMatrix) -> None:
+        self.writer.append_encoded_rows(encoded.result(), block)
+
     def __enter__(self):
         return self
 
@@ -347,32 +359,40 @@ def generate(
         prog = _Progress("fill pass", nnz, "elements")
         done = 0
         t_trace = t_wait = 0.0
-        # The tracer releases the GIL: chunk k is written by a helper thread
-        # while chunk k+1 is traced (at most two chunks in memory). Leaving the
-        # pool's block joins the helper before the writer closes or aborts.
+        # The tracer releases the GIL: while chunk k + 2 is traced, chunk k + 1
+        # is encoded (compressed formats) on one helper thread and chunk k
+        # written and hashed on another (at most four chunks in memory).
+        # Leaving the pools' block joins the helpers before the writer closes
+        # or aborts.
         with (
             make_writer(m, n, nnz) as writer,
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-writer") as pool,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-encoder") as encoder,
         ):
-            pending = None
+            pending: deque = deque()
+            encodes = getattr(writer, "encodes", False)
             for r0, r1 in _fill_chunks(row_counts, max_nnz, max_rows):
                 indptr = np.zeros(r1 - r0 + 1, dtype=np.int64)
                 np.cumsum(row_counts[r0:r1], out=indptr[1:])
                 t0 = time.perf_counter()
                 block = tracer.fill(np.arange(r0, r1, dtype=np.int64), indptr)
                 t1 = time.perf_counter()
-                if pending is not None:
-                    pending.result()
+                while len(pending) >= 2:
+                    pending.popleft().result()
                 t_wait += time.perf_counter() - t1
                 t_trace += t1 - t0
-                pending = pool.submit(writer.write_rows, block)
+                if encodes:
+                    encoded = encoder.submit(writer.encode_rows, block, r0)
+                    pending.append(pool.submit(writer.append, encoded, block))
+                else:
+                    pending.append(pool.submit(writer.write_rows, block))
                 done += block.nnz
                 prog.update(done, f", rows {r1}/{m}, {done * 8 / 1e9:.1f} GB of CSR")
                 del block
-            if pending is not None:
-                t1 = time.perf_counter()
-                pending.result()
-                t_wait += time.perf_counter() - t1
+            t1 = time.perf_counter()
+            while pending:
+                pending.popleft().result()
+            t_wait += time.perf_counter() - t1
         prog.update(done, force=True)
     seconds = time.perf_counter() - t_start
     summary = {
