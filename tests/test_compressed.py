@@ -1135,3 +1135,81 @@ def test_gpu_upload_of_a_corrupt_container_names_the_file(tmp_path, monkeypatch)
     monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)
     with CompressedH5(path) as src, pytest.raises(MatrixFormatError, match=r"bad\.h5.*non-finite value nan"):
         gpu.DeviceCompressed.upload(src)
+
+
+class _HostArray(np.ndarray):
+    """A NumPy array with CuPy's ``set``/``get``: a stand-in for device memory (views write through)."""
+
+    def set(self, a):
+        self[...] = a
+
+    def get(self):
+        return np.asarray(self).copy()
+
+
+class _FakeDevice:
+    def __init__(self, index=None):
+        self.id = 0 if index is None else int(index)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fake_cupy():
+    """The few CuPy calls DeviceCompressed.upload makes, on host arrays (the host logic, tested without a GPU)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        empty=lambda n, dtype: np.empty(n, dtype=dtype).view(_HostArray),
+        asarray=lambda a: np.array(a).view(_HostArray),
+        float32=np.float32,
+        cuda=SimpleNamespace(Device=_FakeDevice),
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("r0", "r1"), [(0, 300), (41, 257), (9, 9)])
+def test_streamed_upload_places_every_piece(tmp_path, monkeypatch, fmt, r0, r1):
+    """The host half of the streamed upload: pieces read ahead land where the whole rows' arrays have them."""
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.formats.compressed_h5 import CompressedH5
+
+    a = random_csr(300, 800, 31)
+    c = CompressedMatrix.from_csr(a, fmt)
+    path = tmp_path / "m.h5"
+    write_compressed_h5(path, c, max_nnz=500)
+    monkeypatch.setattr(gpu, "cupy", _fake_cupy)
+    monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)  # many pieces
+    with CompressedH5(path) as src:
+        got = gpu.DeviceCompressed.upload(src, (r0, r1))
+    want = c.row_range(r0, r1)
+    wrb, wro = pack_rowptr(want.slotptr() - want.slotptr()[0])
+    assert got.shape == want.shape and got.nnz == want.nnz and got.code_bits == want.code_bits
+    np.testing.assert_array_equal(got.rowbase.get(), wrb)
+    np.testing.assert_array_equal(got.rowoff.get(), wro)
+    np.testing.assert_array_equal(got.codes.get(), want.codes)
+    np.testing.assert_array_equal(got.values.get().view(np.uint8), np.asarray(want.values).view(np.uint8))
+    if fmt == "compressed":
+        assert got.scale is None
+    else:
+        np.testing.assert_array_equal(got.scale.get(), want.scale)
+
+
+def test_streamed_upload_of_a_corrupt_piece_names_the_file(tmp_path, monkeypatch):
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.formats.compressed_h5 import CompressedH5
+
+    path = tmp_path / "bad.h5"
+    write_compressed_h5(path, random_csr(300, 800, 37))
+    with h5py.File(path, "r+") as f:
+        v = f["values"][...]
+        real = np.flatnonzero(f["codes"][...] < code_high(int(f.attrs["code_bits"])))
+        v[real[len(real) // 2]] = -1.0
+        f["values"][...] = v
+    monkeypatch.setattr(gpu, "cupy", _fake_cupy)
+    monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)
+    with CompressedH5(path) as src, pytest.raises(MatrixFormatError, match=r"bad\.h5.*negative value -1\.0 at slot"):
+        gpu.DeviceCompressed.upload(src)
