@@ -94,7 +94,7 @@ RUN_COLUMNS = (
     *(f"{s}_{k}_s" for s in STEPS for k in ("mean", "median", "min", "max")),
     "load_s", "setup_s", "wall_s", "bytes_per_iteration", "bandwidth_GBps", "fp_bandwidth_GBps",
     "bp_bandwidth_GBps", "gpu_bandwidth_theoretical_GBps", "gpu_bandwidth_measured_GBps",
-    "energy_J", "energy_per_iteration_J", "power_W", "energy_gpus",
+    "of_floor", "of_csr_floor", "energy_J", "energy_per_iteration_J", "power_W", "energy_gpus",
     "image_sum", "reference_sum", "rel_l2_reference", "sum_rel_error_reference", "rel_l2_truth", "image_sha256", "resumed_at",
 )
 
@@ -202,6 +202,34 @@ def gpu_bandwidth_sum(devs: list[dict[str, Any]], gpus: Any, key: str) -> float 
     return float(np.mean(vals)) * max(count, len(devs))
 
 
+def csr_pair_bytes(shape: Any, nnz: Any) -> int | None:
+    """Bytes of ``A`` and ``A^T`` as CSR, read once each: what an iteration on the CSR pair must move."""
+    try:
+        m, n = (int(v) for v in shape)
+        k = int(nnz)
+    except (TypeError, ValueError):
+        return None
+    return 8 * (m + 1) + 8 * k + 8 * (n + 1) + 8 * k
+
+
+def floor_fractions(t: Mapping[str, Any], seconds: Any, copy_bandwidth: Any) -> tuple[float | None, float | None]:
+    """Fractions of the run's own floor and of the CSR floor, at the copy bandwidth measured in the run.
+
+    Own floor: the bytes an iteration reads (``timings["bytes"]["iteration"]``,
+    in the format on the device) over the GPUs' measured copy bandwidth; CSR
+    floor: :func:`csr_pair_bytes` over the same. Each is the floor's time
+    over the iteration's mean time (1: at the floor; a CSR-floor fraction
+    above 1 is faster than any iteration that reads the CSR pair can be).
+    None where the run measured no copy bandwidth (the CPU).
+    """
+    sec, bw = _num(seconds), _num(copy_bandwidth)
+    if not sec or not bw:
+        return None, None
+    own = _num((t.get("bytes") or {}).get("iteration"))
+    csr = csr_pair_bytes(t.get("shape"), t.get("nnz"))
+    return (own / bw / sec if own else None), (csr / bw / sec if csr else None)
+
+
 def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per run and repetition (the rows of ``runs.csv``)."""
     rows = []
@@ -267,6 +295,7 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
             row["bp_bandwidth_GBps"] = bw(nbytes.get("bp"), row["bp_mean_s"])
             row["gpu_bandwidth_theoretical_GBps"] = theo / 1e9 if theo is not None else None
             row["gpu_bandwidth_measured_GBps"] = measured / 1e9 if measured is not None else None
+            row["of_floor"], row["of_csr_floor"] = floor_fractions(t, row["iteration_mean_s"], measured)
             for k in ("energy_J", "energy_per_iteration_J", "power_W"):
                 row[k] = _num(rep.get(k))
             row["energy_gpus"] = rep.get("energy_gpus") if row["energy_J"] is not None else None
@@ -357,6 +386,11 @@ def _fmt_g(v: Any, digits: int = 9) -> str:
     return f"{v:.{digits}g}" if v is not None else ""
 
 
+def _fmt_pct(v: Any) -> str:
+    f = _num(v)
+    return "" if f is None else f"{100 * f:.0f}%"
+
+
 def _fmt_e(v: Any) -> str:
     v = _num(v)
     return f"{v:.3e}" if v is not None else ""
@@ -371,8 +405,10 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
     where some run measured it.
     """
     energy = any(r.get("energy_per_iteration_J") is not None for rs in groups.values() for r in rs)
+    floors = any(r.get("of_floor") is not None for rs in groups.values() for r in rs)
     head = ["matrix", "data", "configuration", "format", "reps", "iteration", "min", "max", *STEPS, "GB/s",
-            *(["J/iteration"] if energy else []), "deterministic"]
+            *(["of floor", "of CSR floor"] if floors else []), *(["J/iteration"] if energy else []),
+            "deterministic"]
     body = []
     for rs in groups.values():
         r0 = rs[0]
@@ -384,6 +420,8 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
                 _fmt_s(max((r["iteration_max_s"] for r in rs if r["iteration_max_s"] is not None), default=None)),
                 *(_fmt_s(_mean(r[f"{s}_mean_s"] for r in rs)) for s in STEPS),
                 _fmt_g(_mean(r["bandwidth_GBps"] for r in rs), 4),
+                *([_fmt_pct(_mean(r.get("of_floor") for r in rs)), _fmt_pct(_mean(r.get("of_csr_floor") for r in rs))]
+                  if floors else []),
                 *([_fmt_g(_mean(r.get("energy_per_iteration_J") for r in rs), 4)] if energy else []),
                 "yes" if r0["deterministic"] else "NO (atomics)",
             ]
@@ -394,6 +432,10 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
         "(CSR: 8, a 4-byte value and a 4-byte column, plus the row pointer). "
         "GB/s: bytes the iteration reads over its mean time: A and A^T where stored (A twice without it; once "
         "in one pass), in the format on the device."
+        + (" of floor: the time those bytes take at the GPUs' copy bandwidth measured in the run, over the "
+           "iteration's time (100%: as fast as reading them can be); of CSR floor: the same for the bytes of A and "
+           "A^T as CSR, read once each (above 100%: faster than any iteration on the CSR pair can be)."
+           if floors else "")
         + (" J/iteration: the GPUs' energy per iteration from NVML's counters, mean over repetitions (empty: "
            "not measured, e.g. on the CPU)." if energy else "")
         + "\n\n"

@@ -649,3 +649,28 @@ def test_time_vs_gpus_plot(tmp_path):
     cpu = _timings(backend="cpu", fp="numba", bp="numba", gpus=1, layout="local", sums=[999.0], digests=["d"])
     r = summarize([cpu], tmp_path / "c")
     assert not (tmp_path / "c" / "plots" / "time_vs_gpus.png").exists()
+
+
+def test_floor_fractions_at_the_measured_copy_bandwidth(tmp_path):
+    """of floor / of CSR floor: the bytes read (own format; the CSR pair) at the run's copy bandwidth over its time."""
+    from mlemlib.report import csr_pair_bytes, floor_fractions
+
+    m, n, nnz = 1000, 400, 50_000
+    assert csr_pair_bytes([m, n], nnz) == 8 * 1001 + 8 * 401 + 16 * nnz  # 811,216
+    t = {"shape": [m, n], "nnz": nnz, "bytes": {"iteration": 262_500}}  # 5.25 B/nnz, read once (one pass)
+    own, csr = floor_fractions(t, 1e-6, 4.0e11)  # 1 us at 400 GB/s
+    assert own == pytest.approx(262_500 / 4.0e11 / 1e-6)  # 0.65625
+    assert csr == pytest.approx(811_216 / 4.0e11 / 1e-6)  # 2.028: faster than the CSR pair can be
+    assert floor_fractions(t, 1e-6, None) == (None, None)  # no copy bandwidth measured (the CPU)
+    # in runs.csv and the timing table
+    run = _gpu_run(1)
+    run["nnz"] = 1_000_000
+    run["bytes"]["iteration"] = 5_250_000
+    r = summarize([run], tmp_path / "s")
+    with open(r["runs_csv"], newline="") as fh:
+        row = next(csv.DictReader(fh))
+    secs = float(row["iteration_mean_s"])
+    assert float(row["of_floor"]) == pytest.approx(5_250_000 / 4.0e12 / secs)
+    assert float(row["of_csr_floor"]) == pytest.approx(csr_pair_bytes(MATRIX3_SHAPE, 1_000_000) / 4.0e12 / secs)
+    md = (tmp_path / "s" / "summary.md").read_text()
+    assert "| of floor | of CSR floor |" in md
