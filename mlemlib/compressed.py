@@ -266,59 +266,23 @@ def _real_counts(slotptr, codes, high, counts):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _decode(slotptr, codes, vf, vb, scale, half, high, n, indptr, cols, vals, bad_slot, bad_col):  # pragma: no cover
-    """Decode rows into CSR arrays; a running column >= n stops the row and is reported.
+def _decode(slotptr, codes, vf, vb, scale, half, high, n, indptr, cols, vals, bad_slot, bad_col, store, counts):  # pragma: no cover
+    """Decode rows into CSR arrays (``store``), or only walk them; a running column >= n stops the row and is reported.
 
-    ``indptr`` (from :func:`_real_counts`) gives each row's output offset;
-    ``bad_slot[r]`` is 1 + the slot (within the row) where the running column
-    left ``[0, n)`` (``bad_col[r]`` that column) or where a float32 row holds
-    a high marker (``bad_col[r]`` = -1), both 0 for a good row.
-    """
-    m = indptr.shape[0] - 1
-    base = slotptr[0]
-    for r in prange(m):
-        q = indptr[r]
-        col = np.int64(0)
-        s = slotptr[r] - base
-        bad_slot[r] = 0
-        bad_col[r] = 0
-        for k in range(s, slotptr[r + 1] - base):
-            cd = codes[k]
-            if cd < high:
-                col += cd
-            elif cd == high:
-                if not half:
-                    bad_slot[r] = k - s + 1
-                    bad_col[r] = -1
-                    break
-                col += np.int64(vb[k]) << 16
-            else:
-                col += np.int64(vb[k])
-            if col >= n:
-                bad_slot[r] = k - s + 1
-                bad_col[r] = col
-                break
-            if cd < high:
-                cols[q] = col
-                if half:
-                    vals[q] = half_bits_to_float32(vb[k]) * scale[r]
-                else:
-                    vals[q] = vf[k]
-                q += 1
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _check_rows(slotptr, codes, vb, half, high, n, counts, bad_slot, bad_col):  # pragma: no cover - compiled
-    """:func:`_decode` without its output: each row's element count, and where its running column leaves ``[0, n)``.
-
-    ``bad_slot[r]``/``bad_col[r]`` as in :func:`_decode` (0 for a good row);
-    ``counts[r]`` the row's elements (slots that are not markers or pads).
+    ``indptr`` (from :func:`_real_counts`) gives each row's output offset
+    when ``store``; without it nothing is written but ``counts[r]``, the
+    row's elements (slots that are not markers or pads), which the walk
+    always fills. ``bad_slot[r]`` is 1 + the slot (within the row) where the
+    running column left ``[0, n)`` (``bad_col[r]`` that column) or where a
+    float32 row holds a high marker (``bad_col[r]`` = -1), both 0 for a good
+    row.
     """
     m = counts.shape[0]
     base = slotptr[0]
     for r in prange(m):
-        col = np.int64(0)
+        q = indptr[r] if store else 0
         c = np.int64(0)
+        col = np.int64(0)
         s = slotptr[r] - base
         bad_slot[r] = 0
         bad_col[r] = 0
@@ -326,7 +290,6 @@ def _check_rows(slotptr, codes, vb, half, high, n, counts, bad_slot, bad_col):  
             cd = codes[k]
             if cd < high:
                 col += cd
-                c += 1
             elif cd == high:
                 if not half:
                     bad_slot[r] = k - s + 1
@@ -339,6 +302,15 @@ def _check_rows(slotptr, codes, vb, half, high, n, counts, bad_slot, bad_col):  
                 bad_slot[r] = k - s + 1
                 bad_col[r] = col
                 break
+            if cd < high:
+                c += 1
+                if store:
+                    cols[q] = col
+                    if half:
+                        vals[q] = half_bits_to_float32(vb[k]) * scale[r]
+                    else:
+                        vals[q] = vf[k]
+                    q += 1
         counts[r] = c
 
 
@@ -551,8 +523,9 @@ def decode_slots(
     row0: int = 0,
     slot0: int = 0,
     check_values: bool = True,
-) -> CSRMatrix:
-    """Decode encoded rows into a :class:`CSRMatrix`, validating as it goes.
+    store: bool = True,
+) -> CSRMatrix | int:
+    """Decode encoded rows into a :class:`CSRMatrix`, validating as it goes (``store=False``: only check, see :func:`check_slots`).
 
     Parameters
     ----------
@@ -584,9 +557,10 @@ def decode_slots(
     if check_values:
         check_encoded_values(slotptr, codes, values, scale, source, row0=row0, slot0=slot0)
     counts = np.empty(m, dtype=np.int64)
-    _real_counts(slotptr, codes, high, counts)
     indptr = np.zeros(m + 1, dtype=np.int64)
-    np.cumsum(counts, out=indptr[1:])
+    if store:
+        _real_counts(slotptr, codes, high, counts)
+        np.cumsum(counts, out=indptr[1:])
     nnz = int(indptr[-1])
     cols = np.empty(nnz, dtype=np.int32)
     vals = np.empty(nnz, dtype=np.float32)
@@ -594,13 +568,16 @@ def decode_slots(
     bad_col = np.empty(m, dtype=np.int64)
     vf = values if not half else np.empty(0, dtype=np.float32)
     sc = scale if half else np.empty(0, dtype=np.float32)
-    _decode(slotptr, codes, vf, _value_bits(values), sc, half, high, int(n), indptr, cols, vals, bad_slot, bad_col)
+    _decode(slotptr, codes, vf, _value_bits(values), sc, half, high, int(n), indptr, cols, vals, bad_slot, bad_col,
+            store, counts)
     _raise_bad_row(slotptr, bad_slot, bad_col, high, n, source, row0, slot0)
+    if not store:
+        return int(counts.sum())
     return CSRMatrix(indptr, cols, vals, (m, int(n)))
 
 
 def _raise_bad_row(slotptr, bad_slot, bad_col, high, n, source, row0, slot0) -> None:
-    """The error of the first row :func:`_decode` or :func:`_check_rows` marked bad, if any."""
+    """The error of the first row :func:`_decode` marked bad, if any."""
     if not len(bad_slot) or not bad_slot.any():
         return
     r = int(np.argmax(bad_slot > 0))
@@ -618,36 +595,15 @@ def _raise_bad_row(slotptr, bad_slot, bad_col, high, n, source, row0, slot0) -> 
     )
 
 
-def check_slots(
-    slotptr: np.ndarray,
-    codes: np.ndarray,
-    values: np.ndarray,
-    scale: np.ndarray | None,
-    n: int,
-    *,
-    source: str | os.PathLike = "<matrix>",
-    row0: int = 0,
-    slot0: int = 0,
-) -> int:
+def check_slots(slotptr, codes, values, scale, n, **where) -> int:
     """Check encoded rows as :func:`decode_slots` does, without decoding them; return their element count.
 
     The same checks and messages (alignment, values, row scales, columns in
-    ``[0, n)``, high markers), in one parallel pass that writes nothing but
-    a count per row: what a reader that keeps the encoding (a GPU upload)
-    needs.
+    ``[0, n)``, high markers; ``where``: ``source``, ``row0``, ``slot0``) in
+    one parallel pass that writes nothing but a count per row: what a reader
+    that keeps the encoding (a GPU upload) needs.
     """
-    slotptr = np.ascontiguousarray(slotptr, dtype=np.int64)
-    m = len(slotptr) - 1
-    half = values.dtype == np.float16
-    high = code_high(code_bits_of(codes))
-    check_alignment(slotptr, source, row0=row0, slot0=slot0)
-    check_encoded_values(slotptr, codes, values, scale, source, row0=row0, slot0=slot0)
-    counts = np.empty(m, dtype=np.int64)
-    bad_slot = np.empty(m, dtype=np.int64)
-    bad_col = np.empty(m, dtype=np.int64)
-    _check_rows(slotptr, codes, _value_bits(values), half, high, int(n), counts, bad_slot, bad_col)
-    _raise_bad_row(slotptr, bad_slot, bad_col, high, n, source, row0, slot0)
-    return int(counts.sum())
+    return decode_slots(slotptr, codes, values, scale, n, store=False, **where)
 
 
 def check_encoded_values(

@@ -1095,48 +1095,6 @@ def test_gpu_kernels_match_numba(fmt):
                     np.testing.assert_array_equal(bp.get(), again.get())
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("r0", "r1"), [(0, 300), (41, 257), (9, 9)])
-def test_gpu_upload_streams_a_container_piece_by_piece(tmp_path, monkeypatch, fmt, r0, r1):
-    """A compressed container reaches the GPU in pieces of UPLOAD_CHUNK_NNZ slots, equal to the whole rows' upload."""
-    from mlemlib.backends import _compressed_cuda as gpu
-    from mlemlib.formats.compressed_h5 import CompressedH5
-
-    a = random_csr(300, 800, 23)
-    c = CompressedMatrix.from_csr(a, fmt)
-    path = tmp_path / "m.h5"
-    write_compressed_h5(path, c, max_nnz=500)
-    monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)  # many pieces
-    with CompressedH5(path) as src:
-        got = gpu.DeviceCompressed.upload(src, (r0, r1))
-    want = gpu.DeviceCompressed.from_host(c.row_range(r0, r1))
-    assert got.shape == want.shape and got.nnz == want.nnz and got.code_bits == want.code_bits
-    for name in ("rowbase", "rowoff", "codes", "values"):
-        np.testing.assert_array_equal(getattr(got, name).get(), getattr(want, name).get(), err_msg=name)
-    if fmt != "compressed":
-        np.testing.assert_array_equal(got.scale.get(), want.scale.get())
-
-
-@pytest.mark.gpu
-def test_gpu_upload_of_a_corrupt_container_names_the_file(tmp_path, monkeypatch):
-    """A NaN in a piece stops the streamed upload with the file and the slot named."""
-    from mlemlib.backends import _compressed_cuda as gpu
-    from mlemlib.formats.compressed_h5 import CompressedH5
-
-    a = random_csr(300, 800, 29)
-    path = tmp_path / "bad.h5"
-    write_compressed_h5(path, a)
-    with h5py.File(path, "r+") as f:
-        v = f["values"][...]
-        real = np.flatnonzero(f["codes"][...] < code_high(int(f.attrs["code_bits"])))
-        v[real[-3]] = np.nan  # an element's value, in the last piece
-        f["values"][...] = v
-    monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)
-    with CompressedH5(path) as src, pytest.raises(MatrixFormatError, match=r"bad\.h5.*non-finite value nan"):
-        gpu.DeviceCompressed.upload(src)
-
-
 class _HostArray(np.ndarray):
     """A NumPy array with CuPy's ``set``/``get``: a stand-in for device memory (views write through)."""
 
@@ -1170,19 +1128,31 @@ def _fake_cupy():
     )
 
 
+#: The streamed upload on host arrays (its logic, in CI) and on a GPU.
+UPLOAD_ON = ("host", pytest.param("gpu", marks=pytest.mark.gpu))
+
+
+def _upload_on(where, monkeypatch):
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    if where == "host":
+        monkeypatch.setattr(gpu, "cupy", _fake_cupy)
+    monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)  # many pieces
+    return gpu
+
+
+@pytest.mark.parametrize("where", UPLOAD_ON)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("r0", "r1"), [(0, 300), (41, 257), (9, 9)])
-def test_streamed_upload_places_every_piece(tmp_path, monkeypatch, fmt, r0, r1):
-    """The host half of the streamed upload: pieces read ahead land where the whole rows' arrays have them."""
-    from mlemlib.backends import _compressed_cuda as gpu
+def test_streamed_upload_places_every_piece(tmp_path, monkeypatch, where, fmt, r0, r1):
+    """A compressed container reaches the device piece by piece (read ahead), equal to the whole rows' arrays."""
     from mlemlib.formats.compressed_h5 import CompressedH5
 
     a = random_csr(300, 800, 31)
     c = CompressedMatrix.from_csr(a, fmt)
     path = tmp_path / "m.h5"
     write_compressed_h5(path, c, max_nnz=500)
-    monkeypatch.setattr(gpu, "cupy", _fake_cupy)
-    monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)  # many pieces
+    gpu = _upload_on(where, monkeypatch)
     with CompressedH5(path) as src:
         got = gpu.DeviceCompressed.upload(src, (r0, r1))
     want = c.row_range(r0, r1)
@@ -1198,8 +1168,8 @@ def test_streamed_upload_places_every_piece(tmp_path, monkeypatch, fmt, r0, r1):
         np.testing.assert_array_equal(got.scale.get(), want.scale)
 
 
-def test_streamed_upload_of_a_corrupt_piece_names_the_file(tmp_path, monkeypatch):
-    from mlemlib.backends import _compressed_cuda as gpu
+@pytest.mark.parametrize("where", UPLOAD_ON)
+def test_streamed_upload_of_a_corrupt_piece_names_the_file(tmp_path, monkeypatch, where):
     from mlemlib.formats.compressed_h5 import CompressedH5
 
     path = tmp_path / "bad.h5"
@@ -1209,7 +1179,6 @@ def test_streamed_upload_of_a_corrupt_piece_names_the_file(tmp_path, monkeypatch
         real = np.flatnonzero(f["codes"][...] < code_high(int(f.attrs["code_bits"])))
         v[real[len(real) // 2]] = -1.0
         f["values"][...] = v
-    monkeypatch.setattr(gpu, "cupy", _fake_cupy)
-    monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)
+    gpu = _upload_on(where, monkeypatch)
     with CompressedH5(path) as src, pytest.raises(MatrixFormatError, match=r"bad\.h5.*negative value -1\.0 at slot"):
         gpu.DeviceCompressed.upload(src)
