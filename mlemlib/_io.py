@@ -1,4 +1,4 @@
-"""Private helpers for writing outputs atomically.
+"""Private I/O helpers: writing outputs atomically, reading ahead.
 
 Every writer in mlemlib writes to a temporary name beside the target and renames
 it into place only when the content is complete, so an interrupted or failed
@@ -11,8 +11,10 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 
 def _umask() -> int:
@@ -69,3 +71,17 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp_path, ignore_errors=True)
         raise
+
+
+def prefetched(read: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
+    """``read(item)`` for each item in order, item k + 1 read on a helper thread while item k is used."""
+    items = list(items)
+    if not items:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead") as pool:
+        pending = pool.submit(read, items[0])
+        for nxt in items[1:]:
+            got = pending.result()
+            pending = pool.submit(read, nxt)
+            yield got
+        yield pending.result()

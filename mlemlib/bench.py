@@ -276,7 +276,6 @@ def copy_bandwidth(nbytes: int = 1 << 31, *, repeat: int = 20) -> dict[str, floa
     return {"bytes": 2 * count * 4, "median_s": med, "bandwidth": 2 * count * 4 / med, "checked": ok}
 
 
-
 #: Buffer and repeats of the copy bandwidth recorded with every GPU run (cheap: well under a second per GPU).
 RUN_COPY_BYTES = 256 << 20
 RUN_COPY_REPEAT = 5

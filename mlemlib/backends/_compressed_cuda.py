@@ -36,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from mlemlib._io import prefetched
 from mlemlib.backends.device_formats import DeviceMatrix
-from mlemlib.matrix import chunk_bounds
 from mlemlib.errors import ConfigError, DeviceError
+from mlemlib.matrix import chunk_bounds
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,6 @@ class DeviceCompressed(DeviceMatrix):
         row pointer, never the whole block.
         """
         from mlemlib.compressed import CODE_DTYPES, VALUE_DTYPES, pack_rowptr
-        from mlemlib.formats.h5 import prefetched
 
         cp = cupy()
         sp = np.asarray(source.read_slotptr(r0, r1), dtype=np.int64)

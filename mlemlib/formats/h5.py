@@ -26,14 +26,13 @@ import hashlib
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from mlemlib._io import atomic_path
+from mlemlib._io import atomic_path, prefetched
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import (
     DEFAULT_CHUNK_NNZ,
@@ -74,20 +73,6 @@ RESERVED_ATTRS = frozenset(
 )
 #: Piece size (elements) for verifying checksums without holding a dataset.
 _HASH_PIECE = 1 << 24
-
-
-def prefetched(read: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
-    """``read(item)`` for each item in order, item k + 1 read on a helper thread while item k is used."""
-    items = list(items)
-    if not items:
-        return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-ahead") as pool:
-        pending = pool.submit(read, items[0])
-        for nxt in items[1:]:
-            got = pending.result()
-            pending = pool.submit(read, nxt)
-            yield got
-        yield pending.result()
 
 
 #: Threads hashing a block's indices and data side by side (see :meth:`_Checksum.update_rows`).
