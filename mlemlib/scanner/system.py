@@ -288,7 +288,7 @@ class _Validated:
         return self.writer.encode_rows(block, row0=row0)
 
     def append(self, encoded, block: CSRMatrix) -> None:
-        self.writer.append_encoded_rows(encoded.result(), block)
+        self.writer.append_encoded_rows(encoded, block)
 
     def __enter__(self):
         return self
@@ -383,7 +383,7 @@ def generate(
                 t_trace += t1 - t0
                 if encodes:
                     encoded = encoder.submit(writer.encode_rows, block, r0)
-                    pending.append(pool.submit(writer.append, encoded, block))
+                    pending.append(pool.submit(lambda e=encoded, b=block: writer.append(e.result(), b)))
                 else:
                     pending.append(pool.submit(writer.write_rows, block))
                 done += block.nnz
