@@ -178,10 +178,11 @@ def test_gpu_run_records_energy_per_repetition(tmp_path, monkeypatch):
         assert rec["steps"]["iteration"]["n"] == 5
 
 
-def test_nccl_bytes_per_nnz_of_its_blocks():
-    from mlemlib.backends.nccl import NcclBackend
+def test_bytes_per_nnz_of_several_blocks():
+    """describe()'s bytes_per_nnz (every backend; NcclBackend passes its shards' blocks together)."""
+    from mlemlib.backends.base import bytes_per_nnz
 
-    be = NcclBackend.__new__(NcclBackend)
     blk = types.SimpleNamespace
-    be.shards = [blk(a=blk(nnz=100, nbytes=900), at=None), blk(a=blk(nnz=300, nbytes=1500), at=None)]
-    assert be._bytes_per_nnz() == {"A": pytest.approx(2400 / 400), "AT": None}
+    shards = [blk(a=blk(nnz=100, nbytes=900), at=None), blk(a=blk(nnz=300, nbytes=1500), at=None)]
+    got = {"A": bytes_per_nnz(*(s.a for s in shards)), "AT": bytes_per_nnz(*(s.at for s in shards))}
+    assert got == {"A": pytest.approx(2400 / 400), "AT": None}

@@ -34,6 +34,15 @@ log = logging.getLogger(__name__)
 STEPS = ("fp", "corr", "bp", "update")
 
 
+def bytes_per_nnz(*mats: Any) -> float | None:
+    """Bytes per stored non-zero of the matrices together (``describe()``'s ``bytes_per_nnz``); None if they hold none.
+
+    ``None`` entries (a transpose not held) and empty matrices are left out.
+    """
+    held = [a for a in mats if a is not None and int(a.nnz)]
+    return sum(int(a.nbytes) for a in held) / sum(int(a.nnz) for a in held) if held else None
+
+
 class Backend(ABC):
     """Base class of the MLEM backends.
 

@@ -46,7 +46,7 @@ import numpy as np
 from numba import njit, prange
 
 from mlemlib import registry
-from mlemlib.backends.base import Backend
+from mlemlib.backends.base import Backend, bytes_per_nnz
 from mlemlib.backends.device_formats import format_of
 from mlemlib.errors import ConfigError
 from mlemlib.matrix import CSRMatrix
@@ -418,8 +418,7 @@ class CpuBackend(Backend):
             "bp": self.bp_kernel,
             "bp_path": bp_path,
             "format": self.format,
-            "bytes_per_nnz": {"A": self.a.nbytes / max(1, self.a.nnz),
-                              "AT": (self.at.nbytes / max(1, self.at.nnz)) if self.at is not None else None},
+            "bytes_per_nnz": {"A": bytes_per_nnz(self.a), "AT": bytes_per_nnz(self.at)},
             "onepass": self.onepass,
             "steps": ["bp", "update"] if self.onepass else ["fp", "corr", "bp", "update"],
             "transpose": self.use_transpose,

@@ -37,7 +37,7 @@ import numpy as np
 from mlemlib import registry
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as plan
-from mlemlib.backends.base import STEPS, Backend
+from mlemlib.backends.base import STEPS, Backend, bytes_per_nnz
 from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import CSRMatrix, shape_nnz
@@ -409,8 +409,7 @@ class CudaBackend(Backend):
             "smem_local_chunks": self.smem_local_fraction,
             "transpose": self.transpose_source,
             "format": self.format,
-            "bytes_per_nnz": {"A": self.a.nbytes / max(1, self.a.nnz),
-                              "AT": (self.at.nbytes / max(1, self.at.nnz)) if self.at is not None else None},
+            "bytes_per_nnz": {"A": bytes_per_nnz(self.a), "AT": bytes_per_nnz(self.at)},
             "onepass": self.onepass,
             "fixed_point": dict(self.fixed_stats) if self.onepass and self.deterministic else None,
             "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" else None,

@@ -48,7 +48,7 @@ import numpy as np
 
 from mlemlib import registry
 from mlemlib.backends import _cuda_plan as cplan
-from mlemlib.backends.base import Backend
+from mlemlib.backends.base import Backend, bytes_per_nnz
 from mlemlib.backends.cuda import FUSED, ONEPASS_C_MAX
 from mlemlib.backends.device_formats import device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
@@ -895,14 +895,6 @@ class NcclBackend(Backend):
         """True on the process that should write results (part 0's owner)."""
         return any(s.part == 0 for s in self.shards)
 
-    def _bytes_per_nnz(self) -> dict[str, float | None]:
-        """Device bytes per stored non-zero of this process's blocks of ``A`` and ``A^T`` (None where not held)."""
-        out: dict[str, float | None] = {}
-        for key, mats in (("A", [s.a for s in self.shards]), ("AT", [s.at for s in self.shards])):
-            mats = [a for a in mats if getattr(a, "nnz", 0) and getattr(a, "nbytes", None) is not None]
-            out[key] = sum(int(a.nbytes) for a in mats) / sum(int(a.nnz) for a in mats) if mats else None
-        return out
-
     def describe(self) -> dict[str, Any]:
         from mlemlib.backends import _cuda_kernels as ck
         from mlemlib.devices import device_facts
@@ -936,7 +928,9 @@ class NcclBackend(Backend):
             "transpose": ("none" if self.onepass or self.bp_kernel in SCATTER_KERNELS else "local parts")
             if self.layout == "local" else "row blocks",
             "format": self.format,
-            "bytes_per_nnz": self._bytes_per_nnz(),
+            # this process's blocks of A and A^T together
+            "bytes_per_nnz": {"A": bytes_per_nnz(*(s.a for s in self.shards)),
+                              "AT": bytes_per_nnz(*(s.at for s in self.shards))},
             "plan": self.plan,
             "nccl_version": self.nccl_version,
             "steps": steps if not self.graph else ["iteration"],
