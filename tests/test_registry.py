@@ -63,10 +63,9 @@ def test_cpu_auto(threads, transpose, expected):
 def test_choose_notrans():
     assert registry.choose_notrans(1.0, 10**9) == "scatter_smem"
     assert registry.choose_notrans(registry.SMEM_LOCAL_MIN, 10) == "scatter_smem"
-    assert registry.choose_notrans(0.49, 10**9) == "cusparse_notrans"
-    assert registry.choose_notrans(0.0, 2**31 - 1) == "cusparse_notrans"
-    assert registry.choose_notrans(0.0, 2**31) == "scatter_vec"  # past cuSPARSE's int32 indices
-    assert registry.choose_notrans(0.0, 10, gpus=2) == "scatter_vec"  # cusparse_notrans is one-GPU only
+    assert registry.choose_notrans(0.49, 10**9) == "scatter"
+    assert registry.choose_notrans(0.0, 2**31) == "scatter"  # past cuSPARSE's int32 indices: ours takes any size
+    assert registry.choose_notrans(0.0, 10, gpus=2) == "scatter"  # and any GPU count
     # whatever it picks is a kernel the registry has, on that GPU count
     for frac, nnz, gpus in ((1.0, 10, 2), (0.0, 10, 1), (0.0, 10, 4)):
         name = registry.choose_notrans(frac, nnz, gpus=gpus)

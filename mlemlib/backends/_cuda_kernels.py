@@ -460,9 +460,11 @@ def _check_vector(name: str, v: Any, length: int) -> None:
         raise ValueError(f"{name} must be a 1-D float32 CuPy array of length {length}, got {got}")
 
 
-def _launch_rows(kernel: Any, rows: int, lanes: int, args: tuple) -> None:
+def _launch_rows(kernel: Any, rows: int, lanes: int, args: tuple, waves: int | None = None) -> None:
     props = device_properties(cupy().cuda.Device().id)
-    blocks, threads = plan.launch_shape(rows, plan.THREADS // lanes, props["sm_count"], props["max_threads_per_sm"])
+    blocks, threads = plan.launch_shape(
+        rows, plan.THREADS // lanes, props["sm_count"], props["max_threads_per_sm"], waves=waves
+    )
     kernel((blocks,), (threads,), args)
 
 
@@ -651,7 +653,8 @@ def scatter(
         if lanes_ not in plan.LANE_CHOICES:
             raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
         fn = _function("spmv", f"{kernel}_{lanes_}", VECTOR_ATOMICS if kernel == "scatter_vec" else ())
-        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, c, out, np.int64(m)))
+        # one row per lane group, no grid-stride loop: the rows in flight are neighbours (docs/benchmarks.md §31)
+        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, c, out, np.int64(m)), waves=0)
     elif kernel == "scatter_smem":
         sp = smem if smem is not None else smem_plan(a)
         nchunks = len(sp.chunk_rows) - 1

@@ -13,7 +13,7 @@ Kernels (``fp=`` / ``bp=``; see docs/gpu.md for when to pick which):
   ``scatter_vec`` (vector atomics), ``scatter_smem`` (shared-memory windows
   per row chunk), ``cusparse_notrans`` (CuPy's ``A.T @ c``), and ``notrans``:
   ``scatter_smem`` where most row chunks fit shared memory, else
-  ``cusparse_notrans`` (:func:`mlemlib.registry.choose_notrans`);
+  ``scatter`` (:func:`mlemlib.registry.choose_notrans`);
 - ``bp="auto"``: ``csr_vector`` on the transpose when one is given and ``A``
   and ``A^T`` both fit in free GPU memory, else ``notrans`` (logged).
 

@@ -73,7 +73,7 @@ def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2,
     transpose is always available (each GPU's part of ``A^T`` is read from
     the plan or transposed on its GPU) and fits (each GPU checks its memory
     when it loads its part). The ``notrans`` selector takes ``scatter_smem``
-    or ``scatter_vec`` (:func:`~mlemlib.registry.choose_notrans`) once the
+    or ``scatter`` (:func:`~mlemlib.registry.choose_notrans`) once the
     parts are loaded.
 
     Raises

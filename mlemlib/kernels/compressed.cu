@@ -39,9 +39,15 @@
 //                          per lane per trip).
 //   fixed_to_float         out = acc / scale.
 //
-// One-pass: the lanes keep the first MLEM_OP_CACHE trips of their row (4 slots
-// each) in registers between the dot product and the scatter; a longer row's
-// tail is decoded again.
+// One-pass on CSR: the lanes keep the first MLEM_OP_CACHE trips of their row
+// (one element each) in registers between the dot product and the scatter; a
+// longer row's tail is read again. One-pass and scatter on the compressed
+// format decode the row again for the scatter (MLEM_CMP_CACHE trips kept, 0 by
+// default: registers cost more occupancy than the second decode, which hits the
+// caches), and hand each trip's 4 x L slots through shared memory so that every
+// atomic instruction of a warp covers consecutive slots (warp_scatter): the
+// atomics, not the bytes, bound these kernels, and the L2 cache serves a warp's
+// atomics by the sectors they touch (docs/benchmarks.md section 31).
 //
 // Fixed point (the _det kernels): each term t = v * c (>= 0) is added as the
 // unsigned 64-bit integer rint(t * scale) with an integer atomicAdd: integer
@@ -67,16 +73,12 @@ typedef unsigned long long u64;
 
 // Trips (4 slots per lane each) the compressed one-pass kernels keep in registers.
 #ifndef MLEM_CMP_CACHE
-#define MLEM_CMP_CACHE 4
+#define MLEM_CMP_CACHE 0
 #endif
 
 #ifndef MLEM_OP_CACHE
 #define MLEM_OP_CACHE 16
 #endif
-
-#define FMT_CSR 0
-#define FMT_CMP 1
-#define FMT_CMP16 2
 
 #define MODE_PLAIN 0
 #define MODE_CORR 1
@@ -113,62 +115,6 @@ __device__ __forceinline__ i64 warp_max(i64 v) {
     return v;
 }
 
-// First slot (element for CSR) of row r.
-template <int FMT>
-__device__ __forceinline__ i64 row_start(const i64* __restrict__ rp, const unsigned* __restrict__ roff, i64 r) {
-    if (FMT == FMT_CSR) return rp[r];
-    return rp[r >> ROW_SHIFT] + (i64)roff[r];
-}
-
-// One trip of the L lanes of a group over slots [k0, k0 + L) of a row ending at
-// e: lane `lane` takes slot k0 + lane. Returns true when the lane holds an
-// element (column `col`, value `v`). `carry` is the running column before k0 on
-// entry and after the trip on return (the same in every lane of the group).
-// Must be called by all 32 lanes of the warp together (shuffles).
-template <int L, int FMT>
-__device__ __forceinline__ bool trip(i64 k0, i64 e, int lane, const void* __restrict__ idx,
-                                     const void* __restrict__ val, float rs, unsigned& carry,
-                                     unsigned& col, float& v) {
-    const i64 k = k0 + lane;
-    const bool in = k < e;
-    if (FMT == FMT_CSR) {
-        col = in ? (unsigned)__ldg((const int*)idx + k) : 0u;
-        v = in ? __ldg((const float*)val + k) : 0.0f;
-        return in;
-    }
-    unsigned code = 254u;  // lanes past the row's end: no element, delta 0
-    unsigned d = 0u;
-    v = 0.0f;
-    if (in) {
-        code = (unsigned)__ldg((const unsigned char*)idx + k);
-        if (FMT == FMT_CMP) {
-            const unsigned bits = __ldg((const unsigned*)val + k);
-            if (code < 254u) {
-                d = code;
-                v = __uint_as_float(bits);
-            } else {
-                d = (code == 254u) ? (bits << 16) : bits;
-            }
-        } else {
-            const unsigned short h = __ldg((const unsigned short*)val + k);
-            if (code < 254u) {
-                d = code;
-                v = half_bits_to_float(h) * rs;
-            } else {
-                d = (code == 254u) ? ((unsigned)h << 16) : (unsigned)h;
-            }
-        }
-    }
-#pragma unroll
-    for (int o = 1; o < L; o <<= 1) {
-        const unsigned u = __shfl_up_sync(FULL_MASK, d, o, L);
-        if (lane >= o) d += u;
-    }
-    col = carry + d;
-    carry = __shfl_sync(FULL_MASK, col, L - 1, L);
-    return in && code < 254u;
-}
-
 // bp[j] += t (float atomic) or acc[j] += rint(t * fscale) (fixed point).
 template <bool DET>
 __device__ __forceinline__ void add_term(float* bp, u64* acc, unsigned j, float t, double fscale, int* flag) {
@@ -188,52 +134,41 @@ __device__ __forceinline__ void add_term(float* bp, u64* acc, unsigned j, float 
     }
 }
 
-// One-pass MLEM step: fp_r = a_r . f, c_r = g_r / fp_r (0 where fp_r == 0),
-// bp += c_r a_r. fp (length m) receives fp_r.
-template <int L, int FMT, bool DET>
-__device__ __forceinline__ void onepass_body(const i64* __restrict__ rp, const unsigned* __restrict__ roff,
-                                             const void* __restrict__ idx, const void* __restrict__ val,
-                                             const float* __restrict__ scale, const float* __restrict__ f,
-                                             const float* __restrict__ g, float* fp, float* bp, u64* acc,
-                                             double fscale, int* flag, i64 m) {
+// One-pass MLEM step on CSR: fp_r = a_r . f, c_r = g_r / fp_r (0 where fp_r == 0),
+// bp += c_r a_r. fp (length m) receives fp_r. L lanes per row, one element per lane
+// per trip (a warp's atomic covers consecutive elements of a row); the matrix is
+// read with streaming loads, the first MLEM_OP_CACHE trips kept in registers.
+// No shuffles inside the row loops: lanes of a warp may take rows of any length.
+template <int L, bool DET>
+__device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, const int* __restrict__ idx,
+                                                 const float* __restrict__ val, const float* __restrict__ f,
+                                                 const float* __restrict__ g, float* fp, float* bp, u64* acc,
+                                                 double fscale, int* flag, i64 m) {
     const int lane = threadIdx.x & (L - 1);
     const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
     for (i64 r = gtid / L; r - (i64)((threadIdx.x & 31) / L) < m; r += ngroups) {
         const bool valid = r < m;
         i64 s = 0, e = 0;
-        float rs = 1.0f;
         if (valid) {
-            s = row_start<FMT>(rp, roff, r);
-            e = row_start<FMT>(rp, roff, r + 1);
-            if (FMT == FMT_CMP16) rs = __ldg(scale + r);
+            s = rp[r];
+            e = rp[r + 1];
         }
-        const i64 trips = warp_max((e - s + L - 1) / L);
-        // dot product; the first MLEM_OP_CACHE trips stay in registers
-        float cv[MLEM_OP_CACHE];
         unsigned cc[MLEM_OP_CACHE];
+        float cv[MLEM_OP_CACHE];
         float sum = 0.0f;
-        unsigned carry = 0u;
 #pragma unroll
         for (int t = 0; t < MLEM_OP_CACHE; ++t) {
-            cv[t] = 0.0f;
+            const i64 k = s + (i64)L * t + lane;
             cc[t] = 0u;
-            if (t < trips) {
-                unsigned col;
-                float v;
-                if (trip<L, FMT>(s + (i64)t * L, e, lane, idx, val, rs, carry, col, v)) {
-                    sum += v * __ldg(f + col);
-                    cv[t] = v;
-                    cc[t] = col;
-                }
+            cv[t] = 0.0f;
+            if (k < e) {
+                cc[t] = (unsigned)__ldcs(idx + k);
+                cv[t] = __ldcs(val + k);
+                sum += cv[t] * __ldg(f + cc[t]);
             }
         }
-        const unsigned carry_cached = carry;
-        for (i64 t = MLEM_OP_CACHE; t < trips; ++t) {
-            unsigned col;
-            float v;
-            if (trip<L, FMT>(s + t * L, e, lane, idx, val, rs, carry, col, v)) sum += v * __ldg(f + col);
-        }
+        for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off, L);
         float ci = 0.0f;
@@ -241,25 +176,18 @@ __device__ __forceinline__ void onepass_body(const i64* __restrict__ rp, const u
             if (sum != 0.0f) ci = __ldg(g + r) / sum;
             if (lane == 0) fp[r] = sum;
         }
-        // scatter: cached trips from registers, the tail decoded again
         if (ci != 0.0f) {
 #pragma unroll
             for (int t = 0; t < MLEM_OP_CACHE; ++t) {
                 if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
             }
-        }
-        if (trips > MLEM_OP_CACHE) {  // warp-uniform
-            carry = carry_cached;
-            for (i64 t = MLEM_OP_CACHE; t < trips; ++t) {
-                unsigned col;
-                float v;
-                if (trip<L, FMT>(s + t * L, e, lane, idx, val, rs, carry, col, v) && ci != 0.0f && v != 0.0f)
-                    add_term<DET>(bp, acc, col, v * ci, fscale, flag);
+            for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) {
+                const float v = __ldcs(val + k);
+                if (v != 0.0f) add_term<DET>(bp, acc, (unsigned)__ldcs(idx + k), v * ci, fscale, flag);
             }
         }
     }
 }
-
 
 // ---------------------------------------------------------------------------
 // Version-2 decoding: 4 slots per lane per trip.
@@ -390,6 +318,30 @@ __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const uns
     }
 }
 
+// The terms of one trip of a warp (4 slots per lane: columns col[k], terms t[k], 0 for
+// no element) added to bp / acc. They pass through shared memory so that atomic k of
+// lane l adds slot 32 k + l: each atomic instruction covers 32 consecutive slots, a few
+// sectors of the output, instead of every fourth slot of 128 (2.2x faster on madpet2,
+// docs/benchmarks.md section 31). All 32 lanes must call it together.
+template <bool DET>
+__device__ __forceinline__ void warp_scatter(const unsigned col[4], const float t[4], float* bp, u64* acc,
+                                             double fscale, int* flag) {
+    __shared__ uint4 scol[MLEM_CMP_THREADS / 32][32];
+    __shared__ float4 sval[MLEM_CMP_THREADS / 32][32];
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncwarp();
+    scol[w][lane] = make_uint4(col[0], col[1], col[2], col[3]);
+    sval[w][lane] = make_float4(t[0], t[1], t[2], t[3]);
+    __syncwarp();
+    const unsigned* c1 = reinterpret_cast<const unsigned*>(scol[w]);
+    const float* v1 = reinterpret_cast<const float*>(sval[w]);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float v = v1[32 * k + lane];
+        if (v != 0.0f) add_term<DET>(bp, acc, c1[32 * k + lane], v, fscale, flag);
+    }
+}
+
 template <int L, int VB, int CB, bool DET>
 __device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                               const void* __restrict__ codes, const void* __restrict__ vals,
@@ -414,11 +366,15 @@ __device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const 
             const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
             unsigned all;
             unsigned col = carry + group_excl_scan<L>(tot, lane, all);
+            unsigned cl[4];
+            float tv[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 col += d[k];
-                if (el[k] && v[k] != 0.0f) add_term<DET>(out, acc, col, v[k] * cr, fscale, flag);
+                cl[k] = col;
+                tv[k] = el[k] ? v[k] * cr : 0.0f;
             }
+            warp_scatter<DET>(cl, tv, out, acc, fscale, flag);
             carry += all;
         }
     }
@@ -440,8 +396,8 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
         float rs;
         row_quads<VB>(rb, ro, scale, r, valid, qs, qe, rs);
         const i64 trips = warp_max((qe - qs + L - 1) / L);
-        float cv[4 * MLEM_CMP_CACHE];
-        unsigned cc[4 * MLEM_CMP_CACHE];
+        float cv[4 * (MLEM_CMP_CACHE > 0 ? MLEM_CMP_CACHE : 1)];
+        unsigned cc[4 * (MLEM_CMP_CACHE > 0 ? MLEM_CMP_CACHE : 1)];
         float sum = 0.0f;
         unsigned carry = 0u;
 #pragma unroll
@@ -494,10 +450,14 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
             if (sum != 0.0f) ci = __ldg(g + r) / sum;
             if (lane == 0) fp[r] = sum;
         }
-        if (ci != 0.0f) {
 #pragma unroll
-            for (int k = 0; k < 4 * MLEM_CMP_CACHE; ++k)
-                if (cv[k] != 0.0f) add_term<DET>(bp, acc, cc[k], cv[k] * ci, fscale, flag);
+        for (int t = 0; t < MLEM_CMP_CACHE; ++t) {
+            if (t < trips) {  // warp-uniform
+                float tv[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) tv[k] = cv[4 * t + k] * ci;
+                warp_scatter<DET>(cc + 4 * t, tv, bp, acc, fscale, flag);
+            }
         }
         if (trips > MLEM_CMP_CACHE) {  // warp-uniform: the tail decoded again
             carry = carry_cached;
@@ -509,11 +469,15 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
                 const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
                 unsigned all;
                 unsigned col = carry + group_excl_scan<L>(tot, lane, all);
+                unsigned cl[4];
+                float tv[4];
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     col += d[k];
-                    if (el[k] && ci != 0.0f && v[k] != 0.0f) add_term<DET>(bp, acc, col, v[k] * ci, fscale, flag);
+                    cl[k] = col;
+                    tv[k] = el[k] ? v[k] * ci : 0.0f;
                 }
+                warp_scatter<DET>(cl, tv, bp, acc, fscale, flag);
                 carry += all;
             }
         }
@@ -571,12 +535,12 @@ ALL_KINDS(32)
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) onepass_csr_##L(                        \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, float* fp, float* bp, i64 m) {                                     \
-        onepass_body<L, FMT_CSR, false>(rp, roff, idx, val, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m); \
+        onepass_csr_body<L, false>(rp, (const int*)idx, (const float*)val, f, g, fp, bp, nullptr, 0.0, nullptr, m); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) onepass_det_csr_##L(                    \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m) {            \
-        onepass_body<L, FMT_CSR, true>(rp, roff, idx, val, scale, f, g, fp, nullptr, acc, fscale, flag, m); \
+        onepass_csr_body<L, true>(rp, (const int*)idx, (const float*)val, f, g, fp, nullptr, acc, fscale, flag, m); \
     }
 CSR_ONEPASS(4)
 CSR_ONEPASS(8)

@@ -19,9 +19,10 @@
 //                       `secsize` merge items (a non-zero or a row end) and adds
 //                       its partial row sums with atomicAdd. NOT deterministic.
 //   scatter_L           back projection without a transpose (thesis ch. 7):
-//                       L lanes per row of A add a_ij * c_i into out[j] with
-//                       atomicAdd. NOT deterministic.
-//   scatter_vec_L       the same, adding 2 or 4 contiguous, aligned columns
+//                       L lanes per row of A, one element per lane per trip,
+//                       add a_ij * c_i into out[j] with atomicAdd; launched
+//                       without a grid-stride loop. NOT deterministic.
+//   scatter_vec_L       the same with 4 elements per lane, adding 2 or 4 contiguous, aligned columns
 //                       with one vector atomic (sm_90). NOT deterministic. The
 //                       vector atomics are compiled only with
 //                       -DMLEM_VECTOR_ATOMICS (a separate build of this file,
@@ -265,6 +266,20 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
     const int lane = threadIdx.x & (L - 1);
     const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
+    if (!VEC) {
+        // One element per lane per trip: a warp's atomic instruction covers L consecutive
+        // elements of a row, a few sectors of `out`; the L2 cache, which bounds this
+        // kernel, serves atomics by the sectors they touch (docs/benchmarks.md section 31).
+        for (i64 r = gtid / L; r < m; r += ngroups) {
+            const float cr = __ldg(c + r);
+            if (cr == 0.0f) continue;
+            const i64 e = rowptr[r + 1];
+            for (i64 k = rowptr[r] + lane; k < e; k += L) atomicAdd(out + __ldcs(col + k), __ldcs(val + k) * cr);
+        }
+        return;
+    }
+    // scatter_vec: 4 consecutive elements per lane (16-byte loads), vector atomics where
+    // they are 4 (or 2 + 2) consecutive aligned columns.
     const int4* __restrict__ col4 = reinterpret_cast<const int4*>(col);
     const float4* __restrict__ val4 = reinterpret_cast<const float4*>(val);
     for (i64 r = gtid / L; r < m; r += ngroups) {

@@ -1,0 +1,342 @@
+#!/usr/bin/env python3
+"""Probe of the atomic scatter and the one-pass iteration on ``madpet2`` (one GPU): what limits them.
+
+Run from the repository root on a GPU machine::
+
+    PYTHONPATH=. python3 tools/device_onepass.py --out $OUT [--rays 81] [--repeat 15] [--orders own,own-reordered] [--ncu]
+
+For each LOR order (as ``tools/device_kernels.py``: ``own``, ``shuffled``,
+``X-reordered``) it times with CUDA events (median of ``--repeat`` after a
+warm-up), next to the measured copy bandwidth, cuSPARSE and the library's
+kernels:
+
+- the back projection without ``A^T``: the library's ``scatter``,
+  ``cusparse_notrans``, and the probe kernels of ``tools/onepass_probe.cu``
+  (one warp per row, no grid-stride loop, 256 or 1024 threads; scalar or
+  warp-aggregated 16-byte vector atomics);
+- the one-pass iteration: the library's ``onepass`` (CSR and compressed,
+  atomics and fixed point) and the probe's variants (trips cached in
+  registers, scalar or aggregated atomics);
+- the CSR pair (``csr_vector`` fused, tuned launch shapes) and cuSPARSE's pair.
+
+Every result is checked against a float64 reference first (relative L2).
+Writes ``onepass.json`` and ``onepass.md`` under ``--out``; ``--ncu`` then
+profiles the main variants with Nsight Compute into ``ncu_onepass.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+PROBE_CACHES = (0, 8, 12, 16, 20)
+CMP_CACHES = (0, 8)
+THREADS = (256, 512)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def probe_module(threads: int):
+    """compressed.cu's helpers plus tools/onepass_probe.cu, built for ``threads`` per block."""
+    import cupy as cp
+
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    lib = gpu.kernel_source()
+    lib = lib[: lib.index("// Entry points.")]
+    src = lib + (ROOT / "tools" / "onepass_probe.cu").read_text()
+    mod = cp.RawModule(code=src, options=("--std=c++17", f"-DPROBE_THREADS={threads}"))
+    mod.compile()
+    return mod
+
+
+def timer(repeat: int):
+    import cupy as cp
+
+    def run(fn) -> float:
+        fn()
+        cp.cuda.Device().synchronize()
+        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)]
+        for s, e in ev:
+            s.record()
+            fn()
+            e.record()
+        ev[-1][1].synchronize()
+        return float(np.median([cp.cuda.get_elapsed_time(s, e) for s, e in ev]))
+
+    return run
+
+
+def copy_bandwidth() -> float:
+    import cupy as cp
+
+    x = cp.ones(1 << 28, dtype=cp.float32)
+    y = cp.empty_like(x)
+    ms = timer(10)(lambda: cp.copyto(y, x))
+    return 2 * x.nbytes / (ms * 1e-3) / 1e12
+
+
+def rel(a, ref) -> float:
+    import cupy as cp
+
+    d = float(cp.linalg.norm(a.astype(cp.float64) - ref))
+    return d / max(float(cp.linalg.norm(ref)), 1e-300)
+
+
+def order_section(host, order: str, args, mods, records: list) -> None:
+    import cupy as cp
+    import cupyx.scipy.sparse as cps
+
+    import device_kernels as dk
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib.compressed import CompressedMatrix
+
+    a, at = dk.build(host, order)
+    m, n = a.shape
+    nnz = a.nnz
+    bw = copy_bandwidth()
+    run = timer(args.repeat)
+    rng = np.random.default_rng(3)
+    f = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
+    truth = cp.asarray(rng.uniform(0.0, 2.0, n).astype(np.float32))
+    g = ck.spmv(a, truth)
+    a64 = cps.csr_matrix((a.data.astype(cp.float64), a.indices, a.indptr.astype(cp.int32)), shape=a.shape)
+    fp64 = a64 @ f.astype(cp.float64)
+    c64 = cp.where(fp64 > 0, g.astype(cp.float64) / cp.where(fp64 > 0, fp64, 1.0), 0.0)
+    bp64 = a64.T @ c64
+    c = c64.astype(cp.float32)
+    sc64 = a64.T @ c.astype(cp.float64)  # the scatter's reference: A^T of the float32 c
+    del a64
+    cp.get_default_memory_pool().free_all_blocks()
+    one_read = (a.indptr.nbytes + a.indices.nbytes + a.data.nbytes) / (bw * 1e12) * 1e3
+    log(f"{order}: {m} x {n}, {nnz} nnz; copy bandwidth {bw:.3f} TB/s; one read of A {one_read:.3f} ms")
+    fp = cp.empty(m, dtype=cp.float32)
+    bp = cp.empty(n, dtype=cp.float32)
+    y = cp.empty(m, dtype=cp.float32)
+
+    def rec(kind: str, name: str, fn, check) -> None:
+        try:
+            ms = run(fn)
+            err = check()
+        except Exception as exc:  # a variant that fails is reported, not fatal
+            log(f"{order}: {kind} {name}: FAILED {type(exc).__name__}: {exc}")
+            records.append({"order": order, "kind": kind, "name": name, "error": str(exc)})
+            return
+        records.append({"order": order, "kind": kind, "name": name, "ms": ms, "rel_l2": err,
+                        "copy_bw_TBps": bw, "one_read_ms": one_read, "nnz": nnz})
+        log(f"{order}: {kind:9s} {name:44s} {ms:8.3f} ms  rel.L2 {err:.1e}")
+
+    # the CSR pair (csr_vector fused, tuned shapes) and cuSPARSE's pair
+    lanes_a, lanes_t = a.lanes(), at.lanes()
+    a.tune(lanes_a)
+    at.tune(lanes_t)
+
+    def pair():
+        ck.spmv(a, f, y, mode=ck.MODE_CORR, aux0=g)
+        ck.spmv(at, y, bp)
+
+    rec("pair", f"csr_vector fused ({a.row_shape and a.row_shape.label()} / {at.row_shape and at.row_shape.label()})",
+        pair, lambda: rel(bp, bp64))
+    sa, sat = a.cusparse(), at.cusparse()
+
+    def cpair():
+        y[...] = sa @ f
+        ck.correlate(g, y, y)
+        bp[...] = sat @ y
+
+    rec("pair", "cuSPARSE", cpair, lambda: rel(bp, bp64))
+    at.drop_cusparse()
+    del sat
+    rec("bp_notrans", "cusparse_notrans", lambda: ck.scatter(a, c, bp, kernel="cusparse_notrans"),
+        lambda: rel(bp, sc64))
+    a.drop_cusparse()
+    del sa
+    rec("bp_notrans", "scatter_32 (library, 256t)", lambda: ck.scatter(a, c, bp, kernel="scatter", lanes=32),
+        lambda: rel(bp, sc64))
+    for threads, mod in mods.items():
+        blocks = (-(-m * 32 // threads),)
+        for agg in (0,):
+            fn = mod.get_function(f"pscat_csr_{agg}")
+
+            def go(fn=fn, blocks=blocks, threads=threads):
+                bp.fill(0)
+                fn(blocks, (threads,), (a.indptr, a.indices, a.data, c, bp, np.int64(m)))
+
+            rec("bp_notrans", f"pscat agg={agg} {threads}t", go, lambda: rel(bp, sc64))
+    # one pass: library
+    for det in (False, True):
+        rec("onepass", f"library onepass csr {'fixed' if det else 'atomics'}",
+            lambda det=det: gpu.onepass(a, g, f, bp=bp, fp=fp, deterministic=det, bound=4 * float(bp64.max()),
+                                        check=False),
+            lambda: rel(bp, bp64))
+    bound = 4 * float(bp64.max())
+    scale = gpu.fixed_scale(bound)
+    acc = cp.empty(n, dtype=cp.uint64)
+    flag = cp.zeros(1, dtype=cp.int32)
+    variants = [(f"pop_csr_0_{k}", "stream") for k in PROBE_CACHES] + [
+        ("pop_csrl_0_16", "ldg"), ("pop_csr_1_0", "stream, aggregated"), ("pop_csr_1_8", "stream, aggregated"),
+        ("pop_csrd_0_12", "stream, fixed point"), ("pop_csrd_0_16", "stream, fixed point")]
+    for threads, mod in mods.items():
+        blocks = (-(-m * 32 // threads),)
+        for name, tag in variants:
+            fn = mod.get_function(name)
+            if name.startswith("pop_csrd"):
+                def go(fn=fn, blocks=blocks, threads=threads):
+                    acc.fill(0)
+                    fn(blocks, (threads,), (a.indptr, a.indices, a.data, f, g, fp, acc, np.float64(scale), flag,
+                                            np.int64(m)))
+                    gpu.fixed_to_float(acc, bp, scale)
+            else:
+                def go(fn=fn, blocks=blocks, threads=threads):
+                    bp.fill(0)
+                    fn(blocks, (threads,), (a.indptr, a.indices, a.data, f, g, fp, bp, np.int64(m)))
+
+            rec("onepass", f"{name} ({tag}) {threads}t", go, lambda: rel(bp, bp64))
+    # compressed A (the lossless format)
+    t0 = time.perf_counter()
+    host_a = a.to_host()
+    cm = CompressedMatrix.from_csr(host_a, "compressed", validate=False)
+    del host_a
+    ca = gpu.DeviceCompressed.from_host(cm)
+    log(f"{order}: compressed A {cm.bytes_per_nnz:.3f} bytes/nnz ({ca.kind}) in {time.perf_counter() - t0:.1f} s")
+    del cm
+    rec("bp_notrans", "library delta_scatter (compressed, atomics)", lambda: gpu.scatter(ca, c, bp),
+        lambda: rel(bp, sc64))
+    for det in (False, True):
+        rec("onepass", f"library onepass compressed {'fixed' if det else 'atomics'}",
+            lambda det=det: gpu.onepass(ca, g, f, bp=bp, fp=fp, deterministic=det, bound=4 * float(bp64.max()),
+                                        check=False),
+            lambda: rel(bp, bp64))
+    if ca.kind == "f32c8":
+        for threads, mod in mods.items():
+            blocks = (-(-m * 32 // threads),)
+            for agg in (0, 2):
+                for cache in CMP_CACHES:
+                    name = f"pop_cmp_{agg}_{cache}"
+                    fn = mod.get_function(name)
+
+                    def go(fn=fn, blocks=blocks, threads=threads):
+                        bp.fill(0)
+                        fn(blocks, (threads,), (*ca.kernel_args()[:4], f, g, fp, bp, np.int64(m)))
+
+                    rec("onepass", f"pop cmp agg={agg} cache={cache} {threads}t", go, lambda: rel(bp, bp64))
+    del ca, a, at
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def markdown(records: list) -> str:
+    lines = ["| order | kind | variant | ms | of one read of A | rel. L2 |", "|---|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['order']} | {r['kind']} | {r['name']} | failed: {r['error'][:60]} | | |")
+            continue
+        lines.append(f"| {r['order']} | {r['kind']} | {r['name']} | {r['ms']:.3f} | "
+                     f"{100 * r['one_read_ms'] / r['ms']:.0f}% | {r['rel_l2']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+NCU_TARGET = r'''
+import sys, numpy as np
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tools")
+import device_onepass as p, device_kernels as dk
+import cupy as cp
+from mlemlib.backends import _compressed_cuda as gpu, _cuda_kernels as ck
+from mlemlib.compressed import CompressedMatrix
+host, _ = dk.trace(int(sys.argv[2]))
+a = ck.DeviceCSR.from_host(host)
+m, n = a.shape
+f = cp.ones(n, dtype=cp.float32); g = ck.spmv(a, f); c = cp.ones(m, dtype=cp.float32)
+fp = cp.empty(m, dtype=cp.float32); bp = cp.empty(n, dtype=cp.float32)
+ck.scatter(a, c, bp, kernel="scatter", lanes=32)
+gpu.onepass(a, g, f, bp=bp, fp=fp)
+mod = p.probe_module(256)
+blocks = (-(-m * 32 // 256),)
+mod.get_function("pscat_csr_0")(blocks, (256,), (a.indptr, a.indices, a.data, c, bp, np.int64(m)))
+mod.get_function("pop_csr_0_16")(blocks, (256,), (a.indptr, a.indices, a.data, f, g, fp, bp, np.int64(m)))
+acc = cp.zeros(n, dtype=cp.uint64); flag = cp.zeros(1, dtype=cp.int32)
+mod.get_function("pop_csrd_0_16")(blocks, (256,), (a.indptr, a.indices, a.data, f, g, fp, acc,
+                                  np.float64(gpu.fixed_scale(4 * float(m))), flag, np.int64(m)))
+cm = CompressedMatrix.from_csr(host, "compressed", validate=False)
+ca = gpu.DeviceCompressed.from_host(cm)
+gpu.onepass(ca, g, f, bp=bp, fp=fp)
+for agg in (0, 2):
+    mod.get_function(f"pop_cmp_{agg}_8")((-(-m * 32 // 256),), (256,), (*ca.kernel_args()[:4], f, g, fp, bp, np.int64(m)))
+cp.cuda.Device().synchronize()
+'''
+
+
+def ncu(out: Path, rays: int) -> None:
+    if not shutil.which("ncu"):
+        log("ncu: not found")
+        return
+    target = Path("/tmp/ncu_onepass.py")
+    target.write_text(NCU_TARGET)
+    cmd = (f"ncu --kernel-name regex:'scatter_32|onepass_csr_32|conepass_f32c8_32|pscat|pop_' "
+           f"--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables "
+           f"--section Occupancy --section WarpStateStats --section LaunchStats "
+           f"python3 {target} {ROOT} {rays}")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=330)
+    text = proc.stdout + proc.stderr
+    (out / "ncu_onepass.txt").write_text(text)
+    keep = [ln for ln in text.splitlines() if re.search(
+        r"pscat|pop_|scatter_32|onepass_csr|conepass|Duration|DRAM Throughput|L2 Cache Throughput|"
+        r"Achieved Occupancy|Registers Per|Stall|L1/TEX Hit|L2 Hit", ln)]
+    print("\n".join(keep))
+    log(f"ncu: rc {proc.returncode} in {time.perf_counter() - t0:.0f} s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--rays", type=int, default=81)
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--orders", default="own,own-reordered")
+    ap.add_argument("--ncu", action="store_true")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import cupy as cp
+
+    import device_kernels as dk
+
+    log(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    t0 = time.perf_counter()
+    mods = {t: probe_module(t) for t in THREADS}
+    for t, mod in mods.items():
+        for name in ("pop_csr_0_16", "pop_csr_0_20", "pop_csrd_0_16", "pop_cmp_0_8", "pop_cmp_2_8", "pscat_csr_0"):
+            fn = mod.get_function(name)
+            log(f"{t}t {name}: {getattr(fn, 'num_regs', '?')} registers, {getattr(fn, 'local_size_bytes', '?')} bytes local")
+    log(f"probe modules compiled in {time.perf_counter() - t0:.1f} s")
+    host, _ = dk.trace(args.rays)
+    records: list = []
+    for order in args.orders.split(","):
+        order_section(host, order, args, mods, records)
+        (out / "onepass.json").write_text(json.dumps(records, indent=1))
+    md = markdown(records)
+    (out / "onepass.md").write_text(md)
+    print(md)
+    if args.ncu:
+        del host
+        ncu(out, args.rays)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
