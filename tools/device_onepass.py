@@ -309,6 +309,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--orders", default="own,own-reordered")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--library-only", action="store_true", help="only the library's kernels (no probe variants)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -318,7 +319,7 @@ def main(argv=None) -> int:
 
     log(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     t0 = time.perf_counter()
-    mods = {t: probe_module(t) for t in THREADS}
+    mods = {} if args.library_only else {t: probe_module(t) for t in THREADS}
     for t, mod in mods.items():
         for name in ("pop_csr_0_16", "pop_csr_0_20", "pop_csrd_0_16", "pop_cmp_0_8", "pop_cmp_2_8", "pscat_csr_0"):
             fn = mod.get_function(name)

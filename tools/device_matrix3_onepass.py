@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""The one-pass MLEM iteration on the whole ``matrix3`` preset (12.4e9 non-zeros) on one GPU, without a disk.
+
+Run from the repository root on a GPU machine with >= 70 GB of GPU memory::
+
+    PYTHONPATH=. python3 tools/device_matrix3_onepass.py --out $OUT [--chunks 16] [--repeat 5]
+
+The workflow's Matrix 3 run (docs/cluster.md, "The matrix3 run") needs the
+2-GPU node's disk; this probe needs none: it traces the preset in
+``--chunks`` row blocks on the host's CPUs, encodes each block in the lossless
+compressed format (``CompressedMatrix.from_csr``) and keeps it on the GPU,
+one :class:`~mlemlib.backends._compressed_cuda.DeviceCompressed` per block
+(the whole matrix is on the GPU at the end; host memory holds one block).
+It then times, with CUDA events (median of ``--repeat``):
+
+- the forward projection alone (``cspmv`` on every block): the read of A;
+- the one-pass iteration with float atomics (``onepass``) and in 64-bit fixed
+  point (``onepass_fixed``) over all blocks: one GPU's iteration (without
+  the elementwise update, 2.6e6 voxels: microseconds);
+- the same over the first and over the second half of the blocks (split by
+  non-zeros): what each GPU of the 2-GPU local layout computes per
+  iteration, before its all-reduce.
+
+Checks first: the forward and back projection of block 0 against a float64
+SciPy product on the host, and the atomic against the fixed-point iteration
+over the whole matrix (relative L2). Writes ``matrix3_onepass.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--preset", default="matrix3")
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--max-rows", type=int, default=0, help="only the first rows (a quick trial)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import cupy as cp
+
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.compressed import CompressedMatrix
+    from mlemlib.scanner import get_preset
+    from mlemlib.scanner.system import trace_rows
+
+    cfg = get_preset(args.preset)
+    m = cfg.n_lors if not args.max_rows else min(cfg.n_lors, args.max_rows)
+    n = cfg.n_voxels
+    dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    log(f"{dev}; {args.preset}: {m} x {n}, {args.chunks} blocks, {os.cpu_count()} CPUs")
+    bounds = np.linspace(0, m, args.chunks + 1).astype(np.int64)
+    blocks = []
+    nnz = 0
+    nbytes = 0
+    sample = None
+    t_all = time.perf_counter()
+    for b in range(args.chunks):
+        r0, r1 = int(bounds[b]), int(bounds[b + 1])
+        t0 = time.perf_counter()
+        host = trace_rows(cfg, np.arange(r0, r1, dtype=np.int64))
+        t1 = time.perf_counter()
+        cm = CompressedMatrix.from_csr(host, "compressed", validate=False)
+        t2 = time.perf_counter()
+        dc = gpu.DeviceCompressed.from_host(cm)
+        t3 = time.perf_counter()
+        if b == 0:
+            sample = host.to_scipy().astype(np.float64)
+        blocks.append((r0, r1, dc, int(host.nnz)))
+        nnz += int(host.nnz)
+        nbytes += int(dc.nbytes)
+        elapsed = time.perf_counter() - t_all
+        log(f"block {b + 1}/{args.chunks}: rows {r0}-{r1}, {host.nnz} nnz, {cm.bytes_per_nnz:.3f} bytes/nnz "
+            f"({dc.kind}); trace {t1 - t0:.1f} s, encode {t2 - t1:.1f} s, upload {t3 - t2:.1f} s; "
+            f"{nnz} nnz so far, ETA {elapsed / (b + 1) * (args.chunks - b - 1):.0f} s")
+        del host, cm
+    log(f"whole matrix on the GPU: {nnz} nnz, {nbytes / 1e9:.2f} GB ({nbytes / nnz:.3f} bytes/nnz) "
+        f"in {time.perf_counter() - t_all:.0f} s")
+
+    x = cp.ones(1 << 28, dtype=cp.float32)
+    y = cp.empty_like(x)
+
+    def timed(fn, repeat):
+        fn()
+        cp.cuda.Device().synchronize()
+        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)]
+        for s, e in ev:
+            s.record()
+            fn()
+            e.record()
+        ev[-1][1].synchronize()
+        return float(np.median([cp.cuda.get_elapsed_time(s, e) for s, e in ev]))
+
+    bw = 2 * x.nbytes / (timed(lambda: cp.copyto(y, x), 10) * 1e-3) / 1e12
+    del x, y
+    rng = np.random.default_rng(5)
+    f = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
+    truth = cp.asarray(rng.uniform(0.0, 2.0, n).astype(np.float32))
+    g = cp.empty(m, dtype=cp.float32)
+    fp = cp.empty(m, dtype=cp.float32)
+    bp = cp.empty(n, dtype=cp.float32)
+    bp_det = cp.empty(n, dtype=cp.float32)
+    acc = cp.empty(n, dtype=cp.uint64)
+    flag = cp.zeros(1, dtype=cp.int32)
+    for r0, r1, dc, _ in blocks:
+        gpu.spmv(dc, truth, g[r0:r1])
+    bound = gpu.onepass_bound(g, f)
+    scale = gpu.fixed_scale(bound)
+    lanes = gpu.choose_lanes(sum(dc.slots for _, _, dc, _ in blocks) / 4 / m)
+
+    def forward(sel):
+        for r0, r1, dc, _ in sel:
+            gpu.spmv(dc, f, fp[r0:r1])
+
+    def onepass(sel):
+        bp.fill(0)
+        for r0, r1, dc, _ in sel:
+            gpu._launch_rows(gpu.function(gpu._onepass_name(dc.kind, lanes, False)), r1 - r0, lanes,
+                             (*dc.kernel_args(), f, g[r0:r1], fp[r0:r1], bp, np.int64(r1 - r0)))
+
+    def onepass_fixed(sel):
+        acc.fill(0)
+        for r0, r1, dc, _ in sel:
+            gpu.onepass_fixed(dc, g[r0:r1], f, acc, fp[r0:r1], scale, flag, lanes=lanes)
+        gpu.fixed_to_float(acc, bp_det, scale)
+
+    # checks: block 0 against float64 on the host, atomics against fixed point
+    r0, r1, dc0, _ = blocks[0]
+    fhost = cp.asnumpy(f).astype(np.float64)
+    ref_fp = sample @ fhost
+    gpu.spmv(dc0, f, fp[r0:r1])
+    err_fp = float(np.linalg.norm(cp.asnumpy(fp[r0:r1]) - ref_fp) / np.linalg.norm(ref_fp))
+    onepass(blocks[:1])
+    g0 = cp.asnumpy(g[r0:r1]).astype(np.float64)
+    c0 = np.where(ref_fp > 0, g0 / np.where(ref_fp > 0, ref_fp, 1.0), 0.0)
+    ref_bp = sample.T @ c0
+    err_bp = float(np.linalg.norm(cp.asnumpy(bp) - ref_bp) / np.linalg.norm(ref_bp))
+    del sample
+    onepass(blocks)
+    onepass_fixed(blocks)
+    if int(flag.get()[0]):
+        log(f"fixed point overflowed (flag {int(flag.get()[0])})")
+    err_det = float(cp.linalg.norm(bp - bp_det) / cp.linalg.norm(bp_det))
+    log(f"checks: block 0 fp rel.L2 {err_fp:.1e}, bp rel.L2 {err_bp:.1e} (float64 host); "
+        f"onepass vs onepass_fixed over the whole matrix {err_det:.1e}")
+
+    cum = np.cumsum([b[3] for b in blocks])
+    split = int(np.searchsorted(cum, cum[-1] / 2)) + 1
+    halves = (blocks[:split], blocks[split:])
+    rec = {"device": dev, "preset": args.preset, "rows": m, "cols": n, "nnz": nnz, "bytes": nbytes,
+           "bytes_per_nnz": nbytes / nnz, "blocks": args.chunks, "lanes": lanes, "copy_bw_TBps": bw,
+           "one_read_ms": nbytes / (bw * 1e12) * 1e3, "check_fp_block0": err_fp, "check_bp_block0": err_bp,
+           "onepass_vs_fixed": err_det, "half_nnz": [int(sum(b[3] for b in h)) for h in halves]}
+    for name, fn in (("forward", forward), ("onepass", onepass), ("onepass_fixed", onepass_fixed)):
+        rec[f"{name}_ms"] = timed(lambda fn=fn: fn(blocks), args.repeat)
+        rec[f"{name}_half_ms"] = [timed(lambda fn=fn, h=h: fn(h), args.repeat) for h in halves]
+        log(f"{name}: {rec[f'{name}_ms']:.2f} ms over the whole matrix; halves "
+            f"{rec[f'{name}_half_ms'][0]:.2f} / {rec[f'{name}_half_ms'][1]:.2f} ms")
+    log(f"copy bandwidth {bw:.3f} TB/s; one read of the compressed matrix {rec['one_read_ms']:.2f} ms")
+    (out / "matrix3_onepass.json").write_text(json.dumps(rec, indent=1))
+    print(json.dumps(rec, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
