@@ -179,13 +179,12 @@ def order_section(host, order: str, args, mods, records: list) -> None:
                 fn(blocks, (threads,), (a.indptr, a.indices, a.data, c, bp, np.int64(m)))
 
             rec("bp_notrans", f"pscat agg={agg} {threads}t", go, lambda: rel(bp, sc64))
-    # one pass: library
+    # one pass: library (the fixed-point bound computed once, outside the timed calls)
+    bound = 4 * float(bp64.max())
     for det in (False, True):
         rec("onepass", f"library onepass csr {'fixed' if det else 'atomics'}",
-            lambda det=det: gpu.onepass(a, g, f, bp=bp, fp=fp, deterministic=det, bound=4 * float(bp64.max()),
-                                        check=False),
+            lambda det=det: gpu.onepass(a, g, f, bp=bp, fp=fp, deterministic=det, bound=bound, check=False),
             lambda: rel(bp, bp64))
-    bound = 4 * float(bp64.max())
     scale = gpu.fixed_scale(bound)
     acc = cp.empty(n, dtype=cp.uint64)
     flag = cp.zeros(1, dtype=cp.int32)
@@ -208,6 +207,16 @@ def order_section(host, order: str, args, mods, records: list) -> None:
                     fn(blocks, (threads,), (a.indptr, a.indices, a.data, f, g, fp, bp, np.int64(m)))
 
             rec("onepass", f"{name} ({tag}) {threads}t", go, lambda: rel(bp, bp64))
+    for minb in args.op_minb:  # the CSR one pass compiled with a register cap (MLEM_OP_MINB blocks per SM)
+        gpu.OPTIONS = (f"-DMLEM_OP_MINB={minb}",)
+        fn = gpu.function("onepass_csr_32")
+        log(f"{order}: onepass_csr_32 with MLEM_OP_MINB={minb}: {getattr(fn, 'num_regs', '?')} registers, "
+            f"{getattr(fn, 'local_size_bytes', '?')} bytes local")
+        for det in (False, True):
+            rec("onepass", f"library onepass csr {'fixed' if det else 'atomics'}, MLEM_OP_MINB={minb}",
+                lambda det=det: gpu.onepass(a, g, f, bp=bp, fp=fp, deterministic=det, bound=bound, check=False),
+                lambda: rel(bp, bp64))
+    gpu.OPTIONS = ()
     # compressed A (the lossless format)
     t0 = time.perf_counter()
     host_a = a.to_host()
@@ -220,8 +229,7 @@ def order_section(host, order: str, args, mods, records: list) -> None:
         lambda: rel(bp, sc64))
     for det in (False, True):
         rec("onepass", f"library onepass compressed {'fixed' if det else 'atomics'}",
-            lambda det=det: gpu.onepass(ca, g, f, bp=bp, fp=fp, deterministic=det, bound=4 * float(bp64.max()),
-                                        check=False),
+            lambda det=det: gpu.onepass(ca, g, f, bp=bp, fp=fp, deterministic=det, bound=bound, check=False),
             lambda: rel(bp, bp64))
     if ca.kind == "f32c8":
         for threads, mod in mods.items():
@@ -310,6 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--orders", default="own,own-reordered")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--library-only", action="store_true", help="only the library's kernels (no probe variants)")
+    ap.add_argument("--op-minb", type=lambda t: [int(v) for v in t.split(",")], default=[],
+                    help="also time the CSR one pass compiled with these MLEM_OP_MINB values")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -107,12 +107,15 @@ def _device_shape(device_id: int) -> tuple[int, int]:
     return int(p["multiProcessorCount"]), int(p["maxThreadsPerMultiProcessor"])
 
 
-def _launch_rows(fn: Any, m: int, lanes: int, args: tuple) -> None:
-    """Launch a row kernel: ``lanes`` per row, grid-stride, capped at :data:`WAVES` waves (0: no cap, one row per group)."""
+def _launch_rows(fn: Any, m: int, lanes: int, args: tuple, full: bool = False) -> None:
+    """Launch a row kernel: ``lanes`` per row, grid-stride, capped at :data:`WAVES` waves (0: no cap, one row per group).
+
+    ``full``: always one row per lane group, whatever :data:`WAVES` says (kernels without a row loop).
+    """
     sms, per_sm = _device_shape(cupy().cuda.Device().id)
     rows_per_block = THREADS // lanes
     needed = max(1, -(-m // rows_per_block))
-    if WAVES == 0:
+    if WAVES == 0 or full:
         fn((needed,), (THREADS,), args)
         return
     cap = max(1, sms * max(1, per_sm // THREADS) * WAVES)
@@ -534,7 +537,8 @@ def onepass_fixed(
     L = _lanes(lanes, choose_lanes(mean))
     if m:
         _launch_rows(
-            function(_onepass_name(kind, L, True)), m, L, (*args, f, g, fp, acc, np.float64(scale), flag, np.int64(m))
+            function(_onepass_name(kind, L, True)), m, L, (*args, f, g, fp, acc, np.float64(scale), flag, np.int64(m)),
+            full=kind == "csr",
         )
 
 
@@ -592,7 +596,8 @@ def onepass(
     if not deterministic:
         bp.fill(0)
         if m:
-            _launch_rows(function(_onepass_name(kind, L, False)), m, L, (*args, f, g, fp, bp, np.int64(m)))
+            _launch_rows(function(_onepass_name(kind, L, False)), m, L, (*args, f, g, fp, bp, np.int64(m)),
+                         full=kind == "csr")
         return bp, fp
     if bound is None:
         bound = onepass_bound(g, f)

@@ -80,6 +80,12 @@ typedef unsigned long long u64;
 #define MLEM_OP_CACHE 16
 #endif
 
+// Minimum blocks per multiprocessor the CSR one-pass kernels are compiled for: 3 caps them at 80
+// registers (96 without), 3% faster with atomics and 12% in fixed point (docs/benchmarks.md §31).
+#ifndef MLEM_OP_MINB
+#define MLEM_OP_MINB 3
+#endif
+
 #define MODE_PLAIN 0
 #define MODE_CORR 1
 #define MODE_UPDATE 2
@@ -193,15 +199,17 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
 // The same for 32 lanes, one row per warp, written for that case: the warp leaves as soon as
 // its row is done (rows past m, a zero ratio) and stops the cached scatter at the row's end.
 // Measured 25% faster than onepass_csr_body<32> on madpet2 (H100, docs/benchmarks.md
-// section 31) with the same sums in the same order. Launched with one row per warp.
+// section 31) with the same sums in the same order. Must be launched with a warp for every
+// row (the launcher's `full` grid), as the probe's kernel that measured fastest.
 template <bool DET>
 __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, const int* __restrict__ idx,
                                                  const float* __restrict__ val, const float* __restrict__ f,
                                                  const float* __restrict__ g, float* fp, float* bp, u64* acc,
                                                  double fscale, int* flag, i64 m) {
     const int lane = threadIdx.x & 31;
-    const i64 ngroups = ((i64)gridDim.x * blockDim.x) >> 5;
-    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < m; r += ngroups) {  // warp-uniform
+    const i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // one row per warp: no row loop
+    if (r >= m) return;                                                // warp-uniform
+    {
         const i64 s = rp[r], e = rp[r + 1];
         unsigned cc[MLEM_OP_CACHE];
         float cv[MLEM_OP_CACHE];
@@ -222,7 +230,7 @@ __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, con
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
         const float ci = sum != 0.0f ? __ldg(g + r) / sum : 0.0f;
         if (lane == 0) fp[r] = sum;
-        if (ci == 0.0f) continue;  // warp-uniform
+        if (ci == 0.0f) return;  // warp-uniform
 #pragma unroll
         for (int t = 0; t < MLEM_OP_CACHE; ++t) {
             if (s + 32 * t >= e) break;  // warp-uniform
@@ -591,12 +599,12 @@ ALL_KINDS(16)
 ALL_KINDS(32)
 
 #define CSR_ONEPASS(L)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) onepass_csr_##L(                        \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_OP_MINB) onepass_csr_##L(                        \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, float* fp, float* bp, i64 m) {                                     \
         onepass_csr<L, false>(rp, (const int*)idx, (const float*)val, f, g, fp, bp, nullptr, 0.0, nullptr, m);       \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) onepass_det_csr_##L(                    \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_OP_MINB) onepass_det_csr_##L(                    \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m) {            \
         onepass_csr<L, true>(rp, (const int*)idx, (const float*)val, f, g, fp, nullptr, acc, fscale, flag, m);       \

@@ -270,11 +270,15 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
         // One element per lane per trip: a warp's atomic instruction covers L consecutive
         // elements of a row, a few sectors of `out`; the L2 cache, which bounds this
         // kernel, serves atomics by the sectors they touch (docs/benchmarks.md section 31).
-        for (i64 r = gtid / L; r < m; r += ngroups) {
-            const float cr = __ldg(c + r);
-            if (cr == 0.0f) continue;
-            const i64 e = rowptr[r + 1];
-            for (i64 k = rowptr[r] + lane; k < e; k += L) atomicAdd(out + __ldcs(col + k), __ldcs(val + k) * cr);
+        // One row per lane group and no row loop: launched with a group for every row.
+        const i64 r = gtid / L;
+        if (r >= m) return;
+        const float cr = __ldg(c + r);
+        if (cr == 0.0f) return;
+        const i64 e = rowptr[r + 1];
+        for (i64 k = rowptr[r] + lane; k < e; k += L) {
+            const unsigned j = (unsigned)__ldcs(col + k);
+            atomicAdd(out + j, __ldcs(val + k) * cr);
         }
         return;
     }
