@@ -81,8 +81,8 @@ typedef unsigned long long u64;
 #endif
 
 // Minimum blocks per multiprocessor the CSR one-pass kernels are compiled for: 3 caps them (in the
-// default 256-thread blocks) at 80
-// registers (96 without), 3% faster with atomics and 12% in fixed point (docs/benchmarks.md §31).
+// default 256-thread blocks) at 80 registers (96 without), 3% faster with atomics and 12% in fixed
+// point (docs/benchmarks.md section 31).
 #ifndef MLEM_OP_MINB
 #define MLEM_OP_MINB 3
 #endif
