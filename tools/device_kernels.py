@@ -466,25 +466,31 @@ cp.cuda.Device().synchronize()
 '''
 
 
-def _ncu(out: Path, npy_dir: str) -> None:
+def run_ncu(out_file: Path, script: str, script_args: str, options: str, keep: str, timeout: int = 420) -> None:
+    """Profile ``python3 <script> <script_args>`` under Nsight Compute (``options``: kernel filter,
+    sections, metrics); write the report to ``out_file`` and print the lines matching ``keep``."""
     if not shutil.which("ncu"):
         log("ncu: not found")
         return
-    target = Path("/tmp/ncu_kernels.py")
-    target.write_text(NCU_TARGET)
-    cmd = (f"cd {ROOT} && ncu --kernel-name regex:'csr_vector|csr_block' --section SpeedOfLight "
-           f"--section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section Occupancy "
-           f"--metrics l1tex__t_sector_hit_rate.pct,lts__t_sector_hit_rate.pct "
-           f"python3 {target} {npy_dir}")
+    target = Path("/tmp") / f"ncu_{out_file.stem}.py"
+    target.write_text(script)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(f"cd {ROOT} && ncu {options} python3 {target} {script_args}", shell=True,
+                          capture_output=True, text=True, timeout=timeout)
     text = proc.stdout + proc.stderr
-    (out / "ncu.txt").write_text(text)
-    keep = [ln for ln in text.splitlines() if re.search(
-        r"csr_vector_\d+|csr_block_\d+|DRAM Throughput|L1/TEX Hit Rate|L2 Hit Rate|Duration|Achieved Occupancy|"
-        r"l1tex__t_sector_hit_rate|lts__t_sector_hit_rate|L2 Cache Throughput|L1/TEX Cache Throughput", ln)]
-    print("\n".join(keep))
-    log(f"ncu: rc {proc.returncode} in {time.perf_counter() - t0:.0f} s, {len(keep)} lines kept")
+    out_file.write_text(text)
+    kept = [ln for ln in text.splitlines() if re.search(keep, ln)]
+    print("\n".join(kept))
+    log(f"ncu: rc {proc.returncode} in {time.perf_counter() - t0:.0f} s, {len(kept)} lines kept")
+
+
+def _ncu(out: Path, npy_dir: str) -> None:
+    run_ncu(out / "ncu.txt", NCU_TARGET, npy_dir,
+            "--kernel-name regex:'csr_vector|csr_block' --section SpeedOfLight --section MemoryWorkloadAnalysis "
+            "--section MemoryWorkloadAnalysis_Tables --section Occupancy "
+            "--metrics l1tex__t_sector_hit_rate.pct,lts__t_sector_hit_rate.pct",
+            r"csr_vector_\d+|csr_block_\d+|DRAM Throughput|L1/TEX Hit Rate|L2 Hit Rate|Duration|Achieved Occupancy|"
+            r"l1tex__t_sector_hit_rate|lts__t_sector_hit_rate|L2 Cache Throughput|L1/TEX Cache Throughput")
 
 
 if __name__ == "__main__":

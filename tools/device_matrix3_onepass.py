@@ -96,22 +96,13 @@ def main(argv=None) -> int:
     log(f"whole matrix on the GPU: {nnz} nnz, {nbytes / 1e9:.2f} GB ({nbytes / nnz:.3f} bytes/nnz) "
         f"in {time.perf_counter() - t_all:.0f} s")
 
-    x = cp.ones(1 << 28, dtype=cp.float32)
-    y = cp.empty_like(x)
+    sys.path.insert(0, str(ROOT / "tools"))
+    from device_onepass import copy_bandwidth, timer
 
     def timed(fn, repeat):
-        fn()
-        cp.cuda.Device().synchronize()
-        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)]
-        for s, e in ev:
-            s.record()
-            fn()
-            e.record()
-        ev[-1][1].synchronize()
-        return float(np.median([cp.cuda.get_elapsed_time(s, e) for s, e in ev]))
+        return timer(repeat)(fn)
 
-    bw = 2 * x.nbytes / (timed(lambda: cp.copyto(y, x), 10) * 1e-3) / 1e12
-    del x, y
+    bw = copy_bandwidth()
     rng = np.random.default_rng(5)
     f = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
     truth = cp.asarray(rng.uniform(0.0, 2.0, n).astype(np.float32))

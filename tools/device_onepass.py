@@ -15,8 +15,8 @@ kernels:
   (one warp per row, no grid-stride loop, 256 or 1024 threads; scalar or
   warp-aggregated 16-byte vector atomics);
 - the one-pass iteration: the library's ``onepass`` (CSR and compressed,
-  atomics and fixed point) and the probe's variants (trips cached in
-  registers, scalar or aggregated atomics);
+  atomics and fixed point) and the probe's CSR variants (trips cached in
+  registers, scalar or aggregated atomics, fixed point);
 - the CSR pair (``csr_vector`` fused, tuned launch shapes) and cuSPARSE's pair.
 
 Every result is checked against a float64 reference first (relative L2).
@@ -29,9 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +40,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 PROBE_CACHES = (0, 8, 12, 16, 20)
-CMP_CACHES = (0, 8)
 THREADS = (256, 512)
 
 
@@ -231,19 +227,6 @@ def order_section(host, order: str, args, mods, records: list) -> None:
         rec("onepass", f"library onepass compressed {'fixed' if det else 'atomics'}",
             lambda det=det: gpu.onepass(ca, g, f, bp=bp, fp=fp, deterministic=det, bound=bound, check=False),
             lambda: rel(bp, bp64))
-    if ca.kind == "f32c8":
-        for threads, mod in mods.items():
-            blocks = (-(-m * 32 // threads),)
-            for agg in (0, 2):
-                for cache in CMP_CACHES:
-                    name = f"pop_cmp_{agg}_{cache}"
-                    fn = mod.get_function(name)
-
-                    def go(fn=fn, blocks=blocks, threads=threads):
-                        bp.fill(0)
-                        fn(blocks, (threads,), (*ca.kernel_args()[:4], f, g, fp, bp, np.int64(m)))
-
-                    rec("onepass", f"pop cmp agg={agg} cache={cache} {threads}t", go, lambda: rel(bp, bp64))
     del ca, a, at
     cp.get_default_memory_pool().free_all_blocks()
 
@@ -283,31 +266,19 @@ mod.get_function("pop_csrd_0_16")(blocks, (256,), (a.indptr, a.indices, a.data, 
 cm = CompressedMatrix.from_csr(host, "compressed", validate=False)
 ca = gpu.DeviceCompressed.from_host(cm)
 gpu.onepass(ca, g, f, bp=bp, fp=fp)
-for agg in (0, 2):
-    mod.get_function(f"pop_cmp_{agg}_8")((-(-m * 32 // 256),), (256,), (*ca.kernel_args()[:4], f, g, fp, bp, np.int64(m)))
 cp.cuda.Device().synchronize()
 '''
 
 
 def ncu(out: Path, rays: int) -> None:
-    if not shutil.which("ncu"):
-        log("ncu: not found")
-        return
-    target = Path("/tmp/ncu_onepass.py")
-    target.write_text(NCU_TARGET)
-    cmd = (f"ncu --kernel-name regex:'scatter_32|onepass_csr_32|conepass_f32c8_32|pscat|pop_' "
-           f"--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables "
-           f"--section Occupancy --section WarpStateStats --section LaunchStats "
-           f"python3 {target} {ROOT} {rays}")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=330)
-    text = proc.stdout + proc.stderr
-    (out / "ncu_onepass.txt").write_text(text)
-    keep = [ln for ln in text.splitlines() if re.search(
-        r"pscat|pop_|scatter_32|onepass_csr|conepass|Duration|DRAM Throughput|L2 Cache Throughput|"
-        r"Achieved Occupancy|Registers Per|Stall|L1/TEX Hit|L2 Hit", ln)]
-    print("\n".join(keep))
-    log(f"ncu: rc {proc.returncode} in {time.perf_counter() - t0:.0f} s")
+    import device_kernels as dk
+
+    dk.run_ncu(out / "ncu_onepass.txt", NCU_TARGET, f"{ROOT} {rays}",
+               "--kernel-name regex:'scatter_32|onepass_csr_32|conepass_f32c8_32|pscat|pop_' --section SpeedOfLight "
+               "--section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section Occupancy "
+               "--section WarpStateStats --section LaunchStats",
+               r"pscat|pop_|scatter_32|onepass_csr|conepass|Duration|DRAM Throughput|L2 Cache Throughput|"
+               r"Achieved Occupancy|Registers Per|Stall|L1/TEX Hit|L2 Hit", timeout=330)
 
 
 def main(argv=None) -> int:
@@ -331,7 +302,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     mods = {} if args.library_only else {t: probe_module(t) for t in THREADS}
     for t, mod in mods.items():
-        for name in ("pop_csr_0_16", "pop_csr_0_20", "pop_csrd_0_16", "pop_cmp_0_8", "pop_cmp_2_8", "pscat_csr_0"):
+        for name in ("pop_csr_0_16", "pop_csr_0_20", "pop_csrd_0_16", "pscat_csr_0"):
             fn = mod.get_function(name)
             log(f"{t}t {name}: {getattr(fn, 'num_regs', '?')} registers, {getattr(fn, 'local_size_bytes', '?')} bytes local")
     log(f"probe modules compiled in {time.perf_counter() - t0:.1f} s")

@@ -4,8 +4,11 @@
 //
 //   pscat_csr_<A>        the thesis's back projection without A^T: one warp per row,
 //                        one element per lane per trip, atomicAdd; no grid-stride loop.
-//   pop_csr_<A>_<C>      one-pass step on CSR, C trips of the row in registers.
-//   pop_cmp_<A>_<C>      one-pass step on the compressed f32c8 format (4 slots per lane).
+//   pop_csr_<A>_<C>      one-pass step on CSR, C trips of the row in registers
+//                        (pop_csrl_: __ldg loads; pop_csrd_: 64-bit fixed point).
+// The compressed variants measured in docs/benchmarks.md section 31 (pop_cmp_<A>_<C>: scalar
+// atomics per lane, or the trip's slots through shared memory, now the library's) are in
+// this file as of commit b2ea669.
 // <A>: 0 = one float atomic per element; 1 = warp-aggregated: the elements of an aligned
 // group of 4 voxels are combined and added with one 16-byte vector atomic (sm_90), a
 // group holding one element with a scalar atomic.
@@ -62,37 +65,6 @@ __device__ __forceinline__ void warp_add(float* out, bool has, unsigned col, flo
         }
     }
     if (leader) put_group(out, b, msk, v[0], v[1], v[2], v[3]);
-}
-
-// A lane's own run of up to 4 elements with increasing columns (compressed: one quad),
-// added in aligned groups of 4 voxels.
-template <int AGG>
-__device__ __forceinline__ void lane_add(float* out, const unsigned col[4], const float t[4], const bool el[4]) {
-    if (AGG == 0) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-            if (el[k]) atomicAdd(out + col[k], t[k]);
-        return;
-    }
-    unsigned cur = 0xffffffffu, msk = 0u;
-    float v0 = 0.0f, v1 = 0.0f, v2 = 0.0f, v3 = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        if (!el[k]) continue;
-        const unsigned b = col[k] >> 2, s = col[k] & 3u;
-        if (b != cur) {
-            if (msk) put_group(out, cur, msk, v0, v1, v2, v3);
-            cur = b;
-            msk = 0u;
-            v0 = v1 = v2 = v3 = 0.0f;
-        }
-        msk |= 1u << s;
-        v0 += s == 0 ? t[k] : 0.0f;
-        v1 += s == 1 ? t[k] : 0.0f;
-        v2 += s == 2 ? t[k] : 0.0f;
-        v3 += s == 3 ? t[k] : 0.0f;
-    }
-    if (msk) put_group(out, cur, msk, v0, v1, v2, v3);
 }
 
 template <int AGG>
@@ -176,133 +148,6 @@ __device__ __forceinline__ void pop_csr_body(const i64* __restrict__ rp, const i
 }
 
 // f32c8 compressed (8-bit codes, float32 values), 32 lanes, 4 slots per lane per trip.
-// AGG 2: the warp's 128 slots of a trip go through shared memory so that atomic k of
-// lane l adds slot 32 k + l (consecutive slots per instruction, as in CSR).
-__device__ __forceinline__ void warp_t_add(float* out, const unsigned col[4], const float t[4], const bool el[4],
-                                           int lane) {
-    __shared__ unsigned scol[PROBE_THREADS / 32][128];
-    __shared__ float sval[PROBE_THREADS / 32][128];
-    const int w = threadIdx.x >> 5;
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        scol[w][4 * lane + k] = col[k];
-        sval[w][4 * lane + k] = el[k] ? t[k] : 0.0f;
-    }
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const float v = sval[w][32 * k + lane];
-        if (v != 0.0f) atomicAdd(out + scol[w][32 * k + lane], v);
-    }
-}
-
-template <int AGG, int C>
-__device__ __forceinline__ void pop_cmp_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
-                                             const void* __restrict__ codes, const void* __restrict__ vals,
-                                             const float* __restrict__ f, const float* __restrict__ g, float* fp,
-                                             float* bp, i64 m) {
-    const int lane = threadIdx.x & 31;
-    const i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (r >= m) return;  // warp-uniform
-    const i64 qs = cstart(rb, ro, r) >> 2, qe = cstart(rb, ro, r + 1) >> 2;
-    const i64 trips = (qe - qs + 31) / 32;
-    unsigned cc[4 * (C > 0 ? C : 1)];
-    float cv[4 * (C > 0 ? C : 1)];
-    float sum = 0.0f;
-    unsigned carry = 0u;
-#pragma unroll
-    for (int t = 0; t < C; ++t) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            cc[4 * t + k] = 0u;
-            cv[4 * t + k] = 0.0f;
-        }
-        if (t < trips) {
-            const i64 q = qs + 32 * t + lane;
-            unsigned d[4];
-            float v[4];
-            bool el[4];
-            const unsigned tot = load_quad<32, 8>(codes, vals, 1.0f, q, q < qe, d, v, el);
-            unsigned all;
-            unsigned col = carry + group_excl_scan<32>(tot, lane, all);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                col += d[k];
-                if (el[k]) {
-                    sum += v[k] * __ldg(f + col);
-                    cc[4 * t + k] = col;
-                    cv[4 * t + k] = v[k];
-                }
-            }
-            carry += all;
-        }
-    }
-    const unsigned carry_cached = carry;
-    for (i64 t = C; t < trips; ++t) {
-        const i64 q = qs + 32 * t + lane;
-        unsigned d[4];
-        float v[4];
-        bool el[4];
-        const unsigned tot = load_quad<32, 8>(codes, vals, 1.0f, q, q < qe, d, v, el);
-        unsigned all;
-        unsigned col = carry + group_excl_scan<32>(tot, lane, all);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            col += d[k];
-            if (el[k]) sum += v[k] * __ldg(f + col);
-        }
-        carry += all;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
-    const float ci = sum != 0.0f ? __ldg(g + r) / sum : 0.0f;
-    if (lane == 0) fp[r] = sum;
-    if (ci == 0.0f) return;  // warp-uniform
-#pragma unroll
-    for (int t = 0; t < C; ++t) {
-        unsigned col[4];
-        float tv[4];
-        bool el[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            col[k] = cc[4 * t + k];
-            tv[k] = cv[4 * t + k] * ci;
-            el[k] = cv[4 * t + k] != 0.0f;
-        }
-        if (AGG == 2) {
-            warp_t_add(bp, col, tv, el, lane);
-        } else {
-            lane_add<AGG>(bp, col, tv, el);
-        }
-    }
-    carry = carry_cached;
-    for (i64 t = C; t < trips; ++t) {
-        const i64 q = qs + 32 * t + lane;
-        unsigned d[4];
-        float v[4];
-        bool el[4];
-        const unsigned tot = load_quad<32, 8>(codes, vals, 1.0f, q, q < qe, d, v, el);
-        unsigned all;
-        unsigned col = carry + group_excl_scan<32>(tot, lane, all);
-        unsigned cl[4];
-        float tv[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            col += d[k];
-            cl[k] = col;
-            tv[k] = v[k] * ci;
-            el[k] = el[k] && v[k] != 0.0f;
-        }
-        if (AGG == 2) {
-            warp_t_add(bp, cl, tv, el, lane);
-        } else {
-            lane_add<AGG>(bp, cl, tv, el);
-        }
-        carry += all;
-    }
-}
-
 #define PSCAT(A)                                                                                        \
     extern "C" __global__ void __launch_bounds__(PROBE_THREADS) pscat_csr_##A(                          \
         const i64* rp, const int* idx, const float* val, const float* c, float* out, i64 m) {            \
@@ -326,11 +171,6 @@ PSCAT(1)
         const i64* rp, const int* idx, const float* val, const float* f, const float* g, float* fp,      \
         u64* acc, double fscale, int* flag, i64 m) {                                                     \
         pop_csr_body<A, C, true, true>(rp, idx, val, f, g, fp, nullptr, acc, fscale, flag, m);           \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(PROBE_THREADS) pop_cmp_##A##_##C(                      \
-        const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* f,          \
-        const float* g, float* fp, float* bp, i64 m) {                                                   \
-        pop_cmp_body<A, C>(rb, ro, codes, vals, f, g, fp, bp, m);                                        \
     }
 POP(0, 0)
 POP(0, 8)
@@ -339,5 +179,3 @@ POP(0, 16)
 POP(0, 20)
 POP(1, 0)
 POP(1, 8)
-POP(2, 0)
-POP(2, 8)
