@@ -141,47 +141,6 @@ __device__ __forceinline__ void add_term(float* bp, u64* acc, unsigned j, float 
     }
 }
 
-// The two halves of a CSR row's one-pass work for its L lanes (no shuffles: lanes of a
-// warp may hold rows of any length). csr_row_dot: the lane's partial dot product of row
-// [s, e) with f, its first MLEM_OP_CACHE trips (one element per lane each, streaming loads)
-// kept in cc / cv. csr_row_scatter: bp += ci * row from the kept trips, the tail read again.
-template <int L>
-__device__ __forceinline__ float csr_row_dot(i64 s, i64 e, int lane, const int* __restrict__ idx,
-                                             const float* __restrict__ val, const float* __restrict__ f,
-                                             unsigned cc[MLEM_OP_CACHE], float cv[MLEM_OP_CACHE]) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int t = 0; t < MLEM_OP_CACHE; ++t) {
-        const i64 k = s + (i64)L * t + lane;
-        cc[t] = 0u;
-        cv[t] = 0.0f;
-        if (k < e) {
-            cc[t] = (unsigned)__ldcs(idx + k);
-            cv[t] = __ldcs(val + k);
-            sum += cv[t] * __ldg(f + cc[t]);
-        }
-    }
-    for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
-    return sum;
-}
-
-template <int L, bool DET>
-__device__ __forceinline__ void csr_row_scatter(i64 s, i64 e, int lane, const int* __restrict__ idx,
-                                                const float* __restrict__ val, const unsigned cc[MLEM_OP_CACHE],
-                                                const float cv[MLEM_OP_CACHE], float ci, float* bp, u64* acc,
-                                                double fscale, int* flag) {
-#pragma unroll
-    for (int t = 0; t < MLEM_OP_CACHE; ++t) {
-        if (s + (i64)L * t >= e) break;  // the row's end (uniform over its L lanes)
-        if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
-    }
-    for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) {
-        const unsigned j = (unsigned)__ldcs(idx + k);  // both loads before the branch
-        const float v = __ldcs(val + k);
-        if (v != 0.0f) add_term<DET>(bp, acc, j, v * ci, fscale, flag);
-    }
-}
-
 // One-pass MLEM step on CSR: fp_r = a_r . f, c_r = g_r / fp_r (0 where fp_r == 0),
 // bp += c_r a_r. fp (length m) receives fp_r. L lanes per row, one element per lane
 // per trip (a warp's atomic covers consecutive elements of a row); the matrix is
@@ -204,7 +163,19 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
         }
         unsigned cc[MLEM_OP_CACHE];
         float cv[MLEM_OP_CACHE];
-        float sum = csr_row_dot<L>(s, e, lane, idx, val, f, cc, cv);
+        float sum = 0.0f;
+#pragma unroll
+        for (int t = 0; t < MLEM_OP_CACHE; ++t) {
+            const i64 k = s + (i64)L * t + lane;
+            cc[t] = 0u;
+            cv[t] = 0.0f;
+            if (k < e) {
+                cc[t] = (unsigned)__ldcs(idx + k);
+                cv[t] = __ldcs(val + k);
+                sum += cv[t] * __ldg(f + cc[t]);
+            }
+        }
+        for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off, L);
         float ci = 0.0f;
@@ -212,14 +183,25 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
             if (sum != 0.0f) ci = __ldg(g + r) / sum;
             if (lane == 0) fp[r] = sum;
         }
-        if (ci != 0.0f) csr_row_scatter<L, DET>(s, e, lane, idx, val, cc, cv, ci, bp, acc, fscale, flag);
+        if (ci != 0.0f) {
+#pragma unroll
+            for (int t = 0; t < MLEM_OP_CACHE; ++t) {
+                if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
+            }
+            for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) {
+                const unsigned j = (unsigned)__ldcs(idx + k);  // both loads before the branch
+                const float v = __ldcs(val + k);
+                if (v != 0.0f) add_term<DET>(bp, acc, j, v * ci, fscale, flag);
+            }
+        }
     }
 }
 
 // The same for 32 lanes, one row per warp, written for that case: the warp leaves as soon as
-// its row is done (rows past m, a zero ratio). Measured 1.2x faster than onepass_csr_body<32>
-// on madpet2 (H100, docs/benchmarks.md section 31) with the same sums in the same order. Must
-// be launched with a warp for every row (the launcher's `full` grid).
+// its row is done (rows past m, a zero ratio) and stops the cached scatter at the row's end.
+// Measured 25% faster than onepass_csr_body<32> on madpet2 (H100, docs/benchmarks.md
+// section 31) with the same sums in the same order. Must be launched with a warp for every
+// row (the launcher's `full` grid), as the probe's kernel that measured fastest.
 template <bool DET>
 __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, const int* __restrict__ idx,
                                                  const float* __restrict__ val, const float* __restrict__ f,
@@ -228,16 +210,39 @@ __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, con
     const int lane = threadIdx.x & 31;
     const i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // one row per warp: no row loop
     if (r >= m) return;                                                // warp-uniform
-    const i64 s = rp[r], e = rp[r + 1];
-    unsigned cc[MLEM_OP_CACHE];
-    float cv[MLEM_OP_CACHE];
-    float sum = csr_row_dot<32>(s, e, lane, idx, val, f, cc, cv);
+    {
+        const i64 s = rp[r], e = rp[r + 1];
+        unsigned cc[MLEM_OP_CACHE];
+        float cv[MLEM_OP_CACHE];
+        float sum = 0.0f;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
-    const float ci = sum != 0.0f ? __ldg(g + r) / sum : 0.0f;
-    if (lane == 0) fp[r] = sum;
-    if (ci == 0.0f) return;  // warp-uniform
-    csr_row_scatter<32, DET>(s, e, lane, idx, val, cc, cv, ci, bp, acc, fscale, flag);
+        for (int t = 0; t < MLEM_OP_CACHE; ++t) {
+            const i64 k = s + 32 * t + lane;
+            cc[t] = 0u;
+            cv[t] = 0.0f;
+            if (k < e) {
+                cc[t] = (unsigned)__ldcs(idx + k);
+                cv[t] = __ldcs(val + k);
+                sum += cv[t] * __ldg(f + cc[t]);
+            }
+        }
+        for (i64 k = s + 32 * MLEM_OP_CACHE + lane; k < e; k += 32) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+        const float ci = sum != 0.0f ? __ldg(g + r) / sum : 0.0f;
+        if (lane == 0) fp[r] = sum;
+        if (ci == 0.0f) return;  // warp-uniform
+#pragma unroll
+        for (int t = 0; t < MLEM_OP_CACHE; ++t) {
+            if (s + 32 * t >= e) break;  // warp-uniform
+            if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
+        }
+        for (i64 k = s + 32 * MLEM_OP_CACHE + lane; k < e; k += 32) {
+            const unsigned j = (unsigned)__ldcs(idx + k);  // both loads before the branch
+            const float v = __ldcs(val + k);
+            if (v != 0.0f) add_term<DET>(bp, acc, j, v * ci, fscale, flag);
+        }
+    }
 }
 
 template <int L, bool DET>
