@@ -272,11 +272,12 @@ def choose_notrans(local_fraction: float, nnz: int, *, gpus: int = 1) -> str:
     ``scatter_smem`` when at least :data:`SMEM_LOCAL_MIN` of its row chunks
     accumulate in shared memory (rows whose columns stay in a window, as in
     sinogram order); otherwise the atomic ``scatter``: one element per lane,
-    so a warp's atomics cover consecutive columns, it matches cuSPARSE's
-    transposed product on madpet2 in detector-pair order (4.84 against 4.82 ms
-    on an H100) and beats it by 5% after the reorder stage (docs/benchmarks.md
-    section 31), and it takes any number of non-zeros on any number of GPUs
-    (``nnz`` and ``gpus`` no longer change the choice; kept for callers).
+    so a warp's atomics cover consecutive columns; on madpet2 (H100) it is
+    within 4% of cuSPARSE's transposed product in detector-pair order (5.01
+    against 4.82 ms) and 1% ahead after the reorder stage (5.17 against 5.23;
+    docs/benchmarks.md section 31), and it takes any number of non-zeros on
+    any number of GPUs, which cuSPARSE through CuPy does not (``nnz`` and
+    ``gpus`` no longer change the choice; kept for callers).
     """
     del nnz, gpus
     return "scatter_smem" if local_fraction >= SMEM_LOCAL_MIN else "scatter"
