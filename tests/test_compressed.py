@@ -1182,3 +1182,25 @@ def test_streamed_upload_of_a_corrupt_piece_names_the_file(tmp_path, monkeypatch
     gpu = _upload_on(where, monkeypatch)
     with CompressedH5(path) as src, pytest.raises(MatrixFormatError, match=r"bad\.h5.*negative value -1\.0 at slot"):
         gpu.DeviceCompressed.upload(src)
+
+
+@pytest.mark.parametrize("waves", [0, 1, 3])
+@pytest.mark.parametrize(("m", "lanes"), [(1, 32), (10_000_000, 32), (999_999, 8), (5, 4)])
+def test_row_launch_grid(monkeypatch, waves, m, lanes):
+    """One lane group per row when uncapped or `full` (the CSR one pass has no row loop); else capped at WAVES waves."""
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    monkeypatch.setattr(gpu, "_device_shape", lambda device_id: (132, 2048))  # an H100's SMs and threads per SM
+    monkeypatch.setattr(gpu, "cupy", _fake_cupy)
+    monkeypatch.setattr(gpu, "WAVES", waves)
+    grids = []
+    gpu._launch_rows(lambda grid, block, args: grids.append((grid, block)), m, lanes, ())
+    gpu._launch_rows(lambda grid, block, args: grids.append((grid, block)), m, lanes, (), full=True)
+    per_block = gpu.THREADS // lanes
+    needed = -(-m // per_block)
+    cap = 132 * (2048 // gpu.THREADS) * waves
+    (capped, block1), (full, block2) = grids
+    assert block1 == block2 == (gpu.THREADS,)
+    assert full == (needed,)  # every row has its group, whatever WAVES says
+    assert capped == ((needed,) if waves == 0 else (min(needed, cap),))
+    assert full[0] * per_block >= m > (full[0] - 1) * per_block
