@@ -1048,6 +1048,75 @@ def gather_locality(
     }
 
 
+@njit(cache=True)
+def _greedy_reuse(indptr, indices, rows, n, window):  # pragma: no cover - compiled
+    """(chunks, distinct columns summed over chunks, non-zeros) of rows taken in order, greedily grouped."""
+    stamp = np.full(n, -1, np.int64)
+    chunk = 0
+    distinct = 0
+    taken = 0
+    total = 0
+    nnz = 0
+    for t in range(rows.shape[0]):
+        r = rows[t]
+        a, b = indptr[r], indptr[r + 1]
+        new = 0
+        for k in range(a, b):
+            if stamp[indices[k]] != chunk:
+                new += 1
+        if taken > 0 and distinct + new > window:
+            total += distinct
+            chunk += 1
+            distinct = 0
+            taken = 0
+            new = b - a  # columns within a row are distinct
+        for k in range(a, b):
+            stamp[indices[k]] = chunk
+        distinct += new
+        taken += 1
+        nnz += b - a
+    if taken > 0:
+        total += distinct
+        chunk += 1
+    return chunk, total, nnz
+
+
+def voxel_reuse(matrix: CSRMatrix, *, window: int = 16384, rows: np.ndarray | None = None) -> dict[str, float]:
+    """How often a chunk of consecutive rows reuses its voxels: the atomics a shared-memory scatter saves.
+
+    The rows (``rows``: an order of them; default: the stored order, empty
+    rows skipped) are grouped greedily into chunks whose distinct columns
+    fit ``window`` (a chunk's voxels held in shared memory: 16,384 float32
+    and their 16,384 partial sums take 128 KB); a row with more distinct
+    columns than ``window`` is a chunk of its own. A one-pass or scatter
+    kernel that accumulates each chunk in shared memory and then adds its
+    distinct voxels to global memory makes ``nnz / reuse`` global atomics
+    instead of ``nnz``.
+
+    Returns
+    -------
+    dict
+        ``chunks``, ``nnz_per_chunk``, ``rows_per_chunk``, ``reuse`` (non-zeros
+        over the distinct columns summed over chunks; 1 = no reuse), ``window``.
+    """
+    ip = np.asarray(matrix.indptr, dtype=np.int64)
+    if rows is None:
+        rows = np.flatnonzero(np.diff(ip))
+    rows = np.asarray(rows, dtype=np.int64)
+    if len(rows) and (rows.min() < 0 or rows.max() >= matrix.shape[0]):
+        raise ValueError(f"rows must lie in [0, {matrix.shape[0]})")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    chunks, total, nnz = _greedy_reuse(ip, np.asarray(matrix.indices), rows, int(matrix.shape[1]), int(window))
+    return {
+        "chunks": int(chunks),
+        "nnz_per_chunk": nnz / chunks if chunks else 0.0,
+        "rows_per_chunk": len(rows) / chunks if chunks else 0.0,
+        "reuse": nnz / total if total else 1.0,
+        "window": int(window),
+    }
+
+
 def locality(matrix: CSRMatrix, *, window: int = 1) -> dict[str, dict[str, float]]:
     """:func:`gather_locality` of ``A`` (forward projection) and of ``A^T`` (back projection), in memory."""
     from mlemlib.transpose import transpose
