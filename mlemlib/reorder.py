@@ -1048,39 +1048,6 @@ def gather_locality(
     }
 
 
-@njit(cache=True)
-def _greedy_reuse(indptr, indices, rows, n, window):  # pragma: no cover - compiled
-    """(chunks, distinct columns summed over chunks, non-zeros) of rows taken in order, greedily grouped."""
-    stamp = np.full(n, -1, np.int64)
-    chunk = 0
-    distinct = 0
-    taken = 0
-    total = 0
-    nnz = 0
-    for t in range(rows.shape[0]):
-        r = rows[t]
-        a, b = indptr[r], indptr[r + 1]
-        new = 0
-        for k in range(a, b):
-            if stamp[indices[k]] != chunk:
-                new += 1
-        if taken > 0 and distinct + new > window:
-            total += distinct
-            chunk += 1
-            distinct = 0
-            taken = 0
-            new = b - a  # columns within a row are distinct
-        for k in range(a, b):
-            stamp[indices[k]] = chunk
-        distinct += new
-        taken += 1
-        nnz += b - a
-    if taken > 0:
-        total += distinct
-        chunk += 1
-    return chunk, total, nnz
-
-
 def voxel_reuse(matrix: CSRMatrix, *, window: int = 16384, rows: np.ndarray | None = None) -> dict[str, float]:
     """How often a chunk of consecutive rows reuses its voxels: the atomics a shared-memory scatter saves.
 
@@ -1107,7 +1074,12 @@ def voxel_reuse(matrix: CSRMatrix, *, window: int = 16384, rows: np.ndarray | No
         raise ValueError(f"rows must lie in [0, {matrix.shape[0]})")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    chunks, total, nnz = _greedy_reuse(ip, np.asarray(matrix.indices), rows, int(matrix.shape[1]), int(window))
+    from mlemlib.chunked import greedy_chunks
+
+    starts, distinct = greedy_chunks(ip, np.asarray(matrix.indices), rows, int(matrix.shape[1]), int(window))
+    chunks = len(distinct)
+    total = int(distinct.sum())
+    nnz = int((ip[rows + 1] - ip[rows]).sum()) if len(rows) else 0
     return {
         "chunks": int(chunks),
         "nnz_per_chunk": nnz / chunks if chunks else 0.0,

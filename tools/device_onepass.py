@@ -4,6 +4,7 @@
 Run from the repository root on a GPU machine::
 
     PYTHONPATH=. python3 tools/device_onepass.py --out $OUT [--rays 81] [--repeat 15] [--orders own,own-reordered] [--ncu]
+    PYTHONPATH=. python3 tools/device_onepass.py --out $OUT --orders own-reordered --library-only --chunked 8192,16384
 
 For each LOR order (as ``tools/device_kernels.py``: ``own``, ``shuffled``,
 ``X-reordered``) it times with CUDA events (median of ``--repeat`` after a
@@ -17,7 +18,12 @@ kernels:
 - the one-pass iteration: the library's ``onepass`` (CSR and compressed,
   atomics and fixed point) and the probe's CSR variants (trips cached in
   registers, scalar or aggregated atomics, fixed point);
-- the CSR pair (``csr_vector`` fused, tuned launch shapes) and cuSPARSE's pair.
+- the CSR pair (``csr_vector`` fused, tuned launch shapes) and cuSPARSE's pair;
+- with ``--chunked 8192,16384``: the one pass through a :mod:`mlemlib.chunked`
+  plan of each window (probe kernels ``pchunk_onepass_f32`` / ``_det``: one
+  block per chunk, ``f`` and the chunk's sums in shared memory, one global
+  atomic per distinct voxel of a chunk), built on the host from the matrix
+  in that order (use a ``-reordered`` order: that is where chunks reuse voxels).
 
 Every result is checked against a float64 reference first (relative L2).
 Writes ``onepass.json`` and ``onepass.md`` under ``--out``; ``--ncu`` then
@@ -126,6 +132,8 @@ def order_section(host, order: str, args, mods, records: list) -> None:
     bp = cp.empty(n, dtype=cp.float32)
     y = cp.empty(m, dtype=cp.float32)
 
+    probes = {} if args.library_only else mods  # the probe variants (mods may be there for --chunked only)
+
     def rec(kind: str, name: str, fn, check) -> None:
         try:
             ms = run(fn)
@@ -165,7 +173,7 @@ def order_section(host, order: str, args, mods, records: list) -> None:
     del sa
     rec("bp_notrans", "scatter_32 (library, 256t)", lambda: ck.scatter(a, c, bp, kernel="scatter", lanes=32),
         lambda: rel(bp, sc64))
-    for threads, mod in mods.items():
+    for threads, mod in probes.items():
         blocks = (-(-m * 32 // threads),)
         for agg in (0,):
             fn = mod.get_function(f"pscat_csr_{agg}")
@@ -187,7 +195,7 @@ def order_section(host, order: str, args, mods, records: list) -> None:
     variants = [(f"pop_csr_0_{k}", "stream") for k in PROBE_CACHES] + [
         ("pop_csrl_0_16", "ldg"), ("pop_csr_1_0", "stream, aggregated"), ("pop_csr_1_8", "stream, aggregated"),
         ("pop_csrd_0_12", "stream, fixed point"), ("pop_csrd_0_16", "stream, fixed point")]
-    for threads, mod in mods.items():
+    for threads, mod in probes.items():
         blocks = (-(-m * 32 // threads),)
         for name, tag in variants:
             fn = mod.get_function(name)
@@ -227,8 +235,55 @@ def order_section(host, order: str, args, mods, records: list) -> None:
         rec("onepass", f"library onepass compressed {'fixed' if det else 'atomics'}",
             lambda det=det: gpu.onepass(ca, g, f, bp=bp, fp=fp, deterministic=det, bound=bound, check=False),
             lambda: rel(bp, bp64))
-    del ca, a, at
+    del ca
+    if args.chunked:
+        chunked_section(a, f, g, fp, bp, bp64, bound, args, mods, rec, order)
+    del a, at
     cp.get_default_memory_pool().free_all_blocks()
+
+
+def chunked_section(a, f, g, fp, bp, bp64, bound, args, mods, rec, order) -> None:
+    """The one pass through a mlemlib.chunked plan (probe kernels pchunk_onepass_f32 / _det), per window."""
+    import cupy as cp
+
+    from mlemlib import chunked
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    m, n = a.shape
+    host = a.to_host()
+    for window in args.chunked:
+        t0 = time.perf_counter()
+        plan = chunked.build_plan(host, window=window)
+        log(f"{order}: chunk plan, window {window}: {plan.chunks} chunks, reuse {plan.reuse:.2f}, "
+            f"{plan.bytes_per_nnz():.3f} bytes/nnz, built in {time.perf_counter() - t0:.1f} s")
+        d = {k: cp.asarray(getattr(plan, k)) for k in ("chunk_rows", "vptr", "voxels", "local")}
+        w = window + (window & 1)
+        scale = gpu.fixed_scale(bound)
+        acc = cp.empty(n, dtype=cp.uint64)
+        flag = cp.zeros(1, dtype=cp.int32)
+        for threads, mod in mods.items():
+            for det in (False, True):
+                fn = mod.get_function("pchunk_onepass_det" if det else "pchunk_onepass_f32")
+                shared = 4 * w + (8 if det else 4) * w
+                fn.max_dynamic_shared_size_bytes = shared
+                head = (d["chunk_rows"], d["vptr"], d["voxels"], a.indptr, d["local"], a.data, f, g, fp)
+                if det:
+                    def go(fn=fn, threads=threads, shared=shared, head=head):
+                        acc.fill(0)
+                        fn((plan.chunks,), (threads,), (*head, acc, np.float64(scale), flag, np.int32(w)),
+                           shared_mem=shared)
+                        gpu.fixed_to_float(acc, bp, scale)
+                else:
+                    def go(fn=fn, threads=threads, shared=shared, head=head):
+                        bp.fill(0)
+                        fn((plan.chunks,), (threads,), (*head, bp, np.int32(w)), shared_mem=shared)
+
+                rec("onepass", f"pchunk {'fixed point' if det else 'f32'} window {window} {threads}t "
+                    f"(reuse {plan.reuse:.1f})", go, lambda: rel(bp, bp64))
+            if int(flag.get()[0]):
+                log(f"{order}: pchunk fixed point overflow flag {int(flag.get()[0])}")
+        del d, plan
+        cp.get_default_memory_pool().free_all_blocks()
 
 
 def markdown(records: list) -> str:
@@ -289,6 +344,8 @@ def main(argv=None) -> int:
     ap.add_argument("--orders", default="own,own-reordered")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--library-only", action="store_true", help="only the library's kernels (no probe variants)")
+    ap.add_argument("--chunked", type=lambda t: [int(v) for v in t.split(",")], default=[],
+                    help="also the one pass through mlemlib.chunked plans of these windows (probe kernels)")
     ap.add_argument("--op-minb", type=lambda t: [int(v) for v in t.split(",")], default=[],
                     help="also time the CSR one pass compiled with these MLEM_OP_MINB values")
     args = ap.parse_args(argv)
@@ -300,7 +357,7 @@ def main(argv=None) -> int:
 
     log(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     t0 = time.perf_counter()
-    mods = {} if args.library_only else {t: probe_module(t) for t in THREADS}
+    mods = {} if args.library_only and not args.chunked else {t: probe_module(t) for t in THREADS}
     for t, mod in mods.items():
         for name in ("pop_csr_0_16", "pop_csr_0_20", "pop_csrd_0_16", "pscat_csr_0"):
             fn = mod.get_function(name)

@@ -179,3 +179,84 @@ POP(0, 16)
 POP(0, 20)
 POP(1, 0)
 POP(1, 8)
+
+// ---------------------------------------------------------------------------
+// pchunk_onepass_<f32|det>: the one pass through a mlemlib.chunked.ChunkPlan (not yet
+// measured). One block per chunk: f at the chunk's voxels staged in shared memory, a warp
+// per row (dot product from shared memory, then the row's terms added into the chunk's
+// shared-memory sums at the 16-bit local indices), then one global atomic per distinct
+// voxel of the chunk. det: the sums are 64-bit fixed point in shared and global memory
+// (order-independent: deterministic). Dynamic shared memory: window floats of f, then
+// window float (f32) or uint64 (det) sums; `window` even.
+template <bool DET>
+__device__ __forceinline__ void pchunk_body(const i64* __restrict__ chunk_rows, const i64* __restrict__ vptr,
+                                            const int* __restrict__ voxels, const i64* __restrict__ rp,
+                                            const unsigned short* __restrict__ local,
+                                            const float* __restrict__ val, const float* __restrict__ f,
+                                            const float* __restrict__ g, float* fp, float* bp, u64* acc,
+                                            double fscale, int* flag, int window) {
+    extern __shared__ float sm[];
+    float* fl = sm;
+    float* af = sm + window;
+    u64* au = reinterpret_cast<u64*>(sm + window);
+    const i64 c = blockIdx.x;
+    const i64 v0 = vptr[c];
+    const int nv = (int)(vptr[c + 1] - v0);
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+        fl[i] = __ldg(f + __ldg(voxels + v0 + i));
+        if (DET) au[i] = 0ull; else af[i] = 0.0f;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int nw = blockDim.x >> 5;
+    const i64 r1 = chunk_rows[c + 1];
+    for (i64 r = chunk_rows[c] + (threadIdx.x >> 5); r < r1; r += nw) {  // warp-uniform
+        const i64 s = rp[r], e = rp[r + 1];
+        float sum = 0.0f;
+        for (i64 k = s + lane; k < e; k += 32) sum += __ldg(val + k) * fl[__ldg(local + k)];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+        const float ci = sum != 0.0f ? __ldg(g + r) / sum : 0.0f;
+        if (lane == 0) fp[r] = sum;
+        if (ci == 0.0f) continue;  // warp-uniform
+        for (i64 k = s + lane; k < e; k += 32) {
+            const unsigned j = __ldcs(local + k);
+            const float t = __ldcs(val + k) * ci;
+            if (DET) {
+                const double q = (double)t * fscale;
+                if (!(q >= 0.0 && q < 18446744073709551616.0)) {
+                    atomicOr(flag, 1);
+                } else {
+                    atomicAdd(au + j, __double2ull_rn(q));
+                }
+            } else {
+                atomicAdd(af + j, t);
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+        const int col = __ldg(voxels + v0 + i);
+        if (DET) {
+            const u64 u = au[i];
+            if (u != 0ull) {
+                const u64 old = atomicAdd(acc + col, u);
+                if (old + u < old) atomicOr(flag, 2);
+            }
+        } else if (af[i] != 0.0f) {
+            atomicAdd(bp + col, af[i]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PROBE_THREADS) pchunk_onepass_f32(
+    const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
+    const float* val, const float* f, const float* g, float* fp, float* bp, int window) {
+    pchunk_body<false>(chunk_rows, vptr, voxels, rp, local, val, f, g, fp, bp, nullptr, 0.0, nullptr, window);
+}
+
+extern "C" __global__ void __launch_bounds__(PROBE_THREADS) pchunk_onepass_det(
+    const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
+    const float* val, const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, int window) {
+    pchunk_body<true>(chunk_rows, vptr, voxels, rp, local, val, f, g, fp, nullptr, acc, fscale, flag, window);
+}

@@ -1,0 +1,210 @@
+"""Row chunks with their own voxel lists: the plan of a one pass that scatters into shared memory.
+
+The one-pass and scatter kernels are bound by their global atomics: one per
+non-zero, served by the L2 cache (docs/benchmarks.md section 31). After the
+reorder stage, consecutive rows (LORs with close entry and exit points)
+touch nearly the same voxels: on madpet2, a chunk of rows whose distinct
+voxels fit 16,384 float32 reuses each of them 15.8 times (section 33). A
+kernel that takes one chunk per thread block, stages ``f`` at the chunk's
+voxels in shared memory, accumulates the chunk's back projection there, and
+adds each distinct voxel to global memory once makes ``1 / reuse`` of the
+global atomics. The chunk's voxels are scattered over the volume's index
+range (a compact region lies on several stretches of the Hilbert curve), so
+each chunk carries its sorted list of distinct voxels and every non-zero a
+16-bit index into that list, not a column.
+
+Provides
+
+- :func:`greedy_chunks` — the chunk boundaries (compiled; also behind
+  :func:`mlemlib.reorder.voxel_reuse`);
+- :class:`ChunkPlan` and :func:`build_plan` — the chunks of a CSR matrix in
+  its stored row order, their voxel lists and the local index of every
+  non-zero (built on all cores, one chunk per task);
+- :func:`onepass` — the one-pass MLEM step computed through the plan on the
+  CPU (Numba, float32, chunks in order): the reference a GPU kernel of the
+  plan is checked against.
+
+CPU only: a GPU kernel of this plan exists as a probe
+(``tools/onepass_probe.cu``, ``pchunk_onepass``), not yet measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from mlemlib.matrix import CSRMatrix
+
+#: Largest chunk window: local indices are 16-bit.
+MAX_WINDOW = 1 << 16
+#: Default voxels per chunk: 16,384 float32 of ``f`` and 16,384 partial sums (64-bit for the
+#: deterministic kernel) take 192 KB of a Hopper multiprocessor's 227 KB of shared memory.
+DEFAULT_WINDOW = 1 << 14
+
+
+@njit(cache=True)
+def greedy_chunks(indptr, indices, rows, n, window):  # pragma: no cover - compiled
+    """Group ``rows`` (taken in that order) greedily into chunks of at most ``window`` distinct columns.
+
+    A row with more distinct columns than ``window`` is a chunk of its own.
+    Returns ``(starts, distinct)``: chunk ``c`` holds ``rows[starts[c]:starts[c + 1]]``
+    (``starts`` has one entry more than there are chunks) and touches
+    ``distinct[c]`` columns.
+    """
+    stamp = np.full(n, -1, np.int64)
+    starts = np.empty(rows.shape[0] + 1, np.int64)
+    distinct = np.empty(rows.shape[0], np.int64)
+    chunk = 0
+    count = 0
+    taken = 0
+    starts[0] = 0
+    for t in range(rows.shape[0]):
+        r = rows[t]
+        a, b = indptr[r], indptr[r + 1]
+        new = 0
+        for k in range(a, b):
+            if stamp[indices[k]] != chunk:
+                new += 1
+        if taken > 0 and count + new > window:
+            distinct[chunk] = count
+            chunk += 1
+            starts[chunk] = t
+            count = 0
+            taken = 0
+            new = b - a  # the columns of a row are distinct
+        for k in range(a, b):
+            stamp[indices[k]] = chunk
+        count += new
+        taken += 1
+    if taken > 0:
+        distinct[chunk] = count
+        chunk += 1
+        starts[chunk] = rows.shape[0]
+    return starts[: chunk + 1].copy(), distinct[:chunk].copy()
+
+
+@njit(parallel=True, cache=True)
+def _fill(indptr, indices, chunk_rows, vptr, voxels, local):  # pragma: no cover - compiled
+    for c in prange(chunk_rows.shape[0] - 1):
+        a = indptr[chunk_rows[c]]
+        b = indptr[chunk_rows[c + 1]]
+        u = np.unique(indices[a:b])
+        v0 = vptr[c]
+        voxels[v0 : v0 + u.shape[0]] = u
+        for k in range(a, b):
+            local[k] = np.searchsorted(u, indices[k])
+
+
+@dataclass
+class ChunkPlan:
+    """Chunks of consecutive rows of a CSR matrix, each with its own sorted voxel list.
+
+    Chunk ``c`` holds rows ``[chunk_rows[c], chunk_rows[c + 1])`` and voxels
+    ``voxels[vptr[c]:vptr[c + 1]]`` (sorted, distinct, at most ``window``);
+    non-zero ``k`` of those rows is at column ``voxels[vptr[c] + local[k]]``.
+    The matrix's row pointer and values are used as they are (not copied).
+    """
+
+    shape: tuple[int, int]
+    window: int
+    chunk_rows: np.ndarray  # int64, chunks + 1
+    vptr: np.ndarray  # int64, chunks + 1
+    voxels: np.ndarray  # int32
+    local: np.ndarray  # uint16, one per non-zero
+
+    @property
+    def chunks(self) -> int:
+        return len(self.chunk_rows) - 1
+
+    @property
+    def reuse(self) -> float:
+        """Non-zeros per global atomic of the chunked scatter (non-zeros / voxel-list entries)."""
+        return len(self.local) / len(self.voxels) if len(self.voxels) else 1.0
+
+    def bytes_per_nnz(self, value_bytes: int = 4) -> float:
+        """Bytes a kernel reads per non-zero: local index, value, the voxel lists and both pointers."""
+        nnz = len(self.local)
+        if nnz == 0:
+            return 0.0
+        extra = self.voxels.nbytes + self.vptr.nbytes + self.chunk_rows.nbytes + 8 * (self.shape[0] + 1)
+        return 2 + value_bytes + extra / nnz
+
+    def columns(self, indptr: np.ndarray) -> np.ndarray:
+        """The column of every non-zero, rebuilt from the plan (a check: equals the matrix's indices)."""
+        ip = np.asarray(indptr, dtype=np.int64)
+        per_nnz = np.repeat(np.arange(self.chunks), np.diff(ip[self.chunk_rows]))
+        return self.voxels[self.vptr[per_nnz] + self.local.astype(np.int64)]
+
+
+def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW) -> ChunkPlan:
+    """The :class:`ChunkPlan` of ``a`` in its stored row order (reorder the matrix first).
+
+    Raises
+    ------
+    ValueError
+        ``window`` outside ``[1, 65536]`` (local indices are 16-bit), or a
+        row with more than ``window`` non-zeros (it could not be scattered
+        through one chunk's shared memory).
+    """
+    window = int(window)
+    if not 1 <= window <= MAX_WINDOW:
+        raise ValueError(f"window must lie in [1, {MAX_WINDOW}] (16-bit local indices), got {window}")
+    m, n = a.shape
+    ip = np.asarray(a.indptr, dtype=np.int64)
+    idx = np.asarray(a.indices)
+    longest = int(np.diff(ip).max()) if m else 0
+    if longest > window:
+        raise ValueError(f"a row has {longest} non-zeros, more than the window of {window} voxels")
+    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window)
+    vptr = np.zeros(len(distinct) + 1, dtype=np.int64)
+    np.cumsum(distinct, out=vptr[1:])
+    voxels = np.empty(int(vptr[-1]), dtype=np.int32)
+    local = np.empty(len(idx), dtype=np.uint16)
+    if len(distinct):
+        _fill(ip, idx, starts, vptr, voxels, local)
+    return ChunkPlan((m, n), window, starts, vptr, voxels, local)
+
+
+@njit(cache=True)
+def _onepass(indptr, data, chunk_rows, vptr, voxels, local, g, f, fp, bp):  # pragma: no cover - compiled
+    fl = np.zeros(MAX_WINDOW, np.float32)
+    acc = np.zeros(MAX_WINDOW, np.float32)
+    for c in range(chunk_rows.shape[0] - 1):
+        v0 = vptr[c]
+        nv = vptr[c + 1] - v0
+        for i in range(nv):
+            fl[i] = f[voxels[v0 + i]]
+            acc[i] = 0.0
+        for r in range(chunk_rows[c], chunk_rows[c + 1]):
+            s = np.float32(0.0)
+            for k in range(indptr[r], indptr[r + 1]):
+                s += data[k] * fl[local[k]]
+            fp[r] = s
+            if s != 0.0:
+                ci = np.float32(g[r] / s)
+                for k in range(indptr[r], indptr[r + 1]):
+                    acc[local[k]] += data[k] * ci
+        for i in range(nv):
+            bp[voxels[v0 + i]] += acc[i]
+
+
+def onepass(plan: ChunkPlan, indptr: np.ndarray, data: np.ndarray, g: np.ndarray, f: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """One-pass MLEM step through the plan: ``fp = A f``, ``c = g / fp`` (0 where fp is 0), ``bp = A^T c``.
+
+    float32 throughout; each chunk's rows in order, accumulated in the
+    chunk's list, then added to ``bp`` chunk after chunk (deterministic).
+    Returns ``(bp, fp)``.
+    """
+    m, n = plan.shape
+    g = np.ascontiguousarray(g, dtype=np.float32)
+    f = np.ascontiguousarray(f, dtype=np.float32)
+    if g.shape != (m,) or f.shape != (n,):
+        raise ValueError(f"g must have {m} entries and f {n}, got {g.shape} and {f.shape}")
+    fp = np.zeros(m, dtype=np.float32)
+    bp = np.zeros(n, dtype=np.float32)
+    _onepass(np.asarray(indptr, dtype=np.int64), np.asarray(data, dtype=np.float32), plan.chunk_rows,
+             plan.vptr, plan.voxels, plan.local, g, f, fp, bp)
+    return bp, fp
