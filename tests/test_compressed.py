@@ -1187,7 +1187,7 @@ def test_streamed_upload_of_a_corrupt_piece_names_the_file(tmp_path, monkeypatch
 @pytest.mark.parametrize("waves", [0, 1, 3])
 @pytest.mark.parametrize(("m", "lanes"), [(1, 32), (10_000_000, 32), (999_999, 8), (5, 4)])
 def test_row_launch_grid(monkeypatch, waves, m, lanes):
-    """One lane group per row when uncapped or `full` (the CSR one pass has no row loop); else capped at WAVES waves."""
+    """One lane group per row when uncapped or asked (waves=0: the CSR one pass has no row loop); else capped at WAVES waves."""
     from mlemlib.backends import _compressed_cuda as gpu
 
     monkeypatch.setattr(gpu, "_device_shape", lambda device_id: (132, 2048))  # an H100's SMs and threads per SM
@@ -1195,7 +1195,7 @@ def test_row_launch_grid(monkeypatch, waves, m, lanes):
     monkeypatch.setattr(gpu, "WAVES", waves)
     grids = []
     gpu._launch_rows(lambda grid, block, args: grids.append((grid, block)), m, lanes, ())
-    gpu._launch_rows(lambda grid, block, args: grids.append((grid, block)), m, lanes, (), full=True)
+    gpu._launch_rows(lambda grid, block, args: grids.append((grid, block)), m, lanes, (), waves=0)
     per_block = gpu.THREADS // lanes
     needed = -(-m // per_block)
     cap = 132 * (2048 // gpu.THREADS) * waves
@@ -1204,3 +1204,22 @@ def test_row_launch_grid(monkeypatch, waves, m, lanes):
     assert full == (needed,)  # every row has its group, whatever WAVES says
     assert capped == ((needed,) if waves == 0 else (min(needed, cap),))
     assert full[0] * per_block >= m > (full[0] - 1) * per_block
+
+
+@pytest.mark.parametrize("waves", [0, 2])
+def test_fixed_to_float_launches_blocks(monkeypatch, waves):
+    """The fixed-point conversion launches at least one block, uncapped (WAVES = 0) or capped."""
+    from types import SimpleNamespace
+
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    monkeypatch.setattr(gpu, "_device_shape", lambda device_id: (132, 2048))
+    monkeypatch.setattr(gpu, "cupy", lambda: SimpleNamespace(
+        uint64=np.uint64, float32=np.float32, cuda=SimpleNamespace(Device=_FakeDevice)))
+    monkeypatch.setattr(gpu, "WAVES", waves)
+    launched = []
+    monkeypatch.setattr(gpu, "function", lambda name: lambda grid, block, args: launched.append((name, grid)))
+    n = 3_000_000
+    gpu.fixed_to_float(np.zeros(n, np.uint64), np.zeros(n, np.float32), 2.0**40)
+    needed = -(-n // gpu.THREADS)
+    assert launched == [("fixed_to_float", (needed if waves == 0 else min(needed, 132 * 8 * waves),))]

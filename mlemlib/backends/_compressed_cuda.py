@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib._io import prefetched
+from mlemlib.backends import _cuda_plan as plan
 from mlemlib.backends.device_formats import DeviceMatrix
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import chunk_bounds
@@ -107,19 +108,18 @@ def _device_shape(device_id: int) -> tuple[int, int]:
     return int(p["multiProcessorCount"]), int(p["maxThreadsPerMultiProcessor"])
 
 
-def _launch_rows(fn: Any, m: int, lanes: int, args: tuple, full: bool = False) -> None:
-    """Launch a row kernel: ``lanes`` per row, grid-stride, capped at :data:`WAVES` waves (0: no cap, one row per group).
-
-    ``full``: always one row per lane group, whatever :data:`WAVES` says (kernels without a row loop).
-    """
+def _grid(items: int, items_per_block: int, waves: int | None) -> tuple[int, int]:
+    """(blocks, threads) of a launch of :data:`THREADS`-thread blocks (:func:`mlemlib.backends._cuda_plan.launch_shape`)."""
     sms, per_sm = _device_shape(cupy().cuda.Device().id)
-    rows_per_block = THREADS // lanes
-    needed = max(1, -(-m // rows_per_block))
-    if WAVES == 0 or full:
-        fn((needed,), (THREADS,), args)
-        return
-    cap = max(1, sms * max(1, per_sm // THREADS) * WAVES)
-    fn((min(needed, cap),), (THREADS,), args)
+    return plan.launch_shape(items, items_per_block, sms, per_sm, threads=THREADS,
+                             waves=WAVES if waves is None else waves)
+
+
+def _launch_rows(fn: Any, m: int, lanes: int, args: tuple, waves: int | None = None) -> None:
+    """Launch a row kernel: ``lanes`` per row, grid-stride, capped at ``waves`` full waves (default
+    :data:`WAVES`; 0: no cap, one row per lane group: what kernels without a row loop need)."""
+    blocks, threads = _grid(m, THREADS // lanes, waves)
+    fn((blocks,), (threads,), args)
 
 
 def choose_lanes(mean_slots_per_row: float, cap: int = 32) -> int:
@@ -401,9 +401,8 @@ def fixed_to_float(acc: Any, out: Any, scale: float) -> Any:
     if acc.dtype != cp.uint64 or out.dtype != cp.float32 or out.size != n:
         raise ValueError("acc must be uint64 and out float32 of the same length")
     if n:
-        sms, per_sm = _device_shape(cp.cuda.Device().id)
-        blocks = min(-(-n // THREADS), sms * max(1, per_sm // THREADS) * WAVES)
-        function("fixed_to_float")((blocks,), (THREADS,), (acc, out, np.int64(n), np.float64(1.0 / scale)))
+        blocks, threads = _grid(n, THREADS, None)
+        function("fixed_to_float")((blocks,), (threads,), (acc, out, np.int64(n), np.float64(1.0 / scale)))
     return out
 
 
@@ -538,7 +537,7 @@ def onepass_fixed(
     if m:
         _launch_rows(
             function(_onepass_name(kind, L, True)), m, L, (*args, f, g, fp, acc, np.float64(scale), flag, np.int64(m)),
-            full=kind == "csr",
+            waves=0 if kind == "csr" else None,  # the CSR kernels have no row loop
         )
 
 
@@ -597,7 +596,7 @@ def onepass(
         bp.fill(0)
         if m:
             _launch_rows(function(_onepass_name(kind, L, False)), m, L, (*args, f, g, fp, bp, np.int64(m)),
-                         full=kind == "csr")
+                         waves=0 if kind == "csr" else None)  # the CSR kernels have no row loop
         return bp, fp
     if bound is None:
         bound = onepass_bound(g, f)

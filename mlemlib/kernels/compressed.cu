@@ -199,9 +199,10 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
 
 // The same for 32 lanes, one row per warp, written for that case: the warp leaves as soon as
 // its row is done (rows past m, a zero ratio) and stops the cached scatter at the row's end.
-// Measured 25% faster than onepass_csr_body<32> on madpet2 (H100, docs/benchmarks.md
-// section 31) with the same sums in the same order. Must be launched with a warp for every
-// row (the launcher's `full` grid), as the probe's kernel that measured fastest.
+// Measured 1.16x faster than onepass_csr_body<32> on madpet2 (6.42 against 7.42-7.48 ms,
+// H100, docs/benchmarks.md section 31) with the same sums in the same order. Must be
+// launched with a warp for every row (the launcher's waves=0), as the probe's kernel that
+// measured fastest.
 template <bool DET>
 __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, const int* __restrict__ idx,
                                                  const float* __restrict__ val, const float* __restrict__ f,
@@ -210,38 +211,36 @@ __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, con
     const int lane = threadIdx.x & 31;
     const i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // one row per warp: no row loop
     if (r >= m) return;                                                // warp-uniform
-    {
-        const i64 s = rp[r], e = rp[r + 1];
-        unsigned cc[MLEM_OP_CACHE];
-        float cv[MLEM_OP_CACHE];
-        float sum = 0.0f;
+    const i64 s = rp[r], e = rp[r + 1];
+    unsigned cc[MLEM_OP_CACHE];
+    float cv[MLEM_OP_CACHE];
+    float sum = 0.0f;
 #pragma unroll
-        for (int t = 0; t < MLEM_OP_CACHE; ++t) {
-            const i64 k = s + 32 * t + lane;
-            cc[t] = 0u;
-            cv[t] = 0.0f;
-            if (k < e) {
-                cc[t] = (unsigned)__ldcs(idx + k);
-                cv[t] = __ldcs(val + k);
-                sum += cv[t] * __ldg(f + cc[t]);
-            }
+    for (int t = 0; t < MLEM_OP_CACHE; ++t) {
+        const i64 k = s + 32 * t + lane;
+        cc[t] = 0u;
+        cv[t] = 0.0f;
+        if (k < e) {
+            cc[t] = (unsigned)__ldcs(idx + k);
+            cv[t] = __ldcs(val + k);
+            sum += cv[t] * __ldg(f + cc[t]);
         }
-        for (i64 k = s + 32 * MLEM_OP_CACHE + lane; k < e; k += 32) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
+    }
+    for (i64 k = s + 32 * MLEM_OP_CACHE + lane; k < e; k += 32) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
-        const float ci = sum != 0.0f ? __ldg(g + r) / sum : 0.0f;
-        if (lane == 0) fp[r] = sum;
-        if (ci == 0.0f) return;  // warp-uniform
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+    const float ci = sum != 0.0f ? __ldg(g + r) / sum : 0.0f;
+    if (lane == 0) fp[r] = sum;
+    if (ci == 0.0f) return;  // warp-uniform
 #pragma unroll
-        for (int t = 0; t < MLEM_OP_CACHE; ++t) {
-            if (s + 32 * t >= e) break;  // warp-uniform
-            if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
-        }
-        for (i64 k = s + 32 * MLEM_OP_CACHE + lane; k < e; k += 32) {
-            const unsigned j = (unsigned)__ldcs(idx + k);  // both loads before the branch
-            const float v = __ldcs(val + k);
-            if (v != 0.0f) add_term<DET>(bp, acc, j, v * ci, fscale, flag);
-        }
+    for (int t = 0; t < MLEM_OP_CACHE; ++t) {
+        if (s + 32 * t >= e) break;  // warp-uniform
+        if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
+    }
+    for (i64 k = s + 32 * MLEM_OP_CACHE + lane; k < e; k += 32) {
+        const unsigned j = (unsigned)__ldcs(idx + k);  // both loads before the branch
+        const float v = __ldcs(val + k);
+        if (v != 0.0f) add_term<DET>(bp, acc, j, v * ci, fscale, flag);
     }
 }
 
