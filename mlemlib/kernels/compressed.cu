@@ -141,6 +141,48 @@ __device__ __forceinline__ void add_term(float* bp, u64* acc, unsigned j, float 
     }
 }
 
+// The two halves of a CSR row's one-pass work for its L lanes, shared by the two bodies
+// below. csr_row_dot: the lane's part of row [s, e)'s dot product with f, the first
+// MLEM_OP_CACHE trips (one element per lane each, streaming loads) kept in cc / cv.
+// csr_row_scatter: bp += ci * row, the kept trips from registers (STOP: leave them at
+// the row's end, where that is uniform over the warp), the tail read again.
+template <int L>
+__device__ __forceinline__ float csr_row_dot(i64 s, i64 e, int lane, const int* __restrict__ idx,
+                                             const float* __restrict__ val, const float* __restrict__ f,
+                                             unsigned cc[MLEM_OP_CACHE], float cv[MLEM_OP_CACHE]) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int t = 0; t < MLEM_OP_CACHE; ++t) {
+        const i64 k = s + (i64)L * t + lane;
+        cc[t] = 0u;
+        cv[t] = 0.0f;
+        if (k < e) {
+            cc[t] = (unsigned)__ldcs(idx + k);
+            cv[t] = __ldcs(val + k);
+            sum += cv[t] * __ldg(f + cc[t]);
+        }
+    }
+    for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
+    return sum;
+}
+
+template <int L, bool DET, bool STOP>
+__device__ __forceinline__ void csr_row_scatter(i64 s, i64 e, int lane, const int* __restrict__ idx,
+                                                const float* __restrict__ val, const unsigned cc[MLEM_OP_CACHE],
+                                                const float cv[MLEM_OP_CACHE], float ci, float* bp, u64* acc,
+                                                double fscale, int* flag) {
+#pragma unroll
+    for (int t = 0; t < MLEM_OP_CACHE; ++t) {
+        if (STOP && s + (i64)L * t >= e) break;
+        if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
+    }
+    for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) {
+        const unsigned j = (unsigned)__ldcs(idx + k);  // both loads before the branch
+        const float v = __ldcs(val + k);
+        if (v != 0.0f) add_term<DET>(bp, acc, j, v * ci, fscale, flag);
+    }
+}
+
 // One-pass MLEM step on CSR: fp_r = a_r . f, c_r = g_r / fp_r (0 where fp_r == 0),
 // bp += c_r a_r. fp (length m) receives fp_r. L lanes per row, one element per lane
 // per trip (a warp's atomic covers consecutive elements of a row); the matrix is
@@ -163,19 +205,7 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
         }
         unsigned cc[MLEM_OP_CACHE];
         float cv[MLEM_OP_CACHE];
-        float sum = 0.0f;
-#pragma unroll
-        for (int t = 0; t < MLEM_OP_CACHE; ++t) {
-            const i64 k = s + (i64)L * t + lane;
-            cc[t] = 0u;
-            cv[t] = 0.0f;
-            if (k < e) {
-                cc[t] = (unsigned)__ldcs(idx + k);
-                cv[t] = __ldcs(val + k);
-                sum += cv[t] * __ldg(f + cc[t]);
-            }
-        }
-        for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
+        float sum = csr_row_dot<L>(s, e, lane, idx, val, f, cc, cv);
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off, L);
         float ci = 0.0f;
@@ -183,17 +213,7 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
             if (sum != 0.0f) ci = __ldg(g + r) / sum;
             if (lane == 0) fp[r] = sum;
         }
-        if (ci != 0.0f) {
-#pragma unroll
-            for (int t = 0; t < MLEM_OP_CACHE; ++t) {
-                if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
-            }
-            for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) {
-                const unsigned j = (unsigned)__ldcs(idx + k);  // both loads before the branch
-                const float v = __ldcs(val + k);
-                if (v != 0.0f) add_term<DET>(bp, acc, j, v * ci, fscale, flag);
-            }
-        }
+        if (ci != 0.0f) csr_row_scatter<L, DET, false>(s, e, lane, idx, val, cc, cv, ci, bp, acc, fscale, flag);
     }
 }
 
@@ -214,34 +234,13 @@ __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, con
     const i64 s = rp[r], e = rp[r + 1];
     unsigned cc[MLEM_OP_CACHE];
     float cv[MLEM_OP_CACHE];
-    float sum = 0.0f;
-#pragma unroll
-    for (int t = 0; t < MLEM_OP_CACHE; ++t) {
-        const i64 k = s + 32 * t + lane;
-        cc[t] = 0u;
-        cv[t] = 0.0f;
-        if (k < e) {
-            cc[t] = (unsigned)__ldcs(idx + k);
-            cv[t] = __ldcs(val + k);
-            sum += cv[t] * __ldg(f + cc[t]);
-        }
-    }
-    for (i64 k = s + 32 * MLEM_OP_CACHE + lane; k < e; k += 32) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
+    float sum = csr_row_dot<32>(s, e, lane, idx, val, f, cc, cv);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
     const float ci = sum != 0.0f ? __ldg(g + r) / sum : 0.0f;
     if (lane == 0) fp[r] = sum;
     if (ci == 0.0f) return;  // warp-uniform
-#pragma unroll
-    for (int t = 0; t < MLEM_OP_CACHE; ++t) {
-        if (s + 32 * t >= e) break;  // warp-uniform
-        if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
-    }
-    for (i64 k = s + 32 * MLEM_OP_CACHE + lane; k < e; k += 32) {
-        const unsigned j = (unsigned)__ldcs(idx + k);  // both loads before the branch
-        const float v = __ldcs(val + k);
-        if (v != 0.0f) add_term<DET>(bp, acc, j, v * ci, fscale, flag);
-    }
+    csr_row_scatter<32, DET, true>(s, e, lane, idx, val, cc, cv, ci, bp, acc, fscale, flag);
 }
 
 template <int L, bool DET>
