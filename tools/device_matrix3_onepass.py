@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT / "tools"))
     from device_onepass import copy_bandwidth, timer
 
-    def timed(fn, repeat):
+    def timed(fn, repeat):  # median ms
         return timer(repeat)(fn)
 
     bw = copy_bandwidth()

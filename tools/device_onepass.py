@@ -68,29 +68,17 @@ def probe_module(threads: int):
 
 
 def timer(repeat: int):
-    import cupy as cp
+    """Median milliseconds of ``repeat`` CUDA-event-timed calls after one warm-up (:func:`mlemlib.bench.time_gpu`)."""
+    from mlemlib.bench import time_gpu
 
-    def run(fn) -> float:
-        fn()
-        cp.cuda.Device().synchronize()
-        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)]
-        for s, e in ev:
-            s.record()
-            fn()
-            e.record()
-        ev[-1][1].synchronize()
-        return float(np.median([cp.cuda.get_elapsed_time(s, e) for s, e in ev]))
-
-    return run
+    return lambda fn: float(np.median(time_gpu(fn, repeat=repeat, warmup=1))) * 1e3
 
 
 def copy_bandwidth() -> float:
-    import cupy as cp
+    """Device-to-device copy bandwidth in TB/s (:func:`mlemlib.bench.copy_bandwidth`, a 1 GiB buffer, 10 copies)."""
+    from mlemlib.bench import copy_bandwidth as measure
 
-    x = cp.ones(1 << 28, dtype=cp.float32)
-    y = cp.empty_like(x)
-    ms = timer(10)(lambda: cp.copyto(y, x))
-    return 2 * x.nbytes / (ms * 1e-3) / 1e12
+    return measure(1 << 30, repeat=10)["bandwidth"] / 1e12
 
 
 def rel(a, ref) -> float:
