@@ -66,6 +66,9 @@ ITERATION_BENCH = (
     ("csr_vector", "scatter_smem"),
     ("csr_vector", "notrans"),
     ("merge", "scatter"),
+    ("auto", "onepass"),
+    ("auto", "onepass_fixed"),
+    ("auto", "onepass_chunked"),
 )
 #: The benchmark's operation names and the registry's.
 BENCH_OPS = {"fp": "forward", "bp": "back", "bp_notrans": "back_notrans"}

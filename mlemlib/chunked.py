@@ -44,11 +44,17 @@ MAX_WINDOW = 1 << 16
 DEFAULT_WINDOW = 1 << 14
 
 
+#: Most rows per chunk: the fixed-point kernel's low words (20-bit parts summed in 32 bits)
+#: take at most 4,096 terms per voxel and chunk, and a voxel gets one term per row.
+MAX_CHUNK_ROWS = 1 << 12
+
+
 @njit(cache=True)
-def greedy_chunks(indptr, indices, rows, n, window):  # pragma: no cover - compiled
+def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62):  # pragma: no cover - compiled
     """Group ``rows`` (taken in that order) greedily into chunks of at most ``window`` distinct columns.
 
-    A row with more distinct columns than ``window`` is a chunk of its own.
+    A chunk also takes at most ``max_rows`` rows. A row with more distinct
+    columns than ``window`` is a chunk of its own.
     Returns ``(starts, distinct)``: chunk ``c`` holds ``rows[starts[c]:starts[c + 1]]``
     (``starts`` has one entry more than there are chunks) and touches
     ``distinct[c]`` columns.
@@ -67,7 +73,7 @@ def greedy_chunks(indptr, indices, rows, n, window):  # pragma: no cover - compi
         for k in range(a, b):
             if stamp[indices[k]] != chunk:
                 new += 1
-        if taken > 0 and count + new > window:
+        if taken > 0 and (count + new > window or taken >= max_rows):
             distinct[chunk] = count
             chunk += 1
             starts[chunk] = t
@@ -157,7 +163,7 @@ def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW) -> ChunkPlan:
     longest = int(np.diff(ip).max()) if m else 0
     if longest > window:
         raise ValueError(f"a row has {longest} non-zeros, more than the window of {window} voxels")
-    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window)
+    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window, MAX_CHUNK_ROWS)
     vptr = np.zeros(len(distinct) + 1, dtype=np.int64)
     np.cumsum(distinct, out=vptr[1:])
     voxels = np.empty(int(vptr[-1]), dtype=np.int32)

@@ -156,6 +156,10 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("onepass_fixed", "iteration", "cuda", _ALL, True, _LOCAL, True,
            f"{_CMPCU}: onepass_det_csr_L / conepass_det_<kind>_L",
            "onepass with bp summed as 64-bit fixed point (order-independent: bit-identical for any GPU count)"),
+    Kernel("onepass_chunked", "iteration", "cuda", ("csr",), True, (), True, f"{_CMPCU}: chunked_onepass",
+           "one pass through row chunks of a reordered A (mlemlib/chunked.py): f and each chunk's sums in shared "
+           "memory, 64-bit fixed point (deterministic), one global atomic per voxel and chunk; 6 bytes per nnz "
+           "plus voxel lists"),
 )
 
 _INDEX = {(k.backend, k.op, k.name): k for k in KERNELS}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -41,6 +43,12 @@ def test_plan_by_hand():
     assert p.chunks == 2 and p.reuse == pytest.approx(8 / 6)
     # room for 3 voxels: every row alone
     assert chunked.build_plan(_hand(), window=3).chunk_rows.tolist() == [0, 1, 2, 3]
+    # a row cap: 2 rows per chunk although 100 voxels would fit
+    a = _hand()
+    rows = np.arange(3, dtype=np.int64)
+    assert chunked.greedy_chunks(a.indptr, a.indices, rows, 12, 100)[0].tolist() == [0, 3]
+    starts, distinct = chunked.greedy_chunks(a.indptr, a.indices, rows, 12, 100, 2)
+    assert starts.tolist() == [0, 2, 3] and distinct.tolist() == [4, 2]
 
 
 @pytest.mark.parametrize("window", [40, 64, 300, 5000])
@@ -90,3 +98,148 @@ def test_plan_refusals_and_empty():
     assert not bp.any() and not fp.any()
     with pytest.raises(ValueError, match="g must have 4 entries"):
         chunked.onepass(p, empty.indptr, empty.data, np.ones(3), np.ones(5))
+
+
+# --------------------------------------------------------------------------- the chunks on the device
+class _HostArray(np.ndarray):
+    """A NumPy array standing in for device memory (CuPy's ``get``)."""
+
+    def get(self):
+        return np.asarray(self).copy()
+
+
+def _host_cupy():
+    """The CuPy calls DeviceChunked.upload makes, on host arrays: its streaming logic tested without a GPU."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        empty=lambda n, dtype: np.empty(n, dtype=dtype).view(_HostArray),
+        asarray=lambda a: np.array(a).view(_HostArray),
+        int64=np.int64, uint16=np.uint16, float32=np.float32,
+    )
+
+
+UPLOAD_ON = ("host", pytest.param("gpu", marks=pytest.mark.gpu))
+
+
+def _check_chunks(d, a: CSRMatrix, window: int, blocks: list[tuple[int, int]]) -> None:
+    """d holds a's values and row pointer, and its chunks rebuild a's columns; no chunk crosses a block's end."""
+    ip = np.asarray(a.indptr, dtype=np.int64)
+    np.testing.assert_array_equal(d.indptr.get(), ip - ip[0])
+    np.testing.assert_array_equal(d.data.get(), a.data)
+    cr, vptr, vox, loc = d.chunk_rows.get(), d.vptr.get(), d.voxels.get(), d.local.get()
+    assert cr[0] == 0 and cr[-1] == a.shape[0] and (np.diff(cr) > 0).all()
+    assert (np.diff(cr) <= chunked.MAX_CHUNK_ROWS).all() and (np.diff(vptr) <= window).all()
+    per_nnz = np.repeat(np.arange(len(cr) - 1), np.diff(ip[cr]))
+    np.testing.assert_array_equal(vox[vptr[per_nnz] + loc.astype(np.int64)], a.indices)
+    ends = {r1 for _, r1 in blocks}
+    for r0, r1 in blocks:
+        assert r0 in set(cr.tolist())  # every block starts a chunk
+    assert ends <= set(cr.tolist())
+    assert d.nnz == a.nnz and d.reuse == pytest.approx(a.nnz / len(vox))
+
+
+@pytest.mark.parametrize("where", UPLOAD_ON)
+@pytest.mark.parametrize("source", ["memory", "h5"])
+def test_chunked_upload_streams_block_by_block(tmp_path, monkeypatch, where, source):
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.formats import open_matrix
+    from mlemlib.formats.h5 import write_matrix_h5
+    from mlemlib.matrix import chunk_bounds
+
+    if where == "host":
+        monkeypatch.setattr(gpu, "cupy", _host_cupy)
+    a = _random(seed=5)
+    blocks = chunk_bounds(np.asarray(a.indptr, dtype=np.int64), 1500)
+    assert len(blocks) > 3
+    if source == "h5":
+        write_matrix_h5(tmp_path / "a.h5", a)
+        with open_matrix(tmp_path / "a.h5") as src:
+            d = gpu.DeviceChunked.upload(src, window=64, max_nnz=1500)
+    else:
+        d = gpu.DeviceChunked.upload(a, window=64, max_nnz=1500)
+    _check_chunks(d, a, 64, blocks)
+    assert d.window == 64 and d.lanes() == 32 and d.shape == a.shape
+    assert d.nbytes == pytest.approx(8 * (a.shape[0] + 1) + 6 * a.nnz + 4 * len(d.voxels) + 8 * 2 * (d.chunks + 1))
+
+
+def test_chunked_upload_refuses_a_row_longer_than_the_window(monkeypatch):
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    monkeypatch.setattr(gpu, "cupy", _host_cupy)
+    with pytest.raises(ValueError, match="a row has 3 non-zeros, more than the window of 2"):
+        gpu.DeviceChunked.upload(_hand(), window=2)
+
+
+def test_chunk_scale_keeps_the_split_words_from_wrapping():
+    """bound * scale < 2^52: a term's high part (q >> 20) is below 2^32, and 4,096 low parts (< 2^20) sum below 2^32."""
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    for bound in (1e-30, 0.3, 1.0, 7.5, 1e12):
+        s = gpu.chunk_scale(bound)
+        assert bound * s < 2.0**52 and bound * s >= 2.0**51 and math.frexp(s)[0] == 0.5
+    # the kernel's split sum, emulated: equal to the 64-bit sum of the terms, in any order
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 2**52 // chunked.MAX_CHUNK_ROWS, chunked.MAX_CHUNK_ROWS, dtype=np.uint64)
+    for order in (q, q[::-1], rng.permutation(q)):
+        lo = np.uint32(0)
+        hi = np.uint32(0)
+        for v in order:
+            lo = np.uint32(lo + np.uint32(int(v) & 0xFFFFF))
+            hi = np.uint32(hi + np.uint32(int(v) >> 20))
+        assert (int(hi) << 20) + int(lo) == int(q.sum())
+
+
+@pytest.mark.gpu
+def test_chunked_onepass_on_the_gpu_equals_float64_and_repeats_bit_for_bit():
+    import cupy as cp
+
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    a = _random(m=3000, n=2000, seed=7)
+    rng = np.random.default_rng(2)
+    f = rng.uniform(0.5, 1.5, a.shape[1]).astype(np.float32)
+    g = rng.poisson(a.to_scipy() @ rng.uniform(0.5, 2.0, a.shape[1])).astype(np.float32)
+    s64 = a.to_scipy().astype(np.float64)
+    fp64 = s64 @ f.astype(np.float64)
+    c64 = np.where(fp64 > 0, g / np.where(fp64 > 0, fp64, 1.0), 0.0)
+    bp64 = s64.T @ c64
+    fd, gd = cp.asarray(f), cp.asarray(g)
+    for window, max_nnz in ((64, 5000), (16384, 1 << 26)):
+        d = gpu.DeviceChunked.upload(a, window=window, max_nnz=max_nnz)
+        stats: dict = {}
+        bp, fp = gpu.chunked_onepass(d, gd, fd, stats=stats)
+        assert np.linalg.norm(fp.get() - fp64) / np.linalg.norm(fp64) < 1e-6
+        assert np.linalg.norm(bp.get() - bp64) / np.linalg.norm(bp64) < 1e-6
+        assert stats["scale"] * stats["bound"] < 2.0**52 and stats.get("retries", 0) == 0
+        again, _ = gpu.chunked_onepass(d, gd, fd)
+        np.testing.assert_array_equal(bp.get(), again.get())
+        fwd = gpu.chunked_forward(d, fd)
+        np.testing.assert_array_equal(fwd.get(), fp.get())
+        # a bound far too small: the overflow is detected and the step retried with a larger one
+        stats = {}
+        small, _ = gpu.chunked_onepass(d, gd, fd, bound=1e-12, stats=stats)
+        assert stats["retries"] >= 1
+        assert np.linalg.norm(small.get() - bp64) / np.linalg.norm(bp64) < 1e-6
+
+
+@pytest.mark.gpu
+def test_cuda_backend_runs_onepass_chunked_like_onepass_fixed():
+    from mlemlib.backends.cuda import CudaBackend
+
+    a = _random(m=3000, n=2000, seed=9)
+    rng = np.random.default_rng(4)
+    g = rng.poisson(a.to_scipy() @ rng.uniform(0.5, 2.0, a.shape[1])).astype(np.float32)
+    norm = np.asarray(a.to_scipy().sum(axis=0)).ravel()
+    images = {}
+    for bp in ("onepass_fixed", "onepass_chunked"):
+        be = CudaBackend(a, g, norm, bp=bp)
+        assert be.deterministic and be.onepass
+        f = be.initial_image()
+        for _ in range(20):
+            f = be.iterate(f)
+        images[bp] = be.to_host(f)
+        d = be.describe()
+    assert d["bp"] == "onepass_chunked" and d["chunks"]["count"] >= 1 and d["bytes_per_nnz"]["A"] < 8
+    ref = images["onepass_fixed"]
+    assert np.linalg.norm(images["onepass_chunked"] - ref) / np.linalg.norm(ref) < 1e-6

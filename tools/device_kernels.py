@@ -241,7 +241,8 @@ def main(argv=None) -> int:
         at.drop_cusparse()
         its = []
         pairs = [("cusparse", "cusparse", True), ("csr_vector", "csr_vector", False),
-                 ("csr_vector", "cusparse_notrans", True), ("csr_vector", "scatter_vec", True), ("auto", "auto", True)]
+                 ("csr_vector", "cusparse_notrans", True), ("csr_vector", "scatter_vec", True), ("auto", "auto", True),
+                 ("auto", "onepass_chunked", True)]
         for fp_k, bp_k, tune in pairs:
             a.row_shape = at.row_shape = None
             be = CudaBackend(a, g, norm, at if registry.uses_transpose("cuda", bp_k) else None, fp=fp_k, bp=bp_k,
@@ -379,7 +380,8 @@ def mlem_section(a, at, order, args) -> list[dict]:
     cp.get_default_memory_pool().free_all_blocks()
     ref = f64.get()
     del f64
-    configs = [("csr", "auto", a, at), ("csr", "onepass", a, None), ("csr", "onepass_fixed", a, None)]
+    configs = [("csr", "auto", a, at), ("csr", "onepass", a, None), ("csr", "onepass_fixed", a, None),
+               ("csr", "onepass_chunked", a, None)]
     for fmt in ("compressed", "compressed-f16"):
         if (fmt, "A") in ITER_MATS:
             configs += [(fmt, "auto", ITER_MATS[(fmt, "A")], ITER_MATS[(fmt, "AT")]),
@@ -398,7 +400,7 @@ def mlem_section(a, at, order, args) -> list[dict]:
         img = be.to_host(f)
         med = {k: float(np.median([x[k] for x in t[3:]])) * 1e3 for k in t[0]}
         d = be.describe()
-        nbytes = mat.nbytes + (tr.nbytes if tr is not None and be.at is not None else 0)
+        nbytes = be.a.nbytes + (be.at.nbytes if be.at is not None else 0)
         floor = nbytes / bw * 1e3
         csr_floor = plan.iteration_floor_bytes(m, n, a.nnz) / bw * 1e3
         err = float(np.linalg.norm(img.astype(np.float64) - ref) / np.linalg.norm(ref))

@@ -120,7 +120,7 @@ def order_section(host, order: str, args, mods, records: list) -> None:
     bp = cp.empty(n, dtype=cp.float32)
     y = cp.empty(m, dtype=cp.float32)
 
-    probes = {} if args.library_only else mods  # the probe variants (mods may be there for --chunked only)
+    probes = {} if args.library_only else {t: mods[t] for t in THREADS}  # the probe variants
 
     def rec(kind: str, name: str, fn, check) -> None:
         try:
@@ -246,12 +246,15 @@ def chunked_section(a, f, g, fp, bp, bp64, bound, args, mods, rec, order) -> Non
             f"{plan.bytes_per_nnz():.3f} bytes/nnz, built in {time.perf_counter() - t0:.1f} s")
         d = {k: cp.asarray(getattr(plan, k)) for k in ("chunk_rows", "vptr", "voxels", "local")}
         w = window + (window & 1)
-        scale = gpu.fixed_scale(bound)
         acc = cp.empty(n, dtype=cp.uint64)
         flag = cp.zeros(1, dtype=cp.int32)
-        for threads, mod in mods.items():
-            for det in (False, True):
-                fn = mod.get_function("pchunk_onepass_det" if det else "pchunk_onepass_f32")
+        scale = gpu.fixed_scale(bound) / 1024.0  # bound * scale < 2**52: the split 32-bit parts cannot wrap
+        for threads in args.chunk_threads:
+            mod = mods[threads]
+            names = ["pchunk_onepass_f32"] if args.chunk_old else []
+            for name in names + [f"pchunk2_onepass_{k}" for k in (0, 8, 16)]:
+                fn = mod.get_function(name)
+                det = name.startswith("pchunk2")
                 shared = 4 * w + (8 if det else 4) * w
                 fn.max_dynamic_shared_size_bytes = shared
                 head = (d["chunk_rows"], d["vptr"], d["voxels"], a.indptr, d["local"], a.data, f, g, fp)
@@ -266,10 +269,11 @@ def chunked_section(a, f, g, fp, bp, bp64, bound, args, mods, rec, order) -> Non
                         bp.fill(0)
                         fn((plan.chunks,), (threads,), (*head, bp, np.int32(w)), shared_mem=shared)
 
-                rec("onepass", f"pchunk {'fixed point' if det else 'f32'} window {window} {threads}t "
-                    f"(reuse {plan.reuse:.1f})", go, lambda: rel(bp, bp64))
-            if int(flag.get()[0]):
-                log(f"{order}: pchunk fixed point overflow flag {int(flag.get()[0])}")
+                rec("onepass", f"{name} window {window} {threads}t ({getattr(fn, 'num_regs', '?')} regs, "
+                    f"reuse {plan.reuse:.1f})", go, lambda: rel(bp, bp64))
+                if int(flag.get()[0]):
+                    log(f"{order}: {name} fixed point overflow flag {int(flag.get()[0])}")
+                    flag.fill(0)
         del d, plan
         cp.get_default_memory_pool().free_all_blocks()
 
@@ -334,6 +338,10 @@ def main(argv=None) -> int:
     ap.add_argument("--library-only", action="store_true", help="only the library's kernels (no probe variants)")
     ap.add_argument("--chunked", type=lambda t: [int(v) for v in t.split(",")], default=[],
                     help="also the one pass through mlemlib.chunked plans of these windows (probe kernels)")
+    ap.add_argument("--chunk-threads", type=lambda t: [int(v) for v in t.split(",")], default=[1024],
+                    help="threads per block of the chunked probe kernels (default 1024)")
+    ap.add_argument("--chunk-old", action="store_true",
+                    help="also the first chunked kernel (float shared-memory atomics: CAS loops, 20 ms on madpet2)")
     ap.add_argument("--op-minb", type=lambda t: [int(v) for v in t.split(",")], default=[],
                     help="also time the CSR one pass compiled with these MLEM_OP_MINB values")
     args = ap.parse_args(argv)
@@ -345,9 +353,13 @@ def main(argv=None) -> int:
 
     log(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     t0 = time.perf_counter()
-    mods = {} if args.library_only and not args.chunked else {t: probe_module(t) for t in THREADS}
+    threads = set() if args.library_only else set(THREADS)
+    if args.chunked:
+        threads |= set(args.chunk_threads)
+    mods = {t: probe_module(t) for t in sorted(threads)}
     for t, mod in mods.items():
-        for name in ("pop_csr_0_16", "pop_csr_0_20", "pop_csrd_0_16", "pscat_csr_0"):
+        for name in ("pop_csr_0_16", "pop_csr_0_20", "pop_csrd_0_16", "pscat_csr_0", "pchunk_onepass_f32",
+                     "pchunk2_onepass_8", "pchunk2_onepass_16"):
             fn = mod.get_function(name)
             log(f"{t}t {name}: {getattr(fn, 'num_regs', '?')} registers, {getattr(fn, 'local_size_bytes', '?')} bytes local")
     log(f"probe modules compiled in {time.perf_counter() - t0:.1f} s")

@@ -7,6 +7,7 @@ wheel (or ``pip install nvidia-cuda-nvrtc-cu12``), then::
 
     python3 tools/nvrtc_check.py                               # finds the installed package
     python3 tools/nvrtc_check.py --lib /tmp/nvrtc/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12
+    python3 tools/nvrtc_check.py --lib ... --cubin-dir /tmp/cubin   # then: cuobjdump -sass /tmp/cubin/X.cubin
 
 Compiles ``mlemlib/kernels/*.cu`` with the options the library uses, and the
 probe module of ``tools/device_onepass.py`` (compressed.cu's helpers plus
@@ -53,19 +54,25 @@ def _find_lib() -> str | None:
         return None
 
 
-def compile_unit(lib, source: str, options: list[str]) -> tuple[int, str]:
+def compile_unit(lib, source: str, options: list[str]) -> tuple[int, str, bytes]:
+    """(nvrtc status, compile log, cubin: empty on an error)."""
     prog = ctypes.c_void_p()
     rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"unit.cu", 0, None, None)
     if rc:
-        return rc, "nvrtcCreateProgram failed"
+        return rc, "nvrtcCreateProgram failed", b""
     opts = [o.encode() for o in options]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     buf = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetProgramLog(prog, buf)
+    cubin = b""
+    if not rc and not lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)) and size.value:
+        bin_buf = ctypes.create_string_buffer(size.value)
+        if not lib.nvrtcGetCUBIN(prog, bin_buf):
+            cubin = bin_buf.raw
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return rc, buf.value.decode(errors="replace")
+    return rc, buf.value.decode(errors="replace"), cubin
 
 
 def resources(log: str) -> dict[str, tuple[int, int]]:
@@ -95,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--kernels", default="", help="regex: also print these kernels' resources")
     ap.add_argument("--fail-on-spill", action="store_true")
+    ap.add_argument("--cubin-dir", help="also write each unit's cubin here (disassemble with cuobjdump -sass, "
+                    "from the nvidia-cuda-cuobjdump wheel)")
     args = ap.parse_args(argv)
     path = args.lib or _find_lib()
     if not path:
@@ -103,12 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     lib = ctypes.CDLL(path)
     bad = 0
     for label, source, opts in _units():
-        rc, log = compile_unit(lib, source, [f"--gpu-architecture={args.arch}", "--std=c++17",
+        rc, log, cubin = compile_unit(lib, source, [f"--gpu-architecture={args.arch}", "--std=c++17",
                                              "--ptxas-options=-v", *opts])
         if rc:
             print(f"{label}: COMPILE ERROR (nvrtc {rc})\n{log}")
             bad = 1
             continue
+        if args.cubin_dir and cubin:
+            Path(args.cubin_dir).mkdir(parents=True, exist_ok=True)
+            (Path(args.cubin_dir) / (re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".cubin")).write_bytes(cubin)
         res = resources(log)
         spills = {k: v for k, v in res.items() if v[1]}
         print(f"{label}: {len(res)} kernels compiled, {len(spills)} with spills")

@@ -260,3 +260,16 @@ extern "C" __global__ void __launch_bounds__(PROBE_THREADS) pchunk_onepass_det(
     const float* val, const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, int window) {
     pchunk_body<true>(chunk_rows, vptr, voxels, rp, local, val, f, g, fp, nullptr, acc, fscale, flag, window);
 }
+
+// pchunk2_onepass_<C>: the library's chunked one pass (compressed.cu, chunked_onepass_body)
+// with C trips kept in registers (the library's entry point uses MLEM_CHUNK_CACHE).
+#define PCHUNK2(C)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(PROBE_THREADS) pchunk2_onepass_##C(                          \
+        const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local, \
+        const float* val, const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag,     \
+        int window) {                                                                                          \
+        chunked_onepass_body<C>(chunk_rows, vptr, voxels, rp, local, val, f, g, fp, acc, fscale, flag, window, 0); \
+    }
+PCHUNK2(0)
+PCHUNK2(8)
+PCHUNK2(16)

@@ -17,7 +17,11 @@ Provides
   :func:`fixed_to_float` are its two halves for a multi-GPU all-reduce of the
   integer partial sums;
 - :func:`fixed_scale`, :func:`onepass_bound` — the fixed-point scale and the
-  default bound it is chosen from.
+  default bound it is chosen from;
+- :class:`DeviceChunked`, :func:`chunked_onepass`, :func:`chunked_forward` —
+  a CSR matrix on the GPU as the row chunks of :mod:`mlemlib.chunked` (6 bytes
+  per non-zero and each chunk's voxel list) and the deterministic one pass
+  through them (kernel ``onepass_chunked``).
 
 CuPy is imported inside the functions: importing this module needs neither
 CuPy nor a GPU. Nothing here synchronises the device, except the fixed-point
@@ -441,9 +445,13 @@ def spmv(
     return out
 
 
-def _fixed_loop(launch, acc: Any, flag: Any, bound: float, check: bool, stats: dict | None) -> float:
-    """Run a fixed-point launch, retrying with a larger bound on overflow; return the scale used."""
-    scale = fixed_scale(bound)
+def _fixed_loop(launch, acc: Any, flag: Any, bound: float, check: bool, stats: dict | None,
+                scale_of=None) -> float:
+    """Run a fixed-point launch, retrying with a larger bound on overflow; return the scale used.
+
+    ``scale_of`` maps a bound to the scale (default :func:`fixed_scale`)."""
+    scale_of = scale_of or fixed_scale
+    scale = scale_of(bound)
     for attempt in range(FIXED_RETRIES + 1):
         acc.fill(0)
         flag.fill(0)
@@ -457,7 +465,7 @@ def _fixed_loop(launch, acc: Any, flag: Any, bound: float, check: bool, stats: d
             raise DeviceError(f"fixed-point accumulation overflowed (flag {bad}) after {FIXED_RETRIES} larger bounds")
         log.info("fixed-point overflow (flag %d) at scale 2^%d; retrying", bad, round(math.log2(scale)))
         bound = max(bound, 1e-300) * FIXED_RETRY_FACTOR
-        scale = fixed_scale(bound)
+        scale = scale_of(bound)
         if stats is not None:
             stats["retries"] = stats.get("retries", 0) + 1
     if stats is not None:
@@ -607,5 +615,233 @@ def onepass(
         onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=L)
 
     scale = _fixed_loop(launch, acc, flag, bound, check, stats)
+    fixed_to_float(acc, bp, scale)
+    return bp, fp
+
+
+# --------------------------------------------------------------------------- the chunked one pass
+#: Threads per block of ``chunked_onepass`` (compressed.cu's MLEM_CHUNK_THREADS).
+CHUNK_THREADS = 1024
+#: The chunked kernel's terms stay below 2**CHUNK_HEADROOM_BITS (two 32-bit shared words per voxel).
+CHUNK_HEADROOM_BITS = 52
+#: Shared-memory bytes per voxel of a chunk's window: f, and the two words of its sum.
+CHUNK_SMEM_PER_VOXEL = 12
+
+
+def chunk_scale(bound: float) -> float:
+    """The power of two ``scale`` with ``bound * scale < 2**52`` (the chunked kernel's fixed point)."""
+    return fixed_scale(bound) / 2.0 ** (FIXED_HEADROOM_BITS - CHUNK_HEADROOM_BITS)
+
+
+def chunk_window(device_id: int | None = None) -> int:
+    """Voxels per chunk on a device: :data:`mlemlib.chunked.DEFAULT_WINDOW`, less where its shared memory is smaller."""
+    from mlemlib import chunked
+
+    cp = cupy()
+    dev = cp.cuda.Device().id if device_id is None else int(device_id)
+    optin = int(cp.cuda.runtime.getDeviceProperties(dev).get("sharedMemPerBlockOptin", 0)) or 48 * 1024
+    return max(2, min(chunked.DEFAULT_WINDOW, (optin // CHUNK_SMEM_PER_VOXEL) & ~1))
+
+
+def _host_blocks(source: Any, max_nnz: int):
+    """``(r0, r1, host CSRMatrix block)`` of a matrix source, in row order (one block in host memory at a time)."""
+    from mlemlib.backends._cuda_kernels import DeviceCSR, slice_rows_host
+    from mlemlib.matrix import CSRMatrix
+
+    if hasattr(source, "iter_chunks"):
+        yield from source.iter_chunks(max_nnz)
+        return
+    if isinstance(source, DeviceCSR):
+        ip = source.indptr.get()
+        for r0, r1 in chunk_bounds(ip, max_nnz):
+            a, b = int(ip[r0]), int(ip[r1])
+            yield r0, r1, CSRMatrix(ip[r0 : r1 + 1] - a, source.indices[a:b].get(), source.data[a:b].get(),
+                                    (r1 - r0, source.shape[1]))
+        return
+    if hasattr(source, "tocsr"):
+        source = CSRMatrix.from_scipy(source)
+    if not isinstance(source, CSRMatrix):
+        raise TypeError(f"cannot read rows of {type(source).__name__}")
+    for r0, r1 in chunk_bounds(np.asarray(source.indptr, dtype=np.int64), max_nnz):
+        yield r0, r1, slice_rows_host(source, r0, r1)
+
+
+@dataclass
+class DeviceChunked:
+    """A CSR matrix on the GPU as the row chunks of :mod:`mlemlib.chunked` (the ``onepass_chunked`` kernel's input).
+
+    ``indptr`` (int64, m + 1), ``data`` (float32) and, per non-zero, its
+    16-bit index ``local`` into its chunk's voxel list; chunk ``c`` holds rows
+    ``[chunk_rows[c], chunk_rows[c + 1])`` and voxels
+    ``voxels[vptr[c]:vptr[c + 1]]``. No column indices: 6 bytes per non-zero
+    plus the voxel lists (4 bytes per non-zero / :attr:`reuse`).
+    """
+
+    indptr: Any
+    local: Any
+    data: Any
+    chunk_rows: Any
+    vptr: Any
+    voxels: Any
+    shape: tuple[int, int]
+    window: int
+    format = "csr"
+
+    @property
+    def nnz(self) -> int:
+        return int(self.data.size)
+
+    @property
+    def chunks(self) -> int:
+        return int(self.chunk_rows.size) - 1
+
+    @property
+    def reuse(self) -> float:
+        """Non-zeros per voxel-list entry: how many times fewer global atomics than one per non-zero."""
+        return self.nnz / int(self.voxels.size) if int(self.voxels.size) else 1.0
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(x.nbytes for x in (self.indptr, self.local, self.data, self.chunk_rows, self.vptr, self.voxels)))
+
+    def lanes(self, cap: int = 32) -> int:
+        """32: a warp per row."""
+        return 32
+
+    @staticmethod
+    def device_bytes(source: Any) -> int:
+        """Bytes on the GPU before the plan exists: 8 per row, 6 per non-zero, 1 more for voxel lists of reuse 4."""
+        from mlemlib.matrix import shape_nnz
+
+        (m, _), nnz = shape_nnz(source)
+        return 8 * (m + 1) + 7 * nnz
+
+    @classmethod
+    def upload(cls, source: Any, *, window: int | None = None, what: str = "matrix",
+               max_nnz: int = UPLOAD_CHUNK_NNZ) -> DeviceChunked:
+        """Chunk ``source`` (a CSR source: opened file, host or device matrix) on the current GPU.
+
+        Streams: the plan is built block by block of about ``max_nnz``
+        non-zeros on the host (:func:`mlemlib.chunked.build_plan`, all cores),
+        its local indices and values copied into place; chunks do not cross a
+        block's end. ``window`` defaults to :func:`chunk_window`.
+
+        Raises
+        ------
+        ValueError
+            A row with more non-zeros than ``window``.
+        """
+        import time
+
+        from mlemlib import chunked
+        from mlemlib.matrix import shape_nnz
+
+        cp = cupy()
+        window = chunk_window() if window is None else int(window)
+        (m, n), nnz = shape_nnz(source)
+        t0 = time.perf_counter()
+        indptr = cp.empty(m + 1, dtype=cp.int64)
+        indptr[0] = 0
+        local = cp.empty(nnz, dtype=cp.uint16)
+        data = cp.empty(nnz, dtype=cp.float32)
+        chunk_rows, counts, voxels = [np.zeros(1, np.int64)], [], []
+        k = 0
+        for r0, r1, block in _host_blocks(source, max_nnz):
+            p = chunked.build_plan(block, window=window)
+            ip = np.asarray(block.indptr, dtype=np.int64)
+            b = int(ip[-1] - ip[0])
+            indptr[r0 + 1 : r1 + 1] = cp.asarray(ip[1:] - ip[0] + k)
+            local[k : k + b] = cp.asarray(p.local)
+            data[k : k + b] = cp.asarray(np.asarray(block.data, dtype=np.float32))
+            chunk_rows.append(p.chunk_rows[1:] + r0)
+            counts.append(np.diff(p.vptr))
+            voxels.append(p.voxels)
+            k += b
+            if m and r1 < m and (r1 * 10 // m) != (r0 * 10 // m):
+                log.info("%s: chunked %d of %d rows (%.0f s)", what, r1, m, time.perf_counter() - t0)
+        if k != nnz:
+            raise DeviceError(f"{what}: read {k} non-zeros, header says {nnz}")
+        vptr = np.zeros(sum(len(c) for c in counts) + 1, dtype=np.int64)
+        if counts:
+            np.cumsum(np.concatenate(counts), out=vptr[1:])
+        out = cls(indptr, local, data, cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr),
+                  cp.asarray(np.concatenate(voxels) if voxels else np.zeros(0, np.int32)), (m, n), window)
+        log.info("%s: %d chunks of <= %d voxels, reuse %.2f, %.3f bytes per non-zero on the GPU, in %.1f s",
+                 what, out.chunks, window, out.reuse, out.nbytes / max(nnz, 1), time.perf_counter() - t0)
+        return out
+
+
+def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: float, flag: Any, fwd_only: int) -> None:
+    if a.chunks == 0:
+        return
+    fn = function("chunked_onepass")
+    w = a.window + (a.window & 1)
+    shared = CHUNK_SMEM_PER_VOXEL * w
+    if fn.max_dynamic_shared_size_bytes < shared:
+        fn.max_dynamic_shared_size_bytes = shared
+    fn((a.chunks,), (CHUNK_THREADS,), (a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, f, g, fp, acc,
+                                       np.float64(scale), flag, np.int32(w), np.int32(fwd_only)), shared_mem=shared)
+
+
+def chunked_onepass_fixed(a: DeviceChunked, g: Any, f: Any, acc: Any, fp: Any, scale: float, flag: Any) -> None:
+    """The chunked kernel alone: ``acc += rint(c_i a_ij * scale)`` per voxel and chunk, ``fp = A f``.
+
+    As :func:`onepass_fixed`, with ``scale`` from :func:`chunk_scale` (every
+    GPU the same): ``acc`` summed over GPUs as uint64, then
+    :func:`fixed_to_float`, is bit-identical for every GPU count.
+    """
+    _chunk_launch(a, g, f, fp, acc, scale, flag, 0)
+
+
+def chunked_forward(a: DeviceChunked, f: Any, out: Any = None) -> Any:
+    """``out = A f`` through the chunks (the chunked kernel without its scatter); deterministic."""
+    cp = cupy()
+    m, n = a.shape
+    _check_vector("f", f, n)
+    if out is None:
+        out = cp.empty(m, dtype=cp.float32)
+    _check_vector("out", out, m)
+    flag = cp.zeros(1, dtype=cp.int32)
+    _chunk_launch(a, f, f, out, cp.empty(1, dtype=cp.uint64), 1.0, flag, 1)  # g unused with fwd_only
+    return out
+
+
+def chunked_onepass(
+    a: DeviceChunked,
+    g: Any,
+    f: Any,
+    *,
+    bp: Any = None,
+    fp: Any = None,
+    bound: float | None = None,
+    check: bool = True,
+    stats: dict | None = None,
+    acc: Any = None,
+    flag: Any = None,
+) -> tuple[Any, Any]:
+    """One-pass MLEM step through the chunks: ``fp = A f``, ``c = g / fp``, ``bp = A^T c``; deterministic.
+
+    As :func:`onepass` with ``deterministic=True`` (``bound`` default
+    :func:`onepass_bound`, retried larger on overflow when ``check``), the
+    scale from :func:`chunk_scale`. ``acc`` (uint64, n) and ``flag`` (int32,
+    1) are scratch, allocated when None. Returns ``(bp, fp)``.
+    """
+    cp = cupy()
+    m, n = a.shape
+    _check_vector("g", g, m)
+    _check_vector("f", f, n)
+    bp = cp.empty(n, dtype=cp.float32) if bp is None else bp
+    fp = cp.empty(m, dtype=cp.float32) if fp is None else fp
+    _check_vector("bp", bp, n)
+    _check_vector("fp", fp, m)
+    if bound is None:
+        bound = onepass_bound(g, f)
+    acc = cp.empty(n, dtype=cp.uint64) if acc is None else acc
+    flag = cp.zeros(1, dtype=cp.int32) if flag is None else flag
+
+    def launch(scale: float) -> None:
+        _chunk_launch(a, g, f, fp, acc, scale, flag, 0)
+
+    scale = _fixed_loop(launch, acc, flag, bound, check, stats, scale_of=chunk_scale)
     fixed_to_float(acc, bp, scale)
     return bp, fp

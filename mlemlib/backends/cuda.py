@@ -150,8 +150,12 @@ class CudaBackend(Backend):
 
         with self._device:
             free = free_memory(self.device_id)
-            # a DeviceCSR already on the GPU needs nothing more
-            need_a = 0 if isinstance(matrix, DeviceMatrix) else dev_type.device_bytes(matrix)
+            # a DeviceCSR already on the GPU needs nothing more; the chunked one pass holds its own copy
+            self.chunked = bp == "onepass_chunked"
+            if self.chunked:
+                need_a = cc().DeviceChunked.device_bytes(matrix)
+            else:
+                need_a = 0 if isinstance(matrix, DeviceMatrix) else dev_type.device_bytes(matrix)
             if transpose is None:  # transposed on the GPU, about A's size
                 need_t = need_a
             else:
@@ -189,7 +193,13 @@ class CudaBackend(Backend):
             self.bp_requested = str(bp)
             self.deterministic = choice.deterministic
 
-            self.a = dev_type.upload(matrix, what="matrix", fmt=self.format)
+            if self.chunked:
+                try:
+                    self.a = cc().DeviceChunked.upload(matrix, what="matrix")
+                except ValueError as exc:
+                    raise ConfigError("bp", f"bp=onepass_chunked: {exc}; use bp=onepass_fixed") from exc
+            else:
+                self.a = dev_type.upload(matrix, what="matrix", fmt=self.format)
             self._smem = None
             self.smem_local_fraction: float | None = None
             if self.bp_kernel in ("notrans", "scatter_smem"):
@@ -241,7 +251,9 @@ class CudaBackend(Backend):
             self.fixed_stats: dict[str, Any] = {}
             self._events: dict[str, Any] = {}
             self._event_order: list[str] = []
-            if tune and self.fp_kernel == "csr_vector":
+            self._acc = cp.empty(n, dtype=cp.uint64) if self.chunked else None
+            self._flag = cp.zeros(1, dtype=cp.int32) if self.chunked else None
+            if tune and self.fp_kernel == "csr_vector" and isinstance(self.a, ck.DeviceCSR):
                 self.a.tune(self._lanes(self.a))
             if tune and self.at is not None and self.bp_kernel == "csr_vector":
                 self.at.tune(self._lanes(self.at))
@@ -290,6 +302,8 @@ class CudaBackend(Backend):
 
     def forward(self, f: Any) -> Any:
         with self._device:
+            if self.chunked:
+                return cc().chunked_forward(self.a, f, self._fp)
             if self.onepass:
                 return self._project(self.a, f, self._fp, "delta_vector" if self.format != "csr" else "csr_vector")
             if self.fp_kernel == "cusparse":
@@ -324,6 +338,13 @@ class CudaBackend(Backend):
             self._times = {}
             self._event_order = []
             self._record("start")
+            if self.chunked:  # one pass through the row chunks (deterministic)
+                cc().chunked_onepass(self.a, self.g, f, bp=self._bp, fp=self._fp, bound=self._fixed_bound,
+                                     stats=self.fixed_stats, acc=self._acc, flag=self._flag)
+                self._record("bp")
+                f = self.update(f, self._bp)
+                self._record("update")
+                return f
             if self.onepass:  # one pass over A: forward, correlation and back projection in one kernel
                 cc().onepass(self.a, self.g, f, bp=self._bp, fp=self._fp, deterministic=self.deterministic,
                              bound=self._fixed_bound, stats=self.fixed_stats)
@@ -407,13 +428,15 @@ class CudaBackend(Backend):
             "bp": self.bp_kernel,
             "bp_requested": self.bp_requested,
             "smem_local_chunks": self.smem_local_fraction,
+            "chunks": {"count": self.a.chunks, "window": self.a.window, "reuse": round(self.a.reuse, 3)}
+            if self.chunked else None,
             "transpose": self.transpose_source,
             "format": self.format,
             "bytes_per_nnz": {"A": bytes_per_nnz(self.a), "AT": bytes_per_nnz(self.at)},
             "onepass": self.onepass,
             "fixed_point": dict(self.fixed_stats) if self.onepass and self.deterministic else None,
-            "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" else None,
-            "shape_fp": ck.shape_label(self.a) if self.fp_kernel == "csr_vector" else None,
+            "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" and not self.chunked else None,
+            "shape_fp": ck.shape_label(self.a) if self.fp_kernel == "csr_vector" and not self.chunked else None,
             "shape_bp": ck.shape_label(self.at) if self.at is not None and self.bp_kernel == "csr_vector" else None,
             "lanes_bp": (self._lanes(self.at) if self.at is not None else self._lanes(self.a))
             if self.bp_kernel in ("csr_vector", "scatter", "scatter_vec")

@@ -37,6 +37,8 @@
 //   conepass_det_<K>_<L>   the same in 64-bit fixed point; deterministic.
 //   onepass_csr_<L>, onepass_det_csr_<L>   the one-pass step on CSR (one element
 //                          per lane per trip).
+//   chunked_onepass        the one-pass step through a chunk plan (mlemlib/chunked.py):
+//                          shared-memory sums, 64-bit fixed point; deterministic.
 //   fixed_to_float         out = acc / scale.
 //
 // One-pass on CSR: the lanes keep the first MLEM_OP_CACHE trips of their row
@@ -85,6 +87,15 @@ typedef unsigned long long u64;
 // point (docs/benchmarks.md section 31).
 #ifndef MLEM_OP_MINB
 #define MLEM_OP_MINB 3
+#endif
+
+// The chunked one pass: threads per block (one block per chunk, its shared memory a third of
+// a multiprocessor's or more) and trips kept in registers.
+#ifndef MLEM_CHUNK_THREADS
+#define MLEM_CHUNK_THREADS 1024
+#endif
+#ifndef MLEM_CHUNK_CACHE
+#define MLEM_CHUNK_CACHE 8
 #endif
 
 #define MODE_PLAIN 0
@@ -551,6 +562,105 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
 }
 
 // ---------------------------------------------------------------------------
+// The chunked one pass (mlemlib/chunked.py's plan of a reordered matrix): one block per
+// chunk of consecutive rows; f at the chunk's voxels is staged in shared memory, each row
+// (one warp, the first C trips kept in registers) takes its dot product from there, and its
+// terms c_r a_rj go into the chunk's shared sums; one global atomic per voxel and chunk.
+// Hopper has no native shared-memory float or 64-bit atomic add (both compile to
+// ATOMS.CAST.SPIN loops: measured 20 ms on madpet2, docs/benchmarks.md section 34), but
+// 32-bit integer adds are native: each term is rounded to 64-bit fixed point q < 2^52
+// (bound * fscale < 2^52) and added as q mod 2^20 and q >> 20 into two 32-bit words per
+// voxel. With at most 4,096 rows per chunk (mlemlib.chunked.MAX_CHUNK_ROWS) neither word
+// wraps, no carry is needed, and (hi << 20) + lo goes to the global 64-bit accumulator.
+// Integer sums: deterministic, for any order and any number of GPUs sharing fscale.
+// fwd_only: fp = A f alone (no scatter). Overflow (a term outside [0, 2^52)) sets flag 1, a
+// wrapped global sum flag 2. Dynamic shared memory: 3 * window words (f, low, high).
+template <int C>
+__device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chunk_rows,
+                                                     const i64* __restrict__ vptr, const int* __restrict__ voxels,
+                                                     const i64* __restrict__ rp,
+                                                     const unsigned short* __restrict__ local,
+                                                     const float* __restrict__ val, const float* __restrict__ f,
+                                                     const float* __restrict__ g, float* fp, u64* acc,
+                                                     double fscale, int* flag, int window, int fwd_only) {
+    extern __shared__ float chunk_sm[];
+    float* fl = chunk_sm;
+    unsigned* lo = reinterpret_cast<unsigned*>(chunk_sm + window);
+    unsigned* hi = lo + window;
+    const i64 c = blockIdx.x;
+    const i64 v0 = vptr[c];
+    const int nv = (int)(vptr[c + 1] - v0);
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+        fl[i] = __ldg(f + __ldg(voxels + v0 + i));
+        lo[i] = 0u;
+        hi[i] = 0u;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int nw = blockDim.x >> 5;
+    const i64 r1 = chunk_rows[c + 1];
+    const double QMAX = 4503599627370496.0;  // 2^52
+    int bad = 0;
+    for (i64 r = chunk_rows[c] + (threadIdx.x >> 5); r < r1; r += nw) {  // warp-uniform
+        const i64 s = rp[r], e = rp[r + 1];
+        unsigned cc[C > 0 ? C : 1];
+        float cv[C > 0 ? C : 1];
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            const i64 k = s + 32 * t + lane;
+            cc[t] = 0u;
+            cv[t] = 0.0f;
+            if (k < e) {
+                cc[t] = __ldcs(local + k);
+                cv[t] = __ldcs(val + k);
+            }
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int t = 0; t < C; ++t) sum += cv[t] * fl[cc[t]];
+        for (i64 k = s + 32 * C + lane; k < e; k += 32) sum += __ldg(val + k) * fl[__ldg(local + k)];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+        if (lane == 0) fp[r] = sum;
+        const float ci = (sum != 0.0f && !fwd_only) ? __ldg(g + r) / sum : 0.0f;
+        if (ci == 0.0f) continue;  // warp-uniform
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            if (s + 32 * t >= e) break;  // warp-uniform
+            const double q = (double)(cv[t] * ci) * fscale;
+            if (!(q >= 0.0 && q < QMAX)) {
+                bad = 1;
+            } else if (q > 0.0) {
+                const u64 u = __double2ull_rn(q);
+                atomicAdd(lo + cc[t], (unsigned)(u & 0xFFFFFull));
+                atomicAdd(hi + cc[t], (unsigned)(u >> 20));
+            }
+        }
+        for (i64 k = s + 32 * C + lane; k < e; k += 32) {
+            const unsigned j = __ldcs(local + k);
+            const double q = (double)(__ldcs(val + k) * ci) * fscale;
+            if (!(q >= 0.0 && q < QMAX)) {
+                bad = 1;
+            } else if (q > 0.0) {
+                const u64 u = __double2ull_rn(q);
+                atomicAdd(lo + j, (unsigned)(u & 0xFFFFFull));
+                atomicAdd(hi + j, (unsigned)(u >> 20));
+            }
+        }
+    }
+    if (bad) atomicOr(flag, 1);
+    if (fwd_only) return;  // uniform over the block
+    __syncthreads();
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+        const u64 u = ((u64)hi[i] << 20) + (u64)lo[i];
+        if (u != 0ull) {
+            const u64 old = atomicAdd(acc + __ldg(voxels + v0 + i), u);
+            if (old + u < old) atomicOr(flag, 2);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Entry points. The compressed kernels take the matrix as (rowbase, rowoff, codes, values, scale);
 // the CSR one-pass kernels as (indptr, indptr (unused), indices, data, data (unused)).
 
@@ -612,6 +722,16 @@ CSR_ONEPASS(4)
 CSR_ONEPASS(8)
 CSR_ONEPASS(16)
 CSR_ONEPASS(32)
+
+// The chunked one pass (chunked_onepass_body above): one block of MLEM_CHUNK_THREADS per chunk,
+// MLEM_CHUNK_CACHE trips in registers (8: measured fastest of 0, 8, 16 on madpet2).
+extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass(
+    const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
+    const float* val, const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, int window,
+    int fwd_only) {
+    chunked_onepass_body<MLEM_CHUNK_CACHE>(chunk_rows, vptr, voxels, rp, local, val, f, g, fp, acc, fscale, flag,
+                                           window, fwd_only);
+}
 
 // out[j] = acc[j] / scale, as float32 (inv_scale = 1 / scale, a power of two).
 extern "C" __global__ void fixed_to_float(const u64* __restrict__ acc, float* __restrict__ out, i64 n,
