@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 PROBE_CACHES = (0, 8, 12, 16, 20)
+#: The chunked probe kernels timed: the library's body (8 trips in registers) and the pipelined one.
+PCHUNK_VARIANTS = ("pchunk2_onepass_8", "pchunk4_onepass_4", "pchunk4_onepass_6", "pchunk4_onepass_8")
 THREADS = (256, 512)
 
 
@@ -252,9 +254,9 @@ def chunked_section(a, f, g, fp, bp, bp64, bound, args, mods, rec, order) -> Non
         for threads in args.chunk_threads:
             mod = mods[threads]
             names = ["pchunk_onepass_f32"] if args.chunk_old else []
-            for name in names + [f"pchunk2_onepass_{k}" for k in (0, 8, 16)]:
+            for name in names + list(PCHUNK_VARIANTS):
                 fn = mod.get_function(name)
-                det = name.startswith("pchunk2")
+                det = name.startswith(("pchunk2", "pchunk4"))
                 shared = 4 * w + (8 if det else 4) * w
                 fn.max_dynamic_shared_size_bytes = shared
                 head = (d["chunk_rows"], d["vptr"], d["voxels"], a.indptr, d["local"], a.data, f, g, fp)
