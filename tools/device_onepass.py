@@ -46,8 +46,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 PROBE_CACHES = (0, 8, 12, 16, 20)
-#: The chunked probe kernels timed: the library's body (8 trips in registers) and the pipelined one.
-PCHUNK_VARIANTS = ("pchunk2_onepass_8", "pchunk4_onepass_4", "pchunk4_onepass_6", "pchunk4_onepass_8")
+#: The chunked probe kernels timed: the library's body with 0, 8 and 16 trips in registers (8 measured
+#: fastest; variants that batch a long row's tail or load the next row early were slower, docs/benchmarks.md
+#: section 34, probe commit a02006a).
+PCHUNK_VARIANTS = ("pchunk2_onepass_0", "pchunk2_onepass_8", "pchunk2_onepass_16")
 THREADS = (256, 512)
 
 
@@ -256,7 +258,7 @@ def chunked_section(a, f, g, fp, bp, bp64, bound, args, mods, rec, order) -> Non
             names = ["pchunk_onepass_f32"] if args.chunk_old else []
             for name in names + list(PCHUNK_VARIANTS):
                 fn = mod.get_function(name)
-                det = name.startswith(("pchunk2", "pchunk4"))
+                det = name.startswith("pchunk2")
                 shared = 4 * w + (8 if det else 4) * w
                 fn.max_dynamic_shared_size_bytes = shared
                 head = (d["chunk_rows"], d["vptr"], d["voxels"], a.indptr, d["local"], a.data, f, g, fp)
