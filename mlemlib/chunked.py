@@ -24,8 +24,9 @@ Provides
   CPU (Numba, float32, chunks in order): the reference a GPU kernel of the
   plan is checked against.
 
-CPU only: a GPU kernel of this plan exists as a probe
-(``tools/onepass_probe.cu``, ``pchunk_onepass``), not yet measured.
+The GPU kernel of this plan is ``chunked_onepass`` (``kernels/compressed.cu``;
+:class:`mlemlib.backends._compressed_cuda.DeviceChunked` builds the plan
+block by block while uploading; the registry's ``onepass_chunked``).
 """
 
 from __future__ import annotations
