@@ -45,6 +45,8 @@ MAX_WINDOW = 1 << 16
 DEFAULT_WINDOW = 1 << 14
 
 
+#: Non-zeros of the block :func:`sample_reuse` reads.
+SAMPLE_NNZ = 1 << 24
 #: Most rows per chunk: the fixed-point kernel's low words (20-bit parts summed in 32 bits)
 #: take at most 4,096 terms per voxel and chunk, and a voxel gets one term per row.
 MAX_CHUNK_ROWS = 1 << 12
@@ -215,3 +217,52 @@ def onepass(plan: ChunkPlan, indptr: np.ndarray, data: np.ndarray, g: np.ndarray
     _onepass(np.asarray(indptr, dtype=np.int64), np.asarray(data, dtype=np.float32), plan.chunk_rows,
              plan.vptr, plan.voxels, plan.local, g, f, fp, bp)
     return bp, fp
+
+
+def _host_bounds(source, max_nnz: int) -> list[tuple[int, int]]:
+    from mlemlib.matrix import chunk_bounds
+
+    if hasattr(source, "chunk_bounds") and hasattr(source, "read_rows"):  # an opened matrix file
+        return source.chunk_bounds(max_nnz)
+    ip = source.indptr
+    ip = ip.get() if hasattr(ip, "get") else ip  # a device CSR
+    return chunk_bounds(np.asarray(ip, dtype=np.int64), max_nnz)
+
+
+def _host_rows(source, r0: int, r1: int) -> CSRMatrix:
+    """Rows ``[r0, r1)`` of a CSR source (opened file, host or device CSR) in host memory, row pointer from 0."""
+    if hasattr(source, "read_rows"):
+        return source.read_rows(r0, r1)
+    ip = source.indptr
+    dev = hasattr(ip, "get")
+    ipr = np.asarray(ip[r0 : r1 + 1].get() if dev else ip[r0 : r1 + 1], dtype=np.int64)
+    a, b = int(ipr[0]), int(ipr[-1])
+    off = 0 if dev else int(np.asarray(ip[:1])[0]) if len(ip) else 0
+    idx, val = source.indices[a - off : b - off], source.data[a - off : b - off]
+    if dev:
+        idx, val = idx.get(), val.get()
+    return CSRMatrix(ipr - a, np.asarray(idx), np.asarray(val), (r1 - r0, int(source.shape[1])))
+
+
+def sample_reuse(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NNZ) -> float | None:
+    """Voxel reuse of the row chunks of one block of about ``max_nnz`` non-zeros from the middle of ``source``.
+
+    What ``auto`` decides ``onepass_chunked`` from
+    (:func:`mlemlib.registry.choose_no_transpose`) without chunking the whole
+    matrix: the block's rows, in their stored order, grouped as
+    :func:`build_plan` would (``window`` voxels, at most
+    :data:`MAX_CHUNK_ROWS` rows per chunk). ``source``: a :class:`CSRMatrix`,
+    an opened matrix file or a device CSR. None for a matrix without
+    non-zeros.
+    """
+    bounds = _host_bounds(source, max_nnz)
+    if not bounds:
+        return None
+    r0, r1 = bounds[len(bounds) // 2]
+    block = _host_rows(source, r0, r1)
+    if block.nnz == 0:
+        return None
+    ip = np.asarray(block.indptr, dtype=np.int64)
+    _, distinct = greedy_chunks(ip, np.asarray(block.indices), np.arange(r1 - r0, dtype=np.int64),
+                                int(block.shape[1]), int(window), MAX_CHUNK_ROWS)
+    return block.nnz / float(distinct.sum())

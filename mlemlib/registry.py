@@ -43,6 +43,10 @@ LAYOUTS = ("local", "thesis")
 CUSPARSE_MAX_NNZ = 2**31 - 1
 #: Share of ``scatter_smem``'s row chunks whose columns must fit shared memory for ``notrans`` to take it.
 SMEM_LOCAL_MIN = 0.5
+#: Least voxel reuse of the row chunks (non-zeros per voxel and chunk, sampled) at which ``auto``
+#: without a transpose takes ``onepass_chunked`` on one GPU: measured 4.9 ms at 9.2 and 9.4 ms at
+#: 4.2 on madpet2 (H100), against 8.1 ms for the csr_vector + scatter iteration (benchmarks.md §34).
+CHUNK_REUSE_MIN = 8.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,8 @@ AUTO_RULES = (
     "the GPU, else notrans (onepass_fixed on a compressed matrix)",
     "bp naming a whole-iteration kernel (onepass, onepass_fixed) runs the iteration in one pass; fp is then auto",
     "cuda notrans: scatter_smem when >= 50% of its row chunks fit shared memory, else scatter",
+    "cuda bp=auto without a usable transpose on a CSR matrix, one GPU: onepass_chunked when the row chunks of a "
+    "sample block of the matrix reuse each voxel >= 8 times (a matrix in the reorder stage's order), else notrans",
     "cuda csr_vector launch shape: the fastest of _cuda_plan.SHAPE_CANDIDATES, timed on each matrix (and each "
     "GPU's block) at set-up; a shape never changes a result",
 )
@@ -285,6 +291,17 @@ def choose_notrans(local_fraction: float, nnz: int, *, gpus: int = 1) -> str:
     """
     del nnz, gpus
     return "scatter_smem" if local_fraction >= SMEM_LOCAL_MIN else "scatter"
+
+
+def choose_no_transpose(reuse: float | None) -> str:
+    """What ``auto`` runs on one GPU without a usable transpose of a CSR matrix, from the sampled chunk reuse.
+
+    ``onepass_chunked`` (the whole iteration, deterministic) when the chunks
+    reuse each voxel at least :data:`CHUNK_REUSE_MIN` times, else ``notrans``
+    (the forward kernel plus :func:`choose_notrans`'s scatter). ``None`` (no
+    sample: an empty matrix) gives ``notrans``.
+    """
+    return "onepass_chunked" if reuse is not None and reuse >= CHUNK_REUSE_MIN else "notrans"
 
 
 @dataclass(frozen=True)

@@ -243,3 +243,52 @@ def test_cuda_backend_runs_onepass_chunked_like_onepass_fixed():
     assert d["bp"] == "onepass_chunked" and d["chunks"]["count"] >= 1 and d["bytes_per_nnz"]["A"] < 8
     ref = images["onepass_fixed"]
     assert np.linalg.norm(images["onepass_chunked"] - ref) / np.linalg.norm(ref) < 1e-6
+
+
+def test_auto_takes_the_chunked_one_pass_from_the_sampled_reuse(tmp_path):
+    """The rule (registry) and its input (a sample block's reuse): high for banded rows, low once shuffled."""
+    from mlemlib import registry
+    from mlemlib.formats import open_matrix
+    from mlemlib.formats.h5 import write_matrix_h5
+
+    assert registry.choose_no_transpose(None) == "notrans"
+    assert registry.choose_no_transpose(registry.CHUNK_REUSE_MIN) == "onepass_chunked"
+    assert registry.choose_no_transpose(registry.CHUNK_REUSE_MIN - 0.01) == "notrans"
+    a = _random(m=4000, n=3000, seed=11)
+    banded = chunked.sample_reuse(a, window=1024, max_nnz=20_000)
+    # the same block's reuse by hand: build_plan of the middle block of chunk_bounds
+    from mlemlib.matrix import chunk_bounds
+
+    bounds = chunk_bounds(np.asarray(a.indptr, dtype=np.int64), 20_000)
+    r0, r1 = bounds[len(bounds) // 2]
+    block = CSRMatrix.from_scipy(a.to_scipy()[r0:r1])
+    assert banded == pytest.approx(chunked.build_plan(block, window=1024).reuse)
+    shuffled = CSRMatrix.from_scipy(a.to_scipy()[np.random.default_rng(0).permutation(a.shape[0])])
+    low = chunked.sample_reuse(shuffled, window=1024, max_nnz=20_000)
+    assert banded >= registry.CHUNK_REUSE_MIN > low
+    # an opened file gives the same sample as the matrix in memory
+    write_matrix_h5(tmp_path / "a.h5", a)
+    with open_matrix(tmp_path / "a.h5") as src:
+        assert chunked.sample_reuse(src, window=1024, max_nnz=20_000) == pytest.approx(banded)
+    empty = CSRMatrix.from_scipy(sp.csr_matrix((3, 4), dtype=np.float32))
+    assert chunked.sample_reuse(empty) is None
+
+
+@pytest.mark.gpu
+def test_cuda_backend_auto_without_a_transpose_takes_the_chunks_where_they_pay():
+    from mlemlib.backends.cuda import CudaBackend
+
+    a = _random(m=40000, n=40000, seed=12)  # a band: chunks of 4,096 rows reuse each voxel ~20 times
+    shuffled = CSRMatrix.from_scipy(a.to_scipy()[np.random.default_rng(1).permutation(a.shape[0])])
+    for mat, want in ((a, "onepass_chunked"), (shuffled, "notrans")):
+        g = np.ones(mat.shape[0], dtype=np.float32)
+        norm = np.asarray(mat.to_scipy().sum(axis=0)).ravel()
+        be = CudaBackend(mat, g, norm, None, bp="auto")
+        d = be.describe()
+        assert d["chunk_reuse_sample"] is not None
+        if want == "onepass_chunked":
+            assert d["bp"] == "onepass_chunked" and be.deterministic
+        else:
+            assert d["bp"] in ("scatter", "scatter_smem")
+        f = be.iterate(be.initial_image())
+        assert np.isfinite(be.to_host(f)).all()

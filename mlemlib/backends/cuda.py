@@ -193,12 +193,28 @@ class CudaBackend(Backend):
             self.bp_requested = str(bp)
             self.deterministic = choice.deterministic
 
+            self.chunk_reuse_sample: float | None = None
+            if bp in ("auto", None) and self.bp_kernel == "notrans" and self.format == "csr":
+                # no usable transpose: the chunked one pass where a sample of the matrix's chunks reuses voxels
+                from mlemlib import chunked
+
+                self.chunk_reuse_sample = chunked.sample_reuse(matrix, cc().chunk_window(self.device_id))
+                if registry.choose_no_transpose(self.chunk_reuse_sample) == "onepass_chunked":
+                    log.info("bp=auto: no transpose; chunks of a sample reuse each voxel %.1f times: onepass_chunked",
+                             self.chunk_reuse_sample)
+                    self.chunked = True
+                    self.fp_kernel = self.bp_kernel = "onepass_chunked"
+                    self.deterministic = True
             if self.chunked:
                 try:
                     self.a = cc().DeviceChunked.upload(matrix, what="matrix")
                 except ValueError as exc:
-                    raise ConfigError("bp", f"bp=onepass_chunked: {exc}; use bp=onepass_fixed") from exc
-            else:
+                    if bp == "onepass_chunked":
+                        raise ConfigError("bp", f"bp=onepass_chunked: {exc}; use bp=onepass_fixed") from exc
+                    log.info("bp=auto: %s; back projection by notrans instead of onepass_chunked", exc)
+                    self.chunked = False
+                    self.fp_kernel, self.bp_kernel, self.deterministic = choice.fp, choice.bp, choice.deterministic
+            if not self.chunked:
                 self.a = dev_type.upload(matrix, what="matrix", fmt=self.format)
             self._smem = None
             self.smem_local_fraction: float | None = None
@@ -430,6 +446,7 @@ class CudaBackend(Backend):
             "smem_local_chunks": self.smem_local_fraction,
             "chunks": {"count": self.a.chunks, "window": self.a.window, "reuse": round(self.a.reuse, 3)}
             if self.chunked else None,
+            "chunk_reuse_sample": self.chunk_reuse_sample,
             "transpose": self.transpose_source,
             "format": self.format,
             "bytes_per_nnz": {"A": bytes_per_nnz(self.a), "AT": bytes_per_nnz(self.at)},
