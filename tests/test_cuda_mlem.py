@@ -18,6 +18,7 @@ import scipy.sparse as sp
 
 cp = pytest.importorskip("cupy")
 
+from mlemlib import registry
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import cuda as cuda_backend
 from mlemlib.backends.cuda import CudaBackend
@@ -152,10 +153,18 @@ def test_bp_auto(pet, caplog):
     assert be.deterministic
     with caplog.at_level(logging.INFO, logger="mlemlib.backends.cuda"):
         be = CudaBackend(pet["a"], pet["g"], pet["norm"], None, bp="auto")
-    # the small TOR matrix is one row chunk whose columns fit shared memory
+    # without a transpose, the small TOR matrix's voxels all fit one chunk (reuse far above
+    # registry.CHUNK_REUSE_MIN): the chunked one pass
+    assert (be.bp_kernel, be.transpose_source, be.deterministic) == ("onepass_chunked", "none", True)
+    d = be.describe()
+    assert d["bp_requested"] == "auto" and d["chunk_reuse_sample"] >= registry.CHUNK_REUSE_MIN
+    assert "no transpose given" in caplog.text and "onepass_chunked" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mlemlib.backends.cuda"):
+        be = CudaBackend(pet["a"], pet["g"], pet["norm"], None, bp="notrans")
+    # notrans: the small TOR matrix is one row chunk whose columns fit shared memory
     assert (be.bp_kernel, be.transpose_source, be.deterministic) == ("scatter_smem", "none", False)
-    assert be.describe()["bp_requested"] == "auto" and be.describe()["smem_local_chunks"] == 1.0
-    assert "no transpose given" in caplog.text and "fit shared memory: scatter_smem" in caplog.text
+    assert be.describe()["smem_local_chunks"] == 1.0 and "fit shared memory: scatter_smem" in caplog.text
     # an explicit transpose kernel without a stored transpose: transposed on the GPU
     be = CudaBackend(pet["a"], pet["g"], pet["norm"], None, bp="csr_vector")
     assert be.transpose_source == "cusparse on device"
@@ -170,7 +179,7 @@ def test_memory_check(pet, monkeypatch, caplog):
     monkeypatch.setattr(cuda_backend, "free_memory", lambda dev: int(need_a / cuda_backend.MEMORY_HEADROOM) + 64)
     with caplog.at_level(logging.WARNING, logger="mlemlib.backends.cuda"):
         be = CudaBackend(a, pet["g"], pet["norm"], pet["at"], bp="auto")
-    assert be.bp_kernel == "scatter_smem" and be.at is None
+    assert be.bp_kernel == "onepass_chunked" and be.at is None  # the no-transpose path (fewer bytes than CSR)
     assert "do not both fit" in caplog.text
     with pytest.raises(DeviceError, match="do not both fit"):
         CudaBackend(a, pet["g"], pet["norm"], pet["at"], bp="csr_vector")
