@@ -69,15 +69,20 @@ def test_plan_rebuilds_the_columns(window):
     assert p.bytes_per_nnz() > 6
 
 
-def test_onepass_through_the_plan_equals_float64():
-    a = _random(seed=3)
-    rng = np.random.default_rng(1)
+def _step_problem(a: CSRMatrix, seed: int):
+    """(f, g, fp64, bp64): an image, a Poisson measurement, and the one-pass step's float64 fp and bp."""
+    rng = np.random.default_rng(seed)
     f = rng.uniform(0.5, 1.5, a.shape[1]).astype(np.float32)
     g = rng.poisson(a.to_scipy() @ rng.uniform(0.5, 2.0, a.shape[1])).astype(np.float32)
     s64 = a.to_scipy().astype(np.float64)
     fp64 = s64 @ f.astype(np.float64)
     c64 = np.where(fp64 > 0, g / np.where(fp64 > 0, fp64, 1.0), 0.0)
-    bp64 = s64.T @ c64
+    return f, g, fp64, s64.T @ c64
+
+
+def test_onepass_through_the_plan_equals_float64():
+    a = _random(seed=3)
+    f, g, fp64, bp64 = _step_problem(a, 1)
     for window in (40, 300):
         bp, fp = chunked.onepass(chunked.build_plan(a, window=window), a.indptr, a.data, g, f)
         assert np.linalg.norm(fp - fp64) / np.linalg.norm(fp64) < 1e-6
@@ -197,13 +202,7 @@ def test_chunked_onepass_on_the_gpu_equals_float64_and_repeats_bit_for_bit():
     from mlemlib.backends import _compressed_cuda as gpu
 
     a = _random(m=3000, n=2000, seed=7)
-    rng = np.random.default_rng(2)
-    f = rng.uniform(0.5, 1.5, a.shape[1]).astype(np.float32)
-    g = rng.poisson(a.to_scipy() @ rng.uniform(0.5, 2.0, a.shape[1])).astype(np.float32)
-    s64 = a.to_scipy().astype(np.float64)
-    fp64 = s64 @ f.astype(np.float64)
-    c64 = np.where(fp64 > 0, g / np.where(fp64 > 0, fp64, 1.0), 0.0)
-    bp64 = s64.T @ c64
+    f, g, fp64, bp64 = _step_problem(a, 2)
     fd, gd = cp.asarray(f), cp.asarray(g)
     for window, max_nnz in ((64, 5000), (16384, 1 << 26)):
         d = gpu.DeviceChunked.upload(a, window=window, max_nnz=max_nnz)
