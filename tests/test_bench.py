@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 
 from mlemlib.backends import _cuda_plan as plan
-from mlemlib.bench import format_csv, format_markdown, kernel_label, tor_geometry, tor_matrix, write_results
+from mlemlib.bench import (
+    auto_versus_fastest,
+    format_csv,
+    format_markdown,
+    kernel_label,
+    tor_geometry,
+    tor_matrix,
+    write_results,
+)
 from mlemlib.cli import main
 from mlemlib.devices import theoretical_bandwidth
 from mlemlib.errors import ConfigError
@@ -251,6 +259,26 @@ def test_format_markdown_tables():
     assert "### back A^T c (no transpose)" in md
     assert "### back A^T c (stored transpose)" not in md  # no rows for it
     assert "| csr_vector | csr_vector | yes | corr into fp | 6.000 | 5.400 | 90.0% |" in md
+    assert "auto ran" not in md  # no auto + auto row in this result
+
+
+def test_markdown_puts_auto_beside_the_fastest_and_shows_a_refused_pair():
+    res = _result()
+    its = res["iterations"]
+    its[0].update(fp_requested="auto", bp_requested="auto")
+    its += [
+        {"fp_requested": "auto", "fp": "onepass_chunked", "bp": "onepass_chunked", "bp_requested": "onepass_chunked",
+         "deterministic": True, "fused": [], "median_s": 4.5e-3, "floor_s": 5.4e-3, "of_floor": 1.2},
+        {"fp_requested": "cusparse", "fp": "cusparse", "bp": "cusparse", "bp_requested": "cusparse",
+         "deterministic": False, "fused": [], "median_s": 4.0e-3, "floor_s": 5.4e-3, "of_floor": 1.35},
+        {"fp_requested": "auto", "bp_requested": "onepass_chunked", "error": "bp=onepass_chunked: a row has 9 non-zeros"},
+    ]
+    md = format_markdown(res)
+    assert ("auto ran csr_vector + csr_vector: 6.000 ms; the fastest iteration of this run is cusparse + cusparse: "
+            "4.000 ms (auto takes 1.50x its time); the fastest deterministic one is onepass_chunked + "
+            "onepass_chunked: 4.500 ms.") in md
+    assert "| auto | onepass_chunked | not run: bp=onepass_chunked: a row has 9 non-zeros |" in md
+    assert auto_versus_fastest([its[-1]]) == ""
 
 
 def test_format_csv_rows():
