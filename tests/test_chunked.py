@@ -120,7 +120,8 @@ def _host_cupy():
     return SimpleNamespace(
         empty=lambda n, dtype: np.empty(n, dtype=dtype).view(_HostArray),
         asarray=lambda a: np.array(a).view(_HostArray),
-        int64=np.int64, uint16=np.uint16, float32=np.float32,
+        concatenate=lambda xs: np.concatenate(xs).view(_HostArray),
+        int64=np.int64, int32=np.int32, uint16=np.uint16, float32=np.float32,
     )
 
 

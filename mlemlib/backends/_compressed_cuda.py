@@ -755,7 +755,7 @@ class DeviceChunked:
             data[k : k + b] = cp.asarray(np.asarray(block.data, dtype=np.float32))
             chunk_rows.append(p.chunk_rows[1:] + r0)
             counts.append(np.diff(p.vptr))
-            voxels.append(p.voxels)
+            voxels.append(cp.asarray(p.voxels))  # on the device block by block: the host holds one block
             k += b
             if m and r1 < m and (r1 * 10 // m) != (r0 * 10 // m):
                 log.info("%s: chunked %d of %d rows (%.0f s)", what, r1, m, time.perf_counter() - t0)
@@ -764,8 +764,9 @@ class DeviceChunked:
         vptr = np.zeros(sum(len(c) for c in counts) + 1, dtype=np.int64)
         if counts:
             np.cumsum(np.concatenate(counts), out=vptr[1:])
-        out = cls(indptr, local, data, cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr),
-                  cp.asarray(np.concatenate(voxels) if voxels else np.zeros(0, np.int32)), (m, n), window)
+        vox = cp.concatenate(voxels) if voxels else cp.empty(0, dtype=cp.int32)
+        del voxels
+        out = cls(indptr, local, data, cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr), vox, (m, n), window)
         log.info("%s: %d chunks of <= %d voxels, reuse %.2f, %.3f bytes per non-zero on the GPU, in %.1f s",
                  what, out.chunks, window, out.reuse, out.nbytes / max(nnz, 1), time.perf_counter() - t0)
         return out
