@@ -95,15 +95,30 @@ def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62):  # pragma
 
 
 @njit(parallel=True, cache=True)
-def _fill(indptr, indices, chunk_rows, vptr, voxels, local):  # pragma: no cover - compiled
-    for c in prange(chunk_rows.shape[0] - 1):
-        a = indptr[chunk_rows[c]]
-        b = indptr[chunk_rows[c + 1]]
-        u = np.unique(indices[a:b])
-        v0 = vptr[c]
-        voxels[v0 : v0 + u.shape[0]] = u
-        for k in range(a, b):
-            local[k] = np.searchsorted(u, indices[k])
+def _fill(indptr, indices, chunk_rows, vptr, voxels, local, n, groups):  # pragma: no cover - compiled
+    # Chunks in `groups` contiguous runs, one task each with its own voxel stamps and positions
+    # (2 arrays of n entries per task, not per chunk): a chunk's distinct voxels are found in one
+    # pass, sorted (only the distinct ones), and every non-zero's position read back in O(1).
+    nch = chunk_rows.shape[0] - 1
+    for gi in prange(groups):
+        stamp = np.full(n, -1, np.int64)
+        pos = np.zeros(n, np.int32)
+        for c in range(nch * gi // groups, nch * (gi + 1) // groups):
+            a = indptr[chunk_rows[c]]
+            b = indptr[chunk_rows[c + 1]]
+            v0 = vptr[c]
+            cnt = 0
+            for k in range(a, b):
+                j = indices[k]
+                if stamp[j] != c:
+                    stamp[j] = c
+                    voxels[v0 + cnt] = j
+                    cnt += 1
+            voxels[v0 : v0 + cnt] = np.sort(voxels[v0 : v0 + cnt])
+            for i in range(cnt):
+                pos[voxels[v0 + i]] = i
+            for k in range(a, b):
+                local[k] = pos[indices[k]]
 
 
 @dataclass
@@ -172,7 +187,9 @@ def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW) -> ChunkPlan:
     voxels = np.empty(int(vptr[-1]), dtype=np.int32)
     local = np.empty(len(idx), dtype=np.uint16)
     if len(distinct):
-        _fill(ip, idx, starts, vptr, voxels, local)
+        import numba
+
+        _fill(ip, idx, starts, vptr, voxels, local, n, min(len(distinct), 2 * numba.get_num_threads()))
     return ChunkPlan((m, n), window, starts, vptr, voxels, local)
 
 
