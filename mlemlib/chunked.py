@@ -283,3 +283,87 @@ def sample_reuse(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NNZ
     _, distinct = greedy_chunks(ip, np.asarray(block.indices), np.arange(r1 - r0, dtype=np.int64),
                                 int(block.shape[1]), int(window), MAX_CHUNK_ROWS)
     return block.nnz / float(distinct.sum())
+
+
+# --------------------------------------------------------------------------- the GPU kernel's arithmetic on the CPU
+#: Terms of the fixed-point sums stay below 2**52 (the GPU's two 32-bit shared words per voxel).
+_QMAX = 4503599627370496.0
+
+
+@njit(parallel=True, cache=True)
+def _onepass_fixed(indptr, data, chunk_rows, vptr, voxels, local, g, f, fp, acc, scale):  # pragma: no cover - compiled
+    # acc: (groups, n) uint64, zero; group gi takes a contiguous run of chunks. Returns 1 on a term
+    # outside [0, 2^52). Every float32 operation is computed in float64 and rounded once to float32,
+    # which gives the correctly rounded float32 result for +, * and / (53 >= 2 * 24 + 2 bits); the
+    # fused multiply-add of the GPU's dot product is a * b exactly (48 bits) plus the sum, rounded to
+    # float64 and then to float32 (the same as one rounding unless the float64 sum falls on a float32
+    # tie it was not on: about one operation in 2^28).
+    groups = acc.shape[0]
+    nch = chunk_rows.shape[0] - 1
+    bad = np.zeros(groups, np.int64)
+    for gi in prange(groups):
+        fl = np.zeros(MAX_WINDOW, np.float32)
+        lane = np.zeros(32, np.float32)
+        nxt = np.zeros(32, np.float32)
+        for c in range(nch * gi // groups, nch * (gi + 1) // groups):
+            v0 = vptr[c]
+            for i in range(vptr[c + 1] - v0):
+                fl[i] = f[voxels[v0 + i]]
+            for r in range(chunk_rows[c], chunk_rows[c + 1]):
+                s = indptr[r]
+                e = indptr[r + 1]
+                lane[:] = 0.0
+                for k in range(s, e):  # lane (k - s) % 32 adds its elements in order, fused multiply-adds
+                    ln = (k - s) % 32
+                    lane[ln] = np.float32(np.float64(data[k]) * np.float64(fl[local[k]]) + np.float64(lane[ln]))
+                o = 16
+                while o > 0:  # the warp's butterfly: every lane adds its partner's sum
+                    for ln in range(32):
+                        nxt[ln] = np.float32(np.float64(lane[ln]) + np.float64(lane[ln ^ o]))
+                    lane[:] = nxt
+                    o //= 2
+                sm = lane[0]
+                fp[r] = sm
+                if sm == 0.0:
+                    continue
+                ci = np.float32(np.float64(g[r]) / np.float64(sm))
+                if ci == 0.0:
+                    continue
+                for k in range(s, e):
+                    q = np.float64(np.float32(np.float64(data[k]) * np.float64(ci))) * scale
+                    if not (q >= 0.0 and q < _QMAX):
+                        bad[gi] = 1
+                    elif q > 0.0:
+                        acc[gi, voxels[v0 + local[k]]] += np.uint64(np.rint(q))
+    return bad.max() if groups else 0
+
+
+def onepass_fixed(plan: ChunkPlan, indptr: np.ndarray, data: np.ndarray, g: np.ndarray, f: np.ndarray,
+                  scale: float, *, groups: int | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The GPU kernel ``chunked_onepass``'s step on the CPU: ``(bp, fp, overflow)``.
+
+    The same arithmetic as the kernel: each row's dot product summed by 32
+    lanes in element order with fused multiply-adds and combined by the warp's
+    butterfly, ``c = g / fp`` in float32, each term ``c * a_ij`` rounded to
+    ``rint(t * scale)`` (``scale`` from
+    :func:`mlemlib.backends._compressed_cuda.chunk_scale`) and summed as
+    64-bit integers, ``bp = sum / scale`` rounded to float32. Integer sums do
+    not depend on the order, the chunking or ``groups`` (the tasks, default
+    the Numba threads): the result is the same bits for any of them.
+    ``overflow``: a term outside ``[0, 2^52)`` (redo with a larger scale).
+    """
+    import numba
+
+    m, n = plan.shape
+    g = np.ascontiguousarray(g, dtype=np.float32)
+    f = np.ascontiguousarray(f, dtype=np.float32)
+    if g.shape != (m,) or f.shape != (n,):
+        raise ValueError(f"g must have {m} entries and f {n}, got {g.shape} and {f.shape}")
+    groups = max(1, min(plan.chunks, numba.get_num_threads() if groups is None else int(groups)))
+    acc = np.zeros((groups, n), dtype=np.uint64)
+    fp = np.zeros(m, dtype=np.float32)
+    bad = _onepass_fixed(np.asarray(indptr, dtype=np.int64), np.asarray(data, dtype=np.float32), plan.chunk_rows,
+                         plan.vptr, plan.voxels, plan.local, g, f, fp, acc, float(scale))
+    total = acc.sum(axis=0, dtype=np.uint64)
+    bp = (total.astype(np.float64) * (1.0 / float(scale))).astype(np.float32)
+    return bp, fp, bool(bad)

@@ -118,6 +118,9 @@ KERNELS: tuple[Kernel, ...] = (
            "scatter from the rows of A into per-block images, summed in block order (thesis ch. 7)"),
     Kernel("onepass", "iteration", "cpu", _ALL, True, (), False, f"{_CMPCPU}: csr_onepass32 / cmp_onepass32",
            "one pass over A per iteration: per row a . f, g / (a . f), and its scatter into per-block images"),
+    Kernel("onepass_chunked", "iteration", "cpu", ("csr",), True, (), False, "mlemlib/chunked.py: _onepass_fixed",
+           "the GPU's onepass_chunked arithmetic on the CPU (lane-order dot products, 64-bit fixed-point sums): "
+           "its reference"),
     # ---- cuda: forward
     Kernel("csr_vector", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L",
            "2..32 lanes per row, 16-byte loads, warp-shuffle sum; correlation fused"),

@@ -212,6 +212,12 @@ def test_chunked_onepass_on_the_gpu_equals_float64_and_repeats_bit_for_bit():
         assert np.linalg.norm(fp.get() - fp64) / np.linalg.norm(fp64) < 1e-6
         assert np.linalg.norm(bp.get() - bp64) / np.linalg.norm(bp64) < 1e-6
         assert stats["scale"] * stats["bound"] < 2.0**52 and stats.get("retries", 0) == 0
+        # the CPU's emulation of the kernel's arithmetic, same scale: the same bits (not yet run on a GPU when
+        # written; a mismatch of a few ulps would mean the kernel's FMA contraction differs from the emulation)
+        cbp, cfp, _ = chunked.onepass_fixed(chunked.build_plan(a, window=window), a.indptr, a.data, g, f,
+                                            stats["scale"])
+        np.testing.assert_array_equal(fp.get(), cfp)
+        np.testing.assert_array_equal(bp.get(), cbp)
         again, _ = gpu.chunked_onepass(d, gd, fd)
         np.testing.assert_array_equal(bp.get(), again.get())
         fwd = gpu.chunked_forward(d, fd)
@@ -292,3 +298,66 @@ def test_cuda_backend_auto_without_a_transpose_takes_the_chunks_where_they_pay()
             assert d["bp"] in ("scatter", "scatter_smem")
         f = be.iterate(be.initial_image())
         assert np.isfinite(be.to_host(f)).all()
+
+
+# --------------------------------------------------------------------------- the GPU kernel's arithmetic on the CPU
+def test_fixed_point_step_is_the_same_bits_for_any_chunking_and_close_to_float64():
+    from mlemlib.backends._compressed_cuda import chunk_scale
+
+    a = _random(m=1500, n=1200, seed=13)
+    f, g, fp64, bp64 = _step_problem(a, 5)
+    scale = chunk_scale(2.0**20 * float(np.asarray(a.to_scipy().sum(axis=0)).max()))
+    runs = []
+    for window, groups in ((40, 1), (300, 3), (5000, 2), (5000, None)):
+        bp, fp, overflow = chunked.onepass_fixed(chunked.build_plan(a, window=window), a.indptr, a.data, g, f, scale,
+                                                 groups=groups)
+        assert not overflow
+        runs.append((bp, fp))
+    for bp, fp in runs[1:]:  # integer sums: the chunks and the tasks do not change a bit
+        np.testing.assert_array_equal(bp, runs[0][0])
+        np.testing.assert_array_equal(fp, runs[0][1])
+    bp, fp = runs[0]
+    assert np.linalg.norm(fp - fp64) / np.linalg.norm(fp64) < 1e-6
+    assert np.linalg.norm(bp - bp64) / np.linalg.norm(bp64) < 1e-6
+    # a scale far too large: every term overflows and says so
+    assert chunked.onepass_fixed(chunked.build_plan(a), a.indptr, a.data, g, f, 2.0**80)[2]
+
+
+def test_fp_sums_each_row_as_a_warp_does():
+    """One row of 70 elements: lane l adds elements l, l + 32, l + 64 (fused), then the butterfly 16, 8, 4, 2, 1."""
+    rng = np.random.default_rng(3)
+    vals = rng.uniform(0.1, 1.0, 70).astype(np.float32)
+    f = rng.uniform(0.5, 1.5, 70).astype(np.float32)
+    a = CSRMatrix(np.array([0, 70], np.int64), np.arange(70, dtype=np.int32), vals, (1, 70))
+    lanes = np.zeros(32, np.float64)
+    for k in range(70):  # float64 holds a float32 product exactly; one rounding of each fused add
+        lanes[k % 32] = np.float32(np.float64(vals[k]) * np.float64(f[k]) + lanes[k % 32])
+    for o in (16, 8, 4, 2, 1):
+        lanes = np.array([np.float32(lanes[i] + lanes[i ^ o]) for i in range(32)], np.float64)
+    _, fp, _ = chunked.onepass_fixed(chunked.build_plan(a), a.indptr, a.data, np.ones(1, np.float32), f, 1.0)
+    assert fp[0] == np.float32(lanes[0])
+
+
+def test_cpu_backend_runs_onepass_chunked_like_float64_mlem():
+    from mlemlib.backends.cpu import CpuBackend
+
+    a = _random(m=1500, n=1200, seed=17)
+    rng = np.random.default_rng(6)
+    g = rng.poisson(a.to_scipy() @ rng.uniform(0.5, 2.0, a.shape[1])).astype(np.float32)
+    norm = np.asarray(a.to_scipy().astype(np.float64).sum(axis=0)).ravel()
+    s64 = a.to_scipy().astype(np.float64)
+    ref = np.full(a.shape[1], g.sum() / norm.sum())
+    for _ in range(20):
+        fp = s64 @ ref
+        ref = ref * (s64.T @ np.where(fp > 0, g / np.where(fp > 0, fp, 1.0), 0.0)) / np.where(norm > 0, norm, 1.0)
+    images = []
+    for _ in range(2):
+        be = CpuBackend(a, g, norm, bp="onepass_chunked")
+        f = be.initial_image()
+        for _ in range(20):
+            f = be.iterate(f)
+        images.append(be.to_host(f))
+    d = be.describe()
+    assert d["bp"] == "onepass_chunked" and d["deterministic"] and d["fixed_point"]["scale"] > 0
+    np.testing.assert_array_equal(images[0], images[1])
+    assert np.linalg.norm(images[0] - ref) / np.linalg.norm(ref) < 1e-5

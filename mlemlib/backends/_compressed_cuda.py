@@ -42,6 +42,7 @@ import numpy as np
 
 from mlemlib._io import prefetched
 from mlemlib.backends import _cuda_plan as plan
+from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR
 from mlemlib.backends.device_formats import DeviceMatrix
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import chunk_bounds
@@ -64,9 +65,6 @@ QUADS = 1
 OPTIONS: tuple[str, ...] = ()
 #: Epilogues of :func:`spmv` (as spmv.cu).
 MODE_PLAIN, MODE_CORR, MODE_UPDATE = 0, 1, 2
-#: Retries of a fixed-point launch that overflowed, each with a bound 2**20 times larger.
-FIXED_RETRIES = 3
-FIXED_RETRY_FACTOR = 2.0**20
 #: Fixed point: the bound maps below 2**FIXED_HEADROOM_BITS (of 64).
 FIXED_HEADROOM_BITS = 62
 

@@ -34,6 +34,14 @@ log = logging.getLogger(__name__)
 STEPS = ("fp", "corr", "bp", "update")
 
 
+#: The deterministic one-pass kernels' fixed-point range: bp_j <= ONEPASS_C_MAX * max(norm), i.e. every
+#: correlation g_i / fp_i below 2^20 (an overflow is detected and the iteration redone with a larger range).
+ONEPASS_C_MAX = float(2**20)
+#: Retries of a fixed-point iteration that overflowed, each with a range FIXED_RETRY_FACTOR times larger.
+FIXED_RETRIES = 3
+FIXED_RETRY_FACTOR = 2.0**20
+
+
 def bytes_per_nnz(*mats: Any) -> float | None:
     """Bytes per stored non-zero of the matrices together (``describe()``'s ``bytes_per_nnz``); None if they hold none.
 

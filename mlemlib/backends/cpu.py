@@ -46,7 +46,7 @@ import numpy as np
 from numba import njit, prange
 
 from mlemlib import registry
-from mlemlib.backends.base import Backend, bytes_per_nnz
+from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR, ONEPASS_C_MAX, Backend, bytes_per_nnz
 from mlemlib.backends.device_formats import format_of
 from mlemlib.errors import ConfigError
 from mlemlib.matrix import CSRMatrix
@@ -310,6 +310,13 @@ class CpuBackend(Backend):
         if not self.use_transpose and self.bp_kernel in ("numba", "notrans", "onepass"):
             self._partial = np.empty((self.blocks, n), dtype=self.dtype)
 
+        self._plan = None
+        self.fixed_stats: dict[str, Any] = {}
+        if self.bp_kernel == "onepass_chunked":  # the GPU kernel's arithmetic through the same row chunks
+            from mlemlib import chunked
+
+            self._plan = chunked.build_plan(self.a)
+            self._fixed_bound = ONEPASS_C_MAX * float(np.max(self.norm)) if self.norm.size else 1.0
         self._sp_a = self._sp_at = None
         if "scipy" in (self.fp_kernel, self.bp_kernel):
             self._sp_a = self._scipy(self.a)
@@ -333,6 +340,11 @@ class CpuBackend(Backend):
         spmv(ip, ix, d, x, np.empty(1, dtype=self.dtype))
         if self._partial is not None:
             spmv_t(ip, ix, d, x, np.empty(1, dtype=self.dtype), np.empty((1, 1), dtype=self.dtype))
+        if self._plan is not None:
+            from mlemlib import chunked
+
+            one = CSRMatrix(ip, ix, d, (1, 1))
+            chunked.onepass_fixed(chunked.build_plan(one), ip, d, d, d, 1.0)
 
     # --- the four steps ----------------------------------------------------------
     def iterate(self, f: np.ndarray) -> np.ndarray:
@@ -340,7 +352,9 @@ class CpuBackend(Backend):
             return super().iterate(f)
         self._times = {}
         with self.timer("bp"):  # one pass: forward, correlation and back projection
-            if self.format == "csr":
+            if self._plan is not None:
+                self._chunked_step(f)
+            elif self.format == "csr":
                 a = self.a
                 cmpcpu().csr_onepass(a.indptr, a.indices, a.data, self.g, f, bp=self._bp, fp=self._fp,
                                      blocks=self.blocks, partial=self._partial)
@@ -349,6 +363,24 @@ class CpuBackend(Backend):
         with self.timer("update"):
             f = self.update(f, self._bp)
         return f
+
+    def _chunked_step(self, f: np.ndarray) -> None:
+        """bp and fp of ``onepass_chunked``: fixed point, redone with a range 2^20 larger on overflow (as the GPU)."""
+        from mlemlib import chunked
+        from mlemlib.backends._compressed_cuda import chunk_scale
+
+        for attempt in range(FIXED_RETRIES + 1):
+            scale = chunk_scale(self._fixed_bound)
+            bp, fp, overflow = chunked.onepass_fixed(self._plan, self.a.indptr, self.a.data, self.g, f, scale)
+            if not overflow:
+                break
+            if attempt == FIXED_RETRIES:
+                raise ConfigError("bp", f"onepass_chunked: fixed-point overflow after {FIXED_RETRIES} larger ranges")
+            self._fixed_bound *= FIXED_RETRY_FACTOR
+            self.fixed_stats["retries"] = self.fixed_stats.get("retries", 0) + 1
+        self.fixed_stats.update(scale=scale, bound=self._fixed_bound)
+        self._bp[:] = bp
+        self._fp[:] = fp
 
     def forward(self, f: np.ndarray) -> np.ndarray:
         if self.format != "csr":
@@ -403,7 +435,9 @@ class CpuBackend(Backend):
     def describe(self) -> dict[str, Any]:
         import numba
 
-        if self.onepass:
+        if self._plan is not None:
+            bp_path = f"one pass through {self._plan.chunks} row chunks (the GPU kernel's fixed-point arithmetic)"
+        elif self.onepass:
             bp_path = f"one pass over A (blocked scatter, {self.blocks} blocks)"
         elif self.use_transpose:
             bp_path = "stored transpose"
@@ -420,6 +454,7 @@ class CpuBackend(Backend):
             "format": self.format,
             "bytes_per_nnz": {"A": bytes_per_nnz(self.a), "AT": bytes_per_nnz(self.at)},
             "onepass": self.onepass,
+            "fixed_point": dict(self.fixed_stats) if self._plan is not None else None,
             "steps": ["bp", "update"] if self.onepass else ["fp", "corr", "bp", "update"],
             "transpose": self.use_transpose,
             "dtype": str(self.dtype),

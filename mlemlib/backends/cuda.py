@@ -37,7 +37,7 @@ import numpy as np
 from mlemlib import registry
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as plan
-from mlemlib.backends.base import STEPS, Backend, bytes_per_nnz
+from mlemlib.backends.base import ONEPASS_C_MAX, STEPS, Backend, bytes_per_nnz
 from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import CSRMatrix, shape_nnz
@@ -48,9 +48,6 @@ log = logging.getLogger(__name__)
 MEMORY_HEADROOM = 0.92
 #: Kernels with the fused epilogues (correlation into fp, update into bp on A^T).
 FUSED = ("csr_vector", "csr_scalar", "delta_vector")
-#: The deterministic one-pass kernel's fixed-point range: bp_j <= ONEPASS_C_MAX * max(norm), i.e. every
-#: correlation g_i / fp_i below 2^20 (an overflow is detected and the iteration redone with a larger range).
-ONEPASS_C_MAX = float(2**20)
 GIB = float(1 << 30)
 
 
