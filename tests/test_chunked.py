@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -361,3 +362,24 @@ def test_cpu_backend_runs_onepass_chunked_like_float64_mlem():
     assert d["bp"] == "onepass_chunked" and d["deterministic"] and d["fixed_point"]["scale"] > 0
     np.testing.assert_array_equal(images[0], images[1])
     assert np.linalg.norm(images[0] - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_mlem_info_prints_the_sampled_chunk_reuse(tmp_path, capsys):
+    import argparse
+
+    from mlemlib.cli import main
+    from mlemlib.cli.info import run
+    from mlemlib.errors import ConfigError
+    from mlemlib.formats.h5 import write_matrix_h5
+    from mlemlib.formats.lmsino import write_lmsino
+
+    a = _random(m=40000, n=40000, seed=12)
+    write_matrix_h5(tmp_path / "a.h5", a)
+    assert main(["info", str(tmp_path / "a.h5"), "--chunks"]) == 0
+    want = chunked.sample_reuse(a)
+    assert f"chunk reuse  {want:.2f} per voxel" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "a.h5"), "--chunks", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chunk_reuse_sample"] == pytest.approx(want)
+    write_lmsino(tmp_path / "g.LMsino", np.ones(5, np.int32))
+    with pytest.raises(ConfigError, match="--chunks"):
+        run(argparse.Namespace(file=tmp_path / "g.LMsino", matrix=None, quick=False, json=False, chunks=True))
