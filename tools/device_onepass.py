@@ -20,10 +20,13 @@ kernels:
   registers, scalar or aggregated atomics, fixed point);
 - the CSR pair (``csr_vector`` fused, tuned launch shapes) and cuSPARSE's pair;
 - with ``--chunked 8192,16384``: the one pass through a :mod:`mlemlib.chunked`
-  plan of each window (probe kernels ``pchunk_onepass_f32`` / ``_det``: one
-  block per chunk, ``f`` and the chunk's sums in shared memory, one global
-  atomic per distinct voxel of a chunk), built on the host from the matrix
-  in that order (use a ``-reordered`` order: that is where chunks reuse voxels).
+  plan of each window (probe kernels ``pchunk2_onepass_<C>``: the library's
+  ``chunked_onepass`` body with C = 0, 8, 16 trips in registers; one block per
+  chunk, ``f`` and the chunk's split fixed-point sums in shared memory, one
+  global atomic per distinct voxel of a chunk; ``--chunk-old`` adds the first
+  version with float shared-memory atomics), built on the host from the
+  matrix in that order (use a ``-reordered`` order: that is where chunks reuse
+  voxels).
 
 Every result is checked against a float64 reference first (relative L2).
 Writes ``onepass.json`` and ``onepass.md`` under ``--out``; ``--ncu`` then
