@@ -236,10 +236,19 @@ def onepass(plan: ChunkPlan, indptr: np.ndarray, data: np.ndarray, g: np.ndarray
     return bp, fp
 
 
+def _host_source(source):
+    """``source`` as something :func:`_host_bounds` and :func:`_host_rows` read (SciPy matrices become CSR)."""
+    if hasattr(source, "read_rows") or isinstance(source, CSRMatrix) or hasattr(getattr(source, "indptr", None), "get"):
+        return source  # an opened matrix file, a host CSR, a device CSR
+    if hasattr(source, "tocsr"):
+        return CSRMatrix.from_scipy(source)
+    raise TypeError(f"cannot read rows of {type(source).__name__}")
+
+
 def _host_bounds(source, max_nnz: int) -> list[tuple[int, int]]:
     from mlemlib.matrix import chunk_bounds
 
-    if hasattr(source, "chunk_bounds") and hasattr(source, "read_rows"):  # an opened matrix file
+    if hasattr(source, "read_rows"):  # an opened matrix file
         return source.chunk_bounds(max_nnz)
     ip = source.indptr
     ip = ip.get() if hasattr(ip, "get") else ip  # a device CSR
@@ -248,17 +257,27 @@ def _host_bounds(source, max_nnz: int) -> list[tuple[int, int]]:
 
 def _host_rows(source, r0: int, r1: int) -> CSRMatrix:
     """Rows ``[r0, r1)`` of a CSR source (opened file, host or device CSR) in host memory, row pointer from 0."""
+    from mlemlib.matrix import slice_rows
+
     if hasattr(source, "read_rows"):
         return source.read_rows(r0, r1)
-    ip = source.indptr
-    dev = hasattr(ip, "get")
-    ipr = np.asarray(ip[r0 : r1 + 1].get() if dev else ip[r0 : r1 + 1], dtype=np.int64)
+    if isinstance(source, CSRMatrix):
+        return slice_rows(source, r0, r1)
+    ipr = np.asarray(source.indptr[r0 : r1 + 1].get(), dtype=np.int64)  # a device CSR: positions in its arrays
     a, b = int(ipr[0]), int(ipr[-1])
-    off = 0 if dev else int(np.asarray(ip[:1])[0]) if len(ip) else 0
-    idx, val = source.indices[a - off : b - off], source.data[a - off : b - off]
-    if dev:
-        idx, val = idx.get(), val.get()
-    return CSRMatrix(ipr - a, np.asarray(idx), np.asarray(val), (r1 - r0, int(source.shape[1])))
+    return CSRMatrix(ipr - a, source.indices[a:b].get(), source.data[a:b].get(), (r1 - r0, int(source.shape[1])))
+
+
+def row_blocks(source, max_nnz: int):
+    """``(r0, r1, block)`` of a CSR source in row order, blocks of about ``max_nnz`` non-zeros in host memory.
+
+    ``source``: an opened matrix file (only each block is read, validated), a
+    :class:`CSRMatrix` (views), a device CSR (each block copied to the host)
+    or a SciPy sparse matrix. One block is in host memory at a time.
+    """
+    source = _host_source(source)
+    for r0, r1 in _host_bounds(source, max_nnz):
+        yield r0, r1, _host_rows(source, r0, r1)
 
 
 def sample_reuse(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NNZ) -> float | None:
@@ -272,6 +291,7 @@ def sample_reuse(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NNZ
     an opened matrix file or a device CSR. None for a matrix without
     non-zeros.
     """
+    source = _host_source(source)
     bounds = _host_bounds(source, max_nnz)
     if not bounds:
         return None

@@ -135,6 +135,15 @@ def shape_nnz(source) -> tuple[tuple[int, int], int]:
     return (int(source.shape[0]), int(source.shape[1])), int(source.nnz)
 
 
+def slice_rows(a: CSRMatrix, r0: int, r1: int) -> CSRMatrix:
+    """Rows ``[r0, r1)`` of a host CSR matrix, row pointer rebased to 0 (views, no copy of the data)."""
+    ip = np.asarray(a.indptr, dtype=np.int64)
+    base = int(ip[r0])
+    end = int(ip[r1])
+    off = int(ip[0])
+    return CSRMatrix(ip[r0 : r1 + 1] - base, a.indices[base - off : end - off], a.data[base - off : end - off], (r1 - r0, a.shape[1]))
+
+
 def chunk_bounds(indptr: np.ndarray, max_nnz: int) -> list[tuple[int, int]]:
     """Split rows into consecutive blocks of at most ``max_nnz`` elements.
 

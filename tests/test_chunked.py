@@ -383,3 +383,29 @@ def test_mlem_info_prints_the_sampled_chunk_reuse(tmp_path, capsys):
     write_lmsino(tmp_path / "g.LMsino", np.ones(5, np.int32))
     with pytest.raises(ConfigError, match="--chunks"):
         run(argparse.Namespace(file=tmp_path / "g.LMsino", matrix=None, quick=False, json=False, chunks=True))
+
+
+def test_row_blocks_read_every_kind_of_source_alike(tmp_path):
+    """Host CSR, SciPy, an opened file and a device CSR (arrays with .get) give the same blocks; others refused."""
+    from types import SimpleNamespace
+
+    from mlemlib.formats import open_matrix
+    from mlemlib.formats.h5 import write_matrix_h5
+    from mlemlib.matrix import chunk_bounds
+
+    a = _random(seed=19)
+    want = chunk_bounds(np.asarray(a.indptr, dtype=np.int64), 900)
+    dev = SimpleNamespace(indptr=np.asarray(a.indptr, np.int64).view(_HostArray), indices=a.indices.view(_HostArray),
+                          data=a.data.view(_HostArray), shape=a.shape, nnz=a.nnz)
+    write_matrix_h5(tmp_path / "a.h5", a)
+    with open_matrix(tmp_path / "a.h5") as src:
+        for source in (a, a.to_scipy(), src, dev):
+            got = list(chunked.row_blocks(source, 900))
+            assert [(r0, r1) for r0, r1, _ in got] == want
+            for r0, r1, block in got:
+                ref = a.to_scipy()[r0:r1]
+                np.testing.assert_array_equal(np.asarray(block.indptr), ref.indptr)
+                np.testing.assert_array_equal(block.indices, ref.indices)
+                np.testing.assert_array_equal(block.data, ref.data)
+    with pytest.raises(TypeError, match="cannot read rows of list"):
+        list(chunked.row_blocks([1, 2], 10))

@@ -641,29 +641,6 @@ def chunk_window(device_id: int | None = None) -> int:
     return max(2, min(chunked.DEFAULT_WINDOW, (optin // CHUNK_SMEM_PER_VOXEL) & ~1))
 
 
-def _host_blocks(source: Any, max_nnz: int):
-    """``(r0, r1, host CSRMatrix block)`` of a matrix source, in row order (one block in host memory at a time)."""
-    from mlemlib.backends._cuda_kernels import DeviceCSR, slice_rows_host
-    from mlemlib.matrix import CSRMatrix
-
-    if hasattr(source, "iter_chunks"):
-        yield from source.iter_chunks(max_nnz)
-        return
-    if isinstance(source, DeviceCSR):
-        ip = source.indptr.get()
-        for r0, r1 in chunk_bounds(ip, max_nnz):
-            a, b = int(ip[r0]), int(ip[r1])
-            yield r0, r1, CSRMatrix(ip[r0 : r1 + 1] - a, source.indices[a:b].get(), source.data[a:b].get(),
-                                    (r1 - r0, source.shape[1]))
-        return
-    if hasattr(source, "tocsr"):
-        source = CSRMatrix.from_scipy(source)
-    if not isinstance(source, CSRMatrix):
-        raise TypeError(f"cannot read rows of {type(source).__name__}")
-    for r0, r1 in chunk_bounds(np.asarray(source.indptr, dtype=np.int64), max_nnz):
-        yield r0, r1, slice_rows_host(source, r0, r1)
-
-
 @dataclass
 class DeviceChunked:
     """A CSR matrix on the GPU as the row chunks of :mod:`mlemlib.chunked` (the ``onepass_chunked`` kernel's input).
@@ -744,7 +721,7 @@ class DeviceChunked:
         data = cp.empty(nnz, dtype=cp.float32)
         chunk_rows, counts, voxels = [np.zeros(1, np.int64)], [], []
         k = 0
-        for r0, r1, block in _host_blocks(source, max_nnz):
+        for r0, r1, block in chunked.row_blocks(source, max_nnz):
             p = chunked.build_plan(block, window=window)
             ip = np.asarray(block.indptr, dtype=np.int64)
             b = int(ip[-1] - ip[0])

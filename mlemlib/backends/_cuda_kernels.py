@@ -34,7 +34,7 @@ from mlemlib.backends.device_formats import DeviceMatrix
 from mlemlib.devices import cuda_memory_bandwidth
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib import matrix as _mx
-from mlemlib.matrix import CSRMatrix
+from mlemlib.matrix import CSRMatrix, slice_rows
 
 log = logging.getLogger(__name__)
 
@@ -294,13 +294,8 @@ class DeviceCSR(DeviceMatrix):
 
 
 # --------------------------------------------------------------------------- uploads (DeviceCSR.upload)
-def slice_rows_host(a: CSRMatrix, r0: int, r1: int) -> CSRMatrix:
-    """Rows ``[r0, r1)`` of a host CSR matrix, row pointer rebased to 0 (views, no copy of the data)."""
-    ip = np.asarray(a.indptr, dtype=np.int64)
-    base = int(ip[r0])
-    end = int(ip[r1])
-    off = int(ip[0])
-    return CSRMatrix(ip[r0 : r1 + 1] - base, a.indices[base - off : end - off], a.data[base - off : end - off], (r1 - r0, a.shape[1]))
+#: Rows of a host CSR matrix (:func:`mlemlib.matrix.slice_rows`), under the name the uploads use.
+slice_rows_host = slice_rows
 
 
 def to_device(arr: Any, device: int) -> Any:
