@@ -409,3 +409,21 @@ def test_row_blocks_read_every_kind_of_source_alike(tmp_path):
                 np.testing.assert_array_equal(block.data, ref.data)
     with pytest.raises(TypeError, match="cannot read rows of list"):
         list(chunked.row_blocks([1, 2], 10))
+
+
+def test_step_vectors_check_and_allocate(monkeypatch):
+    """The one-pass launchers' shared vector check: bp and fp made when None, a wrong length refused by name."""
+    from types import SimpleNamespace
+
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    monkeypatch.setattr(gpu, "cupy", lambda: SimpleNamespace(**vars(_host_cupy()), ndarray=np.ndarray))
+    g, f = np.ones(3, np.float32), np.ones(5, np.float32)
+    bp, fp = gpu._step_vectors((3, 5), g, f, None, None)
+    assert bp.shape == (5,) and fp.shape == (3,) and bp.dtype == fp.dtype == np.float32
+    mine = np.zeros(5, np.float32)
+    assert gpu._step_vectors((3, 5), g, f, mine, None)[0] is mine
+    with pytest.raises(ValueError, match="fp must be a contiguous float32 CuPy vector of 3 entries"):
+        gpu._step_vectors((3, 5), g, f, None, np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="^f must"):
+        gpu._step_vectors((3, 5), g, np.ones(5, np.float64), None, None)

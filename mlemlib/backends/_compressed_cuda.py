@@ -517,6 +517,19 @@ def scatter(
     return fixed_to_float(acc, out, scale)
 
 
+def _step_vectors(shape: tuple[int, int], g: Any, f: Any, bp: Any, fp: Any) -> tuple[Any, Any]:
+    """A one-pass step's vectors checked (g and fp: m entries; f and bp: n), bp and fp allocated when None."""
+    cp = cupy()
+    m, n = shape
+    _check_vector("g", g, m)
+    _check_vector("f", f, n)
+    bp = cp.empty(n, dtype=cp.float32) if bp is None else bp
+    fp = cp.empty(m, dtype=cp.float32) if fp is None else fp
+    _check_vector("bp", bp, n)
+    _check_vector("fp", fp, m)
+    return bp, fp
+
+
 def onepass_fixed(
     a: Any,
     g: Any,
@@ -589,14 +602,7 @@ def onepass(
     cp = cupy()
     kind, args, mean = _matrix_args(a)
     m, n = a.shape
-    _check_vector("g", g, m)
-    _check_vector("f", f, n)
-    if bp is None:
-        bp = cp.empty(n, dtype=cp.float32)
-    if fp is None:
-        fp = cp.empty(m, dtype=cp.float32)
-    _check_vector("bp", bp, n)
-    _check_vector("fp", fp, m)
+    bp, fp = _step_vectors(a.shape, g, f, bp, fp)
     L = _lanes(lanes, choose_lanes(mean))
     if not deterministic:
         bp.fill(0)
@@ -803,13 +809,8 @@ def chunked_onepass(
     1) are scratch, allocated when None. Returns ``(bp, fp)``.
     """
     cp = cupy()
-    m, n = a.shape
-    _check_vector("g", g, m)
-    _check_vector("f", f, n)
-    bp = cp.empty(n, dtype=cp.float32) if bp is None else bp
-    fp = cp.empty(m, dtype=cp.float32) if fp is None else fp
-    _check_vector("bp", bp, n)
-    _check_vector("fp", fp, m)
+    n = a.shape[1]
+    bp, fp = _step_vectors(a.shape, g, f, bp, fp)
     if bound is None:
         bound = onepass_bound(g, f)
     acc = cp.empty(n, dtype=cp.uint64) if acc is None else acc
