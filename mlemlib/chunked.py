@@ -193,6 +193,86 @@ def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW) -> ChunkPlan:
     return ChunkPlan((m, n), window, starts, vptr, voxels, local)
 
 
+# --------------------------------------------------------------------------- the rows' layout on the GPU
+#: Lanes of the kernel's warp, elements a lane reads with one vector load, and their product: the
+#: interleaved group of :func:`interleave`.
+LANES = 32
+VEC = 4
+GROUP = LANES * VEC
+
+
+def padded_indptr(indptr: np.ndarray) -> np.ndarray:
+    """Row pointer (from 0) of the stored layout: every row's length rounded up to a multiple of :data:`VEC`."""
+    ip = np.asarray(indptr, dtype=np.int64)
+    out = np.zeros(len(ip), dtype=np.int64)
+    if len(ip) > 1:
+        np.cumsum((np.diff(ip) + (VEC - 1)) // VEC * VEC, out=out[1:])
+    return out
+
+
+def stored_positions(indptr: np.ndarray) -> np.ndarray:
+    """Where :func:`interleave` puts each non-zero (NumPy; the reference its compiled loop is tested against).
+
+    Row ``r``'s element ``o`` (0-based within the row) of a padded length
+    ``P`` goes to ``pindptr[r] + 128 g + 4 l + t`` when ``o = 128 g + 32 t + l``
+    lies in one of the row's ``P // 128`` whole groups, else to
+    ``pindptr[r] + o``.
+    """
+    ip = np.asarray(indptr, dtype=np.int64)
+    pip = padded_indptr(ip)
+    lengths = np.diff(ip)
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    o = np.arange(int(ip[-1] - ip[0]) if len(ip) else 0, dtype=np.int64) - (ip[row] - ip[0])
+    whole = (np.diff(pip) // GROUP * GROUP)[row]
+    g, w = o // GROUP, o % GROUP
+    inter = g * GROUP + (w % LANES) * VEC + w // LANES
+    return pip[row] + np.where(o < whole, inter, o)
+
+
+@njit(parallel=True, cache=True)
+def _interleave(ip, pip, local, data, local_out, data_out):  # pragma: no cover - compiled
+    for r in prange(ip.shape[0] - 1):
+        s = ip[r] - ip[0]
+        n = ip[r + 1] - ip[r]
+        d = pip[r]
+        padded = pip[r + 1] - d
+        whole = padded // 128 * 128
+        for o in range(padded):
+            p = d + o
+            if o < whole:
+                w = o % 128
+                p = d + (o - w) + (w % 32) * 4 + w // 32
+            if o < n:
+                local_out[p] = local[s + o]
+                data_out[p] = data[s + o]
+            else:
+                local_out[p] = 0
+                data_out[p] = 0.0
+
+
+def interleave(indptr: np.ndarray, local: np.ndarray, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A block of rows in the layout the GPU's ``chunked_onepass`` reads: ``(pindptr, local, data)``.
+
+    Every row is padded with zeros (value 0, local index 0: terms that add
+    nothing) to a multiple of :data:`VEC` elements, so that it starts on an
+    8-byte (indices) and 16-byte (values) boundary; in each whole group of
+    :data:`GROUP` elements, element ``32 t + l`` is stored at ``4 l + t``, so
+    that lane ``l`` reads its trips ``t = 0..3`` with one vector load
+    (:func:`stored_positions`). The rest of a row stays in order. The
+    kernel's lanes see the same elements in the same order as without the
+    layout: the sums do not change. ``pindptr`` starts at 0.
+    """
+    ip = np.asarray(indptr, dtype=np.int64)
+    pip = padded_indptr(ip)
+    total = int(pip[-1])
+    local_out = np.empty(total, dtype=np.uint16)
+    data_out = np.empty(total, dtype=np.float32)
+    if len(ip) > 1:
+        _interleave(ip, pip, np.asarray(local, dtype=np.uint16), np.asarray(data, dtype=np.float32), local_out,
+                    data_out)
+    return pip, local_out, data_out
+
+
 @njit(cache=True)
 def _onepass(indptr, data, chunk_rows, vptr, voxels, local, g, f, fp, bp):  # pragma: no cover - compiled
     fl = np.zeros(MAX_WINDOW, np.float32)

@@ -132,9 +132,15 @@ UPLOAD_ON = ("host", pytest.param("gpu", marks=pytest.mark.gpu))
 def _check_chunks(d, a: CSRMatrix, window: int, blocks: list[tuple[int, int]]) -> None:
     """d holds a's values and row pointer, and its chunks rebuild a's columns; no chunk crosses a block's end."""
     ip = np.asarray(a.indptr, dtype=np.int64)
-    np.testing.assert_array_equal(d.indptr.get(), ip - ip[0])
-    np.testing.assert_array_equal(d.data.get(), a.data)
-    cr, vptr, vox, loc = d.chunk_rows.get(), d.vptr.get(), d.voxels.get(), d.local.get()
+    pos = chunked.stored_positions(ip)  # the kernel's layout (rows padded, groups interleaved)
+    np.testing.assert_array_equal(d.indptr.get(), chunked.padded_indptr(ip))
+    stored = d.data.get()
+    assert len(stored) == d.indptr.get()[-1] < a.nnz + 4 * a.shape[0]
+    np.testing.assert_array_equal(stored[pos], a.data)
+    pad = np.ones(len(stored), dtype=bool)
+    pad[pos] = False
+    assert not stored[pad].any() and not d.local.get()[pad].any()  # the padding adds nothing
+    cr, vptr, vox, loc = d.chunk_rows.get(), d.vptr.get(), d.voxels.get(), d.local.get()[pos]
     assert cr[0] == 0 and cr[-1] == a.shape[0] and (np.diff(cr) > 0).all()
     assert (np.diff(cr) <= chunked.MAX_CHUNK_ROWS).all() and (np.diff(vptr) <= window).all()
     per_nnz = np.repeat(np.arange(len(cr) - 1), np.diff(ip[cr]))
@@ -167,7 +173,63 @@ def test_chunked_upload_streams_block_by_block(tmp_path, monkeypatch, where, sou
         d = gpu.DeviceChunked.upload(a, window=64, max_nnz=1500)
     _check_chunks(d, a, 64, blocks)
     assert d.window == 64 and d.lanes() == 32 and d.shape == a.shape
-    assert d.nbytes == pytest.approx(8 * (a.shape[0] + 1) + 6 * a.nnz + 4 * len(d.voxels) + 8 * 2 * (d.chunks + 1))
+    stored = int(chunked.padded_indptr(a.indptr)[-1])
+    assert d.nbytes == 8 * (a.shape[0] + 1) + 6 * stored + 4 * len(d.voxels) + 8 * 2 * (d.chunks + 1)
+
+
+def _long(m=600, n=5000, seed=0, top=700) -> CSRMatrix:
+    """Rows of 0..top non-zeros from a moving band: whole groups of 128, several per row, and rests."""
+    rng = np.random.default_rng(seed)
+    rows, cols = [], []
+    for i in range(m):
+        k = int(rng.integers(0, top + 1)) if i % 7 else int(rng.choice([0, 1, 127, 128, 129, 256, 384]))
+        width = max(2 * top, 400)
+        c0 = int(i * (n - width) / m)
+        rows += [i] * k
+        cols += list(c0 + rng.choice(width, size=k, replace=False))
+    a = sp.csr_matrix((rng.uniform(0.1, 1.0, len(rows)), (rows, cols)), shape=(m, n)).astype(np.float32)
+    a.sort_indices()
+    return CSRMatrix.from_scipy(a)
+
+
+def test_interleave_by_hand():
+    """A row of 130 (padded to 132: one whole group of 128, then 4 in order) and a row of 3 (padded to 4)."""
+    ip = np.array([10, 140, 143])  # a block's pointer need not start at 0
+    assert chunked.padded_indptr(ip).tolist() == [0, 132, 136]
+    pos = chunked.stored_positions(ip)
+    # element 32 t + l of the whole group at 4 l + t: lane l's trips 0..3 side by side
+    assert pos[[0, 1, 31, 32, 33, 64, 127]].tolist() == [0, 4, 124, 1, 5, 2, 127]
+    assert pos[128:].tolist() == [128, 129, 132, 133, 134]
+    local = np.arange(133, dtype=np.uint16)
+    data = np.arange(1, 134, dtype=np.float32)
+    pip, loc, dat = chunked.interleave(ip, local, data)
+    assert pip.tolist() == [0, 132, 136]
+    assert dat[[0, 4, 1, 5, 128, 129, 130, 131, 132, 134, 135]].tolist() == [1, 2, 33, 34, 129, 130, 0, 0, 131, 133, 0]
+    # what lane l reads: 4 values at 4 l of the group, then elements l, l + 32, ... of the rest
+    for lane in (0, 7, 31):
+        assert dat[4 * lane : 4 * lane + 4].tolist() == [1 + lane + 32 * t for t in range(4)]
+
+
+@pytest.mark.parametrize("top", [5, 140, 700])
+def test_interleave_equals_its_reference_and_round_trips(top):
+    a = _long(seed=top, top=top)
+    ip = np.asarray(a.indptr, dtype=np.int64)
+    local = (np.arange(a.nnz) % 65535 + 1).astype(np.uint16)
+    pip, loc, dat = chunked.interleave(ip, local, a.data)
+    pos = chunked.stored_positions(ip)
+    assert len(np.unique(pos)) == a.nnz and len(dat) == pip[-1]
+    np.testing.assert_array_equal(loc[pos], local)
+    np.testing.assert_array_equal(dat[pos], a.data)
+    assert (pip % chunked.VEC == 0).all() and (np.diff(pip) - np.diff(ip) < chunked.VEC).all()
+    pad = np.ones(len(dat), dtype=bool)
+    pad[pos] = False
+    assert not loc[pad].any() and not dat[pad].any()
+    # every lane reads its row's elements l, l + 32, l + 64, ... in that order
+    for r in range(0, a.shape[0], 37):
+        row = dat[pip[r] : pip[r + 1]]
+        whole = len(row) // 128 * 128
+        seq = np.concatenate([row[:whole].reshape(-1, 32, 4).transpose(0, 2, 1).reshape(-1), row[whole:]])
+        np.testing.assert_array_equal(seq[: ip[r + 1] - ip[r]], a.data[ip[r] : ip[r + 1]])
 
 
 def test_chunked_upload_refuses_a_row_longer_than_the_window(monkeypatch):
@@ -203,10 +265,15 @@ def test_chunked_onepass_on_the_gpu_equals_float64_and_repeats_bit_for_bit():
 
     from mlemlib.backends import _compressed_cuda as gpu
 
-    a = _random(m=3000, n=2000, seed=7)
+    for a, cases in ((_random(m=3000, n=2000, seed=7), ((64, 5000), (16384, 1 << 26))),
+                     (_long(m=3000, n=20000, seed=8), ((1024, 200_000), (16384, 1 << 26)))):
+        _gpu_step_checks(cp, gpu, a, cases)
+
+
+def _gpu_step_checks(cp, gpu, a, cases):
     f, g, fp64, bp64 = _step_problem(a, 2)
     fd, gd = cp.asarray(f), cp.asarray(g)
-    for window, max_nnz in ((64, 5000), (16384, 1 << 26)):
+    for window, max_nnz in cases:
         d = gpu.DeviceChunked.upload(a, window=window, max_nnz=max_nnz)
         stats: dict = {}
         bp, fp = gpu.chunked_onepass(d, gd, fd, stats=stats)

@@ -49,10 +49,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 PROBE_CACHES = (0, 8, 12, 16, 20)
-#: The chunked probe kernels timed: the library's body with 0, 8 and 16 trips in registers (8 measured
-#: fastest; variants that batch a long row's tail or load the next row early were slower, docs/benchmarks.md
-#: section 34, probe commit a02006a).
-PCHUNK_VARIANTS = ("pchunk2_onepass_0", "pchunk2_onepass_8", "pchunk2_onepass_16")
+#: The chunked probe kernel timed: the library's first body (one element per lane, 8 trips in registers;
+#: 0 and 16 trips were slower, and so were variants that batch a long row's tail or load the next row
+#: early: docs/benchmarks.md section 34, probe commit a02006a), next to the library's kernel.
+PCHUNK_VARIANTS = ("pchunk2_onepass_8",)
 THREADS = (256, 512)
 
 
@@ -283,6 +283,27 @@ def chunked_section(a, f, g, fp, bp, bp64, bound, args, mods, rec, order) -> Non
                     flag.fill(0)
         del d, plan
         cp.get_default_memory_pool().free_all_blocks()
+        # the library's kernel on its own layout (rows padded, groups of 128 interleaved for vector loads),
+        # with 1..4 groups kept in registers (-DMLEM_CHUNK_CACHE)
+        t0 = time.perf_counter()
+        dc = gpu.DeviceChunked.upload(a, window=window)
+        log(f"{order}: DeviceChunked.upload, window {window}: {dc.chunks} chunks, {dc.nbytes / max(dc.nnz, 1):.3f} "
+            f"bytes/nnz, {time.perf_counter() - t0:.1f} s")
+        saved = gpu.OPTIONS
+        for groups in args.chunk_groups:
+            gpu.OPTIONS = saved + (f"-DMLEM_CHUNK_CACHE={groups}",)
+
+            def lib(dc=dc):
+                gpu.chunked_onepass(dc, g, f, bp=bp, fp=fp, bound=bound, check=False, acc=acc, flag=flag)
+
+            rec("onepass", f"library chunked_onepass window {window}, {groups} groups in registers, "
+                f"{gpu.function('chunked_onepass').num_regs} regs", lib, lambda: rel(bp, bp64))
+            if int(flag.get()[0]):
+                log(f"{order}: library chunked_onepass overflow flag {int(flag.get()[0])}")
+                flag.fill(0)
+        gpu.OPTIONS = saved
+        del dc
+        cp.get_default_memory_pool().free_all_blocks()
 
 
 def markdown(records: list) -> str:
@@ -347,6 +368,8 @@ def main(argv=None) -> int:
                     help="also the one pass through mlemlib.chunked plans of these windows (probe kernels)")
     ap.add_argument("--chunk-threads", type=lambda t: [int(v) for v in t.split(",")], default=[1024],
                     help="threads per block of the chunked probe kernels (default 1024)")
+    ap.add_argument("--chunk-groups", type=lambda t: [int(v) for v in t.split(",")], default=[2],
+                    help="groups of 128 elements the library's chunked kernel keeps in registers (compiled variants)")
     ap.add_argument("--chunk-old", action="store_true",
                     help="also the first chunked kernel (float shared-memory atomics: CAS loops, 20 ms on madpet2)")
     ap.add_argument("--op-minb", type=lambda t: [int(v) for v in t.split(",")], default=[],

@@ -261,14 +261,100 @@ extern "C" __global__ void __launch_bounds__(PROBE_THREADS) pchunk_onepass_det(
     pchunk_body<true>(chunk_rows, vptr, voxels, rp, local, val, f, g, fp, nullptr, acc, fscale, flag, window);
 }
 
-// pchunk2_onepass_<C>: the library's chunked one pass (compressed.cu, chunked_onepass_body)
-// with C trips kept in registers (the library's entry point uses MLEM_CHUNK_CACHE).
+// pchunk2_onepass_<C>: the library's first chunked one pass (compressed.cu's chunked_onepass_body
+// until the rows were interleaved for vector loads): rows in order, one element per lane per
+// trip, C trips kept in registers; reads the plain layout of mlemlib.chunked.build_plan.
+template <int C>
+__device__ __forceinline__ void plain_chunk_body(const i64* __restrict__ chunk_rows,
+                                                     const i64* __restrict__ vptr, const int* __restrict__ voxels,
+                                                     const i64* __restrict__ rp,
+                                                     const unsigned short* __restrict__ local,
+                                                     const float* __restrict__ val, const float* __restrict__ f,
+                                                     const float* __restrict__ g, float* fp, u64* acc,
+                                                     double fscale, int* flag, int window, int fwd_only) {
+    extern __shared__ float chunk_sm[];
+    float* fl = chunk_sm;
+    unsigned* lo = reinterpret_cast<unsigned*>(chunk_sm + window);
+    unsigned* hi = lo + window;
+    const i64 c = blockIdx.x;
+    const i64 v0 = vptr[c];
+    const int nv = (int)(vptr[c + 1] - v0);
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+        fl[i] = __ldg(f + __ldg(voxels + v0 + i));
+        lo[i] = 0u;
+        hi[i] = 0u;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int nw = blockDim.x >> 5;
+    const i64 r1 = chunk_rows[c + 1];
+    const double QMAX = 4503599627370496.0;  // 2^52
+    int bad = 0;
+    for (i64 r = chunk_rows[c] + (threadIdx.x >> 5); r < r1; r += nw) {  // warp-uniform
+        const i64 s = rp[r], e = rp[r + 1];
+        unsigned cc[C > 0 ? C : 1];
+        float cv[C > 0 ? C : 1];
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            const i64 k = s + 32 * t + lane;
+            cc[t] = 0u;
+            cv[t] = 0.0f;
+            if (k < e) {
+                cc[t] = __ldcs(local + k);
+                cv[t] = __ldcs(val + k);
+            }
+        }
+        float sum = 0.0f;
+#pragma unroll
+        for (int t = 0; t < C; ++t) sum += cv[t] * fl[cc[t]];
+        for (i64 k = s + 32 * C + lane; k < e; k += 32) sum += __ldg(val + k) * fl[__ldg(local + k)];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+        if (lane == 0) fp[r] = sum;
+        const float ci = (sum != 0.0f && !fwd_only) ? __ldg(g + r) / sum : 0.0f;
+        if (ci == 0.0f) continue;  // warp-uniform
+#pragma unroll
+        for (int t = 0; t < C; ++t) {
+            if (s + 32 * t >= e) break;  // warp-uniform
+            const double q = (double)(cv[t] * ci) * fscale;
+            if (!(q >= 0.0 && q < QMAX)) {
+                bad = 1;
+            } else if (q > 0.0) {
+                const u64 u = __double2ull_rn(q);
+                atomicAdd(lo + cc[t], (unsigned)(u & 0xFFFFFull));
+                atomicAdd(hi + cc[t], (unsigned)(u >> 20));
+            }
+        }
+        for (i64 k = s + 32 * C + lane; k < e; k += 32) {
+            const unsigned j = __ldcs(local + k);
+            const double q = (double)(__ldcs(val + k) * ci) * fscale;
+            if (!(q >= 0.0 && q < QMAX)) {
+                bad = 1;
+            } else if (q > 0.0) {
+                const u64 u = __double2ull_rn(q);
+                atomicAdd(lo + j, (unsigned)(u & 0xFFFFFull));
+                atomicAdd(hi + j, (unsigned)(u >> 20));
+            }
+        }
+    }
+    if (bad) atomicOr(flag, 1);
+    if (fwd_only) return;  // uniform over the block
+    __syncthreads();
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+        const u64 u = ((u64)hi[i] << 20) + (u64)lo[i];
+        if (u != 0ull) {
+            const u64 old = atomicAdd(acc + __ldg(voxels + v0 + i), u);
+            if (old + u < old) atomicOr(flag, 2);
+        }
+    }
+}
+
 #define PCHUNK2(C)                                                                                              \
     extern "C" __global__ void __launch_bounds__(PROBE_THREADS) pchunk2_onepass_##C(                          \
         const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local, \
         const float* val, const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag,     \
         int window) {                                                                                          \
-        chunked_onepass_body<C>(chunk_rows, vptr, voxels, rp, local, val, f, g, fp, acc, fscale, flag, window, 0); \
+        plain_chunk_body<C>(chunk_rows, vptr, voxels, rp, local, val, f, g, fp, acc, fscale, flag, window, 0);     \
     }
 PCHUNK2(0)
 PCHUNK2(8)

@@ -652,10 +652,13 @@ class DeviceChunked:
     """A CSR matrix on the GPU as the row chunks of :mod:`mlemlib.chunked` (the ``onepass_chunked`` kernel's input).
 
     ``indptr`` (int64, m + 1), ``data`` (float32) and, per non-zero, its
-    16-bit index ``local`` into its chunk's voxel list; chunk ``c`` holds rows
-    ``[chunk_rows[c], chunk_rows[c + 1])`` and voxels
-    ``voxels[vptr[c]:vptr[c + 1]]``. No column indices: 6 bytes per non-zero
-    plus the voxel lists (4 bytes per non-zero / :attr:`reuse`).
+    16-bit index ``local`` into its chunk's voxel list, in the kernel's row
+    layout (:func:`mlemlib.chunked.interleave`: rows padded with zeros to a
+    multiple of 4 elements, whole groups of 128 interleaved for vector
+    loads); chunk ``c`` holds rows ``[chunk_rows[c], chunk_rows[c + 1])``
+    and voxels ``voxels[vptr[c]:vptr[c + 1]]``. No column indices: 6 bytes
+    per stored element (non-zeros and at most 3 zeros per row) plus the voxel
+    lists (4 bytes per non-zero / :attr:`reuse`).
     """
 
     indptr: Any
@@ -666,11 +669,8 @@ class DeviceChunked:
     voxels: Any
     shape: tuple[int, int]
     window: int
+    nnz: int  # non-zeros (the stored elements add the rows' padding)
     format = "csr"
-
-    @property
-    def nnz(self) -> int:
-        return int(self.data.size)
 
     @property
     def chunks(self) -> int:
@@ -691,11 +691,13 @@ class DeviceChunked:
 
     @staticmethod
     def device_bytes(source: Any) -> int:
-        """Bytes on the GPU before the plan exists: 8 per row, 6 per non-zero, 1 more for voxel lists of reuse 4."""
+        """Bytes on the GPU before the plan exists: 8 per row and 6 per padding element (at most 3 per row), 6 per
+        non-zero, 1 more for voxel lists of reuse 4."""
+        from mlemlib import chunked
         from mlemlib.matrix import shape_nnz
 
         (m, _), nnz = shape_nnz(source)
-        return 8 * (m + 1) + 7 * nnz
+        return 8 * (m + 1) + 6 * (chunked.VEC - 1) * m + 7 * nnz
 
     @classmethod
     def upload(cls, source: Any, *, window: int | None = None, what: str = "matrix",
@@ -723,31 +725,37 @@ class DeviceChunked:
         t0 = time.perf_counter()
         indptr = cp.empty(m + 1, dtype=cp.int64)
         indptr[0] = 0
-        local = cp.empty(nnz, dtype=cp.uint16)
-        data = cp.empty(nnz, dtype=cp.float32)
+        # the rows' padding is known block by block: room for the most (the unused end is never read)
+        room = nnz + (chunked.VEC - 1) * m
+        local = cp.empty(room, dtype=cp.uint16)
+        data = cp.empty(room, dtype=cp.float32)
         chunk_rows, counts, voxels = [np.zeros(1, np.int64)], [], []
-        k = 0
+        k = 0  # stored elements
+        read = 0  # non-zeros
         for r0, r1, block in chunked.row_blocks(source, max_nnz):
             p = chunked.build_plan(block, window=window)
-            ip = np.asarray(block.indptr, dtype=np.int64)
-            b = int(ip[-1] - ip[0])
-            indptr[r0 + 1 : r1 + 1] = cp.asarray(ip[1:] - ip[0] + k)
-            local[k : k + b] = cp.asarray(p.local)
-            data[k : k + b] = cp.asarray(np.asarray(block.data, dtype=np.float32))
+            pip, ploc, pdat = chunked.interleave(block.indptr, p.local, block.data)
+            b = int(pip[-1])
+            indptr[r0 + 1 : r1 + 1] = cp.asarray(pip[1:] + k)
+            local[k : k + b] = cp.asarray(ploc)
+            data[k : k + b] = cp.asarray(pdat)
+            del ploc, pdat
             chunk_rows.append(p.chunk_rows[1:] + r0)
             counts.append(np.diff(p.vptr))
             voxels.append(cp.asarray(p.voxels))  # on the device block by block: the host holds one block
             k += b
+            read += len(p.local)
             if m and r1 < m and (r1 * 10 // m) != (r0 * 10 // m):
                 log.info("%s: chunked %d of %d rows (%.0f s)", what, r1, m, time.perf_counter() - t0)
-        if k != nnz:
-            raise DeviceError(f"{what}: read {k} non-zeros, header says {nnz}")
+        if read != nnz:
+            raise DeviceError(f"{what}: read {read} non-zeros, header says {nnz}")
         vptr = np.zeros(sum(len(c) for c in counts) + 1, dtype=np.int64)
         if counts:
             np.cumsum(np.concatenate(counts), out=vptr[1:])
         vox = cp.concatenate(voxels) if voxels else cp.empty(0, dtype=cp.int32)
         del voxels
-        out = cls(indptr, local, data, cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr), vox, (m, n), window)
+        out = cls(indptr, local[:k], data[:k], cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr), vox, (m, n),
+                  window, nnz)
         log.info("%s: %d chunks of <= %d voxels, reuse %.2f, %.3f bytes per non-zero on the GPU, in %.1f s",
                  what, out.chunks, window, out.reuse, out.nbytes / max(nnz, 1), time.perf_counter() - t0)
         return out

@@ -90,12 +90,13 @@ typedef unsigned long long u64;
 #endif
 
 // The chunked one pass: threads per block (one block per chunk, its shared memory a third of
-// a multiprocessor's or more) and trips kept in registers.
+// a multiprocessor's or more) and interleaved groups of 128 elements (4 trips) kept in
+// registers between a row's dot product and its scatter.
 #ifndef MLEM_CHUNK_THREADS
 #define MLEM_CHUNK_THREADS 1024
 #endif
 #ifndef MLEM_CHUNK_CACHE
-#define MLEM_CHUNK_CACHE 8
+#define MLEM_CHUNK_CACHE 2
 #endif
 
 #define MODE_PLAIN 0
@@ -575,7 +576,45 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
 // Integer sums: deterministic, for any order and any number of GPUs sharing fscale.
 // fwd_only: fp = A f alone (no scatter). Overflow (a term outside [0, 2^52)) sets flag 1, a
 // wrapped global sum flag 2. Dynamic shared memory: 3 * window words (f, low, high).
-template <int C>
+//
+// Row layout (mlemlib.chunked.interleave): every row starts at a multiple of 4 elements (rows
+// padded with zeros: value 0, local index 0), and its first 128 * (len / 128) elements are
+// stored by groups of 128 with element 32 t + l of a group at 4 l + t: lane l reads trips
+// 4 g .. 4 g + 3 of its row with one 8-byte and one 16-byte load (a quarter of the load
+// instructions of one element per lane, four times the bytes in flight per instruction), and
+// still takes the same elements, in the same order, as with one element per lane (the sums are
+// those of mlemlib.chunked.onepass_fixed). The rest of the row (< 128 elements, up to 4 trips)
+// is stored in order and read one element per lane. CG groups and the rest stay in registers
+// between the dot product and the scatter; later groups are read again for the scatter.
+__device__ __forceinline__ void chunk_put(unsigned* lo, unsigned* hi, unsigned j, float t, double fscale, int& bad) {
+    const double QMAX = 4503599627370496.0;  // 2^52
+    const double q = (double)t * fscale;
+    if (!(q >= 0.0 && q < QMAX)) {
+        bad = 1;
+    } else if (q > 0.0) {
+        const u64 u = __double2ull_rn(q);
+        atomicAdd(lo + j, (unsigned)(u & 0xFFFFFull));
+        atomicAdd(hi + j, (unsigned)(u >> 20));
+    }
+}
+
+__device__ __forceinline__ float chunk_dot4(float sum, const float* fl, ushort4 c, float4 v) {
+    sum += v.x * fl[c.x];
+    sum += v.y * fl[c.y];
+    sum += v.z * fl[c.z];
+    sum += v.w * fl[c.w];
+    return sum;
+}
+
+__device__ __forceinline__ void chunk_put4(unsigned* lo, unsigned* hi, ushort4 c, float4 v, float ci, double fscale,
+                                           int& bad) {
+    chunk_put(lo, hi, c.x, v.x * ci, fscale, bad);
+    chunk_put(lo, hi, c.y, v.y * ci, fscale, bad);
+    chunk_put(lo, hi, c.z, v.z * ci, fscale, bad);
+    chunk_put(lo, hi, c.w, v.w * ci, fscale, bad);
+}
+
+template <int CG>
 __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chunk_rows,
                                                      const i64* __restrict__ vptr, const int* __restrict__ voxels,
                                                      const i64* __restrict__ rp,
@@ -599,54 +638,55 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     const int lane = threadIdx.x & 31;
     const int nw = blockDim.x >> 5;
     const i64 r1 = chunk_rows[c + 1];
-    const double QMAX = 4503599627370496.0;  // 2^52
     int bad = 0;
     for (i64 r = chunk_rows[c] + (threadIdx.x >> 5); r < r1; r += nw) {  // warp-uniform
         const i64 s = rp[r], e = rp[r + 1];
-        unsigned cc[C > 0 ? C : 1];
-        float cv[C > 0 ? C : 1];
+        const int ng = (int)((e - s) >> 7);  // interleaved groups of 128
+        const i64 t0 = s + ((i64)ng << 7);   // the rest, in order: [t0, e), at most 4 trips
+        const ushort4* __restrict__ lq = reinterpret_cast<const ushort4*>(local + s) + lane;
+        const float4* __restrict__ vq = reinterpret_cast<const float4*>(val + s) + lane;
+        ushort4 cc[CG > 0 ? CG : 1];
+        float4 cv[CG > 0 ? CG : 1];
+        unsigned rc[4];
+        float rv[4];
 #pragma unroll
-        for (int t = 0; t < C; ++t) {
-            const i64 k = s + 32 * t + lane;
-            cc[t] = 0u;
-            cv[t] = 0.0f;
+        for (int q = 0; q < CG; ++q) {
+            cc[q] = make_ushort4(0, 0, 0, 0);
+            cv[q] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (q < ng) {
+                cc[q] = __ldcs(lq + 32 * q);
+                cv[q] = __ldcs(vq + 32 * q);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const i64 k = t0 + 32 * t + lane;
+            rc[t] = 0u;
+            rv[t] = 0.0f;
             if (k < e) {
-                cc[t] = __ldcs(local + k);
-                cv[t] = __ldcs(val + k);
+                rc[t] = __ldcs(local + k);
+                rv[t] = __ldcs(val + k);
             }
         }
         float sum = 0.0f;
 #pragma unroll
-        for (int t = 0; t < C; ++t) sum += cv[t] * fl[cc[t]];
-        for (i64 k = s + 32 * C + lane; k < e; k += 32) sum += __ldg(val + k) * fl[__ldg(local + k)];
+        for (int q = 0; q < CG; ++q) sum = chunk_dot4(sum, fl, cc[q], cv[q]);
+        for (int q = CG; q < ng; ++q) sum = chunk_dot4(sum, fl, __ldg(lq + 32 * q), __ldg(vq + 32 * q));
+#pragma unroll
+        for (int t = 0; t < 4; ++t) sum += rv[t] * fl[rc[t]];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
         if (lane == 0) fp[r] = sum;
         const float ci = (sum != 0.0f && !fwd_only) ? __ldg(g + r) / sum : 0.0f;
         if (ci == 0.0f) continue;  // warp-uniform
 #pragma unroll
-        for (int t = 0; t < C; ++t) {
-            if (s + 32 * t >= e) break;  // warp-uniform
-            const double q = (double)(cv[t] * ci) * fscale;
-            if (!(q >= 0.0 && q < QMAX)) {
-                bad = 1;
-            } else if (q > 0.0) {
-                const u64 u = __double2ull_rn(q);
-                atomicAdd(lo + cc[t], (unsigned)(u & 0xFFFFFull));
-                atomicAdd(hi + cc[t], (unsigned)(u >> 20));
-            }
+        for (int q = 0; q < CG; ++q) {
+            if (q >= ng) break;  // warp-uniform
+            chunk_put4(lo, hi, cc[q], cv[q], ci, fscale, bad);
         }
-        for (i64 k = s + 32 * C + lane; k < e; k += 32) {
-            const unsigned j = __ldcs(local + k);
-            const double q = (double)(__ldcs(val + k) * ci) * fscale;
-            if (!(q >= 0.0 && q < QMAX)) {
-                bad = 1;
-            } else if (q > 0.0) {
-                const u64 u = __double2ull_rn(q);
-                atomicAdd(lo + j, (unsigned)(u & 0xFFFFFull));
-                atomicAdd(hi + j, (unsigned)(u >> 20));
-            }
-        }
+        for (int q = CG; q < ng; ++q) chunk_put4(lo, hi, __ldcs(lq + 32 * q), __ldcs(vq + 32 * q), ci, fscale, bad);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) chunk_put(lo, hi, rc[t], rv[t] * ci, fscale, bad);  // zeros add nothing
     }
     if (bad) atomicOr(flag, 1);
     if (fwd_only) return;  // uniform over the block
@@ -724,7 +764,7 @@ CSR_ONEPASS(16)
 CSR_ONEPASS(32)
 
 // The chunked one pass (chunked_onepass_body above): one block of MLEM_CHUNK_THREADS per chunk,
-// MLEM_CHUNK_CACHE trips in registers (8: measured fastest of 0, 8, 16 on madpet2).
+// MLEM_CHUNK_CACHE interleaved groups (4 trips each) and the row's rest in registers.
 extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass(
     const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
     const float* val, const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, int window,
