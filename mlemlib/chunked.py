@@ -360,16 +360,18 @@ def row_blocks(source, max_nnz: int):
         yield r0, r1, _host_rows(source, r0, r1)
 
 
-def sample_reuse(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NNZ) -> float | None:
-    """Voxel reuse of the row chunks of one block of about ``max_nnz`` non-zeros from the middle of ``source``.
+def sample_chunks(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NNZ) -> tuple[float, float] | None:
+    """``(reuse, chunks)`` of the row chunks of one block of about ``max_nnz`` non-zeros from the middle of ``source``.
 
     What ``auto`` decides ``onepass_chunked`` from
-    (:func:`mlemlib.registry.choose_no_transpose`) without chunking the whole
+    (:func:`mlemlib.registry.choose_one_gpu`) without chunking the whole
     matrix: the block's rows, in their stored order, grouped as
     :func:`build_plan` would (``window`` voxels, at most
-    :data:`MAX_CHUNK_ROWS` rows per chunk). ``source``: a :class:`CSRMatrix`,
-    an opened matrix file or a device CSR. None for a matrix without
-    non-zeros.
+    :data:`MAX_CHUNK_ROWS` rows per chunk); ``reuse`` is the block's
+    non-zeros per voxel-list entry, ``chunks`` the whole matrix's chunks
+    estimated from the block's (its chunks times the matrix's non-zeros over
+    the block's). ``source``: a :class:`CSRMatrix`, an opened matrix file or a
+    device CSR. None for a matrix without non-zeros.
     """
     source = _host_source(source)
     bounds = _host_bounds(source, max_nnz)
@@ -382,7 +384,16 @@ def sample_reuse(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NNZ
     ip = np.asarray(block.indptr, dtype=np.int64)
     _, distinct = greedy_chunks(ip, np.asarray(block.indices), np.arange(r1 - r0, dtype=np.int64),
                                 int(block.shape[1]), int(window), MAX_CHUNK_ROWS)
-    return block.nnz / float(distinct.sum())
+    from mlemlib.matrix import shape_nnz
+
+    total = shape_nnz(source)[1]
+    return block.nnz / float(distinct.sum()), len(distinct) * total / block.nnz
+
+
+def sample_reuse(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NNZ) -> float | None:
+    """The ``reuse`` of :func:`sample_chunks` (None for a matrix without non-zeros)."""
+    got = sample_chunks(source, window, max_nnz)
+    return None if got is None else got[0]
 
 
 # --------------------------------------------------------------------------- the GPU kernel's arithmetic on the CPU

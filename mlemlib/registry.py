@@ -47,6 +47,9 @@ SMEM_LOCAL_MIN = 0.5
 #: without a transpose takes ``onepass_chunked`` on one GPU: measured 4.9 ms at 9.2 and 9.4 ms at
 #: 4.2 on madpet2 (H100), against 8.1 ms for the csr_vector + scatter iteration (benchmarks.md §34).
 CHUNK_REUSE_MIN = 8.0
+#: Least chunks per multiprocessor (one block each) at which ``auto`` takes ``onepass_chunked`` over
+#: the csr_vector pair when a transpose is there: below, most of the GPU waits for a few blocks.
+CHUNK_WAVES_MIN = 4
 
 
 @dataclass(frozen=True)
@@ -181,8 +184,9 @@ AUTO_RULES = (
     "the GPU, else notrans (onepass_fixed on a compressed matrix)",
     "bp naming a whole-iteration kernel (onepass, onepass_fixed) runs the iteration in one pass; fp is then auto",
     "cuda notrans: scatter_smem when >= 50% of its row chunks fit shared memory, else scatter",
-    "cuda bp=auto without a usable transpose on a CSR matrix, one GPU: onepass_chunked when the row chunks of a "
-    "sample block of the matrix reuse each voxel >= 8 times (a matrix in the reorder stage's order), else notrans",
+    "cuda bp=auto (and fp=auto) on a CSR matrix, one GPU: onepass_chunked when the row chunks of a sample block of "
+    "the matrix reuse each voxel >= 8 times (a matrix in the reorder stage's order); with a transpose only when the "
+    "matrix makes >= 4 chunks per multiprocessor (else the csr_vector pair)",
     "cuda csr_vector launch shape: the fastest of _cuda_plan.SHAPE_CANDIDATES, timed on each matrix (and each "
     "GPU's block) at set-up; a shape never changes a result",
 )
@@ -296,15 +300,25 @@ def choose_notrans(local_fraction: float, nnz: int, *, gpus: int = 1) -> str:
     return "scatter_smem" if local_fraction >= SMEM_LOCAL_MIN else "scatter"
 
 
-def choose_no_transpose(reuse: float | None) -> str:
-    """What ``auto`` runs on one GPU without a usable transpose of a CSR matrix, from the sampled chunk reuse.
+def choose_one_gpu(reuse: float | None, *, transpose: bool, chunks: float | None = None,
+                   sms: int | None = None) -> str:
+    """What ``auto`` runs on one GPU on a CSR matrix, from a sample's chunk reuse (:func:`mlemlib.chunked.sample_chunks`).
 
     ``onepass_chunked`` (the whole iteration, deterministic) when the chunks
-    reuse each voxel at least :data:`CHUNK_REUSE_MIN` times, else ``notrans``
-    (the forward kernel plus :func:`choose_notrans`'s scatter). ``None`` (no
-    sample: an empty matrix) gives ``notrans``.
+    of a sample block reuse each voxel at least :data:`CHUNK_REUSE_MIN`
+    times (a matrix in the reorder stage's order): 1.6-1.8x faster than the
+    pair on A and A^T on madpet2 (benchmarks.md §36). With a transpose
+    (``transpose``: the ``csr_vector`` pair can run) it also needs
+    :data:`CHUNK_WAVES_MIN` blocks per multiprocessor (``chunks`` estimated,
+    ``sms`` of the device; a block per chunk): a small matrix leaves most of
+    the GPU idle, where the pair does not. Else the pair, or ``notrans``
+    without a transpose. ``None`` reuse (no sample: an empty matrix) counts
+    as no reuse.
     """
-    return "onepass_chunked" if reuse is not None and reuse >= CHUNK_REUSE_MIN else "notrans"
+    if reuse is not None and reuse >= CHUNK_REUSE_MIN:
+        if not transpose or (chunks is not None and sms is not None and chunks >= CHUNK_WAVES_MIN * sms):
+            return "onepass_chunked"
+    return "csr_vector" if transpose else "notrans"
 
 
 @dataclass(frozen=True)

@@ -325,9 +325,11 @@ def test_auto_takes_the_chunked_one_pass_from_the_sampled_reuse(tmp_path):
     from mlemlib.formats import open_matrix
     from mlemlib.formats.h5 import write_matrix_h5
 
-    assert registry.choose_no_transpose(None) == "notrans"
-    assert registry.choose_no_transpose(registry.CHUNK_REUSE_MIN) == "onepass_chunked"
-    assert registry.choose_no_transpose(registry.CHUNK_REUSE_MIN - 0.01) == "notrans"
+    for transpose, pair in ((False, "notrans"), (True, "csr_vector")):
+        assert registry.choose_one_gpu(None, transpose=transpose) == pair
+        many = {"chunks": 1e6, "sms": 132}
+        assert registry.choose_one_gpu(registry.CHUNK_REUSE_MIN, transpose=transpose, **many) == "onepass_chunked"
+        assert registry.choose_one_gpu(registry.CHUNK_REUSE_MIN - 0.01, transpose=transpose, **many) == pair
     a = _random(m=4000, n=3000, seed=11)
     banded = chunked.sample_reuse(a, window=1024, max_nnz=20_000)
     # the same block's reuse by hand: build_plan of the middle block of chunk_bounds
@@ -340,6 +342,18 @@ def test_auto_takes_the_chunked_one_pass_from_the_sampled_reuse(tmp_path):
     shuffled = CSRMatrix.from_scipy(a.to_scipy()[np.random.default_rng(0).permutation(a.shape[0])])
     low = chunked.sample_reuse(shuffled, window=1024, max_nnz=20_000)
     assert banded >= registry.CHUNK_REUSE_MIN > low
+    # a sample holding the whole matrix: its reuse and chunks are the plan's
+    whole = chunked.build_plan(a, window=1024)
+    assert chunked.sample_chunks(a, window=1024, max_nnz=2 * a.nnz) == pytest.approx((whole.reuse, whole.chunks))
+    # the middle block's chunks, scaled to the matrix
+    reuse, chunks = chunked.sample_chunks(a, window=1024, max_nnz=20_000)
+    assert chunks == pytest.approx(chunked.build_plan(block, window=1024).chunks * a.nnz / block.nnz)
+    # with a transpose, the chunks must also fill the GPU (3.5 chunks here: fewer than 4 per multiprocessor)
+    assert 1 < chunks < registry.CHUNK_WAVES_MIN
+    assert registry.choose_one_gpu(reuse, transpose=True, chunks=chunks, sms=1) == "csr_vector"
+    assert registry.choose_one_gpu(reuse, transpose=True, chunks=100 * chunks, sms=1) == "onepass_chunked"
+    assert registry.choose_one_gpu(reuse, transpose=False, chunks=chunks, sms=1) == "onepass_chunked"
+    assert registry.choose_one_gpu(reuse, transpose=True) == "csr_vector"  # no estimate: the pair
     # an opened file gives the same sample as the matrix in memory
     write_matrix_h5(tmp_path / "a.h5", a)
     with open_matrix(tmp_path / "a.h5") as src:
@@ -349,7 +363,8 @@ def test_auto_takes_the_chunked_one_pass_from_the_sampled_reuse(tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_backend_auto_without_a_transpose_takes_the_chunks_where_they_pay():
+def test_cuda_backend_auto_takes_the_chunks_where_they_pay(monkeypatch):
+    from mlemlib import registry
     from mlemlib.backends.cuda import CudaBackend
 
     a = _random(m=40000, n=40000, seed=12)  # a band: chunks of 4,096 rows reuse each voxel ~20 times
@@ -366,6 +381,17 @@ def test_cuda_backend_auto_without_a_transpose_takes_the_chunks_where_they_pay()
             assert d["bp"] in ("scatter", "scatter_smem")
         f = be.iterate(be.initial_image())
         assert np.isfinite(be.to_host(f)).all()
+        # with a transpose: the pair, as 10 chunks leave most of the GPU idle; the chunks once they would fill it
+        at = CSRMatrix.from_scipy(mat.to_scipy().T.tocsr())
+        be = CudaBackend(mat, g, norm, at, bp="auto")
+        assert be.bp_kernel == "csr_vector" and be.describe()["chunks_estimated"] < 100
+        with monkeypatch.context() as mp:
+            mp.setattr(registry, "CHUNK_WAVES_MIN", 0)
+            be = CudaBackend(mat, g, norm, at, bp="auto")
+            if want == "onepass_chunked":
+                assert be.bp_kernel == "onepass_chunked" and be.at is None and be.transpose_source == "none"
+            else:
+                assert be.bp_kernel == "csr_vector" and be.transpose_source == "stored"
 
 
 # --------------------------------------------------------------------------- the GPU kernel's arithmetic on the CPU
@@ -446,7 +472,9 @@ def test_mlem_info_prints_the_sampled_chunk_reuse(tmp_path, capsys):
     want = chunked.sample_reuse(a)
     assert f"chunk reuse  {want:.2f} per voxel" in capsys.readouterr().out
     assert main(["info", str(tmp_path / "a.h5"), "--chunks", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["chunk_reuse_sample"] == pytest.approx(want)
+    got = json.loads(capsys.readouterr().out)
+    assert got["chunk_reuse_sample"] == pytest.approx(want)
+    assert got["chunks_estimated"] == pytest.approx(chunked.sample_chunks(a)[1])
     write_lmsino(tmp_path / "g.LMsino", np.ones(5, np.int32))
     with pytest.raises(ConfigError, match="--chunks"):
         run(argparse.Namespace(file=tmp_path / "g.LMsino", matrix=None, quick=False, json=False, chunks=True))

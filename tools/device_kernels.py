@@ -380,8 +380,8 @@ def mlem_section(a, at, order, args) -> list[dict]:
     cp.get_default_memory_pool().free_all_blocks()
     ref = f64.get()
     del f64
-    configs = [("csr", "auto", a, at), ("csr", "onepass", a, None), ("csr", "onepass_fixed", a, None),
-               ("csr", "onepass_chunked", a, None)]
+    configs = [("csr", "auto", a, at), ("csr", "csr_vector", a, at), ("csr", "onepass", a, None),
+               ("csr", "onepass_fixed", a, None), ("csr", "onepass_chunked", a, None)]
     for fmt in ("compressed", "compressed-f16"):
         if (fmt, "A") in ITER_MATS:
             configs += [(fmt, "auto", ITER_MATS[(fmt, "A")], ITER_MATS[(fmt, "AT")]),

@@ -191,25 +191,36 @@ class CudaBackend(Backend):
             self.deterministic = choice.deterministic
 
             self.chunk_reuse_sample: float | None = None
-            if bp in ("auto", None) and self.bp_kernel == "notrans" and self.format == "csr":
-                # no usable transpose: the chunked one pass where a sample of the matrix's chunks reuses voxels
+            self.chunk_estimate: float | None = None
+            paired = choice
+            if (bp in ("auto", None) and self.format == "csr"
+                    and (self.bp_kernel == "notrans" or fp in ("auto", None))):
+                # the chunked one pass where a sample of the matrix's chunks reuses voxels (a reordered
+                # matrix), with or without a transpose: faster than the pair (benchmarks.md §36)
                 from mlemlib import chunked
 
-                self.chunk_reuse_sample = chunked.sample_reuse(matrix, cc().chunk_window(self.device_id))
-                if registry.choose_no_transpose(self.chunk_reuse_sample) == "onepass_chunked":
-                    log.info("bp=auto: no transpose; chunks of a sample reuse each voxel %.1f times: onepass_chunked",
-                             self.chunk_reuse_sample)
+                sample = chunked.sample_chunks(matrix, cc().chunk_window(self.device_id))
+                self.chunk_reuse_sample, chunks = sample if sample is not None else (None, None)
+                self.chunk_estimate = chunks
+                sms = int(cp.cuda.runtime.getDeviceProperties(self.device_id)["multiProcessorCount"])
+                pick = registry.choose_one_gpu(self.chunk_reuse_sample, transpose=choice.needs_transpose,
+                                               chunks=chunks, sms=sms)
+                if pick == "onepass_chunked":
+                    log.info("bp=auto: chunks of a sample reuse each voxel %.1f times (about %.0f chunks): "
+                             "onepass_chunked%s", self.chunk_reuse_sample, chunks,
+                             " (the transpose is not read)" if choice.needs_transpose else "")
                     self.chunked = True
-                    self.fp_kernel = self.bp_kernel = "onepass_chunked"
-                    self.deterministic = True
+                    choice = registry.resolve("cuda", "auto", "onepass_chunked", fmt=self.format)
+                    self.fp_kernel, self.bp_kernel, self.deterministic = choice.fp, choice.bp, choice.deterministic
             if self.chunked:
                 try:
                     self.a = cc().DeviceChunked.upload(matrix, what="matrix")
                 except ValueError as exc:
                     if bp == "onepass_chunked":
                         raise ConfigError("bp", f"bp=onepass_chunked: {exc}; use bp=onepass_fixed") from exc
-                    log.info("bp=auto: %s; back projection by notrans instead of onepass_chunked", exc)
+                    log.info("bp=auto: %s; back projection by %s instead of onepass_chunked", exc, paired.bp)
                     self.chunked = False
+                    choice = paired
                     self.fp_kernel, self.bp_kernel, self.deterministic = choice.fp, choice.bp, choice.deterministic
             if not self.chunked:
                 self.a = dev_type.upload(matrix, what="matrix", fmt=self.format)
@@ -444,6 +455,7 @@ class CudaBackend(Backend):
             "chunks": {"count": self.a.chunks, "window": self.a.window, "reuse": round(self.a.reuse, 3)}
             if self.chunked else None,
             "chunk_reuse_sample": self.chunk_reuse_sample,
+            "chunks_estimated": self.chunk_estimate,
             "transpose": self.transpose_source,
             "format": self.format,
             "bytes_per_nnz": {"A": bytes_per_nnz(self.a), "AT": bytes_per_nnz(self.at)},

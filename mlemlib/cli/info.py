@@ -63,7 +63,8 @@ def format_info(d: dict) -> str:
         if d.get("chunk_reuse_sample") is not None:
             lines.append(
                 f"  chunk reuse  {d['chunk_reuse_sample']:.2f} per voxel (rows in stored order, a sample block; "
-                f"onepass_chunked pays off from {d['chunk_reuse_min']:g})"
+                f"onepass_chunked pays off from {d['chunk_reuse_min']:g}), about {d['chunks_estimated']:,.0f} chunks "
+                f"(auto takes it over the pair from {d['chunk_waves_min']} per multiprocessor)"
             )
         if d.get("grid"):
             gx, gy, gz = d["grid"]
@@ -105,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
         from mlemlib import chunked, registry
 
         with open_matrix(args.file) as mat:
-            d["chunk_reuse_sample"] = chunked.sample_reuse(mat)
+            sample = chunked.sample_chunks(mat)
+        d["chunk_reuse_sample"], d["chunks_estimated"] = sample if sample is not None else (None, None)
         d["chunk_reuse_min"] = registry.CHUNK_REUSE_MIN
+        d["chunk_waves_min"] = registry.CHUNK_WAVES_MIN
     print(json.dumps(d, indent=2) if args.json else format_info(d))
     return 0
