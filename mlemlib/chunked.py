@@ -22,7 +22,13 @@ Provides
   non-zero (built on all cores, one chunk per task);
 - :func:`onepass` — the one-pass MLEM step computed through the plan on the
   CPU (Numba, float32, chunks in order): the reference a GPU kernel of the
-  plan is checked against.
+  plan is checked against;
+- :func:`onepass_fixed` — the GPU kernel's own arithmetic on the CPU (the
+  same bits);
+- :func:`interleave` — the rows' layout on the GPU (padded to 4 elements,
+  groups of 128 interleaved for vector loads);
+- :func:`sample_chunks` — reuse and chunk count estimated from one block:
+  what ``auto`` decides from.
 
 The GPU kernel of this plan is ``chunked_onepass`` (``kernels/compressed.cu``;
 :class:`mlemlib.backends._compressed_cuda.DeviceChunked` builds the plan
@@ -45,7 +51,7 @@ MAX_WINDOW = 1 << 16
 DEFAULT_WINDOW = 1 << 14
 
 
-#: Non-zeros of the block :func:`sample_reuse` reads.
+#: Non-zeros of the block :func:`sample_chunks` reads.
 SAMPLE_NNZ = 1 << 24
 #: Most rows per chunk: the fixed-point kernel's low words (20-bit parts summed in 32 bits)
 #: take at most 4,096 terms per voxel and chunk, and a voxel gets one term per row.

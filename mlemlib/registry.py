@@ -44,8 +44,8 @@ CUSPARSE_MAX_NNZ = 2**31 - 1
 #: Share of ``scatter_smem``'s row chunks whose columns must fit shared memory for ``notrans`` to take it.
 SMEM_LOCAL_MIN = 0.5
 #: Least voxel reuse of the row chunks (non-zeros per voxel and chunk, sampled) at which ``auto``
-#: without a transpose takes ``onepass_chunked`` on one GPU: measured 4.9 ms at 9.2 and 9.4 ms at
-#: 4.2 on madpet2 (H100), against 8.1 ms for the csr_vector + scatter iteration (benchmarks.md §34).
+#: takes ``onepass_chunked`` on one GPU: on madpet2 (H200) 3.50 ms at reuse 9.2 and 8.5 ms at 4.2,
+#: against 3.69 ms for the csr_vector pair and 6.6 for csr_vector + a scatter (benchmarks.md §36).
 CHUNK_REUSE_MIN = 8.0
 #: Least chunks per multiprocessor (one block each) at which ``auto`` takes ``onepass_chunked`` over
 #: the csr_vector pair when a transpose is there: below, most of the GPU waits for a few blocks.
