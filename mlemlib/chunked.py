@@ -235,6 +235,41 @@ def stored_positions(indptr: np.ndarray) -> np.ndarray:
     return pip[row] + np.where(o < whole, inter, o)
 
 
+def half_rows(block: CSRMatrix, *, what: str = "matrix", row0: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """float16 values and power-of-two row scales that give ``block``'s float32 values back exactly.
+
+    For the decoded rows of a ``compressed-f16`` matrix (values that are
+    float16 times a power of two per row): ``(scale float32[rows], values
+    float16[nnz])`` with ``float32(values[k]) * scale[row] == data[k]``, the
+    scale chosen by the encoder's rule (:mod:`mlemlib.compressed`) from the
+    decoded values: the encoder's own scale, or twice it where a row's
+    largest value had rounded up to 2^15 times it.
+
+    Raises
+    ------
+    ValueError
+        A row whose values are not float16 times one power of two, naming
+        ``what`` and the row (``row0`` + its index in the block).
+    """
+    from mlemlib.compressed import _row_scales
+
+    ip = np.asarray(block.indptr, dtype=np.int64)
+    data = np.asarray(block.data, dtype=np.float32)
+    rows = len(ip) - 1
+    scale = np.empty(rows, dtype=np.float32)
+    scaled = np.empty(len(data), dtype=np.float64)
+    if rows:
+        _row_scales(ip, data, scale, scaled)
+    values = scaled.astype(np.float16)
+    back = values.astype(np.float32) * np.repeat(scale, np.diff(ip))
+    bad = np.flatnonzero(back != data)
+    if len(bad):
+        row = int(np.searchsorted(ip, bad[0] + ip[0], side="right") - 1)
+        raise ValueError(f"{what}: row {row0 + row} has values that are not float16 times a power-of-two row scale "
+                         "(not a compressed-f16 matrix's)")
+    return scale, values
+
+
 @njit(parallel=True, cache=True)
 def _interleave(ip, pip, local, data, local_out, data_out):  # pragma: no cover - compiled
     for r in prange(ip.shape[0] - 1):
@@ -266,17 +301,20 @@ def interleave(indptr: np.ndarray, local: np.ndarray, data: np.ndarray) -> tuple
     that lane ``l`` reads its trips ``t = 0..3`` with one vector load
     (:func:`stored_positions`). The rest of a row stays in order. The
     kernel's lanes see the same elements in the same order as without the
-    layout: the sums do not change. ``pindptr`` starts at 0.
+    layout: the sums do not change. ``pindptr`` starts at 0. ``data`` is
+    float32, or float16 (kept as float16).
     """
     ip = np.asarray(indptr, dtype=np.int64)
     pip = padded_indptr(ip)
     total = int(pip[-1])
+    data = np.asarray(data)
+    half = data.dtype == np.float16
+    bits = data.view(np.uint16) if half else np.asarray(data, dtype=np.float32)  # Numba moves float16 as bits
     local_out = np.empty(total, dtype=np.uint16)
-    data_out = np.empty(total, dtype=np.float32)
+    data_out = np.empty(total, dtype=bits.dtype)
     if len(ip) > 1:
-        _interleave(ip, pip, np.asarray(local, dtype=np.uint16), np.asarray(data, dtype=np.float32), local_out,
-                    data_out)
-    return pip, local_out, data_out
+        _interleave(ip, pip, np.asarray(local, dtype=np.uint16), bits, local_out, data_out)
+    return pip, local_out, data_out.view(np.float16) if half else data_out
 
 
 @njit(cache=True)
@@ -322,10 +360,36 @@ def onepass(plan: ChunkPlan, indptr: np.ndarray, data: np.ndarray, g: np.ndarray
     return bp, fp
 
 
+class _CompressedRows:
+    """Row blocks of an in-memory :class:`~mlemlib.compressed.CompressedMatrix`, decoded to CSR one block at a time."""
+
+    def __init__(self, cm) -> None:
+        self.cm, self.shape, self.nnz, self.format = cm, cm.shape, cm.nnz, cm.format
+        self._sp = cm.slotptr()
+        self._ip = cm.csr_indptr()
+
+    def chunk_bounds(self, max_nnz: int) -> list[tuple[int, int]]:
+        from mlemlib.matrix import chunk_bounds
+
+        return chunk_bounds(self._ip, max_nnz)
+
+    def read_rows(self, r0: int, r1: int) -> CSRMatrix:
+        from mlemlib.compressed import decode_slots
+
+        sp, cm = self._sp, self.cm
+        lo, hi = int(sp[r0] - sp[0]), int(sp[r1] - sp[0])
+        sc = cm.scale[r0:r1] if cm.scale is not None else None
+        return decode_slots(sp[r0 : r1 + 1], cm.codes[lo:hi], cm.values[lo:hi], sc, self.shape[1], row0=r0, slot0=lo)
+
+
 def _host_source(source):
     """``source`` as something :func:`_host_bounds` and :func:`_host_rows` read (SciPy matrices become CSR)."""
     if hasattr(source, "read_rows") or isinstance(source, CSRMatrix) or hasattr(getattr(source, "indptr", None), "get"):
-        return source  # an opened matrix file, a host CSR, a device CSR
+        return source  # an opened matrix file (CSR or compressed, read as CSR), a host CSR, a device CSR
+    if hasattr(source, "slotptr") and hasattr(source, "codes"):
+        if hasattr(source.codes, "get"):
+            raise TypeError("a compressed matrix already on the GPU cannot be re-chunked; pass the host matrix or file")
+        return _CompressedRows(source)  # an in-memory compressed matrix
     if hasattr(source, "tocsr"):
         return CSRMatrix.from_scipy(source)
     raise TypeError(f"cannot read rows of {type(source).__name__}")
@@ -357,9 +421,11 @@ def _host_rows(source, r0: int, r1: int) -> CSRMatrix:
 def row_blocks(source, max_nnz: int):
     """``(r0, r1, block)`` of a CSR source in row order, blocks of about ``max_nnz`` non-zeros in host memory.
 
-    ``source``: an opened matrix file (only each block is read, validated), a
-    :class:`CSRMatrix` (views), a device CSR (each block copied to the host)
-    or a SciPy sparse matrix. One block is in host memory at a time.
+    ``source``: an opened matrix file (only each block is read, validated;
+    a compressed container's rows decoded), a :class:`CSRMatrix` (views), an
+    in-memory compressed matrix (each block decoded), a device CSR (each
+    block copied to the host) or a SciPy sparse matrix. One block is in host
+    memory at a time.
     """
     source = _host_source(source)
     for r0, r1 in _host_bounds(source, max_nnz):

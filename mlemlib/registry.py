@@ -121,7 +121,7 @@ KERNELS: tuple[Kernel, ...] = (
            "scatter from the rows of A into per-block images, summed in block order (thesis ch. 7)"),
     Kernel("onepass", "iteration", "cpu", _ALL, True, (), False, f"{_CMPCPU}: csr_onepass32 / cmp_onepass32",
            "one pass over A per iteration: per row a . f, g / (a . f), and its scatter into per-block images"),
-    Kernel("onepass_chunked", "iteration", "cpu", ("csr",), True, (), False, "mlemlib/chunked.py: _onepass_fixed",
+    Kernel("onepass_chunked", "iteration", "cpu", _ALL, True, (), False, "mlemlib/chunked.py: _onepass_fixed",
            "the GPU's onepass_chunked arithmetic on the CPU (lane-order dot products, 64-bit fixed-point sums): "
            "its reference"),
     # ---- cuda: forward
@@ -166,10 +166,10 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("onepass_fixed", "iteration", "cuda", _ALL, True, _LOCAL, True,
            f"{_CMPCU}: onepass_det_csr_L / conepass_det_<kind>_L",
            "onepass with bp summed as 64-bit fixed point (order-independent: bit-identical for any GPU count)"),
-    Kernel("onepass_chunked", "iteration", "cuda", ("csr",), True, (), True, f"{_CMPCU}: chunked_onepass",
+    Kernel("onepass_chunked", "iteration", "cuda", _ALL, True, (), True, f"{_CMPCU}: chunked_onepass / chunked_onepass_f16",
            "one pass through row chunks of a reordered A (mlemlib/chunked.py): f and each chunk's sums in shared "
            "memory, 64-bit fixed point (deterministic), one global atomic per voxel and chunk; 6 bytes per nnz "
-           "plus voxel lists"),
+           "(4 with a compressed-f16 matrix's float16 values) plus voxel lists"),
 )
 
 _INDEX = {(k.backend, k.op, k.name): k for k in KERNELS}
@@ -184,7 +184,7 @@ AUTO_RULES = (
     "the GPU, else notrans (onepass_fixed on a compressed matrix)",
     "bp naming a whole-iteration kernel (onepass, onepass_fixed) runs the iteration in one pass; fp is then auto",
     "cuda notrans: scatter_smem when >= 50% of its row chunks fit shared memory, else scatter",
-    "cuda bp=auto (and fp=auto) on a CSR matrix, one GPU: onepass_chunked when the row chunks of a sample block of "
+    "cuda bp=auto (and fp=auto), one GPU, any format: onepass_chunked when the row chunks of a sample block of "
     "the matrix reuse each voxel >= 8 times (a matrix in the reorder stage's order); with a transpose only when the "
     "matrix makes >= 4 chunks per multiprocessor (else the csr_vector pair)",
     "cuda csr_vector launch shape: the fastest of _cuda_plan.SHAPE_CANDIDATES, timed on each matrix (and each "
@@ -301,8 +301,8 @@ def choose_notrans(local_fraction: float, nnz: int, *, gpus: int = 1) -> str:
 
 
 def choose_one_gpu(reuse: float | None, *, transpose: bool, chunks: float | None = None,
-                   sms: int | None = None) -> str:
-    """What ``auto`` runs on one GPU on a CSR matrix, from a sample's chunk reuse (:func:`mlemlib.chunked.sample_chunks`).
+                   sms: int | None = None, fmt: str = "csr") -> str:
+    """What ``auto`` runs on one GPU, from a sample's chunk reuse (:func:`mlemlib.chunked.sample_chunks`).
 
     ``onepass_chunked`` (the whole iteration, deterministic) when the chunks
     of a sample block reuse each voxel at least :data:`CHUNK_REUSE_MIN`
@@ -311,13 +311,16 @@ def choose_one_gpu(reuse: float | None, *, transpose: bool, chunks: float | None
     (``transpose``: the ``csr_vector`` pair can run) it also needs
     :data:`CHUNK_WAVES_MIN` blocks per multiprocessor (``chunks`` estimated,
     ``sms`` of the device; a block per chunk): a small matrix leaves most of
-    the GPU idle, where the pair does not. Else the pair, or ``notrans``
-    without a transpose. ``None`` reuse (no sample: an empty matrix) counts
-    as no reuse.
+    the GPU idle, where the pair does not. Else the pair (``delta_vector``
+    on a compressed ``fmt``), or without a transpose ``notrans``
+    (``onepass_fixed`` compressed). ``None`` reuse (no sample: an empty
+    matrix) counts as no reuse.
     """
     if reuse is not None and reuse >= CHUNK_REUSE_MIN:
         if not transpose or (chunks is not None and sms is not None and chunks >= CHUNK_WAVES_MIN * sms):
             return "onepass_chunked"
+    if fmt != "csr":
+        return "delta_vector" if transpose else "onepass_fixed"
     return "csr_vector" if transpose else "notrans"
 
 

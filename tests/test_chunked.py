@@ -122,7 +122,7 @@ def _host_cupy():
         empty=lambda n, dtype: np.empty(n, dtype=dtype).view(_HostArray),
         asarray=lambda a: np.array(a).view(_HostArray),
         concatenate=lambda xs: np.concatenate(xs).view(_HostArray),
-        int64=np.int64, int32=np.int32, uint16=np.uint16, float32=np.float32,
+        int64=np.int64, int32=np.int32, uint16=np.uint16, float32=np.float32, float16=np.float16,
     )
 
 
@@ -232,6 +232,78 @@ def test_interleave_equals_its_reference_and_round_trips(top):
         np.testing.assert_array_equal(seq[: ip[r + 1] - ip[r]], a.data[ip[r] : ip[r + 1]])
 
 
+@pytest.mark.parametrize("where", UPLOAD_ON)
+@pytest.mark.parametrize("fmt", ["compressed", "compressed-f16"])
+@pytest.mark.parametrize("source", ["memory", "h5"])
+def test_chunked_upload_of_a_compressed_matrix_keeps_its_decoded_values(tmp_path, monkeypatch, where, fmt, source):
+    """Compressed rows are decoded block by block; compressed-f16 values stay float16 times the row scale, exactly."""
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.compressed import CompressedMatrix
+    from mlemlib.formats import open_matrix
+    from mlemlib.formats.compressed_h5 import write_compressed_h5
+
+    if where == "host":
+        monkeypatch.setattr(gpu, "cupy", _host_cupy)
+    cm = CompressedMatrix.from_csr(_long(m=400, n=5000, seed=21, top=300), fmt)
+    decoded = cm.to_csr()
+    if source == "h5":
+        write_compressed_h5(tmp_path / "c.h5", cm)
+        with open_matrix(tmp_path / "c.h5") as src:
+            d = gpu.DeviceChunked.upload(src, window=2048, max_nnz=20_000)
+    else:
+        d = gpu.DeviceChunked.upload(cm, window=2048, max_nnz=20_000)
+    assert d.format == fmt and d.half == (fmt == "compressed-f16") and d.nnz == cm.nnz
+    pos = chunked.stored_positions(decoded.indptr)
+    stored = d.data.get()[pos]
+    if d.half:
+        assert stored.dtype == np.float16
+        # the encoder's scale, or twice it where a row's largest value rounded up to 2^15 times the scale
+        assert np.isin(d.scale.get() / cm.scale, [1.0, 2.0]).all()
+        lengths = np.diff(decoded.indptr)
+        np.testing.assert_array_equal(stored.astype(np.float32) * np.repeat(d.scale.get(), lengths), decoded.data)
+        stored_bytes = 8 * (cm.shape[0] + 1) + 4 * len(d.data) + 4 * len(d.voxels) + 16 * (d.chunks + 1) + 4 * cm.shape[0]
+        assert d.nbytes == stored_bytes
+    else:
+        np.testing.assert_array_equal(stored, decoded.data)
+    vox, vptr, cr = d.voxels.get(), d.vptr.get(), d.chunk_rows.get()
+    per_nnz = np.repeat(np.arange(len(cr) - 1), np.diff(decoded.indptr[cr]))
+    np.testing.assert_array_equal(vox[vptr[per_nnz] + d.local.get()[pos].astype(np.int64)], decoded.indices)
+
+
+def test_half_rows_refuses_values_that_are_not_float16_times_a_row_scale():
+    from mlemlib.compressed import CompressedMatrix
+
+    a = _long(m=50, n=5000, seed=22, top=100)
+    cm = CompressedMatrix.from_csr(a, "compressed-f16")
+    dec = cm.to_csr()
+    scale, values = chunked.half_rows(dec)
+    assert np.isin(scale / cm.scale, [1.0, 2.0]).all()
+    np.testing.assert_array_equal(values.astype(np.float32) * np.repeat(scale, np.diff(dec.indptr)), dec.data)
+    with pytest.raises(ValueError, match=r"block 3: row 1\d* has values that are not float16"):
+        chunked.half_rows(a, what="block 3", row0=100)
+
+
+def test_cpu_onepass_chunked_on_a_compressed_matrix_is_the_decoded_matrix_run():
+    from mlemlib.backends.cpu import CpuBackend
+    from mlemlib.compressed import CompressedMatrix
+
+    a = _long(m=600, n=5000, seed=23, top=300)
+    rng = np.random.default_rng(6)
+    g = rng.poisson(a.to_scipy() @ rng.uniform(0.5, 2.0, a.shape[1])).astype(np.float32)
+    for fmt in ("compressed", "compressed-f16"):
+        cm = CompressedMatrix.from_csr(a, fmt)
+        dec = cm.to_csr()
+        norm = np.asarray(dec.to_scipy().sum(axis=0)).ravel()
+        images = []
+        for mat in (cm, dec):
+            be = CpuBackend(mat, g, norm, bp="onepass_chunked")
+            f = be.initial_image()
+            for _ in range(3):
+                f = be.iterate(f)
+            images.append(f)
+        np.testing.assert_array_equal(images[0], images[1])
+
+
 def test_chunked_upload_refuses_a_row_longer_than_the_window(monkeypatch):
     from mlemlib.backends import _compressed_cuda as gpu
 
@@ -295,6 +367,40 @@ def _gpu_step_checks(cp, gpu, a, cases):
         small, _ = gpu.chunked_onepass(d, gd, fd, bound=1e-12, stats=stats)
         assert stats["retries"] >= 1
         assert np.linalg.norm(small.get() - bp64) / np.linalg.norm(bp64) < 1e-6
+
+
+@pytest.mark.gpu
+def test_chunked_onepass_on_compressed_matrices_is_the_decoded_matrix_step_bit_for_bit():
+    import cupy as cp
+
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.backends.cpu import CpuBackend
+    from mlemlib.backends.cuda import CudaBackend
+    from mlemlib.compressed import CompressedMatrix
+
+    a = _long(m=3000, n=20000, seed=24)
+    for fmt in ("compressed", "compressed-f16"):
+        cm = CompressedMatrix.from_csr(a, fmt)
+        dec = cm.to_csr()
+        f, g, fp64, bp64 = _step_problem(dec, 3)
+        d = gpu.DeviceChunked.upload(cm, window=16384)
+        assert d.half == (fmt == "compressed-f16")
+        stats: dict = {}
+        bp, fp = gpu.chunked_onepass(d, cp.asarray(g), cp.asarray(f), stats=stats)
+        cbp, cfp, _ = chunked.onepass_fixed(chunked.build_plan(dec, window=16384), dec.indptr, dec.data, g, f,
+                                            stats["scale"])
+        np.testing.assert_array_equal(fp.get(), cfp)
+        np.testing.assert_array_equal(bp.get(), cbp)
+        assert np.linalg.norm(bp.get() - bp64) / np.linalg.norm(bp64) < 1e-6
+        norm = np.asarray(dec.to_scipy().sum(axis=0)).ravel()
+        images = []
+        for backend in (CudaBackend, CpuBackend):
+            be = backend(cm, g, norm, bp="onepass_chunked")
+            x = be.initial_image()
+            for _ in range(5):
+                x = be.iterate(x)
+            images.append(np.asarray(be.to_host(x) if hasattr(be, "to_host") else x))
+        assert np.linalg.norm(images[0] - images[1]) / np.linalg.norm(images[1]) < 1e-6
 
 
 @pytest.mark.gpu

@@ -311,6 +311,8 @@ def compressed_section(a, at, f, c, g, ref_fp, ref_bp, ref_op, run, args, order)
             mats[(fmt, name)] = gpu.DeviceCompressed.from_host(cm)
             RESULTS_FORMATS.append({"order": order, "format": fmt, "matrix": name, "bytes_per_nnz": cm.bytes_per_nnz,
                                     "markers": int(cm.slots - cm.nnz), "code_bits": cm.code_bits, "encode_s": dt})
+            if name == "A":
+                mats[(fmt, "host")] = cm  # the MLEM runs' source of the chunked one pass (decoded block by block)
             del cm
     del host_a, host_at
     BOUND[0] = 4.0 * float(ref_op.max())  # the deterministic one-pass's fixed-point range (bp <= bound)
@@ -384,9 +386,11 @@ def mlem_section(a, at, order, args) -> list[dict]:
                ("csr", "onepass_fixed", a, None), ("csr", "onepass_chunked", a, None)]
     for fmt in ("compressed", "compressed-f16"):
         if (fmt, "A") in ITER_MATS:
-            configs += [(fmt, "auto", ITER_MATS[(fmt, "A")], ITER_MATS[(fmt, "AT")]),
+            configs += [(fmt, "auto", ITER_MATS[(fmt, "host")], ITER_MATS[(fmt, "AT")]),
+                        (fmt, "delta_vector", ITER_MATS[(fmt, "A")], ITER_MATS[(fmt, "AT")]),
                         (fmt, "onepass", ITER_MATS[(fmt, "A")], None),
-                        (fmt, "onepass_fixed", ITER_MATS[(fmt, "A")], None)]
+                        (fmt, "onepass_fixed", ITER_MATS[(fmt, "A")], None),
+                        (fmt, "onepass_chunked", ITER_MATS[(fmt, "host")], None)]
     out, base = [], None
     bw = RESULTS_BW[0]
     for fmt, bp, mat, tr in configs:

@@ -670,7 +670,13 @@ class DeviceChunked:
     shape: tuple[int, int]
     window: int
     nnz: int  # non-zeros (the stored elements add the rows' padding)
-    format = "csr"
+    scale: Any = None  # float32[m] power-of-two row scales of float16 values (compressed-f16), else None
+    format: str = "csr"  # the source's format: csr and compressed keep float32 values, compressed-f16 float16
+
+    @property
+    def half(self) -> bool:
+        """Whether the values are float16 (times :attr:`scale`)."""
+        return self.scale is not None
 
     @property
     def chunks(self) -> int:
@@ -683,7 +689,8 @@ class DeviceChunked:
 
     @property
     def nbytes(self) -> int:
-        return int(sum(x.nbytes for x in (self.indptr, self.local, self.data, self.chunk_rows, self.vptr, self.voxels)))
+        arrays = (self.indptr, self.local, self.data, self.chunk_rows, self.vptr, self.voxels)
+        return int(sum(x.nbytes for x in arrays)) + (int(self.scale.nbytes) if self.scale is not None else 0)
 
     def lanes(self, cap: int = 32) -> int:
         """32: a warp per row."""
@@ -691,28 +698,38 @@ class DeviceChunked:
 
     @staticmethod
     def device_bytes(source: Any) -> int:
-        """Bytes on the GPU before the plan exists: 8 per row and 6 per padding element (at most 3 per row), 6 per
-        non-zero, 1 more for voxel lists of reuse 4."""
+        """Bytes on the GPU before the plan exists: 8 per row (12 with float16 values' row scales), 6 per element
+        (4 with float16 values) for the non-zeros and the padding (at most 3 per row), 1 more per non-zero for
+        voxel lists of reuse 4."""
         from mlemlib import chunked
+        from mlemlib.backends.device_formats import format_of
         from mlemlib.matrix import shape_nnz
 
         (m, _), nnz = shape_nnz(source)
-        return 8 * (m + 1) + 6 * (chunked.VEC - 1) * m + 7 * nnz
+        half = format_of(source) == "compressed-f16"
+        per = 4 if half else 6
+        return (12 if half else 8) * (m + 1) + per * (chunked.VEC - 1) * m + (per + 1) * nnz
 
     @classmethod
     def upload(cls, source: Any, *, window: int | None = None, what: str = "matrix",
                max_nnz: int = UPLOAD_CHUNK_NNZ) -> DeviceChunked:
-        """Chunk ``source`` (a CSR source: opened file, host or device matrix) on the current GPU.
+        """Chunk ``source`` on the current GPU: an opened matrix file (CSR or compressed), a host CSR or
+        compressed matrix, or a device CSR.
 
         Streams: the plan is built block by block of about ``max_nnz``
         non-zeros on the host (:func:`mlemlib.chunked.build_plan`, all cores),
-        its local indices and values copied into place; chunks do not cross a
-        block's end. ``window`` defaults to :func:`chunk_window`.
+        its local indices and values copied into place in the kernel's layout
+        (:func:`mlemlib.chunked.interleave`); chunks do not cross a block's
+        end. A ``compressed-f16`` source keeps its float16 values: each row's
+        decoded values are stored as float16 times a power-of-two row scale,
+        which gives them back exactly (4 bytes per non-zero instead of 6).
+        ``window`` defaults to :func:`chunk_window`.
 
         Raises
         ------
         ValueError
-            A row with more non-zeros than ``window``.
+            A row with more non-zeros than ``window``; float16 values that a
+            power-of-two row scale does not give back exactly.
         """
         import time
 
@@ -721,20 +738,29 @@ class DeviceChunked:
 
         cp = cupy()
         window = chunk_window() if window is None else int(window)
+        from mlemlib.backends.device_formats import format_of
+
         (m, n), nnz = shape_nnz(source)
+        fmt = format_of(source)
+        half = fmt == "compressed-f16"
         t0 = time.perf_counter()
         indptr = cp.empty(m + 1, dtype=cp.int64)
         indptr[0] = 0
         # the rows' padding is known block by block: room for the most (the unused end is never read)
         room = nnz + (chunked.VEC - 1) * m
         local = cp.empty(room, dtype=cp.uint16)
-        data = cp.empty(room, dtype=cp.float32)
+        data = cp.empty(room, dtype=cp.float16 if half else cp.float32)
+        scale = cp.empty(m, dtype=cp.float32) if half else None
         chunk_rows, counts, voxels = [np.zeros(1, np.int64)], [], []
         k = 0  # stored elements
         read = 0  # non-zeros
         for r0, r1, block in chunked.row_blocks(source, max_nnz):
             p = chunked.build_plan(block, window=window)
-            pip, ploc, pdat = chunked.interleave(block.indptr, p.local, block.data)
+            values = block.data
+            if half:
+                rs, values = chunked.half_rows(block, what=what, row0=r0)
+                scale[r0:r1] = cp.asarray(rs)
+            pip, ploc, pdat = chunked.interleave(block.indptr, p.local, values)
             b = int(pip[-1])
             indptr[r0 + 1 : r1 + 1] = cp.asarray(pip[1:] + k)
             local[k : k + b] = cp.asarray(ploc)
@@ -755,7 +781,7 @@ class DeviceChunked:
         vox = cp.concatenate(voxels) if voxels else cp.empty(0, dtype=cp.int32)
         del voxels
         out = cls(indptr, local[:k], data[:k], cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr), vox, (m, n),
-                  window, nnz)
+                  window, nnz, scale, fmt)
         log.info("%s: %d chunks of <= %d voxels, reuse %.2f, %.3f bytes per non-zero on the GPU, in %.1f s",
                  what, out.chunks, window, out.reuse, out.nbytes / max(nnz, 1), time.perf_counter() - t0)
         return out
@@ -764,13 +790,14 @@ class DeviceChunked:
 def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: float, flag: Any, fwd_only: int) -> None:
     if a.chunks == 0:
         return
-    fn = function("chunked_onepass")
+    fn = function("chunked_onepass_f16" if a.half else "chunked_onepass")
     w = a.window + (a.window & 1)
     shared = CHUNK_SMEM_PER_VOXEL * w
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
-    fn((a.chunks,), (CHUNK_THREADS,), (a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, f, g, fp, acc,
-                                       np.float64(scale), flag, np.int32(w), np.int32(fwd_only)), shared_mem=shared)
+    rscale = a.scale if a.half else a.data  # not read for float32 values
+    fn((a.chunks,), (CHUNK_THREADS,), (a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, rscale, f, g, fp,
+                                       acc, np.float64(scale), flag, np.int32(w), np.int32(fwd_only)), shared_mem=shared)
 
 
 def chunked_onepass_fixed(a: DeviceChunked, g: Any, f: Any, acc: Any, fp: Any, scale: float, flag: Any) -> None:

@@ -315,6 +315,8 @@ class CpuBackend(Backend):
         if self.bp_kernel == "onepass_chunked":  # the GPU kernel's arithmetic through the same row chunks
             from mlemlib import chunked
 
+            if not isinstance(self.a, CSRMatrix):  # a compressed matrix: its decoded values (as the GPU's), one copy
+                self.a = self.a.to_csr(validate=False)
             self._plan = chunked.build_plan(self.a)
             self._fixed_bound = ONEPASS_C_MAX * float(np.max(self.norm)) if self.norm.size else 1.0
         self._sp_a = self._sp_at = None

@@ -193,8 +193,8 @@ class CudaBackend(Backend):
             self.chunk_reuse_sample: float | None = None
             self.chunk_estimate: float | None = None
             paired = choice
-            if (bp in ("auto", None) and self.format == "csr"
-                    and (self.bp_kernel == "notrans" or fp in ("auto", None))):
+            if (bp in ("auto", None) and (self.bp_kernel in ("notrans", "onepass_fixed") or fp in ("auto", None))
+                    and (self.format == "csr" or not isinstance(matrix, DeviceMatrix))):
                 # the chunked one pass where a sample of the matrix's chunks reuses voxels (a reordered
                 # matrix), with or without a transpose: faster than the pair (benchmarks.md §36)
                 from mlemlib import chunked
@@ -204,8 +204,14 @@ class CudaBackend(Backend):
                 self.chunk_estimate = chunks
                 sms = int(cp.cuda.runtime.getDeviceProperties(self.device_id)["multiProcessorCount"])
                 pick = registry.choose_one_gpu(self.chunk_reuse_sample, transpose=choice.needs_transpose,
-                                               chunks=chunks, sms=sms)
+                                               chunks=chunks, sms=sms, fmt=self.format)
+                need_c = cc().DeviceChunked.device_bytes(matrix)
+                if pick == "onepass_chunked" and need_c + need_vec > MEMORY_HEADROOM * free:
+                    log.info("bp=auto: the row chunks (%.2f GiB) do not fit the %.2f GiB free: %s",
+                             need_c / GIB, free / GIB, choice.bp)
+                    pick = choice.bp
                 if pick == "onepass_chunked":
+                    self.memory["matrix"], self.memory["transpose"] = need_c, 0
                     log.info("bp=auto: chunks of a sample reuse each voxel %.1f times (about %.0f chunks): "
                              "onepass_chunked%s", self.chunk_reuse_sample, chunks,
                              " (the transpose is not read)" if choice.needs_transpose else "")

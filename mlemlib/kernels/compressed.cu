@@ -614,14 +614,40 @@ __device__ __forceinline__ void chunk_put4(unsigned* lo, unsigned* hi, ushort4 c
     chunk_put(lo, hi, c.w, v.w * ci, fscale, bad);
 }
 
-template <int CG>
+// The values' group of 4 as float32: float32 values as they are; float16 values (compressed-f16: the
+// float16 round(a / scale_r) with a power-of-two row scale) times the row's scale, which gives back
+// exactly the float32 values that format decodes to (the sums are those of its decoded CSR).
+template <bool HALF>
+struct ChunkVals;
+template <>
+struct ChunkVals<false> {
+    typedef float4 V4;
+    __device__ static float4 f4(float4 v, float) { return v; }
+    __device__ static float one(const void* val, i64 k, float) { return __ldcs(reinterpret_cast<const float*>(val) + k); }
+};
+template <>
+struct ChunkVals<true> {
+    typedef ushort4 V4;
+    __device__ static float4 f4(ushort4 h, float sc) {
+        return make_float4(half_bits_to_float(h.x) * sc, half_bits_to_float(h.y) * sc, half_bits_to_float(h.z) * sc,
+                           half_bits_to_float(h.w) * sc);
+    }
+    __device__ static float one(const void* val, i64 k, float sc) {
+        return half_bits_to_float(__ldcs(reinterpret_cast<const unsigned short*>(val) + k)) * sc;
+    }
+};
+
+template <int CG, bool HALF>
 __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chunk_rows,
                                                      const i64* __restrict__ vptr, const int* __restrict__ voxels,
                                                      const i64* __restrict__ rp,
                                                      const unsigned short* __restrict__ local,
-                                                     const float* __restrict__ val, const float* __restrict__ f,
+                                                     const void* __restrict__ val, const float* __restrict__ rscale,
+                                                     const float* __restrict__ f,
                                                      const float* __restrict__ g, float* fp, u64* acc,
                                                      double fscale, int* flag, int window, int fwd_only) {
+    typedef ChunkVals<HALF> CV;
+    typedef typename CV::V4 V4;
     extern __shared__ float chunk_sm[];
     float* fl = chunk_sm;
     unsigned* lo = reinterpret_cast<unsigned*>(chunk_sm + window);
@@ -643,16 +669,17 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         const i64 s = rp[r], e = rp[r + 1];
         const int ng = (int)((e - s) >> 7);  // interleaved groups of 128
         const i64 t0 = s + ((i64)ng << 7);   // the rest, in order: [t0, e), at most 4 trips
+        const float sc = HALF ? __ldg(rscale + r) : 1.0f;
         const ushort4* __restrict__ lq = reinterpret_cast<const ushort4*>(local + s) + lane;
-        const float4* __restrict__ vq = reinterpret_cast<const float4*>(val + s) + lane;
+        const V4* __restrict__ vq = reinterpret_cast<const V4*>(val) + (s >> 2) + lane;
         ushort4 cc[CG > 0 ? CG : 1];
-        float4 cv[CG > 0 ? CG : 1];
+        V4 cv[CG > 0 ? CG : 1];
         unsigned rc[4];
         float rv[4];
 #pragma unroll
         for (int q = 0; q < CG; ++q) {
             cc[q] = make_ushort4(0, 0, 0, 0);
-            cv[q] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            cv[q] = V4();
             if (q < ng) {
                 cc[q] = __ldcs(lq + 32 * q);
                 cv[q] = __ldcs(vq + 32 * q);
@@ -665,13 +692,13 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
             rv[t] = 0.0f;
             if (k < e) {
                 rc[t] = __ldcs(local + k);
-                rv[t] = __ldcs(val + k);
+                rv[t] = CV::one(val, k, sc);
             }
         }
         float sum = 0.0f;
 #pragma unroll
-        for (int q = 0; q < CG; ++q) sum = chunk_dot4(sum, fl, cc[q], cv[q]);
-        for (int q = CG; q < ng; ++q) sum = chunk_dot4(sum, fl, __ldg(lq + 32 * q), __ldg(vq + 32 * q));
+        for (int q = 0; q < CG; ++q) sum = chunk_dot4(sum, fl, cc[q], CV::f4(cv[q], sc));
+        for (int q = CG; q < ng; ++q) sum = chunk_dot4(sum, fl, __ldg(lq + 32 * q), CV::f4(__ldg(vq + 32 * q), sc));
 #pragma unroll
         for (int t = 0; t < 4; ++t) sum += rv[t] * fl[rc[t]];
 #pragma unroll
@@ -682,9 +709,10 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
 #pragma unroll
         for (int q = 0; q < CG; ++q) {
             if (q >= ng) break;  // warp-uniform
-            chunk_put4(lo, hi, cc[q], cv[q], ci, fscale, bad);
+            chunk_put4(lo, hi, cc[q], CV::f4(cv[q], sc), ci, fscale, bad);
         }
-        for (int q = CG; q < ng; ++q) chunk_put4(lo, hi, __ldcs(lq + 32 * q), __ldcs(vq + 32 * q), ci, fscale, bad);
+        for (int q = CG; q < ng; ++q)
+            chunk_put4(lo, hi, __ldcs(lq + 32 * q), CV::f4(__ldcs(vq + 32 * q), sc), ci, fscale, bad);
 #pragma unroll
         for (int t = 0; t < 4; ++t) chunk_put(lo, hi, rc[t], rv[t] * ci, fscale, bad);  // zeros add nothing
     }
@@ -767,10 +795,18 @@ CSR_ONEPASS(32)
 // MLEM_CHUNK_CACHE interleaved groups (4 trips each) and the row's rest in registers.
 extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass(
     const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
-    const float* val, const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, int window,
-    int fwd_only) {
-    chunked_onepass_body<MLEM_CHUNK_CACHE>(chunk_rows, vptr, voxels, rp, local, val, f, g, fp, acc, fscale, flag,
-                                           window, fwd_only);
+    const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc, double fscale,
+    int* flag, int window, int fwd_only) {
+    chunked_onepass_body<MLEM_CHUNK_CACHE, false>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc,
+                                                  fscale, flag, window, fwd_only);
+}
+// The same with float16 values and power-of-two row scales (a compressed-f16 matrix's).
+extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass_f16(
+    const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
+    const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc, double fscale,
+    int* flag, int window, int fwd_only) {
+    chunked_onepass_body<MLEM_CHUNK_CACHE, true>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc,
+                                                 fscale, flag, window, fwd_only);
 }
 
 // out[j] = acc[j] / scale, as float32 (inv_scale = 1 / scale, a power of two).
