@@ -621,12 +621,14 @@ template <bool HALF>
 struct ChunkVals;
 template <>
 struct ChunkVals<false> {
+    typedef float T;
     typedef float4 V4;
     __device__ static float4 f4(float4 v, float) { return v; }
     __device__ static float one(const void* val, i64 k, float) { return __ldcs(reinterpret_cast<const float*>(val) + k); }
 };
 template <>
 struct ChunkVals<true> {
+    typedef unsigned short T;
     typedef ushort4 V4;
     __device__ static float4 f4(ushort4 h, float sc) {
         return make_float4(half_bits_to_float(h.x) * sc, half_bits_to_float(h.y) * sc, half_bits_to_float(h.z) * sc,
@@ -671,7 +673,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         const i64 t0 = s + ((i64)ng << 7);   // the rest, in order: [t0, e), at most 4 trips
         const float sc = HALF ? __ldg(rscale + r) : 1.0f;
         const ushort4* __restrict__ lq = reinterpret_cast<const ushort4*>(local + s) + lane;
-        const V4* __restrict__ vq = reinterpret_cast<const V4*>(val) + (s >> 2) + lane;
+        const V4* __restrict__ vq = reinterpret_cast<const V4*>(reinterpret_cast<const typename CV::T*>(val) + s) + lane;
         ushort4 cc[CG > 0 ? CG : 1];
         V4 cv[CG > 0 ? CG : 1];
         unsigned rc[4];
