@@ -283,6 +283,18 @@ def test_half_rows_refuses_values_that_are_not_float16_times_a_row_scale():
         chunked.half_rows(a, what="block 3", row0=100)
 
 
+def _chunked_images(runs, g, norm, iterations: int) -> list[np.ndarray]:
+    """The image after ``iterations`` of ``bp=onepass_chunked`` for each ``(backend class, matrix)``, on the host."""
+    images = []
+    for backend, mat in runs:
+        be = backend(mat, g, norm, bp="onepass_chunked")
+        x = be.initial_image()
+        for _ in range(iterations):
+            x = be.iterate(x)
+        images.append(np.asarray(be.to_host(x)))
+    return images
+
+
 def test_cpu_onepass_chunked_on_a_compressed_matrix_is_the_decoded_matrix_run():
     from mlemlib.backends.cpu import CpuBackend
     from mlemlib.compressed import CompressedMatrix
@@ -294,13 +306,7 @@ def test_cpu_onepass_chunked_on_a_compressed_matrix_is_the_decoded_matrix_run():
         cm = CompressedMatrix.from_csr(a, fmt)
         dec = cm.to_csr()
         norm = np.asarray(dec.to_scipy().sum(axis=0)).ravel()
-        images = []
-        for mat in (cm, dec):
-            be = CpuBackend(mat, g, norm, bp="onepass_chunked")
-            f = be.initial_image()
-            for _ in range(3):
-                f = be.iterate(f)
-            images.append(f)
+        images = _chunked_images([(CpuBackend, cm), (CpuBackend, dec)], g, norm, 3)
         np.testing.assert_array_equal(images[0], images[1])
 
 
@@ -393,13 +399,7 @@ def test_chunked_onepass_on_compressed_matrices_is_the_decoded_matrix_step_bit_f
         np.testing.assert_array_equal(bp.get(), cbp)
         assert np.linalg.norm(bp.get() - bp64) / np.linalg.norm(bp64) < 1e-6
         norm = np.asarray(dec.to_scipy().sum(axis=0)).ravel()
-        images = []
-        for backend in (CudaBackend, CpuBackend):
-            be = backend(cm, g, norm, bp="onepass_chunked")
-            x = be.initial_image()
-            for _ in range(5):
-                x = be.iterate(x)
-            images.append(np.asarray(be.to_host(x) if hasattr(be, "to_host") else x))
+        images = _chunked_images([(CudaBackend, cm), (CpuBackend, cm)], g, norm, 5)
         assert np.linalg.norm(images[0] - images[1]) / np.linalg.norm(images[1]) < 1e-6
 
 
