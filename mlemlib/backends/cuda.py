@@ -14,8 +14,11 @@ Kernels (``fp=`` / ``bp=``; see docs/gpu.md for when to pick which):
   per row chunk), ``cusparse_notrans`` (CuPy's ``A.T @ c``), and ``notrans``:
   ``scatter_smem`` where most row chunks fit shared memory, else
   ``scatter`` (:func:`mlemlib.registry.choose_notrans`);
-- ``bp="auto"``: ``csr_vector`` on the transpose when one is given and ``A``
-  and ``A^T`` both fit in free GPU memory, else ``notrans`` (logged).
+- ``bp="auto"``: ``onepass_chunked`` (the whole iteration, deterministic)
+  where a sample of the matrix's row chunks reuses voxels (a matrix in the
+  reorder stage's order; :func:`mlemlib.registry.choose_one_gpu`), else
+  ``csr_vector`` on the transpose when one is given and ``A`` and ``A^T``
+  both fit in free GPU memory, else ``notrans`` (logged).
 
 With ``fuse=True`` (the default) the correlation runs in the epilogue of a
 ``csr_vector``/``csr_scalar`` forward projection and the update in the
