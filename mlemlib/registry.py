@@ -290,9 +290,9 @@ def choose_notrans(local_fraction: float, nnz: int, *, gpus: int = 1) -> str:
     accumulate in shared memory (rows whose columns stay in a window, as in
     sinogram order); otherwise the atomic ``scatter``: one element per lane,
     so a warp's atomics cover consecutive columns; on madpet2 (H100) it is
-    within 4% of cuSPARSE's transposed product in detector-pair order (5.01
-    against 4.82 ms) and 1% ahead after the reorder stage (5.17 against 5.23;
-    docs/benchmarks.md section 31), and it takes any number of non-zeros on
+    within 1% of cuSPARSE's transposed product in detector-pair order (4.86
+    against 4.82 ms, docs/benchmarks.md section 40) and 1% ahead after the
+    reorder stage (5.17 against 5.23; section 31), and it takes any number of non-zeros on
     any number of GPUs, which cuSPARSE through CuPy does not (``nnz`` and
     ``gpus`` no longer change the choice; kept for callers).
     """

@@ -271,14 +271,15 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
         // elements of a row, a few sectors of `out`; the L2 cache, which bounds this
         // kernel, serves atomics by the sectors they touch (docs/benchmarks.md section 31).
         // One row per lane group and no row loop: launched with a group for every row.
+        // The lanes of a group take the same trips (a predicate per element, no divergent exit).
         const i64 r = gtid / L;
         if (r >= m) return;
         const float cr = __ldg(c + r);
         if (cr == 0.0f) return;
-        const i64 e = rowptr[r + 1];
-        for (i64 k = rowptr[r] + lane; k < e; k += L) {
-            const unsigned j = (unsigned)__ldcs(col + k);
-            atomicAdd(out + j, __ldcs(val + k) * cr);
+        const i64 s = rowptr[r], e = rowptr[r + 1];
+        for (i64 k0 = s; k0 < e; k0 += L) {
+            const i64 k = k0 + lane;
+            if (k < e) atomicAdd(out + (unsigned)__ldcs(col + k), __ldcs(val + k) * cr);
         }
         return;
     }
