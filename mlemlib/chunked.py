@@ -374,12 +374,7 @@ class _CompressedRows:
         return chunk_bounds(self._ip, max_nnz)
 
     def read_rows(self, r0: int, r1: int) -> CSRMatrix:
-        from mlemlib.compressed import decode_slots
-
-        sp, cm = self._sp, self.cm
-        lo, hi = int(sp[r0] - sp[0]), int(sp[r1] - sp[0])
-        sc = cm.scale[r0:r1] if cm.scale is not None else None
-        return decode_slots(sp[r0 : r1 + 1], cm.codes[lo:hi], cm.values[lo:hi], sc, self.shape[1], row0=r0, slot0=lo)
+        return self.cm.decode_rows(r0, r1, slotptr=self._sp)
 
 
 def _host_source(source):

@@ -884,6 +884,17 @@ class CompressedMatrix:
         return out
 
     # -- conversions
+    def decode_rows(self, r0: int, r1: int, *, validate: bool = True, source: str | os.PathLike = "<matrix>",
+                    slotptr: np.ndarray | None = None) -> CSRMatrix:
+        """Rows ``[r0, r1)`` decoded into CSR (row pointer from 0); ``slotptr`` (:meth:`slotptr`) saves recomputing it."""
+        sp = self.slotptr() if slotptr is None else slotptr
+        lo, hi = int(sp[r0] - sp[0]), int(sp[r1] - sp[0])
+        sc = self.scale[r0:r1] if self.scale is not None else None
+        return decode_slots(
+            sp[r0 : r1 + 1], self.codes[lo:hi], self.values[lo:hi], sc, self.shape[1],
+            source=source, row0=r0, slot0=lo, check_values=validate,
+        )
+
     def to_csr(self, *, validate: bool = True, source: str | os.PathLike = "<matrix>") -> CSRMatrix:
         """Decode into CSR (exactly the encoded matrix for ``compressed``).
 
@@ -891,17 +902,11 @@ class CompressedMatrix:
         the values (the column range and the row alignment are always checked).
         """
         sp = self.slotptr()
-        m, n = self.shape
-        blocks = []
-        for r0, r1 in _pieces(sp - sp[0], PIECE_SLOTS) if m else [(0, 0)]:
-            lo, hi = int(sp[r0] - sp[0]), int(sp[r1] - sp[0])
-            sc = self.scale[r0:r1] if self.scale is not None else None
-            blocks.append(
-                decode_slots(
-                    sp[r0 : r1 + 1], self.codes[lo:hi], self.values[lo:hi], sc, n,
-                    source=source, row0=r0, slot0=lo, check_values=validate,
-                )
-            )
+        m = self.shape[0]
+        blocks = [
+            self.decode_rows(r0, r1, validate=validate, source=source, slotptr=sp)
+            for r0, r1 in (_pieces(sp - sp[0], PIECE_SLOTS) if m else [(0, 0)])
+        ]
         if len(blocks) == 1:
             return blocks[0]
         indptr = [np.zeros(1, dtype=np.int64)]

@@ -319,9 +319,7 @@ def choose_one_gpu(reuse: float | None, *, transpose: bool, chunks: float | None
     if reuse is not None and reuse >= CHUNK_REUSE_MIN:
         if not transpose or (chunks is not None and sms is not None and chunks >= CHUNK_WAVES_MIN * sms):
             return "onepass_chunked"
-    if fmt != "csr":
-        return "delta_vector" if transpose else "onepass_fixed"
-    return "csr_vector" if transpose else "notrans"
+    return resolve("cuda", "auto", "auto", transpose_available=transpose, fmt=fmt).bp  # auto's own fallback
 
 
 @dataclass(frozen=True)

@@ -288,7 +288,6 @@ __device__ __forceinline__ void plain_chunk_body(const i64* __restrict__ chunk_r
     const int lane = threadIdx.x & 31;
     const int nw = blockDim.x >> 5;
     const i64 r1 = chunk_rows[c + 1];
-    const double QMAX = 4503599627370496.0;  // 2^52
     int bad = 0;
     for (i64 r = chunk_rows[c] + (threadIdx.x >> 5); r < r1; r += nw) {  // warp-uniform
         const i64 s = rp[r], e = rp[r + 1];
@@ -316,26 +315,9 @@ __device__ __forceinline__ void plain_chunk_body(const i64* __restrict__ chunk_r
 #pragma unroll
         for (int t = 0; t < C; ++t) {
             if (s + 32 * t >= e) break;  // warp-uniform
-            const double q = (double)(cv[t] * ci) * fscale;
-            if (!(q >= 0.0 && q < QMAX)) {
-                bad = 1;
-            } else if (q > 0.0) {
-                const u64 u = __double2ull_rn(q);
-                atomicAdd(lo + cc[t], (unsigned)(u & 0xFFFFFull));
-                atomicAdd(hi + cc[t], (unsigned)(u >> 20));
-            }
+            chunk_put(lo, hi, cc[t], cv[t] * ci, fscale, bad);  // compressed.cu's split fixed-point add
         }
-        for (i64 k = s + 32 * C + lane; k < e; k += 32) {
-            const unsigned j = __ldcs(local + k);
-            const double q = (double)(__ldcs(val + k) * ci) * fscale;
-            if (!(q >= 0.0 && q < QMAX)) {
-                bad = 1;
-            } else if (q > 0.0) {
-                const u64 u = __double2ull_rn(q);
-                atomicAdd(lo + j, (unsigned)(u & 0xFFFFFull));
-                atomicAdd(hi + j, (unsigned)(u >> 20));
-            }
-        }
+        for (i64 k = s + 32 * C + lane; k < e; k += 32) chunk_put(lo, hi, __ldcs(local + k), __ldcs(val + k) * ci, fscale, bad);
     }
     if (bad) atomicOr(flag, 1);
     if (fwd_only) return;  // uniform over the block

@@ -43,7 +43,7 @@ import numpy as np
 from mlemlib._io import prefetched
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR
-from mlemlib.backends.device_formats import DeviceMatrix
+from mlemlib.backends.device_formats import DeviceMatrix, format_of
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import chunk_bounds
 
@@ -702,7 +702,6 @@ class DeviceChunked:
         (4 with float16 values) for the non-zeros and the padding (at most 3 per row), 1 more per non-zero for
         voxel lists of reuse 4."""
         from mlemlib import chunked
-        from mlemlib.backends.device_formats import format_of
         from mlemlib.matrix import shape_nnz
 
         (m, _), nnz = shape_nnz(source)
@@ -738,8 +737,6 @@ class DeviceChunked:
 
         cp = cupy()
         window = chunk_window() if window is None else int(window)
-        from mlemlib.backends.device_formats import format_of
-
         (m, n), nnz = shape_nnz(source)
         fmt = format_of(source)
         half = fmt == "compressed-f16"

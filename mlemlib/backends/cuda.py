@@ -208,7 +208,7 @@ class CudaBackend(Backend):
                 sms = int(cp.cuda.runtime.getDeviceProperties(self.device_id)["multiProcessorCount"])
                 pick = registry.choose_one_gpu(self.chunk_reuse_sample, transpose=choice.needs_transpose,
                                                chunks=chunks, sms=sms, fmt=self.format)
-                need_c = cc().DeviceChunked.device_bytes(matrix)
+                need_c = cc().DeviceChunked.device_bytes(matrix) if pick == "onepass_chunked" else 0
                 if pick == "onepass_chunked" and need_c + need_vec > MEMORY_HEADROOM * free:
                     log.info("bp=auto: the row chunks (%.2f GiB) do not fit the %.2f GiB free: %s",
                              need_c / GIB, free / GIB, choice.bp)
