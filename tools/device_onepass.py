@@ -290,17 +290,34 @@ def chunked_section(a, f, g, fp, bp, bp64, bound, args, mods, rec, order) -> Non
         log(f"{order}: DeviceChunked.upload, window {window}: {dc.chunks} chunks, {dc.nbytes / max(dc.nnz, 1):.3f} "
             f"bytes/nnz, {time.perf_counter() - t0:.1f} s")
         saved = gpu.OPTIONS
-        for groups in args.chunk_groups:
-            gpu.OPTIONS = saved + (f"-DMLEM_CHUNK_CACHE={groups}",)
+        sources = [("csr", dc)]
+        if args.chunk_half:
+            from mlemlib.compressed import CompressedMatrix
 
-            def lib(dc=dc):
-                gpu.chunked_onepass(dc, g, f, bp=bp, fp=fp, bound=bound, check=False, acc=acc, flag=flag)
+            t0 = time.perf_counter()
+            half = gpu.DeviceChunked.upload(CompressedMatrix.from_csr(host, "compressed-f16", validate=False),
+                                            window=window)
+            log(f"{order}: compressed-f16 DeviceChunked.upload: {half.nbytes / max(half.nnz, 1):.3f} bytes/nnz, "
+                f"{time.perf_counter() - t0:.1f} s")
+            sources.append(("compressed-f16", half))
+        for label, src in sources:
+            for groups in args.chunk_groups:
+                for extra in args.chunk_options:
+                    macros = tuple(f"-DMLEM_CHUNK_{kv}" for kv in extra.split(",") if kv)
+                    gpu.OPTIONS = saved + (f"-DMLEM_CHUNK_CACHE={groups}",) + macros
+                    fname = "chunked_onepass_f16" if src.half else "chunked_onepass"
 
-            rec("onepass", f"library chunked_onepass window {window}, {groups} groups in registers, "
-                f"{gpu.function('chunked_onepass').num_regs} regs", lib, lambda: rel(bp, bp64))
-            if int(flag.get()[0]):
-                log(f"{order}: library chunked_onepass overflow flag {int(flag.get()[0])}")
-                flag.fill(0)
+                    def lib(src=src):
+                        gpu.chunked_onepass(src, g, f, bp=bp, fp=fp, bound=bound, check=False, acc=acc, flag=flag)
+
+                    rec("onepass", f"library {fname} ({label}) window {window}, {groups} groups in registers"
+                        f"{', ' + extra if extra else ''}, {gpu.function(fname).num_regs} regs", lib,
+                        lambda: rel(bp, bp64))
+                    if int(flag.get()[0]):
+                        log(f"{order}: library chunked_onepass overflow flag {int(flag.get()[0])}")
+                        flag.fill(0)
+        if args.chunk_half:
+            del half, sources
         gpu.OPTIONS = saved
         del dc
         cp.get_default_memory_pool().free_all_blocks()
@@ -370,6 +387,11 @@ def main(argv=None) -> int:
                     help="threads per block of the chunked probe kernels (default 1024)")
     ap.add_argument("--chunk-groups", type=lambda t: [int(v) for v in t.split(",")], default=[2],
                     help="groups of 128 elements the library's chunked kernel keeps in registers (compiled variants)")
+    ap.add_argument("--chunk-options", type=lambda t: t.split(";"), default=[""],
+                    help="compiled variants of the library's chunked kernel, ';'-separated, each comma-separated "
+                         "MLEM_CHUNK_ macros without the prefix (e.g. 'STAGE=8;STAGE=8,DYNAMIC=1'; '' the defaults)")
+    ap.add_argument("--chunk-half", action="store_true",
+                    help="also time the library's chunked kernel on the matrix as compressed-f16 (float16 values)")
     ap.add_argument("--chunk-old", action="store_true",
                     help="also the first chunked kernel (float shared-memory atomics: CAS loops, 20 ms on madpet2)")
     ap.add_argument("--op-minb", type=lambda t: [int(v) for v in t.split(",")], default=[],

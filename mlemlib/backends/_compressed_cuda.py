@@ -644,7 +644,8 @@ def chunk_window(device_id: int | None = None) -> int:
     cp = cupy()
     dev = cp.cuda.Device().id if device_id is None else int(device_id)
     optin = int(cp.cuda.runtime.getDeviceProperties(dev).get("sharedMemPerBlockOptin", 0)) or 48 * 1024
-    return max(2, min(chunked.DEFAULT_WINDOW, (optin // CHUNK_SMEM_PER_VOXEL) & ~1))
+    # less the kernel's few bytes of static shared memory (its row counter)
+    return max(2, min(chunked.DEFAULT_WINDOW, ((optin - 64) // CHUNK_SMEM_PER_VOXEL) & ~1))
 
 
 @dataclass

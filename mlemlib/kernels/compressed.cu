@@ -98,6 +98,21 @@ typedef unsigned long long u64;
 #ifndef MLEM_CHUNK_CACHE
 #define MLEM_CHUNK_CACHE 2
 #endif
+// Voxels each thread stages (f) and flushes (sums) per batch: the loads of a batch are in flight
+// together instead of one dependent pair (voxel number, then f) per trip.
+#ifndef MLEM_CHUNK_STAGE
+#define MLEM_CHUNK_STAGE 1
+#endif
+// 1: the warps of a block take their rows from a shared counter (rows of unequal length balance);
+// 0: warp w takes rows w, w + 32, ...
+#ifndef MLEM_CHUNK_DYNAMIC
+#define MLEM_CHUNK_DYNAMIC 0
+#endif
+// 1: a term's fixed point is rint(a_ij * (c_i * scale)) in float32 (one conversion) where that
+// equals rint((float)(a_ij * c_i) * scale) bit for bit (see chunk_fast), else through float64.
+#ifndef MLEM_CHUNK_FASTQ
+#define MLEM_CHUNK_FASTQ 0
+#endif
 
 #define MODE_PLAIN 0
 #define MODE_CORR 1
@@ -614,6 +629,36 @@ __device__ __forceinline__ void chunk_put4(unsigned* lo, unsigned* hi, ushort4 c
     chunk_put(lo, hi, c.w, v.w * ci, fscale, bad);
 }
 
+// chunk_put with the term already scaled in float32: q = a_ij * (c_i * scale). Where chunk_fast
+// holds this is the float32 product a_ij * c_i times the power of two scale exactly (scaling by a
+// power of two commutes with float32 rounding while neither product is subnormal or infinite, and
+// where one is, the term rounds to 0 or fails the range check in both), so the sums are those of
+// chunk_put; one float-to-integer conversion per term instead of two conversions and float64 maths.
+__device__ __forceinline__ void chunk_putq(unsigned* lo, unsigned* hi, unsigned j, float q, int& bad) {
+    if (!(q >= 0.0f && q < 4503599627370496.0f)) {  // 2^52; NaN fails too
+        bad = 1;
+    } else if (q > 0.0f) {
+        const u64 u = __float2ull_rn(q);
+        atomicAdd(lo + j, (unsigned)(u & 0xFFFFFull));
+        atomicAdd(hi + j, (unsigned)(u >> 20));
+    }
+}
+
+__device__ __forceinline__ void chunk_put4q(unsigned* lo, unsigned* hi, ushort4 c, float4 v, float cs, int& bad) {
+    chunk_putq(lo, hi, c.x, v.x * cs, bad);
+    chunk_putq(lo, hi, c.y, v.y * cs, bad);
+    chunk_putq(lo, hi, c.z, v.z * cs, bad);
+    chunk_putq(lo, hi, c.w, v.w * cs, bad);
+}
+
+// Whether chunk_putq gives chunk_put's sums for a row: the scale in [2^-70, 2^100] (so a float32
+// product that overflows is >= 2^52 scaled, and one that is subnormal is < 2^-26 scaled: both
+// products then fail the range check or round to 0 alike) and c_i * scale a normal float32.
+__device__ __forceinline__ bool chunk_fast(float cs, double fscale) {
+    return fscale >= 8.470329472543003e-22 && fscale <= 1.2676506002282294e+30 && cs >= 1.1754943508222875e-38f &&
+           cs <= 3.4028234663852886e+38f;
+}
+
 // The values' group of 4 as float32: float32 values as they are; float16 values (compressed-f16: the
 // float16 round(a / scale_r) with a power-of-two row scale) times the row's scale, which gives back
 // exactly the float32 values that format decodes to (the sums are those of its decoded CSR).
@@ -650,24 +695,49 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
                                                      double fscale, int* flag, int window, int fwd_only) {
     typedef ChunkVals<HALF> CV;
     typedef typename CV::V4 V4;
+    constexpr int SU = MLEM_CHUNK_STAGE;
     extern __shared__ float chunk_sm[];
+    __shared__ int chunk_next;
     float* fl = chunk_sm;
     unsigned* lo = reinterpret_cast<unsigned*>(chunk_sm + window);
     unsigned* hi = lo + window;
     const i64 c = blockIdx.x;
     const i64 v0 = vptr[c];
     const int nv = (int)(vptr[c + 1] - v0);
-    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
-        fl[i] = __ldg(f + __ldg(voxels + v0 + i));
-        lo[i] = 0u;
-        hi[i] = 0u;
+    const i64 r0 = chunk_rows[c];
+    const i64 r1 = chunk_rows[c + 1];
+    if (nv == 0) {  // only empty rows (the reorder stage puts them last): A f is 0 there, nothing to add
+        for (i64 r = r0 + threadIdx.x; r < r1; r += blockDim.x) fp[r] = 0.0f;
+        return;  // uniform over the block
+    }
+    const int nw = blockDim.x >> 5;
+    if (threadIdx.x == 0) chunk_next = nw;
+    for (int i0 = threadIdx.x; i0 < nv; i0 += SU * blockDim.x) {
+        int vx[SU];
+#pragma unroll
+        for (int u = 0; u < SU; ++u) {
+            const int i = i0 + u * blockDim.x;
+            vx[u] = i < nv ? __ldg(voxels + v0 + i) : 0;
+        }
+        float fv[SU];
+#pragma unroll
+        for (int u = 0; u < SU; ++u) fv[u] = i0 + u * (int)blockDim.x < nv ? __ldg(f + vx[u]) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < SU; ++u) {
+            const int i = i0 + u * blockDim.x;
+            if (i < nv) {
+                fl[i] = fv[u];
+                lo[i] = 0u;
+                hi[i] = 0u;
+            }
+        }
     }
     __syncthreads();
     const int lane = threadIdx.x & 31;
-    const int nw = blockDim.x >> 5;
-    const i64 r1 = chunk_rows[c + 1];
     int bad = 0;
-    for (i64 r = chunk_rows[c] + (threadIdx.x >> 5); r < r1; r += nw) {  // warp-uniform
+    for (i64 r = r0 + (threadIdx.x >> 5); r < r1;) {  // warp-uniform
+        int nx = 0;
+        if (MLEM_CHUNK_DYNAMIC && lane == 0) nx = atomicAdd(&chunk_next, 1);  // this warp's next row
         const i64 s = rp[r], e = rp[r + 1];
         const int ng = (int)((e - s) >> 7);  // interleaved groups of 128
         const i64 t0 = s + ((i64)ng << 7);   // the rest, in order: [t0, e), at most 4 trips
@@ -707,26 +777,60 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
         if (lane == 0) fp[r] = sum;
         const float ci = (sum != 0.0f && !fwd_only) ? __ldg(g + r) / sum : 0.0f;
-        if (ci == 0.0f) continue;  // warp-uniform
+        if (ci != 0.0f) {  // warp-uniform
+            const float cs = ci * (float)fscale;
+            if (MLEM_CHUNK_FASTQ && chunk_fast(cs, fscale)) {
 #pragma unroll
-        for (int q = 0; q < CG; ++q) {
-            if (q >= ng) break;  // warp-uniform
-            chunk_put4(lo, hi, cc[q], CV::f4(cv[q], sc), ci, fscale, bad);
+                for (int q = 0; q < CG; ++q) {
+                    if (q >= ng) break;  // warp-uniform
+                    chunk_put4q(lo, hi, cc[q], CV::f4(cv[q], sc), cs, bad);
+                }
+                for (int q = CG; q < ng; ++q)
+                    chunk_put4q(lo, hi, __ldcs(lq + 32 * q), CV::f4(__ldcs(vq + 32 * q), sc), cs, bad);
+#pragma unroll
+                for (int t = 0; t < 4; ++t) chunk_putq(lo, hi, rc[t], rv[t] * cs, bad);  // zeros add nothing
+            } else {
+#pragma unroll
+                for (int q = 0; q < CG; ++q) {
+                    if (q >= ng) break;  // warp-uniform
+                    chunk_put4(lo, hi, cc[q], CV::f4(cv[q], sc), ci, fscale, bad);
+                }
+                for (int q = CG; q < ng; ++q)
+                    chunk_put4(lo, hi, __ldcs(lq + 32 * q), CV::f4(__ldcs(vq + 32 * q), sc), ci, fscale, bad);
+#pragma unroll
+                for (int t = 0; t < 4; ++t) chunk_put(lo, hi, rc[t], rv[t] * ci, fscale, bad);  // zeros add nothing
+            }
         }
-        for (int q = CG; q < ng; ++q)
-            chunk_put4(lo, hi, __ldcs(lq + 32 * q), CV::f4(__ldcs(vq + 32 * q), sc), ci, fscale, bad);
-#pragma unroll
-        for (int t = 0; t < 4; ++t) chunk_put(lo, hi, rc[t], rv[t] * ci, fscale, bad);  // zeros add nothing
+        if (MLEM_CHUNK_DYNAMIC)
+            r = r0 + __shfl_sync(FULL_MASK, nx, 0);
+        else
+            r += nw;
     }
     if (bad) atomicOr(flag, 1);
     if (fwd_only) return;  // uniform over the block
     __syncthreads();
-    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
-        const u64 u = ((u64)hi[i] << 20) + (u64)lo[i];
-        if (u != 0ull) {
-            const u64 old = atomicAdd(acc + __ldg(voxels + v0 + i), u);
-            if (old + u < old) atomicOr(flag, 2);
+    for (int i0 = threadIdx.x; i0 < nv; i0 += SU * blockDim.x) {
+        int vx[SU];
+        u64 uu[SU];
+#pragma unroll
+        for (int u = 0; u < SU; ++u) {
+            const int i = i0 + u * blockDim.x;
+            uu[u] = 0ull;
+            vx[u] = 0;
+            if (i < nv) {
+                uu[u] = ((u64)hi[i] << 20) + (u64)lo[i];
+                vx[u] = __ldg(voxels + v0 + i);
+            }
         }
+        int wrapped = 0;
+#pragma unroll
+        for (int u = 0; u < SU; ++u) {
+            if (uu[u] != 0ull) {
+                const u64 old = atomicAdd(acc + vx[u], uu[u]);
+                wrapped |= old + uu[u] < old;
+            }
+        }
+        if (wrapped) atomicOr(flag, 2);
     }
 }
 
