@@ -101,17 +101,17 @@ typedef unsigned long long u64;
 // Voxels each thread stages (f) and flushes (sums) per batch: the loads of a batch are in flight
 // together instead of one dependent pair (voxel number, then f) per trip.
 #ifndef MLEM_CHUNK_STAGE
-#define MLEM_CHUNK_STAGE 1
+#define MLEM_CHUNK_STAGE 8
 #endif
 // 1: the warps of a block take their rows from a shared counter (rows of unequal length balance);
 // 0: warp w takes rows w, w + 32, ...
 #ifndef MLEM_CHUNK_DYNAMIC
-#define MLEM_CHUNK_DYNAMIC 0
+#define MLEM_CHUNK_DYNAMIC 1
 #endif
 // 1: a term's fixed point is rint(a_ij * (c_i * scale)) in float32 (one conversion) where that
 // equals rint((float)(a_ij * c_i) * scale) bit for bit (see chunk_fast), else through float64.
 #ifndef MLEM_CHUNK_FASTQ
-#define MLEM_CHUNK_FASTQ 0
+#define MLEM_CHUNK_FASTQ 1
 #endif
 
 #define MODE_PLAIN 0
