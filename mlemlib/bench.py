@@ -71,6 +71,16 @@ ITERATION_BENCH = (
     ("auto", "onepass_fixed"),
     ("auto", "onepass_chunked"),
 )
+#: (fp, bp) pairs timed as whole MLEM iterations on the matrix re-encoded in a compressed format
+#: (``formats``): ``auto`` (which may chunk it), the compressed pair, the deterministic one passes.
+FORMAT_ITERATION_BENCH = (
+    ("auto", "auto"),
+    ("delta_vector", "delta_vector"),
+    ("auto", "onepass_fixed"),
+    ("auto", "onepass_chunked"),
+)
+#: The iteration every other one's image is compared with: the deterministic float32 CSR pair.
+REFERENCE_ITERATION = ("csr", "csr_vector", "csr_vector")
 #: The benchmark's operation names and the registry's.
 BENCH_OPS = {"fp": "forward", "bp": "back", "bp_notrans": "back_notrans"}
 
@@ -353,6 +363,7 @@ def bench_spmv(
     bp_kernels: Sequence[str] = BP_BENCH,
     notrans_kernels: Sequence[str] = NOTRANS_BENCH,
     iterations: Sequence[tuple[str, str]] = ITERATION_BENCH,
+    formats: Sequence[str] = ("csr",),
     secsizes: Sequence[int] = (plan.DEFAULT_SECSIZE,),
     lanes: Sequence[int] | None = None,
     check: bool = True,
@@ -379,6 +390,15 @@ def bench_spmv(
         stored transpose, and without it.
     iterations
         ``(fp, bp)`` pairs timed as whole MLEM iterations (empty: none).
+    formats
+        Matrix formats the iterations run in: ``csr`` (``iterations``) and
+        ``compressed`` / ``compressed-f16`` (``A`` and ``A^T`` re-encoded on
+        the host, :data:`FORMAT_ITERATION_BENCH`). Every iteration row gives
+        its format, bytes per non-zero, its own floor (the bytes of the
+        matrices it reads: ``A`` once for a one pass, ``A`` and ``A^T`` for a
+        pair, ``A`` twice without a transpose) and the CSR pair's floor, and
+        the relative L2 distance of its image to that of the float32 CSR pair
+        (``csr_vector``) after the same ``warmup + repeat`` iterations.
     secsizes
         Section sizes of ``merge`` (one row each).
     lanes
@@ -406,6 +426,7 @@ def bench_spmv(
     cp = ck.cupy()
     if repeat < 1 or warmup < 0:
         raise ConfigError("repeat", f"repeat must be >= 1 and warmup >= 0, got {repeat}, {warmup}")
+    formats = check_formats(formats)
     label = matrix_label or (os.fspath(matrix) if isinstance(matrix, (str, os.PathLike)) else "in-memory")
     with cp.cuda.Device(device):
         facts = device_facts(device)
@@ -563,7 +584,7 @@ def bench_spmv(
             ref_t = base.get(r["op"])
             r["vs_cusparse"] = (ref_t / r["median_s"]) if ref_t else None
 
-        # whole iterations
+        # whole iterations, in each format
         its: list[dict[str, Any]] = []
         if iterations and nnz:
             f_true = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
@@ -571,56 +592,23 @@ def bench_spmv(
             a.drop_cusparse()
             norm = (at.cusparse() @ cp.ones(m, dtype=cp.float32)).get().astype(np.float64)
             at.drop_cusparse()
-            for fp_k, bp_k in iterations:
-                try:
-                    be = CudaBackend(
-                        a,
-                        g,
-                        norm,
-                        at if registry.uses_transpose("cuda", bp_k) else None,
-                        fp=fp_k,
-                        bp=bp_k,
-                        device=device,
-                    )
-                except ConfigError as exc:  # e.g. onepass_chunked on a row longer than its window
-                    log.warning("iteration %s + %s not timed: %s", fp_k, bp_k, exc)
-                    its.append({"fp_requested": fp_k, "bp_requested": bp_k, "error": str(exc)})
-                    continue
-                f = be.initial_image()
-                t = []
-                for i in range(warmup + repeat):
-                    f = be.iterate(f)
-                    if i >= warmup:
-                        t.append(be.last_step_times()["iteration"])
-                med = float(np.median(t))
-                floor_bytes = plan.iteration_floor_bytes(m, n, nnz, transpose=be.at is not None)
-                floor_s = floor_bytes / bw
-                its.append(
-                    {
-                        "fp_requested": fp_k,
-                        "fp": be.fp_kernel,
-                        "bp": be.bp_kernel,
-                        "bp_requested": bp_k,
-                        "deterministic": be.deterministic,
-                        "fused": be.describe()["fused"],
-                        "median_s": med,
-                        "min_s": float(min(t)),
-                        "floor_bytes": floor_bytes,
-                        "floor_s": floor_s,
-                        "of_floor": floor_s / med,
-                        "finite": bool(cp.isfinite(f).all()),
-                    }
-                )
-                log.info(
-                    "iteration %s + %s (%s): %.3f ms, %.1f%% of floor %.3f ms",
-                    fp_k,
-                    be.bp_kernel,
-                    bp_k,
-                    med * 1e3,
-                    100 * floor_s / med,
-                    floor_s * 1e3,
-                )
-                del be
+            csr_floor_s = plan.iteration_floor_bytes(m, n, nnz) / bw
+            images: dict[int, np.ndarray] = {}
+            for fmt in formats:
+                for fp_k, bp_k, mat, tr in _format_iterations(fmt, a, at, iterations):
+                    row, img = _time_iteration(CudaBackend, fmt, fp_k, bp_k, mat, tr, g, norm, device,
+                                               warmup, repeat, bw, csr_floor_s)
+                    its.append(row)
+                    if img is not None:
+                        images[len(its) - 1] = img
+                cp.get_default_memory_pool().free_all_blocks()
+            ref = next((images.get(i) for i, r in enumerate(its)
+                        if (r.get("format"), r.get("fp_requested"), r.get("bp_requested")) == REFERENCE_ITERATION),
+                       None)
+            for i, r in enumerate(its):
+                img = images.get(i)
+                if ref is not None and img is not None:
+                    r["rel_l2_to_csr"] = float(np.linalg.norm(img - ref) / (np.linalg.norm(ref) or 1.0))
 
     result = {
         "date": _dt.date.today().isoformat(),
@@ -647,6 +635,86 @@ def bench_spmv(
     }
     write_results(result, out_json=out_json, out_md=out_md, out_csv=out_csv)
     return result
+
+
+def check_formats(formats: Sequence[str]) -> tuple[str, ...]:
+    """``formats`` as a tuple without repeats, each a matrix format (:class:`ConfigError` otherwise)."""
+    from mlemlib.formats import MATRIX_FORMATS
+
+    out = tuple(dict.fromkeys(str(f) for f in formats))
+    bad = [f for f in out if f not in MATRIX_FORMATS]
+    if bad or not out:
+        raise ConfigError("formats", f"expected some of {', '.join(MATRIX_FORMATS)}, got {', '.join(formats) or 'none'}")
+    return out
+
+
+def _format_iterations(fmt: str, a: Any, at: Any, iterations: Sequence[tuple[str, str]]):
+    """``(fp, bp, A source, A^T or None)`` of the iterations timed in format ``fmt`` (a generator: a compressed
+    format is encoded from the device CSR ``a``, ``at`` when the first of them runs)."""
+    if fmt == "csr":
+        for fp_k, bp_k in iterations:
+            yield fp_k, bp_k, a, at if registry.uses_transpose("cuda", bp_k) else None
+        return
+    from mlemlib.backends._compressed_cuda import DeviceCompressed
+    from mlemlib.compressed import CompressedMatrix
+
+    t0 = time.perf_counter()
+    host_a = CompressedMatrix.from_csr(a.to_host(), fmt, validate=False)
+    host_at = CompressedMatrix.from_csr(at.to_host(), fmt, validate=False)
+    dev_a, dev_at = DeviceCompressed.from_host(host_a), DeviceCompressed.from_host(host_at)
+    log.info("%s: A and A^T encoded (%.3f / %.3f bytes per non-zero) and on the GPU in %.1f s", fmt,
+             host_a.bytes_per_nnz, host_at.bytes_per_nnz, time.perf_counter() - t0)
+    for fp_k, bp_k in FORMAT_ITERATION_BENCH:
+        # auto and onepass_chunked take the host matrix: the chunked layout is built from its decoded rows
+        source = host_a if bp_k in ("auto", "onepass_chunked") else dev_a
+        yield fp_k, bp_k, source, dev_at if registry.uses_transpose("cuda", bp_k) else None
+
+
+def _time_iteration(backend: Any, fmt: str, fp_k: str, bp_k: str, mat: Any, tr: Any, g: np.ndarray,
+                    norm: np.ndarray, device: int, warmup: int, repeat: int, bw: float,
+                    csr_floor_s: float) -> tuple[dict[str, Any], np.ndarray | None]:
+    """One iteration row of :func:`bench_spmv` (and the final image, float64 on the host; None if not run)."""
+    from mlemlib.backends.base import bytes_per_nnz
+
+    try:
+        be = backend(mat, g, norm, tr, fp=fp_k, bp=bp_k, device=device)
+    except ConfigError as exc:  # e.g. onepass_chunked on a row longer than its window
+        log.warning("iteration %s + %s (%s) not timed: %s", fp_k, bp_k, fmt, exc)
+        return {"format": fmt, "fp_requested": fp_k, "bp_requested": bp_k, "error": str(exc)}, None
+    f = be.initial_image()
+    t = []
+    for i in range(warmup + repeat):
+        f = be.iterate(f)
+        if i >= warmup:
+            t.append(be.last_step_times()["iteration"])
+    med = float(np.median(t))
+    # its own floor: the bytes of the matrices one iteration reads (A once in one pass, A twice without A^T)
+    nbytes = int(be.a.nbytes) * (1 if be.onepass or be.at is not None else 2)
+    nbytes += int(be.at.nbytes) if be.at is not None else 0
+    floor_s = nbytes / bw
+    row = {
+        "format": fmt,
+        "fp_requested": fp_k,
+        "fp": be.fp_kernel,
+        "bp": be.bp_kernel,
+        "bp_requested": bp_k,
+        "deterministic": be.deterministic,
+        "fused": be.describe()["fused"],
+        "bytes_per_nnz": bytes_per_nnz(be.a),
+        "median_s": med,
+        "min_s": float(min(t)),
+        "floor_bytes": nbytes,
+        "floor_s": floor_s,
+        "of_floor": floor_s / med,
+        "csr_floor_s": csr_floor_s,
+        "of_csr_floor": csr_floor_s / med,
+    }
+    img = np.asarray(be.to_host(f), dtype=np.float64)
+    row["finite"] = bool(np.isfinite(img).all())
+    log.info("iteration %s + %s (%s, %s): %.3f ms, %.1f%% of its floor %.3f ms, %.1f%% of the CSR floor", fp_k,
+             be.bp_kernel, bp_k, fmt, med * 1e3, 100 * floor_s / med, floor_s * 1e3, 100 * csr_floor_s / med)
+    del be
+    return row, img
 
 
 # --------------------------------------------------------------------------- reports
@@ -763,19 +831,31 @@ def format_markdown(result: dict[str, Any]) -> str:
         lines += [
             "### one MLEM iteration",
             "",
-            "| fp | bp | deterministic | fused | median ms | floor ms | of floor |",
-            "|---|---|---|---|---|---|---|",
+            "| format | bytes/nnz | fp | bp | deterministic | fused | median ms | its floor ms | of its floor | "
+            "of the CSR floor | rel. L2 to the CSR image |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in result["iterations"]:
+            fmt = r.get("format", "csr")
             if "error" in r:
-                lines.append(f"| {r['fp_requested']} | {r['bp_requested']} | not run: {r['error']} | | | | |")
+                lines.append(f"| {fmt} | | {r['fp_requested']} | {r['bp_requested']} | not run: {r['error']} "
+                             "| | | | | | |")
                 continue
             bp = r["bp"] if r.get("bp_requested", r["bp"]) == r["bp"] else f"{r['bp']} ({r['bp_requested']})"
             lines.append(
-                f"| {r['fp']} | {bp} | {'yes' if r['deterministic'] else 'no'} | {', '.join(r['fused']) or '-'} | "
-                f"{r['median_s'] * 1e3:.3f} | {r['floor_s'] * 1e3:.3f} | {_fmt(r['of_floor'], '.1%')} |"
+                f"| {fmt} | {_fmt(r.get('bytes_per_nnz'), '.2f')} | {r['fp']} | {bp} | "
+                f"{'yes' if r['deterministic'] else 'no'} | {', '.join(r['fused']) or '-'} | "
+                f"{r['median_s'] * 1e3:.3f} | {r['floor_s'] * 1e3:.3f} | {_fmt(r['of_floor'], '.1%')} | "
+                f"{_fmt(r.get('of_csr_floor'), '.1%')} | {_fmt(r.get('rel_l2_to_csr'), '.1e')} |"
             )
-        lines.append("")
+        lines += [
+            "",
+            f"Its floor: the bytes of the matrices one iteration reads (A once for a one pass, A and A^T for a "
+            f"pair, A twice without A^T) at the copy bandwidth; the CSR floor: A and A^T as CSR. Images compared "
+            f"after {result['warmup'] + result['repeat']} iterations from the same start with the float32 CSR "
+            f"pair's (csr_vector).",
+            "",
+        ]
         pick = auto_versus_fastest(result["iterations"])
         if pick:
             lines += [pick, ""]

@@ -15,6 +15,8 @@ import pytest
 
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib.bench import (
+    _time_iteration,
+    check_formats,
     auto_versus_fastest,
     format_csv,
     format_markdown,
@@ -258,7 +260,7 @@ def test_format_markdown_tables():
     assert "| merge (secsize 5) | no | 9.000 | 0.600 | 20.0% | - | - |" in md
     assert "### back A^T c (no transpose)" in md
     assert "### back A^T c (stored transpose)" not in md  # no rows for it
-    assert "| csr_vector | csr_vector | yes | corr into fp | 6.000 | 5.400 | 90.0% |" in md
+    assert "| csr | - | csr_vector | csr_vector | yes | corr into fp | 6.000 | 5.400 | 90.0% | - | - |" in md
     assert "auto ran" not in md  # no auto + auto row in this result
 
 
@@ -277,8 +279,84 @@ def test_markdown_puts_auto_beside_the_fastest_and_shows_a_refused_pair():
     assert ("auto ran csr_vector + csr_vector: 6.000 ms; the fastest iteration of this run is cusparse + cusparse: "
             "4.000 ms (auto takes 1.50x its time); the fastest deterministic one is onepass_chunked + "
             "onepass_chunked: 4.500 ms.") in md
-    assert "| auto | onepass_chunked | not run: bp=onepass_chunked: a row has 9 non-zeros |" in md
+    assert "| csr | | auto | onepass_chunked | not run: bp=onepass_chunked: a row has 9 non-zeros |" in md
     assert auto_versus_fastest([its[-1]]) == ""
+
+
+def test_markdown_iteration_rows_give_format_floors_and_distance():
+    res = _result()
+    res["iterations"].append(
+        {"format": "compressed-f16", "bytes_per_nnz": 4.06, "fp_requested": "auto", "fp": "onepass_chunked",
+         "bp": "onepass_chunked", "bp_requested": "auto", "deterministic": True, "fused": [], "median_s": 2.5e-3,
+         "floor_s": 1.3e-3, "of_floor": 0.52, "of_csr_floor": 2.16, "rel_l2_to_csr": 1.2e-3})
+    md = format_markdown(res)
+    assert ("| compressed-f16 | 4.06 | onepass_chunked | onepass_chunked (auto) | yes | - | 2.500 | 1.300 | 52.0% | "
+            "216.0% | 1.2e-03 |") in md
+    assert "after 35 iterations from the same start" in md  # warmup 5 + repeat 30
+
+
+def test_check_formats():
+    assert check_formats(["csr", "compressed-f16", "csr"]) == ("csr", "compressed-f16")
+    with pytest.raises(ConfigError, match="csr4"):
+        check_formats(["csr", "csr4"])
+    with pytest.raises(ConfigError, match="none"):
+        check_formats([])
+
+
+class _FakeBackend:
+    """The parts of CudaBackend _time_iteration reads, on NumPy: 2 ms per iteration, f doubled each time."""
+
+    def __init__(self, a, g, norm, at, *, fp, bp, device):
+        if bp == "refused":
+            raise ConfigError("bp", "refused here")
+        self.a, self.at = a, at
+        self.onepass = bp.startswith("onepass")
+        self.fp_kernel, self.bp_kernel, self.deterministic = fp, bp, True
+        self.steps = 0
+
+    def initial_image(self):
+        return np.ones(3, dtype=np.float32)
+
+    def iterate(self, f):
+        self.steps += 1
+        return 2 * f
+
+    def last_step_times(self):
+        return {"iteration": 2e-3}
+
+    def describe(self):
+        return {"fused": []}
+
+    def to_host(self, f):
+        return f
+
+
+class _Mat:
+    def __init__(self, nbytes, nnz):
+        self.nbytes, self.nnz = nbytes, nnz
+
+
+@pytest.mark.parametrize("bp, with_at, floor_bytes", [
+    ("onepass_chunked", False, 600),  # one pass: A once
+    ("csr_vector", True, 600 + 1000),  # pair: A and A^T
+    ("scatter", False, 1200),  # back projection without A^T: A twice
+])
+def test_time_iteration_floors_and_image(bp, with_at, floor_bytes):
+    a, at = _Mat(600, 100), _Mat(1000, 100)
+    row, img = _time_iteration(_FakeBackend, "compressed", "auto", bp, a, at if with_at else None, None, None, 0,
+                               2, 3, 1e6, 5e-3)
+    assert row["floor_bytes"] == floor_bytes
+    assert row["floor_s"] == pytest.approx(floor_bytes / 1e6)
+    assert row["of_floor"] == pytest.approx(floor_bytes / 1e6 / 2e-3)
+    assert row["of_csr_floor"] == pytest.approx(2.5)
+    assert row["bytes_per_nnz"] == pytest.approx(6.0) and row["format"] == "compressed"
+    assert row["median_s"] == pytest.approx(2e-3) and row["finite"]
+    np.testing.assert_array_equal(img, np.full(3, 32.0))  # warmup 2 + repeat 3 iterations from ones
+
+
+def test_time_iteration_reports_a_refused_configuration():
+    row, img = _time_iteration(_FakeBackend, "csr", "auto", "refused", _Mat(8, 1), None, None, None, 0, 1, 1, 1.0, 1.0)
+    assert img is None and row["error"].endswith("refused here") and row["format"] == "csr"
 
 
 def test_format_csv_rows():
@@ -353,6 +431,9 @@ def test_bench_spmv_on_gpu_checks_and_reports_every_kernel(tmp_path):
     assert res["iterations"]
     for it in res["iterations"]:
         assert it["median_s"] > 0 and it["finite"], it
+    ref = [it for it in res["iterations"] if (it["format"], it["fp_requested"], it["bp_requested"])
+           == ("csr", "csr_vector", "csr_vector")]
+    assert ref and ref[0]["rel_l2_to_csr"] == 0.0
     saved = json.loads(out_json.read_text())["kernels"]
     assert [(r["op"], r["kernel"]) for r in saved] == [(r["op"], r["kernel"]) for r in rows]
     assert out_md.read_text().count("|") > 10 and len(out_csv.read_text().splitlines()) == len(rows) + 1
@@ -402,3 +483,26 @@ def test_auto_is_shown_beside_the_fastest():
     assert fp["slower_by"] == pytest.approx(2.8 / 2.6 - 1)
     assert fp["fastest_deterministic"] == "csr_vector (32 lanes, 512t w0 stream)"
     assert bp["slower_by"] == 0.0 and bp["fastest"] == bp["auto"] == "csr_vector (32 lanes, 512t w0 stream)"
+
+
+@pytest.mark.gpu
+def test_bench_spmv_runs_the_iterations_in_each_format(tmp_path):
+    # The compressed formats' iterations: every row names its format and bytes per non-zero, the lossless
+    # formats' images match the CSR pair's to float32 rounding, the float16 values' within their precision.
+    from mlemlib.bench import FORMAT_ITERATION_BENCH, bench_spmv, tor_matrix
+
+    a = tor_matrix(24, 24, 3, 16, 33)
+    res = bench_spmv(a, repeat=3, warmup=1, copy_bytes=1 << 24, fp_kernels=("csr_vector",), bp_kernels=(),
+                     notrans_kernels=(), iterations=(("csr_vector", "csr_vector"),),
+                     formats=("csr", "compressed", "compressed-f16"))
+    its = res["iterations"]
+    assert [it["format"] for it in its] == ["csr"] + ["compressed"] * 4 + ["compressed-f16"] * 4
+    assert [(it["fp_requested"], it["bp_requested"]) for it in its[1:5]] == list(FORMAT_ITERATION_BENCH)
+    for it in its:
+        assert "error" not in it, it
+        assert it["median_s"] > 0 and it["finite"] and it["of_csr_floor"] > 0, it
+    for it in its[1:5]:
+        assert it["bytes_per_nnz"] < 8 and it["rel_l2_to_csr"] < 1e-5, it
+    for it in its[5:]:
+        assert it["rel_l2_to_csr"] < 1e-2, it
+    assert "| compressed-f16 |" in format_markdown(res)

@@ -70,6 +70,14 @@ def register(sub) -> None:
         metavar="L[,L...]",
         help="extra lane counts of csr_vector to time besides the automatic choice",
     )
+    s.add_argument(
+        "--formats",
+        default="csr",
+        metavar="F[,F...]",
+        help="matrix formats the MLEM iterations run in (csr, compressed, compressed-f16; default csr): the "
+        "matrix is re-encoded on the host, and each iteration is reported with its bytes per non-zero, its own "
+        "floor, the CSR floor and its image's distance to the float32 CSR pair's",
+    )
     s.add_argument("--no-check", action="store_true", help="skip the float64 check of every output")
     s.add_argument("-d", "--device", type=int, default=0, metavar="I", help="CUDA device index")
     s.add_argument("-o", "--out", required=True, metavar="BENCH.json", help="JSON report")
@@ -87,6 +95,9 @@ def run_spmv(args: argparse.Namespace) -> int:
         raise ConfigError("mlem bench spmv", "give either MATRIX or --synthetic, not both or neither")
     if args.lanes and any(k not in (2, 4, 8, 16, 32) for k in args.lanes):
         raise ConfigError("--lanes", f"lane counts must be among 2, 4, 8, 16, 32, got {args.lanes}")
+    from mlemlib.bench import check_formats
+
+    formats = check_formats([f.strip() for f in args.formats.split(",") if f.strip()])
     matrix = args.input
     label = None
     if args.synthetic is not None:
@@ -102,6 +113,7 @@ def run_spmv(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         warmup=args.warmup,
         secsizes=args.secsize,
+        formats=formats,
         lanes=args.lanes,
         check=not args.no_check,
         device=args.device,
