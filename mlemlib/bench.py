@@ -759,20 +759,28 @@ def kernel_label(row: dict[str, Any]) -> str:
 
 
 def auto_versus_fastest(iterations: Sequence[dict[str, Any]]) -> str:
-    """One line: what ``auto`` + ``auto`` ran and its time beside the fastest iteration of the same run ("" without both)."""
+    """What ``auto`` + ``auto`` ran and its time beside the fastest iteration in the same format of the same run.
+
+    One sentence per format with an ``auto`` + ``auto`` row (the CSR one without a format prefix); "" without one.
+    """
     done = [r for r in iterations if "error" not in r]
-    auto = next((r for r in done if r.get("fp_requested") == "auto" and r.get("bp_requested") == "auto"), None)
-    if auto is None or not done:
-        return ""
-    best = min(done, key=lambda r: r["median_s"])
-    best_det = min((r for r in done if r["deterministic"]), key=lambda r: r["median_s"], default=None)
-    text = (f"auto ran {auto['fp']} + {auto['bp']}: {auto['median_s'] * 1e3:.3f} ms; the fastest iteration of this run "
-            f"is {best['fp']} + {best['bp']}: {best['median_s'] * 1e3:.3f} ms (auto takes "
-            f"{auto['median_s'] / best['median_s']:.2f}x its time)")
-    if best_det is not None and best_det is not best:
-        text += (f"; the fastest deterministic one is {best_det['fp']} + {best_det['bp']}: "
-                 f"{best_det['median_s'] * 1e3:.3f} ms")
-    return text + "."
+    lines = []
+    for fmt in dict.fromkeys(r.get("format", "csr") for r in done):
+        same = [r for r in done if r.get("format", "csr") == fmt]
+        auto = next((r for r in same if r.get("fp_requested") == "auto" and r.get("bp_requested") == "auto"), None)
+        if auto is None:
+            continue
+        best = min(same, key=lambda r: r["median_s"])
+        best_det = min((r for r in same if r["deterministic"]), key=lambda r: r["median_s"], default=None)
+        where = "" if fmt == "csr" else f"{fmt}: "
+        text = (f"{where}auto ran {auto['fp']} + {auto['bp']}: {auto['median_s'] * 1e3:.3f} ms; the fastest "
+                f"iteration of this run{'' if fmt == 'csr' else ' in ' + fmt} is {best['fp']} + {best['bp']}: "
+                f"{best['median_s'] * 1e3:.3f} ms (auto takes {auto['median_s'] / best['median_s']:.2f}x its time)")
+        if best_det is not None and best_det is not best:
+            text += (f"; the fastest deterministic one is {best_det['fp']} + {best_det['bp']}: "
+                     f"{best_det['median_s'] * 1e3:.3f} ms")
+        lines.append(text + ".")
+    return "\n\n".join(lines)
 
 
 def format_markdown(result: dict[str, Any]) -> str:

@@ -281,6 +281,21 @@ def test_markdown_puts_auto_beside_the_fastest_and_shows_a_refused_pair():
             "onepass_chunked: 4.500 ms.") in md
     assert "| csr | | auto | onepass_chunked | not run: bp=onepass_chunked: a row has 9 non-zeros |" in md
     assert auto_versus_fastest([its[-1]]) == ""
+    # another format's rows are compared among themselves: a faster lossy iteration is not CSR's fastest
+    its += [
+        {"format": "compressed-f16", "fp_requested": "auto", "bp_requested": "auto", "fp": "onepass_chunked",
+         "bp": "onepass_chunked", "deterministic": True, "fused": [], "median_s": 2.0e-3},
+        {"format": "compressed-f16", "fp_requested": "delta_vector", "bp_requested": "delta_vector",
+         "fp": "delta_vector", "bp": "delta_vector", "deterministic": True, "fused": [], "median_s": 3.0e-3},
+    ]
+    text = auto_versus_fastest(its)
+    assert text.split("\n\n") == [
+        "auto ran csr_vector + csr_vector: 6.000 ms; the fastest iteration of this run is cusparse + cusparse: "
+        "4.000 ms (auto takes 1.50x its time); the fastest deterministic one is onepass_chunked + "
+        "onepass_chunked: 4.500 ms.",
+        "compressed-f16: auto ran onepass_chunked + onepass_chunked: 2.000 ms; the fastest iteration of this run "
+        "in compressed-f16 is onepass_chunked + onepass_chunked: 2.000 ms (auto takes 1.00x its time).",
+    ]
 
 
 def test_markdown_iteration_rows_give_format_floors_and_distance():
