@@ -113,6 +113,15 @@ typedef unsigned long long u64;
 #ifndef MLEM_CHUNK_FASTQ
 #define MLEM_CHUNK_FASTQ 1
 #endif
+// Groups of a long row (beyond the MLEM_CHUNK_CACHE kept in registers) whose loads are issued together.
+#ifndef MLEM_CHUNK_UNROLL
+#define MLEM_CHUNK_UNROLL 4
+#endif
+// 1: a warp loads its next row's bounds and measurement while it works on the current row
+// (0: at the row's start; either way g_r is loaded with the bounds, not after the dot product).
+#ifndef MLEM_CHUNK_PREFETCH
+#define MLEM_CHUNK_PREFETCH 0
+#endif
 
 #define MODE_PLAIN 0
 #define MODE_CORR 1
@@ -735,10 +744,34 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     __syncthreads();
     const int lane = threadIdx.x & 31;
     int bad = 0;
+    i64 ps = 0, pe = 0;  // the next row's bounds and measurement (MLEM_CHUNK_PREFETCH)
+    float pg = 0.0f;
+    if (MLEM_CHUNK_PREFETCH && r0 + (threadIdx.x >> 5) < r1) {
+        const i64 r = r0 + (threadIdx.x >> 5);
+        ps = rp[r];
+        pe = rp[r + 1];
+        pg = fwd_only ? 0.0f : __ldg(g + r);  // g is not an m-vector with fwd_only
+    }
     for (i64 r = r0 + (threadIdx.x >> 5); r < r1;) {  // warp-uniform
         int nx = 0;
         if (MLEM_CHUNK_DYNAMIC && lane == 0) nx = atomicAdd(&chunk_next, 1);  // this warp's next row
-        const i64 s = rp[r], e = rp[r + 1];
+        i64 s, e;
+        float gr;
+        if (MLEM_CHUNK_PREFETCH) {
+            s = ps;
+            e = pe;
+            gr = pg;
+        } else {
+            s = rp[r];
+            e = rp[r + 1];
+            gr = fwd_only ? 0.0f : __ldg(g + r);
+        }
+        const i64 rn = MLEM_CHUNK_DYNAMIC ? r0 + __shfl_sync(FULL_MASK, nx, 0) : r + nw;
+        if (MLEM_CHUNK_PREFETCH && rn < r1) {
+            ps = rp[rn];
+            pe = rp[rn + 1];
+            pg = fwd_only ? 0.0f : __ldg(g + rn);
+        }
         const int ng = (int)((e - s) >> 7);  // interleaved groups of 128
         const i64 t0 = s + ((i64)ng << 7);   // the rest, in order: [t0, e), at most 4 trips
         const float sc = HALF ? __ldg(rscale + r) : 1.0f;
@@ -770,13 +803,14 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         float sum = 0.0f;
 #pragma unroll
         for (int q = 0; q < CG; ++q) sum = chunk_dot4(sum, fl, cc[q], CV::f4(cv[q], sc));
+#pragma unroll MLEM_CHUNK_UNROLL
         for (int q = CG; q < ng; ++q) sum = chunk_dot4(sum, fl, __ldg(lq + 32 * q), CV::f4(__ldg(vq + 32 * q), sc));
 #pragma unroll
         for (int t = 0; t < 4; ++t) sum += rv[t] * fl[rc[t]];
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
         if (lane == 0) fp[r] = sum;
-        const float ci = (sum != 0.0f && !fwd_only) ? __ldg(g + r) / sum : 0.0f;
+        const float ci = (sum != 0.0f && !fwd_only) ? gr / sum : 0.0f;
         if (ci != 0.0f) {  // warp-uniform
             const float cs = ci * (float)fscale;
             if (MLEM_CHUNK_FASTQ && chunk_fast(cs, fscale)) {
@@ -801,10 +835,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
                 for (int t = 0; t < 4; ++t) chunk_put(lo, hi, rc[t], rv[t] * ci, fscale, bad);  // zeros add nothing
             }
         }
-        if (MLEM_CHUNK_DYNAMIC)
-            r = r0 + __shfl_sync(FULL_MASK, nx, 0);
-        else
-            r += nw;
+        r = rn;
     }
     if (bad) atomicOr(flag, 1);
     if (fwd_only) return;  // uniform over the block
