@@ -120,7 +120,7 @@ typedef unsigned long long u64;
 // 1: a warp loads its next row's bounds and measurement while it works on the current row
 // (0: at the row's start; either way g_r is loaded with the bounds, not after the dot product).
 #ifndef MLEM_CHUNK_PREFETCH
-#define MLEM_CHUNK_PREFETCH 0
+#define MLEM_CHUNK_PREFETCH 1
 #endif
 
 #define MODE_PLAIN 0
