@@ -425,6 +425,41 @@ def test_cuda_backend_runs_onepass_chunked_like_onepass_fixed():
     assert np.linalg.norm(images["onepass_chunked"] - ref) / np.linalg.norm(ref) < 1e-6
 
 
+@pytest.mark.gpu
+def test_cuda_backend_chunked_overflow_is_redone_and_its_bound_kept():
+    # The iteration reads the overflow flag after its update, into the other of two buffers: f stays as it
+    # was, an overflow is redone from it with a larger bound, and that bound serves the next iterations (the
+    # same bits as a run at that bound from the start).
+    from mlemlib.backends.cuda import CudaBackend
+
+    a = _random(m=3000, n=2000, seed=9)
+    rng = np.random.default_rng(4)
+    g = rng.poisson(a.to_scipy() @ rng.uniform(0.5, 2.0, a.shape[1])).astype(np.float32)
+    norm = np.asarray(a.to_scipy().sum(axis=0)).ravel()
+    be = CudaBackend(a, g, norm, bp="onepass_chunked")
+    f0 = be.initial_image()
+    before = be.to_host(f0)
+    f1 = be.iterate(f0)
+    f2 = be.iterate(f1)
+    assert f1 is not f0 and f2 is not f1 and np.array_equal(be.to_host(f0), before)
+    assert "retry" not in be.last_step_times() and be.fixed_stats.get("retries", 0) == 0
+
+    tight = CudaBackend(a, g, norm, bp="onepass_chunked")
+    tight._fixed_bound *= 2.0**-40  # every term overflows the fixed point at this scale
+    f = tight.iterate(tight.initial_image())
+    assert tight.fixed_stats["retries"] >= 1 and "retry" in tight.last_step_times()
+    retries, bound = tight.fixed_stats["retries"], tight._fixed_bound
+    assert bound > be._fixed_bound * 2.0**-40
+    f = tight.iterate(f)
+    assert tight.fixed_stats["retries"] == retries and "retry" not in tight.last_step_times()
+
+    same = CudaBackend(a, g, norm, bp="onepass_chunked")
+    same._fixed_bound = bound
+    h = same.iterate(same.initial_image())
+    h = same.iterate(h)
+    assert np.array_equal(tight.to_host(f), same.to_host(h))
+
+
 def test_auto_takes_the_chunked_one_pass_from_the_sampled_reuse(tmp_path):
     """The rule (registry) and its input (a sample block's reuse): high for banded rows, low once shuffled."""
     from mlemlib import registry

@@ -40,7 +40,7 @@ import numpy as np
 from mlemlib import registry
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as plan
-from mlemlib.backends.base import ONEPASS_C_MAX, STEPS, Backend, bytes_per_nnz
+from mlemlib.backends.base import FIXED_RETRY_FACTOR, ONEPASS_C_MAX, STEPS, Backend, bytes_per_nnz
 from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import CSRMatrix, shape_nnz
@@ -286,6 +286,7 @@ class CudaBackend(Backend):
             self._event_order: list[str] = []
             self._acc = cp.empty(n, dtype=cp.uint64) if self.chunked else None
             self._flag = cp.zeros(1, dtype=cp.int32) if self.chunked else None
+            self._images: list[Any] | None = None  # the chunked iteration's two image buffers
             if tune and self.fp_kernel == "csr_vector" and isinstance(self.a, ck.DeviceCSR):
                 self.a.tune(self._lanes(self.a))
             if tune and self.at is not None and self.bp_kernel == "csr_vector":
@@ -372,12 +373,7 @@ class CudaBackend(Backend):
             self._event_order = []
             self._record("start")
             if self.chunked:  # one pass through the row chunks (deterministic)
-                cc().chunked_onepass(self.a, self.g, f, bp=self._bp, fp=self._fp, bound=self._fixed_bound,
-                                     stats=self.fixed_stats, acc=self._acc, flag=self._flag)
-                self._record("bp")
-                f = self.update(f, self._bp)
-                self._record("update")
-                return f
+                return self._chunked_iteration(f)
             if self.onepass:  # one pass over A: forward, correlation and back projection in one kernel
                 cc().onepass(self.a, self.g, f, bp=self._bp, fp=self._fp, deterministic=self.deterministic,
                              bound=self._fixed_bound, stats=self.fixed_stats)
@@ -402,6 +398,40 @@ class CudaBackend(Backend):
                 f = self.update(f, bp)
                 self._record("update")
             return f
+
+    def _chunked_iteration(self, f: Any) -> Any:
+        """The chunked one pass and the update, then one read of the overflow flag.
+
+        The kernel, the conversion and the update run back to back; the new
+        image goes to the other of two buffers (``f`` is left as it was), so
+        that after the flag is read, an overflow (a term out of the fixed
+        point's range: not seen in practice with the bound from the norm) is
+        redone from ``f`` with the retrying path, and the larger bound is
+        kept for the next iterations. The flag is read after the iteration's
+        last event: the host round trip is no longer inside it.
+        """
+        cp = ck.cupy()
+        if self._images is None:
+            self._images = [cp.empty(self.shape[1], dtype=cp.float32) for _ in range(2)]
+        out = self._images[1] if f is self._images[0] else self._images[0]
+        step = dict(bp=self._bp, fp=self._fp, stats=self.fixed_stats, acc=self._acc, flag=self._flag)
+        cc().chunked_onepass(self.a, self.g, f, bound=self._fixed_bound, check=False, **step)
+        self._record("bp")
+        self.update_into(f, self._bp, out)
+        self._record("update")
+        if int(self._flag.get()[0]):
+            log.info("fixed-point overflow at bound %.3g: the iteration is redone with a larger one", self._fixed_bound)
+            cc().chunked_onepass(self.a, self.g, f, bound=self._fixed_bound * FIXED_RETRY_FACTOR, check=True, **step)
+            self.fixed_stats["retries"] = self.fixed_stats.get("retries", 0) + 1
+            self._fixed_bound = float(self.fixed_stats["bound"])
+            self.update_into(f, self._bp, out)
+            self._record("retry")
+        return out
+
+    def update_into(self, f: Any, bp: Any, out: Any) -> Any:
+        """``out = f * bp / norm`` (the update, into another buffer than ``f``)."""
+        with self._device:
+            return ck.update(f, bp, self.norm, out=out)
 
     def last_step_times(self) -> dict[str, float]:
         """Seconds per step of the last :meth:`iterate` (synchronises on its last event)."""
