@@ -342,15 +342,23 @@ def _rel_errors(y: Any, ref: Any, absref: Any, lengths: Any) -> dict[str, float]
     }
 
 
-def _load(matrix: Any, what: str) -> Any:
-    """``matrix`` (path, opened matrix, CSRMatrix or device matrix) on the current GPU, in its own format."""
-    from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
+def _load(matrix: Any, what: str) -> tuple[Any, str]:
+    """``matrix`` (path, opened matrix, CSRMatrix or device CSR) on the current GPU as CSR, and its own format.
+
+    The kernels timed here read CSR: a compressed container is decoded row block by row block as it is
+    streamed to the GPU (its own format's iterations are then added: :func:`bench_spmv`'s ``formats``).
+    """
+    from mlemlib.backends._cuda_kernels import DeviceCSR, load_device
+    from mlemlib.backends.device_formats import DeviceMatrix, format_of
     from mlemlib.formats import open_source
 
     if isinstance(matrix, DeviceMatrix):
-        return matrix
+        if not isinstance(matrix, DeviceCSR):
+            raise ConfigError(what, f"the benchmark's kernels read CSR: give the file or a device CSR matrix, "
+                                    f"not a {type(matrix).__name__}")
+        return matrix, "csr"
     src = open_source(matrix, what)
-    return device_type(format_of(src)).upload(src, what=what)
+    return load_device(src, what), format_of(src)
 
 
 def bench_spmv(
@@ -380,7 +388,8 @@ def bench_spmv(
     ----------
     matrix
         ``A``: a path (``.h5``, ``.csr4``...), an opened matrix, a
-        :class:`CSRMatrix` or a ``DeviceCSR``.
+        :class:`CSRMatrix` or a ``DeviceCSR``. A compressed container is
+        decoded to CSR for the kernels (they read CSR).
     transpose
         ``A^T`` in the same forms; None: transposed on the GPU with cuSPARSE.
     repeat, warmup
@@ -391,7 +400,8 @@ def bench_spmv(
     iterations
         ``(fp, bp)`` pairs timed as whole MLEM iterations (empty: none).
     formats
-        Matrix formats the iterations run in: ``csr`` (``iterations``) and
+        Matrix formats the iterations run in (a compressed ``matrix`` adds
+        its own): ``csr`` (``iterations``) and
         ``compressed`` / ``compressed-f16`` (``A`` and ``A^T`` re-encoded on
         the host, :data:`FORMAT_ITERATION_BENCH`). Every iteration row gives
         its format, bytes per non-zero, its own floor (the bytes of the
@@ -434,8 +444,10 @@ def bench_spmv(
         bw = copy["bandwidth"]
         log.info("copy bandwidth %.3f TB/s", bw / 1e12)
         t0 = time.perf_counter()
-        a = _load(matrix, "matrix")
-        at = _load(transpose, "transpose") if transpose is not None else a.transpose()
+        a, own = _load(matrix, "matrix")
+        at = _load(transpose, "transpose")[0] if transpose is not None else a.transpose()
+        if own not in formats:  # a compressed container: its own format's iterations too
+            formats = (*formats, own)
         m, n = a.shape
         nnz = a.nnz
         st = a.stats()
@@ -618,6 +630,7 @@ def bench_spmv(
         "warmup": warmup,
         "matrix": {
             "label": label,
+            "format": own,
             "shape": [m, n],
             "nnz": nnz,
             "bytes": plan.csr_bytes(m, nnz),
@@ -793,7 +806,9 @@ def format_markdown(result: dict[str, Any]) -> str:
         + (f" (theoretical {d['theoretical_bandwidth'] / 1e12:.2f} TB/s)" if d.get("theoretical_bandwidth") else ""),
         f"- measured copy bandwidth (read + write): {cp_['bandwidth'] / 1e12:.3f} TB/s",
         (
-            f"- matrix: {mtx['shape'][0]} x {mtx['shape'][1]}, {mtx['nnz']} nnz ({mtx['bytes'] / 1e9:.2f} GB as CSR), "
+            f"- matrix: {mtx['shape'][0]} x {mtx['shape'][1]}, {mtx['nnz']} nnz ({mtx['bytes'] / 1e9:.2f} GB as CSR"
+            + (f"; the file is {mtx['format']}, decoded for the kernels" if mtx.get("format", "csr") != "csr" else "")
+            + "), "
             f"row length mean {mtx['mean_row_length']:.1f} max {mtx['max_row_length']}, "
             f"{mtx['empty_rows']} empty rows, {mtx['empty_cols']} empty columns"
         ),

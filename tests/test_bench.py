@@ -308,6 +308,9 @@ def test_markdown_iteration_rows_give_format_floors_and_distance():
     assert ("| compressed-f16 | 4.06 | onepass_chunked | onepass_chunked (auto) | yes | - | 2.500 | 1.300 | 52.0% | "
             "216.0% | 1.2e-03 |") in md
     assert "after 35 iterations from the same start" in md  # warmup 5 + repeat 30
+    assert "decoded for the kernels" not in md
+    res["matrix"]["format"] = "compressed"
+    assert "(0.00 GB as CSR; the file is compressed, decoded for the kernels), row length" in format_markdown(res)
 
 
 def test_check_formats():
@@ -521,3 +524,19 @@ def test_bench_spmv_runs_the_iterations_in_each_format(tmp_path):
     for it in its[5:]:
         assert it["rel_l2_to_csr"] < 1e-2, it
     assert "| compressed-f16 |" in format_markdown(res)
+
+
+@pytest.mark.gpu
+def test_bench_spmv_on_a_compressed_file_decodes_it_and_adds_its_format(tmp_path):
+    # The kernels read CSR: a compressed container is decoded as it goes to the GPU, checked against float64
+    # like any matrix, and its own format's iterations are timed without being asked for.
+    from mlemlib.bench import bench_spmv, tor_matrix
+    from mlemlib.formats.compressed_h5 import write_compressed_h5
+
+    path = tmp_path / "m.h5"
+    write_compressed_h5(path, tor_matrix(24, 24, 3, 16, 33), fmt="compressed")
+    res = bench_spmv(path, repeat=2, warmup=1, copy_bytes=1 << 24, fp_kernels=("csr_vector",), bp_kernels=(),
+                     notrans_kernels=(), iterations=(("csr_vector", "csr_vector"),))
+    assert res["matrix"]["format"] == "compressed"
+    assert res["kernels"][0]["worst_of_bound"] <= 1.0
+    assert [it["format"] for it in res["iterations"]] == ["csr"] + ["compressed"] * 4
