@@ -403,14 +403,20 @@ def test_chunked_onepass_on_compressed_matrices_is_the_decoded_matrix_step_bit_f
         assert np.linalg.norm(images[0] - images[1]) / np.linalg.norm(images[1]) < 1e-6
 
 
-@pytest.mark.gpu
-def test_cuda_backend_runs_onepass_chunked_like_onepass_fixed():
-    from mlemlib.backends.cuda import CudaBackend
-
+def _backend_problem():
+    """A random matrix, a Poisson measurement of it and its norm: the backends' problem in these tests."""
     a = _random(m=3000, n=2000, seed=9)
     rng = np.random.default_rng(4)
     g = rng.poisson(a.to_scipy() @ rng.uniform(0.5, 2.0, a.shape[1])).astype(np.float32)
     norm = np.asarray(a.to_scipy().sum(axis=0)).ravel()
+    return a, g, norm
+
+
+@pytest.mark.gpu
+def test_cuda_backend_runs_onepass_chunked_like_onepass_fixed():
+    from mlemlib.backends.cuda import CudaBackend
+
+    a, g, norm = _backend_problem()
     images = {}
     for bp in ("onepass_fixed", "onepass_chunked"):
         be = CudaBackend(a, g, norm, bp=bp)
@@ -432,10 +438,7 @@ def test_cuda_backend_chunked_overflow_is_redone_and_its_bound_kept():
     # same bits as a run at that bound from the start).
     from mlemlib.backends.cuda import CudaBackend
 
-    a = _random(m=3000, n=2000, seed=9)
-    rng = np.random.default_rng(4)
-    g = rng.poisson(a.to_scipy() @ rng.uniform(0.5, 2.0, a.shape[1])).astype(np.float32)
-    norm = np.asarray(a.to_scipy().sum(axis=0)).ravel()
+    a, g, norm = _backend_problem()
     be = CudaBackend(a, g, norm, bp="onepass_chunked")
     f0 = be.initial_image()
     before = be.to_host(f0)
