@@ -98,6 +98,11 @@ typedef unsigned long long u64;
 #ifndef MLEM_CHUNK_CACHE
 #define MLEM_CHUNK_CACHE 2
 #endif
+// The same for float16 values (half the registers per group: 3 groups compile without spills; not
+// measured yet: tools/device_onepass.py --chunk-half --chunk-options 'CACHE_F16=3').
+#ifndef MLEM_CHUNK_CACHE_F16
+#define MLEM_CHUNK_CACHE_F16 MLEM_CHUNK_CACHE
+#endif
 // Voxels each thread stages (f) and flushes (sums) per batch: the loads of a batch are in flight
 // together instead of one dependent pair (voxel number, then f) per trip.
 #ifndef MLEM_CHUNK_STAGE
@@ -942,7 +947,7 @@ extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass
     const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
     const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc, double fscale,
     int* flag, int window, int fwd_only) {
-    chunked_onepass_body<MLEM_CHUNK_CACHE, true>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc,
+    chunked_onepass_body<MLEM_CHUNK_CACHE_F16, true>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc,
                                                  fscale, flag, window, fwd_only);
 }
 
