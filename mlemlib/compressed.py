@@ -918,7 +918,7 @@ class CompressedMatrix:
             np.concatenate(indptr),
             np.concatenate([b.indices for b in blocks]),
             np.concatenate([b.data for b in blocks]),
-            (m, n),
+            (m, int(self.shape[1])),
         )
 
     def row_range(self, r0: int, r1: int) -> CompressedMatrix:

@@ -206,6 +206,22 @@ def test_encoding_matches_hand_encoder_and_round_trips(name, fmt, code_bits):
     assert_csr_equal(back, a if fmt == "compressed" else f16_reference(a))
 
 
+@pytest.mark.parametrize("fmt", ["compressed", "compressed-f16"])
+def test_to_csr_decodes_piece_by_piece(monkeypatch, fmt):
+    # to_csr decodes PIECE_SLOTS slots at a time: a matrix of many pieces is joined back into the same CSR
+    # as one piece gives (its shape too).
+    import mlemlib.compressed as cm
+
+    a = random_csr(300, 70, 5)
+    c = CompressedMatrix.from_csr(a, fmt)
+    whole = c.to_csr()
+    monkeypatch.setattr(cm, "PIECE_SLOTS", 64)
+    pieces = c.to_csr()
+    assert pieces.shape == a.shape == whole.shape
+    assert_csr_equal(pieces, whole)
+    assert_csr_equal(pieces, a if fmt == "compressed" else f16_reference(a))
+
+
 def test_f16_relative_error_bound():
     a = random_csr(120, 500, 4)
     a.data[:] = np.random.default_rng(0).lognormal(0, 2, a.nnz).astype(np.float32)  # 4 to 7 decades per row
