@@ -396,7 +396,28 @@ def test_cli_counts_must_be_positive_integers(tmp_path, capsys, value, fault):
 def test_cli_estimate_writes_nothing(tmp_path, capsys):
     assert mlem_main(["generate", "--preset", "small", "--estimate", "2000"]) == 0
     out = capsys.readouterr().out
-    assert '"nnz_estimate"' in out
+    assert '"nnz_estimate"' in out and '"format": "csr"' in out and '"write_seconds_estimate"' in out
+
+
+@pytest.mark.parametrize("fmt", ["csr", "compressed"])
+def test_estimate_times_the_writer_of_the_format(tmp_path, monkeypatch, fmt):
+    # With a format, the sample goes through generate's own writer into a temporary file (deleted after):
+    # the wall time per core count is the count pass plus the longer of the fill tracing and the writer,
+    # so it is never below the tracing alone nor below the writer.
+    import tempfile
+
+    from mlemlib.scanner import estimate
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plain = estimate("small", sample=2000, threads=1)
+    assert "write_seconds_estimate" not in plain and "wall_seconds_by_threads" not in plain
+    res = estimate("small", sample=2000, threads=1, fmt=fmt)
+    assert res["format"] == fmt and res["write_seconds_estimate"] > 0
+    wall, tracing = res["wall_seconds_by_threads"], res["seconds_by_threads"]
+    assert set(wall) == set(tracing)
+    for k in wall:
+        assert wall[k] >= tracing[k] * (1 - 1e-9) and wall[k] >= res["write_seconds_estimate"]
+    assert list(tmp_path.iterdir()) == []
 
 
 # --------------------------------------------------------------------------- matrix3, and the container written directly

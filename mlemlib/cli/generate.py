@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from mlemlib.scanner import estimate, generate
 
     if args.estimate is not None:
-        res = estimate(args.preset, rays=args.rays, threads=args.threads, sample=args.estimate)
+        res = estimate(args.preset, rays=args.rays, threads=args.threads, sample=args.estimate, fmt=args.format)
     else:
         if args.out is None:
             raise ConfigError("--out", "an output file is required (or use --estimate)")

@@ -420,6 +420,26 @@ def generate(
     return summary
 
 
+def _sample_write_seconds(cfg: ScannerConfig, block: CSRMatrix, fmt: str) -> float:
+    """Seconds :func:`generate`'s writer takes for ``block`` in format ``fmt`` (a temporary file, deleted)."""
+    import tempfile
+
+    def write(path: Path, rows: CSRMatrix) -> None:
+        with _writer_for(path, fmt, cfg)(rows.shape[0], rows.shape[1], rows.nnz) as w:
+            if getattr(w, "encodes", False):
+                w.append(w.encode_rows(rows, 0), rows)
+            else:
+                w.write_rows(rows)
+
+    with tempfile.TemporaryDirectory(prefix="mlem-estimate-") as d:
+        k = min(8, block.shape[0])
+        write(Path(d) / "warm.h5", CSRMatrix(block.indptr[: k + 1].copy(), block.indices[: block.indptr[k]],
+                                             block.data[: block.indptr[k]], (k, block.shape[1])))  # compile first
+        t0 = time.perf_counter()
+        write(Path(d) / "sample.h5", block)
+        return time.perf_counter() - t0
+
+
 def _coprime_stride(m: int, n_crystals: int, sample: int) -> int:
     stride = max(1, m // max(1, sample))
     while math.gcd(stride, n_crystals) != 1:
@@ -437,6 +457,7 @@ def estimate(
     rays: int | None = None,
     threads: int | None = None,
     sample: int = 20000,
+    fmt: str | None = None,
 ) -> dict:
     """Estimate nnz, file sizes and generation time from a strided sample of rows, without writing.
 
@@ -450,6 +471,16 @@ def estimate(
     threads); writing runs beside the tracing in a helper thread and adds
     about ``bytes / disk write rate`` where that is the slower part.
 
+    With ``fmt`` (the container format :func:`generate` would write) the
+    sampled rows also go through generate's own writer into a temporary
+    file (encoded, checked, hashed and written, then deleted): that time,
+    scaled by ``m / sample``, is the writer's share, which does not scale
+    with the cores (one encoder and one writer thread beside the tracing;
+    the 2-GPU node wrote Matrix 3's 62 GB compressed in 264 s on 32 cores,
+    where the tracing alone was estimated at 52 s). ``wall_seconds_by_threads``
+    is then the count pass plus the longer of the fill pass's tracing and the
+    writer, per core count.
+
     Returns
     -------
     dict
@@ -460,7 +491,8 @@ def estimate(
         ``bytes_estimate`` (``.csr4``: ``8 * (m + nnz)`` plus the header) and
         ``bytes_by_format`` (``csr4``, ``csr``, ``compressed``,
         ``compressed-f16``: the matrix arrays, the compressed ones from
-        encoding the sampled rows).
+        encoding the sampled rows); with ``fmt`` also ``format``,
+        ``write_seconds_estimate`` and ``wall_seconds_by_threads``.
     """
     from mlemlib.compressed import CompressedMatrix
 
@@ -483,12 +515,12 @@ def estimate(
     sec_est = ((t1 - t0) / 2 + (t2 - t1)) * scale
     nonempty = counts > 0
     by_format = {"csr4": 8 * (m + nnz_est), "csr": 8 * nnz_est + 8 * (m + 1)}
-    for fmt in ("compressed", "compressed-f16"):
-        enc = CompressedMatrix.from_csr(block, fmt, validate=False)
+    for kind in ("compressed", "compressed-f16"):
+        enc = CompressedMatrix.from_csr(block, kind, validate=False)
         per_slot = 1 + enc.values.dtype.itemsize
         # slots scale like the elements; the row pointer (and f16 scales) like the rows
-        row_bytes = 4.125 + (4 if fmt == "compressed-f16" else 0)
-        by_format[fmt] = enc.slots * scale * per_slot + row_bytes * m
+        row_bytes = 4.125 + (4 if kind == "compressed-f16" else 0)
+        by_format[kind] = enc.slots * scale * per_slot + row_bytes * m
     res = {
         "preset": cfg.name,
         "shape": [m, n],
@@ -507,6 +539,16 @@ def estimate(
         "bytes_estimate": 8 * (m + nnz_est),
         "bytes_by_format": {k: float(v) for k, v in by_format.items()},
     }
+    if fmt is not None:
+        write_s = _sample_write_seconds(cfg, block, fmt) * scale
+        count_s, fill_s = (t1 - t0) / 2 * scale, (t2 - t1) * scale
+        res["format"] = fmt
+        res["write_seconds_estimate"] = write_s
+        res["wall_seconds_by_threads"] = {
+            str(k): count_s * nt / k + max(fill_s * nt / k, write_s) for k in sorted({*SCALE_THREADS, nt})
+        }
+        log.info("writing %s: ~ %.0f s for the writer (any core count); ~ %.0f s in all on 32 cores", fmt, write_s,
+                 res["wall_seconds_by_threads"]["32"])
     log.info(
         "estimate for %s (%d rays, %d threads, %d sampled rows): nnz ~ %.4g, %.1f GB as CSR, %.1f GB compressed, "
         "~ %.0f s of tracing here, ~ %.0f s on 32 cores (writing excluded)",
