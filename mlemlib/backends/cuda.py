@@ -362,9 +362,10 @@ class CudaBackend(Backend):
                 raise ConfigError("bp", f"bp={self.bp_kernel} runs whole iterations (iterate), not a back projection")
             return ck.scatter(self.a, c, self._bp, kernel=self.bp_kernel, lanes=self._lanes(self.a), smem=self._smem)
 
-    def update(self, f: Any, bp: Any) -> Any:
+    def update(self, f: Any, bp: Any, out: Any = None) -> Any:
+        """``f * bp / norm`` into ``out`` (default ``f`` itself)."""
         with self._device:
-            return ck.update(f, bp, self.norm, out=f)
+            return ck.update(f, bp, self.norm, out=f if out is None else out)
 
     def iterate(self, f: Any) -> Any:
         """One MLEM iteration (two kernels when both sides are fused); times from CUDA events."""
@@ -417,21 +418,16 @@ class CudaBackend(Backend):
         step = dict(bp=self._bp, fp=self._fp, stats=self.fixed_stats, acc=self._acc, flag=self._flag)
         cc().chunked_onepass(self.a, self.g, f, bound=self._fixed_bound, check=False, **step)
         self._record("bp")
-        self.update_into(f, self._bp, out)
+        self.update(f, self._bp, out)
         self._record("update")
         if int(self._flag.get()[0]):
             log.info("fixed-point overflow at bound %.3g: the iteration is redone with a larger one", self._fixed_bound)
             cc().chunked_onepass(self.a, self.g, f, bound=self._fixed_bound * FIXED_RETRY_FACTOR, check=True, **step)
             self.fixed_stats["retries"] = self.fixed_stats.get("retries", 0) + 1
             self._fixed_bound = float(self.fixed_stats["bound"])
-            self.update_into(f, self._bp, out)
+            self.update(f, self._bp, out)
             self._record("retry")
         return out
-
-    def update_into(self, f: Any, bp: Any, out: Any) -> Any:
-        """``out = f * bp / norm`` (the update, into another buffer than ``f``)."""
-        with self._device:
-            return ck.update(f, bp, self.norm, out=out)
 
     def last_step_times(self) -> dict[str, float]:
         """Seconds per step of the last :meth:`iterate` (synchronises on its last event)."""

@@ -426,10 +426,7 @@ def _sample_write_seconds(cfg: ScannerConfig, block: CSRMatrix, fmt: str) -> flo
 
     def write(path: Path, rows: CSRMatrix) -> None:
         with _writer_for(path, fmt, cfg)(rows.shape[0], rows.shape[1], rows.nnz) as w:
-            if getattr(w, "encodes", False):
-                w.append(w.encode_rows(rows, 0), rows)
-            else:
-                w.write_rows(rows)
+            w.write_rows(rows)  # a compressed writer encodes, then appends: generate's two threads in one
 
     with tempfile.TemporaryDirectory(prefix="mlem-estimate-") as d:
         k = min(8, block.shape[0])
