@@ -402,7 +402,7 @@ def bench_spmv(
     formats
         Matrix formats the iterations run in (a compressed ``matrix`` adds
         its own): ``csr`` (``iterations``) and
-        ``compressed`` / ``compressed-f16`` (``A`` and ``A^T`` re-encoded on
+        ``compressed`` / ``compressed-f16`` / ``compressed-u16`` (``A`` and ``A^T`` re-encoded on
         the host, :data:`FORMAT_ITERATION_BENCH`). Every iteration row gives
         its format, bytes per non-zero, its own floor (the bytes of the
         matrices it reads: ``A`` once for a one pass, ``A`` and ``A^T`` for a
@@ -606,8 +606,9 @@ def bench_spmv(
             at.drop_cusparse()
             csr_floor_s = plan.iteration_floor_bytes(m, n, nnz) / bw
             images: dict[int, np.ndarray] = {}
+            host: dict[str, Any] = {}  # A and A^T copied to the host once for every compressed format
             for fmt in formats:
-                for fp_k, bp_k, mat, tr in _format_iterations(fmt, a, at, iterations):
+                for fp_k, bp_k, mat, tr in _format_iterations(fmt, a, at, iterations, host):
                     row, img = _time_iteration(CudaBackend, fmt, fp_k, bp_k, mat, tr, g, norm, device,
                                                warmup, repeat, bw, csr_floor_s)
                     its.append(row)
@@ -661,9 +662,10 @@ def check_formats(formats: Sequence[str]) -> tuple[str, ...]:
     return out
 
 
-def _format_iterations(fmt: str, a: Any, at: Any, iterations: Sequence[tuple[str, str]]):
+def _format_iterations(fmt: str, a: Any, at: Any, iterations: Sequence[tuple[str, str]], host: dict | None = None):
     """``(fp, bp, A source, A^T or None)`` of the iterations timed in format ``fmt`` (a generator: a compressed
-    format is encoded from the device CSR ``a``, ``at`` when the first of them runs)."""
+    format is encoded from the device CSR ``a``, ``at`` when the first of them runs; ``host`` keeps their host
+    copies, ``"a"`` and ``"at"``, for the next format)."""
     if fmt == "csr":
         for fp_k, bp_k in iterations:
             yield fp_k, bp_k, a, at if registry.uses_transpose("cuda", bp_k) else None
@@ -672,8 +674,11 @@ def _format_iterations(fmt: str, a: Any, at: Any, iterations: Sequence[tuple[str
     from mlemlib.compressed import CompressedMatrix
 
     t0 = time.perf_counter()
-    host_a = CompressedMatrix.from_csr(a.to_host(), fmt, validate=False)
-    host_at = CompressedMatrix.from_csr(at.to_host(), fmt, validate=False)
+    host = {} if host is None else host
+    if not host:
+        host.update(a=a.to_host(), at=at.to_host())
+    host_a = CompressedMatrix.from_csr(host["a"], fmt, validate=False)
+    host_at = CompressedMatrix.from_csr(host["at"], fmt, validate=False)
     dev_a, dev_at = DeviceCompressed.from_host(host_a), DeviceCompressed.from_host(host_at)
     log.info("%s: A and A^T encoded (%.3f / %.3f bytes per non-zero) and on the GPU in %.1f s", fmt,
              host_a.bytes_per_nnz, host_at.bytes_per_nnz, time.perf_counter() - t0)

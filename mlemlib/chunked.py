@@ -235,38 +235,42 @@ def stored_positions(indptr: np.ndarray) -> np.ndarray:
     return pip[row] + np.where(o < whole, inter, o)
 
 
-def half_rows(block: CSRMatrix, *, what: str = "matrix", row0: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """float16 values and power-of-two row scales that give ``block``'s float32 values back exactly.
+def half_rows(block: CSRMatrix, fmt: str = "compressed-f16", *, what: str = "matrix",
+              row0: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """16-bit values and power-of-two row scales that give ``block``'s float32 values back exactly.
 
     For the decoded rows of a ``compressed-f16`` matrix (values that are
-    float16 times a power of two per row): ``(scale float32[rows], values
-    float16[nnz])`` with ``float32(values[k]) * scale[row] == data[k]``, the
-    scale chosen by the encoder's rule (:mod:`mlemlib.compressed`) from the
-    decoded values: the encoder's own scale, or twice it where a row's
-    largest value had rounded up to 2^15 times it.
+    float16 times a power of two per row) or a ``compressed-u16`` one
+    (16-bit integers times a power of two): ``(scale float32[rows], values
+    float16[nnz] or uint16[nnz])`` with ``float32(values[k]) * scale[row] ==
+    data[k]``, the scale chosen by the encoder's rule
+    (:mod:`mlemlib.compressed`) from the decoded values: the encoder's own
+    scale, or (float16) twice it where a row's largest value had rounded up
+    to 2^15 times it.
 
     Raises
     ------
     ValueError
-        A row whose values are not float16 times one power of two, naming
-        ``what`` and the row (``row0`` + its index in the block).
+        A row whose values are not such 16-bit values times one power of
+        two, naming ``what`` and the row (``row0`` + its index in the block).
     """
-    from mlemlib.compressed import _row_scales
+    from mlemlib.compressed import ROW_TOP, VALUE_DTYPES, _row_scales
 
     ip = np.asarray(block.indptr, dtype=np.int64)
     data = np.asarray(block.data, dtype=np.float32)
     rows = len(ip) - 1
     scale = np.empty(rows, dtype=np.float32)
     scaled = np.empty(len(data), dtype=np.float64)
+    integer = fmt == "compressed-u16"
     if rows:
-        _row_scales(ip, data, scale, scaled)
-    values = scaled.astype(np.float16)
+        _row_scales(ip, data, scale, scaled, ROW_TOP[fmt], integer)
+    values = (np.rint(scaled, out=scaled) if integer else scaled).astype(VALUE_DTYPES[fmt])
     back = values.astype(np.float32) * np.repeat(scale, np.diff(ip))
     bad = np.flatnonzero(back != data)
     if len(bad):
         row = int(np.searchsorted(ip, bad[0] + ip[0], side="right") - 1)
-        raise ValueError(f"{what}: row {row0 + row} has values that are not float16 times a power-of-two row scale "
-                         "(not a compressed-f16 matrix's)")
+        raise ValueError(f"{what}: row {row0 + row} has values that are not {values.dtype} times a power-of-two "
+                         f"row scale (not a {fmt} matrix's)")
     return scale, values
 
 
@@ -302,19 +306,19 @@ def interleave(indptr: np.ndarray, local: np.ndarray, data: np.ndarray) -> tuple
     (:func:`stored_positions`). The rest of a row stays in order. The
     kernel's lanes see the same elements in the same order as without the
     layout: the sums do not change. ``pindptr`` starts at 0. ``data`` is
-    float32, or float16 (kept as float16).
+    float32, or float16 or uint16 (kept as they are).
     """
     ip = np.asarray(indptr, dtype=np.int64)
     pip = padded_indptr(ip)
     total = int(pip[-1])
     data = np.asarray(data)
-    half = data.dtype == np.float16
+    half = data.dtype in (np.float16, np.uint16)
     bits = data.view(np.uint16) if half else np.asarray(data, dtype=np.float32)  # Numba moves float16 as bits
     local_out = np.empty(total, dtype=np.uint16)
     data_out = np.empty(total, dtype=bits.dtype)
     if len(ip) > 1:
         _interleave(ip, pip, np.asarray(local, dtype=np.uint16), bits, local_out, data_out)
-    return pip, local_out, data_out.view(np.float16) if half else data_out
+    return pip, local_out, data_out.view(data.dtype) if half else data_out
 
 
 @njit(cache=True)

@@ -593,11 +593,12 @@ def stage_resources(
 #: CSR's int32 column + float32 value and int64 row pointer; the compressed
 #: formats' measured 5.03 and 3.03 bytes per non-zero (docs/formats.md; the
 #: markers of large column jumps included, rounded up) and their two-level
-#: row pointer (plus the float32 row scale of ``compressed-f16``).
+#: row pointer (plus the float32 row scale of the 16-bit formats).
 FORMAT_BYTES: dict[str, tuple[float, float]] = {
     "csr": (8.0, 8.0),
     "compressed": (5.05, 4.125),
     "compressed-f16": (3.05, 8.125),
+    "compressed-u16": (3.05, 8.125),
 }
 #: What a ``plan.json`` or a small table takes on disk (bytes).
 SMALL_FILE_BYTES = 1 << 16
@@ -606,7 +607,7 @@ _GB = 1e9
 
 
 def matrix_bytes(size: MatrixSize, fmt: str = "csr") -> int:
-    """Bytes of a matrix's arrays in format ``fmt`` (``csr``, ``compressed``, ``compressed-f16``).
+    """Bytes of a matrix's arrays in format ``fmt`` (``csr`` or a compressed format).
 
     The container on disk is this plus a few kB of HDF5 metadata; a ``.csr4``
     is the CSR size plus its header.

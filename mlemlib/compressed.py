@@ -1,4 +1,4 @@
-"""The compressed system matrix: 8- or 16-bit column deltas, exact float32 values (host memory; NumPy and Numba).
+"""The compressed system matrix: 8- or 16-bit column deltas, exact float32 (or 16-bit) values (host memory; NumPy and Numba).
 
 A :class:`CompressedMatrix` holds the same matrix as a CSR
 (:class:`mlemlib.matrix.CSRMatrix`) in about 5 bytes per non-zero instead of
@@ -15,8 +15,8 @@ array       dtype, length               content
 ``rowbase``  int64[m // 64 + 1]          slot offset of rows 0, 64, 128, ...
 ``rowoff``   uint32[m + 1]               slot offset of row r minus ``rowbase[r >> 6]``
 ``codes``    uint8[S] / uint16[S]        per slot (``code_bits`` 8 / 16): a column delta or a marker
-``values``   float32[S] / float16[S]     per slot: the value, or a marker's delta bits
-``scale``    float32[m]                  ``compressed-f16`` only: power-of-two row scale
+``values``   float32[S] / 16-bit[S]      per slot: the value, or a marker's delta bits
+``scale``    float32[m]                  16-bit values only: power-of-two row scale
 ==========  ==========================  ==========================================
 
 With ``B = code_bits``: :func:`max_direct` ``= 2**B - 3`` (253 / 65533) is
@@ -28,11 +28,11 @@ every row starts at a multiple of 4 and holds a multiple of 4 slots.
 Decoding a row keeps a running column ``col`` (0 at the row's start) and,
 slot by slot: code ``c <= max_direct`` adds ``c`` to ``col`` and the slot is
 the element ``(col, value)``; ``code_mark`` adds the slot's value bits (read
-as an unsigned integer: 32 bits, or 16 in ``compressed-f16``) and
-``code_high`` adds those bits shifted left by 16 (``compressed-f16`` only;
+as an unsigned integer: 32 bits, or 16 with 16-bit values) and
+``code_high`` adds those bits shifted left by 16 (16-bit values only;
 refused in a float32 matrix), and the slot holds no element. Every delta is
 >= 0 (columns are sorted within a row). The encoder gives a delta above
-``max_direct`` to a marker (float32: one ``code_mark`` marker; float16: one
+``max_direct`` to a marker (float32: one ``code_mark`` marker; 16-bit values: one
 ``code_mark`` marker below 65,536, else a ``code_high`` marker with the high
 16 bits and a ``code_mark`` marker with the low 16 bits) and the element
 itself the delta 0, then pads the row to a multiple of 4 slots with *pad*
@@ -60,6 +60,15 @@ two ``2**(e - 15)``, ``2**(e-1) <= max(row) < 2**e``: the largest value of a
 row maps below 32,768, every value keeps float16's 11 significant bits
 (relative error <= 2**-11) down to ``2**-29`` of its row's largest, and
 decoding (``float32(half) * scale``) is exact.
+
+``compressed-u16`` (lossy, never the default) stores each value as the
+unsigned 16-bit integer ``rint(v / scale[r])`` with ``scale[r]`` the power of
+two ``2**(e - 16)`` (or twice that where the row's largest value would round
+to 65,536): a per-row fixed point whose row maximum maps to 32,768..65,535,
+absolute error at most ``scale[r] / 2 <= max(row) / 65,536`` on every value
+(float16 keeps relative precision instead, 11 bits), and decoding
+(``float32(q) * scale``) is exact. On MLEM images it loses 25-50 times less
+than float16 (docs/benchmarks.md section 44).
 """
 
 from __future__ import annotations
@@ -87,7 +96,18 @@ SLOT_ALIGN = 4
 #: Code widths -> dtype of ``codes``.
 CODE_DTYPES = {8: np.dtype(np.uint8), 16: np.dtype(np.uint16)}
 #: Matrix format names (``mlem convert --format``) -> value dtype.
-VALUE_DTYPES = {"compressed": np.dtype(np.float32), "compressed-f16": np.dtype(np.float16)}
+VALUE_DTYPES = {
+    "compressed": np.dtype(np.float32),
+    "compressed-f16": np.dtype(np.float16),
+    "compressed-u16": np.dtype(np.uint16),
+}
+#: The compressed formats whose values are rounded to 16 bits (never the default).
+LOSSY_FORMATS = ("compressed-f16", "compressed-u16")
+#: Value dtype -> the value kind the Numba and CUDA kernels take (0 float32; 1 float16 and 2 uint16, both
+#: times the row's power-of-two scale).
+VALUE_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}
+#: 16-bit formats: the row's largest value maps below ``2**ROW_TOP`` (float16 32,768; uint16 65,536).
+ROW_TOP = {"compressed-f16": 15, "compressed-u16": 16}
 #: Largest slot offset within one row block (``rowoff`` is uint32).
 MAX_BLOCK_SLOTS = (1 << 32) - 1
 #: Slots decoded per piece by the whole-matrix helpers (bounds their scratch memory).
@@ -100,7 +120,7 @@ def max_direct(code_bits: int) -> int:
 
 
 def code_high(code_bits: int) -> int:
-    """The high marker (``compressed-f16`` only; delta += bits << 16): ``2**code_bits - 2`` (254 or 65,534)."""
+    """The high marker (16-bit values only; delta += bits << 16): ``2**code_bits - 2`` (254 or 65,534)."""
     return (1 << code_bits) - 2
 
 
@@ -115,6 +135,20 @@ def code_bits_of(codes: np.ndarray) -> int:
         if codes.dtype == dtype:
             return bits
     raise TypeError(f"codes must be uint8 or uint16, not {codes.dtype}")
+
+
+def value_kind(dtype) -> int:
+    """The value kind of a values dtype (:data:`VALUE_KINDS`); TypeError for another dtype."""
+    try:
+        return VALUE_KINDS[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"values must be float32, float16 or uint16, not {np.dtype(dtype)}") from None
+
+
+def format_of_values(dtype) -> str:
+    """The compressed format name of a values dtype (``compressed``, ``compressed-f16``, ``compressed-u16``)."""
+    kind = value_kind(dtype)
+    return next(f for f, d in VALUE_DTYPES.items() if VALUE_KINDS[d] == kind)
 
 
 def _check_code_bits(code_bits) -> int:
@@ -143,7 +177,7 @@ def half_bits_to_float32(h):  # pragma: no cover - compiled
 
 @njit(parallel=True, cache=True, nogil=True)
 def _count_markers(indptr, indices, half, markers8, markers16, unsorted):  # pragma: no cover - compiled
-    """Markers each row needs with 8-bit and 16-bit codes.
+    """Markers each row needs with 8-bit and 16-bit codes (``half``: 16-bit value slots, any 16-bit format).
 
     ``unsorted[r]`` = 1 + position of a decreasing column, else 0.
     """
@@ -206,8 +240,12 @@ def _fill(indptr, indices, bits_in, slotptr, half, direct, high, mark, codes, bi
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _row_scales(indptr, data, scale, scaled):  # pragma: no cover - compiled
-    """Power-of-two row scales (``scale``) and the values divided by them in float64 (``scaled``)."""
+def _row_scales(indptr, data, scale, scaled, top, integer):  # pragma: no cover - compiled
+    """Power-of-two row scales (``scale``) and the values divided by them in float64 (``scaled``).
+
+    The row's largest value divided by its scale lies in ``[2**(top-1), 2**top)``;
+    ``integer`` (uint16 values): twice the scale where it would round to ``2**top``.
+    """
     m = scale.shape[0]
     base = indptr[0]
     for r in prange(m):
@@ -221,7 +259,9 @@ def _row_scales(indptr, data, scale, scaled):  # pragma: no cover - compiled
         k2 = 0
         if vmax > 0:
             _, ex = math.frexp(vmax)  # vmax < 2**ex
-            k2 = max(ex - 15, -149)
+            k2 = max(ex - top, -149)
+            if integer and np.rint(math.ldexp(vmax, -k2)) >= math.ldexp(1.0, top):
+                k2 += 1
         scale[r] = np.float32(math.ldexp(1.0, k2))
         inv = math.ldexp(1.0, -k2)
         for k in range(s, e):
@@ -266,7 +306,7 @@ def _real_counts(slotptr, codes, high, counts):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _decode(slotptr, codes, vf, vb, scale, half, high, n, indptr, cols, vals, bad_slot, bad_col, store, counts):  # pragma: no cover
+def _decode(slotptr, codes, vf, vb, scale, kind, high, n, indptr, cols, vals, bad_slot, bad_col, store, counts):  # pragma: no cover
     """Decode rows into CSR arrays (``store``), or only walk them; a running column >= n stops the row and is reported.
 
     ``indptr`` (from :func:`_real_counts`) gives each row's output offset
@@ -275,7 +315,7 @@ def _decode(slotptr, codes, vf, vb, scale, half, high, n, indptr, cols, vals, ba
     always fills. ``bad_slot[r]`` is 1 + the slot (within the row) where the
     running column left ``[0, n)`` (``bad_col[r]`` that column) or where a
     float32 row holds a high marker (``bad_col[r]`` = -1), both 0 for a good
-    row.
+    row. ``kind``: the values' kind (:data:`VALUE_KINDS`).
     """
     m = counts.shape[0]
     base = slotptr[0]
@@ -291,7 +331,7 @@ def _decode(slotptr, codes, vf, vb, scale, half, high, n, indptr, cols, vals, ba
             if cd < high:
                 col += cd
             elif cd == high:
-                if not half:
+                if kind == 0:
                     bad_slot[r] = k - s + 1
                     bad_col[r] = -1
                     break
@@ -306,8 +346,10 @@ def _decode(slotptr, codes, vf, vb, scale, half, high, n, indptr, cols, vals, ba
                 c += 1
                 if store:
                     cols[q] = col
-                    if half:
+                    if kind == 1:
                         vals[q] = half_bits_to_float32(vb[k]) * scale[r]
+                    elif kind == 2:
+                        vals[q] = np.float32(vb[k]) * scale[r]
                     else:
                         vals[q] = vf[k]
                     q += 1
@@ -370,8 +412,13 @@ def check_alignment(slotptr: np.ndarray, source: str | os.PathLike, *, row0: int
 
 # --------------------------------------------------------------------------- encode / decode
 def _value_bits(values: np.ndarray) -> np.ndarray:
-    """The slots' bits as unsigned integers (uint32 for float32, uint16 for float16), a view."""
+    """The slots' bits as unsigned integers (uint32 for float32, uint16 for 16-bit values), a view."""
     return values.view(np.uint32 if values.dtype == np.float32 else np.uint16)
+
+
+def _slot16(fmt: str) -> bool:
+    """Whether a compressed format's value slots are 16 bits (markers then split deltas above 65,535)."""
+    return VALUE_DTYPES[fmt].itemsize == 2
 
 
 def _padded(slots: np.ndarray) -> np.ndarray:
@@ -420,9 +467,9 @@ def encoded_nbytes(
     if fmt not in VALUE_DTYPES:
         raise ValueError(f"unknown compressed format {fmt!r}, expected one of {', '.join(VALUE_DTYPES)}")
     indptr, indices = _csr_arrays(block)
-    _, s8, s16 = _count(indptr, indices, fmt == "compressed-f16", source, row0)
+    _, s8, s16 = _count(indptr, indices, _slot16(fmt), source, row0)
     m = block.shape[0]
-    fixed = 8 * rowbase_length(m) + 4 * (m + 1) + (4 * m if fmt == "compressed-f16" else 0)
+    fixed = 8 * rowbase_length(m) + 4 * (m + 1) + (4 * m if _slot16(fmt) else 0)
     return {
         8: fixed + int(s8.sum()) * _slot_bytes(fmt, 8),
         16: fixed + int(s16.sum()) * _slot_bytes(fmt, 16),
@@ -473,7 +520,7 @@ def encode_csr(
     block
         Rows (``indptr`` may start anywhere), columns sorted within each row.
     fmt
-        ``compressed`` or ``compressed-f16``.
+        ``compressed``, ``compressed-f16`` or ``compressed-u16``.
     code_bits
         8 or 16; None takes the one whose encoding is smaller (8 on a tie).
     source, row0
@@ -494,7 +541,7 @@ def encode_csr(
         raise ValueError(f"unknown compressed format {fmt!r}, expected one of {', '.join(VALUE_DTYPES)}")
     if code_bits is not None:
         code_bits = _check_code_bits(code_bits)
-    half = fmt == "compressed-f16"
+    half = _slot16(fmt)
     m = block.shape[0]
     indptr, indices = _csr_arrays(block)
     data = np.ascontiguousarray(block.data, dtype=np.float32)
@@ -502,8 +549,11 @@ def encode_csr(
     if half:
         scale = np.empty(m, dtype=np.float32)
         scaled = np.empty(len(data), dtype=np.float64)
-        _row_scales(indptr, data, scale, scaled)
-        bits_in = scaled.astype(np.float16).view(np.uint16)  # round to nearest even
+        _row_scales(indptr, data, scale, scaled, ROW_TOP[fmt], fmt == "compressed-u16")
+        if fmt == "compressed-u16":
+            bits_in = np.rint(scaled, out=scaled).astype(np.uint16)  # the row's fixed point, <= 65,535
+        else:
+            bits_in = scaled.astype(np.float16).view(np.uint16)  # round to nearest even
         del scaled
     else:
         bits_in = data.view(np.uint32)
@@ -532,7 +582,7 @@ def decode_slots(
     slotptr
         int64 slot pointer of the rows (may start anywhere; ``codes``/``values`` start at ``slotptr[0]``).
     codes, values, scale
-        The rows' slots (and row scales for float16 values); the code width
+        The rows' slots (and row scales for 16-bit values); the code width
         is that of ``codes`` (uint8: 8 bits, uint16: 16).
     n
         Columns: every running column must stay below ``n``.
@@ -551,7 +601,7 @@ def decode_slots(
     """
     slotptr = np.ascontiguousarray(slotptr, dtype=np.int64)
     m = len(slotptr) - 1
-    half = values.dtype == np.float16
+    kind = value_kind(values.dtype)
     high = code_high(code_bits_of(codes))
     check_alignment(slotptr, source, row0=row0, slot0=slot0)
     if check_values:
@@ -566,9 +616,9 @@ def decode_slots(
     vals = np.empty(nnz, dtype=np.float32)
     bad_slot = np.empty(m, dtype=np.int64)
     bad_col = np.empty(m, dtype=np.int64)
-    vf = values if not half else np.empty(0, dtype=np.float32)
-    sc = scale if half else np.empty(0, dtype=np.float32)
-    _decode(slotptr, codes, vf, _value_bits(values), sc, half, high, int(n), indptr, cols, vals, bad_slot, bad_col,
+    vf = values if kind == 0 else np.empty(0, dtype=np.float32)
+    sc = scale if kind != 0 else np.empty(0, dtype=np.float32)
+    _decode(slotptr, codes, vf, _value_bits(values), sc, kind, high, int(n), indptr, cols, vals, bad_slot, bad_col,
             store, counts)
     _raise_bad_row(slotptr, bad_slot, bad_col, high, n, source, row0, slot0)
     if not store:
@@ -586,7 +636,7 @@ def _raise_bad_row(slotptr, bad_slot, bad_col, high, n, source, row0, slot0) -> 
         raise MatrixFormatError(
             source,
             f"row {row0 + r}: high marker (code {high}) at slot {slot0 + k} in a float32 matrix "
-            "(compressed-f16 only)",
+            "(16-bit values only)",
         )
     raise MatrixFormatError(
         source,
@@ -616,10 +666,14 @@ def check_encoded_values(
     row0: int = 0,
     slot0: int = 0,
 ) -> None:
-    """Raise :class:`MatrixFormatError` unless every element's value is finite and >= 0 (and every row scale finite, > 0)."""
-    if values.dtype == np.float16:
+    """Raise :class:`MatrixFormatError` unless every element's value is finite and >= 0 (and every row scale finite, > 0).
+
+    uint16 values (``compressed-u16``) are always finite and >= 0: only their row scales are checked.
+    """
+    kind = value_kind(values.dtype)
+    if kind != 0:
         if scale is None or len(scale) != len(slotptr) - 1:
-            raise MatrixFormatError(source, "float16 values without one row scale per row")
+            raise MatrixFormatError(source, f"{values.dtype} values without one row scale per row")
         if len(scale):
             ok = np.isfinite(scale) & (scale > 0)
             if not ok.all():
@@ -627,7 +681,7 @@ def check_encoded_values(
                 raise MatrixFormatError(
                     source, f"row scale {float(scale[r])!r} of row {row0 + r} is not a finite positive number"
                 )
-    if len(codes) == 0:
+    if len(codes) == 0 or kind == 2:
         return
     from numba import get_num_threads
 
@@ -662,8 +716,8 @@ class CompressedMatrix:
     """A compressed matrix (or row block) in host memory; see the module docstring for the layout.
 
     Build with :meth:`from_csr`; :meth:`to_csr` gives the exact CSR back
-    (``compressed``) or the CSR of the float16-rounded values
-    (``compressed-f16``). Arrays are NumPy; ``values`` is float32 or float16,
+    (``compressed``) or the CSR of the 16-bit-rounded values
+    (``compressed-f16``, ``compressed-u16``). Arrays are NumPy; ``values`` is float32, float16 or uint16,
     ``codes`` uint8 or uint16.
 
     Attributes
@@ -675,9 +729,9 @@ class CompressedMatrix:
     codes : numpy.ndarray
         uint8[S] (``code_bits`` 8) or uint16[S] (16).
     values : numpy.ndarray
-        float32[S] or float16[S].
+        float32[S], float16[S] or uint16[S].
     scale : numpy.ndarray or None
-        float32[m] row scales for float16 values, else None.
+        float32[m] row scales for 16-bit values, else None.
     shape : tuple[int, int]
     nnz : int
         Stored elements (markers and pads not counted).
@@ -698,8 +752,7 @@ class CompressedMatrix:
         self.shape = (int(self.shape[0]), int(self.shape[1]))
         self.nnz = int(self.nnz)
         m = self.shape[0]
-        if self.values.dtype not in (np.float32, np.float16):
-            raise TypeError(f"values must be float32 or float16, not {self.values.dtype}")
+        value_kind(self.values.dtype)  # TypeError for another dtype
         if self.code_bits is None:
             self.code_bits = code_bits_of(self.codes)
         self.code_bits = _check_code_bits(self.code_bits)
@@ -717,7 +770,7 @@ class CompressedMatrix:
         if len(self.codes) != len(self.values):
             raise ValueError(f"{len(self.codes)} codes but {len(self.values)} value slots")
         if (self.scale is None) != (self.values.dtype == np.float32):
-            raise ValueError("a row scale is needed exactly for float16 values")
+            raise ValueError("a row scale is needed exactly for 16-bit values")
 
     # -- construction
     @classmethod
@@ -753,7 +806,7 @@ class CompressedMatrix:
         a
             The matrix; ``indptr`` may start anywhere.
         fmt
-            ``compressed`` (lossless) or ``compressed-f16`` (lossy).
+            ``compressed`` (lossless), ``compressed-f16`` or ``compressed-u16`` (lossy).
         code_bits
             8 or 16 (forced); None takes the width whose encoding is smaller,
             markers and pads counted (8 on a tie).
@@ -799,9 +852,10 @@ class CompressedMatrix:
         if not parts:
             raise ValueError("nothing to concatenate")
         n = parts[0].shape[1]
-        half = parts[0].values.dtype == np.float16
+        dtype = parts[0].values.dtype
+        half = dtype != np.float32
         for p in parts:
-            if p.shape[1] != n or (p.values.dtype == np.float16) != half:
+            if p.shape[1] != n or p.values.dtype != dtype:
                 raise ValueError("row blocks differ in columns or value type")
         if code_bits is None:
             widths = sorted({p.code_bits for p in parts if p.slots})
@@ -827,8 +881,8 @@ class CompressedMatrix:
     # -- facts
     @property
     def format(self) -> str:
-        """``compressed`` or ``compressed-f16``."""
-        return "compressed-f16" if self.values.dtype == np.float16 else "compressed"
+        """``compressed``, ``compressed-f16`` or ``compressed-u16``."""
+        return format_of_values(self.values.dtype)
 
     @property
     def lossless(self) -> bool:

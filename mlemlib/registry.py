@@ -34,8 +34,8 @@ OPS = ("forward", "back", "back_notrans", "iteration")
 #: Backend names of the config (``backend:``). ``cuda`` with ``gpus > 1`` runs the NCCL backend.
 BACKENDS = ("cpu", "cuda")
 #: Matrix formats on the device (the matrix file's format: ``mlem convert --format``).
-FORMATS = ("csr", "compressed", "compressed-f16")
-_CMP = ("compressed", "compressed-f16")
+FORMATS = ("csr", "compressed", "compressed-f16", "compressed-u16")
+_CMP = FORMATS[1:]
 _ALL = FORMATS
 #: Multi-GPU layouts of the NCCL backend.
 LAYOUTS = ("local", "thesis")
@@ -166,10 +166,10 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("onepass_fixed", "iteration", "cuda", _ALL, True, _LOCAL, True,
            f"{_CMPCU}: onepass_det_csr_L / conepass_det_<kind>_L",
            "onepass with bp summed as 64-bit fixed point (order-independent: bit-identical for any GPU count)"),
-    Kernel("onepass_chunked", "iteration", "cuda", _ALL, True, (), True, f"{_CMPCU}: chunked_onepass / chunked_onepass_f16",
+    Kernel("onepass_chunked", "iteration", "cuda", _ALL, True, (), True, f"{_CMPCU}: chunked_onepass / _f16 / _u16",
            "one pass through row chunks of a reordered A (mlemlib/chunked.py): f and each chunk's sums in shared "
            "memory, 64-bit fixed point (deterministic), one global atomic per voxel and chunk; 6 bytes per nnz "
-           "(4 with a compressed-f16 matrix's float16 values) plus voxel lists"),
+           "(4 with a compressed-f16 or compressed-u16 matrix's 16-bit values) plus voxel lists"),
 )
 
 _INDEX = {(k.backend, k.op, k.name): k for k in KERNELS}

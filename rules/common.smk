@@ -305,7 +305,7 @@ def get_converted_matrix_regex():
 
 
 def get_matrix_format(wildcards):
-    """Matrix format of results/{matrix}/matrix.h5: csr, compressed or compressed-f16."""
+    """Matrix format of results/{matrix}/matrix.h5: csr or a compressed format (docs/formats.md)."""
     return config["matrices"][wildcards.matrix]["format"]
 
 

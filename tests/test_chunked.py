@@ -233,10 +233,10 @@ def test_interleave_equals_its_reference_and_round_trips(top):
 
 
 @pytest.mark.parametrize("where", UPLOAD_ON)
-@pytest.mark.parametrize("fmt", ["compressed", "compressed-f16"])
+@pytest.mark.parametrize("fmt", ["compressed", "compressed-f16", "compressed-u16"])
 @pytest.mark.parametrize("source", ["memory", "h5"])
 def test_chunked_upload_of_a_compressed_matrix_keeps_its_decoded_values(tmp_path, monkeypatch, where, fmt, source):
-    """Compressed rows are decoded block by block; compressed-f16 values stay float16 times the row scale, exactly."""
+    """Compressed rows are decoded block by block; 16-bit values stay float16 / uint16 times the row scale, exactly."""
     from mlemlib.backends import _compressed_cuda as gpu
     from mlemlib.compressed import CompressedMatrix
     from mlemlib.formats import open_matrix
@@ -252,13 +252,13 @@ def test_chunked_upload_of_a_compressed_matrix_keeps_its_decoded_values(tmp_path
             d = gpu.DeviceChunked.upload(src, window=2048, max_nnz=20_000)
     else:
         d = gpu.DeviceChunked.upload(cm, window=2048, max_nnz=20_000)
-    assert d.format == fmt and d.half == (fmt == "compressed-f16") and d.nnz == cm.nnz
+    assert d.format == fmt and d.half == (fmt != "compressed") and d.nnz == cm.nnz
     pos = chunked.stored_positions(decoded.indptr)
     stored = d.data.get()[pos]
     if d.half:
-        assert stored.dtype == np.float16
-        # the encoder's scale, or twice it where a row's largest value rounded up to 2^15 times the scale
-        assert np.isin(d.scale.get() / cm.scale, [1.0, 2.0]).all()
+        assert stored.dtype == cm.values.dtype
+        # the encoder's scale, or (float16) twice it where a row's largest value rounded up to 2^15 times the scale
+        assert np.isin(d.scale.get() / cm.scale, [1.0, 2.0] if fmt == "compressed-f16" else [1.0]).all()
         lengths = np.diff(decoded.indptr)
         np.testing.assert_array_equal(stored.astype(np.float32) * np.repeat(d.scale.get(), lengths), decoded.data)
         stored_bytes = 8 * (cm.shape[0] + 1) + 4 * len(d.data) + 4 * len(d.voxels) + 16 * (d.chunks + 1) + 4 * cm.shape[0]
@@ -270,17 +270,20 @@ def test_chunked_upload_of_a_compressed_matrix_keeps_its_decoded_values(tmp_path
     np.testing.assert_array_equal(vox[vptr[per_nnz] + d.local.get()[pos].astype(np.int64)], decoded.indices)
 
 
-def test_half_rows_refuses_values_that_are_not_float16_times_a_row_scale():
+@pytest.mark.parametrize("fmt", ["compressed-f16", "compressed-u16"])
+def test_half_rows_refuses_values_that_are_not_16_bits_times_a_row_scale(fmt):
     from mlemlib.compressed import CompressedMatrix
 
     a = _long(m=50, n=5000, seed=22, top=100)
-    cm = CompressedMatrix.from_csr(a, "compressed-f16")
+    cm = CompressedMatrix.from_csr(a, fmt)
     dec = cm.to_csr()
-    scale, values = chunked.half_rows(dec)
-    assert np.isin(scale / cm.scale, [1.0, 2.0]).all()
+    scale, values = chunked.half_rows(dec, fmt)
+    assert values.dtype == cm.values.dtype
+    assert np.isin(scale / cm.scale, [1.0, 2.0] if fmt == "compressed-f16" else [1.0]).all()
     np.testing.assert_array_equal(values.astype(np.float32) * np.repeat(scale, np.diff(dec.indptr)), dec.data)
-    with pytest.raises(ValueError, match=r"block 3: row 1\d* has values that are not float16"):
-        chunked.half_rows(a, what="block 3", row0=100)
+    kind = "float16" if fmt == "compressed-f16" else "uint16"
+    with pytest.raises(ValueError, match=rf"block 3: row 1\d* has values that are not {kind} times .* \(not a {fmt}"):
+        chunked.half_rows(a, fmt, what="block 3", row0=100)
 
 
 def _chunked_images(runs, g, norm, iterations: int) -> list[np.ndarray]:
@@ -302,7 +305,7 @@ def test_cpu_onepass_chunked_on_a_compressed_matrix_is_the_decoded_matrix_run():
     a = _long(m=600, n=5000, seed=23, top=300)
     rng = np.random.default_rng(6)
     g = rng.poisson(a.to_scipy() @ rng.uniform(0.5, 2.0, a.shape[1])).astype(np.float32)
-    for fmt in ("compressed", "compressed-f16"):
+    for fmt in ("compressed", "compressed-f16", "compressed-u16"):
         cm = CompressedMatrix.from_csr(a, fmt)
         dec = cm.to_csr()
         norm = np.asarray(dec.to_scipy().sum(axis=0)).ravel()
@@ -385,12 +388,13 @@ def test_chunked_onepass_on_compressed_matrices_is_the_decoded_matrix_step_bit_f
     from mlemlib.compressed import CompressedMatrix
 
     a = _long(m=3000, n=20000, seed=24)
-    for fmt in ("compressed", "compressed-f16"):
+    for fmt in ("compressed", "compressed-f16", "compressed-u16"):
         cm = CompressedMatrix.from_csr(a, fmt)
         dec = cm.to_csr()
         f, g, fp64, bp64 = _step_problem(dec, 3)
         d = gpu.DeviceChunked.upload(cm, window=16384)
-        assert d.half == (fmt == "compressed-f16")
+        assert d.half == (fmt != "compressed") and d.kernel.endswith({"compressed": "onepass", "compressed-f16": "_f16",
+                                                                       "compressed-u16": "_u16"}[fmt])
         stats: dict = {}
         bp, fp = gpu.chunked_onepass(d, cp.asarray(g), cp.asarray(f), stats=stats)
         cbp, cfp, _ = chunked.onepass_fixed(chunked.build_plan(dec, window=16384), dec.indptr, dec.data, g, f,

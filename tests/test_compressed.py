@@ -53,7 +53,7 @@ from mlemlib.formats import (
 from mlemlib.formats.h5 import checksum_arrays
 from mlemlib.matrix import CSRMatrix
 
-FORMATS = ("compressed", "compressed-f16")
+FORMATS = ("compressed", "compressed-f16", "compressed-u16")
 CODE_BITS = (None, 8, 16)  # None: the encoder chooses
 
 
@@ -111,13 +111,28 @@ def far_csr(m: int = 40, k: int = 400, seed: int = 0, lo: int = 300, hi: int = 6
     return CSRMatrix(indptr, cols.reshape(-1).astype(np.int32), data, (m, n))
 
 
-def encode_by_hand(a: CSRMatrix, half: bool, code_bits: int | None = 8):
+def hand_row_values(vals: np.ndarray, fmt: str) -> tuple[np.float32, np.ndarray]:
+    """A row's scale and 16-bit value bits as docs/formats.md states them (compressed-f16, compressed-u16)."""
+    vmax = float(vals.max()) if len(vals) else 0.0
+    if fmt == "compressed-f16":
+        k = max(np.frexp(vmax)[1] - 15, -149) if vmax > 0 else 0
+        return np.float32(2.0**k), (vals / 2.0**k).astype(np.float16).view(np.uint16)
+    k = max(np.frexp(vmax)[1] - 16, -149) if vmax > 0 else 0
+    if vmax > 0 and np.rint(vmax / 2.0**k) >= 65536:  # the row's largest value would round to 2**16
+        k += 1
+    q = np.rint(vals / 2.0**k)
+    assert q.max(initial=0) <= 65535
+    return np.float32(2.0**k), q.astype(np.uint16)
+
+
+def encode_by_hand(a: CSRMatrix, fmt: str, code_bits: int | None = 8):
     """The layout of docs/formats.md, row by row in plain Python: (slotptr, codes, value bits, scale, code_bits).
 
     ``code_bits`` None encodes with 8 and with 16 bits and keeps the smaller (8 on a tie).
     """
+    half = fmt != "compressed"  # 16-bit value slots
     if code_bits is None:
-        e8, e16 = encode_by_hand(a, half, 8), encode_by_hand(a, half, 16)
+        e8, e16 = encode_by_hand(a, fmt, 8), encode_by_hand(a, fmt, 16)
         vb = 2 if half else 4
         return e16 if len(e16[1]) * (2 + vb) < len(e8[1]) * (1 + vb) else e8
     direct, high, mark = 2**code_bits - 3, 2**code_bits - 2, 2**code_bits - 1
@@ -126,10 +141,8 @@ def encode_by_hand(a: CSRMatrix, half: bool, code_bits: int | None = 8):
         lo, hi = int(a.indptr[r]), int(a.indptr[r + 1])
         vals = a.data[lo:hi].astype(np.float64)
         if half:
-            vmax = float(vals.max()) if hi > lo else 0.0
-            k = max(np.frexp(vmax)[1] - 15, -149) if vmax > 0 else 0
-            scale.append(np.float32(2.0**k))
-            q = (vals / 2.0**k).astype(np.float16).view(np.uint16)
+            sc, q = hand_row_values(vals, fmt)
+            scale.append(sc)
         else:
             q = a.data[lo:hi].view(np.uint32)
         prev = 0
@@ -163,14 +176,18 @@ def assert_csr_equal(x: CSRMatrix, y: CSRMatrix) -> None:
     np.testing.assert_array_equal(x.data.view(np.uint32), y.data.view(np.uint32))
 
 
-def f16_reference(a: CSRMatrix) -> CSRMatrix:
-    """The matrix compressed-f16 stores: values rounded to 11 significant bits relative to a power-of-two row scale."""
+def stored_reference(a: CSRMatrix, fmt: str) -> CSRMatrix:
+    """The matrix a format stores: ``a`` itself (compressed), or its values rounded to 16 bits relative to a
+    power-of-two row scale (compressed-f16: 11 significant bits; compressed-u16: a 16-bit integer)."""
+    if fmt == "compressed":
+        return a
     out = a.data.astype(np.float64).copy()
     for r in range(a.shape[0]):
         lo, hi = int(a.indptr[r]), int(a.indptr[r + 1])
-        if hi > lo and a.data[lo:hi].max() > 0:
-            k = max(np.frexp(float(a.data[lo:hi].max()))[1] - 15, -149)
-            out[lo:hi] = (out[lo:hi] / 2.0**k).astype(np.float16).astype(np.float64) * 2.0**k
+        if hi > lo:
+            sc, q = hand_row_values(a.data[lo:hi].astype(np.float64), fmt)
+            v = q.view(np.float16) if fmt == "compressed-f16" else q
+            out[lo:hi] = v.astype(np.float64) * np.float64(sc)
     return CSRMatrix(a.indptr, a.indices, out.astype(np.float32), a.shape)
 
 
@@ -194,19 +211,19 @@ MATRICES["far"] = far_csr  # deltas 300..60000: 16-bit codes
 def test_encoding_matches_hand_encoder_and_round_trips(name, fmt, code_bits):
     a = MATRICES[name]()
     c = CompressedMatrix.from_csr(a, fmt, code_bits=code_bits)
-    sp_, codes, bits, scale, bits_chosen = encode_by_hand(a, fmt == "compressed-f16", code_bits)
+    sp_, codes, bits, scale, bits_chosen = encode_by_hand(a, fmt, code_bits)
     assert c.code_bits == bits_chosen and c.codes.dtype == codes.dtype
     np.testing.assert_array_equal(c.slotptr(), sp_)
     np.testing.assert_array_equal(c.codes, codes)
     np.testing.assert_array_equal(c.value_bits().astype(np.uint64), bits)
-    if fmt == "compressed-f16":
+    if fmt != "compressed":
         np.testing.assert_array_equal(c.scale, scale.astype(np.float32))
-    assert c.nnz == a.nnz and c.shape == a.shape and c.lossless == (fmt == "compressed")
+    assert c.nnz == a.nnz and c.shape == a.shape and c.lossless == (fmt == "compressed") and c.format == fmt
     back = c.to_csr()
-    assert_csr_equal(back, a if fmt == "compressed" else f16_reference(a))
+    assert_csr_equal(back, stored_reference(a, fmt))
 
 
-@pytest.mark.parametrize("fmt", ["compressed", "compressed-f16"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_to_csr_decodes_piece_by_piece(monkeypatch, fmt):
     # to_csr decodes PIECE_SLOTS slots at a time: a matrix of many pieces is joined back into the same CSR
     # as one piece gives (its shape too).
@@ -219,7 +236,7 @@ def test_to_csr_decodes_piece_by_piece(monkeypatch, fmt):
     pieces = c.to_csr()
     assert pieces.shape == a.shape == whole.shape
     assert_csr_equal(pieces, whole)
-    assert_csr_equal(pieces, a if fmt == "compressed" else f16_reference(a))
+    assert_csr_equal(pieces, stored_reference(a, fmt))
 
 
 def test_f16_relative_error_bound():
@@ -230,6 +247,25 @@ def test_f16_relative_error_bound():
     rel = np.abs(back.data[nz].astype(np.float64) - a.data[nz]) / a.data[nz]
     assert rel.max() <= 2.0**-11 * (1 + 1e-6)
     assert np.all(back.data[~nz] == 0)
+
+
+def test_u16_absolute_error_bound_per_row():
+    """compressed-u16: every value within half a step of its row's grid, the step at most max(row) / 32,768
+    (the row's largest value maps to 32,768..65,535); a row's largest value that rounds to 2**16 doubles the
+    step (the row then stores 32,768)."""
+    a = random_csr(120, 500, 4)
+    a.data[:] = np.random.default_rng(0).lognormal(0, 2, a.nnz).astype(np.float32)
+    c = CompressedMatrix.from_csr(a, "compressed-u16")
+    back = c.to_csr()
+    step = np.repeat(c.scale.astype(np.float64), np.diff(a.indptr))
+    rowmax = np.array([a.data[a.indptr[r]:a.indptr[r + 1]].max(initial=0) for r in range(a.shape[0])])
+    assert np.all(np.abs(back.data.astype(np.float64) - a.data) <= step / 2)
+    assert np.all(step <= np.repeat(rowmax, np.diff(a.indptr)) / 32768)
+    edge = CSRMatrix(np.array([0, 2], np.int64), np.array([0, 3], np.int32),
+                     np.array([65535.75, 1.0], np.float32), (1, 4))
+    e = CompressedMatrix.from_csr(edge, "compressed-u16")
+    assert e.scale[0] == 2.0 and list(e.values[:2]) == [32768, 0]  # 65535.75 rounds to 2**16 with scale 1
+    assert list(e.to_csr().data) == [65536.0, 0.0]
 
 
 def test_constants_of_both_code_widths():
@@ -266,10 +302,10 @@ def test_padding_invariants(fmt, code_bits):
     deltas = np.diff(np.concatenate([[0], a.indices.astype(np.int64)]))
     deltas[a.indptr[:-1][lens > 0]] = a.indices[a.indptr[:-1][lens > 0]]  # each row starts from column 0
     markers = np.count_nonzero(deltas > c.max_direct)
-    if fmt == "compressed-f16":
+    if fmt != "compressed":
         markers += np.count_nonzero(deltas > 65535)
     assert pads_total == c.slots - c.nnz - markers
-    assert_csr_equal(c.to_csr(), a if fmt == "compressed" else f16_reference(a))
+    assert_csr_equal(c.to_csr(), stored_reference(a, fmt))
     c.validate()
 
 
@@ -310,7 +346,7 @@ def test_with_code_bits_keeps_every_bit(fmt):
             for field in ("rowbase", "rowoff", "codes"):
                 np.testing.assert_array_equal(getattr(t, field), getattr(direct, field))
             np.testing.assert_array_equal(t.value_bits(), direct.value_bits())
-            if fmt == "compressed-f16":
+            if fmt != "compressed":
                 np.testing.assert_array_equal(t.scale, c.scale)
 
 
@@ -742,6 +778,12 @@ def _bad_cases():
         vals.view(np.uint16)[k] = 0x7E00
         _replace(f, "values", vals)
 
+    def u16_value(f):  # one stored integer off by one: the decoded matrix's checksum no longer matches
+        vals = f["values"][...]
+        k = int(np.argmax((f["codes"][...] < code_high(int(f.attrs["code_bits"]))) & (vals > 0)))
+        vals[k] -= 1
+        _replace(f, "values", vals)
+
     def scale(value):
         def fn(f):
             s = f["scale"][...]
@@ -831,7 +873,7 @@ def _bad_cases():
         "slots_align": ("compressed", slots_attr, r"attribute slots = \d+ is not a multiple of 4$"),
         "misaligned": ("compressed", misaligned, r"slot offset \d+ of row \d+ is not a multiple of 4$"),
         "high_marker": ("compressed", high_marker,
-                        r"row \d+: high marker \(code 254\) at slot \d+ in a float32 matrix \(compressed-f16 only\)$"),
+                        r"row \d+: high marker \(code 254\) at slot \d+ in a float32 matrix \(16-bit values only\)$"),
         "no_slots": ("compressed", attr("slots", None), r"missing attribute 'slots'"),
         "nnz_slots": ("compressed", attr("nnz", 10**6), r"attribute nnz = 1000000 exceeds slots"),
         "codes_size": ("compressed", short("codes"), r"dataset /codes has \d+ entries, but attribute slots = \d+"),
@@ -855,6 +897,14 @@ def _bad_cases():
         "f16_no_scale": ("compressed-f16", missing_scale, r"missing dataset /scale"),
         "f16_dtype": ("compressed-f16", lambda f: _replace(f, "values", f["values"][...].astype(np.float32)),
                       r"dataset /values is float32\[\d+\], expected 1-D float16"),
+        "u16_scale_zero": ("compressed-u16", scale(0.0), r"row scale 0\.0 of row 3 is not a finite positive number"),
+        "u16_scale_nan": ("compressed-u16", scale(np.nan), r"row scale nan of row 3 is not a finite positive number"),
+        "u16_no_scale": ("compressed-u16", missing_scale, r"missing dataset /scale"),
+        "u16_dtype": ("compressed-u16", lambda f: _replace(f, "values", f["values"][...].view(np.float16)),
+                      r"dataset /values is float16\[\d+\], expected 1-D uint16"),
+        "u16_value": ("compressed-u16", u16_value, r"checksum mismatch"),
+        "u16_format": ("compressed-u16", attr("format", "mlem-compressed-u8"),
+                       r"attribute format is 'mlem-compressed-u8', expected"),
         # files of 16-bit codes
         "column_16": ("compressed", code_edit, r"the column deltas decode to column 600 at slot \d+, outside", 16),
         "pad_16": ("compressed", pad_600, r"the column deltas decode to column \d+ at slot \d+, outside", 16),
@@ -865,6 +915,7 @@ def _bad_cases():
         "misaligned_16": ("compressed", misaligned, r"slot offset \d+ of row \d+ is not a multiple of 4$", 16),
         "high_marker_16": ("compressed", high_marker, r"high marker \(code 65534\) at slot \d+ in a float32 matrix", 16),
         "f16_nan_16": ("compressed-f16", half_nan, r"non-finite value nan at slot \d+", 16),
+        "u16_column_16": ("compressed-u16", code_edit, r"the column deltas decode to column 600 at slot \d+, outside", 16),
     }
 
 
@@ -1042,7 +1093,7 @@ def test_cli_convert_and_info(tmp_path, csr4_file, capsys):
 
 def test_cli_help_lists_formats():
     r = subprocess.run([sys.executable, "-m", "mlemlib", "convert", "--help"], capture_output=True, text=True, check=True)
-    assert "{csr,compressed,compressed-f16}" in r.stdout and re.search(r"\(default:\s+csr\)", r.stdout)
+    assert "{csr,compressed,compressed-f16,compressed-u16}" in r.stdout and re.search(r"\(default:\s+csr\)", r.stdout)
 
 
 def test_cli_unsorted_input_exit_2(tmp_path, capsys):

@@ -447,12 +447,13 @@ def test_matrix3_estimate_from_a_small_sample():
     assert abs(res["nnz_estimate"] / 12_366_460_674 - 1) < 0.05
     sizes = res["bytes_by_format"]
     assert sizes["csr4"] > sizes["csr"] * 0.99 > sizes["compressed"] > sizes["compressed-f16"]
+    assert sizes["compressed-u16"] == sizes["compressed-f16"]  # the same slots: 16-bit values either way
     assert 4.9 < sizes["compressed"] / res["nnz_estimate"] < 5.5
     assert res["seconds_by_threads"]["32"] == pytest.approx(res["seconds_estimate"] / 32)
     assert res["max_row_nnz_sampled"] > res["mean_nnz_per_nonempty_row"]
 
 
-@pytest.mark.parametrize("fmt", ["csr", "compressed", "compressed-f16"])
+@pytest.mark.parametrize("fmt", ["csr", "compressed", "compressed-f16", "compressed-u16"])
 def test_generate_writes_the_container_directly(tmp_path, fmt):
     """An .h5 output is the container convert would make from the .csr4: same arrays, same checksum."""
     from mlemlib.formats import MatrixH5, convert

@@ -22,9 +22,10 @@ each row's column deltas as it goes.
   the result is bit-identical to ``spmv`` + correlate + ``spmv_t`` with the
   same ``blocks``.
 
-float16 values (``compressed-f16``) are decoded exactly (``float32(half) *
-row scale``); accumulation is float32 throughout. Kernels take the encoded
-arrays as ``(rowbase, rowoff, codes, vf, vb, scale, half, high)`` (see
+16-bit values (``compressed-f16``, ``compressed-u16``) are decoded exactly
+(``float32(half) * row scale``, ``float32(q) * row scale``); accumulation is
+float32 throughout. Kernels take the encoded arrays as ``(rowbase, rowoff,
+codes, vf, vb, scale, kind, high)`` (see
 :func:`kernel_args`; ``codes`` uint8 or uint16, ``high`` the matrix's high
 marker code, 254 or 65,534) and accept a row pointer that does not start at
 slot 0. Markers and pads (the marker code with value bits 0) move the column
@@ -36,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from mlemlib.compressed import CompressedMatrix, half_bits_to_float32
+from mlemlib.compressed import CompressedMatrix, half_bits_to_float32, value_kind
 
 #: Default number of row blocks of the scatters (as :data:`mlemlib.backends.cpu.DEFAULT_BLOCKS`).
 DEFAULT_BLOCKS = 16
@@ -59,15 +60,18 @@ def _delta(cd, bits, high):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _val(vf, vb, scale, half, r, k):  # pragma: no cover - compiled
-    if half:
+def _val(vf, vb, scale, kind, r, k):  # pragma: no cover - compiled
+    """Value of slot ``k`` of row ``r``; ``kind`` as :data:`mlemlib.compressed.VALUE_KINDS`."""
+    if kind == 1:
         return half_bits_to_float32(vb[k]) * scale[r]
+    if kind == 2:
+        return np.float32(vb[k]) * scale[r]
     return vf[k]
 
 
 # --------------------------------------------------------------------------- kernels on the encoding
 @njit(parallel=True, cache=True, nogil=True)
-def cmp_spmv32(rowbase, rowoff, codes, vf, vb, scale, half, high, x, y):  # pragma: no cover - compiled
+def cmp_spmv32(rowbase, rowoff, codes, vf, vb, scale, kind, high, x, y):  # pragma: no cover - compiled
     """``y[i] = sum_k a_ik x_k`` per row, in slot order, float32."""
     base = _rp(rowbase, rowoff, 0)
     for i in prange(y.shape[0]):
@@ -79,12 +83,12 @@ def cmp_spmv32(rowbase, rowoff, codes, vf, vb, scale, half, high, x, y):  # prag
             cd = codes[k]
             col += _delta(cd, vb[k], high)
             if cd < high:
-                acc += _val(vf, vb, scale, half, i, k) * np.float32(x[col])
+                acc += _val(vf, vb, scale, kind, i, k) * np.float32(x[col])
         y[i] = acc
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def cmp_spmv_t32(rowbase, rowoff, codes, vf, vb, scale, half, high, c, out, partial):  # pragma: no cover - compiled
+def cmp_spmv_t32(rowbase, rowoff, codes, vf, vb, scale, kind, high, c, out, partial):  # pragma: no cover - compiled
     """``out = A^T c`` by a scatter over row blocks (``partial``: blocks x n scratch), fixed-order sum."""
     nb = partial.shape[0]
     m = c.shape[0]
@@ -104,7 +108,7 @@ def cmp_spmv_t32(rowbase, rowoff, codes, vf, vb, scale, half, high, c, out, part
                     cd = codes[k]
                     col += _delta(cd, vb[k], high)
                     if cd < high:
-                        p[col] += _val(vf, vb, scale, half, i, k) * ci
+                        p[col] += _val(vf, vb, scale, kind, i, k) * ci
     for j in prange(n):
         s = np.float32(0.0)
         for b in range(nb):
@@ -113,7 +117,7 @@ def cmp_spmv_t32(rowbase, rowoff, codes, vf, vb, scale, half, high, c, out, part
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, half, high, g, f, fp, bp, partial):  # pragma: no cover
+def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, kind, high, g, f, fp, bp, partial):  # pragma: no cover
     """One-pass MLEM step on the encoding: ``fp = A f``, ``c = g / fp``, ``bp = A^T c``."""
     nb = partial.shape[0]
     m = g.shape[0]
@@ -134,7 +138,7 @@ def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, half, high, g, f, fp, b
                 cd = codes[k]
                 col += _delta(cd, vb[k], high)
                 if cd < high:
-                    acc += _val(vf, vb, scale, half, i, k) * np.float32(f[col])
+                    acc += _val(vf, vb, scale, kind, i, k) * np.float32(f[col])
             fp[i] = acc
             ci = np.float32(0.0)
             if acc != 0:
@@ -145,7 +149,7 @@ def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, half, high, g, f, fp, b
                     cd = codes[k]
                     col += _delta(cd, vb[k], high)
                     if cd < high:
-                        p[col] += _val(vf, vb, scale, half, i, k) * ci
+                        p[col] += _val(vf, vb, scale, kind, i, k) * ci
     for j in prange(n):
         t = np.float32(0.0)
         for b in range(nb):
@@ -188,18 +192,20 @@ def csr_onepass32(indptr, indices, data, g, f, fp, bp, partial):  # pragma: no c
 
 # --------------------------------------------------------------------------- wrappers
 def kernel_args(a: CompressedMatrix) -> tuple:
-    """``(rowbase, rowoff, codes, vf, vb, scale, half, high)``: the encoded arrays as the kernels take them.
+    """``(rowbase, rowoff, codes, vf, vb, scale, kind, high)``: the encoded arrays as the kernels take them.
 
     ``codes`` is uint8 or uint16 (``a.code_bits``), ``vf`` the float32 value
-    array (an empty array for float16 values), ``vb`` the value slots' bits
+    array (an empty array for 16-bit values), ``vb`` the value slots' bits
     (uint32 or uint16 view), ``scale`` the row scales (an empty array for
-    float32 values), ``half`` True for float16, ``high`` the high marker code
+    float32 values), ``kind`` the value kind (0 float32, 1 float16, 2 uint16:
+    :func:`mlemlib.compressed.value_kind`), ``high`` the high marker code
     (:func:`mlemlib.compressed.code_high`: 254 or 65,534).
     """
-    half = not a.lossless
+    kind = value_kind(a.values.dtype)
+    half = kind != 0
     vf = a.values if not half else np.empty(0, dtype=np.float32)
     scale = a.scale if half else np.empty(0, dtype=np.float32)
-    return (a.rowbase, a.rowoff, a.codes, vf, a.value_bits(), scale, half, np.int64(a.code_high))
+    return (a.rowbase, a.rowoff, a.codes, vf, a.value_bits(), scale, np.int64(kind), np.int64(a.code_high))
 
 
 def _vec(name: str, v: np.ndarray, size: int) -> np.ndarray:

@@ -44,6 +44,7 @@ from mlemlib._io import prefetched
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR
 from mlemlib.backends.device_formats import DeviceMatrix, format_of
+from mlemlib.compressed import LOSSY_FORMATS, VALUE_DTYPES, format_of_values
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import chunk_bounds
 
@@ -59,6 +60,8 @@ THREADS = 256
 WAVES = 0
 #: Non-zeros per block a CSR source is read and encoded in on its way to the GPU.
 UPLOAD_CHUNK_NNZ = 1 << 26
+#: Kernel name part of a values dtype (its ``dtype.char``): float32, float16, uint16.
+VALUE_NAMES = {"f": "f32", "e": "f16", "H": "u16"}
 #: Quads (4 slots) per lane per trip of the compressed SpMV: 1 (cspmv) or 2 (cspmv8).
 QUADS = 1
 #: Extra NVRTC options (e.g. ``("-DMLEM_OP_CACHE=24",)``: trips of a row kept in registers by the one-pass kernels).
@@ -152,7 +155,7 @@ def _check_vector(name: str, v: Any, size: int) -> None:
 class DeviceCompressed(DeviceMatrix):
     """A compressed matrix in GPU memory (arrays as in :class:`mlemlib.compressed.CompressedMatrix`).
 
-    The device type of the ``compressed`` and ``compressed-f16`` formats
+    The device type of the ``compressed``, ``compressed-f16`` and ``compressed-u16`` formats
     (:mod:`mlemlib.backends.device_formats`): :meth:`upload` takes a
     compressed container (only the rows asked for are read, still encoded),
     an in-memory :class:`~mlemlib.compressed.CompressedMatrix`, or any CSR
@@ -183,7 +186,7 @@ class DeviceCompressed(DeviceMatrix):
 
     @property
     def format(self) -> str:  # type: ignore[override]
-        return "compressed" if self.scale is None else "compressed-f16"
+        return format_of_values(self.values.dtype)
 
     @classmethod
     def upload(
@@ -211,7 +214,7 @@ class DeviceCompressed(DeviceMatrix):
         checked and copied into its place, so the host holds one piece and the
         row pointer, never the whole block.
         """
-        from mlemlib.compressed import CODE_DTYPES, VALUE_DTYPES, pack_rowptr
+        from mlemlib.compressed import CODE_DTYPES, pack_rowptr
 
         cp = cupy()
         sp = np.asarray(source.read_slotptr(r0, r1), dtype=np.int64)
@@ -244,7 +247,7 @@ class DeviceCompressed(DeviceMatrix):
     def device_bytes(source: Any) -> int:
         """Bytes ``source`` takes on the GPU: a compressed container's own size, else about 6.5 per non-zero."""
         nb = getattr(source, "nbytes", None)
-        if getattr(source, "format", None) in ("compressed", "compressed-f16") and nb is not None:
+        if getattr(source, "format", None) in VALUE_DTYPES and nb is not None:
             return int(nb)
         return int(6.5 * int(source.nnz)) + 5 * int(source.shape[0])
 
@@ -266,14 +269,15 @@ class DeviceCompressed(DeviceMatrix):
         return choose_lanes(self.slots / 4 / self.shape[0] if self.shape[0] else 0.0, cap)
 
     def max_value(self) -> float:
-        """An upper bound of the matrix's values (exact for float32; ``max(scale) * 32768`` for float16)."""
+        """An upper bound of the matrix's values (exact for float32; ``max(scale) * 2**16`` for 16-bit values)."""
         cp = cupy()
         if self.slots == 0:
             return 0.0
         if self.scale is None:
             high = (1 << self.code_bits) - 2  # codes from here on are markers
             return float(cp.max(cp.where(self.codes < high, self.values, cp.float32(0))))
-        return float(cp.max(self.scale)) * 32768.0 if self.scale.size else 0.0
+        top = 65536.0 if self.values.dtype == np.uint16 else 32768.0  # the row's values below top * scale
+        return float(cp.max(self.scale)) * top if self.scale.size else 0.0
 
     def kernel_args(self) -> tuple:
         """``(rp, roff, idx, val, scale)`` as the kernels take them."""
@@ -281,8 +285,8 @@ class DeviceCompressed(DeviceMatrix):
 
     @property
     def kind(self) -> str:
-        """Kernel name part: values and code bits, ``f32c8``, ``f32c16``, ``f16c8`` or ``f16c16``."""
-        return f"{'f32' if self.scale is None else 'f16'}c{self.code_bits}"
+        """Kernel name part: values and code bits, ``f32c8``, ``f32c16``, ``f16c8``, ``f16c16``, ``u16c8`` or ``u16c16``."""
+        return f"{VALUE_NAMES[self.values.dtype.char]}c{self.code_bits}"
 
 
 @dataclass
@@ -671,13 +675,18 @@ class DeviceChunked:
     shape: tuple[int, int]
     window: int
     nnz: int  # non-zeros (the stored elements add the rows' padding)
-    scale: Any = None  # float32[m] power-of-two row scales of float16 values (compressed-f16), else None
-    format: str = "csr"  # the source's format: csr and compressed keep float32 values, compressed-f16 float16
+    scale: Any = None  # float32[m] power-of-two row scales of 16-bit values (compressed-f16, -u16), else None
+    format: str = "csr"  # the source's format: csr and compressed keep float32 values, the 16-bit formats theirs
 
     @property
     def half(self) -> bool:
-        """Whether the values are float16 (times :attr:`scale`)."""
+        """Whether the values are 16 bits (float16 or uint16, times :attr:`scale`)."""
         return self.scale is not None
+
+    @property
+    def kernel(self) -> str:
+        """The kernel that reads these values: ``chunked_onepass`` (float32), ``_f16`` or ``_u16``."""
+        return {"f": "chunked_onepass", "e": "chunked_onepass_f16", "H": "chunked_onepass_u16"}[self.data.dtype.char]
 
     @property
     def chunks(self) -> int:
@@ -699,14 +708,14 @@ class DeviceChunked:
 
     @staticmethod
     def device_bytes(source: Any) -> int:
-        """Bytes on the GPU before the plan exists: 8 per row (12 with float16 values' row scales), 6 per element
-        (4 with float16 values) for the non-zeros and the padding (at most 3 per row), 1 more per non-zero for
+        """Bytes on the GPU before the plan exists: 8 per row (12 with 16-bit values' row scales), 6 per element
+        (4 with 16-bit values) for the non-zeros and the padding (at most 3 per row), 1 more per non-zero for
         voxel lists of reuse 4."""
         from mlemlib import chunked
         from mlemlib.matrix import shape_nnz
 
         (m, _), nnz = shape_nnz(source)
-        half = format_of(source) == "compressed-f16"
+        half = format_of(source) in LOSSY_FORMATS
         per = 4 if half else 6
         return (12 if half else 8) * (m + 1) + per * (chunked.VEC - 1) * m + (per + 1) * nnz
 
@@ -720,15 +729,16 @@ class DeviceChunked:
         non-zeros on the host (:func:`mlemlib.chunked.build_plan`, all cores),
         its local indices and values copied into place in the kernel's layout
         (:func:`mlemlib.chunked.interleave`); chunks do not cross a block's
-        end. A ``compressed-f16`` source keeps its float16 values: each row's
-        decoded values are stored as float16 times a power-of-two row scale,
-        which gives them back exactly (4 bytes per non-zero instead of 6).
+        end. A ``compressed-f16`` or ``compressed-u16`` source keeps its 16-bit
+        values: each row's decoded values are stored as float16 (uint16) times
+        a power-of-two row scale, which gives them back exactly (4 bytes per
+        non-zero instead of 6).
         ``window`` defaults to :func:`chunk_window`.
 
         Raises
         ------
         ValueError
-            A row with more non-zeros than ``window``; float16 values that a
+            A row with more non-zeros than ``window``; 16-bit values that a
             power-of-two row scale does not give back exactly.
         """
         import time
@@ -740,14 +750,14 @@ class DeviceChunked:
         window = chunk_window() if window is None else int(window)
         (m, n), nnz = shape_nnz(source)
         fmt = format_of(source)
-        half = fmt == "compressed-f16"
+        half = fmt in LOSSY_FORMATS
         t0 = time.perf_counter()
         indptr = cp.empty(m + 1, dtype=cp.int64)
         indptr[0] = 0
         # the rows' padding is known block by block: room for the most (the unused end is never read)
         room = nnz + (chunked.VEC - 1) * m
         local = cp.empty(room, dtype=cp.uint16)
-        data = cp.empty(room, dtype=cp.float16 if half else cp.float32)
+        data = cp.empty(room, dtype=VALUE_DTYPES[fmt] if half else cp.float32)
         scale = cp.empty(m, dtype=cp.float32) if half else None
         chunk_rows, counts, voxels = [np.zeros(1, np.int64)], [], []
         k = 0  # stored elements
@@ -756,7 +766,7 @@ class DeviceChunked:
             p = chunked.build_plan(block, window=window)
             values = block.data
             if half:
-                rs, values = chunked.half_rows(block, what=what, row0=r0)
+                rs, values = chunked.half_rows(block, fmt, what=what, row0=r0)
                 scale[r0:r1] = cp.asarray(rs)
             pip, ploc, pdat = chunked.interleave(block.indptr, p.local, values)
             b = int(pip[-1])
@@ -788,7 +798,7 @@ class DeviceChunked:
 def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: float, flag: Any, fwd_only: int) -> None:
     if a.chunks == 0:
         return
-    fn = function("chunked_onepass_f16" if a.half else "chunked_onepass")
+    fn = function(a.kernel)
     w = a.window + (a.window & 1)
     shared = CHUNK_SMEM_PER_VOXEL * w
     if fn.max_dynamic_shared_size_bytes < shared:

@@ -12,9 +12,9 @@ Formats
 -------
 ``csr``   :class:`mlemlib.backends._cuda_kernels.DeviceCSR`: int64 row
           pointer, int32 columns, float32 values (8 bytes per non-zero).
-``compressed``, ``compressed-f16``
+``compressed``, ``compressed-f16``, ``compressed-u16``
           :class:`mlemlib.backends._compressed_cuda.DeviceCompressed`: column
-          deltas of 8 or 16 bits and float32 (float16) values, about 5-6 (3-4)
+          deltas of 8 or 16 bits and float32 (16-bit) values, about 5-6 (3-4)
           bytes per non-zero; a CSR source is encoded on its way to the GPU.
 """
 
@@ -32,6 +32,7 @@ DEVICE_TYPES = {
     "csr": "mlemlib.backends._cuda_kernels:DeviceCSR",
     "compressed": "mlemlib.backends._compressed_cuda:DeviceCompressed",
     "compressed-f16": "mlemlib.backends._compressed_cuda:DeviceCompressed",
+    "compressed-u16": "mlemlib.backends._compressed_cuda:DeviceCompressed",
 }
 
 

@@ -74,7 +74,7 @@ def register(sub) -> None:
         "--formats",
         default="csr",
         metavar="F[,F...]",
-        help="matrix formats the MLEM iterations run in (csr, compressed, compressed-f16; default csr): the "
+        help="matrix formats the MLEM iterations run in (csr, compressed, compressed-f16, compressed-u16; default csr): the "
         "matrix is re-encoded on the host, and each iteration is reported with its bytes per non-zero, its own "
         "floor, the CSR floor and its image's distance to the float32 CSR pair's",
     )

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from mlemlib.cli._common import add_parser, positive_int
+from mlemlib.registry import FORMATS as MATRIX_FORMATS
 
 
 def register(sub) -> None:
@@ -32,9 +33,9 @@ def register(sub) -> None:
         help="output matrix, required unless --estimate: FILE.csr4, or FILE.h5 for the container written directly",
     )  # fmt: skip
     p.add_argument(
-        "-f", "--format", choices=("csr", "compressed", "compressed-f16"), default="csr",
+        "-f", "--format", choices=MATRIX_FORMATS, default="csr",
         help="matrix format of an .h5 output (a .csr4 is csr): csr (8 bytes per non-zero), compressed "
-        "(lossless, about 5) or compressed-f16 (lossy, about 3)",
+        "(lossless, about 5), compressed-f16 or compressed-u16 (lossy 16-bit values, about 3)",
     )  # fmt: skip
     p.add_argument(
         "-r", "--rays", type=positive_int, metavar="N", default=None,

@@ -4,7 +4,7 @@ Supported files (see ``docs/formats.md``):
 
 - ``.csr4``: the TUM MLEM tools' system matrix (memory-mapped, read by row range),
 - ``.h5``: the project's own container (chunked HDF5, read by row range), holding
-  CSR or the compressed matrix (``compressed``, ``compressed-f16``),
+  CSR or the compressed matrix (``compressed``, ``compressed-f16``, ``compressed-u16``),
 - ``.mtx`` / ``.mtx.gz``: Matrix Market; ``.npz``: SciPy sparse (read whole),
 - ``.LMsino`` / ``.sino``: measurements (raw int32 counts).
 
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mlemlib.compressed import LOSSY_FORMATS, VALUE_DTYPES
 from mlemlib.errors import MatrixFormatError, SinogramFormatError
 from mlemlib.formats._check import DEFAULT_CHUNK_NNZ
 from mlemlib.formats._memory import InMemoryMatrix
@@ -81,7 +82,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Matrix formats of the container (``mlem convert --format``); ``csr`` is the default.
-MATRIX_FORMATS = ("csr", "compressed", "compressed-f16")
+MATRIX_FORMATS = ("csr", *VALUE_DTYPES)
 
 #: suffix (lower case) -> kind
 SUFFIXES = {
@@ -170,8 +171,9 @@ def convert(
         Elements per block.
     fmt
         Matrix format of the output: ``csr`` (default), ``compressed``
-        (lossless, about 5 bytes per non-zero) or ``compressed-f16`` (lossy
-        float16 values); the compressed ones encode each block as it passes
+        (lossless, about 5 bytes per non-zero), ``compressed-f16`` or
+        ``compressed-u16`` (lossy 16-bit values: float16, or a per-row 16-bit
+        fixed point); the compressed ones encode each block as it passes
         and need columns sorted within rows.
     code_bits
         Compressed formats: the code width, 8 or 16; None chooses it before
@@ -226,7 +228,7 @@ def convert(
                 log.info("%s: %d-bit codes (the smaller encoding of a sample of rows)", out, code_bits)
             writer_cls, fmt_kw = CompressedH5Writer, {"fmt": fmt, "code_bits": code_bits}
         # the writer's checksum is the input's unless the output rounds the values
-        input_sum = _Checksum() if isinstance(reader, MatrixH5) and fmt == "compressed-f16" else None
+        input_sum = _Checksum() if isinstance(reader, MatrixH5) and fmt in LOSSY_FORMATS else None
         if input_sum is not None:
             input_sum.update("indptr", np.zeros(1, dtype=np.int64))
         with writer_cls(
@@ -276,7 +278,7 @@ def convert(
         "grid": list(reader.grid) if reader.grid else None,
         "voxel_size": list(reader.voxel_size) if reader.voxel_size else None,
         "format": fmt,
-        "lossless": fmt != "compressed-f16",
+        "lossless": fmt not in LOSSY_FORMATS,
         "bytes_per_nnz": nbytes / reader.nnz if reader.nnz else None,
         "code_bits": code_bits if fmt != "csr" else None,
     }

@@ -7,9 +7,10 @@ Layout version 2 (see ``docs/formats.md``, "The compressed matrix" and
     /rowbase  int64[m // 64 + 1]   slot offset of rows 0, 64, 128, ...
     /rowoff   uint32[m + 1]        slot offset of row r minus rowbase[r >> 6]
     /codes    uint8[S] | uint16[S] column delta (0..2**B-3) or marker (2**B-2, 2**B-1), B = code_bits
-    /values   float32[S]           values and marker deltas (float16[S] in compressed-f16)
-    /scale    float32[m]           compressed-f16 only: power-of-two row scales
-    attrs: format="mlem-compressed" | "mlem-compressed-f16", version=2,
+    /values   float32[S]           values and marker deltas (float16[S] in compressed-f16,
+                                   uint16[S] in compressed-u16)
+    /scale    float32[m]           16-bit values only: power-of-two row scales
+    attrs: format="mlem-compressed" | "mlem-compressed-f16" | "mlem-compressed-u16", version=2,
            code_bits=8 | 16, shape=(m, n), nnz, slots, checksum,
            checksum_method, encoding, source, optional grid, voxel_size,
            scanner_block, extras (kind, ...).
@@ -78,7 +79,7 @@ from mlemlib.matrix import CSRMatrix
 log = logging.getLogger(__name__)
 
 #: ``format`` attribute -> matrix format name (``mlem convert --format``).
-FORMATS = {"mlem-compressed": "compressed", "mlem-compressed-f16": "compressed-f16"}
+FORMATS = {f"mlem-{name}": name for name in VALUE_DTYPES}
 #: matrix format name -> ``format`` attribute.
 FORMAT_ATTRS = {v: k for k, v in FORMATS.items()}
 VERSION = LAYOUT_VERSION
@@ -88,7 +89,7 @@ RESERVED = RESERVED_ATTRS | {"slots", "encoding", "code_bits"}
 ENCODING = (
     "row r = slots [rowbase[r>>6]+rowoff[r], rowbase[(r+1)>>6]+rowoff[r+1]), each a multiple of 4; per slot, "
     "with B = code_bits: code 0..2**B-3 = column delta (element), 2**B-1 = marker adding the slot's value bits "
-    "(value bits 0: a pad), 2**B-2 = marker adding bits<<16 (float16 values only); column starts at 0 per row"
+    "(value bits 0: a pad), 2**B-2 = marker adding bits<<16 (16-bit values only); column starts at 0 per row"
 )
 #: Slots read per piece by the whole-file passes.
 PIECE_SLOTS = 1 << 24
@@ -105,7 +106,7 @@ def _datasets(fmt: str, code_bits: int) -> dict[str, np.dtype]:
         "codes": CODE_DTYPES[code_bits].newbyteorder("<"),
         "values": VALUE_DTYPES[fmt].newbyteorder("<"),
     }
-    if fmt == "compressed-f16":
+    if VALUE_DTYPES[fmt].itemsize == 2:
         d["scale"] = np.dtype("<f4")
     return d
 
@@ -121,7 +122,7 @@ class CompressedH5(MatrixH5):
     Attributes
     ----------
     format : str
-        ``compressed`` or ``compressed-f16``.
+        ``compressed``, ``compressed-f16`` or ``compressed-u16``.
     lossless : bool
     slots : int
         Stored slots (elements, markers and pads).
@@ -355,7 +356,7 @@ class CompressedH5Writer(RowBlockWriter):
     path, shape, nnz, source, grid, voxel_size, scanner_block, **attrs
         As for :class:`~mlemlib.formats.h5.MatrixH5Writer`.
     fmt
-        ``compressed`` (lossless) or ``compressed-f16`` (lossy).
+        ``compressed`` (lossless), ``compressed-f16`` or ``compressed-u16`` (lossy).
     code_bits
         8 or 16, or None (decided by the first block with an element).
 
@@ -666,7 +667,7 @@ def sample_code_bits(
         An opened matrix (``read_indptr()``, ``read_rows(start, stop)``), e.g.
         from :func:`mlemlib.formats.open_matrix`.
     fmt
-        ``compressed`` or ``compressed-f16``.
+        ``compressed``, ``compressed-f16`` or ``compressed-u16``.
 
     Raises
     ------

@@ -4,11 +4,11 @@
 // The compressed matrix, version 2 (mlemlib/compressed.py, docs/formats.md): row r
 // owns slots [p(r), p(r+1)), p(r) = rowbase[r >> 6] + rowoff[r], every p(r) a
 // multiple of 4 (rows are padded at their end with pad slots). Per slot a code
-// (CB = 8 or 16 bits) and a value slot (float32, or float16 bits times the
-// row's float32 scale). With MARK = 2^CB - 1 and HIGH = 2^CB - 2: a code below
+// (CB = 8 or 16 bits) and a value slot (float32, or float16 bits or an unsigned
+// 16-bit integer times the row's float32 scale). With MARK = 2^CB - 1 and HIGH = 2^CB - 2: a code below
 // HIGH advances the row's running column by the code and the slot is an
 // element; MARK advances it by the value slot's bits, HIGH by those bits << 16
-// (float16 only), and neither holds an element (a pad slot is MARK with bits 0).
+// (16-bit values only), and neither holds an element (a pad slot is MARK with bits 0).
 // The running column starts at 0 in every row.
 //
 // Decoding (cspmv, cscatter, conepass): a group of L lanes takes one row; a trip
@@ -21,7 +21,7 @@
 // spmv.cu): launched with one row per group and no grid-stride loop, the rows
 // in flight are neighbours and share their gathers in L1.
 //
-// Kernels (extern "C"; <K> = f32c8, f32c16, f16c8, f16c16 (values, code bits);
+// Kernels (extern "C"; <K> = f32c8, f32c16, f16c8, f16c16, u16c8, u16c16 (values, code bits);
 // <L> = 4, 8, 16, 32):
 //   cspmv_<K>_<L>          y = A x, fused epilogue `mode` as spmv.cu; also the
 //                          back projection on a stored compressed A^T.
@@ -152,6 +152,27 @@ __device__ __forceinline__ float half_bits_to_float(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+}
+
+// A 16-bit unsigned integer -> float32 (exact): 2^23 + u has u in its low mantissa bits; one
+// logic op and one add, both full-rate, instead of the conversion pipe's I2F.
+__device__ __forceinline__ float u16_to_float(unsigned u) {
+    return __uint_as_float(0x4B000000u | (u & 0xFFFFu)) - 8388608.0f;
+}
+
+// Value kinds of the compressed kernels (mlemlib.compressed.VALUE_KINDS): float32 values; float16
+// (compressed-f16) or unsigned 16-bit integers (compressed-u16) times the row's power-of-two scale.
+#define VK_F32 0
+#define VK_F16 1
+#define VK_U16 2
+
+// The float32 value of a value slot's bits b (row scale rs): exact in every kind, so the kernels'
+// values are those of the decoded CSR (mlemlib.compressed.decode_slots) bit for bit.
+template <int VK>
+__device__ __forceinline__ float slot_value(unsigned b, float rs) {
+    if (VK == VK_F32) return __uint_as_float(b);
+    if (VK == VK_F16) return half_bits_to_float((unsigned short)b) * rs;
+    return u16_to_float(b) * rs;
 }
 
 __device__ __forceinline__ i64 warp_max(i64 v) {
@@ -306,7 +327,7 @@ __device__ __forceinline__ i64 cstart(const i64* __restrict__ rb, const unsigned
 // Load and decode quad q (slots 4q .. 4q+3) when `in`; else 4 empty slots.
 // d: the 4 column deltas; v: values (0 for markers); el: element or not.
 // Returns the sum of the 4 deltas.
-template <int VB, int CB>
+template <int VK, int CB>
 __device__ __forceinline__ unsigned load_quad(const void* __restrict__ codes, const void* __restrict__ vals,
                                                float rs, i64 q, bool in, unsigned d[4], float v[4], bool el[4]) {
     const unsigned MARK = (1u << CB) - 1u;
@@ -320,7 +341,7 @@ __device__ __forceinline__ unsigned load_quad(const void* __restrict__ codes, co
             const ushort4 u = __ldcs(reinterpret_cast<const ushort4*>(codes) + q);
             c[0] = u.x; c[1] = u.y; c[2] = u.z; c[3] = u.w;
         }
-        if (VB == 32) {
+        if (VK == VK_F32) {
             const uint4 w = __ldcs(reinterpret_cast<const uint4*>(vals) + q);
             b[0] = w.x; b[1] = w.y; b[2] = w.z; b[3] = w.w;
         } else {
@@ -340,7 +361,7 @@ __device__ __forceinline__ unsigned load_quad(const void* __restrict__ codes, co
         el[k] = c[k] < HIGH;
         if (el[k]) {
             d[k] = c[k];
-            v[k] = (VB == 32) ? __uint_as_float(b[k]) : half_bits_to_float((unsigned short)b[k]) * rs;
+            v[k] = slot_value<VK>(b[k], rs);
         } else {
             d[k] = (c[k] == HIGH) ? (b[k] << 16) : b[k];
             v[k] = 0.0f;
@@ -364,7 +385,7 @@ __device__ __forceinline__ unsigned group_excl_scan(unsigned t, int lane, unsign
 }
 
 // The quads [qs, qe) of row r (qs = qe = 0 for a row not taken).
-template <int VB>
+template <int VK>
 __device__ __forceinline__ void row_quads(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                           const float* __restrict__ scale, i64 r, bool take, i64& qs, i64& qe,
                                           float& rs) {
@@ -374,12 +395,12 @@ __device__ __forceinline__ void row_quads(const i64* __restrict__ rb, const unsi
     if (take) {
         qs = cstart(rb, ro, r) >> 2;
         qe = cstart(rb, ro, r + 1) >> 2;
-        if (VB == 16) rs = __ldg(scale + r);
+        if (VK != VK_F32) rs = __ldg(scale + r);
     }
 }
 
 // Q = quads per lane per trip (1: 4 slots, 2: 8 consecutive slots, one scan per 8).
-template <int L, int VB, int CB, int Q>
+template <int L, int VK, int CB, int Q>
 __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                            const void* __restrict__ codes, const void* __restrict__ vals,
                                            const float* __restrict__ scale, const float* __restrict__ x, float* y,
@@ -392,7 +413,7 @@ __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const uns
         const bool valid = r < m;
         i64 qs, qe;
         float rs;
-        row_quads<VB>(rb, ro, scale, r, valid, qs, qe, rs);
+        row_quads<VK>(rb, ro, scale, r, valid, qs, qe, rs);
         const i64 trips = warp_max((qe - qs + Q * L - 1) / (Q * L));
         float sum = 0.0f;
         unsigned carry = 0u;
@@ -405,7 +426,7 @@ __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const uns
 #pragma unroll
             for (int h = 0; h < Q; ++h) {
                 const i64 q = qs + (t * L + lane) * Q + h;
-                tot += load_quad<VB, CB>(codes, vals, rs, q, q < qe, d[h], v[h], el[h]);
+                tot += load_quad<VK, CB>(codes, vals, rs, q, q < qe, d[h], v[h], el[h]);
             }
             unsigned all;
             unsigned col = carry + group_excl_scan<L>(tot, lane, all);
@@ -449,7 +470,7 @@ __device__ __forceinline__ void warp_scatter(const unsigned col[4], const float 
     }
 }
 
-template <int L, int VB, int CB, bool DET>
+template <int L, int VK, int CB, bool DET>
 __device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                               const void* __restrict__ codes, const void* __restrict__ vals,
                                               const float* __restrict__ scale, const float* __restrict__ c,
@@ -462,7 +483,7 @@ __device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const 
         const float cr = r < m ? __ldg(c + r) : 0.0f;
         i64 qs, qe;
         float rs;
-        row_quads<VB>(rb, ro, scale, r, cr != 0.0f, qs, qe, rs);
+        row_quads<VK>(rb, ro, scale, r, cr != 0.0f, qs, qe, rs);
         const i64 trips = warp_max((qe - qs + L - 1) / L);
         unsigned carry = 0u;
         for (i64 t = 0; t < trips; ++t) {
@@ -470,7 +491,7 @@ __device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const 
             unsigned d[4];
             float v[4];
             bool el[4];
-            const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
+            const unsigned tot = load_quad<VK, CB>(codes, vals, rs, q, q < qe, d, v, el);
             unsigned all;
             unsigned col = carry + group_excl_scan<L>(tot, lane, all);
             unsigned cl[4];
@@ -487,7 +508,7 @@ __device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const 
     }
 }
 
-template <int L, int VB, int CB, bool DET>
+template <int L, int VK, int CB, bool DET>
 __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                               const void* __restrict__ codes, const void* __restrict__ vals,
                                               const float* __restrict__ scale, const float* __restrict__ f,
@@ -501,7 +522,7 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
         const bool valid = r < m;
         i64 qs, qe;
         float rs;
-        row_quads<VB>(rb, ro, scale, r, valid, qs, qe, rs);
+        row_quads<VK>(rb, ro, scale, r, valid, qs, qe, rs);
         const i64 trips = warp_max((qe - qs + L - 1) / L);
         float cv[4 * (MLEM_CMP_CACHE > 0 ? MLEM_CMP_CACHE : 1)];
         unsigned cc[4 * (MLEM_CMP_CACHE > 0 ? MLEM_CMP_CACHE : 1)];
@@ -519,7 +540,7 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
                 unsigned d[4];
                 float v[4];
                 bool el[4];
-                const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
+                const unsigned tot = load_quad<VK, CB>(codes, vals, rs, q, q < qe, d, v, el);
                 unsigned all;
                 unsigned col = carry + group_excl_scan<L>(tot, lane, all);
 #pragma unroll
@@ -540,7 +561,7 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
             unsigned d[4];
             float v[4];
             bool el[4];
-            const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
+            const unsigned tot = load_quad<VK, CB>(codes, vals, rs, q, q < qe, d, v, el);
             unsigned all;
             unsigned col = carry + group_excl_scan<L>(tot, lane, all);
 #pragma unroll
@@ -573,7 +594,7 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
                 unsigned d[4];
                 float v[4];
                 bool el[4];
-                const unsigned tot = load_quad<VB, CB>(codes, vals, rs, q, q < qe, d, v, el);
+                const unsigned tot = load_quad<VK, CB>(codes, vals, rs, q, q < qe, d, v, el);
                 unsigned all;
                 unsigned col = carry + group_excl_scan<L>(tot, lane, all);
                 unsigned cl[4];
@@ -673,32 +694,33 @@ __device__ __forceinline__ bool chunk_fast(float cs, double fscale) {
            cs <= 3.4028234663852886e+38f;
 }
 
-// The values' group of 4 as float32: float32 values as they are; float16 values (compressed-f16: the
-// float16 round(a / scale_r) with a power-of-two row scale) times the row's scale, which gives back
-// exactly the float32 values that format decodes to (the sums are those of its decoded CSR).
-template <bool HALF>
+// The values' group of 4 as float32: float32 values as they are; 16-bit values (compressed-f16: the
+// float16 round(a / scale_r), compressed-u16: the integer rint(a / scale_r), with a power-of-two row
+// scale) times the row's scale, which gives back exactly the float32 values that format decodes to
+// (the sums are those of its decoded CSR).
+template <int VK>
 struct ChunkVals;
 template <>
-struct ChunkVals<false> {
+struct ChunkVals<VK_F32> {
     typedef float T;
     typedef float4 V4;
     __device__ static float4 f4(float4 v, float) { return v; }
     __device__ static float one(const void* val, i64 k, float) { return __ldcs(reinterpret_cast<const float*>(val) + k); }
 };
-template <>
-struct ChunkVals<true> {
+template <int VK>
+struct ChunkVals {  // VK_F16, VK_U16
     typedef unsigned short T;
     typedef ushort4 V4;
     __device__ static float4 f4(ushort4 h, float sc) {
-        return make_float4(half_bits_to_float(h.x) * sc, half_bits_to_float(h.y) * sc, half_bits_to_float(h.z) * sc,
-                           half_bits_to_float(h.w) * sc);
+        return make_float4(slot_value<VK>(h.x, sc), slot_value<VK>(h.y, sc), slot_value<VK>(h.z, sc),
+                           slot_value<VK>(h.w, sc));
     }
     __device__ static float one(const void* val, i64 k, float sc) {
-        return half_bits_to_float(__ldcs(reinterpret_cast<const unsigned short*>(val) + k)) * sc;
+        return slot_value<VK>(__ldcs(reinterpret_cast<const unsigned short*>(val) + k), sc);
     }
 };
 
-template <int CG, bool HALF>
+template <int CG, int VK>
 __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chunk_rows,
                                                      const i64* __restrict__ vptr, const int* __restrict__ voxels,
                                                      const i64* __restrict__ rp,
@@ -707,7 +729,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
                                                      const float* __restrict__ f,
                                                      const float* __restrict__ g, float* fp, u64* acc,
                                                      double fscale, int* flag, int window, int fwd_only) {
-    typedef ChunkVals<HALF> CV;
+    typedef ChunkVals<VK> CV;
     typedef typename CV::V4 V4;
     constexpr int SU = MLEM_CHUNK_STAGE;
     extern __shared__ float chunk_sm[];
@@ -779,7 +801,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         }
         const int ng = (int)((e - s) >> 7);  // interleaved groups of 128
         const i64 t0 = s + ((i64)ng << 7);   // the rest, in order: [t0, e), at most 4 trips
-        const float sc = HALF ? __ldg(rscale + r) : 1.0f;
+        const float sc = VK != VK_F32 ? __ldg(rscale + r) : 1.0f;
         const ushort4* __restrict__ lq = reinterpret_cast<const ushort4*>(local + s) + lane;
         const V4* __restrict__ vq = reinterpret_cast<const V4*>(reinterpret_cast<const typename CV::T*>(val) + s) + lane;
         ushort4 cc[CG > 0 ? CG : 1];
@@ -874,43 +896,45 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
 // Entry points. The compressed kernels take the matrix as (rowbase, rowoff, codes, values, scale);
 // the CSR one-pass kernels as (indptr, indptr (unused), indices, data, data (unused)).
 
-#define CMP_KERNELS(K, VB, CB, L)                                                                          \
+#define CMP_KERNELS(K, VK, CB, L)                                                                          \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cspmv_##K##_##L(                        \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* x, float* y, i64 m, int mode, const float* aux0, const float* aux1) {                 \
-        cspmv_body<L, VB, CB, 1>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                   \
+        cspmv_body<L, VK, CB, 1>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                   \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cspmv8_##K##_##L(                       \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* x, float* y, i64 m, int mode, const float* aux0, const float* aux1) {                 \
-        cspmv_body<L, VB, CB, 2>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                   \
+        cspmv_body<L, VK, CB, 2>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                   \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cscatter_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* c, float* out, i64 m) {                                                               \
-        cscatter_body<L, VB, CB, false>(rb, ro, codes, vals, scale, c, out, nullptr, 0.0, nullptr, m);     \
+        cscatter_body<L, VK, CB, false>(rb, ro, codes, vals, scale, c, out, nullptr, 0.0, nullptr, m);     \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cscatter_det_##K##_##L(                 \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* c, u64* acc, double fscale, int* flag, i64 m) {                                       \
-        cscatter_body<L, VB, CB, true>(rb, ro, codes, vals, scale, c, nullptr, acc, fscale, flag, m);      \
+        cscatter_body<L, VK, CB, true>(rb, ro, codes, vals, scale, c, nullptr, acc, fscale, flag, m);      \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) conepass_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* f, const float* g, float* fp, float* bp, i64 m) {                                     \
-        conepass_body<L, VB, CB, false>(rb, ro, codes, vals, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m); \
+        conepass_body<L, VK, CB, false>(rb, ro, codes, vals, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) conepass_det_##K##_##L(                 \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m) {            \
-        conepass_body<L, VB, CB, true>(rb, ro, codes, vals, scale, f, g, fp, nullptr, acc, fscale, flag, m); \
+        conepass_body<L, VK, CB, true>(rb, ro, codes, vals, scale, f, g, fp, nullptr, acc, fscale, flag, m); \
     }
 
-#define ALL_KINDS(L)                 \
-    CMP_KERNELS(f32c8, 32, 8, L)     \
-    CMP_KERNELS(f32c16, 32, 16, L)   \
-    CMP_KERNELS(f16c8, 16, 8, L)     \
-    CMP_KERNELS(f16c16, 16, 16, L)
+#define ALL_KINDS(L)                     \
+    CMP_KERNELS(f32c8, VK_F32, 8, L)     \
+    CMP_KERNELS(f32c16, VK_F32, 16, L)   \
+    CMP_KERNELS(f16c8, VK_F16, 8, L)     \
+    CMP_KERNELS(f16c16, VK_F16, 16, L)   \
+    CMP_KERNELS(u16c8, VK_U16, 8, L)     \
+    CMP_KERNELS(u16c16, VK_U16, 16, L)
 
 ALL_KINDS(4)
 ALL_KINDS(8)
@@ -939,7 +963,7 @@ extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass
     const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
     const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc, double fscale,
     int* flag, int window, int fwd_only) {
-    chunked_onepass_body<MLEM_CHUNK_CACHE, false>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc,
+    chunked_onepass_body<MLEM_CHUNK_CACHE, VK_F32>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc,
                                                   fscale, flag, window, fwd_only);
 }
 // The same with float16 values and power-of-two row scales (a compressed-f16 matrix's).
@@ -947,8 +971,16 @@ extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass
     const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
     const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc, double fscale,
     int* flag, int window, int fwd_only) {
-    chunked_onepass_body<MLEM_CHUNK_CACHE_F16, true>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc,
-                                                 fscale, flag, window, fwd_only);
+    chunked_onepass_body<MLEM_CHUNK_CACHE_F16, VK_F16>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp,
+                                                       acc, fscale, flag, window, fwd_only);
+}
+// The same with unsigned 16-bit values and power-of-two row scales (a compressed-u16 matrix's).
+extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass_u16(
+    const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
+    const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc, double fscale,
+    int* flag, int window, int fwd_only) {
+    chunked_onepass_body<MLEM_CHUNK_CACHE_F16, VK_U16>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp,
+                                                       acc, fscale, flag, window, fwd_only);
 }
 
 // out[j] = acc[j] / scale, as float32 (inv_scale = 1 / scale, a power of two).

@@ -323,8 +323,9 @@ def generate(
     max_nnz
         Bound on the elements traced and written per chunk (memory bound).
     fmt
-        Matrix format of an ``.h5`` output: ``csr``, ``compressed`` or
-        ``compressed-f16`` (see ``docs/formats.md``); a ``.csr4`` is CSR.
+        Matrix format of an ``.h5`` output: ``csr``, ``compressed``,
+        ``compressed-f16`` or ``compressed-u16`` (see ``docs/formats.md``); a
+        ``.csr4`` is CSR.
 
     Returns
     -------
@@ -487,7 +488,7 @@ def estimate(
         seconds_by_threads`` (threads -> seconds), ``nnz_per_second``,
         ``bytes_estimate`` (``.csr4``: ``8 * (m + nnz)`` plus the header) and
         ``bytes_by_format`` (``csr4``, ``csr``, ``compressed``,
-        ``compressed-f16``: the matrix arrays, the compressed ones from
+        ``compressed-f16``, ``compressed-u16``: the matrix arrays, the compressed ones from
         encoding the sampled rows); with ``fmt`` also ``format``,
         ``write_seconds_estimate`` and ``wall_seconds_by_threads``.
     """
@@ -512,11 +513,11 @@ def estimate(
     sec_est = ((t1 - t0) / 2 + (t2 - t1)) * scale
     nonempty = counts > 0
     by_format = {"csr4": 8 * (m + nnz_est), "csr": 8 * nnz_est + 8 * (m + 1)}
-    for kind in ("compressed", "compressed-f16"):
+    for kind in ("compressed", "compressed-f16", "compressed-u16"):
         enc = CompressedMatrix.from_csr(block, kind, validate=False)
         per_slot = 1 + enc.values.dtype.itemsize
         # slots scale like the elements; the row pointer (and f16 scales) like the rows
-        row_bytes = 4.125 + (4 if kind == "compressed-f16" else 0)
+        row_bytes = 4.125 + (4 if enc.scale is not None else 0)
         by_format[kind] = enc.slots * scale * per_slot + row_bytes * m
     res = {
         "preset": cfg.name,
