@@ -235,42 +235,53 @@ def stored_positions(indptr: np.ndarray) -> np.ndarray:
     return pip[row] + np.where(o < whole, inter, o)
 
 
-def half_rows(block: CSRMatrix, fmt: str = "compressed-f16", *, what: str = "matrix",
-              row0: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """16-bit values and power-of-two row scales that give ``block``'s float32 values back exactly.
+def half_rows(block: CSRMatrix, fmt: str = "compressed-f16", *, scale: np.ndarray | None = None,
+              what: str = "matrix", row0: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """16-bit values and row scales that give ``block``'s float32 values back exactly.
 
     For the decoded rows of a ``compressed-f16`` matrix (values that are
-    float16 times a power of two per row) or a ``compressed-u16`` one
-    (16-bit integers times a power of two): ``(scale float32[rows], values
-    float16[nnz] or uint16[nnz])`` with ``float32(values[k]) * scale[row] ==
-    data[k]``, the scale chosen by the encoder's rule
-    (:mod:`mlemlib.compressed`) from the decoded values: the encoder's own
-    scale, or (float16) twice it where a row's largest value had rounded up
-    to 2^15 times it.
+    float16 times a power of two per row): ``(scale float32[rows], values
+    float16[nnz])`` with ``float32(values[k]) * scale[row] == data[k]``, the
+    scale chosen by the encoder's rule (:mod:`mlemlib.compressed`) from the
+    decoded values: the encoder's own scale, or twice it where a row's
+    largest value had rounded up to 2^15 times it. For a ``compressed-u16``
+    matrix's rows, given its row scales ``scale``: ``(scale, values
+    uint16[nnz])`` with ``values = rint(data / scale[row])`` and
+    ``float32(float32(values[k]) * scale[row]) == data[k]``.
 
     Raises
     ------
     ValueError
-        A row whose values are not such 16-bit values times one power of
-        two, naming ``what`` and the row (``row0`` + its index in the block).
+        A row whose values are not such 16-bit values times its row scale,
+        naming ``what`` and the row (``row0`` + its index in the block); a
+        ``compressed-u16`` block without its row scales.
     """
-    from mlemlib.compressed import ROW_TOP, VALUE_DTYPES, _row_scales
+    from mlemlib.compressed import VALUE_DTYPES, _row_scales
 
     ip = np.asarray(block.indptr, dtype=np.int64)
     data = np.asarray(block.data, dtype=np.float32)
     rows = len(ip) - 1
-    scale = np.empty(rows, dtype=np.float32)
-    scaled = np.empty(len(data), dtype=np.float64)
-    integer = fmt == "compressed-u16"
-    if rows:
-        _row_scales(ip, data, scale, scaled, ROW_TOP[fmt], integer)
-    values = (np.rint(scaled, out=scaled) if integer else scaled).astype(VALUE_DTYPES[fmt])
-    back = values.astype(np.float32) * np.repeat(scale, np.diff(ip))
-    bad = np.flatnonzero(back != data)
+    lengths = np.diff(ip)
+    if fmt == "compressed-u16":
+        if scale is None or len(scale) != rows:
+            raise ValueError(f"{what}: compressed-u16 rows need their {rows} row scales")
+        scale = np.asarray(scale, dtype=np.float32)
+        q = np.rint(data / np.repeat(scale.astype(np.float64), lengths))
+        values = np.clip(q, 0, 65535).astype(np.uint16)
+        ok = q <= 65535
+    else:
+        scale = np.empty(rows, dtype=np.float32)
+        scaled = np.empty(len(data), dtype=np.float64)
+        if rows:
+            _row_scales(ip, data, scale, scaled)
+        values = scaled.astype(VALUE_DTYPES[fmt])
+        ok = np.ones(len(data), dtype=bool)
+    back = values.astype(np.float32) * np.repeat(scale, lengths)
+    bad = np.flatnonzero((back != data) | ~ok)
     if len(bad):
         row = int(np.searchsorted(ip, bad[0] + ip[0], side="right") - 1)
-        raise ValueError(f"{what}: row {row0 + row} has values that are not {values.dtype} times a power-of-two "
-                         f"row scale (not a {fmt} matrix's)")
+        raise ValueError(f"{what}: row {row0 + row} has values that are not {values.dtype} times its row scale "
+                         f"(not a {fmt} matrix's)")
     return scale, values
 
 
@@ -380,6 +391,9 @@ class _CompressedRows:
     def read_rows(self, r0: int, r1: int) -> CSRMatrix:
         return self.cm.decode_rows(r0, r1, slotptr=self._sp)
 
+    def read_scale(self, r0: int, r1: int) -> np.ndarray | None:
+        return None if self.cm.scale is None else self.cm.scale[r0:r1]
+
 
 def _host_source(source):
     """``source`` as something :func:`_host_bounds` and :func:`_host_rows` read (SciPy matrices become CSR)."""
@@ -417,8 +431,11 @@ def _host_rows(source, r0: int, r1: int) -> CSRMatrix:
     return CSRMatrix(ipr - a, source.indices[a:b].get(), source.data[a:b].get(), (r1 - r0, int(source.shape[1])))
 
 
-def row_blocks(source, max_nnz: int):
+def row_blocks(source, max_nnz: int, *, scales: bool = False):
     """``(r0, r1, block)`` of a CSR source in row order, blocks of about ``max_nnz`` non-zeros in host memory.
+
+    ``scales``: ``(r0, r1, block, scale)``, ``scale`` the rows' scales of a
+    compressed source with 16-bit values (``read_scale``), else None.
 
     ``source``: an opened matrix file (only each block is read, validated;
     a compressed container's rows decoded), a :class:`CSRMatrix` (views), an
@@ -428,7 +445,11 @@ def row_blocks(source, max_nnz: int):
     """
     source = _host_source(source)
     for r0, r1 in _host_bounds(source, max_nnz):
-        yield r0, r1, _host_rows(source, r0, r1)
+        if scales:
+            read = getattr(source, "read_scale", None)
+            yield r0, r1, _host_rows(source, r0, r1), (read(r0, r1) if read is not None else None)
+        else:
+            yield r0, r1, _host_rows(source, r0, r1)
 
 
 def sample_chunks(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NNZ) -> tuple[float, float] | None:

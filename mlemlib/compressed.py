@@ -62,13 +62,16 @@ row maps below 32,768, every value keeps float16's 11 significant bits
 decoding (``float32(half) * scale``) is exact.
 
 ``compressed-u16`` (lossy, never the default) stores each value as the
-unsigned 16-bit integer ``rint(v / scale[r])`` with ``scale[r]`` the power of
-two ``2**(e - 16)`` (or twice that where the row's largest value would round
-to 65,536): a per-row fixed point whose row maximum maps to 32,768..65,535,
-absolute error at most ``scale[r] / 2 <= max(row) / 65,536`` on every value
-(float16 keeps relative precision instead, 11 bits), and decoding
-(``float32(q) * scale``) is exact. On MLEM images it loses 25-50 times less
-than float16 (docs/benchmarks.md section 44).
+unsigned 16-bit integer ``q = rint(v / scale[r])`` with ``scale[r]`` the
+float32 nearest ``max(row) / 65,535``: a per-row fixed point whose grid spans
+the row, absolute error at most ``scale[r] / 2`` (about ``max(row) /
+131,070``) on every value (float16 keeps relative precision instead, 11
+bits). The decoded value is ``float32(q) * scale[r]`` rounded once to
+float32, which every kernel computes the same way, so kernels on the encoding
+give the decoded CSR's sums; and ``q`` is ``rint(decoded / scale[r])`` again
+(the product's rounding is below half a step), so the encoding is recovered
+from the decoded values and the row scales. On MLEM images it loses 20-50
+times less than float16 (docs/benchmarks.md sections 44, 45).
 """
 
 from __future__ import annotations
@@ -106,8 +109,10 @@ LOSSY_FORMATS = ("compressed-f16", "compressed-u16")
 #: Value dtype -> the value kind the Numba and CUDA kernels take (0 float32; 1 float16 and 2 uint16, both
 #: times the row's power-of-two scale).
 VALUE_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}
-#: 16-bit formats: the row's largest value maps below ``2**ROW_TOP`` (float16 32,768; uint16 65,536).
-ROW_TOP = {"compressed-f16": 15, "compressed-u16": 16}
+#: ``compressed-f16``: the row's largest value maps below ``2**F16_TOP`` (32,768).
+F16_TOP = 15
+#: ``compressed-u16``: the row's largest value maps to this integer.
+U16_TOP = 65535
 #: Largest slot offset within one row block (``rowoff`` is uint32).
 MAX_BLOCK_SLOTS = (1 << 32) - 1
 #: Slots decoded per piece by the whole-matrix helpers (bounds their scratch memory).
@@ -240,11 +245,10 @@ def _fill(indptr, indices, bits_in, slotptr, half, direct, high, mark, codes, bi
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _row_scales(indptr, data, scale, scaled, top, integer):  # pragma: no cover - compiled
+def _row_scales(indptr, data, scale, scaled):  # pragma: no cover - compiled
     """Power-of-two row scales (``scale``) and the values divided by them in float64 (``scaled``).
 
-    The row's largest value divided by its scale lies in ``[2**(top-1), 2**top)``;
-    ``integer`` (uint16 values): twice the scale where it would round to ``2**top``.
+    The row's largest value divided by its scale lies in ``[2**14, 2**15)`` (``compressed-f16``).
     """
     m = scale.shape[0]
     base = indptr[0]
@@ -259,13 +263,40 @@ def _row_scales(indptr, data, scale, scaled, top, integer):  # pragma: no cover 
         k2 = 0
         if vmax > 0:
             _, ex = math.frexp(vmax)  # vmax < 2**ex
-            k2 = max(ex - top, -149)
-            if integer and np.rint(math.ldexp(vmax, -k2)) >= math.ldexp(1.0, top):
-                k2 += 1
+            k2 = max(ex - 15, -149)
         scale[r] = np.float32(math.ldexp(1.0, k2))
         inv = math.ldexp(1.0, -k2)
         for k in range(s, e):
             scaled[k] = np.float64(data[k]) * inv
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _row_fixed16(indptr, data, scale, q):  # pragma: no cover - compiled
+    """``compressed-u16``: row scales ``float32(max / 65535)`` (``scale``) and the values' integers ``q``.
+
+    A row without a positive value has scale 1; a scale that would round to 0
+    (a row's largest value below ``65535 * 2**-150``) is the smallest float32.
+    ``q = rint(v / scale) <= 65535`` in float64.
+    """
+    m = scale.shape[0]
+    base = indptr[0]
+    for r in prange(m):
+        s = indptr[r] - base
+        e = indptr[r + 1] - base
+        vmax = np.float64(0.0)
+        for k in range(s, e):
+            v = np.float64(data[k])
+            if v > vmax:
+                vmax = v
+        sc = np.float32(1.0)
+        if vmax > 0:
+            sc = np.float32(vmax / 65535.0)
+            if sc == 0:
+                sc = np.float32(math.ldexp(1.0, -149))
+        scale[r] = sc
+        inv = np.float64(sc)
+        for k in range(s, e):
+            q[k] = min(np.rint(np.float64(data[k]) / inv), 65535.0)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -548,13 +579,14 @@ def encode_csr(
     scale = None
     if half:
         scale = np.empty(m, dtype=np.float32)
-        scaled = np.empty(len(data), dtype=np.float64)
-        _row_scales(indptr, data, scale, scaled, ROW_TOP[fmt], fmt == "compressed-u16")
         if fmt == "compressed-u16":
-            bits_in = np.rint(scaled, out=scaled).astype(np.uint16)  # the row's fixed point, <= 65,535
+            bits_in = np.empty(len(data), dtype=np.uint16)  # the row's fixed point, <= 65,535
+            _row_fixed16(indptr, data, scale, bits_in)
         else:
+            scaled = np.empty(len(data), dtype=np.float64)
+            _row_scales(indptr, data, scale, scaled)
             bits_in = scaled.astype(np.float16).view(np.uint16)  # round to nearest even
-        del scaled
+            del scaled
     else:
         bits_in = data.view(np.uint32)
     slotptr, codes, bits, code_bits, nnz = _encode_rows(indptr, indices, bits_in, half, code_bits, source, row0)

@@ -277,13 +277,19 @@ def test_half_rows_refuses_values_that_are_not_16_bits_times_a_row_scale(fmt):
     a = _long(m=50, n=5000, seed=22, top=100)
     cm = CompressedMatrix.from_csr(a, fmt)
     dec = cm.to_csr()
-    scale, values = chunked.half_rows(dec, fmt)
+    given = cm.scale if fmt == "compressed-u16" else None  # the integers come back from the row scales
+    scale, values = chunked.half_rows(dec, fmt, scale=given)
     assert values.dtype == cm.values.dtype
     assert np.isin(scale / cm.scale, [1.0, 2.0] if fmt == "compressed-f16" else [1.0]).all()
     np.testing.assert_array_equal(values.astype(np.float32) * np.repeat(scale, np.diff(dec.indptr)), dec.data)
+    if fmt == "compressed-u16":
+        np.testing.assert_array_equal(values, cm.values[cm.codes < cm.code_high])
     kind = "float16" if fmt == "compressed-f16" else "uint16"
     with pytest.raises(ValueError, match=rf"block 3: row 1\d* has values that are not {kind} times .* \(not a {fmt}"):
-        chunked.half_rows(a, fmt, what="block 3", row0=100)
+        chunked.half_rows(a, fmt, scale=given, what="block 3", row0=100)
+    if fmt == "compressed-u16":
+        with pytest.raises(ValueError, match=r"block 3: compressed-u16 rows need their 50 row scales"):
+            chunked.half_rows(dec, fmt, what="block 3")
 
 
 def _chunked_images(runs, g, norm, iterations: int) -> list[np.ndarray]:
@@ -670,3 +676,18 @@ def test_step_vectors_check_and_allocate(monkeypatch):
         gpu._step_vectors((3, 5), g, f, None, np.zeros(4, np.float32))
     with pytest.raises(ValueError, match="^f must"):
         gpu._step_vectors((3, 5), g, np.ones(5, np.float64), None, None)
+
+
+def test_chunked_upload_refuses_u16_row_scales_its_one_fma_decode_cannot_hold(monkeypatch):
+    """chunked_onepass_u16 decodes u * s as fma(2^23 + u, s, -2^23 s): a row scale of 2^100 or more (values
+    above ~8e34) would overflow 2^23 s, so the upload refuses it, naming the row."""
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.compressed import CompressedMatrix
+
+    monkeypatch.setattr(gpu, "cupy", _host_cupy)
+    a = _long(m=40, n=5000, seed=25, top=50)
+    a.data[a.indptr[7] : a.indptr[8]] *= np.float32(1e36)
+    with pytest.raises(ValueError, match=r"matrix: row 7 has values above 2\^116 .*below 2\^100"):
+        gpu.DeviceChunked.upload(CompressedMatrix.from_csr(a, "compressed-u16"), window=2048)
+    d = gpu.DeviceChunked.upload(CompressedMatrix.from_csr(a, "compressed"), window=2048)  # float32 values: fine
+    assert d.kernel == "chunked_onepass"

@@ -117,12 +117,11 @@ def hand_row_values(vals: np.ndarray, fmt: str) -> tuple[np.float32, np.ndarray]
     if fmt == "compressed-f16":
         k = max(np.frexp(vmax)[1] - 15, -149) if vmax > 0 else 0
         return np.float32(2.0**k), (vals / 2.0**k).astype(np.float16).view(np.uint16)
-    k = max(np.frexp(vmax)[1] - 16, -149) if vmax > 0 else 0
-    if vmax > 0 and np.rint(vmax / 2.0**k) >= 65536:  # the row's largest value would round to 2**16
-        k += 1
-    q = np.rint(vals / 2.0**k)
-    assert q.max(initial=0) <= 65535
-    return np.float32(2.0**k), q.astype(np.uint16)
+    sc = np.float32(vmax / 65535) if vmax > 0 else np.float32(1)  # the row's grid: its largest value at 65,535
+    if sc == 0:
+        sc = np.float32(2.0**-149)
+    q = np.minimum(np.rint(vals / np.float64(sc)), 65535)
+    return sc, q.astype(np.uint16)
 
 
 def encode_by_hand(a: CSRMatrix, fmt: str, code_bits: int | None = 8):
@@ -186,8 +185,10 @@ def stored_reference(a: CSRMatrix, fmt: str) -> CSRMatrix:
         lo, hi = int(a.indptr[r]), int(a.indptr[r + 1])
         if hi > lo:
             sc, q = hand_row_values(a.data[lo:hi].astype(np.float64), fmt)
-            v = q.view(np.float16) if fmt == "compressed-f16" else q
-            out[lo:hi] = v.astype(np.float64) * np.float64(sc)
+            if fmt == "compressed-f16":  # float16 times a power of two: exact
+                out[lo:hi] = q.view(np.float16).astype(np.float64) * np.float64(sc)
+            else:  # the integer times the row scale, rounded once to float32
+                out[lo:hi] = q.astype(np.float32) * sc
     return CSRMatrix(a.indptr, a.indices, out.astype(np.float32), a.shape)
 
 
@@ -250,22 +251,29 @@ def test_f16_relative_error_bound():
 
 
 def test_u16_absolute_error_bound_per_row():
-    """compressed-u16: every value within half a step of its row's grid, the step at most max(row) / 32,768
-    (the row's largest value maps to 32,768..65,535); a row's largest value that rounds to 2**16 doubles the
-    step (the row then stores 32,768)."""
+    """compressed-u16: every value within half a step (and the decode's float32 rounding) of its row's grid,
+    the step max(row) / 65,535; the row's largest value stored as 65,535; the integers recovered from the
+    decoded values and the row scales."""
+    from mlemlib.chunked import half_rows
+
     a = random_csr(120, 500, 4)
     a.data[:] = np.random.default_rng(0).lognormal(0, 2, a.nnz).astype(np.float32)
     c = CompressedMatrix.from_csr(a, "compressed-u16")
     back = c.to_csr()
-    step = np.repeat(c.scale.astype(np.float64), np.diff(a.indptr))
+    lengths = np.diff(a.indptr)
+    step = np.repeat(c.scale.astype(np.float64), lengths)
     rowmax = np.array([a.data[a.indptr[r]:a.indptr[r + 1]].max(initial=0) for r in range(a.shape[0])])
-    assert np.all(np.abs(back.data.astype(np.float64) - a.data) <= step / 2)
-    assert np.all(step <= np.repeat(rowmax, np.diff(a.indptr)) / 32768)
-    edge = CSRMatrix(np.array([0, 2], np.int64), np.array([0, 3], np.int32),
-                     np.array([65535.75, 1.0], np.float32), (1, 4))
-    e = CompressedMatrix.from_csr(edge, "compressed-u16")
-    assert e.scale[0] == 2.0 and list(e.values[:2]) == [32768, 0]  # 65535.75 rounds to 2**16 with scale 1
-    assert list(e.to_csr().data) == [65536.0, 0.0]
+    err = np.abs(back.data.astype(np.float64) - a.data)
+    assert np.all(err <= step / 2 + np.abs(a.data) * 2.0**-23)
+    np.testing.assert_allclose(c.scale[rowmax > 0], rowmax[rowmax > 0] / 65535, rtol=2**-23)
+    nz = lengths > 0
+    assert np.all(c.values[c.codes < c.code_high].reshape(-1)[np.cumsum(lengths)[nz] - 1] <= 65535)
+    scale, q = half_rows(back, "compressed-u16", scale=c.scale)
+    np.testing.assert_array_equal(q, c.values[c.codes < c.code_high])
+    tiny = CSRMatrix(np.array([0, 2], np.int64), np.array([0, 3], np.int32),
+                     np.array([1e-44, 0.0], np.float32), (1, 4))  # max / 65535 rounds to 0: the smallest scale
+    t = CompressedMatrix.from_csr(tiny, "compressed-u16")
+    assert t.scale[0] == np.float32(2.0**-149) and list(t.to_csr().data) == [np.float32(1e-44), 0.0]
 
 
 def test_constants_of_both_code_widths():

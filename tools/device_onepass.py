@@ -291,21 +291,21 @@ def chunked_section(a, f, g, fp, bp, bp64, bound, args, mods, rec, order) -> Non
             f"bytes/nnz, {time.perf_counter() - t0:.1f} s")
         saved = gpu.OPTIONS
         sources = [("csr", dc)]
-        if args.chunk_half:
+        for fmt16 in lossy_formats(args):
             from mlemlib.compressed import CompressedMatrix
 
             t0 = time.perf_counter()
-            half = gpu.DeviceChunked.upload(CompressedMatrix.from_csr(host, "compressed-f16", validate=False),
-                                            window=window)
-            log(f"{order}: compressed-f16 DeviceChunked.upload: {half.nbytes / max(half.nnz, 1):.3f} bytes/nnz, "
+            half = gpu.DeviceChunked.upload(CompressedMatrix.from_csr(host, fmt16, validate=False), window=window)
+            log(f"{order}: {fmt16} DeviceChunked.upload: {half.nbytes / max(half.nnz, 1):.3f} bytes/nnz, "
                 f"{time.perf_counter() - t0:.1f} s")
-            sources.append(("compressed-f16", half))
+            sources.append((fmt16, half))
+            del half
         for label, src in sources:
             for groups in args.chunk_groups:
                 for extra in args.chunk_options:
                     macros = tuple(f"-DMLEM_CHUNK_{kv}" for kv in extra.split(",") if kv)
                     gpu.OPTIONS = saved + (f"-DMLEM_CHUNK_CACHE={groups}",) + macros
-                    fname = "chunked_onepass_f16" if src.half else "chunked_onepass"
+                    fname = src.kernel
 
                     def lib(src=src):
                         gpu.chunked_onepass(src, g, f, bp=bp, fp=fp, bound=bound, check=False, acc=acc, flag=flag)
@@ -316,11 +316,16 @@ def chunked_section(a, f, g, fp, bp, bp64, bound, args, mods, rec, order) -> Non
                     if int(flag.get()[0]):
                         log(f"{order}: library chunked_onepass overflow flag {int(flag.get()[0])}")
                         flag.fill(0)
-        if args.chunk_half:
-            del half, sources
+        del sources
         gpu.OPTIONS = saved
         del dc
         cp.get_default_memory_pool().free_all_blocks()
+
+
+def lossy_formats(args) -> list[str]:
+    """The 16-bit formats whose chunked kernel is timed too (``--chunk-half``: compressed-f16; ``--chunk-values``)."""
+    out = ["compressed-f16"] if args.chunk_half else []
+    return list(dict.fromkeys(out + [f"compressed-{v}" for v in args.chunk_values]))
 
 
 def markdown(records: list) -> str:
@@ -392,6 +397,9 @@ def main(argv=None) -> int:
                          "MLEM_CHUNK_ macros without the prefix (e.g. 'STAGE=8;STAGE=8,DYNAMIC=1'; '' the defaults)")
     ap.add_argument("--chunk-half", action="store_true",
                     help="also time the library's chunked kernel on the matrix as compressed-f16 (float16 values)")
+    ap.add_argument("--chunk-values", type=lambda t: [v for v in t.split(",") if v], default=[],
+                    help="also time the library's chunked kernel on the matrix in these 16-bit formats "
+                         "(f16, u16: compressed-f16, compressed-u16)")
     ap.add_argument("--chunk-old", action="store_true",
                     help="also the first chunked kernel (float shared-memory atomics: CAS loops, 20 ms on madpet2)")
     ap.add_argument("--op-minb", type=lambda t: [int(v) for v in t.split(",")], default=[],

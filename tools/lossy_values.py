@@ -13,7 +13,9 @@ The matrix's values are replaced by (1) ``compressed-f16``'s decoded values
 row scale, 11 significant bits) and (2) a per-row 16-bit fixed point,
 ``rint(a_ij / max_i * 65535) * max_i / 65535`` (every value of a row on the
 same grid of 65,536 steps up to the row's largest: absolute error at most
-``max_i / 131070``); each runs a float64 MLEM from the same start on a
+``max_i / 131070``) and (3) ``compressed-u16``'s decoded values (the format's
+fixed point: (2) with the step ``float32(max_i / 65535)``, the decode rounded to float32);
+each runs a float64 MLEM from the same start on a
 noiseless measurement of a random phantom (seeded), and its image is
 compared with the float32 values' image (relative L2) after ``--iterations``
 and at 10, 20 and 50. Prints a table; ``--out`` writes it as JSON.
@@ -104,6 +106,8 @@ def main(argv=None) -> int:
         "compressed-f16 (float16 x power-of-two row scale)": CompressedMatrix.from_csr(
             csr, "compressed-f16", validate=False).to_csr().to_scipy().astype(np.float64),
         "per-row 16-bit fixed point": per_row_fixed16(csr.to_scipy().astype(np.float64)),
+        "compressed-u16 (uint16 x float32 row scale)": CompressedMatrix.from_csr(
+            csr, "compressed-u16", validate=False).to_csr().to_scipy().astype(np.float64),
     }
     images = {name: mlem_images(v, g, args.iterations) for name, v in variants.items()}
     ref = images["float32 values"]

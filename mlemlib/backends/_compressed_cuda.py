@@ -60,6 +60,8 @@ THREADS = 256
 WAVES = 0
 #: Non-zeros per block a CSR source is read and encoded in on its way to the GPU.
 UPLOAD_CHUNK_NNZ = 1 << 26
+#: ``chunked_onepass_u16`` forms ``2^23 s`` of each row scale ``s`` (the exact one-FMA decode): scales below this.
+U16_CHUNK_SCALE_MAX = 2.0**100
 #: Kernel name part of a values dtype (its ``dtype.char``): float32, float16, uint16.
 VALUE_NAMES = {"f": "f32", "e": "f16", "H": "u16"}
 #: Quads (4 slots) per lane per trip of the compressed SpMV: 1 (cspmv) or 2 (cspmv8).
@@ -762,11 +764,15 @@ class DeviceChunked:
         chunk_rows, counts, voxels = [np.zeros(1, np.int64)], [], []
         k = 0  # stored elements
         read = 0  # non-zeros
-        for r0, r1, block in chunked.row_blocks(source, max_nnz):
+        for r0, r1, block, given in chunked.row_blocks(source, max_nnz, scales=True):
             p = chunked.build_plan(block, window=window)
             values = block.data
             if half:
-                rs, values = chunked.half_rows(block, fmt, what=what, row0=r0)
+                rs, values = chunked.half_rows(block, fmt, scale=given, what=what, row0=r0)
+                if fmt == "compressed-u16" and len(rs) and float(rs.max()) >= U16_CHUNK_SCALE_MAX:
+                    r = r0 + int(np.argmax(rs >= U16_CHUNK_SCALE_MAX))
+                    raise ValueError(f"{what}: row {r} has values above 2^116 (row scale {float(rs.max())!r}): "
+                                     "the chunked kernel takes compressed-u16 row scales below 2^100")
                 scale[r0:r1] = cp.asarray(rs)
             pip, ploc, pdat = chunked.interleave(block.indptr, p.local, values)
             b = int(pip[-1])

@@ -300,6 +300,11 @@ class CompressedH5(MatrixH5):
             sp - lo, codes, values, scale, (stop - start, self.shape[1]), nnz, self.code_bits
         )
 
+    def read_scale(self, start: int, stop: int) -> np.ndarray | None:
+        """The row scales of rows ``[start, stop)`` (float32; 16-bit values only), None for float32 values."""
+        start, stop = check_range(start, stop, self.shape[0], self.source)
+        return self._read("scale", start, stop) if not self.lossless else None
+
     def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
         """Rows ``[start, stop)`` decoded into CSR (``indptr`` from 0).
 

@@ -5,7 +5,7 @@
 // owns slots [p(r), p(r+1)), p(r) = rowbase[r >> 6] + rowoff[r], every p(r) a
 // multiple of 4 (rows are padded at their end with pad slots). Per slot a code
 // (CB = 8 or 16 bits) and a value slot (float32, or float16 bits or an unsigned
-// 16-bit integer times the row's float32 scale). With MARK = 2^CB - 1 and HIGH = 2^CB - 2: a code below
+// 16-bit integer, times the row's float32 scale). With MARK = 2^CB - 1 and HIGH = 2^CB - 2: a code below
 // HIGH advances the row's running column by the code and the slot is an
 // element; MARK advances it by the value slot's bits, HIGH by those bits << 16
 // (16-bit values only), and neither holds an element (a pad slot is MARK with bits 0).
@@ -161,13 +161,16 @@ __device__ __forceinline__ float u16_to_float(unsigned u) {
 }
 
 // Value kinds of the compressed kernels (mlemlib.compressed.VALUE_KINDS): float32 values; float16
-// (compressed-f16) or unsigned 16-bit integers (compressed-u16) times the row's power-of-two scale.
+// (compressed-f16) times the row's power-of-two scale, or unsigned 16-bit integers (compressed-u16)
+// times the row's float32 scale.
 #define VK_F32 0
 #define VK_F16 1
 #define VK_U16 2
 
-// The float32 value of a value slot's bits b (row scale rs): exact in every kind, so the kernels'
-// values are those of the decoded CSR (mlemlib.compressed.decode_slots) bit for bit.
+// The float32 value of a value slot's bits b (row scale rs), computed as the decoder does
+// (mlemlib.compressed.decode_slots: float16 times a power of two is exact, the integer times its
+// scale is one float32 rounding of the exact product), so the kernels' values are those of the
+// decoded CSR bit for bit.
 template <int VK>
 __device__ __forceinline__ float slot_value(unsigned b, float rs) {
     if (VK == VK_F32) return __uint_as_float(b);
@@ -707,16 +710,32 @@ struct ChunkVals<VK_F32> {
     __device__ static float4 f4(float4 v, float) { return v; }
     __device__ static float one(const void* val, i64 k, float) { return __ldcs(reinterpret_cast<const float*>(val) + k); }
 };
-template <int VK>
-struct ChunkVals {  // VK_F16, VK_U16
+template <>
+struct ChunkVals<VK_F16> {
     typedef unsigned short T;
     typedef ushort4 V4;
     __device__ static float4 f4(ushort4 h, float sc) {
-        return make_float4(slot_value<VK>(h.x, sc), slot_value<VK>(h.y, sc), slot_value<VK>(h.z, sc),
-                           slot_value<VK>(h.w, sc));
+        return make_float4(slot_value<VK_F16>(h.x, sc), slot_value<VK_F16>(h.y, sc), slot_value<VK_F16>(h.z, sc),
+                           slot_value<VK_F16>(h.w, sc));
     }
     __device__ static float one(const void* val, i64 k, float sc) {
-        return slot_value<VK>(__ldcs(reinterpret_cast<const unsigned short*>(val) + k), sc);
+        return slot_value<VK_F16>(__ldcs(reinterpret_cast<const unsigned short*>(val) + k), sc);
+    }
+};
+// compressed-u16: u * sc as one FMA, fma(2^23 + u, sc, -2^23 sc): the float 2^23 + u is the integer's
+// bits under an exponent (one byte permute), 2^23 sc is exact, and the FMA rounds the exact u * sc
+// once, as slot_value<VK_U16> does (two instructions per value, as float16's convert and multiply,
+// instead of three). Needs 2^23 sc finite: row scales below 2^100 (checked on upload).
+template <>
+struct ChunkVals<VK_U16> {
+    typedef unsigned short T;
+    typedef ushort4 V4;
+    __device__ static float u(unsigned short q, float sc) {
+        return __fmaf_rn(__uint_as_float(0x4B000000u | (unsigned)q), sc, -8388608.0f * sc);
+    }
+    __device__ static float4 f4(ushort4 h, float sc) { return make_float4(u(h.x, sc), u(h.y, sc), u(h.z, sc), u(h.w, sc)); }
+    __device__ static float one(const void* val, i64 k, float sc) {
+        return u(__ldcs(reinterpret_cast<const unsigned short*>(val) + k), sc);
     }
 };
 
@@ -974,7 +993,7 @@ extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass
     chunked_onepass_body<MLEM_CHUNK_CACHE_F16, VK_F16>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp,
                                                        acc, fscale, flag, window, fwd_only);
 }
-// The same with unsigned 16-bit values and power-of-two row scales (a compressed-u16 matrix's).
+// The same with unsigned 16-bit values and float32 row scales (a compressed-u16 matrix's).
 extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass_u16(
     const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
     const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc, double fscale,
