@@ -273,7 +273,7 @@ def half_rows(block: CSRMatrix, fmt: str = "compressed-f16", *, scale: np.ndarra
         scale = np.empty(rows, dtype=np.float32)
         scaled = np.empty(len(data), dtype=np.float64)
         if rows:
-            _row_scales(ip, data, scale, scaled)
+            _row_scales(ip, data, scale, scaled, False)
         values = scaled.astype(VALUE_DTYPES[fmt])
         ok = np.ones(len(data), dtype=bool)
     back = values.astype(np.float32) * np.repeat(scale, lengths)

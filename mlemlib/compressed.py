@@ -245,10 +245,14 @@ def _fill(indptr, indices, bits_in, slotptr, half, direct, high, mark, codes, bi
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _row_scales(indptr, data, scale, scaled):  # pragma: no cover - compiled
-    """Power-of-two row scales (``scale``) and the values divided by them in float64 (``scaled``).
+def _row_scales(indptr, data, scale, scaled, fixed):  # pragma: no cover - compiled
+    """Row scales (``scale``) and the values over them in float64 (``scaled``) of a 16-bit format.
 
-    The row's largest value divided by its scale lies in ``[2**14, 2**15)`` (``compressed-f16``).
+    ``compressed-f16`` (``fixed`` False): the power of two that puts the
+    row's largest value in ``[2**14, 2**15)``. ``compressed-u16`` (``fixed``
+    True): ``float32(max / 65535)`` (the smallest float32 where that rounds
+    to 0), and ``scaled`` the integers ``min(rint(v / scale), 65535)``. A row
+    without a positive value has scale 1.
     """
     m = scale.shape[0]
     base = indptr[0]
@@ -257,46 +261,17 @@ def _row_scales(indptr, data, scale, scaled):  # pragma: no cover - compiled
         e = indptr[r + 1] - base
         vmax = np.float64(0.0)
         for k in range(s, e):
-            v = np.float64(data[k])
-            if v > vmax:
-                vmax = v
-        k2 = 0
-        if vmax > 0:
-            _, ex = math.frexp(vmax)  # vmax < 2**ex
-            k2 = max(ex - 15, -149)
-        scale[r] = np.float32(math.ldexp(1.0, k2))
-        inv = math.ldexp(1.0, -k2)
-        for k in range(s, e):
-            scaled[k] = np.float64(data[k]) * inv
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _row_fixed16(indptr, data, scale, q):  # pragma: no cover - compiled
-    """``compressed-u16``: row scales ``float32(max / 65535)`` (``scale``) and the values' integers ``q``.
-
-    A row without a positive value has scale 1; a scale that would round to 0
-    (a row's largest value below ``65535 * 2**-150``) is the smallest float32.
-    ``q = rint(v / scale) <= 65535`` in float64.
-    """
-    m = scale.shape[0]
-    base = indptr[0]
-    for r in prange(m):
-        s = indptr[r] - base
-        e = indptr[r + 1] - base
-        vmax = np.float64(0.0)
-        for k in range(s, e):
-            v = np.float64(data[k])
-            if v > vmax:
-                vmax = v
+            vmax = max(vmax, np.float64(data[k]))
         sc = np.float32(1.0)
-        if vmax > 0:
-            sc = np.float32(vmax / 65535.0)
-            if sc == 0:
-                sc = np.float32(math.ldexp(1.0, -149))
+        if vmax > 0 and fixed:
+            sc = max(np.float32(vmax / 65535.0), np.float32(math.ldexp(1.0, -149)))
+        elif vmax > 0:
+            _, ex = math.frexp(vmax)  # vmax < 2**ex
+            sc = np.float32(math.ldexp(1.0, max(ex - 15, -149)))
         scale[r] = sc
-        inv = np.float64(sc)
         for k in range(s, e):
-            q[k] = min(np.rint(np.float64(data[k]) / inv), 65535.0)
+            v = np.float64(data[k]) / np.float64(sc)  # exact for a power of two
+            scaled[k] = min(np.rint(v), 65535.0) if fixed else v
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -579,14 +554,10 @@ def encode_csr(
     scale = None
     if half:
         scale = np.empty(m, dtype=np.float32)
-        if fmt == "compressed-u16":
-            bits_in = np.empty(len(data), dtype=np.uint16)  # the row's fixed point, <= 65,535
-            _row_fixed16(indptr, data, scale, bits_in)
-        else:
-            scaled = np.empty(len(data), dtype=np.float64)
-            _row_scales(indptr, data, scale, scaled)
-            bits_in = scaled.astype(np.float16).view(np.uint16)  # round to nearest even
-            del scaled
+        scaled = np.empty(len(data), dtype=np.float64)
+        _row_scales(indptr, data, scale, scaled, fmt == "compressed-u16")
+        bits_in = scaled.astype(VALUE_DTYPES[fmt]).view(np.uint16)  # float16: round to nearest even
+        del scaled
     else:
         bits_in = data.view(np.uint32)
     slotptr, codes, bits, code_bits, nnz = _encode_rows(indptr, indices, bits_in, half, code_bits, source, row0)

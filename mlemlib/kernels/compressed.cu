@@ -977,30 +977,20 @@ CSR_ONEPASS(16)
 CSR_ONEPASS(32)
 
 // The chunked one pass (chunked_onepass_body above): one block of MLEM_CHUNK_THREADS per chunk,
-// MLEM_CHUNK_CACHE interleaved groups (4 trips each) and the row's rest in registers.
-extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass(
-    const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
-    const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc, double fscale,
-    int* flag, int window, int fwd_only) {
-    chunked_onepass_body<MLEM_CHUNK_CACHE, VK_F32>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc,
-                                                  fscale, flag, window, fwd_only);
-}
-// The same with float16 values and power-of-two row scales (a compressed-f16 matrix's).
-extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass_f16(
-    const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
-    const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc, double fscale,
-    int* flag, int window, int fwd_only) {
-    chunked_onepass_body<MLEM_CHUNK_CACHE_F16, VK_F16>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp,
-                                                       acc, fscale, flag, window, fwd_only);
-}
-// The same with unsigned 16-bit values and float32 row scales (a compressed-u16 matrix's).
-extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) chunked_onepass_u16(
-    const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local,
-    const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc, double fscale,
-    int* flag, int window, int fwd_only) {
-    chunked_onepass_body<MLEM_CHUNK_CACHE_F16, VK_U16>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp,
-                                                       acc, fscale, flag, window, fwd_only);
-}
+// CG interleaved groups (4 trips each) and the row's rest in registers; chunked_onepass reads
+// float32 values, _f16 float16 and _u16 unsigned 16-bit values times the row scales (a
+// compressed-f16 / compressed-u16 matrix's).
+#define CHUNKED_ONEPASS(NAME, CG, VK)                                                                      \
+    extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) NAME(                                \
+        const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local, \
+        const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc,       \
+        double fscale, int* flag, int window, int fwd_only) {                                             \
+        chunked_onepass_body<CG, VK>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc, fscale, \
+                                     flag, window, fwd_only);                                             \
+    }
+CHUNKED_ONEPASS(chunked_onepass, MLEM_CHUNK_CACHE, VK_F32)
+CHUNKED_ONEPASS(chunked_onepass_f16, MLEM_CHUNK_CACHE_F16, VK_F16)
+CHUNKED_ONEPASS(chunked_onepass_u16, MLEM_CHUNK_CACHE_F16, VK_U16)
 
 // out[j] = acc[j] / scale, as float32 (inv_scale = 1 / scale, a power of two).
 extern "C" __global__ void fixed_to_float(const u64* __restrict__ acc, float* __restrict__ out, i64 n,
