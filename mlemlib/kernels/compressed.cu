@@ -723,19 +723,23 @@ struct ChunkVals<VK_F16> {
     }
 };
 // compressed-u16: u * sc as one FMA, fma(2^23 + u, sc, -2^23 sc): the float 2^23 + u is the integer's
-// bits under an exponent (one byte permute), 2^23 sc is exact, and the FMA rounds the exact u * sc
-// once, as slot_value<VK_U16> does (two instructions per value, as float16's convert and multiply,
-// instead of three). Needs 2^23 sc finite: row scales below 2^100 (checked on upload).
+// two bytes under the exponent byte 0x4B (one byte permute of the loaded word), 2^23 sc is exact, and
+// the FMA rounds the exact u * sc once, as slot_value<VK_U16> does: two instructions per value, as
+// float16's convert and multiply. Needs 2^23 sc finite: row scales below 2^100 (checked on upload).
+// A group's 4 values are loaded as one 8-byte word pair (uint2).
 template <>
 struct ChunkVals<VK_U16> {
     typedef unsigned short T;
-    typedef ushort4 V4;
-    __device__ static float u(unsigned short q, float sc) {
-        return __fmaf_rn(__uint_as_float(0x4B000000u | (unsigned)q), sc, -8388608.0f * sc);
+    typedef uint2 V4;
+    __device__ static float u(unsigned bits, float sc) {  // bits: 0x4B00uuuu
+        return __fmaf_rn(__uint_as_float(bits), sc, -8388608.0f * sc);
     }
-    __device__ static float4 f4(ushort4 h, float sc) { return make_float4(u(h.x, sc), u(h.y, sc), u(h.z, sc), u(h.w, sc)); }
+    __device__ static float4 f4(uint2 w, float sc) {
+        return make_float4(u(__byte_perm(w.x, 0x4B000000u, 0x7610), sc), u(__byte_perm(w.x, 0x4B000000u, 0x7632), sc),
+                           u(__byte_perm(w.y, 0x4B000000u, 0x7610), sc), u(__byte_perm(w.y, 0x4B000000u, 0x7632), sc));
+    }
     __device__ static float one(const void* val, i64 k, float sc) {
-        return u(__ldcs(reinterpret_cast<const unsigned short*>(val) + k), sc);
+        return u(0x4B000000u | (unsigned)__ldcs(reinterpret_cast<const unsigned short*>(val) + k), sc);
     }
 };
 
