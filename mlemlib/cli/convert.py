@@ -38,7 +38,7 @@ def register(sub) -> None:
         default="csr",
         help="matrix format of the container: csr (8 bytes per non-zero), compressed (lossless, about 5: "
         "8- or 16-bit column deltas, exact float32 values), compressed-f16 (lossy float16 values, about 3) or "
-        "compressed-u16 (lossy per-row 16-bit fixed point, about 3; 25-50x closer to the float32 image than f16)",
+        "compressed-u16 (lossy per-row 16-bit fixed point, about 3; 14-50x closer to the float32 image than f16)",
     )
     p.add_argument(
         "--code-bits",
