@@ -509,6 +509,56 @@ def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
     return "".join(out)
 
 
+def exact_reference_problem(path: str | os.PathLike) -> tuple[str, str]:
+    """``(matrix, data)`` of an exact reference image, ``results/{matrix}/runs/{data}/reference-exact/image.h5``."""
+    parts = Path(path).parts
+    if len(parts) < 5 or parts[-2] != "reference-exact" or parts[-4] != "runs":
+        raise InputError(path, "not results/{matrix}/runs/{data}/reference-exact/image.h5")
+    return parts[-5], parts[-3]
+
+
+def lossy_section(rows: Iterable[Mapping[str, Any]], exact_references: Iterable[Any]) -> str:
+    """Markdown: what a lossy matrix format's values cost each image, against the exact matrix's reference.
+
+    For each problem with an exact reference (the float64 MLEM on the
+    lossless source of a ``compressed-f16`` / ``compressed-u16`` matrix), the
+    relative L2 distance of every run's final image (and of the float64
+    reference on the lossy matrix) to it, after the same iterations. Empty
+    without exact references.
+    """
+    from mlemlib.image import read_image
+
+    exact = {exact_reference_problem(p): p for p in exact_references}
+    if not exact:
+        return ""
+    body = []
+    seen: set[tuple] = set()
+    for r in sorted(rows, key=lambda r: (not r.get("reference_mode"), config_label(r), r["run"])):
+        key = (r.get("matrix"), r.get("data"))
+        image = (r.get("_outputs") or {}).get("image")
+        if key not in exact or not image or (key, r["run"]) in seen:
+            continue
+        seen.add((key, r["run"]))
+        if not Path(image).exists():  # the run directory moved: look beside its timings.json
+            image = Path(r["run"]) / Path(image).name
+        ref, _ = read_image(exact[key])
+        img, _ = read_image(image, expected_length=ref.size)
+        ref64 = ref.astype(np.float64)
+        rel = float(np.linalg.norm(img.astype(np.float64) - ref64) / (np.linalg.norm(ref64) or 1.0))
+        body.append([key[0], key[1], config_label(r), r.get("format") or "", r.get("iterations") or "", _fmt_e(rel),
+                     _fmt_e(r.get("rel_l2_reference"))])
+    head = ["matrix", "data", "configuration", "format on the device", "iterations", "rel. L2 to the exact matrix's reference",
+            "rel. L2 to its own reference"]
+    intro = (
+        "A matrix stored with lossy 16-bit values (compressed-f16, compressed-u16) is reconstructed from rounded "
+        "values. Each run's final image (and the float64 reference MLEM of the stored matrix) against the "
+        "float64 reference MLEM of the lossless matrix it was converted from, same measurement and iterations: "
+        "what the rounding costs the image. Its own reference: the accuracy table's distance, from the same "
+        "rounded matrix.\n\n"
+    )
+    return "## Accuracy cost of lossy matrix values\n\n" + intro + _md_table(head, body)
+
+
 # --------------------------------------------------------------------------- scaling
 def _family(backend: Any) -> str:
     """``cuda`` for ``cuda`` (one GPU) and ``cuda-nccl`` (several GPUs, or graph capture): one backend family."""
@@ -1511,6 +1561,7 @@ def summarize(
     transpose_benchmarks: Iterable[Any] = (),
     timings: Iterable[Any] = (),
     references: Iterable[Any] = (),
+    exact_references: Iterable[Any] = (),
     plans: Iterable[Any] = (),
     transposes: Iterable[Any] = (),
     bench: Iterable[Any] = (),
@@ -1535,6 +1586,10 @@ def summarize(
         Snakemake benchmark ``.tsv`` files of the transposition jobs.
     references
         ``timings.json`` of the float64 references (``.h5`` files are ignored).
+    exact_references
+        ``results/{matrix}/runs/{data}/reference-exact/image.h5``: the float64
+        reference on the lossless source of a lossy-format matrix
+        (:func:`lossy_section`).
     plans
         ``plan.json`` files (or their directories) of the partitions.
     transposes
@@ -1607,6 +1662,7 @@ def summarize(
         scaling_section(rows),
         thesis_section(rows),
         accuracy_section(groups) if groups else "",
+        lossy_section(rows, exact_references),
         transpose_section(trows),
         plan_section(plans),
         csv_section(bench, "SpMV benchmark"),

@@ -17,6 +17,7 @@ from snakemake.logging import logger
 from snakemake.utils import validate
 
 from mlemlib.errors import ConfigError, InputError
+from mlemlib.compressed import LOSSY_FORMATS
 from mlemlib.formats import file_kind
 from mlemlib.registry import check_run, uses_transpose
 
@@ -307,6 +308,49 @@ def get_converted_matrix_regex():
 def get_matrix_format(wildcards):
     """Matrix format of results/{matrix}/matrix.h5: csr or a compressed format (docs/formats.md)."""
     return config["matrices"][wildcards.matrix]["format"]
+
+
+def get_exact_source(matrix):
+    """The lossless file a matrix stored in a lossy format (compressed-f16,
+    compressed-u16) is converted from: the generated .csr4 or the user's file.
+    None for a lossless format, a preset generated straight into its
+    container, or a user's file that is itself a lossy container."""
+    entry = config["matrices"][matrix]
+    if entry["format"] not in LOSSY_FORMATS or is_generated_direct(matrix):
+        return None
+    if entry["path"] is None:
+        return f"resources/{matrix}.csr4"
+    if file_kind(entry["path"]) == "h5":
+        import h5py
+
+        with h5py.File(entry["path"], "r") as f:
+            if str(f.attrs.get("format", "")).removeprefix("mlem-") in LOSSY_FORMATS:
+                return None
+    return entry["path"]
+
+
+def get_exact_reference_input(wildcards):
+    """Named inputs of exact_reference_mlem: the lossless source and the measurement."""
+    inputs = {
+        "matrix": get_exact_source(wildcards.matrix),
+        "sino": get_measurement(wildcards),
+    }
+    if is_simulated(wildcards):
+        inputs["truth"] = f"results/{wildcards.matrix}/data/{wildcards.data}-truth.h5"
+    return inputs
+
+
+def get_exact_references():
+    """Images of the float64 reference MLEM on the lossless source of every
+    lossy-format matrix (the summary's accuracy cost of its values)."""
+    if not is_reference_enabled():
+        return []
+    return [
+        f"results/{matrix}/runs/{data}/reference-exact/image.h5"
+        for matrix in get_matrices()
+        if get_exact_source(matrix)
+        for data in get_measurements(matrix)
+    ]
 
 
 def get_transpose_method(wildcards=None):
@@ -668,6 +712,7 @@ def get_summary_input(wildcards):
             if is_reference_enabled()
             else []
         ),
+        "exact_references": get_exact_references(),
         "bench": (
             [f"results/{matrix}/bench/spmv.csv" for matrix in matrices]
             if is_bench_enabled()

@@ -25,6 +25,33 @@ rule reference_mlem:
         "../scripts/reference_mlem.py"
 
 
+# A matrix stored with lossy 16-bit values (format compressed-f16 or
+# compressed-u16): the float64 reference MLEM of the same problem on the
+# lossless file it was converted from (its own norm, in the user's order), so
+# that the summary states what the rounded values cost every run's image.
+rule exact_reference_mlem:
+    input:
+        unpack(get_exact_reference_input),
+    output:
+        image="results/{matrix}/runs/{data}/reference-exact/image.h5",
+        timings="results/{matrix}/runs/{data}/reference-exact/timings.json",
+    log:
+        "logs/mlem/{matrix}/{data}/reference-exact.log",
+    benchmark:
+        "benchmarks/mlem/{matrix}/{data}/reference-exact.tsv"
+    conda:
+        "../envs/cpu.yaml"
+    threads: workflow.cores
+    resources:
+        mem_mb=get_mem_mb("mlem"),
+        runtime=get_runtime("mlem"),
+    params:
+        mlem=get_reference_params,
+        measurement=get_measurement_stamp,
+    script:
+        "../scripts/reference_mlem.py"
+
+
 # One configured run: its repetitions run inside this one job, so that they
 # share the device and the loaded matrix; timings.json holds every one.
 rule run_mlem:

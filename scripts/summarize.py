@@ -11,6 +11,7 @@ from mlemlib.report import summarize  # noqa: E402
 summary = summarize(
     timings=snakemake.input.timings,
     references=snakemake.input.references,
+    exact_references=snakemake.input.exact_references,
     plans=snakemake.input.plans,
     transposes=snakemake.input.transposes,
     transpose_benchmarks=snakemake.input.transpose_benchmarks,

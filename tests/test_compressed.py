@@ -1094,6 +1094,12 @@ def test_cli_convert_and_info(tmp_path, csr4_file, capsys):
     assert main(["info", str(tmp_path / "h.h5"), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["lossless"] is False and d["matrix_format"] == "compressed-f16"
+    assert main(["convert", str(src), "--out", str(tmp_path / "u.h5"), "-f", "compressed-u16"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "u.h5")]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^  lossless: no$", text, re.M) and "mlem-compressed-u16 container" in text
+    assert float(re.search(r"^  bytes per non-zero: ([\d.]+)$", text, re.M)[1]) < bpn
     assert main(["info", str(src)]) == 0
     text = capsys.readouterr().out
     assert f"  bytes per non-zero: {8 + 8 * 91 / a.nnz:.3f}" in text and "  lossless: yes" in text
