@@ -674,3 +674,32 @@ def test_floor_fractions_at_the_measured_copy_bandwidth(tmp_path):
     assert float(row["of_csr_floor"]) == pytest.approx(csr_pair_bytes(MATRIX3_SHAPE, 1_000_000) / 4.0e12 / secs)
     md = (tmp_path / "s" / "summary.md").read_text()
     assert "| of floor | of CSR floor |" in md
+
+
+def test_lossy_section_measures_each_image_against_the_exact_matrix_reference(tmp_path):
+    """The accuracy cost of lossy values: each run's image against the exact reference of its problem,
+    hand-computed; problems without an exact reference are left out, and a wrong path is refused."""
+    from mlemlib.errors import InputError
+    from mlemlib.image import write_image
+    from mlemlib.report import exact_reference_problem, lossy_section
+
+    exact = tmp_path / "results" / "m" / "runs" / "d" / "reference-exact" / "image.h5"
+    exact.parent.mkdir(parents=True)
+    ref = np.array([1.0, 2.0, 2.0, 4.0])
+    write_image(exact, ref)
+    imgs = {"a": np.array([1.0, 2.0, 2.0, 4.5], np.float32), "b": np.array([1.0, 2.0, 2.0, 4.0], np.float32)}
+    rows = []
+    for name, img in imgs.items():
+        write_image(tmp_path / f"{name}.h5", img)
+        rows.append({"matrix": "m", "data": "d", "run": name, "backend": "cpu", "fp": "auto", "bp": name,
+                     "format": "csr", "iterations": 5, "rel_l2_reference": 1e-6,
+                     "_outputs": {"image": str(tmp_path / f"{name}.h5")}})
+    rows.append({**rows[0], "matrix": "other", "run": "c"})  # no exact reference: not in the table
+    assert exact_reference_problem(exact) == ("m", "d")
+    text = lossy_section(rows, [exact])
+    assert "## Accuracy cost of lossy matrix values" in text
+    assert "| m | d | cpu auto/a | csr | 5 | 1.000e-01 | 1.000e-06 |" in text  # ||(0,0,0,0.5)|| / ||(1,2,2,4)|| = 0.5/5
+    assert "| m | d | cpu auto/b | csr | 5 | 0.000e+00 |" in text and "other" not in text
+    assert lossy_section(rows, []) == ""
+    with pytest.raises(InputError, match="reference-exact/image.h5"):
+        exact_reference_problem(tmp_path / "image.h5")

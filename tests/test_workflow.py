@@ -168,6 +168,21 @@ def test_default_config_plans_every_cpu_stage(tmp_path):
     assert "bench_spmv" not in jobs
 
 
+@pytest.mark.parametrize("fmt", ["compressed-u16", "compressed-f16", "compressed"])
+def test_lossy_format_adds_the_exact_matrix_reference(tmp_path, fmt):
+    # A matrix with rounded values: one more float64 reference, on the .csr4 it is converted from, for the
+    # summary's accuracy cost; a lossless format needs none.
+    config = changed(matrices={"small": {"preset": "small", "format": fmt}})
+    config["runs"] = [{"backend": "cpu", "fp": "auto", "bp": "auto"}, {"backend": "cpu", "bp": "onepass_chunked"}]
+    jobs = dry_run(tmp_path, config)
+    assert jobs["reference_mlem"] == 1
+    assert jobs.get("exact_reference_mlem", 0) == (0 if fmt == "compressed" else 1), jobs
+    if fmt != "compressed":
+        plan = snakemake(tmp_path, "--dry-run", "--printshellcmds", config=config).stdout
+        rule = plan.split("rule exact_reference_mlem:", 1)[1].split("\n\n", 1)[0]
+        assert "input: resources/small.csr4" in rule and "reference-exact/image.h5" in rule, rule
+
+
 def test_use_gpu_true_adds_every_cuda_run_and_the_benchmark(tmp_path):
     config = changed(
         use_gpu=True,
