@@ -118,9 +118,11 @@ typedef unsigned long long u64;
 #ifndef MLEM_CHUNK_FASTQ
 #define MLEM_CHUNK_FASTQ 1
 #endif
-// Groups of a long row (beyond the MLEM_CHUNK_CACHE kept in registers) whose loads are issued together.
+// Groups of a long row (beyond the MLEM_CHUNK_CACHE kept in registers) whose loads are issued together:
+// 2 measured 1-4% faster than 4 on H100 and H200 for float32, float16 and uint16 values, 3 and 8
+// slower (docs/benchmarks.md section 47).
 #ifndef MLEM_CHUNK_UNROLL
-#define MLEM_CHUNK_UNROLL 4
+#define MLEM_CHUNK_UNROLL 2
 #endif
 // 1: a warp loads its next row's bounds and measurement while it works on the current row
 // (0: at the row's start; either way g_r is loaded with the bounds, not after the dot product).
