@@ -3,12 +3,14 @@
 
 Run from the repository root on a GPU machine with >= 70 GB of GPU memory::
 
-    PYTHONPATH=. python3 tools/device_matrix3_onepass.py --out $OUT [--chunks 16] [--repeat 5]
+    PYTHONPATH=. python3 tools/device_matrix3_onepass.py --out $OUT [--chunks 16] [--repeat 5] [--format compressed-u16]
 
 The workflow's Matrix 3 run (docs/cluster.md, "The matrix3 run") needs the
 2-GPU node's disk; this probe needs none: it traces the preset in
 ``--chunks`` row blocks on the host's CPUs, encodes each block in the lossless
-compressed format (``CompressedMatrix.from_csr``) and keeps it on the GPU,
+compressed format (``CompressedMatrix.from_csr``; ``--format compressed-u16``
+or ``compressed-f16``: 16-bit values, about 3 bytes per non-zero, the checks
+then against the decoded values) and keeps it on the GPU,
 one :class:`~mlemlib.backends._compressed_cuda.DeviceCompressed` per block
 (the whole matrix is on the GPU at the end; host memory holds one block).
 It then times, with CUDA events (median of ``--repeat``):
@@ -52,6 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--max-rows", type=int, default=0, help="only the first rows (a quick trial)")
+    ap.add_argument("--format", default="compressed", choices=("compressed", "compressed-f16", "compressed-u16"),
+                    help="the blocks' encoding on the GPU (default: lossless)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,12 +83,12 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         host = trace_rows(cfg, np.arange(r0, r1, dtype=np.int64))
         t1 = time.perf_counter()
-        cm = CompressedMatrix.from_csr(host, "compressed", validate=False)
+        cm = CompressedMatrix.from_csr(host, args.format, validate=False)
         t2 = time.perf_counter()
         dc = gpu.DeviceCompressed.from_host(cm)
         t3 = time.perf_counter()
-        if b == 0:
-            sample = host.to_scipy().astype(np.float64)
+        if b == 0:  # the values the GPU holds (a lossy format's decoded ones)
+            sample = (host if cm.lossless else cm.to_csr()).to_scipy().astype(np.float64)
         blocks.append((r0, r1, dc, int(host.nnz)))
         nnz += int(host.nnz)
         nbytes += int(dc.nbytes)
@@ -157,7 +161,7 @@ def main(argv=None) -> int:
     cum = np.cumsum([b[3] for b in blocks])
     split = int(np.searchsorted(cum, cum[-1] / 2)) + 1
     halves = (blocks[:split], blocks[split:])
-    rec = {"device": dev, "preset": args.preset, "rows": m, "cols": n, "nnz": nnz, "bytes": nbytes,
+    rec = {"device": dev, "preset": args.preset, "format": args.format, "rows": m, "cols": n, "nnz": nnz, "bytes": nbytes,
            "bytes_per_nnz": nbytes / nnz, "blocks": args.chunks, "lanes": lanes, "copy_bw_TBps": bw,
            "one_read_ms": nbytes / (bw * 1e12) * 1e3, "check_fp_block0": err_fp, "check_bp_block0": err_bp,
            "onepass_vs_fixed": err_det, "half_nnz": [int(sum(b[3] for b in h)) for h in halves]}
