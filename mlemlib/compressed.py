@@ -16,7 +16,7 @@ array       dtype, length               content
 ``rowoff``   uint32[m + 1]               slot offset of row r minus ``rowbase[r >> 6]``
 ``codes``    uint8[S] / uint16[S]        per slot (``code_bits`` 8 / 16): a column delta or a marker
 ``values``   float32[S] / 16-bit[S]      per slot: the value, or a marker's delta bits
-``scale``    float32[m]                  16-bit values only: power-of-two row scale
+``scale``    float32[m]                  16-bit values only: row scale (a power of two in -f16)
 ==========  ==========================  ==========================================
 
 With ``B = code_bits``: :func:`max_direct` ``= 2**B - 3`` (253 / 65533) is

@@ -677,7 +677,7 @@ class DeviceChunked:
     shape: tuple[int, int]
     window: int
     nnz: int  # non-zeros (the stored elements add the rows' padding)
-    scale: Any = None  # float32[m] power-of-two row scales of 16-bit values (compressed-f16, -u16), else None
+    scale: Any = None  # float32[m] row scales of 16-bit values (compressed-f16: powers of two; -u16), else None
     format: str = "csr"  # the source's format: csr and compressed keep float32 values, the 16-bit formats theirs
 
     @property
@@ -733,7 +733,7 @@ class DeviceChunked:
         (:func:`mlemlib.chunked.interleave`); chunks do not cross a block's
         end. A ``compressed-f16`` or ``compressed-u16`` source keeps its 16-bit
         values: each row's decoded values are stored as float16 (uint16) times
-        a power-of-two row scale, which gives them back exactly (4 bytes per
+        its row scale, which gives them back exactly (4 bytes per
         non-zero instead of 6).
         ``window`` defaults to :func:`chunk_window`.
 
@@ -741,7 +741,7 @@ class DeviceChunked:
         ------
         ValueError
             A row with more non-zeros than ``window``; 16-bit values that a
-            power-of-two row scale does not give back exactly.
+            row scale does not give back exactly; compressed-u16 row scales of 2^100 or more.
         """
         import time
 

@@ -9,7 +9,7 @@ Layout version 2 (see ``docs/formats.md``, "The compressed matrix" and
     /codes    uint8[S] | uint16[S] column delta (0..2**B-3) or marker (2**B-2, 2**B-1), B = code_bits
     /values   float32[S]           values and marker deltas (float16[S] in compressed-f16,
                                    uint16[S] in compressed-u16)
-    /scale    float32[m]           16-bit values only: power-of-two row scales
+    /scale    float32[m]           16-bit values only: row scales (powers of two in compressed-f16)
     attrs: format="mlem-compressed" | "mlem-compressed-f16" | "mlem-compressed-u16", version=2,
            code_bits=8 | 16, shape=(m, n), nnz, slots, checksum,
            checksum_method, encoding, source, optional grid, voxel_size,
