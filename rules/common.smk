@@ -650,10 +650,11 @@ def is_bench_enabled():
 
 
 def get_bench_params(wildcards):
-    """Repetitions and merge section sizes of bench_spmv."""
+    """Repetitions, merge section sizes and matrix formats of bench_spmv."""
     return {
         "repeats": config["bench"]["repeats"],
         "secsizes": config["bench"]["secsizes"],
+        "formats": config["bench"]["formats"],
     }
 
 

@@ -16,6 +16,7 @@ with lease_gpus(1):  # the GPU Snakemake counted for this job, not one a run hol
         snakemake.input.transpose,
         repeat=bench["repeats"],
         secsizes=bench["secsizes"],
+        formats=bench["formats"],
         matrix_label=snakemake.params.matrix_name,
         out_csv=snakemake.output.csv,
         out_md=snakemake.output.md,

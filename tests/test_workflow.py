@@ -191,7 +191,7 @@ def test_use_gpu_true_adds_every_cuda_run_and_the_benchmark(tmp_path):
             {"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "gpus": [1, 2, 4], "layout": ["local", "thesis"]},
             {"backend": "cuda", "fp": "merge", "bp": "notrans", "secsize": 8},
         ],
-        bench={"spmv": True},
+        bench={"spmv": True, "formats": ["csr", "compressed", "compressed-u16"]},
     )
     jobs = dry_run(tmp_path, config)
     # cpu 1 + csr_vector: gpus 1 (local only) + 2 x 2 layouts + 4 x 2 layouts = 5 + merge 1.
@@ -215,6 +215,7 @@ def test_cpu_run_on_several_gpus_is_refused(tmp_path):
         (changed(runs=[{"backend": "cpu", "layuot": "local"}]), "runs[0]"),
         (changed(matrices={"small": {"preset": "small", "path": "a.mtx"}}), "matrices.small"),
         (changed(simulation={"phantoms": ["shepp"]}), "simulation.phantoms[0]"),
+        (changed(bench={"formats": ["csr", "compressed-u8"]}), "bench.formats[1]"),
     ],
 )
 def test_bad_config_stops_before_any_job(tmp_path, config, named):
