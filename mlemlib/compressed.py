@@ -106,13 +106,11 @@ VALUE_DTYPES = {
 }
 #: The compressed formats whose values are rounded to 16 bits (never the default).
 LOSSY_FORMATS = ("compressed-f16", "compressed-u16")
-#: Value dtype -> the value kind the Numba and CUDA kernels take (0 float32; 1 float16 and 2 uint16, both
-#: times the row's power-of-two scale).
+#: Value dtype -> the value kind the Numba and CUDA kernels take (0 float32; 1 float16 times the row's
+#: power-of-two scale; 2 uint16 times the row's float32 scale).
 VALUE_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}
-#: ``compressed-f16``: the row's largest value maps below ``2**F16_TOP`` (32,768).
-F16_TOP = 15
-#: ``compressed-u16``: the row's largest value maps to this integer.
-U16_TOP = 65535
+#: Value dtype -> its compressed format name.
+FORMAT_OF_VALUES = {dtype: fmt for fmt, dtype in VALUE_DTYPES.items()}
 #: Largest slot offset within one row block (``rowoff`` is uint32).
 MAX_BLOCK_SLOTS = (1 << 32) - 1
 #: Slots decoded per piece by the whole-matrix helpers (bounds their scratch memory).
@@ -152,8 +150,8 @@ def value_kind(dtype) -> int:
 
 def format_of_values(dtype) -> str:
     """The compressed format name of a values dtype (``compressed``, ``compressed-f16``, ``compressed-u16``)."""
-    kind = value_kind(dtype)
-    return next(f for f, d in VALUE_DTYPES.items() if VALUE_KINDS[d] == kind)
+    value_kind(dtype)  # TypeError for another dtype
+    return FORMAT_OF_VALUES[np.dtype(dtype)]
 
 
 def _check_code_bits(code_bits) -> int:

@@ -528,7 +528,7 @@ def lossy_section(rows: Iterable[Mapping[str, Any]], exact_references: Iterable[
     """
     from mlemlib.image import read_image
 
-    exact = {exact_reference_problem(p): p for p in exact_references}
+    exact = {exact_reference_problem(p): read_image(p)[0].astype(np.float64) for p in exact_references}
     if not exact:
         return ""
     body = []
@@ -541,9 +541,8 @@ def lossy_section(rows: Iterable[Mapping[str, Any]], exact_references: Iterable[
         seen.add((key, r["run"]))
         if not Path(image).exists():  # the run directory moved: look beside its timings.json
             image = Path(r["run"]) / Path(image).name
-        ref, _ = read_image(exact[key])
-        img, _ = read_image(image, expected_length=ref.size)
-        ref64 = ref.astype(np.float64)
+        ref64 = exact[key]
+        img, _ = read_image(image, expected_length=ref64.size)
         rel = float(np.linalg.norm(img.astype(np.float64) - ref64) / (np.linalg.norm(ref64) or 1.0))
         body.append([key[0], key[1], config_label(r), r.get("format") or "", r.get("iterations") or "", _fmt_e(rel),
                      _fmt_e(r.get("rel_l2_reference"))])

@@ -323,20 +323,20 @@ def get_exact_source(matrix):
     if file_kind(entry["path"]) == "h5":
         import h5py
 
+        from mlemlib.formats.compressed_h5 import FORMATS
+
         with h5py.File(entry["path"], "r") as f:
-            if str(f.attrs.get("format", "")).removeprefix("mlem-") in LOSSY_FORMATS:
+            if FORMATS.get(f.attrs.get("format")) in LOSSY_FORMATS:
                 return None
     return entry["path"]
 
 
 def get_exact_reference_input(wildcards):
-    """Named inputs of exact_reference_mlem: the lossless source and the measurement."""
-    inputs = {
-        "matrix": get_exact_source(wildcards.matrix),
-        "sino": get_measurement(wildcards),
-    }
-    if is_simulated(wildcards):
-        inputs["truth"] = f"results/{wildcards.matrix}/data/{wildcards.data}-truth.h5"
+    """Named inputs of exact_reference_mlem: the problem's, with the lossless
+    source for the matrix and no norm (the source's own column sums)."""
+    inputs = get_problem_input(wildcards)
+    del inputs["norm"]
+    inputs["matrix"] = get_exact_source(wildcards.matrix)
     return inputs
 
 

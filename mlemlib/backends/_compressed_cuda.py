@@ -688,7 +688,7 @@ class DeviceChunked:
     @property
     def kernel(self) -> str:
         """The kernel that reads these values: ``chunked_onepass`` (float32), ``_f16`` or ``_u16``."""
-        return {"f": "chunked_onepass", "e": "chunked_onepass_f16", "H": "chunked_onepass_u16"}[self.data.dtype.char]
+        return "chunked_onepass" + (f"_{VALUE_NAMES[self.data.dtype.char]}" if self.half else "")
 
     @property
     def chunks(self) -> int:

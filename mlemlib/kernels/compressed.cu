@@ -700,9 +700,9 @@ __device__ __forceinline__ bool chunk_fast(float cs, double fscale) {
 }
 
 // The values' group of 4 as float32: float32 values as they are; 16-bit values (compressed-f16: the
-// float16 round(a / scale_r), compressed-u16: the integer rint(a / scale_r), with a power-of-two row
-// scale) times the row's scale, which gives back exactly the float32 values that format decodes to
-// (the sums are those of its decoded CSR).
+// float16 round(a / scale_r) with a power-of-two row scale; compressed-u16: the integer
+// rint(a / scale_r) with a float32 row scale) times the row's scale, computed as the format's decoder
+// does, so the values are exactly those it decodes to (the sums are those of its decoded CSR).
 template <int VK>
 struct ChunkVals;
 template <>
