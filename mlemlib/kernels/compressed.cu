@@ -129,6 +129,15 @@ typedef unsigned long long u64;
 #ifndef MLEM_CHUNK_PREFETCH
 #define MLEM_CHUNK_PREFETCH 1
 #endif
+// 1: a float32-scaled term (chunk_putq) goes to the shared sums without a branch (0: the range
+// check and the test for zero as branches, a divergent region per term); see chunk_putq.
+#ifndef MLEM_CHUNK_PRED
+#define MLEM_CHUNK_PRED 1
+#endif
+// 1: the chunk's shared sums before its staged f (0: after).
+#ifndef MLEM_CHUNK_LOFIRST
+#define MLEM_CHUNK_LOFIRST 0
+#endif
 
 #define MODE_PLAIN 0
 #define MODE_CORR 1
@@ -674,8 +683,23 @@ __device__ __forceinline__ void chunk_put4(unsigned* lo, unsigned* hi, ushort4 c
 // power of two commutes with float32 rounding while neither product is subnormal or infinite, and
 // where one is, the term rounds to 0 or fails the range check in both), so the sums are those of
 // chunk_put; one float-to-integer conversion per term instead of two conversions and float64 maths.
-__device__ __forceinline__ void chunk_putq(unsigned* lo, unsigned* hi, unsigned j, float q, int& bad) {
-    if (!(q >= 0.0f && q < 4503599627370496.0f)) {  // 2^52; NaN fails too
+template <bool FULL>
+__device__ __forceinline__ void chunk_putq(unsigned* lo, unsigned* hi, unsigned j, float q, int& bad, unsigned& ovf) {
+    if (MLEM_CHUNK_PRED) {
+        // q >= 0 or -0 here (values and c_i non-negative, checked on upload; NaN and infinite c_i
+        // take chunk_put). u = rint(q), saturated at 2^64 - 1: u < 2^52 exactly where q < 2^52, so
+        // OR-ing u's high word into ovf and testing ovf against 2^20 once per thread is the range
+        // check (an overflowed iteration's sums are discarded). FULL (the interleaved groups, where
+        // every lane holds an element): the adds run unconditionally, a zero adding nothing, as
+        // ptxas turns even a PTX predicate on them into a divergent region per term; else (the
+        // row's rest, lanes past its end) only for q > 0.
+        const u64 u = __float2ull_rn(q);
+        ovf |= (unsigned)(u >> 32);
+        if (FULL || q > 0.0f) {
+            atomicAdd(lo + j, (unsigned)(u & 0xFFFFFull));
+            atomicAdd(hi + j, (unsigned)(u >> 20));
+        }
+    } else if (!(q >= 0.0f && q < 4503599627370496.0f)) {  // 2^52; NaN fails too
         bad = 1;
     } else if (q > 0.0f) {
         const u64 u = __float2ull_rn(q);
@@ -684,11 +708,12 @@ __device__ __forceinline__ void chunk_putq(unsigned* lo, unsigned* hi, unsigned 
     }
 }
 
-__device__ __forceinline__ void chunk_put4q(unsigned* lo, unsigned* hi, ushort4 c, float4 v, float cs, int& bad) {
-    chunk_putq(lo, hi, c.x, v.x * cs, bad);
-    chunk_putq(lo, hi, c.y, v.y * cs, bad);
-    chunk_putq(lo, hi, c.z, v.z * cs, bad);
-    chunk_putq(lo, hi, c.w, v.w * cs, bad);
+__device__ __forceinline__ void chunk_put4q(unsigned* lo, unsigned* hi, ushort4 c, float4 v, float cs, int& bad,
+                                            unsigned& ovf) {
+    chunk_putq<true>(lo, hi, c.x, v.x * cs, bad, ovf);
+    chunk_putq<true>(lo, hi, c.y, v.y * cs, bad, ovf);
+    chunk_putq<true>(lo, hi, c.z, v.z * cs, bad, ovf);
+    chunk_putq<true>(lo, hi, c.w, v.w * cs, bad, ovf);
 }
 
 // Whether chunk_putq gives chunk_put's sums for a row: the scale in [2^-70, 2^100] (so a float32
@@ -759,8 +784,10 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     constexpr int SU = MLEM_CHUNK_STAGE;
     extern __shared__ float chunk_sm[];
     __shared__ int chunk_next;
-    float* fl = chunk_sm;
-    unsigned* lo = reinterpret_cast<unsigned*>(chunk_sm + window);
+    // Shared memory: f, low and high words of the sums, window words each (MLEM_CHUNK_LOFIRST: the
+    // sums first).
+    float* fl = chunk_sm + (MLEM_CHUNK_LOFIRST ? 2 * window : 0);
+    unsigned* lo = reinterpret_cast<unsigned*>(chunk_sm + (MLEM_CHUNK_LOFIRST ? 0 : window));
     unsigned* hi = lo + window;
     const i64 c = blockIdx.x;
     const i64 v0 = vptr[c];
@@ -796,6 +823,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     __syncthreads();
     const int lane = threadIdx.x & 31;
     int bad = 0;
+    unsigned ovf = 0u;  // the high words of this thread's float32-scaled terms (chunk_putq)
     i64 ps = 0, pe = 0;  // the next row's bounds and measurement (MLEM_CHUNK_PREFETCH)
     float pg = 0.0f;
     if (MLEM_CHUNK_PREFETCH && r0 + (threadIdx.x >> 5) < r1) {
@@ -869,12 +897,12 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
 #pragma unroll
                 for (int q = 0; q < CG; ++q) {
                     if (q >= ng) break;  // warp-uniform
-                    chunk_put4q(lo, hi, cc[q], CV::f4(cv[q], sc), cs, bad);
+                    chunk_put4q(lo, hi, cc[q], CV::f4(cv[q], sc), cs, bad, ovf);
                 }
                 for (int q = CG; q < ng; ++q)
-                    chunk_put4q(lo, hi, __ldcs(lq + 32 * q), CV::f4(__ldcs(vq + 32 * q), sc), cs, bad);
+                    chunk_put4q(lo, hi, __ldcs(lq + 32 * q), CV::f4(__ldcs(vq + 32 * q), sc), cs, bad, ovf);
 #pragma unroll
-                for (int t = 0; t < 4; ++t) chunk_putq(lo, hi, rc[t], rv[t] * cs, bad);  // zeros add nothing
+                for (int t = 0; t < 4; ++t) chunk_putq<false>(lo, hi, rc[t], rv[t] * cs, bad, ovf);  // zeros add nothing
             } else {
 #pragma unroll
                 for (int q = 0; q < CG; ++q) {
@@ -889,7 +917,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         }
         r = rn;
     }
-    if (bad) atomicOr(flag, 1);
+    if (bad || ovf >= (1u << 20)) atomicOr(flag, 1);  // a term >= 2^52
     if (fwd_only) return;  // uniform over the block
     __syncthreads();
     for (int i0 = threadIdx.x; i0 < nv; i0 += SU * blockDim.x) {
