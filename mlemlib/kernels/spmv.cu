@@ -53,6 +53,11 @@ typedef long long i64;
 #define MLEM_MIN_BLOCKS 1
 #endif
 
+// Trips of group_dot's 16-byte loop unrolled (loads of that many int4/float4 pairs issued together).
+#ifndef MLEM_VEC_UNROLL
+#define MLEM_VEC_UNROLL 2
+#endif
+
 // Loads of the matrix's own arrays (columns, values) in group_dot: through the
 // read-only path (__ldg, the default) or as streaming loads that are evicted
 // first (-DMLEM_STREAM: __ldcs), which leaves L1 to the gathers of x.
@@ -118,7 +123,7 @@ __device__ __forceinline__ float group_dot(i64 s, i64 e, const int* __restrict__
     const i64 qe = e >> 2;
     const int4* __restrict__ col4 = reinterpret_cast<const int4*>(col);
     const float4* __restrict__ val4 = reinterpret_cast<const float4*>(val);
-#pragma unroll 2
+#pragma unroll MLEM_VEC_UNROLL
     for (i64 q = (a >> 2) + lane; q < qe; q += L) {
         const int4 c = LDM(col4 + q);
         const float4 v = LDM(val4 + q);
