@@ -12,7 +12,8 @@ order of ``--orders`` (see ``tools/device_kernels.py``: ``own``,
 ``A^T`` on the GPU and times, with CUDA events (median of ``--repeat``):
 cuSPARSE's forward and back on ``A^T`` once, then per variant the
 ``csr_vector`` forward and back kernels alone under their tuned launch shapes
-and whole MLEM iterations of the ``auto`` pair (tuned), each against the
+(plain, and with the MLEM iteration's fused epilogues: the correlation after
+the forward, the update after the back projection) and whole MLEM iterations of the ``auto`` pair (tuned), each against the
 copy bandwidth of the same run. Every variant's forward and back projection
 is checked against a float64 product first and bit for bit against the first
 variant's (a macro that only changes the schedule must not change the sums).
@@ -86,6 +87,13 @@ def main(argv=None) -> int:
         del a64
         a.drop_cusparse()
         norm = (at.cusparse() @ cp.ones(m, dtype=cp.float32)).get().astype(np.float64)
+        # the fused epilogues' operands and float64 references (f_upd is not updated in place: out is y)
+        g_dev = cp.asarray(g, dtype=cp.float32)
+        f_upd = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
+        nrm_dev = cp.asarray(norm, dtype=cp.float32)
+        ref_corr = cp.where(ref_fp != 0, g_dev.astype(cp.float64) / cp.where(ref_fp != 0, ref_fp, 1.0), 0.0)
+        nrm64 = nrm_dev.astype(cp.float64)
+        ref_upd = f_upd.astype(cp.float64) * ref_bp / cp.where(nrm64 != 0, nrm64, 1.0)
         bytes_a, bytes_at = plan.csr_bytes(m, a.nnz), plan.csr_bytes(n, a.nnz)
 
         def err(y, ref):
@@ -105,11 +113,16 @@ def main(argv=None) -> int:
             be = CudaBackend(a, g, norm, at, fp="csr_vector", bp="csr_vector", tune=True)
             y_fp = cp.empty(m, dtype=cp.float32)
             y_bp = cp.empty(n, dtype=cp.float32)
-            for what, mat, x, y, nb, ref in (("forward, csr_vector (tuned)", a, f, y_fp, bytes_a, ref_fp),
-                                             ("back on A^T, csr_vector (tuned)", at, c, y_bp, bytes_at, ref_bp)):
+            cases = [("forward, csr_vector (tuned)", a, f, y_fp, bytes_a, ref_fp, {}),
+                     ("back on A^T, csr_vector (tuned)", at, c, y_bp, bytes_at, ref_bp, {}),
+                     ("forward with the correlation (mode 1)", a, f, y_fp, bytes_a, ref_corr,
+                      {"mode": ck.MODE_CORR, "aux0": g_dev}),
+                     ("back with the update (mode 2)", at, c, y_bp, bytes_at, ref_upd,
+                      {"mode": ck.MODE_UPDATE, "aux0": f_upd, "aux1": nrm_dev})]
+            for what, mat, x, y, nb, ref, kw in cases:
                 lanes = mat.lanes() if mat is a else ck.transpose_lanes(mat)
-                fn = (lambda mat=mat, x=x, y=y, lanes=lanes:
-                      ck.spmv(mat, x, y, lanes=lanes, shape=mat.row_shape))
+                fn = (lambda mat=mat, x=x, y=y, lanes=lanes, kw=kw:
+                      ck.spmv(mat, x, y, lanes=lanes, shape=mat.row_shape, **kw))
                 fn()
                 same = None
                 if what in first:
