@@ -24,7 +24,9 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -456,11 +458,75 @@ def _check_vector(name: str, v: Any, length: int) -> None:
 
 
 def _launch_rows(kernel: Any, rows: int, lanes: int, args: tuple, waves: int | None = None) -> None:
+    _rows_launch(kernel, rows, lanes, args, waves)()
+
+
+def _rows_launch(kernel: Any, rows: int, lanes: int, args: tuple, waves: int | None = None) -> Callable[[], None]:
+    """The launch of a row kernel over ``rows`` rows, prepared: calling it only submits the kernel."""
     props = device_properties(cupy().cuda.Device().id)
     blocks, threads = plan.launch_shape(
         rows, plan.THREADS // lanes, props["sm_count"], props["max_threads_per_sm"], waves=waves
     )
-    kernel((blocks,), (threads,), args)
+    return partial(kernel, (blocks,), (threads,), args)
+
+
+def spmv_launch(
+    a: DeviceCSR,
+    x: Any,
+    out: Any = None,
+    *,
+    kernel: str = "csr_vector",
+    lanes: int | None = None,
+    mode: int = MODE_PLAIN,
+    aux0: Any = None,
+    aux1: Any = None,
+    shape: plan.RowShape | None = None,
+) -> Callable[[], Any] | None:
+    """:func:`spmv` with ``csr_vector`` or ``csr_scalar`` prepared: a call that only submits the kernel.
+
+    Checks the vectors, resolves lanes and launch shape and builds the
+    arguments now; calling the result launches the kernel and returns
+    ``out``. A timed step (the MLEM iteration's first event) can so be
+    recorded after the host-side preparation instead of before it. None for
+    the other kernels (``merge``, ``cusparse``: several launches; call
+    :func:`spmv`).
+    """
+    if kernel not in ("csr_vector", "csr_scalar"):
+        return None
+    cp = cupy()
+    m, n = a.shape
+    out = spmv_vectors(a.shape, x, out, mode, aux0, aux1)
+    if m == 0:
+        return lambda: out
+    a0 = aux0 if aux0 is not None else out
+    a1 = aux1 if aux1 is not None else out
+    args = (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1)
+    if kernel == "csr_scalar":
+        run = _rows_launch(_function("spmv", "csr_scalar"), m, 1, args)
+    else:
+        lanes_ = lanes or a.lanes()
+        if lanes_ not in plan.LANE_CHOICES:
+            raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
+        if shape is None:  # the matrix's tuned shape, where this lane count can take it
+            shape = a.row_shape if lanes_ in plan.BLOCK_LANES else None
+        if shape is None or shape.is_default:
+            run = _rows_launch(_function("spmv", f"csr_vector_{lanes_}"), m, lanes_, args)
+        else:
+            if lanes_ not in plan.BLOCK_LANES:
+                raise ConfigError("lanes", f"a block shape needs lanes in {plan.BLOCK_LANES}, got {lanes_}")
+            props = device_properties(cp.cuda.Device().id)
+            blocks, threads = plan.launch_shape(
+                m, shape.threads // lanes_, props["sm_count"], props["max_threads_per_sm"], threads=shape.threads,
+                waves=shape.waves,
+            )
+            run = partial(_function("spmv", f"csr_block_{lanes_}", shape.options()), (blocks,), (threads,),
+                          (*args, np.int32(bool(shape.sync))))
+
+    def launch() -> Any:
+        run()
+        return out
+
+    return launch
 
 
 def spmv(
@@ -511,35 +577,13 @@ def spmv(
     cupy.ndarray
         ``out``.
     """
+    launch = spmv_launch(a, x, out, kernel=kernel, lanes=lanes, mode=mode, aux0=aux0, aux1=aux1, shape=shape)
+    if launch is not None:
+        return launch()
     cp = cupy()
-    m, n = a.shape
+    m = a.shape[0]
     out = spmv_vectors(a.shape, x, out, mode, aux0, aux1)
     if m == 0:
-        return out
-    if kernel in ("csr_vector", "csr_scalar"):
-        a0 = aux0 if aux0 is not None else out
-        a1 = aux1 if aux1 is not None else out
-        args = (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1)
-        if kernel == "csr_scalar":
-            _launch_rows(_function("spmv", "csr_scalar"), m, 1, args)
-            return out
-        lanes_ = lanes or a.lanes()
-        if lanes_ not in plan.LANE_CHOICES:
-            raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
-        if shape is None:  # the matrix's tuned shape, where this lane count can take it
-            shape = a.row_shape if lanes_ in plan.BLOCK_LANES else None
-        if shape is None or shape.is_default:
-            _launch_rows(_function("spmv", f"csr_vector_{lanes_}"), m, lanes_, args)
-            return out
-        if lanes_ not in plan.BLOCK_LANES:
-            raise ConfigError("lanes", f"a block shape needs lanes in {plan.BLOCK_LANES}, got {lanes_}")
-        props = device_properties(cp.cuda.Device().id)
-        blocks, threads = plan.launch_shape(
-            m, shape.threads // lanes_, props["sm_count"], props["max_threads_per_sm"], threads=shape.threads,
-            waves=shape.waves,
-        )
-        fn = _function("spmv", f"csr_block_{lanes_}", shape.options())
-        fn((blocks,), (threads,), (*args, np.int32(bool(shape.sync))))
         return out
     if kernel not in ("merge", "cusparse"):
         raise ConfigError("fp", f"unknown SpMV kernel {kernel!r}")

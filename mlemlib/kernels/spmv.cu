@@ -54,8 +54,10 @@ typedef long long i64;
 #endif
 
 // Trips of group_dot's 16-byte loop unrolled (loads of that many int4/float4 pairs issued together).
+// 4 measured 1.7-3.7% faster per kernel than 2 on madpet2 in its own order on the H100; 3 as fast,
+// 6 and 8 slower (docs/benchmarks.md section 50). The sums are the same for any value.
 #ifndef MLEM_VEC_UNROLL
-#define MLEM_VEC_UNROLL 2
+#define MLEM_VEC_UNROLL 4
 #endif
 
 // Loads of the matrix's own arrays (columns, values) in group_dot: through the
@@ -95,7 +97,8 @@ __device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y,
 // The epilogue's operands of row r (aux0[r], and aux1[r] for the update), loaded before the row's
 // dot product (MLEM_ROW_PREFETCH >= 1) so that their latency overlaps it instead of following the
 // reduction; write_row_pre computes exactly write_row's value from them. MLEM_ROW_PREFETCH=2 also
-// loads the next row's bounds and operands while the current row is summed.
+// loads the next row's bounds and operands while the current row is summed. Both measured slower
+// than 0 on the H100 (section 50): the default stays 0.
 #ifndef MLEM_ROW_PREFETCH
 #define MLEM_ROW_PREFETCH 0
 #endif
