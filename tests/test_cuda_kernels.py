@@ -386,3 +386,42 @@ def test_block_shape_needs_block_lanes(rng):
     d = ck.DeviceCSR.from_host(random_csr(rng, 10, 10, np.full(10, 3)))
     with pytest.raises(ConfigError, match="block shape needs lanes"):
         ck.spmv(d, cp.ones(10, dtype=cp.float32), lanes=2, shape=plan.RowShape(1024, True, 0))
+
+
+@pytest.mark.parametrize("shape", [None, *SHAPES], ids=lambda s: "own" if s is None else s.label())
+def test_skip_empty_rows_computes_the_same_sums_and_leaves_empty_rows(rng, shape):
+    """skip_empty: the non-empty rows get csr_vector's bits (plain and correlation), the empty rows are not
+    written (a poisoned output keeps its NaN there), and the update epilogue refuses it."""
+    lengths = rng.integers(1, 300, size=4000)
+    lengths[rng.random(4000) < 0.6] = 0  # 60% empty rows, as madpet2's own order has 58%
+    lengths[:5] = 0
+    lengths[-7:] = 0  # empty rows before the first and after the last non-empty one
+    a = random_csr(rng, 4000, 900, lengths, signed=False)
+    d = ck.DeviceCSR.from_host(a)
+    ptr, rows = d.compact_rows()
+    nonempty = np.flatnonzero(lengths)
+    assert cp.asnumpy(rows).tolist() == nonempty.tolist()
+    assert cp.asnumpy(ptr).tolist() == [*a.indptr[nonempty].tolist(), int(a.indptr[-1])]
+    x = cp.asarray(rng.uniform(0.5, 1.5, 900).astype(np.float32))
+    g = cp.asarray(rng.poisson(3.0, 4000).astype(np.float32))
+    empty = lengths == 0
+    lanes = plan.BLOCK_LANES[-1] if shape is not None else None
+    for mode, aux0 in ((ck.MODE_PLAIN, None), (ck.MODE_CORR, g)):
+        ref = cp.asnumpy(ck.spmv(d, x, poisoned(4000), lanes=lanes, mode=mode, aux0=aux0, shape=shape))
+        got = cp.asnumpy(ck.spmv_launch(d, x, poisoned(4000), lanes=lanes, mode=mode, aux0=aux0, shape=shape,
+                                        skip_empty=True)())
+        assert np.array_equal(got[~empty], ref[~empty])
+        assert np.all(ref[empty] == 0) and np.all(np.isnan(got[empty]))
+    with pytest.raises(ValueError, match="skip_empty"):
+        ck.spmv_launch(d, x, poisoned(4000), mode=ck.MODE_UPDATE, aux0=g, aux1=g, skip_empty=True)
+
+
+def test_compact_rows_only_where_many_rows_are_empty(rng):
+    lengths = np.full(800, 5)
+    lengths[:100] = 0  # exactly 1/8 empty: not worth a row list
+    d = ck.DeviceCSR.from_host(random_csr(rng, 800, 50, lengths))
+    assert d.compact_rows() is None
+    x = cp.asarray(rng.uniform(0.5, 1.5, 50).astype(np.float32))
+    full = ck.spmv(d, x, poisoned(800))
+    got = ck.spmv_launch(d, x, poisoned(800), skip_empty=True)()  # no list: every row written
+    assert cp.array_equal(got, full)

@@ -245,3 +245,27 @@ def test_notrans_takes_cusparse_when_chunks_do_not_fit_shared_memory():
         f = be.iterate(f)
     ref = reference_mlem(s, g, norm, 10)
     assert rel_l2(be.to_host(f), ref) < 1e-5
+
+
+def test_fused_forward_skipping_empty_rows_changes_no_bit(pet, monkeypatch):
+    """With most rows empty the fused forward runs over the non-empty rows only (DeviceCSR.compact_rows);
+    the image equals the unfused iteration's and the one without skipping bit for bit."""
+    a = pet["a"]
+    m, n = a.shape
+    lengths = np.diff(a.indptr)
+    spread = np.zeros(3 * m, dtype=np.int64)  # every row of A followed by two empty rows
+    spread[::3] = lengths
+    wide = CSRMatrix(np.concatenate(([0], np.cumsum(spread))), a.indices, a.data, (3 * m, n))
+    g = np.zeros(3 * m, dtype=np.int32)
+    g[::3] = pet["g"]
+    g[1::3] = 5  # counts where the matrix has no row: c = g / 0 -> 0
+    at = CSRMatrix.from_scipy(sp.csr_matrix((wide.data, wide.indices, wide.indptr), shape=wide.shape).T.tocsr())
+    problem = {"a": wide, "at": at, "g": g, "norm": pet["norm"]}
+    be, skipped = run_gpu(problem, "csr_vector", "csr_vector")
+    assert be.a.compact_rows() is not None
+    _, unfused = run_gpu(problem, "csr_vector", "csr_vector", fuse=False)
+    monkeypatch.setattr(cuda_backend, "SKIP_EMPTY_ROWS", False)
+    _, every_row = run_gpu(problem, "csr_vector", "csr_vector")
+    np.testing.assert_array_equal(skipped, unfused)
+    np.testing.assert_array_equal(skipped, every_row)
+    assert rel_l2(skipped, pet["ref"]) < 1e-5

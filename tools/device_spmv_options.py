@@ -6,7 +6,9 @@ Run from the repository root on a GPU machine::
     PYTHONPATH=. python3 tools/device_spmv_options.py --out $OUT --options "VEC_UNROLL=1;VEC_UNROLL=2;VEC_UNROLL=4"
 
 ``--options``: ``;``-separated variants, each a ``,``-separated list of
-``MLEM_`` macros without the prefix (``''``: the defaults). For each LOR
+``MLEM_`` macros without the prefix (``''``: the defaults), and
+``SKIP_EMPTY=0|1`` (``mlemlib.backends.cuda.SKIP_EMPTY_ROWS``: the fused
+forward over the non-empty rows only; default 1). For each LOR
 order of ``--orders`` (see ``tools/device_kernels.py``: ``own``,
 ``shuffled``, ``own-reordered``) it traces ``madpet2``, builds ``A`` and
 ``A^T`` on the GPU and times, with CUDA events (median of ``--repeat``):
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
 
     from mlemlib.backends import _cuda_kernels as ck
     from mlemlib.backends import _cuda_plan as plan
+    from mlemlib.backends import cuda as cuda_mod
     from mlemlib.backends.cuda import CudaBackend
     from mlemlib.bench import copy_bandwidth, time_gpu
     from mlemlib.devices import device_facts
@@ -108,21 +111,23 @@ def main(argv=None) -> int:
         cp.get_default_memory_pool().free_all_blocks()
         first: dict[str, object] = {}
         for variant in args.options:
-            ck.SPMV_OPTIONS = tuple(f"-DMLEM_{kv}" for kv in variant.split(",") if kv)
+            kvs = [kv for kv in variant.split(",") if kv]
+            skip = [kv for kv in kvs if kv.startswith("SKIP_EMPTY=")]
+            cuda_mod.SKIP_EMPTY_ROWS = bool(int(skip[-1].split("=")[1])) if skip else True
+            ck.SPMV_OPTIONS = tuple(f"-DMLEM_{kv}" for kv in kvs if kv not in skip)
             a.row_shape = at.row_shape = None
             be = CudaBackend(a, g, norm, at, fp="csr_vector", bp="csr_vector", tune=True)
-            y_fp = cp.empty(m, dtype=cp.float32)
+            y_fp = cp.zeros(m, dtype=cp.float32)  # zeros: what skip_empty leaves at the empty rows
             y_bp = cp.empty(n, dtype=cp.float32)
             cases = [("forward, csr_vector (tuned)", a, f, y_fp, bytes_a, ref_fp, {}),
                      ("back on A^T, csr_vector (tuned)", at, c, y_bp, bytes_at, ref_bp, {}),
                      ("forward with the correlation (mode 1)", a, f, y_fp, bytes_a, ref_corr,
-                      {"mode": ck.MODE_CORR, "aux0": g_dev}),
+                      {"mode": ck.MODE_CORR, "aux0": g_dev, "skip_empty": cuda_mod.SKIP_EMPTY_ROWS}),
                      ("back with the update (mode 2)", at, c, y_bp, bytes_at, ref_upd,
                       {"mode": ck.MODE_UPDATE, "aux0": f_upd, "aux1": nrm_dev})]
             for what, mat, x, y, nb, ref, kw in cases:
                 lanes = mat.lanes() if mat is a else ck.transpose_lanes(mat)
-                fn = (lambda mat=mat, x=x, y=y, lanes=lanes, kw=kw:
-                      ck.spmv(mat, x, y, lanes=lanes, shape=mat.row_shape, **kw))
+                fn = ck.spmv_launch(mat, x, y, lanes=lanes, shape=mat.row_shape, **kw)
                 fn()
                 same = None
                 if what in first:

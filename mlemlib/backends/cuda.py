@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 MEMORY_HEADROOM = 0.92
 #: Kernels with the fused epilogues (correlation into fp, update into bp on A^T).
 FUSED = ("csr_vector", "csr_scalar", "delta_vector")
+#: The fused forward projection skips empty rows (DeviceCSR.compact_rows) where they are more than 1/8
+#: of A's rows; False runs every row (for measurements: tools/device_spmv_options.py --skip-empty).
+SKIP_EMPTY_ROWS = True
 GIB = float(1 << 30)
 
 
@@ -275,7 +278,8 @@ class CudaBackend(Backend):
             self.norm = cp.asarray(norm, dtype=cp.float32)
 
             self._fp = cp.empty(m, dtype=cp.float32)
-            self._c = cp.empty(m, dtype=cp.float32)
+            # zeros: the correlation of an empty row, which the fused forward leaves unwritten (skip_empty)
+            self._c = cp.zeros(m, dtype=cp.float32)
             self._bp = cp.empty(n, dtype=cp.float32)
             self.onepass = registry.get_bp("cuda", self.bp_kernel).op == "iteration"
             self.fuse_fp = fuse and self.fp_kernel in FUSED
@@ -336,11 +340,13 @@ class CudaBackend(Backend):
 
     def _fused_fp_launch(self, f: Any) -> Any:
         """The forward projection with the correlation fused, prepared (:func:`ck.spmv_launch`); None where
-        its kernel has no prepared launch (the call then goes through :meth:`_project`)."""
+        its kernel has no prepared launch (the call then goes through :meth:`_project`). Where more than
+        1/8 of A's rows are empty (:meth:`DeviceCSR.compact_rows`) only the others are computed: ``_c``
+        keeps its zeros there, the correlation of an empty row."""
         if not isinstance(self.a, ck.DeviceCSR):
             return None
         return ck.spmv_launch(self.a, f, self._c, kernel=self.fp_kernel, lanes=self._lanes(self.a),
-                              mode=ck.MODE_CORR, aux0=self.g)
+                              mode=ck.MODE_CORR, aux0=self.g, skip_empty=SKIP_EMPTY_ROWS)
 
     def forward(self, f: Any) -> Any:
         with self._device:

@@ -15,6 +15,9 @@
 //                       its start, end and L.
 //   csr_block_L         csr_vector_L (the same sums) in blocks of up to 1024
 //                       threads whose rows advance together (launch shape only).
+//                       Both take an optional row list (the last argument): the
+//                       row pointer is then compacted to the non-empty rows and
+//                       row r writes y[rows[r]] (empty rows are not written).
 //   merge_spmv          merge-path SpMV of the thesis (5.1): each thread takes
 //                       `secsize` merge items (a non-zero or a row end) and adds
 //                       its partial row sums with atomicAdd. NOT deterministic.
@@ -177,12 +180,17 @@ __device__ __forceinline__ float group_dot(i64 s, i64 e, const int* __restrict__
 // csr_vector_L: groups of L lanes, one row per group, grid-stride. The loop
 // runs over warp-aligned row bases so every lane of a warp takes the same
 // number of trips and the full-mask shuffles are legal.
+//
+// rows: null, or the rows that rowptr's m rows are (a compacted row pointer of the non-empty rows,
+// DeviceCSR.compact_rows): row r's sum goes to y[rows[r]] with the epilogue at rows[r]; the other
+// rows of y are not written.
 template <int L>
 __device__ __forceinline__ void csr_vector_body(const i64* __restrict__ rowptr,
                                                 const int* __restrict__ col,
                                                 const float* __restrict__ val,
                                                 const float* __restrict__ x, float* y, i64 m,
-                                                int mode, const float* aux0, const float* aux1) {
+                                                int mode, const float* aux0, const float* aux1,
+                                                const i64* __restrict__ rows) {
     const int lane = threadIdx.x & (L - 1);
     const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
@@ -216,14 +224,15 @@ __device__ __forceinline__ void csr_vector_body(const i64* __restrict__ rowptr,
             e = valid ? rowptr[r + 1] : 0;
             if (MLEM_ROW_PREFETCH == 1) ra = row_aux(mode, r, valid && lane == 0, aux0, aux1);
         }
+        const i64 ry = rows != nullptr && valid && lane == 0 ? rows[r] : r;  // loaded before the sum
         float sum = group_dot<L>(s, e, col, val, x, lane);
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, L);
         if (valid && lane == 0) {
-            if (MLEM_ROW_PREFETCH)
+            if (MLEM_ROW_PREFETCH && rows == nullptr)
                 write_row_pre(mode, r, sum, y, ra);
             else
-                write_row(mode, r, sum, y, aux0, aux1);
+                write_row(mode, ry, sum, y, aux0, aux1);
         }
     }
 }
@@ -232,8 +241,8 @@ __device__ __forceinline__ void csr_vector_body(const i64* __restrict__ rowptr,
     extern "C" __global__ void __launch_bounds__(256, MLEM_MIN_BLOCKS) csr_vector_##L(                            \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                              \
         const float* __restrict__ val, const float* __restrict__ x, float* y, i64 m, int mode,   \
-        const float* aux0, const float* aux1) {                                                   \
-        csr_vector_body<L>(rowptr, col, val, x, y, m, mode, aux0, aux1);                         \
+        const float* aux0, const float* aux1, const i64* rows) {                                  \
+        csr_vector_body<L>(rowptr, col, val, x, y, m, mode, aux0, aux1, rows);                   \
     }
 CSR_VECTOR(2)
 CSR_VECTOR(4)
@@ -254,7 +263,8 @@ __device__ __forceinline__ void csr_block_body(const i64* __restrict__ rowptr,
                                                const int* __restrict__ col,
                                                const float* __restrict__ val,
                                                const float* __restrict__ x, float* y, i64 m, int mode,
-                                               const float* aux0, const float* aux1, int sync) {
+                                               const float* aux0, const float* aux1, int sync,
+                                               const i64* __restrict__ rows) {
     const int lane = threadIdx.x & (L - 1);
     const i64 per_block = blockDim.x / L;
     const i64 step = (i64)gridDim.x * per_block;
@@ -290,14 +300,15 @@ __device__ __forceinline__ void csr_block_body(const i64* __restrict__ rowptr,
             e = valid ? rowptr[r + 1] : 0;
             if (MLEM_ROW_PREFETCH == 1) ra = row_aux(mode, r, valid && lane == 0, aux0, aux1);
         }
+        const i64 ry = rows != nullptr && valid && lane == 0 ? rows[r] : r;  // loaded before the sum
         float sum = group_dot<L>(s, e, col, val, x, lane);
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, L);
         if (valid && lane == 0) {
-            if (MLEM_ROW_PREFETCH)
+            if (MLEM_ROW_PREFETCH && rows == nullptr)
                 write_row_pre(mode, r, sum, y, ra);
             else
-                write_row(mode, r, sum, y, aux0, aux1);
+                write_row(mode, ry, sum, y, aux0, aux1);
         }
         if (sync) __syncthreads();
     }
@@ -307,8 +318,8 @@ __device__ __forceinline__ void csr_block_body(const i64* __restrict__ rowptr,
     extern "C" __global__ void __launch_bounds__(1024, MLEM_BLOCK_MINB) csr_block_##L(                            \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                              \
         const float* __restrict__ val, const float* __restrict__ x, float* y, i64 m, int mode,   \
-        const float* aux0, const float* aux1, int sync) {                                         \
-        csr_block_body<L>(rowptr, col, val, x, y, m, mode, aux0, aux1, sync);                    \
+        const float* aux0, const float* aux1, int sync, const i64* rows) {                        \
+        csr_block_body<L>(rowptr, col, val, x, y, m, mode, aux0, aux1, sync, rows);              \
     }
 CSR_BLOCK(8)
 CSR_BLOCK(16)
