@@ -690,7 +690,6 @@ def scatter(
     kernel: str = "scatter",
     lanes: int | None = None,
     smem: SmemPlan | None = None,
-    skip_empty: bool = True,
 ) -> Any:
     """``out = A^T c`` from the rows of ``A`` (no transpose); floating-point atomics: not deterministic.
 
@@ -711,10 +710,6 @@ def scatter(
         Lanes per row of ``scatter`` / ``scatter_vec`` (default from the mean row length).
     smem
         The :func:`smem_plan` of ``a`` (made here when None; make it once).
-    skip_empty
-        ``scatter``: where more than 1/8 of the rows are empty
-        (:meth:`DeviceCSR.compact_rows`), launch lane groups for the others
-        only (an empty row adds nothing).
     """
     cp = cupy()
     m, n = a.shape
@@ -738,13 +733,7 @@ def scatter(
             raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
         fn = _function("spmv", f"{kernel}_{lanes_}", VECTOR_ATOMICS if kernel == "scatter_vec" else ())
         # one row per lane group, no grid-stride loop: the rows in flight are neighbours (docs/benchmarks.md §31)
-        if kernel == "scatter":
-            compact = a.compact_rows() if skip_empty else None
-            ptr, rows = compact if compact else (a.indptr, np.uint64(0))  # 0: the kernel's null row list
-            rows_n = int(ptr.size - 1)
-            _launch_rows(fn, rows_n, lanes_, (ptr, a.indices, a.data, c, out, np.int64(rows_n), rows), waves=0)
-        else:
-            _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, c, out, np.int64(m)), waves=0)
+        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, c, out, np.int64(m)), waves=0)
     elif kernel == "scatter_smem":
         sp = smem if smem is not None else smem_plan(a)
         nchunks = len(sp.chunk_rows) - 1

@@ -373,14 +373,11 @@ extern "C" __global__ void merge_spmv(const i64* __restrict__ rowptr, const int*
 // transpose). Rows with c_i == 0 are skipped (their non-zeros add nothing),
 // which saves reading them when the measurement has empty bins. out must be
 // zero on entry.
-// rows (scatter_L; null or a compacted row pointer's rows, as in csr_vector_L): row r of rowptr
-// is row rows[r] of A, whose correlation is c[rows[r]].
 template <int L, bool VEC>
 __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
                                              const int* __restrict__ col,
                                              const float* __restrict__ val,
-                                             const float* __restrict__ c, float* out, i64 m,
-                                             const i64* __restrict__ rows) {
+                                             const float* __restrict__ c, float* out, i64 m) {
     const int lane = threadIdx.x & (L - 1);
     const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
@@ -392,7 +389,7 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
         // The lanes of a group take the same trips (a predicate per element, no divergent exit).
         const i64 r = gtid / L;
         if (r >= m) return;
-        const float cr = __ldg(c + (rows != nullptr ? __ldg(rows + r) : r));
+        const float cr = __ldg(c + r);
         if (cr == 0.0f) return;
         const i64 s = rowptr[r], e = rowptr[r + 1];
         for (i64 k0 = s; k0 < e; k0 += L) {
@@ -441,14 +438,13 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
 #define SCATTER(L)                                                                              \
     extern "C" __global__ void __launch_bounds__(256, MLEM_MIN_BLOCKS) scatter_##L(                             \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                            \
-        const float* __restrict__ val, const float* __restrict__ c, float* out, i64 m,          \
-        const i64* rows) {                                                                      \
-        scatter_body<L, false>(rowptr, col, val, c, out, m, rows);                              \
+        const float* __restrict__ val, const float* __restrict__ c, float* out, i64 m) {        \
+        scatter_body<L, false>(rowptr, col, val, c, out, m);                                    \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(256, MLEM_MIN_BLOCKS) scatter_vec_##L(                         \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                            \
         const float* __restrict__ val, const float* __restrict__ c, float* out, i64 m) {        \
-        scatter_body<L, true>(rowptr, col, val, c, out, m, nullptr);                            \
+        scatter_body<L, true>(rowptr, col, val, c, out, m);                                     \
     }
 SCATTER(2)
 SCATTER(4)
