@@ -97,40 +97,6 @@ __device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y,
     y[r] = out;
 }
 
-// The epilogue's operands of row r (aux0[r], and aux1[r] for the update), loaded before the row's
-// dot product (MLEM_ROW_PREFETCH >= 1) so that their latency overlaps it instead of following the
-// reduction; write_row_pre computes exactly write_row's value from them. MLEM_ROW_PREFETCH=2 also
-// loads the next row's bounds and operands while the current row is summed. Both measured slower
-// than 0 on the H100 (section 50): the default stays 0.
-#ifndef MLEM_ROW_PREFETCH
-#define MLEM_ROW_PREFETCH 0
-#endif
-
-struct RowAux {
-    float a0, a1;
-};
-
-__device__ __forceinline__ RowAux row_aux(int mode, i64 r, bool load, const float* aux0, const float* aux1) {
-    RowAux x = {0.0f, 0.0f};
-    if (load && mode != MODE_PLAIN) {
-        x.a0 = aux0[r];
-        if (mode == MODE_UPDATE) x.a1 = aux1[r];
-    }
-    return x;
-}
-
-__device__ __forceinline__ void write_row_pre(int mode, i64 r, float sum, float* y, RowAux x) {
-    float out;
-    if (mode == MODE_CORR) {
-        out = (sum != 0.0f) ? x.a0 / sum : 0.0f;
-    } else if (mode == MODE_UPDATE) {
-        out = (x.a1 != 0.0f) ? x.a0 * sum / x.a1 : x.a0 * sum;
-    } else {
-        out = sum;
-    }
-    y[r] = out;
-}
-
 // ---------------------------------------------------------------------------
 // csr_scalar: one thread per row, grid-stride over rows.
 extern "C" __global__ void csr_scalar(const i64* __restrict__ rowptr, const int* __restrict__ col,
@@ -194,46 +160,15 @@ __device__ __forceinline__ void csr_vector_body(const i64* __restrict__ rowptr,
     const int lane = threadIdx.x & (L - 1);
     const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
-    i64 r = gtid / L;
-    // MLEM_ROW_PREFETCH=2: the next row's bounds and epilogue operands, loaded during this row
-    i64 ns = 0, ne = 0;
-    RowAux nx = {0.0f, 0.0f};
-    if (MLEM_ROW_PREFETCH == 2 && r < m) {
-        ns = rowptr[r];
-        ne = rowptr[r + 1];
-        nx = row_aux(mode, r, lane == 0, aux0, aux1);
-    }
-    for (; r - (threadIdx.x & 31) / L < m; r += ngroups) {
+    for (i64 r = gtid / L; r - (threadIdx.x & 31) / L < m; r += ngroups) {
         const bool valid = r < m;
-        i64 s, e;
-        RowAux ra;
-        if (MLEM_ROW_PREFETCH == 2) {
-            s = ns;
-            e = ne;
-            ra = nx;
-            const i64 rn = r + ngroups;
-            if (rn < m) {
-                ns = rowptr[rn];
-                ne = rowptr[rn + 1];
-                nx = row_aux(mode, rn, lane == 0, aux0, aux1);
-            } else {
-                ns = ne = 0;
-            }
-        } else {
-            s = valid ? rowptr[r] : 0;
-            e = valid ? rowptr[r + 1] : 0;
-            if (MLEM_ROW_PREFETCH == 1) ra = row_aux(mode, r, valid && lane == 0, aux0, aux1);
-        }
+        const i64 s = valid ? rowptr[r] : 0;
+        const i64 e = valid ? rowptr[r + 1] : 0;
         const i64 ry = rows != nullptr && valid && lane == 0 ? rows[r] : r;  // loaded before the sum
         float sum = group_dot<L>(s, e, col, val, x, lane);
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, L);
-        if (valid && lane == 0) {
-            if (MLEM_ROW_PREFETCH && rows == nullptr)
-                write_row_pre(mode, r, sum, y, ra);
-            else
-                write_row(mode, ry, sum, y, aux0, aux1);
-        }
+        if (valid && lane == 0) write_row(mode, ry, sum, y, aux0, aux1);
     }
 }
 
@@ -268,48 +203,16 @@ __device__ __forceinline__ void csr_block_body(const i64* __restrict__ rowptr,
     const int lane = threadIdx.x & (L - 1);
     const i64 per_block = blockDim.x / L;
     const i64 step = (i64)gridDim.x * per_block;
-    i64 ns = 0, ne = 0;  // MLEM_ROW_PREFETCH=2: the next row's bounds and epilogue operands
-    RowAux nx = {0.0f, 0.0f};
-    {
-        const i64 r = (i64)blockIdx.x * per_block + threadIdx.x / L;
-        if (MLEM_ROW_PREFETCH == 2 && r < m) {
-            ns = rowptr[r];
-            ne = rowptr[r + 1];
-            nx = row_aux(mode, r, lane == 0, aux0, aux1);
-        }
-    }
     for (i64 base = (i64)blockIdx.x * per_block; base < m; base += step) {
         const i64 r = base + threadIdx.x / L;
         const bool valid = r < m;
-        i64 s, e;
-        RowAux ra;
-        if (MLEM_ROW_PREFETCH == 2) {
-            s = ns;
-            e = ne;
-            ra = nx;
-            const i64 rn = r + step;
-            if (rn < m) {
-                ns = rowptr[rn];
-                ne = rowptr[rn + 1];
-                nx = row_aux(mode, rn, lane == 0, aux0, aux1);
-            } else {
-                ns = ne = 0;
-            }
-        } else {
-            s = valid ? rowptr[r] : 0;
-            e = valid ? rowptr[r + 1] : 0;
-            if (MLEM_ROW_PREFETCH == 1) ra = row_aux(mode, r, valid && lane == 0, aux0, aux1);
-        }
+        const i64 s = valid ? rowptr[r] : 0;
+        const i64 e = valid ? rowptr[r + 1] : 0;
         const i64 ry = rows != nullptr && valid && lane == 0 ? rows[r] : r;  // loaded before the sum
         float sum = group_dot<L>(s, e, col, val, x, lane);
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, L);
-        if (valid && lane == 0) {
-            if (MLEM_ROW_PREFETCH && rows == nullptr)
-                write_row_pre(mode, r, sum, y, ra);
-            else
-                write_row(mode, ry, sum, y, aux0, aux1);
-        }
+        if (valid && lane == 0) write_row(mode, ry, sum, y, aux0, aux1);
         if (sync) __syncthreads();
     }
 }
