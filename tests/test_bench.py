@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -474,6 +475,12 @@ def test_row_shapes_name_their_builds():
     assert not s.is_default
     assert s.options() == ("-DMLEM_STREAM", "-DMLEM_BLOCK_MINB=2")
     assert s.label() == "1024t sync w0 stream mb2"
+    u = plan.RowShape(512, False, 0, True, unroll=2)
+    assert u.options() == ("-DMLEM_STREAM", "-DMLEM_VEC_UNROLL=2") and u.label() == "512t w0 stream u2"
+    assert not plan.RowShape(unroll=2).is_default and plan.RowShape(unroll=plan.VEC_UNROLL).is_default
+    # the build default is spmv.cu's own
+    src = (Path(plan.__file__).parents[1] / "kernels" / "spmv.cu").read_text()
+    assert f"#define MLEM_VEC_UNROLL {plan.VEC_UNROLL}\n" in src
     # every candidate the backends tune over is a legal launch: at most 1024 threads, whole warps
     assert plan.SHAPE_CANDIDATES[0].is_default
     for c in plan.SHAPE_CANDIDATES:

@@ -362,7 +362,8 @@ def test_device_properties_and_lanes(rng):
 
 
 SHAPES = [plan.RowShape(256, False, 0), plan.RowShape(512, True, 0), plan.RowShape(1024, True, None),
-          plan.RowShape(1024, False, 0), plan.RowShape(1024, True, 1)]
+          plan.RowShape(1024, False, 0), plan.RowShape(1024, True, 1), plan.RowShape(1024, False, 0, True, unroll=2),
+          plan.RowShape(256, unroll=1)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.label())

@@ -32,6 +32,8 @@ LANE_CHOICES = (2, 4, 8, 16, 32)
 VECTOR_WIDTH = 4
 #: Threads per block of the row kernels (their ``__launch_bounds__``).
 THREADS = 256
+#: The default of spmv.cu's MLEM_VEC_UNROLL (csr_vector_L's own build; RowShape.unroll).
+VEC_UNROLL = 4
 #: Blocks per multiprocessor slot to launch at most (the rest is grid-stride).
 WAVES = 16
 #: Bytes per non-zero of the CSR arrays: int32 column + float32 value.
@@ -62,6 +64,12 @@ class RowShape:
     min_blocks
         Blocks of ``threads`` that must fit a multiprocessor at once (the
         register cap, ``-DMLEM_BLOCK_MINB``).
+    unroll
+        Trips of the 16-byte loop issued together (``-DMLEM_VEC_UNROLL``;
+        :data:`VEC_UNROLL` is the build's default): 4 is faster where the
+        gathers hit the cache (madpet2 in its own order), 2 where they do not
+        and the registers it saves hide their latency (its rows shuffled:
+        the back projection on A^T 4.06 against 4.38 ms, benchmarks.md §50).
     """
 
     threads: int = THREADS
@@ -69,6 +77,7 @@ class RowShape:
     waves: int | None = None
     stream: bool = False
     min_blocks: int = 1
+    unroll: int = 4
 
     @property
     def is_default(self) -> bool:
@@ -77,8 +86,10 @@ class RowShape:
 
     def options(self) -> tuple[str, ...]:
         """NVRTC options of the spmv.cu build this shape runs."""
-        return (("-DMLEM_STREAM",) if self.stream else ()) + (
-            (f"-DMLEM_BLOCK_MINB={self.min_blocks}",) if self.min_blocks > 1 else ()
+        return (
+            (("-DMLEM_STREAM",) if self.stream else ())
+            + ((f"-DMLEM_BLOCK_MINB={self.min_blocks}",) if self.min_blocks > 1 else ())
+            + ((f"-DMLEM_VEC_UNROLL={self.unroll}",) if self.unroll != VEC_UNROLL else ())
         )
 
     def label(self) -> str:
@@ -89,6 +100,7 @@ class RowShape:
             + ("" if self.waves is None else f" w{self.waves}")
             + (" stream" if self.stream else "")
             + (f" mb{self.min_blocks}" if self.min_blocks > 1 else "")
+            + (f" u{self.unroll}" if self.unroll != VEC_UNROLL else "")
         )
 
 
@@ -103,6 +115,10 @@ SHAPE_CANDIDATES = (
     RowShape(1024, False, 0, True),
     RowShape(1024, False, 0, False, 2),
     RowShape(1024, False, 0, True, 2),
+    RowShape(THREADS, unroll=2),
+    RowShape(512, False, 0, True, unroll=2),
+    RowShape(1024, False, 0, True, unroll=2),
+    RowShape(1024, False, 0, True, 2, unroll=2),
 )
 
 
