@@ -238,12 +238,12 @@ class DeviceCSR(DeviceMatrix):
         """Time ``csr_vector`` (``lanes`` per row) under each launch shape; keep the fastest as :attr:`row_shape`.
 
         A shape never changes a result (each row is summed the same way), so
-        choosing by time keeps runs bit-identical. Each candidate runs once to
-        compile and warm up, then ``repeat`` times between CUDA events; the
-        median decides. Candidates a lane count cannot take are skipped.
-        (``repeat`` was 3: on an H200 the shape it kept for madpet2's A^T
-        then ran 6.1% behind the fastest in the benchmark's own timing,
-        benchmarks.md section 50; about 2 ms per candidate and repetition.)
+        choosing by time keeps runs bit-identical. Every candidate runs once to
+        compile and warm up, then all of them ``repeat`` times in turn between
+        CUDA events; the median decides. Candidates a lane count cannot take
+        are skipped. (Timing each candidate right after its compilation, 3 or
+        7 times, kept shapes 6-11% behind the fastest on an H200, benchmarks.md
+        section 50: the GPU had idled through the compilation.)
         """
         cp = cupy()
         m, n = self.shape
@@ -252,18 +252,18 @@ class DeviceCSR(DeviceMatrix):
             return plan.RowShape()
         x = cp.ones(n, dtype=cp.float32)
         y = cp.empty(m, dtype=cp.float32)
-        times: dict[plan.RowShape, float] = {}
-        for shape in candidates:
-            if not shape.is_default and lanes not in plan.BLOCK_LANES:
-                continue
+        shapes = [sh for sh in candidates if sh.is_default or lanes in plan.BLOCK_LANES]
+        for shape in shapes:  # compile and warm up every build first: the GPU idles while NVRTC runs
             spmv(self, x, y, lanes=lanes, shape=shape)
-            events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)]
-            for start, stop in events:
+        events = {sh: [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)] for sh in shapes}
+        for k in range(repeat):  # round robin: a drift of the clocks spreads over every candidate alike
+            for shape in shapes:
+                start, stop = events[shape][k]
                 start.record()
                 spmv(self, x, y, lanes=lanes, shape=shape)
                 stop.record()
-            events[-1][1].synchronize()
-            times[shape] = float(np.median([cp.cuda.get_elapsed_time(a, b) for a, b in events]))
+        cp.cuda.get_current_stream().synchronize()
+        times = {sh: float(np.median([cp.cuda.get_elapsed_time(a, b) for a, b in ev])) for sh, ev in events.items()}
         best = min(times, key=times.get)
         self.row_shape = None if best.is_default else best
         self.tuned = {sh.label(): t for sh, t in times.items()}
