@@ -52,7 +52,7 @@ MEMORY_HEADROOM = 0.92
 #: Kernels with the fused epilogues (correlation into fp, update into bp on A^T).
 FUSED = ("csr_vector", "csr_scalar", "delta_vector")
 #: The fused forward projection skips empty rows (DeviceCSR.compact_rows) where they are more than 1/8
-#: of A's rows; False runs every row (for measurements: tools/device_spmv_options.py --skip-empty).
+#: of A's rows; False runs every row (for measurements: tools/device_spmv_options.py --options SKIP_EMPTY=0).
 SKIP_EMPTY_ROWS = True
 GIB = float(1 << 30)
 

@@ -688,8 +688,8 @@ __device__ __forceinline__ void chunk_put4(unsigned* lo, unsigned* hi, ushort4 c
 template <bool FULL>
 __device__ __forceinline__ void chunk_putq(unsigned* lo, unsigned* hi, unsigned j, float q, int& bad, unsigned& ovf) {
     if (MLEM_CHUNK_PRED) {
-        // q >= 0 or -0 here (values and c_i non-negative, checked on upload; NaN and infinite c_i
-        // take chunk_put). u = rint(q), saturated at 2^64 - 1: u < 2^52 exactly where q < 2^52, so
+        // q >= 0 or -0 here (values non-negative, checked on upload; chunk_fast admits only a positive
+        // normal c_i * scale, the rest take chunk_put). u = rint(q), saturated at 2^64 - 1: u < 2^52 exactly where q < 2^52, so
         // OR-ing u's high word into ovf and testing ovf against 2^20 once per thread is the range
         // check (an overflowed iteration's sums are discarded). FULL (the interleaved groups, where
         // every lane holds an element): the adds run unconditionally, a zero adding nothing, as
