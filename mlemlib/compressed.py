@@ -420,8 +420,14 @@ def _value_bits(values: np.ndarray) -> np.ndarray:
     return values.view(np.uint32 if values.dtype == np.float32 else np.uint16)
 
 
-def _slot16(fmt: str) -> bool:
-    """Whether a compressed format's value slots are 16 bits (markers then split deltas above 65,535)."""
+def values16(fmt: str) -> bool:
+    """Whether a compressed format stores 16-bit values with a float32 scale per row.
+
+    Its value slots are then 16 bits (markers split deltas above 65,535), its
+    container has a ``scale`` dataset, and the chunked layout keeps the
+    values at 2 bytes. The one test of it the code uses (the set equals
+    :data:`LOSSY_FORMATS` today; that one says what the values lose).
+    """
     return VALUE_DTYPES[fmt].itemsize == 2
 
 
@@ -471,9 +477,9 @@ def encoded_nbytes(
     if fmt not in VALUE_DTYPES:
         raise ValueError(f"unknown compressed format {fmt!r}, expected one of {', '.join(VALUE_DTYPES)}")
     indptr, indices = _csr_arrays(block)
-    _, s8, s16 = _count(indptr, indices, _slot16(fmt), source, row0)
+    _, s8, s16 = _count(indptr, indices, values16(fmt), source, row0)
     m = block.shape[0]
-    fixed = 8 * rowbase_length(m) + 4 * (m + 1) + (4 * m if _slot16(fmt) else 0)
+    fixed = 8 * rowbase_length(m) + 4 * (m + 1) + (4 * m if values16(fmt) else 0)
     return {
         8: fixed + int(s8.sum()) * _slot_bytes(fmt, 8),
         16: fixed + int(s16.sum()) * _slot_bytes(fmt, 16),
@@ -545,7 +551,7 @@ def encode_csr(
         raise ValueError(f"unknown compressed format {fmt!r}, expected one of {', '.join(VALUE_DTYPES)}")
     if code_bits is not None:
         code_bits = _check_code_bits(code_bits)
-    half = _slot16(fmt)
+    half = values16(fmt)
     m = block.shape[0]
     indptr, indices = _csr_arrays(block)
     data = np.ascontiguousarray(block.data, dtype=np.float32)

@@ -321,14 +321,22 @@ def get_exact_source(matrix):
     if entry["path"] is None:
         return f"resources/{matrix}.csr4"
     if file_kind(entry["path"]) == "h5":
-        import h5py
-
-        from mlemlib.formats.compressed_h5 import FORMATS
-
-        with h5py.File(entry["path"], "r") as f:
-            if FORMATS.get(f.attrs.get("format")) in LOSSY_FORMATS:
-                return None
+        path = Path(entry["path"])
+        if h5_is_lossy(str(path), path.stat().st_mtime_ns):
+            return None
     return entry["path"]
+
+
+@functools.lru_cache(maxsize=None)
+def h5_is_lossy(path, mtime_ns):
+    """Whether the HDF5 matrix at path is a lossy compressed container (read
+    once per file version, not at every evaluation of the DAG)."""
+    import h5py
+
+    from mlemlib.formats.compressed_h5 import FORMATS
+
+    with h5py.File(path, "r") as f:
+        return FORMATS.get(f.attrs.get("format")) in LOSSY_FORMATS
 
 
 def get_exact_reference_input(wildcards):

@@ -44,7 +44,7 @@ from mlemlib._io import prefetched
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR
 from mlemlib.backends.device_formats import DeviceMatrix, format_of
-from mlemlib.compressed import LOSSY_FORMATS, VALUE_DTYPES, format_of_values
+from mlemlib.compressed import VALUE_DTYPES, format_of_values, values16
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import chunk_bounds
 
@@ -717,7 +717,7 @@ class DeviceChunked:
         from mlemlib.matrix import shape_nnz
 
         (m, _), nnz = shape_nnz(source)
-        half = format_of(source) in LOSSY_FORMATS
+        half = values16(format_of(source))
         per = 4 if half else 6
         return (12 if half else 8) * (m + 1) + per * (chunked.VEC - 1) * m + (per + 1) * nnz
 
@@ -752,7 +752,7 @@ class DeviceChunked:
         window = chunk_window() if window is None else int(window)
         (m, n), nnz = shape_nnz(source)
         fmt = format_of(source)
-        half = fmt in LOSSY_FORMATS
+        half = values16(fmt)
         t0 = time.perf_counter()
         indptr = cp.empty(m + 1, dtype=cp.int64)
         indptr[0] = 0

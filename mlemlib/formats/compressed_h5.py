@@ -61,6 +61,7 @@ from mlemlib.compressed import (
     pick_code_bits,
     rowbase_length,
     unpack_rowptr,
+    values16,
 )
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import DEFAULT_CHUNK_NNZ, RowBlockWriter, check_range, check_row_ends, chunk_bounds
@@ -106,7 +107,7 @@ def _datasets(fmt: str, code_bits: int) -> dict[str, np.dtype]:
         "codes": CODE_DTYPES[code_bits].newbyteorder("<"),
         "values": VALUE_DTYPES[fmt].newbyteorder("<"),
     }
-    if VALUE_DTYPES[fmt].itemsize == 2:
+    if values16(fmt):
         d["scale"] = np.dtype("<f4")
     return d
 
