@@ -426,9 +426,11 @@ def values16(fmt: str) -> bool:
     Its value slots are then 16 bits (markers split deltas above 65,535), its
     container has a ``scale`` dataset, and the chunked layout keeps the
     values at 2 bytes. The one test of it the code uses (the set equals
-    :data:`LOSSY_FORMATS` today; that one says what the values lose).
+    :data:`LOSSY_FORMATS` today; that one says what the values lose). False
+    for any other format name (``csr``).
     """
-    return VALUE_DTYPES[fmt].itemsize == 2
+    dtype = VALUE_DTYPES.get(fmt)
+    return dtype is not None and dtype.itemsize == 2
 
 
 def _padded(slots: np.ndarray) -> np.ndarray:

@@ -1304,3 +1304,11 @@ def test_fixed_to_float_launches_blocks(monkeypatch, waves):
     gpu.fixed_to_float(np.zeros(n, np.uint64), np.zeros(n, np.float32), 2.0**40)
     needed = -(-n // gpu.THREADS)
     assert launched == [("fixed_to_float", (needed if waves == 0 else min(needed, 132 * 8 * waves),))]
+
+
+def test_values16_names_the_formats_with_16_bit_values_and_row_scales():
+    from mlemlib.compressed import LOSSY_FORMATS, VALUE_DTYPES, values16
+
+    assert [f for f in VALUE_DTYPES if values16(f)] == ["compressed-f16", "compressed-u16"]
+    assert not values16("compressed") and not values16("csr") and not values16("no-such-format")
+    assert set(LOSSY_FORMATS) == {f for f in VALUE_DTYPES if values16(f)}  # equal today (see values16)
