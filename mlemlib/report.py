@@ -509,6 +509,17 @@ def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
     return "".join(out)
 
 
+def run_image(row: Mapping[str, Any]) -> Path | None:
+    """The final image a run's ``timings.json`` names (None if it names none); where the run directory
+    has moved since, the file of that name beside its ``timings.json``."""
+    image = (row.get("_outputs") or {}).get("image")
+    if not image:
+        return None
+    if not Path(image).exists():  # the run directory moved: look beside its timings.json
+        return Path(row["run"]) / Path(image).name
+    return Path(image)
+
+
 def exact_reference_problem(path: str | os.PathLike) -> tuple[str, str]:
     """``(matrix, data)`` of an exact reference image, ``results/{matrix}/runs/{data}/reference-exact/image.h5``."""
     parts = Path(path).parts
@@ -535,12 +546,10 @@ def lossy_section(rows: Iterable[Mapping[str, Any]], exact_references: Iterable[
     seen: set[tuple] = set()
     for r in sorted(rows, key=lambda r: (not r.get("reference_mode"), config_label(r), r["run"])):
         key = (r.get("matrix"), r.get("data"))
-        image = (r.get("_outputs") or {}).get("image")
-        if key not in exact or not image or (key, r["run"]) in seen:
+        image = run_image(r)
+        if key not in exact or image is None or (key, r["run"]) in seen:
             continue
         seen.add((key, r["run"]))
-        if not Path(image).exists():  # the run directory moved: look beside its timings.json
-            image = Path(r["run"]) / Path(image).name
         ref64 = exact[key]
         img, _ = read_image(image, expected_length=ref64.size)
         rel = float(np.linalg.norm(img.astype(np.float64) - ref64) / (np.linalg.norm(ref64) or 1.0))
@@ -1646,11 +1655,9 @@ def summarize(
         seen: set[tuple] = set()
         for r in sorted(rows, key=lambda r: (bool(r["reference_mode"]), r["run"])):
             problem = (r["matrix"], r["data"])
-            image = (r.get("_outputs") or {}).get("image")
-            if problem in seen or not image:
+            image = run_image(r)
+            if problem in seen or image is None:
                 continue
-            if not Path(image).exists():  # the run directory moved: look beside its timings.json
-                image = Path(r["run"]) / Path(image).name
             name = f"image_{_slug(r['matrix'])}_{_slug(r['data'])}.png"
             if plot_image(image, r.get("_truth"), tmp / name, f"{r['matrix']} / {r['data']}: {config_label(r)} ({r['run']})"):
                 seen.add(problem)
