@@ -23,6 +23,8 @@ Provides
   the two points (put in a canonical order). Empty rows go last, in their
   order. Without a grid the key is the row's mean column index.
   Voxels: the 3-D Hilbert index of ``(x, y, z)``, from the grid alone.
+- :func:`relabel_columns` — one row block with its columns renamed and each
+  row sorted again (in memory).
 - :func:`apply` — writes the permuted matrix (:mod:`mlemlib.formats.h5`
   container plus the permutations) streaming: the source is read in row
   chunks in file order and each row is copied to its new place in one
@@ -532,6 +534,23 @@ def _scatter_rows(ip, idx, dat, r0, inv_rows, out_ip, lo_row, hi_row, base, vinv
             for t in range(length):
                 out_idx[dst + t] = idx[a + t]
                 out_dat[dst + t] = dat[a + t]
+
+
+def relabel_columns(block: CSRMatrix, vinv: np.ndarray) -> CSRMatrix:
+    """``block`` with column ``c`` renamed ``vinv[c]`` and each row sorted by its new columns (stably).
+
+    The voxel half of :func:`apply` for one row block in memory: with
+    ``vinv = perm.inverse_voxels()`` the result is ``block[:, perm.voxels]``
+    (all cores).
+    """
+    k = int(block.shape[0])
+    ip = np.ascontiguousarray(block.indptr, dtype=np.int64)
+    idx = np.empty_like(block.indices)
+    dat = np.empty_like(block.data)
+    if k:
+        _scatter_rows(ip, block.indices, block.data, 0, np.arange(k, dtype=np.int64), ip, 0, k, 0,
+                      np.ascontiguousarray(vinv, dtype=np.int64), True, idx, dat)
+    return CSRMatrix(ip, idx, dat, block.shape)
 
 
 def _check_belongs(perm: Permutation, src: Any, name: str, perm_name: str) -> None:

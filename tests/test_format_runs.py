@@ -144,7 +144,8 @@ def test_gpu_fixed_point_one_pass_is_the_same_on_every_gpu_count():
     A, _, g, norm = problem(5)
     one, _ = run("cuda", A, g, norm, None, bp="onepass_fixed", gpus=1, graph=True)
     two, d = run("cuda", A, g, norm, None, bp="onepass_fixed", gpus=2, layout="local")
-    assert d["gpus"] == 2
+    assert d["gpus"] == 2 and d["backend"] == "cuda-nccl"
+    assert d["onepass"]  # timings.json counts A once an iteration (the 2-GPU Matrix 3 run had counted it twice)
     np.testing.assert_array_equal(one, two)
     C = CompressedMatrix.from_csr(A, "compressed")
     c1, _ = run("cuda", C, g, norm, None, bp="onepass_fixed", gpus=1, graph=True)

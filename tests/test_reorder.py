@@ -222,6 +222,28 @@ def test_apply_keeps_duplicates_in_order_and_unsorted_rows_without_voxel_permuta
     np.testing.assert_array_equal(b.data, [1.0, 3.0, 2.0, 4.0])
 
 
+
+def test_relabel_columns_of_a_block_in_memory():
+    """relabel_columns: block[:, voxels] with sorted rows, by hand and against SciPy on a random block."""
+    a = CSRMatrix(np.array([0, 3, 3, 4]), np.array([5, 1, 4, 2]), np.array([1.0, 2.0, 3.0, 4.0]), (3, 6))
+    b = reorder.relabel_columns(a, np.array([5, 4, 3, 2, 1, 0]))  # column c becomes 5 - c
+    np.testing.assert_array_equal(b.indptr, [0, 3, 3, 4])
+    np.testing.assert_array_equal(b.indices, [0, 1, 4, 3])
+    np.testing.assert_array_equal(b.data, [1.0, 3.0, 2.0, 4.0])
+    rng = np.random.default_rng(3)
+    s = sp.random(40, 30, density=0.2, random_state=4, format="csr", dtype=np.float32)
+    s.sort_indices()
+    voxels = rng.permutation(30)
+    got = reorder.relabel_columns(CSRMatrix.from_scipy(s), reorder.Permutation(
+        np.arange(40), voxels, "rows+voxels", (40, 30), s.nnz, "").inverse_voxels())
+    want = s[:, voxels].tocsr()
+    want.sort_indices()
+    assert all(np.all(np.diff(got.indices[got.indptr[i]:got.indptr[i + 1]]) > 0) for i in range(40))
+    np.testing.assert_array_equal(got.indptr, want.indptr)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_array_equal(got.data, want.data)
+
+
 # --------------------------------------------------------------------------- permutation files
 
 

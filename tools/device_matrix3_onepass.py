@@ -4,6 +4,7 @@
 Run from the repository root on a GPU machine with >= 70 GB of GPU memory::
 
     PYTHONPATH=. python3 tools/device_matrix3_onepass.py --out $OUT [--chunks 16] [--repeat 5] [--format compressed-u16]
+        [--order own|voxels|rows+voxels]
 
 The workflow's Matrix 3 run (docs/cluster.md, "The matrix3 run") needs the
 2-GPU node's disk; this probe needs none: it traces the preset in
@@ -22,6 +23,11 @@ It then times, with CUDA events (median of ``--repeat``):
 - the same over the first and over the second half of the blocks (split by
   non-zeros): what each GPU of the 2-GPU local layout computes per
   iteration, before its all-reduce.
+
+``--order voxels`` relabels the columns by the reorder stage's 3-D Hilbert
+voxel order (from the grid alone) and sorts each row again; ``rows+voxels``
+also traces the rows in the reorder stage's order, computed from the preset
+traced with ``--perm-rays`` per tube (docs/benchmarks.md, section 52).
 
 Checks first: the forward and back projection of block 0 against a float64
 SciPy product on the host, and the atomic against the fixed-point iteration
@@ -47,6 +53,40 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+ORDERS = ("own", "voxels", "rows+voxels")
+
+
+def order_of(order: str, preset: str, cfg, m: int, perm_rays: int):
+    """The rows to trace (int64[m], in the new order) and ``vinv`` (new column of each old one, or None)."""
+    from mlemlib.reorder import voxel_permutation
+
+    info: dict = {}
+    if order == "own":
+        return np.arange(m, dtype=np.int64), None, info
+    if order == "voxels":
+        t0 = time.perf_counter()
+        perm_voxels = voxel_permutation(tuple(cfg.grid))
+        rows = np.arange(m, dtype=np.int64)
+        info["perm_s"] = time.perf_counter() - t0
+    else:
+        sys.path.insert(0, str(ROOT / "tools"))
+        from device_matrix3_chunked import permutation
+
+        perm, info = permutation(preset, m, perm_rays)
+        rows, perm_voxels = np.asarray(perm.rows, dtype=np.int64), perm.voxels
+    vinv = np.empty(len(perm_voxels), dtype=np.int64)
+    vinv[perm_voxels] = np.arange(len(perm_voxels), dtype=np.int64)
+    log(f"order {order}: permutation in {info.get('perm_s', 0.0):.1f} s")
+    return rows, vinv, info
+
+
+def relabelled(host, vinv):
+    """``host`` with its columns renamed by ``vinv`` and each row sorted again (the compressed format's delta code)."""
+    from mlemlib.reorder import relabel_columns
+
+    return host if vinv is None else relabel_columns(host, vinv)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -56,6 +96,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-rows", type=int, default=0, help="only the first rows (a quick trial)")
     ap.add_argument("--format", default="compressed", choices=("compressed", "compressed-f16", "compressed-u16"),
                     help="the blocks' encoding on the GPU (default: lossless)")
+    ap.add_argument("--order", default="own", choices=ORDERS,
+                    help="own: the scanner's LOR and voxel numbers; voxels: columns in the reorder stage's 3-D "
+                         "Hilbert voxel order (from the grid alone); rows+voxels: also the rows in the reorder "
+                         "stage's order, computed from the preset traced with --perm-rays per tube")
+    ap.add_argument("--perm-rays", type=int, default=16, help="rays per tube of the rows+voxels permutation's trace")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,6 +117,7 @@ def main(argv=None) -> int:
     n = cfg.n_voxels
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     log(f"{dev}; {args.preset}: {m} x {n}, {args.chunks} blocks, {os.cpu_count()} CPUs")
+    rows_of, vinv, order_info = order_of(args.order, args.preset, cfg, m, args.perm_rays)
     bounds = np.linspace(0, m, args.chunks + 1).astype(np.int64)
     blocks = []
     nnz = 0
@@ -81,7 +127,7 @@ def main(argv=None) -> int:
     for b in range(args.chunks):
         r0, r1 = int(bounds[b]), int(bounds[b + 1])
         t0 = time.perf_counter()
-        host = trace_rows(cfg, np.arange(r0, r1, dtype=np.int64))
+        host = relabelled(trace_rows(cfg, rows_of[r0:r1]), vinv)
         t1 = time.perf_counter()
         cm = CompressedMatrix.from_csr(host, args.format, validate=False)
         t2 = time.perf_counter()
@@ -161,7 +207,7 @@ def main(argv=None) -> int:
     cum = np.cumsum([b[3] for b in blocks])
     split = int(np.searchsorted(cum, cum[-1] / 2)) + 1
     halves = (blocks[:split], blocks[split:])
-    rec = {"device": dev, "preset": args.preset, "format": args.format, "rows": m, "cols": n, "nnz": nnz, "bytes": nbytes,
+    rec = {"device": dev, "preset": args.preset, "format": args.format, "order": args.order, **order_info, "rows": m, "cols": n, "nnz": nnz, "bytes": nbytes,
            "bytes_per_nnz": nbytes / nnz, "blocks": args.chunks, "lanes": lanes, "copy_bw_TBps": bw,
            "one_read_ms": nbytes / (bw * 1e12) * 1e3, "check_fp_block0": err_fp, "check_bp_block0": err_bp,
            "onepass_vs_fixed": err_det, "half_nnz": [int(sum(b[3] for b in h)) for h in halves]}

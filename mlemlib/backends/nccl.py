@@ -917,6 +917,7 @@ class NcclBackend(Backend):
             "fp": self.fp_kernel,
             "bp": self.bp_kernel,
             "layout": self.layout,
+            "onepass": self.onepass,  # one read of A per iteration (timings.json's bytes)
             "gpus": self.world,
             "graph": self.graph,
             "overlap_chunks": self.chunks,
