@@ -296,6 +296,18 @@ def test_nccl_backend_matches_one_gpu(layout):
 
 
 @pytest.mark.gpu
+def test_nccl_one_pass_describes_itself_as_one_pass():
+    """describe() says onepass, so timings.json counts A once an iteration (2-GPU Matrix 3 runs had counted it twice)."""
+    a, _, g, norm = _problem()
+    with N.NcclBackend(a, g, norm, gpus=min(_gpus(), 2), layout="local", bp="onepass_fixed") as be:
+        be.iterate(be.initial_image())
+        desc = be.describe()
+    assert desc["onepass"] and desc["transpose"] == "none" and desc["steps"] == ["bp", "allreduce", "update"]
+    with N.NcclBackend(a, g, norm, gpus=1, layout="local", fp="csr_vector", bp="scatter") as be:
+        assert not be.describe()["onepass"]
+
+
+@pytest.mark.gpu
 def test_nccl_backend_step_times_and_describe():
     a, at, g, norm = _problem()
     with N.NcclBackend(a, g, norm, transpose=at, gpus=min(_gpus(), 2), layout="local") as be:

@@ -402,21 +402,26 @@ def test_cli_estimate_writes_nothing(tmp_path, capsys):
 @pytest.mark.parametrize("fmt", ["csr", "compressed"])
 def test_estimate_times_the_writer_of_the_format(tmp_path, monkeypatch, fmt):
     # With a format, the sample goes through generate's own writer into a temporary file (deleted after):
-    # the wall time per core count is the count pass plus the longer of the fill tracing and the writer,
-    # so it is never below the tracing alone nor below the writer.
+    # the wall time per core count is the count pass plus the longer of the fill tracing with the encoding
+    # and the writer, so it is never below the tracing alone, the encoding alone, nor the writer.
     import tempfile
 
     from mlemlib.scanner import estimate
+    from mlemlib.scanner.system import writer_cores
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     plain = estimate("small", sample=2000, threads=1)
     assert "write_seconds_estimate" not in plain and "wall_seconds_by_threads" not in plain
     res = estimate("small", sample=2000, threads=1, fmt=fmt)
     assert res["format"] == fmt and res["write_seconds_estimate"] > 0
+    assert (res["encode_seconds_estimate"] > 0) == (fmt != "csr")  # only the compressed formats encode
     wall, tracing = res["wall_seconds_by_threads"], res["seconds_by_threads"]
     assert set(wall) == set(tracing)
     for k in wall:
         assert wall[k] >= tracing[k] * (1 - 1e-9) and wall[k] >= res["write_seconds_estimate"]
+        # the tracing and the encoding share the cores the writer's threads leave (3 of 8 or more)
+        assert wall[k] >= res["encode_seconds_estimate"] * res["threads"] / (int(k) - writer_cores(int(k))) * (1 - 1e-9)
+    assert [writer_cores(k) for k in (1, 4, 7, 8, 32)] == [0, 0, 0, 3, 3]
     assert list(tmp_path.iterdir()) == []
 
 

@@ -332,8 +332,9 @@ def generate(
     dict
         ``path, preset, format, shape, nnz, rays, threads, empty_rows,
         max_row_nnz, count_seconds, fill_seconds, fill_trace_seconds (tracing
-        inside the fill pass), fill_write_wait_seconds (waiting for the writer
-        thread), seconds, nnz_per_second, bytes, checksum`` (the container's,
+        inside the fill pass), fill_encode_seconds (encoding the traced chunks
+        into a compressed format, on the same thread), fill_write_wait_seconds
+        (waiting for the writer thread), seconds, nnz_per_second, bytes, checksum`` (the container's,
         None for a ``.csr4``).
 
     Raises
@@ -359,16 +360,18 @@ def generate(
         max_rows = max(4096, m // 200)
         prog = _Progress("fill pass", nnz, "elements")
         done = 0
-        t_trace = t_wait = 0.0
-        # The tracer releases the GIL: while chunk k + 2 is traced, chunk k + 1
-        # is encoded (compressed formats) on one helper thread and chunk k
-        # written and hashed on another (at most four chunks in memory).
-        # Leaving the pools' block joins the helpers before the writer closes
+        t_trace = t_encode = t_wait = 0.0
+        # Chunk k + 1 is traced and then encoded (compressed formats) on this
+        # thread, with every Numba thread but writer_cores(nt), while chunk k
+        # is written and hashed on a helper thread (two more hash its two
+        # element streams): the tracer and the encoder never compete for the
+        # cores, and the writer has its own (at most three chunks in memory).
+        # Leaving the pool's block joins the helper before the writer closes
         # or aborts.
         with (
             make_writer(m, n, nnz) as writer,
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-writer") as pool,
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-encoder") as encoder,
+            _numba_threads(nt - writer_cores(nt)),
         ):
             pending: deque = deque()
             encodes = getattr(writer, "encodes", False)
@@ -378,18 +381,20 @@ def generate(
                 t0 = time.perf_counter()
                 block = tracer.fill(np.arange(r0, r1, dtype=np.int64), indptr)
                 t1 = time.perf_counter()
+                encoded = writer.encode_rows(block, r0) if encodes else None
+                t2 = time.perf_counter()
                 while len(pending) >= 2:
                     pending.popleft().result()
-                t_wait += time.perf_counter() - t1
+                t_wait += time.perf_counter() - t2
                 t_trace += t1 - t0
+                t_encode += t2 - t1
                 if encodes:
-                    encoded = encoder.submit(writer.encode_rows, block, r0)
-                    pending.append(pool.submit(lambda e=encoded, b=block: writer.append(e.result(), b)))
+                    pending.append(pool.submit(writer.append, encoded, block))
                 else:
                     pending.append(pool.submit(writer.write_rows, block))
                 done += block.nnz
                 prog.update(done, f", rows {r1}/{m}, {done * 8 / 1e9:.1f} GB of CSR")
-                del block
+                del block, encoded
             t1 = time.perf_counter()
             while pending:
                 pending.popleft().result()
@@ -409,6 +414,7 @@ def generate(
         "count_seconds": round(t_count, 3),
         "fill_seconds": round(seconds - t_count, 3),
         "fill_trace_seconds": round(t_trace, 3),
+        "fill_encode_seconds": round(t_encode, 3),
         "fill_write_wait_seconds": round(t_wait, 3),
         "seconds": round(seconds, 3),
         "nnz_per_second": nnz / seconds if seconds > 0 else 0.0,
@@ -421,21 +427,39 @@ def generate(
     return summary
 
 
-def _sample_write_seconds(cfg: ScannerConfig, block: CSRMatrix, fmt: str) -> float:
-    """Seconds :func:`generate`'s writer takes for ``block`` in format ``fmt`` (a temporary file, deleted)."""
+#: Cores the fill pass leaves to the writer's threads (the writer and the two streams its checksum hashes) on
+#: machines of at least WRITER_CORES_FROM cores: on the 2-GPU node's 32 the tracer and the encoder on every core
+#: had kept the writer at 0.35 GB/s (docs/benchmarks.md, sections 51 and 56).
+WRITER_CORES = 3
+WRITER_CORES_FROM = 8
+
+
+def writer_cores(threads: int) -> int:
+    """Numba threads :func:`generate`'s fill pass leaves to its writer's threads, of ``threads``."""
+    return WRITER_CORES if threads >= WRITER_CORES_FROM else 0
+
+
+def _sample_write_seconds(cfg: ScannerConfig, block: CSRMatrix, fmt: str) -> tuple[float, float]:
+    """Seconds :func:`generate` spends encoding ``block`` in format ``fmt`` (0 for CSR; on the current Numba
+    threads) and its writer appending it (checked, hashed and written to a temporary file, deleted)."""
     import tempfile
 
-    def write(path: Path, rows: CSRMatrix) -> None:
+    def write(path: Path, rows: CSRMatrix) -> tuple[float, float]:
         with _writer_for(path, fmt, cfg)(rows.shape[0], rows.shape[1], rows.nnz) as w:
-            w.write_rows(rows)  # a compressed writer encodes, then appends: generate's two threads in one
+            t0 = time.perf_counter()
+            if not w.encodes:
+                w.write_rows(rows)
+                return 0.0, time.perf_counter() - t0
+            enc = w.encode_rows(rows, 0)
+            t1 = time.perf_counter()
+            w.append(enc, rows)
+            return t1 - t0, time.perf_counter() - t1
 
     with tempfile.TemporaryDirectory(prefix="mlem-estimate-") as d:
         k = min(8, block.shape[0])
         write(Path(d) / "warm.h5", CSRMatrix(block.indptr[: k + 1].copy(), block.indices[: block.indptr[k]],
                                              block.data[: block.indptr[k]], (k, block.shape[1])))  # compile first
-        t0 = time.perf_counter()
-        write(Path(d) / "sample.h5", block)
-        return time.perf_counter() - t0
+        return write(Path(d) / "sample.h5", block)
 
 
 def _coprime_stride(m: int, n_crystals: int, sample: int) -> int:
@@ -471,13 +495,13 @@ def estimate(
 
     With ``fmt`` (the container format :func:`generate` would write) the
     sampled rows also go through generate's own writer into a temporary
-    file (encoded, checked, hashed and written, then deleted): that time,
-    scaled by ``m / sample``, is the writer's share, which does not scale
-    with the cores (one encoder and one writer thread beside the tracing;
-    the 2-GPU node wrote Matrix 3's 62 GB compressed in 264 s on 32 cores,
-    where the tracing alone was estimated at 52 s). ``wall_seconds_by_threads``
-    is then the count pass plus the longer of the fill pass's tracing and the
-    writer, per core count.
+    file (encoded, then checked, hashed and written, then deleted), both
+    times scaled by ``m / sample``: the encoding runs on the tracing threads
+    and scales with them; the writer's share (``write_seconds_estimate``)
+    does not (one writer thread and the two threads hashing its checksum,
+    :func:`writer_cores` of the cores left to them). ``wall_seconds_by_threads``
+    is then the count pass plus the longer of the fill pass's tracing and
+    encoding and the writer, per core count.
 
     Returns
     -------
@@ -490,7 +514,7 @@ def estimate(
         ``bytes_by_format`` (``csr4``, ``csr``, ``compressed``,
         ``compressed-f16``, ``compressed-u16``: the matrix arrays, the compressed ones from
         encoding the sampled rows); with ``fmt`` also ``format``,
-        ``write_seconds_estimate`` and ``wall_seconds_by_threads``.
+        ``encode_seconds_estimate``, ``write_seconds_estimate`` and ``wall_seconds_by_threads``.
     """
     from mlemlib.compressed import CompressedMatrix
 
@@ -538,12 +562,15 @@ def estimate(
         "bytes_by_format": {k: float(v) for k, v in by_format.items()},
     }
     if fmt is not None:
-        write_s = _sample_write_seconds(cfg, block, fmt) * scale
+        with _numba_threads(threads):
+            encode_s, write_s = (v * scale for v in _sample_write_seconds(cfg, block, fmt))
         count_s, fill_s = (t1 - t0) / 2 * scale, (t2 - t1) * scale
         res["format"] = fmt
+        res["encode_seconds_estimate"] = encode_s
         res["write_seconds_estimate"] = write_s
         res["wall_seconds_by_threads"] = {
-            str(k): count_s * nt / k + max(fill_s * nt / k, write_s) for k in sorted({*SCALE_THREADS, nt})
+            str(k): count_s * nt / k + max((fill_s + encode_s) * nt / (k - writer_cores(k)), write_s)
+            for k in sorted({*SCALE_THREADS, nt})
         }
         log.info("writing %s: ~ %.0f s for the writer (any core count); ~ %.0f s in all on 32 cores", fmt, write_s,
                  res["wall_seconds_by_threads"]["32"])
