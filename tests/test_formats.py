@@ -278,6 +278,31 @@ def test_read_rows_equals_slice(reader, ref, start, stop):
     np.testing.assert_array_equal(block.indptr, want.indptr)
 
 
+def test_iter_chunks_reads_the_next_block_while_the_caller_works(reader, monkeypatch):
+    """Block k + 1 is read on a helper thread while the caller holds block k; stopping early leaves no thread."""
+    import threading
+    import time
+
+    events = []
+    real = type(reader).read_rows
+
+    def read_rows(self, r0, r1, **kw):
+        events.append(("read", r0, threading.current_thread() is threading.main_thread()))
+        return real(self, r0, r1, **kw)
+
+    monkeypatch.setattr(type(reader), "read_rows", read_rows)
+    it = reader.iter_chunks(2)
+    r0, _, _ = next(it)
+    events.append(("use", r0, True))
+    deadline = time.monotonic() + 10
+    while len([e for e in events if e[0] == "read"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)  # the read-ahead of block 1 runs while block 0 is in use
+    reads = [e for e in events if e[0] == "read"]
+    assert len(reads) == 2 and not any(on_main for _, _, on_main in reads)
+    it.close()  # the helper is joined
+    assert not [t for t in threading.enumerate() if t.name.startswith("read-ahead")]
+
+
 def test_read_rows_rejects_bad_range(reader):
     for start, stop in [(-1, 2), (3, 2), (0, 14)]:
         with pytest.raises(IndexError, match="row range"):

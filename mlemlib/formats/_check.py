@@ -191,10 +191,16 @@ class RowBlockReader:
 
         Each block holds at most ``max_nnz`` elements unless a single row is
         longer. Iterating over all chunks with ``validate=True`` validates the
-        whole file.
+        whole file. Block k + 1 is read (and decoded, checked) on a helper
+        thread while block k is used: two blocks in memory, the reading hidden
+        behind the caller's work (the norm, the simulation, the transposition).
         """
-        for r0, r1 in self.chunk_bounds(max_nnz):
-            yield r0, r1, self.read_rows(r0, r1, validate=validate)
+        from mlemlib._io import prefetched
+
+        bounds = self.chunk_bounds(max_nnz)
+        blocks = prefetched(lambda rr: self.read_rows(rr[0], rr[1], validate=validate), bounds)
+        for (r0, r1), block in zip(bounds, blocks):
+            yield r0, r1, block
 
     def to_csr(self) -> CSRMatrix:
         """Read the whole matrix into memory (small matrices, tests)."""
