@@ -386,10 +386,11 @@ def peak_host_bytes(
         gen_chunk = min(size.nnz, 1 << 24)
         return (4 * 8 + 3 * 5) * gen_chunk + 2 * vec_m + 2 * vec_n * max(threads, 1)
     if stage == "convert":
-        # Source chunk, validated copy, write buffer; both row pointers.
-        return 3 * 8 * chunk + 2 * vec_m
+        # Source chunk and the next one read ahead (iter_chunks), validated copy, write buffer; both row pointers.
+        return 4 * 8 * chunk + 2 * vec_m
     if stage == "norm":
-        return 2 * 8 * chunk + vec_m + 2 * vec_n
+        # The chunk being summed and the next one read ahead (iter_chunks) with its raw arrays.
+        return 3 * 8 * chunk + vec_m + 2 * vec_n
     if stage == "transpose":
         # A and A^T in memory at once, plus one int64 column histogram per thread.
         return a + at + 8 * (size.cols + 1) * max(threads, 1)
@@ -397,9 +398,10 @@ def peak_host_bytes(
         # The row pointers (A's, and A^T's); with the parts' A_k^T
         # (stored_transpose) one chunk of A^T, its split copy and split points.
         refs = 2 * vec_m + vec_n
-        return refs + (2 * 8 * chunk + 8 * (parts + 1) * min(chunk, size.cols) if stored_transpose else 0)
+        return refs + (3 * 8 * chunk + 8 * (parts + 1) * min(chunk, size.cols) if stored_transpose else 0)
     if stage == "simulate":
-        return 2 * 8 * chunk + 3 * vec_m + 3 * vec_n
+        # As the norm: the chunk being projected and the next one read ahead.
+        return 3 * 8 * chunk + 3 * vec_m + 3 * vec_n
     if stage in ("mlem", "bench"):
         vectors = 4 * (vec_m + vec_n)
         if backend == "cpu":
