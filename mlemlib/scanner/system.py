@@ -428,8 +428,9 @@ def generate(
 
 
 #: Cores the fill pass leaves to the writer's threads (the writer and the two streams its checksum hashes) on
-#: machines of at least WRITER_CORES_FROM cores: on the 2-GPU node's 32 the tracer and the encoder on every core
-#: had kept the writer at 0.35 GB/s (docs/benchmarks.md, sections 51 and 56).
+#: machines of at least WRITER_CORES_FROM cores: on the 2-GPU node's 32, with the tracer on every core and the
+#: encoder on a thread of its own, the tracer had waited 123.5 s of 176.7 for the writer (docs/benchmarks.md,
+#: section 51; section 56 times the change on 16 cores).
 WRITER_CORES = 3
 WRITER_CORES_FROM = 8
 
