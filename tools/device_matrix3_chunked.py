@@ -122,8 +122,7 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     perm, info = permutation(args.preset, m, args.perm_rays)
     rec.update(info)
-    vinv = np.empty(n, dtype=np.int64)
-    vinv[perm.voxels] = np.arange(n, dtype=np.int64)
+    vinv = perm.inverse_voxels()
     # the chunk reuse of 16,384 rows in the scanner's order (from the middle) and in the new one (its first rows:
     # the reorder stage puts empty rows last), as a sample; the whole matrix's is measured below
     span = np.arange(m // 2, min(m, m // 2 + 16384), dtype=np.int64)

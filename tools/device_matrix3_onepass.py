@@ -58,33 +58,22 @@ ORDERS = ("own", "voxels", "rows+voxels")
 
 def order_of(order: str, preset: str, cfg, m: int, perm_rays: int):
     """The rows to trace (int64[m], in the new order) and ``vinv`` (new column of each old one, or None)."""
-    from mlemlib.reorder import voxel_permutation
+    from mlemlib.reorder import Permutation, voxel_permutation
 
-    info: dict = {}
     if order == "own":
-        return np.arange(m, dtype=np.int64), None, info
+        return np.arange(m, dtype=np.int64), None, {}
     if order == "voxels":
         t0 = time.perf_counter()
-        perm_voxels = voxel_permutation(tuple(cfg.grid))
-        rows = np.arange(m, dtype=np.int64)
-        info["perm_s"] = time.perf_counter() - t0
+        perm = Permutation(np.arange(m, dtype=np.int64), voxel_permutation(tuple(cfg.grid)), "rows+voxels",
+                           (m, cfg.n_voxels), 0, "")
+        info = {"perm_s": time.perf_counter() - t0}
     else:
         sys.path.insert(0, str(ROOT / "tools"))
         from device_matrix3_chunked import permutation
 
         perm, info = permutation(preset, m, perm_rays)
-        rows, perm_voxels = np.asarray(perm.rows, dtype=np.int64), perm.voxels
-    vinv = np.empty(len(perm_voxels), dtype=np.int64)
-    vinv[perm_voxels] = np.arange(len(perm_voxels), dtype=np.int64)
     log(f"order {order}: permutation in {info.get('perm_s', 0.0):.1f} s")
-    return rows, vinv, info
-
-
-def relabelled(host, vinv):
-    """``host`` with its columns renamed by ``vinv`` and each row sorted again (the compressed format's delta code)."""
-    from mlemlib.reorder import relabel_columns
-
-    return host if vinv is None else relabel_columns(host, vinv)
+    return np.asarray(perm.rows, dtype=np.int64), perm.inverse_voxels(), info
 
 
 def main(argv=None) -> int:
@@ -109,6 +98,7 @@ def main(argv=None) -> int:
 
     from mlemlib.backends import _compressed_cuda as gpu
     from mlemlib.compressed import CompressedMatrix
+    from mlemlib.reorder import relabel_columns
     from mlemlib.scanner import get_preset
     from mlemlib.scanner.system import trace_rows
 
@@ -127,7 +117,9 @@ def main(argv=None) -> int:
     for b in range(args.chunks):
         r0, r1 = int(bounds[b]), int(bounds[b + 1])
         t0 = time.perf_counter()
-        host = relabelled(trace_rows(cfg, rows_of[r0:r1]), vinv)
+        host = trace_rows(cfg, rows_of[r0:r1])
+        if vinv is not None:  # each row sorted again: the compressed format's delta code
+            host = relabel_columns(host, vinv)
         t1 = time.perf_counter()
         cm = CompressedMatrix.from_csr(host, args.format, validate=False)
         t2 = time.perf_counter()

@@ -77,7 +77,7 @@ class RowShape:
     waves: int | None = None
     stream: bool = False
     min_blocks: int = 1
-    unroll: int = 4
+    unroll: int = VEC_UNROLL
 
     @property
     def is_default(self) -> bool:
