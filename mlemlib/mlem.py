@@ -629,11 +629,9 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
         t_rep = time.perf_counter()
         t_log = t_rep
         ckpt_s = 0.0
-        for it in range(first, iterations + 1):
-            t0 = time.perf_counter()
-            f = be.iterate(f)
-            step_times = dict(be.last_step_times())
-            step_times.setdefault("iteration", time.perf_counter() - t0)
+        def note(it: int, step_times: dict[str, float]) -> None:
+            """Take iteration ``it``'s step times; log them every ``every`` iterations or 30 s."""
+            nonlocal t_log
             times.add(step_times)
             now = time.perf_counter()
             if it % every == 0 or it == iterations or now - t_log >= 30.0:
@@ -646,7 +644,28 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
                     rep + 1, repetitions, it, iterations, format_seconds(step_times["iteration"]), parts,
                     format_seconds(left),
                 )
-            if ckpt_path is not None and settings.checkpoint_every and it % settings.checkpoint_every == 0:
+
+        # A backend that pipelines has its times read one iteration late: iteration it+1 is
+        # queued before the host waits for its times, so the device never idles between
+        # iterations waiting for the host (benchmarks.md section 59). They are read at once
+        # before a checkpoint (which synchronises anyway) and after the last iteration.
+        pending = None  # an iteration queued whose times are not read yet
+        for it in range(first, iterations + 1):
+            t0 = time.perf_counter()
+            f = be.iterate(f)
+            due = bool(ckpt_path is not None and settings.checkpoint_every and it % settings.checkpoint_every == 0)
+            if be.pipelines:
+                if pending is not None:
+                    note(pending, be.previous_step_times())
+                pending = it
+                if due or it == iterations:
+                    note(it, be.last_step_times())
+                    pending = None
+            else:
+                step_times = dict(be.last_step_times())
+                step_times.setdefault("iteration", time.perf_counter() - t0)
+                note(it, step_times)
+            if due:
                 t_ck = time.perf_counter()
                 state = {"config": config, "records": records, "samples": times.to_json(), "resumed_at": rep_resumed}
                 write_checkpoint(ckpt_path, be.to_host(f), key=prob.key, repetition=rep, iteration=it, state=state)

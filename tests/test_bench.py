@@ -373,6 +373,26 @@ def test_time_iteration_floors_and_image(bp, with_at, floor_bytes):
     np.testing.assert_array_equal(img, np.full(3, 32.0))  # warmup 2 + repeat 3 iterations from ones
 
 
+class _PipelinedFake(_FakeBackend):
+    """A backend that pipelines: iteration k (from 1) took k ms, readable one iteration late."""
+
+    pipelines = True
+
+    def last_step_times(self):
+        return {"iteration": self.steps * 1e-3}
+
+    def previous_step_times(self):
+        return {"iteration": (self.steps - 1) * 1e-3} if self.steps > 1 else None
+
+
+def test_time_iteration_reads_a_pipelining_backend_one_iteration_late():
+    # warmup 2, repeat 3: iterations 3, 4 and 5 are timed (3, 4, 5 ms), none twice, none of the warmup
+    row, img = _time_iteration(_PipelinedFake, "csr", "auto", "csr_vector", _Mat(600, 100), _Mat(1000, 100), None,
+                               None, 0, 2, 3, 1e6, 5e-3)
+    assert row["median_s"] == pytest.approx(4e-3) and row["min_s"] == pytest.approx(3e-3)
+    np.testing.assert_array_equal(img, np.full(3, 32.0))
+
+
 def test_time_iteration_reports_a_refused_configuration():
     row, img = _time_iteration(_FakeBackend, "csr", "auto", "refused", _Mat(8, 1), None, None, None, 0, 1, 1, 1.0, 1.0)
     assert img is None and row["error"].endswith("refused here") and row["format"] == "csr"

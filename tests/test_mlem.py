@@ -178,6 +178,61 @@ def test_repetitions_load_once(problem, tmp_path):
     assert counts[0] == counts[1] >= 1
 
 
+class _PipelinedCpu(CpuBackend):
+    """The CPU backend read as a GPU one that pipelines: iteration k's times are (k ms, ...), readable
+    through previous_step_times after iteration k+1 is queued; every read is logged."""
+
+    pipelines = True
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.done: list[dict[str, float]] = []
+        self.log: list[tuple[str, int]] = []
+
+    def iterate(self, f):
+        f = super().iterate(f)
+        self.done.append({"fp": 0.5e-3, "iteration": (len(self.done) + 1) * 1e-3})
+        self.log.append(("iterate", len(self.done)))
+        return f
+
+    def last_step_times(self):
+        self.log.append(("last", len(self.done)))
+        return dict(self.done[-1])
+
+    def previous_step_times(self):
+        self.log.append(("previous", len(self.done) - 1))
+        return dict(self.done[-2]) if len(self.done) > 1 else None
+
+
+def test_a_pipelining_backend_has_each_iterations_times_read_one_iteration_late(problem, tmp_path, monkeypatch):
+    from mlemlib import mlem
+
+    a, g, _ = problem
+    made = []
+
+    def make(name, matrix, g, norm, transpose=None, **kw):
+        made.append(_PipelinedCpu(matrix, g, norm, transpose=transpose, fp="numba", bp="numba", dtype=kw["dtype"]))
+        return made[-1]
+
+    monkeypatch.setattr(mlem, "make_backend", make)
+    out = tmp_path / "piped" / "image.h5"
+    t = reconstruct(a, g, out, iterations=7, backend="cpu", checkpoint_every=3, repetitions=1)
+    be = made[0]
+    # every iteration's own times, in order: none shifted by the late reading, none lost
+    assert t["repetitions"][0]["samples"]["iteration"] == pytest.approx([k * 1e-3 for k in range(1, 8)])
+    # iteration k's times are read after k+1 is queued, except before a checkpoint (3, 6) and at the end (7)
+    reads = [e for e in be.log if e[0] != "iterate"]
+    assert reads == [("previous", 1), ("previous", 2), ("last", 3), ("previous", 4), ("previous", 5), ("last", 6),
+                     ("last", 7)]
+    for k in (1, 2, 4, 5):
+        assert be.log.index(("iterate", k + 1)) < be.log.index(("previous", k))
+    # the image is the plain loop's, bit for bit
+    plain = tmp_path / "plain" / "image.h5"
+    monkeypatch.undo()
+    reconstruct(a, g, plain, iterations=7, backend="cpu", fp="numba", bp="numba", checkpoint_every=3)
+    assert read_image(out)[0].tobytes() == read_image(plain)[0].tobytes()
+
+
 KILLER = """
 import os, signal, sys
 import numpy as np

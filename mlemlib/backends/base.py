@@ -178,6 +178,16 @@ class Backend(ABC):
         """Seconds spent in each step of the last :meth:`iterate` (resolved; GPU backends synchronise here)."""
         return dict(self._times)
 
+    #: Whether :meth:`previous_step_times` reads an iteration's times while the next one runs
+    #: (backends that time with events on a queue: a loop that reads its times one iteration
+    #: late keeps the device busy instead of letting it wait for the host between iterations).
+    pipelines: bool = False
+
+    def previous_step_times(self) -> dict[str, float] | None:
+        """Seconds per step of the iteration before the last :meth:`iterate` (None where there is
+        none, or where the backend does not keep them: :attr:`pipelines` is False)."""
+        return None
+
     def synchronize(self) -> None:
         """Wait until the device has finished all work queued so far (the CPU works synchronously: nothing to do)."""
 

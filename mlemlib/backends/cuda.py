@@ -286,8 +286,12 @@ class CudaBackend(Backend):
             self.fuse_bp = fuse and self.at is not None and self.bp_kernel in FUSED
             self._fixed_bound = (ONEPASS_C_MAX * float(np.max(norm))) if norm.size else 1.0
             self.fixed_stats: dict[str, Any] = {}
+            # the events of the last iteration and of the one before (previous_step_times): two sets,
+            # so that the last can be recorded while the host reads the one before
             self._events: dict[str, Any] = {}
             self._event_order: list[str] = []
+            self._prev_events: dict[str, Any] = {}
+            self._prev_order: list[str] = []
             self._acc = cp.empty(n, dtype=cp.uint64) if self.chunked else None
             self._flag = cp.zeros(1, dtype=cp.int32) if self.chunked else None
             self._images: list[Any] | None = None  # the chunked iteration's two image buffers
@@ -319,8 +323,9 @@ class CudaBackend(Backend):
         """Compile the kernels and create cuSPARSE handles now, not in the first timed iteration."""
         f = self.initial_image()
         self.iterate(f)
-        self._events = {}
-        self._event_order = []
+        self.synchronize()
+        self._events, self._prev_events = {}, {}
+        self._event_order, self._prev_order = [], []
         self._times = {}
 
     def _record(self, name: str) -> None:
@@ -385,7 +390,8 @@ class CudaBackend(Backend):
         """One MLEM iteration (two kernels when both sides are fused); times from CUDA events."""
         with self._device:
             self._times = {}
-            self._event_order = []
+            self._events, self._prev_events = self._prev_events, self._events
+            self._event_order, self._prev_order = [], self._event_order
             # the fused forward's launch is prepared (vectors checked, shape resolved) before the first
             # event: after a synchronised iteration the GPU would idle through that host work inside
             # the timed window (benchmarks.md section 50)
@@ -454,19 +460,35 @@ class CudaBackend(Backend):
         """Seconds per step of the last :meth:`iterate` (synchronises on its last event)."""
         if not self._event_order:
             return dict(self._times)
+        self._times = self._read_times(self._events, self._event_order)
+        return dict(self._times)
+
+    pipelines = True
+
+    def previous_step_times(self) -> dict[str, float] | None:
+        """Seconds per step of the iteration before the last :meth:`iterate`; None before the second.
+
+        Synchronises on that iteration's last event only: the last one may
+        still run (and the host may queue the next) while these are read.
+        """
+        if not self._prev_order:
+            return None
+        return self._read_times(self._prev_events, self._prev_order)
+
+    def _read_times(self, events: dict[str, Any], order: list[str]) -> dict[str, float]:
+        """The step times between the recorded ``events`` (in ``order``) and their span, ``iteration``."""
         cp = ck.cupy()
         with self._device:
-            last = self._events[self._event_order[-1]]
+            last = events[order[-1]]
             last.synchronize()
             times: dict[str, float] = {}
-            prev = self._events[self._event_order[0]]
-            for name in self._event_order[1:]:
-                ev = self._events[name]
+            prev = events[order[0]]
+            for name in order[1:]:
+                ev = events[name]
                 times[name] = cp.cuda.get_elapsed_time(prev, ev) / 1e3
                 prev = ev
-            times["iteration"] = cp.cuda.get_elapsed_time(self._events[self._event_order[0]], last) / 1e3
-        self._times = times
-        return dict(times)
+            times["iteration"] = cp.cuda.get_elapsed_time(events[order[0]], last) / 1e3
+        return times
 
     def synchronize(self) -> None:
         """Wait for every stream of this backend's GPU."""

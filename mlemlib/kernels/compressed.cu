@@ -145,15 +145,25 @@ typedef unsigned long long u64;
 #define MODE_CORR 1
 #define MODE_UPDATE 2
 
-// The epilogue of spmv.cu, spelled the same (y and aux0 may alias).
-__device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y, const float* aux0,
-                                          const float* aux1) {
+// The epilogue of spmv.cu, spelled the same: its operands loaded before the row's sum
+// (load_aux), the output written after it (y and aux0 may alias).
+struct RowAux {
+    float a0, a1;
+};
+
+__device__ __forceinline__ RowAux load_aux(int mode, i64 r, const float* aux0, const float* aux1) {
+    RowAux p{0.0f, 0.0f};
+    if (mode != MODE_PLAIN) p.a0 = aux0[r];
+    if (mode == MODE_UPDATE) p.a1 = aux1[r];
+    return p;
+}
+
+__device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y, RowAux p) {
     float out;
     if (mode == MODE_CORR) {
-        out = (sum != 0.0f) ? aux0[r] / sum : 0.0f;
+        out = (sum != 0.0f) ? p.a0 / sum : 0.0f;
     } else if (mode == MODE_UPDATE) {
-        const float nrm = aux1[r];
-        out = (nrm != 0.0f) ? aux0[r] * sum / nrm : aux0[r] * sum;
+        out = (p.a1 != 0.0f) ? p.a0 * sum / p.a1 : p.a0 * sum;
     } else {
         out = sum;
     }
@@ -430,6 +440,7 @@ __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const uns
         i64 qs, qe;
         float rs;
         row_quads<VK>(rb, ro, scale, r, valid, qs, qe, rs);
+        const RowAux pre = valid && lane == 0 ? load_aux(mode, r, aux0, aux1) : RowAux{0.0f, 0.0f};
         const i64 trips = warp_max((qe - qs + Q * L - 1) / (Q * L));
         float sum = 0.0f;
         unsigned carry = 0u;
@@ -458,7 +469,7 @@ __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const uns
         }
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off, L);
-        if (valid && lane == 0) write_row(mode, r, sum, y, aux0, aux1);
+        if (valid && lane == 0) write_row(mode, r, sum, y, pre);
     }
 }
 

@@ -82,19 +82,55 @@ typedef long long i64;
 #define MODE_CORR 1
 #define MODE_UPDATE 2
 
-// y and aux0 may alias (in-place update): neither is __restrict__.
-__device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y,
-                                          const float* aux0, const float* aux1) {
+// The epilogue's operands of row r (aux0[r], and aux1[r] for the update), loaded before the
+// row's dot product so that their latency overlaps it. y and aux0 may alias (in-place
+// update): row r reads aux0[r] and writes y[r], and no other row touches r.
+struct RowAux {
+    float a0, a1;
+};
+
+__device__ __forceinline__ RowAux load_aux(int mode, i64 r, const float* aux0, const float* aux1) {
+    RowAux p{0.0f, 0.0f};
+    if (mode != MODE_PLAIN) p.a0 = aux0[r];
+    if (mode == MODE_UPDATE) p.a1 = aux1[r];
+    return p;
+}
+
+__device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y, RowAux p) {
     float out;
     if (mode == MODE_CORR) {
-        out = (sum != 0.0f) ? aux0[r] / sum : 0.0f;
+        out = (sum != 0.0f) ? p.a0 / sum : 0.0f;
     } else if (mode == MODE_UPDATE) {
-        const float nrm = aux1[r];
-        out = (nrm != 0.0f) ? aux0[r] * sum / nrm : aux0[r] * sum;
+        out = (p.a1 != 0.0f) ? p.a0 * sum / p.a1 : p.a0 * sum;
     } else {
         out = sum;
     }
     y[r] = out;
+}
+
+// A row's bounds, its output row (rows[r] where the row pointer is compacted) and its
+// epilogue's operands, the last two loaded by the lane that writes the row (`mine`).
+// The row loops below load them one row ahead, so that their latency (rowptr, then
+// rows[r], then aux0/aux1 at it) overlaps the previous row's dot product instead of
+// stalling the group before this row's first gathers (benchmarks.md section 59).
+struct RowHead {
+    i64 s, e, ry;
+    RowAux pre;
+};
+
+__device__ __forceinline__ RowHead load_head(i64 r, i64 m, bool mine, const i64* __restrict__ rowptr,
+                                             const i64* __restrict__ rows, int mode, const float* aux0,
+                                             const float* aux1) {
+    RowHead h{0, 0, r, {0.0f, 0.0f}};
+    if (r < m) {
+        h.s = rowptr[r];
+        h.e = rowptr[r + 1];
+        if (mine) {
+            if (rows != nullptr) h.ry = rows[r];
+            h.pre = load_aux(mode, h.ry, aux0, aux1);
+        }
+    }
+    return h;
 }
 
 // ---------------------------------------------------------------------------
@@ -108,7 +144,7 @@ extern "C" __global__ void csr_scalar(const i64* __restrict__ rowptr, const int*
         const i64 s = rowptr[r], e = rowptr[r + 1];
         float sum = 0.0f;
         for (i64 k = s; k < e; ++k) sum += __ldg(val + k) * __ldg(x + __ldg(col + k));
-        write_row(mode, r, sum, y, aux0, aux1);
+        write_row(mode, r, sum, y, load_aux(mode, r, aux0, aux1));
     }
 }
 
@@ -160,15 +196,15 @@ __device__ __forceinline__ void csr_vector_body(const i64* __restrict__ rowptr,
     const int lane = threadIdx.x & (L - 1);
     const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
-    for (i64 r = gtid / L; r - (threadIdx.x & 31) / L < m; r += ngroups) {
-        const bool valid = r < m;
-        const i64 s = valid ? rowptr[r] : 0;
-        const i64 e = valid ? rowptr[r + 1] : 0;
-        const i64 ry = rows != nullptr && valid && lane == 0 ? rows[r] : r;  // loaded before the sum
-        float sum = group_dot<L>(s, e, col, val, x, lane);
+    i64 r = gtid / L;
+    RowHead h = load_head(r, m, lane == 0, rowptr, rows, mode, aux0, aux1);
+    for (; r - (threadIdx.x & 31) / L < m; r += ngroups) {
+        const RowHead next = load_head(r + ngroups, m, lane == 0, rowptr, rows, mode, aux0, aux1);
+        float sum = group_dot<L>(h.s, h.e, col, val, x, lane);
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, L);
-        if (valid && lane == 0) write_row(mode, ry, sum, y, aux0, aux1);
+        if (r < m && lane == 0) write_row(mode, h.ry, sum, y, h.pre);
+        h = next;
     }
 }
 
@@ -203,16 +239,16 @@ __device__ __forceinline__ void csr_block_body(const i64* __restrict__ rowptr,
     const int lane = threadIdx.x & (L - 1);
     const i64 per_block = blockDim.x / L;
     const i64 step = (i64)gridDim.x * per_block;
-    for (i64 base = (i64)blockIdx.x * per_block; base < m; base += step) {
+    i64 base = (i64)blockIdx.x * per_block;
+    RowHead h = load_head(base + threadIdx.x / L, m, lane == 0, rowptr, rows, mode, aux0, aux1);
+    for (; base < m; base += step) {
         const i64 r = base + threadIdx.x / L;
-        const bool valid = r < m;
-        const i64 s = valid ? rowptr[r] : 0;
-        const i64 e = valid ? rowptr[r + 1] : 0;
-        const i64 ry = rows != nullptr && valid && lane == 0 ? rows[r] : r;  // loaded before the sum
-        float sum = group_dot<L>(s, e, col, val, x, lane);
+        const RowHead next = load_head(r + step, m, lane == 0, rowptr, rows, mode, aux0, aux1);
+        float sum = group_dot<L>(h.s, h.e, col, val, x, lane);
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, L);
-        if (valid && lane == 0) write_row(mode, ry, sum, y, aux0, aux1);
+        if (r < m && lane == 0) write_row(mode, h.ry, sum, y, h.pre);
+        h = next;
         if (sync) __syncthreads();
     }
 }
