@@ -102,6 +102,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ab", type=Path, help="another spmv.cu to alternate with this tree's, in rounds")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--shapes", action="store_true",
+                    help="instead: the pipelined iteration and the back projection alone under each launch shape "
+                         "of A^T's csr_vector (the tuner's candidates), in rounds, the order reversed every other")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -130,7 +133,38 @@ def main(argv=None) -> int:
     be = CudaBackend(a, g, norm, at, fp="auto", bp="auto", device=0)
     res["backend"] = be.describe()
     f = be.initial_image()
-    if args.ab is None:
+    if args.shapes:
+        from mlemlib.backends import _cuda_plan as plan
+        from mlemlib.bench import time_gpu
+
+        res["tuned_bp"] = dict(getattr(be.at, "tuned", {}) or {})
+        res["picked_bp"] = (be.at.row_shape or plan.RowShape()).label()
+        picked = be.at.row_shape
+        shapes = list(plan.SHAPE_CANDIDATES)
+        rows: dict[str, list] = {}
+        for i in range(args.rounds):
+            for sh in shapes if i % 2 == 0 else shapes[::-1]:
+                be.at.row_shape = None if sh.is_default else sh
+                f = be.iterate(f)
+                be.last_step_times()
+                ev = [cp.cuda.Event() for _ in range(R + 1)]
+                ev[0].record()
+                for k in range(R):
+                    f = be.iterate(f)
+                    ev[k + 1].record()
+                ev[-1].synchronize()
+                it = float(np.median([cp.cuda.get_elapsed_time(ev[k], ev[k + 1]) for k in range(R)]))
+                c = be._c.copy()
+                alone = float(np.median(time_gpu(lambda: be.back(c), repeat=R))) * 1e3
+                rows.setdefault(sh.label(), []).append({"iteration_ms": it, "bp_alone_ms": alone})
+        be.at.row_shape = picked
+        res["shapes"] = {k: {"iteration_ms": float(np.median([r["iteration_ms"] for r in v])),
+                             "bp_alone_ms": float(np.median([r["bp_alone_ms"] for r in v])), "rounds": v}
+                         for k, v in rows.items()}
+        for k, v in res["shapes"].items():
+            print(f"{k:32s} iteration {v['iteration_ms']:.4f} ms  bp alone {v['bp_alone_ms']:.4f} ms")
+        print("tuner:", res["tuned_bp"], "->", res["picked_bp"])
+    elif args.ab is None:
         f, part = measure(be, f, R)
         res.update(part)
     else:  # this tree's kernels and another spmv.cu, alternated in rounds (the GPU's drift hits both)
