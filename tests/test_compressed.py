@@ -14,6 +14,7 @@ import re
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -1129,6 +1130,17 @@ def test_cuda_launcher_imports_without_cupy():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(r.stdout) >= 5
+
+
+def test_kernel_sources_include_the_shared_epilogue_once():
+    from mlemlib.backends import _compressed_cuda as cc
+    from mlemlib.backends._cuda_kernels import kernel_source
+
+    header = (Path(__file__).resolve().parents[1] / "mlemlib" / "kernels" / "epilogue.cuh").read_text()
+    for text in (kernel_source("spmv"), cc.kernel_source()):
+        assert not re.search(r'^#include "', text, re.M)  # NVRTC gets no include it would have to find
+        assert text.count(header) == 1 and text.count("struct RowAux") == 1
+        assert text.index(header) < text.index("write_row(mode")  # defined before its first use
 
 
 def test_fixed_point_scale_and_lanes():

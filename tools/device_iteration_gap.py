@@ -118,12 +118,7 @@ def main(argv=None) -> int:
     a, at = dk.build(host, "own")
     del host
     m, n = a.shape
-    rng = np.random.default_rng(3)
-    f_true = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
-    g = (a.cusparse() @ f_true).get()
-    a.drop_cusparse()
-    norm = (at.cusparse() @ cp.ones(m, dtype=cp.float32)).get().astype(np.float64)
-    at.drop_cusparse()
+    g, norm = dk.problem(a, at)
     cp.get_default_memory_pool().free_all_blocks()
     copy = copy_bandwidth()
     res: dict = {"matrix": {"shape": [m, n], "nnz": int(a.nnz), "bytes_a": int(a.nbytes), "bytes_at": int(at.nbytes)},

@@ -105,6 +105,21 @@ def build(host, order: str, seed: int = 7):
     return a, at
 
 
+def problem(a, at, seed: int = 3):
+    """A noise-free measurement ``g = A f`` of a random image (values in [0.5, 1.5)) and the norm ``A^T 1``
+    (float64), on the host, computed on the GPU with cuSPARSE (its views dropped afterwards)."""
+    import cupy as cp
+
+    m, n = a.shape
+    rng = np.random.default_rng(seed)
+    f_true = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
+    g = (a.cusparse() @ f_true).get()
+    a.drop_cusparse()
+    norm = (at.cusparse() @ cp.ones(m, dtype=cp.float32)).get().astype(np.float64)
+    at.drop_cusparse()
+    return g, norm
+
+
 def _rows_cols(a, rows, cols):
     """``A[rows][:, cols]`` (new row i = old row rows[i], new column j = old column cols[j]) as a DeviceCSR."""
     import cupy as cp
@@ -362,12 +377,7 @@ def mlem_section(a, at, order, args) -> list[dict]:
     from mlemlib.backends.cuda import CudaBackend
 
     m, n = a.shape
-    rng = np.random.default_rng(3)
-    f_true = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
-    g = (a.cusparse() @ f_true).get()
-    a.drop_cusparse()
-    norm = (at.cusparse() @ cp.ones(m, dtype=cp.float32)).get().astype(np.float64)
-    at.drop_cusparse()
+    g, norm = problem(a, at)
     its = args.iterations
     # float64 reference MLEM
     a64 = a.cusparse().astype(cp.float64)

@@ -31,14 +31,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _units() -> list[tuple[str, str, list[str]]]:
     """(label, source text, options) of every compilation unit the library and the probes build."""
-    k = ROOT / "mlemlib" / "kernels"
-    cmp_src = (k / "compressed.cu").read_text()
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from mlemlib.backends._cuda_kernels import kernel_source  # the .cu files with their headers included
+
+    cmp_src = kernel_source("compressed")
     probe = cmp_src[: cmp_src.index("// Entry points.")] + (ROOT / "tools" / "onepass_probe.cu").read_text()
     return [
-        ("spmv.cu", (k / "spmv.cu").read_text(), []),
-        ("spmv.cu (vector atomics)", (k / "spmv.cu").read_text(), ["-DMLEM_VECTOR_ATOMICS"]),
+        ("spmv.cu", kernel_source("spmv"), []),
+        ("spmv.cu (vector atomics)", kernel_source("spmv"), ["-DMLEM_VECTOR_ATOMICS"]),
         ("compressed.cu (256 threads)", cmp_src, ["-DMLEM_CMP_THREADS=256"]),
-        ("synth.cu", (k / "synth.cu").read_text(), []),
+        ("synth.cu", kernel_source("synth"), []),
         ("onepass probe (512 threads)", probe, ["-DPROBE_THREADS=512"]),
     ]
 

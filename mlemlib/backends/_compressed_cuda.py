@@ -32,7 +32,6 @@ default bounds (a reduction read back to the host).
 from __future__ import annotations
 
 import functools
-import importlib.resources
 import logging
 import math
 from dataclasses import dataclass
@@ -84,8 +83,10 @@ def cupy():
 
 
 def kernel_source() -> str:
-    """Text of ``mlemlib/kernels/compressed.cu``."""
-    return importlib.resources.files("mlemlib.kernels").joinpath("compressed.cu").read_text()
+    """Text of ``mlemlib/kernels/compressed.cu``, its headers included (:func:`_cuda_kernels.kernel_source`)."""
+    from mlemlib.backends._cuda_kernels import kernel_source as source
+
+    return source("compressed")
 
 
 @functools.cache

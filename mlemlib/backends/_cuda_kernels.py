@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -99,9 +100,16 @@ def transpose_lanes(at: DeviceCSR) -> int:
     return at.lanes()
 
 
+#: A line of a kernel source that includes one of the package's own headers.
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[^\n]*$', re.M)
+
+
 def kernel_source(name: str) -> str:
-    """Text of ``mlemlib/kernels/<name>.cu`` (shipped as package data)."""
-    return importlib.resources.files("mlemlib.kernels").joinpath(f"{name}.cu").read_text()
+    """Text of ``mlemlib/kernels/<name>.cu`` (shipped as package data), each ``#include "x.cuh"`` of the
+    package's own headers replaced by the header's text (NVRTC is given source text, not a directory)."""
+    kernels = importlib.resources.files("mlemlib.kernels")
+    text = kernels.joinpath(f"{name}.cu").read_text()
+    return _LOCAL_INCLUDE.sub(lambda mo: kernels.joinpath(mo.group(1)).read_text(), text)
 
 
 @functools.cache

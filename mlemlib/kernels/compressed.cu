@@ -141,34 +141,7 @@ typedef unsigned long long u64;
 #define MLEM_CHUNK_LOFIRST 0
 #endif
 
-#define MODE_PLAIN 0
-#define MODE_CORR 1
-#define MODE_UPDATE 2
-
-// The epilogue of spmv.cu, spelled the same: its operands loaded before the row's sum
-// (load_aux), the output written after it (y and aux0 may alias).
-struct RowAux {
-    float a0, a1;
-};
-
-__device__ __forceinline__ RowAux load_aux(int mode, i64 r, const float* aux0, const float* aux1) {
-    RowAux p{0.0f, 0.0f};
-    if (mode != MODE_PLAIN) p.a0 = aux0[r];
-    if (mode == MODE_UPDATE) p.a1 = aux1[r];
-    return p;
-}
-
-__device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y, RowAux p) {
-    float out;
-    if (mode == MODE_CORR) {
-        out = (sum != 0.0f) ? p.a0 / sum : 0.0f;
-    } else if (mode == MODE_UPDATE) {
-        out = (p.a1 != 0.0f) ? p.a0 * sum / p.a1 : p.a0 * sum;
-    } else {
-        out = sum;
-    }
-    y[r] = out;
-}
+#include "epilogue.cuh"  // MODE_*, RowAux, load_aux, write_row
 
 // IEEE binary16 bits -> float32 (exact), without cuda_fp16.h.
 __device__ __forceinline__ float half_bits_to_float(unsigned short h) {

@@ -83,35 +83,7 @@ typedef long long i64;
 #define MLEM_BLOCK_MINB 1
 #endif
 
-#define MODE_PLAIN 0
-#define MODE_CORR 1
-#define MODE_UPDATE 2
-
-// The epilogue's operands of row r (aux0[r], and aux1[r] for the update), loaded before the
-// row's dot product so that their latency overlaps it. y and aux0 may alias (in-place
-// update): row r reads aux0[r] and writes y[r], and no other row touches r.
-struct RowAux {
-    float a0, a1;
-};
-
-__device__ __forceinline__ RowAux load_aux(int mode, i64 r, const float* aux0, const float* aux1) {
-    RowAux p{0.0f, 0.0f};
-    if (mode != MODE_PLAIN) p.a0 = aux0[r];
-    if (mode == MODE_UPDATE) p.a1 = aux1[r];
-    return p;
-}
-
-__device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y, RowAux p) {
-    float out;
-    if (mode == MODE_CORR) {
-        out = (sum != 0.0f) ? p.a0 / sum : 0.0f;
-    } else if (mode == MODE_UPDATE) {
-        out = (p.a1 != 0.0f) ? p.a0 * sum / p.a1 : p.a0 * sum;
-    } else {
-        out = sum;
-    }
-    y[r] = out;
-}
+#include "epilogue.cuh"  // MODE_*, RowAux, load_aux, write_row
 
 // A row's bounds, its output row (rows[r] where the row pointer is compacted) and its
 // epilogue's operands, the last two loaded by the lane that writes the row (`mine`).

@@ -1,0 +1,40 @@
+// The row epilogue shared by spmv.cu and compressed.cu (each has `#include "epilogue.cuh"`,
+// which the library's loader, mlemlib.backends._cuda_kernels.kernel_source, replaces with
+// this text). A row's sum `sum` of A x becomes y[r]:
+//   MODE_PLAIN   y[r] = sum
+//   MODE_CORR    y[r] = sum != 0 ? aux0[r] / sum : 0               (correlation, aux0 = g)
+//   MODE_UPDATE  y[r] = aux1[r] != 0 ? aux0[r] * sum / aux1[r]     (update, aux0 = f, aux1 = norm)
+//                       : aux0[r] * sum
+// The operands are loaded before the row's dot product (load_aux) so that their latency
+// overlaps it. y and aux0 may alias (in-place update): row r reads aux0[r] and writes
+// y[r], and no other row touches r.
+#pragma once
+
+typedef long long i64;
+
+#define MODE_PLAIN 0
+#define MODE_CORR 1
+#define MODE_UPDATE 2
+
+struct RowAux {
+    float a0, a1;
+};
+
+__device__ __forceinline__ RowAux load_aux(int mode, i64 r, const float* aux0, const float* aux1) {
+    RowAux p{0.0f, 0.0f};
+    if (mode != MODE_PLAIN) p.a0 = aux0[r];
+    if (mode == MODE_UPDATE) p.a1 = aux1[r];
+    return p;
+}
+
+__device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y, RowAux p) {
+    float out;
+    if (mode == MODE_CORR) {
+        out = (sum != 0.0f) ? p.a0 / sum : 0.0f;
+    } else if (mode == MODE_UPDATE) {
+        out = (p.a1 != 0.0f) ? p.a0 * sum / p.a1 : p.a0 * sum;
+    } else {
+        out = sum;
+    }
+    y[r] = out;
+}
