@@ -692,28 +692,17 @@ def _time_iteration(backend: Any, fmt: str, fp_k: str, bp_k: str, mat: Any, tr: 
                     norm: np.ndarray, device: int, warmup: int, repeat: int, bw: float,
                     csr_floor_s: float) -> tuple[dict[str, Any], np.ndarray | None]:
     """One iteration row of :func:`bench_spmv` (and the final image, float64 on the host; None if not run)."""
-    from mlemlib.backends.base import bytes_per_nnz
+    from mlemlib.backends.base import bytes_per_nnz, timed_iterations
 
     try:
         be = backend(mat, g, norm, tr, fp=fp_k, bp=bp_k, device=device)
     except ConfigError as exc:  # e.g. onepass_chunked on a row longer than its window
         log.warning("iteration %s + %s (%s) not timed: %s", fp_k, bp_k, fmt, exc)
         return {"format": fmt, "fp_requested": fp_k, "bp_requested": bp_k, "error": str(exc)}, None
-    f = be.initial_image()
     t = []
-    total = warmup + repeat
-    # as mlem.reconstruct runs them: where the backend pipelines, iteration i's times are read
-    # after iteration i+1 is queued (the GPU does not wait for the host between iterations)
-    pipelines = getattr(be, "pipelines", False)
-    for i in range(total):
-        f = be.iterate(f)
-        if pipelines:
-            if i - 1 >= warmup:
-                t.append(be.previous_step_times()["iteration"])
-        elif i >= warmup:
-            t.append(be.last_step_times()["iteration"])
-    if pipelines and total - 1 >= warmup:
-        t.append(be.last_step_times()["iteration"])
+    f = be.initial_image()
+    for _, f, ready in timed_iterations(be, f, 1, warmup + repeat):  # as mlem.reconstruct runs them
+        t += [times["iteration"] for k, times in ready if k > warmup]
     med = float(np.median(t))
     # its own floor: the bytes of the matrices one iteration reads (A once in one pass, A twice without A^T)
     nbytes = int(be.a.nbytes) * (1 if be.onepass or be.at is not None else 2)

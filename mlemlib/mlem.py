@@ -51,7 +51,7 @@ import numpy as np
 from mlemlib import __version__
 from mlemlib._io import atomic_path
 from mlemlib.backends import make_backend
-from mlemlib.backends.base import Backend
+from mlemlib.backends.base import Backend, timed_iterations
 from mlemlib.devices import EnergyMeter, backend_gpus, energy_record
 from mlemlib.errors import ConfigError, DeviceError, InputError, MatrixFormatError
 from mlemlib.formats import InMemoryMatrix, open_source
@@ -645,27 +645,16 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
                     format_seconds(left),
                 )
 
-        # A backend that pipelines has its times read one iteration late: iteration it+1 is
-        # queued before the host waits for its times, so the device never idles between
-        # iterations waiting for the host (benchmarks.md section 59). They are read at once
+        def due(it: int) -> bool:
+            return bool(ckpt_path is not None and settings.checkpoint_every and it % settings.checkpoint_every == 0)
+
+        # A backend that pipelines has its times read one iteration late (timed_iterations): the
+        # device never idles between iterations waiting for the host; they are read at once
         # before a checkpoint (which synchronises anyway) and after the last iteration.
-        pending = None  # an iteration queued whose times are not read yet
-        for it in range(first, iterations + 1):
-            t0 = time.perf_counter()
-            f = be.iterate(f)
-            due = bool(ckpt_path is not None and settings.checkpoint_every and it % settings.checkpoint_every == 0)
-            if be.pipelines:
-                if pending is not None:
-                    note(pending, be.previous_step_times())
-                pending = it
-                if due or it == iterations:
-                    note(it, be.last_step_times())
-                    pending = None
-            else:
-                step_times = dict(be.last_step_times())
-                step_times.setdefault("iteration", time.perf_counter() - t0)
-                note(it, step_times)
-            if due:
+        for it, f, ready in timed_iterations(be, f, first, iterations, read_now=due):
+            for k, step_times in ready:
+                note(k, step_times)
+            if due(it):
                 t_ck = time.perf_counter()
                 state = {"config": config, "records": records, "samples": times.to_json(), "resumed_at": rep_resumed}
                 write_checkpoint(ckpt_path, be.to_host(f), key=prob.key, repetition=rep, iteration=it, state=state)

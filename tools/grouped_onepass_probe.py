@@ -219,7 +219,8 @@ def main(argv=None) -> int:
     fp = cp.zeros(m, dtype=cp.float32)
     a = ck.DeviceCSR(cp.asarray(ip), cp.asarray(ix), cp.asarray(v), (m, n))
     dg = [cp.asarray(x) for x in (gptr, vptr, ucol, mask, val)]
-    fn = cp.RawModule(code=SOURCE, options=("--std=c++17",)).get_function("grouped_onepass")
+    mod = cp.RawModule(code=SOURCE, options=("--std=c++17",))
+    fn = mod.get_function("grouped_onepass")
     props = ck.device_properties(cp.cuda.Device().id)
     threads = 256
     blocks = min((args.groups * 32 + threads - 1) // threads, props["sm_count"] * 8)
@@ -235,20 +236,26 @@ def main(argv=None) -> int:
         return bp
 
     res["variants"] = {}
-    for rnd in range(2):
-        for name, call in (("csr", run_csr), ("grouped", run_grouped)) if rnd == 0 else \
-                (("grouped", run_grouped), ("csr", run_csr)):
-            y = call().get().astype(np.float64)
-            err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-            t = time_gpu(call, repeat=args.repeat) * 1e3
-            res["variants"].setdefault(name, []).append({"median_ms": float(np.median(t)), "rel_l2_to_float64": err})
-            print(f"{name:8s} {np.median(t):.3f} ms  {nnz / np.median(t) / 1e6:.3f} nnz/ns  rel L2 {err:.2e}", flush=True)
+
+    def compare(calls: dict, want: np.ndarray) -> None:
+        """Check each call against ``want`` and time it; two rounds, the order reversed in the second."""
+        for rnd in range(2):
+            for name in (list(calls) if rnd == 0 else list(calls)[::-1]):
+                y = calls[name]().get().astype(np.float64)
+                err = float(np.linalg.norm(y - want) / np.linalg.norm(want))
+                t = time_gpu(calls[name], repeat=args.repeat) * 1e3
+                res["variants"].setdefault(name, []).append({"median_ms": float(np.median(t)),
+                                                             "rel_l2_to_float64": err})
+                print(f"{name:14s} {np.median(t):.3f} ms  {nnz / np.median(t) / 1e6:.3f} nnz/ns  rel L2 {err:.2e}",
+                      flush=True)
+
+    compare({"csr": run_csr, "grouped": run_grouped}, ref)
     # the back projection alone from a given c: the library's CSR scatter against the slot runs
     c_h = rng.uniform(0.5, 1.5, m).astype(np.float32)
     c = cp.asarray(c_h)
     ref_bp = sp.csr_matrix((v.astype(np.float64), ix, ip), shape=(m, n)).T @ c_h.astype(np.float64)
     ds = [cp.asarray(x) for x in (scol, srow, val)]
-    fs = cp.RawModule(code=SOURCE, options=("--std=c++17",)).get_function("union_scatter")
+    fs = mod.get_function("union_scatter")
     sblocks = min((scol.size + threads - 1) // threads, props["sm_count"] * 8)
 
     def run_scatter():
@@ -259,14 +266,7 @@ def main(argv=None) -> int:
         fs((sblocks,), (threads,), (*ds, c, bp, np.int64(scol.size)))
         return bp
 
-    for rnd in range(2):
-        for name, call in (("csr_scatter", run_scatter), ("union_scatter", run_union)) if rnd == 0 else \
-                (("union_scatter", run_union), ("csr_scatter", run_scatter)):
-            y = call().get().astype(np.float64)
-            err = float(np.linalg.norm(y - ref_bp) / np.linalg.norm(ref_bp))
-            t = time_gpu(call, repeat=args.repeat) * 1e3
-            res["variants"].setdefault(name, []).append({"median_ms": float(np.median(t)), "rel_l2_to_float64": err})
-            print(f"{name:14s} {np.median(t):.3f} ms  {nnz / np.median(t) / 1e6:.3f} nnz/ns  rel L2 {err:.2e}", flush=True)
+    compare({"csr_scatter": run_scatter, "union_scatter": run_union}, ref_bp)
     res["bytes"] = {"csr": int(ip.nbytes + ix.nbytes + v.nbytes),
                     "grouped": int(gptr.nbytes + vptr.nbytes + ucol.nbytes + mask.nbytes + val.nbytes)}
     args.out.parent.mkdir(parents=True, exist_ok=True)

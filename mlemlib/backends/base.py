@@ -3,9 +3,10 @@
 A backend owns one MLEM problem on its device(s): the system matrix ``A``
 (and, when stored, ``A^T``), the measurement ``g`` and the norm (column sums
 of ``A``). The loop in :mod:`mlemlib.mlem` only calls :meth:`Backend.initial_image`,
-:meth:`Backend.iterate`, :meth:`Backend.last_step_times` and
-:meth:`Backend.to_host`, so the CPU, one-GPU and multi-GPU backends plug into
-the same loop.
+:meth:`Backend.iterate`, :meth:`Backend.last_step_times` (and
+:meth:`Backend.previous_step_times` where the backend pipelines, through
+:func:`timed_iterations`) and :meth:`Backend.to_host`, so the CPU, one-GPU and
+multi-GPU backends plug into the same loop.
 
 One iteration follows the numerical contract of DESIGN.md::
 
@@ -21,7 +22,7 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,39 @@ def bytes_per_nnz(*mats: Any) -> float | None:
     """
     held = [a for a in mats if a is not None and int(a.nnz)]
     return sum(int(a.nbytes) for a in held) / sum(int(a.nnz) for a in held) if held else None
+
+
+def timed_iterations(be: Any, f: Any, first: int, last: int, *,
+                     read_now: Callable[[int], bool] = lambda it: False) -> Iterator[tuple[int, Any, list]]:
+    """Run iterations ``first .. last`` of ``be`` from image ``f``; yield ``(it, f, ready)`` after each.
+
+    ``ready`` lists ``(k, step_times)`` of the iterations whose times were read
+    at this point, in order. Where the backend pipelines (:attr:`Backend.pipelines`)
+    iteration k's times are read after iteration k + 1 is queued, so that the
+    device does not wait for the host between iterations; they are read at once
+    after iteration ``it`` where ``read_now(it)`` (before a checkpoint, which
+    synchronises anyway) and after the last. Otherwise each iteration's times
+    are read right after it, with the host's wall time as ``iteration`` where
+    the backend does not report one. (``mlem.reconstruct`` and ``bench`` both
+    iterate through this: benchmarks.md section 59.)
+    """
+    pipelines = getattr(be, "pipelines", False)
+    unread = False  # the previous iteration's times are not read yet (pipelining only)
+    for it in range(first, last + 1):
+        t0 = time.perf_counter()
+        f = be.iterate(f)
+        ready: list[tuple[int, dict[str, float]]] = []
+        if not pipelines:
+            step_times = dict(be.last_step_times())
+            step_times.setdefault("iteration", time.perf_counter() - t0)
+            ready.append((it, step_times))
+        else:
+            if unread:
+                ready.append((it - 1, be.previous_step_times()))
+            unread = not (read_now(it) or it == last)
+            if not unread:
+                ready.append((it, be.last_step_times()))
+        yield it, f, ready
 
 
 class Backend(ABC):
