@@ -295,8 +295,11 @@ def generated_size(preset: str) -> MatrixSize:
     return MatrixSize(rows=rows, cols=cols, nnz=max(rows * per_row, recorded))
 
 
-def preset_size(preset: str) -> MatrixSize:
+def preset_size(preset: str, *, fold: bool = False) -> MatrixSize:
     """The size a preset's matrix will have: its recorded non-zeros plus :data:`PRESET_NNZ_MARGIN`.
+
+    ``fold``: the folded matrix (each LOR once, :mod:`mlemlib.fold`): half the
+    rows and non-zeros (row ``(j, i)`` equals row ``(i, j)``; the diagonal is empty).
 
     :data:`mlemlib.scanner.presets.NNZ` is exact for ``small`` and
     ``madpet2`` and a sampled estimate for ``matrix3``; a preset without a
@@ -306,10 +309,13 @@ def preset_size(preset: str) -> MatrixSize:
     from mlemlib.scanner import get_preset
     from mlemlib.scanner.presets import NNZ
 
-    if preset not in NNZ:
-        return generated_size(preset)
-    rows, cols = get_preset(preset).shape
-    return MatrixSize(rows=rows, cols=cols, nnz=math.ceil(NNZ[preset] * (1 + PRESET_NNZ_MARGIN)))
+    size = generated_size(preset) if preset not in NNZ else None
+    if size is None:
+        rows, cols = get_preset(preset).shape
+        size = MatrixSize(rows=rows, cols=cols, nnz=math.ceil(NNZ[preset] * (1 + PRESET_NNZ_MARGIN)))
+    if fold:
+        size = MatrixSize(rows=size.rows // 2, cols=size.cols, nnz=-(-size.nnz // 2))
+    return size
 
 
 # --- the model ---------------------------------------------------------------------

@@ -25,7 +25,11 @@ permuted space and transparently so: the measurement is read in the user's
 LOR order and permuted (``g' = g[rows]``) before the problem is fingerprinted,
 the iterated images (and checkpoints) are in the permuted voxel order, and the
 image is mapped back to the user's voxel order before it is measured against
-the reference and truth (both in the user's order) and written.
+the reference and truth (both in the user's order) and written. A folded
+matrix (:mod:`mlemlib.fold`: each distinct row stored once) is as
+transparent: the measurement is read in the user's LOR order and folded
+(each stored row gets the sum of its LORs' counts) before the permutation,
+and its norm counts each stored row as often as it occurs.
 
 :func:`reference` is the same loop in float64 on the CPU: the yardstick every
 run of the problem is measured against (``reference.h5``).
@@ -56,6 +60,7 @@ from mlemlib.devices import EnergyMeter, backend_gpus, energy_record
 from mlemlib.errors import ConfigError, DeviceError, InputError, MatrixFormatError
 from mlemlib.formats import InMemoryMatrix, open_source
 from mlemlib.image import FORMAT_VERSION, attr_value, plain_attr, read_image, write_image, write_raw
+from mlemlib.fold import fold_of
 from mlemlib.norm import source_column_sums
 from mlemlib.matrix import CSRMatrix
 from mlemlib.reorder import (
@@ -453,6 +458,8 @@ class Problem:
     #: the iterated images are in its permuted order; ``reference``, ``truth`` and
     #: ``regions`` stay in the user's order.
     perm: Permutation | None = None
+    #: The row fold of a folded matrix (None otherwise): ``g`` is folded into its stored rows.
+    row_fold: Any = None
 
     @property
     def reorder(self) -> str:
@@ -482,12 +489,19 @@ def _load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpos
         if src is not matrix:
             opened.append(src)
         m, n = (int(v) for v in src.shape)
+        row_fold = fold_of(src)
+        m_user = m if row_fold is None else row_fold.m_user
         if isinstance(sino, (str, os.PathLike)):
-            g = read_lmsino(sino, expected_length=m)
+            g = read_lmsino(sino, expected_length=m_user)
         else:
             g = np.asarray(sino).reshape(-1)
-            if g.size != m:
-                raise ConfigError("sino", f"measurement has {g.size} values, the matrix has m = {m} rows")
+            if g.size != m_user:
+                raise ConfigError("sino", f"measurement has {g.size} values, the matrix has m = {m_user} rows")
+        if row_fold is not None:
+            # g is in the user's LOR order: each stored row gets its LORs' summed counts.
+            g = row_fold.fold(g)
+            log.info("%s is folded: %d stored rows hold the %d LORs of the measurement (counts summed)",
+                     _source_name(src, matrix), m, m_user)
         perm = permutation_of(src)
         if perm is not None:
             if perm.shape != (m, n):
@@ -537,7 +551,7 @@ def _load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpos
     grid, voxel_size = matrix_geometry(src)
     log.info("loaded problem %s: %d x %d, %d nnz (%.2f s)", problem[:12], m, n, int(src.nnz), sw_load.seconds)
     return Problem(src, tsrc, g, norm_arr, problem, key, ref_img, truth_img, regions, grid, voxel_size, sw_load.seconds,
-                   perm)
+                   perm, row_fold)
 
 
 def _read_permuted_norm(path: Any, n: int, src: Any, perm: Permutation, matrix_name: str) -> np.ndarray:
@@ -751,6 +765,7 @@ def _timings(prob: Problem, settings: RunSettings, desc: dict[str, Any], be: Bac
         "problem": prob.fingerprint,
         "shape": [m, n],
         "nnz": nnz,
+        "fold": None if prob.row_fold is None else {"user_rows": prob.row_fold.m_user, "method": prob.row_fold.method},
         "grid": list(prob.grid) if prob.grid else None,
         "voxel_size": list(prob.voxel_size) if prob.voxel_size else None,
         "backend": desc,

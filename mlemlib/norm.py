@@ -64,11 +64,15 @@ def _add_columns(indices, data, n, sums, nparts):  # pragma: no cover - compiled
 
 
 def accumulate_column_sums(
-    sums: np.ndarray, block: CSRMatrix, *, source: str | os.PathLike = "<matrix>"
+    sums: np.ndarray, block: CSRMatrix, *, source: str | os.PathLike = "<matrix>",
+    row_weights: np.ndarray | None = None,
 ) -> None:
     """Add the column sums of a row block to ``sums`` (float64, in place).
 
     Call it for the row blocks in row order to get the sums of the whole matrix.
+    ``row_weights`` (one per row of the block) weights each row's values: a
+    folded matrix's multiplicities (:mod:`mlemlib.fold`), so that its norm is
+    the unfolded matrix's.
 
     Raises
     ------
@@ -86,17 +90,25 @@ def accumulate_column_sums(
         return
     from numba import get_num_threads
 
+    if row_weights is not None:
+        data = data * np.repeat(np.asarray(row_weights, dtype=np.float64), np.diff(block.indptr))
     bad = _add_columns(indices, data, np.int64(n), sums, np.int64(get_num_threads()))
     if bad >= 0:
         raise MatrixFormatError(source, f"column index {int(indices[bad])} out of range [0, {n})")
 
 
 def source_column_sums(src, *, max_nnz: int = 1 << 24) -> np.ndarray:
-    """The norm (column sums, float64, in row order) of any opened matrix, streamed by row blocks."""
+    """The norm (column sums, float64, in row order) of any opened matrix, streamed by row blocks.
+
+    A folded matrix's rows count as often as they occur (:func:`mlemlib.fold.stored_row_weights`).
+    """
+    from mlemlib.fold import stored_row_weights
+
     sums = np.zeros(int(src.shape[1]), dtype=np.float64)
     name = str(getattr(src, "source", None) or getattr(src, "path", None) or "<memory>")
-    for _, _, block in src.iter_chunks(max_nnz=max_nnz):
-        accumulate_column_sums(sums, block, source=name)
+    weights = stored_row_weights(src)
+    for r0, r1, block in src.iter_chunks(max_nnz=max_nnz):
+        accumulate_column_sums(sums, block, source=name, row_weights=None if weights is None else weights[r0:r1])
     return sums
 
 
@@ -131,7 +143,9 @@ def compute_norm(
     """The ``norm`` stage: column sums of ``matrix.h5``, written to ``norm.h5``.
 
     Streams the matrix in row chunks of about ``chunk_nnz`` non-zeros (memory:
-    one chunk plus the n-vector), validating each chunk as it is read.
+    one chunk plus the n-vector), validating each chunk as it is read. A
+    folded matrix's rows are weighted by their multiplicity: its norm is that
+    of the unfolded matrix.
 
     Parameters
     ----------
@@ -158,6 +172,7 @@ def compute_norm(
     """
     import h5py
 
+    from mlemlib.fold import stored_row_weights
     from mlemlib.formats.h5 import MatrixH5
 
     if not isinstance(chunk_nnz, (int, np.integer)) or chunk_nnz < 1:
@@ -167,10 +182,13 @@ def compute_norm(
         m, n = src.shape
         nnz, checksum = src.nnz, src.checksum
         sums = np.zeros(n, dtype=np.float64)
-        log.info("%s: column sums of %d x %d, %d non-zeros", name, m, n, nnz)
+        weights = stored_row_weights(src)
+        log.info("%s: column sums of %d x %d, %d non-zeros%s", name, m, n, nnz,
+                 "" if weights is None else " (folded: rows weighted by their multiplicity)")
         next_report = 0.1
         for r0, r1, block in src.iter_chunks(max_nnz=chunk_nnz):
-            accumulate_column_sums(sums, block, source=matrix_h5)
+            accumulate_column_sums(sums, block, source=matrix_h5,
+                                   row_weights=None if weights is None else weights[r0:r1])
             if m and r1 / m >= next_report:
                 log.info("%s: summed rows up to %d of %d (%.0f%%)", name, r1, m, 100.0 * r1 / m)
                 next_report = r1 / m + 0.1

@@ -560,7 +560,10 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
         name = "custom"
     from mlemlib.reorder import image_to_permuted_order, measurement_to_user_order, permutation_of
 
+    from mlemlib.fold import fold_of
+
     perm = permutation_of(src)
+    row_fold = fold_of(src)
     log.info("forward projecting the phantom through %s (%d x %d)", source, m, n)
     if perm is None:
         expected = forward_project(src, f, max_nnz=max_nnz)
@@ -570,6 +573,11 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
         log.info("%s is reordered (%s): the measurement is written in the user's LOR order", source, perm.mode)
         f_perm = image_to_permuted_order(np.ascontiguousarray(f).reshape(-1), perm)
         expected = measurement_to_user_order(forward_project(src, f_perm, max_nnz=max_nnz), perm)
+    if row_fold is not None:
+        # A folded matrix: every LOR of a stored row sees the same expected counts (drawn independently).
+        log.info("%s is folded: the measurement is written for all %d LORs", source, row_fold.m_user)
+        expected = row_fold.unfold(expected)
+        m = row_fold.m_user
     esum = float(expected.sum())
     if not esum > 0:
         raise MatrixFormatError(source, "the phantom's forward projection is zero everywhere (does the matrix see the grid?)")

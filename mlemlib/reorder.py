@@ -645,6 +645,9 @@ def apply(
             if perm.voxels is not None:
                 check_permutation(perm.voxels, n, perm_name, "voxel permutation")
         _check_belongs(perm, src, name, perm_name)
+        from mlemlib.fold import DATASET as FOLD_DATASET, fold_of
+
+        row_fold = fold_of(src)  # a folded source stays folded: its rows are permuted, its map is not
         nnz = int(src.nnz)
         lengths = np.diff(src.read_indptr())
         out_ip = np.zeros(m + 1, dtype=np.int64)
@@ -708,6 +711,8 @@ def apply(
                     del out_idx, out_dat
             with h5py.File(tmp, "a") as f:
                 _write_perm_datasets(f, perm)
+                if row_fold is not None:  # the source's fold (its attributes came with the others)
+                    f.create_dataset(FOLD_DATASET, data=np.ascontiguousarray(row_fold.row_map, dtype="<i8"))
         seconds = time.perf_counter() - t_start
         log.info("%s: wrote %s (%.2f s)", name, out, seconds)
         return {

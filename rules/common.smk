@@ -305,6 +305,11 @@ def get_converted_matrix_regex():
     )
 
 
+def get_matrix_fold(wildcards):
+    """Whether results/{matrix}/matrix.h5 stores each distinct row once (docs/formats.md, "Folded matrices")."""
+    return bool(config["matrices"][wildcards.matrix]["fold"])
+
+
 def get_matrix_format(wildcards):
     """Matrix format of results/{matrix}/matrix.h5: csr or a compressed format (docs/formats.md)."""
     return config["matrices"][wildcards.matrix]["format"]
@@ -818,7 +823,7 @@ def _matrix_size_of(matrix):
         return matrix_size(made)
     if entry["path"] is not None:
         return matrix_size(entry["path"])
-    return preset_size(entry["preset"])
+    return preset_size(entry["preset"], fold=bool(entry["fold"]))
 
 
 def _device_format(matrix):

@@ -16,6 +16,7 @@ rule generate_matrix:
     params:
         preset=get_preset,
         format="csr",
+        fold=False,
     script:
         "../scripts/generate_matrix.py"
 
@@ -41,6 +42,7 @@ rule generate_container:
     params:
         preset=get_preset,
         format=get_matrix_format,
+        fold=get_matrix_fold,
     script:
         "../scripts/generate_matrix.py"
 
@@ -67,5 +69,6 @@ rule convert_matrix:
     params:
         source=get_matrix_stamp,
         format=get_matrix_format,
+        fold=get_matrix_fold,
     script:
         "../scripts/convert_matrix.py"

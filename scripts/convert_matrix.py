@@ -9,6 +9,6 @@ send_to_log(snakemake.log[0])
 from mlemlib.formats import convert  # noqa: E402
 
 summary = convert(
-    snakemake.input.source, snakemake.output.matrix, fmt=snakemake.params.format
+    snakemake.input.source, snakemake.output.matrix, fmt=snakemake.params.format, fold=snakemake.params.fold
 )
 logging.info("convert_matrix: %s", summary)

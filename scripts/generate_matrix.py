@@ -14,5 +14,6 @@ summary = generate(
     snakemake.output.matrix,
     threads=snakemake.threads,
     fmt=snakemake.params.format,
+    fold=snakemake.params.fold,
 )
 logging.info("generate_matrix: %s", summary)

@@ -1,6 +1,11 @@
-"""Shared pytest set-up: the ``gpu`` marker skips without a CUDA GPU."""
+"""Shared pytest set-up: the ``gpu`` marker skips without a CUDA GPU; a runner of the workflow."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,3 +27,22 @@ def rng():
     import numpy as np
 
     return np.random.default_rng(20261122)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_workflow(workdir: Path, config: dict, *args: str, name: str = "config") -> subprocess.CompletedProcess:
+    """The workflow on ``config`` (written to ``workdir/name.yaml``); asserts success, returns the process."""
+    import yaml
+
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cmd = [
+        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+        "--configfile", str(path), *args,
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc

@@ -4,16 +4,13 @@ the locality proxy, transparent MLEM, the CLI and the rule (CPU; one GPU test)."
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 import scipy.sparse as sp
-import yaml
 
 from mlemlib import reorder
 from mlemlib.cli import main
@@ -21,6 +18,7 @@ from mlemlib.errors import ConfigError, InputError, MatrixFormatError
 from mlemlib.formats.h5 import MatrixH5, read_matrix_h5, write_matrix_h5
 from mlemlib.image import read_image
 from mlemlib.matrix import CSRMatrix
+from conftest import run_workflow
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = (6, 5, 4)  # n = 120
@@ -610,16 +608,7 @@ def _workflow_config(reorder_mode: str) -> dict:
 
 
 def _snakemake(workdir: Path, reorder_mode: str, *args: str) -> subprocess.CompletedProcess:
-    path = workdir / f"config-{reorder_mode.replace('+', '_')}.yaml"
-    path.write_text(yaml.safe_dump(_workflow_config(reorder_mode)))
-    cmd = [
-        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-        "--configfile", str(path), *args,
-    ]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return run_workflow(workdir, _workflow_config(reorder_mode), *args, name=f"config-{reorder_mode.replace('+', '_')}")
 
 
 def _dag_edges(tmp_path: Path, reorder_mode: str) -> set[tuple[str, str]]:

@@ -27,7 +27,9 @@ It then times, with CUDA events (median of ``--repeat``):
 ``--order voxels`` relabels the columns by the reorder stage's 3-D Hilbert
 voxel order (from the grid alone) and sorts each row again; ``rows+voxels``
 also traces the rows in the reorder stage's order, computed from the preset
-traced with ``--perm-rays`` per tube (docs/benchmarks.md, section 52).
+traced with ``--perm-rays`` per tube (docs/benchmarks.md, section 52);
+``upper`` traces each line of response once (rows ``i * N + j`` with
+``i < j``, the rows of the folded matrix; section 64).
 
 Checks first: the forward and back projection of block 0 against a float64
 SciPy product on the host, and the atomic against the fixed-point iteration
@@ -53,7 +55,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-ORDERS = ("own", "voxels", "rows+voxels")
+ORDERS = ("own", "voxels", "rows+voxels", "upper")
 
 
 def order_of(order: str, preset: str, cfg, m: int, perm_rays: int):
@@ -62,6 +64,11 @@ def order_of(order: str, preset: str, cfg, m: int, perm_rays: int):
 
     if order == "own":
         return np.arange(m, dtype=np.int64), None, {}
+    if order == "upper":  # each LOR once: the rows i * N + j with i < j (the folded matrix, docs/formats.md)
+        from mlemlib.scanner.system import _upper_rows
+
+        rows = _upper_rows(cfg.n_crystals, 0, cfg.n_crystals)
+        return (rows if m >= cfg.n_lors else rows[rows < m]), None, {}
     if order == "voxels":
         t0 = time.perf_counter()
         perm = Permutation(np.arange(m, dtype=np.int64), voxel_permutation(tuple(cfg.grid)), "rows+voxels",
@@ -88,7 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--order", default="own", choices=ORDERS,
                     help="own: the scanner's LOR and voxel numbers; voxels: columns in the reorder stage's 3-D "
                          "Hilbert voxel order (from the grid alone); rows+voxels: also the rows in the reorder "
-                         "stage's order, computed from the preset traced with --perm-rays per tube")
+                         "stage's order, computed from the preset traced with --perm-rays per tube; upper: "
+                         "each LOR once (rows i * N + j, i < j: the folded matrix)")
     ap.add_argument("--perm-rays", type=int, default=16, help="rays per tube of the rows+voxels permutation's trace")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -108,6 +116,7 @@ def main(argv=None) -> int:
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     log(f"{dev}; {args.preset}: {m} x {n}, {args.chunks} blocks, {os.cpu_count()} CPUs")
     rows_of, vinv, order_info = order_of(args.order, args.preset, cfg, m, args.perm_rays)
+    m = len(rows_of)
     bounds = np.linspace(0, m, args.chunks + 1).astype(np.int64)
     blocks = []
     nnz = 0

@@ -24,6 +24,7 @@ SUBCOMMANDS = (
     "generate",
     "convert",
     "info",
+    "fold",
     "reorder",
     "norm",
     "transpose",

@@ -48,6 +48,11 @@ def register(sub) -> None:
         help="compressed formats: width of the column-delta codes (default: the smaller encoding of a sample "
         "of rows spread over the input: 8 for rows of A, 16 for rows of a large scanner's A^T)",
     )
+    p.add_argument(
+        "--fold", action="store_true",
+        help="store each distinct non-empty row once, with the map from the input's rows (a LOR stored as (i, j) "
+        "and (j, i) once): the same images from fewer bytes (docs/formats.md, 'Folded matrices')",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     """Convert ``args.input`` to ``args.out``; print a one-line summary."""
     from mlemlib.formats import convert
 
-    s = convert(args.input, args.out, max_nnz=args.chunk_nnz, fmt=args.format, code_bits=args.code_bits)
+    s = convert(args.input, args.out, max_nnz=args.chunk_nnz, fmt=args.format, code_bits=args.code_bits, fold=args.fold)
     m, n = s["shape"]
     bpn = f"{s['bytes_per_nnz']:.2f}" if s["bytes_per_nnz"] is not None else "n/a"
     codes = f", {s['code_bits']}-bit codes" if s.get("code_bits") else ""

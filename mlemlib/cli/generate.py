@@ -48,6 +48,11 @@ def register(sub) -> None:
         help="elements traced and written per chunk (bounds memory: 8 bytes each)",
     )  # fmt: skip
     p.add_argument(
+        "--fold", action="store_true",
+        help="store each line of response once (row (i, j), i < j; its twin (j, i) and the empty rows map to it): "
+        "half the rows, bytes and MLEM time, the same image (.h5 only; docs/formats.md, 'Folded matrices')",
+    )  # fmt: skip
+    p.add_argument(
         "--estimate", type=positive_int, nargs="?", const=20000, default=None, metavar="ROWS",
         help="do not write: trace a sample of ROWS rows and print the estimated nnz and time",
     )  # fmt: skip
@@ -60,12 +65,14 @@ def run(args: argparse.Namespace) -> int:
     from mlemlib.scanner import estimate, generate
 
     if args.estimate is not None:
-        res = estimate(args.preset, rays=args.rays, threads=args.threads, sample=args.estimate, fmt=args.format)
+        res = estimate(args.preset, rays=args.rays, threads=args.threads, sample=args.estimate, fmt=args.format,
+                       fold=args.fold)
     else:
         if args.out is None:
             raise ConfigError("--out", "an output file is required (or use --estimate)")
         res = generate(
-            args.preset, args.out, rays=args.rays, threads=args.threads, max_nnz=args.max_nnz, fmt=args.format
+            args.preset, args.out, rays=args.rays, threads=args.threads, max_nnz=args.max_nnz, fmt=args.format,
+            fold=args.fold,
         )
     print(json.dumps(res, indent=2))
     return 0

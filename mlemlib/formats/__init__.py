@@ -29,6 +29,7 @@ from mlemlib.compressed import LOSSY_FORMATS, VALUE_DTYPES
 from mlemlib.errors import MatrixFormatError, SinogramFormatError
 from mlemlib.formats._check import DEFAULT_CHUNK_NNZ
 from mlemlib.formats._memory import InMemoryMatrix
+from mlemlib.matrix import take_rows
 from mlemlib.formats.csr4 import (
     Csr4File,
     Csr4Header,
@@ -150,6 +151,7 @@ def convert(
     max_nnz: int = DEFAULT_CHUNK_NNZ,
     fmt: str = "csr",
     code_bits: int | None = None,
+    fold: bool = False,
 ) -> dict:
     """Convert any supported matrix into the container ``out`` (``matrix.h5``), streaming.
 
@@ -180,6 +182,11 @@ def convert(
         the conversion from a sample of rows spread over the input
         (:func:`sample_code_bits`: 16 row ranges, about 4 million elements
         in all), the width whose encoding of the sample is smaller.
+    fold
+        Store each distinct non-empty row once, with the map from the input's
+        rows (:mod:`mlemlib.fold`): a first streamed pass hashes the rows, the
+        conversion's pass writes their first occurrences. Refused for an input
+        that is folded or reordered already.
 
     Returns
     -------
@@ -187,7 +194,8 @@ def convert(
         ``source``, ``output``, ``shape``, ``nnz``, ``chunks``, ``seconds``,
         ``bytes`` (output size), ``input_bytes``, ``checksum``, ``grid``,
         ``voxel_size``, ``format``, ``lossless``, ``bytes_per_nnz`` (of the
-        matrix arrays, not the file), ``code_bits`` (compressed formats, else None).
+        matrix arrays, not the file), ``code_bits`` (compressed formats, else None);
+        folded: ``user_rows`` and ``fold_checksum`` (``shape`` and ``nnz`` are the stored ones).
 
     Raises
     ------
@@ -206,6 +214,21 @@ def convert(
     t0 = time.perf_counter()
     with open_matrix(src) as reader:
         m, n = reader.shape
+        m_out, nnz_out, first, row_fold = m, int(reader.nnz), None, None
+        if fold:
+            from mlemlib.fold import find_duplicates, first_rows
+            from mlemlib.reorder import permutation_of
+
+            if "fold_user_rows" in (getattr(reader, "attrs", None) or {}):
+                raise MatrixFormatError(src, "is folded already")
+            if permutation_of(reader) is not None:
+                raise MatrixFormatError(src, "is reordered: fold the matrix before reordering it")
+            row_fold = find_duplicates(reader, chunk_nnz=max_nnz, name=src.name)
+            first = first_rows(row_fold)
+            m_out = row_fold.m_stored
+            nnz_out = int(np.diff(np.asarray(reader.read_indptr(), dtype=np.int64))[first].sum())
+            log.info("%s: %d rows, %d distinct non-empty (%.1f%%), %d of %d non-zeros kept", src.name, m, m_out,
+                     100.0 * m_out / max(m, 1), nnz_out, int(reader.nnz))
         extra: dict = {"kind": "matrix"}
         scanner_block = None
         if isinstance(reader, Csr4File):
@@ -228,13 +251,13 @@ def convert(
                 log.info("%s: %d-bit codes (the smaller encoding of a sample of rows)", out, code_bits)
             writer_cls, fmt_kw = CompressedH5Writer, {"fmt": fmt, "code_bits": code_bits}
         # the writer's checksum is the input's unless the output rounds the values
-        input_sum = _Checksum() if isinstance(reader, MatrixH5) and fmt in LOSSY_FORMATS else None
+        input_sum = _Checksum() if isinstance(reader, MatrixH5) and (fmt in LOSSY_FORMATS or fold) else None
         if input_sum is not None:
             input_sum.update("indptr", np.zeros(1, dtype=np.int64))
         with writer_cls(
             out,
-            (m, n),
-            reader.nnz,
+            (m_out, n),
+            nnz_out,
             source=src.name,
             grid=reader.grid,
             voxel_size=reader.voxel_size,
@@ -242,11 +265,12 @@ def convert(
             **fmt_kw,
             **extra,
         ) as writer:
-            for _r0, r1, block in reader.iter_chunks(max_nnz):
+            for r0, r1, block in reader.iter_chunks(max_nnz):
+                kept = block if first is None else take_rows(block, np.flatnonzero(first[r0:r1]))
                 if fmt == "csr":
-                    writer.write_rows(block, validate=False)  # the reader validated it
+                    writer.write_rows(kept, validate=False)  # the reader validated it
                 else:
-                    writer.write_rows(block, validate=False, source=src)
+                    writer.write_rows(kept, validate=False, source=src)
                 if input_sum is not None:
                     input_sum.update_rows(block.indptr[1:] + done, block.indices, block.data)
                 chunks += 1
@@ -256,6 +280,10 @@ def convert(
                 if now - last_log > 10:
                     last_log = now
                     log.info("  %d/%d rows, %.1f%% of nnz, %.0f s", r1, m, 100 * done / max(reader.nnz, 1), now - t0)
+            if row_fold is not None:
+                from mlemlib.fold import attach
+
+                attach(writer, row_fold)
             if isinstance(reader, MatrixH5):
                 got = input_sum.hexdigest() if input_sum is not None else writer.checksum
                 if got != reader.checksum:
@@ -264,12 +292,12 @@ def convert(
                         f"checksum mismatch: attribute says {reader.checksum}, data gives {got} (file corrupted)",
                     )
     seconds = time.perf_counter() - t0
-    nbytes = _matrix_nbytes(out, fmt, m, int(reader.nnz))
+    nbytes = _matrix_nbytes(out, fmt, m_out, nnz_out)
     summary = {
         "source": os.fspath(src),
         "output": os.fspath(out),
-        "shape": [m, n],
-        "nnz": int(reader.nnz),
+        "shape": [m_out, n],
+        "nnz": nnz_out,
         "chunks": chunks,
         "seconds": seconds,
         "bytes": out.stat().st_size,
@@ -279,9 +307,11 @@ def convert(
         "voxel_size": list(reader.voxel_size) if reader.voxel_size else None,
         "format": fmt,
         "lossless": fmt not in LOSSY_FORMATS,
-        "bytes_per_nnz": nbytes / reader.nnz if reader.nnz else None,
+        "bytes_per_nnz": nbytes / nnz_out if nnz_out else None,
         "code_bits": code_bits if fmt != "csr" else None,
     }
+    if row_fold is not None:
+        summary.update(user_rows=m, fold_checksum=row_fold.checksum)
     log.info("converted %s -> %s: nnz %d in %.1f s", src, out, summary["nnz"], seconds)
     return summary
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import numpy as np
 
@@ -245,6 +245,22 @@ class RowBlockWriter:
                 self.path, f"elements {self._written}..{self._written + bnnz} exceed nnz = {self.nnz}"
             )
         return bnnz
+
+    def attach(self, datasets: dict[str, np.ndarray], attrs: dict[str, Any]) -> None:
+        """Store extra datasets and attributes in an HDF5 container being written (a row fold, for one).
+
+        Raises
+        ------
+        ValueError
+            When the writer is closed, or writes no HDF5 file (``.csr4``).
+        """
+        f = getattr(self, "_f", None)
+        if not self._open or f is None or not hasattr(f, "create_dataset"):
+            raise ValueError(f"{self.path}: cannot attach datasets (writer closed, or not an HDF5 container)")
+        for name, data in datasets.items():
+            f.create_dataset(name, data=data)
+        for key, value in attrs.items():
+            f.attrs[key] = value
 
     def _check_complete(self) -> None:
         """Abort and raise unless exactly ``m`` rows and ``nnz`` elements were written."""

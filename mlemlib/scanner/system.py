@@ -290,6 +290,9 @@ class _Validated:
     def append(self, encoded, block: CSRMatrix) -> None:
         self.writer.append_encoded_rows(encoded, block)
 
+    def attach(self, datasets, attrs) -> None:
+        self.writer.attach(datasets, attrs)
+
     def __enter__(self):
         return self
 
@@ -305,6 +308,7 @@ def generate(
     threads: int | None = None,
     max_nnz: int = DEFAULT_MAX_NNZ,
     fmt: str = "csr",
+    fold: bool = False,
 ) -> dict:
     """Generate a scanner's system matrix and write it, with its scanner block, as ``.csr4`` or container.
 
@@ -326,12 +330,17 @@ def generate(
         Matrix format of an ``.h5`` output: ``csr``, ``compressed``,
         ``compressed-f16`` or ``compressed-u16`` (see ``docs/formats.md``); a
         ``.csr4`` is CSR.
+    fold
+        Store each line of response once (row ``(i, j)``, ``i < j``; its
+        twin ``(j, i)`` and the empty rows are mapped to it by the container's
+        row fold, :mod:`mlemlib.fold`): half the rows, traced and written once.
+        Needs an ``.h5`` output.
 
     Returns
     -------
     dict
         ``path, preset, format, shape, nnz, rays, threads, empty_rows,
-        max_row_nnz, count_seconds, fill_seconds, fill_trace_seconds (tracing
+        max_row_nnz, stored_rows (of a folded matrix, else m), count_seconds, fill_seconds, fill_trace_seconds (tracing
         inside the fill pass), fill_encode_seconds (encoding the traced chunks
         into a compressed format, on the same thread), fill_write_wait_seconds
         (waiting for the writer thread), seconds, nnz_per_second, bytes, checksum`` (the container's,
@@ -345,6 +354,10 @@ def generate(
     cfg = _resolve(preset, rays)
     out = Path(out)
     make_writer = _writer_for(out, fmt, cfg)
+    if fold and out.suffix.lower() == ".csr4":
+        from mlemlib.errors import ConfigError
+
+        raise ConfigError("fold", f"{out}: a folded matrix needs the .h5 container (a .csr4 has no row map)")
     m, n = cfg.shape
     t_start = time.perf_counter()
     with _numba_threads(threads) as nt:
@@ -354,10 +367,19 @@ def generate(
         )  # fmt: skip
         tracer = Tracer(cfg, nt)
         row_counts = count_all(tracer)
+        user_nnz = int(row_counts.sum())
+        rows_of, row_fold = None, None
+        if fold:  # the stored rows: each non-empty LOR once, as row (i, j) with i < j
+            from mlemlib.fold import pair_fold
+
+            row_fold, rows_of = pair_fold(cfg.n_crystals, row_counts)
+            user_counts, row_counts = row_counts, row_counts[rows_of]
+        m_out = len(row_counts)
         nnz = int(row_counts.sum())
         t_count = time.perf_counter() - t_start
-        log.info("count pass done: nnz = %d (%.3g), %.1f s", nnz, nnz, t_count)
-        max_rows = max(4096, m // 200)
+        log.info("count pass done: nnz = %d (%.3g)%s, %.1f s", nnz, nnz,
+                 f" in {m_out} folded rows of {m} ({user_nnz} unfolded)" if fold else "", t_count)
+        max_rows = max(4096, m_out // 200)
         prog = _Progress("fill pass", nnz, "elements")
         done = 0
         t_trace = t_encode = t_wait = 0.0
@@ -369,7 +391,7 @@ def generate(
         # Leaving the pool's block joins the helper before the writer closes
         # or aborts.
         with (
-            make_writer(m, n, nnz) as writer,
+            make_writer(m_out, n, nnz) as writer,
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-writer") as pool,
             _numba_threads(nt - writer_cores(nt)),
         ):
@@ -379,7 +401,7 @@ def generate(
                 indptr = np.zeros(r1 - r0 + 1, dtype=np.int64)
                 np.cumsum(row_counts[r0:r1], out=indptr[1:])
                 t0 = time.perf_counter()
-                block = tracer.fill(np.arange(r0, r1, dtype=np.int64), indptr)
+                block = tracer.fill(np.arange(r0, r1, dtype=np.int64) if rows_of is None else rows_of[r0:r1], indptr)
                 t1 = time.perf_counter()
                 encoded = writer.encode_rows(block, r0) if encodes else None
                 t2 = time.perf_counter()
@@ -393,12 +415,16 @@ def generate(
                 else:
                     pending.append(pool.submit(writer.write_rows, block))
                 done += block.nnz
-                prog.update(done, f", rows {r1}/{m}, {done * 8 / 1e9:.1f} GB of CSR")
+                prog.update(done, f", rows {r1}/{m_out}, {done * 8 / 1e9:.1f} GB of CSR")
                 del block, encoded
             t1 = time.perf_counter()
             while pending:
                 pending.popleft().result()
             t_wait += time.perf_counter() - t1
+            if row_fold is not None:
+                from mlemlib.fold import attach
+
+                attach(writer, row_fold)
         prog.update(done, force=True)
     seconds = time.perf_counter() - t_start
     summary = {
@@ -409,8 +435,10 @@ def generate(
         "nnz": nnz,
         "rays": cfg.rays,
         "threads": nt,
-        "empty_rows": int((row_counts == 0).sum()),
-        "max_row_nnz": int(row_counts.max()) if m else 0,
+        "empty_rows": int(((user_counts if fold else row_counts) == 0).sum()),
+        "max_row_nnz": int(row_counts.max()) if m_out else 0,
+        "stored_rows": m_out,
+        "unfolded_nnz": user_nnz,
         "count_seconds": round(t_count, 3),
         "fill_seconds": round(seconds - t_count, 3),
         "fill_trace_seconds": round(t_trace, 3),
@@ -481,6 +509,7 @@ def estimate(
     threads: int | None = None,
     sample: int = 20000,
     fmt: str | None = None,
+    fold: bool = False,
 ) -> dict:
     """Estimate nnz, file sizes and generation time from a strided sample of rows, without writing.
 
@@ -503,6 +532,11 @@ def estimate(
     :func:`writer_cores` of the cores left to them). ``wall_seconds_by_threads``
     is then the count pass plus the longer of the fill pass's tracing and
     encoding and the writer, per core count.
+
+    With ``fold`` (:func:`generate`'s ``fold``) the stored rows are the
+    non-empty half (row ``(j, i)`` equals row ``(i, j)``, the diagonal is
+    empty): non-zeros, bytes and the fill pass's times are halved, the count
+    pass is not.
 
     Returns
     -------
@@ -534,22 +568,26 @@ def estimate(
         block = tracer.fill(rows, indptr)
         t2 = time.perf_counter()
     scale = m / len(rows)
-    nnz_est = float(counts.sum()) * scale
-    sec_est = ((t1 - t0) / 2 + (t2 - t1)) * scale
+    half = 0.5 if fold else 1.0  # of the rows, non-zeros and fill pass a folded matrix keeps
     nonempty = counts > 0
-    by_format = {"csr4": 8 * (m + nnz_est), "csr": 8 * nnz_est + 8 * (m + 1)}
+    m_out = int(round(nonempty.mean() * m * half)) if fold and len(counts) else m
+    nnz_est = float(counts.sum()) * scale * half
+    sec_est = ((t1 - t0) / 2 + (t2 - t1) * half) * scale
+    by_format = {"csr4": 8 * (m + nnz_est), "csr": 8 * nnz_est + 8 * (m_out + 1) + (8 * m if fold else 0)}
     for kind in ("compressed", "compressed-f16", "compressed-u16"):
         enc = CompressedMatrix.from_csr(block, kind, validate=False)
         per_slot = 1 + enc.values.dtype.itemsize
         # slots scale like the elements; the row pointer (and f16 scales) like the rows
         row_bytes = 4.125 + (4 if enc.scale is not None else 0)
-        by_format[kind] = enc.slots * scale * per_slot + row_bytes * m
+        by_format[kind] = enc.slots * scale * half * per_slot + row_bytes * m_out + (8 * m if fold else 0)
     res = {
         "preset": cfg.name,
         "shape": [m, n],
         "rays": cfg.rays,
         "threads": nt,
         "sampled_rows": len(rows),
+        "fold": bool(fold),
+        "stored_rows_estimate": m_out,
         "sample_seconds": round(t2 - t0, 3),
         "nnz_estimate": nnz_est,
         "mean_nnz_per_row": nnz_est / m if m else 0.0,
@@ -564,8 +602,8 @@ def estimate(
     }
     if fmt is not None:
         with _numba_threads(threads):
-            encode_s, write_s = (v * scale for v in _sample_write_seconds(cfg, block, fmt))
-        count_s, fill_s = (t1 - t0) / 2 * scale, (t2 - t1) * scale
+            encode_s, write_s = (v * scale * half for v in _sample_write_seconds(cfg, block, fmt))
+        count_s, fill_s = (t1 - t0) / 2 * scale, (t2 - t1) * scale * half
         res["format"] = fmt
         res["encode_seconds_estimate"] = encode_s
         res["write_seconds_estimate"] = write_s
