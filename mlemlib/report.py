@@ -308,6 +308,11 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
             row["_fp_requested"] = cfg.get("fp_requested") or cfg.get("fp")
             row["_bp_requested"] = cfg.get("bp_requested") or cfg.get("bp")
             row["_shape"] = tuple(int(v) for v in t["shape"]) if isinstance(t.get("shape"), (list, tuple)) else None
+            # A folded matrix (each distinct row once): the user's shape, and the rows it stores.
+            fold = t.get("fold") if isinstance(t.get("fold"), dict) else None
+            row["_stored_rows"] = row["_shape"][0] if fold and row["_shape"] else None
+            if fold and row["_shape"]:
+                row["_shape"] = (int(fold["user_rows"]), row["_shape"][1])
             row["_gpu_model"] = str(devs[0].get("name", "")) if devs else ""
             per_gpu = _mean(d.get("theoretical_bandwidth") for d in devs)
             row["_gpu_theoretical_GBps"] = per_gpu / 1e9 if per_gpu else None
@@ -730,8 +735,10 @@ def thesis_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             speedup = t_thesis / t if t else None
             ratio = theo / theo_thesis if theo else None
             counted = {r.get("energy_gpus") for r in rs if r.get("energy_gpus") is not None}
+            stored = r0.get("_stored_rows")
+            matrix = r0["matrix"] + (f" (folded: each LOR once, {stored:,} stored rows)" if stored else "")
             out.append({
-                "thesis": False, "beside": run, "matrix": r0["matrix"], "data": r0["data"],
+                "thesis": False, "beside": run, "matrix": matrix, "data": r0["data"],
                 "configuration": config_label(r0),
                 "reps": len(rs), "gpus": int(_num(r0.get("gpus")) or 1), "gpu_model": r0.get("_gpu_model") or "",
                 "theoretical_per_gpu_GBps": r0.get("_gpu_theoretical_GBps"), "theoretical_GBps": theo,

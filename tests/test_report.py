@@ -631,6 +631,18 @@ def test_thesis_section_for_matrix3_only(tmp_path):
     assert "thesis beside us" not in (tmp_path / "o" / "summary.md").read_text()
 
 
+def test_thesis_section_takes_a_folded_run_by_its_users_shape(tmp_path):
+    folded = _gpu_run(1, shape=[1_397_868, 2_592_000], scale=0.01, onepass=True)
+    folded["fold"] = {"user_rows": MATRIX3_SHAPE[0], "method": "pairs"}
+    other = _gpu_run(1, shape=[1_397_868, 2_592_000], scale=0.01, onepass=True)  # not folded: another shape
+    summarize([folded], tmp_path / "s")
+    md = (tmp_path / "s" / "summary.md").read_text()
+    assert "## The thesis beside us: Matrix 3 (Table 4.3)" in md
+    assert "madpet3 (folded: each LOR once, 1,397,868 stored rows) / nema-seed1" in md
+    summarize([other], tmp_path / "o")
+    assert "thesis beside us" not in (tmp_path / "o" / "summary.md").read_text()
+
+
 def test_time_vs_gpus_plot(tmp_path):
     import matplotlib.image as mpimg
 

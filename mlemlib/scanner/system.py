@@ -450,7 +450,8 @@ def generate(
         "checksum": getattr(writer, "checksum", None),
     }
     log.info(
-        "wrote %s: %d x %d, nnz %d, %.1f s (%.3g nnz/s)", out, m, n, nnz, seconds, summary["nnz_per_second"]
+        "wrote %s: %d x %d%s, nnz %d, %.1f s (%.3g nnz/s)", out, m_out, n,
+        f" (folded: each of the {m} LORs' rows once)" if fold else "", nnz, seconds, summary["nnz_per_second"],
     )
     return summary
 
