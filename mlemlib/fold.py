@@ -42,7 +42,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -307,21 +306,12 @@ def fold_of(matrix: Any) -> RowFold | None:
     """
     import h5py
 
-    if isinstance(matrix, (str, os.PathLike)):
-        path = os.fspath(matrix)
-    else:
-        attrs = getattr(matrix, "attrs", None)
-        if attrs is not None and ATTR_ROWS not in attrs:
-            return None
-        path = getattr(matrix, "path", None) or getattr(matrix, "source", None)
-        if path is None:
-            return None
-        path = os.fspath(path)
-    if not Path(path).is_file() or not h5py.is_hdf5(path):
+    from mlemlib.formats.h5 import marked_container
+
+    path = marked_container(matrix, ATTR_ROWS)
+    if path is None:
         return None
     with h5py.File(path, "r") as f:
-        if ATTR_ROWS not in f.attrs:
-            return None
         m_user = int(_plain(f.attrs[ATTR_ROWS]))
         if DATASET not in f or not isinstance(f[DATASET], h5py.Dataset):
             raise MatrixFormatError(path, f"folded ({ATTR_ROWS} = {m_user}) but has no dataset {DATASET!r}")

@@ -925,24 +925,10 @@ def permutation_of(matrix: Any) -> Permutation | None:
         The container says it is reordered but its permutations are missing,
         of the wrong length, not permutations, or do not match their checksum.
     """
-    import h5py
+    from mlemlib.formats.h5 import marked_container
 
-    if isinstance(matrix, (str, os.PathLike)):
-        path = os.fspath(matrix)
-    else:
-        attrs = getattr(matrix, "attrs", None)
-        if attrs is not None and ATTR_MODE not in attrs:
-            return None
-        path = getattr(matrix, "path", None) or getattr(matrix, "source", None)
-        if path is None:
-            return None
-        path = os.fspath(path)
-    if not Path(path).is_file() or not h5py.is_hdf5(path):
-        return None
-    with h5py.File(path, "r") as f:
-        if ATTR_MODE not in f.attrs:
-            return None
-    return read_permutation(path)
+    path = marked_container(matrix, ATTR_MODE)
+    return None if path is None else read_permutation(path)
 
 
 # --------------------------------------------------------------------------- transparent MLEM

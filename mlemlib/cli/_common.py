@@ -39,3 +39,18 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_parser(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:
     """Add a subcommand parser that shows defaults in ``--help``."""
     return sub.add_parser(name, help=help, description=help, formatter_class=_DefaultsFormatter, **kw)
+
+
+def add_stream_options(
+    p: argparse.ArgumentParser,
+    *,
+    chunk_help: str = "non-zeros per streamed row chunk (about 8*N bytes)",
+    threads_help: str = "CPU threads (None: all cores)",
+) -> None:
+    """``-t/--threads`` and ``-c/--chunk-nnz``: the options of every stage that streams the matrix."""
+    from mlemlib.transpose import DEFAULT_CHUNK_NNZ
+
+    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help=threads_help)
+    p.add_argument(
+        "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N", help=chunk_help
+    )

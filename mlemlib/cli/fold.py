@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from mlemlib.cli._common import add_parser, existing_file, positive_int
+from mlemlib.cli._common import add_parser, add_stream_options, existing_file
 
 
 def register(sub) -> None:
     """Add the ``fold`` subcommand."""
-    from mlemlib.transpose import DEFAULT_CHUNK_NNZ
-
     p = add_parser(
         sub,
         "fold",
@@ -21,11 +19,7 @@ def register(sub) -> None:
     )
     p.add_argument("input", type=existing_file, metavar="MATRIX", help="matrix (.h5 container, .csr4, .mtx, .npz)")
     p.add_argument("-o", "--out", required=True, metavar="OUT.h5", help="the folded container (the input's format)")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads (None: all cores)")
-    p.add_argument(
-        "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
-        help="non-zeros per streamed row chunk (about 8*N bytes)",
-    )
+    add_stream_options(p)
     p.set_defaults(func=run)
 
 

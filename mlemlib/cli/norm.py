@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, existing_file, positive_int
+from mlemlib.cli._common import add_parser, add_stream_options, existing_file
 
 
 def register(sub) -> None:
     """Add the ``norm`` subcommand."""
-    from mlemlib.transpose import DEFAULT_CHUNK_NNZ
-
     p = add_parser(
         sub,
         "norm",
@@ -19,11 +17,7 @@ def register(sub) -> None:
     )
     p.add_argument("input", type=existing_file, metavar="MATRIX.h5", help="matrix container (from 'mlem convert')")
     p.add_argument("-o", "--out", required=True, metavar="OUT.h5", help="output file (e.g. results/{matrix}/norm.h5)")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads (None: all cores)")
-    p.add_argument(
-        "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
-        help="non-zeros per streamed row chunk (about 8*N bytes)",
-    )
+    add_stream_options(p)
     p.set_defaults(func=run)
 
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, existing_file, positive_int
+from mlemlib.cli._common import add_parser, add_stream_options, existing_file, positive_int
 
 
 def register(sub) -> None:
     """Add the ``partition`` subcommand."""
-    from mlemlib.transpose import DEFAULT_CHUNK_NNZ
-
     p = add_parser(
         sub,
         "partition",
@@ -30,11 +28,7 @@ def register(sub) -> None:
     )
     p.add_argument("-p", "--parts", type=positive_int, required=True, metavar="P", help="number of parts (GPUs)")
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="parts directory (e.g. results/{matrix}/parts-{P})")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads (None: all cores)")
-    p.add_argument(
-        "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
-        help="non-zeros per streamed row chunk of the transpose (about 16*N bytes)",
-    )
+    add_stream_options(p, chunk_help="non-zeros per streamed row chunk of the transpose (about 16*N bytes)")
     p.set_defaults(func=run)
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, existing_file, positive_int
+from mlemlib.cli._common import add_parser, add_stream_options, existing_file, positive_int
 
 
 def register(sub) -> None:
     """Add the ``reorder`` subcommand."""
-    from mlemlib.reorder import DEFAULT_CHUNK_NNZ, DEFAULT_MODE, MODES
+    from mlemlib.reorder import DEFAULT_MODE, MODES
 
     p = add_parser(
         sub,
@@ -29,11 +29,7 @@ def register(sub) -> None:
         help="apply this permutation file instead of computing one (it must belong to MATRIX)",
     )
     p.add_argument("--perm-out", default=None, metavar="PERM.h5", help="also write the permutation alone")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads (None: all cores)")
-    p.add_argument(
-        "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
-        help="non-zeros per streamed row chunk",
-    )
+    add_stream_options(p, chunk_help="non-zeros per streamed row chunk")
     p.add_argument(
         "--passes", type=positive_int, default=1, metavar="P",
         help="passes over the input; the output buffer holds 1/P of the matrix (8 bytes per non-zero)",

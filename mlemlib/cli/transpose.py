@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, existing_file, positive_int
+from mlemlib.cli._common import add_parser, add_stream_options, existing_file
 
 
 def register(sub) -> None:
     """Add the ``transpose`` subcommand."""
-    from mlemlib.transpose import DEFAULT_CHUNK_NNZ, METHODS
+    from mlemlib.transpose import METHODS
 
     p = add_parser(
         sub,
@@ -23,11 +23,7 @@ def register(sub) -> None:
         "-m", "--method", choices=METHODS, default="scantrans", metavar="METHOD",
         help=f"transposition method: {', '.join(METHODS)} (cusparse needs CuPy and a GPU)",
     )
-    p.add_argument("-t", "--threads", type=positive_int, default=None, metavar="N", help="CPU threads for scantrans (None: all cores)")
-    p.add_argument(
-        "-c", "--chunk-nnz", type=positive_int, default=DEFAULT_CHUNK_NNZ, metavar="N",
-        help="non-zeros per streamed row chunk (scantrans: about 12*N bytes besides the output)",
-    )
+    add_stream_options(p, chunk_help="non-zeros per streamed row chunk (scantrans: about 12*N bytes besides the output)", threads_help="CPU threads for scantrans (None: all cores)")
     p.set_defaults(func=run)
 
 

@@ -29,6 +29,7 @@ import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -376,6 +377,31 @@ class MatrixH5(RowBlockReader):
         got = self.compute_checksum()
         if got != self.checksum:
             raise self._fault(f"checksum mismatch: attribute says {self.checksum}, data gives {got} (file corrupted)")
+
+
+def marked_container(matrix: Any, attr: str) -> str | None:
+    """The path of the container ``matrix`` (a path or an opened matrix) when it has attribute ``attr``.
+
+    None for a container without it, for files that are not HDF5 (``.csr4``,
+    ``.mtx``, ``.npz``) and for in-memory matrices. An opened matrix whose
+    ``attrs`` lack ``attr`` is answered without opening the file again.
+    """
+    import h5py
+
+    if isinstance(matrix, (str, os.PathLike)):
+        path = os.fspath(matrix)
+    else:
+        attrs = getattr(matrix, "attrs", None)
+        if attrs is not None and attr not in attrs:
+            return None
+        path = getattr(matrix, "path", None) or getattr(matrix, "source", None)
+        if path is None:
+            return None
+        path = os.fspath(path)
+    if not Path(path).is_file() or not h5py.is_hdf5(path):
+        return None
+    with h5py.File(path, "r") as f:
+        return path if attr in f.attrs else None
 
 
 def read_matrix_h5(path: str | os.PathLike) -> CSRMatrix:
