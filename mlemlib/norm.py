@@ -39,28 +39,30 @@ NORM_VERSION = 1
 
 
 @njit(parallel=True, cache=True)
-def _add_columns(indices, data, n, sums, nparts):  # pragma: no cover - compiled
-    """Add ``data`` to ``sums[indices]`` in float64, column ranges owned by ``nparts`` tasks.
+def _add_columns(indptr, indices, data, weights, weighted, n, sums, nparts):  # pragma: no cover - compiled
+    """Add ``data`` (times its row's weight) to ``sums[indices]`` in float64, column ranges owned by ``nparts`` tasks.
 
-    Task ``p`` owns columns ``[p*n//nparts, (p+1)*n//nparts)`` and walks all
-    non-zeros in order, so every column is summed in row order by one task.
-    Returns the position of the first index outside ``[0, n)``, or -1.
+    ``indptr`` is the block's row pointer rebased to 0. Task ``p`` owns
+    columns ``[p*n//nparts, (p+1)*n//nparts)`` and walks all non-zeros in
+    order, so every column is summed in row order by one task. ``weights[r]``
+    (when ``weighted``) multiplies row ``r``'s values: small integers, so the
+    products are exact. Task 0 also notes the first index outside ``[0, n)``
+    (returned; -1 if none).
     """
-    nnz = indices.shape[0]
-    bad = -1
+    m = indptr.shape[0] - 1
+    bad = np.full(nparts, -1, dtype=np.int64)
     for p in prange(nparts):
         c0 = p * n // nparts
         c1 = (p + 1) * n // nparts
-        for k in range(nnz):
-            c = indices[k]
-            if c >= c0 and c < c1:
-                sums[c] += np.float64(data[k])
-    for k in range(nnz):
-        c = indices[k]
-        if c < 0 or c >= n:
-            bad = k
-            break
-    return bad
+        for r in range(m):
+            w = weights[r] if weighted else 1.0
+            for k in range(indptr[r], indptr[r + 1]):
+                c = indices[k]
+                if c >= c0 and c < c1:
+                    sums[c] += np.float64(data[k]) * w
+                elif p == 0 and (c < 0 or c >= n) and bad[0] < 0:
+                    bad[0] = k
+    return bad[0]
 
 
 def accumulate_column_sums(
@@ -90,9 +92,11 @@ def accumulate_column_sums(
         return
     from numba import get_num_threads
 
-    if row_weights is not None:
-        data = data * np.repeat(np.asarray(row_weights, dtype=np.float64), np.diff(block.indptr))
-    bad = _add_columns(indices, data, np.int64(n), sums, np.int64(get_num_threads()))
+    indptr = np.asarray(block.indptr, dtype=np.int64)
+    weighted = row_weights is not None
+    weights = np.asarray(row_weights, dtype=np.float64) if weighted else np.ones(1, dtype=np.float64)
+    bad = _add_columns(indptr - indptr[0], indices, data, weights, weighted, np.int64(n), sums,
+                       np.int64(get_num_threads()))
     if bad >= 0:
         raise MatrixFormatError(source, f"column index {int(indices[bad])} out of range [0, {n})")
 
