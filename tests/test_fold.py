@@ -248,6 +248,17 @@ def test_fold_of_a_csr4_and_the_cli(small, tmp_path, capsys):
     assert F.fold_of(tmp_path / "f.h5").checksum == F.fold_of(d / "c.h5").checksum
 
 
+def test_info_describes_the_fold_and_checks_the_measurement_against_the_users_rows(small, capsys):
+    from mlemlib.cli import main
+
+    d, _, _ = small
+    assert main(["info", str(d / "p.h5")]) == 0
+    out = capsys.readouterr().out
+    assert "folded       5,248 stored rows hold the 36,864 LORs" in out and "row fold" in out
+    assert main(["info", str(d / "g.lmsino"), "--matrix", str(d / "p.h5")]) == 0
+    assert "matches the matrix" in capsys.readouterr().out
+
+
 def test_hand_matrix_round_trip(tmp_path):
     rows = [[(0, 1.0), (1, 2.0)], [(2, 1.0)], [], [(0, 1.0), (1, 2.0)], [(2, 1.0)], [(1, 3.0)]]
     a = _csr(rows, 3)

@@ -51,6 +51,10 @@ def format_info(d: dict) -> str:
         if "format" in d:
             lines.append(f"  format       {d['format']}")
         lines.append(f"  shape        {m:,} x {n:,}")
+        if d.get("fold"):
+            fd = d["fold"]
+            lines.append(f"  folded       {fd['stored_rows']:,} stored rows hold the {fd['user_rows']:,} LORs "
+                         f"(method {fd['method']}; measurements have {fd['user_rows']:,} values)")
         lines.append(f"  nnz          {d['nnz']:,} (density {d['density']:.3g})")
         lines.append(
             f"  row nnz      min {d['row_nnz_min']:,}, mean {d['row_nnz_mean']:.1f}, max {d['row_nnz_max']:,}; "
@@ -95,8 +99,10 @@ def run(args: argparse.Namespace) -> int:
 
     expected = None
     if args.matrix is not None:
+        from mlemlib.fold import user_rows
+
         with open_matrix(args.matrix) as mat:
-            expected = mat.shape[0]
+            expected = user_rows(mat)  # a folded matrix's measurement has the user's rows
     if file_kind(args.file) != "lmsino" and expected is not None:
         raise ConfigError("--matrix", "applies to measurement files (.LMsino) only")
     d = info(args.file, full=not args.quick, expected_length=expected)

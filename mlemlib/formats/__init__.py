@@ -445,10 +445,17 @@ def info(
             res["format"] = "mlem-csr container version 1"
             res["attrs"] = {k: (f"<{len(v)} bytes>" if isinstance(v, bytes) else v) for k, v in reader.attrs.items()}
         res.update(_matrix_facts(reader))
+        from mlemlib.fold import fold_of
+
+        row_fold = fold_of(reader)  # validated: a broken map is refused here
+        if row_fold is not None:
+            res["fold"] = {"user_rows": row_fold.m_user, "stored_rows": m, "method": row_fold.method}
         indptr = reader.read_indptr()
         res.update(_row_stats(indptr))
         checked = {"csr4": ["header", "file size"], "h5": ["attributes", "dataset sizes"]}.get(kind, ["parsed"])
         checked.append("row pointer")
+        if row_fold is not None:
+            checked.append("row fold")
         if full or kind in ("mtx", "npz"):
             for r0, r1 in reader.chunk_bounds(max_nnz):
                 reader.read_rows(r0, r1, validate=True)  # validated, then dropped at once
