@@ -434,7 +434,8 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
     intro = (
         "Mean over all iterations and repetitions (min and max: the fastest and slowest single iteration). "
         "format: the matrix format on the device, with its bytes per non-zero of A in brackets where recorded "
-        "(CSR: 8, a 4-byte value and a 4-byte column, plus the row pointer). "
+        "(CSR: 8, a 4-byte value and a 4-byte column, plus the row pointer); folded: the matrix stores each "
+        "distinct row once (a LOR stored as (i, j) and (j, i) once), the same image from fewer bytes. "
         "GB/s: bytes the iteration reads over its mean time: A and A^T where stored (A twice without it; once "
         "in one pass), in the format on the device."
         + (" of floor: the time those bytes take at the GPUs' copy bandwidth measured in the run, over the "
@@ -472,10 +473,12 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
 
 
 def _format_cell(r: Mapping[str, Any]) -> str:
-    """``compressed (5.04)``: the format and its bytes per non-zero of A; the format alone where unknown."""
+    """``compressed (5.04)``: the format and its bytes per non-zero of A (the format alone where unknown);
+    ``, folded`` for a folded matrix."""
     fmt = r.get("format") or ""
     bpn = _num(r.get("bytes_per_nnz"))
-    return f"{fmt} ({bpn:.3g})" if fmt and bpn is not None else (f"{bpn:.3g} B" if bpn is not None else fmt)
+    cell = f"{fmt} ({bpn:.3g})" if fmt and bpn is not None else (f"{bpn:.3g} B" if bpn is not None else fmt)
+    return cell + (", folded" if r.get("_stored_rows") else "")
 
 
 def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:

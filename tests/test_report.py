@@ -639,6 +639,7 @@ def test_thesis_section_takes_a_folded_run_by_its_users_shape(tmp_path):
     md = (tmp_path / "s" / "summary.md").read_text()
     assert "## The thesis beside us: Matrix 3 (Table 4.3)" in md
     assert "madpet3 (folded: each LOR once, 1,397,868 stored rows) / nema-seed1" in md
+    assert "| compressed (5.25), folded |" in md and "folded: the matrix stores each distinct row once" in md
     summarize([other], tmp_path / "o")
     assert "thesis beside us" not in (tmp_path / "o" / "summary.md").read_text()
 
