@@ -9,7 +9,8 @@ output:
 - ``library``: ``ck.scatter(kernel="scatter")`` (32 lanes, a group per row);
 - ``compact``: the same loop over the non-empty rows only (``compact_rows``);
 - ``unrollU``: U trips' loads before their atomics;
-- ``threads128``: the library's loop in 128-thread blocks;
+- ``threads128``: the library's loop in 128-thread blocks (``unroll2_t512``: U = 2 in 512);
+- ``lanes16``, ``lanes16_unroll2``, ``library_lanes16``: 16 lanes per row (two rows per warp);
 - ``cusparse_notrans``.
 
 Each is checked against cuSPARSE's result (relative L2). Run from the
@@ -77,6 +78,8 @@ extern "C" __global__ void __launch_bounds__(1024) NAME(const i64* rowptr, const
 K(scat32, 32, 1)
 K(scat32u2, 32, 2)
 K(scat32u4, 32, 4)
+K(scat16, 16, 1)
+K(scat16u2, 16, 2)
 """
 
 
@@ -135,6 +138,10 @@ def main(argv=None) -> int:
         "compact_unroll4": raw("scat32u4", 32, 256, compact=True),
         "unroll4_t128": raw("scat32u4", 32, 128),
         "threads128": raw("scat32", 32, 128),
+        "unroll2_t512": raw("scat32u2", 32, 512),
+        "lanes16": raw("scat16", 16, 256),
+        "lanes16_unroll2": raw("scat16u2", 16, 256),
+        "library_lanes16": lambda: ck.scatter(a, c, out, kernel="scatter", lanes=16),
         "cusparse_notrans": lambda: a.cusparse().T @ c,
         "cusparse_notrans_c_nonzero": lambda: a.cusparse().T @ c_full,
     }
