@@ -28,7 +28,8 @@ Provides
   hashes, streamed over row blocks); rows with equal hashes are taken as equal.
 - :func:`fold_file` — the stage (``mlem fold``, and ``mlem convert --fold``):
   find the duplicates, then stream the first occurrences into a container,
-  with the fold attached (:func:`mlemlib.formats.convert`).
+  with the fold attached (:func:`mlemlib.formats.convert`'s ``keep_rows`` and
+  ``attach``).
 - :func:`fold_of` — the fold stored in a container (None for any other
   matrix); :func:`stored_row_weights` — each stored row's multiplicity in the
   container's row order (the weights of the norm), also for a folded matrix
@@ -48,14 +49,15 @@ import numpy as np
 from numba import njit, prange
 
 from mlemlib.errors import ConfigError, MatrixFormatError
+from mlemlib.formats.h5 import FOLD_ATTR_USER_ROWS, FOLD_DATASET, marked_container
 from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
 
-#: The container's row map dataset: int64[m_user].
-DATASET = "row_fold"
-#: Attributes of a folded container: the user's row count, the map's checksum and how it was found.
-ATTR_ROWS = "fold_user_rows"
+#: The container's row map dataset (int64[m_user]) and the attribute with the user's row count.
+DATASET = FOLD_DATASET
+ATTR_ROWS = FOLD_ATTR_USER_ROWS
+#: Further attributes of a folded container: the map's checksum and how it was found.
 ATTR_CHECKSUM = "fold_checksum"
 ATTR_METHOD = "fold_method"
 #: ``pairs``: LOR (i, j) is LOR (j, i) (the generator's geometry); ``content``: rows with equal hashes.
@@ -249,9 +251,9 @@ def find_duplicates(src: Any, *, chunk_nnz: int = 1 << 24, name: str = "<matrix>
     ``m**2 / 2**129`` (1e-26).
     """
     if isinstance(src, CSRMatrix):
-        from mlemlib.formats import open_source
+        from mlemlib.formats._memory import InMemoryMatrix
 
-        src = open_source(src)
+        src = InMemoryMatrix(src)
     m = int(src.shape[0])
     hashes = np.empty((m, 2), dtype=np.uint64)
     lengths = np.diff(np.asarray(src.read_indptr(), dtype=np.int64))
@@ -279,12 +281,17 @@ def find_duplicates(src: Any, *, chunk_nnz: int = 1 << 24, name: str = "<matrix>
 # --------------------------------------------------------------------------- containers
 
 
-def attach(writer: Any, fold: RowFold) -> None:
-    """Store ``fold`` in a container being written (before the writer closes)."""
-    writer.attach(
+def _attachment(fold: RowFold) -> tuple[dict, dict]:
+    """The datasets and attributes that store ``fold`` in a container."""
+    return (
         {DATASET: np.ascontiguousarray(fold.row_map, dtype="<i8")},
         {ATTR_ROWS: np.int64(fold.m_user), ATTR_CHECKSUM: fold.checksum, ATTR_METHOD: fold.method},
     )
+
+
+def attach(writer: Any, fold: RowFold) -> None:
+    """Store ``fold`` in a container being written (before the writer closes)."""
+    writer.attach(*_attachment(fold))
 
 
 def _plain(v: Any) -> Any:
@@ -305,8 +312,6 @@ def fold_of(matrix: Any) -> RowFold | None:
         length, out of range or does not match its checksum.
     """
     import h5py
-
-    from mlemlib.formats.h5 import marked_container
 
     path = marked_container(matrix, ATTR_ROWS)
     if path is None:
@@ -367,16 +372,26 @@ def fold_file(
     out: str | os.PathLike,
     *,
     fmt: str | None = None,
+    code_bits: int | None = None,
     chunk_nnz: int = 1 << 24,
     threads: int | None = None,
 ) -> dict:
-    """The ``fold`` stage: write ``source``'s distinct non-empty rows once, with the row map, to ``out``.
+    """The ``fold`` stage (``mlem fold``, ``mlem convert --fold``): ``source``'s distinct non-empty rows once.
 
-    :func:`mlemlib.formats.convert` with ``fold=True``: two streamed passes
-    over the source (hashes, then the first occurrences, validated as they
-    pass); memory: one chunk, the hashes (16 bytes per row) and the map. The
-    output has format ``fmt`` (default: the source's, CSR for a file that is
-    not a container) and the source's attributes.
+    Two streamed passes over the source: :func:`find_duplicates` (hashes),
+    then :func:`mlemlib.formats.convert` writing only the first occurrences
+    (validated as they pass; an ``.h5`` source is checked against its stored
+    checksum) with the map attached. Memory: one chunk, the hashes (16 bytes
+    per row) and the map. The output has format ``fmt`` (default: the
+    source's; CSR for a file that is not a container) and the source's
+    attributes.
+
+    Returns
+    -------
+    dict
+        :func:`~mlemlib.formats.convert`'s summary (``shape`` and ``nnz``
+        the stored ones) plus ``user_rows``, ``stored_rows``,
+        ``fold_checksum``, ``hash_seconds``.
 
     Raises
     ------
@@ -384,13 +399,27 @@ def fold_file(
         For a corrupt source, or one that is already folded or reordered.
     """
     from mlemlib.formats import convert, open_matrix
+    from mlemlib.reorder import permutation_of
     from mlemlib.transpose import numba_threads
 
-    if fmt is None:
-        with open_matrix(source) as src:
-            fmt = getattr(src, "format", None) or "csr"
+    name = os.path.basename(os.fspath(source))
+    t0 = time.perf_counter()
     with numba_threads(threads):
-        return convert(source, out, fmt=fmt, max_nnz=chunk_nnz, fold=True)
+        with open_matrix(source) as src:
+            if fold_of(src) is not None:
+                raise MatrixFormatError(source, "is folded already")
+            if permutation_of(src) is not None:
+                raise MatrixFormatError(source, "is reordered: fold the matrix before reordering it")
+            fmt = fmt or getattr(src, "format", None) or "csr"
+            fold = find_duplicates(src, chunk_nnz=chunk_nnz, name=name)
+        t_hash = time.perf_counter() - t0
+        log.info("%s: %d rows, %d distinct non-empty (%.1f%%); hashed in %.1f s", name, fold.m_user, fold.m_stored,
+                 100.0 * fold.m_stored / max(fold.m_user, 1), t_hash)
+        summary = convert(source, out, fmt=fmt, code_bits=code_bits, max_nnz=chunk_nnz, keep_rows=first_rows(fold),
+                          attach=_attachment(fold))
+    summary.update(user_rows=fold.m_user, stored_rows=fold.m_stored, fold_checksum=fold.checksum,
+                   hash_seconds=round(t_hash, 3))
+    return summary
 
 
 __all__ = [

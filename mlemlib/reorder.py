@@ -645,9 +645,14 @@ def apply(
             if perm.voxels is not None:
                 check_permutation(perm.voxels, n, perm_name, "voxel permutation")
         _check_belongs(perm, src, name, perm_name)
-        from mlemlib.fold import DATASET as FOLD_DATASET, fold_of
+        from mlemlib.formats.h5 import FOLD_ATTR_USER_ROWS, FOLD_DATASET, marked_container
 
-        row_fold = fold_of(src)  # a folded source stays folded: its rows are permuted, its map is not
+        # a folded source stays folded: its rows are permuted, its map (validated when read) is not
+        folded = marked_container(src, FOLD_ATTR_USER_ROWS)
+        row_map = None
+        if folded is not None:
+            with h5py.File(folded, "r") as f:
+                row_map = f[FOLD_DATASET][()] if FOLD_DATASET in f else None
         nnz = int(src.nnz)
         lengths = np.diff(src.read_indptr())
         out_ip = np.zeros(m + 1, dtype=np.int64)
@@ -711,8 +716,8 @@ def apply(
                     del out_idx, out_dat
             with h5py.File(tmp, "a") as f:
                 _write_perm_datasets(f, perm)
-                if row_fold is not None:  # the source's fold (its attributes came with the others)
-                    f.create_dataset(FOLD_DATASET, data=np.ascontiguousarray(row_fold.row_map, dtype="<i8"))
+                if row_map is not None:  # the source's fold (its attributes came with the others)
+                    f.create_dataset(FOLD_DATASET, data=np.ascontiguousarray(row_map, dtype="<i8"))
         seconds = time.perf_counter() - t_start
         log.info("%s: wrote %s (%.2f s)", name, out, seconds)
         return {

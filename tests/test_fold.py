@@ -9,7 +9,7 @@ import pytest
 
 from mlemlib import fold as F
 from mlemlib.errors import ConfigError, MatrixFormatError
-from mlemlib.formats import convert, open_matrix
+from mlemlib.formats import open_matrix
 from mlemlib.formats.h5 import write_matrix_h5
 from mlemlib.formats.lmsino import read_lmsino, write_lmsino
 from mlemlib.image import read_image
@@ -103,7 +103,7 @@ def small(tmp_path_factory):
     generate("small", d / "a.h5")
     gen = generate("small", d / "p.h5", fold=True)
     conv = F.fold_file(d / "a.h5", d / "c.h5")
-    convert(d / "a.h5", d / "cz.h5", fmt="compressed", fold=True)
+    F.fold_file(d / "a.h5", d / "cz.h5", fmt="compressed")
     simulate(d / "a.h5", "nema", d / "g.lmsino", d / "t.h5", seed=3)
     return d, gen, conv
 

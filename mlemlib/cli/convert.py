@@ -60,7 +60,12 @@ def run(args: argparse.Namespace) -> int:
     """Convert ``args.input`` to ``args.out``; print a one-line summary."""
     from mlemlib.formats import convert
 
-    s = convert(args.input, args.out, max_nnz=args.chunk_nnz, fmt=args.format, code_bits=args.code_bits, fold=args.fold)
+    if args.fold:
+        from mlemlib.fold import fold_file
+
+        s = fold_file(args.input, args.out, fmt=args.format, code_bits=args.code_bits, chunk_nnz=args.chunk_nnz)
+    else:
+        s = convert(args.input, args.out, max_nnz=args.chunk_nnz, fmt=args.format, code_bits=args.code_bits)
     m, n = s["shape"]
     bpn = f"{s['bytes_per_nnz']:.2f}" if s["bytes_per_nnz"] is not None else "n/a"
     codes = f", {s['code_bits']}-bit codes" if s.get("code_bits") else ""

@@ -106,6 +106,13 @@ def run(args: argparse.Namespace) -> int:
     if file_kind(args.file) != "lmsino" and expected is not None:
         raise ConfigError("--matrix", "applies to measurement files (.LMsino) only")
     d = info(args.file, full=not args.quick, expected_length=expected)
+    if d["kind"] == "h5":
+        from mlemlib.fold import fold_of
+
+        row_fold = fold_of(args.file)  # validated: a broken map is refused here
+        if row_fold is not None:
+            d["fold"] = {"user_rows": row_fold.m_user, "stored_rows": d["shape"][0], "method": row_fold.method}
+            d["verdict"] += ", row fold"
     if args.chunks:
         if d["kind"] == "lmsino":
             raise ConfigError("--chunks", "applies to matrices only")

@@ -151,7 +151,8 @@ def convert(
     max_nnz: int = DEFAULT_CHUNK_NNZ,
     fmt: str = "csr",
     code_bits: int | None = None,
-    fold: bool = False,
+    keep_rows: np.ndarray | None = None,
+    attach: tuple[dict, dict] | None = None,
 ) -> dict:
     """Convert any supported matrix into the container ``out`` (``matrix.h5``), streaming.
 
@@ -182,11 +183,14 @@ def convert(
         the conversion from a sample of rows spread over the input
         (:func:`sample_code_bits`: 16 row ranges, about 4 million elements
         in all), the width whose encoding of the sample is smaller.
-    fold
-        Store each distinct non-empty row once, with the map from the input's
-        rows (:mod:`mlemlib.fold`): a first streamed pass hashes the rows, the
-        conversion's pass writes their first occurrences. Refused for an input
-        that is folded or reordered already.
+    keep_rows
+        Boolean mask over the input's rows: write only these (in order); the
+        input is still read, validated and checked whole. ``None``: every row.
+        (:func:`mlemlib.fold.fold_file` keeps each distinct row's first
+        occurrence.)
+    attach
+        ``(datasets, attributes)`` stored in the output besides the matrix
+        (a fold's row map).
 
     Returns
     -------
@@ -195,7 +199,7 @@ def convert(
         ``bytes`` (output size), ``input_bytes``, ``checksum``, ``grid``,
         ``voxel_size``, ``format``, ``lossless``, ``bytes_per_nnz`` (of the
         matrix arrays, not the file), ``code_bits`` (compressed formats, else None);
-        folded: ``user_rows`` and ``fold_checksum`` (``shape`` and ``nnz`` are the stored ones).
+        with ``keep_rows``, ``shape`` and ``nnz`` are the written ones and ``input_shape`` the input's.
 
     Raises
     ------
@@ -214,21 +218,14 @@ def convert(
     t0 = time.perf_counter()
     with open_matrix(src) as reader:
         m, n = reader.shape
-        m_out, nnz_out, first, row_fold = m, int(reader.nnz), None, None
-        if fold:
-            from mlemlib.fold import find_duplicates, first_rows
-            from mlemlib.reorder import permutation_of
-
-            if "fold_user_rows" in (getattr(reader, "attrs", None) or {}):
-                raise MatrixFormatError(src, "is folded already")
-            if permutation_of(reader) is not None:
-                raise MatrixFormatError(src, "is reordered: fold the matrix before reordering it")
-            row_fold = find_duplicates(reader, chunk_nnz=max_nnz, name=src.name)
-            first = first_rows(row_fold)
-            m_out = row_fold.m_stored
+        m_out, nnz_out, first = m, int(reader.nnz), None
+        if keep_rows is not None:
+            first = np.asarray(keep_rows, dtype=bool).reshape(-1)
+            if first.shape[0] != m:
+                raise ValueError(f"keep_rows has {first.shape[0]} entries, the input has {m} rows")
+            m_out = int(first.sum())
             nnz_out = int(np.diff(np.asarray(reader.read_indptr(), dtype=np.int64))[first].sum())
-            log.info("%s: %d rows, %d distinct non-empty (%.1f%%), %d of %d non-zeros kept", src.name, m, m_out,
-                     100.0 * m_out / max(m, 1), nnz_out, int(reader.nnz))
+            log.info("%s: writing %d of %d rows, %d of %d non-zeros", src.name, m_out, m, nnz_out, int(reader.nnz))
         extra: dict = {"kind": "matrix"}
         scanner_block = None
         if isinstance(reader, Csr4File):
@@ -251,7 +248,7 @@ def convert(
                 log.info("%s: %d-bit codes (the smaller encoding of a sample of rows)", out, code_bits)
             writer_cls, fmt_kw = CompressedH5Writer, {"fmt": fmt, "code_bits": code_bits}
         # the writer's checksum is the input's unless the output rounds the values
-        input_sum = _Checksum() if isinstance(reader, MatrixH5) and (fmt in LOSSY_FORMATS or fold) else None
+        input_sum = _Checksum() if isinstance(reader, MatrixH5) and (fmt in LOSSY_FORMATS or first is not None) else None
         if input_sum is not None:
             input_sum.update("indptr", np.zeros(1, dtype=np.int64))
         with writer_cls(
@@ -280,10 +277,8 @@ def convert(
                 if now - last_log > 10:
                     last_log = now
                     log.info("  %d/%d rows, %.1f%% of nnz, %.0f s", r1, m, 100 * done / max(reader.nnz, 1), now - t0)
-            if row_fold is not None:
-                from mlemlib.fold import attach
-
-                attach(writer, row_fold)
+            if attach is not None:
+                writer.attach(*attach)
             if isinstance(reader, MatrixH5):
                 got = input_sum.hexdigest() if input_sum is not None else writer.checksum
                 if got != reader.checksum:
@@ -310,8 +305,8 @@ def convert(
         "bytes_per_nnz": nbytes / nnz_out if nnz_out else None,
         "code_bits": code_bits if fmt != "csr" else None,
     }
-    if row_fold is not None:
-        summary.update(user_rows=m, fold_checksum=row_fold.checksum)
+    if first is not None:
+        summary["input_shape"] = [m, n]
     log.info("converted %s -> %s: nnz %d in %.1f s", src, out, summary["nnz"], seconds)
     return summary
 
@@ -445,17 +440,10 @@ def info(
             res["format"] = "mlem-csr container version 1"
             res["attrs"] = {k: (f"<{len(v)} bytes>" if isinstance(v, bytes) else v) for k, v in reader.attrs.items()}
         res.update(_matrix_facts(reader))
-        from mlemlib.fold import fold_of
-
-        row_fold = fold_of(reader)  # validated: a broken map is refused here
-        if row_fold is not None:
-            res["fold"] = {"user_rows": row_fold.m_user, "stored_rows": m, "method": row_fold.method}
         indptr = reader.read_indptr()
         res.update(_row_stats(indptr))
         checked = {"csr4": ["header", "file size"], "h5": ["attributes", "dataset sizes"]}.get(kind, ["parsed"])
         checked.append("row pointer")
-        if row_fold is not None:
-            checked.append("row fold")
         if full or kind in ("mtx", "npz"):
             for r0, r1 in reader.chunk_bounds(max_nnz):
                 reader.read_rows(r0, r1, validate=True)  # validated, then dropped at once

@@ -72,6 +72,10 @@ RESERVED_ATTRS = frozenset(
         "scanner_block",
     }
 )
+#: A folded container's row map (int64[m_user]) and the attribute that marks it (the user's row count):
+#: :mod:`mlemlib.fold` reads and writes them; a reordered copy keeps them (docs/formats.md, "Folded matrices").
+FOLD_DATASET = "row_fold"
+FOLD_ATTR_USER_ROWS = "fold_user_rows"
 #: Piece size (elements) for verifying checksums without holding a dataset.
 _HASH_PIECE = 1 << 24
 
