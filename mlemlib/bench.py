@@ -270,6 +270,29 @@ def time_gpu(fn, *, repeat: int, warmup: int = 3) -> np.ndarray:
     return np.array([cp.cuda.get_elapsed_time(a, b) / 1e3 for a, b in events])
 
 
+def time_gpu_interleaved(fns, *, repeat: int, warmup: int = 3) -> list[np.ndarray]:
+    """:func:`time_gpu` of several functions in turn: call ``k`` of each before call ``k + 1`` of any.
+
+    A drift of the clocks during the measurement (a few percent over a
+    second on an H200, docs/benchmarks.md section 70) then spreads over every
+    candidate alike, so their times compare within one run.
+    """
+    from mlemlib.backends import _cuda_kernels as ck
+
+    cp = ck.cupy()
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    events = [[(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)] for _ in fns]
+    for k in range(repeat):
+        for fn, ev in zip(fns, events):
+            ev[k][0].record()
+            fn()
+            ev[k][1].record()
+    events[-1][-1][1].synchronize()
+    return [np.array([cp.cuda.get_elapsed_time(a, b) / 1e3 for a, b in ev]) for ev in events]
+
+
 def copy_bandwidth(nbytes: int = 1 << 31, *, repeat: int = 20) -> dict[str, float]:
     """Device-to-device copy bandwidth of the current GPU: (bytes read + written) / median time.
 
@@ -477,12 +500,10 @@ def bench_spmv(
         smem = ck.smem_plan(a) if "scatter_smem" in notrans_kernels else None
 
         def run(op: str, kernel: str, fn, nbytes: int, extra: dict | None = None) -> None:
-            out = {"y": None}
+            record(op, kernel, fn, time_gpu(fn, repeat=repeat, warmup=warmup), nbytes, extra)
 
-            def call():
-                out["y"] = fn()
-
-            t = time_gpu(call, repeat=repeat, warmup=warmup)
+        def record(op: str, kernel: str, fn, t: np.ndarray, nbytes: int, extra: dict | None = None) -> None:
+            """One row of the table from the times ``t`` of ``fn`` (checked once more against the reference)."""
             med = float(np.median(t))
             row = {
                 "op": op,
@@ -498,7 +519,7 @@ def bench_spmv(
             }
             if check:
                 # poison the output and run once more for the check (cuSPARSE allocates a fresh one)
-                y = out["y"]
+                y = fn()
                 if kernel not in ("cusparse", "cusparse_notrans"):
                     y.fill(cp.nan)
                     y = fn()
@@ -528,26 +549,22 @@ def bench_spmv(
                 for s in secsizes:
                     run(op, k, lambda s=s: ck.spmv(mat, vec, out, kernel="merge", secsize=s), nbytes, {"secsize": s})
             elif k == "csr_vector":
-                for L in [lanes_auto] + [v for v in (lanes or ()) if v != lanes_auto]:
+                for L in [v for v in (lanes or ()) if v != lanes_auto]:
                     run(
                         op,
                         k,
                         lambda L=L: ck.spmv(mat, vec, out, kernel="csr_vector", lanes=L, shape=plan.RowShape()),
                         nbytes,
-                        {"lanes": L, "lanes_auto": L == lanes_auto, "shape": plan.RowShape().label()},
+                        {"lanes": L, "lanes_auto": False, "shape": plan.RowShape().label()},
                     )
-                # the launch shapes a backend tunes over, and the one its tuning picks on this matrix
+                # the launch shapes a backend tunes over, timed in turn (as the tuning does: a clock
+                # drift then hits all alike), and the one its tuning picks on this matrix
                 picked = mat.tune(lanes_auto).label()
-                for sh in plan.SHAPE_CANDIDATES[1:]:
-                    if lanes_auto not in plan.BLOCK_LANES:
-                        break
-                    run(
-                        op,
-                        k,
-                        lambda sh=sh: ck.spmv(mat, vec, out, kernel="csr_vector", lanes=lanes_auto, shape=sh),
-                        nbytes,
-                        {"lanes": lanes_auto, "lanes_auto": True, "shape": sh.label()},
-                    )
+                shapes = plan.SHAPE_CANDIDATES if lanes_auto in plan.BLOCK_LANES else plan.SHAPE_CANDIDATES[:1]
+                fns = [lambda sh=sh: ck.spmv(mat, vec, out, kernel="csr_vector", lanes=lanes_auto, shape=sh)
+                       for sh in shapes]
+                for sh, fn, t in zip(shapes, fns, time_gpu_interleaved(fns, repeat=repeat, warmup=warmup)):
+                    record(op, k, fn, t, nbytes, {"lanes": lanes_auto, "lanes_auto": True, "shape": sh.label()})
                 for r in rows:
                     if r["op"] == op and r["kernel"] == "csr_vector" and r.get("lanes_auto"):
                         r["auto"] = r.get("shape") == picked
