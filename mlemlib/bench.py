@@ -499,8 +499,25 @@ def bench_spmv(
         rows: list[dict[str, Any]] = []
         smem = ck.smem_plan(a) if "scatter_smem" in notrans_kernels else None
 
+        # The kernels of one operation are timed in turn (call k of each before call k + 1 of any):
+        # a drift of the clocks over the seconds of a benchmark then hits them all alike
+        # (docs/benchmarks.md section 70). run() queues a kernel, flush() times the queue.
+        pending: list[tuple] = []
+        picked_shape: dict[str, str] = {}
+
         def run(op: str, kernel: str, fn, nbytes: int, extra: dict | None = None) -> None:
-            record(op, kernel, fn, time_gpu(fn, repeat=repeat, warmup=warmup), nbytes, extra)
+            pending.append((op, kernel, fn, nbytes, extra))
+
+        def flush() -> None:
+            if not pending:
+                return
+            times = time_gpu_interleaved([p[2] for p in pending], repeat=repeat, warmup=warmup)
+            for (op, kernel, fn, nbytes, extra), t in zip(pending, times):
+                record(op, kernel, fn, t, nbytes, extra)
+            pending.clear()
+            for r in rows:  # the launch shape the tuning picks, among the shapes timed
+                if r["kernel"] == "csr_vector" and r.get("lanes_auto") and r["op"] in picked_shape:
+                    r["auto"] = r.get("shape") == picked_shape[r["op"]]
 
         def record(op: str, kernel: str, fn, t: np.ndarray, nbytes: int, extra: dict | None = None) -> None:
             """One row of the table from the times ``t`` of ``fn`` (checked once more against the reference)."""
@@ -549,25 +566,26 @@ def bench_spmv(
                 for s in secsizes:
                     run(op, k, lambda s=s: ck.spmv(mat, vec, out, kernel="merge", secsize=s), nbytes, {"secsize": s})
             elif k == "csr_vector":
-                for L in [v for v in (lanes or ()) if v != lanes_auto]:
+                for L in [lanes_auto] + [v for v in (lanes or ()) if v != lanes_auto]:
                     run(
                         op,
                         k,
                         lambda L=L: ck.spmv(mat, vec, out, kernel="csr_vector", lanes=L, shape=plan.RowShape()),
                         nbytes,
-                        {"lanes": L, "lanes_auto": False, "shape": plan.RowShape().label()},
+                        {"lanes": L, "lanes_auto": L == lanes_auto, "shape": plan.RowShape().label()},
                     )
-                # the launch shapes a backend tunes over, timed in turn (as the tuning does: a clock
-                # drift then hits all alike), and the one its tuning picks on this matrix
-                picked = mat.tune(lanes_auto).label()
-                shapes = plan.SHAPE_CANDIDATES if lanes_auto in plan.BLOCK_LANES else plan.SHAPE_CANDIDATES[:1]
-                fns = [lambda sh=sh: ck.spmv(mat, vec, out, kernel="csr_vector", lanes=lanes_auto, shape=sh)
-                       for sh in shapes]
-                for sh, fn, t in zip(shapes, fns, time_gpu_interleaved(fns, repeat=repeat, warmup=warmup)):
-                    record(op, k, fn, t, nbytes, {"lanes": lanes_auto, "lanes_auto": True, "shape": sh.label()})
-                for r in rows:
-                    if r["op"] == op and r["kernel"] == "csr_vector" and r.get("lanes_auto"):
-                        r["auto"] = r.get("shape") == picked
+                # the launch shapes a backend tunes over, and the one its tuning picks on this matrix
+                picked_shape[op] = mat.tune(lanes_auto).label()
+                for sh in plan.SHAPE_CANDIDATES[1:]:
+                    if lanes_auto not in plan.BLOCK_LANES:
+                        break
+                    run(
+                        op,
+                        k,
+                        lambda sh=sh: ck.spmv(mat, vec, out, kernel="csr_vector", lanes=lanes_auto, shape=sh),
+                        nbytes,
+                        {"lanes": lanes_auto, "lanes_auto": True, "shape": sh.label()},
+                    )
             else:
                 run(op, k, lambda: ck.spmv(mat, vec, out, kernel=k), nbytes)
 
@@ -578,6 +596,7 @@ def bench_spmv(
                     run("fp", k, lambda: a.cusparse() @ x, plan.spmv_bytes(m, n, nnz, 4))
             else:
                 run_spmv("fp", k, a, x, y_m, fp_bytes, lanes_a)
+        flush()
         if "cusparse_notrans" not in notrans_kernels:
             a.drop_cusparse()
         for k in bp_kernels:
@@ -585,14 +604,15 @@ def bench_spmv(
                 if nnz:
                     at.cusparse()
                     run("bp", k, lambda: at.cusparse() @ c, plan.spmv_bytes(n, m, nnz, 4))
-                    at.drop_cusparse()
             else:
                 run_spmv("bp", k, at, c, y_n, bp_bytes, lanes_t)
+        flush()
+        at.drop_cusparse()
         for k in notrans_kernels:
             if k == "cusparse_notrans":
                 if nnz:
+                    a.cusparse()
                     run("bp_notrans", k, lambda: a.cusparse().T @ c, plan.spmv_bytes(m, n, nnz, 4))
-                    a.drop_cusparse()
             elif k == "scatter_smem":
                 run(
                     "bp_notrans",
@@ -603,6 +623,8 @@ def bench_spmv(
                 )
             else:
                 run("bp_notrans", k, lambda k=k: ck.scatter(a, c, y_n, kernel=k), nt_bytes, {"lanes": lanes_a})
+        flush()
+        a.drop_cusparse()
 
         # cuSPARSE ratios, per operation
         base = {}

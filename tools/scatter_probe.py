@@ -11,6 +11,7 @@ output:
 - ``unrollU``: U trips' loads before their atomics;
 - ``threads128``: the library's loop in 128-thread blocks (``unroll2_t512``: U = 2 in 512);
 - ``lanes16``, ``lanes16_unroll2``, ``library_lanes16``: 16 lanes per row (two rows per warp);
+- ``*_c_nonzero``: with a vector without zeros (as ``mlem bench spmv``'s), every row is read;
 - ``cusparse_notrans``.
 
 Each is checked against cuSPARSE's result (relative L2). Run from the
@@ -115,8 +116,9 @@ def main(argv=None) -> int:
     out = cp.empty(n, dtype=cp.float32)
     null = np.uint64(0)
 
-    def raw(name, lanes, threads, compact=False):
+    def raw(name, lanes, threads, compact=False, vec=None):
         fn = mod.get_function(name)
+        cv = c if vec is None else vec
         mr = int(rows_c.size) if compact else m
         ptr = ptr_c if compact else a.indptr
         rows = rows_c if compact else null
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
 
         def call():
             out.fill(0)
-            fn((blocks,), (threads,), (ptr, a.indices, a.data, c, out, np.int64(mr), rows))
+            fn((blocks,), (threads,), (ptr, a.indices, a.data, cv, out, np.int64(mr), rows))
             return out
         return call
 
@@ -142,6 +144,8 @@ def main(argv=None) -> int:
         "lanes16": raw("scat16", 16, 256),
         "lanes16_unroll2": raw("scat16u2", 16, 256),
         "library_lanes16": lambda: ck.scatter(a, c, out, kernel="scatter", lanes=16),
+        "library_c_nonzero": lambda: ck.scatter(a, c_full, out, kernel="scatter", lanes=32),
+        "compact_unroll2_c_nonzero": raw("scat32u2", 32, 256, compact=True, vec=c_full),
         "cusparse_notrans": lambda: a.cusparse().T @ c,
         "cusparse_notrans_c_nonzero": lambda: a.cusparse().T @ c_full,
     }
