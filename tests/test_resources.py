@@ -139,24 +139,25 @@ def test_thesis_matrix3_fits_the_h200_node(tmp_path):
         assert f"rule {rule}:" in out, rule
     for rule in ("generate_matrix", "convert_matrix", "transpose_matrix", "reference_mlem", "bench_spmv"):
         assert f"rule {rule}:" not in out, rule
-    assert out.count("rule run_mlem:") == 4  # onepass_fixed and onepass, each on 1 and 2 GPUs
+    assert out.count("rule run_mlem:") == 8  # 2 matrices x onepass_fixed and onepass, each on 1 and 2 GPUs
     assert "results/matrix3/transpose.h5" not in out and "part-0.h5" not in out
-    # the table: every stage, sized from the preset's estimate
-    assert "generate_container    matrix3, compressed" in out and "63.7 GB" in out
+    # the table: every stage, sized from the preset's estimate, folded (each LOR once: half the unfolded 63.7 GB)
+    assert "generate_container    matrix3, compressed" in out and "31.9 GB" in out
+    assert "generate_container    matrix3u16, compressed-u16" in out and "19.3 GB" in out
     assert "node: disk free 128.0 GB (config)" in out
 
 
 @pytest.mark.parametrize(
     ("node", "line"),
     [
-        ({"gpu_memory_gb": 40}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 1 GPU) needs "
-         "64.9 GB of GPU memory per GPU, the node's GPUs have 40.0 GB (short by 24.9 GB)"),
-        ({"disk_free_gb": 50}, "resources: stage generate_container (matrix3, compressed) writes 63.7 GB, and the "
-         "stages up to it 63.7 GB; the disk has 50.0 GB free (short by 13.7 GB)"),
-        # The compressed container streams to the GPUs piece by piece: a run needs 3.4 GB, the generator
-        # (four chunks in flight) 3.3 GB; the first job short of memory is named.
-        ({"host_memory_gb": 3}, "resources: stage generate_container (matrix3, compressed) needs 3.3 GB of host "
-         "memory, the node has 3.0 GB (short by 274.3 MB)"),
+        ({"gpu_memory_gb": 30}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 1 GPU) needs "
+         "33.0 GB of GPU memory per GPU, the node's GPUs have 30.0 GB (short by 3.0 GB)"),
+        ({"disk_free_gb": 30}, "resources: stage generate_container (matrix3, compressed) writes 31.9 GB, and the "
+         "stages up to it 31.9 GB; the disk has 30.0 GB free (short by 1.9 GB)"),
+        # The compressed container streams to the GPUs piece by piece: a run needs 3.2 GB, the generator
+        # (four chunks in flight) 3.2 GB; the first job short of memory is named.
+        ({"host_memory_gb": 3}, "resources: stage generate_container (matrix3, compressed) needs 3.2 GB of host "
+         "memory, the node has 3.0 GB (short by 231.8 MB)"),
         ({"gpus": 1}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 2 GPUs, local) needs 2 "
          "GPUs, the node has 1"),
     ],
@@ -170,7 +171,7 @@ def test_thesis_matrix3_refused_on_a_smaller_node(tmp_path, node, line):
 
 
 def test_check_false_only_logs(tmp_path):
-    proc = dry_run(tmp_path, matrix3_config(gpu_memory_gb=40, check=False))
+    proc = dry_run(tmp_path, matrix3_config(gpu_memory_gb=30, check=False))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "resources (not checked, node.check: false): stage run_mlem" in out
