@@ -309,10 +309,11 @@ def preset_size(preset: str, *, fold: bool = False) -> MatrixSize:
     from mlemlib.scanner import get_preset
     from mlemlib.scanner.presets import NNZ
 
-    size = generated_size(preset) if preset not in NNZ else None
-    if size is None:
+    if preset in NNZ:
         rows, cols = get_preset(preset).shape
         size = MatrixSize(rows=rows, cols=cols, nnz=math.ceil(NNZ[preset] * (1 + PRESET_NNZ_MARGIN)))
+    else:
+        size = generated_size(preset)
     if fold:
         size = MatrixSize(rows=size.rows // 2, cols=size.cols, nnz=-(-size.nnz // 2))
     return size

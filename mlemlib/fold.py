@@ -50,6 +50,7 @@ from numba import njit, prange
 
 from mlemlib.errors import ConfigError, MatrixFormatError
 from mlemlib.formats.h5 import FOLD_ATTR_USER_ROWS, FOLD_DATASET, marked_container
+from mlemlib.image import plain_attr
 from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
@@ -294,14 +295,6 @@ def attach(writer: Any, fold: RowFold) -> None:
     writer.attach(*_attachment(fold))
 
 
-def _plain(v: Any) -> Any:
-    if isinstance(v, bytes):
-        return v.decode()
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
-
-
 def fold_of(matrix: Any) -> RowFold | None:
     """The fold stored in a container (a path or an opened matrix); None for any other matrix.
 
@@ -317,14 +310,14 @@ def fold_of(matrix: Any) -> RowFold | None:
     if path is None:
         return None
     with h5py.File(path, "r") as f:
-        m_user = int(_plain(f.attrs[ATTR_ROWS]))
+        m_user = int(plain_attr(f.attrs[ATTR_ROWS]))
         if DATASET not in f or not isinstance(f[DATASET], h5py.Dataset):
             raise MatrixFormatError(path, f"folded ({ATTR_ROWS} = {m_user}) but has no dataset {DATASET!r}")
         row_map = np.asarray(f[DATASET][()])
-        shape = _plain(f.attrs.get("shape"))
+        shape = plain_attr(f.attrs.get("shape"))
         m_stored = int(np.asarray(shape).reshape(-1)[0])
-        method = str(_plain(f.attrs.get(ATTR_METHOD, "")))
-        checksum = str(_plain(f.attrs.get(ATTR_CHECKSUM, "")))
+        method = str(plain_attr(f.attrs.get(ATTR_METHOD, "")))
+        checksum = str(plain_attr(f.attrs.get(ATTR_CHECKSUM, "")))
     if row_map.shape != (m_user,):
         raise MatrixFormatError(path, f"{DATASET!r} has shape {row_map.shape}, expected ({m_user},) (the user's rows)")
     fold = RowFold(row_map.astype(np.int64, copy=False), m_stored, method).check(path)

@@ -101,18 +101,27 @@ def accumulate_column_sums(
         raise MatrixFormatError(source, f"column index {int(indices[bad])} out of range [0, {n})")
 
 
-def source_column_sums(src, *, max_nnz: int = 1 << 24) -> np.ndarray:
+def source_column_sums(src, *, max_nnz: int = 1 << 24, progress: str | None = None) -> np.ndarray:
     """The norm (column sums, float64, in row order) of any opened matrix, streamed by row blocks.
 
     A folded matrix's rows count as often as they occur (:func:`mlemlib.fold.stored_row_weights`).
+    ``progress`` (a name for the log) logs the rows summed every tenth of the matrix.
     """
     from mlemlib.fold import stored_row_weights
 
-    sums = np.zeros(int(src.shape[1]), dtype=np.float64)
+    m, n = (int(v) for v in src.shape)
+    sums = np.zeros(n, dtype=np.float64)
     name = str(getattr(src, "source", None) or getattr(src, "path", None) or "<memory>")
     weights = stored_row_weights(src)
+    if progress is not None:
+        log.info("%s: column sums of %d x %d, %d non-zeros%s", progress, m, n, int(src.nnz),
+                 "" if weights is None else " (folded: rows weighted by their multiplicity)")
+    next_report = 0.1
     for r0, r1, block in src.iter_chunks(max_nnz=max_nnz):
         accumulate_column_sums(sums, block, source=name, row_weights=None if weights is None else weights[r0:r1])
+        if progress is not None and m and r1 / m >= next_report:
+            log.info("%s: summed rows up to %d of %d (%.0f%%)", progress, r1, m, 100.0 * r1 / m)
+            next_report = r1 / m + 0.1
     return sums
 
 
@@ -176,7 +185,6 @@ def compute_norm(
     """
     import h5py
 
-    from mlemlib.fold import stored_row_weights
     from mlemlib.formats.h5 import MatrixH5
 
     if not isinstance(chunk_nnz, (int, np.integer)) or chunk_nnz < 1:
@@ -185,17 +193,7 @@ def compute_norm(
     with MatrixH5(matrix_h5) as src, numba_threads(threads):
         m, n = src.shape
         nnz, checksum = src.nnz, src.checksum
-        sums = np.zeros(n, dtype=np.float64)
-        weights = stored_row_weights(src)
-        log.info("%s: column sums of %d x %d, %d non-zeros%s", name, m, n, nnz,
-                 "" if weights is None else " (folded: rows weighted by their multiplicity)")
-        next_report = 0.1
-        for r0, r1, block in src.iter_chunks(max_nnz=chunk_nnz):
-            accumulate_column_sums(sums, block, source=matrix_h5,
-                                   row_weights=None if weights is None else weights[r0:r1])
-            if m and r1 / m >= next_report:
-                log.info("%s: summed rows up to %d of %d (%.0f%%)", name, r1, m, 100.0 * r1 / m)
-                next_report = r1 / m + 0.1
+        sums = source_column_sums(src, max_nnz=chunk_nnz, progress=name)
     zero = int(np.count_nonzero(sums == 0))
     if zero:
         log.info("%s: %d of %d voxels are seen by no LOR (norm 0)", name, zero, n)

@@ -558,9 +558,8 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
         if not np.isfinite(f).all() or (f < 0).any():
             raise ConfigError("phantom", "image must be finite and non-negative")
         name = "custom"
-    from mlemlib.reorder import image_to_permuted_order, measurement_to_user_order, permutation_of
-
     from mlemlib.fold import fold_of
+    from mlemlib.reorder import image_to_permuted_order, measurement_to_user_order, permutation_of
 
     perm = permutation_of(src)
     row_fold = fold_of(src)

@@ -23,7 +23,11 @@ def register(sub) -> None:
         "-m", "--method", choices=METHODS, default="scantrans", metavar="METHOD",
         help=f"transposition method: {', '.join(METHODS)} (cusparse needs CuPy and a GPU)",
     )
-    add_stream_options(p, chunk_help="non-zeros per streamed row chunk (scantrans: about 12*N bytes besides the output)", threads_help="CPU threads for scantrans (None: all cores)")
+    add_stream_options(
+        p,
+        chunk_help="non-zeros per streamed row chunk (scantrans: about 12*N bytes besides the output)",
+        threads_help="CPU threads for scantrans (None: all cores)",
+    )
     p.set_defaults(func=run)
 
 

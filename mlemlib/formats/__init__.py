@@ -29,7 +29,6 @@ from mlemlib.compressed import LOSSY_FORMATS, VALUE_DTYPES
 from mlemlib.errors import MatrixFormatError, SinogramFormatError
 from mlemlib.formats._check import DEFAULT_CHUNK_NNZ
 from mlemlib.formats._memory import InMemoryMatrix
-from mlemlib.matrix import take_rows
 from mlemlib.formats.csr4 import (
     Csr4File,
     Csr4Header,
@@ -49,6 +48,7 @@ from mlemlib.formats.h5 import MatrixH5, MatrixH5Writer, _Checksum, read_matrix_
 from mlemlib.formats.lmsino import read_lmsino, write_lmsino
 from mlemlib.formats.mtx import read_mtx
 from mlemlib.formats.npz import read_npz
+from mlemlib.matrix import take_rows
 
 __all__ = [
     "MATRIX_FORMATS",

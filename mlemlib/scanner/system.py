@@ -366,14 +366,14 @@ def generate(
             cfg.name, cfg.n_crystals, m, n, cfg.rays, nt, out,
         )  # fmt: skip
         tracer = Tracer(cfg, nt)
-        row_counts = count_all(tracer)
-        user_nnz = int(row_counts.sum())
+        user_counts = row_counts = count_all(tracer)
+        user_nnz = int(user_counts.sum())
         rows_of, row_fold = None, None
         if fold:  # the stored rows: each non-empty LOR once, as row (i, j) with i < j
             from mlemlib.fold import pair_fold
 
-            row_fold, rows_of = pair_fold(cfg.n_crystals, row_counts)
-            user_counts, row_counts = row_counts, row_counts[rows_of]
+            row_fold, rows_of = pair_fold(cfg.n_crystals, user_counts)
+            row_counts = user_counts[rows_of]
         m_out = len(row_counts)
         nnz = int(row_counts.sum())
         t_count = time.perf_counter() - t_start
@@ -435,7 +435,7 @@ def generate(
         "nnz": nnz,
         "rays": cfg.rays,
         "threads": nt,
-        "empty_rows": int(((user_counts if fold else row_counts) == 0).sum()),
+        "empty_rows": int((user_counts == 0).sum()),
         "max_row_nnz": int(row_counts.max()) if m_out else 0,
         "stored_rows": m_out,
         "unfolded_nnz": user_nnz,
