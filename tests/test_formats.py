@@ -139,8 +139,20 @@ def h5_by_hand(path: Path, indptr, indices, data, attrs: dict | None = None, *, 
     return path
 
 
-def independent_checksum(indptr, indices, data) -> str:
-    """The checksum as docs/formats.md defines it, computed directly with hashlib."""
+def independent_checksum(indptr, indices, data, *, piece: int = 1 << 20) -> str:
+    """The checksum as docs/formats.md defines it ("sha256-tree/2"), computed directly with hashlib."""
+
+    def tree(a, dt) -> bytes:
+        b = np.asarray(a, dtype=dt)
+        digests = [hashlib.sha256(b[k : k + piece].tobytes()).digest() for k in range(0, len(b), piece)]
+        return hashlib.sha256(b"".join(digests)).digest()
+
+    parts = [tree(a, dt) for a, dt in ((indptr, "<i8"), (indices, "<i4"), (data, "<f4"))]
+    return hashlib.sha256(b"".join(parts)).hexdigest()
+
+
+def legacy_checksum(indptr, indices, data) -> str:
+    """The checksum of containers written before the tree (BLAKE2b of each whole array), with hashlib."""
     parts = [
         hashlib.blake2b(np.asarray(a, dtype=dt).tobytes(), digest_size=32).digest()
         for a, dt in ((indptr, "<i8"), (indices, "<i4"), (data, "<f4"))
@@ -395,10 +407,100 @@ def test_h5_checksum_detects_corruption(tmp_path, ref):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("block_rows", [1, 4, 13])
+def test_h5_checksum_pieces_span_row_blocks(tmp_path, ref, block_rows, monkeypatch):
+    # pieces of 5 elements hashed on the pool threads (nothing inline): piece boundaries fall inside
+    # blocks and across them, and the digests still come in piece order
+    from mlemlib.formats import h5 as h5mod
+
+    monkeypatch.setattr(h5mod, "CHECKSUM_PIECE", 5)
+    monkeypatch.setattr(h5mod, "_INLINE_BYTES", 0)
+    want = independent_checksum(ref.indptr, ref.indices, ref.data, piece=5)
+    assert want != independent_checksum(ref.indptr, ref.indices, ref.data)  # the piece size matters
+    p = tmp_path / "s.h5"
+    with MatrixH5Writer(p, ref.shape, ref.nnz) as w:
+        for r0 in range(0, 13, block_rows):
+            w.write_rows(CSRMatrix.from_scipy(ref[r0 : r0 + block_rows]))
+    assert w.checksum == want
+    assert h5mod.checksum_arrays(ref.indptr, ref.indices, ref.data) == want
+    monkeypatch.setattr(h5mod, "_HASH_PIECE", 3)  # verification reads pieces of 3 elements
+    with MatrixH5(p) as r:
+        assert r.compute_checksum() == want
+
+
+def legacy_container(path: Path, ref, *, corrupt: bool = False) -> Path:
+    """A container as versions before the tree checksum wrote it (plain h5py, BLAKE2b checksum)."""
+    from mlemlib.formats.h5 import LEGACY_CHECKSUM_METHOD
+
+    data = ref.data.copy()
+    checksum = legacy_checksum(ref.indptr, ref.indices, data)
+    if corrupt:
+        data[2] += 1.0
+    return h5_by_hand(path, ref.indptr, ref.indices, data,
+                      {"checksum": checksum, "checksum_method": LEGACY_CHECKSUM_METHOD, "nnz": ref.nnz})
+
+
+def test_h5_legacy_checksum_verified_and_converted_to_the_tree(tmp_path, ref):
+    old = legacy_container(tmp_path / "old.h5", ref)
+    with MatrixH5(old) as r:
+        r.verify_checksum()
+    s = convert(old, tmp_path / "new.h5")
+    assert s["checksum"] == independent_checksum(ref.indptr, ref.indices, ref.data)
+    with MatrixH5(tmp_path / "new.h5") as r:
+        assert r.checksum_method.startswith("sha256-tree/2")
+        r.verify_checksum()
+    bad = legacy_container(tmp_path / "bad.h5", ref, corrupt=True)
+    with MatrixH5(bad) as r, pytest.raises(MatrixFormatError, match=r"bad\.h5: checksum mismatch"):
+        r.verify_checksum()
+    with pytest.raises(MatrixFormatError, match=r"bad\.h5: checksum mismatch"):
+        convert(bad, tmp_path / "out.h5")
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_h5_unknown_checksum_method_refused(tmp_path, ref):
+    p = h5_by_hand(tmp_path / "u.h5", ref.indptr, ref.indices, ref.data,
+                   {"checksum_method": "crc32 of everything", "nnz": ref.nnz})
+    with pytest.raises(MatrixFormatError, match=r"u\.h5: unknown checksum_method 'crc32 of everything'"):
+        MatrixH5(p)
+
+
 def test_h5_writer_rejects_reserved_attr(tmp_path):
     with pytest.raises(ValueError, match="reserved"):
         MatrixH5Writer(tmp_path / "x.h5", (1, N), 0, checksum="abc")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["csr4", "csr", "compressed", "compressed-u16"])
+def test_writers_learn_an_unknown_element_count_from_the_blocks(tmp_path, ref, kind):
+    """nnz=None (the generator's one pass): the same file as with the count given, or nothing if incomplete."""
+    from mlemlib.formats.compressed_h5 import CompressedH5Writer
+
+    def writer(path, nnz):
+        if kind == "csr4":
+            return Csr4Writer(path, 13, N, nnz, scanner_block=scanner_bytes())
+        if kind == "csr":
+            return MatrixH5Writer(path, ref.shape, nnz)
+        return CompressedH5Writer(path, ref.shape, nnz, fmt=kind)
+
+    ext = "csr4" if kind == "csr4" else "h5"
+    for name, nnz in (("known", ref.nnz), ("unknown", None)):
+        with writer(tmp_path / f"{name}.{ext}", nnz) as w:
+            for r0 in range(0, 13, 4):
+                w.write_rows(CSRMatrix.from_scipy(ref[r0 : r0 + 4]))
+        assert w.nnz == ref.nnz
+    known, unknown = tmp_path / f"known.{ext}", tmp_path / f"unknown.{ext}"
+    if kind == "csr4":
+        assert unknown.read_bytes() == known.read_bytes()
+    else:
+        with open_matrix(known) as a, open_matrix(unknown) as b:
+            assert b.nnz == a.nnz == ref.nnz and b.checksum == a.checksum
+            b.verify_checksum()
+            assert_csr_equal(b.to_csr(), a.to_csr().to_scipy())
+    w = writer(tmp_path / f"short.{ext}", None)
+    w.write_rows(CSRMatrix.from_scipy(ref[:5]))
+    with pytest.raises(MatrixFormatError, match=rf"short\.{ext}: writer closed after 5 of 13 rows and \d+ elements"):
+        w.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"known.{ext}", f"unknown.{ext}"]
 
 
 def test_h5_writer_incomplete_leaves_nothing(tmp_path, ref):

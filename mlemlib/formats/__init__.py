@@ -44,7 +44,14 @@ from mlemlib.formats.compressed_h5 import (
     sample_code_bits,
     write_compressed_h5,
 )
-from mlemlib.formats.h5 import MatrixH5, MatrixH5Writer, _Checksum, read_matrix_h5, write_matrix_h5
+from mlemlib.formats.h5 import (
+    CHECKSUM_METHOD,
+    MatrixH5,
+    MatrixH5Writer,
+    checksum_for,
+    read_matrix_h5,
+    write_matrix_h5,
+)
 from mlemlib.formats.lmsino import read_lmsino, write_lmsino
 from mlemlib.formats.mtx import read_mtx
 from mlemlib.formats.npz import read_npz
@@ -248,7 +255,12 @@ def convert(
                 log.info("%s: %d-bit codes (the smaller encoding of a sample of rows)", out, code_bits)
             writer_cls, fmt_kw = CompressedH5Writer, {"fmt": fmt, "code_bits": code_bits}
         # the writer's checksum is the input's unless the output rounds the values
-        input_sum = _Checksum() if isinstance(reader, MatrixH5) and (fmt in LOSSY_FORMATS or first is not None) else None
+        # (and unless the input has the legacy checksum: the output gets today's)
+        input_sum = None
+        if isinstance(reader, MatrixH5) and (
+            fmt in LOSSY_FORMATS or first is not None or checksum_for(reader.checksum_method).method != CHECKSUM_METHOD
+        ):
+            input_sum = checksum_for(reader.checksum_method)
         if input_sum is not None:
             input_sum.update("indptr", np.zeros(1, dtype=np.int64))
         with writer_cls(

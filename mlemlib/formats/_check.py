@@ -212,12 +212,14 @@ class RowBlockWriter:
 
     A subclass sets ``path``, ``shape``, ``nnz``, ``_rows = _written = 0`` and
     ``_open = True`` and provides ``close()`` and ``abort()``; a ``with`` block
-    closes the writer on success and aborts it on an exception.
+    closes the writer on success and aborts it on an exception. ``nnz`` None
+    means not known in advance (a generator that traces each row once): the
+    writer grows its arrays and takes the count it was given when it closes.
     """
 
     path: Path
     shape: tuple[int, int]
-    nnz: int
+    nnz: int | None
     _rows: int
     _written: int
     _open: bool
@@ -240,7 +242,7 @@ class RowBlockWriter:
         if validate:
             check_block(block, self.path, row0=self._rows, elem0=self._written)
         bnnz = block.nnz
-        if self._written + bnnz > self.nnz:
+        if self.nnz is not None and self._written + bnnz > self.nnz:
             raise MatrixFormatError(
                 self.path, f"elements {self._written}..{self._written + bnnz} exceed nnz = {self.nnz}"
             )
@@ -265,10 +267,12 @@ class RowBlockWriter:
     def _check_complete(self) -> None:
         """Abort and raise unless exactly ``m`` rows and ``nnz`` elements were written."""
         m = self.shape[0]
+        if self.nnz is None and self._rows == m:
+            self.nnz = self._written  # the count becomes what was written
         if self._rows != m or self._written != self.nnz:
             msg = (
-                f"writer closed after {self._rows} of {m} rows and {self._written} of {self.nnz} "
-                f"elements; nothing written"
+                f"writer closed after {self._rows} of {m} rows and {self._written}"
+                f"{'' if self.nnz is None else f' of {self.nnz}'} elements; nothing written"
             )
             self.abort()
             raise MatrixFormatError(self.path, msg)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlemlib._io import atomic_path
+from mlemlib._io import atomic_path, prefetched
 from mlemlib.compressed import (
     CODE_DTYPES,
     LAYOUT_VERSION,
@@ -73,6 +73,7 @@ from mlemlib.formats.h5 import (
     MatrixH5,
     _Checksum,
     _chunk,
+    checksum_for,
     _plain,
 )
 from mlemlib.matrix import CSRMatrix
@@ -220,6 +221,7 @@ class CompressedH5(MatrixH5):
             raise self._fault(f"slot pointer ends at {last}, expected slots = {self.slots}")
         self._geometry(n)
         self.checksum = str(a["checksum"])
+        self.checksum_method = self._checksum_method()
         self._indptr: np.ndarray | None = None
         self.nbytes = int(sum(ds.shape[0] * ds.dtype.itemsize for ds in self._ds.values()))
         self.bytes_per_nnz = self.nbytes / self.nnz if self.nnz else math.inf
@@ -323,12 +325,15 @@ class CompressedH5(MatrixH5):
         )
 
     def compute_checksum(self) -> str:
-        """The checksum of the decoded matrix, decoding it piece by piece; also checks the element count."""
-        c = _Checksum()
+        """The checksum of the decoded matrix, decoding it piece by piece; also checks the element count.
+
+        Piece k + 1 is read and decoded while piece k is hashed.
+        """
+        c = checksum_for(self.checksum_method)
         c.update("indptr", np.zeros(1, dtype=np.int64))
         done = 0
-        for r0, r1 in chunk_bounds(self.read_slotptr(), PIECE_SLOTS):
-            block = self.read_rows(r0, r1, validate=False)
+        bounds = chunk_bounds(self.read_slotptr(), PIECE_SLOTS)
+        for block in prefetched(lambda r: self.read_rows(*r, validate=False), bounds):
             c.update_rows(block.indptr[1:] + done, block.indices, block.data)
             done += block.nnz
         if done != self.nnz:
@@ -378,7 +383,7 @@ class CompressedH5Writer(RowBlockWriter):
         self,
         path: str | os.PathLike,
         shape: tuple[int, int],
-        nnz: int,
+        nnz: int | None,
         *,
         fmt: str = "compressed",
         code_bits: int | None = None,
@@ -399,8 +404,8 @@ class CompressedH5Writer(RowBlockWriter):
         self.path = Path(path)
         m, n = int(shape[0]), int(shape[1])
         self.shape = (m, n)
-        self.nnz = int(nnz)
-        if m < 0 or n < 0 or self.nnz < 0:
+        self.nnz = None if nnz is None else int(nnz)  # None: learnt from the blocks (set on close)
+        if m < 0 or n < 0 or (self.nnz is not None and self.nnz < 0):
             raise ValueError(f"bad shape {shape} or nnz {nnz}")
         if n > np.iinfo(np.int32).max:
             raise ValueError(f"n = {n} exceeds the int32 column index range")
@@ -436,7 +441,6 @@ class CompressedH5Writer(RowBlockWriter):
             f.attrs["format"] = FORMAT_ATTRS[fmt]
             f.attrs["version"] = np.int64(VERSION)
             f.attrs["shape"] = np.array([m, n], dtype=np.int64)
-            f.attrs["nnz"] = np.int64(self.nnz)
             f.attrs["source"] = str(source)
             f.attrs["checksum_method"] = CHECKSUM_METHOD + ", of the decoded CSR arrays"
             f.attrs["encoding"] = ENCODING
@@ -457,7 +461,8 @@ class CompressedH5Writer(RowBlockWriter):
     def _slot_dataset(self, name: str, dtype: np.dtype) -> None:
         per_chunk = CHUNK_BYTES // dtype.itemsize
         self._f.create_dataset(
-            name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(max(1, min(per_chunk, self.nnz)),)
+            name, shape=(0,), maxshape=(None,), dtype=dtype,
+            chunks=(per_chunk if self.nnz is None else max(1, min(per_chunk, self.nnz)),),
         )
 
     def _set_code_bits(self, code_bits: int) -> None:
@@ -589,6 +594,7 @@ class CompressedH5Writer(RowBlockWriter):
             if self.code_bits is None:  # no element: nothing decided the width
                 self._set_code_bits(8)
             self._f["rowbase"][...] = self._rowbase
+            self._f.attrs["nnz"] = np.int64(self.nnz)
             self._f.attrs["slots"] = np.int64(self._slots)
             self._f.attrs["checksum"] = digest
             self._f.close()

@@ -450,7 +450,9 @@ class Csr4Writer(RowBlockWriter):
     path
         Target ``.csr4`` file.
     m, n, nnz
-        Shape and number of stored elements, as written into the header.
+        Shape and number of stored elements, as written into the header;
+        ``nnz`` None when not known in advance (the header's count is then
+        written on :meth:`close`, from the blocks written).
     scanner_block
         The scanner-configuration block (verbatim); its grid product must equal ``n``.
     flags
@@ -468,19 +470,20 @@ class Csr4Writer(RowBlockWriter):
         path: str | os.PathLike,
         m: int,
         n: int,
-        nnz: int,
+        nnz: int | None,
         *,
         scanner_block: bytes,
         flags: int = 0,
     ) -> None:
         self.path = Path(path)
-        self.m, self.n, self.nnz = int(m), int(n), int(nnz)
+        self.m, self.n = int(m), int(n)
+        self.nnz = None if nnz is None else int(nnz)  # None: learnt from the blocks, the header patched on close
         self.shape = (self.m, self.n)
         if not 0 <= self.m < 2**32:
             raise ValueError(f"m = {m} does not fit the uint32 nRows field")
         if not 0 <= self.n <= MAX_COLS:
             raise ValueError(f"n = {n} outside [0, {MAX_COLS}]")
-        if not 0 <= self.nnz < 2**63:
+        if self.nnz is not None and not 0 <= self.nnz < 2**63:
             raise ValueError(f"nnz = {nnz} out of range")
         if not 0 <= flags < 256:
             raise ValueError(f"flags = {flags} does not fit one byte")
@@ -499,13 +502,20 @@ class Csr4Writer(RowBlockWriter):
         self._tmp = self._stack.enter_context(atomic_path(self.path))
         self._f = open(self._tmp, "wb")  # noqa: SIM115 - closed by close()/abort()
         self._open = True
+        self._flags = flags
+        self._block_len = len(block)
         try:
-            self._f.write(HEADER.pack(MAGIC, VERSION, flags, 0, self.m, self.n, self.nnz, len(block)))
+            self._f.write(self._header())
             self._f.write(block)
-            self._f.truncate(self._el_offset + 8 * self.nnz)
+            if self.nnz is not None:
+                self._f.truncate(self._el_offset + 8 * self.nnz)
         except BaseException:
             self.abort()
             raise
+
+    def _header(self) -> bytes:
+        nnz = 0 if self.nnz is None else self.nnz  # rewritten on close when the count was not known
+        return HEADER.pack(MAGIC, VERSION, self._flags, 0, self.m, self.n, nnz, self._block_len)
 
     def write_rows(self, block: CSRMatrix) -> None:
         """Append the next row block (validated: columns in range, values finite and >= 0)."""
@@ -534,9 +544,13 @@ class Csr4Writer(RowBlockWriter):
         """Finish: check that every row and element was written, then rename into place."""
         if not self._open:
             return
+        unknown = self.nnz is None
         self._check_complete()
         self._open = False
         try:
+            if unknown:
+                self._f.seek(0)
+                self._f.write(self._header())
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()

@@ -15,10 +15,15 @@ rays' segment lengths divided by the number of rays. Voxels hit by several rays
 are merged with a per-thread dense "last seen" marker array; the columns of a
 row are then sorted in place (radix sort).
 
-Rows are processed in two passes over the same kernel: :func:`count_rows`
-(number of distinct voxels per row) and :func:`fill_rows` (columns and values
-into pre-sized arrays), each parallel over threads with rows interleaved
-(thread ``t`` takes rows ``t, t + T, ...`` of the list).
+The generator traces each row once: :func:`fill_rows_arena` appends each
+row to its thread's arena (lengths not known in advance) and
+:func:`gather_rows` copies the arenas into a CSR block; :func:`rows_hit_box`
+(clipping only, no voxel walk) finds the tubes that cross the grid, the
+stored rows of a folded matrix. :func:`count_rows` (distinct voxels per row)
+and :func:`fill_rows` (columns and values into pre-sized arrays) trace rows
+for the sampled estimate and for :func:`mlemlib.scanner.trace_rows`. Every
+kernel is parallel over threads with rows interleaved (thread ``t`` takes
+rows ``t, t + T, ...`` of the list).
 """
 
 from __future__ import annotations
@@ -35,26 +40,25 @@ RADIX_BITS = 10
 
 
 @njit(cache=True, nogil=True)
-def _trace_ray(p0x, p0y, p0z, p1x, p1y, p1z, lo, vs, g, acc, mark, touched, cnt, stamp):
-    """Add the segments of ray ``p0 -> p1`` to ``acc``; return the new count of touched voxels."""
+def _clip(p0x, p0y, p0z, p1x, p1y, p1z, lo, vs, g):
+    """Clip ray ``p0 -> p1`` to the voxel box (slab method): ``(hit, t0, t1, length)``.
+
+    ``hit`` is False when the ray misses the box or crosses it over at most
+    :data:`TOL_MM` (it then leaves no segment); :func:`_trace_ray` walks the
+    voxels of ``[t0, t1]`` when it is True. :func:`tube_hits_box` asks only this.
+    """
     dx = p1x - p0x
     dy = p1y - p0y
     dz = p1z - p0z
     length = math.sqrt(dx * dx + dy * dy + dz * dz)
     if length == 0.0:
-        return cnt
+        return False, 0.0, 0.0, length
     lox = lo[0]
     loy = lo[1]
     loz = lo[2]
-    wx = vs[0]
-    wy = vs[1]
-    wz = vs[2]
-    gx = g[0]
-    gy = g[1]
-    gz = g[2]
-    hix = lox + gx * wx
-    hiy = loy + gy * wy
-    hiz = loz + gz * wz
+    hix = lox + g[0] * vs[0]
+    hiy = loy + g[1] * vs[1]
+    hiz = loz + g[2] * vs[2]
     t0 = 0.0
     t1 = 1.0
     # slab clipping, half-open [lo, hi) for an axis the ray is parallel to
@@ -66,7 +70,7 @@ def _trace_ray(p0x, p0y, p0z, p1x, p1y, p1z, lo, vs, g, acc, mark, touched, cnt,
         t0 = max(t0, ta)
         t1 = min(t1, tb)
     elif p0x < lox or p0x >= hix:
-        return cnt
+        return False, t0, t1, length
     if dy != 0.0:
         ta = (loy - p0y) / dy
         tb = (hiy - p0y) / dy
@@ -75,7 +79,7 @@ def _trace_ray(p0x, p0y, p0z, p1x, p1y, p1z, lo, vs, g, acc, mark, touched, cnt,
         t0 = max(t0, ta)
         t1 = min(t1, tb)
     elif p0y < loy or p0y >= hiy:
-        return cnt
+        return False, t0, t1, length
     if dz != 0.0:
         ta = (loz - p0z) / dz
         tb = (hiz - p0z) / dz
@@ -84,10 +88,29 @@ def _trace_ray(p0x, p0y, p0z, p1x, p1y, p1z, lo, vs, g, acc, mark, touched, cnt,
         t0 = max(t0, ta)
         t1 = min(t1, tb)
     elif p0z < loz or p0z >= hiz:
-        return cnt
+        return False, t0, t1, length
     tol_t = TOL_MM / length
-    if t1 - t0 <= tol_t:
+    return t1 - t0 > tol_t, t0, t1, length
+
+
+@njit(cache=True, nogil=True)
+def _trace_ray(p0x, p0y, p0z, p1x, p1y, p1z, lo, vs, g, acc, mark, touched, cnt, stamp):
+    """Add the segments of ray ``p0 -> p1`` to ``acc``; return the new count of touched voxels."""
+    hit, t0, t1, length = _clip(p0x, p0y, p0z, p1x, p1y, p1z, lo, vs, g)
+    if not hit:
         return cnt
+    dx = p1x - p0x
+    dy = p1y - p0y
+    dz = p1z - p0z
+    lox = lo[0]
+    loy = lo[1]
+    loz = lo[2]
+    wx = vs[0]
+    wy = vs[1]
+    wz = vs[2]
+    gx = g[0]
+    gy = g[1]
+    gz = g[2]
     # first voxel: the one holding the entry point, clamped into the grid
     ix = math.floor((p0x + t0 * dx - lox) / wx)
     iy = math.floor((p0y + t0 * dy - loy) / wy)
@@ -235,6 +258,47 @@ def _sort_columns(a, cnt, tmp, hist):
             a[q] = tmp[q]
 
 
+@njit(cache=True, nogil=True)
+def _emit_row(tch, cnt, sort_tmp, hist, acc, inv_rays, indices, data, s):
+    """Sort a traced row's ``cnt`` voxels ``tch`` and write them with their values from ``s`` on."""
+    _sort_columns(tch, cnt, sort_tmp, hist)
+    for p in range(cnt):
+        v = tch[p]
+        indices[s + p] = v
+        data[s + p] = np.float32(acc[v] * inv_rays)
+
+
+@njit(cache=True, nogil=True)
+def tube_hits_box(pts, i, j, lo, vs, g):
+    """Whether some ray between the faces of crystals ``i`` and ``j`` crosses the voxel box.
+
+    The same clipping, in the same orientation, as :func:`_trace_tube`:
+    a tube that misses traces to an empty row. (A tube whose rays all cross
+    the box over only sub-:data:`TOL_MM` segments would be called a hit and
+    trace empty; no preset has one.)
+    """
+    if i > j:
+        i, j = j, i
+    npts = pts.shape[1]
+    for a in range(npts):
+        for b in range(npts):
+            hit, _, _, _ = _clip(pts[i, a, 0], pts[i, a, 1], pts[i, a, 2], pts[j, b, 0], pts[j, b, 1], pts[j, b, 2],
+                                 lo, vs, g)  # fmt: skip
+            if hit:
+                return True
+    return False
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def rows_hit_box(pts, n_crystals, rows, lo, vs, g, out):
+    """``out[q] = 1`` where row ``rows[q]``'s tube crosses the voxel box (:func:`tube_hits_box`), else 0."""
+    for q in prange(rows.shape[0]):
+        r = rows[q]
+        i = r // n_crystals
+        j = r - i * n_crystals
+        out[q] = 1 if i != j and tube_hits_box(pts, i, j, lo, vs, g) else 0
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def count_rows(pts, n_crystals, rows, lo, vs, g, acc, mark, touched, stamp0, counts):
     """Write into ``counts[q]`` the number of distinct voxels of row ``rows[q]``.
@@ -287,8 +351,56 @@ def fill_rows(
             if cnt != e - s:
                 bad[t] = r + 1
                 continue
-            _sort_columns(tch, cnt, sort_tmp[t], hist[t])
-            for p in range(cnt):
-                v = tch[p]
-                indices[s + p] = v
-                data[s + p] = np.float32(acc_t[v] * inv_rays)
+            _emit_row(tch, cnt, sort_tmp[t], hist[t], acc_t, inv_rays, indices, data, s)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def fill_rows_arena(
+    pts, n_crystals, rows, lo, vs, g, acc, mark, touched, sort_tmp, hist, stamp0, inv_rays, a_idx, a_val, counts,
+    starts, stop,
+):
+    """Trace rows ``rows`` in one pass into per-thread arenas, without knowing their lengths first.
+
+    Thread slot ``t`` takes rows ``t, t + T, ...`` and appends each row's
+    sorted columns and values to its arena ``a_idx[t]``, ``a_val[t]``
+    (``(T, cap)`` int32 and float32): ``counts[q]`` elements from
+    ``starts[q]``. When a row does not fit, the slot stops there:
+    ``stop[t]`` is that row's position ``q`` (``len(rows)`` when the slot
+    finished), so rows ``0 .. min(stop) - 1`` are complete. A slot's first
+    row always fits when ``cap`` is at least the longest possible row.
+    """
+    nt = mark.shape[0]
+    nrows = rows.shape[0]
+    cap = a_idx.shape[1]
+    for t in prange(nt):
+        acc_t = acc[t]
+        tch = touched[t]
+        pos = 0
+        stop[t] = nrows
+        for q in range(t, nrows, nt):
+            r = rows[q]
+            i = r // n_crystals
+            j = r - i * n_crystals
+            cnt = 0
+            if i != j:
+                cnt = _trace_tube(pts, i, j, lo, vs, g, acc_t, mark[t], tch, stamp0 + r)
+            if pos + cnt > cap:
+                stop[t] = q
+                break
+            _emit_row(tch, cnt, sort_tmp[t], hist[t], acc_t, inv_rays, a_idx[t], a_val[t], pos)
+            counts[q] = cnt
+            starts[q] = pos
+            pos += cnt
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def gather_rows(a_idx, a_val, starts, indptr, indices, data):
+    """Copy rows ``q < len(indptr) - 1`` from the arenas of :func:`fill_rows_arena` into CSR arrays."""
+    nt = a_idx.shape[0]
+    for q in prange(indptr.shape[0] - 1):
+        t = q % nt
+        s = starts[q]
+        o = indptr[q]
+        for p in range(indptr[q + 1] - o):
+            indices[o + p] = a_idx[t, s + p]
+            data[o + p] = a_val[t, s + p]

@@ -1,18 +1,20 @@
 """System-matrix generation: trace every tube of response and stream the rows to a file (CPU, Numba).
 
-:func:`generate` makes two passes over the lines of response. The first
-counts the distinct voxels of each row (only pairs ``i < j``: row ``(j, i)``
-equals row ``(i, j)``), which gives the row pointer and the file's ``nnz``;
-the second traces the rows again in chunks of at most ``max_nnz`` elements,
-fills columns and values straight into arrays of the exact size and hands
-each chunk to the writer of the output, which a helper thread runs while the
-next chunk is traced: a ``.csr4`` (:class:`mlemlib.formats.csr4.Csr4Writer`)
-or, for an ``.h5`` output, the project's container directly, as CSR or
-compressed (:class:`~mlemlib.formats.h5.MatrixH5Writer`,
+:func:`generate` traces each line of response once, in chunks of about
+``max_nnz`` elements whose row lengths are not known in advance: each
+thread appends its rows to an arena, and the chunk's complete rows are
+gathered into CSR arrays (:meth:`Tracer.fill_prefix`). Each chunk goes to
+the writer of the output, which a helper thread runs while the next chunk is
+traced and learns the element count as the rows come: a ``.csr4``
+(:class:`mlemlib.formats.csr4.Csr4Writer`) or, for an ``.h5`` output, the
+project's container directly, as CSR or compressed
+(:class:`~mlemlib.formats.h5.MatrixH5Writer`,
 :class:`~mlemlib.formats.compressed_h5.CompressedH5Writer`), so that a big
-matrix is never written twice. Peak memory is two chunks plus the row
-counts (8 bytes per row) and two dense per-thread scratch vectors of the
-voxel count (16 bytes per voxel and thread).
+matrix is never written twice. A folded matrix's stored rows (each LOR once,
+``(i, j)`` with ``i < j``, when its tube crosses the grid) are found first by
+clipping the tubes' rays to the grid, without walking their voxels. Peak
+memory is the arenas and three chunks, and two dense per-thread scratch
+vectors of the voxel count (16 bytes per voxel and thread).
 
 The output depends only on the :class:`~mlemlib.scanner.geometry.ScannerConfig`,
 not on the thread count or chunk size: same configuration, same bytes (and
@@ -26,7 +28,6 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -86,6 +87,8 @@ class Tracer:
         self._sort_tmp = np.zeros((nt, per_row), dtype=np.int32)
         self._hist = np.zeros((nt, (1 << _siddon.RADIX_BITS) + 1), dtype=np.int64)
         self._stamp = 0
+        self.per_row = per_row
+        self._arena: tuple[np.ndarray, np.ndarray] | None = None
 
     def _next_stamp(self) -> int:
         s = self._stamp
@@ -127,6 +130,48 @@ class Tracer:
             row = int(bad[bad > 0].min()) - 1
             raise MlemError(f"scanner tracer: row {row} gave a different count in the fill pass (a bug)")
         return CSRMatrix(indptr, indices, data, (len(rows), self.n))
+
+    def hits(self, rows: np.ndarray) -> np.ndarray:
+        """1 (int8) where the tube of row ``rows[q]`` crosses the voxel grid, else 0: clipping alone, no voxel walk."""
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        out = np.zeros(len(rows), dtype=np.int8)
+        if len(rows):
+            _siddon.rows_hit_box(self.pts, self.n_crystals, rows, self.lo, self.vs, self.g, out)
+        return out
+
+    def fill_prefix(self, rows: np.ndarray, max_nnz: int) -> CSRMatrix:
+        """Trace ``rows`` once, lengths unknown; return the CSR block of the longest complete prefix.
+
+        Each scratch slot appends its rows to an arena of
+        ``max(ceil(max_nnz / threads), longest possible row)`` elements (kept
+        for the next call): at most about ``max_nnz`` elements are traced,
+        and rows past the first one that did not fit are traced again by the
+        caller's next call. The block holds rows ``rows[:k]``, ``k >= 1``
+        (every slot's first row fits).
+        """
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        nt = self.threads
+        cap = max(-(-int(max_nnz) // nt), self.per_row)
+        if self._arena is None or self._arena[0].shape[1] != cap:
+            self._arena = (np.empty((nt, cap), dtype=np.int32), np.empty((nt, cap), dtype=np.float32))
+        a_idx, a_val = self._arena
+        counts = np.zeros(len(rows), dtype=np.int64)
+        starts = np.zeros(len(rows), dtype=np.int64)
+        stop = np.zeros(nt, dtype=np.int64)
+        if len(rows):
+            _siddon.fill_rows_arena(
+                self.pts, self.n_crystals, rows, self.lo, self.vs, self.g, self._acc, self._mark, self._touched,
+                self._sort_tmp, self._hist, self._next_stamp(), self.inv_rays, a_idx, a_val, counts, starts, stop,
+            )  # fmt: skip
+        k = int(stop.min()) if len(rows) else 0
+        indptr = np.zeros(k + 1, dtype=np.int64)
+        np.cumsum(counts[:k], out=indptr[1:])
+        nnz = int(indptr[-1])
+        indices = np.empty(nnz, dtype=np.int32)
+        data = np.empty(nnz, dtype=np.float32)
+        if k:
+            _siddon.gather_rows(a_idx, a_val, starts, indptr, indices, data)
+        return CSRMatrix(indptr, indices, data, (k, self.n))
 
     def rows(self, rows: np.ndarray) -> CSRMatrix:
         """Trace ``rows`` (count, then fill) and return them as a CSR block."""
@@ -193,42 +238,6 @@ def _upper_rows(n_crystals: int, i0: int, i1: int) -> np.ndarray:
     """Rows ``i * N + j`` with ``i0 <= i < i1`` and ``j > i``, ascending."""
     parts = [np.arange(i * n_crystals + i + 1, (i + 1) * n_crystals, dtype=np.int64) for i in range(i0, i1)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def count_all(tracer: Tracer, *, chunk_rows: int | None = None) -> np.ndarray:
-    """Distinct voxels of every row (int64, length m), tracing only pairs ``i < j``."""
-    n_cr = tracer.n_crystals
-    total = n_cr * (n_cr - 1) // 2
-    chunk_rows = chunk_rows or max(4096, total // 200)
-    per_i = max(1, chunk_rows // max(1, n_cr))
-    counts = np.zeros((n_cr, n_cr), dtype=np.int64)
-    prog = _Progress("count pass", total, "tube pairs")
-    done = 0
-    for i0 in range(0, n_cr, per_i):
-        i1 = min(n_cr, i0 + per_i)
-        rows = _upper_rows(n_cr, i0, i1)
-        c = tracer.count(rows)
-        counts.reshape(-1)[rows] = c
-        done += len(rows)
-        prog.update(done)
-    prog.update(done, force=True)
-    counts += counts.T.copy()
-    return counts.reshape(-1)
-
-
-def _fill_chunks(row_counts: np.ndarray, max_nnz: int, max_rows: int) -> Iterator[tuple[int, int]]:
-    """Consecutive row ranges holding at most ``max_nnz`` elements (or one row) and ``max_rows`` rows."""
-    m = len(row_counts)
-    ends = np.cumsum(row_counts)
-    r0 = 0
-    base = 0
-    while r0 < m:
-        r1 = int(np.searchsorted(ends, base + max_nnz, side="right"))
-        r1 = max(r1, r0 + 1)
-        r1 = min(r1, r0 + max_rows, m)
-        yield r0, r1
-        base = int(ends[r1 - 1])
-        r0 = r1
 
 
 def _writer_for(out: Path, fmt: str, cfg: ScannerConfig):
@@ -340,7 +349,9 @@ def generate(
     -------
     dict
         ``path, preset, format, shape, nnz, rays, threads, empty_rows,
-        max_row_nnz, stored_rows (of a folded matrix, else m), count_seconds, fill_seconds, fill_trace_seconds (tracing
+        max_row_nnz, stored_rows (of a folded matrix, else m), unfolded_nnz, scan_seconds (finding the tubes that
+        cross the grid: the stored rows of a folded matrix; 0 otherwise), fill_seconds, fill_cut_chunks (chunks cut
+        where a row did not fit their arenas), fill_trace_seconds (tracing
         inside the fill pass), fill_encode_seconds (encoding the traced chunks
         into a compressed format, on the same thread), fill_write_wait_seconds
         (waiting for the writer thread), seconds, nnz_per_second, bytes, checksum`` (the container's,
@@ -365,44 +376,55 @@ def generate(
             "generating %s: %d crystals, %d x %d matrix, %d rays per tube, %d threads -> %s",
             cfg.name, cfg.n_crystals, m, n, cfg.rays, nt, out,
         )  # fmt: skip
-        tracer = Tracer(cfg, nt)
-        user_counts = row_counts = count_all(tracer)
-        user_nnz = int(user_counts.sum())
+        # the fill's threads, one scratch slot each (rows are dealt to the slots in turn: as many
+        # slots as threads keeps every thread equally busy)
+        fill_threads = nt - writer_cores(nt)
+        tracer = Tracer(cfg, fill_threads)
         rows_of, row_fold = None, None
-        if fold:  # the stored rows: each non-empty LOR once, as row (i, j) with i < j
+        if fold:  # the stored rows: each LOR whose tube crosses the grid once, as row (i, j) with i < j
             from mlemlib.fold import pair_fold
 
-            row_fold, rows_of = pair_fold(cfg.n_crystals, user_counts)
-            row_counts = user_counts[rows_of]
-        m_out = len(row_counts)
-        nnz = int(row_counts.sum())
-        t_count = time.perf_counter() - t_start
-        log.info("count pass done: nnz = %d (%.3g)%s, %.1f s", nnz, nnz,
-                 f" in {m_out} folded rows of {m} ({user_nnz} unfolded)" if fold else "", t_count)
+            upper = _upper_rows(cfg.n_crystals, 0, cfg.n_crystals)
+            crosses = np.zeros(m, dtype=np.int8)
+            crosses[upper] = tracer.hits(upper)
+            row_fold, rows_of = pair_fold(cfg.n_crystals, crosses)
+            del upper, crosses
+        m_out = m if rows_of is None else len(rows_of)
+        t_scan = time.perf_counter() - t_start
+        if fold:
+            log.info("scan: %d of %d tubes cross the grid (the stored rows), %.1f s", m_out, m // 2, t_scan)
         max_rows = max(4096, m_out // 200)
-        prog = _Progress("fill pass", nnz, "elements")
+        prog = _Progress("fill pass", m_out, "rows")
         done = 0
+        stats = {"max_row": 0, "empty": 0, "cut": 0}
         t_trace = t_encode = t_wait = 0.0
-        # Chunk k + 1 is traced and then encoded (compressed formats) on this
-        # thread, with every Numba thread but writer_cores(nt), while chunk k
-        # is written and hashed on a helper thread (two more hash its two
-        # element streams): the tracer and the encoder never compete for the
-        # cores, and the writer has its own (at most three chunks in memory).
-        # Leaving the pool's block joins the helper before the writer closes
-        # or aborts.
+        # Chunk k + 1 is traced once (its lengths unknown: Tracer.fill_prefix) and then encoded
+        # (compressed formats) on this thread, with every Numba thread but writer_cores(nt), while
+        # chunk k is written and hashed on a helper thread (the checksum's hashing threads hash its
+        # element streams): the tracer and the encoder never compete for the cores, and the writer
+        # has its own (at most three chunks in memory). A chunk's row count follows the mean row
+        # length so far (FILL_TARGET of max_nnz); a chunk that does not fit its arenas is cut where
+        # a row did not fit, and the next chunk starts there. The writer learns nnz as rows come.
+        # Leaving the pool's block joins the helper before the writer closes or aborts.
         with (
-            make_writer(m_out, n, nnz) as writer,
+            make_writer(m_out, n, None) as writer,
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-writer") as pool,
-            _numba_threads(nt - writer_cores(nt)),
+            _numba_threads(fill_threads),
         ):
             pending: deque = deque()
             encodes = getattr(writer, "encodes", False)
-            for r0, r1 in _fill_chunks(row_counts, max_nnz, max_rows):
-                indptr = np.zeros(r1 - r0 + 1, dtype=np.int64)
-                np.cumsum(row_counts[r0:r1], out=indptr[1:])
+            r0 = 0
+            while r0 < m_out:
+                want = FIRST_CHUNK_ROWS if r0 == 0 else int(FILL_TARGET * max_nnz * r0 / max(done, 1))
+                r1 = min(m_out, r0 + max(1, min(want, max_rows)))
                 t0 = time.perf_counter()
-                block = tracer.fill(np.arange(r0, r1, dtype=np.int64) if rows_of is None else rows_of[r0:r1], indptr)
+                block = tracer.fill_prefix(np.arange(r0, r1, dtype=np.int64) if rows_of is None else rows_of[r0:r1],
+                                           max_nnz)  # fmt: skip
                 t1 = time.perf_counter()
+                lengths = np.diff(block.indptr)
+                stats["max_row"] = max(stats["max_row"], int(lengths.max()))
+                stats["empty"] += int((lengths == 0).sum())
+                stats["cut"] += block.shape[0] < r1 - r0
                 encoded = writer.encode_rows(block, r0) if encodes else None
                 t2 = time.perf_counter()
                 while len(pending) >= 2:
@@ -415,8 +437,9 @@ def generate(
                 else:
                     pending.append(pool.submit(writer.write_rows, block))
                 done += block.nnz
-                prog.update(done, f", rows {r1}/{m_out}, {done * 8 / 1e9:.1f} GB of CSR")
-                del block, encoded
+                r0 += block.shape[0]
+                prog.update(r0, f", {done} elements, {done * 8 / 1e9:.1f} GB of CSR")
+                del block, encoded, lengths
             t1 = time.perf_counter()
             while pending:
                 pending.popleft().result()
@@ -425,7 +448,12 @@ def generate(
                 from mlemlib.fold import attach
 
                 attach(writer, row_fold)
-        prog.update(done, force=True)
+        prog.update(r0, force=True)
+    nnz = done
+    if fold:  # a stored row stands for its LOR's two user rows; the others are empty
+        empty_rows = int((row_fold.row_map < 0).sum()) + 2 * stats["empty"]
+    else:
+        empty_rows = stats["empty"]
     seconds = time.perf_counter() - t_start
     summary = {
         "path": str(out),
@@ -435,12 +463,13 @@ def generate(
         "nnz": nnz,
         "rays": cfg.rays,
         "threads": nt,
-        "empty_rows": int((user_counts == 0).sum()),
-        "max_row_nnz": int(row_counts.max()) if m_out else 0,
+        "empty_rows": empty_rows,
+        "max_row_nnz": stats["max_row"],
         "stored_rows": m_out,
-        "unfolded_nnz": user_nnz,
-        "count_seconds": round(t_count, 3),
-        "fill_seconds": round(seconds - t_count, 3),
+        "unfolded_nnz": 2 * nnz if fold else nnz,
+        "scan_seconds": round(t_scan, 3),
+        "fill_seconds": round(seconds - t_scan, 3),
+        "fill_cut_chunks": stats["cut"],
         "fill_trace_seconds": round(t_trace, 3),
         "fill_encode_seconds": round(t_encode, 3),
         "fill_write_wait_seconds": round(t_wait, 3),
@@ -456,7 +485,12 @@ def generate(
     return summary
 
 
-#: Cores the fill pass leaves to the writer's threads (the writer and the two streams its checksum hashes) on
+#: Rows of the fill pass's first chunk (the later ones follow the mean row length).
+FIRST_CHUNK_ROWS = 1024
+#: Share of ``max_nnz`` a fill chunk aims at: the arenas hold ``max_nnz``, and a chunk whose rows do not fit
+#: is cut (its rows after the cut are traced again with the next chunk).
+FILL_TARGET = 0.9
+#: Cores the fill pass leaves to the writer's threads (the writer and the threads hashing its checksum) on
 #: machines of at least WRITER_CORES_FROM cores: on the 2-GPU node's 32, with the tracer on every core and the
 #: encoder on a thread of its own, the tracer had waited 123.5 s of 176.7 for the writer (docs/benchmarks.md,
 #: section 51; section 56 times the change on 16 cores).
@@ -516,9 +550,9 @@ def estimate(
 
     Rows ``0, s, 2s, ...`` (``s`` coprime with the crystal count, so every
     crystal pair pattern is sampled) are counted and filled; totals are
-    scaled by ``m / sample``. The count pass of :func:`generate` traces only
-    half the rows, so the time estimate is ``(t_count / 2 + t_fill) * m / sample``,
-    writing excluded. ``seconds_by_threads`` scales it linearly to other
+    scaled by ``m / sample``. :func:`generate` traces each row once (its
+    scan of a folded matrix's tubes only clips rays: seconds), so the time
+    estimate is ``t_fill * m / sample``, writing excluded. ``seconds_by_threads`` scales it linearly to other
     core counts (the tracer is parallel over rows, with no shared state: on
     the 16-core machine of ``docs/scanner.md`` it scaled 8.2x from 1 to 16
     threads); writing runs beside the tracing in a helper thread and adds
@@ -529,15 +563,14 @@ def estimate(
     file (encoded, then checked, hashed and written, then deleted), both
     times scaled by ``m / sample``: the encoding runs on the tracing threads
     and scales with them; the writer's share (``write_seconds_estimate``)
-    does not (one writer thread and the two threads hashing its checksum,
+    does not (one writer thread and the threads hashing its checksum,
     :func:`writer_cores` of the cores left to them). ``wall_seconds_by_threads``
-    is then the count pass plus the longer of the fill pass's tracing and
-    encoding and the writer, per core count.
+    is then the longer of the fill pass's tracing and encoding and the
+    writer, per core count.
 
     With ``fold`` (:func:`generate`'s ``fold``) the stored rows are the
     non-empty half (row ``(j, i)`` equals row ``(i, j)``, the diagonal is
-    empty): non-zeros, bytes and the fill pass's times are halved, the count
-    pass is not.
+    empty): non-zeros, bytes and the fill pass's times are halved.
 
     Returns
     -------
@@ -573,7 +606,7 @@ def estimate(
     nonempty = counts > 0
     m_out = int(round(nonempty.mean() * m * half)) if fold and len(counts) else m
     nnz_est = float(counts.sum()) * scale * half
-    sec_est = ((t1 - t0) / 2 + (t2 - t1) * half) * scale
+    sec_est = (t2 - t1) * half * scale
     by_format = {"csr4": 8 * (m + nnz_est), "csr": 8 * nnz_est + 8 * (m_out + 1) + (8 * m if fold else 0)}
     for kind in ("compressed", "compressed-f16", "compressed-u16"):
         enc = CompressedMatrix.from_csr(block, kind, validate=False)
@@ -604,12 +637,12 @@ def estimate(
     if fmt is not None:
         with _numba_threads(threads):
             encode_s, write_s = (v * scale * half for v in _sample_write_seconds(cfg, block, fmt))
-        count_s, fill_s = (t1 - t0) / 2 * scale, (t2 - t1) * scale * half
+        fill_s = (t2 - t1) * scale * half
         res["format"] = fmt
         res["encode_seconds_estimate"] = encode_s
         res["write_seconds_estimate"] = write_s
         res["wall_seconds_by_threads"] = {
-            str(k): count_s * nt / k + max((fill_s + encode_s) * nt / (k - writer_cores(k)), write_s)
+            str(k): max((fill_s + encode_s) * nt / (k - writer_cores(k)), write_s)
             for k in sorted({*SCALE_THREADS, nt})
         }
         log.info("writing %s: ~ %.0f s for the writer (any core count); ~ %.0f s in all on 32 cores", fmt, write_s,
