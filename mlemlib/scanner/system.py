@@ -403,7 +403,7 @@ def generate(
         # chunk k is written and hashed on a helper thread (the checksum's hashing threads hash its
         # element streams): the tracer and the encoder never compete for the cores, and the writer
         # has its own (at most three chunks in memory). A chunk's row count follows the mean row
-        # length so far (FILL_TARGET of max_nnz); a chunk that does not fit its arenas is cut where
+        # length of the chunk before (FILL_TARGET of max_nnz); a chunk that does not fit its arenas is cut where
         # a row did not fit, and the next chunk starts there. The writer learns nnz as rows come.
         # Leaving the pool's block joins the helper before the writer closes or aborts.
         with (
@@ -413,9 +413,9 @@ def generate(
         ):
             pending: deque = deque()
             encodes = getattr(writer, "encodes", False)
-            r0 = 0
+            r0, last_mean = 0, 1.0
             while r0 < m_out:
-                want = FIRST_CHUNK_ROWS if r0 == 0 else int(FILL_TARGET * max_nnz * r0 / max(done, 1))
+                want = FIRST_CHUNK_ROWS if r0 == 0 else int(FILL_TARGET * max_nnz / max(last_mean, 1.0))
                 r1 = min(m_out, r0 + max(1, min(want, max_rows)))
                 t0 = time.perf_counter()
                 block = tracer.fill_prefix(np.arange(r0, r1, dtype=np.int64) if rows_of is None else rows_of[r0:r1],
@@ -438,6 +438,7 @@ def generate(
                     pending.append(pool.submit(writer.write_rows, block))
                 done += block.nnz
                 r0 += block.shape[0]
+                last_mean = block.nnz / block.shape[0]  # rows nearby have lengths like these
                 prog.update(r0, f", {done} elements, {done * 8 / 1e9:.1f} GB of CSR")
                 del block, encoded, lengths
             t1 = time.perf_counter()
@@ -489,7 +490,7 @@ def generate(
 FIRST_CHUNK_ROWS = 1024
 #: Share of ``max_nnz`` a fill chunk aims at: the arenas hold ``max_nnz``, and a chunk whose rows do not fit
 #: is cut (its rows after the cut are traced again with the next chunk).
-FILL_TARGET = 0.9
+FILL_TARGET = 0.85
 #: Cores the fill pass leaves to the writer's threads (the writer and the threads hashing its checksum) on
 #: machines of at least WRITER_CORES_FROM cores: on the 2-GPU node's 32, with the tracer on every core and the
 #: encoder on a thread of its own, the tracer had waited 123.5 s of 176.7 for the writer (docs/benchmarks.md,
