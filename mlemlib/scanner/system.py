@@ -494,8 +494,9 @@ FILL_TARGET = 0.85
 #: Cores the fill pass leaves to the writer's threads (the writer and the threads hashing its checksum) on
 #: machines of at least WRITER_CORES_FROM cores: on the 2-GPU node's 32, with the tracer on every core and the
 #: encoder on a thread of its own, the tracer had waited 123.5 s of 176.7 for the writer (docs/benchmarks.md,
-#: section 51; section 56 times the change on 16 cores).
-WRITER_CORES = 3
+#: section 51; section 56 times leaving it 3 cores on 16). With the checksum hashed in pieces on several
+#: threads the writer needs about one core: on 16, leaving it 1 made Matrix 3 4-11% faster than 3 (section 72).
+WRITER_CORES = 1
 WRITER_CORES_FROM = 8
 
 
