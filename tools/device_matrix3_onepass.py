@@ -29,7 +29,8 @@ voxel order (from the grid alone) and sorts each row again; ``rows+voxels``
 also traces the rows in the reorder stage's order, computed from the preset
 traced with ``--perm-rays`` per tube (docs/benchmarks.md, section 52);
 ``upper`` traces each line of response once (rows ``i * N + j`` with
-``i < j``, the rows of the folded matrix; section 64).
+``i < j``, the empty ones included; section 64); ``folded`` only the
+non-empty ones, exactly the stored rows of ``mlem generate --fold`` (section 74).
 
 Checks first: the forward and back projection of block 0 against a float64
 SciPy product on the host, and the atomic against the fixed-point iteration
@@ -55,7 +56,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-ORDERS = ("own", "voxels", "rows+voxels", "upper")
+ORDERS = ("own", "voxels", "rows+voxels", "upper", "folded")
 
 
 def order_of(order: str, preset: str, cfg, m: int, perm_rays: int):
@@ -64,11 +65,14 @@ def order_of(order: str, preset: str, cfg, m: int, perm_rays: int):
 
     if order == "own":
         return np.arange(m, dtype=np.int64), None, {}
-    if order == "upper":  # each LOR once: the rows i * N + j with i < j (the folded matrix, docs/formats.md)
-        from mlemlib.scanner.system import _upper_rows
+    if order in ("upper", "folded"):  # each LOR once: the rows i * N + j with i < j (docs/formats.md)
+        from mlemlib.scanner.system import Tracer, _upper_rows
 
         rows = _upper_rows(cfg.n_crystals, 0, cfg.n_crystals)
-        return (rows if m >= cfg.n_lors else rows[rows < m]), None, {}
+        rows = rows if m >= cfg.n_lors else rows[rows < m]
+        if order == "folded":  # only the tubes that cross the grid: the generator's stored rows
+            rows = rows[Tracer(cfg, 1).hits(rows) > 0]
+        return rows, None, {}
     if order == "voxels":
         t0 = time.perf_counter()
         perm = Permutation(np.arange(m, dtype=np.int64), voxel_permutation(tuple(cfg.grid)), "rows+voxels",

@@ -11,6 +11,7 @@ output:
 - ``unrollU``: U trips' loads before their atomics;
 - ``threads128``: the library's loop in 128-thread blocks (``unroll2_t512``: U = 2 in 512);
 - ``lanes16``, ``lanes16_unroll2``, ``library_lanes16``: 16 lanes per row (two rows per warp);
+- ``heads``, ``heads_unroll2``: the row's bounds loaded beside its correlation (one latency, not two);
 - ``*_c_nonzero``: with a vector without zeros (as ``mlem bench spmv``'s), every row is read;
 - ``cusparse_notrans``.
 
@@ -60,7 +61,7 @@ __device__ __forceinline__ void scat_row(i64 s, i64 e, const int* __restrict__ c
     }
 }
 
-template <int L, int U>
+template <int L, int U, bool HEADS>
 __device__ __forceinline__ void scat(const i64* __restrict__ rowptr, const int* __restrict__ col,
                                      const float* __restrict__ val, const float* __restrict__ c, float* out,
                                      i64 m, const i64* __restrict__ rows) {
@@ -68,19 +69,28 @@ __device__ __forceinline__ void scat(const i64* __restrict__ rowptr, const int* 
     const i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / L;
     if (r >= m) return;
     const i64 row = rows != nullptr ? rows[r] : r;
+    if (HEADS) {  // the row's bounds loaded beside its correlation: one latency, not two
+        const i64 s = __ldg(rowptr + r), e = __ldg(rowptr + r + 1);
+        const float cr = __ldg(c + row);
+        if (cr == 0.0f) return;
+        scat_row<L, U>(s, e, col, val, cr, out, lane);
+        return;
+    }
     const float cr = __ldg(c + row);
     if (cr == 0.0f) return;
     scat_row<L, U>(rowptr[r], rowptr[r + 1], col, val, cr, out, lane);
 }
 
-#define K(NAME, L, U) \
+#define K(NAME, L, U, H) \
 extern "C" __global__ void __launch_bounds__(1024) NAME(const i64* rowptr, const int* col, const float* val, \
-    const float* c, float* out, i64 m, const i64* rows) { scat<L, U>(rowptr, col, val, c, out, m, rows); }
-K(scat32, 32, 1)
-K(scat32u2, 32, 2)
-K(scat32u4, 32, 4)
-K(scat16, 16, 1)
-K(scat16u2, 16, 2)
+    const float* c, float* out, i64 m, const i64* rows) { scat<L, U, H>(rowptr, col, val, c, out, m, rows); }
+K(scat32, 32, 1, false)
+K(scat32u2, 32, 2, false)
+K(scat32u4, 32, 4, false)
+K(scat16, 16, 1, false)
+K(scat16u2, 16, 2, false)
+K(scat32h, 32, 1, true)
+K(scat32u2h, 32, 2, true)
 """
 
 
@@ -88,6 +98,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rays", type=int, default=81)
     ap.add_argument("--repeat", type=int, default=50)
+    ap.add_argument("--only", default=None, help="comma-separated variants to time (default: all)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
@@ -132,6 +143,9 @@ def main(argv=None) -> int:
 
     variants = {
         "library": lambda: ck.scatter(a, c, out, kernel="scatter", lanes=32),
+        "heads": raw("scat32h", 32, 256),
+        "heads_unroll2": raw("scat32u2h", 32, 256),
+        "heads_unroll2_c_nonzero": raw("scat32u2h", 32, 256, vec=c_full),
         "probe_same": raw("scat32", 32, 256),
         "compact": raw("scat32", 32, 256, compact=True),
         "unroll2": raw("scat32u2", 32, 256),
@@ -149,6 +163,8 @@ def main(argv=None) -> int:
         "cusparse_notrans": lambda: a.cusparse().T @ c,
         "cusparse_notrans_c_nonzero": lambda: a.cusparse().T @ c_full,
     }
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k in args.only.split(",")}
     res = {"copy": copy_bandwidth(), "matrix": {"shape": [m, n], "nnz": int(a.nnz), "empty_rows": int(m - rows_c.size)},
            "variants": {}}
     for rnd in range(2):  # two rounds, the order reversed in the second: a drift hits all alike
