@@ -243,16 +243,16 @@ def _fill(indptr, indices, bits_in, slotptr, half, direct, high, mark, codes, bi
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _row_scales(indptr, data, scale, scaled, fixed, bits=None):  # pragma: no cover - compiled
-    """Row scales (``scale``) and the values over them in float64 (``scaled``) of a 16-bit format.
+def _row_scales(indptr, data, scale, out, fixed):  # pragma: no cover - compiled
+    """Row scales (``scale``) and the values over them (``out``) of a 16-bit format.
 
     ``compressed-f16`` (``fixed`` False): the power of two that puts the
-    row's largest value in ``[2**14, 2**15)``. ``compressed-u16`` (``fixed``
-    True): ``float32(max / 65535)`` (the smallest float32 where that rounds
-    to 0), and ``scaled`` the integers ``min(rint(v / scale), 65535)``; or,
-    given ``bits`` (uint16), those integers written there instead (``scaled``
-    is then not written: no float64 copy of the values). A row without a
-    positive value has scale 1.
+    row's largest value in ``[2**14, 2**15)``, and ``out`` (float64) the
+    values over it. ``compressed-u16`` (``fixed`` True): ``float32(max /
+    65535)`` (the smallest float32 where that rounds to 0), and ``out``
+    (uint16, written on these threads: no float64 copy) the integers
+    ``min(rint(v / scale), 65535)``. A row without a positive value has
+    scale 1.
     """
     m = scale.shape[0]
     base = indptr[0]
@@ -271,10 +271,10 @@ def _row_scales(indptr, data, scale, scaled, fixed, bits=None):  # pragma: no co
         scale[r] = sc
         for k in range(s, e):
             v = np.float64(data[k]) / np.float64(sc)  # exact for a power of two
-            if bits is not None:
-                bits[k] = np.uint16(min(np.rint(v), 65535.0))
+            if fixed:
+                out[k] = min(np.rint(v), 65535.0)
             else:
-                scaled[k] = min(np.rint(v), 65535.0) if fixed else v
+                out[k] = v
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -567,7 +567,7 @@ def encode_csr(
         scale = np.empty(m, dtype=np.float32)
         if fmt == "compressed-u16":  # the integers straight into 16 bits, on every thread
             bits_in = np.empty(len(data), dtype=np.uint16)
-            _row_scales(indptr, data, scale, np.empty(0, dtype=np.float64), True, bits_in)
+            _row_scales(indptr, data, scale, bits_in, True)
         else:
             scaled = np.empty(len(data), dtype=np.float64)
             _row_scales(indptr, data, scale, scaled, False)

@@ -256,11 +256,9 @@ def convert(
             writer_cls, fmt_kw = CompressedH5Writer, {"fmt": fmt, "code_bits": code_bits}
         # the writer's checksum is the input's unless the output rounds the values
         # (and unless the input has the legacy checksum: the output gets today's)
-        input_sum = None
-        if isinstance(reader, MatrixH5) and (
-            fmt in LOSSY_FORMATS or first is not None or checksum_for(reader.checksum_method).method != CHECKSUM_METHOD
-        ):
-            input_sum = checksum_for(reader.checksum_method)
+        input_sum = checksum_for(reader.checksum_method) if isinstance(reader, MatrixH5) else None
+        if input_sum is not None and fmt not in LOSSY_FORMATS and first is None and input_sum.method == CHECKSUM_METHOD:
+            input_sum = None  # the writer computes the same checksum
         if input_sum is not None:
             input_sum.update("indptr", np.zeros(1, dtype=np.int64))
         with writer_cls(

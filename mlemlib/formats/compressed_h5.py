@@ -73,8 +73,8 @@ from mlemlib.formats.h5 import (
     MatrixH5,
     _Checksum,
     _chunk,
-    checksum_for,
     _plain,
+    checksum_for,
 )
 from mlemlib.matrix import CSRMatrix
 

@@ -25,11 +25,11 @@ and verified.
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 import hashlib
 import logging
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -178,7 +178,7 @@ class _Checksum:
     :data:`LEGACY_CHECKSUM_METHOD`).
     """
 
-    method = None  # set below, after CHECKSUM_METHOD
+    method = CHECKSUM_METHOD
 
     def __init__(self) -> None:
         self.parts = {name: _TreeStream(dtype) for name, dtype in DATASETS.items()}
@@ -215,7 +215,7 @@ class _Checksum:
 class _LegacyChecksum:
     """The checksum of containers written before the tree (:data:`LEGACY_CHECKSUM_METHOD`): read, never written."""
 
-    method = None  # set below
+    method = LEGACY_CHECKSUM_METHOD
 
     def __init__(self) -> None:
         self.parts = {name: hashlib.blake2b(digest_size=32) for name in DATASETS}
@@ -244,10 +244,6 @@ class _LegacyChecksum:
         for name in DATASETS:
             top.update(self.parts[name].digest())
         return top.hexdigest()
-
-
-_Checksum.method = CHECKSUM_METHOD
-_LegacyChecksum.method = LEGACY_CHECKSUM_METHOD
 
 
 def checksum_for(method: str | None) -> _Checksum | _LegacyChecksum:
