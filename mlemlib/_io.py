@@ -25,7 +25,7 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``target``; rename it to ``target`` on success.
+    """Yield a fresh temporary path beside ``target`` (no file there yet); rename it to ``target`` on success.
 
     On any exception the temporary file (or directory) is removed and the
     exception propagates; ``target`` is left untouched.
@@ -35,10 +35,14 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    # The caller creates the file: on ext4, opening an existing file with O_TRUNC (h5py's "w", open "wb")
+    # makes its close start the writeback of everything written (auto_da_alloc), about 0.3 s per GB
+    # spent in close() (docs/benchmarks.md section 75); a new file closes at once.
+    tmp_path.unlink()
     try:
         yield tmp_path
         if tmp_path.is_file():
-            os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp creates 0600; outputs follow the umask
+            os.chmod(tmp_path, 0o666 & ~_umask())  # outputs follow the umask, whatever created the file
         os.replace(tmp_path, target)
     except BaseException:
         if tmp_path.is_dir():

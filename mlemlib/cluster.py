@@ -389,9 +389,9 @@ def peak_host_bytes(
     if stage == "generate":
         # Rows are traced in chunks of 2^24 (one being traced, one encoded,
         # two being written, with their encodings); the row counts; per
-        # thread a float64 accumulator and an int64 marker of n entries.
+        # thread a float64 accumulator of n entries.
         gen_chunk = min(size.nnz, 1 << 24)
-        return (4 * 8 + 3 * 5) * gen_chunk + 2 * vec_m + 2 * vec_n * max(threads, 1)
+        return (4 * 8 + 3 * 5) * gen_chunk + 2 * vec_m + vec_n * max(threads, 1)
     if stage == "convert":
         # Source chunk and the next one read ahead (iter_chunks), validated copy, write buffer; both row pointers.
         return 4 * 8 * chunk + 2 * vec_m

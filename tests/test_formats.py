@@ -511,6 +511,30 @@ def test_h5_writer_incomplete_leaves_nothing(tmp_path, ref):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_atomic_path_yields_a_fresh_name_and_renames_or_cleans_up(tmp_path):
+    """The writers create their file at a name where none exists (opening an existing file with O_TRUNC
+    makes ext4 write it back when it is closed); success renames it with the umask's mode, failure leaves
+    the target as it was and no temporary file."""
+    from mlemlib._io import atomic_path
+
+    target = tmp_path / "out.h5"
+    with atomic_path(target) as tmp:
+        assert tmp.parent == tmp_path and not tmp.exists() and tmp.name.startswith(".out.h5.")
+        with h5py.File(tmp, "x") as f:  # "x": fails if the name were taken
+            f["a"] = np.arange(3)
+    with h5py.File(target, "r") as f:
+        assert f["a"][...].tolist() == [0, 1, 2]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask
+    with pytest.raises(RuntimeError, match="boom"), atomic_path(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("boom")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.h5"]
+    with h5py.File(target, "r") as f:
+        assert f["a"][...].tolist() == [0, 1, 2]
+
+
 def test_h5_empty_matrix(tmp_path):
     p = tmp_path / "e.h5"
     write_matrix_h5(p, CSRMatrix(np.zeros(4, np.int64), [], [], (3, N)))

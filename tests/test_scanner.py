@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 
 from mlemlib.cli import main as mlem_main
 from mlemlib.errors import ConfigError
@@ -276,6 +277,33 @@ def test_madpet2_rows_symmetric_in_detector_pair(rng):
     np.testing.assert_array_equal(top.indptr, bottom.indptr)
     np.testing.assert_array_equal(top.indices, bottom.indices)
     np.testing.assert_array_equal(top.data, bottom.data)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_repeated_rows_trace_alike_on_any_thread_count(threads, rng):
+    """A row asked for twice (one after the other, or far apart) is traced twice alike: the
+    per-thread accumulator starts every row from zeros, whichever rows the thread traced before
+    (the scratch once marked voxels with the row number, and a repeat on the same thread came
+    out empty). Also through the one-pass arenas, with a chunk cut where a row does not fit."""
+    from mlemlib.scanner.system import Tracer
+
+    cfg = get_preset("madpet2", rays=16)
+    once = rng.choice(cfg.n_lors, 40, replace=False)
+    rows = np.concatenate([np.repeat(once, 2), once])
+    ref = trace_rows(cfg, once, threads=1).to_scipy()
+    expect = sp.vstack([ref[np.repeat(np.arange(40), 2)], ref]).tocsr()
+    assert expect.nnz > 0
+    for got in (trace_rows(cfg, rows, threads=threads), Tracer(cfg, threads).fill_prefix(rows, 10**9)):
+        got = got.to_scipy()
+        np.testing.assert_array_equal(got.indptr, expect.indptr)
+        np.testing.assert_array_equal(got.indices, expect.indices)
+        np.testing.assert_array_equal(got.data, expect.data)
+    tracer = Tracer(cfg, threads)
+    first = tracer.fill_prefix(rows, 1)  # each slot's first row only: the others are traced and dropped
+    again = tracer.fill_prefix(rows, 10**9)
+    assert 1 <= first.shape[0] < len(rows)  # rows were traced past the cut and dropped
+    np.testing.assert_array_equal(again.to_scipy().indptr, expect.indptr)
+    np.testing.assert_array_equal(again.to_scipy().data, expect.data)
 
 
 def test_small_every_voxel_seen_by_many_lors(small_matrix):

@@ -13,8 +13,8 @@ project's container directly, as CSR or compressed
 matrix is never written twice. A folded matrix's stored rows (each LOR once,
 ``(i, j)`` with ``i < j``, when its tube crosses the grid) are found first by
 clipping the tubes' rays to the grid, without walking their voxels. Peak
-memory is the arenas and three chunks, and two dense per-thread scratch
-vectors of the voxel count (16 bytes per voxel and thread).
+memory is the arenas and three chunks, and a dense per-thread scratch
+vector of the voxel count (8 bytes per voxel and thread).
 
 The output depends only on the :class:`~mlemlib.scanner.geometry.ScannerConfig`,
 not on the thread count or chunk size: same configuration, same bytes (and
@@ -81,19 +81,13 @@ class Tracer:
         self.threads = nt
         # A ray crosses at most gx + gy + gz voxels.
         per_row = min(self.n, cfg.rays * int(self.g.sum()))
+        # zero between rows (the kernels clear what a row touched); touched has one spare entry
         self._acc = np.zeros((nt, self.n), dtype=np.float64)
-        self._mark = np.full((nt, self.n), -1, dtype=np.int64)
-        self._touched = np.zeros((nt, per_row), dtype=np.int32)
+        self._touched = np.zeros((nt, per_row + 1), dtype=np.int32)
         self._sort_tmp = np.zeros((nt, per_row), dtype=np.int32)
         self._hist = np.zeros((nt, (1 << _siddon.RADIX_BITS) + 1), dtype=np.int64)
-        self._stamp = 0
         self.per_row = per_row
         self._arena: tuple[np.ndarray, np.ndarray] | None = None
-
-    def _next_stamp(self) -> int:
-        s = self._stamp
-        self._stamp += self.m  # stamps of one call are s + row, row < m
-        return s
 
     def count(self, rows: np.ndarray) -> np.ndarray:
         """Distinct voxels of each row in ``rows`` (int64 array of row numbers)."""
@@ -102,7 +96,7 @@ class Tracer:
         if len(rows):
             _siddon.count_rows(
                 self.pts, self.n_crystals, rows, self.lo, self.vs, self.g,
-                self._acc, self._mark, self._touched, self._next_stamp(), counts,
+                self._acc, self._touched, counts,
             )  # fmt: skip
         return counts
 
@@ -123,8 +117,7 @@ class Tracer:
         if len(rows):
             _siddon.fill_rows(
                 self.pts, self.n_crystals, rows, self.lo, self.vs, self.g,
-                self._acc, self._mark, self._touched, self._sort_tmp, self._hist, self._next_stamp(),
-                indptr, self.inv_rays, indices, data, bad,
+                self._acc, self._touched, self._sort_tmp, self._hist, indptr, self.inv_rays, indices, data, bad,
             )  # fmt: skip
         if bad.any():
             row = int(bad[bad > 0].min()) - 1
@@ -160,8 +153,8 @@ class Tracer:
         stop = np.zeros(nt, dtype=np.int64)
         if len(rows):
             _siddon.fill_rows_arena(
-                self.pts, self.n_crystals, rows, self.lo, self.vs, self.g, self._acc, self._mark, self._touched,
-                self._sort_tmp, self._hist, self._next_stamp(), self.inv_rays, a_idx, a_val, counts, starts, stop,
+                self.pts, self.n_crystals, rows, self.lo, self.vs, self.g, self._acc, self._touched,
+                self._sort_tmp, self._hist, self.inv_rays, a_idx, a_val, counts, starts, stop,
             )  # fmt: skip
         k = int(stop.min()) if len(rows) else 0
         indptr = np.zeros(k + 1, dtype=np.int64)
@@ -354,7 +347,8 @@ def generate(
         where a row did not fit their arenas), fill_trace_seconds (tracing
         inside the fill pass), fill_encode_seconds (encoding the traced chunks
         into a compressed format, on the same thread), fill_write_wait_seconds
-        (waiting for the writer thread), seconds, nnz_per_second, bytes, checksum`` (the container's,
+        (waiting for the writer thread), close_seconds (the writer closing the file: its last arrays, checksum and
+        rename), seconds, nnz_per_second, bytes, checksum`` (the container's,
         None for a ``.csr4``).
 
     Raises
@@ -449,6 +443,8 @@ def generate(
                 from mlemlib.fold import attach
 
                 attach(writer, row_fold)
+            t_close = time.perf_counter()
+        t_close = time.perf_counter() - t_close
         prog.update(r0, force=True)
     nnz = done
     if fold:  # a stored row stands for its LOR's two user rows; the others are empty
@@ -474,6 +470,7 @@ def generate(
         "fill_trace_seconds": round(t_trace, 3),
         "fill_encode_seconds": round(t_encode, 3),
         "fill_write_wait_seconds": round(t_wait, 3),
+        "close_seconds": round(t_close, 3),
         "seconds": round(seconds, 3),
         "nnz_per_second": nnz / seconds if seconds > 0 else 0.0,
         "bytes": out.stat().st_size,
