@@ -31,6 +31,8 @@ traced with ``--perm-rays`` per tube (docs/benchmarks.md, section 52);
 ``upper`` traces each line of response once (rows ``i * N + j`` with
 ``i < j``, the empty ones included; section 64); ``folded`` only the
 non-empty ones, exactly the stored rows of ``mlem generate --fold`` (section 74).
+``--sweep`` times the one pass again under other builds (threads per block,
+compile options such as ``-DMLEM_CMP_CACHE=2``), in turn, three rounds.
 
 Checks first: the forward and back projection of block 0 against a float64
 SciPy product on the host, and the atomic against the fixed-point iteration
@@ -102,6 +104,10 @@ def main(argv=None) -> int:
                          "stage's order, computed from the preset traced with --perm-rays per tube; upper: "
                          "each LOR once (rows i * N + j, i < j: the folded matrix)")
     ap.add_argument("--perm-rays", type=int, default=16, help="rays per tube of the rows+voxels permutation's trace")
+    ap.add_argument("--sweep", default="",
+                    help="after the standard timings, the one pass (float atomics) again under other builds, in "
+                         "turn: comma-separated THREADS:OPTION[;OPTION] (e.g. '512:,256:-DMLEM_CMP_CACHE=2'); "
+                         "THREADS is _compressed_cuda.THREADS, the options its OPTIONS")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -222,6 +228,26 @@ def main(argv=None) -> int:
         log(f"{name}: {rec[f'{name}_ms']:.2f} ms over the whole matrix; halves "
             f"{rec[f'{name}_half_ms'][0]:.2f} / {rec[f'{name}_half_ms'][1]:.2f} ms")
     log(f"copy bandwidth {bw:.3f} TB/s; one read of the compressed matrix {rec['one_read_ms']:.2f} ms")
+    if args.sweep:  # every build timed in turn, three rounds: the clocks drift (docs/benchmarks.md section 70)
+        builds = [("default", gpu.THREADS, gpu.OPTIONS)]
+        for item in args.sweep.split(","):
+            threads, _, opts = item.partition(":")
+            builds.append((item, int(threads), tuple(o for o in opts.split(";") if o)))
+        base_threads, base_opts = gpu.THREADS, gpu.OPTIONS
+        times = {name: [] for name, _, _ in builds}
+        onepass_fixed(blocks)  # the reference: the whole matrix (the timings above ended on a half)
+        for _ in range(3):
+            for name, threads, opts in builds:
+                gpu.THREADS, gpu.OPTIONS = threads, opts
+                onepass(blocks)  # compiles the build; then checked against the fixed point
+                err = float(cp.linalg.norm(bp - bp_det) / cp.linalg.norm(bp_det))
+                if err > 1e-5:
+                    raise SystemExit(f"build {name}: one pass off the fixed point by {err:.1e}")
+                times[name].append(timed(lambda: onepass(blocks), args.repeat))
+        gpu.THREADS, gpu.OPTIONS = base_threads, base_opts
+        rec["sweep_onepass_ms"] = {k: v for k, v in times.items()}
+        for k, v in times.items():
+            log(f"sweep {k}: one pass {' / '.join(f'{t:.2f}' for t in v)} ms")
     (out / "matrix3_onepass.json").write_text(json.dumps(rec, indent=1))
     print(json.dumps(rec, indent=1))
     return 0
