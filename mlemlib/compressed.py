@@ -365,6 +365,23 @@ def _decode(slotptr, codes, vf, vb, scale, kind, high, n, indptr, cols, vals, ba
         counts[r] = c
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _slot_values(slotptr, codes, vb, scale, kind, high, indptr, vals):  # pragma: no cover - compiled
+    """The elements' values alone (16-bit kinds), markers and pads skipped: row ``r``'s from
+    ``indptr[r] - indptr[0]`` on. The same arithmetic as :func:`_decode` (bit for bit)."""
+    m = slotptr.shape[0] - 1
+    base = slotptr[0]
+    for r in prange(m):
+        q = indptr[r] - indptr[0]
+        for k in range(slotptr[r] - base, slotptr[r + 1] - base):
+            if codes[k] < high:
+                if kind == 1:
+                    vals[q] = half_bits_to_float32(vb[k]) * scale[r]
+                else:
+                    vals[q] = np.float32(vb[k]) * scale[r]
+                q += 1
+
+
 # --------------------------------------------------------------------------- row pointer
 def pack_rowptr(slotptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Split a slot pointer (int64, ``m + 1`` entries, starting at 0) into ``(rowbase, rowoff)``.
@@ -945,6 +962,21 @@ class CompressedMatrix:
     def value_bits(self) -> np.ndarray:
         """The value slots as unsigned integers (a view: uint32 or uint16)."""
         return _value_bits(self.values)
+
+    def decoded_values(self, indptr: np.ndarray | None = None) -> np.ndarray:
+        """The elements' values as :meth:`to_csr` gives them (float32[nnz]; ``values`` itself when lossless),
+        without decoding the columns: row ``r``'s from ``indptr[r] - indptr[0]`` on (default
+        :meth:`csr_indptr`; a CSR block this matrix encodes has the same)."""
+        ip = self.csr_indptr() if indptr is None else np.asarray(indptr, dtype=np.int64)
+        if len(ip) != self.shape[0] + 1 or int(ip[-1] - ip[0]) != self.nnz:
+            raise ValueError(f"indptr of {len(ip) - 1} rows and {int(ip[-1] - ip[0])} elements for a matrix of "
+                             f"{self.shape[0]} rows and {self.nnz} elements")
+        if self.lossless:
+            return self.values[self.codes < self.code_high]
+        vals = np.empty(self.nnz, dtype=np.float32)
+        _slot_values(self.slotptr(), self.codes, self.value_bits(), self.scale, value_kind(self.values.dtype),
+                     self.code_high, ip, vals)  # fmt: skip
+        return vals
 
     def csr_indptr(self) -> np.ndarray:
         """The CSR row pointer of the matrix (elements, not slots), from 0."""

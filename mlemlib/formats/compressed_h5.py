@@ -489,7 +489,7 @@ class CompressedH5Writer(RowBlockWriter):
         """
         bnnz = self._accept(block, validate=validate)
         enc = self.encode_rows(block, source=source, row0=self._rows)
-        self._append(enc, self._decoded(enc, block), bnnz)
+        self._append(enc, self.decoded(enc, block), bnnz)
 
     def encode_rows(
         self, block: CSRMatrix, *, source: str | os.PathLike | None = None, row0: int | None = None
@@ -513,16 +513,18 @@ class CompressedH5Writer(RowBlockWriter):
             raise
         return enc
 
-    def append_encoded_rows(self, enc: CompressedMatrix, block: CSRMatrix) -> None:
-        """Append the next row block, ``enc`` being :meth:`encode_rows` of ``block`` (not validated again)."""
+    def append_encoded_rows(self, enc: CompressedMatrix, block: CSRMatrix, decoded: CSRMatrix | None = None) -> None:
+        """Append the next row block, ``enc`` being :meth:`encode_rows` of ``block`` (not validated again);
+        ``decoded``: :meth:`decoded` of the two, if the caller made it (the generator, on its own threads)."""
         bnnz = self._accept(block, validate=False)
-        self._append(enc, self._decoded(enc, block), bnnz)
+        self._append(enc, self.decoded(enc, block) if decoded is None else decoded, bnnz)
 
-    def _decoded(self, enc: CompressedMatrix, block: CSRMatrix) -> CSRMatrix:
-        """The matrix the file will hold for these rows (its checksum's input)."""
+    def decoded(self, enc: CompressedMatrix, block: CSRMatrix) -> CSRMatrix:
+        """The matrix the file will hold for these rows (its checksum's input): ``block`` itself when
+        lossless, else its columns with the decoded 16-bit values (:meth:`CompressedMatrix.decoded_values`)."""
         if self.fmt == "compressed":
             return block  # lossless: the decoded block is the block itself
-        return enc.to_csr(validate=False, source=self.path)
+        return CSRMatrix(block.indptr, block.indices, enc.decoded_values(block.indptr), block.shape)
 
     def write_encoded(self, block: CompressedMatrix, *, validate: bool = True) -> None:
         """Append the next row block, already encoded (its format must be the writer's).

@@ -287,10 +287,13 @@ class _Validated:
         return hasattr(self.writer, "encode_rows")
 
     def encode_rows(self, block: CSRMatrix, row0: int):
-        return self.writer.encode_rows(block, row0=row0)
+        """The encoded block and the matrix its file will hold (16-bit values decoded), on the caller's threads."""
+        enc = self.writer.encode_rows(block, row0=row0)
+        return enc, self.writer.decoded(enc, block)
 
     def append(self, encoded, block: CSRMatrix) -> None:
-        self.writer.append_encoded_rows(encoded, block)
+        enc, decoded = encoded
+        self.writer.append_encoded_rows(enc, block, decoded)
 
     def attach(self, datasets, attrs) -> None:
         self.writer.attach(datasets, attrs)
