@@ -155,9 +155,11 @@ def test_thesis_matrix3_fits_the_h200_node(tmp_path):
         ({"disk_free_gb": 30}, "resources: stage generate_container (matrix3, compressed) writes 31.9 GB, and the "
          "stages up to it 31.9 GB; the disk has 30.0 GB free (short by 1.9 GB)"),
         # The compressed container streams to the GPUs piece by piece: a run needs 3.2 GB, the generator
-        # (four chunks in flight) 3.2 GB; the first job short of memory is named.
-        ({"host_memory_gb": 3}, "resources: stage generate_container (matrix3, compressed) needs 3.2 GB of host "
-         "memory, the node has 3.0 GB (short by 231.8 MB)"),
+        # (four chunks in flight, one accumulator per thread) 2.6 GB; the first job short of memory is named.
+        ({"host_memory_gb": 3}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 1 GPU) "
+         "needs 3.2 GB of host memory, the node has 3.0 GB (short by 230.2 MB)"),
+        ({"host_memory_gb": 2.5}, "resources: stage generate_container (matrix3, compressed) needs 2.6 GB of host "
+         "memory, the node has 2.5 GB (short by 68.3 MB)"),
         ({"gpus": 1}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 2 GPUs, local) needs 2 "
          "GPUs, the node has 1"),
     ],
