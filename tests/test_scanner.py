@@ -552,3 +552,32 @@ def test_cli_generate_compressed_container(tmp_path, capsys):
 
     with MatrixH5(out) as f:
         assert f.format == "compressed" and f.nnz == 742_368
+
+
+@pytest.mark.parametrize("fmt", ["compressed", "csr"])
+def test_generate_on_a_full_disk_is_one_error_and_no_file(tmp_path, monkeypatch, capsys, fmt):
+    """A write that fails (a full disk: the writer's OSError, raised on its own thread) ends the CLI with
+    one line naming the output and the fault, and leaves no file. (On a real full disk, after that line,
+    h5py still crashes the interpreter when it drops the file HDF5 could not flush: rc 139.)"""
+    import errno
+
+    from mlemlib.formats import compressed_h5, h5
+
+    calls = {"n": 0}
+
+    def full(real):
+        def write(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise OSError(errno.ENOSPC, "Can't synchronously write data\n(file write failed: ...)")
+            return real(self, *args, **kwargs)
+
+        return write
+
+    monkeypatch.setattr(compressed_h5.CompressedH5Writer, "_append", full(compressed_h5.CompressedH5Writer._append))
+    monkeypatch.setattr(h5.MatrixH5Writer, "write_rows", full(h5.MatrixH5Writer.write_rows))
+    out = tmp_path / "m.h5"
+    rc = mlem_main(["generate", "--preset", "small", "-o", str(out), "-f", fmt, "--max-nnz", "50000"])
+    assert rc == 1 and calls["n"] >= 2  # the write after the first one failed
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"mlem: error: {out}: No space left on device"
+    assert list(tmp_path.iterdir()) == []

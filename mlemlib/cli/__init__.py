@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from mlemlib import __version__
@@ -84,6 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mlem: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # a full disk, a file too large, permissions: one line, not a traceback
+        print(f"mlem: error: {os_error_line(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an OSError: its file (if it names one) and the system's words for its errno (h5py's
+    own messages run over several lines)."""
+    what = os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0]
+    return f"{exc.filename}: {what}" if exc.filename else what
 
 
 if __name__ == "__main__":
