@@ -314,6 +314,14 @@ def _real_counts(slotptr, codes, high, counts):  # pragma: no cover - compiled
         counts[r] = c
 
 
+@njit(cache=True, nogil=True)
+def _value16(kind, bits, scale):  # pragma: no cover - compiled
+    """The float32 value of a 16-bit value slot (``kind`` 1: float16 bits, 2: an integer) times its row scale."""
+    if kind == 1:
+        return half_bits_to_float32(bits) * scale
+    return np.float32(bits) * scale
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _decode(slotptr, codes, vf, vb, scale, kind, high, n, indptr, cols, vals, bad_slot, bad_col, store, counts):  # pragma: no cover
     """Decode rows into CSR arrays (``store``), or only walk them; a running column >= n stops the row and is reported.
@@ -355,12 +363,7 @@ def _decode(slotptr, codes, vf, vb, scale, kind, high, n, indptr, cols, vals, ba
                 c += 1
                 if store:
                     cols[q] = col
-                    if kind == 1:
-                        vals[q] = half_bits_to_float32(vb[k]) * scale[r]
-                    elif kind == 2:
-                        vals[q] = np.float32(vb[k]) * scale[r]
-                    else:
-                        vals[q] = vf[k]
+                    vals[q] = vf[k] if kind == 0 else _value16(kind, vb[k], scale[r])
                     q += 1
         counts[r] = c
 
@@ -368,17 +371,14 @@ def _decode(slotptr, codes, vf, vb, scale, kind, high, n, indptr, cols, vals, ba
 @njit(parallel=True, cache=True, nogil=True)
 def _slot_values(slotptr, codes, vb, scale, kind, high, indptr, vals):  # pragma: no cover - compiled
     """The elements' values alone (16-bit kinds), markers and pads skipped: row ``r``'s from
-    ``indptr[r] - indptr[0]`` on. The same arithmetic as :func:`_decode` (bit for bit)."""
+    ``indptr[r] - indptr[0]`` on: :func:`_value16`, as :func:`_decode`."""
     m = slotptr.shape[0] - 1
     base = slotptr[0]
     for r in prange(m):
         q = indptr[r] - indptr[0]
         for k in range(slotptr[r] - base, slotptr[r + 1] - base):
             if codes[k] < high:
-                if kind == 1:
-                    vals[q] = half_bits_to_float32(vb[k]) * scale[r]
-                else:
-                    vals[q] = np.float32(vb[k]) * scale[r]
+                vals[q] = _value16(kind, vb[k], scale[r])
                 q += 1
 
 

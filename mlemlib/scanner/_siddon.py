@@ -41,8 +41,8 @@ TOL_MM = 1e-9
 #: Bits per pass of the radix sort of a row's columns.
 RADIX_BITS = 10
 #: Consecutive rows a thread traces in a row (batch ``b`` of the list goes to thread ``b % T``): neighbouring
-#: tubes share voxels, whose sums are then still in the thread's cache (about 9% faster than dealing single
-#: rows out in turn on ``matrix3``, docs/benchmarks.md section 75).
+#: tubes share voxels, whose sums are then still in the thread's cache (on ``matrix3``: 9% faster on one thread
+#: here, 1-4% for the whole generation on 16 cores, docs/benchmarks.md section 75).
 ROW_BATCH = 8
 
 
