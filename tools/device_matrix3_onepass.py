@@ -106,8 +106,9 @@ def main(argv=None) -> int:
     ap.add_argument("--perm-rays", type=int, default=16, help="rays per tube of the rows+voxels permutation's trace")
     ap.add_argument("--sweep", default="",
                     help="after the standard timings, the one pass (float atomics) again under other builds, in "
-                         "turn: comma-separated THREADS:OPTION[;OPTION] (e.g. '512:,256:-DMLEM_CMP_CACHE=2'); "
-                         "THREADS is _compressed_cuda.THREADS, the options its OPTIONS")
+                         "turn: comma-separated THREADS:OPTION[;OPTION][:PAD] (e.g. '512:,256:-DMLEM_CMP_CACHE=2,256::65536'); "
+                         "THREADS is _compressed_cuda.THREADS, the options its OPTIONS, PAD its SHARED_PAD (bytes "
+                         "of unused shared memory per block: fewer blocks per multiprocessor)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -229,22 +230,23 @@ def main(argv=None) -> int:
             f"{rec[f'{name}_half_ms'][0]:.2f} / {rec[f'{name}_half_ms'][1]:.2f} ms")
     log(f"copy bandwidth {bw:.3f} TB/s; one read of the compressed matrix {rec['one_read_ms']:.2f} ms")
     if args.sweep:  # every build timed in turn, three rounds: the clocks drift (docs/benchmarks.md section 70)
-        builds = [("default", gpu.THREADS, gpu.OPTIONS)]
+        builds = [("default", gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD)]
         for item in args.sweep.split(","):
-            threads, _, opts = item.partition(":")
-            builds.append((item, int(threads), tuple(o for o in opts.split(";") if o)))
-        base_threads, base_opts = gpu.THREADS, gpu.OPTIONS
-        times = {name: [] for name, _, _ in builds}
+            threads, _, rest = item.partition(":")
+            opts, _, pad = rest.partition(":")
+            builds.append((item, int(threads), tuple(o for o in opts.split(";") if o), int(pad or 0)))
+        base = gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD
+        times = {b[0]: [] for b in builds}
         onepass_fixed(blocks)  # the reference: the whole matrix (the timings above ended on a half)
         for _ in range(3):
-            for name, threads, opts in builds:
-                gpu.THREADS, gpu.OPTIONS = threads, opts
+            for name, threads, opts, pad in builds:
+                gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD = threads, opts, pad
                 onepass(blocks)  # compiles the build; then checked against the fixed point
                 err = float(cp.linalg.norm(bp - bp_det) / cp.linalg.norm(bp_det))
                 if err > 1e-5:
                     raise SystemExit(f"build {name}: one pass off the fixed point by {err:.1e}")
                 times[name].append(timed(lambda: onepass(blocks), args.repeat))
-        gpu.THREADS, gpu.OPTIONS = base_threads, base_opts
+        gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD = base
         rec["sweep_onepass_ms"] = {k: v for k, v in times.items()}
         for k, v in times.items():
             log(f"sweep {k}: one pass {' / '.join(f'{t:.2f}' for t in v)} ms")

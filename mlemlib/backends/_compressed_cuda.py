@@ -67,6 +67,9 @@ VALUE_NAMES = {"f": "f32", "e": "f16", "H": "u16"}
 QUADS = 1
 #: Extra NVRTC options (e.g. ``("-DMLEM_OP_CACHE=24",)``: trips of a row kept in registers by the one-pass kernels).
 OPTIONS: tuple[str, ...] = ()
+#: Dynamic shared memory (bytes, unused) per block of a row kernel: 0, or more to cap the blocks a
+#: multiprocessor holds at once (an occupancy probe: tools/device_matrix3_onepass.py --sweep).
+SHARED_PAD = 0
 #: Epilogues of :func:`spmv` (as spmv.cu).
 MODE_PLAIN, MODE_CORR, MODE_UPDATE = 0, 1, 2
 #: Fixed point: the bound maps below 2**FIXED_HEADROOM_BITS (of 64).
@@ -127,7 +130,11 @@ def _launch_rows(fn: Any, m: int, lanes: int, args: tuple, waves: int | None = N
     """Launch a row kernel: ``lanes`` per row, grid-stride, capped at ``waves`` full waves (default
     :data:`WAVES`; 0: no cap, one row per lane group: what kernels without a row loop need)."""
     blocks, threads = _grid(m, THREADS // lanes, waves)
-    fn((blocks,), (threads,), args)
+    if SHARED_PAD:
+        fn.max_dynamic_shared_size_bytes = SHARED_PAD  # with the static shared memory above 48 KB: opt in
+        fn((blocks,), (threads,), args, shared_mem=SHARED_PAD)
+    else:
+        fn((blocks,), (threads,), args)
 
 
 def choose_lanes(mean_slots_per_row: float, cap: int = 32) -> int:

@@ -78,6 +78,12 @@ typedef unsigned long long u64;
 #define MLEM_CMP_CACHE 0
 #endif
 
+// Minimum blocks per multiprocessor the compressed one-pass kernels are compiled for (caps their
+// registers): 1 leaves the compiler free.
+#ifndef MLEM_CMP_OP_MINB
+#define MLEM_CMP_OP_MINB 1
+#endif
+
 #ifndef MLEM_OP_CACHE
 #define MLEM_OP_CACHE 16
 #endif
@@ -956,12 +962,12 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         const float* c, u64* acc, double fscale, int* flag, i64 m) {                                       \
         cscatter_body<L, VK, CB, true>(rb, ro, codes, vals, scale, c, nullptr, acc, fscale, flag, m);      \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) conepass_##K##_##L(                     \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_CMP_OP_MINB) conepass_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* f, const float* g, float* fp, float* bp, i64 m) {                                     \
         conepass_body<L, VK, CB, false>(rb, ro, codes, vals, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m); \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) conepass_det_##K##_##L(                 \
+    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_CMP_OP_MINB) conepass_det_##K##_##L(                 \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m) {            \
         conepass_body<L, VK, CB, true>(rb, ro, codes, vals, scale, f, g, fp, nullptr, acc, fscale, flag, m); \
