@@ -581,3 +581,27 @@ def test_generate_on_a_full_disk_is_one_error_and_no_file(tmp_path, monkeypatch,
     assert rc == 1 and calls["n"] >= 2  # the write after the first one failed
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"mlem: error: {out}: No space left on device"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", ["compressed", "csr"])
+def test_convert_on_a_full_disk_names_its_output(tmp_path, monkeypatch, capsys, fmt):
+    """Any stage that writes a matrix through a writer (here `convert`) ends on a failed write with one
+    line naming its output (the writer names the OSError, not the stage), and leaves no file."""
+    import errno
+
+    from mlemlib.formats import compressed_h5, h5
+
+    src = tmp_path / "src.csr4"
+    assert mlem_main(["generate", "--preset", "small", "-o", str(src)]) == 0
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "Can't synchronously write data\n(file write failed: ...)")
+
+    monkeypatch.setattr(compressed_h5.CompressedH5Writer, "_append", full)
+    monkeypatch.setattr(h5.MatrixH5Writer, "write_rows", full)
+    out = tmp_path / "out" / "m.h5"
+    out.parent.mkdir()
+    rc = mlem_main(["convert", str(src), "--out", str(out), "--format", fmt])
+    assert rc == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"mlem: error: {out}: No space left on device"
+    assert list(out.parent.iterdir()) == []

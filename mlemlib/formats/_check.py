@@ -281,7 +281,22 @@ class RowBlockWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+        """Close on success, abort on an exception; an OSError that names no file (h5py's, a full disk's,
+        raised on a writer thread) leaves naming this writer's output."""
+        try:
+            if exc_type is None:
+                self.close()
+            else:
+                self.abort()
+        except OSError as err:
+            if err.filename:
+                raise
+            raise _named(err, self.path) from err
+        if isinstance(exc, OSError) and not exc.filename:
+            raise _named(exc, self.path) from exc
+
+
+def _named(exc: OSError, path: Path) -> OSError:
+    """``exc`` as an OSError of ``path``: its errno and the system's words for it (h5py's own messages run
+    over several lines)."""
+    return OSError(exc.errno, os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0], str(path))

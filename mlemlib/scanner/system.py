@@ -368,11 +368,8 @@ def generate(
         raise ConfigError("fold", f"{out}: a folded matrix needs the .h5 container (a .csr4 has no row map)")
     m, n = cfg.shape
     t_start = time.perf_counter()
-    try:
-        with _numba_threads(threads) as nt:
-            return _generate(cfg, out, make_writer, fmt, fold, nt, max_nnz, t_start)
-    except OSError as exc:  # the writer's (a full disk): name the output, the temporary file is gone
-        raise OSError(exc.errno, os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0], str(out)) from exc
+    with _numba_threads(threads) as nt:  # a failed write raises an OSError naming `out` (RowBlockWriter)
+        return _generate(cfg, out, make_writer, fmt, fold, nt, max_nnz, t_start)
 
 
 def _generate(
