@@ -1202,6 +1202,58 @@ def test_gpu_kernels_match_numba(fmt):
                     np.testing.assert_array_equal(bp.get(), again.get())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("code_bits", [8, 16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_onepass_on_long_rows_with_far_jumps_in_an_l2_window(fmt, code_bits):
+    """The one pass decodes each row a second time for its scatter, from the row's end back
+    (MLEM_CMP_REVERSE: the running column before a trip is the one after it less the trip's total): on
+    rows of thousands of elements with column jumps beyond 8 and 16 bits (marks and high codes), fp and bp
+    equal float64's, with the atomic target in a persisting L2 window on the stream; the fixed point
+    repeats bit for bit."""
+    import cupy as cp
+
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    rng = np.random.default_rng(11)
+    m, n = 48, 300_000
+    rows = []
+    for r in range(m):  # a dense start, then a jump of ~200,000 columns, then a sparse tail
+        cols = np.union1d(rng.choice(3000, 900 + 40 * r, replace=False),
+                          rng.choice(np.arange(200_000, n), 1500, replace=False))
+        rows.append(np.sort(cols))
+    indptr = np.concatenate([[0], np.cumsum([len(c) for c in rows])]).astype(np.int64)
+    a = CSRMatrix(indptr, np.concatenate(rows).astype(np.int32),
+                  rng.uniform(0.1, 1.0, indptr[-1]).astype(np.float32), (m, n))
+    c = CompressedMatrix.from_csr(a, fmt, code_bits=code_bits)
+    ref = c.to_csr().to_scipy().astype(np.float64)  # the stored (decoded) values
+    f, g = _vectors(a, 3)
+    want_fp = ref @ f.astype(np.float64)
+    corr = np.divide(g, want_fp, out=np.zeros(m), where=want_fp != 0)
+    want_bp = ref.T @ corr
+    d = gpu.DeviceCompressed.from_host(c)
+    fd, gd = cp.asarray(f), cp.asarray(g)
+    stream = cp.cuda.Stream()
+    bp = cp.empty(n, dtype=cp.float32)
+    acc = cp.empty(n, dtype=cp.uint64)
+    for det in (False, True):
+        target = acc if det else bp
+        window = gpu.persist_in_l2(stream, target)
+        can = int(cp.cuda.runtime.deviceGetAttribute(108, cp.cuda.Device().id)) > 0
+        assert (window is not None) == can  # the device's own word on L2 persistence
+        if window:
+            assert window["window_bytes"] == target.nbytes and 0 < window["hit_ratio"] <= 1
+        with stream:
+            got_bp, got_fp = gpu.onepass(d, gd, fd, bp=bp, deterministic=det, acc=acc if det else None)
+            np.testing.assert_allclose(got_fp.get(), want_fp, rtol=2e-5)
+            np.testing.assert_allclose(got_bp.get(), want_bp, rtol=2e-5, atol=1e-9)
+            if det:
+                first = got_bp.get()
+                again, _ = gpu.onepass(d, gd, fd, bp=bp, deterministic=True, acc=acc)
+                np.testing.assert_array_equal(again.get(), first)
+        gpu.release_l2()
+
+
 class _HostArray(np.ndarray):
     """A NumPy array with CuPy's ``set``/``get``: a stand-in for device memory (views write through)."""
 

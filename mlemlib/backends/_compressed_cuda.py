@@ -67,6 +67,10 @@ VALUE_NAMES = {"f": "f32", "e": "f16", "H": "u16"}
 QUADS = 1
 #: Extra NVRTC options (e.g. ``("-DMLEM_OP_CACHE=24",)``: trips of a row kept in registers by the one-pass kernels).
 OPTIONS: tuple[str, ...] = ()
+#: Keep the one pass's atomic target (``bp``, or the fixed point's ``acc``) in L2: an access-policy window
+#: of persisting lines on the iteration's stream, with as much L2 set aside (:func:`persist_in_l2`;
+#: 1.5% faster on Matrix 3, docs/benchmarks.md section 81). False: never.
+L2_PERSIST = True
 #: Dynamic shared memory (bytes, unused) per block of a row kernel: 0, or more to cap the blocks a
 #: multiprocessor holds at once (an occupancy probe: tools/device_matrix3_onepass.py --sweep).
 SHARED_PAD = 0
@@ -135,6 +139,65 @@ def _launch_rows(fn: Any, m: int, lanes: int, args: tuple, waves: int | None = N
         fn((blocks,), (threads,), args, shared_mem=SHARED_PAD)
     else:
         fn((blocks,), (threads,), args)
+
+
+def persist_in_l2(stream: Any, buf: Any) -> dict | None:
+    """Set L2 aside for ``buf`` (a CuPy array on the current device) and put it in a persisting
+    access-policy window on ``stream``: the kernels launched there keep its lines in L2 while they stream
+    other data past it. The set-aside is the window (at most the device's maximum, the hit ratio scaled
+    down beyond it), for the current device's context; :func:`release_l2` gives it back.
+
+    Returns the sizes used, or None (and nothing set) where the device or driver has no such control
+    (MIG, MPS, a set-aside maximum of 0, no ``libcuda``) or :data:`L2_PERSIST` is False. Through the driver
+    API with ctypes: CuPy has no call for it.
+    """
+    import ctypes
+
+    cp = cupy()
+    if not L2_PERSIST or int(buf.nbytes) == 0:
+        return None
+    dev = cp.cuda.Device().id
+    try:
+        max_aside = int(cp.cuda.runtime.deviceGetAttribute(108, dev))  # cudaDevAttrMaxPersistingL2CacheSize
+        max_window = int(cp.cuda.runtime.deviceGetAttribute(109, dev))  # cudaDevAttrAccessPolicyMaxWindowSize
+        drv = ctypes.CDLL("libcuda.so.1")
+    except (OSError, cp.cuda.runtime.CUDARuntimeError) as exc:
+        log.debug("GPU %d: no L2 persistence (%s)", dev, exc)
+        return None
+    nbytes = min(int(buf.nbytes), max_window)
+    aside = min(nbytes, max_aside)
+    if aside <= 0:
+        return None
+
+    class _Window(ctypes.Structure):  # CUaccessPolicyWindow
+        _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t), ("hitRatio", ctypes.c_float),
+                    ("hitProp", ctypes.c_int), ("missProp", ctypes.c_int)]
+
+    window = _Window(buf.data.ptr, nbytes, aside / nbytes, 2, 1)  # hits persisting, misses streaming
+    value = (ctypes.c_char * 64)()  # CUstreamAttrValue: a union of 64 bytes
+    ctypes.memmove(value, ctypes.byref(window), ctypes.sizeof(window))
+    drv.cuCtxResetPersistingL2Cache()  # lines an earlier window left
+    rc = drv.cuCtxSetLimit(ctypes.c_int(6), ctypes.c_size_t(aside))  # CU_LIMIT_PERSISTING_L2_CACHE_SIZE
+    if rc == 0:
+        rc = drv.cuStreamSetAttribute(ctypes.c_void_p(stream.ptr), ctypes.c_int(1), value)  # ACCESS_POLICY_WINDOW
+    if rc != 0:
+        drv.cuCtxSetLimit(ctypes.c_int(6), ctypes.c_size_t(0))
+        log.debug("GPU %d: no L2 persistence (driver error %d)", dev, rc)
+        return None
+    return {"window_bytes": nbytes, "set_aside_bytes": aside, "hit_ratio": round(aside / nbytes, 4),
+            "max_set_aside_bytes": max_aside}
+
+
+def release_l2() -> None:
+    """Drop the current device's persisting L2 lines and its set-aside (after :func:`persist_in_l2`)."""
+    import ctypes
+
+    try:
+        drv = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return
+    drv.cuCtxResetPersistingL2Cache()
+    drv.cuCtxSetLimit(ctypes.c_int(6), ctypes.c_size_t(0))
 
 
 def choose_lanes(mean_slots_per_row: float, cap: int = 32) -> int:
@@ -586,6 +649,7 @@ def onepass(
     bound: float | None = None,
     check: bool = True,
     stats: dict | None = None,
+    acc: Any = None,
 ) -> tuple[Any, Any]:
     """One-pass MLEM step on the GPU: ``fp = A f``, ``c = g / fp`` (0 where fp is 0), ``bp = A^T c``.
 
@@ -608,6 +672,8 @@ def onepass(
         ``check`` (one flag read).
     stats
         Receives ``scale``, ``bound``, ``retries`` (deterministic only).
+    acc
+        The fixed point's uint64 accumulator (n; deterministic only), allocated when None.
 
     Returns
     -------
@@ -626,7 +692,10 @@ def onepass(
         return bp, fp
     if bound is None:
         bound = onepass_bound(g, f)
-    acc = cp.empty(n, dtype=cp.uint64)
+    if acc is None:
+        acc = cp.empty(n, dtype=cp.uint64)
+    elif acc.dtype != cp.uint64 or acc.size != n:
+        raise ValueError(f"acc must be uint64 of length {n}")
     flag = cp.zeros(1, dtype=cp.int32)
 
     def launch(scale: float) -> None:

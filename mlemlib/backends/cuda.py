@@ -32,6 +32,7 @@ steps are reported under the kernel they ran in (``fp`` includes ``corr``,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -295,6 +296,16 @@ class CudaBackend(Backend):
             self._acc = cp.empty(n, dtype=cp.uint64) if self.chunked else None
             self._flag = cp.zeros(1, dtype=cp.int32) if self.chunked else None
             self._images: list[Any] | None = None  # the chunked iteration's two image buffers
+            # The one pass on a compressed A: its atomic target (bp, or the fixed point's accumulator) kept
+            # in L2 by a persisting access-policy window on the iteration's own stream (blocking: ordered
+            # with the default stream's work); no stream where the GPU has no such control.
+            self._stream: Any = None
+            self._onepass_acc = cp.empty(n, dtype=cp.uint64) if self.onepass and self.deterministic else None
+            self.l2_window: dict | None = None
+            if self.onepass and not self.chunked and self.format != "csr":
+                stream = cp.cuda.Stream()
+                self.l2_window = cc().persist_in_l2(stream, self._onepass_acc if self.deterministic else self._bp)
+                self._stream = stream if self.l2_window else None
             if tune and self.fp_kernel == "csr_vector" and isinstance(self.a, ck.DeviceCSR):
                 self.a.tune(self._lanes(self.a))
             if tune and self.at is not None and self.bp_kernel == "csr_vector":
@@ -388,7 +399,7 @@ class CudaBackend(Backend):
 
     def iterate(self, f: Any) -> Any:
         """One MLEM iteration (two kernels when both sides are fused); times from CUDA events."""
-        with self._device:
+        with self._device, self._stream if self._stream is not None else contextlib.nullcontext():
             self._times = {}
             self._events, self._prev_events = self._prev_events, self._events
             self._event_order, self._prev_order = [], self._event_order
@@ -401,7 +412,7 @@ class CudaBackend(Backend):
                 return self._chunked_iteration(f)
             if self.onepass:  # one pass over A: forward, correlation and back projection in one kernel
                 cc().onepass(self.a, self.g, f, bp=self._bp, fp=self._fp, deterministic=self.deterministic,
-                             bound=self._fixed_bound, stats=self.fixed_stats)
+                             bound=self._fixed_bound, stats=self.fixed_stats, acc=self._onepass_acc)
                 self._record("bp")
                 f = self.update(f, self._bp)
                 self._record("update")
@@ -538,6 +549,7 @@ class CudaBackend(Backend):
             "format": self.format,
             "bytes_per_nnz": {"A": bytes_per_nnz(self.a), "AT": bytes_per_nnz(self.at)},
             "onepass": self.onepass,
+            "l2_window": self.l2_window,
             "fixed_point": dict(self.fixed_stats) if self.onepass and self.deterministic else None,
             "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" and not self.chunked else None,
             "shape_fp": ck.shape_label(self.a) if self.fp_kernel == "csr_vector" and not self.chunked else None,

@@ -189,6 +189,7 @@ class _Shard:
     order: list = field(default_factory=list)
     a: Any = None  # A_k (row pointer may start at an alignment pad, see rows_to_device)
     acc: Any = None  # onepass_fixed: the 64-bit fixed-point bp
+    l2_window: dict | None = None  # the one pass's atomic target in L2 (_compressed_cuda.persist_in_l2)
     flag: Any = None  # onepass_fixed: overflow flag
     nnz: int = 0  # non-zeros of A_k (without padding)
     at: Any = None  # A_k^T (local) or rows cols of A^T (thesis); None for scatter
@@ -428,6 +429,8 @@ class NcclBackend(Backend):
                         s.c = cp.empty(m, dtype=cp.float32)
                         s.img_send = cp.zeros(n, dtype=cp.float32)
                         s.bp = cp.empty(n, dtype=cp.float32)
+                    if self.onepass and self.format != "csr":  # the atomic target kept in L2 (as cuda.py)
+                        s.l2_window = cc.persist_in_l2(s.stream, s.acc if self.deterministic else s.bp)
                 self.shards.append(s)
                 log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", dev, part, r0, r1, s.nnz, f", A^T rows [{c0}, {c1})" if layout == "thesis" else "")
         except cp.cuda.memory.OutOfMemoryError as exc:
@@ -876,6 +879,10 @@ class NcclBackend(Backend):
         for s in self.shards:
             with cp.cuda.Device(s.device):
                 cp.cuda.runtime.deviceSynchronize()
+                if s.l2_window:
+                    from mlemlib.backends import _compressed_cuda as cc
+
+                    cc.release_l2()
         if self._owns_comms:
             for s in self.shards:
                 if s.comm is not None:
@@ -918,6 +925,7 @@ class NcclBackend(Backend):
             "bp": self.bp_kernel,
             "layout": self.layout,
             "onepass": self.onepass,  # one read of A per iteration (timings.json's bytes)
+            "l2_window": self.shards[0].l2_window if self.shards else None,  # every GPU's alike
             "gpus": self.world,
             "graph": self.graph,
             "overlap_chunks": self.chunks,

@@ -45,11 +45,13 @@
 // (one element each) in registers between the dot product and the scatter; a
 // longer row's tail is read again. One-pass and scatter on the compressed
 // format decode the row again for the scatter (MLEM_CMP_CACHE trips kept, 0 by
-// default: registers cost more occupancy than the second decode, which hits the
-// caches), and hand each trip's 4 x L slots through shared memory so that every
-// atomic instruction of a warp covers consecutive slots (warp_scatter): the
-// atomics, not the bytes, bound these kernels, and the L2 cache serves a warp's
-// atomics by the sectors they touch (docs/benchmarks.md section 31).
+// default: registers cost more occupancy than the second decode, which partly hits
+// the caches, more so from the row's end back: MLEM_CMP_REVERSE), and hand each
+// trip's 4 x L slots through shared memory so that every atomic instruction of a
+// warp covers consecutive slots (warp_scatter): the atomics, not the bytes, bound
+// these kernels, and the L2 cache serves a warp's atomics by the sectors they
+// touch (docs/benchmarks.md section 31; on Matrix 3 the L2 runs at 97% of its
+// throughput, section 79).
 //
 // Fixed point (the _det kernels): each term t = v * c (>= 0) is added as the
 // unsigned 64-bit integer rint(t * scale) with an integer atomicAdd: integer
@@ -82,6 +84,20 @@ typedef unsigned long long u64;
 // registers): 1 leaves the compiler free.
 #ifndef MLEM_CMP_OP_MINB
 #define MLEM_CMP_OP_MINB 1
+#endif
+
+// The compressed one pass's two decodes of a row: cache hints (ld_hint) of the first (dot product) and
+// the second (scatter) decode, and 1 to run the second from the row's end back (the lines read last
+// by the first are the likeliest still in L2): 1.2-1.7% faster on Matrix 3 (H100); a cached first
+// decode (hint 1) 3-7% slower, with or without a last-use second one (docs/benchmarks.md section 81).
+#ifndef MLEM_CMP_FIRST_HINT
+#define MLEM_CMP_FIRST_HINT 0
+#endif
+#ifndef MLEM_CMP_SECOND_HINT
+#define MLEM_CMP_SECOND_HINT 0
+#endif
+#ifndef MLEM_CMP_REVERSE
+#define MLEM_CMP_REVERSE 1
 #endif
 
 #ifndef MLEM_OP_CACHE
@@ -332,7 +348,15 @@ __device__ __forceinline__ i64 cstart(const i64* __restrict__ rb, const unsigned
 // Load and decode quad q (slots 4q .. 4q+3) when `in`; else 4 empty slots.
 // d: the 4 column deltas; v: values (0 for markers); el: element or not.
 // Returns the sum of the 4 deltas.
-template <int VK, int CB>
+// A load with cache hint H: 0 streaming (ld.global.cs, evict first), 1 cached (ld.global.nc), 2 last use (ld.global.lu).
+template <int H, typename T>
+__device__ __forceinline__ T ld_hint(const T* p) {
+    if (H == 1) return __ldg(p);
+    if (H == 2) return __ldlu(p);
+    return __ldcs(p);
+}
+
+template <int VK, int CB, int H = 0>
 __device__ __forceinline__ unsigned load_quad(const void* __restrict__ codes, const void* __restrict__ vals,
                                                float rs, i64 q, bool in, unsigned d[4], float v[4], bool el[4]) {
     const unsigned MARK = (1u << CB) - 1u;
@@ -340,17 +364,17 @@ __device__ __forceinline__ unsigned load_quad(const void* __restrict__ codes, co
     unsigned c[4], b[4];
     if (in) {
         if (CB == 8) {
-            const uchar4 u = __ldcs(reinterpret_cast<const uchar4*>(codes) + q);
+            const uchar4 u = ld_hint<H>(reinterpret_cast<const uchar4*>(codes) + q);
             c[0] = u.x; c[1] = u.y; c[2] = u.z; c[3] = u.w;
         } else {
-            const ushort4 u = __ldcs(reinterpret_cast<const ushort4*>(codes) + q);
+            const ushort4 u = ld_hint<H>(reinterpret_cast<const ushort4*>(codes) + q);
             c[0] = u.x; c[1] = u.y; c[2] = u.z; c[3] = u.w;
         }
         if (VK == VK_F32) {
-            const uint4 w = __ldcs(reinterpret_cast<const uint4*>(vals) + q);
+            const uint4 w = ld_hint<H>(reinterpret_cast<const uint4*>(vals) + q);
             b[0] = w.x; b[1] = w.y; b[2] = w.z; b[3] = w.w;
         } else {
-            const ushort4 w = __ldcs(reinterpret_cast<const ushort4*>(vals) + q);
+            const ushort4 w = ld_hint<H>(reinterpret_cast<const ushort4*>(vals) + q);
             b[0] = w.x; b[1] = w.y; b[2] = w.z; b[3] = w.w;
         }
     } else {
@@ -546,7 +570,7 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
                 unsigned d[4];
                 float v[4];
                 bool el[4];
-                const unsigned tot = load_quad<VK, CB>(codes, vals, rs, q, q < qe, d, v, el);
+                const unsigned tot = load_quad<VK, CB, MLEM_CMP_FIRST_HINT>(codes, vals, rs, q, q < qe, d, v, el);
                 unsigned all;
                 unsigned col = carry + group_excl_scan<L>(tot, lane, all);
 #pragma unroll
@@ -567,7 +591,7 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
             unsigned d[4];
             float v[4];
             bool el[4];
-            const unsigned tot = load_quad<VK, CB>(codes, vals, rs, q, q < qe, d, v, el);
+            const unsigned tot = load_quad<VK, CB, MLEM_CMP_FIRST_HINT>(codes, vals, rs, q, q < qe, d, v, el);
             unsigned all;
             unsigned col = carry + group_excl_scan<L>(tot, lane, all);
 #pragma unroll
@@ -594,15 +618,20 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
             }
         }
         if (trips > MLEM_CMP_CACHE) {  // warp-uniform: the tail decoded again
-            carry = carry_cached;
-            for (i64 t = MLEM_CMP_CACHE; t < trips; ++t) {
+            // MLEM_CMP_REVERSE: from the last trip back; the running column before trip t is the one
+            // after it less the trip's total (carry holds the column after the row's last trip).
+            if (!MLEM_CMP_REVERSE) carry = carry_cached;
+            for (i64 s = MLEM_CMP_CACHE; s < trips; ++s) {
+                const i64 t = MLEM_CMP_REVERSE ? trips - 1 - (s - MLEM_CMP_CACHE) : s;
                 const i64 q = qs + t * L + lane;
                 unsigned d[4];
                 float v[4];
                 bool el[4];
-                const unsigned tot = load_quad<VK, CB>(codes, vals, rs, q, q < qe, d, v, el);
+                const unsigned tot = load_quad<VK, CB, MLEM_CMP_SECOND_HINT>(codes, vals, rs, q, q < qe, d, v, el);
                 unsigned all;
-                unsigned col = carry + group_excl_scan<L>(tot, lane, all);
+                const unsigned excl = group_excl_scan<L>(tot, lane, all);
+                if (MLEM_CMP_REVERSE) carry -= all;
+                unsigned col = carry + excl;
                 unsigned cl[4];
                 float tv[4];
 #pragma unroll
@@ -612,7 +641,7 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
                     tv[k] = el[k] ? v[k] * ci : 0.0f;
                 }
                 warp_scatter<DET>(cl, tv, bp, acc, fscale, flag);
-                carry += all;
+                if (!MLEM_CMP_REVERSE) carry += all;
             }
         }
     }
