@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
@@ -306,6 +307,8 @@ class CudaBackend(Backend):
                 stream = cp.cuda.Stream()
                 self.l2_window = cc().persist_in_l2(stream, self._onepass_acc if self.deterministic else self._bp)
                 self._stream = stream if self.l2_window else None
+                if self.l2_window:  # the set-aside and its lines go with the backend (later work gets all of L2)
+                    weakref.finalize(self, _release_l2_on, self.device_id).atexit = False
             if tune and self.fp_kernel == "csr_vector" and isinstance(self.a, ck.DeviceCSR):
                 self.a.tune(self._lanes(self.a))
             if tune and self.at is not None and self.bp_kernel == "csr_vector":
@@ -566,6 +569,15 @@ class CudaBackend(Backend):
             "memory": self.memory,
         }
         return out
+
+
+def _release_l2_on(device_id: int) -> None:
+    """Give back the L2 set aside on GPU ``device_id`` (a finalizer: it must not raise)."""
+    try:
+        with ck.cupy().cuda.Device(device_id):
+            cc().release_l2()
+    except Exception as exc:  # pragma: no cover - a torn-down context
+        log.debug("GPU %d: releasing the L2 set-aside: %s", device_id, exc)
 
 
 def cc():
