@@ -32,7 +32,11 @@ traced with ``--perm-rays`` per tube (docs/benchmarks.md, section 52);
 ``i < j``, the empty ones included; section 64); ``folded`` only the
 non-empty ones, exactly the stored rows of ``mlem generate --fold`` (section 74).
 ``--sweep`` times the one pass again under other builds (threads per block,
-compile options such as ``-DMLEM_CMP_CACHE=2``), in turn, three rounds.
+compile options such as ``-DMLEM_CMP_CACHE=2``, unused shared memory per
+block), in turn, three rounds; ``--l2-persist f+bp,bp,f`` times each build
+again on streams whose L2 access-policy window holds that region
+(docs/benchmarks.md, sections 80 and 81). The probe's own launches take no
+window unless asked (the library's one pass does: ``persist_in_l2``).
 
 Checks first: the forward and back projection of block 0 against a float64
 SciPy product on the host, and the atomic against the fixed-point iteration
