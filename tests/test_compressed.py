@@ -1390,3 +1390,92 @@ def test_values16_names_the_formats_with_16_bit_values_and_row_scales():
     assert [f for f in VALUE_DTYPES if values16(f)] == ["compressed-f16", "compressed-u16"]
     assert not values16("compressed") and not values16("csr") and not values16("no-such-format")
     assert set(LOSSY_FORMATS) == {f for f in VALUE_DTYPES if values16(f)}  # equal today (see values16)
+
+
+class _FakeDriver:
+    """The four libcuda calls of persist_in_l2 / release_l2, recorded; ``fail`` names one that returns 1."""
+
+    def __init__(self, fail=None):
+        self.calls = []
+        self.fail = fail
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            return 1 if name == self.fail else 0
+
+        return call
+
+
+def _l2_fakes(monkeypatch, max_aside=32_768_000, max_window=134_217_728, fail=None):
+    """persist_in_l2 on a fake device (its two attributes) and a fake driver: no GPU needed."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    class _RuntimeError(Exception):
+        pass
+
+    attrs = {108: max_aside, 109: max_window}
+    fake_cp = SimpleNamespace(cuda=SimpleNamespace(
+        Device=_FakeDevice,
+        runtime=SimpleNamespace(deviceGetAttribute=lambda attr, dev: attrs[attr], CUDARuntimeError=_RuntimeError)))
+    driver = _FakeDriver(fail)
+    monkeypatch.setattr(gpu, "cupy", lambda: fake_cp)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver)
+    return gpu, driver
+
+
+def _buffer(nbytes, ptr=0x7F0000000000):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(nbytes=nbytes, data=SimpleNamespace(ptr=ptr))
+
+
+@pytest.mark.parametrize(("nbytes", "window", "aside"), [
+    (20_736_000, 20_736_000, 20_736_000),  # Matrix 3's fixed-point acc: fits the set-aside
+    (50_000_000, 50_000_000, 32_768_000),  # above the set-aside: the hit ratio scaled down
+    (200_000_000, 134_217_728, 32_768_000),  # above the largest window: the window capped
+])
+def test_l2_window_sizes_and_the_driver_calls(monkeypatch, nbytes, window, aside):
+    """The set-aside is the window (at most the device's maximum), the hit ratio the part of the window it
+    holds; the window struct reaches cuStreamSetAttribute as CUaccessPolicyWindow (hits persisting, misses
+    streaming) after the earlier persisting lines are dropped."""
+    import struct
+    from types import SimpleNamespace
+
+    gpu, drv = _l2_fakes(monkeypatch)
+    got = gpu.persist_in_l2(SimpleNamespace(ptr=0x1234), _buffer(nbytes))
+    assert got == {"window_bytes": window, "set_aside_bytes": aside, "hit_ratio": round(aside / window, 4),
+                   "max_set_aside_bytes": 32_768_000}
+    names = [c[0] for c in drv.calls]
+    assert names == ["cuCtxResetPersistingL2Cache", "cuCtxSetLimit", "cuStreamSetAttribute"]
+    limit, size = drv.calls[1][1]
+    assert (limit.value, size.value) == (6, aside)  # CU_LIMIT_PERSISTING_L2_CACHE_SIZE
+    stream, attr, value = drv.calls[2][1]
+    assert (stream.value, attr.value) == (0x1234, 1)  # CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW
+    base, num, hit, hit_prop, miss_prop = struct.unpack_from("<QQfii", bytes(value))
+    assert (base, num, hit_prop, miss_prop) == (0x7F0000000000, window, 2, 1)
+    assert hit == pytest.approx(aside / window, rel=1e-6)
+
+
+def test_l2_window_falls_back_to_none_and_leaves_nothing_set(monkeypatch):
+    """No window where the device allows none (set-aside maximum 0: MIG, MPS), where the driver refuses
+    (the set-aside given back), for an empty buffer, or with L2_PERSIST off; then release_l2 drops the
+    lines and the set-aside."""
+    from types import SimpleNamespace
+
+    stream = SimpleNamespace(ptr=1)
+    gpu, drv = _l2_fakes(monkeypatch, max_aside=0)
+    assert gpu.persist_in_l2(stream, _buffer(1 << 20)) is None and drv.calls == []
+    gpu, drv = _l2_fakes(monkeypatch, fail="cuStreamSetAttribute")
+    assert gpu.persist_in_l2(stream, _buffer(1 << 20)) is None
+    assert [c[0] for c in drv.calls][-1] == "cuCtxSetLimit" and drv.calls[-1][1][1].value == 0
+    gpu, drv = _l2_fakes(monkeypatch)
+    assert gpu.persist_in_l2(stream, _buffer(0)) is None and drv.calls == []
+    monkeypatch.setattr(gpu, "L2_PERSIST", False)
+    assert gpu.persist_in_l2(stream, _buffer(1 << 20)) is None and drv.calls == []
+    gpu.release_l2()
+    assert [c[0] for c in drv.calls] == ["cuCtxResetPersistingL2Cache", "cuCtxSetLimit"]
+    assert drv.calls[-1][1][1].value == 0
