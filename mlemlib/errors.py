@@ -15,6 +15,12 @@ EXIT_FAILURE = 1  # anything else: a bug, an out-of-memory, a CUDA fault
 EXIT_INPUT = 2  # bad input or configuration
 
 
+def os_error_words(exc: OSError) -> str:
+    """The system's words for an OSError's errno, else the first line of its message (h5py's own
+    messages run over several lines)."""
+    return os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0]
+
+
 class MlemError(Exception):
     """Base class of every error mlemlib raises on purpose."""
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 
 from mlemlib import __version__
-from mlemlib.errors import EXIT_FAILURE, EXIT_INPUT, InputError, MlemError
+from mlemlib.errors import EXIT_FAILURE, EXIT_INPUT, InputError, MlemError, os_error_words
 from mlemlib.logs import LOG_FORMAT
 
 #: Subcommand modules, in the order ``--help`` lists them (DAG order).
@@ -91,9 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def os_error_line(exc: OSError) -> str:
-    """One line for an OSError: its file (if it names one) and the system's words for its errno (h5py's
-    own messages run over several lines)."""
-    what = os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0]
+    """One line for an OSError: its file (if it names one) and :func:`~mlemlib.errors.os_error_words`."""
+    what = os_error_words(exc)
     return f"{exc.filename}: {what}" if exc.filename else what
 
 

@@ -16,7 +16,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from mlemlib.errors import MatrixFormatError
+from mlemlib.errors import MatrixFormatError, os_error_words
 from mlemlib.matrix import CSRMatrix, chunk_bounds
 
 #: Elements per streamed row block, unless the caller says otherwise.
@@ -297,6 +297,5 @@ class RowBlockWriter:
 
 
 def _named(exc: OSError, path: Path) -> OSError:
-    """``exc`` as an OSError of ``path``: its errno and the system's words for it (h5py's own messages run
-    over several lines)."""
-    return OSError(exc.errno, os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0], str(path))
+    """``exc`` as an OSError of ``path``: its errno and :func:`~mlemlib.errors.os_error_words`."""
+    return OSError(exc.errno, os_error_words(exc), str(path))

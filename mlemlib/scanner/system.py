@@ -368,95 +368,87 @@ def generate(
         raise ConfigError("fold", f"{out}: a folded matrix needs the .h5 container (a .csr4 has no row map)")
     m, n = cfg.shape
     t_start = time.perf_counter()
-    with _numba_threads(threads) as nt:  # a failed write raises an OSError naming `out` (RowBlockWriter)
-        return _generate(cfg, out, make_writer, fmt, fold, nt, max_nnz, t_start)
+    with _numba_threads(threads) as nt:
+        log.info(
+            "generating %s: %d crystals, %d x %d matrix, %d rays per tube, %d threads -> %s",
+            cfg.name, cfg.n_crystals, m, n, cfg.rays, nt, out,
+        )  # fmt: skip
+        # the fill's threads, one scratch slot each (rows are dealt to the slots in turn: as many
+        # slots as threads keeps every thread equally busy)
+        fill_threads = nt - writer_cores(nt)
+        tracer = Tracer(cfg, fill_threads)
+        rows_of, row_fold = None, None
+        if fold:  # the stored rows: each LOR whose tube crosses the grid once, as row (i, j) with i < j
+            from mlemlib.fold import pair_fold
 
-
-def _generate(
-    cfg: ScannerConfig, out: Path, make_writer, fmt: str, fold: bool, nt: int, max_nnz: int, t_start: float
-) -> dict:
-    """The body of :func:`generate` on ``nt`` Numba threads."""
-    m, n = cfg.shape
-    log.info(
-        "generating %s: %d crystals, %d x %d matrix, %d rays per tube, %d threads -> %s",
-        cfg.name, cfg.n_crystals, m, n, cfg.rays, nt, out,
-    )  # fmt: skip
-    # the fill's threads, one scratch slot each (rows are dealt to the slots in turn: as many
-    # slots as threads keeps every thread equally busy)
-    fill_threads = nt - writer_cores(nt)
-    tracer = Tracer(cfg, fill_threads)
-    rows_of, row_fold = None, None
-    if fold:  # the stored rows: each LOR whose tube crosses the grid once, as row (i, j) with i < j
-        from mlemlib.fold import pair_fold
-
-        upper = _upper_rows(cfg.n_crystals, 0, cfg.n_crystals)
-        crosses = np.zeros(m, dtype=np.int8)
-        crosses[upper] = tracer.hits(upper)
-        row_fold, rows_of = pair_fold(cfg.n_crystals, crosses)
-        del upper, crosses
-    m_out = m if rows_of is None else len(rows_of)
-    t_scan = time.perf_counter() - t_start
-    if fold:
-        log.info("scan: %d of %d tubes cross the grid (the stored rows), %.1f s", m_out, m // 2, t_scan)
-    max_rows = max(4096, m_out // 200)
-    prog = _Progress("fill pass", m_out, "rows")
-    done = 0
-    stats = {"max_row": 0, "empty": 0, "cut": 0}
-    t_trace = t_encode = t_wait = 0.0
-    # Chunk k + 1 is traced once (its lengths unknown: Tracer.fill_prefix) and then encoded
-    # (compressed formats) on this thread, with every Numba thread but writer_cores(nt), while
-    # chunk k is written and hashed on a helper thread (the checksum's hashing threads hash its
-    # element streams): the tracer and the encoder never compete for the cores, and the writer
-    # has its own (at most three chunks in memory). A chunk's row count follows the mean row
-    # length of the chunk before (FILL_TARGET of max_nnz); a chunk that does not fit its arenas is cut where
-    # a row did not fit, and the next chunk starts there. The writer learns nnz as rows come.
-    # Leaving the pool's block joins the helper before the writer closes or aborts.
-    with (
-        make_writer(m_out, n, None) as writer,
-        ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-writer") as pool,
-        _numba_threads(fill_threads),
-    ):
-        pending: deque = deque()
-        encodes = getattr(writer, "encodes", False)
-        r0, last_mean = 0, 1.0
-        while r0 < m_out:
-            want = FIRST_CHUNK_ROWS if r0 == 0 else int(FILL_TARGET * max_nnz / max(last_mean, 1.0))
-            r1 = min(m_out, r0 + max(1, min(want, max_rows)))
-            t0 = time.perf_counter()
-            block = tracer.fill_prefix(np.arange(r0, r1, dtype=np.int64) if rows_of is None else rows_of[r0:r1],
-                                       max_nnz)  # fmt: skip
+            upper = _upper_rows(cfg.n_crystals, 0, cfg.n_crystals)
+            crosses = np.zeros(m, dtype=np.int8)
+            crosses[upper] = tracer.hits(upper)
+            row_fold, rows_of = pair_fold(cfg.n_crystals, crosses)
+            del upper, crosses
+        m_out = m if rows_of is None else len(rows_of)
+        t_scan = time.perf_counter() - t_start
+        if fold:
+            log.info("scan: %d of %d tubes cross the grid (the stored rows), %.1f s", m_out, m // 2, t_scan)
+        max_rows = max(4096, m_out // 200)
+        prog = _Progress("fill pass", m_out, "rows")
+        done = 0
+        stats = {"max_row": 0, "empty": 0, "cut": 0}
+        t_trace = t_encode = t_wait = 0.0
+        # Chunk k + 1 is traced once (its lengths unknown: Tracer.fill_prefix) and then encoded
+        # (compressed formats) on this thread, with every Numba thread but writer_cores(nt), while
+        # chunk k is written and hashed on a helper thread (the checksum's hashing threads hash its
+        # element streams): the tracer and the encoder never compete for the cores, and the writer
+        # has its own (at most three chunks in memory). A chunk's row count follows the mean row
+        # length of the chunk before (FILL_TARGET of max_nnz); a chunk that does not fit its arenas is cut where
+        # a row did not fit, and the next chunk starts there. The writer learns nnz as rows come.
+        # Leaving the pool's block joins the helper before the writer closes or aborts.
+        with (
+            make_writer(m_out, n, None) as writer,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrix-writer") as pool,
+            _numba_threads(fill_threads),
+        ):
+            pending: deque = deque()
+            encodes = getattr(writer, "encodes", False)
+            r0, last_mean = 0, 1.0
+            while r0 < m_out:
+                want = FIRST_CHUNK_ROWS if r0 == 0 else int(FILL_TARGET * max_nnz / max(last_mean, 1.0))
+                r1 = min(m_out, r0 + max(1, min(want, max_rows)))
+                t0 = time.perf_counter()
+                block = tracer.fill_prefix(np.arange(r0, r1, dtype=np.int64) if rows_of is None else rows_of[r0:r1],
+                                           max_nnz)  # fmt: skip
+                t1 = time.perf_counter()
+                lengths = np.diff(block.indptr)
+                stats["max_row"] = max(stats["max_row"], int(lengths.max()))
+                stats["empty"] += int((lengths == 0).sum())
+                stats["cut"] += block.shape[0] < r1 - r0
+                encoded = writer.encode_rows(block, r0) if encodes else None
+                t2 = time.perf_counter()
+                while len(pending) >= 2:
+                    pending.popleft().result()
+                t_wait += time.perf_counter() - t2
+                t_trace += t1 - t0
+                t_encode += t2 - t1
+                if encodes:
+                    pending.append(pool.submit(writer.append, encoded, block))
+                else:
+                    pending.append(pool.submit(writer.write_rows, block))
+                done += block.nnz
+                r0 += block.shape[0]
+                last_mean = block.nnz / block.shape[0]  # rows nearby have lengths like these
+                prog.update(r0, f", {done} elements, {done * 8 / 1e9:.1f} GB of CSR")
+                del block, encoded, lengths
             t1 = time.perf_counter()
-            lengths = np.diff(block.indptr)
-            stats["max_row"] = max(stats["max_row"], int(lengths.max()))
-            stats["empty"] += int((lengths == 0).sum())
-            stats["cut"] += block.shape[0] < r1 - r0
-            encoded = writer.encode_rows(block, r0) if encodes else None
-            t2 = time.perf_counter()
-            while len(pending) >= 2:
+            while pending:
                 pending.popleft().result()
-            t_wait += time.perf_counter() - t2
-            t_trace += t1 - t0
-            t_encode += t2 - t1
-            if encodes:
-                pending.append(pool.submit(writer.append, encoded, block))
-            else:
-                pending.append(pool.submit(writer.write_rows, block))
-            done += block.nnz
-            r0 += block.shape[0]
-            last_mean = block.nnz / block.shape[0]  # rows nearby have lengths like these
-            prog.update(r0, f", {done} elements, {done * 8 / 1e9:.1f} GB of CSR")
-            del block, encoded, lengths
-        t1 = time.perf_counter()
-        while pending:
-            pending.popleft().result()
-        t_wait += time.perf_counter() - t1
-        if row_fold is not None:
-            from mlemlib.fold import attach
+            t_wait += time.perf_counter() - t1
+            if row_fold is not None:
+                from mlemlib.fold import attach
 
-            attach(writer, row_fold)
-        t_close = time.perf_counter()
-    t_close = time.perf_counter() - t_close
-    prog.update(r0, force=True)
+                attach(writer, row_fold)
+            t_close = time.perf_counter()
+        t_close = time.perf_counter() - t_close
+        prog.update(r0, force=True)
     nnz = done
     if fold:  # a stored row stands for its LOR's two user rows; the others are empty
         empty_rows = int((row_fold.row_map < 0).sum()) + 2 * stats["empty"]
