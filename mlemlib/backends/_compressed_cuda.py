@@ -141,6 +141,17 @@ def _launch_rows(fn: Any, m: int, lanes: int, args: tuple, waves: int | None = N
         fn((blocks,), (threads,), args)
 
 
+#: ``CU_LIMIT_PERSISTING_L2_CACHE_SIZE`` (``cuCtxSetLimit``): the L2 set aside for persisting lines.
+_CU_LIMIT_PERSISTING_L2 = 6
+
+
+def _driver() -> Any:
+    """``libcuda`` through ctypes (CuPy has no call for L2 persistence); OSError without one."""
+    import ctypes
+
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def persist_in_l2(stream: Any, buf: Any) -> dict | None:
     """Set L2 aside for ``buf`` (a CuPy array on the current device) and put it in a persisting
     access-policy window on ``stream``: the kernels launched there keep its lines in L2 while they stream
@@ -160,7 +171,7 @@ def persist_in_l2(stream: Any, buf: Any) -> dict | None:
     try:
         max_aside = int(cp.cuda.runtime.deviceGetAttribute(108, dev))  # cudaDevAttrMaxPersistingL2CacheSize
         max_window = int(cp.cuda.runtime.deviceGetAttribute(109, dev))  # cudaDevAttrAccessPolicyMaxWindowSize
-        drv = ctypes.CDLL("libcuda.so.1")
+        drv = _driver()
     except (OSError, cp.cuda.runtime.CUDARuntimeError) as exc:
         log.debug("GPU %d: no L2 persistence (%s)", dev, exc)
         return None
@@ -177,11 +188,11 @@ def persist_in_l2(stream: Any, buf: Any) -> dict | None:
     value = (ctypes.c_char * 64)()  # CUstreamAttrValue: a union of 64 bytes
     ctypes.memmove(value, ctypes.byref(window), ctypes.sizeof(window))
     drv.cuCtxResetPersistingL2Cache()  # lines an earlier window left
-    rc = drv.cuCtxSetLimit(ctypes.c_int(6), ctypes.c_size_t(aside))  # CU_LIMIT_PERSISTING_L2_CACHE_SIZE
+    rc = drv.cuCtxSetLimit(ctypes.c_int(_CU_LIMIT_PERSISTING_L2), ctypes.c_size_t(aside))
     if rc == 0:
         rc = drv.cuStreamSetAttribute(ctypes.c_void_p(stream.ptr), ctypes.c_int(1), value)  # ACCESS_POLICY_WINDOW
     if rc != 0:
-        drv.cuCtxSetLimit(ctypes.c_int(6), ctypes.c_size_t(0))
+        drv.cuCtxSetLimit(ctypes.c_int(_CU_LIMIT_PERSISTING_L2), ctypes.c_size_t(0))
         log.debug("GPU %d: no L2 persistence (driver error %d)", dev, rc)
         return None
     return {"window_bytes": nbytes, "set_aside_bytes": aside, "hit_ratio": round(aside / nbytes, 4),
@@ -193,11 +204,11 @@ def release_l2() -> None:
     import ctypes
 
     try:
-        drv = ctypes.CDLL("libcuda.so.1")
+        drv = _driver()
     except OSError:
         return
     drv.cuCtxResetPersistingL2Cache()
-    drv.cuCtxSetLimit(ctypes.c_int(6), ctypes.c_size_t(0))
+    drv.cuCtxSetLimit(ctypes.c_int(_CU_LIMIT_PERSISTING_L2), ctypes.c_size_t(0))
 
 
 def choose_lanes(mean_slots_per_row: float, cap: int = 32) -> int:

@@ -294,18 +294,18 @@ class CudaBackend(Backend):
             self._event_order: list[str] = []
             self._prev_events: dict[str, Any] = {}
             self._prev_order: list[str] = []
-            self._acc = cp.empty(n, dtype=cp.uint64) if self.chunked else None
+            # the fixed point's 64-bit sums (the chunked and the fixed-point one pass)
+            self._acc = cp.empty(n, dtype=cp.uint64) if self.onepass and self.deterministic else None
             self._flag = cp.zeros(1, dtype=cp.int32) if self.chunked else None
             self._images: list[Any] | None = None  # the chunked iteration's two image buffers
             # The one pass on a compressed A: its atomic target (bp, or the fixed point's accumulator) kept
             # in L2 by a persisting access-policy window on the iteration's own stream (blocking: ordered
             # with the default stream's work); no stream where the GPU has no such control.
             self._stream: Any = None
-            self._onepass_acc = cp.empty(n, dtype=cp.uint64) if self.onepass and self.deterministic else None
             self.l2_window: dict | None = None
             if self.onepass and not self.chunked and self.format != "csr":
                 stream = cp.cuda.Stream()
-                self.l2_window = cc().persist_in_l2(stream, self._onepass_acc if self.deterministic else self._bp)
+                self.l2_window = cc().persist_in_l2(stream, self._acc if self.deterministic else self._bp)
                 self._stream = stream if self.l2_window else None
                 if self.l2_window:  # the set-aside and its lines go with the backend (later work gets all of L2)
                     weakref.finalize(self, _release_l2_on, self.device_id).atexit = False
@@ -415,7 +415,7 @@ class CudaBackend(Backend):
                 return self._chunked_iteration(f)
             if self.onepass:  # one pass over A: forward, correlation and back projection in one kernel
                 cc().onepass(self.a, self.g, f, bp=self._bp, fp=self._fp, deterministic=self.deterministic,
-                             bound=self._fixed_bound, stats=self.fixed_stats, acc=self._onepass_acc)
+                             bound=self._fixed_bound, stats=self.fixed_stats, acc=self._acc)
                 self._record("bp")
                 f = self.update(f, self._bp)
                 self._record("update")
