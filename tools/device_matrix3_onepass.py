@@ -62,46 +62,6 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def l2_set_aside(nbytes: int) -> None:
-    """Set the L2 set-aside for persisting lines to ``nbytes`` and drop the persisting lines there are."""
-    import ctypes
-
-    drv = ctypes.CDLL("libcuda.so.1")
-    if drv.cuCtxResetPersistingL2Cache() or drv.cuCtxSetLimit(ctypes.c_int(6), ctypes.c_size_t(nbytes)):
-        raise SystemExit("resetting the persisting L2 lines or setting the set-aside failed")
-
-
-def l2_persist(stream, buf) -> dict:
-    """Set aside L2 for persisting lines and put ``buf`` (a CuPy array) in a persisting access-policy window
-    on ``stream`` (driver API through ctypes: CuPy has no call for it); return the sizes used."""
-    import ctypes
-
-    import cupy as cp
-
-    rt = cp.cuda.runtime
-    dev = cp.cuda.Device().id
-    max_persist = rt.deviceGetAttribute(108, dev)  # cudaDevAttrMaxPersistingL2CacheSize
-    max_window = rt.deviceGetAttribute(109, dev)  # cudaDevAttrAccessPolicyMaxWindowSize
-    nbytes = min(int(buf.nbytes), max_window)
-    drv = ctypes.CDLL("libcuda.so.1")
-    rc = drv.cuCtxSetLimit(ctypes.c_int(6), ctypes.c_size_t(max_persist))  # CU_LIMIT_PERSISTING_L2_CACHE_SIZE
-    if rc:
-        raise SystemExit(f"cuCtxSetLimit(persisting L2) failed: {rc}")
-
-    class Window(ctypes.Structure):
-        _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t), ("hitRatio", ctypes.c_float),
-                    ("hitProp", ctypes.c_int), ("missProp", ctypes.c_int)]
-
-    value = (ctypes.c_char * 64)()  # CUstreamAttrValue (a union of at most 64 bytes)
-    win = Window(buf.data.ptr, nbytes, min(1.0, max_persist / nbytes), 2, 1)  # persisting hits, streaming misses
-    ctypes.memmove(value, ctypes.byref(win), ctypes.sizeof(win))
-    rc = drv.cuStreamSetAttribute(ctypes.c_void_p(stream.ptr), ctypes.c_int(1), value)  # ACCESS_POLICY_WINDOW
-    if rc:
-        raise SystemExit(f"cuStreamSetAttribute(access policy window) failed: {rc}")
-    return {"max_persisting_bytes": max_persist, "max_window_bytes": max_window, "window_bytes": nbytes,
-            "hit_ratio": win.hitRatio}
-
-
 ORDERS = ("own", "voxels", "rows+voxels", "upper", "folded")
 
 
@@ -156,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--l2-persist", default="",
                     help="time the sweep's builds again with an L2 persisting access-policy window on the stream, "
                          "per comma-separated region: f+bp (adjacent in one buffer), f or bp (names suffixed "
-                         "+L2:<region>)")
+                         "+L2:<region>; _compressed_cuda.persist_in_l2)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -285,22 +245,27 @@ def main(argv=None) -> int:
             opts, _, pad = rest.partition(":")
             builds.append((item, int(threads), tuple(o for o in opts.split(";") if o), int(pad or 0)))
         base = gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD
-        streams = [("", cp.cuda.Stream(non_blocking=True))]
+        # (name suffix, stream, the region its L2 window holds or None)
         regions = {"f+bp": fbp, "f": f, "bp": bp}
+        streams = [("", cp.cuda.Stream(non_blocking=True), None)]
+        streams += [(f"+L2:{r}", cp.cuda.Stream(non_blocking=True), r) for r in args.l2_persist.split(",") if r]
         rec["l2_window"] = {}
-        for region in (r for r in args.l2_persist.split(",") if r):
-            streams.append((f"+L2:{region}", cp.cuda.Stream(non_blocking=True)))
-            rec["l2_window"][region] = l2_persist(streams[-1][1], regions[region])
-            log(f"L2 persisting window {region}: {rec['l2_window'][region]}")
-        times = {b[0] + sfx: [] for b in builds for sfx, _ in streams}
+        times = {b[0] + sfx: [] for b in builds for sfx, _, _ in streams}
         onepass_fixed(blocks)  # the reference: the whole matrix (the timings above ended on a half)
         for _ in range(3):
             for name, threads, opts, pad in builds:
-                for sfx, stream in streams:
+                for sfx, stream, region in streams:
                     gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD = threads, opts, pad
-                    # the set-aside sized to this stream's window (0 without one), emptied of other lines
-                    win = rec["l2_window"].get(sfx.removeprefix("+L2:"))
-                    l2_set_aside(win["window_bytes"] if win else 0)
+                    # the library's window: the set-aside sized to it, emptied of other lines (none: given back)
+                    if region is None:
+                        gpu.release_l2()
+                    else:
+                        window = gpu.persist_in_l2(stream, regions[region])
+                        if window is None:
+                            raise SystemExit("this GPU gives no control of L2 persistence (--l2-persist)")
+                        if region not in rec["l2_window"]:
+                            rec["l2_window"][region] = window
+                            log(f"L2 persisting window {region}: {window}")
                     with stream:
                         onepass(blocks)  # compiles the build; then checked against the fixed point
                         err = float(cp.linalg.norm(bp - bp_det) / cp.linalg.norm(bp_det))
@@ -308,7 +273,7 @@ def main(argv=None) -> int:
                             raise SystemExit(f"build {name}{sfx}: one pass off the fixed point by {err:.1e}")
                         times[name + sfx].append(timed(lambda: onepass(blocks), args.repeat))
         gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD = base
-        l2_set_aside(0)
+        gpu.release_l2()
         rec["sweep_onepass_ms"] = {k: v for k, v in times.items()}
         for k, v in times.items():
             log(f"sweep {k}: one pass {' / '.join(f'{t:.2f}' for t in v)} ms")
