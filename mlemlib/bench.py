@@ -12,7 +12,9 @@ Provides
   for its ``timings.json``;
 - :func:`bench_spmv` — times every kernel (CUDA events, median of ``repeat``
   runs after warm-up) on one matrix: forward ``A x``, back projection on the
-  stored transpose ``A^T c`` and without it (scatter from ``A``), each with
+  stored transpose ``A^T c`` and without it (scatter from ``A``; ``csr_vector``
+  under every launch shape, in column order and, on a copy, in the
+  interleaved layout a backend gives it: ``DeviceCSR.set_layout``), each with
   its effective bandwidth (:func:`mlemlib.backends._cuda_plan.spmv_bytes`
   over the time), its fraction of the copy bandwidth and its speed relative
   to cuSPARSE in the same run, its error against a float64 product; then full
@@ -453,6 +455,7 @@ def bench_spmv(
         operation), ``iterations``, ``date``, ``repeat``.
     """
     from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib.backends import cuda as cuda_backend
     from mlemlib.backends.cuda import CudaBackend
     from mlemlib.devices import device_facts
 
@@ -515,9 +518,9 @@ def bench_spmv(
             for (op, kernel, fn, nbytes, extra), t in zip(pending, times):
                 record(op, kernel, fn, t, nbytes, extra)
             pending.clear()
-            for r in rows:  # the launch shape the tuning picks, among the shapes timed
+            for r in rows:  # the layout and launch shape a backend picks, among those timed
                 if r["kernel"] == "csr_vector" and r.get("lanes_auto") and r["op"] in picked_shape:
-                    r["auto"] = r.get("shape") == picked_shape[r["op"]]
+                    r["auto"] = (r.get("shape"), r.get("layout", 0)) == picked_shape[r["op"]]
 
         def record(op: str, kernel: str, fn, t: np.ndarray, nbytes: int, extra: dict | None = None) -> None:
             """One row of the table from the times ``t`` of ``fn`` (checked once more against the reference)."""
@@ -559,6 +562,7 @@ def bench_spmv(
         y_m = cp.empty(m, dtype=cp.float32)
         y_n = cp.empty(n, dtype=cp.float32)
         lanes_a, lanes_t = a.lanes(), ck.transpose_lanes(at)
+        interleave = cuda_backend.INTERLEAVE
 
         def run_spmv(op: str, k: str, mat, vec, out, nbytes: int, lanes_auto: int) -> None:
             """Time the SpMV kernel ``k`` (each section size or lane count it takes)."""
@@ -575,7 +579,7 @@ def bench_spmv(
                         {"lanes": L, "lanes_auto": L == lanes_auto, "shape": plan.RowShape().label()},
                     )
                 # the launch shapes a backend tunes over, and the one its tuning picks on this matrix
-                picked_shape[op] = mat.tune(lanes_auto).label()
+                picked_shape[op] = (mat.tune(lanes_auto).label(), 0)
                 for sh in plan.SHAPE_CANDIDATES[1:]:
                     if lanes_auto not in plan.BLOCK_LANES:
                         break
@@ -586,6 +590,24 @@ def bench_spmv(
                         nbytes,
                         {"lanes": lanes_auto, "lanes_auto": True, "shape": sh.label()},
                     )
+                # every shape again on a copy in the layout a backend gives the matrix (DeviceCSR.set_layout)
+                layout = plan.row_layouts("csr_vector", "csr_vector", True, lanes_auto, lanes_auto, interleave)[0]
+                if layout:
+                    try:
+                        il = ck.DeviceCSR(mat.indptr, mat.indices.copy(), mat.data.copy(), mat.shape)
+                    except cp.cuda.memory.OutOfMemoryError:
+                        log.warning("%s: no memory for a copy in the interleaved layout; column order only", op)
+                        return
+                    il.set_layout(layout)
+                    picked_shape[op] = (il.tune(lanes_auto).label(), layout)
+                    for sh in plan.SHAPE_CANDIDATES if lanes_auto in plan.BLOCK_LANES else plan.SHAPE_CANDIDATES[:1]:
+                        run(
+                            op,
+                            k,
+                            lambda sh=sh: ck.spmv(il, vec, out, kernel="csr_vector", lanes=lanes_auto, shape=sh),
+                            nbytes,
+                            {"lanes": lanes_auto, "lanes_auto": True, "shape": sh.label(), "layout": layout},
+                        )
             else:
                 run(op, k, lambda: ck.spmv(mat, vec, out, kernel=k), nbytes)
 
@@ -809,6 +831,7 @@ def kernel_label(row: dict[str, Any]) -> str:
     if row.get("lanes") is not None and k == "csr_vector":
         shape = row.get("shape")
         shape = f", {shape}" if shape and shape != "256t" else ""
+        shape += ", interleaved" if row.get("layout") else ""
         return f"{k} ({row['lanes']} lanes{'' if row.get('lanes_auto', True) else ', forced'}{shape})"
     return k
 

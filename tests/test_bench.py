@@ -246,8 +246,53 @@ def _result():
     }
 
 
+def test_interleave_positions_hand_counted():
+    # row 0 = [1, 50): head 1..3, quads 1..8 (two trips of 4), quads 9..11 (a trip of 3), tail 48, 49;
+    # row 1 = [50, 52): no whole quad; row 2 = [52, 52) empty; row 3 = [52, 61): quads 13, 14 (a trip of 2)
+    indptr = np.array([1, 50, 52, 52, 61])
+    pos = plan.interleave_positions(indptr, 4)
+    assert sorted(pos.tolist()) == list(range(1, 61))  # a permutation of the elements
+    stored = np.full(64, -1)
+    stored[pos] = np.arange(1, 61)
+    quads = stored.reshape(-1, 4)
+    assert quads[0].tolist() == [-1, 1, 2, 3]  # the head keeps its slots
+    # lane l of a trip of Q quads holds the trip's elements l, Q + l, 2 Q + l, 3 Q + l
+    assert quads[1:5].tolist() == [[4, 8, 12, 16], [5, 9, 13, 17], [6, 10, 14, 18], [7, 11, 15, 19]]
+    assert quads[5].tolist() == [20, 24, 28, 32]
+    assert quads[9:12].tolist() == [[36, 39, 42, 45], [37, 40, 43, 46], [38, 41, 44, 47]]
+    assert quads[12].tolist() == [48, 49, 50, 51]  # row 0's tail, row 1 (no quad of its own)
+    assert quads[13:15].tolist() == [[52, 54, 56, 58], [53, 55, 57, 59]]
+    assert stored[60] == 60  # row 3's tail
+    # 32 lanes on the same rows: every trip is partial
+    pos32 = plan.interleave_positions(indptr, 32)
+    stored32 = np.full(64, -1)
+    stored32[pos32] = np.arange(1, 61)
+    assert stored32[4:8].tolist() == [4, 15, 26, 37]  # a trip of Q = 11 quads
+    with pytest.raises(ConfigError, match="lanes"):
+        plan.interleave_positions(indptr, 3)
+    assert plan.interleave_positions(np.array([0]), 32).size == 0
+
+
+@pytest.mark.parametrize(
+    ("fp", "bp", "transpose", "enabled", "want"),
+    [
+        ("csr_vector", "csr_vector", True, True, (32, 16)),
+        ("csr_vector", "cusparse", True, True, (32, 0)),
+        ("cusparse", "csr_vector", True, True, (0, 16)),
+        ("csr_vector", "scatter", False, True, (0, 0)),  # the scatter reads A: columns in order
+        ("csr_vector", "onepass", False, True, (0, 0)),
+        ("csr_vector", "csr_vector", True, False, (0, 0)),
+    ],
+)
+def test_row_layouts_interleave_only_what_csr_vector_alone_reads(fp, bp, transpose, enabled, want):
+    assert plan.row_layouts(fp, bp, transpose, 32, 16, enabled) == want
+    assert plan.row_layouts(fp, bp, transpose, 4, 2, enabled) == (0, 0)  # short rows: column order
+
+
 def test_kernel_label():
     assert kernel_label({"kernel": "merge", "secsize": 7}) == "merge (secsize 7)"
+    assert kernel_label({"kernel": "csr_vector", "lanes": 32, "shape": "512t w0 stream", "layout": 32}) == (
+        "csr_vector (32 lanes, 512t w0 stream, interleaved)")
     assert kernel_label({"kernel": "csr_vector", "lanes": 8, "lanes_auto": False}) == "csr_vector (8 lanes, forced)"
     assert kernel_label({"kernel": "csr_vector", "lanes": 32, "lanes_auto": True}) == "csr_vector (32 lanes)"
     assert kernel_label({"kernel": "scatter", "lanes": 32}) == "scatter"
@@ -473,6 +518,11 @@ def test_bench_spmv_on_gpu_checks_and_reports_every_kernel(tmp_path):
     ref = [it for it in res["iterations"] if (it["format"], it["fp_requested"], it["bp_requested"])
            == ("csr", "csr_vector", "csr_vector")]
     assert ref and ref[0]["rel_l2_to_csr"] == 0.0
+    # csr_vector also in the interleaved layout (a copy), where auto's choice is, as a backend sets it
+    for op, lanes in (("fp", res["matrix"]["lanes_fp"]), ("bp", res["matrix"]["lanes_bp"])):
+        auto = [r for r in rows if r["op"] == op and r.get("auto")]
+        assert len(auto) == 1 and auto[0].get("layout", 0) == (lanes if lanes in plan.BLOCK_LANES else 0), auto
+        assert any(r["op"] == op and r["kernel"] == "csr_vector" and not r.get("layout") for r in rows)
     saved = json.loads(out_json.read_text())["kernels"]
     assert [(r["op"], r["kernel"]) for r in saved] == [(r["op"], r["kernel"]) for r in rows]
     assert out_md.read_text().count("|") > 10 and len(out_csv.read_text().splitlines()) == len(rows) + 1

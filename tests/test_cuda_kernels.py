@@ -383,6 +383,43 @@ def test_csr_vector_launch_shapes_give_the_same_bits(problem, shape, lanes):
     assert cp.array_equal(fused, ref)
 
 
+@pytest.mark.parametrize("lanes", plan.LANE_CHOICES)
+def test_set_layout_stores_the_reference_order_and_keeps_the_product(problem, lanes):
+    """set_layout(L) stores each row's elements where interleave_positions puts them; csr_vector on it stays
+    within the float32 bound of float64, the same bits run after run and under every launch shape; set_layout(0),
+    to_host and cusparse give back the arrays in column order exactly."""
+    a, d, s64 = problem["a"], problem["d"], problem["s64"]
+    what = f"{problem['kind']} (seed {problem['seed']}), {lanes} lanes"
+    cols0, vals0 = d.indices.copy(), d.data.copy()
+    # the host arrays as uploaded (SciPy may sort an unsorted matrix's indices, which s64 shares, in place)
+    cols_h, vals_h = cp.asnumpy(cols0), cp.asnumpy(vals0)
+    d.set_layout(lanes)
+    assert d.layout == lanes
+    pos = plan.interleave_positions(a.indptr, lanes)
+    want_c, want_v = np.empty_like(cols_h), np.empty_like(vals_h)
+    want_c[pos], want_v[pos] = cols_h, vals_h
+    assert np.array_equal(cp.asnumpy(d.indices), want_c) and np.array_equal(cp.asnumpy(d.data), want_v), what
+    x = problem["x"]
+    y = ck.spmv(d, cp.asarray(x), poisoned(a.shape[0]), lanes=lanes).copy()
+    check_bound(y, s64 @ x.astype(np.float64), abs(s64) @ np.abs(x.astype(np.float64)), np.diff(a.indptr), what)
+    assert cp.array_equal(ck.spmv(d, cp.asarray(x), poisoned(a.shape[0]), lanes=lanes), y), what
+    if lanes in plan.BLOCK_LANES:
+        for shape in SHAPES:
+            assert cp.array_equal(ck.spmv(d, cp.asarray(x), poisoned(a.shape[0]), lanes=lanes, shape=shape), y), what
+    d.set_layout(32 if lanes != 32 else 16)  # from one interleaving to another, then back to column order
+    d.set_layout(0)
+    assert cp.array_equal(d.indices, cols0) and cp.array_equal(d.data, vals0), what
+    d.set_layout(lanes)
+    host = d.to_host()
+    assert d.layout == 0 and np.array_equal(host.indices, cols_h) and np.array_equal(host.data, vals_h), what
+    d.set_layout(lanes)
+    ref = d.cusparse() @ cp.asarray(x)
+    assert d.layout == 0, what
+    check_bound(ref, s64 @ x.astype(np.float64), abs(s64) @ np.abs(x.astype(np.float64)), np.diff(a.indptr), what)
+    with pytest.raises(ConfigError, match="lanes"):
+        d.set_layout(3)
+
+
 def test_block_shape_needs_block_lanes(rng):
     d = ck.DeviceCSR.from_host(random_csr(rng, 10, 10, np.full(10, 3)))
     with pytest.raises(ConfigError, match="block shape needs lanes"):

@@ -269,3 +269,23 @@ def test_fused_forward_skipping_empty_rows_changes_no_bit(pet, monkeypatch):
     np.testing.assert_array_equal(skipped, unfused)
     np.testing.assert_array_equal(skipped, every_row)
     assert rel_l2(skipped, pet["ref"]) < 1e-5
+
+
+def test_interleaved_layout_changes_the_rounding_only(pet, monkeypatch):
+    """The csr_vector pair interleaves A and A^T for its lanes (DeviceCSR.set_layout); the image stays within
+    float32 rounding of the one in column order and of float64. A DeviceCSR shared with a backend whose back
+    projection scatters from A is put back in column order by it."""
+    d_a, d_at = ck.DeviceCSR.from_host(pet["a"]), ck.DeviceCSR.from_host(pet["at"])
+    shared = {**pet, "a": d_a, "at": d_at}
+    be, f = run_gpu(shared, "csr_vector", "csr_vector", lanes=16)  # this matrix's short rows alone take 4
+    assert be.describe()["layout"] == {"A": 16, "AT": 16} and d_a.layout == d_at.layout == 16
+    monkeypatch.setattr(cuda_backend, "INTERLEAVE", False)
+    be0, f0 = run_gpu(pet, "csr_vector", "csr_vector", lanes=16)
+    assert be0.describe()["layout"] == {"A": 0, "AT": 0}
+    assert rel_l2(f, f0.astype(np.float64)) < 1e-6
+    assert rel_l2(f, pet["ref"]) < 1e-5 and rel_l2(f0, pet["ref"]) < 1e-5
+    monkeypatch.setattr(cuda_backend, "INTERLEAVE", True)
+    d_a.set_layout(d_a.layout)  # no-op
+    _, fs = run_gpu(shared, "csr_vector", "scatter", transpose=False)
+    assert d_a.layout == 0
+    assert rel_l2(fs, pet["ref"]) < 1e-5

@@ -154,6 +154,9 @@ class DeviceCSR(DeviceMatrix):
     #: Milliseconds per candidate shape measured by :meth:`tune`.
     tuned: dict | None = field(default=None, repr=False)
     _compact: Any = field(default=None, repr=False)  # compact_rows: None (not computed), False or a pair
+    #: Order of each row's elements: 0, by column (canonical: cuSPARSE, the host, the scatter kernels);
+    #: L, interleaved for ``csr_vector`` with L lanes per row (:meth:`set_layout`).
+    layout: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         cp = cupy()
@@ -211,8 +214,41 @@ class DeviceCSR(DeviceMatrix):
         return cls(cp.asarray(indptr), cp.asarray(a.indices), cp.asarray(a.data), a.shape)
 
     def to_host(self) -> CSRMatrix:
-        """Copy back to a host :class:`CSRMatrix`."""
+        """Copy back to a host :class:`CSRMatrix` (each row by column: the layout is set back to 0 first)."""
+        self.set_layout(0)
         return CSRMatrix(self.indptr.get(), self.indices.get(), self.data.get(), self.shape)
+
+    def set_layout(self, lanes: int) -> None:
+        """Reorder each row's elements in place: ``lanes`` = 0 by column, else interleaved for ``lanes`` lanes.
+
+        In the interleaved layout (:func:`~mlemlib.backends._cuda_plan.interleave_positions`,
+        kernel ``csr_interleave``) the four gathers of each lane of a
+        ``csr_vector`` group read consecutive elements of the row instead of
+        every fourth one, so each gather instruction touches fewer cache
+        lines: 4-6% faster projections on madpet2 (docs/benchmarks.md section
+        82). The same pairs (column, value) in another order: any kernel
+        computes the same product, ``csr_vector`` with other rounding (fixed
+        by the layout: runs stay bit-identical), and :meth:`cusparse`,
+        :meth:`to_host` and :meth:`transpose` set the layout back to 0 first.
+        One pass over the matrix on the GPU, no second copy.
+        """
+        lanes = int(lanes)
+        if lanes and lanes not in plan.LANE_CHOICES:
+            raise ConfigError("lanes", f"lanes per row must be 0 or one of {plan.LANE_CHOICES}, got {lanes}")
+        if lanes == self.layout:
+            return
+        cp = cupy()
+        self.drop_cusparse()  # its view shares the arrays
+        m = self.shape[0]
+        if m and self.nnz:
+            fn = _function("spmv", "csr_interleave")
+            blocks = min(-(-m // 8), 1 << 20)  # 8 warps of a 256-thread block, one row each (grid-stride)
+            for to, inverse in ((self.layout, 1), (lanes, 0)):
+                if to:
+                    fn((blocks,), (256,), (self.indptr, np.int64(m), self.indices, self.data, np.int32(to),
+                                          np.int32(inverse)))
+            cp.cuda.get_current_stream().synchronize()
+        self.layout = lanes
 
     @property
     def nnz(self) -> int:
@@ -280,7 +316,11 @@ class DeviceCSR(DeviceMatrix):
         return best
 
     def cusparse(self) -> Any:
-        """This matrix as a ``cupyx.scipy.sparse.csr_matrix`` (an int32 row-pointer copy; built once)."""
+        """This matrix as a ``cupyx.scipy.sparse.csr_matrix`` (an int32 row-pointer copy; built once).
+
+        Sets the layout back to columns in order first (:meth:`set_layout`).
+        """
+        self.set_layout(0)
         if self._cusparse is None:
             if self.nnz > CUSPARSE_MAX_NNZ:
                 raise DeviceError(f"cuSPARSE through CuPy takes int32 indices: {self.nnz} non-zeros exceed 2^31 - 1")

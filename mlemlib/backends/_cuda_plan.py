@@ -11,7 +11,10 @@ launch, kept apart so that CI tests them without a GPU:
   bytes an SpMV or an MLEM iteration must move at least (the denominator of
   every effective bandwidth the project reports);
 - :func:`merge_threads` — threads of the merge-based kernel for a ``secsize``;
-- :func:`chunk_rows` — nnz-balanced row chunks of the shared-memory scatter.
+- :func:`chunk_rows` — nnz-balanced row chunks of the shared-memory scatter;
+- :func:`interleave_positions` — where the interleaved layout of ``csr_vector``
+  (``DeviceCSR.set_layout``) stores each element of a row; :func:`row_layouts`
+  — which matrices of a backend get it.
 
 Which kernel a name means (``auto``, ``notrans``...) is decided in
 :mod:`mlemlib.registry`.
@@ -247,3 +250,56 @@ def chunk_rows(indptr: np.ndarray, nnz_per_chunk: int) -> np.ndarray:
     cuts = np.searchsorted(indptr, targets, side="left")
     bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, m), [m])))
     return bounds.astype(np.int64)
+
+
+def interleave_positions(indptr: np.ndarray, lanes: int) -> np.ndarray:
+    """Slot of each element in the interleaved layout for ``lanes`` lanes per row (NumPy reference).
+
+    The layout of ``DeviceCSR.set_layout(lanes)`` (kernel ``csr_interleave``):
+    a row ``[s, e)``'s 16-byte part, quads ``ceil(s / 4)`` to ``floor(e / 4)``
+    (what ``csr_vector`` loads as int4/float4), falls into trips of ``lanes``
+    quads, the last of ``Q <= lanes``; element ``j = k Q + l`` of a trip (in
+    column order) goes to slot ``4 l + k`` of the trip, so that lane ``l``
+    loads the elements ``l, Q + l, 2 Q + l, 3 Q + l`` and each of its four
+    gathers covers ``Q`` consecutive elements. The head ``[s, 4 ceil(s / 4))``
+    and the tail ``[4 floor(e / 4), e)`` keep their slots.
+
+    Returns ``pos`` (int64, one per element from ``indptr[0]``): the element at
+    ``p`` in column order is stored at ``pos[p - indptr[0]]``.
+    """
+    indptr = np.asarray(indptr, dtype=np.int64)
+    if lanes not in LANE_CHOICES:
+        raise ConfigError("lanes", f"lanes per row must be one of {LANE_CHOICES}, got {lanes}")
+    base = int(indptr[0]) if len(indptr) else 0
+    nnz = int(indptr[-1]) - base if len(indptr) else 0
+    p = np.arange(base, base + nnz, dtype=np.int64)
+    row = np.searchsorted(indptr, p, side="right") - 1
+    qa, qe = (indptr[row] + 3) >> 2, indptr[row + 1] >> 2
+    inside = (p >= 4 * qa) & (p < 4 * qe)
+    rel = p - 4 * qa
+    trip = rel // (4 * lanes)
+    q = np.minimum(qe - qa - trip * lanes, lanes)
+    j = rel - trip * 4 * lanes
+    with np.errstate(divide="ignore", invalid="ignore"):
+        moved = 4 * qa + trip * 4 * lanes + 4 * (j % np.maximum(q, 1)) + j // np.maximum(q, 1)
+    return np.where(inside, moved, p)
+
+
+def row_layouts(fp_kernel: str, bp_kernel: str, transpose: bool, lanes_fp: int, lanes_bp: int,
+                enabled: bool = True) -> tuple[int, int]:
+    """Layouts (``DeviceCSR.set_layout``) of ``A`` and ``A^T`` for a backend's kernels: 0 or the lanes.
+
+    A matrix is interleaved only where ``csr_vector`` is its one reader: ``A``
+    when the forward projection is ``csr_vector`` and the back projection runs
+    on a stored ``A^T`` (the scatter kernels and the one pass read ``A`` one
+    element per lane, whose atomics want the columns in order); ``A^T`` when
+    the back projection is ``csr_vector`` on it. cuSPARSE sets its matrix
+    back to column order itself. Only for 8 lanes or more (:data:`BLOCK_LANES`;
+    measured with 32): fewer lanes take rows of a few elements, whose gathers
+    the layout cannot bring closer.
+    """
+    if not enabled:
+        return 0, 0
+    la = lanes_fp if fp_kernel == "csr_vector" and transpose and lanes_fp in BLOCK_LANES else 0
+    lt = lanes_bp if bp_kernel == "csr_vector" and transpose and lanes_bp in BLOCK_LANES else 0
+    return la, lt

@@ -56,6 +56,10 @@ FUSED = ("csr_vector", "csr_scalar", "delta_vector")
 #: The fused forward projection skips empty rows (DeviceCSR.compact_rows) where they are more than 1/8
 #: of A's rows; False runs every row (for measurements: tools/device_spmv_options.py --options SKIP_EMPTY=0).
 SKIP_EMPTY_ROWS = True
+#: Each row of the matrices only ``csr_vector`` reads interleaved for its lanes (DeviceCSR.set_layout,
+#: _cuda_plan.row_layouts): 4-6% faster projections on madpet2 (benchmarks.md section 82); False keeps
+#: them in column order (for measurements).
+INTERLEAVE = True
 GIB = float(1 << 30)
 
 
@@ -309,6 +313,12 @@ class CudaBackend(Backend):
                 self._stream = stream if self.l2_window else None
                 if self.l2_window:  # the set-aside and its lines go with the backend (later work gets all of L2)
                     weakref.finalize(self, _release_l2_on, self.device_id).atexit = False
+            if isinstance(self.a, ck.DeviceCSR):  # before tuning: the shapes are timed on the layout used
+                la, lt = plan.row_layouts(self.fp_kernel, self.bp_kernel, self.at is not None, self._lanes(self.a),
+                                          self._lanes(self.at) if self.at is not None else 0, INTERLEAVE)
+                self.a.set_layout(la)
+                if isinstance(self.at, ck.DeviceCSR):
+                    self.at.set_layout(lt)
             if tune and self.fp_kernel == "csr_vector" and isinstance(self.a, ck.DeviceCSR):
                 self.a.tune(self._lanes(self.a))
             if tune and self.at is not None and self.bp_kernel == "csr_vector":
@@ -553,6 +563,7 @@ class CudaBackend(Backend):
             "bytes_per_nnz": {"A": bytes_per_nnz(self.a), "AT": bytes_per_nnz(self.at)},
             "onepass": self.onepass,
             "l2_window": self.l2_window,
+            "layout": {"A": getattr(self.a, "layout", None), "AT": getattr(self.at, "layout", None)},
             "fixed_point": dict(self.fixed_stats) if self.onepass and self.deterministic else None,
             "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" and not self.chunked else None,
             "shape_fp": ck.shape_label(self.a) if self.fp_kernel == "csr_vector" and not self.chunked else None,

@@ -49,6 +49,7 @@ import numpy as np
 from mlemlib import registry
 from mlemlib.backends import _cuda_plan as cplan
 from mlemlib.backends.base import Backend, bytes_per_nnz
+from mlemlib.backends import cuda as _cuda
 from mlemlib.backends.cuda import FUSED, ONEPASS_C_MAX
 from mlemlib.backends.device_formats import device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
@@ -408,6 +409,12 @@ class NcclBackend(Backend):
                                      100 * s.smem.local_fraction, part, self.bp_kernel)
                         if self.bp_kernel != "scatter_smem":
                             s.smem = None
+                    if isinstance(s.a, ck.DeviceCSR):  # before tuning (as CudaBackend)
+                        la, lt = cplan.row_layouts(self.fp_kernel, self.bp_kernel, s.at is not None, self.lanes_fp,
+                                                   self.lanes_bp(s) if s.at is not None else 0, _cuda.INTERLEAVE)
+                        s.a.set_layout(la)
+                        if isinstance(s.at, ck.DeviceCSR):
+                            s.at.set_layout(lt)
                     if tune and self.fp_kernel == "csr_vector":
                         s.a.tune(self.lanes_fp)
                     if tune and s.at is not None and self.bp_kernel == "csr_vector":
@@ -688,7 +695,8 @@ class NcclBackend(Backend):
             with cp.cuda.Device(s.device):
                 s.cstream = cp.cuda.Stream(non_blocking=True)
                 s.at_chunks = [
-                    ck.DeviceCSR(s.at.indptr[v0 : v1 + 1], s.at.indices, s.at.data, (v1 - v0, s.at.shape[1]))
+                    ck.DeviceCSR(s.at.indptr[v0 : v1 + 1], s.at.indices, s.at.data, (v1 - v0, s.at.shape[1]),
+                                 layout=s.at.layout)
                     for v0, v1 in self.chunk_bounds
                 ]
                 s.chunk_events = [cp.cuda.Event(disable_timing=True) for _ in self.chunk_bounds]

@@ -348,11 +348,13 @@ __device__ __forceinline__ i64 cstart(const i64* __restrict__ rb, const unsigned
 // Load and decode quad q (slots 4q .. 4q+3) when `in`; else 4 empty slots.
 // d: the 4 column deltas; v: values (0 for markers); el: element or not.
 // Returns the sum of the 4 deltas.
-// A load with cache hint H: 0 streaming (ld.global.cs, evict first), 1 cached (ld.global.nc), 2 last use (ld.global.lu).
+// A load with cache hint H: 0 streaming (ld.global.cs, evict first), 1 cached (ld.global.nc), 2 last use
+// (ld.global.lu), 3 L2 only (ld.global.cg: not in L1, normal priority in L2).
 template <int H, typename T>
 __device__ __forceinline__ T ld_hint(const T* p) {
     if (H == 1) return __ldg(p);
     if (H == 2) return __ldlu(p);
+    if (H == 3) return __ldcg(p);
     return __ldcs(p);
 }
 

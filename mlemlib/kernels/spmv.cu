@@ -12,7 +12,7 @@
 //   csr_vector_L        L = 2, 4, 8, 16, 32 lanes per row; 16-byte loads of
 //                       columns and values; warp-shuffle reduction; no atomics.
 //                       Deterministic: a row's summation order depends only on
-//                       its start, end and L.
+//                       its start, end, L and the matrix's layout (csr_interleave).
 //   csr_block_L         csr_vector_L (the same sums) in blocks of up to 1024
 //                       threads whose rows advance together (launch shape only).
 //                       Both take an optional row list (the last argument): the
@@ -37,6 +37,8 @@
 //                       columns fit, else straight into global memory.
 //                       NOT deterministic.
 //   chunk_bounds        set-up kernel of scatter_smem: column min/max per chunk.
+//   csr_interleave      set-up kernel of DeviceCSR.set_layout: each row's elements reordered
+//                       in place for csr_vector's L lanes (below), or put back in column order.
 //
 // Epilogues (the `mode` argument of csr_scalar / csr_vector_L), which fuse the
 // elementwise MLEM steps into the projections:
@@ -249,6 +251,52 @@ CSR_BLOCK(32)
 // the running row sum, a row end flushes the sum into y with atomicAdd. y must
 // be zero on entry. Rows split between threads are summed in an order that
 // depends on timing: not deterministic.
+// ---------------------------------------------------------------------------
+// csr_interleave: a row's 16-byte part (quads ceil(s/4) .. floor(e/4), as group_dot loads them)
+// falls into trips of L quads (the last of Q < L). In the interleaved layout (inverse == 0) the
+// trip's element j = k Q + l (in column order) sits in slot 4 l + k: lane l's int4/float4 loads
+// then hold the elements l, Q + l, 2 Q + l, 3 Q + l, and each of the group's four gathers reads Q
+// consecutive elements of the row (neighbouring columns: few cache lines per instruction) instead
+// of every fourth one (docs/benchmarks.md section 82). inverse == 1 puts column order back. The
+// row's head and tail (loaded one element per lane) stay where they are. One warp per row, in
+// place: a trip's loads all come before its stores, and no other warp touches the row.
+extern "C" __global__ void csr_interleave(const i64* __restrict__ rowptr, i64 m, int* col, float* val, int L,
+                                          int inverse) {
+    const int lane = threadIdx.x & 31;
+    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < m; r += warps) {
+        const i64 qa = (rowptr[r] + 3) >> 2, qe = rowptr[r + 1] >> 2;
+        for (i64 q0 = qa; q0 < qe; q0 += L) {
+            const i64 Q = (qe - q0) < L ? (qe - q0) : L;
+            const bool in = lane < Q;
+            int4 c = make_int4(0, 0, 0, 0);
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (in) {
+                c = reinterpret_cast<const int4*>(col)[q0 + lane];
+                v = reinterpret_cast<const float4*>(val)[q0 + lane];
+            }
+            __syncwarp();
+            if (in) {
+                const int cc[4] = {c.x, c.y, c.z, c.w};
+                const float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    i64 d;
+                    if (inverse) {
+                        d = k * Q + lane;  // slot 4 lane + k holds element k Q + lane
+                    } else {
+                        const i64 j = 4 * lane + k;
+                        d = 4 * (j % Q) + j / Q;
+                    }
+                    col[4 * q0 + d] = cc[k];
+                    val[4 * q0 + d] = vv[k];
+                }
+            }
+            __syncwarp();
+        }
+    }
+}
+
 extern "C" __global__ void merge_spmv(const i64* __restrict__ rowptr, const int* __restrict__ col,
                                       const float* __restrict__ val, const float* __restrict__ x,
                                       float* __restrict__ y, i64 m, i64 nnz, int secsize) {
