@@ -26,6 +26,7 @@ Run from the repository root on the device:
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 from pathlib import Path
@@ -88,6 +89,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rays", type=int, default=81)
     ap.add_argument("--repeat", type=int, default=100)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layouts", default="full,compact,interleaved", help="comma-separated layouts to time")
+    ap.add_argument("--shapes", default="",
+                    help="launch shapes to time besides the tuner's, ';'-separated RowShape fields "
+                         "(threads, sync, waves, stream, min_blocks, unroll), e.g. '(512,False,0,False,1,4)'")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -123,23 +128,25 @@ def main(argv=None) -> int:
     print(f"madpet2 {m} x {n}, {a.nnz} nnz; non-empty rows {rows.size}, columns {cols.size}; "
           f"lanes A^T {lanes_t}, A {lanes_a}; copy {res['copy']}", flush=True)
 
-    def variants(mat, vec, out, lanes):
+    extra = [plan.RowShape(*ast.literal_eval(t)) for t in args.shapes.split(";") if t.strip()]
+    layouts = args.layouts.split(",")
+
+    def variants(name, mat, vec, out, lanes):
         got = {}
-        for sh in plan.SHAPE_CANDIDATES:
+        if name not in layouts or mat is None:
+            return got
+        for sh in (*plan.SHAPE_CANDIDATES, *extra):
             if not (sh.is_default or lanes in plan.BLOCK_LANES):
                 continue
-            got[str(sh)] = (lambda sh=sh: ck.spmv(mat, vec, out, lanes=lanes, shape=sh))
+            got[f"{name} {sh.label()}"] = (lambda sh=sh: ck.spmv(mat, vec, out, lanes=lanes, shape=sh))
         return got
 
     ops = {
-        "bp_at": ({**{f"full {k}": v for k, v in variants(at, c, bp_out, lanes_t).items()},
-                   **{f"compact {k}": v for k, v in variants(at_c, c_c, bp_out, lanes_t).items()},
-                   **{f"interleaved {k}": v for k, v in variants(at_i, c, bp_out, lanes_t).items()},
-                   "cusparse": lambda: at.cusparse() @ c}, bp_ref),
-        "fp": ({**{f"full {k}": v for k, v in variants(a, f, fp_out, lanes_a).items()},
-                **({f"compact {k}": v for k, v in variants(a_c, f_c, fp_out, lanes_a).items()} if a_c is not None else {}),
-                **{f"interleaved {k}": v for k, v in variants(a_i, f, fp_out, lanes_a).items()},
-                "cusparse": lambda: a.cusparse() @ f}, fp_ref),
+        "bp_at": ({**variants("full", at, c, bp_out, lanes_t), **variants("compact", at_c, c_c, bp_out, lanes_t),
+                   **variants("interleaved", at_i, c, bp_out, lanes_t), "cusparse": lambda: at.cusparse() @ c},
+                  bp_ref),
+        "fp": ({**variants("full", a, f, fp_out, lanes_a), **variants("compact", a_c, f_c, fp_out, lanes_a),
+                **variants("interleaved", a_i, f, fp_out, lanes_a), "cusparse": lambda: a.cusparse() @ f}, fp_ref),
     }
     for op, (fns, ref) in ops.items():
         names = list(fns)

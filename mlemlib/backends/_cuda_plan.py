@@ -111,9 +111,13 @@ class RowShape:
 #: (:meth:`mlemlib.backends._cuda_kernels.DeviceCSR.tune`): csr_vector_L's own,
 #: and block-aligned grids without a grid-stride loop, which keep the rows in
 #: flight together (docs/benchmarks.md section 25: the back projection of
-#: madpet2 on an H100 went from 3.40 to 2.68-2.71 ms).
+#: madpet2 on an H100 went from 3.40 to 2.68-2.71 ms); 256 threads with streaming loads of
+#: the matrix, with and without the grid-stride loop: the forward projection of madpet2 in
+#: the interleaved layout 2-4% faster than csr_vector_L's own on an H200 (section 82).
 SHAPE_CANDIDATES = (
     RowShape(),
+    RowShape(THREADS, False, None, True),
+    RowShape(THREADS, False, 0, True),
     RowShape(512, False, 0, True),
     RowShape(1024, False, 0, True),
     RowShape(1024, False, 0, False, 2),

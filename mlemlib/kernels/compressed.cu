@@ -99,6 +99,12 @@ typedef unsigned long long u64;
 #ifndef MLEM_CMP_REVERSE
 #define MLEM_CMP_REVERSE 1
 #endif
+// 1: the one pass's first decode (the dot product) hands each trip's slots through shared memory as the
+// scatter does (warp_gather), so that gather k of lane l reads slot 32 k + l (consecutive columns) instead
+// of slot 4 l + k; whole warps per row (L = 32) only.
+#ifndef MLEM_CMP_GATHER
+#define MLEM_CMP_GATHER 0
+#endif
 
 #ifndef MLEM_OP_CACHE
 #define MLEM_OP_CACHE 16
@@ -483,9 +489,10 @@ __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const uns
 // lane l adds slot 32 k + l: each atomic instruction covers 32 consecutive slots, a few
 // sectors of the output, instead of every fourth slot of 128 (2.2x faster on madpet2,
 // docs/benchmarks.md section 31). All 32 lanes must call it together.
-template <bool DET>
-__device__ __forceinline__ void warp_scatter(const unsigned col[4], const float t[4], float* bp, u64* acc,
-                                             double fscale, int* flag) {
+// A warp's staging slots in shared memory (one set per block, for warp_scatter and warp_gather): each
+// lane stores its 4 slots; after the barrier, slot 32 k + l is at c1[32 k + l], v1[32 k + l].
+__device__ __forceinline__ void warp_stage(const unsigned col[4], const float t[4], const unsigned*& c1,
+                                           const float*& v1) {
     __shared__ uint4 scol[MLEM_CMP_THREADS / 32][32];
     __shared__ float4 sval[MLEM_CMP_THREADS / 32][32];
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -493,8 +500,34 @@ __device__ __forceinline__ void warp_scatter(const unsigned col[4], const float 
     scol[w][lane] = make_uint4(col[0], col[1], col[2], col[3]);
     sval[w][lane] = make_float4(t[0], t[1], t[2], t[3]);
     __syncwarp();
-    const unsigned* c1 = reinterpret_cast<const unsigned*>(scol[w]);
-    const float* v1 = reinterpret_cast<const float*>(sval[w]);
+    c1 = reinterpret_cast<const unsigned*>(scol[w]);
+    v1 = reinterpret_cast<const float*>(sval[w]);
+}
+
+// This lane's share of a trip's dot product with f, the slots passed through shared memory so that each
+// gather instruction reads 32 consecutive slots (MLEM_CMP_GATHER). v: 0 for no element. All 32 lanes of the
+// warp, which takes one row, call it together.
+__device__ __forceinline__ float warp_gather(const unsigned col[4], const float v[4], const float* __restrict__ f) {
+    const unsigned* c1;
+    const float* v1;
+    warp_stage(col, v, c1, v1);
+    const int lane = threadIdx.x & 31;
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float a = v1[32 * k + lane];
+        if (a != 0.0f) s += a * __ldg(f + c1[32 * k + lane]);
+    }
+    return s;
+}
+
+template <bool DET>
+__device__ __forceinline__ void warp_scatter(const unsigned col[4], const float t[4], float* bp, u64* acc,
+                                             double fscale, int* flag) {
+    const unsigned* c1;
+    const float* v1;
+    warp_stage(col, t, c1, v1);
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const float v = v1[32 * k + lane];
@@ -596,10 +629,22 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
             const unsigned tot = load_quad<VK, CB, MLEM_CMP_FIRST_HINT>(codes, vals, rs, q, q < qe, d, v, el);
             unsigned all;
             unsigned col = carry + group_excl_scan<L>(tot, lane, all);
+            if (MLEM_CMP_GATHER && L == 32) {
+                unsigned cl[4];
+                float tv[4];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                col += d[k];
-                if (el[k]) sum += v[k] * __ldg(f + col);
+                for (int k = 0; k < 4; ++k) {
+                    col += d[k];
+                    cl[k] = col;
+                    tv[k] = el[k] ? v[k] : 0.0f;
+                }
+                sum += warp_gather(cl, tv, f);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    col += d[k];
+                    if (el[k]) sum += v[k] * __ldg(f + col);
+                }
             }
             carry += all;
         }
