@@ -85,6 +85,9 @@ ROW_KEY_BITS = 10
 DEFAULT_CHUNK_NNZ = 1 << 26
 
 _NO_KEY = np.iinfo(np.int64).max  # key of an empty row: after every other
+#: ``format`` attributes of the matrix containers that may hold a permutation: CSR (``mlem reorder``) and
+#: the compressed formats (``mlem generate --voxel-order hilbert``).
+CONTAINER_FORMATS = ("mlem-csr", "mlem-compressed", "mlem-compressed-f16", "mlem-compressed-u16")
 
 
 # --------------------------------------------------------------------------- the permutation
@@ -898,7 +901,7 @@ def read_permutation(
                 raise MatrixFormatError(p, f"attribute shape is {stored!r}, expected (m, n)")
             mode, nnz = _attr(f, "mode"), int(_attr(f, "nnz", -1))
             src_ck, ck = str(_attr(f, "source_checksum", "")), str(_attr(f, "checksum", ""))
-        elif fmt == "mlem-csr" and ATTR_MODE in f.attrs:
+        elif fmt in CONTAINER_FORMATS and ATTR_MODE in f.attrs:  # a reordered container (any matrix format)
             stored = _attr(f, "shape")
             mode, nnz = _attr(f, ATTR_MODE), int(_attr(f, "nnz", -1))
             src_ck, ck = str(_attr(f, ATTR_SOURCE_CHECKSUM, "")), str(_attr(f, ATTR_PERM_CHECKSUM, ""))

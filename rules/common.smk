@@ -50,6 +50,20 @@ def validate_config():
             f"config {where or '(top level)'}: {fault}; "
             "config/schema.yaml lists the keys and their allowed values"
         ) from None
+    for name, entry in config["matrices"].items():
+        if entry["voxel_order"] != "raster" and not (
+            entry["preset"] and not entry["csr4"]
+        ):
+            raise WorkflowError(
+                f"config matrices.{name}.voxel_order: {entry['voxel_order']} is for a "
+                "preset written straight into the container (csr4: false)"
+            )
+        if entry["voxel_order"] != "raster" and config["reorder"] != "none":
+            raise WorkflowError(
+                f"config matrices.{name}.voxel_order: {entry['voxel_order']} orders the "
+                f"voxels already; reorder: {config['reorder']} would reorder the matrix again "
+                "(use one of them)"
+            )
     for index, entry in enumerate(config["runs"]):
         gpus = entry["gpus"] if isinstance(entry["gpus"], list) else [entry["gpus"]]
         if entry["backend"] == "cpu" and gpus != [1]:
@@ -308,6 +322,11 @@ def get_converted_matrix_regex():
 def get_matrix_fold(wildcards):
     """Whether results/{matrix}/matrix.h5 stores each distinct row once (docs/formats.md, "Folded matrices")."""
     return bool(config["matrices"][wildcards.matrix]["fold"])
+
+
+def get_voxel_order(wildcards):
+    """Column order of a matrix the generator writes into its container: raster or hilbert."""
+    return config["matrices"][wildcards.matrix]["voxel_order"]
 
 
 def get_matrix_format(wildcards):

@@ -43,6 +43,7 @@ rule generate_container:
         preset=get_preset,
         format=get_matrix_format,
         fold=get_matrix_fold,
+        voxel_order=get_voxel_order,
     script:
         "../scripts/generate_matrix.py"
 

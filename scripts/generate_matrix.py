@@ -15,5 +15,6 @@ summary = generate(
     threads=snakemake.threads,
     fmt=snakemake.params.format,
     fold=snakemake.params.fold,
+    voxel_order=getattr(snakemake.params, "voxel_order", "raster"),
 )
 logging.info("generate_matrix: %s", summary)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -226,6 +227,34 @@ def test_bad_config_stops_before_any_job(tmp_path, config, named):
     assert "config/schema.yaml" in out
     for made in ("results", "resources", "logs"):
         assert not (tmp_path / made).exists()
+
+
+@pytest.mark.parametrize(
+    ("entry", "reorder", "named"),
+    [
+        ({"preset": "small", "voxel_order": "hilbert"}, "none", "written straight into the container (csr4: false)"),
+        ({"preset": "small", "csr4": False, "voxel_order": "hilbert"}, "rows", "reorder: rows would reorder"),
+    ],
+)
+def test_voxel_order_needs_a_direct_preset_and_no_reorder(tmp_path, entry, reorder, named):
+    proc = snakemake(tmp_path, "--cores", "1", config=changed(matrices={"small": entry}, reorder=reorder))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "config matrices.small.voxel_order: hilbert" in out and named in out, out
+    assert not (tmp_path / "results").exists()
+
+
+def test_voxel_order_is_passed_to_the_generator(tmp_path):
+    config = changed(matrices={"small": {"preset": "small", "csr4": False, "voxel_order": "hilbert"}}, reorder="none")
+    jobs = dry_run(tmp_path, config)
+    assert jobs["generate_container"] == 1 and "convert_matrix" not in jobs and "reorder_matrix" not in jobs
+    proc = snakemake(tmp_path, "--cores", "2", "results/small/matrix.h5", config=config, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from mlemlib.reorder import permutation_of, voxel_permutation
+    from mlemlib.scanner import get_preset
+
+    perm = permutation_of(tmp_path / "results" / "small" / "matrix.h5")
+    np.testing.assert_array_equal(perm.voxels, voxel_permutation(tuple(get_preset("small").grid)))
 
 
 # ------------------------------------------------------------------- reruns

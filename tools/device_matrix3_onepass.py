@@ -62,7 +62,7 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-ORDERS = ("own", "voxels", "rows+voxels", "upper", "folded")
+ORDERS = ("own", "voxels", "rows+voxels", "upper", "folded", "folded+voxels")
 
 
 def order_of(order: str, preset: str, cfg, m: int, perm_rays: int):
@@ -71,13 +71,20 @@ def order_of(order: str, preset: str, cfg, m: int, perm_rays: int):
 
     if order == "own":
         return np.arange(m, dtype=np.int64), None, {}
-    if order in ("upper", "folded"):  # each LOR once: the rows i * N + j with i < j (docs/formats.md)
+    if order in ("upper", "folded", "folded+voxels"):  # each LOR once: the rows i * N + j with i < j (docs/formats.md)
         from mlemlib.scanner.system import Tracer, _upper_rows
 
         rows = _upper_rows(cfg.n_crystals, 0, cfg.n_crystals)
         rows = rows if m >= cfg.n_lors else rows[rows < m]
-        if order == "folded":  # only the tubes that cross the grid: the generator's stored rows
+        if order != "upper":  # only the tubes that cross the grid: the generator's stored rows
             rows = rows[Tracer(cfg, 1).hits(rows) > 0]
+        if order == "folded+voxels":  # and the voxels along the reorder stage's 3-D Hilbert curve
+            t0 = time.perf_counter()
+            perm = Permutation(np.arange(m, dtype=np.int64), voxel_permutation(tuple(cfg.grid)), "rows+voxels",
+                               (m, cfg.n_voxels), 0, "")
+            info = {"perm_s": time.perf_counter() - t0}
+            log(f"order {order}: voxel permutation in {info['perm_s']:.1f} s")
+            return rows, perm.inverse_voxels(), info
         return rows, None, {}
     if order == "voxels":
         t0 = time.perf_counter()

@@ -53,6 +53,11 @@ def register(sub) -> None:
         "half the rows, bytes and MLEM time, the same image (.h5 only; docs/formats.md, 'Folded matrices')",
     )  # fmt: skip
     p.add_argument(
+        "--voxel-order", choices=("raster", "hilbert"), default="raster",
+        help="column order: the grid's raster order, or the voxels along a 3-D Hilbert curve, stored as the "
+        "container's voxel permutation (images stay in the grid's order; .h5 only; docs/formats.md)",
+    )  # fmt: skip
+    p.add_argument(
         "--estimate", type=positive_int, nargs="?", const=20000, default=None, metavar="ROWS",
         help="do not write: trace a sample of ROWS rows and print the estimated nnz and time",
     )  # fmt: skip
@@ -72,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--out", "an output file is required (or use --estimate)")
         res = generate(
             args.preset, args.out, rays=args.rays, threads=args.threads, max_nnz=args.max_nnz, fmt=args.format,
-            fold=args.fold,
+            fold=args.fold, voxel_order=args.voxel_order,
         )
     print(json.dumps(res, indent=2))
     return 0

@@ -281,12 +281,22 @@ def _sort_columns(a, cnt, tmp, hist):
 
 
 @njit(cache=True, nogil=True)
-def _emit_row(tch, cnt, sort_tmp, hist, acc, inv_rays, indices, data, s):
-    """Sort a traced row's ``cnt`` voxels ``tch``, write them with their values from ``s`` on, clear ``acc``."""
+def _emit_row(tch, cnt, sort_tmp, hist, acc, inv_rays, indices, data, s, lab, unlab):
+    """Sort a traced row's ``cnt`` voxels ``tch``, write them with their values from ``s`` on, clear ``acc``.
+
+    ``lab``/``unlab`` (int32, or empty for the grid's own raster order): the
+    columns are written as the voxels' labels ``lab[v]`` in another order
+    (``unlab`` its inverse), sorted by label; ``acc`` stays indexed by voxel.
+    """
+    relabel = lab.shape[0] > 0
+    if relabel:
+        for p in range(cnt):
+            tch[p] = lab[tch[p]]
     _sort_columns(tch, cnt, sort_tmp, hist)
     for p in range(cnt):
-        v = tch[p]
-        indices[s + p] = v
+        u = tch[p]
+        v = unlab[u] if relabel else u
+        indices[s + p] = u
         data[s + p] = np.float32(acc[v] * inv_rays)
         acc[v] = 0.0
 
@@ -352,14 +362,16 @@ def count_rows(pts, n_crystals, rows, lo, vs, g, acc, touched, counts):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def fill_rows(pts, n_crystals, rows, lo, vs, g, acc, touched, sort_tmp, hist, indptr, inv_rays, indices, data, bad):
+def fill_rows(pts, n_crystals, rows, lo, vs, g, acc, touched, sort_tmp, hist, indptr, inv_rays, indices, data, bad,
+              lab, unlab):
     """Fill the sorted columns and values of rows ``rows`` into pre-sized CSR arrays.
 
     ``sort_tmp`` (like ``touched``) and ``hist`` (``(T, 2**RADIX_BITS + 1)``
     int64) are sort scratch. ``indptr`` (length ``len(rows) + 1``) comes from the counting pass; a row
     whose count differs is reported in ``bad[t] = row + 1`` (never expected:
     the tracer is deterministic). Values are ``sum of segment lengths *
-    inv_rays`` in float64, stored as float32.
+    inv_rays`` in float64, stored as float32. ``lab``, ``unlab``: the voxel
+    labels of :func:`_emit_row` (empty: the raster order).
     """
     nt = acc.shape[0]
     nrows = rows.shape[0]
@@ -382,12 +394,13 @@ def fill_rows(pts, n_crystals, rows, lo, vs, g, acc, touched, sort_tmp, hist, in
                     _clear(acc_t, tch, cnt)
                     bad[t] = r + 1
                     continue
-                _emit_row(tch, cnt, sort_tmp[t], hist[t], acc_t, inv_rays, indices, data, s)
+                _emit_row(tch, cnt, sort_tmp[t], hist[t], acc_t, inv_rays, indices, data, s, lab, unlab)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def fill_rows_arena(
-    pts, n_crystals, rows, lo, vs, g, acc, touched, sort_tmp, hist, inv_rays, a_idx, a_val, counts, starts, stop
+    pts, n_crystals, rows, lo, vs, g, acc, touched, sort_tmp, hist, inv_rays, a_idx, a_val, counts, starts, stop,
+    lab, unlab,
 ):
     """Trace rows ``rows`` in one pass into per-thread arenas, without knowing their lengths first.
 
@@ -398,6 +411,7 @@ def fill_rows_arena(
     ``stop[t]`` is that row's position ``q`` (``len(rows)`` when the slot
     finished), so rows ``0 .. min(stop) - 1`` are complete. A slot's first
     row always fits when ``cap`` is at least the longest possible row.
+    ``lab``, ``unlab``: the voxel labels of :func:`_emit_row` (empty: the raster order).
     """
     nt = acc.shape[0]
     nrows = rows.shape[0]
@@ -419,7 +433,7 @@ def fill_rows_arena(
                     _clear(acc_t, tch, cnt)
                     stop[t] = q
                     break
-                _emit_row(tch, cnt, sort_tmp[t], hist[t], acc_t, inv_rays, a_idx[t], a_val[t], pos)
+                _emit_row(tch, cnt, sort_tmp[t], hist[t], acc_t, inv_rays, a_idx[t], a_val[t], pos, lab, unlab)
                 counts[q] = cnt
                 starts[q] = pos
                 pos += cnt
