@@ -225,7 +225,8 @@ class DeviceCSR(DeviceMatrix):
         kernel ``csr_interleave``) the four gathers of each lane of a
         ``csr_vector`` group read consecutive elements of the row instead of
         every fourth one, so each gather instruction touches fewer cache
-        lines: 4-6% faster projections on madpet2 (docs/benchmarks.md section
+        lines: on madpet2 the projections 2-5% faster on an H200 and 0.5-2%
+        on an H100, the iteration 4% and 0.9% (docs/benchmarks.md section
         82). The same pairs (column, value) in another order: any kernel
         computes the same product, ``csr_vector`` with other rounding (fixed
         by the layout: runs stay bit-identical), and :meth:`cusparse`,
