@@ -57,8 +57,8 @@ FUSED = ("csr_vector", "csr_scalar", "delta_vector")
 #: of A's rows; False runs every row (for measurements: tools/device_spmv_options.py --options SKIP_EMPTY=0).
 SKIP_EMPTY_ROWS = True
 #: Each row of the matrices only ``csr_vector`` reads interleaved for its lanes (DeviceCSR.set_layout,
-#: _cuda_plan.row_layouts): the iteration on madpet2 4% faster on an H200, 0.9% on an H100 (benchmarks.md section 82); False keeps
-#: them in column order (for measurements).
+#: _cuda_plan.row_layouts): the iteration on madpet2 4% faster on an H200, 0.9% on an H100
+#: (benchmarks.md section 82); False keeps them in column order (for measurements).
 INTERLEAVE = True
 GIB = float(1 << 30)
 
