@@ -244,12 +244,21 @@ def test_voxel_order_needs_a_direct_preset_and_no_reorder(tmp_path, entry, reord
     assert not (tmp_path / "results").exists()
 
 
-def test_voxel_order_is_passed_to_the_generator(tmp_path):
-    config = changed(matrices={"small": {"preset": "small", "csr4": False, "voxel_order": "hilbert"}}, reorder="none")
+def test_voxel_order_runs_every_stage_on_the_generated_container(tmp_path):
+    # The Matrix 3 config's kind of matrix (folded, compressed, written by the generator in Hilbert voxel
+    # order) through every CPU stage: norm, transpose, partition, simulation, MLEM, summary.
+    entry = {"preset": "small", "csr4": False, "format": "compressed", "fold": True, "voxel_order": "hilbert"}
+    config = changed(matrices={"small": entry}, reorder="none")
     jobs = dry_run(tmp_path, config)
     assert jobs["generate_container"] == 1 and "convert_matrix" not in jobs and "reorder_matrix" not in jobs
-    proc = snakemake(tmp_path, "--cores", "2", "results/small/matrix.h5", config=config, timeout=600)
+    proc = snakemake(tmp_path, "--cores", "2", config=config, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "results/summary/default/runs.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    runs = [r for r in rows if not r["run"].endswith("/reference")]
+    assert len(runs) == 2 and "notrans" in {r["bp"] for r in runs}
+    for r in runs:  # the images (in the grid's order) against the float64 reference of the same matrix
+        assert float(r["rel_l2_reference"]) < 1e-5, r
     from mlemlib.reorder import permutation_of, voxel_permutation
     from mlemlib.scanner import get_preset
 
