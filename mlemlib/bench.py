@@ -594,13 +594,14 @@ def bench_spmv(
                 layout = plan.row_layouts("csr_vector", "csr_vector", True, lanes_auto, lanes_auto, interleave)[0]
                 if layout:
                     try:
-                        il = ck.DeviceCSR(mat.indptr, mat.indices.copy(), mat.data.copy(), mat.shape)
+                        il = ck.DeviceCSR(mat.indptr, mat.indices.copy(), mat.data.copy(), mat.shape,
+                                          layout=mat.layout)
                     except cp.cuda.memory.OutOfMemoryError:
                         log.warning("%s: no memory for a copy in the interleaved layout; column order only", op)
                         return
                     il.set_layout(layout)
                     picked_shape[op] = (il.tune(lanes_auto).label(), layout)
-                    for sh in plan.SHAPE_CANDIDATES if lanes_auto in plan.BLOCK_LANES else plan.SHAPE_CANDIDATES[:1]:
+                    for sh in plan.SHAPE_CANDIDATES:  # a layout is only given to block-shape lane counts
                         run(
                             op,
                             k,

@@ -85,9 +85,6 @@ ROW_KEY_BITS = 10
 DEFAULT_CHUNK_NNZ = 1 << 26
 
 _NO_KEY = np.iinfo(np.int64).max  # key of an empty row: after every other
-#: ``format`` attributes of the matrix containers that may hold a permutation: CSR (``mlem reorder``) and
-#: the compressed formats (``mlem generate --voxel-order hilbert``).
-CONTAINER_FORMATS = ("mlem-csr", "mlem-compressed", "mlem-compressed-f16", "mlem-compressed-u16")
 
 
 # --------------------------------------------------------------------------- the permutation
@@ -672,12 +669,7 @@ def apply(
             k: v for k, v in (getattr(src, "attrs", None) or {}).items()
             if k not in RESERVED_ATTRS and not k.startswith("reorder_") and isinstance(v, (str, int, float, list))
         }
-        attrs.update({
-            ATTR_MODE: perm.mode,
-            ATTR_SOURCE: Path(name).name,
-            ATTR_SOURCE_CHECKSUM: perm.source_checksum,
-            ATTR_PERM_CHECKSUM: perm.checksum,
-        })
+        attrs.update(_container_attrs(perm, Path(name).name))
         log.info(
             "%s: writing %s permutation (%d x %d, %d non-zeros) to %s in %d pass(es)",
             name, perm.mode, m, n, nnz, out, passes,
@@ -793,10 +785,38 @@ def reorder_file(
 # --------------------------------------------------------------------------- files
 
 
-def _write_perm_datasets(f: Any, perm: Permutation) -> None:
-    f.create_dataset("row_perm", data=np.ascontiguousarray(perm.rows, dtype="<i8"))
+def _is_container_format(fmt: Any) -> bool:
+    """Whether ``fmt`` is the ``format`` attribute of a matrix container: CSR (``mlem reorder``) or compressed
+    (``mlem generate --voxel-order hilbert``)."""
+    from mlemlib.formats.compressed_h5 import FORMATS
+    from mlemlib.formats.h5 import FORMAT
+
+    return fmt == FORMAT or fmt in FORMATS
+
+
+def _perm_datasets(perm: Permutation) -> dict[str, np.ndarray]:
+    """The datasets that store ``perm`` in a file: ``row_perm`` and, if the voxels move, ``voxel_perm``."""
+    out = {"row_perm": np.ascontiguousarray(perm.rows, dtype="<i8")}
     if perm.voxels is not None:
-        f.create_dataset("voxel_perm", data=np.ascontiguousarray(perm.voxels, dtype="<i8"))
+        out["voxel_perm"] = np.ascontiguousarray(perm.voxels, dtype="<i8")
+    return out
+
+
+def _container_attrs(perm: Permutation, source: str) -> dict[str, str]:
+    """The attributes that mark a matrix container as reordered by ``perm`` (``source``: the user's matrix)."""
+    return {ATTR_MODE: perm.mode, ATTR_SOURCE: source, ATTR_SOURCE_CHECKSUM: perm.source_checksum,
+            ATTR_PERM_CHECKSUM: perm.checksum}
+
+
+def attach(writer: Any, perm: Permutation, source: str) -> None:
+    """Store ``perm`` in a matrix container being written (before the writer closes): it then reads as
+    reordered (:func:`permutation_of`), and runs on it are transparent."""
+    writer.attach(_perm_datasets(perm), _container_attrs(perm, source))
+
+
+def _write_perm_datasets(f: Any, perm: Permutation) -> None:
+    for name, data in _perm_datasets(perm).items():
+        f.create_dataset(name, data=data)
 
 
 def write_permutation(path: str | os.PathLike, perm: Permutation, *, source: str = "") -> None:
@@ -901,7 +921,7 @@ def read_permutation(
                 raise MatrixFormatError(p, f"attribute shape is {stored!r}, expected (m, n)")
             mode, nnz = _attr(f, "mode"), int(_attr(f, "nnz", -1))
             src_ck, ck = str(_attr(f, "source_checksum", "")), str(_attr(f, "checksum", ""))
-        elif fmt in CONTAINER_FORMATS and ATTR_MODE in f.attrs:  # a reordered container (any matrix format)
+        elif _is_container_format(fmt) and ATTR_MODE in f.attrs:  # a reordered container (any matrix format)
             stored = _attr(f, "shape")
             mode, nnz = _attr(f, ATTR_MODE), int(_attr(f, "nnz", -1))
             src_ck, ck = str(_attr(f, ATTR_SOURCE_CHECKSUM, "")), str(_attr(f, ATTR_PERM_CHECKSUM, ""))

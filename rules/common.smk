@@ -27,6 +27,13 @@ def get_matrix_formats():
     return tuple(sorted({m.get("format", "csr") for m in config["matrices"].values()}))
 
 
+def is_generated_direct(matrix):
+    """True when generate_container writes the container of `matrix` itself
+    (a preset with csr4: false): no .csr4, no conversion."""
+    entry = config["matrices"][matrix]
+    return bool(entry["preset"]) and not entry["csr4"]
+
+
 def validate_config():
     """Validate the config against config/schema.yaml, filling in defaults.
 
@@ -51,9 +58,7 @@ def validate_config():
             "config/schema.yaml lists the keys and their allowed values"
         ) from None
     for name, entry in config["matrices"].items():
-        if entry["voxel_order"] != "raster" and not (
-            entry["preset"] and not entry["csr4"]
-        ):
+        if entry["voxel_order"] != "raster" and not is_generated_direct(name):
             raise WorkflowError(
                 f"config matrices.{name}.voxel_order: {entry['voxel_order']} is for a "
                 "preset written straight into the container (csr4: false)"
@@ -286,13 +291,6 @@ def get_matrix_stamp(wildcards):
 
 def _names_regex(names):
     return "|".join(names) if names else "(?!)"
-
-
-def is_generated_direct(matrix):
-    """True when generate_container writes the container of `matrix` itself
-    (a preset with csr4: false): no .csr4, no conversion."""
-    entry = config["matrices"][matrix]
-    return bool(entry["preset"]) and not entry["csr4"]
 
 
 def get_generated_matrix_regex():

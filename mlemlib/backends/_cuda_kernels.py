@@ -372,6 +372,19 @@ class DeviceCSR(DeviceMatrix):
         return out
 
 
+def set_row_layouts(a: Any, at: Any, fp_kernel: str, bp_kernel: str, lanes_fp: int, lanes_bp: int,
+                    enabled: bool) -> None:
+    """Give a backend's ``A`` and ``A^T`` the layouts its kernels read best (:func:`_cuda_plan.row_layouts`,
+    :meth:`DeviceCSR.set_layout`); matrices of other formats, and a missing ``A^T``, are left alone.
+    Called before the launch shapes are tuned: they are timed on the layout used."""
+    if not isinstance(a, DeviceCSR):
+        return
+    la, lt = plan.row_layouts(fp_kernel, bp_kernel, at is not None, lanes_fp, lanes_bp, enabled)
+    a.set_layout(la)
+    if isinstance(at, DeviceCSR):
+        at.set_layout(lt)
+
+
 # --------------------------------------------------------------------------- uploads (DeviceCSR.upload)
 #: Rows of a host CSR matrix (:func:`mlemlib.matrix.slice_rows`), under the name the uploads use.
 slice_rows_host = slice_rows

@@ -284,8 +284,8 @@ def interleave_positions(indptr: np.ndarray, lanes: int) -> np.ndarray:
     trip = rel // (4 * lanes)
     q = np.minimum(qe - qa - trip * lanes, lanes)
     j = rel - trip * 4 * lanes
-    with np.errstate(divide="ignore", invalid="ignore"):
-        moved = 4 * qa + trip * 4 * lanes + 4 * (j % np.maximum(q, 1)) + j // np.maximum(q, 1)
+    q = np.maximum(q, 1)  # outside the quads q may be 0; those elements keep their slot
+    moved = 4 * qa + trip * 4 * lanes + 4 * (j % q) + j // q
     return np.where(inside, moved, p)
 
 

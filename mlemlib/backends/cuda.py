@@ -313,12 +313,9 @@ class CudaBackend(Backend):
                 self._stream = stream if self.l2_window else None
                 if self.l2_window:  # the set-aside and its lines go with the backend (later work gets all of L2)
                     weakref.finalize(self, _release_l2_on, self.device_id).atexit = False
-            if isinstance(self.a, ck.DeviceCSR):  # before tuning: the shapes are timed on the layout used
-                la, lt = plan.row_layouts(self.fp_kernel, self.bp_kernel, self.at is not None, self._lanes(self.a),
-                                          self._lanes(self.at) if self.at is not None else 0, INTERLEAVE)
-                self.a.set_layout(la)
-                if isinstance(self.at, ck.DeviceCSR):
-                    self.at.set_layout(lt)
+            if isinstance(self.a, ck.DeviceCSR):
+                ck.set_row_layouts(self.a, self.at, self.fp_kernel, self.bp_kernel, self._lanes(self.a),
+                                   self._lanes(self.at) if self.at is not None else 0, INTERLEAVE)
             if tune and self.fp_kernel == "csr_vector" and isinstance(self.a, ck.DeviceCSR):
                 self.a.tune(self._lanes(self.a))
             if tune and self.at is not None and self.bp_kernel == "csr_vector":

@@ -409,12 +409,8 @@ class NcclBackend(Backend):
                                      100 * s.smem.local_fraction, part, self.bp_kernel)
                         if self.bp_kernel != "scatter_smem":
                             s.smem = None
-                    if isinstance(s.a, ck.DeviceCSR):  # before tuning (as CudaBackend)
-                        la, lt = cplan.row_layouts(self.fp_kernel, self.bp_kernel, s.at is not None, self.lanes_fp,
-                                                   self.lanes_bp(s) if s.at is not None else 0, _cuda.INTERLEAVE)
-                        s.a.set_layout(la)
-                        if isinstance(s.at, ck.DeviceCSR):
-                            s.at.set_layout(lt)
+                    ck.set_row_layouts(s.a, s.at, self.fp_kernel, self.bp_kernel, self.lanes_fp,
+                                       self.lanes_bp(s) if s.at is not None else 0, _cuda.INTERLEAVE)
                     if tune and self.fp_kernel == "csr_vector":
                         s.a.tune(self.lanes_fp)
                     if tune and s.at is not None and self.bp_kernel == "csr_vector":

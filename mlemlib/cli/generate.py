@@ -21,6 +21,7 @@ from mlemlib.registry import FORMATS as MATRIX_FORMATS
 def register(sub) -> None:
     """Add the ``generate`` subcommand."""
     from mlemlib.scanner.presets import PRESETS
+    from mlemlib.scanner.geometry import VOXEL_ORDERS
 
     p = add_parser(sub, "generate", "Generate a synthetic scanner's system matrix (.csr4) by exact ray tracing.")
     p.add_argument(
@@ -53,7 +54,7 @@ def register(sub) -> None:
         "half the rows, bytes and MLEM time, the same image (.h5 only; docs/formats.md, 'Folded matrices')",
     )  # fmt: skip
     p.add_argument(
-        "--voxel-order", choices=("raster", "hilbert"), default="raster",
+        "--voxel-order", choices=VOXEL_ORDERS, default="raster",
         help="column order: the grid's raster order, or the voxels along a 3-D Hilbert curve, stored as the "
         "container's voxel permutation (images stay in the grid's order; .h5 only; docs/formats.md)",
     )  # fmt: skip

@@ -244,14 +244,6 @@ CSR_BLOCK(16)
 CSR_BLOCK(32)
 
 // ---------------------------------------------------------------------------
-// merge_spmv: the merge-based SpMV of the thesis (5.1, Merrill & Garland).
-// The merge list is the m row ends (rowptr[1..m]) merged with the nnz indices
-// 0..nnz-1; thread t starts at diagonal d = t * secsize (found by binary
-// search along the diagonal) and consumes `secsize` items: a non-zero adds to
-// the running row sum, a row end flushes the sum into y with atomicAdd. y must
-// be zero on entry. Rows split between threads are summed in an order that
-// depends on timing: not deterministic.
-// ---------------------------------------------------------------------------
 // csr_interleave: a row's 16-byte part (quads ceil(s/4) .. floor(e/4), as group_dot loads them)
 // falls into trips of L quads (the last of Q < L). In the interleaved layout (inverse == 0) the
 // trip's element j = k Q + l (in column order) sits in slot 4 l + k: lane l's int4/float4 loads
@@ -297,6 +289,14 @@ extern "C" __global__ void csr_interleave(const i64* __restrict__ rowptr, i64 m,
     }
 }
 
+// ---------------------------------------------------------------------------
+// merge_spmv: the merge-based SpMV of the thesis (5.1, Merrill & Garland).
+// The merge list is the m row ends (rowptr[1..m]) merged with the nnz indices
+// 0..nnz-1; thread t starts at diagonal d = t * secsize (found by binary
+// search along the diagonal) and consumes `secsize` items: a non-zero adds to
+// the running row sum, a row end flushes the sum into y with atomicAdd. y must
+// be zero on entry. Rows split between threads are summed in an order that
+// depends on timing: not deterministic.
 extern "C" __global__ void merge_spmv(const i64* __restrict__ rowptr, const int* __restrict__ col,
                                       const float* __restrict__ val, const float* __restrict__ x,
                                       float* __restrict__ y, i64 m, i64 nnz, int secsize) {

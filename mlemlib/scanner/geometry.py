@@ -28,6 +28,10 @@ import numpy as np
 
 from mlemlib.errors import ConfigError
 
+#: Column (voxel) orders of a generated matrix: the grid's raster order (x fastest), or the voxels along
+#: the reorder stage's 3-D Hilbert curve (``mlemlib.scanner.generate(voxel_order=)``).
+VOXEL_ORDERS = ("raster", "hilbert")
+
 #: Largest row and column counts a ``.csr4`` header can hold (uint32 fields).
 _MAX_CSR4 = 2**32 - 1
 

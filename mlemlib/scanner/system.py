@@ -36,7 +36,7 @@ import numpy as np
 from mlemlib.errors import MlemError
 from mlemlib.matrix import CSRMatrix
 from mlemlib.scanner import _siddon
-from mlemlib.scanner.geometry import ScannerConfig, box_bounds, face_points
+from mlemlib.scanner.geometry import VOXEL_ORDERS, ScannerConfig, box_bounds, face_points
 from mlemlib.scanner.presets import get_preset
 from mlemlib.transpose import numba_threads as _numba_threads
 
@@ -249,10 +249,6 @@ def _upper_rows(n_crystals: int, i0: int, i1: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-#: Voxel orders of the generator's columns (``voxel_order``).
-VOXEL_ORDERS = ("raster", "hilbert")
-
-
 def check_voxel_order(order: str) -> str:
     """``order`` if it is one of :data:`VOXEL_ORDERS`, else :class:`ConfigError`."""
     from mlemlib.errors import ConfigError
@@ -268,14 +264,10 @@ def _attach_voxel_order(writer, tracer: Tracer, m_out: int, nnz: int, preset: st
     The container then reads as a reordered one (``mlemlib.reorder.permutation_of``): runs take the
     measurement in the user's LOR order and write images in the grid's raster order.
     """
-    from mlemlib.reorder import ATTR_MODE, ATTR_PERM_CHECKSUM, ATTR_SOURCE, ATTR_SOURCE_CHECKSUM, Permutation
+    from mlemlib.reorder import Permutation, attach
 
     perm = Permutation(np.arange(m_out, dtype=np.int64), tracer.voxels, "rows+voxels", (m_out, tracer.n), nnz, "")
-    writer.attach(
-        {"row_perm": perm.rows.astype("<i8"), "voxel_perm": perm.voxels.astype("<i8")},
-        {ATTR_MODE: perm.mode, ATTR_SOURCE: f"mlem generate --preset {preset} --voxel-order {tracer.voxel_order}",
-         ATTR_SOURCE_CHECKSUM: "", ATTR_PERM_CHECKSUM: perm.checksum},
-    )
+    attach(writer, perm, f"mlem generate --preset {preset} --voxel-order {tracer.voxel_order}")
 
 
 def _writer_for(out: Path, fmt: str, cfg: ScannerConfig):
