@@ -10,8 +10,9 @@ Provides
   written per second), the yardstick of every fraction reported;
   :func:`record_copy_bandwidths` measures it cheaply on each GPU of a run
   for its ``timings.json``;
-- :func:`bench_spmv` — times every kernel (CUDA events, median of ``repeat``
-  runs after warm-up) on one matrix: forward ``A x``, back projection on the
+- :func:`bench_spmv` — times every kernel (CUDA events, median of two rounds
+  of ``repeat`` runs after warm-up, an operation's kernels in turn, the second
+  round in the reverse order) on one matrix: forward ``A x``, back projection on the
   stored transpose ``A^T c`` and without it (scatter from ``A``; ``csr_vector``
   under every launch shape, in column order and, on a copy, in the
   interleaved layout a backend gives it: ``DeviceCSR.set_layout``), each with
@@ -514,9 +515,14 @@ def bench_spmv(
         def flush() -> None:
             if not pending:
                 return
-            times = time_gpu_interleaved([p[2] for p in pending], repeat=repeat, warmup=warmup)
-            for (op, kernel, fn, nbytes, extra), t in zip(pending, times):
-                record(op, kernel, fn, t, nbytes, extra)
+            fns = [p[2] for p in pending]
+            # two rounds, the second in the reverse order: what a kernel leaves in L2 for the next one
+            # then favours no candidate (benchmarks.md section 84)
+            rounds = [time_gpu_interleaved(fns, repeat=repeat, warmup=warmup),
+                      time_gpu_interleaved(fns[::-1], repeat=repeat, warmup=0)[::-1]]
+            for (op, kernel, fn, nbytes, extra), t0, t1 in zip(pending, *rounds):
+                rounds_s = [float(np.median(t0)), float(np.median(t1))]
+                record(op, kernel, fn, np.concatenate([t0, t1]), nbytes, {**(extra or {}), "rounds_s": rounds_s})
             pending.clear()
             for r in rows:  # the layout and launch shape a backend picks, among those timed
                 if r["kernel"] == "csr_vector" and r.get("lanes_auto") and r["op"] in picked_shape:
@@ -879,7 +885,9 @@ def format_markdown(result: dict[str, Any]) -> str:
             f"{mtx['empty_rows']} empty rows, {mtx['empty_cols']} empty columns"
         ),
         (
-            f"- median of {result['repeat']} runs after {result['warmup']} warm-up runs (CUDA events); "
+            f"- kernels: median of 2 x {result['repeat']} runs after {result['warmup']} warm-up runs (CUDA "
+            "events), each operation's kernels in turn, in two rounds (the second in the reverse order; both "
+            f"rounds' medians shown); iterations: median of {result['repeat']}; "
             "bandwidth = (8 B per nnz + row pointer + vectors) / time; 'vs cuSPARSE' = cuSPARSE time / kernel time"
         ),
         "",
@@ -891,12 +899,14 @@ def format_markdown(result: dict[str, Any]) -> str:
         lines += [
             f"### {OP_TITLES[op]}",
             "",
-            "| kernel | deterministic | median ms | TB/s | of copy bw | vs cuSPARSE | rel. L2 error |",
-            "|---|---|---|---|---|---|---|",
+            "| kernel | deterministic | median ms | rounds ms | TB/s | of copy bw | vs cuSPARSE | rel. L2 error |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
+            rounds = " / ".join(f"{t * 1e3:.3f}" for t in r.get("rounds_s", ()))
             lines.append(
                 f"| {kernel_label(r)} | {'yes' if r['deterministic'] else 'no'} | {r['median_s'] * 1e3:.3f} | "
+                f"{rounds or '-'} | "
                 f"{r['bandwidth'] / 1e12:.3f} | {_fmt(r['of_copy'], '.1%')} | {_fmt(r.get('vs_cusparse'), '.2f')} | "
                 f"{_fmt(r.get('rel_l2'), '.1e')} |"
             )

@@ -213,6 +213,7 @@ def _result():
                 "lanes_auto": True,
                 "deterministic": True,
                 "median_s": 2.5e-3,
+                "rounds_s": [2.49e-3, 2.512e-3],
                 "bandwidth": 2.16e12,
                 "of_copy": 0.72,
                 "vs_cusparse": 0.8,
@@ -302,8 +303,9 @@ def test_format_markdown_tables():
     md = format_markdown(_result())
     assert "## SpMV benchmark: m.h5" in md
     assert "3.000 TB/s" in md and "theoretical 3.35 TB/s" in md
-    assert "| csr_vector (32 lanes) | yes | 2.500 | 2.160 | 72.0% | 0.80 | 4.0e-08 |" in md
-    assert "| merge (secsize 5) | no | 9.000 | 0.600 | 20.0% | - | - |" in md
+    assert "| csr_vector (32 lanes) | yes | 2.500 | 2.490 / 2.512 | 2.160 | 72.0% | 0.80 | 4.0e-08 |" in md
+    assert "| merge (secsize 5) | no | 9.000 | - | 0.600 | 20.0% | - | - |" in md  # no rounds recorded
+    assert "in two rounds (the second in the reverse order" in md
     assert "### back A^T c (no transpose)" in md
     assert "### back A^T c (stored transpose)" not in md  # no rows for it
     assert "| csr | - | csr_vector | csr_vector | yes | corr into fp | 6.000 | 5.400 | 90.0% | - | - |" in md
