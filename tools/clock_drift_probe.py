@@ -41,10 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    import cupy as cp
     import pynvml
 
-    from mlemlib.backends import _cuda_kernels as ck
     from mlemlib.backends import _cuda_plan as plan
     from mlemlib.backends.base import timed_iterations
     from mlemlib.backends.cuda import CudaBackend
@@ -64,16 +62,10 @@ def main(argv=None) -> int:
                 "reasons": [v for k, v in REASONS.items() if r & k]}
 
     host, _ = dk.trace(args.rays)
-    a = ck.DeviceCSR.from_host(host)
+    a, at = dk.build(host, "own")
     del host
     m, n = a.shape
-    at = a.transpose()
-    rng = np.random.default_rng(1)
-    f_true = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
-    g = (a.cusparse() @ f_true).get()
-    a.drop_cusparse()
-    norm = (at.cusparse() @ cp.ones(m, dtype=cp.float32)).get().astype(np.float64)
-    at.drop_cusparse()
+    g, norm = dk.problem(a, at)
     floor_bytes = plan.iteration_floor_bytes(m, n, a.nnz)
     be = CudaBackend(a, g, norm, at, fp="auto", bp="auto", device=0)
     d = be.describe()

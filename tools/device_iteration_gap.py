@@ -14,6 +14,12 @@ script takes the difference apart on the same matrix, in one process:
   unfused ones;
 - the launch latency: the fused forward submitted to an idle GPU.
 
+``--profile`` runs one iteration and the plain kernels between
+cudaProfilerStart and Stop, for Nsight Compute::
+
+    ncu --profile-from-start off --clock-control none --set full -o $OUT/it \
+        python3 tools/device_iteration_gap.py --profile --out /tmp/gap.json
+
 Run on the device from the repository root::
 
     PYTHONPATH=. python3 tools/device_iteration_gap.py --out $OUT/gap.json
@@ -102,6 +108,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ab", type=Path, help="another spmv.cu to alternate with this tree's, in rounds")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: after 3 iterations, one iteration (its two fused kernels) and the plain forward "
+                         "and back projections between cudaProfilerStart and Stop, for "
+                         "`ncu --profile-from-start off`")
     ap.add_argument("--shapes", action="store_true",
                     help="instead: the pipelined iteration and the back projection alone under each launch shape "
                          "of A^T's csr_vector (the tuner's candidates), in rounds, the order reversed every other")
@@ -128,7 +138,18 @@ def main(argv=None) -> int:
     be = CudaBackend(a, g, norm, at, fp="auto", bp="auto", device=0)
     res["backend"] = be.describe()
     f = be.initial_image()
-    if args.shapes:
+    if args.profile:  # the kernels as the iteration runs them, then alone without their epilogues
+        for _ in range(3):
+            f = be.iterate(f)
+        be.synchronize()
+        cp.cuda.profiler.start()
+        f = be.iterate(f)
+        c = be._c.copy()
+        be.forward(f)
+        be.back(c)
+        be.synchronize()
+        cp.cuda.profiler.stop()
+    elif args.shapes:
         from mlemlib.backends import _cuda_plan as plan
         from mlemlib.bench import time_gpu
 
