@@ -12,6 +12,9 @@ output:
 - ``threads128``: the library's loop in 128-thread blocks (``unroll2_t512``: U = 2 in 512);
 - ``lanes16``, ``lanes16_unroll2``, ``library_lanes16``: 16 lanes per row (two rows per warp);
 - ``heads``, ``heads_unroll2``: the row's bounds loaded beside its correlation (one latency, not two);
+- ``spread_golden``, ``spread_perm``: the library's loop (2 trips' loads before their atomics) over the
+  rows in another launch order, each row read whole and in place: warp ``w`` takes row ``w P mod m``
+  (``P`` near ``m`` over the golden ratio, coprime with ``m``) or that of a random permutation;
 - ``*_c_nonzero``: with a vector without zeros (as ``mlem bench spmv``'s), every row is read;
 - ``cusparse_notrans``.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -80,6 +84,26 @@ __device__ __forceinline__ void scat(const i64* __restrict__ rowptr, const int* 
     if (cr == 0.0f) return;
     scat_row<L, U>(rowptr[r], rowptr[r + 1], col, val, cr, out, lane);
 }
+
+// The rows in another launch order: warp w takes row (w P) mod m (P coprime with m, near m / golden
+// ratio: the rows in flight together come from all over the matrix) or perm[w]; each row is still read
+// whole and in place. In the scanner's order the rows in flight together are a fan of neighbouring
+// LORs, whose atomics meet on the same voxels.
+template <int L, int U>
+__device__ __forceinline__ void scat_spread(const i64* __restrict__ rowptr, const int* __restrict__ col,
+                                            const float* __restrict__ val, const float* __restrict__ c,
+                                            float* out, i64 m, i64 P, const i64* __restrict__ perm) {
+    const int lane = threadIdx.x & (L - 1);
+    const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / L;
+    if (w >= m) return;
+    const i64 r = perm != nullptr ? perm[w]
+                                  : (i64)(((unsigned long long)w * (unsigned long long)P) % (unsigned long long)m);
+    const float cr = __ldg(c + r);
+    if (cr == 0.0f) return;
+    scat_row<L, U>(rowptr[r], rowptr[r + 1], col, val, cr, out, lane);
+}
+extern "C" __global__ void __launch_bounds__(1024) scat32u2s(const i64* rowptr, const int* col, const float* val,
+    const float* c, float* out, i64 m, i64 P, const i64* perm) { scat_spread<32, 2>(rowptr, col, val, c, out, m, P, perm); }
 
 #define K(NAME, L, U, H) \
 extern "C" __global__ void __launch_bounds__(1024) NAME(const i64* rowptr, const int* col, const float* val, \
@@ -141,8 +165,28 @@ def main(argv=None) -> int:
             return out
         return call
 
+    def spread(vec=None, perm=None):
+        fn = mod.get_function("scat32u2s")
+        cv = c if vec is None else vec
+        p = int(m / 1.618033988749895)
+        while math.gcd(p, m) != 1:
+            p += 1
+        blocks = (m * 32 + 255) // 256
+        pa = perm if perm is not None else null
+
+        def call():
+            out.fill(0)
+            fn((blocks,), (256,), (a.indptr, a.indices, a.data, cv, out, np.int64(m), np.int64(p), pa))
+            return out
+        return call
+
+    perm = cp.asarray(rng.permutation(m).astype(np.int64))
     variants = {
         "library": lambda: ck.scatter(a, c, out, kernel="scatter", lanes=32),
+        "spread_golden": spread(),
+        "spread_golden_c_nonzero": spread(vec=c_full),
+        "spread_perm": spread(perm=perm),
+        "spread_perm_c_nonzero": spread(vec=c_full, perm=perm),
         "heads": raw("scat32h", 32, 256),
         "heads_unroll2": raw("scat32u2h", 32, 256),
         "heads_unroll2_c_nonzero": raw("scat32u2h", 32, 256, vec=c_full),

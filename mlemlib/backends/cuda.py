@@ -60,9 +60,6 @@ SKIP_EMPTY_ROWS = True
 #: _cuda_plan.row_layouts): the iteration on madpet2 4% faster on an H200, 0.9% on an H100
 #: (benchmarks.md section 82); False keeps them in column order (for measurements).
 INTERLEAVE = True
-#: The fused CSR pair's correlation ``c`` (gathered by the back projection on A^T) in a persisting L2
-#: window on the iteration's stream, as the one pass's atomic target (_compressed_cuda.persist_in_l2).
-L2_CORRELATION = False
 GIB = float(1 << 30)
 
 
@@ -307,18 +304,13 @@ class CudaBackend(Backend):
             self._images: list[Any] | None = None  # the chunked iteration's two image buffers
             # The one pass on a compressed A: its atomic target (bp, or the fixed point's accumulator) kept
             # in L2 by a persisting access-policy window on the iteration's own stream (blocking: ordered
-            # with the default stream's work); no stream where the GPU has no such control. The same for
-            # the fused CSR pair's correlation where L2_CORRELATION is set.
+            # with the default stream's work); no stream where the GPU has no such control. (The fused CSR
+            # pair's correlation in such a window gained nothing: benchmarks.md section 84.)
             self._stream: Any = None
             self.l2_window: dict | None = None
-            window = None
             if self.onepass and not self.chunked and self.format != "csr":
-                window = self._acc if self.deterministic else self._bp
-            elif L2_CORRELATION and self.fuse_bp and self.bp_kernel == "csr_vector":
-                window = self._c  # the correlation the back projection on A^T gathers
-            if window is not None:
                 stream = cp.cuda.Stream()
-                self.l2_window = cc().persist_in_l2(stream, window)
+                self.l2_window = cc().persist_in_l2(stream, self._acc if self.deterministic else self._bp)
                 self._stream = stream if self.l2_window else None
                 if self.l2_window:  # the set-aside and its lines go with the backend (later work gets all of L2)
                     weakref.finalize(self, _release_l2_on, self.device_id).atexit = False
