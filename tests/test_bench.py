@@ -290,6 +290,22 @@ def test_row_layouts_interleave_only_what_csr_vector_alone_reads(fp, bp, transpo
     assert plan.row_layouts(fp, bp, transpose, 4, 2, enabled) == (0, 0)  # short rows: column order
 
 
+@pytest.mark.parametrize("m", [3, 4, 10, 81, 1152, 1327104, 2 * 3 * 5 * 7 * 11 * 13])
+def test_spread_stride_visits_every_row_once_far_from_its_neighbours(m):
+    p = plan.spread_stride(m)
+    assert math.gcd(p, m) == 1 and int(m / plan.GOLDEN) <= p < m
+    if m <= 1_000_000:
+        order = (np.arange(m, dtype=np.int64) * p) % m
+        assert np.array_equal(np.sort(order), np.arange(m))  # a permutation: every row once
+        if m >= 1000:  # consecutive lane groups take rows far apart
+            assert np.abs(np.diff(order[:64])).min() > m // 10
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 1 << 32, (1 << 32) + 7])
+def test_spread_stride_keeps_the_order_where_it_cannot_spread(m):
+    assert plan.spread_stride(m) == 1
+
+
 def test_kernel_label():
     assert kernel_label({"kernel": "merge", "secsize": 7}) == "merge (secsize 7)"
     assert kernel_label({"kernel": "csr_vector", "lanes": 32, "shape": "512t w0 stream", "layout": 32}) == (

@@ -52,6 +52,7 @@ def main(argv=None) -> int:
 
     from mlemlib.backends import _compressed_cuda as cc
     from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib.backends import _cuda_plan as plan
     from mlemlib.backends.base import timed_iterations
     from mlemlib.backends.cuda import CudaBackend
     from mlemlib.bench import copy_bandwidth, time_gpu_interleaved
@@ -114,7 +115,8 @@ def main(argv=None) -> int:
         fn = ck._function("spmv", f"scatter_{lanes}")
 
         def no_fill():
-            ck._launch_rows(fn, m, lanes, (a.indptr, a.indices, a.data, c, y, np.int64(m)), waves=0)
+            ck._launch_rows(fn, m, lanes, (a.indptr, a.indices, a.data, c, y, np.int64(m),
+                                           np.int64(plan.spread_stride(m))), waves=0)
 
         blocks("scatter", {"scatter": lambda: ck.scatter(a, c, y),
                            "scatter (no fill)": no_fill,

@@ -53,6 +53,9 @@ SMEM_THREADS = 1024
 SPMV_OPTIONS: tuple[str, ...] = ()
 #: The build of spmv.cu whose ``scatter_vec_L`` uses sm_90 vector atomics.
 VECTOR_ATOMICS = ("-DMLEM_VECTOR_ATOMICS",)
+#: The atomic scatter takes A's rows in a spread order (:func:`_cuda_plan.spread_stride`); False: in order
+#: (for measurements).
+SCATTER_SPREAD = True
 
 
 def cupy():
@@ -794,8 +797,10 @@ def scatter(
         if lanes_ not in plan.LANE_CHOICES:
             raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
         fn = _function("spmv", f"{kernel}_{lanes_}", VECTOR_ATOMICS if kernel == "scatter_vec" else ())
-        # one row per lane group, no grid-stride loop: the rows in flight are neighbours (docs/benchmarks.md §31)
-        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, c, out, np.int64(m)), waves=0)
+        # one row per lane group, no grid-stride loop (docs/benchmarks.md §31); the rows in a spread order
+        # (group w takes row w P mod m, §84) unless SCATTER_SPREAD is off
+        stride = plan.spread_stride(m) if SCATTER_SPREAD else 1
+        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, c, out, np.int64(m), np.int64(stride)), waves=0)
     elif kernel == "scatter_smem":
         sp = smem if smem is not None else smem_plan(a)
         nchunks = len(sp.chunk_rows) - 1
