@@ -1479,3 +1479,30 @@ def test_l2_window_falls_back_to_none_and_leaves_nothing_set(monkeypatch):
     gpu.release_l2()
     assert [c[0] for c in drv.calls] == ["cuCtxResetPersistingL2Cache", "cuCtxSetLimit"]
     assert drv.calls[-1][1][1].value == 0
+
+
+def _spread_rows(w, p, u, m):
+    """NumPy mirror of ``spread_rows`` in epilogue.cuh."""
+    w = np.asarray(w, dtype=np.int64)
+    if p == 1:
+        return w
+    units = -(-m // u)
+    return ((w // u) * p) % units * u + w % u
+
+
+@pytest.mark.parametrize("unit", [0, 1, 8, 32])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 64, 1000, 4097, 30030])
+def test_spread_launch_order_takes_every_row_once(monkeypatch, unit, m):
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    monkeypatch.setattr(gpu, "SPREAD_UNIT", unit)
+    groups, (p, u) = gpu.spread(m)
+    taken = _spread_rows(np.arange(groups), int(p), int(u), m)
+    rows = taken[taken < m]  # the last unit's tail is no row
+    assert np.array_equal(np.sort(rows), np.arange(m))
+    if unit == 0:
+        assert (int(p), int(u), groups) == (1, 1, m)
+    if unit and m >= 1000:  # the units in flight together lie far apart, each unit's rows together
+        assert int(p) > 1 and int(u) == unit and groups % unit == 0
+        assert np.abs(np.diff(taken[: 16 * unit : unit])).min() > m // 10
+        assert np.array_equal(taken[:unit], np.arange(unit) + taken[0])

@@ -117,9 +117,11 @@ def main(argv=None) -> int:
     ap.add_argument("--perm-rays", type=int, default=16, help="rays per tube of the rows+voxels permutation's trace")
     ap.add_argument("--sweep", default="",
                     help="after the standard timings, the one pass (float atomics) again under other builds, in "
-                         "turn: comma-separated THREADS:OPTION[;OPTION][:PAD] (e.g. '512:,256:-DMLEM_CMP_CACHE=2,256::65536'); "
-                         "THREADS is _compressed_cuda.THREADS, the options its OPTIONS, PAD its SHARED_PAD (bytes "
-                         "of unused shared memory per block: fewer blocks per multiprocessor)")
+                         "turn: comma-separated THREADS:OPTION[;OPTION][:PAD[:UNIT]] (e.g. "
+                         "'512:,256:-DMLEM_CMP_CACHE=2,256::65536,256:::1'); THREADS is _compressed_cuda.THREADS, "
+                         "the options its OPTIONS, PAD its SHARED_PAD (bytes of unused shared memory per block: "
+                         "fewer blocks per multiprocessor), UNIT its SPREAD_UNIT (rows per unit of the spread launch "
+                         "order; 0: rows in order)")
     ap.add_argument("--l2-persist", default="",
                     help="time the sweep's builds again with an L2 persisting access-policy window on the stream, "
                          "per comma-separated region: f+bp (adjacent in one buffer), f or bp (names suffixed "
@@ -203,8 +205,9 @@ def main(argv=None) -> int:
     def onepass(sel):
         bp.fill(0)
         for r0, r1, dc, _ in sel:
-            gpu._launch_rows(gpu.function(gpu._onepass_name(dc.kind, lanes, False)), r1 - r0, lanes,
-                             (*dc.kernel_args(), f, g[r0:r1], fp[r0:r1], bp, np.int64(r1 - r0)))
+            groups, order = gpu.spread(r1 - r0)
+            gpu._launch_rows(gpu.function(gpu._onepass_name(dc.kind, lanes, False)), groups, lanes,
+                             (*dc.kernel_args(), f, g[r0:r1], fp[r0:r1], bp, np.int64(r1 - r0), *order))
 
     def onepass_fixed(sel):
         acc.fill(0)
@@ -246,12 +249,14 @@ def main(argv=None) -> int:
             f"{rec[f'{name}_half_ms'][0]:.2f} / {rec[f'{name}_half_ms'][1]:.2f} ms")
     log(f"copy bandwidth {bw:.3f} TB/s; one read of the compressed matrix {rec['one_read_ms']:.2f} ms")
     if args.sweep:  # every build timed in turn, three rounds: the clocks drift (docs/benchmarks.md section 70)
-        builds = [("default", gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD)]
+        builds = [("default", gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD, gpu.SPREAD_UNIT)]
         for item in args.sweep.split(","):
             threads, _, rest = item.partition(":")
-            opts, _, pad = rest.partition(":")
-            builds.append((item, int(threads), tuple(o for o in opts.split(";") if o), int(pad or 0)))
-        base = gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD
+            opts, _, rest = rest.partition(":")
+            pad, _, unit = rest.partition(":")
+            builds.append((item, int(threads), tuple(o for o in opts.split(";") if o), int(pad or 0),
+                           int(unit or gpu.SPREAD_UNIT)))
+        base = gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD, gpu.SPREAD_UNIT
         # (name suffix, stream, the region its L2 window holds or None)
         regions = {"f+bp": fbp, "f": f, "bp": bp}
         streams = [("", cp.cuda.Stream(non_blocking=True), None)]
@@ -260,9 +265,9 @@ def main(argv=None) -> int:
         times = {b[0] + sfx: [] for b in builds for sfx, _, _ in streams}
         onepass_fixed(blocks)  # the reference: the whole matrix (the timings above ended on a half)
         for _ in range(3):
-            for name, threads, opts, pad in builds:
+            for name, threads, opts, pad, unit in builds:
                 for sfx, stream, region in streams:
-                    gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD = threads, opts, pad
+                    gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD, gpu.SPREAD_UNIT = threads, opts, pad, unit
                     # the library's window: the set-aside sized to it, emptied of other lines (none: given back)
                     if region is None:
                         gpu.release_l2()
@@ -279,7 +284,7 @@ def main(argv=None) -> int:
                         if err > 1e-5:
                             raise SystemExit(f"build {name}{sfx}: one pass off the fixed point by {err:.1e}")
                         times[name + sfx].append(timed(lambda: onepass(blocks), args.repeat))
-        gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD = base
+        gpu.THREADS, gpu.OPTIONS, gpu.SHARED_PAD, gpu.SPREAD_UNIT = base
         gpu.release_l2()
         rec["sweep_onepass_ms"] = {k: v for k, v in times.items()}
         for k, v in times.items():

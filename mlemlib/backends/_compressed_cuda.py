@@ -71,6 +71,9 @@ OPTIONS: tuple[str, ...] = ()
 #: of persisting lines on the iteration's stream, with as much L2 set aside (:func:`persist_in_l2`;
 #: 1.5% faster on Matrix 3, docs/benchmarks.md section 81). False: never.
 L2_PERSIST = True
+#: Rows per unit of the atomic kernels' spread launch order (``cscatter``, the one passes: :func:`spread`,
+#: ``spread_rows`` in epilogue.cuh); 0 keeps the rows in order.
+SPREAD_UNIT = 0
 #: Dynamic shared memory (bytes, unused) per block of a row kernel: 0, or more to cap the blocks a
 #: multiprocessor holds at once (an occupancy probe: tools/device_matrix3_onepass.py --sweep).
 SHARED_PAD = 0
@@ -128,6 +131,21 @@ def _grid(items: int, items_per_block: int, waves: int | None) -> tuple[int, int
     sms, per_sm = _device_shape(cupy().cuda.Device().id)
     return plan.launch_shape(items, items_per_block, sms, per_sm, threads=THREADS,
                              waves=WAVES if waves is None else waves)
+
+
+def spread(m: int) -> tuple[int, tuple[np.int64, np.int64]]:
+    """The launch order of the atomic kernels over ``m`` rows: (lane groups to launch, their ``(P, U)``).
+
+    Lane group ``w`` takes row ``spread_rows(w, P, U, m)``: the units of :data:`SPREAD_UNIT` consecutive
+    rows in the order ``u P mod units`` (:func:`~mlemlib.backends._cuda_plan.spread_stride`), so that the
+    rows in flight together lie all over the matrix; ``(1, 1)`` and ``m`` groups keep the rows in order.
+    """
+    u = int(SPREAD_UNIT)
+    units = -(-m // u) if u > 0 else 0
+    p = plan.spread_stride(units) if u > 0 else 1
+    if p == 1:
+        return m, (np.int64(1), np.int64(1))
+    return units * u, (np.int64(p), np.int64(u))
 
 
 def _launch_rows(fn: Any, m: int, lanes: int, args: tuple, waves: int | None = None) -> None:
@@ -589,7 +607,8 @@ def scatter(
     if not deterministic:
         out.fill(0)
         if m:
-            _launch_rows(function(f"cscatter_{a.kind}_{L}"), m, L, (*args, c, out, np.int64(m)))
+            groups, order = spread(m)
+            _launch_rows(function(f"cscatter_{a.kind}_{L}"), groups, L, (*args, c, out, np.int64(m), *order))
         return out
     if bound is None:
         bound = float(cp.sum(c, dtype=cp.float64)) * a.max_value()
@@ -597,9 +616,11 @@ def scatter(
     flag = cp.zeros(1, dtype=cp.int32)
     fn = function(f"cscatter_det_{a.kind}_{L}")
 
+    groups, order = spread(m)
+
     def launch(scale: float) -> None:
         if m:
-            _launch_rows(fn, m, L, (*args, c, acc, np.float64(scale), flag, np.int64(m)))
+            _launch_rows(fn, groups, L, (*args, c, acc, np.float64(scale), flag, np.int64(m), *order))
 
     scale = _fixed_loop(launch, acc, flag, bound, check, stats)
     return fixed_to_float(acc, out, scale)
@@ -642,8 +663,10 @@ def onepass_fixed(
     m, n = a.shape
     L = _lanes(lanes, choose_lanes(mean))
     if m:
+        groups, order = spread(m)
         _launch_rows(
-            function(_onepass_name(kind, L, True)), m, L, (*args, f, g, fp, acc, np.float64(scale), flag, np.int64(m)),
+            function(_onepass_name(kind, L, True)), groups, L,
+            (*args, f, g, fp, acc, np.float64(scale), flag, np.int64(m), *order),
             waves=0 if kind == "csr" else None,  # the CSR kernels have no row loop
         )
 
@@ -698,7 +721,8 @@ def onepass(
     if not deterministic:
         bp.fill(0)
         if m:
-            _launch_rows(function(_onepass_name(kind, L, False)), m, L, (*args, f, g, fp, bp, np.int64(m)),
+            groups, order = spread(m)
+            _launch_rows(function(_onepass_name(kind, L, False)), groups, L, (*args, f, g, fp, bp, np.int64(m), *order),
                          waves=0 if kind == "csr" else None)  # the CSR kernels have no row loop
         return bp, fp
     if bound is None:

@@ -281,11 +281,13 @@ template <int L, bool DET>
 __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, const int* __restrict__ idx,
                                                  const float* __restrict__ val, const float* __restrict__ f,
                                                  const float* __restrict__ g, float* fp, float* bp, u64* acc,
-                                                 double fscale, int* flag, i64 m) {
+                                                 double fscale, int* flag, i64 m, i64 P, i64 U) {
     const int lane = threadIdx.x & (L - 1);
     const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
-    for (i64 r = gtid / L; r - (i64)((threadIdx.x & 31) / L) < m; r += ngroups) {
+    const i64 mw = spread_groups(P, U, m);
+    for (i64 w = gtid / L; w - (i64)((threadIdx.x & 31) / L) < mw; w += ngroups) {
+        const i64 r = w < mw ? spread_rows(w, P, U, m) : m;
         const bool valid = r < m;
         i64 s = 0, e = 0;
         if (valid) {
@@ -316,9 +318,11 @@ template <bool DET>
 __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, const int* __restrict__ idx,
                                                  const float* __restrict__ val, const float* __restrict__ f,
                                                  const float* __restrict__ g, float* fp, float* bp, u64* acc,
-                                                 double fscale, int* flag, i64 m) {
+                                                 double fscale, int* flag, i64 m, i64 P, i64 U) {
     const int lane = threadIdx.x & 31;
-    const i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // one row per warp: no row loop
+    const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // one row per warp: no row loop
+    if (w >= spread_groups(P, U, m)) return;                           // warp-uniform
+    const i64 r = spread_rows(w, P, U, m);
     if (r >= m) return;                                                // warp-uniform
     const i64 s = rp[r], e = rp[r + 1];
     unsigned cc[MLEM_OP_CACHE];
@@ -336,11 +340,11 @@ template <int L, bool DET>
 __device__ __forceinline__ void onepass_csr(const i64* __restrict__ rp, const int* __restrict__ idx,
                                             const float* __restrict__ val, const float* __restrict__ f,
                                             const float* __restrict__ g, float* fp, float* bp, u64* acc,
-                                            double fscale, int* flag, i64 m) {
+                                            double fscale, int* flag, i64 m, i64 P, i64 U) {
     if (L == 32) {
-        onepass_csr_warp<DET>(rp, idx, val, f, g, fp, bp, acc, fscale, flag, m);
+        onepass_csr_warp<DET>(rp, idx, val, f, g, fp, bp, acc, fscale, flag, m, P, U);
     } else {
-        onepass_csr_body<L, DET>(rp, idx, val, f, g, fp, bp, acc, fscale, flag, m);
+        onepass_csr_body<L, DET>(rp, idx, val, f, g, fp, bp, acc, fscale, flag, m, P, U);
     }
 }
 
@@ -539,12 +543,15 @@ template <int L, int VK, int CB, bool DET>
 __device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                               const void* __restrict__ codes, const void* __restrict__ vals,
                                               const float* __restrict__ scale, const float* __restrict__ c,
-                                              float* out, u64* acc, double fscale, int* flag, i64 m) {
+                                              float* out, u64* acc, double fscale, int* flag, i64 m, i64 P,
+                                              i64 U) {
     const int lane = threadIdx.x & (L - 1);
     const i64 per_block = blockDim.x / L;
     const i64 step = (i64)gridDim.x * per_block;
-    for (i64 base = (i64)blockIdx.x * per_block; base < m; base += step) {
-        const i64 r = base + threadIdx.x / L;
+    const i64 mw = spread_groups(P, U, m);
+    for (i64 base = (i64)blockIdx.x * per_block; base < mw; base += step) {
+        const i64 w = base + threadIdx.x / L;
+        const i64 r = w < mw ? spread_rows(w, P, U, m) : m;
         const float cr = r < m ? __ldg(c + r) : 0.0f;
         i64 qs, qe;
         float rs;
@@ -578,12 +585,14 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
                                               const void* __restrict__ codes, const void* __restrict__ vals,
                                               const float* __restrict__ scale, const float* __restrict__ f,
                                               const float* __restrict__ g, float* fp, float* bp, u64* acc,
-                                              double fscale, int* flag, i64 m) {
+                                              double fscale, int* flag, i64 m, i64 P, i64 U) {
     const int lane = threadIdx.x & (L - 1);
     const i64 per_block = blockDim.x / L;
     const i64 step = (i64)gridDim.x * per_block;
-    for (i64 base = (i64)blockIdx.x * per_block; base < m; base += step) {
-        const i64 r = base + threadIdx.x / L;
+    const i64 mw = spread_groups(P, U, m);
+    for (i64 base = (i64)blockIdx.x * per_block; base < mw; base += step) {
+        const i64 w = base + threadIdx.x / L;
+        const i64 r = w < mw ? spread_rows(w, P, U, m) : m;
         const bool valid = r < m;
         i64 qs, qe;
         float rs;
@@ -1030,23 +1039,23 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cscatter_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
-        const float* c, float* out, i64 m) {                                                               \
-        cscatter_body<L, VK, CB, false>(rb, ro, codes, vals, scale, c, out, nullptr, 0.0, nullptr, m);     \
+        const float* c, float* out, i64 m, i64 P, i64 U) {                                                 \
+        cscatter_body<L, VK, CB, false>(rb, ro, codes, vals, scale, c, out, nullptr, 0.0, nullptr, m, P, U); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cscatter_det_##K##_##L(                 \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
-        const float* c, u64* acc, double fscale, int* flag, i64 m) {                                       \
-        cscatter_body<L, VK, CB, true>(rb, ro, codes, vals, scale, c, nullptr, acc, fscale, flag, m);      \
+        const float* c, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) {                         \
+        cscatter_body<L, VK, CB, true>(rb, ro, codes, vals, scale, c, nullptr, acc, fscale, flag, m, P, U); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_CMP_OP_MINB) conepass_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
-        const float* f, const float* g, float* fp, float* bp, i64 m) {                                     \
-        conepass_body<L, VK, CB, false>(rb, ro, codes, vals, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m); \
+        const float* f, const float* g, float* fp, float* bp, i64 m, i64 P, i64 U) {                       \
+        conepass_body<L, VK, CB, false>(rb, ro, codes, vals, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m, P, U); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_CMP_OP_MINB) conepass_det_##K##_##L(                 \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
-        const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m) {            \
-        conepass_body<L, VK, CB, true>(rb, ro, codes, vals, scale, f, g, fp, nullptr, acc, fscale, flag, m); \
+        const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) { \
+        conepass_body<L, VK, CB, true>(rb, ro, codes, vals, scale, f, g, fp, nullptr, acc, fscale, flag, m, P, U); \
     }
 
 #define ALL_KINDS(L)                     \
@@ -1065,13 +1074,13 @@ ALL_KINDS(32)
 #define CSR_ONEPASS(L)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_OP_MINB) onepass_csr_##L(                        \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
-        const float* f, const float* g, float* fp, float* bp, i64 m) {                                     \
-        onepass_csr<L, false>(rp, (const int*)idx, (const float*)val, f, g, fp, bp, nullptr, 0.0, nullptr, m);       \
+        const float* f, const float* g, float* fp, float* bp, i64 m, i64 P, i64 U) {                       \
+        onepass_csr<L, false>(rp, (const int*)idx, (const float*)val, f, g, fp, bp, nullptr, 0.0, nullptr, m, P, U); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_OP_MINB) onepass_det_csr_##L(                    \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
-        const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m) {            \
-        onepass_csr<L, true>(rp, (const int*)idx, (const float*)val, f, g, fp, nullptr, acc, fscale, flag, m);       \
+        const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) { \
+        onepass_csr<L, true>(rp, (const int*)idx, (const float*)val, f, g, fp, nullptr, acc, fscale, flag, m, P, U); \
     }
 CSR_ONEPASS(4)
 CSR_ONEPASS(8)

@@ -38,3 +38,22 @@ __device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y, 
     }
     y[r] = out;
 }
+
+// The launch order of the atomic kernels (scatter_L, cscatter, the one passes): lane group w takes
+// the rows of unit (w / U) * P mod nunits, U consecutive rows per unit, nunits = ceil(m / U)
+// (P coprime with nunits: every unit once; P = 1: rows in order). The host's P
+// (_cuda_plan.spread_stride, near nunits over the golden ratio) spreads the rows in flight
+// together over the whole matrix: in a scanner's LOR order neighbouring rows are neighbouring
+// LORs whose atomics meet on the same voxels (docs/benchmarks.md section 84). A row index >= m
+// (the last unit's tail) is no row. w * P must fit 64 bits: the host gives P = 1 from 2^32 units.
+__device__ __forceinline__ i64 spread_rows(i64 w, i64 P, i64 U, i64 m) {
+    if (P == 1) return w;
+    const i64 u = w / U;
+    const i64 nunits = (m + U - 1) / U;
+    return (i64)(((unsigned long long)u * (unsigned long long)P) % (unsigned long long)nunits) * U + (w - u * U);
+}
+
+// Lane groups a spread launch needs: every unit whole (P = 1: m).
+__device__ __forceinline__ i64 spread_groups(i64 P, i64 U, i64 m) {
+    return P == 1 ? m : (m + U - 1) / U * U;
+}

@@ -339,18 +339,9 @@ extern "C" __global__ void merge_spmv(const i64* __restrict__ rowptr, const int*
 // which saves reading them when the measurement has empty bins. out must be
 // zero on entry.
 //
-// Launch order: lane group w takes row (w * P) mod m (P coprime with m: every
-// row once; P = 1: in order). The host's P (_cuda_plan.spread_stride, near m
-// over the golden ratio) spreads the rows in flight together over the whole
-// matrix. In a scanner's LOR order neighbouring rows are neighbouring LORs
-// whose atomics meet on the same voxels; spread, the scatter ran 4.8% faster
-// on madpet2 on an H100 (docs/benchmarks.md section 84). Each row is still
-// read whole and in place. w * P must fit 64 bits: the host gives P = 1 from
-// m >= 2^32.
-__device__ __forceinline__ i64 spread_row(i64 w, i64 P, i64 m) {
-    return P == 1 ? w : (i64)(((unsigned long long)w * (unsigned long long)P) % (unsigned long long)m);
-}
-
+// Launch order: lane group w takes row (w * P) mod m (spread_rows in epilogue.cuh with units of
+// one row; P = 1: in order). Spread, the scatter ran 4.8% faster on madpet2 on an H100
+// (docs/benchmarks.md section 84). Each row is still read whole and in place.
 template <int L, bool VEC>
 __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
                                              const int* __restrict__ col,
@@ -367,7 +358,7 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
         // The lanes of a group take the same trips (a predicate per element, no divergent exit).
         const i64 w = gtid / L;
         if (w >= m) return;
-        const i64 r = spread_row(w, P, m);
+        const i64 r = spread_rows(w, P, 1, m);
         const float cr = __ldg(c + r);
         if (cr == 0.0f) return;
         const i64 s = rowptr[r], e = rowptr[r + 1];
@@ -398,7 +389,7 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
     const int4* __restrict__ col4 = reinterpret_cast<const int4*>(col);
     const float4* __restrict__ val4 = reinterpret_cast<const float4*>(val);
     for (i64 w = gtid / L; w < m; w += ngroups) {
-        const i64 r = spread_row(w, P, m);
+        const i64 r = spread_rows(w, P, 1, m);
         const float cr = __ldg(c + r);
         if (cr == 0.0f) continue;
         const i64 s = rowptr[r], e = rowptr[r + 1];
