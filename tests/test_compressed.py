@@ -1497,6 +1497,7 @@ def test_spread_launch_order_takes_every_row_once(monkeypatch, unit, m):
 
     monkeypatch.setattr(gpu, "SPREAD_UNIT", unit)
     groups, (p, u) = gpu.spread(m)
+    assert gpu.spread(m, unit) == (groups, (p, u))  # the unit given, as the compressed scatter gives its own
     taken = _spread_rows(np.arange(groups), int(p), int(u), m)
     rows = taken[taken < m]  # the last unit's tail is no row
     assert np.array_equal(np.sort(rows), np.arange(m))

@@ -71,9 +71,14 @@ OPTIONS: tuple[str, ...] = ()
 #: of persisting lines on the iteration's stream, with as much L2 set aside (:func:`persist_in_l2`;
 #: 1.5% faster on Matrix 3, docs/benchmarks.md section 81). False: never.
 L2_PERSIST = True
-#: Rows per unit of the atomic kernels' spread launch order (``cscatter``, the one passes: :func:`spread`,
-#: ``spread_rows`` in epilogue.cuh); 0 keeps the rows in order.
+#: Rows per unit of the one passes' spread launch order (:func:`spread`, ``spread_rows`` in epilogue.cuh);
+#: 0 keeps the rows in order. In order is the fastest: spread, the rows in flight together no longer
+#: gather the same voxels of ``f`` (madpet2's CSR one pass on an H200: 5.74 ms in order, 5.98 / 6.33 /
+#: 7.81 in units of 32 / 8 / 1 rows, docs/benchmarks.md section 84).
 SPREAD_UNIT = 0
+#: The same for the compressed scatter ``cscatter``, which gathers nothing: units of one row, as the
+#: CSR ``scatter`` (``_cuda_kernels.SCATTER_SPREAD``).
+SCATTER_SPREAD_UNIT = 1
 #: Dynamic shared memory (bytes, unused) per block of a row kernel: 0, or more to cap the blocks a
 #: multiprocessor holds at once (an occupancy probe: tools/device_matrix3_onepass.py --sweep).
 SHARED_PAD = 0
@@ -133,14 +138,15 @@ def _grid(items: int, items_per_block: int, waves: int | None) -> tuple[int, int
                              waves=WAVES if waves is None else waves)
 
 
-def spread(m: int) -> tuple[int, tuple[np.int64, np.int64]]:
+def spread(m: int, unit: int | None = None) -> tuple[int, tuple[np.int64, np.int64]]:
     """The launch order of the atomic kernels over ``m`` rows: (lane groups to launch, their ``(P, U)``).
 
-    Lane group ``w`` takes row ``spread_rows(w, P, U, m)``: the units of :data:`SPREAD_UNIT` consecutive
-    rows in the order ``u P mod units`` (:func:`~mlemlib.backends._cuda_plan.spread_stride`), so that the
-    rows in flight together lie all over the matrix; ``(1, 1)`` and ``m`` groups keep the rows in order.
+    Lane group ``w`` takes row ``spread_rows(w, P, U, m)``: the units of ``unit`` (default
+    :data:`SPREAD_UNIT`) consecutive rows in the order ``u P mod units``
+    (:func:`~mlemlib.backends._cuda_plan.spread_stride`), so that the rows in flight together lie all
+    over the matrix; ``(1, 1)`` and ``m`` groups keep the rows in order.
     """
-    u = int(SPREAD_UNIT)
+    u = int(SPREAD_UNIT if unit is None else unit)
     units = -(-m // u) if u > 0 else 0
     p = plan.spread_stride(units) if u > 0 else 1
     if p == 1:
@@ -607,7 +613,7 @@ def scatter(
     if not deterministic:
         out.fill(0)
         if m:
-            groups, order = spread(m)
+            groups, order = spread(m, SCATTER_SPREAD_UNIT)
             _launch_rows(function(f"cscatter_{a.kind}_{L}"), groups, L, (*args, c, out, np.int64(m), *order))
         return out
     if bound is None:
@@ -616,7 +622,7 @@ def scatter(
     flag = cp.zeros(1, dtype=cp.int32)
     fn = function(f"cscatter_det_{a.kind}_{L}")
 
-    groups, order = spread(m)
+    groups, order = spread(m, SCATTER_SPREAD_UNIT)
 
     def launch(scale: float) -> None:
         if m:
