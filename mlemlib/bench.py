@@ -458,15 +458,16 @@ def bench_spmv(
     from mlemlib.backends import _cuda_kernels as ck
     from mlemlib.backends import cuda as cuda_backend
     from mlemlib.backends.cuda import CudaBackend
-    from mlemlib.devices import device_facts
+    from mlemlib.devices import EnergyMeter, capped_between, device_facts
 
     cp = ck.cupy()
     if repeat < 1 or warmup < 0:
         raise ConfigError("repeat", f"repeat must be >= 1 and warmup >= 0, got {repeat}, {warmup}")
     formats = check_formats(formats)
     label = matrix_label or (os.fspath(matrix) if isinstance(matrix, (str, os.PathLike)) else "in-memory")
-    with cp.cuda.Device(device):
+    with cp.cuda.Device(device), EnergyMeter([device]) as meter:
         facts = device_facts(device)
+        caps0, t_run = meter.capped(), time.perf_counter()
         copy = copy_bandwidth(copy_bytes)
         bw = copy["bandwidth"]
         log.info("copy bandwidth %.3f TB/s", bw / 1e12)
@@ -678,7 +679,7 @@ def bench_spmv(
             for fmt in formats:
                 for fp_k, bp_k, mat, tr in _format_iterations(fmt, a, at, iterations, host):
                     row, img = _time_iteration(CudaBackend, fmt, fp_k, bp_k, mat, tr, g, norm, device,
-                                               warmup, repeat, bw, csr_floor_s)
+                                               warmup, repeat, bw, csr_floor_s, meter)
                     its.append(row)
                     if img is not None:
                         images[len(its) - 1] = img
@@ -690,6 +691,9 @@ def bench_spmv(
                 img = images.get(i)
                 if ref is not None and img is not None:
                     r["rel_l2_to_csr"] = float(np.linalg.norm(img - ref) / (np.linalg.norm(ref) or 1.0))
+        cp.cuda.Device().synchronize()
+        capped = {"run_s": time.perf_counter() - t_run, "capped_s": capped_between(caps0, meter.capped()),
+                  "note": "NVML clock-capping counters" if meter.caps_available else meter.note or "not available"}
 
     result = {
         "date": _dt.date.today().isoformat(),
@@ -714,6 +718,7 @@ def bench_spmv(
         },
         "kernels": rows,
         "iterations": its,
+        "clocks": capped,
     }
     write_results(result, out_json=out_json, out_md=out_md, out_csv=out_csv)
     return result
@@ -758,9 +763,11 @@ def _format_iterations(fmt: str, a: Any, at: Any, iterations: Sequence[tuple[str
 
 def _time_iteration(backend: Any, fmt: str, fp_k: str, bp_k: str, mat: Any, tr: Any, g: np.ndarray,
                     norm: np.ndarray, device: int, warmup: int, repeat: int, bw: float,
-                    csr_floor_s: float) -> tuple[dict[str, Any], np.ndarray | None]:
-    """One iteration row of :func:`bench_spmv` (and the final image, float64 on the host; None if not run)."""
+                    csr_floor_s: float, meter: Any = None) -> tuple[dict[str, Any], np.ndarray | None]:
+    """One iteration row of :func:`bench_spmv` (and the final image, float64 on the host; None if not run);
+    ``meter`` (an :class:`~mlemlib.devices.EnergyMeter`) gives the seconds the clocks were held down meanwhile."""
     from mlemlib.backends.base import bytes_per_nnz, timed_iterations
+    from mlemlib.devices import capped_between
 
     try:
         be = backend(mat, g, norm, tr, fp=fp_k, bp=bp_k, device=device)
@@ -769,8 +776,10 @@ def _time_iteration(backend: Any, fmt: str, fp_k: str, bp_k: str, mat: Any, tr: 
         return {"format": fmt, "fp_requested": fp_k, "bp_requested": bp_k, "error": str(exc)}, None
     t = []
     f = be.initial_image()
+    caps0 = meter.capped() if meter is not None else None
     for _, f, ready in timed_iterations(be, f, 1, warmup + repeat):  # as mlem.reconstruct runs them
         t += [times["iteration"] for k, times in ready if k > warmup]
+    capped = capped_between(caps0, meter.capped()) if caps0 is not None else None
     med = float(np.median(t))
     # its own floor: the bytes of the matrices one iteration reads (A once in one pass, A twice without A^T)
     nbytes = int(be.a.nbytes) * (1 if be.onepass or be.at is not None else 2)
@@ -792,6 +801,7 @@ def _time_iteration(backend: Any, fmt: str, fp_k: str, bp_k: str, mat: Any, tr: 
         "of_floor": floor_s / med,
         "csr_floor_s": csr_floor_s,
         "of_csr_floor": csr_floor_s / med,
+        "clock_capped_s": capped,
     }
     img = np.asarray(be.to_host(f), dtype=np.float64)
     row["finite"] = bool(np.isfinite(img).all())
@@ -892,6 +902,9 @@ def format_markdown(result: dict[str, Any]) -> str:
         ),
         "",
     ]
+    clocks = result.get("clocks")
+    if clocks:
+        lines[-1:-1] = [clock_line(clocks)]
     for op in ("fp", "bp", "bp_notrans"):
         rows = [r for r in result["kernels"] if r["op"] == op]
         if not rows:
@@ -931,21 +944,22 @@ def format_markdown(result: dict[str, Any]) -> str:
             "### one MLEM iteration",
             "",
             "| format | bytes/nnz | fp | bp | deterministic | fused | median ms | its floor ms | of its floor | "
-            "of the CSR floor | rel. L2 to the CSR image |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "of the CSR floor | rel. L2 to the CSR image | clocks capped s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in result["iterations"]:
             fmt = r.get("format", "csr")
             if "error" in r:
                 lines.append(f"| {fmt} | | {r['fp_requested']} | {r['bp_requested']} | not run: {r['error']} "
-                             "| | | | | | |")
+                             "| | | | | | | |")
                 continue
             bp = r["bp"] if r.get("bp_requested", r["bp"]) == r["bp"] else f"{r['bp']} ({r['bp_requested']})"
             lines.append(
                 f"| {fmt} | {_fmt(r.get('bytes_per_nnz'), '.2f')} | {r['fp']} | {bp} | "
                 f"{'yes' if r['deterministic'] else 'no'} | {', '.join(r['fused']) or '-'} | "
                 f"{r['median_s'] * 1e3:.3f} | {r['floor_s'] * 1e3:.3f} | {_fmt(r['of_floor'], '.1%')} | "
-                f"{_fmt(r.get('of_csr_floor'), '.1%')} | {_fmt(r.get('rel_l2_to_csr'), '.1e')} |"
+                f"{_fmt(r.get('of_csr_floor'), '.1%')} | {_fmt(r.get('rel_l2_to_csr'), '.1e')} | "
+                f"{_capped_cell(r.get('clock_capped_s'))} |"
             )
         lines += [
             "",
@@ -975,6 +989,25 @@ CSV_FIELDS = (
     "vs_cusparse",
     "rel_l2",
 )
+
+
+def _capped_cell(capped: dict[str, float] | None) -> str:
+    """Seconds of clock capping (power + thermal) for a table cell; '-' where not measured."""
+    return "-" if not capped else f"{sum(capped.values()):.2f}"
+
+
+def clock_line(clocks: dict[str, Any]) -> str:
+    """The report's line on the GPU's clocks during the run: how long its power limit or heat held them down."""
+    capped = clocks.get("capped_s")
+    if not capped:
+        return f"- clock capping during the run: not measured ({clocks.get('note') or 'no NVML counters'})"
+    held = sum(capped.values())
+    text = (f"- clock capping during the run (NVML): held down by the power limit {capped['power']:.2f} s, "
+            f"by heat {capped['thermal']:.2f} s, of {clocks['run_s']:.1f} s")
+    if held > 0:
+        text += ("; a capped GPU lowers its SM clock, which slows the kernels whose gathers and atomics run "
+                 "in L1 and L2 more than the copy that sets the floors (docs/benchmarks.md section 84)")
+    return text
 
 
 def format_csv(result: dict[str, Any]) -> str:

@@ -173,6 +173,11 @@ def backend_gpus(desc: dict[str, Any] | None) -> list[dict[str, Any]]:
     return [d for d in devs or [] if isinstance(d, dict) and isinstance(d.get("index"), int)]
 
 
+#: NVML's clock-limit policies (``nvmlPerfPolicyType_t``) whose violation counters :meth:`EnergyMeter.capped`
+#: reads: the time the clocks were held down by the GPU's power limit and by its temperature.
+CAP_POLICIES = {"power": 0, "thermal": 1}
+
+
 class EnergyMeter:
     """Energy drawn by a set of GPUs, from NVML's counters (``nvmlDeviceGetTotalEnergyConsumption``; CUDA only).
 
@@ -203,6 +208,7 @@ class EnergyMeter:
         self._nvml: Any = None
         self._handles: list[Any] = []
         self.available = False
+        self.caps_available = False  # NVML's clock-capping counters (:meth:`capped`)
         self.note = ""
         if not self.gpus:
             self._unavailable("no GPU (cpu backend)")
@@ -227,6 +233,7 @@ class EnergyMeter:
             self._unavailable(f"NVML energy counter not supported: {exc}")
             return
         self.available = True
+        self.caps_available = self.capped() is not None
         names = ", ".join(str(g.get("index") if isinstance(g, dict) else g) for g in self.gpus)
         self.note = f"NVML total energy of GPU {names}"
         if self.world > len(self.gpus):
@@ -256,6 +263,21 @@ class EnergyMeter:
             self._unavailable(f"NVML energy counter failed: {exc}")
             return None
 
+    def capped(self) -> list[dict[str, float]] | None:
+        """Per GPU, the seconds its clocks have been held down by each of :data:`CAP_POLICIES` since its
+        driver was loaded (``nvmlDeviceGetViolationStatus``, nanoseconds: what ``nvidia-smi -q -d
+        PERFORMANCE`` lists as "Clocks Event Reasons Counters"), or None where they cannot be read.
+        :func:`capped_between` turns two readings into the seconds of an interval."""
+        if self._nvml is None or not self._handles:
+            return None
+        try:
+            return [{k: self._nvml.nvmlDeviceGetViolationStatus(h, p).violationTime / 1e9
+                     for k, p in CAP_POLICIES.items()} for h in self._handles]
+        except Exception as exc:  # noqa: BLE001 - NVMLError (not supported), or a pynvml without the call
+            log.debug("NVML clock-capping counters not available: %s", exc)
+            self.caps_available = False
+            return None
+
     def close(self) -> None:
         """Release NVML (idempotent)."""
         if self._nvml is not None:
@@ -265,6 +287,7 @@ class EnergyMeter:
                 log.debug("nvmlShutdown: %s", exc)
             self._nvml = None
         self.available = False
+        self.caps_available = False
 
     def __enter__(self) -> EnergyMeter:
         return self
@@ -273,20 +296,33 @@ class EnergyMeter:
         self.close()
 
 
-def energy_record(joules: float | None, seconds: float, iterations: int, note: str, gpus: int = 0) -> dict[str, Any]:
+def capped_between(start: list[dict[str, float]] | None, end: list[dict[str, float]] | None) -> dict[str, float] | None:
+    """Seconds the clocks were held down between two :meth:`EnergyMeter.capped` readings: per policy
+    (``power``, ``thermal``), the most any GPU had; None where either reading is missing."""
+    if not start or not end or len(start) != len(end):
+        return None
+    return {k: max(max(0.0, e[k] - s[k]) for s, e in zip(start, end)) for k in CAP_POLICIES}
+
+
+def energy_record(joules: float | None, seconds: float, iterations: int, note: str, gpus: int = 0,
+                  capped: dict[str, float] | None = None) -> dict[str, Any]:
     """The energy fields of one repetition's record in ``timings.json``.
 
     ``energy_J`` (the GPUs' energy over the iteration loop), ``energy_per_iteration_J``,
     ``power_W`` (energy over the loop's wall time ``seconds``), ``energy_gpus``
-    (how many GPUs were counted) and ``energy_note``; None where not measured.
+    (how many GPUs were counted), ``energy_note``, and ``clock_capped_s``: the
+    seconds of the loop the GPUs' clocks were held down by their power limit
+    and by heat (:func:`capped_between`; a throttled GPU times its kernels
+    slower than its copy bandwidth predicts); None where not measured.
     """
     if joules is None:
         return {"energy_J": None, "energy_per_iteration_J": None, "power_W": None, "energy_gpus": None,
-                "energy_note": note}
+                "energy_note": note, "clock_capped_s": capped}
     return {
         "energy_J": joules,
         "energy_per_iteration_J": joules / iterations if iterations > 0 else None,
         "power_W": joules / seconds if seconds > 0 else None,
         "energy_gpus": gpus,
         "energy_note": note,
+        "clock_capped_s": capped,
     }

@@ -56,7 +56,7 @@ from mlemlib import __version__
 from mlemlib._io import atomic_path
 from mlemlib.backends import make_backend
 from mlemlib.backends.base import Backend, timed_iterations
-from mlemlib.devices import EnergyMeter, backend_gpus, energy_record
+from mlemlib.devices import EnergyMeter, backend_gpus, capped_between, energy_record
 from mlemlib.errors import ConfigError, DeviceError, InputError, MatrixFormatError
 from mlemlib.formats import InMemoryMatrix, open_source
 from mlemlib.image import FORMAT_VERSION, attr_value, plain_attr, read_image, write_image, write_raw
@@ -640,6 +640,7 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
         if metered:
             be.synchronize()  # the initial image's (or the previous repetition's) work is not this loop's
         e0 = energy.read() if metered else None
+        caps0 = energy.capped() if metered else None
         t_rep = time.perf_counter()
         t_log = t_rep
         ckpt_s = 0.0
@@ -678,11 +679,12 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
         if metered:
             be.synchronize()
         e1 = energy.read() if metered else None
+        caps1 = energy.capped() if metered else None
         loop_s = time.perf_counter() - t_rep
         joules = e1 - e0 if e0 is not None and e1 is not None else None
         energy_fields = energy_record(joules, loop_s, iterations - first + 1,
                                       energy.note if energy is not None else "not measured",
-                                      len(energy.gpus) if energy is not None else 0)
+                                      len(energy.gpus) if energy is not None else 0, capped_between(caps0, caps1))
         with Stopwatch() as sw_back:
             host_img = prob.to_user(be.to_host(f))
         acc = metrics.accuracy(host_img, reference=prob.reference, truth=prob.truth, regions=prob.regions)

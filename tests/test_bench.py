@@ -328,6 +328,25 @@ def test_format_markdown_tables():
     assert "auto ran" not in md  # no auto + auto row in this result
 
 
+def test_markdown_says_how_long_the_clocks_were_capped():
+    res = _result()
+    res["clocks"] = {"run_s": 42.04, "capped_s": {"power": 1.5, "thermal": 0.25}, "note": "NVML clock-capping counters"}
+    res["iterations"][0]["clock_capped_s"] = {"power": 0.125, "thermal": 0.0}
+    md = format_markdown(res)
+    assert ("- clock capping during the run (NVML): held down by the power limit 1.50 s, by heat 0.25 s, of "
+            "42.0 s; a capped GPU lowers its SM clock") in md
+    assert "| 90.0% | - | - | 0.12 |" in md  # the iteration's own 0.125 s
+    res["clocks"] = {"run_s": 42.0, "capped_s": {"power": 0.0, "thermal": 0.0}, "note": "NVML clock-capping counters"}
+    md = format_markdown(res)
+    assert "held down by the power limit 0.00 s, by heat 0.00 s, of 42.0 s\n" in md  # no explanation when uncapped
+    res["clocks"] = {"run_s": 42.0, "capped_s": None, "note": "not available: pynvml (nvidia-ml-py) not installed"}
+    assert ("- clock capping during the run: not measured (not available: pynvml (nvidia-ml-py) not installed)"
+            in format_markdown(res))
+    del res["clocks"], res["iterations"][0]["clock_capped_s"]
+    md = format_markdown(res)
+    assert "clock capping" not in md and "| 90.0% | - | - | - |" in md  # an older result: nothing claimed
+
+
 def test_markdown_puts_auto_beside_the_fastest_and_shows_a_refused_pair():
     res = _result()
     its = res["iterations"]

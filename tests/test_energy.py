@@ -112,11 +112,52 @@ def test_backend_gpus_from_describe():
 
 
 def test_energy_record_hand_computed():
-    r = devices.energy_record(120.0, 2.0, 10, "NVML total energy of GPU 0", 1)
+    r = devices.energy_record(120.0, 2.0, 10, "NVML total energy of GPU 0", 1, {"power": 0.5, "thermal": 0.0})
     assert r == {"energy_J": 120.0, "energy_per_iteration_J": 12.0, "power_W": 60.0, "energy_gpus": 1,
-                 "energy_note": "NVML total energy of GPU 0"}
+                 "energy_note": "NVML total energy of GPU 0", "clock_capped_s": {"power": 0.5, "thermal": 0.0}}
     none = devices.energy_record(None, 2.0, 10, "not available: x")
     assert none["energy_J"] is None and none["energy_per_iteration_J"] is None and none["power_W"] is None
+    assert none["clock_capped_s"] is None
+
+
+def _with_caps(nvml, violation_ns: dict[str, list[tuple[int, int]]]):
+    """``nvml`` with NVML's violation counters: violation_ns[bus] one (power, thermal) pair in ns per reading."""
+    def status(handle, policy):
+        if policy == 0:
+            pair = violation_ns[handle].pop(0)
+            status.pending[handle] = pair[1]
+            return types.SimpleNamespace(referenceTime=0, violationTime=pair[0])
+        return types.SimpleNamespace(referenceTime=0, violationTime=status.pending.pop(handle))
+
+    status.pending = {}
+    nvml.nvmlDeviceGetViolationStatus = status
+    return nvml
+
+
+def test_clock_capping_of_two_gpus_hand_computed(monkeypatch):
+    # First pair of each list: the support check at construction. GPU 0 is held down by its power limit for
+    # 1.5 s between the two readings, GPU 1 for 0.25 s and by heat for 2 s.
+    nvml, _ = _fake_nvml({"0000:00:06.0": [1, 2], "0000:00:07.0": [1, 2]})
+    _with_caps(nvml, {"0000:00:06.0": [(0, 0), (10_000_000_000, 0), (11_500_000_000, 0)],
+                      "0000:00:07.0": [(0, 0), (1_000_000_000, 5_000_000_000), (1_250_000_000, 7_000_000_000)]})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    with devices.EnergyMeter(["0000:00:06.0", "0000:00:07.0"]) as meter:
+        assert meter.available and meter.caps_available
+        c0, c1 = meter.capped(), meter.capped()
+        assert c0 == [{"power": 10.0, "thermal": 0.0}, {"power": 1.0, "thermal": 5.0}]
+        assert devices.capped_between(c0, c1) == pytest.approx({"power": 1.5, "thermal": 2.0})  # the most of any GPU
+    assert meter.capped() is None and not meter.caps_available  # closed
+    assert devices.capped_between(None, c1) is None and devices.capped_between(c0, c1[:1]) is None
+    # a counter that went back (a driver reload between the readings) counts as no capping, not a negative time
+    assert devices.capped_between(c1, c0) == {"power": 0.0, "thermal": 0.0}
+
+
+def test_energy_without_clock_capping_counters(monkeypatch):
+    nvml, _ = _fake_nvml({"0000:00:06.0": [1, 2000]})  # a pynvml without nvmlDeviceGetViolationStatus
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    meter = devices.EnergyMeter(["0000:00:06.0"])
+    assert meter.available and not meter.caps_available
+    assert meter.capped() is None and meter.read() == pytest.approx(2.0)
 
 
 # --------------------------------------------------------------------------- in the MLEM loop
@@ -158,6 +199,10 @@ def test_gpu_run_records_energy_per_repetition(tmp_path, monkeypatch):
             self.joules += 30.0  # 30 J between two readings: one repetition's loop
             return self.joules
 
+        def capped(self):  # held down by the power limit 0.125 s per loop
+            self.power_s = getattr(self, "power_s", 7.0) + 0.125
+            return [{"power": self.power_s, "thermal": 1.0}]
+
         def close(self):
             events.append("close")
 
@@ -174,6 +219,7 @@ def test_gpu_run_records_energy_per_repetition(tmp_path, monkeypatch):
         assert rec["energy_J"] == pytest.approx(30.0)
         assert rec["energy_per_iteration_J"] == pytest.approx(6.0)  # 30 J / 5 iterations
         assert rec["power_W"] > 0 and rec["energy_gpus"] == 1 and rec["energy_note"] == "fake meter of GPU 0"
+        assert rec["clock_capped_s"] == pytest.approx({"power": 0.125, "thermal": 0.0})
         # the readings are outside the iterations: each iteration's time is one step sample
         assert rec["steps"]["iteration"]["n"] == 5
 
