@@ -95,6 +95,7 @@ RUN_COLUMNS = (
     "load_s", "setup_s", "wall_s", "bytes_per_iteration", "bandwidth_GBps", "fp_bandwidth_GBps",
     "bp_bandwidth_GBps", "gpu_bandwidth_theoretical_GBps", "gpu_bandwidth_measured_GBps",
     "of_floor", "of_csr_floor", "energy_J", "energy_per_iteration_J", "power_W", "energy_gpus",
+    "power_capped_s", "thermal_capped_s",
     "image_sum", "reference_sum", "rel_l2_reference", "sum_rel_error_reference", "rel_l2_truth", "image_sha256", "resumed_at",
 )
 
@@ -299,6 +300,8 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
             for k in ("energy_J", "energy_per_iteration_J", "power_W"):
                 row[k] = _num(rep.get(k))
             row["energy_gpus"] = rep.get("energy_gpus") if row["energy_J"] is not None else None
+            capped = rep.get("clock_capped_s") or {}  # the loop's seconds of clocks held down (devices.EnergyMeter)
+            row["power_capped_s"], row["thermal_capped_s"] = _num(capped.get("power")), _num(capped.get("thermal"))
             for label, v in (acc.get("contrast_recovery") or {}).items():
                 row[f"cr_{label}"] = _num(v)
             row["_samples"] = rep.get("samples", {})

@@ -560,7 +560,7 @@ def _gpu_run(gpus, *, shape=MATRIX3_SHAPE, scale=0.25, onepass=False, devices=No
         t["backend"]["devices"] = t["device"] = devs
     for rep, e in zip(t["repetitions"], energy):
         rep.update(energy_J=4 * e, energy_per_iteration_J=e, power_W=700.0, energy_gpus=len(devs),
-                   energy_note="NVML")
+                   energy_note="NVML", clock_capped_s={"power": e / 1000, "thermal": 0.0})
         if onepass:  # one kernel: no separate fp (nor corr)
             for step in ("fp", "corr"):
                 del rep["samples"][step], rep["steps"][step]
@@ -590,10 +590,12 @@ def test_runs_csv_hardware_and_energy_columns(tmp_path):
     assert (float(rows[0]["energy_per_iteration_J"]), float(rows[1]["energy_per_iteration_J"])) == (400.0, 410.0)
     assert (float(r1["energy_J"]), float(r1["power_W"]), r1["energy_gpus"]) == (1600.0, 700.0, "1")
     assert r3["energy_gpus"] == "1"  # this process's GPU only
+    assert (float(rows[0]["power_capped_s"]), float(rows[1]["power_capped_s"])) == (0.4, 0.41)
+    assert float(r1["thermal_capped_s"]) == 0.0
     # the CPU: no GPU figures, no energy
     assert r4["backend"] == "cpu"
     for col in ("gpu_bandwidth_theoretical_GBps", "gpu_bandwidth_measured_GBps", "energy_per_iteration_J",
-                "power_W", "bytes_per_nnz"):
+                "power_W", "bytes_per_nnz", "power_capped_s", "thermal_capped_s"):
         assert r4[col] == ""
     md = (tmp_path / "s" / "summary.md").read_text()
     line = next(ln for ln in md.splitlines() if ln.startswith("| madpet3 | nema-seed1 | cuda csr_vector/notrans x1 |"))
