@@ -58,22 +58,18 @@ def main(argv=None) -> int:
     from mlemlib.bench import copy_bandwidth, time_gpu_interleaved
 
     host, _ = dk.trace(args.rays)
-    a = ck.DeviceCSR.from_host(host)
+    a, at = dk.build(host, "own")
     del host
     m, n = a.shape
-    at = a.transpose()
+    g, norm = dk.problem(a, at)
     rng = np.random.default_rng(5)
     c = cp.asarray(rng.uniform(0.5, 1.5, m).astype(np.float32))
     c[cp.diff(a.indptr) == 0] = 0.0  # as in an iteration: no correlation at an empty row
     f = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
     a64 = a.cusparse().astype(cp.float64)
-    ref_bp = a64.T @ c.astype(cp.float64)
-    ref_fp = a64 @ f.astype(cp.float64)
-    g = (a.cusparse() @ f).get()
+    ref_bp, ref_fp = a64.T @ c.astype(cp.float64), a64 @ f.astype(cp.float64)
     del a64
     a.drop_cusparse()
-    norm = (at.cusparse() @ cp.ones(m, dtype=cp.float32)).get().astype(np.float64)
-    at.drop_cusparse()
     res = {"copy": copy_bandwidth(), "shape": [m, n], "nnz": int(a.nnz), "groups": {}}
     print(f"madpet2 {m} x {n}, {a.nnz} nnz; copy {res['copy']}", flush=True)
     plain, win = cp.cuda.Stream(), cp.cuda.Stream()
