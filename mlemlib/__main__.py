@@ -1,5 +1,5 @@
 """``python -m mlemlib`` runs the ``mlem`` command line."""
 
-from mlemlib.cli import main
+from mlemlib.cli import run
 
-raise SystemExit(main())
+run()

@@ -511,6 +511,107 @@ def test_h5_writer_incomplete_leaves_nothing(tmp_path, ref):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("kind", ["csr", "compressed"])
+def test_h5_writers_keep_one_handle_per_dataset_and_close_it_with_the_file(tmp_path, ref, kind):
+    """A handle made for each write is closed as soon as it is dropped, and on a full disk that close
+    fails where nothing reports it (the writer went on writing); the writers keep one handle per
+    dataset, which the file's close closes."""
+    from mlemlib.formats.compressed_h5 import CompressedH5Writer
+
+    name = "indices" if kind == "csr" else "codes"
+    make = (lambda p: MatrixH5Writer(p, ref.shape, None)) if kind == "csr" else (
+        lambda p: CompressedH5Writer(p, ref.shape, ref.nnz, fmt="compressed"))
+    w = make(tmp_path / "ok.h5")
+    w.write_rows(CSRMatrix.from_scipy(ref[:5]))
+    ds = w._dataset(name)
+    w.write_rows(CSRMatrix.from_scipy(ref[5:]))
+    assert w._dataset(name) is ds and ds.id.valid  # the same open handle for every block
+    if kind == "csr":
+        w.nnz = ref.nnz
+    w.close()
+    assert not ds.id.valid and "_datasets" not in w.__dict__
+    with open_matrix(tmp_path / "ok.h5") as f:
+        assert (f.to_csr().to_scipy() != ref).nnz == 0
+    # aborted on a bad block: the handles closed with the file, nothing left
+    w = make(tmp_path / "bad.h5")
+    w.write_rows(CSRMatrix.from_scipy(ref[:5]))
+    ds = w._dataset(name)
+    with pytest.raises(MatrixFormatError):
+        w.write_rows(CSRMatrix.from_scipy(ref[:9]))  # 9 more rows: past m = 13
+    w.abort()
+    assert not ds.id.valid and sorted(p.name for p in tmp_path.iterdir()) == ["ok.h5"]
+
+
+def test_h5_file_that_cannot_be_closed_is_kept_alive(tmp_path, ref, monkeypatch):
+    """Where HDF5 cannot close the file being written (its close flushes; a full disk), the error
+    propagates once, the temporary file goes, and the file's objects are kept referenced
+    (`formats._check.ABANDONED`) instead of being dropped: dropped, each would try to close again
+    and HDF5 crashes on that."""
+    import errno
+
+    from mlemlib.formats import _check
+
+    w = MatrixH5Writer(tmp_path / "x.h5", ref.shape, ref.nnz)
+    w.write_rows(CSRMatrix.from_scipy(ref))
+    f, ds = w._f, w._dataset("data")
+    real_close = f.close
+
+    def full():
+        raise OSError(errno.ENOSPC, "Can't close file (file write failed: ...)")
+
+    monkeypatch.setattr(f, "close", full)
+    before = len(_check.ABANDONED)
+    with pytest.raises(OSError, match="Can't close file"):
+        w.close()
+    assert len(_check.ABANDONED) == before + 1 and _check.ABANDONED[-1][0] is f
+    assert ds in _check.ABANDONED[-1][1].values() and ds.id.valid
+    assert list(tmp_path.iterdir()) == []  # the temporary file is gone
+    w.abort()  # a second close is not tried
+    assert len(_check.ABANDONED) == before + 1
+    _check.ABANDONED.pop()
+    real_close()  # this file is healthy: close it for real
+    assert not ds.id.valid
+
+
+def test_mlem_ends_without_teardown_after_a_refused_write(tmp_path):
+    """`mlem` (`cli.run`) after a write the disk refused ends the process at once, its output flushed:
+    the interpreter's teardown would hand HDF5 the file it could not flush, and HDF5 crashes there
+    (rc 139 after the error line). Any other failure exits normally."""
+    script = """
+import atexit, errno, sys
+import mlemlib.cli as cli
+atexit.register(lambda: print("teardown", flush=True))
+def main(argv=None, _errno=int(sys.argv[1])):
+    cli._refused_write = _errno in cli.REFUSED_WRITE
+    print("mlem: error: out.h5: ...", file=sys.stderr)
+    return 1
+cli.main = main
+cli.run()
+"""
+    for err, teardown in ((28, False), (122, False), (13, True)):  # ENOSPC, EDQUOT: at once; EACCES: normally
+        proc = subprocess.run([sys.executable, "-c", script, str(err)], capture_output=True, text=True)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.strip() == "mlem: error: out.h5: ..."
+        assert ("teardown" in proc.stdout) is teardown
+
+
+def test_main_marks_only_refused_writes(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from mlemlib import cli
+    from mlemlib.cli import generate
+
+    for err, refused in ((errno.ENOSPC, True), (errno.EFBIG, True), (errno.EACCES, False)):
+        def fail(args, _err=err):
+            raise OSError(_err, os.strerror(_err), str(tmp_path / "m.h5"))
+
+        monkeypatch.setattr(generate, "run", fail)
+        monkeypatch.setattr(cli, "_refused_write", not refused)  # main resets it
+        assert main(["generate", "--preset", "small", "-o", str(tmp_path / "m.h5")]) == 1
+        assert cli._refused_write is refused
+        assert capsys.readouterr().err.strip() == f"mlem: error: {tmp_path / 'm.h5'}: {os.strerror(err)}"
+
+
 def test_atomic_path_yields_a_fresh_name_and_renames_or_cleans_up(tmp_path):
     """The writers create their file at a name where none exists (opening an existing file with O_TRUNC
     makes ext4 write it back when it is closed); success renames it with the umask's mode, failure leaves

@@ -557,8 +557,8 @@ def test_cli_generate_compressed_container(tmp_path, capsys):
 @pytest.mark.parametrize("fmt", ["compressed", "csr"])
 def test_generate_on_a_full_disk_is_one_error_and_no_file(tmp_path, monkeypatch, capsys, fmt):
     """A write that fails (a full disk: the writer's OSError, raised on its own thread) ends the CLI with
-    one line naming the output and the fault, and leaves no file. (On a real full disk, after that line,
-    h5py still crashes the interpreter when it drops the file HDF5 could not flush: rc 139.)"""
+    one line naming the output and the fault, and leaves no file; the command then ends without the
+    interpreter's teardown (`cli.run`), where HDF5 would crash on a file it could not flush."""
     import errno
 
     from mlemlib.formats import compressed_h5, h5
@@ -581,6 +581,9 @@ def test_generate_on_a_full_disk_is_one_error_and_no_file(tmp_path, monkeypatch,
     assert rc == 1 and calls["n"] >= 2  # the write after the first one failed
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"mlem: error: {out}: No space left on device"
     assert list(tmp_path.iterdir()) == []
+    from mlemlib import cli
+
+    assert cli._refused_write  # cli.run ends the process at once
 
 
 @pytest.mark.parametrize("fmt", ["compressed", "csr"])

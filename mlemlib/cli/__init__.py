@@ -11,8 +11,10 @@ Exit statuses: 0 success, 1 any other failure, 2 bad input or configuration
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
+import os
 import sys
 
 from mlemlib import __version__
@@ -67,12 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: errnos of a write the disk refused. HDF5 may then hold a file it could not flush; it tries again when
+#: the interpreter ends and crashes there (a segmentation fault after the error line, docs/benchmarks.md
+#: section 78), so :func:`run` ends the process without that teardown.
+REFUSED_WRITE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_refused_write = False  # set by main() when it reported such an error
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``mlem`` command; return its exit status."""
+    global _refused_write
+    _refused_write = False
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose + 1, 2)  # INFO by default, DEBUG with -v
     logging.basicConfig(level=level, format=LOG_FORMAT)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_h5py_close
     try:
         return int(args.func(args) or 0)
     except InputError as exc:
@@ -86,7 +99,38 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except OSError as exc:  # a full disk, a file too large, permissions: one line, not a traceback
         print(f"mlem: error: {os_error_line(exc)}", file=sys.stderr)
+        _refused_write = exc.errno in REFUSED_WRITE
         return EXIT_FAILURE
+    finally:
+        sys.unraisablehook = previous_hook
+
+
+def _quiet_h5py_close(unraisable) -> None:
+    """``sys.unraisablehook`` while a command runs: h5py objects of a file HDF5 could not write (a full
+    disk) fail to close as they are dropped, each with a traceback on stderr before the one error line;
+    those go to the debug log. Anything else goes to Python's own hook."""
+    where = f"{unraisable.err_msg or ''} {unraisable.object!r}"
+    if "h5py" in where and isinstance(unraisable.exc_value, (RuntimeError, OSError)):
+        logging.getLogger(__name__).debug("h5py could not close an object: %s",
+                                          str(unraisable.exc_value).splitlines()[0])
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def run() -> None:
+    """The ``mlem`` command (console script, ``python -m mlemlib``): :func:`main`, then exit with its status.
+
+    After a write the disk refused (:data:`REFUSED_WRITE`) the process ends at once (``os._exit``, its
+    output and logs flushed first): the interpreter's teardown would hand HDF5 the abandoned file to
+    flush again, and HDF5 crashes on it. The temporary file is already gone; nothing else is lost.
+    """
+    code = main()
+    if _refused_write:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def os_error_line(exc: OSError) -> str:
@@ -96,4 +140,4 @@ def os_error_line(exc: OSError) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -207,6 +207,10 @@ class RowBlockReader:
         return self.read_rows(0, self.shape[0])
 
 
+#: HDF5 objects of files that could not be closed (:meth:`RowBlockWriter._close_h5`), kept alive.
+ABANDONED: list[Any] = []
+
+
 class RowBlockWriter:
     """Bookkeeping shared by the streaming, atomic writers.
 
@@ -228,6 +232,38 @@ class RowBlockWriter:
     def rows_written(self) -> int:
         """Rows written so far."""
         return self._rows
+
+    def _dataset(self, name: str) -> Any:
+        """The open dataset ``name`` of the HDF5 file being written, kept for the writer's life.
+
+        One handle per dataset: a handle made for each write (``f[name][lo:hi] = a``) is closed as
+        soon as it is dropped, and that close, which flushes its cached chunks, can fail on a full
+        disk where nothing reports it (h5py prints the error and goes on), so the writer went on
+        writing after the disk was full. With handles kept, the write itself fails and raises.
+        """
+        cache = self.__dict__.setdefault("_datasets", {})
+        ds = cache.get(name)
+        if ds is None:
+            ds = cache[name] = self._f[name]
+        return ds
+
+    def _close_h5(self) -> None:
+        """Close the HDF5 file being written (and with it the kept dataset handles), once.
+
+        Where HDF5 cannot close it (a full disk: the close flushes), the file's objects are kept
+        referenced for the life of the process (:data:`ABANDONED`) and the error propagates: dropped,
+        each would try to close again and HDF5 crashes on that (a segmentation fault). The ``mlem``
+        command then ends without the interpreter's teardown (:func:`mlemlib.cli.run`).
+        """
+        if self.__dict__.get("_h5_closed"):
+            return
+        self._h5_closed = True
+        try:
+            self._f.close()
+        except BaseException:
+            ABANDONED.append((self._f, self.__dict__.pop("_datasets", None)))
+            raise
+        self.__dict__.pop("_datasets", None)
 
     def _accept(self, block: CSRMatrix, *, validate: bool = True) -> int:
         """Check that ``block`` is the next row block that fits the declared size; return its nnz."""

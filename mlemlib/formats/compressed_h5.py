@@ -562,19 +562,18 @@ class CompressedH5Writer(RowBlockWriter):
                     f"a block of {ROW_BLOCK} rows spans more than {MAX_BLOCK_SLOTS} slots (32-bit row offsets); "
                     "store this matrix as csr",
                 )
-            f = self._f
-
             def write() -> None:
                 if k:
-                    f["rowoff"][self._rows + 1 : self._rows + k + 1] = off[1:].astype(np.uint32)
+                    self._dataset("rowoff")[self._rows + 1 : self._rows + k + 1] = off[1:].astype(np.uint32)
                 s = enc.slots
                 if s:
                     lo, hi = self._slots, self._slots + s
                     for name, arr in (("codes", enc.codes), ("values", enc.values)):
-                        f[name].resize((hi,))
-                        f[name][lo:hi] = arr
+                        ds = self._dataset(name)
+                        ds.resize((hi,))
+                        ds[lo:hi] = arr
                 if enc.scale is not None and k:
-                    f["scale"][self._rows : self._rows + k] = enc.scale
+                    self._dataset("scale")[self._rows : self._rows + k] = enc.scale
 
             ends = decoded.indptr[1:] - decoded.indptr[0] + self._written
             self._checksum.update_rows(ends, decoded.indices, decoded.data, during=write)
@@ -599,8 +598,10 @@ class CompressedH5Writer(RowBlockWriter):
             self._f.attrs["nnz"] = np.int64(self.nnz)
             self._f.attrs["slots"] = np.int64(self._slots)
             self._f.attrs["checksum"] = digest
-            self._f.close()
+            self._close_h5()
         except BaseException as exc:
+            with contextlib.suppress(Exception):
+                self._close_h5()  # where the error came before the close
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
             raise
         self._stack.close()
@@ -616,7 +617,7 @@ class CompressedH5Writer(RowBlockWriter):
             return
         self._open = False
         with contextlib.suppress(Exception):
-            self._f.close()
+            self._close_h5()
         self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
 
 

@@ -704,12 +704,13 @@ class MatrixH5Writer(RowBlockWriter):
 
             def write() -> None:
                 if k:
-                    self._f["indptr"][self._rows + 1 : self._rows + k + 1] = ends
+                    self._dataset("indptr")[self._rows + 1 : self._rows + k + 1] = ends
                 if bnnz:
                     for name, arr in (("indices", block.indices), ("data", block.data)):
+                        ds = self._dataset(name)
                         if self.nnz is None:
-                            self._f[name].resize((hi,))
-                        self._f[name][lo:hi] = arr
+                            ds.resize((hi,))
+                        ds[lo:hi] = arr
 
             self._checksum.update_rows(ends, block.indices, block.data, during=write)
         except BaseException:
@@ -728,8 +729,10 @@ class MatrixH5Writer(RowBlockWriter):
         try:
             self._f.attrs["nnz"] = np.int64(self.nnz)
             self._f.attrs["checksum"] = digest
-            self._f.close()
+            self._close_h5()
         except BaseException as exc:
+            with contextlib.suppress(Exception):
+                self._close_h5()  # where the error came before the close
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
             raise
         self._stack.close()
@@ -742,7 +745,7 @@ class MatrixH5Writer(RowBlockWriter):
             return
         self._open = False
         with contextlib.suppress(Exception):
-            self._f.close()
+            self._close_h5()
         self._stack.__exit__(RuntimeError, RuntimeError("aborted"), None)
 
 
