@@ -595,6 +595,31 @@ cli.run()
         assert ("teardown" in proc.stdout) is teardown
 
 
+def test_h5py_close_errors_go_to_the_debug_log_while_a_command_runs(capsys, caplog, monkeypatch):
+    """h5py objects of a file HDF5 could not write fail to close as they are dropped; while a command
+    runs those tracebacks go to the debug log (the error line stays the only output); other
+    unraisable errors still reach Python's hook."""
+    import logging
+    import types
+
+    from mlemlib import cli
+
+    def args(exc, obj):
+        return types.SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=None, err_msg=None,
+                                     object=obj)
+
+    with caplog.at_level(logging.DEBUG, logger="mlemlib.cli"):
+        cli._quiet_h5py_close(args(RuntimeError("Can't close dataset (file write failed)"),
+                                   "h5py._objects.ObjectID.__dealloc__"))
+    assert capsys.readouterr().err == ""
+    assert "h5py could not close an object: Can't close dataset" in caplog.text
+    passed = []
+    monkeypatch.setattr(sys, "__unraisablehook__", passed.append)
+    other = args(ValueError("something else"), "mymodule.thing")
+    cli._quiet_h5py_close(other)
+    assert passed == [other]
+
+
 def test_main_marks_only_refused_writes(tmp_path, monkeypatch, capsys):
     import errno
 
