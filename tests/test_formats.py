@@ -573,6 +573,40 @@ def test_h5_file_that_cannot_be_closed_is_kept_alive(tmp_path, ref, monkeypatch)
     assert not ds.id.valid
 
 
+def test_h5_close_that_fails_for_the_disk_is_an_os_error_of_the_output(tmp_path, ref, monkeypatch):
+    """h5py raises a failed close (the last flush, on a full disk) as a RuntimeError whose text gives
+    the errno; the writer makes it that OSError naming its output, so that `mlem` prints one line and
+    ends as after any refused write, and keeps the file's objects alive."""
+    from mlemlib.formats import _check
+
+    w = MatrixH5Writer(tmp_path / "x.h5", ref.shape, ref.nnz)
+    f = w._f
+    real_close = f.close
+
+    def full():
+        raise RuntimeError("Can't close dataset (file write failed: time = ..., filename = 'x', file "
+                           "descriptor = 4, errno = 28, error message = 'No space left on device', ...)")
+
+    monkeypatch.setattr(f, "close", full)
+    before = len(_check.ABANDONED)
+    with pytest.raises(OSError) as err, w:
+        w.write_rows(CSRMatrix.from_scipy(ref))
+    assert (err.value.errno, err.value.strerror, err.value.filename) == (28, os.strerror(28), str(tmp_path / "x.h5"))
+    assert isinstance(err.value.__cause__.__cause__, RuntimeError)
+    assert len(_check.ABANDONED) == before + 1 and list(tmp_path.iterdir()) == []
+    _check.ABANDONED.pop()
+    real_close()
+    # a failed close without an errno in its text stays what it was
+    w = MatrixH5Writer(tmp_path / "y.h5", ref.shape, ref.nnz)
+    f = w._f
+    real_close = f.close
+    monkeypatch.setattr(f, "close", lambda: (_ for _ in ()).throw(RuntimeError("Can't close file")))
+    with pytest.raises(RuntimeError, match="Can't close file"), w:
+        w.write_rows(CSRMatrix.from_scipy(ref))
+    _check.ABANDONED.pop()
+    real_close()
+
+
 def test_mlem_ends_without_teardown_after_a_refused_write(tmp_path):
     """`mlem` (`cli.run`) after a write the disk refused ends the process at once, its output flushed:
     the interpreter's teardown would hand HDF5 the file it could not flush, and HDF5 crashes there
@@ -593,31 +627,6 @@ cli.run()
         assert proc.returncode == 1, proc.stderr
         assert proc.stderr.strip() == "mlem: error: out.h5: ..."
         assert ("teardown" in proc.stdout) is teardown
-
-
-def test_h5py_close_errors_go_to_the_debug_log_while_a_command_runs(capsys, caplog, monkeypatch):
-    """h5py objects of a file HDF5 could not write fail to close as they are dropped; while a command
-    runs those tracebacks go to the debug log (the error line stays the only output); other
-    unraisable errors still reach Python's hook."""
-    import logging
-    import types
-
-    from mlemlib import cli
-
-    def args(exc, obj):
-        return types.SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=None, err_msg=None,
-                                     object=obj)
-
-    with caplog.at_level(logging.DEBUG, logger="mlemlib.cli"):
-        cli._quiet_h5py_close(args(RuntimeError("Can't close dataset (file write failed)"),
-                                   "h5py._objects.ObjectID.__dealloc__"))
-    assert capsys.readouterr().err == ""
-    assert "h5py could not close an object: Can't close dataset" in caplog.text
-    passed = []
-    monkeypatch.setattr(sys, "__unraisablehook__", passed.append)
-    other = args(ValueError("something else"), "mymodule.thing")
-    cli._quiet_h5py_close(other)
-    assert passed == [other]
 
 
 def test_main_marks_only_refused_writes(tmp_path, monkeypatch, capsys):

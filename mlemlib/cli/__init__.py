@@ -84,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose + 1, 2)  # INFO by default, DEBUG with -v
     logging.basicConfig(level=level, format=LOG_FORMAT)
-    previous_hook = sys.unraisablehook
-    sys.unraisablehook = _quiet_h5py_close
     try:
         return int(args.func(args) or 0)
     except InputError as exc:
@@ -101,20 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlem: error: {os_error_line(exc)}", file=sys.stderr)
         _refused_write = exc.errno in REFUSED_WRITE
         return EXIT_FAILURE
-    finally:
-        sys.unraisablehook = previous_hook
-
-
-def _quiet_h5py_close(unraisable) -> None:
-    """``sys.unraisablehook`` while a command runs: h5py objects of a file HDF5 could not write (a full
-    disk) fail to close as they are dropped, each with a traceback on stderr before the one error line;
-    those go to the debug log. Anything else goes to Python's own hook."""
-    where = f"{unraisable.err_msg or ''} {unraisable.object!r}"
-    if "h5py" in where and isinstance(unraisable.exc_value, (RuntimeError, OSError)):
-        logging.getLogger(__name__).debug("h5py could not close an object: %s",
-                                          str(unraisable.exc_value).splitlines()[0])
-        return
-    sys.__unraisablehook__(unraisable)
 
 
 def run() -> None:

@@ -10,6 +10,7 @@ the streaming writers of every format do alike (row blocks, bookkeeping).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
@@ -253,15 +254,19 @@ class RowBlockWriter:
         Where HDF5 cannot close it (a full disk: the close flushes), the file's objects are kept
         referenced for the life of the process (:data:`ABANDONED`) and the error propagates: dropped,
         each would try to close again and HDF5 crashes on that (a segmentation fault). The ``mlem``
-        command then ends without the interpreter's teardown (:func:`mlemlib.cli.run`).
+        command then ends without the interpreter's teardown (:func:`mlemlib.cli.run`). h5py raises a
+        failed close as a RuntimeError whose text gives the system's errno: it goes on as that OSError.
         """
         if self.__dict__.get("_h5_closed"):
             return
         self._h5_closed = True
         try:
             self._f.close()
-        except BaseException:
+        except BaseException as exc:
             ABANDONED.append((self._f, self.__dict__.pop("_datasets", None)))
+            code = re.search(r"errno = (\d+)", str(exc)) if isinstance(exc, RuntimeError) else None
+            if code:
+                raise OSError(int(code[1]), os.strerror(int(code[1]))) from exc
             raise
         self.__dict__.pop("_datasets", None)
 
