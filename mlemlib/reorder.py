@@ -315,6 +315,64 @@ def voxel_permutation(grid: tuple[int, int, int]) -> np.ndarray:
     return np.argsort(hilbert_keys(xyz, bits), kind="stable").astype(np.int64)
 
 
+def voxel_row_order(grid: tuple[int, int, int] | None, voxels: np.ndarray | None = None,
+                    rows: tuple[int, int] | None = None) -> np.ndarray | None:
+    """The order to take the rows of ``A^T`` (voxels) in: along the 3-D Hilbert curve (int64, or None).
+
+    ``order[k]`` is the row taken k-th, counted from ``rows[0]``. Row ``j`` of
+    ``A^T`` is column ``j`` of ``A``, the user's voxel ``voxels[j]`` in a
+    reordered container (:attr:`Permutation.voxels`), else voxel ``j`` of the
+    grid's raster order. Consecutive rows in this order are neighbours in space
+    and gather nearly the same correlation entries (docs/benchmarks.md section
+    85). None where there is no grid, or the rows already lie along the curve
+    (a matrix generated or reordered with its voxels in Hilbert order).
+
+    Parameters
+    ----------
+    grid
+        ``(gx, gy, gz)`` or None.
+    voxels
+        The user's voxel of each column, or None (raster order).
+    rows
+        ``(r0, r1)``: only these rows (a partition's), numbered from ``r0``; default all.
+    """
+    if grid is None:
+        return None
+    gx, gy, gz = (int(v) for v in grid)
+    n = gx * gy * gz
+    r0, r1 = (0, n) if rows is None else (int(rows[0]), int(rows[1]))
+    if not 0 <= r0 <= r1 <= n:
+        raise ValueError(f"rows [{r0}, {r1}) outside the grid's {n} voxels")
+    col = np.arange(r0, r1, dtype=np.int64)
+    if voxels is not None:
+        if len(voxels) != n:
+            raise ValueError(f"voxel permutation of {len(voxels)} entries for a grid of {n} voxels")
+        col = np.asarray(voxels, dtype=np.int64)[r0:r1]
+    bits = max(1, math.ceil(math.log2(max(gx, gy, gz))))
+    keys = hilbert_keys(np.stack([col % gx, (col // gx) % gy, col // (gx * gy)], axis=1), bits)
+    if keys.size < 2 or bool(np.all(keys[1:] >= keys[:-1])):
+        return None
+    return np.argsort(keys, kind="stable").astype(np.int64)
+
+
+def transpose_row_order(matrix: Any, rows: tuple[int, int] | None = None) -> np.ndarray | None:
+    """:func:`voxel_row_order` for the transpose of ``matrix`` (a path or an opened matrix): from its grid
+    and, in a reordered container, its voxel permutation. None for a matrix without a grid (an in-memory
+    one, a ``.mtx``) or whose grid does not count its columns."""
+    from mlemlib.formats import open_source
+    from mlemlib.phantom import matrix_geometry
+
+    if isinstance(matrix, (str, os.PathLike)):
+        with open_source(matrix, "matrix") as src:
+            return transpose_row_order(src, rows)
+    grid = matrix_geometry(matrix)[0]
+    shape = getattr(matrix, "shape", None)
+    if grid is None or shape is None or math.prod(grid) != int(shape[1]):
+        return None
+    perm = permutation_of(matrix)
+    return voxel_row_order(grid, perm.voxels if perm is not None else None, rows)
+
+
 def _row_keys_geometric(mom: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
     """Row keys (int64) from the moments of :func:`_row_moments`: 6-D Hilbert index of entry and exit point."""
     k = mom.shape[0]

@@ -109,6 +109,41 @@ def test_voxel_permutation_is_a_local_permutation():
     assert steps.mean() < 1.5  # mostly face neighbours (jumps only where the curve leaves the grid)
 
 
+def test_voxel_row_order_walks_the_grid_and_its_parts():
+    """The order of A^T's rows: on a 2^k cube each next voxel a face neighbour; a partition's rows in the
+    whole order's sequence, numbered from its first row; None where the columns already follow the curve."""
+    cube = reorder.voxel_row_order((8, 8, 8))
+    reorder.check_permutation(cube, 512, "<test>", "rows")
+    x, y, z = cube % 8, (cube // 8) % 8, cube // 64
+    assert ((np.abs(np.diff(x)) + np.abs(np.diff(y)) + np.abs(np.diff(z))) == 1).all()
+    grid = (20, 20, 8)
+    whole = reorder.voxel_row_order(grid)
+    np.testing.assert_array_equal(whole, reorder.voxel_permutation(grid))
+    part = reorder.voxel_row_order(grid, rows=(1000, 2100))
+    np.testing.assert_array_equal(part + 1000, whole[(whole >= 1000) & (whole < 2100)])
+    # columns relabelled along the curve (generate --voxel-order hilbert, reorder rows+voxels): nothing to do
+    assert reorder.voxel_row_order(grid, voxels=whole) is None
+    assert reorder.voxel_row_order(grid, voxels=whole, rows=(1000, 2100)) is None
+    # any other labelling: the rows ordered by their voxel's place on the curve
+    shuffled = np.random.default_rng(2).permutation(3200)
+    got = reorder.voxel_row_order(grid, voxels=shuffled)
+    np.testing.assert_array_equal(shuffled[got], whole)
+    assert reorder.voxel_row_order(None) is None
+    with pytest.raises(ValueError, match="outside"):
+        reorder.voxel_row_order(grid, rows=(0, 3201))
+
+
+def test_transpose_row_order_reads_the_grid_and_the_voxel_permutation(matrix_h5, tmp_path):
+    path, a = matrix_h5
+    np.testing.assert_array_equal(reorder.transpose_row_order(path), reorder.voxel_permutation(GRID))
+    assert reorder.transpose_row_order(a) is None  # in memory: no grid
+    out = tmp_path / "reordered.h5"
+    reorder.reorder_file(path, out, mode="rows+voxels")
+    assert reorder.transpose_row_order(out) is None  # its voxels already along the curve
+    write_matrix_h5(tmp_path / "no_grid.h5", a)
+    assert reorder.transpose_row_order(tmp_path / "no_grid.h5") is None
+
+
 @pytest.mark.parametrize("mode", reorder.MODES)
 def test_compute_permutation_gives_valid_permutations(matrix_h5, mode):
     path, a = matrix_h5

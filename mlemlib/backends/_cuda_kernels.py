@@ -156,7 +156,10 @@ class DeviceCSR(DeviceMatrix):
     row_shape: plan.RowShape | None = field(default=None, repr=False)
     #: Milliseconds per candidate shape measured by :meth:`tune`.
     tuned: dict | None = field(default=None, repr=False)
-    _compact: Any = field(default=None, repr=False)  # compact_rows: None (not computed), False or a pair
+    _compact: Any = field(default=None, repr=False)  # compact_rows: None (not computed), False or the rows
+    #: The order ``csr_vector`` takes the rows in (int64 device array, a permutation; None: in order),
+    #: :meth:`set_row_order`.
+    row_order: Any = field(default=None, repr=False)
     #: Order of each row's elements: 0, by column (canonical: cuSPARSE, the host, the scatter kernels);
     #: L, interleaved for ``csr_vector`` with L lanes per row (:meth:`set_layout`).
     layout: int = field(default=0, repr=False)
@@ -340,29 +343,58 @@ class DeviceCSR(DeviceMatrix):
         """Free the cuSPARSE view's int32 row pointer."""
         self._cusparse = None
 
-    def compact_rows(self) -> tuple[Any, Any] | None:
-        """``(row pointer, rows)`` of the non-empty rows (cached), or None when at most 1/8 of the rows are empty.
+    def compact_rows(self) -> Any | None:
+        """The non-empty rows (int64, cached; in :attr:`row_order` where one is set), or None when at most
+        1/8 of the rows are empty.
 
-        The row pointer (int64, one more than the rows) is ``indptr`` at the
-        non-empty rows plus ``nnz`` (the rows between two non-empty ones are
-        empty, so each row still ends where the next listed one starts), and
-        ``rows`` their numbers: ``csr_vector`` over it computes the same sums
-        for the listed rows and leaves the empty ones' outputs unwritten, so
-        that no warp's trip is spent on an empty row (58% of madpet2's rows
-        in the scanner's own order: LORs that miss the field of view).
+        ``csr_vector`` given this row list computes the same sums for the
+        listed rows and leaves the empty ones' outputs unwritten, so that no
+        warp's trip is spent on an empty row (58% of madpet2's rows in the
+        scanner's own order: LORs that miss the field of view).
         """
         if self._compact is None:
             cp = cupy()
             m = self.shape[0]
-            rows = cp.flatnonzero(cp.diff(self.indptr)).astype(cp.int64)
-            if m - rows.size <= m // 8:
-                self._compact = False
-            else:
-                ptr = cp.empty(rows.size + 1, dtype=cp.int64)
-                ptr[:-1] = self.indptr[rows]
-                ptr[-1] = self.indptr[-1]
-                self._compact = (ptr, rows)
-        return self._compact or None
+            lengths = cp.diff(self.indptr)
+            rows = self.row_order[lengths[self.row_order] > 0] if self.row_order is not None else \
+                cp.flatnonzero(lengths).astype(cp.int64)
+            self._compact = False if m - rows.size <= m // 8 else rows
+        return None if self._compact is False else self._compact
+
+    def set_row_order(self, order: Any | None) -> None:
+        """Have ``csr_vector`` take the rows in ``order`` (a permutation of the rows; None: in order).
+
+        The rows stay where they are: the kernel's r-th group takes row
+        ``order[r]`` (a row list, 8 bytes a row) and writes its own output
+        entry, so every result is the same bit for bit and only the rows in
+        flight together change. On ``A^T`` (rows = voxels) the order of
+        :func:`mlemlib.reorder.voxel_row_order`, voxels along a 3-D Hilbert
+        curve, makes those rows neighbours in space that gather nearly the same
+        correlation entries (docs/benchmarks.md section 85).
+        """
+        if order is None and self.row_order is None:
+            return
+        cp = cupy()
+        m = self.shape[0]
+        if order is not None:
+            order = cp.asarray(order, dtype=cp.int64)
+            if order.shape != (m,):
+                raise ValueError(f"row order of {order.shape} entries for a matrix of {m} rows")
+            seen = cp.zeros(m, dtype=cp.int32)
+            if m and (int(order.min()) < 0 or int(order.max()) >= m):
+                raise ValueError(f"row order out of range [0, {m})")
+            seen[order] = 1
+            if int(seen.sum()) != m:
+                raise ValueError("row order takes some row twice (not a permutation)")
+        self.row_order = order
+        self._compact = None
+        self.row_shape, self.tuned = None, None  # tuned on the rows in the order they were taken
+
+    def launch_rows(self, skip_empty: bool = False) -> Any | None:
+        """The row list a ``csr_vector`` launch takes (:meth:`compact_rows` with ``skip_empty``, else
+        :attr:`row_order`), or None for every row in order."""
+        compact = self.compact_rows() if skip_empty else None
+        return compact if compact is not None else self.row_order
 
     def transpose(self) -> DeviceCSR:
         """``A^T`` as CSR, computed on the GPU with cuSPARSE (csr2csc); rows' columns sorted."""
@@ -605,10 +637,11 @@ def spmv_launch(
     else:
         if skip_empty and mode == MODE_UPDATE:
             raise ValueError("skip_empty: an empty row's update is not 0 (f * 0 / norm keeps f's sign and NaN)")
-        compact = a.compact_rows() if skip_empty else None
-        ptr, rows = compact if compact else (a.indptr, np.uint64(0))  # 0: the kernels' null row list
-        m = int(ptr.size - 1)
-        args = (ptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1, rows)
+        rows = a.launch_rows(skip_empty)
+        if rows is not None:
+            m = int(rows.size)
+        args = (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1,
+                np.uint64(0) if rows is None else rows)  # 0: the kernels' null row list
         lanes_ = lanes or a.lanes()
         if lanes_ not in plan.LANE_CHOICES:
             raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")

@@ -15,9 +15,11 @@
 //                       its start, end, L and the matrix's layout (csr_interleave).
 //   csr_block_L         csr_vector_L (the same sums) in blocks of up to 1024
 //                       threads whose rows advance together (launch shape only).
-//                       Both take an optional row list (the last argument): the
-//                       row pointer is then compacted to the non-empty rows and
-//                       row r writes y[rows[r]] (empty rows are not written).
+//                       Both take an optional row list (the last argument, m its
+//                       length): the r-th row taken is then rows[r], read in place
+//                       and written to y[rows[r]]; rows not listed are not written
+//                       (the non-empty rows only: DeviceCSR.compact_rows; every row
+//                       in another order: DeviceCSR.set_row_order).
 //   merge_spmv          merge-path SpMV of the thesis (5.1): each thread takes
 //                       `secsize` merge items (a non-zero or a row end) and adds
 //                       its partial row sums with atomicAdd. NOT deterministic.
@@ -88,11 +90,11 @@ typedef long long i64;
 
 #include "epilogue.cuh"  // MODE_*, RowAux, load_aux, write_row
 
-// A row's bounds, its output row (rows[r] where the row pointer is compacted) and its
-// epilogue's operands, the last two loaded by the lane that writes the row (`mine`).
-// The row loops below load them one row ahead, so that their latency (rowptr, then
-// rows[r], then aux0/aux1 at it) overlaps the previous row's dot product instead of
-// stalling the group before this row's first gathers (benchmarks.md section 59).
+// The r-th row a group takes (rows[r] where a row list is given, else r): its bounds and its
+// epilogue's operands, the last loaded by the lane that writes the row (`mine`). The row
+// loops below load them one row ahead, so that their latency (rows[r], then rowptr and
+// aux0/aux1 at it) overlaps the previous row's dot product instead of stalling the group
+// before this row's first gathers (benchmarks.md section 59).
 struct RowHead {
     i64 s, e, ry;
     RowAux pre;
@@ -103,12 +105,10 @@ __device__ __forceinline__ RowHead load_head(i64 r, i64 m, bool mine, const i64*
                                              const float* aux1) {
     RowHead h{0, 0, r, {0.0f, 0.0f}};
     if (r < m) {
-        h.s = rowptr[r];
-        h.e = rowptr[r + 1];
-        if (mine) {
-            if (rows != nullptr) h.ry = rows[r];
-            h.pre = load_aux(mode, h.ry, aux0, aux1);
-        }
+        if (rows != nullptr) h.ry = rows[r];
+        h.s = rowptr[h.ry];
+        h.e = rowptr[h.ry + 1];
+        if (mine) h.pre = load_aux(mode, h.ry, aux0, aux1);
     }
     return h;
 }
@@ -163,9 +163,10 @@ __device__ __forceinline__ float group_dot(i64 s, i64 e, const int* __restrict__
 // runs over warp-aligned row bases so every lane of a warp takes the same
 // number of trips and the full-mask shuffles are legal.
 //
-// rows: null, or the rows that rowptr's m rows are (a compacted row pointer of the non-empty rows,
-// DeviceCSR.compact_rows): row r's sum goes to y[rows[r]] with the epilogue at rows[r]; the other
-// rows of y are not written.
+// rows: null (m rows in order), or the m rows to take in that order (DeviceCSR.compact_rows: the
+// non-empty ones; DeviceCSR.set_row_order: all of them, A^T's voxels along a Hilbert curve): the r-th
+// row taken is rows[r], its sum goes to y[rows[r]] with the epilogue at rows[r]; rows not listed
+// are not written.
 template <int L>
 __device__ __forceinline__ void csr_vector_body(const i64* __restrict__ rowptr,
                                                 const int* __restrict__ col,
