@@ -15,9 +15,7 @@ Provides
   round in the reverse order) on one matrix: forward ``A x``, back projection on the
   stored transpose ``A^T c`` and without it (scatter from ``A``; ``csr_vector``
   under every launch shape, in column order and, on a copy, in the
-  interleaved layout a backend gives it: ``DeviceCSR.set_layout``; on ``A^T``
-  of a matrix with a grid also with its rows taken along the Hilbert curve
-  as a backend takes them: ``DeviceCSR.set_row_order``), each with
+  interleaved layout a backend gives it: ``DeviceCSR.set_layout``), each with
   its effective bandwidth (:func:`mlemlib.backends._cuda_plan.spmv_bytes`
   over the time), its fraction of the copy bandwidth and its speed relative
   to cuSPARSE in the same run, its error against a float64 product; then full
@@ -370,28 +368,23 @@ def _rel_errors(y: Any, ref: Any, absref: Any, lengths: Any) -> dict[str, float]
     }
 
 
-def _load(matrix: Any, what: str) -> tuple[Any, str, Any]:
-    """``matrix`` (path, opened matrix, CSRMatrix or device CSR) on the current GPU as CSR, its own format,
-    and the order a backend takes its transpose's rows in (:func:`mlemlib.reorder.transpose_row_order`; None
-    without a grid or with ``mlemlib.backends.cuda.ROW_ORDER`` off).
+def _load(matrix: Any, what: str) -> tuple[Any, str]:
+    """``matrix`` (path, opened matrix, CSRMatrix or device CSR) on the current GPU as CSR, and its own format.
 
     The kernels timed here read CSR: a compressed container is decoded row block by row block as it is
     streamed to the GPU (its own format's iterations are then added: :func:`bench_spmv`'s ``formats``).
     """
-    from mlemlib.backends import cuda as cuda_backend
     from mlemlib.backends._cuda_kernels import DeviceCSR, load_device
     from mlemlib.backends.device_formats import DeviceMatrix, format_of
     from mlemlib.formats import open_source
-    from mlemlib.reorder import transpose_row_order
 
     if isinstance(matrix, DeviceMatrix):
         if not isinstance(matrix, DeviceCSR):
             raise ConfigError(what, f"the benchmark's kernels read CSR: give the file or a device CSR matrix, "
                                     f"not a {type(matrix).__name__}")
-        return matrix, "csr", None
+        return matrix, "csr"
     src = open_source(matrix, what)
-    order = transpose_row_order(src) if cuda_backend.ROW_ORDER else None
-    return load_device(src, what), format_of(src), order
+    return load_device(src, what), format_of(src)
 
 
 def bench_spmv(
@@ -479,7 +472,7 @@ def bench_spmv(
         bw = copy["bandwidth"]
         log.info("copy bandwidth %.3f TB/s", bw / 1e12)
         t0 = time.perf_counter()
-        a, own, bp_order = _load(matrix, "matrix")
+        a, own = _load(matrix, "matrix")
         at = _load(transpose, "transpose")[0] if transpose is not None else a.transpose()
         if own not in formats:  # a compressed container: its own format's iterations too
             formats = (*formats, own)
@@ -534,8 +527,7 @@ def bench_spmv(
             pending.clear()
             for r in rows:  # the layout and launch shape a backend picks, among those timed
                 if r["kernel"] == "csr_vector" and r.get("lanes_auto") and r["op"] in picked_shape:
-                    r["auto"] = (r.get("shape"), r.get("layout", 0), *([r["row_order"]] if r.get("row_order")
-                                                                        else [])) == picked_shape[r["op"]]
+                    r["auto"] = (r.get("shape"), r.get("layout", 0)) == picked_shape[r["op"]]
 
         def record(op: str, kernel: str, fn, t: np.ndarray, nbytes: int, extra: dict | None = None) -> None:
             """One row of the table from the times ``t`` of ``fn`` (checked once more against the reference)."""
@@ -624,20 +616,6 @@ def bench_spmv(
                             nbytes,
                             {"lanes": lanes_auto, "lanes_auto": True, "shape": sh.label(), "layout": layout},
                         )
-                    if op == "bp" and bp_order is not None:
-                        # the same arrays, the rows (voxels) taken along the Hilbert curve (DeviceCSR.set_row_order)
-                        ho = ck.DeviceCSR(il.indptr, il.indices, il.data, il.shape, layout=il.layout)
-                        ho.set_row_order(bp_order)
-                        picked_shape[op] = (ho.tune(lanes_auto).label(), layout, "hilbert")
-                        for sh in plan.SHAPE_CANDIDATES:
-                            run(
-                                op,
-                                k,
-                                lambda sh=sh: ck.spmv(ho, vec, out, kernel="csr_vector", lanes=lanes_auto, shape=sh),
-                                nbytes,
-                                {"lanes": lanes_auto, "lanes_auto": True, "shape": sh.label(), "layout": layout,
-                                 "row_order": "hilbert"},
-                            )
             else:
                 run(op, k, lambda: ck.spmv(mat, vec, out, kernel=k), nbytes)
 
@@ -701,7 +679,7 @@ def bench_spmv(
             for fmt in formats:
                 for fp_k, bp_k, mat, tr in _format_iterations(fmt, a, at, iterations, host):
                     row, img = _time_iteration(CudaBackend, fmt, fp_k, bp_k, mat, tr, g, norm, device,
-                                               warmup, repeat, bw, csr_floor_s, meter, bp_order)
+                                               warmup, repeat, bw, csr_floor_s, meter)
                     its.append(row)
                     if img is not None:
                         images[len(its) - 1] = img
@@ -785,16 +763,14 @@ def _format_iterations(fmt: str, a: Any, at: Any, iterations: Sequence[tuple[str
 
 def _time_iteration(backend: Any, fmt: str, fp_k: str, bp_k: str, mat: Any, tr: Any, g: np.ndarray,
                     norm: np.ndarray, device: int, warmup: int, repeat: int, bw: float,
-                    csr_floor_s: float, meter: Any = None,
-                    bp_order: Any = None) -> tuple[dict[str, Any], np.ndarray | None]:
+                    csr_floor_s: float, meter: Any = None) -> tuple[dict[str, Any], np.ndarray | None]:
     """One iteration row of :func:`bench_spmv` (and the final image, float64 on the host; None if not run);
-    ``meter`` (an :class:`~mlemlib.devices.EnergyMeter`) gives the seconds the clocks were held down meanwhile,
-    ``bp_order`` the order of ``A^T``'s rows the backend would find in the matrix file (``bp_row_order``)."""
+    ``meter`` (an :class:`~mlemlib.devices.EnergyMeter`) gives the seconds the clocks were held down meanwhile."""
     from mlemlib.backends.base import bytes_per_nnz, timed_iterations
     from mlemlib.devices import capped_between
 
     try:
-        be = backend(mat, g, norm, tr, fp=fp_k, bp=bp_k, device=device, bp_row_order=bp_order)
+        be = backend(mat, g, norm, tr, fp=fp_k, bp=bp_k, device=device)
     except ConfigError as exc:  # e.g. onepass_chunked on a row longer than its window
         log.warning("iteration %s + %s (%s) not timed: %s", fp_k, bp_k, fmt, exc)
         return {"format": fmt, "fp_requested": fp_k, "bp_requested": bp_k, "error": str(exc)}, None
@@ -817,7 +793,6 @@ def _time_iteration(backend: Any, fmt: str, fp_k: str, bp_k: str, mat: Any, tr: 
         "bp_requested": bp_k,
         "deterministic": be.deterministic,
         "fused": be.describe()["fused"],
-        "bp_row_order": be.describe().get("bp_row_order"),
         "bytes_per_nnz": bytes_per_nnz(be.a),
         "median_s": med,
         "min_s": float(min(t)),
@@ -874,7 +849,6 @@ def kernel_label(row: dict[str, Any]) -> str:
         shape = row.get("shape")
         shape = f", {shape}" if shape and shape != "256t" else ""
         shape += ", interleaved" if row.get("layout") else ""
-        shape += ", Hilbert rows" if row.get("row_order") else ""
         return f"{k} ({row['lanes']} lanes{'' if row.get('lanes_auto', True) else ', forced'}{shape})"
     return k
 

@@ -323,9 +323,11 @@ def voxel_row_order(grid: tuple[int, int, int] | None, voxels: np.ndarray | None
     ``A^T`` is column ``j`` of ``A``, the user's voxel ``voxels[j]`` in a
     reordered container (:attr:`Permutation.voxels`), else voxel ``j`` of the
     grid's raster order. Consecutive rows in this order are neighbours in space
-    and gather nearly the same correlation entries (docs/benchmarks.md section
-    85). None where there is no grid, or the rows already lie along the curve
-    (a matrix generated or reordered with its voxels in Hilbert order).
+    and gather nearly the same correlation entries (a candidate launch order of
+    the back projection, ``DeviceCSR.set_row_order``; measured in
+    docs/benchmarks.md section 85). None where there is no grid, or the rows
+    already lie along the curve (a matrix generated or reordered with its
+    voxels in Hilbert order).
 
     Parameters
     ----------

@@ -407,14 +407,13 @@ def test_check_formats():
 class _FakeBackend:
     """The parts of CudaBackend _time_iteration reads, on NumPy: 2 ms per iteration, f doubled each time."""
 
-    def __init__(self, a, g, norm, at, *, fp, bp, device, bp_row_order=None):
+    def __init__(self, a, g, norm, at, *, fp, bp, device):
         if bp == "refused":
             raise ConfigError("bp", "refused here")
         self.a, self.at = a, at
         self.onepass = bp.startswith("onepass")
         self.fp_kernel, self.bp_kernel, self.deterministic = fp, bp, True
         self.steps = 0
-        self.bp_row_order = None if bp_row_order is None else "given"
 
     def initial_image(self):
         return np.ones(3, dtype=np.float32)
@@ -427,7 +426,7 @@ class _FakeBackend:
         return {"iteration": 2e-3}
 
     def describe(self):
-        return {"fused": [], "bp_row_order": self.bp_row_order}
+        return {"fused": []}
 
     def to_host(self, f):
         return f
@@ -471,9 +470,8 @@ class _PipelinedFake(_FakeBackend):
 def test_time_iteration_reads_a_pipelining_backend_one_iteration_late():
     # warmup 2, repeat 3: iterations 3, 4 and 5 are timed (3, 4, 5 ms), none twice, none of the warmup
     row, img = _time_iteration(_PipelinedFake, "csr", "auto", "csr_vector", _Mat(600, 100), _Mat(1000, 100), None,
-                               None, 0, 2, 3, 1e6, 5e-3, None, np.arange(100))
+                               None, 0, 2, 3, 1e6, 5e-3)
     assert row["median_s"] == pytest.approx(4e-3) and row["min_s"] == pytest.approx(3e-3)
-    assert row["bp_row_order"] == "given"  # the order found in the matrix file reaches the backend
     np.testing.assert_array_equal(img, np.full(3, 32.0))
 
 

@@ -289,26 +289,3 @@ def test_interleaved_layout_changes_the_rounding_only(pet, monkeypatch):
     _, fs = run_gpu(shared, "csr_vector", "scatter", transpose=False)
     assert d_a.layout == 0
     assert rel_l2(fs, pet["ref"]) < 1e-5
-
-
-def test_back_projection_along_the_hilbert_curve_changes_no_bit(pet, tmp_path, monkeypatch):
-    """A matrix file with a grid: the backend takes A^T's rows (voxels) along the Hilbert curve
-    (bp_row_order "auto"); the image equals the one taken in order bit for bit, and a given order too."""
-    from mlemlib.formats import open_source
-    from mlemlib.formats.h5 import write_matrix_h5
-    from mlemlib.reorder import voxel_row_order
-
-    path = tmp_path / "a.h5"
-    write_matrix_h5(path, pet["a"], grid=(24, 24, 3), voxel_size=(2.0, 2.0, 2.0))
-    with open_source(path, "matrix") as src:
-        be, along = run_gpu({**pet, "a": src}, "csr_vector", "csr_vector")
-        assert be.describe()["bp_row_order"] == "hilbert"
-        assert cp.asnumpy(be.at.row_order).tolist() == voxel_row_order((24, 24, 3)).tolist()
-        monkeypatch.setattr(cuda_backend, "ROW_ORDER", False)
-        be0, in_order = run_gpu({**pet, "a": src}, "csr_vector", "csr_vector")
-        assert be0.describe()["bp_row_order"] is None and be0.at.row_order is None
-    np.testing.assert_array_equal(along, in_order)
-    shuffled = np.random.default_rng(3).permutation(pet["a"].shape[1])
-    _, given = run_gpu(pet, "csr_vector", "csr_vector", bp_row_order=shuffled)
-    np.testing.assert_array_equal(given, in_order)
-    assert rel_l2(along, pet["ref"]) < 1e-5

@@ -317,24 +317,3 @@ def test_nccl_backend_step_times_and_describe():
     assert {"fp", "bp", "allreduce", "update", "iteration"} <= set(times)
     assert all(v >= 0 for v in times.values())
     assert desc["backend"] == "cuda-nccl" and desc["layout"] == "local" and desc["deterministic"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["local", "thesis"])
-def test_nccl_takes_the_transposes_rows_along_the_hilbert_curve(layout, tmp_path, monkeypatch):
-    """A matrix file with a grid: each GPU's A^T rows along the Hilbert curve; the image is the same bit for bit."""
-    from mlemlib.backends import cuda as cuda_backend
-    from mlemlib.formats.h5 import write_matrix_h5
-
-    a, at, g, norm = _problem()
-    path = tmp_path / "a.h5"
-    write_matrix_h5(path, a, grid=(24, 24, 3), voxel_size=(2.0, 2.0, 2.0))
-    p = min(_gpus(), 2)
-    with N.NcclBackend(path, g, norm, transpose=at, gpus=p, layout=layout) as be:
-        assert be.describe()["bp_row_order"] == "hilbert"
-        along = _image(be)
-    monkeypatch.setattr(cuda_backend, "ROW_ORDER", False)
-    with N.NcclBackend(path, g, norm, transpose=at, gpus=p, layout=layout) as be:
-        assert be.describe()["bp_row_order"] is None
-        in_order = _image(be)
-    assert np.array_equal(along, in_order)

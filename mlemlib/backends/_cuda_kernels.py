@@ -367,10 +367,13 @@ class DeviceCSR(DeviceMatrix):
         The rows stay where they are: the kernel's r-th group takes row
         ``order[r]`` (a row list, 8 bytes a row) and writes its own output
         entry, so every result is the same bit for bit and only the rows in
-        flight together change. On ``A^T`` (rows = voxels) the order of
-        :func:`mlemlib.reorder.voxel_row_order`, voxels along a 3-D Hilbert
-        curve, makes those rows neighbours in space that gather nearly the same
-        correlation entries (docs/benchmarks.md section 85).
+        flight together change. No backend sets one: on madpet2's ``A^T`` the
+        voxels along a 3-D Hilbert curve
+        (:func:`mlemlib.reorder.transpose_row_order`) gathered closer but read
+        the matrix's own arrays out of order, and the back projection took
+        2.011 ms against 1.961 in order on an H200, where A^T stored in that
+        order had been 1.6% faster (docs/benchmarks.md sections 82 and 85;
+        ``tools/row_order_probe.py`` measures it).
         """
         if order is None and self.row_order is None:
             return

@@ -46,7 +46,6 @@ from mlemlib.backends.base import FIXED_RETRY_FACTOR, ONEPASS_C_MAX, STEPS, Back
 from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import CSRMatrix, shape_nnz
-from mlemlib.reorder import transpose_row_order
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +60,6 @@ SKIP_EMPTY_ROWS = True
 #: _cuda_plan.row_layouts): the iteration on madpet2 4% faster on an H200, 0.9% on an H100
 #: (benchmarks.md section 82); False keeps them in column order (for measurements).
 INTERLEAVE = True
-#: ``csr_vector`` takes the rows of ``A^T`` (voxels) along a 3-D Hilbert curve where the matrix has a grid
-#: (DeviceCSR.set_row_order, mlemlib.reorder.transpose_row_order): the back projection 1-2% faster on an
-#: H200 (benchmarks.md section 85); False takes them in order (for measurements).
-ROW_ORDER = True
 GIB = float(1 << 30)
 
 
@@ -108,12 +103,6 @@ class CudaBackend(Backend):
         Time ``csr_vector``'s launch shapes on ``A`` and ``A^T`` at set-up and
         keep the fastest (:meth:`~mlemlib.backends._cuda_kernels.DeviceCSR.tune`;
         a shape never changes a result). False: csr_vector_L's own shape.
-    bp_row_order
-        The order ``csr_vector`` takes the rows of ``A^T`` in: ``"auto"`` (the
-        voxels along a 3-D Hilbert curve where ``matrix`` has a grid,
-        :func:`mlemlib.reorder.transpose_row_order`; in order without one or
-        with :data:`ROW_ORDER` off), None (in order) or a permutation of the
-        n rows. An order never changes a result.
 
     Raises
     ------
@@ -141,7 +130,6 @@ class CudaBackend(Backend):
         lanes: int | None = None,
         fuse: bool = True,
         tune: bool = True,
-        bp_row_order: Any = "auto",
     ) -> None:
         super().__init__()
         cp = ck.cupy()
@@ -329,13 +317,6 @@ class CudaBackend(Backend):
             if isinstance(self.a, ck.DeviceCSR):
                 ck.set_row_layouts(self.a, self.at, self.fp_kernel, self.bp_kernel, self._lanes(self.a),
                                    self._lanes(self.at) if self.at is not None else 0, INTERLEAVE)
-            self.bp_row_order = None
-            if isinstance(self.at, ck.DeviceCSR) and self.bp_kernel == "csr_vector":
-                order = bp_row_order
-                if isinstance(order, str) and order == "auto":
-                    order = transpose_row_order(matrix) if ROW_ORDER else None
-                self.at.set_row_order(order)
-                self.bp_row_order = None if order is None else ("hilbert" if isinstance(bp_row_order, str) else "given")
             if tune and self.fp_kernel == "csr_vector" and isinstance(self.a, ck.DeviceCSR):
                 self.a.tune(self._lanes(self.a))
             if tune and self.at is not None and self.bp_kernel == "csr_vector":
@@ -581,7 +562,6 @@ class CudaBackend(Backend):
             "onepass": self.onepass,
             "l2_window": self.l2_window,
             "layout": {"A": getattr(self.a, "layout", None), "AT": getattr(self.at, "layout", None)},
-            "bp_row_order": self.bp_row_order,
             "fixed_point": dict(self.fixed_stats) if self.onepass and self.deterministic else None,
             "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" and not self.chunked else None,
             "shape_fp": ck.shape_label(self.a) if self.fp_kernel == "csr_vector" and not self.chunked else None,

@@ -54,7 +54,6 @@ from mlemlib.backends.cuda import FUSED, ONEPASS_C_MAX
 from mlemlib.backends.device_formats import device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix, shape_nnz
-from mlemlib.reorder import transpose_row_order
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +369,6 @@ class NcclBackend(Backend):
         self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0, self.lanes_bp_cap)
 
         # ---- shards --------------------------------------------------------------------
-        self.bp_row_order: str | None = None
         t0 = time.perf_counter()
         self.shards: list[_Shard] = []
         local_files = plan_d.get("local_transpose")
@@ -413,10 +411,6 @@ class NcclBackend(Backend):
                             s.smem = None
                     ck.set_row_layouts(s.a, s.at, self.fp_kernel, self.bp_kernel, self.lanes_fp,
                                        self.lanes_bp(s) if s.at is not None else 0, _cuda.INTERLEAVE)
-                    if isinstance(s.at, ck.DeviceCSR) and self.bp_kernel == "csr_vector" and _cuda.ROW_ORDER:
-                        # A_k^T's rows (voxels [c0, c1)) along a 3-D Hilbert curve (CudaBackend's bp_row_order)
-                        s.at.set_row_order(transpose_row_order(matrix, s.cols))
-                        self.bp_row_order = "hilbert" if s.at.row_order is not None else self.bp_row_order
                     if tune and self.fp_kernel == "csr_vector":
                         s.a.tune(self.lanes_fp)
                     if tune and s.at is not None and self.bp_kernel == "csr_vector":
@@ -934,7 +928,6 @@ class NcclBackend(Backend):
             "fp": self.fp_kernel,
             "bp": self.bp_kernel,
             "layout": self.layout,
-            "bp_row_order": self.bp_row_order,
             "onepass": self.onepass,  # one read of A per iteration (timings.json's bytes)
             "l2_window": self.shards[0].l2_window if self.shards else None,  # every GPU's alike
             "gpus": self.world,
