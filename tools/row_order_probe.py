@@ -12,9 +12,10 @@ second in reverse order):
 
 - the fused back projection with the update (``MODE_UPDATE``) on A^T: rows in order, and along the Hilbert
   curve (:func:`mlemlib.reorder.transpose_row_order`, ``DeviceCSR.set_row_order``) under every launch shape;
-- with ``--old-source`` (``spmv.cu`` of a commit before the row list was read in place, whose row list
-  came with a compacted row pointer): the same fused forward over the non-empty rows (``skip_empty``) and the
-  back projection in order with that build, to show what reading ``rows[r]`` before ``rowptr`` costs.
+  the plain back projection (``bp plain``) in order at the tuned shape;
+- with ``--old-source`` (another ``spmv.cu`` with the same kernel arguments, whose row list came with a
+  compacted row pointer, as before commit 4693137): the fused forward over the non-empty rows
+  (``skip_empty``), the fused and the plain back projection in order with that build.
 
 Every output is compared bit for bit with the library's in-order one, and the back projection with a float64
 product (cuSPARSE on float64 values).
@@ -38,6 +39,8 @@ def main() -> int:
     ap.add_argument("matrix")
     ap.add_argument("--out", required=True)
     ap.add_argument("--old-source", help="an older spmv.cu whose csr_vector read a compacted row pointer")
+    ap.add_argument("--old-in-place", action="store_true",
+                    help="the --old-source build reads its row list in place too (a variant of the current kernel)")
     ap.add_argument("--repeat", type=int, default=100)
     args = ap.parse_args()
 
@@ -84,22 +87,29 @@ def main() -> int:
         out = fp_out.setdefault(key, cp.zeros(m, cp.float32))
         return ck.spmv_launch(a, f, out, lanes=la, mode=ck.MODE_CORR, aux0=g, shape=shape, skip_empty=True)
 
-    ops = {"bp": {}, "fp": {"library, rows read in place": fp(shape_a, "new")}}
+    out_pl = cp.empty(n, cp.float32)
+    ops = {"bp": {}, "fp": {"library, rows read in place": fp(shape_a, "new")},
+           "bp plain": {"library": lambda: ck.spmv(at, c, out_pl, lanes=lt, shape=shape_t)}}
     for sh in plan.SHAPE_CANDIDATES:
         ops["bp"][f"in order {sh.label()}"] = bp(at, sh, f"o{sh.label()}")
         ops["bp"][f"Hilbert {sh.label()}"] = bp(at_h, sh, f"h{sh.label()}")
     if args.old_source:
         old = _old_kernels(cp, ck, plan, Path(args.old_source).read_text())
         rows = a.compact_rows()
-        ptr = cp.concatenate([a.indptr[rows], a.indptr[-1:]]) if rows is not None else a.indptr
+        ptr = cp.concatenate([a.indptr[rows], a.indptr[-1:]]) if rows is not None and not args.old_in_place \
+            else a.indptr
         nul = np.uint64(0) if rows is None else rows
         out_old = cp.zeros(m, cp.float32)
         ops["fp"]["old build, compacted row pointer"] = old(ptr, a, f, out_old, ck.MODE_CORR, g, g, nul, la, shape_a)
         out_bo = cp.empty(n, cp.float32)
         ops["bp"][f"old build, in order {shape_t.label()}"] = old(at.indptr, at, c, out_bo, ck.MODE_UPDATE, f, norm,
                                                                   np.uint64(0), lt, shape_t)
+        out_po = cp.empty(n, cp.float32)
+        ops["bp plain"]["old build"] = old(at.indptr, at, c, out_po, ck.MODE_PLAIN, out_po, out_po, np.uint64(0), lt,
+                                           shape_t)
     ref_bp = ops["bp"][f"in order {shape_t.label()}"]().copy()
     ref_fp = ops["fp"]["library, rows read in place"]().copy()
+    ref_plain = ops["bp plain"]["library"]().copy()
     at.set_layout(0)
     at64 = at.cusparse().astype(cp.float64)
     bp64 = (at64 @ c.astype(cp.float64)) * f.astype(cp.float64) / norm.astype(cp.float64)
@@ -109,7 +119,7 @@ def main() -> int:
     res["bp_rel_l2_to_float64"] = float(cp.linalg.norm(ref_bp - bp64) / cp.linalg.norm(bp64))
     for op, fns in ops.items():
         names = list(fns)
-        ref = ref_bp if op == "bp" else ref_fp
+        ref = {"bp": ref_bp, "fp": ref_fp, "bp plain": ref_plain}[op]
         same = {k: bool(cp.array_equal(fns[k](), ref)) for k in names}
         rounds = [time_gpu_interleaved([fns[k] for k in names], repeat=args.repeat),
                   time_gpu_interleaved([fns[k] for k in names[::-1]], repeat=args.repeat)[::-1]]
@@ -137,7 +147,7 @@ def _old_kernels(cp, ck, plan, text):
         mod = mods.get(opts)
         if mod is None:
             mod = mods[opts] = cp.RawModule(code=text, options=opts)
-        mr = int(ptr.size - 1)
+        mr = int(ptr.size - 1) if isinstance(rows, np.uint64) else int(rows.size)
         args = (ptr, mat.indices, mat.data, x, out, np.int64(mr), np.int32(mode), aux0, aux1)
         if shape.is_default:
             blocks, threads = plan.launch_shape(mr, plan.THREADS // lanes, props["sm_count"],
