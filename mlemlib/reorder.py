@@ -362,12 +362,17 @@ def transpose_row_order(matrix: Any, rows: tuple[int, int] | None = None) -> np.
     and, in a reordered container, its voxel permutation. None for a matrix without a grid (an in-memory
     one, a ``.mtx``) or whose grid does not count its columns."""
     from mlemlib.formats import open_source
-    from mlemlib.phantom import matrix_geometry
 
     if isinstance(matrix, (str, os.PathLike)):
         with open_source(matrix, "matrix") as src:
             return transpose_row_order(src, rows)
-    grid = matrix_geometry(matrix)[0]
+    # the grid as mlemlib.phantom.matrix_geometry finds it (that module imports this one)
+    grid = getattr(matrix, "grid", None)
+    if grid is None:
+        grid = getattr(getattr(getattr(matrix, "header", None), "geometry", None), "grid", None)
+    if grid is None:
+        grid = (getattr(matrix, "attrs", None) or {}).get("grid")
+    grid = tuple(int(v) for v in grid) if grid is not None and len(grid) == 3 else None
     shape = getattr(matrix, "shape", None)
     if grid is None or shape is None or math.prod(grid) != int(shape[1]):
         return None
