@@ -482,7 +482,7 @@ def _load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpos
                   settings: RunSettings) -> Problem:
     """Open the matrix (and ``A^T``), read ``g`` and the norm, fingerprint the problem, load reference and truth."""
     from mlemlib.formats.lmsino import read_lmsino
-    from mlemlib.phantom import matrix_geometry
+    from mlemlib.formats import matrix_geometry
 
     with Stopwatch() as sw_load:
         src = open_source(matrix, "matrix")

@@ -416,25 +416,6 @@ def _open_source(matrix: Any):
     return open_source(matrix, "matrix")
 
 
-def matrix_geometry(src: Any) -> tuple[tuple[int, int, int] | None, tuple[float, float, float] | None]:
-    """``(grid, voxel_size)`` of an opened matrix, from its attributes or scanner block; Nones when absent."""
-    grid = getattr(src, "grid", None)
-    vs = getattr(src, "voxel_size", None)
-    if grid is None or vs is None:
-        header = getattr(src, "header", None)
-        geom = getattr(header, "geometry", None)
-        if geom is not None:
-            grid = grid if grid is not None else geom.grid
-            vs = vs if vs is not None else geom.voxel_size
-    if grid is None or vs is None:
-        attrs = getattr(src, "attrs", None) or {}
-        grid = grid if grid is not None else attrs.get("grid")
-        vs = vs if vs is not None else attrs.get("voxel_size")
-    if grid is None or vs is None:
-        return None, None
-    return tuple(int(v) for v in grid), tuple(float(v) for v in vs)  # type: ignore[return-value]
-
-
 def forward_project(matrix: Any, f: np.ndarray, *, max_nnz: int = 1 << 24) -> np.ndarray:
     """``A @ f`` in float64, streaming the matrix in row blocks of at most ``max_nnz`` elements.
 
@@ -531,6 +512,7 @@ def simulate(
 def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, out_truth: Any, *, seed: int,
               noiseless: bool, counts: float | None, supersample: int, max_nnz: int) -> dict[str, Any]:
     """The body of :func:`simulate` on an opened matrix."""
+    from mlemlib.formats import matrix_geometry
     from mlemlib.formats.lmsino import write_lmsino
     from mlemlib.image import write_image
 
@@ -648,7 +630,6 @@ __all__ = [
     "forward_project",
     "load_regions",
     "make_phantom",
-    "matrix_geometry",
     "phantom_shapes",
     "rasterize",
     "region_masks",

@@ -307,12 +307,16 @@ def voxel_permutation(grid: tuple[int, int, int]) -> np.ndarray:
     over the smallest power-of-two cube holding the grid, visited where it
     lies inside the grid.
     """
+    keys = _voxel_keys(grid, np.arange(math.prod(int(v) for v in grid), dtype=np.int64))
+    return np.argsort(keys, kind="stable").astype(np.int64)
+
+
+def _voxel_keys(grid: tuple[int, int, int], col: np.ndarray) -> np.ndarray:
+    """3-D Hilbert index of each raster voxel ``col = x + gx*(y + gy*z)`` (int64) on the smallest
+    power-of-two cube holding the grid."""
     gx, gy, gz = (int(v) for v in grid)
-    n = gx * gy * gz
     bits = max(1, math.ceil(math.log2(max(gx, gy, gz))))
-    col = np.arange(n, dtype=np.int64)
-    xyz = np.stack([col % gx, (col // gx) % gy, col // (gx * gy)], axis=1)
-    return np.argsort(hilbert_keys(xyz, bits), kind="stable").astype(np.int64)
+    return hilbert_keys(np.stack([col % gx, (col // gx) % gy, col // (gx * gy)], axis=1), bits)
 
 
 def voxel_row_order(grid: tuple[int, int, int] | None, voxels: np.ndarray | None = None,
@@ -340,8 +344,7 @@ def voxel_row_order(grid: tuple[int, int, int] | None, voxels: np.ndarray | None
     """
     if grid is None:
         return None
-    gx, gy, gz = (int(v) for v in grid)
-    n = gx * gy * gz
+    n = math.prod(int(v) for v in grid)
     r0, r1 = (0, n) if rows is None else (int(rows[0]), int(rows[1]))
     if not 0 <= r0 <= r1 <= n:
         raise ValueError(f"rows [{r0}, {r1}) outside the grid's {n} voxels")
@@ -350,8 +353,7 @@ def voxel_row_order(grid: tuple[int, int, int] | None, voxels: np.ndarray | None
         if len(voxels) != n:
             raise ValueError(f"voxel permutation of {len(voxels)} entries for a grid of {n} voxels")
         col = np.asarray(voxels, dtype=np.int64)[r0:r1]
-    bits = max(1, math.ceil(math.log2(max(gx, gy, gz))))
-    keys = hilbert_keys(np.stack([col % gx, (col // gx) % gy, col // (gx * gy)], axis=1), bits)
+    keys = _voxel_keys(grid, col)
     if keys.size < 2 or bool(np.all(keys[1:] >= keys[:-1])):
         return None
     return np.argsort(keys, kind="stable").astype(np.int64)
@@ -361,17 +363,12 @@ def transpose_row_order(matrix: Any, rows: tuple[int, int] | None = None) -> np.
     """:func:`voxel_row_order` for the transpose of ``matrix`` (a path or an opened matrix): from its grid
     and, in a reordered container, its voxel permutation. None for a matrix without a grid (an in-memory
     one, a ``.mtx``) or whose grid does not count its columns."""
-    from mlemlib.formats import open_source
+    from mlemlib.formats import geometry_value, open_source
 
     if isinstance(matrix, (str, os.PathLike)):
         with open_source(matrix, "matrix") as src:
             return transpose_row_order(src, rows)
-    # the grid as mlemlib.phantom.matrix_geometry finds it (that module imports this one)
-    grid = getattr(matrix, "grid", None)
-    if grid is None:
-        grid = getattr(getattr(getattr(matrix, "header", None), "geometry", None), "grid", None)
-    if grid is None:
-        grid = (getattr(matrix, "attrs", None) or {}).get("grid")
+    grid = geometry_value(matrix, "grid")
     grid = tuple(int(v) for v in grid) if grid is not None and len(grid) == 3 else None
     shape = getattr(matrix, "shape", None)
     if grid is None or shape is None or math.prod(grid) != int(shape[1]):

@@ -70,7 +70,9 @@ __all__ = [
     "ScannerGeometry",
     "convert",
     "file_kind",
+    "geometry_value",
     "info",
+    "matrix_geometry",
     "open_matrix",
     "open_source",
     "read_compressed_h5",
@@ -463,6 +465,25 @@ def info(
                 checked.append("checksum")
         res["verdict"] = "valid: " + ", ".join(checked) + ("" if full or kind in ("mtx", "npz") else " (quick)")
     return res
+
+
+def geometry_value(src, name: str):
+    """``grid`` or ``voxel_size`` of an opened matrix: its own attribute, else its header's geometry (a
+    ``.csr4``), else its container attribute; None where none has it."""
+    value = getattr(src, name, None)
+    if value is None:
+        value = getattr(getattr(getattr(src, "header", None), "geometry", None), name, None)
+    if value is None:
+        value = (getattr(src, "attrs", None) or {}).get(name)
+    return value
+
+
+def matrix_geometry(src) -> tuple[tuple[int, int, int] | None, tuple[float, float, float] | None]:
+    """``(grid, voxel_size)`` of an opened matrix (:func:`geometry_value`); Nones unless it has both."""
+    grid, vs = geometry_value(src, "grid"), geometry_value(src, "voxel_size")
+    if grid is None or vs is None:
+        return None, None
+    return tuple(int(v) for v in grid), tuple(float(v) for v in vs)  # type: ignore[return-value]
 
 
 def open_source(matrix, what: str = "matrix"):
