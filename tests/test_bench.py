@@ -585,9 +585,22 @@ def test_row_shapes_name_their_builds():
     u = plan.RowShape(512, False, 0, True, unroll=2)
     assert u.options() == ("-DMLEM_STREAM", "-DMLEM_VEC_UNROLL=2") and u.label() == "512t w0 stream u2"
     assert not plan.RowShape(unroll=2).is_default and plan.RowShape(unroll=plan.VEC_UNROLL).is_default
+    # csr_row_L: its own kernel and launch bound; waves and sync do not apply to it, so the label leaves them out
+    r = plan.RowShape(1024, False, 0, True, 2, unroll=1, row_bound=1024)
+    assert (r.kernel, s.kernel, default.kernel) == ("csr_row", "csr_block", "csr_vector")
+    assert r.options() == ("-DMLEM_STREAM", "-DMLEM_BLOCK_MINB=2", "-DMLEM_VEC_UNROLL=1", "-DMLEM_ROW_BOUND=1024")
+    assert r.label() == "1024t row1024 stream mb2 u1"
+    assert plan.RowShape(768, False, 0, True, 2, unroll=2, row_bound=768).label() == "768t row768 stream mb2 u2"
+    with pytest.raises(ValueError, match="row_bound"):
+        plan.RowShape(1024, row_bound=512)  # a block larger than the bound the kernel is compiled for
+    with pytest.raises(ValueError, match="row_bound"):
+        plan.RowShape(256, row_bound=2048)
+    assert any(c.row_bound for c in plan.SHAPE_CANDIDATES)
     # the build default is spmv.cu's own
     src = (Path(plan.__file__).parents[1] / "kernels" / "spmv.cu").read_text()
     assert f"#define MLEM_VEC_UNROLL {plan.VEC_UNROLL}\n" in src
+    # csr_row_L exists for every lane count a non-default shape may take
+    assert all(f"CSR_ROW({L})" in src and f"CSR_BLOCK({L})" in src for L in plan.BLOCK_LANES)
     # every candidate the backends tune over is a legal launch: at most 1024 threads, whole warps
     assert plan.SHAPE_CANDIDATES[0].is_default
     for c in plan.SHAPE_CANDIDATES:

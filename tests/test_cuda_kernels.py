@@ -382,7 +382,9 @@ def test_device_properties_and_lanes(rng):
 
 SHAPES = [plan.RowShape(256, False, 0), plan.RowShape(512, True, 0), plan.RowShape(1024, True, None),
           plan.RowShape(1024, False, 0), plan.RowShape(1024, True, 1), plan.RowShape(1024, False, 0, True, unroll=2),
-          plan.RowShape(256, unroll=1)]
+          plan.RowShape(256, unroll=1), plan.RowShape(1024, False, 0, True, 2, unroll=1, row_bound=1024),
+          plan.RowShape(256, False, 0, False, 2, row_bound=1024), plan.RowShape(768, False, 0, True, 2, unroll=2,
+                                                                            row_bound=768)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.label())
@@ -443,6 +445,20 @@ def test_block_shape_needs_block_lanes(rng):
     d = ck.DeviceCSR.from_host(random_csr(rng, 10, 10, np.full(10, 3)))
     with pytest.raises(ConfigError, match="block shape needs lanes"):
         ck.spmv(d, cp.ones(10, dtype=cp.float32), lanes=2, shape=plan.RowShape(1024, True, 0))
+    with pytest.raises(ConfigError, match="needs lanes"):
+        ck.spmv(d, cp.ones(10, dtype=cp.float32), lanes=4, shape=plan.RowShape(1024, row_bound=1024))
+
+
+def test_row_kernel_refuses_rows_past_its_offsets(rng, monkeypatch):
+    """csr_row_L keeps 32-bit offsets within a row: a matrix with a longer row is refused in one line, and tune
+    does not time it there (the limit lowered to the test matrix's rows)."""
+    d = ck.DeviceCSR.from_host(random_csr(rng, 64, 64, np.full(64, 9)))
+    monkeypatch.setattr(plan, "ROW_KERNEL_MAX_LENGTH", 8)
+    row = plan.RowShape(1024, False, 0, True, 2, unroll=1, row_bound=1024)
+    with pytest.raises(ConfigError, match="at most 8 non-zeros; this matrix has one of 9"):
+        ck.spmv(d, cp.ones(64, dtype=cp.float32), lanes=8, shape=row)
+    d.tune(8, candidates=(plan.RowShape(), row), repeat=1)
+    assert list(d.tuned) == [plan.RowShape().label()]
 
 
 @pytest.mark.parametrize("shape", [None, *SHAPES], ids=lambda s: "own" if s is None else s.label())

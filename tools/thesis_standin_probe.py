@@ -18,6 +18,8 @@ This probe puts a kernel with the thesis code's facts on the same GPU, in the sa
 - ``library``: ``csr_vector`` on A^T in the interleaved layout at the shape a backend tunes (``bp plain``), and
   with the update fused (``bp fused``); the forward projection with the correlation over the non-empty rows
   (``fp``) beside the stand-in's and cuSPARSE's plain forward.
+- ``csr_row``: the library's ``csr_row_L`` (section 86) under each shape a backend tunes it at, and ``csr_block``
+  ``512t w0 stream`` (the back projection's shape before it), through the library's launch;
 - ``warp_scalar``: our sums (``group_dot<32>`` on the interleaved layout, bit for bit) from A^T in column order
   with the stand-in's scalar loads, at 32 registers (64 warps per multiprocessor, as the stand-in).
 - cuSPARSE (``A^T @ c``, ``A @ f``) on copies in column order.
@@ -125,6 +127,15 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, WS_MINB) warp_scalar(
 #: of warp_scalar.
 SCALARS = ((1024, 2, 4, True, 0), (1024, 2, 1, False, 0))
 
+#: The csr_row_L shapes a backend tunes over (mlemlib.backends._cuda_plan.SHAPE_CANDIDATES), and csr_block_L's
+#: 512t w0 stream (the back projection's tuned shape before csr_row_L): timed besides the tuned ``library`` launch.
+def _shapes():
+    from mlemlib.backends import _cuda_plan as plan
+    return [sh for sh in plan.SHAPE_CANDIDATES if sh.row_bound], plan.RowShape(512, False, 0, True)
+
+
+ROW_SHAPES, BLOCK_512 = _shapes()
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -138,6 +149,7 @@ def main() -> int:
     import cupy as cp
 
     from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib.backends import _cuda_plan as plan
     from mlemlib.bench import copy_bandwidth, time_gpu_interleaved
     from mlemlib.devices import EnergyMeter, capped_between
     from mlemlib.formats import open_source
@@ -221,6 +233,19 @@ def main() -> int:
                                          skip_empty=True),
                "thesis stand-in (plain)": standin(a_cols, f), "cusparse (plain)": cusparse(a_cols, f)},
     }
+    for sh in ROW_SHAPES:  # csr_row_L through the library's launch, whatever the tuning picked
+        key = f"csr_row {sh.label()}"
+        ops["bp plain"][key] = ck.spmv_launch(at, c, buf("p" + key, n), lanes=lt, shape=sh)
+        ops["bp fused"][key] = ck.spmv_launch(at, c, buf("f" + key, n), lanes=lt, mode=ck.MODE_UPDATE, aux0=f,
+                                              aux1=norm, shape=sh)
+        if la in plan.BLOCK_LANES:
+            ops["fp"][key] = ck.spmv_launch(a, f, buf("a" + key, m), lanes=la, mode=ck.MODE_CORR, aux0=g, shape=sh,
+                                            skip_empty=True)
+    for sh in (BLOCK_512,):
+        key = f"csr_block {sh.label()}"
+        ops["bp plain"][key] = ck.spmv_launch(at, c, buf("p" + key, n), lanes=lt, shape=sh)
+        ops["bp fused"][key] = ck.spmv_launch(at, c, buf("f" + key, n), lanes=lt, mode=ck.MODE_UPDATE, aux0=f,
+                                              aux1=norm, shape=sh)
     for threads, minb, unroll, stream, maxreg in SCALARS:
         key = f"warp_scalar {threads}t mb{minb} u{unroll}{' stream' if stream else ''} r{maxreg}"
         ops["bp plain"][key] = warp_scalar(at_cols, c, threads, minb, unroll, stream, maxreg)

@@ -303,7 +303,9 @@ class DeviceCSR(DeviceMatrix):
             return plan.RowShape()
         x = cp.ones(n, dtype=cp.float32)
         y = cp.empty(m, dtype=cp.float32)
-        shapes = [sh for sh in candidates if sh.is_default or lanes in plan.BLOCK_LANES]
+        long_rows = self.stats()["max_row_length"] > plan.ROW_KERNEL_MAX_LENGTH
+        shapes = [sh for sh in candidates
+                  if sh.is_default or (lanes in plan.BLOCK_LANES and not (sh.row_bound and long_rows))]
         for shape in shapes:  # compile and warm up every build first: the GPU idles while NVRTC runs
             spmv(self, x, y, lanes=lanes, shape=shape)
         events = {sh: [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)] for sh in shapes}
@@ -652,6 +654,16 @@ def spmv_launch(
             shape = a.row_shape if lanes_ in plan.BLOCK_LANES else None
         if shape is None or shape.is_default:
             run = _rows_launch(_function("spmv", f"csr_vector_{lanes_}"), m, lanes_, args)
+        elif shape.row_bound:
+            if lanes_ not in plan.BLOCK_LANES:
+                raise ConfigError("lanes", f"shape {shape.label()} needs lanes in {plan.BLOCK_LANES}, got {lanes_}")
+            if a.stats()["max_row_length"] > plan.ROW_KERNEL_MAX_LENGTH:
+                raise ConfigError("shape", f"shape {shape.label()} takes rows of at most "
+                                           f"{plan.ROW_KERNEL_MAX_LENGTH} non-zeros; this matrix has one of "
+                                           f"{a.stats()['max_row_length']}")
+            blocks = max(1, -(-m // (shape.threads // lanes_)))  # one row per group, no loop
+            run = partial(_function("spmv", f"csr_row_{lanes_}", shape.options()), (blocks,), (shape.threads,),
+                          args)
         else:
             if lanes_ not in plan.BLOCK_LANES:
                 raise ConfigError("lanes", f"a block shape needs lanes in {plan.BLOCK_LANES}, got {lanes_}")
@@ -709,9 +721,9 @@ def spmv(
         Launch shape of ``csr_vector`` (:class:`~mlemlib.backends._cuda_plan.RowShape`:
         threads per block, rows in step, grid cap, streaming loads); None
         takes the matrix's :attr:`DeviceCSR.row_shape` (set by
-        :meth:`DeviceCSR.tune`). The default shape runs ``csr_vector_L``, any
-        other ``csr_block_L``; the sums, and so the result, are the same bit
-        for bit.
+        :meth:`DeviceCSR.tune`). The default shape runs ``csr_vector_L``, a
+        shape with ``row_bound`` ``csr_row_L``, any other ``csr_block_L``; the
+        sums, and so the result, are the same bit for bit.
 
     Returns
     -------

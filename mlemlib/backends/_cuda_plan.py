@@ -73,6 +73,13 @@ class RowShape:
         gathers hit the cache (madpet2 in its own order), 2 where they do not
         and the registers it saves hide their latency (its rows shuffled:
         the back projection on A^T 4.06 against 4.38 ms, benchmarks.md §50).
+    row_bound
+        0: ``csr_vector_L`` / ``csr_block_L``. Else ``csr_row_L``: one row per
+        group, no loop (``waves`` and ``sync`` do not apply), compiled for
+        ``min_blocks`` blocks of ``row_bound`` threads per multiprocessor
+        (``-DMLEM_ROW_BOUND``): 1024 x 2 holds it to 32 registers, 64 warps
+        of neighbouring rows per multiprocessor (the back projection of
+        madpet2 on A^T 7% faster on an H200, benchmarks.md §86).
     """
 
     threads: int = THREADS
@@ -81,11 +88,21 @@ class RowShape:
     stream: bool = False
     min_blocks: int = 1
     unroll: int = VEC_UNROLL
+    row_bound: int = 0
+
+    def __post_init__(self) -> None:
+        if self.row_bound and (self.row_bound < self.threads or self.row_bound > 1024):
+            raise ValueError(f"row_bound must lie in [threads, 1024] = [{self.threads}, 1024], got {self.row_bound}")
 
     @property
     def is_default(self) -> bool:
-        """Whether this is ``csr_vector_L``'s own shape (no ``csr_block_L`` needed)."""
+        """Whether this is ``csr_vector_L``'s own shape (no ``csr_block_L`` or ``csr_row_L`` needed)."""
         return self == RowShape()
+
+    @property
+    def kernel(self) -> str:
+        """The kernel family this shape launches: ``csr_vector``, ``csr_block`` or ``csr_row``."""
+        return "csr_vector" if self.is_default else ("csr_row" if self.row_bound else "csr_block")
 
     def options(self) -> tuple[str, ...]:
         """NVRTC options of the spmv.cu build this shape runs."""
@@ -93,14 +110,16 @@ class RowShape:
             (("-DMLEM_STREAM",) if self.stream else ())
             + ((f"-DMLEM_BLOCK_MINB={self.min_blocks}",) if self.min_blocks > 1 else ())
             + ((f"-DMLEM_VEC_UNROLL={self.unroll}",) if self.unroll != VEC_UNROLL else ())
+            + ((f"-DMLEM_ROW_BOUND={self.row_bound}",) if self.row_bound else ())
         )
 
     def label(self) -> str:
-        """``1024t sync w0 stream mb2`` style text for tables."""
+        """``1024t sync w0 stream mb2`` style text for tables; ``1024t row1024 stream mb2 u1`` for ``csr_row_L``."""
         return (
             f"{self.threads}t"
-            + (" sync" if self.sync else "")
-            + ("" if self.waves is None else f" w{self.waves}")
+            + (" sync" if self.sync and not self.row_bound else "")
+            + ("" if self.waves is None or self.row_bound else f" w{self.waves}")
+            + (f" row{self.row_bound}" if self.row_bound else "")
             + (" stream" if self.stream else "")
             + (f" mb{self.min_blocks}" if self.min_blocks > 1 else "")
             + (f" u{self.unroll}" if self.unroll != VEC_UNROLL else "")
@@ -113,7 +132,9 @@ class RowShape:
 #: flight together (docs/benchmarks.md section 25: the back projection of
 #: madpet2 on an H100 went from 3.40 to 2.68-2.71 ms); 256 threads with streaming loads of
 #: the matrix, with and without the grid-stride loop: the forward projection of madpet2 in
-#: the interleaved layout 2-4% faster than csr_vector_L's own on an H200 (section 82).
+#: the interleaved layout 2-4% faster than csr_vector_L's own on an H200 (section 82);
+#: csr_row_L at 32 registers (64 warps per multiprocessor) or 40: the back projection of madpet2
+#: on A^T 7% faster than the best csr_block_L shape on an H200 (section 86).
 SHAPE_CANDIDATES = (
     RowShape(),
     RowShape(THREADS, False, None, True),
@@ -126,7 +147,14 @@ SHAPE_CANDIDATES = (
     RowShape(512, False, 0, True, unroll=2),
     RowShape(1024, False, 0, True, unroll=2),
     RowShape(1024, False, 0, True, 2, unroll=2),
+    RowShape(1024, False, 0, True, 2, unroll=1, row_bound=1024),
+    RowShape(512, False, 0, True, 2, unroll=1, row_bound=1024),
+    RowShape(256, False, 0, True, 2, unroll=1, row_bound=1024),
+    RowShape(768, False, 0, True, 2, unroll=2, row_bound=768),
 )
+
+#: Longest row ``csr_row_L`` takes (32-bit offsets within a row; its head is aligned down by up to 3).
+ROW_KERNEL_MAX_LENGTH = 2**31 - 4
 
 
 #: Largest nnz cuSPARSE takes through CuPy (int32 indices).

@@ -20,6 +20,11 @@
 //                       and written to y[rows[r]]; rows not listed are not written
 //                       (the non-empty rows only: DeviceCSR.compact_rows; every row
 //                       in another order: DeviceCSR.set_row_order).
+//   csr_row_L           csr_vector_L's sums (L = 8, 16, 32) with one row per group and no loop, in
+//                       as few registers as they fit (32 at two 1024-thread blocks per
+//                       multiprocessor, -DMLEM_BLOCK_MINB=2): 64 warps of neighbouring rows on a
+//                       multiprocessor instead of 32. Same row list as csr_vector_L. Rows of fewer
+//                       than 2^31 - 4 non-zeros (32-bit offsets within a row).
 //   merge_spmv          merge-path SpMV of the thesis (5.1): each thread takes
 //                       `secsize` merge items (a non-zero or a row end) and adds
 //                       its partial row sums with atomicAdd. NOT deterministic.
@@ -244,6 +249,85 @@ __device__ __forceinline__ void csr_block_body(const i64* __restrict__ rowptr,
 CSR_BLOCK(8)
 CSR_BLOCK(16)
 CSR_BLOCK(32)
+
+// ---------------------------------------------------------------------------
+// csr_row_L (docs/benchmarks.md section 86). The back projection on A^T is held by L2: its gathers of
+// the correlation use 12 bytes of each 32-byte sector, and a multiprocessor's L1 serves 60% of them
+// with 32 warps of csr_block_L (64 registers). With 64 warps of neighbouring rows (voxels) in flight
+// the L1 serves 64%, which needs the row's dot product in 32 registers without spills and with the
+// trip's two 16-byte loads issued before its gathers (else each trip waits for DRAM twice). So:
+// one row per group (no next row loaded ahead), offsets of 32 bits within the row, the head and the
+// tail (at most 3 elements each) as one masked step, the values' load before the columns' (ptxas
+// then keeps both ahead of the gathers; the other order put the values' load after the first
+// gather), the epilogue's operands loaded after the sum. group_dot_lean gives each lane the same
+// elements in the same order as group_dot, so the sums are the same bits.
+template <int L>
+__device__ __forceinline__ float group_dot_lean(i64 s, int len, const int* __restrict__ col,
+                                                const float* __restrict__ val,
+                                                const float* __restrict__ x, int lane) {
+    static_assert(L >= 4, "the head and the tail (at most 3 elements each) take one trip");
+    const int* __restrict__ cb = col + (s & ~(i64)3);
+    const float* __restrict__ vb = val + (s & ~(i64)3);
+    const int o = (int)(s & 3);
+    const int a = (o + 3) & ~3;
+    const int e = o + len;
+    float sum = 0.0f;
+    const int head_end = a < e ? a : e;
+    if (o + lane < head_end) sum += LDM(vb + o + lane) * __ldg(x + LDM(cb + o + lane));
+    const int qe = e >> 2;
+    const int4* __restrict__ cb4 = reinterpret_cast<const int4*>(cb);
+    const float4* __restrict__ vb4 = reinterpret_cast<const float4*>(vb);
+#pragma unroll MLEM_VEC_UNROLL
+    for (int q = (a >> 2) + lane; q < qe; q += L) {
+        const float4 v = LDM(vb4 + q);
+        const int4 c = LDM(cb4 + q);
+        const float x0 = __ldg(x + c.x), x1 = __ldg(x + c.y), x2 = __ldg(x + c.z), x3 = __ldg(x + c.w);
+        sum += v.x * x0;
+        sum += v.y * x1;
+        sum += v.z * x2;
+        sum += v.w * x3;
+    }
+    const int t = ((qe << 2) > a ? (qe << 2) : a) + lane;
+    if (t < e) sum += LDM(vb + t) * __ldg(x + LDM(cb + t));
+    return sum;
+}
+
+template <int L>
+__device__ __forceinline__ void csr_row_body(const i64* __restrict__ rowptr, const int* __restrict__ col,
+                                             const float* __restrict__ val, const float* __restrict__ x,
+                                             float* y, i64 m, int mode, const float* aux0,
+                                             const float* aux1, const i64* __restrict__ rows) {
+    const int lane = threadIdx.x & (L - 1);
+    const i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / L;
+    if (r - (threadIdx.x & 31) / L >= m) return;  // the whole warp: the shuffles below need every lane
+    i64 ry = r, s = 0;
+    int len = 0;
+    if (r < m) {
+        if (rows != nullptr) ry = rows[r];
+        s = rowptr[ry];
+        len = (int)(rowptr[ry + 1] - s);
+    }
+    float sum = group_dot_lean<L>(s, len, col, val, x, lane);
+#pragma unroll
+    for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off, L);
+    if (r < m && lane == 0) write_row(mode, ry, sum, y, load_aux(mode, ry, aux0, aux1));
+}
+
+// Threads per block csr_row_L's register budget is set for (its __launch_bounds__, with
+// MLEM_BLOCK_MINB blocks): 1024 x 2 gives 32 registers, 768 x 2 gives 40.
+#ifndef MLEM_ROW_BOUND
+#define MLEM_ROW_BOUND 1024
+#endif
+#define CSR_ROW(L)                                                                                \
+    extern "C" __global__ void __launch_bounds__(MLEM_ROW_BOUND, MLEM_BLOCK_MINB) csr_row_##L(                      \
+        const i64* __restrict__ rowptr, const int* __restrict__ col,                              \
+        const float* __restrict__ val, const float* __restrict__ x, float* y, i64 m, int mode,   \
+        const float* aux0, const float* aux1, const i64* rows) {                                  \
+        csr_row_body<L>(rowptr, col, val, x, y, m, mode, aux0, aux1, rows);                      \
+    }
+CSR_ROW(8)
+CSR_ROW(16)
+CSR_ROW(32)
 
 // ---------------------------------------------------------------------------
 // csr_interleave: a row's 16-byte part (quads ceil(s/4) .. floor(e/4), as group_dot loads them)
