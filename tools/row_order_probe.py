@@ -63,12 +63,7 @@ def main() -> int:
     at_h = ck.DeviceCSR(at.indptr, at.indices, at.data, at.shape, layout=at.layout)
     at_h.set_row_order(order)
     shape_a, shape_t, shape_h = a.tune(la), at.tune(lt), at_h.tune(lt)
-    rng = np.random.default_rng(5)
-    f = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
-    norm = cp.asarray(rng.uniform(0.5, 2.0, n).astype(np.float32))
-    g = cp.asarray(rng.poisson(3.0, m).astype(np.float32))
-    c = cp.asarray(rng.uniform(0.5, 1.5, m).astype(np.float32))
-    c[cp.diff(a.indptr) == 0] = 0.0
+    f, norm, g, c = probe_vectors(cp, a)
     res = {"copy": copy_bandwidth(), "shape": [m, n], "nnz": a.nnz, "lanes": {"a": la, "at": lt},
            "tuned": {"fp": shape_a.label(), "bp": shape_t.label(), "bp_hilbert": shape_h.label()}, "ops": {}}
     print(f"{args.matrix}: {m} x {n}, {a.nnz} nnz; lanes {la} / {lt}; tuned fp {shape_a.label()}, bp in order "
@@ -126,6 +121,18 @@ def main() -> int:
     print(f"bp in order against float64: rel L2 {res['bp_rel_l2_to_float64']:.2e}")
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def probe_vectors(cp, a):
+    """An image ``f``, a norm, a measurement ``g`` and a correlation ``c`` (0 at A's empty rows) for A, seed 5."""
+    m, n = a.shape
+    rng = np.random.default_rng(5)
+    f = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
+    norm = cp.asarray(rng.uniform(0.5, 2.0, n).astype(np.float32))
+    g = cp.asarray(rng.poisson(3.0, m).astype(np.float32))
+    c = cp.asarray(rng.uniform(0.5, 1.5, m).astype(np.float32))
+    c[cp.diff(a.indptr) == 0] = 0.0
+    return f, norm, g, c
 
 
 def _old_kernels(cp, ck, plan, text):

@@ -153,6 +153,7 @@ def main() -> int:
     from mlemlib.bench import copy_bandwidth, time_gpu_interleaved
     from mlemlib.devices import EnergyMeter, capped_between
     from mlemlib.formats import open_source
+    from tools.row_order_probe import probe_vectors
 
     meter = EnergyMeter([0])
     cap0 = meter.capped()
@@ -167,12 +168,7 @@ def main() -> int:
     ck.set_row_layouts(a, at, "csr_vector", "csr_vector", la, lt, True)
     shape_a, shape_t = a.tune(la), at.tune(lt)
     props = ck.device_properties(cp.cuda.Device().id)
-    rng = np.random.default_rng(5)
-    f = cp.asarray(rng.uniform(0.5, 1.5, n).astype(np.float32))
-    norm = cp.asarray(rng.uniform(0.5, 2.0, n).astype(np.float32))
-    g = cp.asarray(rng.poisson(3.0, m).astype(np.float32))
-    c = cp.asarray(rng.uniform(0.5, 1.5, m).astype(np.float32))
-    c[cp.diff(a.indptr) == 0] = 0.0
+    f, norm, g, c = probe_vectors(cp, a)
     res = {"device": props["name"], "copy": copy_bandwidth(), "shape": [m, n], "nnz": a.nnz,
            "lanes": {"a": la, "at": lt}, "tuned": {"fp": shape_a.label(), "bp": shape_t.label()}, "ops": {},
            "warp_scalar_regs": {}}

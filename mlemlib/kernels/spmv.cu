@@ -133,6 +133,17 @@ extern "C" __global__ void csr_scalar(const i64* __restrict__ rowptr, const int*
     }
 }
 
+// One 16-byte trip of a lane: four gathers of x at the columns c, then the four products added to sum in
+// the order of the elements (every row kernel sums a trip so: the same bits).
+__device__ __forceinline__ float quad_dot(float sum, const int4 c, const float4 v, const float* __restrict__ x) {
+    const float x0 = __ldg(x + c.x), x1 = __ldg(x + c.y), x2 = __ldg(x + c.z), x3 = __ldg(x + c.w);
+    sum += v.x * x0;
+    sum += v.y * x1;
+    sum += v.z * x2;
+    sum += v.w * x3;
+    return sum;
+}
+
 // ---------------------------------------------------------------------------
 // Dot product of row [s, e) with x by the L lanes of one group; each lane
 // returns its partial sum. Elements [s, a) (a = s rounded up to a multiple of
@@ -153,11 +164,7 @@ __device__ __forceinline__ float group_dot(i64 s, i64 e, const int* __restrict__
     for (i64 q = (a >> 2) + lane; q < qe; q += L) {
         const int4 c = LDM(col4 + q);
         const float4 v = LDM(val4 + q);
-        const float x0 = __ldg(x + c.x), x1 = __ldg(x + c.y), x2 = __ldg(x + c.z), x3 = __ldg(x + c.w);
-        sum += v.x * x0;
-        sum += v.y * x1;
-        sum += v.z * x2;
-        sum += v.w * x3;
+        sum = quad_dot(sum, c, v, x);
     }
     const i64 t0 = (qe << 2) > a ? (qe << 2) : a;
     for (i64 k = t0 + lane; k < e; k += L) sum += LDM(val + k) * __ldg(x + LDM(col + k));
@@ -281,11 +288,7 @@ __device__ __forceinline__ float group_dot_lean(i64 s, int len, const int* __res
     for (int q = (a >> 2) + lane; q < qe; q += L) {
         const float4 v = LDM(vb4 + q);
         const int4 c = LDM(cb4 + q);
-        const float x0 = __ldg(x + c.x), x1 = __ldg(x + c.y), x2 = __ldg(x + c.z), x3 = __ldg(x + c.w);
-        sum += v.x * x0;
-        sum += v.y * x1;
-        sum += v.z * x2;
-        sum += v.w * x3;
+        sum = quad_dot(sum, c, v, x);
     }
     const int t = ((qe << 2) > a ? (qe << 2) : a) + lane;
     if (t < e) sum += LDM(vb + t) * __ldg(x + LDM(cb + t));
