@@ -123,9 +123,9 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, WS_MINB) warp_scalar(
 }
 """
 
-#: (threads, blocks of 1024 threads per multiprocessor (its register cap), unroll, streaming loads, --maxrregcount)
-#: of warp_scalar.
-SCALARS = ((1024, 2, 4, True, 0), (1024, 2, 1, False, 0))
+#: (threads, blocks of 1024 threads per multiprocessor (its register cap), unroll, streaming loads) of
+#: warp_scalar.
+SCALARS = ((1024, 2, 4, True), (1024, 2, 1, False))
 
 #: The csr_row_L shapes a backend tunes over (mlemlib.backends._cuda_plan.SHAPE_CANDIDATES), and csr_block_L's
 #: 512t w0 stream (the back projection's tuned shape before csr_row_L): timed besides the tuned ``library`` launch.
@@ -189,16 +189,15 @@ def main() -> int:
             return out
         return call
 
-    def warp_scalar(mat, x, threads, minb, unroll, stream, maxreg=0):
+    def warp_scalar(mat, x, threads, minb, unroll, stream):
         opts = ("--std=c++17", "-DWS_THREADS=1024", f"-DWS_MINB={minb}",
-                *((f"--maxrregcount={maxreg}",) if maxreg else ()),
                 *(("-DWS_STREAM",) if stream else ()))
         src = WARP_SCALAR.replace("WS_UNROLL", str(unroll))
         fn = cp.RawModule(code=src, options=opts).get_function("warp_scalar")
         out = cp.zeros(mat.shape[0], cp.float32)
         blocks = -(-mat.shape[0] // (threads // 32))
         kargs = (mat.indptr, mat.indices, mat.data, x, out, np.int64(mat.shape[0]))
-        res["warp_scalar_regs"][f"{threads}t mb{minb} u{unroll}{' stream' if stream else ''} r{maxreg}"] = fn.num_regs
+        res["warp_scalar_regs"][f"{threads}t mb{minb} u{unroll}{' stream' if stream else ''}"] = fn.num_regs
 
         def call():
             fn((blocks,), (threads,), kargs)
@@ -221,10 +220,10 @@ def main() -> int:
         return outs.setdefault(key, cp.zeros(size, cp.float32))
 
     ops = {
-        "bp plain": {"library": lambda: ck.spmv(at, c, buf("bpl", n), lanes=lt, shape=shape_t),
+        "bp plain": {"library": ck.spmv_launch(at, c, buf("bpl", n), lanes=lt, shape=shape_t),
                      "thesis stand-in": standin(at_cols, c), "cusparse": cusparse(at_cols, c)},
-        "bp fused": {"library": lambda: ck.spmv(at, c, buf("bpf", n), lanes=lt, mode=ck.MODE_UPDATE, aux0=f,
-                                                aux1=norm, shape=shape_t)},
+        "bp fused": {"library": ck.spmv_launch(at, c, buf("bpf", n), lanes=lt, mode=ck.MODE_UPDATE, aux0=f,
+                                               aux1=norm, shape=shape_t)},
         "fp": {"library": ck.spmv_launch(a, f, buf("fpl", m), lanes=la, mode=ck.MODE_CORR, aux0=g, shape=shape_a,
                                          skip_empty=True),
                "thesis stand-in (plain)": standin(a_cols, f), "cusparse (plain)": cusparse(a_cols, f)},
@@ -242,9 +241,9 @@ def main() -> int:
         ops["bp plain"][key] = ck.spmv_launch(at, c, buf("p" + key, n), lanes=lt, shape=sh)
         ops["bp fused"][key] = ck.spmv_launch(at, c, buf("f" + key, n), lanes=lt, mode=ck.MODE_UPDATE, aux0=f,
                                               aux1=norm, shape=sh)
-    for threads, minb, unroll, stream, maxreg in SCALARS:
-        key = f"warp_scalar {threads}t mb{minb} u{unroll}{' stream' if stream else ''} r{maxreg}"
-        ops["bp plain"][key] = warp_scalar(at_cols, c, threads, minb, unroll, stream, maxreg)
+    for threads, minb, unroll, stream in SCALARS:
+        key = f"warp_scalar {threads}t mb{minb} u{unroll}{' stream' if stream else ''}"
+        ops["bp plain"][key] = warp_scalar(at_cols, c, threads, minb, unroll, stream)
 
     if args.profile:
         for fn in ops["bp plain"].values():  # warm up (compile) outside the profiled range

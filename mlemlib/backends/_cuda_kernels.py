@@ -654,26 +654,23 @@ def spmv_launch(
             shape = a.row_shape if lanes_ in plan.BLOCK_LANES else None
         if shape is None or shape.is_default:
             run = _rows_launch(_function("spmv", f"csr_vector_{lanes_}"), m, lanes_, args)
-        elif shape.row_bound:
-            if lanes_ not in plan.BLOCK_LANES:
-                raise ConfigError("lanes", f"shape {shape.label()} needs lanes in {plan.BLOCK_LANES}, got {lanes_}")
-            if a.stats()["max_row_length"] > plan.ROW_KERNEL_MAX_LENGTH:
-                raise ConfigError("shape", f"shape {shape.label()} takes rows of at most "
-                                           f"{plan.ROW_KERNEL_MAX_LENGTH} non-zeros; this matrix has one of "
-                                           f"{a.stats()['max_row_length']}")
-            blocks = max(1, -(-m // (shape.threads // lanes_)))  # one row per group, no loop
-            run = partial(_function("spmv", f"csr_row_{lanes_}", shape.options()), (blocks,), (shape.threads,),
-                          args)
         else:
             if lanes_ not in plan.BLOCK_LANES:
                 raise ConfigError("lanes", f"a block shape needs lanes in {plan.BLOCK_LANES}, got {lanes_}")
-            props = device_properties(cp.cuda.Device().id)
-            blocks, threads = plan.launch_shape(
-                m, shape.threads // lanes_, props["sm_count"], props["max_threads_per_sm"], threads=shape.threads,
-                waves=shape.waves,
-            )
-            run = partial(_function("spmv", f"csr_block_{lanes_}", shape.options()), (blocks,), (threads,),
-                          (*args[:-1], np.int32(bool(shape.sync)), args[-1]))
+            if shape.row_bound and a.stats()["max_row_length"] > plan.ROW_KERNEL_MAX_LENGTH:
+                raise ConfigError("shape", f"shape {shape.label()} takes rows of at most "
+                                           f"{plan.ROW_KERNEL_MAX_LENGTH} non-zeros; this matrix has one of "
+                                           f"{a.stats()['max_row_length']}")
+            fn = _function("spmv", f"{shape.kernel}_{lanes_}", shape.options())
+            if shape.row_bound:  # csr_row_L: one row per group, no loop
+                run = partial(fn, (max(1, -(-m // (shape.threads // lanes_))),), (shape.threads,), args)
+            else:  # csr_block_L
+                props = device_properties(cp.cuda.Device().id)
+                blocks, threads = plan.launch_shape(
+                    m, shape.threads // lanes_, props["sm_count"], props["max_threads_per_sm"],
+                    threads=shape.threads, waves=shape.waves,
+                )
+                run = partial(fn, (blocks,), (threads,), (*args[:-1], np.int32(bool(shape.sync)), args[-1]))
 
     def launch() -> Any:
         run()
