@@ -35,9 +35,8 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp_path = Path(tmp)
-    # The caller creates the file: on ext4, opening an existing file with O_TRUNC (h5py's "w", open "wb")
-    # makes its close start the writeback of everything written (auto_da_alloc), about 0.3 s per GB
-    # spent in close() (docs/benchmarks.md section 75); a new file closes at once.
+    # The caller creates the file: on ext4, closing a file opened with O_TRUNC (h5py's "w", open "wb")
+    # starts the writeback of everything written (auto_da_alloc) and waits for it; a new file closes at once.
     tmp_path.unlink()
     try:
         yield tmp_path

@@ -70,8 +70,8 @@ bits). The decoded value is ``float32(q) * scale[r]`` rounded once to
 float32, which every kernel computes the same way, so kernels on the encoding
 give the decoded CSR's sums; and ``q`` is ``rint(decoded / scale[r])`` again
 (the product's rounding is below half a step), so the encoding is recovered
-from the decoded values and the row scales. On MLEM images it loses 14-50
-times less than float16 (docs/benchmarks.md sections 44, 45).
+from the decoded values and the row scales. On MLEM images it loses less
+than float16, whose relative precision wastes bits on a row's small values.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def timed_iterations(be: Any, f: Any, first: int, last: int, *,
     synchronises anyway) and after the last. Otherwise each iteration's times
     are read right after it, with the host's wall time as ``iteration`` where
     the backend does not report one. (``mlem.reconstruct`` and ``bench`` both
-    iterate through this: benchmarks.md section 59.)
+    iterate through this, so that they time iterations the same way.)
     """
     pipelines = getattr(be, "pipelines", False)
     unread = False  # the previous iteration's times are not read yet (pipelining only)

@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: errnos of a write the disk refused. HDF5 may then hold a file it could not flush; it tries again when
-#: the interpreter ends and crashes there (a segmentation fault after the error line, docs/benchmarks.md
-#: section 78), so :func:`run` ends the process without that teardown.
+#: the interpreter ends and crashes there (a segmentation fault after the error line), so :func:`run` ends
+#: the process without that teardown.
 REFUSED_WRITE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _refused_write = False  # set by main() when it reported such an error
 

@@ -41,8 +41,7 @@ TOL_MM = 1e-9
 #: Bits per pass of the radix sort of a row's columns.
 RADIX_BITS = 10
 #: Consecutive rows a thread traces in a row (batch ``b`` of the list goes to thread ``b % T``): neighbouring
-#: tubes share voxels, whose sums are then still in the thread's cache (on ``matrix3``: 9% faster on one thread
-#: here, 1-4% for the whole generation on 16 cores, docs/benchmarks.md section 75).
+#: tubes share voxels, whose sums are then still in the thread's cache.
 ROW_BATCH = 8
 
 

@@ -384,8 +384,8 @@ def generate(
         them), stored as the container's voxel permutation, so that runs read
         and write images in the grid's order (:mod:`mlemlib.reorder`; as a
         matrix reordered ``rows+voxels`` with its rows unmoved). Neighbouring
-        voxels share cache lines: the one pass over Matrix 3 10% faster on an
-        H200 (docs/benchmarks.md section 83). Needs an ``.h5`` output.
+        voxels then share cache lines, which speeds up the projections. Needs
+        an ``.h5`` output.
 
     Returns
     -------
@@ -546,10 +546,8 @@ FIRST_CHUNK_ROWS = 1024
 #: is cut (its rows after the cut are traced again with the next chunk).
 FILL_TARGET = 0.85
 #: Cores the fill pass leaves to the writer's threads (the writer and the threads hashing its checksum) on
-#: machines of at least WRITER_CORES_FROM cores: on the 2-GPU node's 32, with the tracer on every core and the
-#: encoder on a thread of its own, the tracer had waited 123.5 s of 176.7 for the writer (docs/benchmarks.md,
-#: section 51; section 56 times leaving it 3 cores on 16). With the checksum hashed in pieces on several
-#: threads the writer needs about one core: on 16, leaving it 1 made Matrix 3 4-11% faster than 3 (section 72).
+#: machines of at least WRITER_CORES_FROM cores: a tracer on every core starves the writer and then waits for
+#: it, while the writer, its checksum hashed in pieces on several threads, needs about one core.
 WRITER_CORES = 1
 WRITER_CORES_FROM = 8
 
