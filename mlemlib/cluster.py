@@ -8,8 +8,9 @@ The workflow's resource functions (``rules/common.smk``) call these; the SLURM
 profile (``profiles/slurm``) turns them into ``sbatch`` options. See
 docs/cluster.md for the model and how to override it.
 
-Backend-independent: pure Python, reads only file headers (never a matrix's
-elements), imports neither NumPy's heavy users nor CuPy.
+Backend-independent: pure Python, imports no CuPy. A matrix's size comes from
+:mod:`mlemlib.formats` (the header of a ``.csr4`` or ``.h5`` file; a
+``.mtx`` or ``.npz`` file, which has no such header, is read whole).
 
 The model
 ---------
@@ -28,10 +29,8 @@ little longer in the queue.
 
 from __future__ import annotations
 
-import gzip
 import math
 import os
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,91 +143,20 @@ class MatrixSize:
 # --- reading the size from a file header -------------------------------------------
 
 
-def _h5_size(path: Path) -> MatrixSize:
-    import h5py
-
-    try:
-        with h5py.File(path, "r") as f:
-            fmt = f.attrs.get("format")
-            fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
-            if isinstance(fmt, str) and fmt.startswith("mlem-compressed"):
-                shape, nnz = f.attrs.get("shape"), f.attrs.get("nnz")
-                if shape is None or len(shape) != 2 or nnz is None:
-                    raise MatrixFormatError(path, "missing or malformed attribute 'shape' or 'nnz'")
-                return MatrixSize(rows=int(shape[0]), cols=int(shape[1]), nnz=int(nnz))
-            missing = [k for k in ("indptr", "indices", "data") if k not in f]
-            if missing:
-                raise MatrixFormatError(path, f"not an mlem-csr HDF5 matrix: missing dataset(s) {', '.join(missing)}")
-            rows = int(f["indptr"].shape[0]) - 1
-            nnz = int(f["data"].shape[0])
-            shape = f.attrs.get("shape")
-            if shape is None or len(shape) != 2:
-                raise MatrixFormatError(path, "missing or malformed attribute 'shape' (expected [m, n])")
-            cols = int(shape[1])
-    except OSError as exc:
-        raise MatrixFormatError(path, f"cannot read as HDF5: {exc}") from None
-    return MatrixSize(rows=max(rows, 0), cols=cols, nnz=nnz)
-
-
-def _mtx_size(path: Path) -> MatrixSize:
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="ascii", errors="replace") as f:
-            banner = f.readline()
-            if not banner.lower().startswith("%%matrixmarket"):
-                raise MatrixFormatError(path, "missing the '%%MatrixMarket' banner line")
-            if "coordinate" not in banner.lower():
-                raise MatrixFormatError(path, "only 'coordinate' (sparse) Matrix Market files hold a system matrix")
-            for line in f:
-                if line.strip() and not line.lstrip().startswith("%"):
-                    fields = line.split()
-                    break
-            else:
-                raise MatrixFormatError(path, "no size line ('rows cols entries') after the comments")
-    except (OSError, EOFError) as exc:
-        raise MatrixFormatError(path, f"cannot read: {exc}") from None
-    try:
-        rows, cols, nnz = (int(x) for x in fields[:3])
-        if len(fields) != 3:
-            raise ValueError
-    except ValueError:
-        raise MatrixFormatError(path, f"size line {' '.join(fields)!r} is not 'rows cols entries'") from None
-    if "symmetric" in banner.lower() or "hermitian" in banner.lower():
-        nnz *= 2  # stored triangle only; the expanded matrix has up to twice as many
-    return MatrixSize(rows=rows, cols=cols, nnz=nnz)
-
-
-def _npz_size(path: Path) -> MatrixSize:
-    import numpy as np
-
-    try:
-        with zipfile.ZipFile(path) as z:
-            names = set(z.namelist())
-            if not {"shape.npy", "indices.npy"} <= names:
-                raise MatrixFormatError(path, "not a SciPy sparse .npz (needs shape.npy and indices.npy)")
-            with z.open("shape.npy") as f:
-                shape = np.lib.format.read_array(f)
-            with z.open("indices.npy") as f:
-                version = np.lib.format.read_magic(f)
-                if version == (1, 0):
-                    indices_shape, _, _ = np.lib.format.read_array_header_1_0(f)
-                else:
-                    indices_shape, _, _ = np.lib.format.read_array_header_2_0(f)
-    except (OSError, zipfile.BadZipFile, ValueError) as exc:
-        raise MatrixFormatError(path, f"cannot read as .npz: {exc}") from None
-    if len(shape) != 2 or len(indices_shape) != 1:
-        raise MatrixFormatError(path, f"shape {tuple(shape)} / indices {indices_shape} is not a 2-D sparse matrix")
-    return MatrixSize(rows=int(shape[0]), cols=int(shape[1]), nnz=int(indices_shape[0]))
-
-
 def matrix_size(path: str | os.PathLike) -> MatrixSize:
-    """Read a matrix's shape and nnz from its header, without reading its elements.
+    """A matrix's shape and nnz, as :func:`mlemlib.formats.open_matrix` reads them.
+
+    ``.csr4`` and ``.h5`` files (the project's container, also
+    ``transpose.h5`` and ``part-k.h5``) open lazily: only their header is
+    read. ``.mtx``/``.mtx.gz`` and SciPy ``.npz`` files have no header that
+    gives the stored elements, so :mod:`mlemlib.formats` reads them whole;
+    the result is kept per file (path, size, modification time), so that the
+    workflow's many resource functions read such a file once.
 
     Parameters
     ----------
     path
-        A ``.csr4``, ``.h5`` (the project's container, also ``transpose.h5`` and
-        ``part-k.h5``), ``.mtx``/``.mtx.gz`` or SciPy ``.npz`` file.
+        A ``.csr4``, ``.h5``, ``.mtx``/``.mtx.gz`` or SciPy ``.npz`` file.
 
     Returns
     -------
@@ -237,26 +165,27 @@ def matrix_size(path: str | os.PathLike) -> MatrixSize:
     Raises
     ------
     MatrixFormatError
-        Unknown suffix, missing file or a header that cannot be read.
+        Unknown suffix, missing file, a measurement file, or any fault
+        :mod:`mlemlib.formats` finds in the file.
     """
-    from mlemlib.formats import file_kind
-
     p = Path(path)
-    kind = file_kind(p)
-    if not p.is_file():
-        raise MatrixFormatError(p, "no such file")
-    if kind == "csr4":
-        from mlemlib.formats.csr4 import read_header
+    try:
+        st = p.stat()
+    except OSError:
+        raise MatrixFormatError(p, "no such file") from None
+    key = (os.fspath(p.resolve()), st.st_size, st.st_mtime_ns)
+    size = _SIZES.get(key)
+    if size is None:
+        from mlemlib.formats import open_matrix
 
-        header = read_header(p)
-        return MatrixSize(rows=header.m, cols=header.n, nnz=header.nnz)
-    if kind == "h5":
-        return _h5_size(p)
-    if kind == "mtx":
-        return _mtx_size(p)
-    if kind == "npz":
-        return _npz_size(p)
-    raise MatrixFormatError(p, f"a {kind} file holds no system matrix")
+        with open_matrix(p) as reader:
+            rows, cols = (int(v) for v in reader.shape)
+            size = _SIZES[key] = MatrixSize(rows=rows, cols=cols, nnz=int(reader.nnz))
+    return size
+
+
+#: :func:`matrix_size`'s results by (resolved path, bytes, modification time).
+_SIZES: dict[tuple[str, int, int], MatrixSize] = {}
 
 
 #: Relative margin on a preset's recorded (possibly sampled) non-zeros.

@@ -106,17 +106,52 @@ def test_matrix_size_npz(tmp_path, rng):
     assert matrix_size(path2) == MatrixSize(rows=13, cols=29, nnz=a.nnz)
 
 
+def test_matrix_size_compressed_h5(tmp_path, rng):
+    from mlemlib.formats import write_compressed_h5
+
+    a = _random_csr(rng, 31, 17)
+    path = tmp_path / "matrix.h5"
+    write_compressed_h5(path, _to_csr_matrix(a), fmt="compressed")
+    assert matrix_size(path) == MatrixSize(rows=31, cols=17, nnz=a.nnz)
+
+
+def test_matrix_size_is_what_formats_reads(tmp_path):
+    # A symmetric Matrix Market file stores one triangle; the size is the
+    # expanded matrix's, as mlem convert will write it.
+    path = tmp_path / "sym.mtx"
+    path.write_text("%%MatrixMarket matrix coordinate real symmetric\n3 3 3\n1 1 1.0\n2 1 2.0\n3 2 3.0\n")
+    assert matrix_size(path) == MatrixSize(rows=3, cols=3, nnz=5)
+    # A dense (array) Matrix Market file is read as convert reads it: its non-zeros.
+    dense = tmp_path / "dense.mtx"
+    dense.write_text("%%MatrixMarket matrix array real general\n2 2\n1\n0\n3\n4\n")
+    assert matrix_size(dense) == MatrixSize(rows=2, cols=2, nnz=3)
+
+
+def test_matrix_size_follows_a_rewritten_file(tmp_path, rng):
+    import os
+
+    path = tmp_path / "m.npz"
+    scipy.sparse.save_npz(path, _random_csr(rng, 5, 7))
+    first = matrix_size(path)
+    b = _random_csr(rng, 9, 4)
+    scipy.sparse.save_npz(path, b)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new state even within the clock's resolution
+    assert first.rows == 5
+    assert matrix_size(path) == MatrixSize(rows=9, cols=4, nnz=b.nnz)
+
+
 @pytest.mark.parametrize(
     ("name", "content", "fault"),
     [
         ("m.txt", b"whatever", "unknown file type"),
-        ("m.mtx", b"1 2 3\n", "MatrixMarket"),
-        ("m.mtx", b"%%MatrixMarket matrix array real general\n2 2\n1\n2\n3\n4\n", "coordinate"),
-        ("m.mtx", b"%%MatrixMarket matrix coordinate real general\n% only comments\n", "size line"),
-        ("m.mtx", b"%%MatrixMarket matrix coordinate real general\n4 x 3\n", "size line"),
-        ("m.npz", b"not a zip", "cannot read"),
+        ("m.mtx", b"1 2 3\n", "not a valid Matrix Market file"),
+        ("m.mtx", b"%%MatrixMarket matrix coordinate real general\n% only comments\n", "not a valid Matrix Market"),
+        ("m.mtx", b"%%MatrixMarket matrix coordinate real general\n4 x 3\n", "not a valid Matrix Market"),
+        ("m.npz", b"not a zip", "not a SciPy sparse .npz"),
         ("m.h5", b"not hdf5", "HDF5"),
         ("m.csr4", b"PCSR\x05" + bytes(23), "version"),
+        ("g.LMsino", bytes(16), "measurements, not a system matrix"),
     ],
 )
 def test_matrix_size_rejects_bad_files(tmp_path, name, content, fault):
@@ -136,7 +171,7 @@ def test_matrix_size_missing_file_and_foreign_h5(tmp_path):
     path = tmp_path / "image.h5"
     with h5py.File(path, "w") as f:
         f["image"] = np.zeros(3)
-    with pytest.raises(MatrixFormatError, match="missing dataset"):
+    with pytest.raises(MatrixFormatError, match="not an mlem matrix container"):
         matrix_size(path)
 
 
