@@ -597,6 +597,69 @@ def encode_csr(
     return {"slotptr": slotptr, "codes": codes, "values": values, "scale": scale, "nnz": nnz, "code_bits": code_bits}
 
 
+def encode_bits(
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    bits: np.ndarray,
+    scale: np.ndarray | None,
+    n: int,
+    fmt: str,
+    *,
+    code_bits: int | None = None,
+    source: str | os.PathLike = "<matrix>",
+    row0: int = 0,
+) -> CompressedMatrix:
+    """Encode rows given as columns and their elements' value bits (:meth:`CompressedMatrix.element_bits`).
+
+    No value is rounded: the value slots get ``bits`` and the rows keep the
+    row scales ``scale``, so rows decoded from an encoding, moved or given
+    other (sorted) column numbers, encode to the same values and scales
+    (re-encoding the decoded 16-bit values could pick another row scale).
+
+    Parameters
+    ----------
+    indptr, indices
+        The rows' row pointer (may start anywhere) and sorted columns.
+    bits
+        One value slot per element (uint32: float32 bits for ``compressed``;
+        uint16 for the 16-bit formats), from element ``indptr[0]`` on.
+    scale
+        float32 row scales (16-bit formats), else None.
+    n
+        Columns.
+    fmt
+        ``compressed``, ``compressed-f16`` or ``compressed-u16``.
+    code_bits
+        8 or 16; None takes the one whose encoding is smaller (8 on a tie).
+    source, row0
+        File and global first row, for messages.
+
+    Raises
+    ------
+    MatrixFormatError
+        Columns that decrease within a row.
+    """
+    if fmt not in VALUE_DTYPES:
+        raise ValueError(f"unknown compressed format {fmt!r}, expected one of {', '.join(VALUE_DTYPES)}")
+    if code_bits is not None:
+        code_bits = _check_code_bits(code_bits)
+    half = values16(fmt)
+    want = np.uint16 if half else np.uint32
+    bits = np.asarray(bits)
+    if bits.dtype != want:
+        raise TypeError(f"{fmt} needs {np.dtype(want).name} value bits, not {bits.dtype}")
+    ip = np.ascontiguousarray(indptr, dtype=np.int64)
+    ip = ip - ip[0] if len(ip) and ip[0] else ip
+    m = len(ip) - 1
+    if half and (scale is None or len(scale) != m):
+        raise ValueError(f"{fmt} needs one row scale per row ({m})")
+    slotptr, codes, out, code_bits, nnz = _encode_rows(
+        ip, np.ascontiguousarray(indices, dtype=np.int32), bits, half, code_bits, source, row0
+    )
+    sc = np.ascontiguousarray(scale, dtype=np.float32) if half else None
+    return CompressedMatrix.from_arrays(slotptr, codes, out.view(VALUE_DTYPES[fmt]), sc, (m, int(n)), nnz, code_bits)
+
+
 def decode_slots(
     slotptr: np.ndarray,
     codes: np.ndarray,
@@ -862,20 +925,23 @@ class CompressedMatrix:
             enc["slotptr"], enc["codes"], enc["values"], enc["scale"], a.shape, enc["nnz"], enc["code_bits"]
         )
 
+    def element_bits(self) -> np.ndarray:
+        """The elements' value slots as unsigned integers, in element order (uint32 or uint16, a copy).
+
+        With :attr:`scale` and the decoded columns these are the rows
+        themselves: :func:`encode_bits` encodes them again without touching a
+        value (what a stage that moves rows or renames columns keeps).
+        """
+        return np.ascontiguousarray(self.value_bits()[self.codes < self.code_high])
+
     def with_code_bits(self, code_bits: int) -> CompressedMatrix:
         """The same matrix (values and row scales bit for bit) encoded with ``code_bits`` (self if it already is)."""
         code_bits = _check_code_bits(code_bits)
         if code_bits == self.code_bits:
             return self
-        half = not self.lossless
         csr = self.to_csr(validate=False)
-        bits_in = np.ascontiguousarray(self.value_bits()[self.codes < self.code_high])
-        slotptr, codes, bits, _, nnz = _encode_rows(
-            csr.indptr, csr.indices, bits_in, half, code_bits, "<matrix>", 0
-        )
-        return CompressedMatrix.from_arrays(
-            slotptr, codes, bits.view(self.values.dtype), self.scale, self.shape, nnz, code_bits
-        )
+        return encode_bits(csr.indptr, csr.indices, self.element_bits(), self.scale, self.shape[1], self.format,
+                           code_bits=code_bits)
 
     @staticmethod
     def concatenate(parts: list[CompressedMatrix], code_bits: int | None = None) -> CompressedMatrix:

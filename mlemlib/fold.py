@@ -12,7 +12,7 @@ stored ones; every stage reads the measurement in the user's LOR order and
 folds it (sums the counts of a stored row's LORs), and the norm counts each
 stored row as often as it occurs. Half the rows mean half the bytes read per
 iteration, half the gathers and half the atomics (docs/formats.md, "Folded
-matrices"; docs/benchmarks.md, section 64).
+matrices").
 
 Provides
 

@@ -37,6 +37,9 @@ import contextlib
 import logging
 import math
 import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +59,9 @@ from mlemlib.compressed import (
     check_slots,
     choose_code_bits,
     code_high,
+    _value_bits,
     decode_slots,
+    encode_bits,
     encoded_nbytes,
     pick_code_bits,
     rowbase_length,
@@ -324,6 +329,32 @@ class CompressedH5(MatrixH5):
             sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo, check_values=validate
         )
 
+    def read_element_bits(self, start: int, stop: int, *, validate: bool = True) -> ElementRows:
+        """Rows ``[start, stop)`` decoded, with each element's stored value bits and the rows' scales.
+
+        The form in which a stage moves rows or renames columns without
+        rounding a value again (:meth:`CompressedH5Writer.write_element_bits`
+        encodes it back). Checked as :meth:`read_rows` checks.
+        """
+        start, stop = check_range(start, stop, self.shape[0], self.source)
+        sp = self.read_slotptr(start, stop)
+        lo, hi = int(sp[0]), int(sp[-1])
+        codes = self._read("codes", lo, hi)
+        values = self._read("values", lo, hi)
+        scale = self._read("scale", start, stop) if not self.lossless else None
+        block = decode_slots(
+            sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo, check_values=validate
+        )
+        bits = np.ascontiguousarray(_value_bits(values)[codes < self.code_high])
+        return ElementRows(block, bits, scale)
+
+    def iter_element_bits(self, max_nnz: int = DEFAULT_CHUNK_NNZ) -> Iterator[tuple[int, int, ElementRows]]:
+        """``(r0, r1, rows)`` for consecutive row blocks of at most ``max_nnz`` slots, in file order
+        (:meth:`read_element_bits`; block k + 1 is read while the caller works on block k)."""
+        bounds = self.chunk_bounds(max_nnz) if self.shape[0] else []
+        for (r0, r1), rows in zip(bounds, prefetched(lambda r: self.read_element_bits(*r), bounds)):
+            yield r0, r1, rows
+
     def compute_checksum(self) -> str:
         """The checksum of the decoded matrix, decoding it piece by piece; also checks the element count.
 
@@ -339,6 +370,22 @@ class CompressedH5(MatrixH5):
         if done != self.nnz:
             raise self._fault(f"the codes hold {done} elements, attribute nnz = {self.nnz}")
         return c.hexdigest()
+
+
+@dataclass
+class ElementRows:
+    """Row block of a compressed matrix as decoded CSR plus what the encoding stores per element and row.
+
+    ``csr`` is the decoded block (the values a kernel computes with),
+    ``bits`` the elements' value slots (uint32 or uint16, element order) and
+    ``scale`` the rows' float32 scales (16-bit formats; else None). Moving
+    rows moves their slices of all three; renaming columns changes only
+    ``csr.indices``; no value is rounded again.
+    """
+
+    csr: CSRMatrix
+    bits: np.ndarray
+    scale: np.ndarray | None
 
 
 SUBCLASSES.update(dict.fromkeys(FORMATS, CompressedH5))  # MatrixH5(path) opens a compressed file as CompressedH5
@@ -471,6 +518,15 @@ class CompressedH5Writer(RowBlockWriter):
         self._slot_dataset("codes", CODE_DTYPES[code_bits].newbyteorder("<"))
         self._f.attrs["code_bits"] = np.int64(code_bits)
 
+    def set_code_bits(self, code_bits: int) -> None:
+        """Fix the file's code width before the first block with an element (a caller that chose it from
+        more rows than the first block holds); ValueError once a width is fixed."""
+        if code_bits not in CODE_DTYPES:
+            raise ValueError(f"code_bits must be 8 or 16, not {code_bits!r}")
+        if self.code_bits is not None:
+            raise ValueError(f"{self.path}: the code width is fixed already ({self.code_bits} bits)")
+        self._set_code_bits(int(code_bits))
+
     @property
     def checksum(self) -> str:
         """The checksum of the decoded matrix written so far (final once every row is written)."""
@@ -525,6 +581,32 @@ class CompressedH5Writer(RowBlockWriter):
         if self.fmt == "compressed":
             return block  # lossless: the decoded block is the block itself
         return CSRMatrix(block.indptr, block.indices, enc.decoded_values(block.indptr), block.shape)
+
+    def write_element_bits(
+        self, indptr: np.ndarray, indices: np.ndarray, bits: np.ndarray, scale: np.ndarray | None
+    ) -> None:
+        """Encode and append the next row block given as columns, element value bits and row scales.
+
+        The values are stored as given (:func:`mlemlib.compressed.encode_bits`:
+        nothing is rounded again), with the file's code width (the first block
+        with an element decides where none was given). The rows come from a
+        validated reader (:meth:`CompressedH5.read_element_bits`) of a file of
+        this format: they are not validated again, only their columns' order.
+        """
+        k = len(indptr) - 1
+        ip = np.ascontiguousarray(indptr, dtype=np.int64)
+        ip = ip - ip[0] if len(ip) and ip[0] else ip
+        try:
+            enc = encode_bits(ip, indices, bits, scale, self.shape[1], self.fmt, code_bits=self.code_bits,
+                              source=self.path, row0=self._rows)
+            if self.code_bits is None and enc.slots:
+                self._set_code_bits(enc.code_bits)
+        except BaseException:
+            self.abort()
+            raise
+        values = bits.view(np.float32) if self.fmt == "compressed" else enc.decoded_values(ip)
+        decoded = CSRMatrix(ip, indices, values, (k, self.shape[1]))
+        self._append(enc, decoded, self._accept(decoded, validate=False))
 
     def write_encoded(self, block: CompressedMatrix, *, validate: bool = True) -> None:
         """Append the next row block, already encoded (its format must be the writer's).
@@ -719,3 +801,124 @@ def read_compressed_h5(path: str | os.PathLike) -> CompressedMatrix:
     """Read a whole compressed container as a :class:`CompressedMatrix`, validated."""
     with CompressedH5(path) as f:
         return f.read_encoded(0, f.shape[0])
+
+
+def copy_compressed(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    code_bits: int | None = None,
+    keep_rows: np.ndarray | None = None,
+    attach: tuple[dict, dict] | None = None,
+    max_nnz: int = DEFAULT_CHUNK_NNZ,
+) -> dict:
+    """Stream a compressed container into a new one of the same format, keeping every stored value bit for bit.
+
+    What :func:`mlemlib.formats.convert` does for a compressed input whose
+    format is kept (``mlem convert``, ``mlem fold``): each row block is read
+    with its value bits and row scales (:meth:`CompressedH5.read_element_bits`,
+    validated) and encoded again from them, so a lossy (16-bit) matrix is not
+    rounded a second time. One block in memory at a time; the input is checked
+    against its stored checksum; the output is written atomically.
+
+    Parameters
+    ----------
+    src, out
+        The compressed container and the container to write.
+    code_bits
+        The output's code width; default the input's.
+    keep_rows, attach
+        As for :func:`mlemlib.formats.convert`: write only these rows (a
+        boolean mask over the input's rows); extra ``(datasets, attributes)``.
+    max_nnz
+        Slots per streamed block.
+
+    Returns
+    -------
+    dict
+        The summary of :func:`mlemlib.formats.convert` (same keys).
+
+    Raises
+    ------
+    MatrixFormatError
+        A fault of the input (nothing is written), or an input that is not a compressed container.
+    """
+    if max_nnz < 1:
+        raise ValueError(f"max_nnz must be >= 1, got {max_nnz}")
+    src, out = Path(src), Path(out)
+    if src.resolve() == out.resolve():
+        raise MatrixFormatError(out, "output would overwrite the input")
+    t0 = time.perf_counter()
+    with MatrixH5(src) as reader:
+        if not isinstance(reader, CompressedH5):
+            raise MatrixFormatError(src, f"is a {getattr(reader, 'format', 'csr')} container, not a compressed one")
+        fmt = reader.format
+        m, n = reader.shape
+        first = None
+        m_out, nnz_out = m, reader.nnz
+        if keep_rows is not None:
+            first = np.asarray(keep_rows, dtype=bool).reshape(-1)
+            if first.shape[0] != m:
+                raise ValueError(f"keep_rows has {first.shape[0]} entries, the input has {m} rows")
+            m_out = int(first.sum())
+            nnz_out = int(np.diff(reader.read_indptr())[first].sum())
+        skip = {"format", "version", "shape", "nnz", "checksum", "checksum_method", "source"}
+        skip |= {"grid", "voxel_size", "scanner_block", "slots", "encoding", "code_bits"}
+        extra = {"kind": "matrix"}
+        extra.update({k: v for k, v in reader.attrs.items() if k not in skip})
+        code_bits = reader.code_bits if code_bits is None else code_bits
+        log.info("copying %s (%s, %d x %d, nnz %d) -> %s, values kept bit for bit", src, fmt, m, n, reader.nnz, out)
+        input_sum = checksum_for(reader.checksum_method)
+        input_sum.update("indptr", np.zeros(1, dtype=np.int64))
+        done = chunks = 0
+        with CompressedH5Writer(
+            out, (m_out, n), nnz_out, fmt=fmt, code_bits=code_bits, source=src.name, grid=reader.grid,
+            voxel_size=reader.voxel_size, scanner_block=reader.scanner_block, **extra,
+        ) as writer:
+            for r0, r1, rows in reader.iter_element_bits(max_nnz):
+                block, bits, scale = rows.csr, rows.bits, rows.scale
+                input_sum.update_rows(block.indptr[1:] + done, block.indices, block.data)
+                if first is not None:
+                    keep = np.flatnonzero(first[r0:r1])
+                    lens = np.diff(block.indptr)[keep]
+                    ip = np.zeros(len(keep) + 1, dtype=np.int64)
+                    np.cumsum(lens, out=ip[1:])
+                    sel = np.repeat(block.indptr[keep] - ip[:-1], lens) + np.arange(int(ip[-1]), dtype=np.int64)
+                    writer.write_element_bits(ip, block.indices[sel], bits[sel],
+                                              scale[keep] if scale is not None else None)
+                else:
+                    writer.write_element_bits(block.indptr, block.indices, bits, scale)
+                done += block.nnz
+                chunks += 1
+            if attach is not None:
+                writer.attach(*attach)
+            got = input_sum.hexdigest()
+            if got != reader.checksum:
+                raise MatrixFormatError(
+                    src, f"checksum mismatch: attribute says {reader.checksum}, data gives {got} (file corrupted)"
+                )
+        grid, voxel_size = reader.grid, reader.voxel_size
+    with CompressedH5(out) as f:
+        nbytes = f.nbytes
+    seconds = time.perf_counter() - t0
+    summary = {
+        "source": os.fspath(src),
+        "output": os.fspath(out),
+        "shape": [m_out, n],
+        "nnz": nnz_out,
+        "chunks": chunks,
+        "seconds": seconds,
+        "bytes": out.stat().st_size,
+        "input_bytes": src.stat().st_size,
+        "checksum": writer.checksum,
+        "grid": list(grid) if grid else None,
+        "voxel_size": list(voxel_size) if voxel_size else None,
+        "format": fmt,
+        "lossless": fmt == "compressed",
+        "bytes_per_nnz": nbytes / nnz_out if nnz_out else None,
+        "code_bits": code_bits,
+    }
+    if first is not None:
+        summary["input_shape"] = [m, n]
+    log.info("copied %s -> %s: nnz %d in %.1f s", src, out, nnz_out, seconds)
+    return summary
