@@ -329,7 +329,7 @@ def test_env_is_pinned_to_conda_forge(name):
     pins = _conda_pins(env)
     assert re.fullmatch(r"3\.1[12]\.\d+", pins["python"])
     # Everything mlemlib imports at its core (pyproject's dependencies).
-    for package in ("numpy", "scipy", "numba", "h5py", "matplotlib-base", "pyyaml", "jsonschema"):
+    for package in ("numpy", "scipy", "numba", "h5py", "matplotlib-base", "pyyaml", "jsonschema", "markdown"):
         assert package in pins, f"{name} lacks {package}"
     # Each pin satisfies pyproject's lower bound.
     import tomllib

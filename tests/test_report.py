@@ -348,7 +348,7 @@ def test_scaling_plot(scaling_runs, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = mpimg.imread(path)
     assert img.ndim == 3 and img.shape[0] > 100 and img[..., :3].std() > 0.01
-    assert "- `plots/scaling.png`" in (tmp_path / "s" / "summary.md").read_text()
+    assert "![Scaling over GPUs](plots/scaling.png)" in (tmp_path / "s" / "summary.md").read_text()
 
     # without a 1-GPU run there is no speed-up to plot: no file, and the other plots as before
     r = summarize([scaling_runs / "graph-2-local", scaling_runs / "graph-4-local"], tmp_path / "g")
@@ -365,16 +365,16 @@ def figures(monkeypatch):
     """The figures the plot functions save, by file name (the files are still written)."""
     from pathlib import Path
 
-    import mlemlib.report as report
+    from mlemlib.report import plots
 
     saved = {}
-    real = report._save
+    real = plots._save
 
     def save(fig, path, dpi=110):
         saved[Path(path).name] = fig
         real(fig, path, dpi)
 
-    monkeypatch.setattr(report, "_save", save)
+    monkeypatch.setattr(plots, "_save", save)
     return saved
 
 
@@ -512,7 +512,9 @@ def test_transposition_table_says_what_each_time_measures(tmp_path):
 
 
 def test_html_tables_for_the_report(runs, tmp_path):
-    from mlemlib.report import markdown_to_html
+    import base64
+
+    from mlemlib.report import markdown_page
 
     root, _, _ = runs
     r = summarize([root], tmp_path / "s", name="mine")
@@ -525,16 +527,126 @@ def test_html_tables_for_the_report(runs, tmp_path):
             assert f"<h2>{line[3:]}</h2>" in html
     assert html.count("<table>") == sum(line.startswith("|---") for line in md.splitlines()) > 3
     assert "|---" not in html
-    assert "<td>2.0921 s</td>" in html  # a table cell of the thesis table
+    assert '<td style="text-align: right;">2.0921 s</td>' in html  # a time cell of the thesis table, right-aligned
+    assert "<td>cuda csr_vector/notrans x8 thesis</td>" in html  # a text cell, left-aligned
+    # the Plots section shows the images, embedded so that the page shows them in the Snakemake report too
+    images = [p for p in r["plots"]]
+    assert html.count('<img alt="') == len(images) == 4
+    for p in images:
+        data = base64.b64encode(open(p, "rb").read()).decode("ascii")
+        assert f'src="data:image/png;base64,{data}"' in html
+    assert "![Time per iteration by configuration](plots/time_per_iteration.png)" in md
     # runs.html: a header and one row per run and repetition, every column of runs.csv
     runs_page = (tmp_path / "s" / "runs.html").read_text()
     with open(tmp_path / "s" / "runs.csv", newline="") as fh:
         header = next(csv.reader(fh))
     assert runs_page.count("<tr>") == 1 + r["rows"]
     assert all(f"<th>{c}</th>" in runs_page for c in header)
-    # escaped bars, code and emphasis of the Markdown the summary writes
-    page = markdown_to_html("| a | b\\|c |\n|---|---|\n| 1 | `x` \\| *y* |\n", "t")
-    assert "<th>b|c</th>" in page and '<td class="t"><code>x</code> | <em>y</em></td>' in page
+    # escaped bars, code and emphasis of the Markdown the summary writes; raw HTML is shown as text
+    page = markdown_page("| a | b\\|c |\n|---|---|\n| 1 | `x` \\| *y* <b>z</b> |\n", "t")
+    assert "<th>b|c</th>" in page and "<td><code>x</code> | <em>y</em> &lt;b&gt;z&lt;/b&gt;</td>" in page
+    # an image without its file stays a link
+    assert '<img alt="p" src="plots/none.png"' in markdown_page("![p](plots/none.png)\n", "t", base=tmp_path)
+
+
+def test_summary_head_counts_runs_apart_from_the_reference(runs, tmp_path):
+    root, a, _ = runs
+    ref = json.loads(json.dumps(a))
+    ref["config"].update(reference_mode=True, backend="cpu", dtype="float64")
+    summarize([root, ref], tmp_path / "s")
+    md = (tmp_path / "s" / "summary.md").read_text()
+    assert "2 runs and 1 float64 reference, 8 repetitions, 3 configurations." in md
+
+
+def _spmv_csv(path, rows):
+    cols = ["op", "kernel", "lanes", "secsize", "deterministic", "median_s", "min_s", "bytes", "bandwidth", "of_copy",
+            "vs_cusparse", "rel_l2", "shape", "auto"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=cols)
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def test_spmv_table_in_ms_with_kernels_named_and_choices_marked(tmp_path):
+    path = tmp_path / "results" / "madpet2" / "bench" / "spmv.csv"
+    _spmv_csv(path, [
+        {"op": "fp", "kernel": "csr_vector", "lanes": 32, "deterministic": True, "median_s": 0.0012345678901234,
+         "min_s": 0.00119876, "bytes": 7_700_000_000, "bandwidth": 4.123456789e12, "of_copy": 0.91234,
+         "vs_cusparse": 1.53456, "rel_l2": 1.234567e-8, "shape": "256t", "auto": True},
+        {"op": "fp", "kernel": "cusparse", "deterministic": True, "median_s": 0.0018939, "min_s": 0.00187,
+         "bytes": 7_700_000_000, "bandwidth": 4.0e12, "of_copy": 0.6, "vs_cusparse": 1.0, "rel_l2": 2e-8},
+        {"op": "bp", "kernel": "merge", "secsize": 5, "deterministic": False, "median_s": 0.00345, "min_s": 0.0034,
+         "bytes": 7_700_000_000, "bandwidth": 2.2e12, "of_copy": 0.5, "vs_cusparse": "", "rel_l2": 3e-8},
+    ])
+    summarize([], tmp_path / "s", bench=[path])
+    md = (tmp_path / "s" / "summary.md").read_text()
+    assert "## SpMV benchmark" in md and "### madpet2" in md
+    head, rows = _md_section(md, "### madpet2")
+    assert head == ["operation", "kernel", "deterministic", "median (ms)", "fastest (ms)", "MB read", "GB/s",
+                    "of copy", "vs cuSPARSE", "rel. L2", ""]
+    assert rows[0] == ["fp", "csr_vector (32 lanes, 256t)", "yes", "1.23", "1.20", "7700", "4123", "91%", "1.53",
+                       "1.235e-08", "*fastest*, *auto*"]
+    assert rows[1][:4] == ["fp", "cusparse", "yes", "1.89"] and rows[1][-1] == ""
+    assert rows[2][:4] == ["bp", "merge (secsize 5)", "NO (atomics)", "3.45"] and rows[2][-1] == "*fastest*"
+    assert rows[2][8] == ""  # no cuSPARSE time to compare with
+    assert "0.0012345678901234" not in md  # no raw seconds
+    html = (tmp_path / "s" / "summary.html").read_text()
+    assert '<td style="text-align: right;">1.23</td>' in html and "<em>auto</em>" in html
+    # an older table without the shape and auto columns: the kernels still named, nothing marked auto
+    old = tmp_path / "old" / "bench" / "spmv.csv"
+    old.parent.mkdir(parents=True)
+    old.write_text("op,kernel,lanes,secsize,deterministic,median_s,min_s,bytes,bandwidth,of_copy,vs_cusparse,rel_l2\n"
+                   "fp,csr_vector,8,,True,0.000123456,0.00012,1000000,8.1e12,0.95,2.5,1e-8\n")
+    summarize([], tmp_path / "o", bench=[old])
+    head, rows = _md_section((tmp_path / "o" / "summary.md").read_text(), "### old")
+    assert rows == [["fp", "csr_vector (8 lanes)", "yes", "0.123", "0.120", "1.00", "8100", "95%", "2.50", "1.000e-08",
+                     "*fastest*"]]
+    # a file that is not a benchmark table is named
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(InputError, match="not an SpMV benchmark table"):
+        summarize([], tmp_path / "b", bench=[bad])
+
+
+def test_time_plot_gives_each_scale_its_own_panel(tmp_path, figures):
+    """A 3.6 s float64 reference beside GPU runs of 1-4 ms: two panels, every bar wider than a few pixels."""
+    from mlemlib.report import group_rows, load_timings, plot_times, run_rows, time_panels
+
+    assert time_panels([3.6, 1e-3, 4e-3, None, 3.0]) == [[1, 2, 3], [0, 4]]
+    assert time_panels([1.0, 2.0]) == [[0, 1]]
+    ref = _iteration_timings("cpu", "scipy", "scipy", [3600.0, 3600.0])
+    ref["config"]["reference_mode"] = True
+    gpu1 = _iteration_timings("cuda", "csr_vector", "csr_vector", [1.0, 1.2])
+    gpu4 = _iteration_timings("cuda", "merge", "merge", [4.0, 4.2])
+    plot_times(group_rows(run_rows(load_timings([ref, gpu1, gpu4]))), tmp_path / "t.png")
+    fig = figures["t.png"]
+    fast, slow = fig.axes[:2]
+    assert [t.get_text() for t in fast.get_yticklabels()] == ["cuda csr_vector/csr_vector+AT x1",
+                                                             "cuda merge/merge+AT x1"]
+    assert [t.get_text() for t in slow.get_yticklabels()] == ["reference (float64)"]
+    assert fast.get_xlabel() == "time per iteration (ms)" and slow.get_xlabel() == "time per iteration (s)"
+    widths = [p.get_width() for p in fast.patches]
+    assert min(widths) / fast.get_xlim()[1] > 0.2  # the 1 ms bar is a fifth of its axis at least
+    assert slow.patches[0].get_width() == pytest.approx(3.6)
+    assert fast.get_legend() is not None and "separate panels" in " ".join(t.get_text() for t in fig.texts)
+
+
+def test_scaling_and_time_vs_gpus_plots_give_each_series_its_colour(scaling_runs, tmp_path, figures):
+    from matplotlib.colors import to_hex
+
+    summarize([scaling_runs], tmp_path / "s")
+    for name in ("scaling.png", "time_vs_gpus.png"):
+        ax = figures[name].axes[0]
+        series = [ln for ln in ax.get_lines() if ln.get_label() and not ln.get_label().startswith("_")
+                  and not ln.get_label().startswith("ideal")]
+        labels = [ln.get_label() for ln in series]
+        assert {lab.rsplit(", ", 1)[1] for lab in labels} == {"local layout", "thesis layout"}
+        colours = [to_hex(ln.get_color()) for ln in series]
+        assert len(set(colours)) == len(colours) >= 2, (name, labels, colours)
+        assert ax.get_legend() is not None
+        assert set(labels) <= {t.get_text() for t in ax.get_legend().get_texts()}
 
 
 # --------------------------------------------------------------------------- hardware, energy, the thesis beside us

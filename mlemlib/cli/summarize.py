@@ -14,8 +14,8 @@ def register(sub) -> None:
         "summarize",
         "Tabulate and plot runs: runs.csv (one row per run and repetition), summary.md (time per step, "
         "scaling over GPUs: speed-up, parallel efficiency and bandwidth per GPU of each layout, accuracy "
-        "spread, transposition times), the same two as summary.html and runs.html, plots/*.png "
-        "(plots/scaling.png where runs differ in GPU count).",
+        "spread, transposition times, the SpMV benchmark in ms, the plots), the same two as summary.html "
+        "(with the plots embedded) and runs.html, plots/*.png (plots/scaling.png where runs differ in GPU count).",
     )
     p.add_argument("runs", nargs="+", type=existing_file, metavar="RUN", help="run directories (searched for timings.json) or timings.json files")
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (e.g. results/summary/manual)")
@@ -23,7 +23,7 @@ def register(sub) -> None:
     p.add_argument("--transpose-bench", nargs="*", default=[], type=existing_file, metavar="TSV", help="Snakemake benchmark files of transpositions")
     p.add_argument("--transposes", nargs="*", default=[], type=existing_file, metavar="T.h5", help="transpose.h5 files (method, seconds)")
     p.add_argument("--plans", nargs="*", default=[], type=existing_file, metavar="PLAN", help="partition plan.json files or directories")
-    p.add_argument("--bench", nargs="*", default=[], type=existing_file, metavar="CSV", help="SpMV benchmark tables")
+    p.add_argument("--bench", nargs="*", default=[], type=existing_file, metavar="CSV", help="SpMV benchmark tables (results/{matrix}/bench/spmv.csv)")
     p.set_defaults(func=run)
 
 

@@ -1,0 +1,592 @@
+"""The summary's figures, as PNG files (host; matplotlib, Agg).
+
+``time_per_iteration.png`` (:func:`plot_times`), ``time_distribution.png``
+(:func:`plot_distribution`), ``accuracy.png`` (:func:`plot_accuracy`),
+``scaling.png`` (:func:`plot_scaling`), ``time_vs_gpus.png``
+(:func:`plot_time_vs_gpus`) and ``image_<matrix>_<data>.png``
+(:func:`plot_image`). Each figure carries its legend outside the axes and a
+note under it that says what its marks and labels mean; every series has a
+colour of its own; times that differ by more than :data:`PANEL_RATIO` are
+drawn on separate axes or a log axis, so that no bar is too small to see.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlemlib.errors import InputError
+from mlemlib.report.rows import (
+    STEPS,
+    _family,
+    _mean,
+    _num,
+    _scaling_label,
+    config_label,
+    scaling_table,
+)
+
+log = logging.getLogger(__name__)
+
+#: Times more than this factor apart go on separate axes (time per iteration) or a log axis.
+PANEL_RATIO = 20.0
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_") or "x"
+
+
+#: What the parts of a configuration's label mean (see :func:`config_label`), printed under the plots.
+LABEL_KEY = (
+    "Labels: backend (cpu, cuda) and fp/bp, the forward- and back-projection kernels (e.g. cpu: numba, scipy; "
+    "cuda: csr_vector, merge, cusparse); +AT: the back projection reads a stored transpose A^T; "
+    "notrans: it scatters with A, no transpose; xP: on P GPUs, with the multi-GPU layout (local: one "
+    "all-reduce of the image per iteration; thesis: one after each projection); secN: merge section size; "
+    "graph: iterations replayed as CUDA graphs; reference (float64): the CPU reference MLEM."
+)
+
+
+def _plot_labels(groups: Mapping[tuple, list[dict[str, Any]]]) -> tuple[list[str], str]:
+    """Axis labels of the configurations, and the problem they share (for the title; "" if several)."""
+    problems = [f"{rs[0]['matrix']} / {rs[0]['data']}" for rs in groups.values()]
+    labels = [config_label(rs[0]) for rs in groups.values()]
+    if len(set(problems)) == 1:
+        return labels, problems[0]
+    return [f"{p}\n{label}" for p, label in zip(problems, labels)], ""
+
+
+def _add_key(fig: Any, text: str, width: int = 130) -> None:
+    """Lay the figure out, then put a wrapped explanatory note under it (kept by :func:`_save`)."""
+    import textwrap
+
+    if fig.get_layout_engine() is None:  # not laid out by constrained layout
+        fig.tight_layout()
+    fig.text(0.01, -0.01, textwrap.fill(text, width), fontsize=7, va="top", ha="left", color="0.25")
+
+
+def _save(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Write the figure with everything drawn outside the axes (legend, note) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=dpi, bbox_inches="tight", pad_inches=0.15)
+    plt.close(fig)
+
+
+def _sci(value: float, _pos: Any = None) -> str:
+    """Tick label in compact scientific notation (``-6e-9``, ``0``)."""
+    if value == 0:
+        return "0"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def time_panels(times: list[float | None], ratio: float = PANEL_RATIO) -> list[list[int]]:
+    """Indices of ``times`` split into panels whose times are at most ``ratio`` apart, fastest panel first.
+
+    Within a panel the indices keep their order; a missing time joins the
+    first panel.
+    """
+    known = sorted((t, k) for k, t in enumerate(times) if t is not None and t > 0)
+    panel_of: dict[int, int] = {}
+    start = None
+    panel = -1
+    for t, k in known:
+        if start is None or t > start * ratio:
+            start, panel = t, panel + 1
+        panel_of[k] = panel
+    panels: list[list[int]] = [[] for _ in range(max(panel, 0) + 1)]
+    for k in range(len(times)):
+        panels[panel_of.get(k, 0)].append(k)
+    return panels
+
+
+def _time_unit(ms: float) -> tuple[str, float]:
+    """The unit to show times of up to ``ms`` milliseconds in, and its factor from ms."""
+    if ms >= 1000.0:
+        return "s", 1e-3
+    if ms < 0.1:
+        return "us", 1e3
+    return "ms", 1.0
+
+
+_STEP_COLORS = {"fp": "tab:blue", "corr": "tab:orange", "bp": "tab:green", "update": "tab:red",
+                "allreduce": "tab:purple", "iteration": "0.75"}
+_STEP_NAMES = {"fp": "fp: forward projection A f", "corr": "corr: g / (A f)", "bp": "bp: back projection A^T c",
+               "update": "update: f * bp / norm", "allreduce": "allreduce: between GPUs",
+               "iteration": "whole iteration (steps not timed apart)"}
+
+
+def plot_times(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
+    """Stacked bars of the mean step times per configuration, a circle per repetition's mean.
+
+    Configurations whose times differ by more than :data:`PANEL_RATIO`
+    (a GPU run of 1 ms beside a float64 reference of 3 s) are drawn in
+    separate panels, each with its own time axis and unit, so that every bar
+    can be read. The legend sits outside the axes (it hides no point) and a
+    key under the plot says what the configuration labels mean.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    labels, problem = _plot_labels(groups)
+    rs_list = list(groups.values())
+    totals = [_mean(r["iteration_mean_s"] for r in rs) for rs in rs_list]
+    panels = time_panels(totals)
+    heights = [0.6 + 0.5 * len(p) for p in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.6 + sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    axes = [a[0] for a in axes]
+    used: list[str] = []
+    for ax, members in zip(axes, panels):
+        peak = max((t for k in members for t in [totals[k]] if t), default=0.0) * 1e3
+        reps = [r["iteration_mean_s"] * 1e3 for k in members for r in rs_list[k] if r["iteration_mean_s"] is not None]
+        unit, scale = _time_unit(max([peak, *reps]))
+        y = np.arange(len(members))
+        left = np.zeros(len(members))
+        for s in STEPS:
+            vals = np.array([(_mean(r[f"{s}_mean_s"] for r in rs_list[k]) or 0.0) * 1e3 * scale for k in members])
+            if vals.any():
+                ax.barh(y, vals, left=left, color=_STEP_COLORS[s], height=0.6)
+                left += vals
+                if s not in used:
+                    used.append(s)
+        whole = np.array([(totals[k] or 0.0) * 1e3 * scale if not left[row] else 0.0
+                          for row, k in enumerate(members)])
+        if whole.any():  # configurations that timed only the whole iteration (graph capture)
+            ax.barh(y, whole, color="0.75", height=0.6)
+            if "iteration" not in used:
+                used.append("iteration")
+        for row, k in enumerate(members):
+            pts = [r["iteration_mean_s"] * 1e3 * scale for r in rs_list[k] if r["iteration_mean_s"] is not None]
+            ax.plot(pts, [row] * len(pts), "o", color="black", mfc="white", ms=5, zorder=3)
+        ax.set_yticks(y, [labels[k] for k in members], fontsize=8)
+        ax.set_ylim(len(members) - 0.5, -0.5)
+        ax.set_xlim(left=0)
+        ax.set_xlabel(f"time per iteration ({unit})", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    handles = [Patch(color=_STEP_COLORS[s], label=_STEP_NAMES[s]) for s in (*STEPS, "iteration") if s in used]
+    handles.append(plt.Line2D([], [], ls="", marker="o", color="black", mfc="white", ms=5,
+                              label="one repetition's mean time per iteration"))
+    axes[0].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    axes[0].set_title("MLEM time per iteration by configuration" + (f": {problem}" if problem else ""))
+    note = ("Bars: the mean of each step over all iterations and repetitions, stacked. "
+            + (f"Configurations whose times differ by more than {PANEL_RATIO:g}x are in separate panels, each "
+               "with its own time axis. " if len(panels) > 1 else ""))
+    _add_key(fig, note + LABEL_KEY)
+    _save(fig, path)
+
+
+def _whiskers(vals: np.ndarray) -> tuple[float, float]:
+    """The ends of a box plot's whiskers (1.5 IQR beyond the quartiles, clipped to the data)."""
+    q1, q3 = np.percentile(vals, [25, 75])
+    iqr = q3 - q1
+    inside = vals[(vals >= q1 - 1.5 * iqr) & (vals <= q3 + 1.5 * iqr)]
+    return float(inside.min()), float(inside.max())
+
+
+def distribution_limits(data: list[list[float]]) -> tuple[float, float, bool]:
+    """x range of the distribution plot: every box and whisker, not the far outliers.
+
+    Returns ``(low, high, log)``: the span of the whiskers, stretched to
+    outliers no further than half that span beyond them, with a margin; and
+    whether a logarithmic axis is needed (boxes more than 20x apart).
+    Outliers beyond the range are marked at its edge.
+    """
+    ends = [_whiskers(np.asarray(v, dtype=np.float64)) for v in data]
+    lo, hi = min(e[0] for e in ends), max(e[1] for e in ends)
+    if lo > 0 and hi / lo > PANEL_RATIO:
+        return lo / 1.3, hi * 1.3, True
+    reach = 0.5 * (hi - lo)
+    values = np.concatenate([np.asarray(v, dtype=np.float64) for v in data])
+    lo = float(values[values >= lo - reach].min())
+    hi = float(values[values <= hi + reach].max())
+    pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 1.0
+    return max(lo - pad, 0.0), hi + pad, False
+
+
+def plot_distribution(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
+    """Box plot of every iteration's time by configuration.
+
+    The axis spans the boxes and whiskers; outliers within it are drawn as
+    circles, those beyond it as a triangle at the edge with their times, so
+    that one slow iteration does not squeeze every box.
+    """
+    import matplotlib.pyplot as plt
+
+    data, labels = [], []
+    shown = OrderedDict((k, rs) for k, rs in groups.items() if any(
+        v is not None for r in rs for v in (r.get("_samples") or {}).get("iteration", [])))
+    if shown:
+        labels, problem = _plot_labels(shown)
+    else:
+        problem = ""
+    for rs in shown.values():
+        data.append([float(v) * 1e3 for r in rs for v in (r.get("_samples") or {}).get("iteration", []) if v is not None])
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.5 * max(1, len(labels))))
+    if data:
+        kw = {"orientation": "horizontal"} if _mpl_version() >= (3, 10) else {"vert": False}
+        kw["tick_labels" if _mpl_version() >= (3, 9) else "labels"] = labels
+        ax.boxplot(data, widths=0.5, flierprops={"marker": "o", "ms": 4, "mfc": "none", "mec": "0.3"}, **kw)
+        lo, hi, log = distribution_limits(data)
+        if log:
+            ax.set_xscale("log")
+        ax.set_xlim(lo, hi)
+        for k, vals in enumerate(data, start=1):
+            far = sorted(v for v in vals if v > hi)
+            near = sorted(v for v in vals if v < lo)
+            if far:
+                ax.plot([hi], [k], ">", color="tab:red", ms=7, clip_on=False, zorder=3)
+                ax.annotate(_beyond(far), (hi, k), xytext=(-8, 7), textcoords="offset points", ha="right",
+                            fontsize=7, color="tab:red")
+            if near:
+                ax.plot([lo], [k], "<", color="tab:red", ms=7, clip_on=False, zorder=3)
+                ax.annotate(_beyond(near), (lo, k), xytext=(8, 7), textcoords="offset points", ha="left",
+                            fontsize=7, color="tab:red")
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_xlabel("time per iteration (ms), every iteration of every repetition" + (" (log scale)" if log else ""))
+    else:
+        ax.text(0.5, 0.5, "no per-iteration samples", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("time per iteration (ms)")
+    ax.set_title("Distribution of the time per iteration" + (f": {problem}" if problem else ""))
+    _add_key(fig, "Boxes: median and quartiles; whiskers: the furthest iteration within 1.5 times the box's "
+                  "width; circles: iterations beyond the whiskers; a red triangle at the edge: iterations beyond "
+                  "the plotted range, with their times. " + LABEL_KEY)
+    _save(fig, path)
+
+
+def _beyond(vals: list[float]) -> str:
+    """Label of outliers beyond the plotted range: their count and times (ms)."""
+    shown = ", ".join(f"{v:.4g}" for v in (vals if len(vals) <= 3 else [vals[0], vals[-1]]))
+    if len(vals) > 3:
+        shown = shown.replace(", ", " … ")
+    return f"{len(vals)} beyond: {shown} ms"
+
+
+def _mpl_version() -> tuple[int, int]:
+    import matplotlib
+
+    major, minor = (int(re.match(r"\d+", x).group()) for x in matplotlib.__version__.split(".")[:2])
+    return major, minor
+
+
+def accuracy_baselines(rows: Iterable[Mapping[str, Any]]) -> dict[tuple, tuple[float, str]]:
+    """Per problem ``(matrix, data)``: the image sum the others are compared with, and what it is.
+
+    The float64 reference's sum where known (a run's ``reference_sum``, or
+    the reference's own image sum), else the mean image sum of the problem's
+    runs.
+    """
+    out: dict[tuple, tuple[float, str]] = {}
+    by_problem: OrderedDict[tuple, list[Mapping[str, Any]]] = OrderedDict()
+    for r in rows:
+        by_problem.setdefault((r.get("matrix"), r.get("data")), []).append(r)
+    for problem, rs in by_problem.items():
+        refs = [_num(r.get("reference_sum")) for r in rs if _num(r.get("reference_sum")) is not None]
+        refs += [_num(r.get("image_sum")) for r in rs if r.get("reference_mode") and _num(r.get("image_sum")) is not None]
+        if refs:
+            out[problem] = (refs[0], "reference")
+            continue
+        sums = [_num(r.get("image_sum")) for r in rs if _num(r.get("image_sum")) is not None]
+        if sums:
+            out[problem] = (float(np.mean(sums)), "mean")
+    return out
+
+
+def plot_accuracy(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
+    """Image sum (relative to the reference's) and relative L2 error to the reference, per repetition.
+
+    The left panel shows ``(S - S_ref) / S_ref``, so that a spread of a few
+    float32 roundings reads as what it is (1e-8 of the sum), not as the
+    absolute sums' last digits.
+    """
+    import matplotlib.pyplot as plt
+
+    labels, problem = _plot_labels(groups)
+    base = accuracy_baselines(r for rs in groups.values() for r in rs)
+    kinds = {kind for _, kind in base.values()}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 1.4 + 0.5 * max(1, len(labels))), sharey=True)
+    diffs: list[float] = []
+    for k, rs in enumerate(groups.values()):
+        ref = base.get((rs[0]["matrix"], rs[0]["data"]))
+        sums = [r["image_sum"] for r in rs if r["image_sum"] is not None]
+        if ref and ref[0]:
+            d = [(s - ref[0]) / ref[0] for s in sums]
+            diffs += d
+            ax1.plot(d, [k] * len(d), "o", mfc="none", color="tab:blue", ms=6)
+        rel = [r["rel_l2_reference"] for r in rs if r["rel_l2_reference"] is not None]
+        pos = [v for v in rel if v > 0]
+        ax2.plot(pos, [k] * len(pos), "o", mfc="none", color="tab:red", ms=6)
+        note = "the reference itself" if rs[0].get("reference_mode") else (
+            "0: identical to the reference" if rel and not pos else ("no reference" if not rel else ""))
+        if note:
+            ax2.annotate(note, (0.02, k), xycoords=("axes fraction", "data"), va="center", fontsize=7, color="0.35")
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    ax1.axvline(0.0, color="0.4", lw=1, ls=":")
+    width = max((abs(d) for d in diffs), default=0.0)
+    width = width * 1.3 if width > 0 else 1e-7
+    ax1.set_xlim(-width, width)
+    ax1.xaxis.set_major_locator(MaxNLocator(7, symmetric=True))
+    ax1.xaxis.set_major_formatter(FuncFormatter(_sci))
+    ax1.tick_params(axis="x", labelsize=7)
+    ax1.set_yticks(np.arange(len(labels)), labels, fontsize=8)
+    ax1.invert_yaxis()
+    against = "the float64 reference's" if kinds == {"reference"} else (
+        "the mean of the problem's runs" if kinds == {"mean"} else "the reference's (else the runs' mean)")
+    ax1.set_xlabel(f"image sum relative to {against}: (S - S_ref) / S_ref\n(0, dotted: equal; float32 rounding "
+                   "is about 1e-7)", fontsize=8)
+    ax1.set_title("image sum, per repetition", fontsize=9)
+    ax2.set_xlabel("relative L2 error to the float64 reference:\n||f - f_ref|| / ||f_ref|| (log scale)", fontsize=8)
+    ax2.set_title("image, per repetition", fontsize=9)
+    errors = [v for line in ax2.get_lines() for v in line.get_xdata()]
+    if errors:
+        ax2.set_xscale("log")
+        # Whole decades, so that the ticks are labelled powers of ten.
+        lo, hi = math.floor(math.log10(min(errors)) - 0.1), math.ceil(math.log10(max(errors)) + 0.1)
+        ax2.set_xlim(10.0**lo, 10.0 ** max(hi, lo + 1))
+    else:
+        ax2.set_xticks([])
+    for ax in (ax1, ax2):
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("Accuracy over repetitions" + (f": {problem}" if problem else ""))
+    _add_key(fig, LABEL_KEY, width=160)
+    _save(fig, path)
+
+
+def scaling_series(rows: Iterable[Mapping[str, Any]]) -> OrderedDict[tuple[str, str], list[tuple[int, float]]]:
+    """Speed-up against the GPU count, per configuration and layout (the lines of ``plots/scaling.png``).
+
+    Keys are ``("{matrix}/{data} {configuration}", layout)``, values ``(P,
+    speed-up)`` points. Each line starts at its configuration's 1-GPU run
+    (speed-up 1) and holds the runs of one layout on more GPUs;
+    configurations without a 1-GPU run have no speed-up and no line.
+    """
+    recs = [r for r in scaling_table(rows) if r["speedup"] is not None]
+    lines: OrderedDict[tuple[str, str], list[tuple[int, float]]] = OrderedDict()
+    for r in recs:
+        if r["gpus"] == 1:
+            continue
+        name = (f"{r['matrix']}/{r['data']} {r['configuration']}", r["layout"])
+        if name not in lines:
+            conf = (r["matrix"], r["data"], r["configuration"])
+            ones = [x for x in recs if (x["matrix"], x["data"], x["configuration"]) == conf and x["gpus"] == 1]
+            one = next((x for x in ones if x["layout"] == r["layout"]), None) or next(
+                (x for x in ones if x["layout"] == "local"), ones[0] if ones else None)
+            lines[name] = [(1, one["speedup"])] if one else []
+        lines[name].append((r["gpus"], r["speedup"]))
+    return lines
+
+
+def plot_scaling(rows: Iterable[Mapping[str, Any]], path: Path) -> bool:
+    """Speed-up against GPUs, one line per configuration and layout, and y = P. False (nothing written) if no line.
+
+    Every line has a colour of its own (dashed: the thesis layout), named in
+    the legend beside the axes.
+    """
+    import matplotlib.pyplot as plt
+
+    lines = scaling_series(rows)
+    if not lines:
+        return False
+    counts = sorted({p for pts in lines.values() for p, _ in pts})
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    ax.plot(counts, counts, color="0.6", ls=":", label="ideal (speed-up = P)")
+    for k, ((conf, layout), pts) in enumerate(lines.items()):
+        ax.plot([p for p, _ in pts], [s for _, s in pts], marker="o", color=_series_color(k),
+                ls="--" if layout == "thesis" else "-", label=f"{conf}, {layout} layout")
+    ax.set_xticks(counts, [str(p) for p in counts])
+    ax.set_xlabel("GPUs (P)")
+    ax.set_ylabel("speed-up T(1) / T(P)")
+    ax.set_title("MLEM scaling over GPUs (mean time per iteration)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    _add_key(fig, "One line per configuration and multi-GPU layout (local: one all-reduce of the image per "
+                  "iteration; thesis, dashed: one after each projection), from the configuration's 1-GPU run; "
+                  "the dotted line is the ideal speed-up P.", width=110)
+    _save(fig, path)
+    return True
+
+
+def _series_color(k: int) -> Any:
+    """The colour of the ``k``-th series: tab10, then tab20's lighter shades, then a cycle of both."""
+    import matplotlib
+
+    palette = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["tab20"].colors[1::2])
+    return palette[k % len(palette)]
+
+
+def time_vs_gpus_series(rows: Iterable[Mapping[str, Any]]) -> OrderedDict[tuple[str, str], dict[int, list[float]]]:
+    """Time per iteration (s) against the GPU count, per configuration and layout (``plots/time_vs_gpus.png``).
+
+    Keys are ``("{matrix}/{data} {configuration}", layout)`` as in
+    :func:`scaling_series`; values map a GPU count to each repetition's
+    ``iteration_mean_s``. A configuration's 1-GPU runs start each of its
+    layouts' lines (one GPU has no layout); cuda runs only, the reference left
+    out.
+    """
+    cells: OrderedDict[tuple[str, int, str], list[float]] = OrderedDict()
+    for r in rows:
+        if r.get("reference_mode") or _family(r.get("backend")) != "cuda" or r.get("iteration_mean_s") is None:
+            continue
+        conf = f"{r['matrix']}/{r['data']} {_scaling_label(r)}"
+        p = int(_num(r.get("gpus")) or 1)
+        layout = "local" if p == 1 else str(r.get("layout"))
+        cells.setdefault((conf, p, layout), []).append(float(r["iteration_mean_s"]))
+    lines: OrderedDict[tuple[str, str], dict[int, list[float]]] = OrderedDict()
+    for conf in dict.fromkeys(c for c, _, _ in cells):
+        layouts = list(dict.fromkeys(lay for c, p, lay in cells if c == conf and p > 1)) or ["local"]
+        for layout in layouts:
+            pts = {p: v for (c, p, lay), v in cells.items() if c == conf and (lay == layout or p == 1)}
+            lines[(conf, layout)] = dict(sorted(pts.items()))
+    return lines
+
+
+def plot_time_vs_gpus(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Time per iteration (ms) against GPUs: a line per configuration and layout, the thesis's run where it fits.
+
+    The line joins the means over repetitions; each repetition's mean is a
+    small circle. Where a run's matrix has the shape of a thesis matrix, the
+    thesis's time per iteration on its GPUs is a star. The y axis is
+    logarithmic where the times span more than a factor of 20. False (nothing
+    written) without a cuda run.
+    """
+    import matplotlib.pyplot as plt
+
+    from mlemlib import thesis
+
+    lines = time_vs_gpus_series(rows)
+    if not lines:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    times: list[float] = []
+    counts: set[int] = set()
+    for k, ((conf, layout), pts) in enumerate(lines.items()):
+        color = _series_color(k)
+        xs = list(pts)
+        means = [float(np.mean(v)) * 1e3 for v in pts.values()]
+        ax.plot(xs, means, marker="s", ms=5, color=color, ls="--" if layout == "thesis" else "-",
+                label=f"{conf}, {layout} layout")
+        for p, v in pts.items():
+            ax.plot([p] * len(v), [x * 1e3 for x in v], "o", ms=4, mfc="none", color=color, alpha=0.8)
+            times += [x * 1e3 for x in v]
+        counts.update(xs)
+    shapes = {r.get("_shape") for r in rows if r.get("_shape")}
+    for run in thesis.RUNS:
+        if run.matrix.shape in shapes:
+            t = run.iteration_s * 1e3
+            ax.plot([run.gpus], [t], "*", ms=14, color="black", zorder=4,
+                    label=f"thesis {run.table}: {run.matrix.name}, {run.gpus}x {run.gpu.model} ({run.platform})")
+            ax.annotate(f"thesis: {t:.4g} ms", (run.gpus, t), xytext=(-10, -3), textcoords="offset points",
+                        fontsize=7, ha="right")
+            times.append(t)
+            counts.add(run.gpus)
+    if times and min(times) > 0 and max(times) / min(times) > PANEL_RATIO:
+        ax.set_yscale("log")
+        ax.set_ylabel("time per iteration (ms, log scale)")
+    else:
+        ax.set_ylim(bottom=0, top=max(times) * 1.1 if times else None)
+        ax.set_ylabel("time per iteration (ms)")
+    ax.set_xticks(sorted(counts), [str(p) for p in sorted(counts)])
+    ax.set_xlim(0.5, max(counts) + 0.5)
+    ax.set_xlabel("GPUs (P)")
+    ax.set_title("MLEM time per iteration against the number of GPUs")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    _add_key(fig, "Squares joined by a line: the mean over repetitions of each configuration and layout (dashed: "
+                  "the thesis layout); circles: each repetition's mean time per iteration; a star: the thesis's "
+                  "run on a matrix of the same shape (the sum of its published step times). " + LABEL_KEY, width=110)
+    _save(fig, path)
+    return True
+
+
+#: Colour-bar label of the image plots: what a voxel value measures.
+IMAGE_UNITS = "activity per voxel (A f = expected counts per LOR)"
+
+#: The note under the image plots.
+IMAGE_NOTE = (
+    "Central slices through the field of view, centred on 0. A voxel's value is the activity MLEM estimates, in "
+    "the units A gives it: A f is the expected number of counts of each LOR (for the scanner presets, whose "
+    "elements are chord lengths in mm, counts per mm of chord). Truth and reconstruction share one grey scale, "
+    "from 0 to the 99.9th percentile of both (the arrow: brighter voxels)."
+)
+
+
+def _axis_mm(count: int, size: float) -> tuple[float, float]:
+    """Extent (mm) of ``count`` voxels of ``size`` mm, centred on 0 (as the phantoms are)."""
+    return -count * size / 2.0, count * size / 2.0
+
+
+def _centre_mm(count: int, size: float) -> float:
+    """Position (mm) of the centre of the central voxel ``count // 2``."""
+    return (count // 2 + 0.5 - count / 2.0) * size
+
+
+def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool:
+    """Central axial, coronal and sagittal slices of an image (and of the truth above it). False if unreadable.
+
+    Axes in mm (the field of view centred on 0; in voxels where the image
+    has no voxel size), one colour scale shared by truth and reconstruction
+    (0 to the 99.9th percentile of both) and one colour bar with the units.
+    """
+    import matplotlib.pyplot as plt
+
+    from mlemlib.image import read_image
+
+    try:
+        img, attrs = read_image(image_path)
+    except InputError as exc:
+        log.warning("no image plot: %s", exc)
+        return False
+    grid = attrs.get("grid")
+    if not grid:
+        log.warning("%s: no grid attribute; no slice plot", image_path)
+        return False
+    gx, gy, gz = (int(v) for v in grid)
+    vols = []
+    if truth_path:
+        try:
+            t, _ = read_image(truth_path, expected_length=img.size)
+            vols.append(("truth", t.reshape(gz, gy, gx)))
+        except InputError as exc:
+            log.warning("truth not shown: %s", exc)
+    vols.append(("reconstruction", img.reshape(gz, gy, gx)))
+    voxel = attrs.get("voxel_size")
+    unit = "mm" if voxel else "voxels"
+    vx, vy, vz = (float(v) for v in voxel) if voxel else (1.0, 1.0, 1.0)
+    ex, ey, ez = _axis_mm(gx, vx), _axis_mm(gy, vy), _axis_mm(gz, vz)
+    vmax = max(float(np.percentile(v, 99.9)) for _, v in vols) or max(float(v.max()) for _, v in vols) or 1.0
+    # Columns as wide as their slices: axial x by y, coronal x by z, sagittal y by z.
+    widths = [gx * vx, gx * vx, gy * vy]
+    fig, axes = plt.subplots(len(vols), 3, figsize=(11, 0.6 + 3.2 * len(vols)), squeeze=False,
+                             gridspec_kw={"width_ratios": widths}, constrained_layout=True)
+    for row, (name, v) in enumerate(vols):
+        slices = [
+            (f"axial, z = {_centre_mm(gz, vz):g} {unit}", v[gz // 2], (*ex, *ey), "x", "y"),
+            (f"coronal, y = {_centre_mm(gy, vy):g} {unit}", v[:, gy // 2, :], (*ex, *ez), "x", "z"),
+            (f"sagittal, x = {_centre_mm(gx, vx):g} {unit}", v[:, :, gx // 2], (*ey, *ez), "y", "z"),
+        ]
+        for col, (sname, sl, extent, xl, yl) in enumerate(slices):
+            ax = axes[row][col]
+            im = ax.imshow(sl, cmap="gray", vmin=0, vmax=vmax, origin="lower", extent=extent,
+                           interpolation="nearest")
+            ax.set_title(f"{name}: {sname}", fontsize=8)
+            ax.set_xlabel(f"{xl} ({unit})", fontsize=7)
+            ax.set_ylabel(f"{yl} ({unit})", fontsize=7)
+            ax.tick_params(labelsize=7)
+    bar = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.85, extend="max", aspect=30)
+    bar.set_label(IMAGE_UNITS, fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=9)
+    _add_key(fig, IMAGE_NOTE, width=150)
+    _save(fig, path, dpi=100)
+    return True
+
+

@@ -1,0 +1,560 @@
+"""The records a summary is made of: runs' timings loaded into rows, grouped, compared (host; pure Python, NumPy).
+
+:func:`load_timings` reads the ``timings.json`` of runs (and of the float64
+references); :func:`run_rows` makes one row per run and repetition (the rows
+of ``runs.csv``, :data:`RUN_COLUMNS`), :func:`group_rows` groups them by
+configuration and :func:`config_label` names a configuration. From the rows:
+:func:`scaling_table` (speed-up over GPU counts and layouts),
+:func:`thesis_table` (the thesis's run beside ours) and
+:func:`transpose_rows` (transposition times from ``transpose.h5`` files and
+Snakemake benchmark files). :mod:`mlemlib.report.tables` renders these as
+CSV and Markdown, :mod:`mlemlib.report.plots` as figures.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlemlib.errors import InputError
+from mlemlib.mlem import transpose_used
+
+log = logging.getLogger(__name__)
+
+#: Steps reported in the tables, in order.
+STEPS = ("fp", "corr", "bp", "update", "allreduce")
+
+#: The fixed columns of ``runs.csv`` (``cr_<label>`` columns follow).
+RUN_COLUMNS = (
+    "run", "matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "graph", "dtype",
+    "reference_mode", "iterations", "repetition", "deterministic", "device", "format", "bytes_per_nnz",
+    "iteration_mean_s", "iteration_median_s", "iteration_min_s", "iteration_max_s", "iteration_std_s",
+    *(f"{s}_{k}_s" for s in STEPS for k in ("mean", "median", "min", "max")),
+    "load_s", "setup_s", "wall_s", "bytes_per_iteration", "bandwidth_GBps", "fp_bandwidth_GBps",
+    "bp_bandwidth_GBps", "gpu_bandwidth_theoretical_GBps", "gpu_bandwidth_measured_GBps",
+    "of_floor", "of_csr_floor", "energy_J", "energy_per_iteration_J", "power_W", "energy_gpus",
+    "power_capped_s", "thermal_capped_s",
+    "image_sum", "reference_sum", "rel_l2_reference", "sum_rel_error_reference", "rel_l2_truth", "image_sha256", "resumed_at",
+)
+
+_TRANSPOSE_METHODS = ("scantrans", "scipy", "cusparse")
+
+
+
+# --------------------------------------------------------------------------- loading
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except FileNotFoundError:
+        raise InputError(path, "no such file") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(path, f"not a readable JSON file ({exc})") from None
+    if not isinstance(d, dict) or "repetitions" not in d or "config" not in d:
+        raise InputError(path, "not a timings.json written by mlem reconstruct (no 'config'/'repetitions')")
+    return d
+
+
+def load_timings(items: Iterable[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Collect ``(run id, timings)`` pairs.
+
+    Parameters
+    ----------
+    items
+        ``timings.json`` paths, run directories (searched recursively for
+        ``timings.json``) or already-loaded timings dicts.
+
+    Raises
+    ------
+    InputError
+        A path that does not exist or a file that is not a timings record.
+    """
+    out: list[tuple[str, dict[str, Any]]] = []
+    for k, item in enumerate(items):
+        if isinstance(item, Mapping):
+            if "repetitions" not in item or "config" not in item:
+                raise InputError(f"<timings {k}>", "not a timings record (no 'config'/'repetitions')")
+            out.append((str(item.get("run", f"run{k}")), dict(item)))
+            continue
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(p.rglob("timings.json"))
+            if not found:
+                log.warning("%s: no timings.json below this directory", p)
+            out += [(os.fspath(f.parent), _read_json(f)) for f in found]
+        elif p.exists():
+            out.append((os.fspath(p.parent), _read_json(p)))
+        else:
+            raise InputError(p, "no such file or directory")
+    return out
+
+
+
+
+# --------------------------------------------------------------------------- rows
+def _num(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _device_name(t: dict[str, Any]) -> str:
+    dev = t.get("device")
+    if isinstance(dev, list):
+        names = [d.get("name", "?") if isinstance(d, dict) else str(d) for d in dev]
+        return f"{len(names)}x {names[0]}" if names else ""
+    if isinstance(dev, dict):
+        return str(dev.get("name", ""))
+    return str(dev or "")
+
+
+def run_gpus(t: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The device dicts of the GPUs of a cuda run (the backend's ``device`` or ``devices``); empty for the CPU."""
+    if _family((t.get("config") or {}).get("backend")) != "cuda":
+        return []
+    be = t.get("backend") if isinstance(t.get("backend"), dict) else {}
+    devs = next((d for d in (be.get("devices"), be.get("device"), t.get("device")) if d), None)
+    if isinstance(devs, dict):
+        devs = [devs]
+    return [d for d in devs or [] if isinstance(d, dict)]
+
+
+def _copy_bandwidth(d: Mapping[str, Any]) -> float | None:
+    cb = d.get("copy_bandwidth")
+    return _num(cb.get("bandwidth")) if isinstance(cb, dict) else _num(cb)
+
+
+def gpu_bandwidth_sum(devs: list[dict[str, Any]], gpus: Any, key: str) -> float | None:
+    """Bytes/s of all the run's GPUs: ``theoretical_bandwidth`` or the measured ``copy_bandwidth`` (``key``).
+
+    The sum over the GPUs, as the mean of the known ones times the run's GPU
+    count ``gpus``: the same where every GPU is recorded, and the estimate for
+    a run under the one-GPU-per-process launcher, whose ``timings.json``
+    (rank 0's) records only its own GPU. None where no GPU has the figure.
+    """
+    get = _copy_bandwidth if key == "copy_bandwidth" else (lambda d: _num(d.get(key)))
+    vals = [v for v in (get(d) for d in devs) if v is not None]
+    if not vals:
+        return None
+    count = int(_num(gpus) or len(devs))
+    return float(np.mean(vals)) * max(count, len(devs))
+
+
+def csr_pair_bytes(shape: Any, nnz: Any) -> int | None:
+    """Bytes of ``A`` and ``A^T`` as CSR, read once each: what an iteration on the CSR pair must move."""
+    try:
+        m, n = (int(v) for v in shape)
+        k = int(nnz)
+    except (TypeError, ValueError):
+        return None
+    return 8 * (m + 1) + 8 * k + 8 * (n + 1) + 8 * k
+
+
+def floor_fractions(t: Mapping[str, Any], seconds: Any, copy_bandwidth: Any) -> tuple[float | None, float | None]:
+    """Fractions of the run's own floor and of the CSR floor, at the copy bandwidth measured in the run.
+
+    Own floor: the bytes an iteration reads (``timings["bytes"]["iteration"]``,
+    in the format on the device) over the GPUs' measured copy bandwidth; CSR
+    floor: :func:`csr_pair_bytes` over the same. Each is the floor's time
+    over the iteration's mean time (1: at the floor; a CSR-floor fraction
+    above 1 is faster than any iteration that reads the CSR pair can be).
+    None where the run measured no copy bandwidth (the CPU).
+    """
+    sec, bw = _num(seconds), _num(copy_bandwidth)
+    if not sec or not bw:
+        return None, None
+    own = _num((t.get("bytes") or {}).get("iteration"))
+    csr = csr_pair_bytes(t.get("shape"), t.get("nnz"))
+    return (own / bw / sec if own else None), (csr / bw / sec if csr else None)
+
+
+def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per run and repetition (the rows of ``runs.csv``)."""
+    rows = []
+    for run_id, t in timings:
+        cfg = t.get("config", {})
+        be = t.get("backend", {}) if isinstance(t.get("backend"), dict) else {}
+        nbytes = t.get("bytes", {}) or {}
+        setup = t.get("setup", {}) or {}
+        devs = run_gpus(t)
+        theo = gpu_bandwidth_sum(devs, cfg.get("gpus"), "theoretical_bandwidth")
+        measured = gpu_bandwidth_sum(devs, cfg.get("gpus"), "copy_bandwidth")
+        bpn = be.get("bytes_per_nnz")
+        for rep in t.get("repetitions", []):
+            steps = rep.get("steps", {})
+            acc = rep.get("accuracy", {}) or {}
+            row: dict[str, Any] = {
+                "run": run_id,
+                "matrix": cfg.get("matrix"),
+                "data": cfg.get("data"),
+                "backend": cfg.get("backend"),
+                "fp": cfg.get("fp"),
+                "bp": cfg.get("bp"),
+                "transpose": transpose_used(be.get("transpose"), cfg.get("transpose") is not None),
+                "secsize": cfg.get("secsize"),
+                "gpus": cfg.get("gpus"),
+                "layout": cfg.get("layout"),
+                # Graph capture: the run's config, or (as mlem reconstruct records it) the backend's describe().
+                "graph": bool(cfg.get("graph", be.get("graph", False))),
+                "dtype": cfg.get("dtype"),
+                "reference_mode": bool(cfg.get("reference_mode", False)),
+                "iterations": cfg.get("iterations", rep.get("iterations")),
+                "repetition": rep.get("repetition"),
+                "deterministic": bool(t.get("deterministic", be.get("deterministic", True))),
+                "device": _device_name(t),
+                "format": be.get("format"),
+                "bytes_per_nnz": _num(bpn.get("A")) if isinstance(bpn, dict) else _num(bpn),
+                "load_s": _num(setup.get("load_s")),
+                "setup_s": _num(setup.get("backend_s")),
+                "wall_s": _num(rep.get("wall_s")),
+                "bytes_per_iteration": nbytes.get("iteration"),
+                "image_sum": _num(acc.get("image_sum")),
+                "reference_sum": _num(acc.get("reference_sum")),
+                "rel_l2_reference": _num(acc.get("rel_l2_reference")),
+                "sum_rel_error_reference": _num(acc.get("sum_rel_error_reference")),
+                "rel_l2_truth": _num(acc.get("rel_l2_truth")),
+                "image_sha256": acc.get("image_sha256"),
+                "resumed_at": " ".join(str(v) for v in rep.get("resumed_at") or []) or None,
+            }
+            it = steps.get("iteration", {})
+            for k in ("mean", "median", "min", "max", "std"):
+                row[f"iteration_{k}_s"] = _num(it.get(k))
+            for s in STEPS:
+                st = steps.get(s, {})
+                for k in ("mean", "median", "min", "max"):
+                    row[f"{s}_{k}_s"] = _num(st.get(k))
+
+            def bw(b: Any, sec: Any) -> float | None:
+                b, sec = _num(b), _num(sec)
+                return b / sec / 1e9 if b and sec else None
+
+            row["bandwidth_GBps"] = bw(nbytes.get("iteration"), row["iteration_mean_s"])
+            row["fp_bandwidth_GBps"] = bw(nbytes.get("fp"), row["fp_mean_s"])
+            row["bp_bandwidth_GBps"] = bw(nbytes.get("bp"), row["bp_mean_s"])
+            row["gpu_bandwidth_theoretical_GBps"] = theo / 1e9 if theo is not None else None
+            row["gpu_bandwidth_measured_GBps"] = measured / 1e9 if measured is not None else None
+            row["of_floor"], row["of_csr_floor"] = floor_fractions(t, row["iteration_mean_s"], measured)
+            for k in ("energy_J", "energy_per_iteration_J", "power_W"):
+                row[k] = _num(rep.get(k))
+            row["energy_gpus"] = rep.get("energy_gpus") if row["energy_J"] is not None else None
+            capped = rep.get("clock_capped_s") or {}  # the loop's seconds of clocks held down (devices.EnergyMeter)
+            row["power_capped_s"], row["thermal_capped_s"] = _num(capped.get("power")), _num(capped.get("thermal"))
+            for label, v in (acc.get("contrast_recovery") or {}).items():
+                row[f"cr_{label}"] = _num(v)
+            row["_samples"] = rep.get("samples", {})
+            row["_outputs"] = t.get("outputs", {})
+            row["_truth"] = cfg.get("truth")
+            # The kernels as configured ("auto", "notrans" resolve per backend and GPU count).
+            row["_fp_requested"] = cfg.get("fp_requested") or cfg.get("fp")
+            row["_bp_requested"] = cfg.get("bp_requested") or cfg.get("bp")
+            row["_shape"] = tuple(int(v) for v in t["shape"]) if isinstance(t.get("shape"), (list, tuple)) else None
+            # A folded matrix (each distinct row once): the user's shape, and the rows it stores.
+            fold = t.get("fold") if isinstance(t.get("fold"), dict) else None
+            row["_stored_rows"] = row["_shape"][0] if fold and row["_shape"] else None
+            if fold and row["_shape"]:
+                row["_shape"] = (int(fold["user_rows"]), row["_shape"][1])
+            row["_gpu_model"] = str(devs[0].get("name", "")) if devs else ""
+            per_gpu = _mean(d.get("theoretical_bandwidth") for d in devs)
+            row["_gpu_theoretical_GBps"] = per_gpu / 1e9 if per_gpu else None
+            rows.append(row)
+    return rows
+
+
+
+def run_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The columns of ``runs.csv``: :data:`RUN_COLUMNS`, then a ``cr_<label>`` column per contrast recovery insert."""
+    extra = sorted({k for r in rows for k in r if k.startswith("cr_")})
+    return list(RUN_COLUMNS) + extra
+
+
+# --------------------------------------------------------------------------- grouping
+_CONFIG_KEYS = ("matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "graph", "gpus", "layout", "dtype",
+                "reference_mode")
+
+
+def config_label(r: Mapping[str, Any]) -> str:
+    """Short name of a configuration, e.g. ``cuda csr_vector/notrans x2 thesis`` (``graph``: CUDA graph capture)."""
+    if r.get("reference_mode"):
+        return "reference (float64)"
+    bp = f"{r.get('bp')}" + ("+AT" if r.get("transpose") and r.get("bp") != "notrans" else "")
+    s = f"{r.get('backend')} {r.get('fp')}/{bp}"
+    if r.get("secsize"):
+        s += f" sec{r['secsize']}"
+    if r.get("graph"):
+        s += " graph"
+    gpus = r.get("gpus") or 1
+    if r.get("backend") != "cpu" or gpus != 1:
+        s += f" x{gpus}"
+        if gpus > 1:
+            s += f" {r.get('layout')}"
+    return s
+
+
+def group_rows(rows: list[dict[str, Any]]) -> OrderedDict[tuple, list[dict[str, Any]]]:
+    """Rows grouped by configuration (every dimension but the repetition), in first-seen order."""
+    groups: OrderedDict[tuple, list[dict[str, Any]]] = OrderedDict()
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in _CONFIG_KEYS), []).append(r)
+    return groups
+
+
+def _mean(vals: Iterable[Any]) -> float | None:
+    v = [x for x in (_num(y) for y in vals) if x is not None]
+    return float(np.mean(v)) if v else None
+
+
+
+def run_image(row: Mapping[str, Any]) -> Path | None:
+    """The final image a run's ``timings.json`` names (None if it names none); where the run directory
+    has moved since, the file of that name beside its ``timings.json``."""
+    image = (row.get("_outputs") or {}).get("image")
+    if not image:
+        return None
+    if not Path(image).exists():  # the run directory moved: look beside its timings.json
+        return Path(row["run"]) / Path(image).name
+    return Path(image)
+
+
+def exact_reference_problem(path: str | os.PathLike) -> tuple[str, str]:
+    """``(matrix, data)`` of an exact reference image, ``results/{matrix}/runs/{data}/reference-exact/image.h5``."""
+    parts = Path(path).parts
+    if len(parts) < 5 or parts[-2] != "reference-exact" or parts[-4] != "runs":
+        raise InputError(path, "not results/{matrix}/runs/{data}/reference-exact/image.h5")
+    return parts[-5], parts[-3]
+
+
+
+# --------------------------------------------------------------------------- scaling
+def _family(backend: Any) -> str:
+    """``cuda`` for ``cuda`` (one GPU) and ``cuda-nccl`` (several GPUs, or graph capture): one backend family."""
+    return str(backend or "").split("-")[0]
+
+
+def _scaling_key(r: Mapping[str, Any]) -> tuple:
+    """Every configuration dimension but the GPU count and the layout (kernels as configured)."""
+    return (r.get("matrix"), r.get("data"), _family(r.get("backend")), r.get("_fp_requested") or r.get("fp"),
+            r.get("_bp_requested") or r.get("bp"), r.get("secsize"), bool(r.get("graph")), r.get("dtype"))
+
+
+def _scaling_label(r: Mapping[str, Any]) -> str:
+    """Name of a configuration without GPU count and layout, e.g. ``cuda csr_vector/csr_vector graph``."""
+    s = f"{_family(r.get('backend'))} {r.get('_fp_requested') or r.get('fp')}/{r.get('_bp_requested') or r.get('bp')}"
+    if r.get("secsize"):
+        s += f" sec{r['secsize']}"
+    if r.get("graph"):
+        s += " graph"
+    return s
+
+
+def scaling_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Scaling records: per configuration, GPU count and layout, of cuda configurations run on several GPU counts.
+
+    Runs are grouped by every configuration dimension but ``gpus`` and
+    ``layout`` (the backend names ``cuda`` and ``cuda-nccl`` count as one;
+    the kernels are the configured ones). In each group, per ``(gpus,
+    layout)``:
+
+    - ``iteration_s``: the mean over repetitions of ``iteration_mean_s``
+      (as in the timing table), and ``<step>_s`` likewise where timed;
+    - ``speedup`` = T(1) / T(P), T(1) the time of the group's 1-GPU run
+      whatever its layout label (``local`` where there are several; the
+      one-GPU ``cuda`` backend unless graph capture), None without one;
+    - ``efficiency`` = speedup / P;
+    - ``bandwidth_per_gpu_GBps`` = bytes_per_iteration / P / T(P) / 1e9:
+      ``bytes_per_iteration`` counts the whole A (and A^T where stored),
+      which the P GPUs read in nnz-balanced parts, about 1/P each;
+    - ``rel_l2_reference``: mean over repetitions.
+
+    Returns
+    -------
+    list of dict
+        In first-seen order of the groups, by GPU count then layout within one;
+        empty where no cuda configuration ran on more than one GPU count.
+    """
+    groups: OrderedDict[tuple, list[Mapping[str, Any]]] = OrderedDict()
+    for r in rows:
+        if r.get("reference_mode") or _family(r.get("backend")) != "cuda" or _num(r.get("gpus")) is None:
+            continue
+        groups.setdefault(_scaling_key(r), []).append(r)
+    out: list[dict[str, Any]] = []
+    for rs in groups.values():
+        if len({int(r["gpus"]) for r in rs}) < 2:
+            continue
+        cells: OrderedDict[tuple[int, str], list[Mapping[str, Any]]] = OrderedDict()
+        for r in sorted(rs, key=lambda r: (int(r["gpus"]), str(r.get("layout")))):
+            cells.setdefault((int(r["gpus"]), str(r.get("layout"))), []).append(r)
+        ones = [k for k in cells if k[0] == 1]
+        base = (1, "local") if (1, "local") in cells else (ones[0] if ones else None)
+        t1 = _mean(r["iteration_mean_s"] for r in cells[base]) if base else None
+        for (p, layout), cs in cells.items():
+            t = _mean(c["iteration_mean_s"] for c in cs)
+            nbytes = _mean(c.get("bytes_per_iteration") for c in cs)
+            speedup = t1 / t if t1 and t else None
+            rec: dict[str, Any] = {
+                "matrix": cs[0].get("matrix"), "data": cs[0].get("data"), "configuration": _scaling_label(cs[0]),
+                "gpus": p, "layout": layout, "reps": len(cs), "iteration_s": t,
+                **{f"{s}_s": _mean(c.get(f"{s}_mean_s") for c in cs) for s in STEPS},
+                "speedup": speedup, "efficiency": speedup / p if speedup is not None else None,
+                "bandwidth_per_gpu_GBps": nbytes / p / t / 1e9 if nbytes and t else None,
+                "rel_l2_reference": _mean(c.get("rel_l2_reference") for c in cs),
+                "deterministic": all(c.get("deterministic") for c in cs),
+            }
+            out.append(rec)
+    return out
+
+
+
+# --------------------------------------------------------------------------- the thesis beside us
+def thesis_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Our configurations on a thesis matrix beside the thesis's run (:mod:`mlemlib.thesis`).
+
+    For every published run whose matrix has the shape of some run of ours:
+    first the thesis's record, then one per configuration of ours on that
+    matrix (every configuration dimension, GPU count and layout included;
+    the float64 reference left out), in first-seen order; ``beside`` holds
+    the :class:`mlemlib.thesis.ThesisRun` of both. Each record has
+    ``iteration_s`` and ``fp_s``, ``bp_s``, ``allreduce_s`` (mean over
+    repetitions; None where not timed), ``gpus``, ``gpu_model``,
+    ``theoretical_per_gpu_GBps``, ``theoretical_GBps`` (all GPUs),
+    ``measured_GBps`` (our copy bandwidth, all GPUs), ``speedup`` = T_thesis /
+    T_ours, ``bandwidth_ratio`` = ours / the thesis's aggregate theoretical
+    bandwidth, ``kernel_gain`` = speedup / bandwidth_ratio, and
+    ``energy_per_iteration_J``, ``energy_gpus``.
+    """
+    from mlemlib import thesis
+
+    rows = [r for r in rows if not r.get("reference_mode")]
+    out: list[dict[str, Any]] = []
+    for run in thesis.RUNS:
+        ours = [r for r in rows if r.get("_shape") == run.matrix.shape]
+        if not ours:
+            continue
+        t_thesis = run.iteration_s
+        theo_thesis = run.theoretical_bandwidth / 1e9
+        out.append({
+            "thesis": True, "beside": run, "matrix": run.matrix.name, "data": f"{run.table}, run {run.runs}x",
+            "configuration": run.label, "reps": run.runs, "gpus": run.gpus, "gpu_model": run.gpu.model,
+            "theoretical_per_gpu_GBps": run.gpu.theoretical_bandwidth / 1e9, "theoretical_GBps": theo_thesis,
+            "measured_GBps": None, "iteration_s": t_thesis,
+            **{f"{s}_s": run.steps.get(s) for s in STEPS},
+            "speedup": 1.0, "bandwidth_ratio": 1.0, "kernel_gain": 1.0,
+            "energy_per_iteration_J": None, "energy_gpus": None,
+        })
+        for rs in group_rows(ours).values():
+            r0 = rs[0]
+            t = _mean(r["iteration_mean_s"] for r in rs)
+            theo = _mean(r.get("gpu_bandwidth_theoretical_GBps") for r in rs)
+            speedup = t_thesis / t if t else None
+            ratio = theo / theo_thesis if theo else None
+            counted = {r.get("energy_gpus") for r in rs if r.get("energy_gpus") is not None}
+            stored = r0.get("_stored_rows")
+            matrix = r0["matrix"] + (f" (folded: each LOR once, {stored:,} stored rows)" if stored else "")
+            out.append({
+                "thesis": False, "beside": run, "matrix": matrix, "data": r0["data"],
+                "configuration": config_label(r0),
+                "reps": len(rs), "gpus": int(_num(r0.get("gpus")) or 1), "gpu_model": r0.get("_gpu_model") or "",
+                "theoretical_per_gpu_GBps": r0.get("_gpu_theoretical_GBps"), "theoretical_GBps": theo,
+                "measured_GBps": _mean(r.get("gpu_bandwidth_measured_GBps") for r in rs), "iteration_s": t,
+                **{f"{s}_s": _mean(r.get(f"{s}_mean_s") for r in rs) for s in STEPS},
+                "speedup": speedup, "bandwidth_ratio": ratio,
+                "kernel_gain": speedup / ratio if speedup is not None and ratio else None,
+                "energy_per_iteration_J": _mean(r.get("energy_per_iteration_J") for r in rs),
+                "energy_gpus": min(counted) if counted else None,
+            })
+    return out
+
+
+
+# --------------------------------------------------------------------------- other records
+def read_benchmark_tsv(path: str | os.PathLike) -> dict[str, Any]:
+    """Seconds and peak memory of a Snakemake ``benchmark:`` file (all its rows: mean, min, max)."""
+    p = Path(path)
+    try:
+        with open(p, encoding="utf-8", newline="") as fh:
+            recs = list(csv.DictReader(fh, delimiter="\t"))
+    except OSError as exc:
+        raise InputError(p, f"cannot read benchmark file ({exc})") from None
+    secs = [_num(r.get("s")) for r in recs]
+    secs = [s for s in secs if s is not None]
+    if not secs:
+        raise InputError(p, "no 's' column with seconds (not a Snakemake benchmark file)")
+    rss = [_num(r.get("max_rss")) for r in recs]
+    rss = [v for v in rss if v is not None]
+    return {"n": len(secs), "mean_s": float(np.mean(secs)), "min_s": min(secs), "max_s": max(secs),
+            "max_rss_MB": max(rss) if rss else None}
+
+
+def _transpose_label(p: Path) -> tuple[str, str]:
+    """(matrix, method) from ``.../{matrix}/transpose[-method].h5`` or ``.../{matrix}[-method].tsv``."""
+    stem = p.name.split(".")[0]
+    if stem.startswith("transpose"):
+        method = stem[len("transpose-"):] if stem.startswith("transpose-") else ""
+        return p.resolve().parent.name, method
+    for meth in _TRANSPOSE_METHODS:
+        if stem.endswith("-" + meth):
+            return stem[: -len(meth) - 1], meth
+    return stem, ""
+
+
+def transpose_rows(transposes: Iterable[Any] = (), benchmarks: Iterable[Any] = ()) -> list[dict[str, Any]]:
+    """Transposition records, one per matrix and method, from ``transpose.h5`` attributes and benchmark files.
+
+    A ``transpose.h5`` gives ``transpose_s``, the transposition alone as
+    measured inside the job (its ``seconds`` attribute), and ``threads``; the
+    Snakemake benchmark of the job that wrote it gives the whole job's time
+    (``job_n``, ``job_mean_s``, ``job_min_s``, ``job_max_s``, ``max_rss_MB``).
+    Files are matched by name: ``results/{matrix}/transpose.h5`` with
+    ``benchmarks/transpose/{matrix}.tsv`` (the configured method, the A^T the
+    runs read: ``used_by_runs``), ``transpose-{method}.h5`` with
+    ``{matrix}-{method}.tsv``.
+    """
+    recs: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+
+    def rec(matrix: str, file_method: str) -> dict[str, Any]:
+        return recs.setdefault((matrix, file_method), {
+            "matrix": matrix, "method": file_method, "used_by_runs": not file_method, "transpose_s": None,
+            "threads": None, "job_n": None, "job_mean_s": None, "job_min_s": None, "job_max_s": None,
+            "max_rss_MB": None, "files": []})
+
+    for path in transposes:
+        import h5py
+
+        p = Path(path)
+        try:
+            with h5py.File(p, "r") as f:
+                attrs = {k: f.attrs[k] for k in f.attrs}
+        except OSError as exc:
+            raise InputError(p, f"not a readable HDF5 file ({exc})") from None
+        matrix, file_method = _transpose_label(p)
+        r = rec(matrix, file_method)
+        meth = attrs.get("method", file_method)
+        r["method"] = (meth.decode() if isinstance(meth, bytes) else str(meth)) or file_method
+        r["transpose_s"] = _num(attrs.get("seconds"))
+        r["threads"] = _num(attrs.get("threads"))
+        r["files"].append(os.fspath(p))
+    for path in benchmarks:
+        p = Path(path)
+        b = read_benchmark_tsv(p)
+        matrix, file_method = _transpose_label(p)
+        r = rec(matrix, file_method)
+        r.update(job_n=b["n"], job_mean_s=b["mean_s"], job_min_s=b["min_s"], job_max_s=b["max_s"],
+                 max_rss_MB=b["max_rss_MB"])
+        r["files"].append(os.fspath(p))
+    for r in recs.values():
+        r["method"] = r["method"] or "(the configured method)"
+    return list(recs.values())
+
+
