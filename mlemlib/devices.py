@@ -5,7 +5,8 @@ width, PCI bus id and the theoretical memory bandwidth (2 transfers per clock x 
 bus width, as NVIDIA quotes it for HBM and GDDR), for the tables and
 ``timings.json``. The theoretical figure is for context only: every fraction
 the project reports is taken against the copy bandwidth *measured* in the same
-run (:func:`mlemlib.bench.copy_bandwidth`).
+run (:func:`copy_bandwidth`; :func:`record_copy_bandwidths` stores it beside
+each GPU's facts).
 
 :class:`EnergyMeter` reads the energy counters of the GPUs a backend uses
 (:func:`backend_gpus`) around each repetition's iterations; it reports "not
@@ -326,3 +327,90 @@ def energy_record(joules: float | None, seconds: float, iterations: int, note: s
         "energy_note": note,
         "clock_capped_s": capped,
     }
+
+
+# --------------------------------------------------------------------------- copy bandwidth
+def copy_bandwidth(nbytes: int = 1 << 31, *, repeat: int = 20, warmup: int = 3,
+                   device: int | None = None) -> dict[str, Any]:
+    """Device-to-device copy bandwidth of one GPU: (bytes read + written) / median time of a copy (CuPy).
+
+    Each of ``repeat`` copies of a float32 buffer of ``nbytes`` bytes (far
+    larger than the L2 cache) is timed with CUDA events after ``warmup``
+    untimed ones. Every "share of the floor" the project reports divides by
+    this figure, measured in the same run.
+
+    Parameters
+    ----------
+    nbytes
+        Bytes of the buffer copied.
+    repeat, warmup
+        Timed and untimed copies.
+    device
+        CUDA device index (default: the current one).
+
+    Returns
+    -------
+    dict
+        ``bytes`` (read + written per copy), ``median_s``, ``bandwidth``
+        (bytes/s) and ``checked`` (the copy's last elements equal its source's).
+
+    Raises
+    ------
+    mlemlib.errors.DeviceError
+        Without CuPy.
+    """
+    from mlemlib.errors import DeviceError
+
+    try:
+        import cupy as cp
+    except ImportError as exc:
+        raise DeviceError(f"copy bandwidth needs CuPy: {exc}") from exc
+    import numpy as np
+
+    with cp.cuda.Device(cp.cuda.Device().id if device is None else int(device)):
+        count = max(1, int(nbytes) // 4)
+        src = cp.arange(count, dtype=cp.float32)
+        dst = cp.empty_like(src)
+        for _ in range(warmup):
+            cp.copyto(dst, src)
+        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)]
+        for start, stop in events:
+            start.record()
+            cp.copyto(dst, src)
+            stop.record()
+        events[-1][1].synchronize()
+        times = np.array([cp.cuda.get_elapsed_time(a, b) / 1e3 for a, b in events])
+        ok = bool(cp.array_equal(dst[-1024:], src[-1024:]))
+        del src, dst
+    med = float(np.median(times))
+    return {"bytes": 2 * count * 4, "median_s": med, "bandwidth": 2 * count * 4 / med, "checked": ok}
+
+
+#: Buffer and repeats of the copy bandwidth recorded with every GPU run (cheap: well under a second per GPU).
+RUN_COPY_BYTES = 256 << 20
+RUN_COPY_REPEAT = 5
+
+
+def record_copy_bandwidths(gpus: list[dict[str, Any]], *, nbytes: int = RUN_COPY_BYTES,
+                           repeat: int = RUN_COPY_REPEAT) -> None:
+    """Measure :func:`copy_bandwidth` on each GPU and store it in its dict under ``copy_bandwidth``.
+
+    ``gpus`` are the device dicts of a backend's ``describe()``
+    (:func:`backend_gpus`, each with ``index``), changed in place, so the
+    figure lands in ``timings.json`` beside the GPU's other facts. A failure
+    (too little free memory) is recorded as ``{"error": ...}`` and logged; it
+    never stops the run. The memory pool's unused blocks are freed afterwards.
+    """
+    import cupy as cp
+
+    for g in gpus:
+        try:
+            g["copy_bandwidth"] = copy_bandwidth(nbytes, repeat=repeat, device=int(g["index"]))
+            with cp.cuda.Device(int(g["index"])):
+                cp.get_default_memory_pool().free_all_blocks()
+        except Exception as exc:  # noqa: BLE001 - out of memory, a CUDA error: the run goes on without it
+            log.warning("GPU %s: copy bandwidth not measured: %s", g.get("index"), exc)
+            g["copy_bandwidth"] = {"error": str(exc)}
+        else:
+            log.info("GPU %s: copy bandwidth %.1f GB/s (median of %d copies of %d MiB)", g["index"],
+                     g["copy_bandwidth"]["bandwidth"] / 1e9, repeat, nbytes >> 20)

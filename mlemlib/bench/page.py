@@ -1,0 +1,218 @@
+"""``docs/performance.md`` from benchmark results: one Markdown table per device and case (host only).
+
+The rows of one or more results directories (:mod:`mlemlib.bench.runner`)
+are grouped by device and case; each table gives the kernel pair (and what
+``auto`` ran), the GPU count, the median time per iteration, its share of the
+floor (the bytes the iteration must read at the copy bandwidth measured in
+the same run), the speed-up over the same run's 1-GPU time, cuSPARSE's time
+in the same run and the thesis code's published figure for the same matrix,
+device family and GPU count (a peers file, ``perf/peers.yaml``). Published
+figures without a run of ours on their device are listed after the tables.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mlemlib.errors import ConfigError
+
+PEER_KEYS = ("case", "device", "gpus", "ms", "source", "note")
+
+
+def load_peers(path: str | os.PathLike | None) -> list[dict[str, Any]]:
+    """The published figures of a peers file (``peers:`` a list of ``case, device, gpus, ms, source``).
+
+    Raises
+    ------
+    ConfigError
+        One line naming the file and the entry's key at fault.
+    """
+    if path is None:
+        return []
+    import yaml
+
+    src = os.fspath(path)
+    try:
+        doc = yaml.safe_load(Path(src).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(src, f"cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(src, f"not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    peers = (doc or {}).get("peers") if isinstance(doc, dict) else None
+    if not isinstance(peers, list):
+        raise ConfigError(src, "peers: expected a list of published figures")
+    out = []
+    for i, p in enumerate(peers):
+        if not isinstance(p, dict):
+            raise ConfigError(src, f"peers[{i}]: expected a mapping, got {p!r}")
+        bad = sorted(set(p) - set(PEER_KEYS))
+        if bad:
+            raise ConfigError(src, f"peers[{i}].{bad[0]}: unknown key; expected some of {', '.join(PEER_KEYS)}")
+        for key in ("case", "device", "source"):
+            if not isinstance(p.get(key), str) or not p[key]:
+                raise ConfigError(src, f"peers[{i}].{key}: expected text, got {p.get(key)!r}")
+        if isinstance(p.get("gpus"), bool) or not isinstance(p.get("gpus"), int) or p["gpus"] < 1:
+            raise ConfigError(src, f"peers[{i}].gpus: expected a GPU count >= 1, got {p.get('gpus')!r}")
+        if isinstance(p.get("ms"), bool) or not isinstance(p.get("ms"), (int, float)) or not p["ms"] > 0:
+            raise ConfigError(src, f"peers[{i}].ms: expected milliseconds per iteration > 0, got {p.get('ms')!r}")
+        out.append(dict(p))
+    return out
+
+
+def _num(v: Any) -> float | None:
+    if v is None or v == "":
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _ms(v: Any) -> str:
+    f = _num(v)
+    return "-" if f is None else f"{f:.3f}"
+
+
+def configuration(r: dict[str, Any]) -> str:
+    """``fp/bp`` as asked, what it ran where that differs, and ``non-det.`` for atomics."""
+    fp, bp = r.get("fp"), r.get("bp")
+    text = fp if fp == bp else f"{fp}/{bp}"
+    ran = [k for k in (r.get("fp_kernel"), r.get("bp_kernel")) if k]
+    if ran and (r.get("fp_kernel"), r.get("bp_kernel")) != (fp, bp):
+        ran_text = ran[0] if len(set(ran)) == 1 else " + ".join(ran)
+        text += f" ({ran_text})"
+    if r.get("graph") in (True, "True", "true"):
+        text += ", graphs"
+    if r.get("deterministic") in (False, "False", "false"):
+        text += ", non-det."
+    return text
+
+
+def peer_for(peers: Sequence[dict[str, Any]], case: str, device: str, gpus: int) -> dict[str, Any] | None:
+    """The published figure of ``case`` on a device whose name contains the peer's ``device``, with ``gpus``."""
+    for p in peers:
+        if p["case"] == case and p["device"].lower() in str(device).lower() and int(p["gpus"]) == int(gpus):
+            return p
+    return None
+
+
+def _table(rows: list[dict[str, Any]], peers: Sequence[dict[str, Any]], used: set[int]) -> list[str]:
+    lines = [
+        "| configuration | GPUs | ms per iteration | share of its floor | speed-up vs 1 GPU | cuSPARSE, same run (ms) "
+        "| thesis code (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (int(r.get("gpus") or 0), _order(r))):
+        gpus = int(r.get("gpus") or 0)
+        peer = peer_for(peers, r["case"], r.get("device", ""), gpus)
+        if peer is not None:
+            used.add(id(peer))
+        peer_cell = "-" if peer is None else f"{peer['ms']:.3f}"
+        if r.get("error"):
+            err = str(r["error"]).replace("|", "/")
+            lines.append(f"| {configuration(r)} | {gpus} | not run: {err} | | | | {peer_cell} |")
+            continue
+        frac = _num(r.get("of_floor"))
+        sp = _num(r.get("speedup"))
+        lines.append(
+            f"| {configuration(r)} | {gpus} | {_ms(r.get('ms'))} | {'-' if frac is None else f'{frac:.1%}'} | "
+            f"{'-' if sp is None else f'{sp:.2f}x'} | {_ms(r.get('cusparse_ms'))} | {peer_cell} |"
+        )
+    return lines
+
+
+def _order(r: dict[str, Any]) -> tuple:
+    return (r.get("fp") == "cusparse" and r.get("bp") == "cusparse", str(r.get("fp")), str(r.get("bp")))
+
+
+def _facts_line(r: dict[str, Any]) -> str:
+    parts = [f"{r.get('matrix')}", f"{r.get('order')} order", str(r.get("format"))]
+    if r.get("folded") in (True, "True", "true"):
+        parts.append("folded")
+    shape = f"{int(r['m']):,} x {int(r['n']):,}" if _num(r.get("m")) and _num(r.get("n")) else "?"
+    nnz = _num(r.get("nnz"))
+    bpn = _num(r.get("bytes_per_nnz"))
+    text = f"matrix: {', '.join(parts)}; {shape}, {int(nnz):,} non-zeros" if nnz else f"matrix: {', '.join(parts)}"
+    if bpn:
+        text += f", {bpn:.2f} bytes per non-zero"
+    return text
+
+
+def build_page(rows: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] = (), *,
+               sources: Sequence[str] = (), command: str = "") -> str:
+    """The Markdown page of ``rows`` (see the module docstring)."""
+    out = [
+        "# Performance",
+        "",
+        "Generated by `mlem bench page` from the results of `mlem bench run` (the cases are in",
+        "`perf/cases.yaml`, the thesis code's published figures in `perf/peers.yaml`); do not edit by hand."
+        + (f" Regenerate with `{command}`." if command else ""),
+        "",
+        "Per table: one device and one case. *ms per iteration*: the median over the repeats of each",
+        "repeat's median MLEM iteration, timed as the backend reports it (CUDA events on a GPU). *Share of",
+        "its floor*: the bytes the iteration must read (A and A^T for a pair, A once for a one pass, A twice",
+        "without A^T; on several GPUs all of them) at the copy bandwidth measured in the same run, over the",
+        "time. *Speed-up vs 1 GPU* and *cuSPARSE* come from the same run. *Thesis code*: the 2019 thesis's",
+        "program on the same matrix, device family and GPU count, where it was measured.",
+        "",
+    ]
+    if sources:
+        out += ["Results: " + ", ".join(f"`{s}`" for s in sources) + ".", ""]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((str(r.get("device_kind") or r.get("device")), str(r["case"])), []).append(r)
+    used: set[int] = set()
+    for (kind, case), rs in sorted(groups.items()):
+        first = rs[0]
+        out += [f"## {case} on {kind}", ""]
+        if first.get("description"):
+            out += [str(first["description"]), ""]
+        runs = list(dict.fromkeys((str(r.get("date")), str(r.get("command")), str(r.get("commit") or "?"))
+                                  for r in rs))
+        for date, cmd, commit in runs:
+            out.append(f"- date {date}; device {first.get('device')} ({kind}); commit {commit}; command: `{cmd}`")
+        it = first.get("iterations")
+        out += [f"- {_facts_line(first)}; timed: {first.get('warmup')} warm-up iterations, then "
+                f"{first.get('repeats')} repeats of {it} iterations", ""]
+        out += _table(rs, peers, used)
+        out.append("")
+    left = [p for p in peers if id(p) not in used]
+    if left:
+        out += [
+            "## Thesis code figures awaiting a run of ours on their device",
+            "",
+            "| case | device | GPUs | thesis code (ms) | source |",
+            "|---|---|---|---|---|",
+        ]
+        for p in left:
+            note = f" ({p['note']})" if p.get("note") else ""
+            out.append(f"| {p['case']} | {p['device']} | {p['gpus']} | {p['ms']:.3f} | {p['source']}{note} |")
+        out.append("")
+    if not rows:
+        out += ["No results yet.", ""]
+    return "\n".join(out)
+
+
+def write_page(results: Sequence[str | os.PathLike], out: str | os.PathLike, *, peers: str | os.PathLike | None = None,
+               command: str = "") -> str:
+    """Read the results directories (or ``results.json`` files), write the page to ``out``; return its text."""
+    from mlemlib._io import atomic_path
+    from mlemlib.bench.runner import read_results
+
+    rows: list[dict[str, Any]] = []
+    for d in results:
+        p = Path(d)
+        doc = read_results(p.parent if p.name == "results.json" else p)
+        if not doc["rows"]:
+            raise ConfigError(os.fspath(p), "no results.json with rows here (run mlem bench run --out DIR first)")
+        rows += doc["rows"]
+    text = build_page(rows, load_peers(peers), sources=[os.fspath(d) for d in results], command=command)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
+    return text

@@ -1,0 +1,323 @@
+"""A benchmark case's matrix, prepared once through the library's stages and cached on disk (host only).
+
+:func:`prepare` turns a :class:`~mlemlib.bench.cases.Case`'s matrix settings
+into files in ``WORK/<key>/`` (``key`` from the settings, so that every case
+with the same settings shares them and a rerun reuses them):
+
+- ``matrix.h5`` — the matrix the kernels read: generated
+  (:func:`mlemlib.scanner.generate`, in the case's format, folded and in its
+  voxel order), made (:func:`~mlemlib.bench.synthetic.tor_host`) or converted
+  (:func:`mlemlib.formats.convert`, :func:`mlemlib.fold.fold_file`); its rows
+  shuffled (:func:`~mlemlib.bench.synthetic.shuffle_rows`) and/or renumbered by
+  the reorder stage (:func:`mlemlib.reorder.reorder_file`, ``rows+voxels``);
+  converted last to the case's format where a stage gave another;
+- ``transpose.h5`` — ``A^T`` (:func:`mlemlib.transpose.transpose_file`,
+  ScanTrans), where a kernel pair reads it;
+- ``csr.h5`` — a CSR copy for the cuSPARSE reference where the format is
+  another (not where cuSPARSE's 32-bit indices cannot hold the matrix);
+- ``norm.npy`` (column sums, :func:`mlemlib.norm.source_column_sums`) and
+  ``g.npy`` (the noiseless measurement ``A x`` of a fixed positive image);
+- ``prepared.json`` — the settings and the matrix's facts, written last: a
+  directory without it is prepared again.
+
+Intermediate files are removed once the next stage has written its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlemlib import registry
+from mlemlib.bench.cases import Case
+
+log = logging.getLogger(__name__)
+
+#: The default work directory of prepared matrices (git-ignored, beside the workflow's resources).
+DEFAULT_WORK = Path("resources") / "bench"
+#: Non-zeros per streamed block when computing the norm and the measurement.
+CHUNK_NNZ = 1 << 24
+
+
+@dataclass
+class Prepared:
+    """The files of one prepared matrix and its facts."""
+
+    directory: Path
+    matrix: Path
+    transpose: Path | None
+    csr: Path | None
+    norm: Path
+    g: Path
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def load_problem(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(g, norm)`` of the prepared matrix."""
+        return np.load(self.g), np.load(self.norm)
+
+
+def needs_transpose(case: Case) -> bool:
+    """Whether any pair of the case (the cuSPARSE reference included) reads a stored ``A^T``."""
+    return any(registry.uses_transpose(case.backend, bp) for _, bp in case.pairs())
+
+
+def matrix_facts(path: str | os.PathLike) -> dict[str, Any]:
+    """Shape, stored non-zeros, format, bytes per non-zero of the file, folded or not, grid."""
+    from mlemlib.fold import fold_of
+    from mlemlib.formats import open_matrix
+
+    src = open_matrix(path)
+    try:
+        m, n = (int(v) for v in src.shape)
+        nnz = int(src.nnz)
+        nbytes = getattr(src, "nbytes", None)
+        if nbytes is None:
+            nbytes = 8 * nnz + 8 * (m + 1)
+        fold = fold_of(src)
+        return {
+            "shape": [m, n],
+            "nnz": nnz,
+            "format": getattr(src, "format", None) or "csr",
+            "bytes": int(nbytes),
+            "bytes_per_nnz": int(nbytes) / nnz if nnz else None,
+            "folded": fold is not None,
+            "user_rows": int(fold.m_user) if fold is not None else m,
+            "grid": list(src.grid) if getattr(src, "grid", None) else None,
+        }
+    finally:
+        close = getattr(src, "close", None)
+        if close is not None:
+            close()
+
+
+def _test_image(n: int) -> np.ndarray:
+    """A fixed positive image in [0.5, 1.5) (a hash of the voxel number), the source of ``g``."""
+    j = np.arange(n, dtype=np.uint64)
+    return 0.5 + ((j * np.uint64(2654435761)) % np.uint64(1000)).astype(np.float64) / 1000.0
+
+
+def problem_arrays(matrix: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(g, norm)`` of a matrix (a path, an opened matrix or a CSRMatrix): ``g = A x`` (float32; a folded
+    matrix's rows times their multiplicity) of :func:`_test_image`, and the column sums (float64), streamed
+    in row blocks."""
+    from mlemlib.fold import stored_row_weights
+    from mlemlib.formats import open_source
+    from mlemlib.norm import source_column_sums
+
+    src = open_source(matrix)
+    try:
+        m, n = (int(v) for v in src.shape)
+        x = _test_image(n)
+        g = np.zeros(m, dtype=np.float64)
+        for r0, r1, block in src.iter_chunks(CHUNK_NNZ):
+            g[r0:r1] = block.to_scipy() @ x
+        weights = stored_row_weights(src)
+        if weights is not None:
+            g *= weights
+        norm = source_column_sums(src, max_nnz=CHUNK_NNZ)
+    finally:
+        close = getattr(src, "close", None)
+        if close is not None and src is not matrix:
+            close()
+    return g.astype(np.float32), norm
+
+
+class _Steps:
+    """The chain of stages of one preparation: each writes a new file and removes its input if intermediate."""
+
+    def __init__(self, directory: Path, threads: int | None) -> None:
+        self.directory = directory
+        self.threads = threads
+        self.current: Path | None = None
+        self.intermediate = False
+        self.seconds: dict[str, float] = {}
+
+    def path(self, name: str) -> Path:
+        return self.directory / name
+
+    def done(self, stage: str, out: Path, t0: float, *, intermediate: bool = True) -> None:
+        self.seconds[stage] = round(time.perf_counter() - t0, 3)
+        if self.current is not None and self.intermediate and self.current != out:
+            self.current.unlink(missing_ok=True)
+        self.current, self.intermediate = out, intermediate
+        log.info("prepare: %s -> %s in %.1f s", stage, out, self.seconds[stage])
+
+
+def _file_format(path: Path) -> str:
+    from mlemlib.formats import open_matrix
+
+    src = open_matrix(path)
+    try:
+        return getattr(src, "format", None) or "csr"
+    finally:
+        close = getattr(src, "close", None)
+        if close is not None:
+            close()
+
+
+def _source(case: Case, st: _Steps) -> None:
+    """Stage 1: the matrix in its own order (generated, made or converted), folded where asked."""
+    from mlemlib.fold import fold_file
+    from mlemlib.formats import convert, write_matrix_h5
+
+    spec = case.matrix
+    shuffle = "shuffled" in case.order
+    fmt = "csr" if shuffle else case.format
+    t0 = time.perf_counter()
+    if spec.preset is not None:
+        from mlemlib.scanner import generate
+
+        out = st.path("generated.h5")
+        generate(spec.preset, out, rays=spec.rays, threads=st.threads, fmt=fmt, fold=case.fold,
+                 voxel_order=case.voxel_order)
+        st.done("generate", out, t0)
+        return
+    if spec.tor is not None:
+        from mlemlib.bench.synthetic import tor_host
+
+        out = st.path("tor.h5")
+        a = tor_host(spec.tor, spec.width)
+        nx, ny, nz = spec.tor[:3]
+        write_matrix_h5(out, a, grid=[nx, ny, nz])
+        del a
+        st.done("tor", out, t0)
+        if case.fold:
+            t0 = time.perf_counter()
+            folded = st.path("folded.h5")
+            fold_file(out, folded, fmt="csr", threads=st.threads)
+            st.done("fold", folded, t0)
+        return
+    out = st.path("converted.h5")
+    if case.fold:
+        fold_file(spec.path, out, fmt=fmt, threads=st.threads)
+        st.done("fold", out, t0)
+    else:
+        convert(spec.path, out, fmt=fmt)
+        st.done("convert", out, t0)
+
+
+def _shuffle(case: Case, st: _Steps) -> None:
+    """The rows in a seeded random order (the whole matrix in host memory once)."""
+    from mlemlib.bench.synthetic import shuffle_rows
+    from mlemlib.formats import open_matrix, write_matrix_h5
+
+    t0 = time.perf_counter()
+    src = open_matrix(st.current)
+    try:
+        a = src.read_rows(0, int(src.shape[0]))
+        grid = list(src.grid) if getattr(src, "grid", None) else None
+    finally:
+        close = getattr(src, "close", None)
+        if close is not None:
+            close()
+    shuffled, _ = shuffle_rows(a, case.seed)
+    del a
+    out = st.path("shuffled.h5")
+    write_matrix_h5(out, shuffled, **({"grid": grid} if grid else {}))
+    del shuffled
+    st.done("shuffle", out, t0)
+
+
+def _reorder(case: Case, st: _Steps) -> None:
+    from mlemlib.reorder import reorder_file
+
+    t0 = time.perf_counter()
+    out = st.path("reordered.h5")
+    reorder_file(st.current, out, "rows+voxels", threads=st.threads)
+    st.done("reorder", out, t0)
+
+
+def _finish(case: Case, st: _Steps, matrix: Path) -> None:
+    """The last stage: the case's format (converted where a stage gave another), renamed to ``matrix.h5``."""
+    from mlemlib.formats import convert
+
+    t0 = time.perf_counter()
+    if _file_format(st.current) != case.format:
+        convert(st.current, matrix, fmt=case.format)
+        st.done("convert", matrix, t0, intermediate=False)
+    else:
+        os.replace(st.current, matrix)
+        st.current, st.intermediate = matrix, False
+
+
+def prepare(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int | None = None,
+            force: bool = False) -> Prepared:
+    """The prepared files of ``case``'s matrix in ``work`` (made now unless a previous run left them).
+
+    Parameters
+    ----------
+    case
+        The case (its :meth:`~mlemlib.bench.cases.Case.matrix_settings` decide the directory).
+    work
+        The work directory.
+    threads
+        CPU threads of the stages (None: all).
+    force
+        Prepare again even where a previous run's files are there.
+    """
+    settings = case.matrix_settings()
+    directory = Path(work) / case.matrix_key()
+    record = directory / "prepared.json"
+    want_t = needs_transpose(case)
+    want_csr = case.cusparse and case.backend == "cuda" and case.format != "csr"
+    done = None
+    if record.exists() and not force:
+        try:
+            done = json.loads(record.read_text())
+        except (OSError, ValueError):
+            done = None
+        if done is not None and done.get("settings") != json.loads(json.dumps(settings, default=str)):
+            done = None
+    matrix = directory / "matrix.h5"
+    if done is None:
+        if directory.exists():
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
+        st = _Steps(directory, threads)
+        t_all = time.perf_counter()
+        _source(case, st)
+        if "shuffled" in case.order:
+            _shuffle(case, st)
+        if "reordered" in case.order:
+            _reorder(case, st)
+        _finish(case, st, matrix)
+        t0 = time.perf_counter()
+        g, norm = problem_arrays(matrix)
+        np.save(directory / "g.npy", g)
+        np.save(directory / "norm.npy", norm)
+        st.done("norm and g", matrix, t0, intermediate=False)
+        done = {"settings": settings, "facts": matrix_facts(matrix), "seconds": st.seconds,
+                "prepare_s": round(time.perf_counter() - t_all, 3)}
+        record.write_text(json.dumps(done, indent=2, default=str) + "\n")
+    facts = done["facts"]
+    transpose = directory / "transpose.h5"
+    if want_t and not transpose.exists():
+        from mlemlib.transpose import transpose_file
+
+        t0 = time.perf_counter()
+        transpose_file(matrix, transpose, "scantrans", threads=threads)
+        log.info("prepare: transpose -> %s in %.1f s", transpose, time.perf_counter() - t0)
+    csr = None
+    if want_csr:
+        if facts["nnz"] > registry.CUSPARSE_MAX_NNZ:
+            facts = {**facts, "cusparse_refused": f"{facts['nnz']} non-zeros: beyond cuSPARSE's 32-bit indices"}
+        else:
+            csr = matrix if case.format == "csr" else directory / "csr.h5"
+            if not csr.exists():
+                from mlemlib.formats import convert
+
+                t0 = time.perf_counter()
+                convert(matrix, csr, fmt="csr")
+                log.info("prepare: CSR copy -> %s in %.1f s", csr, time.perf_counter() - t0)
+    elif case.cusparse and case.backend == "cuda":
+        csr = matrix
+    return Prepared(directory, matrix, transpose if want_t else None, csr, directory / "norm.npy",
+                    directory / "g.npy", dict(facts))

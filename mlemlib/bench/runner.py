@@ -1,0 +1,363 @@
+"""The benchmark runner: every case x kernel pair x GPU count through the public API, into CSV and JSON.
+
+For each case (:mod:`mlemlib.bench.cases`) its matrix is prepared (or found
+prepared: :mod:`mlemlib.bench.prepare`); for each GPU count and kernel pair
+a backend is built with :func:`mlemlib.backends.make_backend` and its
+iterations timed as the backend reports them
+(:func:`mlemlib.bench.timing.time_iterations`). One row per case, pair and
+GPU count gives the median iteration time, the bytes the iteration must read
+and their time at the copy bandwidth measured in the same run (its floor),
+the same run's 1-GPU time of the pair and cuSPARSE's time on the same matrix
+and GPU count, the device, date and command, and the matrix's facts.
+
+:func:`write_results` merges the rows into ``DIR/results.json`` and
+``DIR/results.csv``: a row of the same case, pair, GPU count and device from
+an earlier run is replaced, the others are kept, so cases can be run one
+command at a time into one directory.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import io
+import json
+import logging
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mlemlib import registry
+from mlemlib.bench.cases import CUSPARSE, Case
+from mlemlib.bench.prepare import DEFAULT_WORK, Prepared, matrix_facts, prepare
+from mlemlib.bench.timing import floor_bytes, host_copy_bandwidth, time_iterations
+from mlemlib.errors import ConfigError, DeviceError
+
+log = logging.getLogger(__name__)
+
+RESULTS_VERSION = 1
+#: Columns of ``results.csv`` (``results.json`` has the same rows, plus ``ms_repeats`` and ``describe``).
+FIELDS = (
+    "case", "description", "matrix", "order", "format", "folded", "m", "n", "nnz", "bytes_per_nnz",
+    "backend", "fp", "bp", "fp_kernel", "bp_kernel", "deterministic", "gpus", "layout", "graph",
+    "warmup", "iterations", "repeats", "ms", "ms_min", "ms_max", "floor_bytes", "floor_ms", "of_floor",
+    "copy_bandwidth", "ms_1gpu", "speedup", "cusparse_ms", "device", "device_kind", "date", "command",
+    "commit", "error",
+)
+#: What identifies a row: a later run's row with the same values replaces it.
+ROW_KEY = ("case", "fp", "bp", "gpus", "device_kind")
+
+
+def pair_label(fp: str, bp: str) -> str:
+    """``fp/bp``, or one name where both are the same."""
+    return fp if fp == bp else f"{fp}/{bp}"
+
+
+def git_commit() -> str | None:
+    """The checkout's short commit (``+dirty`` with uncommitted changes), or None outside a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
+
+
+class Devices:
+    """The run's devices: names, and each one's copy bandwidth, measured once per run when first asked."""
+
+    def __init__(self, kind: str | None = None, copy_bytes: int = 1 << 30) -> None:
+        self.kind_override = kind
+        self.copy_bytes = copy_bytes
+        self._bw: dict[Any, dict[str, Any]] = {}
+        self._gpu_count: int | None = None
+        self._gpu_name: str | None = None
+
+    def gpu_count(self) -> int:
+        if self._gpu_count is None:
+            from mlemlib.backends import cuda_available
+
+            if not cuda_available():
+                self._gpu_count = 0
+            else:
+                import cupy as cp
+
+                self._gpu_count = int(cp.cuda.runtime.getDeviceCount())
+        return self._gpu_count
+
+    def name(self, backend: str) -> str:
+        if backend == "cpu":
+            return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} threads)"
+        if self._gpu_name is None:
+            from mlemlib.devices import device_facts
+
+            self._gpu_name = str(device_facts(0).get("name", "GPU"))
+        return self._gpu_name
+
+    def kind(self, backend: str) -> str:
+        if self.kind_override:
+            return self.kind_override
+        if backend == "cpu":
+            return f"cpu-{platform.node() or 'host'}"
+        return f"{self.gpu_count()} x {self.name(backend)}"
+
+    def bandwidth(self, backend: str, gpus: int) -> float:
+        """Bytes/s of one device: the host's (cpu), else the median over GPUs ``0 .. gpus-1`` of each's copy bandwidth."""
+        if backend == "cpu":
+            if "cpu" not in self._bw:
+                self._bw["cpu"] = host_copy_bandwidth()
+                log.info("host copy bandwidth %.1f GB/s", self._bw["cpu"]["bandwidth"] / 1e9)
+            return self._bw["cpu"]["bandwidth"]
+        from mlemlib.devices import copy_bandwidth
+
+        vals = []
+        for i in range(gpus):
+            if i not in self._bw:
+                self._bw[i] = copy_bandwidth(self.copy_bytes, device=i)
+                log.info("GPU %d: copy bandwidth %.3f TB/s", i, self._bw[i]["bandwidth"] / 1e12)
+                _free_pools([i])
+            vals.append(self._bw[i]["bandwidth"])
+        vals.sort()
+        return vals[len(vals) // 2]
+
+    def measured(self) -> dict[str, Any]:
+        return {str(k): v for k, v in self._bw.items()}
+
+
+def _free_pools(devices: Sequence[int]) -> None:
+    try:
+        import cupy as cp
+    except ImportError:
+        return
+    for d in devices:
+        with cp.cuda.Device(d):
+            cp.get_default_memory_pool().free_all_blocks()
+
+
+def _close(src: Any) -> None:
+    close = getattr(src, "close", None)
+    if close is not None:
+        close()
+
+
+def _matrix_columns(case: Case, facts: dict[str, Any]) -> dict[str, Any]:
+    m, n = facts["shape"]
+    return {
+        "case": case.name,
+        "description": case.description,
+        "matrix": case.matrix.label,
+        "order": case.order,
+        "format": case.format,
+        "folded": bool(facts.get("folded")),
+        "m": m,
+        "n": n,
+        "nnz": facts["nnz"],
+        "bytes_per_nnz": round(facts["bytes_per_nnz"], 4) if facts.get("bytes_per_nnz") else None,
+    }
+
+
+def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: Devices,
+             problem: tuple[Any, Any], transpose_bytes: int | None) -> dict[str, Any]:
+    """One row: build the backend of ``fp``/``bp`` on ``gpus`` devices, time its iterations, free it."""
+    from mlemlib.backends import make_backend
+    from mlemlib.formats import open_source
+
+    row: dict[str, Any] = {"fp": fp, "bp": bp, "gpus": gpus, "layout": case.layout if gpus > 1 else None,
+                           "warmup": case.warmup, "iterations": case.iterations, "repeats": case.repeats}
+    reference = (fp, bp) == CUSPARSE
+    if reference and prep.csr is None:
+        row["error"] = prep.facts.get("cusparse_refused", "no CSR copy of the matrix")
+        return row
+    g, norm = problem
+    src = open_source(os.fspath(prep.csr if reference else prep.matrix), "matrix")
+    tsrc = None
+    be = None
+    try:
+        if registry.uses_transpose(case.backend, bp) and prep.transpose is not None:
+            tsrc = open_source(os.fspath(prep.transpose), "transpose")
+        kw: dict[str, Any] = {"fp": fp, "bp": bp}
+        if case.backend == "cuda":
+            kw.update(gpus=gpus, layout=case.layout)
+        graph = case.graph and case.backend == "cuda" and not reference
+        t0 = time.perf_counter()
+        try:
+            be = make_backend(case.backend, src, g, norm, tsrc, **kw, **({"graph": True} if graph else {}))
+        except ConfigError as exc:
+            if not graph or "graph" not in str(exc):
+                raise
+            log.info("%s %s on %d device(s): no graph capture (%s)", case.name, pair_label(fp, bp), gpus, exc)
+            graph = False
+            be = make_backend(case.backend, src, g, norm, tsrc, **kw)
+        setup_s = time.perf_counter() - t0
+        timed = time_iterations(be, warmup=case.warmup, iterations=case.iterations, repeats=case.repeats)
+        desc = be.describe()
+        bw = devices.bandwidth(case.backend, gpus)
+        nbytes = floor_bytes(desc, prep.facts, case.backend, getattr(be, "bp_kernel", None) or desc.get("bp"),
+                             transpose_bytes)
+        floor_ms = nbytes / (bw * gpus) * 1e3
+        row.update(
+            fp_kernel=getattr(be, "fp_kernel", None) or desc.get("fp"),
+            bp_kernel=getattr(be, "bp_kernel", None) or desc.get("bp"),
+            deterministic=bool(getattr(be, "deterministic", desc.get("deterministic"))),
+            graph=bool(desc.get("graph", graph)),
+            **timed,
+            floor_bytes=nbytes,
+            floor_ms=floor_ms,
+            of_floor=floor_ms / timed["ms"] if timed["ms"] > 0 else None,
+            copy_bandwidth=bw,
+            setup_s=round(setup_s, 3),
+            describe=_jsonable(desc),
+        )
+        log.info("%s %s, %d device(s): %.3f ms per iteration (%s + %s), %.1f%% of its floor %.3f ms", case.name,
+                 pair_label(fp, bp), gpus, timed["ms"], row["fp_kernel"], row["bp_kernel"],
+                 100 * (row["of_floor"] or 0), floor_ms)
+    except (ConfigError, DeviceError) as exc:
+        row["error"] = str(exc)
+        log.warning("%s %s on %d device(s) not run: %s", case.name, pair_label(fp, bp), gpus, exc)
+    except Exception as exc:  # noqa: BLE001 - out of memory, a CUDA fault: the other pairs still run
+        row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        log.exception("%s %s on %d device(s) failed", case.name, pair_label(fp, bp), gpus)
+    finally:
+        del be
+        _close(src)
+        if tsrc is not None:
+            _close(tsrc)
+        if case.backend == "cuda":
+            _free_pools(range(gpus))
+    return row
+
+
+def _jsonable(v: Any) -> Any:
+    return json.loads(json.dumps(v, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def fill_relations(rows: list[dict[str, Any]]) -> None:
+    """Per row: the same run's 1-GPU time of the pair (``ms_1gpu``, ``speedup``) and cuSPARSE's time on the same
+    case and GPU count (``cusparse_ms``); rows are related only within one case, device and date."""
+    def key(r: dict[str, Any]) -> tuple:
+        return r["case"], r.get("device_kind"), r.get("date"), r.get("command")
+
+    for r in rows:
+        if r.get("ms") is None:
+            continue
+        one = next((o for o in rows if key(o) == key(r) and o["fp"] == r["fp"] and o["bp"] == r["bp"]
+                    and o["gpus"] == 1 and o.get("ms")), None)
+        if one is not None and r["gpus"] > 1:
+            r["ms_1gpu"] = one["ms"]
+            r["speedup"] = one["ms"] / r["ms"]
+        ref = next((o for o in rows if key(o) == key(r) and (o["fp"], o["bp"]) == CUSPARSE
+                    and o["gpus"] == r["gpus"] and o.get("ms")), None)
+        if ref is not None:
+            r["cusparse_ms"] = ref["ms"]
+
+
+def run_case(case: Case, devices: Devices, *, work: str | os.PathLike = DEFAULT_WORK, gpus: Sequence[int] | None = None,
+             threads: int | None = None, command: str = "", commit: str | None = None) -> list[dict[str, Any]]:
+    """The rows of one case (its matrix prepared first); GPU counts limited to ``gpus`` where given."""
+    counts = [k for k in case.gpus if gpus is None or k in gpus]
+    if not counts:
+        log.info("%s: none of its GPU counts %s in --gpus %s", case.name, list(case.gpus), list(gpus or []))
+        return []
+    if case.backend == "cuda":
+        have = devices.gpu_count()
+        if have == 0:
+            raise DeviceError(f"case {case.name} runs on the cuda backend, and CuPy sees no GPU here")
+        skipped = [k for k in counts if k > have]
+        if skipped:
+            log.warning("%s: %d GPU(s) visible, GPU counts %s skipped", case.name, have, skipped)
+        counts = [k for k in counts if k <= have]
+    t0 = time.perf_counter()
+    prep = prepare(case, work, threads=threads)
+    log.info("%s: matrix ready in %.1f s: %s", case.name, time.perf_counter() - t0, prep.matrix)
+    problem = prep.load_problem()
+    transpose_bytes = matrix_facts(prep.transpose)["bytes"] if prep.transpose is not None else None
+    base = _matrix_columns(case, prep.facts)
+    date = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    rows = []
+    for k in counts:
+        for fp, bp in case.pairs():
+            row = {**base, "backend": case.backend, **run_pair(case, prep, fp, bp, k, devices, problem,
+                                                                transpose_bytes)}
+            row.update(device=devices.name(case.backend), device_kind=devices.kind(case.backend), date=date,
+                       command=command, commit=commit)
+            rows.append(row)
+    fill_relations(rows)
+    return rows
+
+
+def run_cases(cases: Sequence[Case], out: str | os.PathLike, *, work: str | os.PathLike = DEFAULT_WORK,
+              gpus: Sequence[int] | None = None, threads: int | None = None, command: str = "",
+              device_kind: str | None = None, copy_bytes: int = 1 << 30) -> list[dict[str, Any]]:
+    """Run ``cases`` and merge their rows into ``out/results.json`` and ``out/results.csv``; return this run's rows."""
+    devices = Devices(device_kind, copy_bytes)
+    commit = git_commit()
+    rows: list[dict[str, Any]] = []
+    for case in cases:
+        rows += run_case(case, devices, work=work, gpus=gpus, threads=threads, command=command, commit=commit)
+        write_results(out, rows, copy=devices.measured())  # after each case: a later fault keeps what was measured
+    return rows
+
+
+def read_results(directory: str | os.PathLike) -> dict[str, Any]:
+    """``directory/results.json`` (``{"version", "rows", "runs"}``); empty where there is none.
+
+    Raises
+    ------
+    ConfigError
+        A file that is not a results file.
+    """
+    path = Path(directory) / "results.json"
+    if not path.exists():
+        return {"version": RESULTS_VERSION, "rows": [], "runs": []}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(os.fspath(path), f"not a results file: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        raise ConfigError(os.fspath(path), "not a results file: no list 'rows'")
+    doc.setdefault("runs", [])
+    return doc
+
+
+def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``old`` with every row of the same :data:`ROW_KEY` as a row of ``new`` replaced, then ``new``'s others."""
+    keys = {tuple(r.get(k) for k in ROW_KEY) for r in new}
+    return [r for r in old if tuple(r.get(k) for k in ROW_KEY) not in keys] + list(new)
+
+
+def format_csv(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as CSV (:data:`FIELDS`; floats as Python writes them)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: r.get(k) for k in FIELDS})
+    return buf.getvalue()
+
+
+def write_results(directory: str | os.PathLike, rows: list[dict[str, Any]], *, copy: dict[str, Any] | None = None,
+                  replace: bool = False) -> dict[str, Any]:
+    """Merge ``rows`` into ``directory/results.json`` and rewrite ``results.csv`` from it (both atomically)."""
+    from mlemlib._io import atomic_path
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    doc = {"version": RESULTS_VERSION, "rows": [], "runs": []} if replace else read_results(d)
+    doc["rows"] = merge_rows(doc["rows"], rows)
+    run = {"date": rows[0].get("date") if rows else None, "command": rows[0].get("command") if rows else None,
+           "copy_bandwidth": copy or {}}
+    doc["runs"] = [r for r in doc["runs"] if (r.get("date"), r.get("command")) != (run["date"], run["command"])]
+    doc["runs"].append(run)
+    doc["version"] = RESULTS_VERSION
+    for name, text in (("results.json", json.dumps(doc, indent=1, default=str) + "\n"),
+                       ("results.csv", format_csv(doc["rows"]))):
+        with atomic_path(d / name) as tmp:
+            Path(tmp).write_text(text, encoding="utf-8")
+    return doc

@@ -1,0 +1,536 @@
+"""``mlem bench spmv`` (the workflow's ``bench_spmv`` rule): every projection kernel and kernel pair on one
+matrix, through the public backend interface (CUDA; the report formatting is host only).
+
+:func:`bench_spmv` builds backends with :func:`mlemlib.backends.make_backend`,
+the kernel chosen through ``fp``/``bp``, and times
+
+- each forward kernel's ``forward(x)`` and each back-projection kernel's
+  ``back(c)`` (on the stored transpose, and without it), CUDA events around
+  each call (:func:`mlemlib.bench.timing.time_calls`), with the effective
+  bandwidth (the bytes the product reads and writes over the time), its
+  fraction of the copy bandwidth measured in the same run
+  (:func:`mlemlib.devices.copy_bandwidth`), its speed relative to cuSPARSE and
+  its error against a float64 product on the host;
+- whole MLEM iterations of kernel pairs (:data:`ITERATION_BENCH`; in each
+  further format of ``formats``, :data:`FORMAT_ITERATION_BENCH` on the matrix
+  converted by :func:`mlemlib.formats.convert`) against their floor.
+
+:func:`format_markdown`, :func:`format_csv`, :func:`write_results` write the
+report (JSON, Markdown, and the CSV the workflow's summary reads).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import io
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlemlib import registry
+from mlemlib.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Kernels timed by default, per operation: every cuda kernel of the registry that reads CSR (selectors left out).
+FP_BENCH = tuple(registry.names("cuda", "forward", fmt="csr"))
+BP_BENCH = tuple(registry.names("cuda", "back", fmt="csr"))
+NOTRANS_BENCH = tuple(
+    k.name for k in registry.KERNELS
+    if k.backend == "cuda" and k.op == "back_notrans" and not k.selector and "csr" in k.formats
+)
+#: (fp, bp) pairs timed as whole MLEM iterations.
+ITERATION_BENCH = (
+    ("auto", "auto"),
+    ("cusparse", "cusparse"),
+    ("csr_vector", "csr_vector"),
+    ("csr_vector", "scatter"),
+    ("csr_vector", "scatter_smem"),
+    ("csr_vector", "notrans"),
+    ("merge", "scatter"),
+    ("auto", "onepass"),
+    ("auto", "onepass_fixed"),
+    ("auto", "onepass_chunked"),
+)
+#: (fp, bp) pairs timed as whole MLEM iterations on the matrix converted to a compressed format.
+FORMAT_ITERATION_BENCH = (
+    ("auto", "auto"),
+    ("delta_vector", "delta_vector"),
+    ("auto", "onepass_fixed"),
+    ("auto", "onepass_chunked"),
+)
+#: The iteration every other one's image is compared with: the deterministic float32 CSR pair.
+REFERENCE_ITERATION = ("csr", "csr_vector", "csr_vector")
+#: The benchmark's operation names and the registry's.
+BENCH_OPS = {"fp": "forward", "bp": "back", "bp_notrans": "back_notrans"}
+#: The partner of a kernel timed alone: the deterministic CSR kernel of the other projection.
+PARTNER = "csr_vector"
+
+
+def deterministic(op: str, kernel: str) -> bool:
+    """Whether the registry declares kernel ``kernel`` of bench operation ``op`` deterministic."""
+    return registry.get("cuda", BENCH_OPS[op], kernel).deterministic
+
+
+def check_formats(formats: Sequence[str]) -> tuple[str, ...]:
+    """``formats`` as a tuple without repeats, each a matrix format (:class:`ConfigError` otherwise)."""
+    out = tuple(dict.fromkeys(str(f) for f in formats))
+    bad = [f for f in out if f not in registry.FORMATS]
+    if bad or not out:
+        raise ConfigError("formats", f"expected some of {', '.join(registry.FORMATS)}, got {', '.join(formats) or 'none'}")
+    return out
+
+
+def spmv_bytes(rows: int, cols: int, nnz: int) -> int:
+    """Bytes one CSR product ``y = A x`` reads and writes: values and columns (8 per non-zero), the row
+    pointer (8 per row), ``x`` once (4 per column) and ``y`` (4 per row)."""
+    return 8 * nnz + 8 * (rows + 1) + 4 * cols + 4 * rows
+
+
+def _rel_l2(y: np.ndarray, ref: np.ndarray) -> float:
+    nref = float(np.linalg.norm(ref))
+    d = float(np.linalg.norm(np.asarray(y, dtype=np.float64) - ref))
+    return d / nref if nref else d
+
+
+def _backend(src: Any, g: np.ndarray, norm: np.ndarray, tsrc: Any, fp: str, bp: str, device: int,
+             secsize: int | None = None) -> Any:
+    from mlemlib.backends import make_backend
+
+    kw: dict[str, Any] = {"device": device} if device else {}
+    return make_backend("cuda", src, g, norm, tsrc if registry.uses_transpose("cuda", bp) else None, fp=fp, bp=bp,
+                        secsize=secsize, **kw)
+
+
+def _kernel_rows(src: Any, tsrc: Any, g: np.ndarray, norm: np.ndarray, a64: Any, *, fp_kernels: Sequence[str],
+                 bp_kernels: Sequence[str], notrans_kernels: Sequence[str], secsizes: Sequence[int], repeat: int,
+                 warmup: int, bw: float, check: bool, device: int) -> list[dict[str, Any]]:
+    """One row per kernel and operation: ``forward``/``back`` of a backend whose ``fp``/``bp`` is that kernel."""
+    from mlemlib.bench.timing import time_calls
+
+    m, n = (int(v) for v in src.shape)
+    nnz = int(src.nnz)
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    c = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    refs = {"fp": a64 @ x.astype(np.float64), "bp": a64.T @ c.astype(np.float64)} if check else {}
+    refs["bp_notrans"] = refs.get("bp")
+    jobs: list[tuple[str, str, int | None]] = []
+    for k in fp_kernels:
+        jobs += [("fp", k, s) for s in secsizes] if k == "merge" else [("fp", k, None)]
+    for k in bp_kernels:
+        jobs += [("bp", k, s) for s in secsizes] if k == "merge" else [("bp", k, None)]
+    jobs += [("bp_notrans", k, None) for k in notrans_kernels]
+    rows = []
+    for op, k, secsize in jobs:
+        fp, bp = (k, PARTNER) if op == "fp" else (PARTNER, k)
+        row: dict[str, Any] = {"op": op, "kernel": k, "secsize": secsize, "deterministic": deterministic(op, k)}
+        try:
+            be = _backend(src, g, norm, tsrc, fp, bp, device, secsize)
+        except ConfigError as exc:
+            row["error"] = str(exc)
+            log.warning("%s %s not timed: %s", op, k, exc)
+            rows.append(row)
+            continue
+        vec = _device_vector(be, x if op == "fp" else c)
+        call = (lambda: be.forward(vec)) if op == "fp" else (lambda: be.back(vec))
+        t = time_calls(call, repeat=repeat, warmup=warmup)
+        nbytes = spmv_bytes(m, n, nnz) if op != "bp" else spmv_bytes(n, m, nnz)
+        med = float(np.median(t))
+        row.update(median_s=med, min_s=float(t.min()), max_s=float(t.max()), bytes=nbytes, bandwidth=nbytes / med,
+                   of_copy=nbytes / med / bw)
+        if check:
+            row["rel_l2"] = _rel_l2(_host(call()), refs[op])
+        log.info("%-10s %-16s %8.3f ms %5.1f%% of copy", op, k, med * 1e3, 100 * nbytes / med / bw)
+        rows.append(row)
+        del be, vec
+        _free(device)
+    base = {r["op"]: r["median_s"] for r in rows if r["kernel"] in ("cusparse", "cusparse_notrans") and "median_s" in r}
+    for r in rows:
+        r["vs_cusparse"] = base[r["op"]] / r["median_s"] if r["op"] in base and r.get("median_s") else None
+    return rows
+
+
+def _device_vector(be: Any, v: np.ndarray) -> Any:
+    """``v`` on the backend's device (its ``from_host`` is for images of length n: vectors go through CuPy)."""
+    import cupy as cp
+
+    with cp.cuda.Device(getattr(be, "device_id", 0)):
+        return cp.asarray(v)
+
+
+def _host(y: Any) -> np.ndarray:
+    import cupy as cp
+
+    return cp.asnumpy(y).astype(np.float64)
+
+
+def _free(device: int) -> None:
+    import cupy as cp
+
+    with cp.cuda.Device(device):
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def _iteration_rows(sources: dict[str, tuple[Any, Any]], g: np.ndarray, norm: np.ndarray, *, repeat: int,
+                    warmup: int, bw: float, csr_floor_s: float, device: int,
+                    iterations: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Whole iterations per format (``sources``: format -> (A, A^T)) against their floor, images compared."""
+    from mlemlib.bench.timing import floor_bytes, time_iterations
+
+    rows, images = [], {}
+    for fmt, (a, at) in sources.items():
+        pairs = iterations if fmt == "csr" else FORMAT_ITERATION_BENCH
+        facts = {"nnz": int(a.nnz), "bytes": int(getattr(a, "nbytes", 8 * int(a.nnz)))}
+        t_bytes = int(getattr(at, "nbytes", 8 * int(at.nnz))) if at is not None else None
+        for fp, bp in pairs:
+            row: dict[str, Any] = {"format": fmt, "fp_requested": fp, "bp_requested": bp}
+            try:
+                be = _backend(a, g, norm, at, fp, bp, device)
+            except ConfigError as exc:
+                row["error"] = str(exc)
+                log.warning("iteration %s + %s (%s) not timed: %s", fp, bp, fmt, exc)
+                rows.append(row)
+                continue
+            timed = time_iterations(be, warmup=warmup, iterations=repeat, repeats=1)
+            desc = be.describe()
+            nbytes = floor_bytes(desc, facts, "cuda", be.bp_kernel, t_bytes)
+            med = timed["ms"] / 1e3
+            bpn = desc.get("bytes_per_nnz") if isinstance(desc.get("bytes_per_nnz"), dict) else {}
+            row.update(fp=be.fp_kernel, bp=be.bp_kernel, deterministic=be.deterministic,
+                       fused=desc.get("fused") if isinstance(desc.get("fused"), list) else [],
+                       bytes_per_nnz=bpn.get("A"), median_s=med, min_s=timed["ms_min"] / 1e3, floor_bytes=nbytes,
+                       floor_s=nbytes / bw, of_floor=nbytes / bw / med, csr_floor_s=csr_floor_s,
+                       of_csr_floor=csr_floor_s / med, finite=timed["finite"])
+            f = be.initial_image()
+            for _ in range(3):
+                f = be.iterate(f)
+            images[len(rows)] = np.asarray(be.to_host(f), dtype=np.float64)
+            log.info("iteration %s + %s (%s): %.3f ms, %.1f%% of its floor", fp, be.bp_kernel, fmt, med * 1e3,
+                     100 * row["of_floor"])
+            rows.append(row)
+            del be
+            _free(device)
+    ref = next((images.get(i) for i, r in enumerate(rows)
+                if (r.get("format"), r.get("fp_requested"), r.get("bp_requested")) == REFERENCE_ITERATION), None)
+    for i, r in enumerate(rows):
+        if ref is not None and i in images:
+            r["rel_l2_to_csr"] = _rel_l2(images[i], ref)
+    return rows
+
+
+def bench_spmv(
+    matrix: Any,
+    transpose: Any | None = None,
+    *,
+    repeat: int = 50,
+    warmup: int = 5,
+    fp_kernels: Sequence[str] = FP_BENCH,
+    bp_kernels: Sequence[str] = BP_BENCH,
+    notrans_kernels: Sequence[str] = NOTRANS_BENCH,
+    iterations: Sequence[tuple[str, str]] = ITERATION_BENCH,
+    formats: Sequence[str] = ("csr",),
+    secsizes: Sequence[int] = (5,),
+    check: bool = True,
+    copy_bytes: int = 1 << 31,
+    device: int = 0,
+    matrix_label: str | None = None,
+    out_json: str | os.PathLike | None = None,
+    out_md: str | os.PathLike | None = None,
+    out_csv: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Time every projection kernel and kernel pair on one matrix; see the module docstring.
+
+    Parameters
+    ----------
+    matrix
+        ``A``: a path (``.h5``, ``.csr4``...), an opened matrix or a :class:`~mlemlib.matrix.CSRMatrix`;
+        read into host memory as CSR once (a compressed container is decoded; its own format's
+        iterations are added).
+    transpose
+        ``A^T`` in the same forms; None: transposed on the host (ScanTrans).
+    repeat, warmup
+        Timed and untimed calls (iterations) per kernel (pair).
+    fp_kernels, bp_kernels, notrans_kernels
+        Forward kernels, back projections on the stored transpose and without it.
+    iterations
+        ``(fp, bp)`` pairs timed as whole iterations in CSR (empty: none).
+    formats
+        Formats the iterations run in: ``csr`` and the compressed ones (the matrix converted).
+    secsizes
+        Section sizes of ``merge`` (one row each).
+    check
+        Compare every product with a float64 one on the host.
+    copy_bytes
+        Buffer of the copy-bandwidth measurement.
+    device
+        CUDA device index.
+    matrix_label
+        The matrix's name in the report.
+    out_json, out_md, out_csv
+        Where to write the report (atomically); None: not written.
+    """
+    from mlemlib.bench.prepare import problem_arrays
+    from mlemlib.devices import EnergyMeter, capped_between, copy_bandwidth, device_facts
+    from mlemlib.formats import convert, open_source, write_matrix_h5
+    from mlemlib.matrix import CSRMatrix
+    from mlemlib.transpose import transpose as transpose_matrix
+
+    if repeat < 1 or warmup < 0:
+        raise ConfigError("repeat", f"repeat must be >= 1 and warmup >= 0, got {repeat}, {warmup}")
+    formats = check_formats(formats)
+    label = matrix_label or (os.fspath(matrix) if isinstance(matrix, (str, os.PathLike)) else "in-memory")
+    src = open_source(matrix, "matrix")
+    own = getattr(src, "format", None) or "csr"
+    if own not in formats:
+        formats = (*formats, own)
+    m, n = (int(v) for v in src.shape)
+    t0 = time.perf_counter()
+    a = src if isinstance(matrix, CSRMatrix) else src.read_rows(0, m)
+    a = getattr(a, "matrix", a)
+    at = open_source(transpose, "transpose").read_rows(0, n) if transpose is not None else transpose_matrix(a)
+    log.info("%s: %d x %d, %d nnz, A and A^T in host memory in %.1f s", label, m, n, a.nnz, time.perf_counter() - t0)
+    g, norm = problem_arrays(a)
+    with EnergyMeter([device]) as meter:
+        facts = device_facts(device)
+        caps0, t_run = meter.capped(), time.perf_counter()
+        copy = copy_bandwidth(copy_bytes, device=device)
+        bw = copy["bandwidth"]
+        _free(device)
+        log.info("copy bandwidth %.3f TB/s", bw / 1e12)
+        a64 = a.to_scipy().astype(np.float64) if check else None
+        kernels = _kernel_rows(a, at, g, norm, a64, fp_kernels=fp_kernels, bp_kernels=bp_kernels,
+                               notrans_kernels=notrans_kernels, secsizes=secsizes, repeat=repeat, warmup=warmup,
+                               bw=bw, check=check, device=device)
+        del a64
+        its: list[dict[str, Any]] = []
+        if iterations and a.nnz:
+            csr_floor_s = (2 * (8 * a.nnz) + 8 * (m + 1) + 8 * (n + 1)) / bw
+            with tempfile.TemporaryDirectory(prefix="mlem-bench-") as tmp:
+                sources: dict[str, tuple[Any, Any]] = {"csr": (a, at)} if "csr" in formats else {}
+                others = [f for f in formats if f != "csr"]
+                if others:
+                    base = Path(tmp) / "csr.h5"
+                    write_matrix_h5(base, a)
+                    for fmt in others:
+                        path = Path(tmp) / f"{fmt}.h5"
+                        convert(base, path, fmt=fmt)
+                        sources[fmt] = (open_source(path), at)
+                its = _iteration_rows(sources, g, norm, repeat=repeat, warmup=warmup, bw=bw,
+                                      csr_floor_s=csr_floor_s, device=device, iterations=iterations)
+                for fmt, (s, _) in sources.items():
+                    if fmt != "csr" and hasattr(s, "close"):
+                        s.close()
+        clocks = {"run_s": time.perf_counter() - t_run, "capped_s": capped_between(caps0, meter.capped()),
+                  "note": "NVML clock-capping counters" if meter.caps_available else meter.note or "not available"}
+    lengths = np.diff(a.indptr)
+    col_lengths = np.diff(at.indptr)
+    result = {
+        "date": _dt.date.today().isoformat(),
+        "device": facts,
+        "copy": copy,
+        "repeat": repeat,
+        "warmup": warmup,
+        "matrix": {
+            "label": label,
+            "format": own,
+            "shape": [m, n],
+            "nnz": int(a.nnz),
+            "bytes": 8 * int(a.nnz) + 8 * (m + 1),
+            "mean_row_length": float(lengths.mean()) if m else 0.0,
+            "max_row_length": int(lengths.max()) if m else 0,
+            "empty_rows": int((lengths == 0).sum()),
+            "mean_col_length": float(col_lengths.mean()) if n else 0.0,
+            "max_col_length": int(col_lengths.max()) if n else 0,
+            "empty_cols": int((col_lengths == 0).sum()),
+        },
+        "kernels": kernels,
+        "iterations": its,
+        "clocks": clocks,
+    }
+    write_results(result, out_json=out_json, out_md=out_md, out_csv=out_csv)
+    return result
+
+
+# --------------------------------------------------------------------------- reports
+OP_TITLES = {"fp": "forward A x", "bp": "back A^T c (stored transpose)", "bp_notrans": "back A^T c (no transpose)"}
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(v, spec)
+
+
+def kernel_label(row: dict[str, Any]) -> str:
+    """``csr_vector``, ``merge (secsize 5)``... for tables."""
+    k = row["kernel"]
+    return f"{k} (secsize {row['secsize']})" if row.get("secsize") is not None else k
+
+
+def auto_versus_fastest(iterations: Sequence[dict[str, Any]]) -> str:
+    """What ``auto`` + ``auto`` ran and its time beside the fastest iteration in the same format of the same run.
+
+    One sentence per format with an ``auto`` + ``auto`` row (the CSR one without a format prefix); "" without one.
+    """
+    done = [r for r in iterations if "error" not in r]
+    lines = []
+    for fmt in dict.fromkeys(r.get("format", "csr") for r in done):
+        same = [r for r in done if r.get("format", "csr") == fmt]
+        auto = next((r for r in same if r.get("fp_requested") == "auto" and r.get("bp_requested") == "auto"), None)
+        if auto is None:
+            continue
+        best = min(same, key=lambda r: r["median_s"])
+        best_det = min((r for r in same if r["deterministic"]), key=lambda r: r["median_s"], default=None)
+        where = "" if fmt == "csr" else f"{fmt}: "
+        text = (f"{where}auto ran {auto['fp']} + {auto['bp']}: {auto['median_s'] * 1e3:.3f} ms; the fastest "
+                f"iteration of this run{'' if fmt == 'csr' else ' in ' + fmt} is {best['fp']} + {best['bp']}: "
+                f"{best['median_s'] * 1e3:.3f} ms (auto takes {auto['median_s'] / best['median_s']:.2f}x its time)")
+        if best_det is not None and best_det is not best:
+            text += (f"; the fastest deterministic one is {best_det['fp']} + {best_det['bp']}: "
+                     f"{best_det['median_s'] * 1e3:.3f} ms")
+        lines.append(text + ".")
+    return "\n\n".join(lines)
+
+
+def clock_line(clocks: dict[str, Any]) -> str:
+    """The report's line on the GPU's clocks during the run: how long its power limit or heat held them down."""
+    capped = clocks.get("capped_s")
+    if not capped:
+        return f"- clock capping during the run: not measured ({clocks.get('note') or 'no NVML counters'})"
+    held = sum(capped.values())
+    text = (f"- clock capping during the run (NVML): held down by the power limit {capped['power']:.2f} s, "
+            f"by heat {capped['thermal']:.2f} s, of {clocks['run_s']:.1f} s")
+    if held > 0:
+        text += "; a capped GPU lowers its SM clock, which slows kernels bound by L1/L2 gathers and atomics"
+    return text
+
+
+def _capped_cell(capped: dict[str, float] | None) -> str:
+    return "-" if not capped else f"{sum(capped.values()):.2f}"
+
+
+def format_markdown(result: dict[str, Any]) -> str:
+    """The benchmark report as Markdown (device, matrix, one table per operation, iterations)."""
+    d, mtx, cp_ = result["device"], result["matrix"], result["copy"]
+    lines = [
+        f"## SpMV benchmark: {mtx['label']}",
+        "",
+        f"- date: {result['date']}; device: {d.get('name', '?')}"
+        + (f" (theoretical {d['theoretical_bandwidth'] / 1e12:.2f} TB/s)" if d.get("theoretical_bandwidth") else ""),
+        f"- measured copy bandwidth (read + write): {cp_['bandwidth'] / 1e12:.3f} TB/s",
+        (
+            f"- matrix: {mtx['shape'][0]} x {mtx['shape'][1]}, {mtx['nnz']} nnz ({mtx['bytes'] / 1e9:.2f} GB as CSR"
+            + (f"; the file is {mtx['format']}, decoded for the kernels" if mtx.get("format", "csr") != "csr" else "")
+            + "), "
+            f"row length mean {mtx['mean_row_length']:.1f} max {mtx['max_row_length']}, "
+            f"{mtx['empty_rows']} empty rows, {mtx['empty_cols']} empty columns"
+        ),
+        (
+            f"- kernels: median of {result['repeat']} calls of the backend's forward / back after "
+            f"{result['warmup']} warm-up calls (CUDA events); iterations: median of {result['repeat']}; "
+            "bandwidth = (8 B per nnz + row pointer + vectors) / time; 'vs cuSPARSE' = cuSPARSE time / kernel time"
+        ),
+    ]
+    if result.get("clocks"):
+        lines.append(clock_line(result["clocks"]))
+    lines.append("")
+    for op in ("fp", "bp", "bp_notrans"):
+        rows = [r for r in result["kernels"] if r["op"] == op]
+        if not rows:
+            continue
+        lines += [
+            f"### {OP_TITLES[op]}",
+            "",
+            "| kernel | deterministic | median ms | TB/s | of copy bw | vs cuSPARSE | rel. L2 error |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {kernel_label(r)} | {'yes' if r['deterministic'] else 'no'} | not run: "
+                             f"{r['error']} | | | | |")
+                continue
+            lines.append(
+                f"| {kernel_label(r)} | {'yes' if r['deterministic'] else 'no'} | {r['median_s'] * 1e3:.3f} | "
+                f"{r['bandwidth'] / 1e12:.3f} | {_fmt(r['of_copy'], '.1%')} | {_fmt(r.get('vs_cusparse'), '.2f')} | "
+                f"{_fmt(r.get('rel_l2'), '.1e')} |"
+            )
+        lines.append("")
+    if result.get("iterations"):
+        lines += [
+            "### one MLEM iteration",
+            "",
+            "| format | bytes/nnz | fp | bp | deterministic | fused | median ms | its floor ms | of its floor | "
+            "of the CSR floor | rel. L2 to the CSR image |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in result["iterations"]:
+            fmt = r.get("format", "csr")
+            if "error" in r:
+                lines.append(f"| {fmt} | | {r['fp_requested']} | {r['bp_requested']} | not run: {r['error']} "
+                             "| | | | | | |")
+                continue
+            bp = r["bp"] if r.get("bp_requested", r["bp"]) == r["bp"] else f"{r['bp']} ({r['bp_requested']})"
+            lines.append(
+                f"| {fmt} | {_fmt(r.get('bytes_per_nnz'), '.2f')} | {r['fp']} | {bp} | "
+                f"{'yes' if r['deterministic'] else 'no'} | {', '.join(r.get('fused') or []) or '-'} | "
+                f"{r['median_s'] * 1e3:.3f} | {r['floor_s'] * 1e3:.3f} | {_fmt(r['of_floor'], '.1%')} | "
+                f"{_fmt(r.get('of_csr_floor'), '.1%')} | {_fmt(r.get('rel_l2_to_csr'), '.1e')} |"
+            )
+        lines += [
+            "",
+            "Its floor: the bytes of the matrices one iteration reads (A once for a one pass, A and A^T for a "
+            "pair, A twice without A^T) at the copy bandwidth; the CSR floor: A and A^T as CSR. Images compared "
+            "after 3 iterations from the same start with the float32 CSR pair's (csr_vector).",
+            "",
+        ]
+        pick = auto_versus_fastest(result["iterations"])
+        if pick:
+            lines += [pick, ""]
+    return "\n".join(lines)
+
+
+CSV_FIELDS = ("op", "kernel", "lanes", "secsize", "deterministic", "median_s", "min_s", "bytes", "bandwidth",
+              "of_copy", "vs_cusparse", "rel_l2")
+
+
+def format_csv(result: dict[str, Any]) -> str:
+    """One CSV row per kernel and operation (the workflow's ``spmv.csv``; kernels not run are left out)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in result["kernels"]:
+        if "median_s" in r:
+            w.writerow({k: r.get(k) for k in CSV_FIELDS})
+    return buf.getvalue()
+
+
+def write_results(result: dict[str, Any], *, out_json=None, out_md=None, out_csv=None) -> None:
+    """Write the report files that are asked for, each atomically."""
+    from mlemlib._io import atomic_path
+
+    for path, text in (
+        (out_json, lambda: json.dumps(result, indent=2, default=_json_default) + "\n"),
+        (out_md, lambda: format_markdown(result) + "\n"),
+        (out_csv, lambda: format_csv(result)),
+    ):
+        if path is None:
+            continue
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            Path(tmp).write_text(text(), encoding="utf-8")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
