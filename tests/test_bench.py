@@ -1,129 +1,316 @@
-"""CPU-side logic of the CUDA backend and the benchmark: no GPU needed (runs in CI).
-
-Lane choice, launch shapes, byte counts, chunking, kernel-name resolution, the
-synthetic tube-of-response matrix against its brute-force definition, the
-report formats and the ``mlem bench`` command line.
-"""
+"""Tests of the benchmarks (host side): the cases file, the smoke case end to end on the CPU backend, the
+performance page, the synthetic matrix, the per-kernel report; the GPU parts skip without CuPy."""
 
 from __future__ import annotations
 
+import csv
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-from mlemlib.backends import _cuda_plan as plan
-from mlemlib.bench import (
-    _time_iteration,
-    check_formats,
-    auto_versus_fastest,
-    format_csv,
-    format_markdown,
-    kernel_label,
-    tor_geometry,
-    tor_matrix,
-    write_results,
-)
+from mlemlib.bench import runner
+from mlemlib.bench.cases import Case, MatrixSpec, load_cases, parse_cases, parse_pair, select
+from mlemlib.bench.page import build_page, load_peers, write_page
+from mlemlib.bench.prepare import prepare
+from mlemlib.bench.spmv import format_csv, format_markdown
+from mlemlib.bench.synthetic import shuffle_rows, tor_geometry, tor_matrix
+from mlemlib.bench.timing import floor_bytes
 from mlemlib.cli import main
-from mlemlib.devices import theoretical_bandwidth
 from mlemlib.errors import ConfigError
 
-
-# --------------------------------------------------------------------------- lanes and launch shapes
-@pytest.mark.parametrize(
-    ("mean", "lanes"),
-    [
-        (0, 2),
-        (-1, 2),
-        (math.nan, 2),
-        (1, 2),
-        (8, 2),
-        (8.5, 4),
-        (16, 4),
-        (17, 8),
-        (32, 8),
-        (33, 16),
-        (64, 16),
-        (65, 32),
-        (128, 32),
-        (594.2, 32),
-        (1e6, 32),
-    ],
-)
-def test_choose_lanes(mean, lanes):
-    # one trip of L lanes covers 4 L non-zeros: L = next power of two >= mean / 4, in [2, 32]
-    assert plan.choose_lanes(mean) == lanes
+REPO = Path(__file__).resolve().parents[1]
+CASES = REPO / "perf" / "cases.yaml"
+PEERS = REPO / "perf" / "peers.yaml"
 
 
-def test_launch_shape_counts_blocks_and_caps_at_waves():
-    # 1000 rows, 8 rows per block -> 125 blocks
-    assert plan.launch_shape(1000, 8, sm_count=132, max_threads_per_sm=2048) == (125, 256)
-    assert plan.launch_shape(1001, 8, 132, 2048) == (126, 256)
-    # no work still launches one block (the kernels loop zero times)
-    assert plan.launch_shape(0, 8, 132, 2048) == (1, 256)
-    # H100: 132 SMs x 8 blocks of 256 threads x 16 waves
-    assert plan.launch_shape(10**9, 8, 132, 2048) == (132 * 8 * plan.WAVES, 256)
-    assert plan.launch_shape(10**9, 1, 2, 1024, threads=128) == (2 * 8 * plan.WAVES, 128)
-    with pytest.raises(ValueError):
-        plan.launch_shape(10, 0, 132, 2048)
+def _cupy_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
 
 
-def test_launch_shape_waves_override():
-    # 2 waves on an H100: 132 SMs x 8 resident blocks x 2
-    assert plan.launch_shape(10**9, 8, 132, 2048, waves=2) == (132 * 8 * 2, 256)
-    # 0 lifts the cap: one row group per block slot, 10^9 / 8 blocks
-    assert plan.launch_shape(10**9, 8, 132, 2048, waves=0) == (125_000_000, 256)
-    assert plan.launch_shape(0, 8, 132, 2048, waves=0) == (1, 256)
-    with pytest.raises(ValueError, match="waves"):
-        plan.launch_shape(10, 8, 132, 2048, waves=-1)
+gpu = pytest.mark.skipif(not _cupy_gpu(), reason="needs CuPy and a GPU")
 
 
-# --------------------------------------------------------------------------- byte counts
-def test_spmv_bytes_hand_counted():
-    # 3 x 4 matrix with 5 nnz: 5 * (4 + 4) + 8 * 4 row pointers + 4 * 4 (x) + 4 * 3 (y)
-    assert plan.spmv_bytes(3, 4, 5) == 40 + 32 + 16 + 12
-    assert plan.spmv_bytes(3, 4, 5, rowptr_itemsize=4) == 40 + 16 + 16 + 12
-    assert plan.csr_bytes(3, 5) == 40 + 32
+# --------------------------------------------------------------------------- the cases file
+def test_the_repository_cases_file_loads_with_the_named_cases():
+    cases = {c.name: c for c in load_cases(CASES)}
+    for name in ("smoke", "madpet2-own-csr", "madpet2-folded-reordered-auto", "matrix3-onepass", "tor-1e9-random"):
+        assert name in cases
+    m3 = cases["matrix3-onepass"]
+    assert (m3.matrix.preset, m3.fold, m3.voxel_order, m3.format) == ("matrix3", True, "hilbert", "compressed")
+    assert m3.kernels == (("auto", "onepass"), ("auto", "onepass_fixed")) and not m3.cusparse
+    assert cases["madpet2-own-csr"].pairs()[-1] == ("cusparse", "cusparse")
+    assert cases["madpet2-own-csr"].kernels[0] == ("csr_vector", "csr_vector")
+    assert cases["smoke"].backend == "cpu" and cases["smoke"].pairs() == list(cases["smoke"].kernels)
+    tor = cases["tor-1e9-random"]
+    assert tor.matrix.tor == (140, 140, 40, 240, 180) and tor.order == "shuffled"
+    assert cases["madpet2-folded-reordered-auto"].order == "reordered"
 
 
-def test_iteration_floor_counts_both_matrices():
-    m, n, nnz = 1_347_840, 784_000, 800_858_760
-    a = 8 * nnz + 8 * (m + 1)
-    t = 8 * nnz + 8 * (n + 1)
-    assert plan.iteration_floor_bytes(m, n, nnz) == a + t
-    assert plan.iteration_floor_bytes(m, n, nnz, transpose=False) == 2 * a
-    # the row pointer is under 0.2% of a PET matrix
-    assert 8 * (m + 1) / a < 2e-3
+def _doc(**case):
+    return {"cases": [{"name": "c", "matrix": {"tor": [4, 4, 2, 3, 3]}, **case}]}
 
 
-def test_merge_threads():
-    assert plan.merge_threads(3, 5, 3) == 3  # 8 merge items, 3 per thread
-    assert plan.merge_threads(3, 5, 1) == 8
-    assert plan.merge_threads(0, 0, 5) == 0
-    with pytest.raises(ConfigError, match="secsize"):
-        plan.merge_threads(3, 5, 0)
+@pytest.mark.parametrize("case, where", [
+    ({"format": "zip"}, "case c: format"),
+    ({"order": "sideways"}, "case c: order"),
+    ({"kernels": ["warp9"]}, "case c: kernels[0]"),
+    ({"kernels": ["auto", "numba/notakernel"]}, "case c: kernels[1]"),
+    ({"kernels": ["delta_vector"], "format": "csr"}, "case c: kernels[0]"),
+    ({"gpus": [0]}, "case c: gpus"),
+    ({"gpus": [1, 2], "backend": "cpu"}, "case c: gpus"),
+    ({"iterations": "many"}, "case c: iterations"),
+    ({"fold": "yes"}, "case c: fold"),
+    ({"colour": "red"}, "case c: colour"),
+    ({"matrix": {"preset": "nope"}}, "case c: matrix.preset"),
+    ({"matrix": {"tor": [1, 2, 3]}}, "case c: matrix.tor"),
+    ({"matrix": {"tor": [4, 4, 2, 3, 3], "rays": 4}}, "case c: matrix.rays"),
+    ({"matrix": {"path": "a.h5", "preset": "small"}}, "case c: matrix"),
+    ({"voxel_order": "hilbert"}, "case c: voxel_order"),
+])
+def test_a_bad_case_is_one_error_naming_the_file_and_key(case, where):
+    with pytest.raises(ConfigError) as exc:
+        parse_cases(_doc(**case), "perf/x.yaml")
+    msg = str(exc.value)
+    assert msg.startswith(f"perf/x.yaml: {where}: "), msg
+    assert "\n" not in msg
 
 
-def test_chunk_rows_balances_nnz_and_covers_every_row():
-    lengths = np.array([5, 0, 3, 10, 2, 0, 0, 7])
-    indptr = np.concatenate(([0], np.cumsum(lengths)))
-    b = plan.chunk_rows(indptr, 6)
-    assert b[0] == 0 and b[-1] == len(lengths)
-    assert np.all(np.diff(b) >= 1)
-    # each chunk ends at the first row boundary at or past a multiple of 6 nnz
-    assert b.tolist() == [0, 3, 4, 8]
-    # one chunk when the target exceeds nnz
-    assert plan.chunk_rows(indptr, 1000).tolist() == [0, 8]
-    assert plan.chunk_rows(np.zeros(1, dtype=np.int64), 10).tolist() == [0]
-    # an all-empty matrix: one chunk of all rows
-    assert plan.chunk_rows(np.zeros(5, dtype=np.int64), 10).tolist() == [0, 4]
+def test_case_file_structure_faults():
+    with pytest.raises(ConfigError, match=r"^f.yaml: cases: expected a non-empty list"):
+        parse_cases({"cases": []}, "f.yaml")
+    with pytest.raises(ConfigError, match=r"^f.yaml: extra: unknown top-level key"):
+        parse_cases({"cases": [], "extra": 1}, "f.yaml")
+    with pytest.raises(ConfigError, match=r"^f.yaml: defaults: gpu: unknown key"):
+        parse_cases({"defaults": {"gpu": 1}, **_doc()}, "f.yaml")
+    with pytest.raises(ConfigError, match=r"^f.yaml: cases\[1\].name"):
+        parse_cases({"cases": [_doc()["cases"][0], {"name": "bad name!", "matrix": "small"}]}, "f.yaml")
+    with pytest.raises(ConfigError, match=r"^f.yaml: case c: name: used by two cases"):
+        parse_cases({"cases": _doc()["cases"] * 2}, "f.yaml")
+    with pytest.raises(ConfigError, match=r"^f.yaml: case c: matrix: missing"):
+        parse_cases({"cases": [{"name": "c"}]}, "f.yaml")
 
 
-def test_theoretical_bandwidth_h100():
-    # H100 SXM HBM3: 2619 MHz, 5120-bit bus -> 3.35 TB/s
-    assert theoretical_bandwidth(2619, 5120) == pytest.approx(3.352e12, rel=1e-3)
+def test_yaml_syntax_error_and_unknown_case_name(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cases:\n  - name: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: line \d+: not valid YAML"):
+        load_cases(bad)
+    cases = parse_cases(_doc(), "f.yaml")
+    with pytest.raises(ConfigError, match="--case nope: no such case; known: c"):
+        select(cases, ["nope"], "f.yaml")
+    assert select(cases, [], "f.yaml") == cases
+
+
+def test_cli_reports_a_bad_case_on_one_line(tmp_path, capsys):
+    path = tmp_path / "cases.yaml"
+    path.write_text(yaml.safe_dump(_doc(format="zip")))
+    assert main(["bench", "run", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mlem: error: {path}: case c: format: expected one of csr,")
+    assert not (tmp_path / "out").exists()
+
+
+def test_pairs_and_defaults():
+    assert parse_pair("auto", "f", "k") == ("auto", "auto")
+    assert parse_pair("onepass_fixed", "f", "k") == ("auto", "onepass_fixed")
+    assert parse_pair("csr_vector/scatter", "f", "k") == ("csr_vector", "scatter")
+    assert parse_pair(["merge", "cusparse"], "f", "k") == ("merge", "cusparse")
+    c = parse_cases({"defaults": {"iterations": 7, "gpus": [1, 2]}, **_doc(gpus=4)}, "f.yaml")[0]
+    assert (c.iterations, c.gpus, c.repeats, c.format, c.order) == (7, (4,), 3, "csr", "own")
+
+
+def test_matrix_key_follows_the_matrix_settings_only():
+    a = Case(name="a", matrix=MatrixSpec(tor=(4, 4, 2, 3, 3)), kernels=(("auto", "auto"),))
+    b = Case(name="b", matrix=MatrixSpec(tor=(4, 4, 2, 3, 3)), kernels=(("numba", "numba"),), gpus=(1, 2))
+    c = Case(name="c", matrix=MatrixSpec(tor=(4, 4, 2, 3, 3)), format="compressed")
+    d = Case(name="d", matrix=MatrixSpec(tor=(4, 4, 2, 3, 3)), order="shuffled", seed=1)
+    assert a.matrix_key() == b.matrix_key()
+    assert len({a.matrix_key(), c.matrix_key(), d.matrix_key()}) == 3
+    assert a.matrix_key().startswith("tor-")
+
+
+# --------------------------------------------------------------------------- the smoke case, end to end
+def test_smoke_case_end_to_end_on_the_cpu_backend(tmp_path, monkeypatch):
+    cases = select(load_cases(CASES), ["smoke"], str(CASES))
+    out, work = tmp_path / "results", tmp_path / "work"
+    rows = runner.run_cases(cases, out, work=work, command="mlem bench run perf/cases.yaml --case smoke")
+    case = cases[0]
+    assert len(rows) == len(case.pairs()) == 3
+    with open(out / "results.csv", newline="") as fh:
+        table = list(csv.DictReader(fh))
+    doc = json.loads((out / "results.json").read_text())
+    assert len(table) == len(doc["rows"]) == 3
+    assert tuple(next(csv.reader(open(out / "results.csv")))) == runner.FIELDS
+    for r in doc["rows"]:
+        assert r["case"] == "smoke" and r["backend"] == "cpu" and not r.get("error")
+        assert r["format"] == "compressed" and r["order"] == "reordered" and r["gpus"] == 1
+        assert r["ms"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"] and len(r["ms_repeats"]) == 2
+        assert 0 < r["of_floor"] < 1 and r["floor_ms"] == pytest.approx(r["floor_bytes"] / r["copy_bandwidth"] * 1e3)
+        assert r["nnz"] > 0 and r["m"] == 576 and 3 < r["bytes_per_nnz"] < 8
+        assert r["command"].startswith("mlem bench run") and r["date"] and r["device"].startswith("CPU")
+        assert r["finite"] is True
+    one_pass = next(r for r in doc["rows"] if r["bp"] == "onepass")
+    pair = next(r for r in doc["rows"] if r["fp"] == "numba")
+    assert one_pass["floor_bytes"] < pair["floor_bytes"]  # A once against A and A^T
+    # a rerun reuses the prepared matrix and replaces its rows
+    record = next(work.glob("*/prepared.json"))
+    stamp = record.stat().st_mtime_ns
+    monkeypatch.setattr("mlemlib.bench.prepare._source", lambda *a, **k: pytest.fail("prepared again"))
+    runner.run_cases(cases, out, work=work, command="again")
+    assert record.stat().st_mtime_ns == stamp
+    doc = json.loads((out / "results.json").read_text())
+    assert len(doc["rows"]) == 3 and {r["command"] for r in doc["rows"]} == {"again"}
+    page = write_page([out], tmp_path / "performance.md", peers=PEERS)
+    assert "## smoke on " in page and "| auto/onepass (onepass) | 1 |" in page
+
+
+def test_prepare_shuffles_and_folds_through_the_stages(tmp_path):
+    from mlemlib.formats import open_matrix
+
+    case = Case(name="s", matrix=MatrixSpec(tor=(8, 8, 2, 6, 8)), order="shuffled", format="compressed-u16",
+                backend="cpu", kernels=(("auto", "onepass"),), seed=3)
+    prep = prepare(case, tmp_path)
+    assert sorted(p.name for p in prep.directory.iterdir()) == ["g.npy", "matrix.h5", "norm.npy", "prepared.json"]
+    src = open_matrix(prep.matrix)
+    assert src.format == "compressed-u16"
+    ref, rows = shuffle_rows(tor_matrix(8, 8, 2, 6, 8), 3)
+    got = src.read_rows(0, src.shape[0])
+    np.testing.assert_array_equal(got.indptr, ref.indptr)
+    np.testing.assert_array_equal(got.indices, ref.indices)
+    g, norm = prep.load_problem()
+    assert g.shape == (src.shape[0],) and norm.shape == (src.shape[1],) and (g >= 0).all()
+    assert prep.facts["format"] == "compressed-u16" and prep.facts["nnz"] == ref.nnz
+
+
+def test_shuffle_rows_moves_whole_rows():
+    a = tor_matrix(6, 5, 2, 4, 5)
+    b, rows = shuffle_rows(a, 7)
+    assert sorted(rows.tolist()) == list(range(a.shape[0])) and not np.array_equal(rows, np.arange(a.shape[0]))
+    for r in range(a.shape[0]):
+        s, e = a.indptr[rows[r]], a.indptr[rows[r] + 1]
+        np.testing.assert_array_equal(b.indices[b.indptr[r]:b.indptr[r + 1]], a.indices[s:e])
+        np.testing.assert_array_equal(b.data[b.indptr[r]:b.indptr[r + 1]], a.data[s:e])
+
+
+def test_floor_bytes_counts_what_the_iteration_reads():
+    facts = {"nnz": 100, "bytes": 900}
+    assert floor_bytes({"onepass": True, "bytes_per_nnz": {"A": 5.0}}, facts, "cuda", "onepass", None) == 500
+    assert floor_bytes({"bytes_per_nnz": {"A": 8.0, "AT": 8.5}}, facts, "cuda", "csr_vector", None) == 1650
+    assert floor_bytes({"bytes_per_nnz": {"A": 8.0, "AT": None}}, facts, "cuda", "scatter", None) == 1600
+    assert floor_bytes({}, facts, "cpu", "numba", 880) == 1780
+
+
+# --------------------------------------------------------------------------- the page
+def _row(**kw):
+    base = {"case": "madpet2-own-csr", "description": "madpet2 in its own order", "matrix": "madpet2",
+            "order": "own", "format": "csr", "folded": False, "m": 1327104, "n": 784000, "nnz": 960942960,
+            "bytes_per_nnz": 8.01, "backend": "cuda", "fp": "csr_vector", "bp": "csr_vector",
+            "fp_kernel": "csr_vector", "bp_kernel": "csr_vector", "deterministic": True, "gpus": 1,
+            "warmup": 5, "iterations": 20, "repeats": 3, "ms": 3.8, "of_floor": 0.93,
+            "device": "NVIDIA H200", "device_kind": "4 x NVIDIA H200", "date": "2026-11-28T10:00:00+00:00",
+            "command": "mlem bench run perf/cases.yaml --case madpet2-own-csr --out perf/results/h200x4",
+            "commit": "abc1234"}
+    return {**base, **kw}
+
+
+def _hand_made_rows():
+    rows = [
+        _row(),
+        _row(gpus=2, ms=2.0, of_floor=0.88),
+        _row(fp="auto", bp="auto", fp_kernel="csr_vector", bp_kernel="csr_vector", ms=3.9),
+        _row(fp="cusparse", bp="cusparse", fp_kernel="cusparse", bp_kernel="cusparse", ms=5.0,
+             deterministic=False),
+        _row(fp="cusparse", bp="cusparse", fp_kernel="cusparse", bp_kernel="cusparse", gpus=2, ms=2.7,
+             deterministic=False),
+        _row(fp="auto", bp="onepass_chunked", fp_kernel=None, bp_kernel=None, gpus=2, ms=None, error="onepass_chunked has no multi-GPU form"),
+        _row(case="tor-1e9-random", matrix="TOR 140x140x40x240x180", order="shuffled", ms=6.0,
+             device="NVIDIA H100 80GB HBM3", device_kind="2 x NVIDIA H100 80GB HBM3"),
+    ]
+    runner.fill_relations(rows)
+    return rows
+
+
+def test_fill_relations_takes_the_same_runs_1gpu_and_cusparse_times():
+    rows = _hand_made_rows()
+    two = rows[1]
+    assert two["ms_1gpu"] == 3.8 and two["speedup"] == pytest.approx(1.9) and two["cusparse_ms"] == 2.7
+    assert rows[0]["cusparse_ms"] == 5.0 and "speedup" not in rows[0]
+    assert "cusparse_ms" not in rows[-1]  # another case
+
+
+def test_page_has_one_table_per_device_and_case_with_every_column(tmp_path):
+    peers = tmp_path / "peers.yaml"
+    peers.write_text(yaml.safe_dump({"peers": [
+        {"case": "madpet2-own-csr", "device": "H200", "gpus": 2, "ms": 2.872, "source": "PERFORMANCE.md"},
+        {"case": "matrix3-onepass", "device": "H100", "gpus": 1, "ms": 30.0, "source": "somewhere", "note": "n"},
+    ]}))
+    page = build_page(_hand_made_rows(), load_peers(peers), sources=["perf/results/h200x4"])
+    assert page.count("\n## ") == 3  # two tables and the peers awaiting a run
+    assert "## madpet2-own-csr on 4 x NVIDIA H200" in page and "## tor-1e9-random on 2 x NVIDIA H100 80GB HBM3" in page
+    assert ("- date 2026-11-28T10:00:00+00:00; device NVIDIA H200 (4 x NVIDIA H200); commit abc1234; command: "
+            "`mlem bench run perf/cases.yaml --case madpet2-own-csr --out perf/results/h200x4`") in page
+    assert ("| configuration | GPUs | ms per iteration | share of its floor | speed-up vs 1 GPU | "
+            "cuSPARSE, same run (ms) | thesis code (ms) |") in page
+    assert "| csr_vector | 1 | 3.800 | 93.0% | - | 5.000 | - |" in page
+    assert "| csr_vector | 2 | 2.000 | 88.0% | 1.90x | 2.700 | 2.872 |" in page
+    assert "| auto (csr_vector) | 1 | 3.900 |" in page
+    assert "| cusparse, non-det. | 2 | 2.700 |" in page
+    assert "| auto/onepass_chunked | 2 | not run: onepass_chunked has no multi-GPU form |" in page
+    assert "| matrix3-onepass | H100 | 1 | 30.000 | somewhere (n) |" in page
+    table = page.split("## madpet2-own-csr")[1].split("## ")[0]
+    body = [ln for ln in table.splitlines() if ln.startswith("| ") and "configuration" not in ln]
+    assert [ln.split(" | ")[1] for ln in body] == ["1", "1", "1", "2", "2", "2"]  # GPUs, cuSPARSE last in each
+    assert body[2].startswith("| cusparse") and body[5].startswith("| cusparse")
+
+
+def test_write_page_from_a_results_directory(tmp_path):
+    runner.write_results(tmp_path / "r", _hand_made_rows())
+    text = write_page([tmp_path / "r"], tmp_path / "docs" / "performance.md", peers=PEERS)
+    assert (tmp_path / "docs" / "performance.md").read_text() == text
+    assert "| csr_vector | 2 | 2.000 | 88.0% | 1.90x | 2.700 | 2.872 |" in text  # perf/peers.yaml's H200 figure
+    with pytest.raises(ConfigError, match="no results.json"):
+        write_page([tmp_path], tmp_path / "p.md")
+
+
+def test_results_merge_replaces_rows_of_the_same_key(tmp_path):
+    rows = _hand_made_rows()
+    runner.write_results(tmp_path, rows)
+    newer = [_row(ms=3.5, date="2026-11-29T00:00:00+00:00")]
+    doc = runner.write_results(tmp_path, newer)
+    assert len(doc["rows"]) == len(rows)
+    assert [r["ms"] for r in doc["rows"] if r["fp"] == "csr_vector" and r["gpus"] == 1
+            and r["case"] == "madpet2-own-csr"] == [3.5]
+    assert len(doc["runs"]) == 2
+
+
+def test_peers_file_faults(tmp_path):
+    p = tmp_path / "peers.yaml"
+    p.write_text(yaml.safe_dump({"peers": [{"case": "c", "device": "H100", "gpus": 1, "ms": -1, "source": "s"}]}))
+    with pytest.raises(ConfigError, match=r"peers.yaml: peers\[0\].ms: expected milliseconds"):
+        load_peers(p)
+    p.write_text(yaml.safe_dump({"peers": [{"case": "c", "device": "H100", "gpus": 1, "ms": 1, "source": "s",
+                                            "when": 1}]}))
+    with pytest.raises(ConfigError, match=r"peers\[0\].when: unknown key"):
+        load_peers(p)
+    assert len(load_peers(PEERS)) >= 5
+
+
+def test_the_committed_page_is_generated_from_the_committed_results():
+    page = (REPO / "docs" / "performance.md").read_text()
+    assert page.startswith("# Performance") and "mlem bench page" in page
+    results = sorted((REPO / "perf" / "results").glob("*/results.json"))
+    assert results
+    rows = [r for p in results for r in json.loads(p.read_text())["rows"]]
+    for case in {r["case"] for r in rows}:
+        assert f"## {case} on " in page
 
 
 # --------------------------------------------------------------------------- synthetic matrix
@@ -176,7 +363,8 @@ def test_tor_geometry_rejects_bad_sizes():
         tor_geometry(4, 4, 1, 2, 3, width=0)
 
 
-# --------------------------------------------------------------------------- reports
+
+# --------------------------------------------------------------------------- mlem bench spmv
 def _result():
     return {
         "date": "2026-11-22",
@@ -209,11 +397,8 @@ def _result():
             {
                 "op": "fp",
                 "kernel": "csr_vector",
-                "lanes": 32,
-                "lanes_auto": True,
                 "deterministic": True,
                 "median_s": 2.5e-3,
-                "rounds_s": [2.49e-3, 2.512e-3],
                 "bandwidth": 2.16e12,
                 "of_copy": 0.72,
                 "vs_cusparse": 0.8,
@@ -247,259 +432,27 @@ def _result():
     }
 
 
-def test_interleave_positions_hand_counted():
-    # row 0 = [1, 50): head 1..3, quads 1..8 (two trips of 4), quads 9..11 (a trip of 3), tail 48, 49;
-    # row 1 = [50, 52): no whole quad; row 2 = [52, 52) empty; row 3 = [52, 61): quads 13, 14 (a trip of 2)
-    indptr = np.array([1, 50, 52, 52, 61])
-    pos = plan.interleave_positions(indptr, 4)
-    assert sorted(pos.tolist()) == list(range(1, 61))  # a permutation of the elements
-    stored = np.full(64, -1)
-    stored[pos] = np.arange(1, 61)
-    quads = stored.reshape(-1, 4)
-    assert quads[0].tolist() == [-1, 1, 2, 3]  # the head keeps its slots
-    # lane l of a trip of Q quads holds the trip's elements l, Q + l, 2 Q + l, 3 Q + l
-    assert quads[1:5].tolist() == [[4, 8, 12, 16], [5, 9, 13, 17], [6, 10, 14, 18], [7, 11, 15, 19]]
-    assert quads[5].tolist() == [20, 24, 28, 32]
-    assert quads[9:12].tolist() == [[36, 39, 42, 45], [37, 40, 43, 46], [38, 41, 44, 47]]
-    assert quads[12].tolist() == [48, 49, 50, 51]  # row 0's tail, row 1 (no quad of its own)
-    assert quads[13:15].tolist() == [[52, 54, 56, 58], [53, 55, 57, 59]]
-    assert stored[60] == 60  # row 3's tail
-    # 32 lanes on the same rows: every trip is partial
-    pos32 = plan.interleave_positions(indptr, 32)
-    stored32 = np.full(64, -1)
-    stored32[pos32] = np.arange(1, 61)
-    assert stored32[4:8].tolist() == [4, 15, 26, 37]  # a trip of Q = 11 quads
-    with pytest.raises(ConfigError, match="lanes"):
-        plan.interleave_positions(indptr, 3)
-    assert plan.interleave_positions(np.array([0]), 32).size == 0
 
-
-@pytest.mark.parametrize(
-    ("fp", "bp", "transpose", "enabled", "want"),
-    [
-        ("csr_vector", "csr_vector", True, True, (32, 16)),
-        ("csr_vector", "cusparse", True, True, (32, 0)),
-        ("cusparse", "csr_vector", True, True, (0, 16)),
-        ("csr_vector", "scatter", False, True, (0, 0)),  # the scatter reads A: columns in order
-        ("csr_vector", "onepass", False, True, (0, 0)),
-        ("csr_vector", "csr_vector", True, False, (0, 0)),
-    ],
-)
-def test_row_layouts_interleave_only_what_csr_vector_alone_reads(fp, bp, transpose, enabled, want):
-    assert plan.row_layouts(fp, bp, transpose, 32, 16, enabled) == want
-    assert plan.row_layouts(fp, bp, transpose, 4, 2, enabled) == (0, 0)  # short rows: column order
-
-
-@pytest.mark.parametrize("m", [3, 4, 10, 81, 1152, 1327104, 2 * 3 * 5 * 7 * 11 * 13])
-def test_spread_stride_visits_every_row_once_far_from_its_neighbours(m):
-    p = plan.spread_stride(m)
-    assert math.gcd(p, m) == 1 and int(m / plan.GOLDEN) <= p < m
-    if m <= 1_000_000:
-        order = (np.arange(m, dtype=np.int64) * p) % m
-        assert np.array_equal(np.sort(order), np.arange(m))  # a permutation: every row once
-        if m >= 1000:  # consecutive lane groups take rows far apart
-            assert np.abs(np.diff(order[:64])).min() > m // 10
-
-
-@pytest.mark.parametrize("m", [0, 1, 2, 1 << 32, (1 << 32) + 7])
-def test_spread_stride_keeps_the_order_where_it_cannot_spread(m):
-    assert plan.spread_stride(m) == 1
-
-
-def test_kernel_label():
-    assert kernel_label({"kernel": "merge", "secsize": 7}) == "merge (secsize 7)"
-    assert kernel_label({"kernel": "csr_vector", "lanes": 32, "shape": "512t w0 stream", "layout": 32}) == (
-        "csr_vector (32 lanes, 512t w0 stream, interleaved)")
-    assert kernel_label({"kernel": "csr_vector", "lanes": 8, "lanes_auto": False}) == "csr_vector (8 lanes, forced)"
-    assert kernel_label({"kernel": "csr_vector", "lanes": 32, "lanes_auto": True}) == "csr_vector (32 lanes)"
-    assert kernel_label({"kernel": "scatter", "lanes": 32}) == "scatter"
-
-
-def test_format_markdown_tables():
-    md = format_markdown(_result())
-    assert "## SpMV benchmark: m.h5" in md
-    assert "3.000 TB/s" in md and "theoretical 3.35 TB/s" in md
-    assert "| csr_vector (32 lanes) | yes | 2.500 | 2.490 / 2.512 | 2.160 | 72.0% | 0.80 | 4.0e-08 |" in md
-    assert "| merge (secsize 5) | no | 9.000 | - | 0.600 | 20.0% | - | - |" in md  # no rounds recorded
-    assert "in two rounds (the second in the reverse order" in md
-    assert "### back A^T c (no transpose)" in md
-    assert "### back A^T c (stored transpose)" not in md  # no rows for it
-    assert "| csr | - | csr_vector | csr_vector | yes | corr into fp | 6.000 | 5.400 | 90.0% | - | - |" in md
-    assert "auto ran" not in md  # no auto + auto row in this result
-
-
-def test_markdown_says_how_long_the_clocks_were_capped():
+def test_spmv_markdown_and_csv():
     res = _result()
-    res["clocks"] = {"run_s": 42.04, "capped_s": {"power": 1.5, "thermal": 0.25}, "note": "NVML clock-capping counters"}
-    res["iterations"][0]["clock_capped_s"] = {"power": 0.125, "thermal": 0.0}
+    res["kernels"].append({"op": "bp", "kernel": "merge", "secsize": 5, "deterministic": False, "error": "no"})
     md = format_markdown(res)
-    assert ("- clock capping during the run (NVML): held down by the power limit 1.50 s, by heat 0.25 s, of "
-            "42.0 s; a capped GPU lowers its SM clock") in md
-    assert "| 90.0% | - | - | 0.12 |" in md  # the iteration's own 0.125 s
-    res["clocks"] = {"run_s": 42.0, "capped_s": {"power": 0.0, "thermal": 0.0}, "note": "NVML clock-capping counters"}
-    md = format_markdown(res)
-    assert "held down by the power limit 0.00 s, by heat 0.00 s, of 42.0 s\n" in md  # no explanation when uncapped
-    res["clocks"] = {"run_s": 42.0, "capped_s": None, "note": "not available: pynvml (nvidia-ml-py) not installed"}
-    assert ("- clock capping during the run: not measured (not available: pynvml (nvidia-ml-py) not installed)"
-            in format_markdown(res))
-    del res["clocks"], res["iterations"][0]["clock_capped_s"]
-    md = format_markdown(res)
-    assert "clock capping" not in md and "| 90.0% | - | - | - |" in md  # an older result: nothing claimed
+    assert "### forward A x" in md and "| csr_vector | yes | 2.500 |" in md and "| merge (secsize 5) | no |" in md
+    assert "not run: no" in md and "### one MLEM iteration" in md
+    rows = list(csv.DictReader(format_csv(res).splitlines()))
+    assert [r["kernel"] for r in rows] == ["cusparse", "csr_vector", "merge"]  # kernels not run left out
+    assert {"op", "kernel", "median_s", "of_copy"} <= set(rows[0])
 
 
-def test_markdown_puts_auto_beside_the_fastest_and_shows_a_refused_pair():
-    res = _result()
-    its = res["iterations"]
-    its[0].update(fp_requested="auto", bp_requested="auto")
-    its += [
-        {"fp_requested": "auto", "fp": "onepass_chunked", "bp": "onepass_chunked", "bp_requested": "onepass_chunked",
-         "deterministic": True, "fused": [], "median_s": 4.5e-3, "floor_s": 5.4e-3, "of_floor": 1.2},
-        {"fp_requested": "cusparse", "fp": "cusparse", "bp": "cusparse", "bp_requested": "cusparse",
-         "deterministic": False, "fused": [], "median_s": 4.0e-3, "floor_s": 5.4e-3, "of_floor": 1.35},
-        {"fp_requested": "auto", "bp_requested": "onepass_chunked", "error": "bp=onepass_chunked: a row has 9 non-zeros"},
-    ]
-    md = format_markdown(res)
-    assert ("auto ran csr_vector + csr_vector: 6.000 ms; the fastest iteration of this run is cusparse + cusparse: "
-            "4.000 ms (auto takes 1.50x its time); the fastest deterministic one is onepass_chunked + "
-            "onepass_chunked: 4.500 ms.") in md
-    assert "| csr | | auto | onepass_chunked | not run: bp=onepass_chunked: a row has 9 non-zeros |" in md
-    assert auto_versus_fastest([its[-1]]) == ""
-    # another format's rows are compared among themselves: a faster lossy iteration is not CSR's fastest
-    its += [
-        {"format": "compressed-f16", "fp_requested": "auto", "bp_requested": "auto", "fp": "onepass_chunked",
-         "bp": "onepass_chunked", "deterministic": True, "fused": [], "median_s": 2.0e-3},
-        {"format": "compressed-f16", "fp_requested": "delta_vector", "bp_requested": "delta_vector",
-         "fp": "delta_vector", "bp": "delta_vector", "deterministic": True, "fused": [], "median_s": 3.0e-3},
-    ]
-    text = auto_versus_fastest(its)
-    assert text.split("\n\n") == [
-        "auto ran csr_vector + csr_vector: 6.000 ms; the fastest iteration of this run is cusparse + cusparse: "
-        "4.000 ms (auto takes 1.50x its time); the fastest deterministic one is onepass_chunked + "
-        "onepass_chunked: 4.500 ms.",
-        "compressed-f16: auto ran onepass_chunked + onepass_chunked: 2.000 ms; the fastest iteration of this run "
-        "in compressed-f16 is onepass_chunked + onepass_chunked: 2.000 ms (auto takes 1.00x its time).",
-    ]
+def test_cli_bench_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for sub in ("run", "prepare", "page", "spmv"):
+        assert sub in out
 
 
-def test_markdown_iteration_rows_give_format_floors_and_distance():
-    res = _result()
-    res["iterations"].append(
-        {"format": "compressed-f16", "bytes_per_nnz": 4.06, "fp_requested": "auto", "fp": "onepass_chunked",
-         "bp": "onepass_chunked", "bp_requested": "auto", "deterministic": True, "fused": [], "median_s": 2.5e-3,
-         "floor_s": 1.3e-3, "of_floor": 0.52, "of_csr_floor": 2.16, "rel_l2_to_csr": 1.2e-3})
-    md = format_markdown(res)
-    assert ("| compressed-f16 | 4.06 | onepass_chunked | onepass_chunked (auto) | yes | - | 2.500 | 1.300 | 52.0% | "
-            "216.0% | 1.2e-03 |") in md
-    assert "after 35 iterations from the same start" in md  # warmup 5 + repeat 30
-    assert "decoded for the kernels" not in md
-    res["matrix"]["format"] = "compressed"
-    assert "(0.00 GB as CSR; the file is compressed, decoded for the kernels), row length" in format_markdown(res)
-
-
-def test_check_formats():
-    assert check_formats(["csr", "compressed-f16", "csr"]) == ("csr", "compressed-f16")
-    with pytest.raises(ConfigError, match="csr4"):
-        check_formats(["csr", "csr4"])
-    with pytest.raises(ConfigError, match="none"):
-        check_formats([])
-
-
-class _FakeBackend:
-    """The parts of CudaBackend _time_iteration reads, on NumPy: 2 ms per iteration, f doubled each time."""
-
-    def __init__(self, a, g, norm, at, *, fp, bp, device):
-        if bp == "refused":
-            raise ConfigError("bp", "refused here")
-        self.a, self.at = a, at
-        self.onepass = bp.startswith("onepass")
-        self.fp_kernel, self.bp_kernel, self.deterministic = fp, bp, True
-        self.steps = 0
-
-    def initial_image(self):
-        return np.ones(3, dtype=np.float32)
-
-    def iterate(self, f):
-        self.steps += 1
-        return 2 * f
-
-    def last_step_times(self):
-        return {"iteration": 2e-3}
-
-    def describe(self):
-        return {"fused": []}
-
-    def to_host(self, f):
-        return f
-
-
-class _Mat:
-    def __init__(self, nbytes, nnz):
-        self.nbytes, self.nnz = nbytes, nnz
-
-
-@pytest.mark.parametrize("bp, with_at, floor_bytes", [
-    ("onepass_chunked", False, 600),  # one pass: A once
-    ("csr_vector", True, 600 + 1000),  # pair: A and A^T
-    ("scatter", False, 1200),  # back projection without A^T: A twice
-])
-def test_time_iteration_floors_and_image(bp, with_at, floor_bytes):
-    a, at = _Mat(600, 100), _Mat(1000, 100)
-    row, img = _time_iteration(_FakeBackend, "compressed", "auto", bp, a, at if with_at else None, None, None, 0,
-                               2, 3, 1e6, 5e-3)
-    assert row["floor_bytes"] == floor_bytes
-    assert row["floor_s"] == pytest.approx(floor_bytes / 1e6)
-    assert row["of_floor"] == pytest.approx(floor_bytes / 1e6 / 2e-3)
-    assert row["of_csr_floor"] == pytest.approx(2.5)
-    assert row["bytes_per_nnz"] == pytest.approx(6.0) and row["format"] == "compressed"
-    assert row["median_s"] == pytest.approx(2e-3) and row["finite"]
-    np.testing.assert_array_equal(img, np.full(3, 32.0))  # warmup 2 + repeat 3 iterations from ones
-
-
-class _PipelinedFake(_FakeBackend):
-    """A backend that pipelines: iteration k (from 1) took k ms, readable one iteration late."""
-
-    pipelines = True
-
-    def last_step_times(self):
-        return {"iteration": self.steps * 1e-3}
-
-    def previous_step_times(self):
-        return {"iteration": (self.steps - 1) * 1e-3} if self.steps > 1 else None
-
-
-def test_time_iteration_reads_a_pipelining_backend_one_iteration_late():
-    # warmup 2, repeat 3: iterations 3, 4 and 5 are timed (3, 4, 5 ms), none twice, none of the warmup
-    row, img = _time_iteration(_PipelinedFake, "csr", "auto", "csr_vector", _Mat(600, 100), _Mat(1000, 100), None,
-                               None, 0, 2, 3, 1e6, 5e-3)
-    assert row["median_s"] == pytest.approx(4e-3) and row["min_s"] == pytest.approx(3e-3)
-    np.testing.assert_array_equal(img, np.full(3, 32.0))
-
-
-def test_time_iteration_reports_a_refused_configuration():
-    row, img = _time_iteration(_FakeBackend, "csr", "auto", "refused", _Mat(8, 1), None, None, None, 0, 1, 1, 1.0, 1.0)
-    assert img is None and row["error"].endswith("refused here") and row["format"] == "csr"
-
-
-def test_format_csv_rows():
-    text = format_csv(_result())
-    lines = text.strip().splitlines()
-    assert lines[0].split(",") == list(format_csv.__globals__["CSV_FIELDS"])
-    assert len(lines) == 4
-    assert lines[2].startswith("fp,csr_vector,32,,True,0.0025,")
-
-
-def test_write_results_round_trip(tmp_path):
-    res = _result()
-    res["copy"]["bytes"] = np.int64(res["copy"]["bytes"])  # NumPy scalars serialise
-    out = tmp_path / "sub" / "bench.json"
-    write_results(res, out_json=out, out_md=tmp_path / "bench.md", out_csv=tmp_path / "bench.csv")
-    back = json.loads(out.read_text())
-    assert back["kernels"][1]["lanes"] == 32 and back["copy"]["bytes"] == 1 << 32
-    assert (tmp_path / "bench.md").read_text().startswith("## SpMV benchmark")
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["bench.csv", "bench.json", "bench.md", "sub"]
-
-
-# --------------------------------------------------------------------------- command line
 def test_cli_bench_spmv_help(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "spmv", "--help"])
@@ -527,143 +480,37 @@ def test_cli_bench_spmv_rejects_bad_lists(tmp_path, capsys):
         main(["bench", "spmv", "--synthetic", "1,2,3", "--out", str(tmp_path / "b.json")])
     assert exc.value.code == 2
     assert "NX,NY,NZ,ANGLES,OFFSETS" in capsys.readouterr().err
-    code = main(["bench", "spmv", "--synthetic", "4,4,2,3,3", "--lanes", "3", "--out", str(tmp_path / "b.json")])
-    assert code == 2
-    assert "--lanes" in capsys.readouterr().err
 
 
-@pytest.mark.gpu
-def test_bench_spmv_on_gpu_checks_and_reports_every_kernel(tmp_path):
-    # A small PET-like matrix: every kernel's output is compared with a float64
-    # product (check=True); every row carries a time, a bandwidth and an error
-    # within the float32 rounding bound.
-    from mlemlib.bench import bench_spmv, tor_matrix
-
-    a = tor_matrix(24, 24, 3, 16, 33)
-    out_json, out_md, out_csv = tmp_path / "b.json", tmp_path / "b.md", tmp_path / "b.csv"
-    res = bench_spmv(a, repeat=3, warmup=1, copy_bytes=1 << 24, out_json=out_json, out_md=out_md, out_csv=out_csv)
-    assert res["copy"]["bandwidth"] > 0
-    rows = res["kernels"]
-    assert {r["kernel"] for r in rows} >= {"csr_vector", "cusparse", "merge"}
-    assert {r["op"] for r in rows} >= {"fp"}
+# --------------------------------------------------------------------------- on a GPU
+@gpu
+def test_runner_on_the_gpu_times_every_pair_beside_cusparse(tmp_path):
+    case = Case(name="g", matrix=MatrixSpec(tor=(24, 24, 3, 16, 33)), order="shuffled-reordered",
+                kernels=(("auto", "auto"), ("csr_vector", "csr_vector"), ("auto", "onepass_fixed")),
+                warmup=1, iterations=3, repeats=2)
+    rows = runner.run_cases([case], tmp_path / "r", work=tmp_path / "w", command="test", copy_bytes=1 << 24)
+    assert len(rows) == 4 and not [r for r in rows if r.get("error")]
+    ref = next(r for r in rows if r["fp"] == "cusparse")
     for r in rows:
-        assert r["median_s"] > 0 and r["bandwidth"] > 0 and r["nan"] == 0, r
-        assert r["worst_of_bound"] <= 1.0, r
-    assert res["iterations"]
-    for it in res["iterations"]:
-        assert it["median_s"] > 0 and it["finite"], it
-    ref = [it for it in res["iterations"] if (it["format"], it["fp_requested"], it["bp_requested"])
-           == ("csr", "csr_vector", "csr_vector")]
-    assert ref and ref[0]["rel_l2_to_csr"] == 0.0
-    # csr_vector also in the interleaved layout (a copy), where auto's choice is, as a backend sets it
-    for op, lanes in (("fp", res["matrix"]["lanes_fp"]), ("bp", res["matrix"]["lanes_bp"])):
-        auto = [r for r in rows if r["op"] == op and r.get("auto")]
-        assert len(auto) == 1 and auto[0].get("layout", 0) == (lanes if lanes in plan.BLOCK_LANES else 0), auto
-        assert any(r["op"] == op and r["kernel"] == "csr_vector" and not r.get("layout") for r in rows)
-    saved = json.loads(out_json.read_text())["kernels"]
-    assert [(r["op"], r["kernel"]) for r in saved] == [(r["op"], r["kernel"]) for r in rows]
-    assert out_md.read_text().count("|") > 10 and len(out_csv.read_text().splitlines()) == len(rows) + 1
+        assert r["ms"] > 0 and r["cusparse_ms"] == ref["ms"] and 0 < r["of_floor"] and r["finite"]
 
 
-def test_choose_lanes_cap():
-    # rows of ~1,000 non-zeros want a warp; a cap of 16 holds them to half of one
-    assert plan.choose_lanes(1000.0) == 32
-    assert plan.choose_lanes(1000.0, cap=16) == 16
-    # the cap does not raise short rows
-    assert plan.choose_lanes(20.0, cap=16) == 8
-    with pytest.raises(ValueError, match="cap"):
-        plan.choose_lanes(100.0, cap=12)
+@gpu
+def test_bench_spmv_on_the_gpu_through_the_public_api(tmp_path):
+    from mlemlib.bench.spmv import bench_spmv
+
+    res = bench_spmv(tor_matrix(24, 24, 3, 16, 33), repeat=3, warmup=1, copy_bytes=1 << 24,
+                     iterations=(("auto", "auto"), ("csr_vector", "csr_vector")),
+                     out_json=tmp_path / "b.json", out_md=tmp_path / "b.md", out_csv=tmp_path / "b.csv")
+    done = [r for r in res["kernels"] if "median_s" in r]
+    assert {r["op"] for r in done} == {"fp", "bp", "bp_notrans"}
+    assert all(r["rel_l2"] < 1e-5 for r in done)
+    assert len(res["iterations"]) == 2 and (tmp_path / "b.csv").exists()
 
 
-def test_row_shapes_name_their_builds():
-    default = plan.RowShape()
-    assert default.is_default and default.options() == () and default.label() == "256t"
-    s = plan.RowShape(1024, True, 0, True, 2)
-    assert not s.is_default
-    assert s.options() == ("-DMLEM_STREAM", "-DMLEM_BLOCK_MINB=2")
-    assert s.label() == "1024t sync w0 stream mb2"
-    u = plan.RowShape(512, False, 0, True, unroll=2)
-    assert u.options() == ("-DMLEM_STREAM", "-DMLEM_VEC_UNROLL=2") and u.label() == "512t w0 stream u2"
-    assert not plan.RowShape(unroll=2).is_default and plan.RowShape(unroll=plan.VEC_UNROLL).is_default
-    # csr_row_L: its own kernel and launch bound; waves and sync do not apply to it, so the label leaves them out
-    r = plan.RowShape(1024, False, 0, True, 2, unroll=1, row_bound=1024)
-    assert (r.kernel, s.kernel, default.kernel) == ("csr_row", "csr_block", "csr_vector")
-    assert r.options() == ("-DMLEM_STREAM", "-DMLEM_BLOCK_MINB=2", "-DMLEM_VEC_UNROLL=1", "-DMLEM_ROW_BOUND=1024")
-    assert r.label() == "1024t row1024 stream mb2 u1"
-    assert plan.RowShape(768, False, 0, True, 2, unroll=2, row_bound=768).label() == "768t row768 stream mb2 u2"
-    with pytest.raises(ValueError, match="row_bound"):
-        plan.RowShape(1024, row_bound=512)  # a block larger than the bound the kernel is compiled for
-    with pytest.raises(ValueError, match="row_bound"):
-        plan.RowShape(256, row_bound=2048)
-    assert any(c.row_bound for c in plan.SHAPE_CANDIDATES)
-    # the build default is spmv.cu's own
-    src = (Path(plan.__file__).parents[1] / "kernels" / "spmv.cu").read_text()
-    assert f"#define MLEM_VEC_UNROLL {plan.VEC_UNROLL}\n" in src
-    # csr_row_L exists for every lane count a non-default shape may take
-    assert all(f"CSR_ROW({L})" in src and f"CSR_BLOCK({L})" in src for L in plan.BLOCK_LANES)
-    # every candidate the backends tune over is a legal launch: at most 1024 threads, whole warps
-    assert plan.SHAPE_CANDIDATES[0].is_default
-    for c in plan.SHAPE_CANDIDATES:
-        assert c.threads <= 1024 and c.threads % 32 == 0
-        assert plan.launch_shape(10**6, c.threads // 32, 132, 2048, threads=c.threads, waves=c.waves)[1] == c.threads
-    # no grid-stride loop (waves 0): one block per row group, however many
-    assert plan.launch_shape(10**6, 32, 132, 2048, threads=1024, waves=0)[0] == 10**6 // 32
-
-
-def test_auto_is_shown_beside_the_fastest():
-    from mlemlib.bench import auto_vs_fastest
-
-    def row(op, kernel, ms, det=True, **kw):
-        return {"op": op, "kernel": kernel, "median_s": ms / 1e3, "deterministic": det, **kw}
-
-    result = {"kernels": [
-        row("fp", "cusparse", 2.6, det=False, auto=False),
-        row("fp", "csr_vector", 2.8, lanes=32, lanes_auto=True, shape="256t", auto=True),
-        row("fp", "csr_vector", 2.7, lanes=32, lanes_auto=True, shape="512t w0 stream", auto=False),
-        row("bp", "csr_vector", 2.7, lanes=32, lanes_auto=True, shape="512t w0 stream", auto=True),
-        row("bp", "cusparse", 3.6, det=False, auto=False),
-    ]}
-    fp, bp = auto_vs_fastest(result)
-    assert fp["auto"] == "csr_vector (32 lanes)" and fp["fastest"] == "cusparse"
-    assert fp["slower_by"] == pytest.approx(2.8 / 2.6 - 1)
-    assert fp["fastest_deterministic"] == "csr_vector (32 lanes, 512t w0 stream)"
-    assert bp["slower_by"] == 0.0 and bp["fastest"] == bp["auto"] == "csr_vector (32 lanes, 512t w0 stream)"
-
-
-@pytest.mark.gpu
-def test_bench_spmv_runs_the_iterations_in_each_format(tmp_path):
-    # The compressed formats' iterations: every row names its format and bytes per non-zero, the lossless
-    # formats' images match the CSR pair's to float32 rounding, the float16 values' within their precision.
-    from mlemlib.bench import FORMAT_ITERATION_BENCH, bench_spmv, tor_matrix
-
-    a = tor_matrix(24, 24, 3, 16, 33)
-    res = bench_spmv(a, repeat=3, warmup=1, copy_bytes=1 << 24, fp_kernels=("csr_vector",), bp_kernels=(),
-                     notrans_kernels=(), iterations=(("csr_vector", "csr_vector"),),
-                     formats=("csr", "compressed", "compressed-f16"))
-    its = res["iterations"]
-    assert [it["format"] for it in its] == ["csr"] + ["compressed"] * 4 + ["compressed-f16"] * 4
-    assert [(it["fp_requested"], it["bp_requested"]) for it in its[1:5]] == list(FORMAT_ITERATION_BENCH)
-    for it in its:
-        assert "error" not in it, it
-        assert it["median_s"] > 0 and it["finite"] and it["of_csr_floor"] > 0, it
-    for it in its[1:5]:
-        assert it["bytes_per_nnz"] < 8 and it["rel_l2_to_csr"] < 1e-5, it
-    for it in its[5:]:
-        assert it["rel_l2_to_csr"] < 1e-2, it
-    assert "| compressed-f16 |" in format_markdown(res)
-
-
-@pytest.mark.gpu
-def test_bench_spmv_on_a_compressed_file_decodes_it_and_adds_its_format(tmp_path):
-    # The kernels read CSR: a compressed container is decoded as it goes to the GPU, checked against float64
-    # like any matrix, and its own format's iterations are timed without being asked for.
-    from mlemlib.bench import bench_spmv, tor_matrix
-    from mlemlib.formats.compressed_h5 import write_compressed_h5
-
-    path = tmp_path / "m.h5"
-    write_compressed_h5(path, tor_matrix(24, 24, 3, 16, 33), fmt="compressed")
-    res = bench_spmv(path, repeat=2, warmup=1, copy_bytes=1 << 24, fp_kernels=("csr_vector",), bp_kernels=(),
-                     notrans_kernels=(), iterations=(("csr_vector", "csr_vector"),))
-    assert res["matrix"]["format"] == "compressed"
-    assert res["kernels"][0]["worst_of_bound"] <= 1.0
-    assert [it["format"] for it in res["iterations"]] == ["csr"] + ["compressed"] * 4
+@gpu
+def test_tor_matrix_on_the_device_equals_the_cpu_one():
+    host = tor_matrix(20, 16, 3, 12, 18)
+    dev = tor_matrix(20, 16, 3, 12, 18, device=True).to_host()
+    np.testing.assert_array_equal(dev.indptr, host.indptr)
+    np.testing.assert_array_equal(dev.indices, host.indices)
