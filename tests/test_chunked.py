@@ -666,7 +666,11 @@ def test_step_vectors_check_and_allocate(monkeypatch):
 
     from mlemlib.backends import _compressed_cuda as gpu
 
-    monkeypatch.setattr(gpu, "cupy", lambda: SimpleNamespace(**vars(_host_cupy()), ndarray=np.ndarray))
+    from mlemlib.backends import _build
+
+    fake = lambda: SimpleNamespace(**vars(_host_cupy()), ndarray=np.ndarray)  # noqa: E731
+    monkeypatch.setattr(gpu, "cupy", fake)
+    monkeypatch.setattr(_build, "cupy", fake)
     g, f = np.ones(3, np.float32), np.ones(5, np.float32)
     bp, fp = gpu._step_vectors((3, 5), g, f, None, None)
     assert bp.shape == (5,) and fp.shape == (3,) and bp.dtype == fp.dtype == np.float32

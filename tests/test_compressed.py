@@ -1148,7 +1148,7 @@ def test_cuda_launcher_imports_without_cupy():
 
 def test_kernel_sources_include_the_shared_epilogue_once():
     from mlemlib.backends import _compressed_cuda as cc
-    from mlemlib.backends._cuda_kernels import kernel_source
+    from mlemlib.backends._build import kernel_source
 
     header = (Path(__file__).resolve().parents[1] / "mlemlib" / "kernels" / "epilogue.cuh").read_text()
     for text in (kernel_source("spmv"), cc.kernel_source()):
@@ -1346,28 +1346,28 @@ def test_streamed_upload_of_a_corrupt_piece_names_the_file(tmp_path, monkeypatch
 @pytest.mark.parametrize("waves", [0, 1, 3])
 @pytest.mark.parametrize(("m", "lanes"), [(1, 32), (10_000_000, 32), (999_999, 8), (5, 4)])
 def test_row_launch_grid(monkeypatch, waves, m, lanes):
-    """One lane group per row when uncapped or asked (waves=0: the CSR one pass has no row loop); else capped at WAVES waves."""
+    """One lane group per row when uncapped or asked (waves=0: the CSR one pass has no row loop); else capped at
+    ``waves`` full waves; the default (WAVES) is uncapped."""
     from mlemlib.backends import _compressed_cuda as gpu
 
     monkeypatch.setattr(gpu, "_device_shape", lambda device_id: (132, 2048))  # an H100's SMs and threads per SM
     monkeypatch.setattr(gpu, "cupy", _fake_cupy)
-    monkeypatch.setattr(gpu, "WAVES", waves)
     grids = []
-    gpu._launch_rows(lambda grid, block, args: grids.append((grid, block)), m, lanes, ())
+    gpu._launch_rows(lambda grid, block, args: grids.append((grid, block)), m, lanes, (), waves=waves)
     gpu._launch_rows(lambda grid, block, args: grids.append((grid, block)), m, lanes, (), waves=0)
     per_block = gpu.THREADS // lanes
     needed = -(-m // per_block)
     cap = 132 * (2048 // gpu.THREADS) * waves
     (capped, block1), (full, block2) = grids
     assert block1 == block2 == (gpu.THREADS,)
-    assert full == (needed,)  # every row has its group, whatever WAVES says
+    assert full == (needed,)  # every row has its group
+    assert gpu.WAVES == 0
     assert capped == ((needed,) if waves == 0 else (min(needed, cap),))
     assert full[0] * per_block >= m > (full[0] - 1) * per_block
 
 
-@pytest.mark.parametrize("waves", [0, 2])
-def test_fixed_to_float_launches_blocks(monkeypatch, waves):
-    """The fixed-point conversion launches at least one block, uncapped (WAVES = 0) or capped."""
+def test_fixed_to_float_launches_blocks(monkeypatch):
+    """The fixed-point conversion launches one block per THREADS entries (uncapped: WAVES = 0)."""
     from types import SimpleNamespace
 
     from mlemlib.backends import _compressed_cuda as gpu
@@ -1375,13 +1375,12 @@ def test_fixed_to_float_launches_blocks(monkeypatch, waves):
     monkeypatch.setattr(gpu, "_device_shape", lambda device_id: (132, 2048))
     monkeypatch.setattr(gpu, "cupy", lambda: SimpleNamespace(
         uint64=np.uint64, float32=np.float32, cuda=SimpleNamespace(Device=_FakeDevice)))
-    monkeypatch.setattr(gpu, "WAVES", waves)
     launched = []
     monkeypatch.setattr(gpu, "function", lambda name: lambda grid, block, args: launched.append((name, grid)))
     n = 3_000_000
     gpu.fixed_to_float(np.zeros(n, np.uint64), np.zeros(n, np.float32), 2.0**40)
     needed = -(-n // gpu.THREADS)
-    assert launched == [("fixed_to_float", (needed if waves == 0 else min(needed, 132 * 8 * waves),))]
+    assert launched == [("fixed_to_float", (needed,))]
 
 
 def test_values16_names_the_formats_with_16_bit_values_and_row_scales():
@@ -1462,7 +1461,7 @@ def test_l2_window_sizes_and_the_driver_calls(monkeypatch, nbytes, window, aside
 
 def test_l2_window_falls_back_to_none_and_leaves_nothing_set(monkeypatch):
     """No window where the device allows none (set-aside maximum 0: MIG, MPS), where the driver refuses
-    (the set-aside given back), for an empty buffer, or with L2_PERSIST off; then release_l2 drops the
+    (the set-aside given back), or for an empty buffer; then release_l2 drops the
     lines and the set-aside."""
     from types import SimpleNamespace
 
@@ -1474,8 +1473,6 @@ def test_l2_window_falls_back_to_none_and_leaves_nothing_set(monkeypatch):
     assert [c[0] for c in drv.calls][-1] == "cuCtxSetLimit" and drv.calls[-1][1][1].value == 0
     gpu, drv = _l2_fakes(monkeypatch)
     assert gpu.persist_in_l2(stream, _buffer(0)) is None and drv.calls == []
-    monkeypatch.setattr(gpu, "L2_PERSIST", False)
-    assert gpu.persist_in_l2(stream, _buffer(1 << 20)) is None and drv.calls == []
     gpu.release_l2()
     assert [c[0] for c in drv.calls] == ["cuCtxResetPersistingL2Cache", "cuCtxSetLimit"]
     assert drv.calls[-1][1][1].value == 0
@@ -1495,9 +1492,8 @@ def _spread_rows(w, p, u, m):
 def test_spread_launch_order_takes_every_row_once(monkeypatch, unit, m):
     from mlemlib.backends import _compressed_cuda as gpu
 
-    monkeypatch.setattr(gpu, "SPREAD_UNIT", unit)
-    groups, (p, u) = gpu.spread(m)
-    assert gpu.spread(m, unit) == (groups, (p, u))  # the unit given, as the compressed scatter gives its own
+    groups, (p, u) = gpu.spread(m, unit)
+    assert gpu.spread(m) == gpu.spread(m, 0)  # the one passes' default: rows in order
     taken = _spread_rows(np.arange(groups), int(p), int(u), m)
     rows = taken[taken < m]  # the last unit's tail is no row
     assert np.array_equal(np.sort(rows), np.arange(m))

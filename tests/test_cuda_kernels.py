@@ -228,11 +228,10 @@ def test_scatter_skips_rows_with_zero_correlation(rng):
 @pytest.mark.parametrize("m", [1, 2, 3, 97, 4096, 30030])
 @pytest.mark.parametrize("spread", [True, False])
 @pytest.mark.parametrize(("kernel", "lanes"), [("scatter", 32), ("scatter", 4), ("scatter_vec", 8)])
-def test_scatter_takes_every_row_once_in_either_launch_order(monkeypatch, m, spread, kernel, lanes):
+def test_scatter_takes_every_row_once_in_either_launch_order(m, spread, kernel, lanes):
     """Row r holds 1 at column r, with a neighbour at column (r + 1) mod m for the longer rows' trips: the
     output is c plus c rolled by one, exactly (one or two terms per column, integers), so that a row
     the launch order missed or took twice shows."""
-    monkeypatch.setattr(ck, "SCATTER_SPREAD", spread)
     rows = np.arange(m)
     cols = np.stack([rows, (rows + 1) % m], axis=1) if m > 1 else rows[:, None]
     cols = np.sort(cols, axis=1)
@@ -240,7 +239,7 @@ def test_scatter_takes_every_row_once_in_either_launch_order(monkeypatch, m, spr
     a = CSRMatrix(np.arange(0, m * k + 1, k), cols.ravel(), np.ones(m * k, np.float32), (m, m))
     c = np.arange(1, m + 1, dtype=np.float32)
     want = c + (np.roll(c, 1) if m > 1 else 0)
-    y = ck.scatter(ck.DeviceCSR.from_host(a), cp.asarray(c), poisoned(m), kernel=kernel, lanes=lanes)
+    y = ck.scatter(ck.DeviceCSR.from_host(a), cp.asarray(c), poisoned(m), kernel=kernel, lanes=lanes, spread=spread)
     assert np.array_equal(cp.asnumpy(y), want)
 
 

@@ -31,7 +31,6 @@ default bounds (a reduction read back to the host).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -41,6 +40,8 @@ import numpy as np
 
 from mlemlib._io import prefetched
 from mlemlib.backends import _cuda_plan as plan
+from mlemlib.backends._build import Build, check_vector, cupy
+from mlemlib.backends._build import function as _function
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR
 from mlemlib.backends.device_formats import DeviceMatrix, format_of
 from mlemlib.compressed import VALUE_DTYPES, format_of_values, values16
@@ -51,11 +52,10 @@ log = logging.getLogger(__name__)
 
 #: Lanes per row the kernels are compiled for.
 LANE_CHOICES = (4, 8, 16, 32)
-#: Threads per block (kernels are built for it: ``-DMLEM_CMP_THREADS``); 256 measured fastest
-#: on madpet2 (H100, docs/benchmarks.md section 27).
+#: Threads per block of the row kernels (compressed.cu's CMP_THREADS).
 THREADS = 256
-#: Cap of a launch in full waves of the device (the kernels loop over the rest); 0: no cap, one
-#: row per lane group, which keeps neighbouring rows in flight together (docs/benchmarks.md §25).
+#: Cap of a row launch in full waves of the device: 0, no cap, one row per lane group, which keeps
+#: neighbouring rows in flight together (the kernels loop over rows past the cap).
 WAVES = 0
 #: Non-zeros per block a CSR source is read and encoded in on its way to the GPU.
 UPLOAD_CHUNK_NNZ = 1 << 26
@@ -63,73 +63,35 @@ UPLOAD_CHUNK_NNZ = 1 << 26
 U16_CHUNK_SCALE_MAX = 2.0**100
 #: Kernel name part of a values dtype (its ``dtype.char``): float32, float16, uint16.
 VALUE_NAMES = {"f": "f32", "e": "f16", "H": "u16"}
-#: Quads (4 slots) per lane per trip of the compressed SpMV: 1 (cspmv) or 2 (cspmv8).
-QUADS = 1
-#: Extra NVRTC options (e.g. ``("-DMLEM_OP_CACHE=24",)``: trips of a row kept in registers by the one-pass kernels).
-OPTIONS: tuple[str, ...] = ()
-#: Keep the one pass's atomic target (``bp``, or the fixed point's ``acc``) in L2: an access-policy window
-#: of persisting lines on the iteration's stream, with as much L2 set aside (:func:`persist_in_l2`;
-#: 1.5% faster on Matrix 3, docs/benchmarks.md section 81). False: never.
-L2_PERSIST = True
-#: Rows per unit of the one passes' spread launch order (:func:`spread`, ``spread_rows`` in epilogue.cuh);
-#: 0 keeps the rows in order. In order is the fastest: spread, the rows in flight together no longer
-#: gather the same voxels of ``f`` (madpet2's CSR one pass on an H200: 5.74 ms in order, 5.98 / 6.33 /
-#: 7.81 in units of 32 / 8 / 1 rows, docs/benchmarks.md section 84).
-SPREAD_UNIT = 0
-#: The same for the compressed scatter with float atomics (``cscatter``), which gathers nothing: units of
-#: one row, as the CSR ``scatter`` (``_cuda_kernels.SCATTER_SPREAD``): 7.6% faster on madpet2 on an
-#: H200 (3.544 against 3.836 ms lossless). Its fixed point (``cscatter_det``) keeps the rows in order.
+#: Rows per unit of the float-atomic scatter's spread launch order (:func:`spread`): rows in flight
+#: together then add into voxels far apart. The one passes, which gather f, and the fixed point keep
+#: the rows in order (unit 0).
 SCATTER_SPREAD_UNIT = 1
-#: Dynamic shared memory (bytes, unused) per block of a row kernel: 0, or more to cap the blocks a
-#: multiprocessor holds at once (an occupancy probe: tools/device_matrix3_onepass.py --sweep).
-SHARED_PAD = 0
+#: The build of compressed.cu (it has no variants).
+COMPRESSED = Build("compressed")
 #: Epilogues of :func:`spmv` (as spmv.cu).
 MODE_PLAIN, MODE_CORR, MODE_UPDATE = 0, 1, 2
 #: Fixed point: the bound maps below 2**FIXED_HEADROOM_BITS (of 64).
 FIXED_HEADROOM_BITS = 62
 
 
-def cupy():
-    """Import CuPy, or raise :class:`DeviceError` saying how to get it."""
-    try:
-        import cupy as cp
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise DeviceError(f"the compressed CUDA kernels need CuPy (pip install 'mlemlib[gpu]'): {exc}") from exc
-    return cp
-
-
 def kernel_source() -> str:
-    """Text of ``mlemlib/kernels/compressed.cu``, its headers included (:func:`_cuda_kernels.kernel_source`)."""
-    from mlemlib.backends._cuda_kernels import kernel_source as source
+    """Text of ``mlemlib/kernels/compressed.cu``, its headers included (:func:`mlemlib.backends._build.kernel_source`)."""
+    from mlemlib.backends._build import kernel_source as source
 
     return source("compressed")
 
 
-@functools.cache
-def _module(device_id: int, options: tuple[str, ...]) -> Any:
-    cp = cupy()
-    with cp.cuda.Device(device_id):
-        mod = cp.RawModule(code=kernel_source(), options=("--std=c++17", *options))
-        mod.compile()
-    log.debug("compiled compressed.cu for device %d", device_id)
-    return mod
-
-
-@functools.cache
-def _function_on(name: str, device_id: int, options: tuple[str, ...]) -> Any:
-    return _module(device_id, options).get_function(name)
-
-
 def function(name: str) -> Any:
-    """Kernel ``name`` of compressed.cu, compiled for the current device and :data:`THREADS` (memoized)."""
-    opts = OPTIONS + ((f"-DMLEM_CMP_THREADS={THREADS}",) if THREADS != 512 else ())  # the .cu's default is 512
-    return _function_on(name, cupy().cuda.Device().id, opts)
+    """Kernel ``name`` of compressed.cu, compiled for the current device (memoized)."""
+    return _function(COMPRESSED, name)
 
 
-@functools.cache
 def _device_shape(device_id: int) -> tuple[int, int]:
-    p = cupy().cuda.runtime.getDeviceProperties(device_id)
-    return int(p["multiProcessorCount"]), int(p["maxThreadsPerMultiProcessor"])
+    from mlemlib.backends._cuda_kernels import device_properties
+
+    p = device_properties(device_id)
+    return p["sm_count"], p["max_threads_per_sm"]
 
 
 def _grid(items: int, items_per_block: int, waves: int | None) -> tuple[int, int]:
@@ -139,15 +101,15 @@ def _grid(items: int, items_per_block: int, waves: int | None) -> tuple[int, int
                              waves=WAVES if waves is None else waves)
 
 
-def spread(m: int, unit: int | None = None) -> tuple[int, tuple[np.int64, np.int64]]:
+def spread(m: int, unit: int = 0) -> tuple[int, tuple[np.int64, np.int64]]:
     """The launch order of the atomic kernels over ``m`` rows: (lane groups to launch, their ``(P, U)``).
 
-    Lane group ``w`` takes row ``spread_rows(w, P, U, m)``: the units of ``unit`` (default
-    :data:`SPREAD_UNIT`) consecutive rows in the order ``u P mod units``
+    Lane group ``w`` takes row ``spread_rows(w, P, U, m)``: the units of ``unit`` consecutive rows
+    (0: in order) in the order ``u P mod units``
     (:func:`~mlemlib.backends._cuda_plan.spread_stride`), so that the rows in flight together lie all
     over the matrix; ``(1, 1)`` and ``m`` groups keep the rows in order.
     """
-    u = int(SPREAD_UNIT if unit is None else unit)
+    u = int(unit)
     units = -(-m // u) if u > 0 else 0
     p = plan.spread_stride(units) if u > 0 else 1
     if p == 1:
@@ -159,11 +121,7 @@ def _launch_rows(fn: Any, m: int, lanes: int, args: tuple, waves: int | None = N
     """Launch a row kernel: ``lanes`` per row, grid-stride, capped at ``waves`` full waves (default
     :data:`WAVES`; 0: no cap, one row per lane group: what kernels without a row loop need)."""
     blocks, threads = _grid(m, THREADS // lanes, waves)
-    if SHARED_PAD:
-        fn.max_dynamic_shared_size_bytes = SHARED_PAD  # with the static shared memory above 48 KB: opt in
-        fn((blocks,), (threads,), args, shared_mem=SHARED_PAD)
-    else:
-        fn((blocks,), (threads,), args)
+    fn((blocks,), (threads,), args)
 
 
 #: ``CU_LIMIT_PERSISTING_L2_CACHE_SIZE`` (``cuCtxSetLimit``): the L2 set aside for persisting lines.
@@ -184,13 +142,13 @@ def persist_in_l2(stream: Any, buf: Any) -> dict | None:
     down beyond it), for the current device's context; :func:`release_l2` gives it back.
 
     Returns the sizes used, or None (and nothing set) where the device or driver has no such control
-    (MIG, MPS, a set-aside maximum of 0, no ``libcuda``) or :data:`L2_PERSIST` is False. Through the driver
+    (MIG, MPS, a set-aside maximum of 0, no ``libcuda``). Through the driver
     API with ctypes: CuPy has no call for it.
     """
     import ctypes
 
     cp = cupy()
-    if not L2_PERSIST or int(buf.nbytes) == 0:
+    if int(buf.nbytes) == 0:
         return None
     dev = cp.cuda.Device().id
     try:
@@ -251,12 +209,6 @@ def _lanes(lanes: int | None, default: int) -> int:
     if lanes not in LANE_CHOICES:
         raise ConfigError("lanes", f"lanes per row must be one of {LANE_CHOICES}, got {lanes}")
     return lanes
-
-
-def _check_vector(name: str, v: Any, size: int) -> None:
-    cp = cupy()
-    if not isinstance(v, cp.ndarray) or v.dtype != cp.float32 or v.shape != (size,) or not v.flags.c_contiguous:
-        raise ValueError(f"{name} must be a contiguous float32 CuPy vector of {size} entries")
 
 
 # --------------------------------------------------------------------------- matrices on the device
@@ -548,8 +500,8 @@ def spmv(
     out = spmv_vectors(a.shape, x, out, mode, aux0, aux1)
     if m == 0:
         return out
-    L = _lanes(lanes, a.lanes() if QUADS == 1 else choose_lanes(a.slots / 8 / m if m else 0.0))
-    fn = function(f"cspmv{'8' if QUADS == 2 else ''}_{a.kind}_{L}")
+    L = _lanes(lanes, a.lanes())
+    fn = function(f"cspmv_{a.kind}_{L}")
     a0 = aux0 if aux0 is not None else out
     a1 = aux1 if aux1 is not None else out
     _launch_rows(fn, m, L, (*a.kernel_args(), x, out, np.int64(m), np.int32(mode), a0, a1))
@@ -605,10 +557,10 @@ def scatter(
     """
     cp = cupy()
     m, n = a.shape
-    _check_vector("c", c, m)
+    check_vector("c", c, m)
     if out is None:
         out = cp.empty(n, dtype=cp.float32)
-    _check_vector("out", out, n)
+    check_vector("out", out, n)
     L = _lanes(lanes, a.lanes())
     args = a.kernel_args()
     if not deterministic:
@@ -623,7 +575,7 @@ def scatter(
     flag = cp.zeros(1, dtype=cp.int32)
     fn = function(f"cscatter_det_{a.kind}_{L}")
 
-    groups, order = spread(m, 0)  # the fixed point's 64-bit atomics: 1-4% slower spread (benchmarks.md §84)
+    groups, order = spread(m, 0)  # the fixed point's 64-bit atomics in row order
 
     def launch(scale: float) -> None:
         if m:
@@ -637,12 +589,12 @@ def _step_vectors(shape: tuple[int, int], g: Any, f: Any, bp: Any, fp: Any) -> t
     """A one-pass step's vectors checked (g and fp: m entries; f and bp: n), bp and fp allocated when None."""
     cp = cupy()
     m, n = shape
-    _check_vector("g", g, m)
-    _check_vector("f", f, n)
+    check_vector("g", g, m)
+    check_vector("f", f, n)
     bp = cp.empty(n, dtype=cp.float32) if bp is None else bp
     fp = cp.empty(m, dtype=cp.float32) if fp is None else fp
-    _check_vector("bp", bp, n)
-    _check_vector("fp", fp, m)
+    check_vector("bp", bp, n)
+    check_vector("fp", fp, m)
     return bp, fp
 
 
@@ -947,10 +899,10 @@ def chunked_forward(a: DeviceChunked, f: Any, out: Any = None) -> Any:
     """``out = A f`` through the chunks (the chunked kernel without its scatter); deterministic."""
     cp = cupy()
     m, n = a.shape
-    _check_vector("f", f, n)
+    check_vector("f", f, n)
     if out is None:
         out = cp.empty(m, dtype=cp.float32)
-    _check_vector("out", out, m)
+    check_vector("out", out, m)
     flag = cp.zeros(1, dtype=cp.int32)
     _chunk_launch(a, f, f, out, cp.empty(1, dtype=cp.uint64), 1.0, flag, 1)  # g unused with fwd_only
     return out

@@ -5,8 +5,6 @@ Provides
 - :class:`DeviceCSR` — a CSR matrix in GPU memory (int64 row pointer, int32
   columns, float32 values), with its cuSPARSE view (:meth:`DeviceCSR.cusparse`)
   and an on-device transposition (:meth:`DeviceCSR.transpose`);
-- :func:`module` — the compiled ``mlemlib/kernels/<name>.cu``, once per device
-  (memoized ``cupy.RawModule``);
 - the launches: :func:`spmv` (``csr_scalar``, ``csr_vector``, ``merge``,
   ``cusparse``, with the fused MLEM epilogues), :func:`scatter` (``A^T c``
   from the rows of ``A``: ``scatter``, ``scatter_vec``, ``scatter_smem``,
@@ -15,16 +13,15 @@ Provides
 
 CuPy is imported inside the functions: importing this module needs no GPU,
 calling it does. Launch shapes come from the device's properties
-(:func:`device_properties`) through :mod:`mlemlib.backends._cuda_plan`. Nothing
+(:func:`device_properties`) through :mod:`mlemlib.backends._cuda_plan`; every kernel is
+compiled through :mod:`mlemlib.backends._build` (``SPMV``, ``RowShape.build``). Nothing
 here synchronises the device.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.resources
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib.backends import _cuda_plan as plan
+from mlemlib.backends._build import Build, check_vector, cupy, function
 from mlemlib.backends.device_formats import DeviceMatrix
 from mlemlib.devices import cuda_memory_bandwidth
 from mlemlib.errors import ConfigError, DeviceError
@@ -49,22 +47,11 @@ CUSPARSE_MAX_NNZ = plan.CUSPARSE_MAX_NNZ
 SMEM_CHUNK_NNZ = 1 << 18
 #: Threads per block of ``scatter_smem``.
 SMEM_THREADS = 1024
-#: Extra NVRTC options of spmv.cu (e.g. ``("-DMLEM_MIN_BLOCKS=8",)`` to cap registers at 32).
-SPMV_OPTIONS: tuple[str, ...] = ()
-#: The build of spmv.cu whose ``scatter_vec_L`` uses sm_90 vector atomics.
-VECTOR_ATOMICS = ("-DMLEM_VECTOR_ATOMICS",)
-#: The atomic scatter takes A's rows in a spread order (:func:`_cuda_plan.spread_stride`); False: in order
-#: (for measurements).
-SCATTER_SPREAD = True
-
-
-def cupy():
-    """Import CuPy, or raise :class:`DeviceError` saying how to get it."""
-    try:
-        import cupy as cp
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise DeviceError(f"the CUDA backend needs CuPy (pip install 'mlemlib[gpu]'): {exc}") from exc
-    return cp
+#: The build of spmv.cu without options (csr_vector_L's own launch shape, the scatters, merge).
+SPMV = Build("spmv")
+#: The build of spmv.cu whose ``scatter_vec_L`` uses sm_90 vector atomics (a compiler without them loses
+#: this kernel only).
+SPMV_VECTOR_ATOMICS = Build("spmv", ("-DMLEM_VECTOR_ATOMICS",))
 
 
 @functools.cache
@@ -94,47 +81,8 @@ def shape_label(a: Any) -> str:
 
 def transpose_lanes(at: DeviceCSR) -> int:
     """Lanes per row of ``csr_vector`` on ``A^T`` (the back projection): as for any matrix, from its mean row length.
-
-    (Until 2026-11-23 the rows of ``A^T`` got at most 16 lanes on GPUs of high
-    bandwidth per multiprocessor, measured with the grid-stride launch; with the
-    tuned launch shapes 32 lanes are as fast or faster on the H100 and the H200,
-    docs/benchmarks.md section 26.)
     """
     return at.lanes()
-
-
-#: A line of a kernel source that includes one of the package's own headers.
-_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[^\n]*$', re.M)
-
-
-def kernel_source(name: str) -> str:
-    """Text of ``mlemlib/kernels/<name>.cu`` (shipped as package data), each ``#include "x.cuh"`` of the
-    package's own headers replaced by the header's text (NVRTC is given source text, not a directory)."""
-    kernels = importlib.resources.files("mlemlib.kernels")
-    text = kernels.joinpath(f"{name}.cu").read_text()
-    return _LOCAL_INCLUDE.sub(lambda mo: kernels.joinpath(mo.group(1)).read_text(), text)
-
-
-@functools.cache
-def module(name: str, device_id: int, options: tuple[str, ...] = ()) -> Any:
-    """``mlemlib/kernels/<name>.cu`` compiled for one device (memoized per device and options)."""
-    cp = cupy()
-    with cp.cuda.Device(device_id):
-        mod = cp.RawModule(code=kernel_source(name), options=("--std=c++17", *options))
-        mod.compile()
-    log.debug("compiled %s.cu for device %d (%s)", name, device_id, device_properties(device_id)["name"])
-    return mod
-
-
-def _function(mod_name: str, kernel: str, options: tuple[str, ...] = ()) -> Any:
-    if mod_name == "spmv":
-        options = SPMV_OPTIONS + options
-    return _function_on(mod_name, kernel, cupy().cuda.Device().id, options)
-
-
-@functools.cache
-def _function_on(mod_name: str, kernel: str, device_id: int, options: tuple[str, ...]) -> Any:
-    return module(mod_name, device_id, options).get_function(kernel)
 
 
 @dataclass
@@ -157,9 +105,6 @@ class DeviceCSR(DeviceMatrix):
     #: Milliseconds per candidate shape measured by :meth:`tune`.
     tuned: dict | None = field(default=None, repr=False)
     _compact: Any = field(default=None, repr=False)  # compact_rows: None (not computed), False or the rows
-    #: The order ``csr_vector`` takes the rows in (int64 device array, a permutation; None: in order),
-    #: :meth:`set_row_order`.
-    row_order: Any = field(default=None, repr=False)
     #: Order of each row's elements: 0, by column (canonical: cuSPARSE, the host, the scatter kernels);
     #: L, interleaved for ``csr_vector`` with L lanes per row (:meth:`set_layout`).
     layout: int = field(default=0, repr=False)
@@ -231,9 +176,7 @@ class DeviceCSR(DeviceMatrix):
         kernel ``csr_interleave``) the four gathers of each lane of a
         ``csr_vector`` group read consecutive elements of the row instead of
         every fourth one, so each gather instruction touches fewer cache
-        lines: on madpet2 the projections 2-5% faster on an H200 and 0.5-2%
-        on an H100, the iteration 4% and 0.9% (docs/benchmarks.md section
-        82). The same pairs (column, value) in another order: any kernel
+        lines. The same pairs (column, value) in another order: any kernel
         computes the same product, ``csr_vector`` with other rounding (fixed
         by the layout: runs stay bit-identical), and :meth:`cusparse`,
         :meth:`to_host` and :meth:`transpose` set the layout back to 0 first.
@@ -248,7 +191,7 @@ class DeviceCSR(DeviceMatrix):
         self.drop_cusparse()  # its view shares the arrays
         m = self.shape[0]
         if m and self.nnz:
-            fn = _function("spmv", "csr_interleave")
+            fn = function(SPMV, "csr_interleave")
             blocks = min(-(-m // 8), 1 << 20)  # 8 warps of a 256-thread block, one row each (grid-stride)
             for to, inverse in ((self.layout, 1), (lanes, 0)):
                 if to:
@@ -292,9 +235,8 @@ class DeviceCSR(DeviceMatrix):
         choosing by time keeps runs bit-identical. Every candidate runs once to
         compile and warm up, then all of them ``repeat`` times in turn between
         CUDA events; the median decides. Candidates a lane count cannot take
-        are skipped. (Timing each candidate right after its compilation, 3 or
-        7 times, kept shapes 6-11% behind the fastest on an H200, benchmarks.md
-        section 50: the GPU had idled through the compilation.)
+        are skipped. (Timing each candidate right after its compilation would
+        time a GPU that idled through the compilation.)
         """
         cp = cupy()
         m, n = self.shape
@@ -346,7 +288,7 @@ class DeviceCSR(DeviceMatrix):
         self._cusparse = None
 
     def compact_rows(self) -> Any | None:
-        """The non-empty rows (int64, cached; in :attr:`row_order` where one is set), or None when at most
+        """The non-empty rows (int64, cached), or None when at most
         1/8 of the rows are empty.
 
         ``csr_vector`` given this row list computes the same sums for the
@@ -358,48 +300,14 @@ class DeviceCSR(DeviceMatrix):
             cp = cupy()
             m = self.shape[0]
             lengths = cp.diff(self.indptr)
-            rows = self.row_order[lengths[self.row_order] > 0] if self.row_order is not None else \
-                cp.flatnonzero(lengths).astype(cp.int64)
+            rows = cp.flatnonzero(lengths).astype(cp.int64)
             self._compact = False if m - rows.size <= m // 8 else rows
         return None if self._compact is False else self._compact
 
-    def set_row_order(self, order: Any | None) -> None:
-        """Have ``csr_vector`` take the rows in ``order`` (a permutation of the rows; None: in order).
-
-        The rows stay where they are: the kernel's r-th group takes row
-        ``order[r]`` (a row list, 8 bytes a row) and writes its own output
-        entry, so every result is the same bit for bit and only the rows in
-        flight together change. No backend sets one: on madpet2's ``A^T`` the
-        voxels along a 3-D Hilbert curve
-        (:func:`mlemlib.reorder.transpose_row_order`) gathered closer but read
-        the matrix's own arrays out of order, and the back projection took
-        2.011 ms against 1.961 in order on an H200, where A^T stored in that
-        order had been 1.6% faster (docs/benchmarks.md sections 82 and 85;
-        ``tools/row_order_probe.py`` measures it).
-        """
-        if order is None and self.row_order is None:
-            return
-        cp = cupy()
-        m = self.shape[0]
-        if order is not None:
-            order = cp.asarray(order, dtype=cp.int64)
-            if order.shape != (m,):
-                raise ValueError(f"row order of {order.shape} entries for a matrix of {m} rows")
-            seen = cp.zeros(m, dtype=cp.int32)
-            if m and (int(order.min()) < 0 or int(order.max()) >= m):
-                raise ValueError(f"row order out of range [0, {m})")
-            seen[order] = 1
-            if int(seen.sum()) != m:
-                raise ValueError("row order takes some row twice (not a permutation)")
-        self.row_order = order
-        self._compact = None
-        self.row_shape, self.tuned = None, None  # tuned on the rows in the order they were taken
-
     def launch_rows(self, skip_empty: bool = False) -> Any | None:
-        """The row list a ``csr_vector`` launch takes (:meth:`compact_rows` with ``skip_empty``, else
-        :attr:`row_order`), or None for every row in order."""
-        compact = self.compact_rows() if skip_empty else None
-        return compact if compact is not None else self.row_order
+        """The row list a ``csr_vector`` launch takes (:meth:`compact_rows` with ``skip_empty``), or None for
+        every row in order."""
+        return self.compact_rows() if skip_empty else None
 
     def transpose(self) -> DeviceCSR:
         """``A^T`` as CSR, computed on the GPU with cuSPARSE (csr2csc); rows' columns sorted."""
@@ -412,14 +320,13 @@ class DeviceCSR(DeviceMatrix):
         return out
 
 
-def set_row_layouts(a: Any, at: Any, fp_kernel: str, bp_kernel: str, lanes_fp: int, lanes_bp: int,
-                    enabled: bool) -> None:
+def set_row_layouts(a: Any, at: Any, fp_kernel: str, bp_kernel: str, lanes_fp: int, lanes_bp: int) -> None:
     """Give a backend's ``A`` and ``A^T`` the layouts its kernels read best (:func:`_cuda_plan.row_layouts`,
     :meth:`DeviceCSR.set_layout`); matrices of other formats, and a missing ``A^T``, are left alone.
     Called before the launch shapes are tuned: they are timed on the layout used."""
     if not isinstance(a, DeviceCSR):
         return
-    la, lt = plan.row_layouts(fp_kernel, bp_kernel, at is not None, lanes_fp, lanes_bp, enabled)
+    la, lt = plan.row_layouts(fp_kernel, bp_kernel, at is not None, lanes_fp, lanes_bp)
     a.set_layout(la)
     if isinstance(at, DeviceCSR):
         at.set_layout(lt)
@@ -568,23 +475,16 @@ def unpadded(a: Any) -> Any:
 def spmv_vectors(shape: tuple[int, int], x: Any, out: Any, mode: int, aux0: Any, aux1: Any) -> Any:
     """Check an SpMV's vectors against ``shape`` (``x``; ``out``, allocated when None; the epilogue's); return ``out``."""
     m, n = shape
-    _check_vector("x", x, n)
+    check_vector("x", x, n)
     if out is None:
         out = cupy().empty(m, dtype=cupy().float32)
     else:
-        _check_vector("out", out, m)
+        check_vector("out", out, m)
     if mode != MODE_PLAIN:
-        _check_vector("aux0", aux0, m)
+        check_vector("aux0", aux0, m)
         if mode == MODE_UPDATE:
-            _check_vector("aux1", aux1, m)
+            check_vector("aux1", aux1, m)
     return out
-
-
-def _check_vector(name: str, v: Any, length: int) -> None:
-    cp = cupy()
-    if not isinstance(v, cp.ndarray) or v.dtype != cp.float32 or v.ndim != 1 or v.size != length:
-        got = f"{type(v).__name__} {getattr(v, 'dtype', '?')} of shape {getattr(v, 'shape', '?')}"
-        raise ValueError(f"{name} must be a 1-D float32 CuPy array of length {length}, got {got}")
 
 
 def _launch_rows(kernel: Any, rows: int, lanes: int, args: tuple, waves: int | None = None) -> None:
@@ -638,7 +538,7 @@ def spmv_launch(
     a1 = aux1 if aux1 is not None else out
     if kernel == "csr_scalar":
         args = (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1)
-        run = _rows_launch(_function("spmv", "csr_scalar"), m, 1, args)
+        run = _rows_launch(function(SPMV, "csr_scalar"), m, 1, args)
     else:
         if skip_empty and mode == MODE_UPDATE:
             raise ValueError("skip_empty: an empty row's update is not 0 (f * 0 / norm keeps f's sign and NaN)")
@@ -653,7 +553,7 @@ def spmv_launch(
         if shape is None:  # the matrix's tuned shape, where this lane count can take it
             shape = a.row_shape if lanes_ in plan.BLOCK_LANES else None
         if shape is None or shape.is_default:
-            run = _rows_launch(_function("spmv", f"csr_vector_{lanes_}"), m, lanes_, args)
+            run = _rows_launch(function(SPMV, f"csr_vector_{lanes_}"), m, lanes_, args)
         else:
             if lanes_ not in plan.BLOCK_LANES:
                 raise ConfigError("lanes", f"a block shape needs lanes in {plan.BLOCK_LANES}, got {lanes_}")
@@ -661,7 +561,7 @@ def spmv_launch(
                 raise ConfigError("shape", f"shape {shape.label()} takes rows of at most "
                                            f"{plan.ROW_KERNEL_MAX_LENGTH} non-zeros; this matrix has one of "
                                            f"{a.stats()['max_row_length']}")
-            fn = _function("spmv", f"{shape.kernel}_{lanes_}", shape.options())
+            fn = function(shape.build, f"{shape.kernel}_{lanes_}")
             if shape.row_bound:  # csr_row_L: one row per group, no loop
                 run = partial(fn, (max(1, -(-m // (shape.threads // lanes_))),), (shape.threads,), args)
             else:  # csr_block_L
@@ -746,7 +646,7 @@ def spmv(
             props = device_properties(cp.cuda.Device().id)
             nthreads = plan.merge_threads(m, a.nnz, secsize)
             blocks, threads = plan.launch_shape(nthreads, plan.THREADS, props["sm_count"], props["max_threads_per_sm"])
-            fn = _function("spmv", "merge_spmv")
+            fn = function(SPMV, "merge_spmv")
             fn(
                 (blocks,),
                 (threads,),
@@ -785,7 +685,7 @@ def smem_plan(a: DeviceCSR, *, chunk_nnz: int = SMEM_CHUNK_NNZ) -> SmemPlan:
     cmin = cp.empty(max(nchunks, 1), dtype=cp.int32)
     cmax = cp.empty(max(nchunks, 1), dtype=cp.int32)
     if nchunks:
-        _function("spmv", "chunk_bounds")((nchunks,), (256,), (a.indptr, a.indices, crow, cmin, cmax))
+        function(SPMV, "chunk_bounds")((nchunks,), (256,), (a.indptr, a.indices, crow, cmin, cmax))
     window = props["smem_per_block_optin"] // 4
     width = cmax[:nchunks] - cmin[:nchunks] + 1
     frac = float(((width > 0) & (width <= window)).sum()) / nchunks if nchunks else 1.0
@@ -800,6 +700,7 @@ def scatter(
     kernel: str = "scatter",
     lanes: int | None = None,
     smem: SmemPlan | None = None,
+    spread: bool = True,
 ) -> Any:
     """``out = A^T c`` from the rows of ``A`` (no transpose); floating-point atomics: not deterministic.
 
@@ -820,14 +721,17 @@ def scatter(
         Lanes per row of ``scatter`` / ``scatter_vec`` (default from the mean row length).
     smem
         The :func:`smem_plan` of ``a`` (made here when None; make it once).
+    spread
+        ``scatter``/``scatter_vec`` take the rows in a spread order (rows in flight together then
+        add into voxels far apart); False: in order.
     """
     cp = cupy()
     m, n = a.shape
-    _check_vector("c", c, m)
+    check_vector("c", c, m)
     if out is None:
         out = cp.empty(n, dtype=cp.float32)
     else:
-        _check_vector("out", out, n)
+        check_vector("out", out, n)
     if kernel == "cusparse_notrans":
         if a.nnz:
             out[...] = a.cusparse().T @ c
@@ -841,15 +745,15 @@ def scatter(
         lanes_ = lanes or a.lanes()
         if lanes_ not in plan.LANE_CHOICES:
             raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
-        fn = _function("spmv", f"{kernel}_{lanes_}", VECTOR_ATOMICS if kernel == "scatter_vec" else ())
-        # one row per lane group, no grid-stride loop (docs/benchmarks.md §31); the rows in a spread order
-        # (group w takes row w P mod m, §84) unless SCATTER_SPREAD is off
-        stride = plan.spread_stride(m) if SCATTER_SPREAD else 1
+        fn = function(SPMV_VECTOR_ATOMICS if kernel == "scatter_vec" else SPMV, f"{kernel}_{lanes_}")
+        # one row per lane group, no grid-stride loop; the rows in a spread order (group w takes row
+        # w P mod m) unless ``spread`` is off
+        stride = plan.spread_stride(m) if spread else 1
         _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, c, out, np.int64(m), np.int64(stride)), waves=0)
     elif kernel == "scatter_smem":
         sp = smem if smem is not None else smem_plan(a)
         nchunks = len(sp.chunk_rows) - 1
-        fn = _function("spmv", "scatter_smem")
+        fn = function(SPMV, "scatter_smem")
         shared = sp.window * 4
         fn.max_dynamic_shared_size_bytes = shared
         fn(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mlemlib import registry
+from mlemlib.backends._build import Build
 from mlemlib.errors import ConfigError
 
 #: Lanes per row ``csr_vector_L`` and ``scatter_L`` are compiled for.
@@ -70,16 +71,15 @@ class RowShape:
     unroll
         Trips of the 16-byte loop issued together (``-DMLEM_VEC_UNROLL``;
         :data:`VEC_UNROLL` is the build's default): 4 is faster where the
-        gathers hit the cache (madpet2 in its own order), 2 where they do not
-        and the registers it saves hide their latency (its rows shuffled:
-        the back projection on A^T 4.06 against 4.38 ms, benchmarks.md §50).
+        gathers hit the cache (a matrix in its scanner's order), 2 where they do
+        not and the registers it saves hide their latency (rows shuffled).
     row_bound
         0: ``csr_vector_L`` / ``csr_block_L``. Else ``csr_row_L``: one row per
         group, no loop (``waves`` and ``sync`` do not apply), compiled for
         ``min_blocks`` blocks of ``row_bound`` threads per multiprocessor
         (``-DMLEM_ROW_BOUND``): 1024 x 2 holds it to 32 registers, 64 warps
-        of neighbouring rows per multiprocessor (the back projection of
-        madpet2 on A^T 7% faster on an H200, benchmarks.md §86).
+        of neighbouring rows per multiprocessor, which lets L1 serve more of
+        a back projection's gathers.
     """
 
     threads: int = THREADS
@@ -104,6 +104,11 @@ class RowShape:
         """The kernel family this shape launches: ``csr_vector``, ``csr_block`` or ``csr_row``."""
         return "csr_vector" if self.is_default else ("csr_row" if self.row_bound else "csr_block")
 
+    @property
+    def build(self) -> Build:
+        """The spmv.cu build this shape runs (the kernel cache's key)."""
+        return Build("spmv", self.options())
+
     def options(self) -> tuple[str, ...]:
         """NVRTC options of the spmv.cu build this shape runs."""
         return (
@@ -127,14 +132,11 @@ class RowShape:
 
 
 #: The launch shapes ``csr_vector`` is timed under when a backend tunes a matrix
-#: (:meth:`mlemlib.backends._cuda_kernels.DeviceCSR.tune`): csr_vector_L's own,
-#: and block-aligned grids without a grid-stride loop, which keep the rows in
-#: flight together (docs/benchmarks.md section 25: the back projection of
-#: madpet2 on an H100 went from 3.40 to 2.68-2.71 ms); 256 threads with streaming loads of
-#: the matrix, with and without the grid-stride loop: the forward projection of madpet2 in
-#: the interleaved layout 2-4% faster than csr_vector_L's own on an H200 (section 82);
-#: csr_row_L at 32 registers (64 warps per multiprocessor) or 40: the back projection of madpet2
-#: on A^T 7% faster than the best csr_block_L shape on an H200 (section 86).
+#: (:meth:`mlemlib.backends._cuda_kernels.DeviceCSR.tune`): csr_vector_L's own;
+#: block-aligned grids without a grid-stride loop, which keep the rows in flight
+#: together; 256 threads with streaming loads of the matrix, with and without the
+#: grid-stride loop; csr_row_L at 32 registers (64 warps per multiprocessor) or 40.
+#: Which is fastest depends on the matrix, its order and the GPU.
 SHAPE_CANDIDATES = (
     RowShape(),
     RowShape(THREADS, False, None, True),
@@ -259,7 +261,7 @@ def spread_stride(m: int) -> int:
     ``P`` is the first integer from ``m / golden ratio`` up that is coprime with ``m``, so that
     ``w -> w P mod m`` visits every row once and the rows in flight together (consecutive ``w``)
     lie all over the matrix instead of being a fan of neighbouring LORs whose atomics meet on the
-    same voxels (4.8% faster on madpet2 on an H100, docs/benchmarks.md section 84). 1 (rows in
+    same voxels. 1 (rows in
     order) below 3 rows and from ``2**32`` rows, where ``w P`` could overflow 64 bits.
     """
     if m < 3 or m >= 1 << 32:
@@ -338,8 +340,7 @@ def interleave_positions(indptr: np.ndarray, lanes: int) -> np.ndarray:
     return np.where(inside, moved, p)
 
 
-def row_layouts(fp_kernel: str, bp_kernel: str, transpose: bool, lanes_fp: int, lanes_bp: int,
-                enabled: bool = True) -> tuple[int, int]:
+def row_layouts(fp_kernel: str, bp_kernel: str, transpose: bool, lanes_fp: int, lanes_bp: int) -> tuple[int, int]:
     """Layouts (``DeviceCSR.set_layout``) of ``A`` and ``A^T`` for a backend's kernels: 0 or the lanes.
 
     A matrix is interleaved only where ``csr_vector`` is its one reader: ``A``
@@ -351,8 +352,6 @@ def row_layouts(fp_kernel: str, bp_kernel: str, transpose: bool, lanes_fp: int, 
     measured with 32): fewer lanes take rows of a few elements, whose gathers
     the layout cannot bring closer.
     """
-    if not enabled:
-        return 0, 0
     la = lanes_fp if fp_kernel == "csr_vector" and transpose and lanes_fp in BLOCK_LANES else 0
     lt = lanes_bp if bp_kernel == "csr_vector" and transpose and lanes_bp in BLOCK_LANES else 0
     return la, lt

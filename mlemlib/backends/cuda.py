@@ -53,13 +53,6 @@ log = logging.getLogger(__name__)
 MEMORY_HEADROOM = 0.92
 #: Kernels with the fused epilogues (correlation into fp, update into bp on A^T).
 FUSED = ("csr_vector", "csr_scalar", "delta_vector")
-#: The fused forward projection skips empty rows (DeviceCSR.compact_rows) where they are more than 1/8
-#: of A's rows; False runs every row (for measurements: tools/device_spmv_options.py --options SKIP_EMPTY=0).
-SKIP_EMPTY_ROWS = True
-#: Each row of the matrices only ``csr_vector`` reads interleaved for its lanes (DeviceCSR.set_layout,
-#: _cuda_plan.row_layouts): the iteration on madpet2 4% faster on an H200, 0.9% on an H100
-#: (benchmarks.md section 82); False keeps them in column order (for measurements).
-INTERLEAVE = True
 GIB = float(1 << 30)
 
 
@@ -316,7 +309,7 @@ class CudaBackend(Backend):
                     weakref.finalize(self, _release_l2_on, self.device_id).atexit = False
             if isinstance(self.a, ck.DeviceCSR):
                 ck.set_row_layouts(self.a, self.at, self.fp_kernel, self.bp_kernel, self._lanes(self.a),
-                                   self._lanes(self.at) if self.at is not None else 0, INTERLEAVE)
+                                   self._lanes(self.at) if self.at is not None else 0)
             if tune and self.fp_kernel == "csr_vector" and isinstance(self.a, ck.DeviceCSR):
                 self.a.tune(self._lanes(self.a))
             if tune and self.at is not None and self.bp_kernel == "csr_vector":
@@ -373,7 +366,7 @@ class CudaBackend(Backend):
         if not isinstance(self.a, ck.DeviceCSR):
             return None
         return ck.spmv_launch(self.a, f, self._c, kernel=self.fp_kernel, lanes=self._lanes(self.a),
-                              mode=ck.MODE_CORR, aux0=self.g, skip_empty=SKIP_EMPTY_ROWS)
+                              mode=ck.MODE_CORR, aux0=self.g, skip_empty=True)
 
     def forward(self, f: Any) -> Any:
         with self._device:

@@ -410,7 +410,7 @@ class NcclBackend(Backend):
                         if self.bp_kernel != "scatter_smem":
                             s.smem = None
                     ck.set_row_layouts(s.a, s.at, self.fp_kernel, self.bp_kernel, self.lanes_fp,
-                                       self.lanes_bp(s) if s.at is not None else 0, _cuda.INTERLEAVE)
+                                       self.lanes_bp(s) if s.at is not None else 0)
                     if tune and self.fp_kernel == "csr_vector":
                         s.a.tune(self.lanes_fp)
                     if tune and s.at is not None and self.bp_kernel == "csr_vector":

@@ -26,8 +26,6 @@
 //   cspmv_<K>_<L>          y = A x, fused epilogue `mode` as spmv.cu; also the
 //                          back projection on a stored compressed A^T.
 //                          Deterministic (no atomics).
-//   cspmv8_<K>_<L>         the same with 8 consecutive slots per lane per trip
-//                          (two quads, one scan per 8 slots).
 //   cscatter_<K>_<L>       out += A^T c from the rows of A, float atomics.
 //                          NOT deterministic.
 //   cscatter_det_<K>_<L>   the same into 64-bit fixed point; deterministic.
@@ -41,17 +39,16 @@
 //                          shared-memory sums, 64-bit fixed point; deterministic.
 //   fixed_to_float         out = acc / scale.
 //
-// One-pass on CSR: the lanes keep the first MLEM_OP_CACHE trips of their row
+// One-pass on CSR: the lanes keep the first OP_CACHE trips of their row
 // (one element each) in registers between the dot product and the scatter; a
 // longer row's tail is read again. One-pass and scatter on the compressed
-// format decode the row again for the scatter (MLEM_CMP_CACHE trips kept, 0 by
-// default: registers cost more occupancy than the second decode, which partly hits
-// the caches, more so from the row's end back: MLEM_CMP_REVERSE), and hand each
+// format decode the row again for the scatter (registers for the row would cost more
+// occupancy than the second decode, which partly hits the caches, more so from the
+// row's end back, the order it takes), and hand each
 // trip's 4 x L slots through shared memory so that every atomic instruction of a
 // warp covers consecutive slots (warp_scatter): the atomics, not the bytes, bound
 // these kernels, and the L2 cache serves a warp's atomics by the sectors they
-// touch (docs/benchmarks.md section 31; on Matrix 3 the L2 runs at 97% of its
-// throughput, section 79).
+// touch.
 //
 // Fixed point (the _det kernels): each term t = v * c (>= 0) is added as the
 // unsigned 64-bit integer rint(t * scale) with an integer atomicAdd: integer
@@ -70,104 +67,22 @@ typedef unsigned long long u64;
 #define FULL_MASK 0xffffffffu
 #define ROW_SHIFT 6
 
-// Threads per block the kernels are built for (the launcher's THREADS).
-#ifndef MLEM_CMP_THREADS
-#define MLEM_CMP_THREADS 512
-#endif
+// Threads per block of the row kernels (the launcher's THREADS).
+constexpr int CMP_THREADS = 256;
 
-// Trips (4 slots per lane each) the compressed one-pass kernels keep in registers.
-#ifndef MLEM_CMP_CACHE
-#define MLEM_CMP_CACHE 0
-#endif
+// Minimum blocks per multiprocessor the CSR one-pass kernels are compiled for: 3 caps them (in
+// 256-thread blocks) at 80 registers, which keeps more rows, and their atomics, in flight.
+constexpr int OP_MINB = 3;
+// Trips (one element per lane each) of a row the CSR one-pass kernels keep in registers.
+constexpr int OP_CACHE = 16;
 
-// Minimum blocks per multiprocessor the compressed one-pass kernels are compiled for (caps their
-// registers): 1 leaves the compiler free.
-#ifndef MLEM_CMP_OP_MINB
-#define MLEM_CMP_OP_MINB 1
-#endif
-
-// The compressed one pass's two decodes of a row: cache hints (ld_hint) of the first (dot product) and
-// the second (scatter) decode, and 1 to run the second from the row's end back (the lines read last
-// by the first are the likeliest still in L2): 1.2-1.7% faster on Matrix 3 (H100); a cached first
-// decode (hint 1) 3-7% slower, with or without a last-use second one (docs/benchmarks.md section 81).
-#ifndef MLEM_CMP_FIRST_HINT
-#define MLEM_CMP_FIRST_HINT 0
-#endif
-#ifndef MLEM_CMP_SECOND_HINT
-#define MLEM_CMP_SECOND_HINT 0
-#endif
-#ifndef MLEM_CMP_REVERSE
-#define MLEM_CMP_REVERSE 1
-#endif
-// 1: the one pass's first decode (the dot product) hands each trip's slots through shared memory as the
-// scatter does (warp_gather), so that gather k of lane l reads slot 32 k + l (consecutive columns) instead
-// of slot 4 l + k; whole warps per row (L = 32) only.
-#ifndef MLEM_CMP_GATHER
-#define MLEM_CMP_GATHER 0
-#endif
-
-#ifndef MLEM_OP_CACHE
-#define MLEM_OP_CACHE 16
-#endif
-
-// Minimum blocks per multiprocessor the CSR one-pass kernels are compiled for: 3 caps them (in the
-// default 256-thread blocks) at 80 registers (96 without), 3% faster with atomics and 12% in fixed
-// point (docs/benchmarks.md section 31).
-#ifndef MLEM_OP_MINB
-#define MLEM_OP_MINB 3
-#endif
-
-// The chunked one pass: threads per block (one block per chunk, its shared memory a third of
-// a multiprocessor's or more) and interleaved groups of 128 elements (4 trips) kept in
-// registers between a row's dot product and its scatter.
-#ifndef MLEM_CHUNK_THREADS
-#define MLEM_CHUNK_THREADS 1024
-#endif
-#ifndef MLEM_CHUNK_CACHE
-#define MLEM_CHUNK_CACHE 2
-#endif
-// The same for float16 values (half the registers per group: 3 groups compile without spills; not
-// measured yet: tools/device_onepass.py --chunk-half --chunk-options 'CACHE_F16=3').
-#ifndef MLEM_CHUNK_CACHE_F16
-#define MLEM_CHUNK_CACHE_F16 MLEM_CHUNK_CACHE
-#endif
-// Voxels each thread stages (f) and flushes (sums) per batch: the loads of a batch are in flight
-// together instead of one dependent pair (voxel number, then f) per trip.
-#ifndef MLEM_CHUNK_STAGE
-#define MLEM_CHUNK_STAGE 8
-#endif
-// 1: the warps of a block take their rows from a shared counter (rows of unequal length balance);
-// 0: warp w takes rows w, w + 32, ...
-#ifndef MLEM_CHUNK_DYNAMIC
-#define MLEM_CHUNK_DYNAMIC 1
-#endif
-// 1: a term's fixed point is rint(a_ij * (c_i * scale)) in float32 (one conversion) where that
-// equals rint((float)(a_ij * c_i) * scale) bit for bit (see chunk_fast), else through float64.
-#ifndef MLEM_CHUNK_FASTQ
-#define MLEM_CHUNK_FASTQ 1
-#endif
-// Groups of a long row (beyond the MLEM_CHUNK_CACHE kept in registers) whose loads are issued together:
-// 2 measured 1-4% faster than 4 on H100 and H200 for float32, float16 and uint16 values, 3 and 8
-// slower (docs/benchmarks.md section 47).
-#ifndef MLEM_CHUNK_UNROLL
-#define MLEM_CHUNK_UNROLL 2
-#endif
-// 1: a warp loads its next row's bounds and measurement while it works on the current row
-// (0: at the row's start; either way g_r is loaded with the bounds, not after the dot product).
-#ifndef MLEM_CHUNK_PREFETCH
-#define MLEM_CHUNK_PREFETCH 1
-#endif
-// 1: a float32-scaled term (chunk_putq) goes to the shared sums without a branch (0: the range
-// check and the test for zero as branches, a divergent region per term); see chunk_putq. 1 measured
-// 3% (float32 values) and 8% (16-bit values) faster on the H100 (docs/benchmarks.md section 49).
-#ifndef MLEM_CHUNK_PRED
-#define MLEM_CHUNK_PRED 1
-#endif
-// 1: the chunk's shared sums before its staged f (0: after). 1 measured within 1% for float32 and
-// uint16 values and 8% slower for float16 on the H100 (section 49).
-#ifndef MLEM_CHUNK_LOFIRST
-#define MLEM_CHUNK_LOFIRST 0
-#endif
+// The chunked one pass: threads per block (one block per chunk, its shared memory a third of a
+// multiprocessor's or more), interleaved groups of 128 elements (4 trips) kept in registers between a
+// row's dot product and its scatter, and voxels each thread stages (f) and flushes (sums) per batch:
+// the loads of a batch are in flight together instead of one dependent pair (voxel number, then f).
+constexpr int CHUNK_THREADS = 1024;
+constexpr int CHUNK_CACHE = 2;
+constexpr int CHUNK_STAGE = 8;
 
 #include "epilogue.cuh"  // MODE_*, RowAux, load_aux, write_row
 
@@ -232,16 +147,16 @@ __device__ __forceinline__ void add_term(float* bp, u64* acc, unsigned j, float 
 
 // The two halves of a CSR row's one-pass work for its L lanes, shared by the two bodies
 // below. csr_row_dot: the lane's part of row [s, e)'s dot product with f, the first
-// MLEM_OP_CACHE trips (one element per lane each, streaming loads) kept in cc / cv.
+// OP_CACHE trips (one element per lane each, streaming loads) kept in cc / cv.
 // csr_row_scatter: bp += ci * row, the kept trips from registers (STOP: leave them at
 // the row's end, where that is uniform over the warp), the tail read again.
 template <int L>
 __device__ __forceinline__ float csr_row_dot(i64 s, i64 e, int lane, const int* __restrict__ idx,
                                              const float* __restrict__ val, const float* __restrict__ f,
-                                             unsigned cc[MLEM_OP_CACHE], float cv[MLEM_OP_CACHE]) {
+                                             unsigned cc[OP_CACHE], float cv[OP_CACHE]) {
     float sum = 0.0f;
 #pragma unroll
-    for (int t = 0; t < MLEM_OP_CACHE; ++t) {
+    for (int t = 0; t < OP_CACHE; ++t) {
         const i64 k = s + (i64)L * t + lane;
         cc[t] = 0u;
         cv[t] = 0.0f;
@@ -251,21 +166,21 @@ __device__ __forceinline__ float csr_row_dot(i64 s, i64 e, int lane, const int* 
             sum += cv[t] * __ldg(f + cc[t]);
         }
     }
-    for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
+    for (i64 k = s + (i64)L * OP_CACHE + lane; k < e; k += L) sum += __ldg(val + k) * __ldg(f + __ldg(idx + k));
     return sum;
 }
 
 template <int L, bool DET, bool STOP>
 __device__ __forceinline__ void csr_row_scatter(i64 s, i64 e, int lane, const int* __restrict__ idx,
-                                                const float* __restrict__ val, const unsigned cc[MLEM_OP_CACHE],
-                                                const float cv[MLEM_OP_CACHE], float ci, float* bp, u64* acc,
+                                                const float* __restrict__ val, const unsigned cc[OP_CACHE],
+                                                const float cv[OP_CACHE], float ci, float* bp, u64* acc,
                                                 double fscale, int* flag) {
 #pragma unroll
-    for (int t = 0; t < MLEM_OP_CACHE; ++t) {
+    for (int t = 0; t < OP_CACHE; ++t) {
         if (STOP && s + (i64)L * t >= e) break;
         if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
     }
-    for (i64 k = s + (i64)L * MLEM_OP_CACHE + lane; k < e; k += L) {
+    for (i64 k = s + (i64)L * OP_CACHE + lane; k < e; k += L) {
         const unsigned j = (unsigned)__ldcs(idx + k);  // both loads before the branch
         const float v = __ldcs(val + k);
         if (v != 0.0f) add_term<DET>(bp, acc, j, v * ci, fscale, flag);
@@ -275,7 +190,7 @@ __device__ __forceinline__ void csr_row_scatter(i64 s, i64 e, int lane, const in
 // One-pass MLEM step on CSR: fp_r = a_r . f, c_r = g_r / fp_r (0 where fp_r == 0),
 // bp += c_r a_r. fp (length m) receives fp_r. L lanes per row, one element per lane
 // per trip (a warp's atomic covers consecutive elements of a row); the matrix is
-// read with streaming loads, the first MLEM_OP_CACHE trips kept in registers.
+// read with streaming loads, the first OP_CACHE trips kept in registers.
 // No shuffles inside the row loops: lanes of a warp may take rows of any length.
 template <int L, bool DET>
 __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, const int* __restrict__ idx,
@@ -294,8 +209,8 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
             s = rp[r];
             e = rp[r + 1];
         }
-        unsigned cc[MLEM_OP_CACHE];
-        float cv[MLEM_OP_CACHE];
+        unsigned cc[OP_CACHE];
+        float cv[OP_CACHE];
         float sum = csr_row_dot<L>(s, e, lane, idx, val, f, cc, cv);
 #pragma unroll
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off, L);
@@ -309,11 +224,9 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
 }
 
 // The same for 32 lanes, one row per warp, written for that case: the warp leaves as soon as
-// its row is done (rows past m, a zero ratio) and stops the cached scatter at the row's end.
-// Measured 1.16x faster than onepass_csr_body<32> on madpet2 (6.42 against 7.42-7.48 ms,
-// H100, docs/benchmarks.md section 31) with the same sums in the same order. Must be
-// launched with a warp for every row (the launcher's waves=0), as the probe's kernel that
-// measured fastest.
+// its row is done (rows past m, a zero ratio) and stops the cached scatter at the row's end,
+// with the same sums in the same order as onepass_csr_body<32>. Must be launched with a warp
+// for every row (the launcher's waves=0).
 template <bool DET>
 __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, const int* __restrict__ idx,
                                                  const float* __restrict__ val, const float* __restrict__ f,
@@ -325,8 +238,8 @@ __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, con
     const i64 r = spread_rows(w, P, U, m);
     if (r >= m) return;                                                // warp-uniform
     const i64 s = rp[r], e = rp[r + 1];
-    unsigned cc[MLEM_OP_CACHE];
-    float cv[MLEM_OP_CACHE];
+    unsigned cc[OP_CACHE];
+    float cv[OP_CACHE];
     float sum = csr_row_dot<32>(s, e, lane, idx, val, f, cc, cv);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
@@ -358,17 +271,8 @@ __device__ __forceinline__ i64 cstart(const i64* __restrict__ rb, const unsigned
 // Load and decode quad q (slots 4q .. 4q+3) when `in`; else 4 empty slots.
 // d: the 4 column deltas; v: values (0 for markers); el: element or not.
 // Returns the sum of the 4 deltas.
-// A load with cache hint H: 0 streaming (ld.global.cs, evict first), 1 cached (ld.global.nc), 2 last use
-// (ld.global.lu), 3 L2 only (ld.global.cg: not in L1, normal priority in L2).
-template <int H, typename T>
-__device__ __forceinline__ T ld_hint(const T* p) {
-    if (H == 1) return __ldg(p);
-    if (H == 2) return __ldlu(p);
-    if (H == 3) return __ldcg(p);
-    return __ldcs(p);
-}
-
-template <int VK, int CB, int H = 0>
+// The codes and values are read with streaming loads (evict first): each is read once per pass.
+template <int VK, int CB>
 __device__ __forceinline__ unsigned load_quad(const void* __restrict__ codes, const void* __restrict__ vals,
                                                float rs, i64 q, bool in, unsigned d[4], float v[4], bool el[4]) {
     const unsigned MARK = (1u << CB) - 1u;
@@ -376,17 +280,17 @@ __device__ __forceinline__ unsigned load_quad(const void* __restrict__ codes, co
     unsigned c[4], b[4];
     if (in) {
         if (CB == 8) {
-            const uchar4 u = ld_hint<H>(reinterpret_cast<const uchar4*>(codes) + q);
+            const uchar4 u = __ldcs(reinterpret_cast<const uchar4*>(codes) + q);
             c[0] = u.x; c[1] = u.y; c[2] = u.z; c[3] = u.w;
         } else {
-            const ushort4 u = ld_hint<H>(reinterpret_cast<const ushort4*>(codes) + q);
+            const ushort4 u = __ldcs(reinterpret_cast<const ushort4*>(codes) + q);
             c[0] = u.x; c[1] = u.y; c[2] = u.z; c[3] = u.w;
         }
         if (VK == VK_F32) {
-            const uint4 w = ld_hint<H>(reinterpret_cast<const uint4*>(vals) + q);
+            const uint4 w = __ldcs(reinterpret_cast<const uint4*>(vals) + q);
             b[0] = w.x; b[1] = w.y; b[2] = w.z; b[3] = w.w;
         } else {
-            const ushort4 w = ld_hint<H>(reinterpret_cast<const ushort4*>(vals) + q);
+            const ushort4 w = __ldcs(reinterpret_cast<const ushort4*>(vals) + q);
             b[0] = w.x; b[1] = w.y; b[2] = w.z; b[3] = w.w;
         }
     } else {
@@ -440,12 +344,12 @@ __device__ __forceinline__ void row_quads(const i64* __restrict__ rb, const unsi
     }
 }
 
-// Q = quads per lane per trip (1: 4 slots, 2: 8 consecutive slots, one scan per 8).
-template <int L, int VK, int CB, int Q>
+template <int L, int VK, int CB>
 __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                            const void* __restrict__ codes, const void* __restrict__ vals,
                                            const float* __restrict__ scale, const float* __restrict__ x, float* y,
                                            i64 m, int mode, const float* aux0, const float* aux1) {
+    constexpr int Q = 1;  // quads (4 slots) per lane per trip
     const int lane = threadIdx.x & (L - 1);
     const i64 per_block = blockDim.x / L;
     const i64 step = (i64)gridDim.x * per_block;
@@ -491,14 +395,13 @@ __device__ __forceinline__ void cspmv_body(const i64* __restrict__ rb, const uns
 // The terms of one trip of a warp (4 slots per lane: columns col[k], terms t[k], 0 for
 // no element) added to bp / acc. They pass through shared memory so that atomic k of
 // lane l adds slot 32 k + l: each atomic instruction covers 32 consecutive slots, a few
-// sectors of the output, instead of every fourth slot of 128 (2.2x faster on madpet2,
-// docs/benchmarks.md section 31). All 32 lanes must call it together.
-// A warp's staging slots in shared memory (one set per block, for warp_scatter and warp_gather): each
+// sectors of the output, instead of every fourth slot of 128. All 32 lanes must call it together.
+// A warp's staging slots in shared memory (one set per block, for warp_scatter): each
 // lane stores its 4 slots; after the barrier, slot 32 k + l is at c1[32 k + l], v1[32 k + l].
 __device__ __forceinline__ void warp_stage(const unsigned col[4], const float t[4], const unsigned*& c1,
                                            const float*& v1) {
-    __shared__ uint4 scol[MLEM_CMP_THREADS / 32][32];
-    __shared__ float4 sval[MLEM_CMP_THREADS / 32][32];
+    __shared__ uint4 scol[CMP_THREADS / 32][32];
+    __shared__ float4 sval[CMP_THREADS / 32][32];
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __syncwarp();
     scol[w][lane] = make_uint4(col[0], col[1], col[2], col[3]);
@@ -506,23 +409,6 @@ __device__ __forceinline__ void warp_stage(const unsigned col[4], const float t[
     __syncwarp();
     c1 = reinterpret_cast<const unsigned*>(scol[w]);
     v1 = reinterpret_cast<const float*>(sval[w]);
-}
-
-// This lane's share of a trip's dot product with f, the slots passed through shared memory so that each
-// gather instruction reads 32 consecutive slots (MLEM_CMP_GATHER). v: 0 for no element. All 32 lanes of the
-// warp, which takes one row, call it together.
-__device__ __forceinline__ float warp_gather(const unsigned col[4], const float v[4], const float* __restrict__ f) {
-    const unsigned* c1;
-    const float* v1;
-    warp_stage(col, v, c1, v1);
-    const int lane = threadIdx.x & 31;
-    float s = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const float a = v1[32 * k + lane];
-        if (a != 0.0f) s += a * __ldg(f + c1[32 * k + lane]);
-    }
-    return s;
 }
 
 template <bool DET>
@@ -598,62 +484,20 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
         float rs;
         row_quads<VK>(rb, ro, scale, r, valid, qs, qe, rs);
         const i64 trips = warp_max((qe - qs + L - 1) / L);
-        float cv[4 * (MLEM_CMP_CACHE > 0 ? MLEM_CMP_CACHE : 1)];
-        unsigned cc[4 * (MLEM_CMP_CACHE > 0 ? MLEM_CMP_CACHE : 1)];
         float sum = 0.0f;
         unsigned carry = 0u;
-#pragma unroll
-        for (int t = 0; t < MLEM_CMP_CACHE; ++t) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                cv[4 * t + k] = 0.0f;
-                cc[4 * t + k] = 0u;
-            }
-            if (t < trips) {
-                const i64 q = qs + (i64)t * L + lane;
-                unsigned d[4];
-                float v[4];
-                bool el[4];
-                const unsigned tot = load_quad<VK, CB, MLEM_CMP_FIRST_HINT>(codes, vals, rs, q, q < qe, d, v, el);
-                unsigned all;
-                unsigned col = carry + group_excl_scan<L>(tot, lane, all);
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    col += d[k];
-                    if (el[k]) {
-                        sum += v[k] * __ldg(f + col);
-                        cv[4 * t + k] = v[k];
-                        cc[4 * t + k] = col;
-                    }
-                }
-                carry += all;
-            }
-        }
-        const unsigned carry_cached = carry;
-        for (i64 t = MLEM_CMP_CACHE; t < trips; ++t) {
+        for (i64 t = 0; t < trips; ++t) {
             const i64 q = qs + t * L + lane;
             unsigned d[4];
             float v[4];
             bool el[4];
-            const unsigned tot = load_quad<VK, CB, MLEM_CMP_FIRST_HINT>(codes, vals, rs, q, q < qe, d, v, el);
+            const unsigned tot = load_quad<VK, CB>(codes, vals, rs, q, q < qe, d, v, el);
             unsigned all;
             unsigned col = carry + group_excl_scan<L>(tot, lane, all);
-            if (MLEM_CMP_GATHER && L == 32) {
-                unsigned cl[4];
-                float tv[4];
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    col += d[k];
-                    cl[k] = col;
-                    tv[k] = el[k] ? v[k] : 0.0f;
-                }
-                sum += warp_gather(cl, tv, f);
-            } else {
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    col += d[k];
-                    if (el[k]) sum += v[k] * __ldg(f + col);
-                }
+            for (int k = 0; k < 4; ++k) {
+                col += d[k];
+                if (el[k]) sum += v[k] * __ldg(f + col);
             }
             carry += all;
         }
@@ -664,29 +508,20 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
             if (sum != 0.0f) ci = __ldg(g + r) / sum;
             if (lane == 0) fp[r] = sum;
         }
-#pragma unroll
-        for (int t = 0; t < MLEM_CMP_CACHE; ++t) {
-            if (t < trips) {  // warp-uniform
-                float tv[4];
-#pragma unroll
-                for (int k = 0; k < 4; ++k) tv[k] = cv[4 * t + k] * ci;
-                warp_scatter<DET>(cc + 4 * t, tv, bp, acc, fscale, flag);
-            }
-        }
-        if (trips > MLEM_CMP_CACHE) {  // warp-uniform: the tail decoded again
-            // MLEM_CMP_REVERSE: from the last trip back; the running column before trip t is the one
-            // after it less the trip's total (carry holds the column after the row's last trip).
-            if (!MLEM_CMP_REVERSE) carry = carry_cached;
-            for (i64 s = MLEM_CMP_CACHE; s < trips; ++s) {
-                const i64 t = MLEM_CMP_REVERSE ? trips - 1 - (s - MLEM_CMP_CACHE) : s;
+        // The scatter decodes the row again from its last trip back (the lines the dot product read
+        // last are the likeliest still in L2): the running column before trip t is the one after it
+        // less the trip's total (carry holds the column after the row's last trip).
+        if (trips > 0) {  // warp-uniform
+            for (i64 s = 0; s < trips; ++s) {
+                const i64 t = trips - 1 - s;
                 const i64 q = qs + t * L + lane;
                 unsigned d[4];
                 float v[4];
                 bool el[4];
-                const unsigned tot = load_quad<VK, CB, MLEM_CMP_SECOND_HINT>(codes, vals, rs, q, q < qe, d, v, el);
+                const unsigned tot = load_quad<VK, CB>(codes, vals, rs, q, q < qe, d, v, el);
                 unsigned all;
                 const unsigned excl = group_excl_scan<L>(tot, lane, all);
-                if (MLEM_CMP_REVERSE) carry -= all;
+                carry -= all;
                 unsigned col = carry + excl;
                 unsigned cl[4];
                 float tv[4];
@@ -697,7 +532,6 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
                     tv[k] = el[k] ? v[k] * ci : 0.0f;
                 }
                 warp_scatter<DET>(cl, tv, bp, acc, fscale, flag);
-                if (!MLEM_CMP_REVERSE) carry += all;
             }
         }
     }
@@ -709,7 +543,7 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
 // (one warp, the first C trips kept in registers) takes its dot product from there, and its
 // terms c_r a_rj go into the chunk's shared sums; one global atomic per voxel and chunk.
 // Hopper has no native shared-memory float or 64-bit atomic add (both compile to
-// ATOMS.CAST.SPIN loops: measured 20 ms on madpet2, docs/benchmarks.md section 34), but
+// ATOMS.CAST.SPIN loops, many times slower), but
 // 32-bit integer adds are native: each term is rounded to 64-bit fixed point q < 2^52
 // (bound * fscale < 2^52) and added as q mod 2^20 and q >> 20 into two 32-bit words per
 // voxel. With at most 4,096 rows per chunk (mlemlib.chunked.MAX_CHUNK_ROWS) neither word
@@ -761,36 +595,27 @@ __device__ __forceinline__ void chunk_put4(unsigned* lo, unsigned* hi, ushort4 c
 // where one is, the term rounds to 0 or fails the range check in both), so the sums are those of
 // chunk_put; one float-to-integer conversion per term instead of two conversions and float64 maths.
 template <bool FULL>
-__device__ __forceinline__ void chunk_putq(unsigned* lo, unsigned* hi, unsigned j, float q, int& bad, unsigned& ovf) {
-    if (MLEM_CHUNK_PRED) {
-        // q >= 0 or -0 here (values non-negative, checked on upload; chunk_fast admits only a positive
-        // normal c_i * scale, the rest take chunk_put). u = rint(q), saturated at 2^64 - 1: u < 2^52 exactly where q < 2^52, so
-        // OR-ing u's high word into ovf and testing ovf against 2^20 once per thread is the range
-        // check (an overflowed iteration's sums are discarded). FULL (the interleaved groups, where
-        // every lane holds an element): the adds run unconditionally, a zero adding nothing, as
-        // ptxas turns even a PTX predicate on them into a divergent region per term; else (the
-        // row's rest, lanes past its end) only for q > 0.
-        const u64 u = __float2ull_rn(q);
-        ovf |= (unsigned)(u >> 32);
-        if (FULL || q > 0.0f) {
-            atomicAdd(lo + j, (unsigned)(u & 0xFFFFFull));
-            atomicAdd(hi + j, (unsigned)(u >> 20));
-        }
-    } else if (!(q >= 0.0f && q < 4503599627370496.0f)) {  // 2^52; NaN fails too
-        bad = 1;
-    } else if (q > 0.0f) {
-        const u64 u = __float2ull_rn(q);
+__device__ __forceinline__ void chunk_putq(unsigned* lo, unsigned* hi, unsigned j, float q, unsigned& ovf) {
+    // q >= 0 or -0 here (values non-negative, checked on upload; chunk_fast admits only a positive
+    // normal c_i * scale, the rest take chunk_put). u = rint(q), saturated at 2^64 - 1: u < 2^52 exactly
+    // where q < 2^52, so OR-ing u's high word into ovf and testing ovf against 2^20 once per thread is the
+    // range check (an overflowed iteration's sums are discarded). FULL (the interleaved groups, where
+    // every lane holds an element): the adds run unconditionally, a zero adding nothing, as ptxas turns
+    // even a PTX predicate on them into a divergent region per term; else (the row's rest, lanes past
+    // its end) only for q > 0.
+    const u64 u = __float2ull_rn(q);
+    ovf |= (unsigned)(u >> 32);
+    if (FULL || q > 0.0f) {
         atomicAdd(lo + j, (unsigned)(u & 0xFFFFFull));
         atomicAdd(hi + j, (unsigned)(u >> 20));
     }
 }
 
-__device__ __forceinline__ void chunk_put4q(unsigned* lo, unsigned* hi, ushort4 c, float4 v, float cs, int& bad,
-                                            unsigned& ovf) {
-    chunk_putq<true>(lo, hi, c.x, v.x * cs, bad, ovf);
-    chunk_putq<true>(lo, hi, c.y, v.y * cs, bad, ovf);
-    chunk_putq<true>(lo, hi, c.z, v.z * cs, bad, ovf);
-    chunk_putq<true>(lo, hi, c.w, v.w * cs, bad, ovf);
+__device__ __forceinline__ void chunk_put4q(unsigned* lo, unsigned* hi, ushort4 c, float4 v, float cs, unsigned& ovf) {
+    chunk_putq<true>(lo, hi, c.x, v.x * cs, ovf);
+    chunk_putq<true>(lo, hi, c.y, v.y * cs, ovf);
+    chunk_putq<true>(lo, hi, c.z, v.z * cs, ovf);
+    chunk_putq<true>(lo, hi, c.w, v.w * cs, ovf);
 }
 
 // Whether chunk_putq gives chunk_put's sums for a row: the scale in [2^-70, 2^100] (so a float32
@@ -858,13 +683,12 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
                                                      double fscale, int* flag, int window, int fwd_only) {
     typedef ChunkVals<VK> CV;
     typedef typename CV::V4 V4;
-    constexpr int SU = MLEM_CHUNK_STAGE;
+    constexpr int SU = CHUNK_STAGE;
     extern __shared__ float chunk_sm[];
     __shared__ int chunk_next;
-    // Shared memory: f, low and high words of the sums, window words each (MLEM_CHUNK_LOFIRST: the
-    // sums first).
-    float* fl = chunk_sm + (MLEM_CHUNK_LOFIRST ? 2 * window : 0);
-    unsigned* lo = reinterpret_cast<unsigned*>(chunk_sm + (MLEM_CHUNK_LOFIRST ? 0 : window));
+    // Shared memory: f, low and high words of the sums, window words each.
+    float* fl = chunk_sm;
+    unsigned* lo = reinterpret_cast<unsigned*>(chunk_sm + window);
     unsigned* hi = lo + window;
     const i64 c = blockIdx.x;
     const i64 v0 = vptr[c];
@@ -901,9 +725,11 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     const int lane = threadIdx.x & 31;
     int bad = 0;
     unsigned ovf = 0u;  // the high words of this thread's float32-scaled terms (chunk_putq)
-    i64 ps = 0, pe = 0;  // the next row's bounds and measurement (MLEM_CHUNK_PREFETCH)
+    // A warp loads its next row's bounds and measurement while it works on the current row, and takes
+    // its rows from a shared counter (rows of unequal length balance over the warps).
+    i64 ps = 0, pe = 0;
     float pg = 0.0f;
-    if (MLEM_CHUNK_PREFETCH && r0 + (threadIdx.x >> 5) < r1) {
+    if (r0 + (threadIdx.x >> 5) < r1) {
         const i64 r = r0 + (threadIdx.x >> 5);
         ps = rp[r];
         pe = rp[r + 1];
@@ -911,20 +737,11 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     }
     for (i64 r = r0 + (threadIdx.x >> 5); r < r1;) {  // warp-uniform
         int nx = 0;
-        if (MLEM_CHUNK_DYNAMIC && lane == 0) nx = atomicAdd(&chunk_next, 1);  // this warp's next row
-        i64 s, e;
-        float gr;
-        if (MLEM_CHUNK_PREFETCH) {
-            s = ps;
-            e = pe;
-            gr = pg;
-        } else {
-            s = rp[r];
-            e = rp[r + 1];
-            gr = fwd_only ? 0.0f : __ldg(g + r);
-        }
-        const i64 rn = MLEM_CHUNK_DYNAMIC ? r0 + __shfl_sync(FULL_MASK, nx, 0) : r + nw;
-        if (MLEM_CHUNK_PREFETCH && rn < r1) {
+        if (lane == 0) nx = atomicAdd(&chunk_next, 1);  // this warp's next row
+        const i64 s = ps, e = pe;
+        const float gr = pg;
+        const i64 rn = r0 + __shfl_sync(FULL_MASK, nx, 0);
+        if (rn < r1) {
             ps = rp[rn];
             pe = rp[rn + 1];
             pg = fwd_only ? 0.0f : __ldg(g + rn);
@@ -960,7 +777,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         float sum = 0.0f;
 #pragma unroll
         for (int q = 0; q < CG; ++q) sum = chunk_dot4(sum, fl, cc[q], CV::f4(cv[q], sc));
-#pragma unroll MLEM_CHUNK_UNROLL
+#pragma unroll 2
         for (int q = CG; q < ng; ++q) sum = chunk_dot4(sum, fl, __ldg(lq + 32 * q), CV::f4(__ldg(vq + 32 * q), sc));
 #pragma unroll
         for (int t = 0; t < 4; ++t) sum += rv[t] * fl[rc[t]];
@@ -970,16 +787,16 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         const float ci = (sum != 0.0f && !fwd_only) ? gr / sum : 0.0f;
         if (ci != 0.0f) {  // warp-uniform
             const float cs = ci * (float)fscale;
-            if (MLEM_CHUNK_FASTQ && chunk_fast(cs, fscale)) {
+            if (chunk_fast(cs, fscale)) {
 #pragma unroll
                 for (int q = 0; q < CG; ++q) {
                     if (q >= ng) break;  // warp-uniform
-                    chunk_put4q(lo, hi, cc[q], CV::f4(cv[q], sc), cs, bad, ovf);
+                    chunk_put4q(lo, hi, cc[q], CV::f4(cv[q], sc), cs, ovf);
                 }
                 for (int q = CG; q < ng; ++q)
-                    chunk_put4q(lo, hi, __ldcs(lq + 32 * q), CV::f4(__ldcs(vq + 32 * q), sc), cs, bad, ovf);
+                    chunk_put4q(lo, hi, __ldcs(lq + 32 * q), CV::f4(__ldcs(vq + 32 * q), sc), cs, ovf);
 #pragma unroll
-                for (int t = 0; t < 4; ++t) chunk_putq<false>(lo, hi, rc[t], rv[t] * cs, bad, ovf);  // zeros add nothing
+                for (int t = 0; t < 4; ++t) chunk_putq<false>(lo, hi, rc[t], rv[t] * cs, ovf);  // zeros add nothing
             } else {
 #pragma unroll
                 for (int q = 0; q < CG; ++q) {
@@ -1027,32 +844,27 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
 // the CSR one-pass kernels as (indptr, indptr (unused), indices, data, data (unused)).
 
 #define CMP_KERNELS(K, VK, CB, L)                                                                          \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cspmv_##K##_##L(                        \
+    extern "C" __global__ void __launch_bounds__(CMP_THREADS) cspmv_##K##_##L(                        \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* x, float* y, i64 m, int mode, const float* aux0, const float* aux1) {                 \
-        cspmv_body<L, VK, CB, 1>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                   \
+        cspmv_body<L, VK, CB>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                   \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cspmv8_##K##_##L(                       \
-        const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
-        const float* x, float* y, i64 m, int mode, const float* aux0, const float* aux1) {                 \
-        cspmv_body<L, VK, CB, 2>(rb, ro, codes, vals, scale, x, y, m, mode, aux0, aux1);                   \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cscatter_##K##_##L(                     \
+    extern "C" __global__ void __launch_bounds__(CMP_THREADS) cscatter_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* c, float* out, i64 m, i64 P, i64 U) {                                                 \
         cscatter_body<L, VK, CB, false>(rb, ro, codes, vals, scale, c, out, nullptr, 0.0, nullptr, m, P, U); \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS) cscatter_det_##K##_##L(                 \
+    extern "C" __global__ void __launch_bounds__(CMP_THREADS) cscatter_det_##K##_##L(                 \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* c, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) {                         \
         cscatter_body<L, VK, CB, true>(rb, ro, codes, vals, scale, c, nullptr, acc, fscale, flag, m, P, U); \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_CMP_OP_MINB) conepass_##K##_##L(                     \
+    extern "C" __global__ void __launch_bounds__(CMP_THREADS, 1) conepass_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* f, const float* g, float* fp, float* bp, i64 m, i64 P, i64 U) {                       \
         conepass_body<L, VK, CB, false>(rb, ro, codes, vals, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m, P, U); \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_CMP_OP_MINB) conepass_det_##K##_##L(                 \
+    extern "C" __global__ void __launch_bounds__(CMP_THREADS, 1) conepass_det_##K##_##L(                 \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) { \
         conepass_body<L, VK, CB, true>(rb, ro, codes, vals, scale, f, g, fp, nullptr, acc, fscale, flag, m, P, U); \
@@ -1072,12 +884,12 @@ ALL_KINDS(16)
 ALL_KINDS(32)
 
 #define CSR_ONEPASS(L)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_OP_MINB) onepass_csr_##L(                        \
+    extern "C" __global__ void __launch_bounds__(CMP_THREADS, OP_MINB) onepass_csr_##L(                        \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, float* fp, float* bp, i64 m, i64 P, i64 U) {                       \
         onepass_csr<L, false>(rp, (const int*)idx, (const float*)val, f, g, fp, bp, nullptr, 0.0, nullptr, m, P, U); \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CMP_THREADS, MLEM_OP_MINB) onepass_det_csr_##L(                    \
+    extern "C" __global__ void __launch_bounds__(CMP_THREADS, OP_MINB) onepass_det_csr_##L(                    \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) { \
         onepass_csr<L, true>(rp, (const int*)idx, (const float*)val, f, g, fp, nullptr, acc, fscale, flag, m, P, U); \
@@ -1087,21 +899,21 @@ CSR_ONEPASS(8)
 CSR_ONEPASS(16)
 CSR_ONEPASS(32)
 
-// The chunked one pass (chunked_onepass_body above): one block of MLEM_CHUNK_THREADS per chunk,
+// The chunked one pass (chunked_onepass_body above): one block of CHUNK_THREADS per chunk,
 // CG interleaved groups (4 trips each) and the row's rest in registers; chunked_onepass reads
 // float32 values, _f16 float16 and _u16 unsigned 16-bit values times the row scales (a
 // compressed-f16 / compressed-u16 matrix's).
 #define CHUNKED_ONEPASS(NAME, CG, VK)                                                                      \
-    extern "C" __global__ void __launch_bounds__(MLEM_CHUNK_THREADS) NAME(                                \
+    extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) NAME(                                \
         const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local, \
         const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc,       \
         double fscale, int* flag, int window, int fwd_only) {                                             \
         chunked_onepass_body<CG, VK>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc, fscale, \
                                      flag, window, fwd_only);                                             \
     }
-CHUNKED_ONEPASS(chunked_onepass, MLEM_CHUNK_CACHE, VK_F32)
-CHUNKED_ONEPASS(chunked_onepass_f16, MLEM_CHUNK_CACHE_F16, VK_F16)
-CHUNKED_ONEPASS(chunked_onepass_u16, MLEM_CHUNK_CACHE_F16, VK_U16)
+CHUNKED_ONEPASS(chunked_onepass, CHUNK_CACHE, VK_F32)
+CHUNKED_ONEPASS(chunked_onepass_f16, CHUNK_CACHE, VK_F16)
+CHUNKED_ONEPASS(chunked_onepass_u16, CHUNK_CACHE, VK_U16)
 
 // out[j] = acc[j] / scale, as float32 (inv_scale = 1 / scale, a power of two).
 extern "C" __global__ void fixed_to_float(const u64* __restrict__ acc, float* __restrict__ out, i64 n,

@@ -44,7 +44,7 @@ __device__ __forceinline__ void write_row(int mode, i64 r, float sum, float* y, 
 // (P coprime with nunits: every unit once; P = 1: rows in order). The host's P
 // (_cuda_plan.spread_stride, near nunits over the golden ratio) spreads the rows in flight
 // together over the whole matrix: in a scanner's LOR order neighbouring rows are neighbouring
-// LORs whose atomics meet on the same voxels (docs/benchmarks.md section 84). A row index >= m
+// LORs whose atomics meet on the same voxels. A row index >= m
 // (the last unit's tail) is no row. w * P must fit 64 bits: the host gives P = 1 from 2^32 units.
 __device__ __forceinline__ i64 spread_rows(i64 w, i64 P, i64 U, i64 m) {
     if (P == 1) return w;

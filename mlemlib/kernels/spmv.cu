@@ -59,16 +59,8 @@
 
 typedef long long i64;
 
-// Minimum resident blocks of 256 threads per multiprocessor asked of the
-// compiler for the row kernels (-DMLEM_MIN_BLOCKS=8 caps them at 32 registers
-// for full occupancy; the default leaves the register count to the compiler).
-#ifndef MLEM_MIN_BLOCKS
-#define MLEM_MIN_BLOCKS 1
-#endif
-
-// Trips of group_dot's 16-byte loop unrolled (loads of that many int4/float4 pairs issued together).
-// 4 measured 1.7-3.7% faster per kernel than 2 on madpet2 in its own order on the H100; 3 as fast,
-// 6 and 8 slower (docs/benchmarks.md section 50). The sums are the same for any value.
+// Trips of group_dot's 16-byte loop unrolled (loads of that many int4/float4 pairs issued together;
+// RowShape.unroll, a launch-shape variant). The sums are the same for any value.
 #ifndef MLEM_VEC_UNROLL
 #define MLEM_VEC_UNROLL 4
 #endif
@@ -82,10 +74,8 @@ typedef long long i64;
 #define LDM(p) __ldg(p)
 #endif
 
-// Trips of scatter_L whose loads are issued before their atomics (1: one trip at a time).
-#ifndef MLEM_SCATTER_UNROLL
-#define MLEM_SCATTER_UNROLL 2
-#endif
+// Trips of scatter_L whose loads are issued before their atomics.
+constexpr int SCATTER_UNROLL = 2;
 
 // Minimum resident blocks of csr_block_L per multiprocessor (-DMLEM_BLOCK_MINB=2
 // holds 1024-thread blocks to 32 registers so that two fit).
@@ -99,7 +89,7 @@ typedef long long i64;
 // epilogue's operands, the last loaded by the lane that writes the row (`mine`). The row
 // loops below load them one row ahead, so that their latency (rows[r], then rowptr and
 // aux0/aux1 at it) overlaps the previous row's dot product instead of stalling the group
-// before this row's first gathers (benchmarks.md section 59).
+// before this row's first gathers.
 struct RowHead {
     i64 s, e, ry;
     RowAux pre;
@@ -202,7 +192,7 @@ __device__ __forceinline__ void csr_vector_body(const i64* __restrict__ rowptr,
 }
 
 #define CSR_VECTOR(L)                                                                             \
-    extern "C" __global__ void __launch_bounds__(256, MLEM_MIN_BLOCKS) csr_vector_##L(                            \
+    extern "C" __global__ void __launch_bounds__(256, 1) csr_vector_##L(                            \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                              \
         const float* __restrict__ val, const float* __restrict__ x, float* y, i64 m, int mode,   \
         const float* aux0, const float* aux1, const i64* rows) {                                  \
@@ -258,7 +248,7 @@ CSR_BLOCK(16)
 CSR_BLOCK(32)
 
 // ---------------------------------------------------------------------------
-// csr_row_L (docs/benchmarks.md section 86). The back projection on A^T is held by L2: its gathers of
+// csr_row_L. The back projection on A^T is held by L2: its gathers of
 // the correlation use 12 bytes of each 32-byte sector, and a multiprocessor's L1 serves 60% of them
 // with 32 warps of csr_block_L (64 registers). With 64 warps of neighbouring rows (voxels) in flight
 // the L1 serves 64%, which needs the row's dot product in 32 registers without spills and with the
@@ -338,7 +328,7 @@ CSR_ROW(32)
 // trip's element j = k Q + l (in column order) sits in slot 4 l + k: lane l's int4/float4 loads
 // then hold the elements l, Q + l, 2 Q + l, 3 Q + l, and each of the group's four gathers reads Q
 // consecutive elements of the row (neighbouring columns: few cache lines per instruction) instead
-// of every fourth one (docs/benchmarks.md section 82). inverse == 1 puts column order back. The
+// of every fourth one. inverse == 1 puts column order back. The
 // row's head and tail (loaded one element per lane) stay where they are. One warp per row, in
 // place: a trip's loads all come before its stores, and no other warp touches the row.
 extern "C" __global__ void csr_interleave(const i64* __restrict__ rowptr, i64 m, int* col, float* val, int L,
@@ -428,8 +418,8 @@ extern "C" __global__ void merge_spmv(const i64* __restrict__ rowptr, const int*
 // zero on entry.
 //
 // Launch order: lane group w takes row (w * P) mod m (spread_rows in epilogue.cuh with units of
-// one row; P = 1: in order). Spread, the scatter ran 4.8% faster on madpet2 on an H100
-// (docs/benchmarks.md section 84). Each row is still read whole and in place.
+// one row; P = 1: in order): rows in flight together then scatter into voxels far apart, which
+// spreads the atomics over L2. Each row is still read whole and in place.
 template <int L, bool VEC>
 __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
                                              const int* __restrict__ col,
@@ -441,7 +431,7 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
     if (!VEC) {
         // One element per lane per trip: a warp's atomic instruction covers L consecutive
         // elements of a row, a few sectors of `out`; the L2 cache, which bounds this
-        // kernel, serves atomics by the sectors they touch (docs/benchmarks.md section 31).
+        // kernel, serves atomics by the sectors they touch.
         // One row per lane group and no row loop: launched with a group for every row.
         // The lanes of a group take the same trips (a predicate per element, no divergent exit).
         const i64 w = gtid / L;
@@ -451,19 +441,18 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
         if (cr == 0.0f) return;
         const i64 s = rowptr[r], e = rowptr[r + 1];
         i64 k0 = s;
-        // MLEM_SCATTER_UNROLL trips' loads before their atomics: 0.7-0.9% faster with 2 on madpet2
-        // (H100), as fast as cuSPARSE's transposed product; 4 no faster (benchmarks.md section 60)
-        for (; k0 + (MLEM_SCATTER_UNROLL - 1) * L < e; k0 += MLEM_SCATTER_UNROLL * L) {
-            unsigned cc[MLEM_SCATTER_UNROLL];
-            float vv[MLEM_SCATTER_UNROLL];
+        // SCATTER_UNROLL trips' loads before their atomics, so their latency overlaps
+        for (; k0 + (SCATTER_UNROLL - 1) * L < e; k0 += SCATTER_UNROLL * L) {
+            unsigned cc[SCATTER_UNROLL];
+            float vv[SCATTER_UNROLL];
 #pragma unroll
-            for (int u = 0; u < MLEM_SCATTER_UNROLL; ++u) {
+            for (int u = 0; u < SCATTER_UNROLL; ++u) {
                 const i64 k = k0 + u * L + lane;
                 cc[u] = k < e ? (unsigned)__ldcs(col + k) : 0u;
                 vv[u] = k < e ? __ldcs(val + k) : 0.0f;
             }
 #pragma unroll
-            for (int u = 0; u < MLEM_SCATTER_UNROLL; ++u)
+            for (int u = 0; u < SCATTER_UNROLL; ++u)
                 if (k0 + u * L + lane < e) atomicAdd(out + cc[u], vv[u] * cr);
         }
         for (; k0 < e; k0 += L) {
@@ -511,12 +500,12 @@ __device__ __forceinline__ void scatter_body(const i64* __restrict__ rowptr,
 }
 
 #define SCATTER(L)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256, MLEM_MIN_BLOCKS) scatter_##L(                             \
+    extern "C" __global__ void __launch_bounds__(256, 1) scatter_##L(                             \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                            \
         const float* __restrict__ val, const float* __restrict__ c, float* out, i64 m, i64 P) { \
         scatter_body<L, false>(rowptr, col, val, c, out, m, P);                                 \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256, MLEM_MIN_BLOCKS) scatter_vec_##L(                         \
+    extern "C" __global__ void __launch_bounds__(256, 1) scatter_vec_##L(                         \
         const i64* __restrict__ rowptr, const int* __restrict__ col,                            \
         const float* __restrict__ val, const float* __restrict__ c, float* out, i64 m, i64 P) { \
         scatter_body<L, true>(rowptr, col, val, c, out, m, P);                                  \

@@ -1,0 +1,101 @@
+"""The one compile-and-launch path of the CUDA kernels (CuPy imported lazily; importing needs no GPU).
+
+Every kernel of ``mlemlib/kernels/*.cu`` is reached through :func:`function`:
+a :class:`Build` (the source file and its compile options, a frozen value)
+plus the kernel's name give one ``cupy.RawModule`` per build and device,
+compiled once and memoized. A real variant of a kernel (the launch shapes of
+``csr_vector``, the vector atomics of ``scatter_vec``) is a build with
+options; there is no other way to change what a kernel compiles to.
+
+:func:`check_vector` is the one place that checks the vectors a launch is given.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from mlemlib.errors import DeviceError
+
+log = logging.getLogger(__name__)
+
+#: The sources in ``mlemlib/kernels`` (``<name>.cu``).
+SOURCES = ("spmv", "compressed", "synth")
+
+#: A line of a kernel source that includes one of the package's own headers.
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[^\n]*$', re.M)
+
+
+def cupy() -> Any:
+    """Import CuPy, or raise :class:`DeviceError` saying how to get it."""
+    try:
+        import cupy as cp
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise DeviceError(f"the CUDA backend needs CuPy (pip install 'mlemlib[gpu]'): {exc}") from exc
+    return cp
+
+
+@dataclass(frozen=True)
+class Build:
+    """One compilation of a kernel source: the file (``spmv``, ``compressed``, ``synth``) and its options.
+
+    ``options`` are NVRTC options (``-DMLEM_STREAM`` ...), in a fixed order, so
+    that equal builds are one cache entry.
+    """
+
+    source: str
+    options: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown kernel source {self.source!r}, expected one of {', '.join(SOURCES)}")
+
+
+def kernel_source(name: str) -> str:
+    """Text of ``mlemlib/kernels/<name>.cu`` (shipped as package data), each ``#include "x.cuh"`` of the
+    package's own headers replaced by the header's text (NVRTC is given source text, not a directory)."""
+    kernels = importlib.resources.files("mlemlib.kernels")
+    text = kernels.joinpath(f"{name}.cu").read_text()
+    return _LOCAL_INCLUDE.sub(lambda mo: kernels.joinpath(mo.group(1)).read_text(), text)
+
+
+@functools.cache
+def module(build: Build, device_id: int) -> Any:
+    """``build`` compiled for one device (memoized per build and device)."""
+    cp = cupy()
+    with cp.cuda.Device(device_id):
+        mod = cp.RawModule(code=kernel_source(build.source), options=("--std=c++17", *build.options))
+        mod.compile()
+    log.debug("compiled %s.cu %s for device %d", build.source, " ".join(build.options), device_id)
+    return mod
+
+
+@functools.cache
+def _function_on(build: Build, name: str, device_id: int) -> Any:
+    return module(build, device_id).get_function(name)
+
+
+def function(build: Build, name: str) -> Any:
+    """Kernel ``name`` of ``build``, compiled for the current device (memoized)."""
+    return _function_on(build, name, cupy().cuda.Device().id)
+
+
+def check_vector(name: str, v: Any, length: int) -> None:
+    """``v`` must be a C-contiguous float32 CuPy vector of ``length`` entries on the current device.
+
+    Raises
+    ------
+    ValueError
+        Naming the vector and what it is instead.
+    """
+    cp = cupy()
+    if not isinstance(v, cp.ndarray) or v.dtype != cp.float32 or v.shape != (length,) or not v.flags.c_contiguous:
+        what = (f"{v.dtype} {v.shape}" if isinstance(v, cp.ndarray) else type(v).__name__)
+        raise ValueError(f"{name} must be a contiguous float32 CuPy vector of {length} entries, got {what}")
+    on = getattr(getattr(v, "device", None), "id", None)
+    if v.size and on is not None and on != cp.cuda.Device().id:
+        raise ValueError(f"{name} is on GPU {on}, the launch on GPU {cp.cuda.Device().id}")
