@@ -337,7 +337,7 @@ def stored_row_weights(src: Any) -> np.ndarray | None:
     if fold is None:
         return None
     w = fold.multiplicity().astype(np.float64)
-    from mlemlib.reorder import permutation_of
+    from mlemlib.permutation import permutation_of
 
     perm = permutation_of(src)
     return w if perm is None else w[np.asarray(perm.rows)]
@@ -377,7 +377,10 @@ def fold_file(
     checksum) with the map attached. Memory: one chunk, the hashes (16 bytes
     per row) and the map. The output has format ``fmt`` (default: the
     source's; CSR for a file that is not a container) and the source's
-    attributes.
+    attributes; a compressed source folded into its own format keeps its
+    stored values and row scales bit for bit
+    (:func:`~mlemlib.formats.compressed_h5.copy_compressed`: a lossy one is
+    not rounded again).
 
     Returns
     -------
@@ -392,7 +395,8 @@ def fold_file(
         For a corrupt source, or one that is already folded or reordered.
     """
     from mlemlib.formats import convert, open_matrix
-    from mlemlib.reorder import permutation_of
+    from mlemlib.formats.compressed_h5 import copy_compressed
+    from mlemlib.permutation import permutation_of
     from mlemlib.transpose import numba_threads
 
     name = os.path.basename(os.fspath(source))
@@ -403,13 +407,18 @@ def fold_file(
                 raise MatrixFormatError(source, "is folded already")
             if permutation_of(src) is not None:
                 raise MatrixFormatError(source, "is reordered: fold the matrix before reordering it")
-            fmt = fmt or getattr(src, "format", None) or "csr"
+            own = getattr(src, "format", None) or "csr"
+            fmt = fmt or own
             fold = find_duplicates(src, chunk_nnz=chunk_nnz, name=name)
         t_hash = time.perf_counter() - t0
         log.info("%s: %d rows, %d distinct non-empty (%.1f%%); hashed in %.1f s", name, fold.m_user, fold.m_stored,
                  100.0 * fold.m_stored / max(fold.m_user, 1), t_hash)
-        summary = convert(source, out, fmt=fmt, code_bits=code_bits, max_nnz=chunk_nnz, keep_rows=first_rows(fold),
-                          attach=_attachment(fold))
+        if fmt != "csr" and fmt == own:  # a compressed source keeps its stored values and row scales bit for bit
+            summary = copy_compressed(source, out, code_bits=code_bits, max_nnz=chunk_nnz,
+                                      keep_rows=first_rows(fold), attach=_attachment(fold))
+        else:
+            summary = convert(source, out, fmt=fmt, code_bits=code_bits, max_nnz=chunk_nnz,
+                              keep_rows=first_rows(fold), attach=_attachment(fold))
     summary.update(user_rows=fold.m_user, stored_rows=fold.m_stored, fold_checksum=fold.checksum,
                    hash_seconds=round(t_hash, 3))
     return summary

@@ -35,7 +35,8 @@ Two multi-GPU layouts are planned together:
     it is written out; the rows of ``A^T`` have sorted LOR indices, so each
     row splits into P contiguous segments at the block boundaries. Streaming
     ``transpose.h5`` in chunks, all P files take one copy of ``A^T`` on disk in
-    all. Without ``local_transpose`` the stage writes ``plan.json`` only: no
+    all, in the transpose's format (a compressed transpose gives compressed
+    parts, its stored values and row scales kept bit for bit). Without ``local_transpose`` the stage writes ``plan.json`` only: no
     element of the matrix is copied.
 
 Every count and offset is an int64 (NumPy) or a Python int (JSON): plans of
@@ -55,7 +56,7 @@ from numba import njit, prange
 
 from mlemlib._io import atomic_dir
 from mlemlib.errors import ConfigError, MatrixFormatError
-from mlemlib.matrix import INDEX_DTYPE, INDPTR_DTYPE, VALUE_DTYPE, CSRMatrix
+from mlemlib.matrix import INDEX_DTYPE, INDPTR_DTYPE, CSRMatrix
 from mlemlib.transpose import DEFAULT_CHUNK_NNZ, numba_threads
 
 log = logging.getLogger(__name__)
@@ -269,13 +270,25 @@ def split_transpose(
         If a row's indices are not sorted (or outside ``[0, m)``).
     """
     bounds = np.asarray(bounds, dtype=np.int64)
+    return [
+        CSRMatrix(ip, idx, dat, (block.shape[0], width))
+        for ip, idx, dat, width in _split_rows(block.indptr, block.indices, block.data, bounds, row0, source)
+    ]
+
+
+def _split_rows(
+    indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, bounds: np.ndarray, row0: int, source
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """:func:`split_transpose` on arrays: ``(indptr, indices, data, width)`` per part; ``data`` of any dtype
+    (float32 values, or the stored value bits of a compressed transpose) is copied as it is."""
     nparts = len(bounds) - 1
-    k = block.shape[0]
-    p0 = int(block.indptr[0]) if len(block.indptr) else 0
-    indptr = block.indptr - p0 if p0 else block.indptr
-    nnz = block.nnz
-    indices = block.indices[p0 : p0 + nnz]
-    data = block.data[p0 : p0 + nnz]
+    k = len(indptr) - 1
+    p0 = int(indptr[0]) if len(indptr) else 0
+    indptr = np.asarray(indptr, dtype=np.int64)
+    indptr = indptr - p0 if p0 else indptr
+    nnz = int(indptr[-1]) if len(indptr) else 0
+    indices = indices[p0 : p0 + nnz]
+    data = data[p0 : p0 + nnz]
     seg = np.empty((k, nparts + 1), dtype=np.int64)
     bad = _split_points(indptr, indices, bounds, seg)
     if bad >= 0:
@@ -291,13 +304,12 @@ def split_transpose(
     base = np.zeros(nparts, dtype=np.int64)
     np.cumsum(sizes[:-1], out=base[1:])
     out_indices = np.empty(nnz, dtype=INDEX_DTYPE)
-    out_data = np.empty(nnz, dtype=VALUE_DTYPE)
+    out_data = np.empty(nnz, dtype=data.dtype)
     _gather_parts(indices, data, seg, lptr, base, bounds, out_indices, out_data)
     parts = []
     for p in range(nparts):
         lo, hi = int(base[p]), int(base[p] + sizes[p])
-        width = int(bounds[p + 1] - bounds[p])
-        parts.append(CSRMatrix(lptr[p], out_indices[lo:hi], out_data[lo:hi], (k, width)))
+        parts.append((lptr[p], out_indices[lo:hi], out_data[lo:hi], int(bounds[p + 1] - bounds[p])))
     return parts
 
 
@@ -387,7 +399,7 @@ def partition_file(
     MatrixFormatError
         If a file is corrupt or the transpose does not match the matrix.
     """
-    from mlemlib.formats.h5 import MatrixH5, MatrixH5Writer
+    from mlemlib.formats.h5 import MatrixH5
 
     parts = _check_parts(parts)
     if not isinstance(chunk_nnz, (int, np.integer)) or chunk_nnz < 1:
@@ -452,7 +464,7 @@ def partition_file(
             plan["local_transpose"] = names
         with atomic_dir(out_dir) as tmp:
             if local_transpose:
-                _write_local_transposes(a, at, plan, bounds, names, tmp, transpose_h5, chunk_nnz, MatrixH5Writer)
+                _write_local_transposes(a, at, plan, bounds, names, tmp, transpose_h5, chunk_nnz)
             with open(tmp / PLAN_NAME, "w", encoding="utf-8") as f:
                 json.dump(plan, f, indent=1)
                 f.write("\n")
@@ -462,27 +474,45 @@ def partition_file(
     return out
 
 
-def _write_local_transposes(a, at, plan, bounds, names, tmp, transpose_h5, chunk_nnz, writer_cls) -> None:
-    """Stream ``transpose.h5`` once, writing each part's ``A_k^T`` to ``tmp/part-{k}.h5``."""
+def _write_local_transposes(a, at, plan, bounds, names, tmp, transpose_h5, chunk_nnz) -> None:
+    """Stream ``transpose.h5`` once, writing each part's ``A_k^T`` to ``tmp/part-{k}.h5`` in the transpose's format.
+
+    A compressed transpose is split as its columns and stored value bits, and
+    each part's row keeps the row scale of the row of ``A^T`` it comes from:
+    the parts decode to exactly the column ranges of the decoded transpose
+    (a lossy one is not rounded again); their code width is the transpose's.
+    """
+    from mlemlib.formats.compressed_h5 import CompressedH5, CompressedH5Writer
+    from mlemlib.formats.h5 import MatrixH5Writer
+
     m, n = a.shape
     parts = len(names)
+    compressed = isinstance(at, CompressedH5)
     writers = []
     try:
         for k in range(parts):
             r0, r1 = plan["rows"][k]
+            kw = {"fmt": at.format, "code_bits": at.code_bits} if compressed else {}
             writers.append(
-                writer_cls(
+                (CompressedH5Writer if compressed else MatrixH5Writer)(
                     tmp / names[k], (n, r1 - r0), plan["nnz_per_part"][k],
                     source=Path(transpose_h5).name,
                     kind="local_transpose", part=k, parts=parts,
                     rows=np.array([r0, r1], dtype=np.int64),
-                    source_checksum=at.checksum, matrix_checksum=a.checksum,
+                    source_checksum=at.checksum, matrix_checksum=a.checksum, **kw,
                 )
             )  # fmt: skip
         next_report = 0.1
-        for c0, c1, block in at.iter_chunks(max_nnz=chunk_nnz):
-            for w, piece in zip(writers, split_transpose(block, bounds, row0=c0, source=transpose_h5)):
-                w.write_rows(piece, validate=False)
+        chunks = at.iter_element_bits(chunk_nnz) if compressed else at.iter_chunks(max_nnz=chunk_nnz)
+        for c0, c1, block in chunks:
+            if compressed:
+                csr = block.csr
+                pieces = _split_rows(csr.indptr, csr.indices, block.bits, bounds, c0, transpose_h5)
+                for w, (ip, idx, bits, _) in zip(writers, pieces):
+                    w.write_element_bits(ip, idx, bits, block.scale)
+            else:
+                for w, piece in zip(writers, split_transpose(block, bounds, row0=c0, source=transpose_h5)):
+                    w.write_rows(piece, validate=False)
             if n and c1 / n >= next_report:
                 log.info("split transpose rows up to %d of %d (%.0f%%)", c1, n, 100.0 * c1 / n)
                 next_report = c1 / n + 0.1

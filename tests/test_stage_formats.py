@@ -1,0 +1,202 @@
+"""Every stage keeps the matrix's format: convert, fold, reorder and partition of a CSR or compressed container
+(``compressed``, ``compressed-f16``, ``compressed-u16``) write a container of the same format (CPU).
+
+What is compared, per format:
+
+- ``csr`` and ``compressed`` (lossless): the output is the matrix the stage must give, computed here with SciPy
+  from the original matrix, bit for bit; a compressed output also has exactly the encoding of that matrix
+  (:meth:`CompressedMatrix.from_csr` with the output's code width: codes, values, row pointer).
+- ``compressed-f16`` and ``compressed-u16`` (lossy 16-bit values with a row scale): a stage moves stored values,
+  it never rounds them again. The output decodes to exactly the SciPy result on the *decoded* input, and its
+  value slots and row scales are the input's. For convert, fold and reorder, rows keep their sets of values, so
+  the output also has exactly the encoding of the stage's result on the original float32 matrix (encoding
+  commutes with moving rows and renaming columns). The fixture holds a row whose float16 encoding changes when
+  its decoded values are encoded again (its largest value rounds up to the next power of two, so the row
+  scale doubles and the smallest values lose bits): a stage that decoded and re-encoded would fail these tests.
+  A part's ``A_k^T`` keeps the row scales of ``A^T`` (not those a fresh encoding of the part would choose).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from mlemlib.compressed import CompressedMatrix
+from mlemlib.formats.compressed_h5 import CompressedH5, write_compressed_h5
+from mlemlib.formats.h5 import MatrixH5, write_matrix_h5
+from mlemlib.matrix import CSRMatrix
+
+FORMATS = ("csr", "compressed", "compressed-f16", "compressed-u16")
+LOSSY = ("compressed-f16", "compressed-u16")
+GRID = (8, 8, 6)  # n = 384: column deltas above 253 need markers with 8-bit codes
+DUPLICATES = range(10, 20)  # rows copied to 60..69: what fold finds
+
+
+def _matrix() -> CSRMatrix:
+    """Random rows with sorted columns, an empty row, duplicated rows, a wide row and the float16 trap row."""
+    n = int(np.prod(GRID))
+    rng = np.random.default_rng(5)
+    a = sp.random(90, n, density=0.05, random_state=7, format="lil", dtype=np.float64)
+    a[3, :] = 0.0
+    a[5, :] = 0.0
+    a[5, 0] = 0.25
+    a[5, n - 1] = 0.5
+    # the float16 trap: 0.99999 rounds up to 1.0 (row scale 2**-15 -> 2**-14 when encoded again), and the
+    # smallest values are float16 subnormals of that row, which lose a bit under the doubled scale
+    cols = np.sort(rng.choice(n, 24, replace=False))
+    a[8, :] = 0.0
+    for k, c in enumerate(cols):
+        a[8, c] = 0.99999 if k == 0 else float(rng.uniform(1e-10, 4e-9))
+    a = a.tocsr()
+    a = sp.vstack([a[:60], a[DUPLICATES.start : DUPLICATES.stop], a[60:]]).tocsr().astype(np.float32)
+    a.eliminate_zeros()
+    a.sort_indices()
+    return CSRMatrix.from_scipy(a)
+
+
+@pytest.fixture(scope="module")
+def original() -> CSRMatrix:
+    a = _matrix()
+    enc = CompressedMatrix.from_csr(a, "compressed-f16")
+    again = CompressedMatrix.from_csr(enc.to_csr(), "compressed-f16")
+    assert not np.array_equal(again.to_csr().data, enc.to_csr().data), "the fixture lost its float16 trap"
+    return a
+
+
+def _write(path, a: CSRMatrix, fmt: str, **attrs):
+    if fmt == "csr":
+        write_matrix_h5(path, a, **attrs)
+    else:
+        write_compressed_h5(path, a, fmt=fmt, **attrs)
+    return path
+
+
+def _format(path) -> str:
+    with MatrixH5(path) as f:
+        return getattr(f, "format", "csr")
+
+
+def _decoded(path) -> sp.csr_matrix:
+    with MatrixH5(path) as f:
+        return f.to_csr().to_scipy()
+
+
+def _encoded(path) -> CompressedMatrix:
+    with CompressedH5(path) as f:
+        return f.read_encoded(0, f.shape[0])
+
+
+def _same_csr(got: sp.csr_matrix, want: sp.csr_matrix) -> None:
+    want = want.tocsr()
+    want.sort_indices()
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got.indptr, want.indptr)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_array_equal(got.data.view(np.uint32), want.astype(np.float32).data.view(np.uint32))
+
+
+def _same_encoding(got: CompressedMatrix, want: CompressedMatrix) -> None:
+    assert (got.format, got.code_bits, got.shape, got.nnz) == (want.format, want.code_bits, want.shape, want.nnz)
+    np.testing.assert_array_equal(got.slotptr(), want.slotptr())
+    np.testing.assert_array_equal(got.codes, want.codes)
+    np.testing.assert_array_equal(got.value_bits(), want.value_bits())
+    if want.scale is None:
+        assert got.scale is None
+    else:
+        np.testing.assert_array_equal(got.scale.view(np.uint32), want.scale.view(np.uint32))
+
+
+def _check(out, fmt: str, from_original: sp.csr_matrix, from_decoded: sp.csr_matrix) -> None:
+    """``out`` has format ``fmt`` and holds ``from_decoded`` (the stage's result on the decoded input); a
+    compressed one is exactly the encoding of ``from_original`` (the result on the float32 original)."""
+    assert _format(out) == fmt
+    _same_csr(_decoded(out), from_decoded)
+    if fmt != "csr":
+        got = _encoded(out)
+        want = from_original.tocsr()
+        want.sort_indices()
+        _same_encoding(got, CompressedMatrix.from_csr(CSRMatrix.from_scipy(want), fmt, code_bits=got.code_bits))
+
+
+@pytest.fixture(params=FORMATS)
+def source(request, tmp_path, original):
+    """(format, the input container in that format, the original matrix)."""
+    fmt = request.param
+    path = _write(tmp_path / f"in-{fmt}.h5", original, fmt, grid=GRID, voxel_size=(1.0, 1.0, 2.0), source="m")
+    return fmt, path, original
+
+
+def test_convert_keeps_the_format(source, tmp_path, capsys):
+    from mlemlib.cli import main
+
+    fmt, path, a = source
+    out = tmp_path / "out.h5"
+    assert main(["convert", str(path), "-o", str(out), "--chunk-nnz", "200"]) == 0  # no --format: the input's
+    _check(out, fmt, a.to_scipy(), _decoded(path))
+    if fmt != "csr":  # a copy: the input's encoding, slot for slot
+        _same_encoding(_encoded(out), _encoded(path))
+    with MatrixH5(out) as f:
+        assert f.grid == GRID
+    assert fmt in capsys.readouterr().out
+
+
+def test_fold_keeps_the_format(source, tmp_path):
+    from mlemlib.fold import fold_file, fold_of
+
+    fmt, path, a = source
+    out = tmp_path / "folded.h5"
+    s = fold_file(path, out, chunk_nnz=300)
+    assert s["format"] == fmt
+    decoded = _decoded(path)
+    # each distinct non-empty row once, at its first occurrence (found here with Python's dict)
+    first: dict = {}
+    for r in range(decoded.shape[0]):
+        lo, hi = decoded.indptr[r], decoded.indptr[r + 1]
+        if hi > lo:
+            first.setdefault((decoded.indices[lo:hi].tobytes(), decoded.data[lo:hi].tobytes()), r)
+    keep = np.array(sorted(first.values()))
+    assert len(keep) == decoded.shape[0] - len(DUPLICATES) - 1  # the duplicates and the empty row go
+    _check(out, fmt, a.to_scipy()[keep], decoded[keep])
+    fold = fold_of(out)
+    users = np.flatnonzero(fold.row_map >= 0)
+    _same_csr(_decoded(out)[fold.row_map[users]], decoded[users])
+
+
+@pytest.mark.parametrize(("mode", "passes"), [("rows", 1), ("rows+voxels", 2)])
+def test_reorder_keeps_the_format(source, tmp_path, mode, passes):
+    from mlemlib.reorder import permutation_of, reorder_file
+
+    fmt, path, a = source
+    out = tmp_path / "reordered.h5"
+    s = reorder_file(path, out, mode, chunk_nnz=250, passes=passes)
+    assert s["format"] == fmt
+    perm = permutation_of(out)
+    rows = perm.rows
+    assert not np.array_equal(rows, np.arange(len(rows)))
+    voxels = perm.voxels if perm.voxels is not None else np.arange(a.shape[1])
+    assert (mode == "rows+voxels") == (perm.voxels is not None)
+    _check(out, fmt, a.to_scipy()[rows][:, voxels], _decoded(path)[rows][:, voxels])
+
+
+def test_partition_keeps_the_format(source, tmp_path):
+    from mlemlib.partition import partition_file
+
+    fmt, path, a = source
+    at = a.to_scipy().T.tocsr()
+    at.sort_indices()
+    t_path = _write(tmp_path / f"transpose-{fmt}.h5", CSRMatrix.from_scipy(at), fmt)
+    plan = partition_file(path, t_path, 3, tmp_path / "parts-3", local_transpose=True, chunk_nnz=100)
+    assert plan["matrix_format"] == fmt
+    t_decoded = _decoded(t_path)
+    for k, (r0, r1) in enumerate(plan["rows"]):
+        part = tmp_path / "parts-3" / f"part-{k}.h5"
+        assert _format(part) == fmt
+        _same_csr(_decoded(part), t_decoded[:, r0:r1])
+        if fmt == "compressed":
+            got = _encoded(part)
+            _same_encoding(got, CompressedMatrix.from_csr(CSRMatrix.from_scipy(at[:, r0:r1].tocsr()), fmt,
+                                                          code_bits=got.code_bits))
+        elif fmt in LOSSY:  # the rows of A^T keep their scales and stored values
+            got, whole = _encoded(part), _encoded(t_path)
+            np.testing.assert_array_equal(got.scale, whole.scale)
