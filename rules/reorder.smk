@@ -3,7 +3,8 @@
 # results/{matrix}/matrix.h5, which norm, transpose, partition, the runs and the
 # benchmark read. simulate_measurement reads converted.h5 (the user's order),
 # so the data do not depend on the setting. With reorder: none convert_matrix
-# writes matrix.h5 itself and this rule does not exist.
+# writes matrix.h5 itself and this rule does not exist. matrix.h5 keeps
+# converted.h5's format (CSR or a compressed one).
 if is_reordered():
 
     rule reorder_matrix:

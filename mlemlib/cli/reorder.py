@@ -16,7 +16,7 @@ def register(sub) -> None:
         "reorder",
         "Permute the rows (LORs) and optionally the columns (voxels) of a matrix container so that "
         "the gathers of both projections are local; write the permuted container with its permutations "
-        "(MLEM with it reads measurements and writes images in the user's order).",
+        "in the input's format (MLEM with it reads measurements and writes images in the user's order).",
     )
     p.add_argument("input", type=existing_file, metavar="MATRIX.h5", help="the user's matrix container (from 'mlem convert')")
     p.add_argument("-o", "--out", required=True, metavar="OUT.h5", help="reordered container (e.g. results/{matrix}/matrix.h5)")
@@ -32,7 +32,8 @@ def register(sub) -> None:
     add_stream_options(p, chunk_help="non-zeros per streamed row chunk")
     p.add_argument(
         "--passes", type=positive_int, default=1, metavar="P",
-        help="passes over the input; the output buffer holds 1/P of the matrix (8 bytes per non-zero)",
+        help="passes over the input; the output buffer holds 1/P of the matrix (8 bytes per non-zero, 6 for "
+        "the 16-bit compressed formats)",
     )
     p.add_argument(
         "--locality", action="store_true",
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     m, n = s["shape"]
     voxels = "rows and voxels" if s["voxels_permuted"] else "rows"
     print(
-        f"{s['out']}: {m} x {n}, nnz {s['nnz']}, {s['mode']} ({voxels} permuted), "
+        f"{s['out']}: {m} x {n}, nnz {s['nnz']}, {s['format']}, {s['mode']} ({voxels} permuted), "
         f"permutation {s['permutation_s']:.3f} s, stage {s['seconds'] + s['permutation_s']:.3f} s"
     )
     if args.locality:
