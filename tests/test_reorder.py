@@ -599,7 +599,7 @@ def test_cli_reorder(matrix_h5, tmp_path, capsys):
     args = ["reorder", str(path), "--out", str(out), "--mode", "rows", "--perm-out", str(perm), "-t", "1"]
     assert main(args + ["--locality"]) == 0
     text = capsys.readouterr().out
-    assert f"{out}: 300 x 120, nnz {a.nnz}, rows (rows permuted)" in text
+    assert f"{out}: 300 x 120, nnz {a.nnz}, csr, rows (rows permuted)" in text
     assert "before: A " in text and "after: A " in text
     assert reorder.read_permutation(perm).checksum == reorder.permutation_of(out).checksum
     again = tmp_path / "again.h5"
