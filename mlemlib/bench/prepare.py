@@ -15,7 +15,7 @@ with the same settings shares them and a rerun reuses them):
   ScanTrans), where a kernel pair reads it;
 - ``csr.h5`` — a CSR copy for the cuSPARSE reference where the format is
   another (not where cuSPARSE's 32-bit indices cannot hold the matrix);
-- ``norm.npy`` (column sums, :func:`mlemlib.norm.source_column_sums`) and
+- ``norm.npy`` (column sums, as :func:`mlemlib.norm.source_column_sums` gives them) and
   ``g.npy`` (the noiseless measurement ``A x`` of a fixed positive image);
 - ``prepared.json`` — the settings and the matrix's facts, written last: a
   directory without it is prepared again.
@@ -105,24 +105,27 @@ def _test_image(n: int) -> np.ndarray:
 
 
 def problem_arrays(matrix: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``(g, norm)`` of a matrix (a path, an opened matrix or a CSRMatrix): ``g = A x`` (float32; a folded
-    matrix's rows times their multiplicity) of :func:`_test_image`, and the column sums (float64), streamed
-    in row blocks."""
+    """``(g, norm)`` of a matrix (a path, an opened matrix or a CSRMatrix), in one streamed pass: ``g = A x``
+    (float32) of :func:`_test_image`, a folded matrix's rows times their multiplicity, and the column sums
+    (float64, :func:`mlemlib.norm.accumulate_column_sums`, a folded matrix's rows weighted likewise)."""
     from mlemlib.fold import stored_row_weights
     from mlemlib.formats import open_source
-    from mlemlib.norm import source_column_sums
+    from mlemlib.norm import accumulate_column_sums
 
     src = open_source(matrix)
     try:
         m, n = (int(v) for v in src.shape)
+        name = str(getattr(src, "source", None) or getattr(src, "path", None) or "<matrix>")
         x = _test_image(n)
         g = np.zeros(m, dtype=np.float64)
+        norm = np.zeros(n, dtype=np.float64)
+        weights = stored_row_weights(src)
         for r0, r1, block in src.iter_chunks(CHUNK_NNZ):
             g[r0:r1] = block.to_scipy() @ x
-        weights = stored_row_weights(src)
+            accumulate_column_sums(norm, block, source=name,
+                                   row_weights=None if weights is None else weights[r0:r1])
         if weights is not None:
             g *= weights
-        norm = source_column_sums(src, max_nnz=CHUNK_NNZ)
     finally:
         close = getattr(src, "close", None)
         if close is not None and src is not matrix:
