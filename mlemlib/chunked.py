@@ -1,10 +1,10 @@
 """Row chunks with their own voxel lists: the plan of a one pass that scatters into shared memory.
 
 The one-pass and scatter kernels are bound by their global atomics: one per
-non-zero, served by the L2 cache (docs/benchmarks.md section 31). After the
+non-zero, served by the L2 cache. After the
 reorder stage, consecutive rows (LORs with close entry and exit points)
-touch nearly the same voxels: on madpet2, a chunk of rows whose distinct
-voxels fit 16,384 float32 reuses each of them 15.8 times (section 33). A
+touch nearly the same voxels: a chunk of rows whose distinct voxels fit
+16,384 float32 reuses each of them many times (``mlem info`` shows it). A
 kernel that takes one chunk per thread block, stages ``f`` at the chunk's
 voxels in shared memory, accumulates the chunk's back projection there, and
 adds each distinct voxel to global memory once makes ``1 / reuse`` of the
@@ -408,14 +408,28 @@ def _host_source(source):
     raise TypeError(f"cannot read rows of {type(source).__name__}")
 
 
-def _host_bounds(source, max_nnz: int) -> list[tuple[int, int]]:
+def _host_indptr(source) -> np.ndarray:
+    """The whole row pointer of a source of :func:`_host_source` (host int64)."""
+    if hasattr(source, "read_indptr"):  # an opened matrix file
+        return np.asarray(source.read_indptr(), dtype=np.int64)
+    if isinstance(source, _CompressedRows):
+        return np.asarray(source._ip, dtype=np.int64)
+    ip = source.indptr
+    return np.asarray(ip.get() if hasattr(ip, "get") else ip, dtype=np.int64)  # a host or device CSR
+
+
+def _host_bounds(source, max_nnz: int, rows: tuple[int, int] | None = None) -> list[tuple[int, int]]:
     from mlemlib.matrix import chunk_bounds
 
-    if hasattr(source, "read_rows"):  # an opened matrix file
-        return source.chunk_bounds(max_nnz)
-    ip = source.indptr
-    ip = ip.get() if hasattr(ip, "get") else ip  # a device CSR
-    return chunk_bounds(np.asarray(ip, dtype=np.int64), max_nnz)
+    if rows is None:
+        if hasattr(source, "read_rows"):  # an opened matrix file
+            return source.chunk_bounds(max_nnz)
+        if isinstance(source, _CompressedRows):
+            return source.chunk_bounds(max_nnz)
+        return chunk_bounds(_host_indptr(source), max_nnz)
+    r0, r1 = (int(v) for v in rows)
+    ip = _host_indptr(source)[r0 : r1 + 1]
+    return [(r0 + a, r0 + b) for a, b in chunk_bounds(ip - ip[0], max_nnz)]
 
 
 def _host_rows(source, r0: int, r1: int) -> CSRMatrix:
@@ -431,8 +445,10 @@ def _host_rows(source, r0: int, r1: int) -> CSRMatrix:
     return CSRMatrix(ipr - a, source.indices[a:b].get(), source.data[a:b].get(), (r1 - r0, int(source.shape[1])))
 
 
-def row_blocks(source, max_nnz: int, *, scales: bool = False):
+def row_blocks(source, max_nnz: int, *, scales: bool = False, rows: tuple[int, int] | None = None):
     """``(r0, r1, block)`` of a CSR source in row order, blocks of about ``max_nnz`` non-zeros in host memory.
+
+    ``rows``: only rows ``[r0, r1)`` (a GPU's row block), else all.
 
     ``scales``: ``(r0, r1, block, scale)``, ``scale`` the rows' scales of a
     compressed source with 16-bit values (``read_scale``), else None.
@@ -444,7 +460,7 @@ def row_blocks(source, max_nnz: int, *, scales: bool = False):
     memory at a time.
     """
     source = _host_source(source)
-    for r0, r1 in _host_bounds(source, max_nnz):
+    for r0, r1 in _host_bounds(source, max_nnz, rows):
         if scales:
             read = getattr(source, "read_scale", None)
             yield r0, r1, _host_rows(source, r0, r1), (read(r0, r1) if read is not None else None)
@@ -456,7 +472,7 @@ def sample_chunks(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NN
     """``(reuse, chunks)`` of the row chunks of one block of about ``max_nnz`` non-zeros from the middle of ``source``.
 
     What ``auto`` decides ``onepass_chunked`` from
-    (:func:`mlemlib.registry.choose_one_gpu`) without chunking the whole
+    (:func:`mlemlib.registry.choose_auto`) without chunking the whole
     matrix: the block's rows, in their stored order, grouped as
     :func:`build_plan` would (``window`` voxels, at most
     :data:`MAX_CHUNK_ROWS` rows per chunk); ``reuse`` is the block's

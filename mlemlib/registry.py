@@ -25,8 +25,12 @@ Operations
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from mlemlib.errors import ConfigError
 
@@ -44,11 +48,11 @@ CUSPARSE_MAX_NNZ = 2**31 - 1
 #: Share of ``scatter_smem``'s row chunks whose columns must fit shared memory for ``notrans`` to take it.
 SMEM_LOCAL_MIN = 0.5
 #: Least voxel reuse of the row chunks (non-zeros per voxel and chunk, sampled) at which ``auto``
-#: takes ``onepass_chunked`` on one GPU: on madpet2 (H200) 3.50 ms at reuse 9.2 and 8.5 ms at 4.2,
-#: against 3.69 ms for the csr_vector pair and 6.6 for csr_vector + a scatter (benchmarks.md §36).
+#: takes ``onepass_chunked``: below it the chunks' global atomics cost more than the pair's second read.
 CHUNK_REUSE_MIN = 8.0
-#: Least chunks per multiprocessor (one block each) at which ``auto`` takes ``onepass_chunked`` over
-#: the csr_vector pair when a transpose is there: below, most of the GPU waits for a few blocks.
+#: Least chunks per multiprocessor of each GPU (one block each) at which ``auto`` takes
+#: ``onepass_chunked`` over the csr_vector pair when a transpose is there: below, most of the GPU waits
+#: for a few blocks.
 CHUNK_WAVES_MIN = 4
 
 
@@ -80,6 +84,25 @@ class Kernel:
     selector
         True for a name that picks another kernel of the same operation once
         the matrix is loaded (``notrans``, see :func:`choose_notrans`).
+    launcher
+        ``module:function`` under ``mlemlib.backends`` that launches it
+        (:func:`launcher` binds it, the kernel's name as ``kernel=``): one
+        hand-off from this entry to the launch, one more to the ``.cu``.
+    fused
+        Its epilogue fuses the correlation (forward) or the update (back
+        projection on ``A^T``) into the projection.
+    chunks
+        It reads the matrix as row chunks with their voxel lists (the
+        chunked layout, :mod:`mlemlib.chunked`), not as rows.
+    smem
+        It needs the shared-memory plan of the matrix's row chunks
+        (``scatter_smem``), made once per matrix.
+    shapes
+        Its launch shape is timed on each matrix at set-up (``csr_vector``).
+    lanes
+        It takes a number of lanes per row (``lanes:``).
+    secsize
+        It takes a section size (``secsize:``, ``merge``).
     """
 
     name: str
@@ -92,6 +115,13 @@ class Kernel:
     source: str
     summary: str
     selector: bool = False
+    launcher: str = ""
+    fused: bool = False
+    chunks: bool = False
+    smem: bool = False
+    shapes: bool = False
+    lanes: bool = False
+    secsize: bool = False
 
     @property
     def needs_transpose(self) -> bool:
@@ -126,50 +156,69 @@ KERNELS: tuple[Kernel, ...] = (
            "its reference"),
     # ---- cuda: forward
     Kernel("csr_vector", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L",
-           "2..32 lanes per row, 16-byte loads, warp-shuffle sum; correlation fused"),
+           "2..32 lanes per row, 16-byte loads, warp-shuffle sum; correlation fused",
+           launcher="_cuda_kernels:spmv", fused=True, shapes=True, lanes=True),
     Kernel("csr_scalar", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_scalar",
-           "one thread per row (baseline); correlation fused"),
+           "one thread per row (baseline); correlation fused",
+           launcher="_cuda_kernels:spmv", fused=True),
     Kernel("merge", "forward", "cuda", ("csr",), False, _BOTH, True, f"{_SPMV}: merge_spmv",
-           "merge-path SpMV of the thesis (5.1), secsize items per thread, atomics"),
+           "merge-path SpMV of the thesis (5.1), secsize items per thread, atomics",
+           launcher="_cuda_kernels:spmv", secsize=True),
     Kernel("cusparse", "forward", "cuda", ("csr",), False, _BOTH, False, "cupyx cuSPARSE: A @ f",
-           "cuSPARSE's default SpMV through CuPy (allocates; not deterministic)"),
+           "cuSPARSE's default SpMV through CuPy (allocates; not deterministic)",
+           launcher="_cuda_kernels:spmv"),
     Kernel("delta_vector", "forward", "cuda", _CMP, True, _BOTH, True, f"{_CMPCU}: cspmv_<kind>_L",
-           "compressed rows: 4 slots per lane, warp scan of the column deltas; correlation fused"),
+           "compressed rows: 4 slots per lane, warp scan of the column deltas; correlation fused",
+           launcher="_compressed_cuda:spmv", fused=True, lanes=True),
     # ---- cuda: back projection on the stored transpose
     Kernel("csr_vector", "back", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L on A^T",
-           "csr_vector on the rows of A^T (lanes capped by bandwidth per SM); update fused"),
+           "csr_vector on the rows of A^T (lanes capped by bandwidth per SM); update fused",
+           launcher="_cuda_kernels:spmv", fused=True, shapes=True, lanes=True),
     Kernel("csr_scalar", "back", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_scalar on A^T",
-           "one thread per row of A^T; update fused"),
+           "one thread per row of A^T; update fused",
+           launcher="_cuda_kernels:spmv", fused=True),
     Kernel("merge", "back", "cuda", ("csr",), False, _BOTH, True, f"{_SPMV}: merge_spmv on A^T",
-           "merge-path SpMV on A^T, atomics"),
+           "merge-path SpMV on A^T, atomics",
+           launcher="_cuda_kernels:spmv", secsize=True),
     Kernel("cusparse", "back", "cuda", ("csr",), False, _BOTH, False, "cupyx cuSPARSE: A_T @ c",
-           "cuSPARSE's SpMV on the stored transpose"),
+           "cuSPARSE's SpMV on the stored transpose",
+           launcher="_cuda_kernels:spmv"),
     Kernel("delta_vector", "back", "cuda", _CMP, True, _BOTH, True, f"{_CMPCU}: cspmv_<kind>_L on A^T",
-           "delta_vector on the rows of A^T (stored as CSR, compressed when uploaded); update fused"),
+           "delta_vector on the rows of A^T (stored as CSR, compressed when uploaded); update fused",
+           launcher="_compressed_cuda:spmv", fused=True, lanes=True),
     # ---- cuda: back projection without a transpose
     Kernel("scatter", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_L",
-           "the thesis's atomic scatter from the rows of A (lanes per row, one element per lane per trip)"),
+           "the thesis's atomic scatter from the rows of A (lanes per row, one element per lane per trip)",
+           launcher="_cuda_kernels:scatter", lanes=True),
     Kernel("scatter_vec", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_vec_L",
-           "atomic scatter with 2/4-wide vector atomics (sm_90)"),
+           "atomic scatter with 2/4-wide vector atomics (sm_90)",
+           launcher="_cuda_kernels:scatter", lanes=True),
     Kernel("scatter_smem", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_smem",
-           "per row chunk, atomics into a shared-memory window where its columns fit"),
+           "per row chunk, atomics into a shared-memory window where its columns fit",
+           launcher="_cuda_kernels:scatter", smem=True),
     Kernel("cusparse_notrans", "back_notrans", "cuda", ("csr",), False, (), False, "cupyx cuSPARSE: A.T @ c",
-           "cuSPARSE's transposed product (one GPU)"),
+           "cuSPARSE's transposed product (one GPU)",
+           launcher="_cuda_kernels:scatter"),
     Kernel("notrans", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, "see choose_notrans",
-           "scatter_smem where most row chunks fit shared memory, else scatter", selector=True),
+           "scatter_smem where most row chunks fit shared memory, else scatter", selector=True,
+           launcher="_cuda_kernels:scatter", smem=True),
     Kernel("delta_scatter", "back_notrans", "cuda", _CMP, False, _LOCAL, True, f"{_CMPCU}: cscatter_<kind>_L",
-           "atomic scatter from compressed rows of A"),
+           "atomic scatter from compressed rows of A",
+           launcher="_compressed_cuda:scatter"),
     # ---- cuda: one pass over A per iteration
     Kernel("onepass", "iteration", "cuda", _ALL, False, _LOCAL, True,
            f"{_CMPCU}: onepass_csr_L / conepass_<kind>_L",
-           "one pass over A: per row a . f (row kept in registers), g / (a . f), float atomics into bp"),
+           "one pass over A: per row a . f (row kept in registers), g / (a . f), float atomics into bp",
+           launcher="_compressed_cuda:onepass_step"),
     Kernel("onepass_fixed", "iteration", "cuda", _ALL, True, _LOCAL, True,
            f"{_CMPCU}: onepass_det_csr_L / conepass_det_<kind>_L",
-           "onepass with bp summed as 64-bit fixed point (order-independent: bit-identical for any GPU count)"),
-    Kernel("onepass_chunked", "iteration", "cuda", _ALL, True, (), True, f"{_CMPCU}: chunked_onepass / _f16 / _u16",
+           "onepass with bp summed as 64-bit fixed point (order-independent: bit-identical for any GPU count)",
+           launcher="_compressed_cuda:onepass_step"),
+    Kernel("onepass_chunked", "iteration", "cuda", _ALL, True, _LOCAL, True, f"{_CMPCU}: chunked_onepass / _f16 / _u16",
            "one pass through row chunks of a reordered A (mlemlib/chunked.py): f and each chunk's sums in shared "
            "memory, 64-bit fixed point (deterministic), one global atomic per voxel and chunk; 6 bytes per nnz "
-           "(4 with a compressed-f16 or compressed-u16 matrix's 16-bit values) plus voxel lists"),
+           "(4 with a compressed-f16 or compressed-u16 matrix's 16-bit values) plus voxel lists",
+           launcher="_compressed_cuda:chunked_step", chunks=True),
 )
 
 _INDEX = {(k.backend, k.op, k.name): k for k in KERNELS}
@@ -184,12 +233,34 @@ AUTO_RULES = (
     "the GPU, else notrans (onepass_fixed on a compressed matrix)",
     "bp naming a whole-iteration kernel (onepass, onepass_fixed) runs the iteration in one pass; fp is then auto",
     "cuda notrans: scatter_smem when >= 50% of its row chunks fit shared memory, else scatter",
-    "cuda bp=auto (and fp=auto), one GPU, any format: onepass_chunked when the row chunks of a sample block of "
-    "the matrix reuse each voxel >= 8 times (a matrix in the reorder stage's order); with a transpose only when the "
-    "matrix makes >= 4 chunks per multiprocessor (else the csr_vector pair)",
+    "cuda bp=auto (and fp=auto), 1 and N GPUs (local layout), any format: onepass_chunked when the row chunks of "
+    "a sample block of the matrix reuse each voxel >= 8 times (a matrix in the reorder stage's order); with a "
+    "transpose only when each GPU's rows make >= 4 chunks per multiprocessor (else the csr_vector pair)",
     "cuda csr_vector launch shape: the fastest of _cuda_plan.SHAPE_CANDIDATES, timed on each matrix (and each "
     "GPU's block) at set-up; a shape never changes a result",
 )
+
+
+def launcher(k: Kernel) -> Callable[..., Any]:
+    """The function that launches ``k`` (its :attr:`Kernel.launcher`), with ``kernel=k.name`` bound.
+
+    The one place a kernel's name meets its code: the backends call what this
+    returns (imported on first use, so this module needs no GPU).
+
+    Raises
+    ------
+    ConfigError
+        A kernel without a launcher (the CPU's).
+    """
+    return _launcher(k.launcher, k.name)
+
+
+@functools.cache
+def _launcher(path: str, name: str) -> Callable[..., Any]:
+    if not path:
+        raise ConfigError("kernel", f"kernel {name!r} has no launcher of its own (a CPU kernel)")
+    mod, fn = path.split(":")
+    return functools.partial(getattr(importlib.import_module(f"mlemlib.backends.{mod}"), fn), kernel=name)
 
 
 def get(backend: str, op: str, name: str) -> Kernel:
@@ -283,43 +354,50 @@ def check_run(run: dict, where: str = "run", formats: tuple[str, ...] = ("csr",)
                     check(key, run.get(key), backend, gpus=int(g), layout=lay, where=f"{where}.{key}", fmt=fmt)
 
 
-def choose_notrans(local_fraction: float, nnz: int, *, gpus: int = 1) -> str:
+def choose_notrans(local_fraction: float) -> str:
     """The no-transpose back projection that ``notrans`` (and ``auto`` without ``A^T``) take on cuda.
 
     ``scatter_smem`` when at least :data:`SMEM_LOCAL_MIN` of its row chunks
     accumulate in shared memory (rows whose columns stay in a window, as in
     sinogram order); otherwise the atomic ``scatter``: one element per lane,
-    so a warp's atomics cover consecutive columns; on madpet2 (H100) it is
-    within 1% of cuSPARSE's transposed product in detector-pair order (4.86
-    against 4.82 ms, docs/benchmarks.md section 40) and 1% ahead after the
-    reorder stage (5.17 against 5.23; section 31), and it takes any number of non-zeros on
-    any number of GPUs, which cuSPARSE through CuPy does not (``nnz`` and
-    ``gpus`` no longer change the choice; kept for callers).
+    so a warp's atomics cover consecutive columns, about as fast as
+    cuSPARSE's transposed product and, unlike it through CuPy, for any
+    number of non-zeros and GPUs.
     """
-    del nnz, gpus
     return "scatter_smem" if local_fraction >= SMEM_LOCAL_MIN else "scatter"
 
 
-def choose_one_gpu(reuse: float | None, *, transpose: bool, chunks: float | None = None,
-                   sms: int | None = None, fmt: str = "csr") -> str:
-    """What ``auto`` runs on one GPU, from a sample's chunk reuse (:func:`mlemlib.chunked.sample_chunks`).
+def may_chunk(fp: str | None, bp: str | None, choice: Choice) -> bool:
+    """Whether ``auto`` may still take ``onepass_chunked`` (:func:`choose_auto`) over ``choice``, what
+    :func:`resolve` gave: ``bp`` is ``auto``, and ``fp`` is too or the back projection reads no transpose
+    (a forward kernel the user named keeps its pair)."""
+    return bp in ("auto", None) and (fp in ("auto", None) or not choice.needs_transpose)
+
+
+def choose_auto(reuse: float | None, *, transpose: bool, chunks: float | None = None, sms: int | None = None,
+                fmt: str = "csr", gpus: int = 1, layout: str | None = None, fits: bool = True) -> str:
+    """What ``bp=auto`` (with ``fp=auto``) runs on cuda, on 1 and on N GPUs: one rule for every GPU count.
 
     ``onepass_chunked`` (the whole iteration, deterministic) when the chunks
     of a sample block reuse each voxel at least :data:`CHUNK_REUSE_MIN`
-    times (a matrix in the reorder stage's order): 1.6-1.8x faster than the
-    pair on A and A^T on madpet2 (benchmarks.md §36). With a transpose
-    (``transpose``: the ``csr_vector`` pair can run) it also needs
-    :data:`CHUNK_WAVES_MIN` blocks per multiprocessor (``chunks`` estimated,
-    ``sms`` of the device; a block per chunk): a small matrix leaves most of
-    the GPU idle, where the pair does not. Else the pair (``delta_vector``
-    on a compressed ``fmt``), or without a transpose ``notrans``
-    (``onepass_fixed`` compressed). ``None`` reuse (no sample: an empty
-    matrix) counts as no reuse.
+    times (a matrix in the reorder stage's order;
+    :func:`mlemlib.chunked.sample_chunks`) and the layout is ``local`` (or
+    one GPU). With a transpose (``transpose``: the ``csr_vector`` pair can
+    run) it also needs :data:`CHUNK_WAVES_MIN` blocks per multiprocessor on
+    each GPU (``chunks`` estimated for the whole matrix, split over ``gpus``;
+    ``sms`` of the device; a block per chunk): a small share leaves most of
+    the GPU idle, where the pair does not. Else what :func:`resolve` gives
+    ``auto`` (the pair, ``delta_vector`` on a compressed ``fmt``, or without
+    a transpose ``notrans`` / ``onepass_fixed``). ``None`` reuse (no sample:
+    an empty matrix) counts as no reuse.
     """
-    if reuse is not None and reuse >= CHUNK_REUSE_MIN:
-        if not transpose or (chunks is not None and sms is not None and chunks >= CHUNK_WAVES_MIN * sms):
+    gpus = max(1, int(gpus))
+    if reuse is not None and reuse >= CHUNK_REUSE_MIN and (gpus == 1 or layout in (None, "local")):
+        per_gpu = chunks / gpus if chunks is not None else None
+        if not transpose or (per_gpu is not None and sms is not None and per_gpu >= CHUNK_WAVES_MIN * sms):
             return "onepass_chunked"
-    return resolve("cuda", "auto", "auto", transpose_available=transpose, fmt=fmt).bp  # auto's own fallback
+    return resolve("cuda", "auto", "auto", gpus=gpus, layout=layout if gpus > 1 else None,
+                   transpose_available=transpose, fits=fits, fmt=fmt).bp
 
 
 @dataclass(frozen=True)
@@ -422,12 +500,13 @@ def table(*, as_json: bool = False) -> str:
     """The registry as a Markdown table (or JSON), with the ``auto`` rules: what ``mlem kernels`` prints."""
     if as_json:
         return json.dumps({"kernels": [asdict(k) for k in KERNELS], "auto": list(AUTO_RULES)}, indent=1)
-    head = ("backend", "op", "name", "formats", "deterministic", "multi-GPU layouts", "graph", "source")
+    head = ("backend", "op", "name", "formats", "deterministic", "multi-GPU layouts", "graph", "launcher", "source")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in KERNELS:
         cells = (
             k.backend, k.op, k.name + (" (selector)" if k.selector else ""), ",".join(k.formats),
-            "yes" if k.deterministic else "no", ",".join(k.layouts) or "-", "yes" if k.graph else "no", k.source,
+            "yes" if k.deterministic else "no", ",".join(k.layouts) or "-", "yes" if k.graph else "no",
+            k.launcher or "-", k.source,
         )
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "auto:"] + [f"- {r}" for r in AUTO_RULES]

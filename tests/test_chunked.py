@@ -480,10 +480,10 @@ def test_auto_takes_the_chunked_one_pass_from_the_sampled_reuse(tmp_path):
     from mlemlib.formats.h5 import write_matrix_h5
 
     for transpose, pair in ((False, "notrans"), (True, "csr_vector")):
-        assert registry.choose_one_gpu(None, transpose=transpose) == pair
+        assert registry.choose_auto(None, transpose=transpose) == pair
         many = {"chunks": 1e6, "sms": 132}
-        assert registry.choose_one_gpu(registry.CHUNK_REUSE_MIN, transpose=transpose, **many) == "onepass_chunked"
-        assert registry.choose_one_gpu(registry.CHUNK_REUSE_MIN - 0.01, transpose=transpose, **many) == pair
+        assert registry.choose_auto(registry.CHUNK_REUSE_MIN, transpose=transpose, **many) == "onepass_chunked"
+        assert registry.choose_auto(registry.CHUNK_REUSE_MIN - 0.01, transpose=transpose, **many) == pair
     a = _random(m=4000, n=3000, seed=11)
     banded = chunked.sample_reuse(a, window=1024, max_nnz=20_000)
     # the same block's reuse by hand: build_plan of the middle block of chunk_bounds
@@ -504,10 +504,18 @@ def test_auto_takes_the_chunked_one_pass_from_the_sampled_reuse(tmp_path):
     assert chunks == pytest.approx(chunked.build_plan(block, window=1024).chunks * a.nnz / block.nnz)
     # with a transpose, the chunks must also fill the GPU (3.5 chunks here: fewer than 4 per multiprocessor)
     assert 1 < chunks < registry.CHUNK_WAVES_MIN
-    assert registry.choose_one_gpu(reuse, transpose=True, chunks=chunks, sms=1) == "csr_vector"
-    assert registry.choose_one_gpu(reuse, transpose=True, chunks=100 * chunks, sms=1) == "onepass_chunked"
-    assert registry.choose_one_gpu(reuse, transpose=False, chunks=chunks, sms=1) == "onepass_chunked"
-    assert registry.choose_one_gpu(reuse, transpose=True) == "csr_vector"  # no estimate: the pair
+    assert registry.choose_auto(reuse, transpose=True, chunks=chunks, sms=1) == "csr_vector"
+    assert registry.choose_auto(reuse, transpose=True, chunks=100 * chunks, sms=1) == "onepass_chunked"
+    assert registry.choose_auto(reuse, transpose=False, chunks=chunks, sms=1) == "onepass_chunked"
+    assert registry.choose_auto(reuse, transpose=True) == "csr_vector"  # no estimate: the pair
+    # N GPUs, the same rule with each GPU's share of the chunks; the thesis layout keeps its pair
+    assert registry.choose_auto(reuse, transpose=True, chunks=4 * chunks, sms=1) == "onepass_chunked"
+    assert registry.choose_auto(reuse, transpose=True, chunks=4 * chunks, sms=1, gpus=4, layout="local") == "csr_vector"
+    assert registry.choose_auto(reuse, transpose=True, chunks=400 * chunks, sms=1, gpus=4,
+                                layout="local") == "onepass_chunked"
+    assert registry.choose_auto(reuse, transpose=False, chunks=chunks, sms=1, gpus=2, layout="local") == "onepass_chunked"
+    assert registry.choose_auto(reuse, transpose=True, chunks=400 * chunks, sms=1, gpus=2,
+                                layout="thesis") == "csr_vector"
     # an opened file gives the same sample as the matrix in memory
     write_matrix_h5(tmp_path / "a.h5", a)
     with open_matrix(tmp_path / "a.h5") as src:

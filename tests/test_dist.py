@@ -317,3 +317,68 @@ def test_nccl_backend_step_times_and_describe():
     assert {"fp", "bp", "allreduce", "update", "iteration"} <= set(times)
     assert all(v >= 0 for v in times.values())
     assert desc["backend"] == "cuda-nccl" and desc["layout"] == "local" and desc["deterministic"]
+
+
+def _banded(m=6000, n=4000, seed=3):
+    """Rows sharing voxels with their neighbours (a reordered matrix's shape), a tenth empty."""
+    import scipy.sparse as sp
+
+    from mlemlib.matrix import CSRMatrix
+
+    rng = np.random.default_rng(seed)
+    rows, cols = [], []
+    for i in range(m):
+        if rng.random() < 0.1:
+            continue
+        k = int(rng.integers(1, 60))
+        rows += [i] * k
+        cols += list(int(i * (n - 80) / m) + rng.choice(80, size=k, replace=False))
+    a = sp.csr_matrix((rng.uniform(0.1, 1.0, len(rows)), (rows, cols)), shape=(m, n)).astype(np.float32)
+    a.sort_indices()
+    x = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    g = rng.poisson(a @ x * 5).astype(np.float32)
+    return CSRMatrix.from_scipy(a), g, np.asarray(a.sum(axis=0), dtype=np.float64).ravel()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["csr", "compressed", "compressed-f16"])
+@pytest.mark.parametrize("bp", ["onepass_chunked", "onepass_fixed"])
+def test_deterministic_one_passes_give_the_one_gpu_image_on_every_gpu_count(fmt, bp):
+    """The local layout of the whole-iteration kernels: each GPU its row block (chunked on its own for
+    onepass_chunked), one all-reduce of the 64-bit fixed point: the one-GPU backend's image bit for bit."""
+    from mlemlib.backends.cuda import CudaBackend
+    from mlemlib.compressed import CompressedMatrix
+
+    a, g, norm = _banded()
+    src = a if fmt == "csr" else CompressedMatrix.from_csr(a, fmt)
+    ref = _image(CudaBackend(src, g, norm, bp=bp), iters=8)
+    assert np.isfinite(ref).all() and ref.sum() > 0
+    for p in sorted({1, 2, min(_gpus(), 4)}):
+        if p > _gpus():
+            continue
+        with N.NcclBackend(src, g, norm, gpus=p, layout="local", bp=bp) as be:
+            assert be.bp_kernel == bp and be.deterministic
+            img = _image(be, iters=8)
+            if bp == "onepass_chunked":
+                assert be.describe()["chunks"]["count"] >= p
+        assert np.array_equal(img, ref), (p, fmt, bp)
+
+
+@pytest.mark.gpu
+def test_auto_takes_the_chunked_one_pass_on_several_gpus_by_the_one_gpu_rule(monkeypatch):
+    """bp=auto on N GPUs samples the chunks as on one GPU (registry.choose_auto): a banded matrix whose GPUs
+    each get enough chunks runs onepass_chunked, the image equal to one GPU's."""
+    from mlemlib import registry
+    from mlemlib.backends.cuda import CudaBackend
+
+    monkeypatch.setattr(registry, "CHUNK_WAVES_MIN", 0)  # this small matrix makes a few chunks only
+    a, g, norm = _banded()
+    one = CudaBackend(a, g, norm, transpose=_transpose(a))
+    assert one.bp_kernel == "onepass_chunked"
+    ref = _image(one, iters=5)
+    p = min(_gpus(), 2)
+    with N.NcclBackend(a, g, norm, gpus=p, layout="local") as be:
+        assert be.bp_kernel == "onepass_chunked" and be.describe()["chunks"]["reuse_sample"] >= registry.CHUNK_REUSE_MIN
+        assert np.array_equal(_image(be, iters=5), ref)
+    with N.NcclBackend(a, g, norm, transpose=_transpose(a), gpus=p, layout="thesis") as be:
+        assert be.bp_kernel == "csr_vector"  # the thesis layout keeps its pair

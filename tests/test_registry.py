@@ -61,16 +61,50 @@ def test_cpu_auto(threads, transpose, expected):
 
 
 def test_choose_notrans():
-    assert registry.choose_notrans(1.0, 10**9) == "scatter_smem"
-    assert registry.choose_notrans(registry.SMEM_LOCAL_MIN, 10) == "scatter_smem"
-    assert registry.choose_notrans(0.49, 10**9) == "scatter"
-    assert registry.choose_notrans(0.0, 2**31) == "scatter"  # past cuSPARSE's int32 indices: ours takes any size
-    assert registry.choose_notrans(0.0, 10, gpus=2) == "scatter"  # and any GPU count
-    # whatever it picks is a kernel the registry has, on that GPU count
-    for frac, nnz, gpus in ((1.0, 10, 2), (0.0, 10, 1), (0.0, 10, 4)):
-        name = registry.choose_notrans(frac, nnz, gpus=gpus)
-        assert name in registry.names("cuda", "back_notrans", gpus=gpus, layout="local" if gpus > 1 else None)
+    assert registry.choose_notrans(1.0) == "scatter_smem"
+    assert registry.choose_notrans(registry.SMEM_LOCAL_MIN) == "scatter_smem"
+    assert registry.choose_notrans(0.49) == "scatter"
+    # whatever it picks is a kernel the registry has, on every GPU count
+    for frac in (1.0, 0.0):
+        for gpus in (1, 2, 4):
+            name = registry.choose_notrans(frac)
+            assert name in registry.names("cuda", "back_notrans", gpus=gpus, layout="local" if gpus > 1 else None)
 
+
+def test_every_cuda_kernel_binds_a_launcher_that_exists():
+    """Each cuda entry names its launcher; the registry imports it (no GPU needed) with the kernel's name bound."""
+    for k in registry.KERNELS:
+        if k.backend != "cuda":
+            continue
+        fn = registry.launcher(k)
+        assert callable(fn.func) and fn.keywords == {"kernel": k.name}, k
+        assert fn.func.__module__ == "mlemlib.backends." + k.launcher.split(":")[0]
+    with pytest.raises(ConfigError, match="no launcher"):
+        registry.launcher(registry.get("cpu", "forward", "numba"))
+
+
+def test_every_whole_iteration_kernel_runs_in_the_local_layout():
+    """mlem kernels lists the one passes, the chunked one included, on N GPUs (each GPU its row block)."""
+    for k in registry.KERNELS:
+        if k.backend == "cuda" and k.op == "iteration":
+            assert "local" in k.layouts, k.name
+            assert registry.check("bp", k.name, "cuda", gpus=4, layout="local") == k.name
+    row = [r for r in registry.table().splitlines() if r.startswith("| cuda | iteration | onepass_chunked |")]
+    assert len(row) == 1 and "| local |" in row[0]
+
+
+def test_no_kernel_name_is_compared_as_a_string_in_the_backends():
+    """The backends ask the registry (attributes, launchers), never compare a kernel's name."""
+    import re
+    from pathlib import Path
+
+    names = {k.name for k in registry.KERNELS if k.backend == "cuda"}
+    root = Path(registry.__file__).parent / "backends"
+    for path in (root / "cuda.py", root / "nccl.py"):
+        text = path.read_text()
+        for name in names:
+            hits = re.findall(rf'(?:[=!]=|\bin)\s*\(?[^\n]*?"{name}"', text)
+            assert not hits, f"{path.name} compares {name!r}: {hits}"
 
 # --------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize(

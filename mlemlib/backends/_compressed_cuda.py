@@ -204,6 +204,12 @@ def choose_lanes(mean_slots_per_row: float, cap: int = 32) -> int:
     return int(min(max(lanes, LANE_CHOICES[0]), cap))
 
 
+def onepass_lanes(m: int, nnz: int, fmt: str) -> int:
+    """Lanes per row of the one passes, from the whole matrix's mean row length (4 slots per lane and trip on
+    a compressed format): every GPU, and one GPU alone, sums each row the same way."""
+    return choose_lanes((nnz / m if m else 0.0) / (1 if fmt == "csr" else 4))
+
+
 def _lanes(lanes: int | None, default: int) -> int:
     lanes = default if lanes is None else int(lanes)
     if lanes not in LANE_CHOICES:
@@ -479,19 +485,24 @@ def spmv(
     x: Any,
     out: Any = None,
     *,
+    kernel: str = "delta_vector",
     lanes: int | None = None,
     mode: int = MODE_PLAIN,
     aux0: Any = None,
     aux1: Any = None,
+    secsize: int | None = None,
 ) -> Any:
     """``out = A x`` on a compressed matrix (the back projection on a compressed ``A^T`` likewise).
 
     ``mode`` as :func:`mlemlib.backends._cuda_kernels.spmv`: ``MODE_CORR``
     writes ``aux0 / (A x)`` (0 where ``A x`` is 0), ``MODE_UPDATE`` writes
     ``aux0 * (A x) / aux1`` (``aux0 * (A x)`` where ``aux1`` is 0; ``out`` may
-    be ``aux0``). Deterministic. Returns ``out``.
+    be ``aux0``). Deterministic. Returns ``out``. ``kernel`` is ``delta_vector`` (the registry's name);
+    ``secsize`` is not used (the row projections' common keywords).
     """
-    cp = cupy()
+    del secsize
+    if kernel != "delta_vector":
+        raise ConfigError("fp", f"compressed spmv runs delta_vector, not {kernel!r}")
     if not isinstance(a, DeviceCompressed):
         raise TypeError("spmv takes a DeviceCompressed (CSR has mlemlib.backends._cuda_kernels.spmv)")
     from mlemlib.backends._cuda_kernels import spmv_vectors
@@ -542,6 +553,7 @@ def scatter(
     c: Any,
     out: Any = None,
     *,
+    kernel: str = "delta_scatter",
     lanes: int | None = None,
     deterministic: bool = False,
     bound: float | None = None,
@@ -553,8 +565,10 @@ def scatter(
     With ``deterministic=False`` float atomics (order-dependent); with
     ``True`` 64-bit fixed point (bit-reproducible), its scale from ``bound``
     (default ``sum(c) * max(A)``, which bounds every output). ``stats``
-    receives ``scale``, ``bound`` and ``retries``. Returns ``out``.
+    receives ``scale``, ``bound`` and ``retries``. Returns ``out``. ``kernel`` is ``delta_scatter``.
     """
+    if kernel != "delta_scatter":
+        raise ConfigError("bp", f"compressed scatter runs delta_scatter, not {kernel!r}")
     cp = cupy()
     m, n = a.shape
     check_vector("c", c, m)
@@ -700,8 +714,36 @@ def onepass(
     return bp, fp
 
 
+def onepass_step(a: Any, g: Any, f: Any, *, kernel: str, fp: Any, bp: Any = None, acc: Any = None, flag: Any = None,
+                 bound: float = 1.0, lanes: int | None = None) -> float | None:
+    """One GPU's part of a one-pass iteration (``onepass``, ``onepass_fixed``): ``fp = A_k f`` and the
+    terms ``c_i a_ij`` of its rows added up.
+
+    ``onepass``: into ``bp`` (zeroed here) with float atomics; returns None. ``onepass_fixed``: into
+    ``acc`` (uint64, zero on entry, as ``flag``) as 64-bit fixed point of the scale that
+    :func:`fixed_scale` gives ``bound``; returns that scale. Several GPUs add their ``acc`` (or ``bp``)
+    and convert with :func:`fixed_to_float`; the fixed point is then the same bits for every GPU count.
+    Nothing is synchronised.
+    """
+    kind, args, mean = _matrix_args(a)
+    m = a.shape[0]
+    L = _lanes(lanes, choose_lanes(mean))
+    if kernel == "onepass_fixed":
+        scale = fixed_scale(bound)
+        onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=L)
+        return scale
+    if kernel != "onepass":
+        raise ConfigError("bp", f"onepass_step runs onepass and onepass_fixed, not {kernel!r}")
+    bp.fill(0)
+    if m:
+        groups, order = spread(m)
+        _launch_rows(function(_onepass_name(kind, L, False)), groups, L, (*args, f, g, fp, bp, np.int64(m), *order),
+                     waves=0 if kind == "csr" else None)  # the CSR kernels have no row loop
+    return None
+
+
 # --------------------------------------------------------------------------- the chunked one pass
-#: Threads per block of ``chunked_onepass`` (compressed.cu's MLEM_CHUNK_THREADS).
+#: Threads per block of ``chunked_onepass`` (compressed.cu's CHUNK_THREADS).
 CHUNK_THREADS = 1024
 #: The chunked kernel's terms stay below 2**CHUNK_HEADROOM_BITS (two 32-bit shared words per voxel).
 CHUNK_HEADROOM_BITS = 52
@@ -793,10 +835,10 @@ class DeviceChunked:
         return (12 if half else 8) * (m + 1) + per * (chunked.VEC - 1) * m + (per + 1) * nnz
 
     @classmethod
-    def upload(cls, source: Any, *, window: int | None = None, what: str = "matrix",
-               max_nnz: int = UPLOAD_CHUNK_NNZ) -> DeviceChunked:
-        """Chunk ``source`` on the current GPU: an opened matrix file (CSR or compressed), a host CSR or
-        compressed matrix, or a device CSR.
+    def upload(cls, source: Any, rows: tuple[int, int] | None = None, *, device: int | None = None,
+               window: int | None = None, what: str = "matrix", max_nnz: int = UPLOAD_CHUNK_NNZ) -> DeviceChunked:
+        """Chunk ``source`` (its rows ``[r0, r1)``, or all) on ``device`` (default: the current GPU): an opened
+        matrix file (CSR or compressed), a host CSR or compressed matrix, or a device CSR.
 
         Streams: the plan is built block by block of about ``max_nnz``
         non-zeros on the host (:func:`mlemlib.chunked.build_plan`, all cores),
@@ -806,7 +848,9 @@ class DeviceChunked:
         values: each row's decoded values are stored as float16 (uint16) times
         its row scale, which gives them back exactly (4 bytes per
         non-zero instead of 6).
-        ``window`` defaults to :func:`chunk_window`.
+        ``window`` defaults to :func:`chunk_window`. A row block (a GPU's part of a
+        partition) is chunked on its own: a row's products and its terms' fixed
+        point do not depend on its chunk, so every split gives the same sums.
 
         Raises
         ------
@@ -820,9 +864,19 @@ class DeviceChunked:
         from mlemlib.matrix import shape_nnz
 
         cp = cupy()
+        if device is not None:
+            with cp.cuda.Device(int(device)):
+                return cls.upload(source, rows, window=window, what=what, max_nnz=max_nnz)
         window = chunk_window() if window is None else int(window)
-        (m, n), nnz = shape_nnz(source)
+        (m_all, n), nnz = shape_nnz(source)
         fmt = format_of(source)
+        r_lo, r_hi = (0, m_all) if rows is None else (int(rows[0]), int(rows[1]))
+        if not 0 <= r_lo <= r_hi <= m_all:
+            raise ValueError(f"{what}: rows [{r_lo}, {r_hi}) outside the matrix's {m_all}")
+        m = r_hi - r_lo
+        if rows is not None:
+            ip = chunked._host_indptr(chunked._host_source(source))
+            nnz = int(ip[r_hi] - ip[r_lo])
         half = values16(fmt)
         t0 = time.perf_counter()
         indptr = cp.empty(m + 1, dtype=cp.int64)
@@ -835,13 +889,14 @@ class DeviceChunked:
         chunk_rows, counts, voxels = [np.zeros(1, np.int64)], [], []
         k = 0  # stored elements
         read = 0  # non-zeros
-        for r0, r1, block, given in chunked.row_blocks(source, max_nnz, scales=True):
+        for g0, g1, block, given in chunked.row_blocks(source, max_nnz, scales=True, rows=rows):
+            r0, r1 = g0 - r_lo, g1 - r_lo  # rows of this block
             p = chunked.build_plan(block, window=window)
             values = block.data
             if half:
-                rs, values = chunked.half_rows(block, fmt, scale=given, what=what, row0=r0)
+                rs, values = chunked.half_rows(block, fmt, scale=given, what=what, row0=g0)
                 if fmt == "compressed-u16" and len(rs) and float(rs.max()) >= U16_CHUNK_SCALE_MAX:
-                    r = r0 + int(np.argmax(rs >= U16_CHUNK_SCALE_MAX))
+                    r = g0 + int(np.argmax(rs >= U16_CHUNK_SCALE_MAX))
                     raise ValueError(f"{what}: row {r} has values above 2^116 (row scale {float(rs.max())!r}): "
                                      "the chunked kernel takes compressed-u16 row scales below 2^100")
                 scale[r0:r1] = cp.asarray(rs)
@@ -893,6 +948,19 @@ def chunked_onepass_fixed(a: DeviceChunked, g: Any, f: Any, acc: Any, fp: Any, s
     :func:`fixed_to_float`, is bit-identical for every GPU count.
     """
     _chunk_launch(a, g, f, fp, acc, scale, flag, 0)
+
+
+def chunked_step(a: DeviceChunked, g: Any, f: Any, *, kernel: str = "onepass_chunked", fp: Any, bp: Any = None,
+                 acc: Any = None, flag: Any = None, bound: float = 1.0, lanes: int | None = None) -> float:
+    """One GPU's part of a chunked one pass (``onepass_chunked``), as :func:`onepass_step`'s fixed point:
+    ``fp = A_k f`` and the terms into ``acc`` (zero on entry, as ``flag``) at the scale :func:`chunk_scale`
+    gives ``bound``, which it returns. ``bp`` and ``lanes`` are not used (a warp per row)."""
+    del bp, lanes
+    if kernel != "onepass_chunked":
+        raise ConfigError("bp", f"chunked_step runs onepass_chunked, not {kernel!r}")
+    scale = chunk_scale(bound)
+    _chunk_launch(a, g, f, fp, acc, scale, flag, 0)
+    return scale
 
 
 def chunked_forward(a: DeviceChunked, f: Any, out: Any = None) -> Any:

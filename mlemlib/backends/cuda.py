@@ -16,7 +16,8 @@ Kernels (``fp=`` / ``bp=``; see docs/gpu.md for when to pick which):
   ``scatter`` (:func:`mlemlib.registry.choose_notrans`);
 - ``bp="auto"``: ``onepass_chunked`` (the whole iteration, deterministic)
   where a sample of the matrix's row chunks reuses voxels (a matrix in the
-  reorder stage's order; :func:`mlemlib.registry.choose_one_gpu`), else
+  reorder stage's order; :func:`mlemlib.registry.choose_auto`, the rule of every GPU
+  count), else
   ``csr_vector`` on the transpose when one is given and ``A`` and ``A^T``
   both fit in free GPU memory, else ``notrans`` (logged).
 
@@ -42,7 +43,7 @@ import numpy as np
 from mlemlib import registry
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as plan
-from mlemlib.backends.base import FIXED_RETRY_FACTOR, ONEPASS_C_MAX, STEPS, Backend, bytes_per_nnz
+from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR, ONEPASS_C_MAX, STEPS, Backend, bytes_per_nnz
 from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import CSRMatrix, shape_nnz
@@ -51,9 +52,15 @@ log = logging.getLogger(__name__)
 
 #: Share of the free GPU memory the matrices may take (the rest: vectors, cuSPARSE workspace).
 MEMORY_HEADROOM = 0.92
-#: Kernels with the fused epilogues (correlation into fp, update into bp on A^T).
-FUSED = ("csr_vector", "csr_scalar", "delta_vector")
 GIB = float(1 << 30)
+
+
+def sample_chunks(matrix: Any, device_id: int) -> tuple[float, float] | None:
+    """``(reuse, chunks)`` of a sample of ``matrix``'s row chunks at ``device_id``'s window
+    (:func:`mlemlib.chunked.sample_chunks`): what :func:`mlemlib.registry.choose_auto` decides from."""
+    from mlemlib import chunked
+
+    return chunked.sample_chunks(matrix, cc().chunk_window(device_id))
 
 
 def free_memory(device_id: int) -> int:
@@ -153,7 +160,7 @@ class CudaBackend(Backend):
         with self._device:
             free = free_memory(self.device_id)
             # a DeviceCSR already on the GPU needs nothing more; the chunked one pass holds its own copy
-            self.chunked = bp == "onepass_chunked"
+            self.chunked = bp not in ("auto", None) and registry.get_bp("cuda", str(bp)).chunks
             if self.chunked:
                 need_a = cc().DeviceChunked.device_bytes(matrix)
             else:
@@ -198,37 +205,33 @@ class CudaBackend(Backend):
             self.chunk_reuse_sample: float | None = None
             self.chunk_estimate: float | None = None
             paired = choice
-            if (bp in ("auto", None) and (self.bp_kernel in ("notrans", "onepass_fixed") or fp in ("auto", None))
-                    and (self.format == "csr" or not isinstance(matrix, DeviceMatrix))):
+            if registry.may_chunk(fp, bp, choice) and (self.format == "csr" or not isinstance(matrix, DeviceMatrix)):
                 # the chunked one pass where a sample of the matrix's chunks reuses voxels (a reordered
-                # matrix), with or without a transpose: faster than the pair (benchmarks.md §36)
-                from mlemlib import chunked
-
-                sample = chunked.sample_chunks(matrix, cc().chunk_window(self.device_id))
+                # matrix), with or without a transpose
+                sample = sample_chunks(matrix, self.device_id)
                 self.chunk_reuse_sample, chunks = sample if sample is not None else (None, None)
                 self.chunk_estimate = chunks
-                sms = int(cp.cuda.runtime.getDeviceProperties(self.device_id)["multiProcessorCount"])
-                pick = registry.choose_one_gpu(self.chunk_reuse_sample, transpose=choice.needs_transpose,
-                                               chunks=chunks, sms=sms, fmt=self.format)
-                need_c = cc().DeviceChunked.device_bytes(matrix) if pick == "onepass_chunked" else 0
-                if pick == "onepass_chunked" and need_c + need_vec > MEMORY_HEADROOM * free:
+                pick = registry.get_bp("cuda", registry.choose_auto(
+                    self.chunk_reuse_sample, transpose=choice.needs_transpose, chunks=chunks,
+                    sms=ck.device_properties(self.device_id)["sm_count"], fmt=self.format, fits=fits_both))
+                need_c = cc().DeviceChunked.device_bytes(matrix) if pick.chunks else 0
+                if pick.chunks and need_c + need_vec > MEMORY_HEADROOM * free:
                     log.info("bp=auto: the row chunks (%.2f GiB) do not fit the %.2f GiB free: %s",
                              need_c / GIB, free / GIB, choice.bp)
-                    pick = choice.bp
-                if pick == "onepass_chunked":
+                elif pick.chunks:
                     self.memory["matrix"], self.memory["transpose"] = need_c, 0
                     log.info("bp=auto: chunks of a sample reuse each voxel %.1f times (about %.0f chunks): "
-                             "onepass_chunked%s", self.chunk_reuse_sample, chunks,
+                             "%s%s", self.chunk_reuse_sample, chunks, pick.name,
                              " (the transpose is not read)" if choice.needs_transpose else "")
                     self.chunked = True
-                    choice = registry.resolve("cuda", "auto", "onepass_chunked", fmt=self.format)
+                    choice = registry.resolve("cuda", "auto", pick.name, fmt=self.format)
                     self.fp_kernel, self.bp_kernel, self.deterministic = choice.fp, choice.bp, choice.deterministic
             if self.chunked:
                 try:
                     self.a = cc().DeviceChunked.upload(matrix, what="matrix")
                 except ValueError as exc:
-                    if bp == "onepass_chunked":
-                        raise ConfigError("bp", f"bp=onepass_chunked: {exc}; use bp=onepass_fixed") from exc
+                    if bp not in ("auto", None):
+                        raise ConfigError("bp", f"bp={bp}: {exc}; use bp=onepass_fixed") from exc
                     log.info("bp=auto: %s; back projection by %s instead of onepass_chunked", exc, paired.bp)
                     self.chunked = False
                     choice = paired
@@ -237,18 +240,18 @@ class CudaBackend(Backend):
                 self.a = dev_type.upload(matrix, what="matrix", fmt=self.format)
             self._smem = None
             self.smem_local_fraction: float | None = None
-            if self.bp_kernel in ("notrans", "scatter_smem"):
+            if registry.get_bp("cuda", self.bp_kernel).smem:
                 self._smem = ck.smem_plan(self.a)
                 self.smem_local_fraction = self._smem.local_fraction
-            if self.bp_kernel == "notrans":
-                self.bp_kernel = registry.choose_notrans(self._smem.local_fraction, self.a.nnz)
+            if registry.get_bp("cuda", self.bp_kernel).selector:
+                self.bp_kernel = registry.choose_notrans(self._smem.local_fraction)
                 self.deterministic = choice.settle(self.bp_kernel).deterministic
                 log.info(
                     "bp=notrans: %.0f%% of the row chunks fit shared memory: %s",
                     100 * self._smem.local_fraction,
                     self.bp_kernel,
                 )
-                if self.bp_kernel != "scatter_smem":
+                if not registry.get_bp("cuda", self.bp_kernel).smem:
                     self._smem = None
             self.at = None
             self.transpose_source = "none"
@@ -280,9 +283,14 @@ class CudaBackend(Backend):
             # zeros: the correlation of an empty row, which the fused forward leaves unwritten (skip_empty)
             self._c = cp.zeros(m, dtype=cp.float32)
             self._bp = cp.empty(n, dtype=cp.float32)
-            self.onepass = registry.get_bp("cuda", self.bp_kernel).op == "iteration"
-            self.fuse_fp = fuse and self.fp_kernel in FUSED
-            self.fuse_bp = fuse and self.at is not None and self.bp_kernel in FUSED
+            self._kb = registry.get_bp("cuda", self.bp_kernel)
+            self.onepass = self._kb.op == "iteration"
+            self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)
+            # the forward projection alone (forward()): a one pass's is its format's row kernel
+            self._k_forward = self._kf or registry.get("cuda", "forward", registry.resolve(
+                "cuda", "auto", "auto", fmt=self.format).fp)
+            self.fuse_fp = fuse and self._kf is not None and self._kf.fused
+            self.fuse_bp = fuse and self.at is not None and self._kb.fused
             self._fixed_bound = (ONEPASS_C_MAX * float(np.max(norm))) if norm.size else 1.0
             self.fixed_stats: dict[str, Any] = {}
             # the events of the last iteration and of the one before (previous_step_times): two sets,
@@ -293,12 +301,12 @@ class CudaBackend(Backend):
             self._prev_order: list[str] = []
             # the fixed point's 64-bit sums (the chunked and the fixed-point one pass)
             self._acc = cp.empty(n, dtype=cp.uint64) if self.onepass and self.deterministic else None
-            self._flag = cp.zeros(1, dtype=cp.int32) if self.chunked else None
-            self._images: list[Any] | None = None  # the chunked iteration's two image buffers
+            self._lanes_onepass = cc().onepass_lanes(m, nnz, self.format)  # as on N GPUs
+            self._flag = cp.zeros(1, dtype=cp.int32) if self.onepass and self.deterministic else None
+            self._images: list[Any] | None = None  # the one pass's two image buffers
             # The one pass on a compressed A: its atomic target (bp, or the fixed point's accumulator) kept
             # in L2 by a persisting access-policy window on the iteration's own stream (blocking: ordered
-            # with the default stream's work); no stream where the GPU has no such control. (The fused CSR
-            # pair's correlation in such a window gained nothing: benchmarks.md section 84.)
+            # with the default stream's work); no stream where the GPU has no such control.
             self._stream: Any = None
             self.l2_window: dict | None = None
             if self.onepass and not self.chunked and self.format != "csr":
@@ -310,9 +318,9 @@ class CudaBackend(Backend):
             if isinstance(self.a, ck.DeviceCSR):
                 ck.set_row_layouts(self.a, self.at, self.fp_kernel, self.bp_kernel, self._lanes(self.a),
                                    self._lanes(self.at) if self.at is not None else 0)
-            if tune and self.fp_kernel == "csr_vector" and isinstance(self.a, ck.DeviceCSR):
+            if tune and self._kf is not None and self._kf.shapes and isinstance(self.a, ck.DeviceCSR):
                 self.a.tune(self._lanes(self.a))
-            if tune and self.at is not None and self.bp_kernel == "csr_vector":
+            if tune and self.at is not None and self._kb.shapes:
                 self.at.tune(self._lanes(self.at))
             self._warm_up()
         log.info(
@@ -352,11 +360,9 @@ class CudaBackend(Backend):
         self._event_order.append(name)
 
     # --- the four steps ----------------------------------------------------------
-    def _project(self, mat: Any, x: Any, out: Any, kernel: str, **kw: Any) -> Any:
-        """``out = mat x`` (with ``kw``'s epilogue) by the row kernel ``kernel`` of ``mat``'s format."""
-        if kernel == "delta_vector":
-            return cc().spmv(mat, x, out, **kw)
-        return ck.spmv(mat, x, out, kernel=kernel, lanes=self._lanes(mat), secsize=self.secsize, **kw)
+    def _project(self, mat: Any, x: Any, out: Any, k: registry.Kernel, **kw: Any) -> Any:
+        """``out = mat x`` (with ``kw``'s epilogue) by the row kernel ``k`` (its registry launcher)."""
+        return registry.launcher(k)(mat, x, out, lanes=self._lanes(mat), secsize=self.secsize, **kw)
 
     def _fused_fp_launch(self, f: Any) -> Any:
         """The forward projection with the correlation fused, prepared (:func:`ck.spmv_launch`); None where
@@ -372,11 +378,7 @@ class CudaBackend(Backend):
         with self._device:
             if self.chunked:
                 return cc().chunked_forward(self.a, f, self._fp)
-            if self.onepass:
-                return self._project(self.a, f, self._fp, "delta_vector" if self.format != "csr" else "csr_vector")
-            if self.fp_kernel == "cusparse":
-                return self.a.cusparse() @ f
-            return self._project(self.a, f, self._fp, self.fp_kernel)
+            return self._project(self.a, f, self._fp, self._k_forward)
 
     def correlate(self, fp: Any) -> Any:
         with self._device:
@@ -384,17 +386,11 @@ class CudaBackend(Backend):
 
     def back(self, c: Any) -> Any:
         with self._device:
-            if self.bp_kernel == "cusparse":
-                return self.at.cusparse() @ c
-            if self.at is not None:
-                return self._project(self.at, c, self._bp, self.bp_kernel)
-            if self.bp_kernel == "cusparse_notrans":
-                return self.a.cusparse().T @ c
-            if self.bp_kernel == "delta_scatter":
-                return cc().scatter(self.a, c, self._bp)
             if self.onepass:
                 raise ConfigError("bp", f"bp={self.bp_kernel} runs whole iterations (iterate), not a back projection")
-            return ck.scatter(self.a, c, self._bp, kernel=self.bp_kernel, lanes=self._lanes(self.a), smem=self._smem)
+            if self.at is not None:
+                return self._project(self.at, c, self._bp, self._kb)
+            return registry.launcher(self._kb)(self.a, c, self._bp, lanes=self._lanes(self.a), smem=self._smem)
 
     def update(self, f: Any, bp: Any, out: Any = None) -> Any:
         """``f * bp / norm`` into ``out`` (default ``f`` itself)."""
@@ -409,23 +405,16 @@ class CudaBackend(Backend):
             self._event_order, self._prev_order = [], self._event_order
             # the fused forward's launch is prepared (vectors checked, shape resolved) before the first
             # event: after a synchronised iteration the GPU would idle through that host work inside
-            # the timed window (benchmarks.md section 50)
-            first = self._fused_fp_launch(f) if self.fuse_fp and not (self.chunked or self.onepass) else None
+            # the timed window
+            first = self._fused_fp_launch(f) if self.fuse_fp and not self.onepass else None
             self._record("start")
-            if self.chunked:  # one pass through the row chunks (deterministic)
-                return self._chunked_iteration(f)
-            if self.onepass:  # one pass over A: forward, correlation and back projection in one kernel
-                cc().onepass(self.a, self.g, f, bp=self._bp, fp=self._fp, deterministic=self.deterministic,
-                             bound=self._fixed_bound, stats=self.fixed_stats, acc=self._acc)
-                self._record("bp")
-                f = self.update(f, self._bp)
-                self._record("update")
-                return f
+            if self.onepass:  # forward, correlation and back projection in one pass over A
+                return self._onepass_iteration(f)
             if self.fuse_fp:
                 if first is not None:
                     c = first()
                 else:
-                    c = self._project(self.a, f, self._c, self.fp_kernel, mode=ck.MODE_CORR, aux0=self.g)
+                    c = self._project(self.a, f, self._c, self._kf, mode=ck.MODE_CORR, aux0=self.g)
                 self._record("fp")
             else:
                 fp = self.forward(f)
@@ -433,7 +422,7 @@ class CudaBackend(Backend):
                 c = self.correlate(fp)
                 self._record("corr")
             if self.fuse_bp:
-                f = self._project(self.at, c, f, self.bp_kernel, mode=ck.MODE_UPDATE, aux0=f, aux1=self.norm)
+                f = self._project(self.at, c, f, self._kb, mode=ck.MODE_UPDATE, aux0=f, aux1=self.norm)
                 self._record("bp")
             else:
                 bp = self.back(c)
@@ -442,33 +431,44 @@ class CudaBackend(Backend):
                 self._record("update")
             return f
 
-    def _chunked_iteration(self, f: Any) -> Any:
-        """The chunked one pass and the update, then one read of the overflow flag.
+    def _onepass_iteration(self, f: Any) -> Any:
+        """The one pass (its registry launcher: one GPU's part, the whole matrix here) and the update, then
+        one read of the fixed point's overflow flag.
 
         The kernel, the conversion and the update run back to back; the new
         image goes to the other of two buffers (``f`` is left as it was), so
         that after the flag is read, an overflow (a term out of the fixed
         point's range: not seen in practice with the bound from the norm) is
-        redone from ``f`` with the retrying path, and the larger bound is
-        kept for the next iterations. The flag is read after the iteration's
-        last event: the host round trip is no longer inside it.
+        redone from ``f`` with a range :data:`FIXED_RETRY_FACTOR` times larger,
+        which is kept for the next iterations, as on N GPUs
+        (:meth:`mlemlib.backends.nccl.NcclBackend`). The flag is read after
+        the iteration's last event: the host round trip is no longer inside it.
         """
         cp = ck.cupy()
         if self._images is None:
             self._images = [cp.empty(self.shape[1], dtype=cp.float32) for _ in range(2)]
         out = self._images[1] if f is self._images[0] else self._images[0]
-        step = dict(bp=self._bp, fp=self._fp, stats=self.fixed_stats, acc=self._acc, flag=self._flag)
-        cc().chunked_onepass(self.a, self.g, f, bound=self._fixed_bound, check=False, **step)
-        self._record("bp")
-        self.update(f, self._bp, out)
-        self._record("update")
-        if int(self._flag.get()[0]):
-            log.info("fixed-point overflow at bound %.3g: the iteration is redone with a larger one", self._fixed_bound)
-            cc().chunked_onepass(self.a, self.g, f, bound=self._fixed_bound * FIXED_RETRY_FACTOR, check=True, **step)
-            self.fixed_stats["retries"] = self.fixed_stats.get("retries", 0) + 1
-            self._fixed_bound = float(self.fixed_stats["bound"])
+        step = registry.launcher(self._kb)
+        for attempt in range(FIXED_RETRIES + 1):
+            if self.deterministic:
+                self._acc.fill(0)
+                self._flag.fill(0)
+            scale = step(self.a, self.g, f, fp=self._fp, bp=self._bp, acc=self._acc, flag=self._flag,
+                         bound=self._fixed_bound, lanes=self._lanes_onepass)
+            if self.deterministic:
+                cc().fixed_to_float(self._acc, self._bp, scale)
+                self.fixed_stats.update(scale=scale, bound=self._fixed_bound)
+            if attempt == 0:
+                self._record("bp")
             self.update(f, self._bp, out)
-            self._record("retry")
+            self._record("update" if attempt == 0 else "retry")
+            if not self.deterministic or not int(self._flag.get()[0]):
+                break
+            if attempt == FIXED_RETRIES:
+                raise DeviceError(f"fixed-point accumulation overflowed after {FIXED_RETRIES} larger ranges")
+            log.info("fixed-point overflow at bound %.3g: the iteration is redone with a larger one", self._fixed_bound)
+            self._fixed_bound *= FIXED_RETRY_FACTOR
+            self.fixed_stats["retries"] = self.fixed_stats.get("retries", 0) + 1
         return out
 
     def last_step_times(self) -> dict[str, float]:
@@ -556,13 +556,13 @@ class CudaBackend(Backend):
             "l2_window": self.l2_window,
             "layout": {"A": getattr(self.a, "layout", None), "AT": getattr(self.at, "layout", None)},
             "fixed_point": dict(self.fixed_stats) if self.onepass and self.deterministic else None,
-            "lanes_fp": self._lanes(self.a) if self.fp_kernel == "csr_vector" and not self.chunked else None,
-            "shape_fp": ck.shape_label(self.a) if self.fp_kernel == "csr_vector" and not self.chunked else None,
-            "shape_bp": ck.shape_label(self.at) if self.at is not None and self.bp_kernel == "csr_vector" else None,
+            "lanes_fp": self._lanes(self.a) if self._kf is not None and self._kf.lanes else None,
+            "shape_fp": ck.shape_label(self.a) if self._kf is not None and self._kf.shapes else None,
+            "shape_bp": ck.shape_label(self.at) if self.at is not None and self._kb.shapes else None,
             "lanes_bp": (self._lanes(self.at) if self.at is not None else self._lanes(self.a))
-            if self.bp_kernel in ("csr_vector", "scatter", "scatter_vec")
+            if self._kb.lanes
             else None,
-            "secsize": self.secsize if "merge" in (self.fp_kernel, self.bp_kernel) else None,
+            "secsize": self.secsize if self._kb.secsize or (self._kf is not None and self._kf.secsize) else None,
             "fused": fused,
             "steps": ["bp", "update"] if self.onepass else [
                 s for s in STEPS if not (s == "corr" and self.fuse_fp) and not (s == "update" and self.fuse_bp)

@@ -47,10 +47,11 @@ from typing import Any
 import numpy as np
 
 from mlemlib import registry
+from mlemlib.backends import _compressed_cuda as cc
+from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as cplan
-from mlemlib.backends.base import Backend, bytes_per_nnz
-from mlemlib.backends import cuda as _cuda
-from mlemlib.backends.cuda import FUSED, ONEPASS_C_MAX
+from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR, ONEPASS_C_MAX, Backend, bytes_per_nnz
+from mlemlib.backends.cuda import sample_chunks
 from mlemlib.backends.device_formats import device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix, shape_nnz
@@ -58,10 +59,6 @@ from mlemlib.matrix import CSRMatrix, shape_nnz
 log = logging.getLogger(__name__)
 
 LAYOUTS = registry.LAYOUTS
-#: Back-projection kernels that work on the rows of A (no transpose), local layout only.
-SCATTER_KERNELS = tuple(k for k in registry.names("cuda", "back_notrans", gpus=2, layout="local") if k != "notrans")
-#: Kernels whose CuPy path allocates (cuSPARSE): not capturable in a CUDA graph.
-ALLOCATING_KERNELS = tuple(k.name for k in registry.KERNELS if k.backend == "cuda" and not k.graph)
 
 
 # --------------------------------------------------------------------------- host-side planning (no GPU)
@@ -155,8 +152,6 @@ def build_plan(matrix: Any, transpose: Any | None, parts: int, plan: Any | None,
 
 
 def _cupy():
-    from mlemlib.backends import _cuda_kernels as ck
-
     return ck.cupy()
 
 
@@ -300,22 +295,38 @@ class NcclBackend(Backend):
         super().__init__()
         cp = _cupy()
         nccl = _nccl()
-        from mlemlib.backends import _cuda_kernels as ck
         from mlemlib.formats import open_matrix
 
         self.layout = layout
         if isinstance(matrix, (str, os.PathLike)):
             matrix = open_matrix(matrix)
         self.format = format_of(matrix)
-        self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(
-            fp, bp, layout, world or len(devices or []) or gpus or 2, fmt=self.format
-        )
+        nworld = world or len(devices or []) or gpus or 2
+        self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout, nworld, fmt=self.format)
+        self.chunk_reuse_sample: float | None = None
+        choice = registry.Choice(self.fp_kernel, self.bp_kernel, registry.get_bp("cuda", self.bp_kernel).needs_transpose,
+                                 self.deterministic)
+        if layout == "local" and registry.may_chunk(fp, bp, choice):
+            # the same rule as on one GPU (registry.choose_auto), each GPU's share of the chunks counted
+            dev0 = (devices or [0])[0]
+            sample = sample_chunks(matrix, dev0)
+            self.chunk_reuse_sample, chunks = sample if sample is not None else (None, None)
+            pick = registry.choose_auto(self.chunk_reuse_sample, transpose=choice.needs_transpose, chunks=chunks,
+                                        sms=ck.device_properties(dev0)["sm_count"], fmt=self.format,
+                                        gpus=nworld, layout=layout)
+            if registry.get_bp("cuda", pick).chunks:
+                log.info("bp=auto: chunks of a sample reuse each voxel %.1f times (about %.0f chunks, %d GPUs): %s",
+                         self.chunk_reuse_sample, chunks, nworld, pick)
+                self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels("auto", pick, layout, nworld,
+                                                                                     fmt=self.format)
+        self._kb = registry.get_bp("cuda", self.bp_kernel)
+        self.onepass = self._kb.op == "iteration"
+        self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)
         if graph is None:
             graph = os.environ.get("MLEM_CUDA_GRAPH", "0").strip().lower() in ("1", "true", "yes", "on")
         self.graph = bool(graph)
         self.graph_capturing = False
-        self.onepass = registry.get_bp("cuda", self.bp_kernel).op == "iteration"
-        if self.graph and (self.fp_kernel in ALLOCATING_KERNELS or self.bp_kernel in ALLOCATING_KERNELS):
+        if self.graph and not self._graphable():
             raise ConfigError("graph", f"graph capture needs non-allocating kernels; fp={self.fp_kernel} bp={self.bp_kernel} use cuSPARSE through CuPy")
         self.secsize = cplan.DEFAULT_SECSIZE if secsize is None else int(secsize)
         if self.secsize < 1:
@@ -361,9 +372,7 @@ class NcclBackend(Backend):
         self.lanes_override = lanes
         self.lanes_fp = lanes or cplan.choose_lanes(nnz / m if m else 0.0)
         # one-pass lanes from the whole matrix (the same on every GPU: each row is summed the same way)
-        from mlemlib.backends import _compressed_cuda as cc
-
-        self.lanes_onepass = cc.choose_lanes((nnz / m if m else 0.0) / (1 if self.format == "csr" else 4))
+        self.lanes_onepass = cc.onepass_lanes(m, nnz, self.format)
         self._fixed_bound = ONEPASS_C_MAX * float(np.max(norm)) if np.size(norm) else 1.0
         self.lanes_bp_cap = cplan.LANE_CHOICES[-1]
         self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0, self.lanes_bp_cap)
@@ -380,12 +389,16 @@ class NcclBackend(Backend):
                 with cp.cuda.Device(dev):
                     s.stream = cp.cuda.Stream(non_blocking=True)
                     # Pad for csr_vector only (scatter kernels and cuSPARSE expect a row pointer from 0).
-                    no_t = registry.get_bp("cuda", self.bp_kernel).op != "back"
-                    pad_a = self.fp_kernel == "csr_vector" and not no_t
-                    s.a = dev_type.upload(matrix, (r0, r1), device=dev, align=pad_a, fmt=self.format)
-                    s.nnz = int(s.a.nnz) if self.format != "csr" else int(s.a.indptr[-1] - s.a.indptr[0])
+                    no_t = not self._kb.needs_transpose
+                    pad_a = self._kf is not None and self._kf.shapes and not no_t
+                    if self._kb.chunks:  # the row block as its own row chunks
+                        s.a = cc.DeviceChunked.upload(matrix, (r0, r1), device=dev, what=f"part {part}")
+                        s.nnz = int(s.a.nnz)
+                    else:
+                        s.a = dev_type.upload(matrix, (r0, r1), device=dev, align=pad_a, fmt=self.format)
+                        s.nnz = int(s.a.nnz) if self.format != "csr" else int(s.a.indptr[-1] - s.a.indptr[0])
                     if layout == "thesis":
-                        s.at = dev_type.upload(transpose, (c0, c1), device=dev, align=self.bp_kernel == "csr_vector",
+                        s.at = dev_type.upload(transpose, (c0, c1), device=dev, align=self._kb.shapes,
                                                fmt=self.format)
                     elif not no_t:
                         if local_files:
@@ -401,19 +414,20 @@ class NcclBackend(Backend):
                             s.at = plain.transpose()  # cuSPARSE csr2csc on this GPU: A_k^T, rows sorted
                             plain.drop_cusparse()
                             del plain
-                    elif self.bp_kernel in ("scatter_smem", "notrans"):
+                    elif self._kb.smem:
                         s.smem = ck.smem_plan(s.a)
-                        if self.bp_kernel == "notrans":  # settled on the first part, the same for all
-                            self.bp_kernel = registry.choose_notrans(s.smem.local_fraction, s.nnz, gpus=self.world)
+                        if self._kb.selector:  # settled on the first part, the same for all
+                            self.bp_kernel = registry.choose_notrans(s.smem.local_fraction)
+                            self._kb = registry.get_bp("cuda", self.bp_kernel)
                             log.info("bp=notrans: %.0f%% of part %d's row chunks fit shared memory: %s",
                                      100 * s.smem.local_fraction, part, self.bp_kernel)
-                        if self.bp_kernel != "scatter_smem":
+                        if not self._kb.smem:
                             s.smem = None
                     ck.set_row_layouts(s.a, s.at, self.fp_kernel, self.bp_kernel, self.lanes_fp,
                                        self.lanes_bp(s) if s.at is not None else 0)
-                    if tune and self.fp_kernel == "csr_vector":
+                    if tune and self._kf is not None and self._kf.shapes:
                         s.a.tune(self.lanes_fp)
-                    if tune and s.at is not None and self.bp_kernel == "csr_vector":
+                    if tune and s.at is not None and self._kb.shapes:
                         s.at.tune(self.lanes_bp(s))
                     s.norm = cp.asarray(norm, dtype=cp.float32)
                     s.f = cp.empty(n, dtype=cp.float32)
@@ -423,7 +437,7 @@ class NcclBackend(Backend):
                     if layout == "local":
                         s.g = cp.asarray(g[r0:r1], dtype=cp.float32)
                         s.c = cp.empty(r1 - r0, dtype=cp.float32)
-                        s.fp = s.c if self.fuse and self.fp_kernel in FUSED else cp.empty(r1 - r0, dtype=cp.float32)
+                        s.fp = s.c if self._fused_fp else cp.empty(r1 - r0, dtype=cp.float32)
                         s.bp = cp.empty(n, dtype=cp.float32)
                     else:
                         s.g = cp.asarray(g, dtype=cp.float32)
@@ -432,7 +446,7 @@ class NcclBackend(Backend):
                         s.c = cp.empty(m, dtype=cp.float32)
                         s.img_send = cp.zeros(n, dtype=cp.float32)
                         s.bp = cp.empty(n, dtype=cp.float32)
-                    if self.onepass and self.format != "csr":  # the atomic target kept in L2 (as cuda.py)
+                    if self.onepass and not self._kb.chunks and self.format != "csr":  # atomic target in L2, as on one GPU
                         s.l2_window = cc.persist_in_l2(s.stream, s.acc if self.deterministic else s.bp)
                 self.shards.append(s)
                 log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", dev, part, r0, r1, s.nnz, f", A^T rows [{c0}, {c1})" if layout == "thesis" else "")
@@ -464,7 +478,7 @@ class NcclBackend(Backend):
         if overlap < 0:
             raise ConfigError("overlap", f"number of chunks must be >= 0, got {overlap}")
         if overlap > 1:
-            if layout != "local" or self.bp_kernel in SCATTER_KERNELS:
+            if layout != "local" or not self._kb.needs_transpose:
                 raise ConfigError("overlap", "overlap needs layout=local and a back projection on the stored A_k^T")
             self._setup_chunks(overlap)
             self.chunks = len(self.chunk_bounds)
@@ -477,6 +491,15 @@ class NcclBackend(Backend):
             "cuda-nccl backend: %d GPU(s) %s of %d, layout %s, fp=%s bp=%s, graph=%s (loaded in %.2f s)",
             len(devices), devices, self.world, layout, self.fp_kernel, self.bp_kernel, self.graph, self.load_seconds,
         )
+
+    @property
+    def _fused_fp(self) -> bool:
+        """The local forward projection fuses the correlation (its kernel's epilogue)."""
+        return self.fuse and self._kf is not None and self._kf.fused
+
+    def _graphable(self) -> bool:
+        """Whether a CUDA graph can capture the iteration's kernels (none allocates)."""
+        return self._kb.graph and (self._kf is None or self._kf.graph)
 
     @staticmethod
     def _single_comm(dev: int) -> Any:
@@ -510,40 +533,33 @@ class NcclBackend(Backend):
             nccl.groupEnd()
 
     def _spmv(self, a: Any, x: Any, out: Any, lanes: int, **kw: Any) -> Any:
-        from mlemlib.backends import _cuda_kernels as ck
-
-        kernel = self.fp_kernel if kw.pop("fwd", False) else self.bp_kernel
-        if kernel == "delta_vector":
-            from mlemlib.backends import _compressed_cuda as cc
-
-            return cc.spmv(a, x, out, **kw)
-        return ck.spmv(a, x, out, kernel=kernel, lanes=lanes, secsize=self.secsize, **kw)
+        """``out = a x`` by the forward (``fwd=True``) or back-projection kernel, through its registry launcher."""
+        k = self._kf if kw.pop("fwd", False) else self._kb
+        return registry.launcher(k)(a, x, out, lanes=lanes, secsize=self.secsize, **kw)
 
     def _onepass(self, record: bool) -> None:
-        """The local layout's one-pass iteration: each GPU's pass over A_k, one all-reduce of bp, the update.
+        """The local layout's one-pass iteration: each GPU's pass over its rows (the kernel's registry
+        launcher: ``onepass``, ``onepass_fixed``, ``onepass_chunked``), one all-reduce of bp, the update.
 
-        ``onepass_fixed`` sums 64-bit fixed-point integers (every GPU with the
-        same scale) and all-reduces them as integers, so the image is the same
-        bits for every GPU count; an overflow (a correlation above the range)
-        is detected after the all-reduce and the iteration is redone with a
-        range 2^20 times larger.
+        The fixed-point kernels sum 64-bit integers (every GPU with the same
+        scale) and all-reduce them as integers, so the image is the same bits
+        for every GPU count, one GPU's backend included; an overflow (a
+        correlation above the range) is detected after the all-reduce and the
+        iteration is redone with a range 2^20 times larger.
         """
-        from mlemlib.backends import _compressed_cuda as cc
-        from mlemlib.backends import _cuda_kernels as ck
-
         cp = _cupy()
         nccl = _nccl()
-        for attempt in range(cc.FIXED_RETRIES + 1):
-            scale = cc.fixed_scale(self._fixed_bound)
+        step = registry.launcher(self._kb)
+        scale = None
+        for attempt in range(FIXED_RETRIES + 1):
             for s in self.shards:
                 with cp.cuda.Device(s.device), s.stream:
                     self._mark(s, "start", record)
                     if self.deterministic:
                         s.acc.fill(0)
                         s.flag.fill(0)
-                        cc.onepass_fixed(s.a, s.g, s.f, s.acc, s.fp, scale, s.flag, lanes=self.lanes_onepass)
-                    else:
-                        cc.onepass(s.a, s.g, s.f, bp=s.bp, fp=s.fp, lanes=self.lanes_onepass)
+                    scale = step(s.a, s.g, s.f, fp=s.fp, bp=s.bp, acc=s.acc, flag=s.flag, bound=self._fixed_bound,
+                                 lanes=self.lanes_onepass)
                     self._mark(s, "bp", record)
             nccl.groupStart()
             try:
@@ -561,10 +577,10 @@ class NcclBackend(Backend):
                     bad |= int(s.flag.get(stream=s.stream)[0])
             if not bad:
                 break
-            if attempt == cc.FIXED_RETRIES:
-                raise DeviceError(f"fixed-point accumulation overflowed (flag {bad}) after {cc.FIXED_RETRIES} retries")
-            self._fixed_bound *= cc.FIXED_RETRY_FACTOR
-            log.info("onepass_fixed: overflow (flag %d); range raised to %.3g", bad, self._fixed_bound)
+            if attempt == FIXED_RETRIES:
+                raise DeviceError(f"fixed-point accumulation overflowed (flag {bad}) after {FIXED_RETRIES} retries")
+            self._fixed_bound *= FIXED_RETRY_FACTOR
+            log.info("%s: overflow (flag %d); range raised to %.3g", self.bp_kernel, bad, self._fixed_bound)
         for s in self.shards:
             with cp.cuda.Device(s.device), s.stream:
                 self._mark(s, "allreduce", record)
@@ -575,10 +591,8 @@ class NcclBackend(Backend):
 
     def _launch(self, record: bool) -> None:
         """Launch one iteration on every shard's stream (events when ``record``)."""
-        from mlemlib.backends import _cuda_kernels as ck
-
         cp = _cupy()
-        fused_fp = self.fuse and self.fp_kernel in FUSED
+        fused_fp = self._fused_fp
         for s in self.shards:
             s.order = []
         if self.onepass:
@@ -601,7 +615,7 @@ class NcclBackend(Backend):
                     if s.at is not None:
                         self._spmv(s.at, s.c, s.bp, self.lanes_bp(s))
                     else:
-                        ck.scatter(s.a, s.c, s.bp, kernel=self.bp_kernel, lanes=self.lanes_fp, smem=s.smem)
+                        registry.launcher(self._kb)(s.a, s.c, s.bp, lanes=self.lanes_fp, smem=s.smem)
                     self._mark(s, "bp", record)
             if self.chunks:
                 self._overlapped_bp(record)
@@ -673,8 +687,6 @@ class NcclBackend(Backend):
 
     def _setup_chunks(self, chunks: int) -> None:
         """Row views of each ``A_k^T`` over ``chunks`` voxel ranges with about equal non-zeros (all GPUs agree)."""
-        from mlemlib.backends import _cuda_kernels as ck
-
         cp = _cupy()
         n = self.shape[1]
         counts = np.zeros(n, dtype=np.int64)
@@ -715,7 +727,7 @@ class NcclBackend(Backend):
 
     def capture_graph(self) -> None:
         """Switch to CUDA-graph replay (capture now; as ``graph=True`` at construction)."""
-        if self.fp_kernel in ALLOCATING_KERNELS or self.bp_kernel in ALLOCATING_KERNELS:
+        if not self._graphable():
             raise ConfigError("graph", f"graph capture needs non-allocating kernels, not fp={self.fp_kernel} bp={self.bp_kernel}")
         if not self.graph or self.shards[0].graph is None:
             self._capture()
@@ -884,8 +896,6 @@ class NcclBackend(Backend):
             with cp.cuda.Device(s.device):
                 cp.cuda.runtime.deviceSynchronize()
                 if s.l2_window:
-                    from mlemlib.backends import _compressed_cuda as cc
-
                     cc.release_l2()
         if self._owns_comms:
             for s in self.shards:
@@ -907,7 +917,6 @@ class NcclBackend(Backend):
         return any(s.part == 0 for s in self.shards)
 
     def describe(self) -> dict[str, Any]:
-        from mlemlib.backends import _cuda_kernels as ck
         from mlemlib.devices import device_facts
 
         devs = []
@@ -918,7 +927,7 @@ class NcclBackend(Backend):
                 facts = {"error": str(exc)}
             devs.append({"index": s.device, "part": s.part, "rows": list(s.rows), "cols": list(s.cols), "nnz": s.nnz, **facts})
         steps = ["bp", "allreduce", "update"] if self.onepass else ["fp", "corr", "bp", "allreduce", "update"]
-        if not self.onepass and self.layout == "local" and self.fuse and self.fp_kernel in FUSED:
+        if not self.onepass and self.layout == "local" and self._fused_fp:
             steps.remove("corr")
         if self.layout == "thesis" and self.fuse:
             steps.remove("update")
@@ -934,11 +943,13 @@ class NcclBackend(Backend):
             "graph": self.graph,
             "overlap_chunks": self.chunks,
             "fused": self.fuse,
+            "chunks": {"count": sum(s.a.chunks for s in self.shards), "reuse_sample": self.chunk_reuse_sample}
+            if self._kb.chunks else None,
             "lanes_fp": self.lanes_fp,
-            "lanes_bp": sorted({self.lanes_bp(s) for s in self.shards}) if self.bp_kernel == "csr_vector" else None,
+            "lanes_bp": sorted({self.lanes_bp(s) for s in self.shards}) if self._kb.lanes and not self.onepass else None,
             "shape_fp": sorted({ck.shape_label(s.a) for s in self.shards}),
             "shape_bp": sorted({ck.shape_label(s.at) for s in self.shards if s.at is not None}),
-            "transpose": ("none" if self.onepass or self.bp_kernel in SCATTER_KERNELS else "local parts")
+            "transpose": ("none" if not self._kb.needs_transpose else "local parts")
             if self.layout == "local" else "row blocks",
             "format": self.format,
             # this process's blocks of A and A^T together
