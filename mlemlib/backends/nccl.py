@@ -64,13 +64,15 @@ LAYOUTS = registry.LAYOUTS
 # --------------------------------------------------------------------------- host-side planning (no GPU)
 
 
-def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2, fmt: str = "csr") -> tuple[str, str, bool]:
+def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2, fmt: str = "csr",
+                    transpose_available: bool = True) -> tuple[str, str, bool]:
     """The forward and back-projection kernels of a layout, and whether the pair is deterministic.
 
     :func:`mlemlib.registry.resolve` with the facts of this backend: the
-    transpose is always available (each GPU's part of ``A^T`` is read from
-    the plan or transposed on its GPU) and fits (each GPU checks its memory
-    when it loads its part). The ``notrans`` selector takes ``scatter_smem``
+    transpose is available where ``transpose_available`` says (a CSR ``A_k``
+    is transposed on its GPU; a compressed one needs the plan's part files or
+    a stored ``A^T``) and fits (each GPU checks its memory when it loads its
+    part). The ``notrans`` selector takes ``scatter_smem``
     or ``scatter`` (:func:`~mlemlib.registry.choose_notrans`) once the
     parts are loaded.
 
@@ -81,8 +83,19 @@ def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2,
     """
     if layout not in LAYOUTS:
         raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
-    choice = registry.resolve("cuda", fp, bp, gpus=max(2, int(world)), layout=layout, fmt=fmt)
+    choice = registry.resolve("cuda", fp, bp, gpus=max(2, int(world)), layout=layout, fmt=fmt,
+                              transpose_available=transpose_available or layout == "thesis")
     return choice.fp, choice.bp, choice.deterministic
+
+
+def _plan_has_parts(plan: Any) -> bool:
+    """Whether a plan (path, directory or dict; None: split in memory) names each part's ``A_k^T`` file."""
+    if plan is None:
+        return False
+    from mlemlib import partition
+
+    d = dict(plan) if isinstance(plan, dict) else partition.read_plan(plan)
+    return bool(d.get("local_transpose"))
 
 
 def _indptr_of(source: Any) -> np.ndarray:
@@ -302,7 +315,9 @@ class NcclBackend(Backend):
             matrix = open_matrix(matrix)
         self.format = format_of(matrix)
         nworld = world or len(devices or []) or gpus or 2
-        self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout, nworld, fmt=self.format)
+        t_avail = self.format == "csr" or transpose is not None or _plan_has_parts(plan)
+        self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout, nworld, fmt=self.format,
+                                                                             transpose_available=t_avail)
         self.chunk_reuse_sample: float | None = None
         choice = registry.Choice(self.fp_kernel, self.bp_kernel, registry.get_bp("cuda", self.bp_kernel).needs_transpose,
                                  self.deterministic)
