@@ -15,6 +15,10 @@ with the same settings shares them and a rerun reuses them):
   ScanTrans), where a kernel pair reads it;
 - ``csr.h5`` — a CSR copy for the cuSPARSE reference where the format is
   another (not where cuSPARSE's 32-bit indices cannot hold the matrix);
+- ``parts-{P}/`` — the partition plan of ``P`` GPUs
+  (:func:`mlemlib.partition.partition_file`; with each GPU's ``A_k^T`` where a
+  compressed matrix's pair reads it), made by :func:`partition` when a case
+  first runs on ``P`` GPUs;
 - ``norm.npy`` (column sums, as :func:`mlemlib.norm.source_column_sums` gives them) and
   ``g.npy`` (the noiseless measurement ``A x`` of a fixed positive image);
 - ``prepared.json`` — the settings and the matrix's facts, written last: a
@@ -37,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib import registry
-from mlemlib.bench.cases import Case
+from mlemlib.bench.cases import CUSPARSE, Case
 
 log = logging.getLogger(__name__)
 
@@ -324,3 +328,24 @@ def prepare(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int 
         csr = matrix
     return Prepared(directory, matrix, transpose if want_t else None, csr, directory / "norm.npy",
                     directory / "g.npy", dict(facts))
+
+
+def partition(case: Case, prep: Prepared, parts: int, *, threads: int | None = None) -> Path:
+    """The plan of ``parts`` GPUs of the prepared matrix (``parts-{P}/plan.json``, made once), as the
+    workflow's partition stage makes it: with the row blocks of ``A^T`` for the thesis layout, and each
+    GPU's ``A_k^T`` (``part-{k}.h5``) where the matrix is compressed and a pair back-projects on a
+    stored transpose in the local layout."""
+    from mlemlib.partition import partition_file
+
+    out = prep.directory / f"parts-{parts}"
+    plan = out / "plan.json"
+    if plan.exists():
+        return plan
+    local_t = (case.layout == "local" and case.format != "csr" and prep.transpose is not None
+               and any(registry.uses_transpose(case.backend, bp) for fp, bp in case.pairs() if (fp, bp) != CUSPARSE))
+    transpose = prep.transpose if (local_t or case.layout == "thesis") else None
+    t0 = time.perf_counter()
+    partition_file(prep.matrix, transpose, parts, out, local_transpose=local_t, threads=threads)
+    log.info("prepare: partition of %d parts%s -> %s in %.1f s", parts, " with each A_k^T" if local_t else "",
+             out, time.perf_counter() - t0)
+    return plan

@@ -33,7 +33,7 @@ from typing import Any
 
 from mlemlib import registry
 from mlemlib.bench.cases import CUSPARSE, Case
-from mlemlib.bench.prepare import DEFAULT_WORK, Prepared, matrix_facts, prepare
+from mlemlib.bench.prepare import DEFAULT_WORK, Prepared, matrix_facts, partition, prepare
 from mlemlib.bench.timing import floor_bytes, host_copy_bandwidth, time_iterations
 from mlemlib.errors import ConfigError, DeviceError
 
@@ -185,6 +185,8 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
         kw: dict[str, Any] = {"fp": fp, "bp": bp}
         if case.backend == "cuda":
             kw.update(gpus=gpus, layout=case.layout)
+            if gpus > 1 and not reference:  # the partition stage's plan (each GPU's A_k^T where it is needed)
+                kw["plan"] = os.fspath(partition(case, prep, gpus))
         graph = case.graph and case.backend == "cuda" and not reference
         t0 = time.perf_counter()
         try:
