@@ -22,7 +22,7 @@ Provides
       CuPy and a CUDA device, else :class:`~mlemlib.errors.DeviceError`.
 
 - :func:`transpose_file` — the ``transpose`` stage: ``matrix.h5`` ->
-  ``transpose.h5``. The ``scantrans`` method streams the input in row chunks
+  ``transpose.h5``, in the matrix's format (CSR or compressed). The ``scantrans`` method streams the input in row chunks
   (two passes: a column histogram gives the output row pointer, then every
   chunk is scattered with per-chunk ``inter``/``intra`` offset by a running
   per-column cursor), so it holds one copy of the matrix (the output) plus one
@@ -647,13 +647,32 @@ def warm_up() -> None:
     s.finish()
 
 
-def _write_transpose(out: str | os.PathLike, t: CSRMatrix, attrs: dict, *, source: str, chunk_nnz: int) -> None:
-    """Write ``t`` as an HDF5 matrix container with extra attributes (atomic)."""
+def _write_transpose(
+    out: str | os.PathLike, t: CSRMatrix, attrs: dict, *, source: str, chunk_nnz: int, fmt: str = "csr"
+) -> int | None:
+    """Write ``t`` as a container of format ``fmt`` with extra attributes (atomic); return the code width.
+
+    A compressed ``fmt`` encodes each row chunk of ``t`` as it is written, from
+    ``t``'s float32 values (the input's decoded values), with one code width
+    for the file: :func:`~mlemlib.formats.compressed_h5.sample_code_bits` of
+    ``t`` (the whole matrix up to 4 million elements, else rows spread over
+    it), as :func:`mlemlib.formats.convert` chooses it.
+    """
     from mlemlib.formats.h5 import MatrixH5Writer
 
-    with MatrixH5Writer(out, t.shape, t.nnz, source=source, **attrs) as w:
+    if fmt == "csr":
+        with MatrixH5Writer(out, t.shape, t.nnz, source=source, **attrs) as w:
+            for r0, r1 in iter_row_chunks(t.indptr, chunk_nnz):
+                w.write_rows(_row_block(t, r0, r1))
+        return None
+    from mlemlib.formats import InMemoryMatrix
+    from mlemlib.formats.compressed_h5 import CompressedH5Writer, sample_code_bits
+
+    code_bits = sample_code_bits(InMemoryMatrix(t, out), fmt)
+    with CompressedH5Writer(out, t.shape, t.nnz, fmt=fmt, code_bits=code_bits, source=source, **attrs) as w:
         for r0, r1 in iter_row_chunks(t.indptr, chunk_nnz):
             w.write_rows(_row_block(t, r0, r1))
+    return code_bits
 
 
 def transpose_file(
@@ -666,13 +685,22 @@ def transpose_file(
 ) -> dict:
     """The ``transpose`` stage: read ``matrix.h5``, write ``A^T`` as ``transpose.h5``.
 
-    ``transpose.h5`` is the same container as ``matrix.h5`` (shape ``(n, m)``,
+    ``transpose.h5`` is a container of the same format as ``matrix.h5`` (CSR,
+    ``compressed``, ``compressed-f16`` or ``compressed-u16``; shape ``(n, m)``,
     column indices = LOR numbers) with the attributes ``kind="transpose"``,
     ``method``, ``source`` (the input's file name), ``source_checksum`` (the
     input's checksum), ``threads`` and ``seconds`` (the transposition proper).
 
+    Values: ``A^T`` holds exactly the values ``A`` decodes to. A CSR or
+    ``compressed`` (lossless) transpose stores them as they are: it decodes to
+    ``transpose(decode(A))`` bit for bit. A lossy (16-bit) transpose is the
+    encoding of ``transpose(decode(A))`` in that format, row by row of
+    ``A^T`` (each row of ``A^T`` gets its own row scale, as any matrix encoded
+    in the format), so it decodes to those values within the format's
+    rounding.
+
     Memory: ``scantrans`` holds the output (8 bytes per non-zero plus the
-    row pointer), one input chunk (8 bytes per non-zero of the chunk),
+    row pointer; a compressed one is encoded chunk by chunk as it is written), one input chunk (8 bytes per non-zero of the chunk),
     ``intra`` (4 bytes per chunk non-zero) and the per-thread tables
     (``inter`` and the column bases, or the first pass's histogram: at most
     ``12 * T * n`` bytes): one copy of the matrix. ``scipy`` and
@@ -696,8 +724,9 @@ def transpose_file(
     Returns
     -------
     dict
-        ``out``, ``method``, ``shape`` (of the output), ``nnz``, ``threads``,
-        ``chunk_nnz``, ``seconds`` (the transposition: histogram + ScanTrans
+        ``out``, ``method``, ``format`` (the input's and the output's),
+        ``code_bits`` (compressed formats, else None), ``shape`` (of the
+        output), ``nnz``, ``threads``, ``chunk_nnz``, ``seconds`` (the transposition: histogram + ScanTrans
         kernels, SciPy's ``tocsr``, or the cuSPARSE call on the device),
         ``seconds_total`` (the whole stage, reading and writing included).
 
@@ -722,6 +751,7 @@ def transpose_file(
     name = Path(matrix_h5).name
     with MatrixH5(matrix_h5) as src, numba_threads(threads) as nt:
         m, n = src.shape
+        fmt = getattr(src, "format", "csr")  # a compressed container's format; its rows are read decoded
         if method == "scantrans":
             warm_up()
             log.info("%s: ScanTrans of %d x %d, %d non-zeros, %d threads, chunks of %d", name, m, n, src.nnz, nt, chunk_nnz)
@@ -766,12 +796,14 @@ def transpose_file(
             "threads": int(nt) if method == "scantrans" else 1,
             "seconds": float(seconds),
         }
-    log.info("%s: transposed in %.3f s (%s); writing %s", name, seconds, method, out)
-    _write_transpose(out, t, attrs, source=name, chunk_nnz=chunk_nnz)
+    log.info("%s: transposed in %.3f s (%s); writing %s (%s)", name, seconds, method, out, fmt)
+    code_bits = _write_transpose(out, t, attrs, source=name, chunk_nnz=chunk_nnz, fmt=fmt)
     total = time.perf_counter() - t_start
     return {
         "out": os.fspath(out),
         "method": method,
+        "format": fmt,
+        "code_bits": code_bits,
         "shape": [n, m],
         "nnz": int(t.nnz),
         "threads": attrs["threads"],

@@ -200,3 +200,103 @@ def test_partition_keeps_the_format(source, tmp_path):
         elif fmt in LOSSY:  # the rows of A^T keep their scales and stored values
             got, whole = _encoded(part), _encoded(t_path)
             np.testing.assert_array_equal(got.scale, whole.scale)
+
+
+def test_convert_to_its_own_format_is_a_copy(source, tmp_path):
+    """:func:`mlemlib.formats.convert` of a container to its own format (no ``fmt``, or ``fmt`` its format)
+    keeps it: a compressed one slot for slot (a lossy one is not rounded again: the fixture's float16 trap row
+    would change), a CSR one array for array; the summary names the format."""
+    from mlemlib.formats import convert
+
+    fmt, path, a = source
+    for k, asked in enumerate((None, fmt)):
+        out = tmp_path / f"copy-{k}.h5"
+        s = convert(path, out, fmt=asked, max_nnz=200)
+        assert s["format"] == fmt and s["nnz"] == a.nnz
+        _check(out, fmt, a.to_scipy(), _decoded(path))
+        if fmt != "csr":
+            _same_encoding(_encoded(out), _encoded(path))
+            assert s["code_bits"] == _encoded(path).code_bits
+        with MatrixH5(out) as f, MatrixH5(path) as g:
+            assert f.checksum == g.checksum and f.grid == GRID
+
+
+def _within_rounding(fmt: str, got: np.ndarray, exact: np.ndarray, scale: np.ndarray) -> None:
+    """``got`` (decoded) is ``exact`` rounded once in ``fmt`` with the row scales ``scale`` (one per element):
+    float16 of ``v / s`` (11 significant bits; float16 subnormals below ``2**-14 * s``) or the 16-bit integer
+    ``rint(v / s)`` times ``s`` in float32."""
+    exact = exact.astype(np.float64)
+    err = np.abs(got.astype(np.float64) - exact)
+    if fmt == "compressed-f16":
+        bound = np.maximum(2.0**-11 * exact, 2.0**-25 * scale)
+    else:
+        bound = 0.5 * scale * (1 + 1e-6) + 2.0**-23 * np.maximum(exact, got)
+    assert np.all(err <= bound), f"worst excess {np.max(err - bound)}"
+
+
+def test_transpose_keeps_the_format(source, tmp_path, capsys):
+    """``mlem transpose`` of a container writes ``A^T`` in its format, holding the values ``A`` decodes to.
+
+    - ``csr`` and ``compressed``: ``decode(transpose(A)) == transpose(decode(A))`` bit for bit (and, A being
+      lossless, ``== A.T`` of the float32 original); a compressed one is exactly the encoding of ``A.T``.
+    - ``compressed-f16`` / ``-u16``: the transpose is exactly the encoding, in the format, of
+      ``transpose(decode(A))`` (each row of ``A^T`` with its own row scale), slot for slot; so it decodes to
+      ``transpose(decode(A))`` within one rounding of the format at that scale. In ``compressed-f16`` (row
+      scales are powers of two) that rounding changes nothing but values below ``2**-14`` times their row
+      scale in ``A^T`` (float16 subnormals there: :func:`test_transpose_f16_rounds_only_subnormals`); every
+      other value is ``A``'s decoded value bit for bit. In ``compressed-u16`` (a 16-bit fixed point per row)
+      values are rounded to the fixed point of their row of ``A^T``: the fixture's differ.
+    """
+    from mlemlib.cli import main
+    from mlemlib.transpose import transpose_file
+
+    fmt, path, a = source
+    out = tmp_path / "transpose.h5"
+    s = transpose_file(path, out, chunk_nnz=150)
+    assert s["format"] == fmt and _format(out) == fmt
+    want = _decoded(path).T.tocsr()  # transpose(decode(A))
+    want.sort_indices()
+    got = _decoded(out)
+    np.testing.assert_array_equal(got.indptr, want.indptr)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    with MatrixH5(out) as f, MatrixH5(path) as g:
+        assert f.attrs["kind"] == "transpose" and f.attrs["source_checksum"] == g.checksum
+    if fmt in ("csr", "compressed"):
+        _check(out, fmt, a.to_scipy().T, want)
+        with MatrixH5(out) as f, MatrixH5(path) as g:
+            assert f.checksum == write_matrix_h5(tmp_path / "t-csr.h5", CSRMatrix.from_scipy(want))
+    else:
+        enc = _encoded(out)
+        assert s["code_bits"] == enc.code_bits
+        _same_encoding(enc, CompressedMatrix.from_csr(CSRMatrix.from_scipy(want), fmt, code_bits=enc.code_bits))
+        scale = np.repeat(enc.scale.astype(np.float64), np.diff(got.indptr))
+        _within_rounding(fmt, got.data, want.data, scale)
+        if fmt == "compressed-f16":
+            normal = want.data >= 2.0**-14 * scale
+            assert normal.sum() > 0.9 * len(normal)
+            np.testing.assert_array_equal(got.data[normal].view(np.uint32), want.data[normal].view(np.uint32))
+        else:
+            assert not np.array_equal(got.data, want.data)
+    # the CLI says what it wrote
+    out2 = tmp_path / "cli" / "transpose.h5"
+    assert main(["transpose", str(path), "-o", str(out2), "-c", "100"]) == 0
+    assert f": {a.shape[1]} x {a.shape[0]}, nnz {a.nnz}, {fmt}" in capsys.readouterr().out
+    assert _format(out2) == fmt
+
+
+def test_transpose_f16_rounds_only_subnormals(tmp_path):
+    """A value of a float16 row that is a subnormal of its row of ``A^T`` (a larger row scale there) is rounded
+    once more: ``A`` = [[0.3, t], [0, 0.9]] with t = 3 * 2**-40 (row 0's scale is 2**-16: t is 3 float16
+    subnormal steps); in ``A^T``, t meets 0.9 (scale 2**-15: 1.5 steps), rounds to 2 steps (half to even)."""
+    from mlemlib.transpose import transpose_file
+
+    t = 3 * 2.0**-40
+    a = CSRMatrix(np.array([0, 2, 3]), np.array([0, 1, 1], dtype=np.int32), np.array([0.3, t, 0.9], np.float32),
+                  (2, 2))
+    path = _write(tmp_path / "a.h5", a, "compressed-f16")
+    assert _decoded(path)[0, 1] == np.float32(t)  # A holds t exactly
+    transpose_file(path, tmp_path / "t.h5")
+    at = _decoded(tmp_path / "t.h5")
+    assert at[1, 0] == np.float32(2.0**-38)  # rounded at A^T's row scale
+    assert at[0, 0] == _decoded(path)[0, 0] and at[1, 1] == _decoded(path)[1, 1]  # the normal values are kept
+    np.testing.assert_array_equal(_encoded(tmp_path / "t.h5").scale, [2.0**-16, 2.0**-15])

@@ -36,8 +36,8 @@ def register(sub) -> None:
         "--format",
         choices=MATRIX_FORMATS,
         default=None,
-        help="matrix format of the container; an .h5 input keeps its own unless this is given, any other "
-        "input gets csr (default: csr): csr (8 bytes per non-zero), compressed (lossless, about 5: "
+        help="matrix format of the container (default: an .h5 input's own format, with a compressed one's stored "
+        "values kept bit for bit; csr for any other input): csr (8 bytes per non-zero), compressed (lossless, about 5: "
         "8- or 16-bit column deltas, exact float32 values), compressed-f16 (lossy float16 values, about 3) or "
         "compressed-u16 (lossy per-row 16-bit fixed point, about 3; 14-50x closer to the float32 image than f16)",
     )
@@ -57,32 +57,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def input_format(path) -> str:
-    """The matrix format of an ``.h5`` container (``csr`` or a compressed one); ``csr`` for any other file."""
-    from mlemlib.formats import file_kind
-    from mlemlib.formats.h5 import MatrixH5
-
-    if file_kind(path) != "h5":
-        return "csr"
-    with MatrixH5(path) as f:
-        return getattr(f, "format", "csr")
-
-
-def convert_keeping(src, out, *, fmt: str | None = None, code_bits: int | None = None, max_nnz: int = 1 << 26) -> dict:
-    """:func:`mlemlib.formats.convert`, with the input's format by default; a compressed container converted to
-    its own format is copied with its stored values bit for bit (:func:`~mlemlib.formats.compressed_h5.copy_compressed`:
-    a lossy one is not rounded again)."""
-    from mlemlib.formats import convert
-
-    own = input_format(src)
-    fmt = fmt or own
-    if fmt != "csr" and fmt == own:
-        from mlemlib.formats.compressed_h5 import copy_compressed
-
-        return copy_compressed(src, out, code_bits=code_bits, max_nnz=max_nnz)
-    return convert(src, out, max_nnz=max_nnz, fmt=fmt, code_bits=code_bits)
-
-
 def run(args: argparse.Namespace) -> int:
     """Convert ``args.input`` to ``args.out``; print a one-line summary."""
     if args.fold:
@@ -90,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
         s = fold_file(args.input, args.out, fmt=args.format, code_bits=args.code_bits, chunk_nnz=args.chunk_nnz)
     else:
-        s = convert_keeping(args.input, args.out, fmt=args.format, code_bits=args.code_bits, max_nnz=args.chunk_nnz)
+        from mlemlib.formats import convert
+
+        s = convert(args.input, args.out, fmt=args.format, code_bits=args.code_bits, max_nnz=args.chunk_nnz)
     m, n = s["shape"]
     bpn = f"{s['bytes_per_nnz']:.2f}" if s["bytes_per_nnz"] is not None else "n/a"
     codes = f", {s['code_bits']}-bit codes" if s.get("code_bits") else ""

@@ -14,7 +14,8 @@ def register(sub) -> None:
     p = add_parser(
         sub,
         "transpose",
-        "Transpose a matrix container into transpose.h5 (A^T as CSR, rows sorted); "
+        "Transpose a matrix container into transpose.h5: A^T in the matrix's format (csr or compressed: "
+        "the values A decodes to, encoded again by row of A^T in a lossy format), rows sorted; "
         "scantrans streams the input and holds one copy of the matrix.",
     )
     p.add_argument("input", type=existing_file, metavar="MATRIX.h5", help="matrix container (from 'mlem convert')")
@@ -37,8 +38,9 @@ def run(args: argparse.Namespace) -> int:
 
     s = transpose_file(args.input, args.out, args.method, threads=args.threads, chunk_nnz=args.chunk_nnz)
     n, m = s["shape"]
+    codes = f", {s['code_bits']}-bit codes" if s.get("code_bits") else ""
     print(
-        f"{s['out']}: {n} x {m}, nnz {s['nnz']}, {s['method']} ({s['threads']} thread(s)) "
+        f"{s['out']}: {n} x {m}, nnz {s['nnz']}, {s['format']}{codes}, {s['method']} ({s['threads']} thread(s)) "
         f"{s['seconds']:.3f} s, stage {s['seconds_total']:.3f} s"
     )
     return 0

@@ -72,6 +72,7 @@ __all__ = [
     "file_kind",
     "geometry_value",
     "info",
+    "matrix_format",
     "matrix_geometry",
     "open_matrix",
     "open_source",
@@ -147,6 +148,20 @@ def open_matrix(path: str | os.PathLike) -> Csr4File | MatrixH5 | InMemoryMatrix
     raise MatrixFormatError(path, f"a {kind} file holds measurements, not a system matrix")
 
 
+def matrix_format(path: str | os.PathLike) -> str:
+    """The matrix format a file holds: an ``.h5`` container's own (``csr`` or a compressed one), else ``csr``.
+
+    Raises
+    ------
+    MatrixFormatError
+        An unknown suffix, or an ``.h5`` file that is not a matrix container.
+    """
+    if file_kind(path) != "h5":
+        return "csr"
+    with MatrixH5(path) as f:
+        return getattr(f, "format", "csr")
+
+
 def read_matrix(path: str | os.PathLike):
     """Read a whole matrix of any supported format into memory (a :class:`CSRMatrix`)."""
     with open_matrix(path) as f:
@@ -158,12 +173,17 @@ def convert(
     out: str | os.PathLike,
     *,
     max_nnz: int = DEFAULT_CHUNK_NNZ,
-    fmt: str = "csr",
+    fmt: str | None = None,
     code_bits: int | None = None,
     keep_rows: np.ndarray | None = None,
     attach: tuple[dict, dict] | None = None,
 ) -> dict:
     """Convert any supported matrix into the container ``out`` (``matrix.h5``), streaming.
+
+    A compressed container converted to its own format (``fmt`` None or its
+    format) is copied with its stored values and row scales bit for bit
+    (:func:`~mlemlib.formats.compressed_h5.copy_compressed`): decoding and
+    encoding again could round a lossy (16-bit) matrix a second time.
 
     ``.csr4`` and ``.h5`` inputs are read one row block of at most ``max_nnz``
     elements at a time, so peak memory is about one block (``8 * max_nnz``
@@ -182,7 +202,8 @@ def convert(
     max_nnz
         Elements per block.
     fmt
-        Matrix format of the output: ``csr`` (default), ``compressed``
+        Matrix format of the output (None, the default: the input's own, see
+        :func:`matrix_format`): ``csr``, ``compressed``
         (lossless, about 5 bytes per non-zero), ``compressed-f16`` or
         ``compressed-u16`` (lossy 16-bit values: float16, or a per-row 16-bit
         fixed point); the compressed ones encode each block as it passes
@@ -217,13 +238,19 @@ def convert(
     """
     if max_nnz < 1:
         raise ValueError(f"max_nnz must be >= 1, got {max_nnz}")
-    if fmt not in MATRIX_FORMATS:
+    if fmt is not None and fmt not in MATRIX_FORMATS:
         raise ValueError(f"unknown matrix format {fmt!r}, expected one of {', '.join(MATRIX_FORMATS)}")
     if code_bits is not None and code_bits not in (8, 16):
         raise ValueError(f"code_bits must be 8 or 16, not {code_bits!r}")
     src, out = Path(src), Path(out)
     if src.resolve() == out.resolve():
         raise MatrixFormatError(out, "output would overwrite the input")
+    own = matrix_format(src)
+    fmt = own if fmt is None else fmt
+    if fmt != "csr" and fmt == own:
+        from mlemlib.formats.compressed_h5 import copy_compressed
+
+        return copy_compressed(src, out, code_bits=code_bits, keep_rows=keep_rows, attach=attach, max_nnz=max_nnz)
     t0 = time.perf_counter()
     with open_matrix(src) as reader:
         m, n = reader.shape
