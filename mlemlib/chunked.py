@@ -28,21 +28,34 @@ Provides
 - :func:`interleave` — the rows' layout on the GPU (padded to 4 elements,
   groups of 128 interleaved for vector loads);
 - :func:`sample_chunks` — reuse and chunk count estimated from one block:
-  what ``auto`` decides from.
+  what ``auto`` decides from;
+- :func:`layout_blocks` — the kernel's layout of a matrix, block by block
+  (plan, 16-bit values, interleaving): the one code that the upload and the
+  file use;
+- :func:`write_layout`, :func:`open_layout` (:class:`ChunkLayout`) — that
+  layout as a file (``mlem chunk``, the workflow's ``chunk_matrix``), checked
+  against the matrix it was made from; :func:`chunk_ranges` — its chunks
+  split nnz-balanced over GPUs.
 
 The GPU kernel of this plan is ``chunked_onepass`` (``kernels/compressed.cu``;
 :class:`mlemlib.backends._compressed_cuda.DeviceChunked` builds the plan
-block by block while uploading; the registry's ``onepass_chunked``).
+block by block while uploading, or loads a layout file; the registry's
+``onepass_chunked``).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
 
+from mlemlib.errors import MatrixFormatError
 from mlemlib.matrix import CSRMatrix
+
+log = logging.getLogger(__name__)
 
 #: Largest chunk window: local indices are 16-bit.
 MAX_WINDOW = 1 << 16
@@ -586,3 +599,370 @@ def onepass_fixed(plan: ChunkPlan, indptr: np.ndarray, data: np.ndarray, g: np.n
     total = acc.sum(axis=0, dtype=np.uint64)
     bp = (total.astype(np.float64) * (1.0 / float(scale))).astype(np.float32)
     return bp, fp, bool(bad)
+
+
+# --------------------------------------------------------------------------- the layout, block by block, and its file
+#: ``chunked_onepass_u16`` forms ``2^23 s`` of each row scale ``s`` (the exact one-FMA decode): scales below this.
+U16_SCALE_MAX = 2.0**100
+#: Non-zeros per block the layout is built in (the upload's block, ``_compressed_cuda.UPLOAD_CHUNK_NNZ``).
+LAYOUT_BLOCK_NNZ = 1 << 26
+#: The ``format`` attribute of a layout file, and its version.
+LAYOUT_FORMAT = "mlem-chunks"
+LAYOUT_VERSION = 1
+#: Elements per HDF5 chunk of a layout file's datasets (each with a Fletcher-32 checksum).
+_H5_CHUNK = 1 << 20
+#: The arrays of a layout file (the 16-bit formats' ``scale`` besides): name -> dtype (``data``: the values').
+LAYOUT_ARRAYS = {"indptr": np.int64, "local": np.uint16, "data": None, "chunk_rows": np.int64, "vptr": np.int64,
+                 "voxels": np.int32, "nnzptr": np.int64}
+
+
+@dataclass
+class LayoutBlock:
+    """One block of rows in the kernel's layout: what :class:`DeviceChunked` copies to a GPU and
+    :func:`write_layout` to a file.
+
+    Rows ``[r0, r1)`` of the source; ``indptr`` (from 0), ``local`` and
+    ``data`` as :func:`interleave` gives them; ``scale`` the rows' scales of
+    16-bit values (else None); the block's chunks ``chunk_rows`` (from 0, its
+    rows), their sorted voxel lists ``voxels`` (``counts`` per chunk) and
+    non-zeros ``chunk_nnz`` (without the padding).
+    """
+
+    r0: int
+    r1: int
+    indptr: np.ndarray
+    local: np.ndarray
+    data: np.ndarray
+    scale: np.ndarray | None
+    chunk_rows: np.ndarray
+    voxels: np.ndarray
+    counts: np.ndarray
+    chunk_nnz: np.ndarray
+
+    @property
+    def nnz(self) -> int:
+        return int(self.chunk_nnz.sum())
+
+
+def layout_blocks(source, fmt: str, *, window: int, rows: tuple[int, int] | None = None,
+                  max_nnz: int = LAYOUT_BLOCK_NNZ, what: str = "matrix"):
+    """The kernel's layout of ``source`` (its rows ``[r0, r1)``, or all), as :class:`LayoutBlock`\\ s in row order.
+
+    Each block of about ``max_nnz`` non-zeros (:func:`row_blocks`) is
+    chunked on its own (:func:`build_plan`, all cores; chunks do not cross a
+    block's end) and laid out (:func:`interleave`). A ``compressed-f16`` or
+    ``compressed-u16`` ``fmt`` keeps its 16-bit values: each row's decoded
+    values are stored as float16 (uint16) times its row scale, which gives
+    them back exactly (:func:`half_rows`). One block is in host memory at a
+    time. The one code that :class:`~mlemlib.backends._compressed_cuda.DeviceChunked`
+    and :func:`write_layout` build the chunks with.
+
+    Raises
+    ------
+    ValueError
+        A row with more non-zeros than ``window``; 16-bit values that a row
+        scale does not give back exactly; compressed-u16 row scales of 2^100
+        or more (the kernel's one-FMA decode).
+    """
+    from mlemlib.compressed import values16
+
+    half = values16(fmt)
+    for g0, g1, block, given in row_blocks(source, max_nnz, scales=True, rows=rows):
+        p = build_plan(block, window=window)
+        values, rs = block.data, None
+        if half:
+            rs, values = half_rows(block, fmt, scale=given, what=what, row0=g0)
+            if fmt == "compressed-u16" and len(rs) and float(rs.max()) >= U16_SCALE_MAX:
+                r = g0 + int(np.argmax(rs >= U16_SCALE_MAX))
+                raise ValueError(f"{what}: row {r} has values above 2^116 (row scale {float(rs.max())!r}): "
+                                 "the chunked kernel takes compressed-u16 row scales below 2^100")
+        pip, ploc, pdat = interleave(block.indptr, p.local, values)
+        ip = np.asarray(block.indptr, dtype=np.int64)
+        yield LayoutBlock(g0, g1, pip, ploc, pdat, rs, p.chunk_rows, p.voxels, np.diff(p.vptr),
+                          np.diff(ip[p.chunk_rows]))
+
+
+def source_fingerprint(source) -> str:
+    """What a layout file is checked against: shape, non-zeros, format and the matrix's content hash.
+
+    The container's own ``checksum`` (of the whole decoded matrix) where it
+    has one, else a hash of its row pointer and of rows at its start, middle
+    and end (as :func:`mlemlib.mlem.matrix_fingerprint`), and for a matrix in
+    memory a hash of all of it.
+    """
+    import hashlib
+
+    from mlemlib.backends.device_formats import format_of
+    from mlemlib.matrix import shape_nnz
+
+    (m, n), nnz = shape_nnz(source)
+    h = hashlib.sha256(f"{m}x{n}:{nnz}:{format_of(source)}".encode())
+    checksum = getattr(source, "checksum", None) or (getattr(source, "attrs", None) or {}).get("checksum")
+    if isinstance(checksum, (str, bytes)) and checksum:
+        h.update(b"checksum:" + (checksum.encode() if isinstance(checksum, str) else checksum))
+        return h.hexdigest()
+    src = _host_source(source)
+    h.update(np.ascontiguousarray(_host_indptr(src)).tobytes())
+    if hasattr(src, "read_rows") and m:  # a file without a checksum: rows at its start, middle and end
+        spans = sorted({(0, min(m, 1024)), (max(0, m // 2 - 512), min(m, m // 2 + 512)), (max(0, m - 1024), m)})
+    else:  # in memory: all of it
+        spans = _host_bounds(src, LAYOUT_BLOCK_NNZ)
+    for r0, r1 in spans:
+        block = _host_rows(src, r0, r1)
+        h.update(np.ascontiguousarray(block.indices).tobytes())
+        h.update(np.ascontiguousarray(block.data, dtype=np.float32).tobytes())
+    return h.hexdigest()
+
+
+def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = LAYOUT_BLOCK_NNZ) -> ChunkLayout:
+    """Write the chunked layout of ``source`` to ``path`` (HDF5), streaming block by block; return it opened.
+
+    The file holds the arrays :class:`~mlemlib.backends._compressed_cuda.DeviceChunked`
+    holds (:func:`layout_blocks`: ``indptr`` int64 m + 1, ``local`` uint16,
+    ``data`` float32 or the 16-bit values of a compressed-f16/-u16 matrix,
+    ``scale`` float32 per row for those, ``chunk_rows`` and ``vptr`` int64,
+    ``voxels`` int32) and ``nnzptr`` (int64, the non-zeros before each
+    chunk: the chunk ranges of several GPUs are balanced on it); attributes
+    ``format`` (``mlem-chunks``), ``version``, ``window``, ``shape``,
+    ``nnz``, ``source_format``, ``source_fingerprint``
+    (:func:`source_fingerprint`) and ``source``. Every dataset carries
+    Fletcher-32 checksums; the file appears under its name only once
+    complete. ``source``: a matrix path, an opened matrix or one in memory
+    (what :func:`row_blocks` reads).
+
+    Raises
+    ------
+    ValueError
+        What :func:`layout_blocks` refuses; a ``window`` outside ``[1, 65536]``.
+    """
+    import h5py
+
+    from mlemlib._io import atomic_path
+    from mlemlib.backends.device_formats import format_of
+    from mlemlib.compressed import VALUE_DTYPES, values16
+    from mlemlib.formats import open_matrix
+    from mlemlib.matrix import shape_nnz
+
+    if isinstance(source, (str, os.PathLike)):
+        with open_matrix(source) as opened:
+            return write_layout(opened, path, window, max_nnz=max_nnz)
+    window = int(window)
+    if not 1 <= window <= MAX_WINDOW:
+        raise ValueError(f"window must lie in [1, {MAX_WINDOW}] (16-bit local indices), got {window}")
+    (m, n), nnz = shape_nnz(source)
+    fmt = format_of(source)
+    half = values16(fmt)
+    what = str(getattr(source, "path", None) or getattr(source, "source", None) or "matrix")
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        def grow(name, dtype):
+            return f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(_H5_CHUNK,),
+                                    fletcher32=True)
+
+        ds = {k: grow(k, VALUE_DTYPES[fmt] if k == "data" and half else (dt or np.float32))
+              for k, dt in LAYOUT_ARRAYS.items()}
+        if half:
+            ds["scale"] = grow("scale", np.float32)
+
+        def put(name, a):
+            d = ds[name]
+            k = d.shape[0]
+            d.resize((k + len(a),))
+            d[k:] = a
+
+        put("indptr", np.zeros(1, np.int64))
+        put("chunk_rows", np.zeros(1, np.int64))
+        put("vptr", np.zeros(1, np.int64))
+        put("nnzptr", np.zeros(1, np.int64))
+        k = v = z = 0
+        for b in layout_blocks(source, fmt, window=window, max_nnz=max_nnz, what=what):
+            put("indptr", b.indptr[1:] + k)
+            put("local", b.local)
+            put("data", b.data)
+            if half:
+                put("scale", b.scale)
+            put("chunk_rows", b.chunk_rows[1:] + b.r0)
+            put("vptr", np.cumsum(b.counts) + v)
+            put("nnzptr", np.cumsum(b.chunk_nnz) + z)
+            put("voxels", b.voxels)
+            k += len(b.local)
+            v += int(b.counts.sum())
+            z += b.nnz
+            log.info("%s: chunked %d of %d rows", what, b.r1, m)
+        if z != nnz:
+            raise MatrixFormatError(what, f"read {z} non-zeros, header says {nnz}")
+        f.attrs.update(format=LAYOUT_FORMAT, version=LAYOUT_VERSION, window=window, shape=(m, n), nnz=nnz,
+                       source_format=fmt, source_fingerprint=source_fingerprint(source), source=what)
+    return open_layout(path)
+
+
+class ChunkLayout:
+    """A layout file of :func:`write_layout`, opened and checked (:func:`open_layout`).
+
+    The per-chunk arrays (``chunk_rows``, ``vptr``, ``nnzptr``: one entry per
+    chunk) are in memory; the rest is read by :meth:`read` in pieces.
+    Attributes: ``path``, ``shape``, ``nnz``, ``window``, ``format`` (the
+    source's), ``fingerprint``, ``half``, ``value_dtype``.
+    """
+
+    def __init__(self, path) -> None:
+        import h5py
+
+        self.path = os.fspath(path)
+        try:
+            self._f = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise MatrixFormatError(self.path, f"not a readable HDF5 file ({_first_line(exc)}): make it again "
+                                    "with mlem chunk") from exc
+        try:
+            self._check()
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _fault(self, fault: str) -> MatrixFormatError:
+        return MatrixFormatError(self.path, f"{fault}: make it again with mlem chunk")
+
+    def _check(self) -> None:
+        from mlemlib.compressed import VALUE_DTYPES, values16
+
+        f, a = self._f, self._f.attrs
+        if a.get("format") != LAYOUT_FORMAT:
+            raise self._fault(f"format {a.get('format')!r}, expected {LAYOUT_FORMAT!r} (a chunked layout)")
+        if int(a.get("version", -1)) != LAYOUT_VERSION:
+            raise self._fault(f"version {a.get('version')!r}, expected {LAYOUT_VERSION}")
+        try:
+            m, n = (int(v) for v in a["shape"])
+            self.shape = (m, n)
+            self.nnz = int(a["nnz"])
+            self.window = int(a["window"])
+            self.format = str(a["source_format"])
+            self.fingerprint = str(a["source_fingerprint"])
+            self.source = str(a.get("source", ""))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise self._fault(f"attribute {exc} missing or malformed") from None
+        self.half = values16(self.format)
+        self.value_dtype = np.dtype(VALUE_DTYPES[self.format] if self.half else np.float32)
+        want = dict(LAYOUT_ARRAYS, data=self.value_dtype, **({"scale": np.float32} if self.half else {}))
+        for name, dt in want.items():
+            if name not in f or f[name].dtype != np.dtype(dt) or f[name].ndim != 1:
+                got = f"{f[name].dtype}" if name in f else "missing"
+                raise self._fault(f"dataset {name!r} {got}, expected {np.dtype(dt)}")
+        self.chunk_rows = self.read("chunk_rows")
+        self.vptr = self.read("vptr")
+        self.nnzptr = self.read("nnzptr")
+        c = len(self.chunk_rows)
+        lengths = {"indptr": m + 1, "vptr": c, "nnzptr": c, "voxels": int(self.vptr[-1]) if c else -1,
+                   "scale": m}
+        for name, length in lengths.items():
+            if name in want and f[name].shape[0] != length:
+                raise self._fault(f"dataset {name!r} has {f[name].shape[0]} entries, expected {length} (truncated?)")
+        stored = int(self.read("indptr", m, m + 1)[0])
+        for name in ("local", "data"):
+            if f[name].shape[0] != stored:
+                raise self._fault(f"dataset {name!r} has {f[name].shape[0]} entries, the row pointer ends at {stored}")
+        if (c < 1 or self.chunk_rows[0] != 0 or self.chunk_rows[-1] != m or (np.diff(self.chunk_rows) <= 0).any()
+                or self.vptr[0] != 0 or (np.diff(self.vptr) < 0).any() or self.nnzptr[0] != 0
+                or self.nnzptr[-1] != self.nnz or (np.diff(self.nnzptr) < 0).any()):
+            raise self._fault("its chunk arrays are inconsistent")
+        if not 1 <= self.window <= MAX_WINDOW or (np.diff(self.vptr) > self.window).any():
+            raise self._fault(f"window {self.window} out of range or exceeded")
+
+    @property
+    def chunks(self) -> int:
+        return len(self.chunk_rows) - 1
+
+    @property
+    def reuse(self) -> float:
+        """Non-zeros per voxel-list entry (what ``auto`` decides from, exactly)."""
+        return self.nnz / int(self.vptr[-1]) if int(self.vptr[-1]) else 1.0
+
+    def read(self, name: str, a: int | None = None, b: int | None = None) -> np.ndarray:
+        """Entries ``[a, b)`` of dataset ``name`` (all by default); a damaged file is one line naming it."""
+        try:
+            return np.asarray(self._f[name][slice(a, b)])
+        except OSError as exc:  # a Fletcher-32 mismatch, a truncated file
+            raise self._fault(f"dataset {name!r} is corrupt ({_first_line(exc)})") from exc
+
+    def rows_of(self, chunks: tuple[int, int]) -> tuple[int, int]:
+        """The rows ``[chunk_rows[c0], chunk_rows[c1])`` of the chunks ``[c0, c1)``."""
+        c0, c1 = (int(v) for v in chunks)
+        if not 0 <= c0 <= c1 <= self.chunks:
+            raise ValueError(f"{self.path}: chunks [{c0}, {c1}) outside its {self.chunks}")
+        return int(self.chunk_rows[c0]), int(self.chunk_rows[c1])
+
+    def device_bytes(self, chunks: tuple[int, int] | None = None) -> int:
+        """Bytes the chunks ``[c0, c1)`` (or all) take on a GPU (:attr:`DeviceChunked.nbytes`)."""
+        c0, c1 = (0, self.chunks) if chunks is None else (int(v) for v in chunks)
+        r0, r1 = self.rows_of((c0, c1))
+        e0, e1 = (int(v) for v in self.read("indptr", r0, r1 + 1)[[0, -1]])
+        per = 2 + self.value_dtype.itemsize
+        return (8 * (r1 - r0 + 1) + per * (e1 - e0) + 4 * int(self.vptr[c1] - self.vptr[c0]) + 16 * (c1 - c0 + 1)
+                + (4 * (r1 - r0) if self.half else 0))
+
+    def ranges(self, parts: int) -> list[tuple[int, int]]:
+        """The chunks split into ``parts`` contiguous, nnz-balanced ranges :func:`chunk_ranges`."""
+        return chunk_ranges(self.nnzptr, parts)
+
+    def check_source(self, source) -> None:
+        """Refuse (one line naming the file) a layout made from another matrix than ``source``.
+
+        Raises
+        ------
+        MatrixFormatError
+            The source's shape, non-zeros, format or content hash differ from those the file was made from.
+        """
+        from mlemlib.matrix import shape_nnz
+
+        (m, n), nnz = shape_nnz(source)
+        if (m, n) != self.shape or nnz != self.nnz:
+            raise self._fault(f"chunks of a {self.shape[0]} x {self.shape[1]} matrix with {self.nnz} non-zeros, "
+                              f"not of this {m} x {n} one with {nnz} (stale)")
+        got = source_fingerprint(source)
+        if got != self.fingerprint:
+            raise self._fault(f"chunks of another matrix (fingerprint {self.fingerprint[:12]}, the matrix's is "
+                              f"{got[:12]}; stale)")
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> ChunkLayout:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_layout(path, source=None) -> ChunkLayout:
+    """Open and check a layout file of :func:`write_layout`; with ``source``, check it was made from it.
+
+    Raises
+    ------
+    MatrixFormatError
+        One line naming the file: not a layout file, truncated or
+        inconsistent, or (with ``source``) made from another matrix.
+    """
+    layout = ChunkLayout(path)
+    if source is not None:
+        try:
+            layout.check_source(source)
+        except BaseException:
+            layout.close()
+            raise
+    return layout
+
+
+def chunk_ranges(nnzptr: np.ndarray, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges ``[c0, c1)`` of chunks, balanced on non-zeros, covering every chunk once.
+
+    ``nnzptr``: the non-zeros before each chunk (chunks + 1 entries, from 0).
+    The split of :func:`mlemlib.partition.balanced_bounds` with chunks for
+    rows; a range may be empty where there are fewer chunks than parts.
+    """
+    from mlemlib.partition import balanced_bounds
+
+    b = balanced_bounds(np.asarray(nnzptr, dtype=np.int64), parts)
+    return [(int(b[i]), int(b[i + 1])) for i in range(len(b) - 1)]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]

@@ -59,8 +59,6 @@ THREADS = 256
 WAVES = 0
 #: Non-zeros per block a CSR source is read and encoded in on its way to the GPU.
 UPLOAD_CHUNK_NNZ = 1 << 26
-#: ``chunked_onepass_u16`` forms ``2^23 s`` of each row scale ``s`` (the exact one-FMA decode): scales below this.
-U16_CHUNK_SCALE_MAX = 2.0**100
 #: Kernel name part of a values dtype (its ``dtype.char``): float32, float16, uint16.
 VALUE_NAMES = {"f": "f32", "e": "f16", "H": "u16"}
 #: Rows per unit of the float-atomic scatter's spread launch order (:func:`spread`): rows in flight
@@ -841,10 +839,11 @@ class DeviceChunked:
         matrix file (CSR or compressed), a host CSR or compressed matrix, or a device CSR.
 
         Streams: the plan is built block by block of about ``max_nnz``
-        non-zeros on the host (:func:`mlemlib.chunked.build_plan`, all cores),
-        its local indices and values copied into place in the kernel's layout
-        (:func:`mlemlib.chunked.interleave`); chunks do not cross a block's
-        end. A ``compressed-f16`` or ``compressed-u16`` source keeps its 16-bit
+        non-zeros on the host (:func:`mlemlib.chunked.layout_blocks`, all
+        cores, the code :func:`mlemlib.chunked.write_layout` writes a file
+        with), its local indices and values copied into place in the kernel's
+        layout; chunks do not cross a block's end. :meth:`from_layout` loads
+        such a file instead, with no chunking. A ``compressed-f16`` or ``compressed-u16`` source keeps its 16-bit
         values: each row's decoded values are stored as float16 (uint16) times
         its row scale, which gives them back exactly (4 bytes per
         non-zero instead of 6).
@@ -889,28 +888,20 @@ class DeviceChunked:
         chunk_rows, counts, voxels = [np.zeros(1, np.int64)], [], []
         k = 0  # stored elements
         read = 0  # non-zeros
-        for g0, g1, block, given in chunked.row_blocks(source, max_nnz, scales=True, rows=rows):
-            r0, r1 = g0 - r_lo, g1 - r_lo  # rows of this block
-            p = chunked.build_plan(block, window=window)
-            values = block.data
+        for b in chunked.layout_blocks(source, fmt, window=window, rows=rows, max_nnz=max_nnz, what=what):
+            r0, r1 = b.r0 - r_lo, b.r1 - r_lo  # rows of this block
             if half:
-                rs, values = chunked.half_rows(block, fmt, scale=given, what=what, row0=g0)
-                if fmt == "compressed-u16" and len(rs) and float(rs.max()) >= U16_CHUNK_SCALE_MAX:
-                    r = g0 + int(np.argmax(rs >= U16_CHUNK_SCALE_MAX))
-                    raise ValueError(f"{what}: row {r} has values above 2^116 (row scale {float(rs.max())!r}): "
-                                     "the chunked kernel takes compressed-u16 row scales below 2^100")
-                scale[r0:r1] = cp.asarray(rs)
-            pip, ploc, pdat = chunked.interleave(block.indptr, p.local, values)
-            b = int(pip[-1])
-            indptr[r0 + 1 : r1 + 1] = cp.asarray(pip[1:] + k)
-            local[k : k + b] = cp.asarray(ploc)
-            data[k : k + b] = cp.asarray(pdat)
-            del ploc, pdat
-            chunk_rows.append(p.chunk_rows[1:] + r0)
-            counts.append(np.diff(p.vptr))
-            voxels.append(cp.asarray(p.voxels))  # on the device block by block: the host holds one block
-            k += b
-            read += len(p.local)
+                scale[r0:r1] = cp.asarray(b.scale)
+            n_b = len(b.local)
+            indptr[r0 + 1 : r1 + 1] = cp.asarray(b.indptr[1:] + k)
+            local[k : k + n_b] = cp.asarray(b.local)
+            data[k : k + n_b] = cp.asarray(b.data)
+            chunk_rows.append(b.chunk_rows[1:] + r0)
+            counts.append(b.counts)
+            voxels.append(cp.asarray(b.voxels))  # on the device block by block: the host holds one block
+            k += n_b
+            read += b.nnz
+            del b
             if m and r1 < m and (r1 * 10 // m) != (r0 * 10 // m):
                 log.info("%s: chunked %d of %d rows (%.0f s)", what, r1, m, time.perf_counter() - t0)
         if read != nnz:
@@ -924,6 +915,66 @@ class DeviceChunked:
                   window, nnz, scale, fmt)
         log.info("%s: %d chunks of <= %d voxels, reuse %.2f, %.3f bytes per non-zero on the GPU, in %.1f s",
                  what, out.chunks, window, out.reuse, out.nbytes / max(nnz, 1), time.perf_counter() - t0)
+        return out
+
+    @classmethod
+    def from_layout(cls, layout: Any, chunks: tuple[int, int] | None = None, *, device: int | None = None,
+                    max_nnz: int = UPLOAD_CHUNK_NNZ) -> DeviceChunked:
+        """Load a layout file (:func:`mlemlib.chunked.write_layout`; a path or an opened
+        :class:`~mlemlib.chunked.ChunkLayout`) on ``device`` (default: the current GPU), with no chunking.
+
+        ``chunks``: only the chunks ``[c0, c1)`` (a GPU's share), their rows
+        ``[chunk_rows[c0], chunk_rows[c1])`` rebased to 0; default all. Read
+        in pieces of about ``max_nnz`` elements (one piece in host memory at a
+        time). The arrays equal :meth:`upload`'s of the same matrix, window and
+        blocks.
+
+        Raises
+        ------
+        ConfigError
+            The layout's window is larger than the device's :func:`chunk_window`
+            (one line naming the file).
+        MatrixFormatError
+            A damaged file (:meth:`~mlemlib.chunked.ChunkLayout.read`).
+        """
+        import time
+
+        from mlemlib import chunked
+
+        cp = cupy()
+        if device is not None:
+            with cp.cuda.Device(int(device)):
+                return cls.from_layout(layout, chunks, max_nnz=max_nnz)
+        if not isinstance(layout, chunked.ChunkLayout):
+            with chunked.open_layout(layout) as opened:
+                return cls.from_layout(opened, chunks, max_nnz=max_nnz)
+        fits = chunk_window()
+        if layout.window > fits:
+            raise ConfigError(layout.path, f"chunks of {layout.window} voxels, more than this GPU's shared memory "
+                              f"holds ({fits}): make it with mlem chunk --window {fits}")
+        t0 = time.perf_counter()
+        c0, c1 = (0, layout.chunks) if chunks is None else (int(v) for v in chunks)
+        r0, r1 = layout.rows_of((c0, c1))
+        ip = layout.read("indptr", r0, r1 + 1)
+        e0, e1 = int(ip[0]), int(ip[-1])
+        v0, v1 = int(layout.vptr[c0]), int(layout.vptr[c1])
+        step = max(1, int(max_nnz))
+
+        def load(name: str, a: int, b: int, dtype: Any) -> Any:
+            out = cp.empty(b - a, dtype=dtype)
+            for p in range(a, b, step):
+                q = min(b, p + step)
+                out[p - a : q - a] = cp.asarray(layout.read(name, p, q))
+            return out
+
+        out = cls(cp.asarray(ip - e0), load("local", e0, e1, cp.uint16), load("data", e0, e1, layout.value_dtype),
+                  cp.asarray(layout.chunk_rows[c0 : c1 + 1] - r0), cp.asarray(layout.vptr[c0 : c1 + 1] - v0),
+                  load("voxels", v0, v1, cp.int32), (r1 - r0, layout.shape[1]), layout.window,
+                  int(layout.nnzptr[c1] - layout.nnzptr[c0]),
+                  load("scale", r0, r1, cp.float32) if layout.half else None, layout.format)
+        log.info("%s: chunks [%d, %d) of %d (rows [%d, %d)), reuse %.2f, %.3f bytes per non-zero on the GPU, "
+                 "loaded in %.1f s", layout.path, c0, c1, layout.chunks, r0, r1, out.reuse,
+                 out.nbytes / max(out.nnz, 1), time.perf_counter() - t0)
         return out
 
 

@@ -31,6 +31,7 @@ SUBCOMMANDS = (
     "norm",
     "transpose",
     "partition",
+    "chunk",
     "simulate",
     "reconstruct",
     "summarize",
