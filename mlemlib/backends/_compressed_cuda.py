@@ -553,6 +553,7 @@ def scatter(
     *,
     kernel: str = "delta_scatter",
     lanes: int | None = None,
+    smem: Any = None,
     deterministic: bool = False,
     bound: float | None = None,
     check: bool = True,
@@ -563,8 +564,10 @@ def scatter(
     With ``deterministic=False`` float atomics (order-dependent); with
     ``True`` 64-bit fixed point (bit-reproducible), its scale from ``bound``
     (default ``sum(c) * max(A)``, which bounds every output). ``stats``
-    receives ``scale``, ``bound`` and ``retries``. Returns ``out``. ``kernel`` is ``delta_scatter``.
+    receives ``scale``, ``bound`` and ``retries``. Returns ``out``. ``kernel`` is ``delta_scatter``;
+    ``smem`` is not used (the scatters' common keywords).
     """
+    del smem
     if kernel != "delta_scatter":
         raise ConfigError("bp", f"compressed scatter runs delta_scatter, not {kernel!r}")
     cp = cupy()

@@ -337,6 +337,9 @@ class NcclBackend(Backend):
         self._kb = registry.get_bp("cuda", self.bp_kernel)
         self.onepass = self._kb.op == "iteration"
         self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)
+        # the forward projection alone (forward(), diagnostics): a one pass's is its format's row kernel
+        self._k_forward = self._kf or registry.get("cuda", "forward", registry.resolve(
+            "cuda", "auto", "auto", fmt=self.format).fp)
         if graph is None:
             graph = os.environ.get("MLEM_CUDA_GRAPH", "0").strip().lower() in ("1", "true", "yes", "on")
         self.graph = bool(graph)
@@ -856,7 +859,10 @@ class NcclBackend(Backend):
             with cp.cuda.Device(s.device), s.stream:
                 r0, r1 = s.rows
                 y = cp.empty(r1 - r0, dtype=cp.float32)
-                self._spmv(s.a, s.f, y, self.lanes_fp, fwd=True)
+                if self._kb.chunks:
+                    cc.chunked_forward(s.a, s.f, y)
+                else:
+                    registry.launcher(self._k_forward)(s.a, s.f, y, lanes=self.lanes_fp, secsize=self.secsize)
                 out[r0:r1] = y.get(stream=s.stream)
         return out
 
