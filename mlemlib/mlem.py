@@ -287,6 +287,7 @@ def reconstruct(
     matrix_name: str | None = None,
     keep_checkpoint: bool = False,
     progress: Callable[[int, int, Any], None] | None = None,
+    chunks: Any | None = None,
 ) -> dict[str, Any]:
     """Reconstruct an image with MLEM; write ``image.h5``, ``image.raw`` and ``timings.json``.
 
@@ -304,8 +305,9 @@ def reconstruct(
         The ``image.h5`` to write.
     iterations
         MLEM iterations per repetition (>= 0).
-    backend, fp, bp, secsize, graph, gpus, layout, plan, threads
-        Passed to :func:`make_backend`.
+    backend, fp, bp, secsize, graph, gpus, layout, plan, threads, chunks
+        Passed to :func:`make_backend` (``chunks``: the matrix's row chunks as
+        a layout file of ``mlem chunk``, read by the chunked one pass).
     norm
         ``norm.h5`` path or array (float64, n); None computes the column sums.
         For a reordered matrix a ``norm.h5`` must be that of the reordered
@@ -379,7 +381,8 @@ def reconstruct(
             be = make_backend(
                 settings.backend, prob.src, prob.g, prob.norm, prob.tsrc, fp=settings.fp, bp=settings.bp,
                 dtype=settings.dtype, gpus=settings.gpus, layout=settings.layout, plan=settings.plan,
-                secsize=settings.secsize, threads=settings.threads, **({"graph": True} if settings.graph else {}),
+                secsize=settings.secsize, threads=settings.threads, chunks=chunks,
+                **({"graph": True} if settings.graph else {}),
             )
         desc = be.describe()
         log.info("backend %s ready (%.2f s): %s", desc.get("backend", settings.backend), sw_setup.seconds, desc)
