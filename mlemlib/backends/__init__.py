@@ -61,6 +61,7 @@ def make_backend(
     secsize: int | None = None,
     threads: int | None = None,
     launcher: str | None = None,
+    chunks: Any | None = None,
     **options: Any,
 ) -> Backend:
     """Build the backend that runs one problem.
@@ -94,6 +95,12 @@ def make_backend(
         drives every GPU), ``mpi`` or ``file`` (this process is one rank of a
         launcher and drives one GPU, :mod:`mlemlib.dist.mpi`). Default
         ``$MLEM_LAUNCHER`` or ``none``.
+    chunks
+        The matrix's row chunks as a layout file (``mlem chunk``; a path or
+        an opened :class:`mlemlib.chunked.ChunkLayout`): a cuda kernel that
+        reads chunks (``onepass_chunked``, also as ``auto``'s choice) loads
+        them instead of chunking the matrix in every run. The cpu backend
+        does not read it.
     options
         Further backend-specific keyword arguments.
 
@@ -130,6 +137,8 @@ def make_backend(
     kw: dict[str, Any] = {"transpose": transpose, "fp": fp, "bp": bp, **options}
     if secsize is not None:
         kw["secsize"] = secsize
+    if chunks is not None:
+        kw["chunks"] = chunks
     launcher = launcher or os.environ.get("MLEM_LAUNCHER") or "none"
     if launcher not in LAUNCHERS:
         raise ConfigError("MLEM_LAUNCHER", f"unknown launcher {launcher!r}, expected one of {', '.join(LAUNCHERS)}")

@@ -63,6 +63,25 @@ def sample_chunks(matrix: Any, device_id: int) -> tuple[float, float] | None:
     return chunked.sample_chunks(matrix, cc().chunk_window(device_id))
 
 
+def chunk_layout(chunks: Any, matrix: Any) -> tuple[Any, bool]:
+    """``(layout, opened here)`` of a backend's ``chunks=``: a layout file's path opened, or a
+    :class:`mlemlib.chunked.ChunkLayout` as given, checked against ``matrix``; ``(None, False)`` for None.
+
+    Raises
+    ------
+    MatrixFormatError
+        A layout file that is damaged or made from another matrix (one line naming it).
+    """
+    from mlemlib import chunked
+
+    if chunks is None:
+        return None, False
+    if isinstance(chunks, chunked.ChunkLayout):
+        chunks.check_source(matrix)
+        return chunks, False
+    return chunked.open_layout(chunks, source=matrix), True
+
+
 def free_memory(device_id: int) -> int:
     """Bytes free on a GPU, counting what CuPy's pool holds but does not use."""
     cp = ck.cupy()
@@ -103,6 +122,12 @@ class CudaBackend(Backend):
         Time ``csr_vector``'s launch shapes on ``A`` and ``A^T`` at set-up and
         keep the fastest (:meth:`~mlemlib.backends._cuda_kernels.DeviceCSR.tune`;
         a shape never changes a result). False: csr_vector_L's own shape.
+    chunks
+        The row chunks of ``matrix`` as a layout file (``mlem chunk``; a
+        path or an opened :class:`mlemlib.chunked.ChunkLayout`), checked
+        against ``matrix``: a kernel that reads chunks (``onepass_chunked``)
+        loads it instead of chunking the matrix here, and ``bp=auto`` decides
+        from its exact reuse and chunk count instead of a sample.
 
     Raises
     ------
@@ -130,6 +155,7 @@ class CudaBackend(Backend):
         lanes: int | None = None,
         fuse: bool = True,
         tune: bool = True,
+        chunks: Any | None = None,
     ) -> None:
         super().__init__()
         cp = ck.cupy()
@@ -157,12 +183,13 @@ class CudaBackend(Backend):
             if t_shape != (n, m) or t_nnz != nnz:
                 raise ConfigError("transpose", f"transpose is {t_shape} with {t_nnz} nnz, expected {(n, m)} with {nnz}")
 
-        with self._device:
+        layout, own_layout = chunk_layout(chunks, matrix)
+        with self._device, contextlib.closing(layout) if own_layout else contextlib.nullcontext():
             free = free_memory(self.device_id)
             # a DeviceCSR already on the GPU needs nothing more; the chunked one pass holds its own copy
             self.chunked = bp not in ("auto", None) and registry.get_bp("cuda", str(bp)).chunks
             if self.chunked:
-                need_a = cc().DeviceChunked.device_bytes(matrix)
+                need_a = layout.device_bytes() if layout is not None else cc().DeviceChunked.device_bytes(matrix)
             else:
                 need_a = 0 if isinstance(matrix, DeviceMatrix) else dev_type.device_bytes(matrix)
             if transpose is None:  # transposed on the GPU, about A's size
@@ -208,25 +235,30 @@ class CudaBackend(Backend):
             if registry.may_chunk(fp, bp, choice) and (self.format == "csr" or not isinstance(matrix, DeviceMatrix)):
                 # the chunked one pass where a sample of the matrix's chunks reuses voxels (a reordered
                 # matrix), with or without a transpose
-                sample = sample_chunks(matrix, self.device_id)
+                sample = (layout.reuse, layout.chunks) if layout is not None else sample_chunks(matrix, self.device_id)
                 self.chunk_reuse_sample, chunks = sample if sample is not None else (None, None)
                 self.chunk_estimate = chunks
                 pick = registry.get_bp("cuda", registry.choose_auto(
                     self.chunk_reuse_sample, transpose=choice.needs_transpose, chunks=chunks,
                     sms=ck.device_properties(self.device_id)["sm_count"], fmt=self.format, fits=fits_both))
-                need_c = cc().DeviceChunked.device_bytes(matrix) if pick.chunks else 0
+                need_c = (layout.device_bytes() if layout is not None else cc().DeviceChunked.device_bytes(matrix)
+                          ) if pick.chunks else 0
                 if pick.chunks and need_c + need_vec > MEMORY_HEADROOM * free:
                     log.info("bp=auto: the row chunks (%.2f GiB) do not fit the %.2f GiB free: %s",
                              need_c / GIB, free / GIB, choice.bp)
                 elif pick.chunks:
                     self.memory["matrix"], self.memory["transpose"] = need_c, 0
-                    log.info("bp=auto: chunks of a sample reuse each voxel %.1f times (about %.0f chunks): "
-                             "%s%s", self.chunk_reuse_sample, chunks, pick.name,
+                    log.info("bp=auto: %s reuse each voxel %.1f times (%.0f chunks): %s%s",
+                             "the layout's chunks" if layout is not None else "chunks of a sample",
+                             self.chunk_reuse_sample, chunks, pick.name,
                              " (the transpose is not read)" if choice.needs_transpose else "")
                     self.chunked = True
                     choice = registry.resolve("cuda", "auto", pick.name, fmt=self.format)
                     self.fp_kernel, self.bp_kernel, self.deterministic = choice.fp, choice.bp, choice.deterministic
-            if self.chunked:
+            self.chunk_file = layout.path if self.chunked and layout is not None else None
+            if self.chunk_file:
+                self.a = cc().DeviceChunked.from_layout(layout)
+            elif self.chunked:
                 try:
                     self.a = cc().DeviceChunked.upload(matrix, what="matrix")
                 except ValueError as exc:
@@ -545,8 +577,8 @@ class CudaBackend(Backend):
             "bp": self.bp_kernel,
             "bp_requested": self.bp_requested,
             "smem_local_chunks": self.smem_local_fraction,
-            "chunks": {"count": self.a.chunks, "window": self.a.window, "reuse": round(self.a.reuse, 3)}
-            if self.chunked else None,
+            "chunks": {"count": self.a.chunks, "window": self.a.window, "reuse": round(self.a.reuse, 3),
+                       "file": self.chunk_file} if self.chunked else None,
             "chunk_reuse_sample": self.chunk_reuse_sample,
             "chunks_estimated": self.chunk_estimate,
             "transpose": self.transpose_source,

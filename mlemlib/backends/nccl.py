@@ -51,7 +51,7 @@ from mlemlib.backends import _compressed_cuda as cc
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as cplan
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR, ONEPASS_C_MAX, Backend, bytes_per_nnz
-from mlemlib.backends.cuda import sample_chunks
+from mlemlib.backends.cuda import chunk_layout, sample_chunks
 from mlemlib.backends.device_formats import device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix, shape_nnz
@@ -264,6 +264,12 @@ class NcclBackend(Backend):
         all-reduce each chunk on a second stream while the next is computed
         (0 or 1: one all-reduce after the whole back projection). Needs a
         row kernel on the stored ``A_k^T``.
+    chunks
+        The row chunks of ``matrix`` as a layout file (``mlem chunk``; path
+        or :class:`mlemlib.chunked.ChunkLayout`), checked against ``matrix``:
+        with ``onepass_chunked`` each GPU loads a contiguous, nnz-balanced
+        range of its chunks (not the plan's rows) instead of chunking its
+        rows; ``bp=auto`` decides from its exact reuse and chunk count.
     parts, world, comms, own_comms
         Multi-process use (:mod:`mlemlib.dist.mpi`): the plan parts this
         process owns (one per device), the total number of parts (ranks),
@@ -304,6 +310,7 @@ class NcclBackend(Backend):
         world: int | None = None,
         comms: list[Any] | None = None,
         own_comms: bool = False,
+        chunks: Any | None = None,
     ) -> None:
         super().__init__()
         cp = _cupy()
@@ -321,16 +328,21 @@ class NcclBackend(Backend):
         self.chunk_reuse_sample: float | None = None
         choice = registry.Choice(self.fp_kernel, self.bp_kernel, registry.get_bp("cuda", self.bp_kernel).needs_transpose,
                                  self.deterministic)
+        self._layout, own_layout = chunk_layout(chunks, matrix) if layout == "local" else (None, False)
+        if own_layout:
+            weakref.finalize(self, self._layout.close)
         if layout == "local" and registry.may_chunk(fp, bp, choice):
             # the same rule as on one GPU (registry.choose_auto), each GPU's share of the chunks counted
             dev0 = (devices or [0])[0]
-            sample = sample_chunks(matrix, dev0)
+            lay = self._layout
+            sample = (lay.reuse, lay.chunks) if lay is not None else sample_chunks(matrix, dev0)
             self.chunk_reuse_sample, chunks = sample if sample is not None else (None, None)
             pick = registry.choose_auto(self.chunk_reuse_sample, transpose=choice.needs_transpose, chunks=chunks,
                                         sms=ck.device_properties(dev0)["sm_count"], fmt=self.format,
                                         gpus=nworld, layout=layout)
             if registry.get_bp("cuda", pick).chunks:
-                log.info("bp=auto: chunks of a sample reuse each voxel %.1f times (about %.0f chunks, %d GPUs): %s",
+                log.info("bp=auto: %s reuse each voxel %.1f times (%.0f chunks, %d GPUs): %s",
+                         "the layout's chunks" if lay is not None else "chunks of a sample",
                          self.chunk_reuse_sample, chunks, nworld, pick)
                 self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels("auto", pick, layout, nworld,
                                                                                      fmt=self.format)
@@ -399,9 +411,15 @@ class NcclBackend(Backend):
         t0 = time.perf_counter()
         self.shards: list[_Shard] = []
         local_files = plan_d.get("local_transpose")
+        # A layout file's chunks split over the GPUs instead of the plan's rows: a row's sums and its terms'
+        # fixed point do not depend on the chunk it is in, so any split gives the same image bit for bit.
+        chunk_ranges = self._layout.ranges(self.world) if self._kb.chunks and self._layout is not None else None
+        self.chunk_file = self._layout.path if chunk_ranges is not None else None
         try:
             for part, dev in zip(parts, devices):
                 r0, r1 = (int(v) for v in plan_d["rows"][part])
+                if chunk_ranges is not None:
+                    r0, r1 = self._layout.rows_of(chunk_ranges[part])
                 c0, c1 = (int(v) for v in plan_d["transpose_rows"][part]) if "transpose_rows" in plan_d else (0, n)
                 s = _Shard(part=part, device=dev, rows=(r0, r1), cols=(c0, c1))
                 with cp.cuda.Device(dev):
@@ -409,7 +427,10 @@ class NcclBackend(Backend):
                     # Pad for csr_vector only (scatter kernels and cuSPARSE expect a row pointer from 0).
                     no_t = not self._kb.needs_transpose
                     pad_a = self._kf is not None and self._kf.shapes and not no_t
-                    if self._kb.chunks:  # the row block as its own row chunks
+                    if chunk_ranges is not None:  # the part's range of the layout's chunks
+                        s.a = cc.DeviceChunked.from_layout(self._layout, chunk_ranges[part], device=dev)
+                        s.nnz = int(s.a.nnz)
+                    elif self._kb.chunks:  # the row block as its own row chunks
                         s.a = cc.DeviceChunked.upload(matrix, (r0, r1), device=dev, what=f"part {part}")
                         s.nnz = int(s.a.nnz)
                     else:
@@ -474,6 +495,8 @@ class NcclBackend(Backend):
         for dev in devices:
             with cp.cuda.Device(dev):
                 cp.cuda.runtime.deviceSynchronize()
+        if own_layout:
+            self._layout.close()
         self.load_seconds = time.perf_counter() - t0
 
         # ---- communicators -----------------------------------------------------------------
@@ -964,8 +987,8 @@ class NcclBackend(Backend):
             "graph": self.graph,
             "overlap_chunks": self.chunks,
             "fused": self.fuse,
-            "chunks": {"count": sum(s.a.chunks for s in self.shards), "reuse_sample": self.chunk_reuse_sample}
-            if self._kb.chunks else None,
+            "chunks": {"count": sum(s.a.chunks for s in self.shards), "reuse_sample": self.chunk_reuse_sample,
+                       "file": self.chunk_file} if self._kb.chunks else None,
             "lanes_fp": self.lanes_fp,
             "lanes_bp": sorted({self.lanes_bp(s) for s in self.shards}) if self._kb.lanes and not self.onepass else None,
             "shape_fp": sorted({ck.shape_label(s.a) for s in self.shards}),
