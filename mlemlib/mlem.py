@@ -1,4 +1,4 @@
-"""The MLEM iteration, independent of the backend; checkpoints, timings, accuracy (all backends).
+"""The MLEM iteration, independent of the backend: :func:`reconstruct` and :func:`reference` (all backends).
 
 :func:`reconstruct` loads a problem (system matrix ``A``, measurement ``g``,
 norm, optionally ``A^T``) once, builds a backend with :func:`make_backend`
@@ -33,229 +33,67 @@ and its norm counts each stored row as often as it occurs.
 
 :func:`reference` is the same loop in float64 on the CPU: the yardstick every
 run of the problem is measured against (``reference.h5``).
+
+The concerns beside the loop have their own modules: :mod:`mlemlib.problem`
+(loading a problem: :class:`~mlemlib.problem.Problem`,
+:class:`~mlemlib.problem.RunSettings`), :mod:`mlemlib.checkpoint` (checkpoint
+files) and :mod:`mlemlib.provenance` (fingerprints, ``timings.json``). Their
+public names stay importable from here.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
-import json
 import logging
-import math
 import os
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mlemlib import __version__
 from mlemlib._io import atomic_path
 from mlemlib.backends import make_backend
 from mlemlib.backends.base import Backend, timed_iterations
+from mlemlib.checkpoint import (
+    CHECKPOINT_FORMAT,
+    checkpoint_key,
+    read_checkpoint,
+    read_resume,
+    write_checkpoint,
+)
 from mlemlib.devices import EnergyMeter, backend_gpus, capped_between, energy_record
-from mlemlib.errors import ConfigError, DeviceError, InputError, MatrixFormatError
-from mlemlib.formats import InMemoryMatrix, open_source
-from mlemlib.image import FORMAT_VERSION, attr_value, plain_attr, read_image, write_image, write_raw
-from mlemlib.fold import fold_of
-from mlemlib.norm import source_column_sums
-from mlemlib.matrix import CSRMatrix
-from mlemlib.reorder import (
-    Permutation,
-    image_to_permuted_order,
-    image_to_user_order,
-    permutation_of,
-    to_permuted_measurement,
+from mlemlib.errors import ConfigError
+from mlemlib.image import read_image, write_image, write_raw
+from mlemlib.problem import Problem, RunSettings, close_all, load_problem
+from mlemlib.provenance import (
+    TIMINGS_FORMAT,
+    dumps,
+    matrix_fingerprint,
+    problem_fingerprint,
+    timings_record,
+    transpose_used,
 )
 from mlemlib.timing import StepTimes, Stopwatch, format_seconds
 
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "TIMINGS_FORMAT",
+    "Problem",
+    "RunSettings",
+    "checkpoint_key",
+    "matrix_fingerprint",
+    "problem_fingerprint",
+    "read_checkpoint",
+    "read_image",
+    "reconstruct",
+    "reference",
+    "reference_mlem",
+    "transpose_used",
+    "write_checkpoint",
+]
+
 log = logging.getLogger(__name__)
-
-CHECKPOINT_FORMAT = "mlem-checkpoint"
-TIMINGS_FORMAT = "mlem-timings"
-
-
-def _source_name(src: Any, given: Any) -> str:
-    if isinstance(given, (str, os.PathLike)):
-        return os.fspath(given)
-    return str(getattr(src, "source", None) or getattr(src, "path", None) or "<memory>")
-
-
-def _sha(*parts: bytes | str) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p.encode() if isinstance(p, str) else p)
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-def matrix_fingerprint(src: Any) -> str:
-    """A hash identifying a system matrix without reading all of it.
-
-    Uses the container's ``checksum`` attribute where there is one, plus the
-    shape, nnz and a hash of the row pointer; for an in-memory matrix, a hash
-    of all three arrays.
-    """
-    m, n = (int(v) for v in src.shape)
-    parts: list[bytes | str] = [f"{m}x{n}:{int(src.nnz)}"]
-    attrs = getattr(src, "attrs", None) or {}
-    checksum = attrs.get("checksum") or getattr(src, "checksum", None)
-    if checksum:
-        parts.append(f"checksum:{checksum}")
-    if isinstance(src, InMemoryMatrix) and not checksum:
-        a = src.matrix
-        parts += [np.ascontiguousarray(a.indptr).tobytes(), np.ascontiguousarray(a.indices).tobytes(), np.ascontiguousarray(a.data).tobytes()]
-    else:
-        if hasattr(src, "read_indptr"):
-            parts.append(np.ascontiguousarray(src.read_indptr(), dtype=np.int64).tobytes())
-        if not checksum and m:
-            # No checksum to trust: sample rows at the start, middle and end.
-            for r0 in sorted({0, max(0, m // 2 - 512), max(0, m - 1024)}):
-                block = src.read_rows(r0, min(m, r0 + 1024))
-                parts += [np.ascontiguousarray(block.indices).tobytes(), np.ascontiguousarray(block.data).tobytes()]
-    return _sha(*parts)
-
-
-def problem_fingerprint(src: Any, g: np.ndarray) -> str:
-    """Hash of one MLEM problem: the matrix and the measurement (what a reference is valid for)."""
-    return _sha("problem", matrix_fingerprint(src), np.ascontiguousarray(g, dtype=np.int64 if g.dtype.kind in "iu" else np.float64).tobytes())
-
-
-def _checkpoint_key(problem: str, norm: np.ndarray, dtype: np.dtype) -> str:
-    return _sha("checkpoint", problem, np.ascontiguousarray(norm, dtype=np.float64).tobytes(), str(np.dtype(dtype)))
-
-
-# --------------------------------------------------------------------------- checkpoints
-def write_checkpoint(path: str | os.PathLike, image: np.ndarray, *, key: str, repetition: int, iteration: int, state: dict[str, Any]) -> None:
-    """Write a checkpoint atomically: ``/image`` plus the iteration, repetition, input hash and loop state."""
-    import h5py
-
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
-        f.create_dataset("image", data=np.asarray(image).reshape(-1))
-        f.attrs["format"] = CHECKPOINT_FORMAT
-        f.attrs["version"] = FORMAT_VERSION
-        f.attrs["key"] = key
-        f.attrs["repetition"] = int(repetition)
-        f.attrs["iteration"] = int(iteration)
-        f.attrs["state"] = json.dumps(_finite(state), default=_json_default)
-        f.attrs["created"] = _now()
-
-
-def read_checkpoint(path: str | os.PathLike, *, key: str, n: int, dtype: np.dtype) -> dict[str, Any]:
-    """Load a checkpoint and check that it belongs to this problem.
-
-    Returns
-    -------
-    dict
-        ``image``, ``repetition``, ``iteration``, ``state``.
-
-    Raises
-    ------
-    ConfigError
-        The checkpoint belongs to another problem (other matrix, measurement,
-        norm or precision), or is not a checkpoint.
-    """
-    import h5py
-
-    source = os.fspath(path)
-    try:
-        f = h5py.File(source, "r")
-    except OSError as exc:
-        raise ConfigError(source, f"not a readable checkpoint ({exc}); delete it to start afresh") from None
-    with f:
-        fmt = plain_attr(f.attrs.get("format", ""))
-        if fmt != CHECKPOINT_FORMAT or "image" not in f:
-            raise ConfigError(source, f"not an mlem checkpoint (format {fmt!r}); delete it or choose another --checkpoint")
-        found = plain_attr(f.attrs.get("key", ""))
-        if found != key:
-            raise ConfigError(
-                source,
-                f"checkpoint of another problem (inputs hash {found[:12]}..., this run {key[:12]}...: "
-                "matrix, measurement, norm or precision differ); delete it to start afresh",
-            )
-        img = f["image"][...]
-        if img.size != n or img.dtype != np.dtype(dtype):
-            raise ConfigError(source, f"checkpoint image is {img.dtype}[{img.size}], expected {np.dtype(dtype)}[{n}]")
-        return {
-            "image": img,
-            "repetition": int(f.attrs["repetition"]),
-            "iteration": int(f.attrs["iteration"]),
-            "state": json.loads(plain_attr(f.attrs["state"])),
-        }
-
-
-# --------------------------------------------------------------------------- the loop
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-
-
-def _log_interval(iterations: int) -> int:
-    """Log every iteration of a short run, about 20 lines for a long one."""
-    return 1 if iterations <= 20 else max(1, iterations // 20)
-
-
-def _matrix_label(path: Any) -> str | None:
-    """``results/{matrix}/matrix.h5`` -> ``{matrix}``; other files: their stem."""
-    if not isinstance(path, (str, os.PathLike)):
-        return None
-    p = Path(path)
-    if p.stem in ("matrix", "transpose") and p.resolve().parent.name:
-        return p.resolve().parent.name
-    return p.name.split(".")[0]
-
-
-def _load_truth(truth: Any, n: int) -> tuple[np.ndarray | None, Any]:
-    if truth is None:
-        return None, None
-    if isinstance(truth, np.ndarray):
-        t = truth.reshape(-1)
-        if t.size != n:
-            raise ConfigError("truth", f"truth has {t.size} voxels, expected n = {n}")
-        return t, None
-    from mlemlib.phantom import load_regions
-
-    t, attrs = read_image(truth, expected_length=n)
-    grid = attrs.get("grid")
-    vs = attrs.get("voxel_size")
-    try:
-        regions = load_regions(attrs, grid, vs)
-    except (ValueError, KeyError, TypeError) as exc:
-        log.warning("%s: regions attribute unreadable (%s); no contrast recovery", truth, exc)
-        regions = None
-    return t, regions
-
-
-def _load_reference(reference: Any, n: int, problem: str, iterations: int) -> np.ndarray | None:
-    if reference is None:
-        return None
-    if isinstance(reference, np.ndarray):
-        r = reference.reshape(-1)
-        if r.size != n:
-            raise ConfigError("reference", f"reference has {r.size} voxels, expected n = {n}")
-        return r
-    r, attrs = read_image(reference, expected_length=n)
-    found = attrs.get("problem")
-    if found is not None and found != problem:
-        raise ConfigError(
-            os.fspath(reference), "reference of another problem (matrix or measurement differ); recompute it with --reference-mode"
-        )
-    it = attrs.get("iterations")
-    if it is not None and int(it) != int(iterations):
-        raise ConfigError(os.fspath(reference), f"reference after {int(it)} iterations, this run does {iterations}")
-    return r
-
-
-def _close_all(objs: list[Any]) -> None:
-    for o in objs:
-        close = getattr(o, "close", None)
-        if callable(close):
-            try:
-                close()
-            except OSError as exc:  # pragma: no cover - a failing close of a read-only file
-                log.warning("closing %r: %s", o, exc)
 
 
 def reconstruct(
@@ -375,8 +213,9 @@ def reconstruct(
     use_checkpoint = checkpointed and ckpt_path.exists()
     opened: list[Any] = []
     try:
-        prob = _load_problem(opened, matrix, sino, norm, transpose, reference, truth, settings)
-        resume = _read_resume(ckpt_path, prob, settings) if use_checkpoint else None
+        prob = load_problem(opened, matrix, sino, norm, transpose, reference, truth, settings)
+        resume = read_resume(ckpt_path, key=prob.key, n=prob.shape[1], dtype=settings.dtype,
+                             repetitions=settings.repetitions, iterations=settings.iterations) if use_checkpoint else None
         with Stopwatch() as sw_setup:
             be = make_backend(
                 settings.backend, prob.src, prob.g, prob.norm, prob.tsrc, fp=settings.fp, bp=settings.bp,
@@ -406,7 +245,7 @@ def reconstruct(
         writer = bool(getattr(be, "writes_output", True))
         records, host_img = _iterate(be, prob, settings, config, resume, ckpt_path if writer else None, progress,
                                      energy)
-        timings = _timings(
+        timings = timings_record(
             prob, settings, desc, be, records, config,
             sources={"matrix": matrix, "sino": sino, "norm": norm, "transpose": transpose, "reference": reference,
                      "truth": truth, "plan": plan},
@@ -418,194 +257,12 @@ def reconstruct(
             keep_checkpoint=keep_checkpoint,
         )
     finally:
-        _close_all(opened)
+        close_all(opened)
 
 
-@dataclass
-class RunSettings:
-    """What one :func:`reconstruct` call runs (validated numbers; names resolved by the backend)."""
-
-    iterations: int
-    repetitions: int
-    checkpoint_every: int
-    backend: str
-    fp: str
-    bp: str
-    secsize: int | None
-    graph: bool
-    gpus: int
-    layout: str
-    plan: Any
-    threads: int | None
-    reference_mode: bool
-    dtype: np.dtype
-
-
-@dataclass
-class Problem:
-    """One loaded MLEM problem: the opened matrices, ``g``, the norm, and what it is measured against."""
-
-    src: Any
-    tsrc: Any
-    g: np.ndarray
-    norm: np.ndarray
-    fingerprint: str
-    key: str
-    reference: np.ndarray | None
-    truth: np.ndarray | None
-    regions: Any
-    grid: Any
-    voxel_size: Any
-    load_s: float
-    #: The permutation of a reordered matrix (None otherwise): ``g``, ``norm`` and
-    #: the iterated images are in its permuted order; ``reference``, ``truth`` and
-    #: ``regions`` stay in the user's order.
-    perm: Permutation | None = None
-    #: The row fold of a folded matrix (None otherwise): ``g`` is folded into its stored rows.
-    row_fold: Any = None
-
-    @property
-    def reorder(self) -> str:
-        """The reorder mode of the matrix: ``none``, ``rows`` or ``rows+voxels``."""
-        return "none" if self.perm is None else self.perm.mode
-
-    def to_user(self, image: np.ndarray) -> np.ndarray:
-        """A host image of the iteration (permuted order) in the user's voxel order."""
-        if self.perm is None:
-            return image
-        return np.ascontiguousarray(image_to_user_order(image, self.perm))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(int(v) for v in self.src.shape)
-
-
-# --------------------------------------------------------------------------- the sections of reconstruct
-def _load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose: Any, reference: Any, truth: Any,
-                  settings: RunSettings) -> Problem:
-    """Open the matrix (and ``A^T``), read ``g`` and the norm, fingerprint the problem, load reference and truth."""
-    from mlemlib.formats.lmsino import read_lmsino
-    from mlemlib.formats import matrix_geometry
-
-    with Stopwatch() as sw_load:
-        src = open_source(matrix, "matrix")
-        if src is not matrix:
-            opened.append(src)
-        m, n = (int(v) for v in src.shape)
-        row_fold = fold_of(src)
-        m_user = m if row_fold is None else row_fold.m_user
-        if isinstance(sino, (str, os.PathLike)):
-            g = read_lmsino(sino, expected_length=m_user)
-        else:
-            g = np.asarray(sino).reshape(-1)
-            if g.size != m_user:
-                raise ConfigError("sino", f"measurement has {g.size} values, the matrix has m = {m_user} rows")
-        if row_fold is not None:
-            # g is in the user's LOR order: each stored row gets its LORs' summed counts.
-            g = row_fold.fold(g)
-            log.info("%s is folded: %d stored rows hold the %d LORs of the measurement (counts summed)",
-                     _source_name(src, matrix), m, m_user)
-        perm = permutation_of(src)
-        if perm is not None:
-            if perm.shape != (m, n):
-                raise MatrixFormatError(
-                    _source_name(src, matrix), f"permutation of a {perm.m} x {perm.n} matrix, the matrix is {m} x {n}"
-                )
-            # g is in the user's LOR order; the problem (and its fingerprint) lives in the permuted space.
-            g = to_permuted_measurement(g, perm)
-            log.info("%s is reordered (%s): measurement and images are mapped between the user's and the "
-                     "permuted order", _source_name(src, matrix), perm.mode)
-        if norm is None:
-            log.info("no norm given: computing the column sums of the matrix")
-            norm_arr = source_column_sums(src)  # of the permuted matrix: in the permuted order
-        elif isinstance(norm, (str, os.PathLike)):
-            from mlemlib.norm import read_norm
-
-            if perm is None:
-                norm_arr = read_norm(norm, expected_length=n)
-            else:
-                norm_arr = _read_permuted_norm(norm, n, src, perm, _source_name(src, matrix))
-        else:
-            norm_arr = np.asarray(norm, dtype=np.float64).reshape(-1)
-            if norm_arr.size != n:
-                raise ConfigError("norm", f"norm has {norm_arr.size} values, the matrix has n = {n} columns")
-            if perm is not None:  # an array is in the user's voxel order
-                norm_arr = np.ascontiguousarray(image_to_permuted_order(norm_arr, perm))
-        tsrc = None
-        if transpose is not None:
-            tsrc = open_source(transpose, "transpose")
-            if tsrc is not transpose:
-                opened.append(tsrc)
-            if tuple(int(v) for v in tsrc.shape) != (n, m):
-                raise MatrixFormatError(
-                    _source_name(tsrc, transpose), f"transpose has shape {tuple(tsrc.shape)}, expected (n, m) = {(n, m)}"
-                )
-            t_source = (getattr(tsrc, "attrs", None) or {}).get("source_checksum")
-            if perm is not None and t_source and t_source == perm.source_checksum:
-                raise MatrixFormatError(
-                    _source_name(tsrc, transpose),
-                    f"transpose of the un-reordered matrix, but {_source_name(src, matrix)} is reordered "
-                    f"({perm.mode}); transpose the reordered matrix ('mlem transpose')",
-                )
-        problem = problem_fingerprint(src, g)
-        key = _checkpoint_key(problem, norm_arr, settings.dtype)
-        ref_img = _load_reference(reference, n, problem, settings.iterations)
-        truth_img, regions = _load_truth(truth, n)
-    grid, voxel_size = matrix_geometry(src)
-    log.info("loaded problem %s: %d x %d, %d nnz (%.2f s)", problem[:12], m, n, int(src.nnz), sw_load.seconds)
-    return Problem(src, tsrc, g, norm_arr, problem, key, ref_img, truth_img, regions, grid, voxel_size, sw_load.seconds,
-                   perm, row_fold)
-
-
-def _read_permuted_norm(path: Any, n: int, src: Any, perm: Permutation, matrix_name: str) -> np.ndarray:
-    """The ``norm.h5`` of a reordered matrix: it must be that matrix's own norm (in the permuted voxel order).
-
-    The norm of the user's matrix has the same length but the user's voxel
-    order; it is recognised by its ``checksum`` attribute (the user's matrix's)
-    and refused in one line naming the file, as is any norm of another matrix.
-    """
-    from mlemlib.norm import read_norm
-
-    expected = getattr(src, "checksum", None) or (getattr(src, "attrs", None) or {}).get("checksum")
-    try:
-        return read_norm(path, expected_length=n, expected_checksum=str(expected) if expected else None)
-    except MatrixFormatError as exc:
-        import h5py
-
-        try:
-            with h5py.File(path, "r") as f:
-                found = plain_attr(f.attrs.get("checksum", ""))
-        except OSError:
-            raise exc from None
-        if found and found == perm.source_checksum:
-            raise MatrixFormatError(
-                path,
-                f"norm of the un-reordered matrix (in the user's voxel order), but {matrix_name} is reordered "
-                f"({perm.mode}); use the norm of the reordered matrix ('mlem norm {matrix_name}')",
-            ) from None
-        raise
-
-
-def _read_resume(ckpt_path: Path, prob: Problem, settings: RunSettings) -> dict[str, Any]:
-    """The state to resume from (checked before the backend is built: a refused checkpoint costs no set-up)."""
-    ck = read_checkpoint(ckpt_path, key=prob.key, n=prob.shape[1], dtype=settings.dtype)
-    if ck["repetition"] >= settings.repetitions or ck["iteration"] > settings.iterations:
-        raise ConfigError(
-            os.fspath(ckpt_path),
-            f"checkpoint at repetition {ck['repetition'] + 1}, iteration {ck['iteration']} is beyond this run "
-            f"({settings.repetitions} repetitions of {settings.iterations} iterations); delete it to start afresh",
-        )
-    state = ck["state"]
-    log.info("resuming from %s: repetition %d, iteration %d", ckpt_path, ck["repetition"] + 1, ck["iteration"])
-    return {
-        "config": state.get("config", {}),
-        "records": state.get("records", []),
-        "repetition": ck["repetition"],
-        "iteration": ck["iteration"],
-        "image": ck["image"],
-        "samples": state.get("samples", {}),
-        "resumed_at": state.get("resumed_at", []) + [ck["iteration"]],
-    }
+def _log_interval(iterations: int) -> int:
+    """Log every iteration of a short run, about 20 lines for a long one."""
+    return 1 if iterations <= 20 else max(1, iterations // 20)
 
 
 def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str, Any], resume: dict[str, Any] | None,
@@ -712,82 +369,6 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
     return records, host_img
 
 
-def _path_or(value: Any, other: Any = None) -> Any:
-    """A path argument as text for ``timings.json``; ``other`` for anything else."""
-    return os.fspath(value) if isinstance(value, (str, os.PathLike)) else other
-
-
-def _timings(prob: Problem, settings: RunSettings, desc: dict[str, Any], be: Backend, records: list[dict],
-             config: dict[str, Any], *, sources: dict[str, Any], matrix_name: str | None,
-             device_info: dict[str, Any] | None, setup_s: float) -> dict[str, Any]:
-    """The content of ``timings.json``: configuration, problem, bytes moved, set-up and every repetition."""
-    m, n = prob.shape
-    nnz = int(prob.src.nnz)
-    used_t = transpose_used(desc.get("transpose"), prob.tsrc is not None)
-    # Bytes each projection reads: CSR's 8 per non-zero plus the row pointer, or
-    # the bytes of the format on the device (the backend's bytes_per_nnz).
-    per_nnz = desc.get("bytes_per_nnz") if desc.get("format", "csr") != "csr" else None
-    per_nnz = per_nnz if isinstance(per_nnz, dict) else {}
-    bytes_a = round(per_nnz["A"] * nnz) if per_nnz.get("A") else 8 * (m + 1) + 8 * nnz
-    bytes_at = None
-    if used_t:
-        bytes_at = round(per_nnz["AT"] * nnz) if per_nnz.get("AT") else 8 * (n + 1) + 8 * nnz
-    # One pass (forward and back projection from one read of A) reads A once an iteration.
-    onepass = bool(desc.get("onepass"))
-    sino, transpose = sources["sino"], sources["transpose"]
-    return {
-        "format": TIMINGS_FORMAT,
-        "version": FORMAT_VERSION,
-        "created": _now(),
-        "mlemlib_version": __version__,
-        "host": socket.gethostname(),
-        "config": {
-            "matrix": matrix_name or _matrix_label(sources["matrix"]) or "matrix",
-            "matrix_path": _source_name(prob.src, sources["matrix"]),
-            "sino": _path_or(sino, "<memory>"),
-            "data": Path(sino).name.split(".")[0] if isinstance(sino, (str, os.PathLike)) else "memory",
-            "norm": _path_or(sources["norm"]),
-            "transpose": _path_or(transpose, None if transpose is None else "<memory>"),
-            "reference": _path_or(sources["reference"]),
-            "truth": _path_or(sources["truth"]),
-            "plan": _path_or(sources["plan"]),
-            "backend": config["backend"],
-            "fp": config["fp"],
-            "bp": config["bp"],
-            "fp_requested": settings.fp,
-            "bp_requested": settings.bp,
-            "secsize": settings.secsize,
-            "gpus": settings.gpus,
-            "layout": settings.layout,
-            "graph": settings.graph,
-            "iterations": settings.iterations,
-            "repetitions": settings.repetitions,
-            "checkpoint_every": settings.checkpoint_every,
-            "dtype": str(settings.dtype),
-            "reference_mode": settings.reference_mode,
-            "reorder": prob.reorder,
-        },
-        "problem": prob.fingerprint,
-        "shape": [m, n],
-        "nnz": nnz,
-        "fold": None if prob.row_fold is None else {"user_rows": prob.row_fold.m_user, "method": prob.row_fold.method},
-        "grid": list(prob.grid) if prob.grid else None,
-        "voxel_size": list(prob.voxel_size) if prob.voxel_size else None,
-        "backend": desc,
-        "deterministic": bool(desc.get("deterministic", be.deterministic)),
-        "device": device_info if device_info is not None else desc.get("device", desc.get("devices")),
-        "bytes": {
-            "A": bytes_a,
-            "AT": bytes_at,
-            "fp": bytes_a,
-            "bp": bytes_at if used_t else bytes_a,
-            "iteration": bytes_a if onepass else bytes_a + (bytes_at if used_t else bytes_a),
-        },
-        "setup": {"load_s": prob.load_s, "backend_s": setup_s},
-        "repetitions": records,
-    }
-
-
 def _write_outputs(out_image: Path, host_img: np.ndarray, timings: dict[str, Any], prob: Problem, *, writer: bool,
                    raw_out: Any, timings_out: Any, ckpt_path: Path | None, keep_checkpoint: bool) -> dict[str, Any]:
     """Write ``image.h5``, ``image.raw`` and ``timings.json`` (rank 0 only); drop the checkpoint; return the timings."""
@@ -832,7 +413,7 @@ def _write_outputs(out_image: Path, host_img: np.ndarray, timings: dict[str, Any
         write_raw(raw_path, host_img)
     if tpath is not None:
         with atomic_path(tpath) as tmp:
-            tmp.write_text(json.dumps(_finite(timings), indent=1, default=_json_default, allow_nan=False) + "\n")
+            tmp.write_text(dumps(timings, indent=1, allow_nan=False) + "\n")
     if ckpt_path is not None and ckpt_path.exists() and not keep_checkpoint:
         ckpt_path.unlink()
     log.info("wrote %s", out_image)
@@ -876,43 +457,7 @@ def reference(
 reference_mlem = reference
 
 
-def transpose_used(value: Any, default: bool) -> bool:
-    """Whether the back projection reads ``A^T``, from a backend's ``describe()["transpose"]``.
-
-    Backends say True/False, or a word: ``"none"`` (back projection with ``A``),
-    ``"stored"`` or ``"cusparse on device"`` (a transpose on the device).
-    """
-    if value is None:
-        return default
-    if isinstance(value, str):
-        return value.strip().lower() not in ("", "none", "no", "false")
-    return bool(value)
-
-
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
         raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
     return int(value)
-
-
-def _finite(o: Any) -> Any:
-    """A copy of nested dicts/lists with NaN and infinities replaced by None (strict JSON)."""
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
-    if isinstance(o, (float, np.floating)):
-        return float(o) if math.isfinite(o) else None
-    return o
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, Path):
-        return os.fspath(o)
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -1,0 +1,261 @@
+"""One MLEM problem, loaded: the opened matrices, the measurement, the norm, and what a run is measured against.
+
+:func:`load_problem` opens the system matrix (and ``A^T`` where given), reads
+the measurement ``g`` (in the user's LOR order: folded into the stored rows of
+a folded matrix, permuted for a reordered one), reads or computes the norm,
+fingerprints the problem (:mod:`mlemlib.provenance`) and loads the reference
+and truth images (in the user's voxel order), returning a :class:`Problem`.
+:class:`RunSettings` holds what one :func:`mlemlib.mlem.reconstruct` call
+runs. Host memory; every backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlemlib.checkpoint import checkpoint_key
+from mlemlib.errors import ConfigError, MatrixFormatError
+from mlemlib.fold import fold_of
+from mlemlib.formats import open_source
+from mlemlib.image import plain_attr, read_image
+from mlemlib.norm import source_column_sums
+from mlemlib.provenance import problem_fingerprint, source_name
+from mlemlib.reorder import (
+    Permutation,
+    image_to_permuted_order,
+    image_to_user_order,
+    permutation_of,
+    to_permuted_measurement,
+)
+from mlemlib.timing import Stopwatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSettings:
+    """What one :func:`reconstruct` call runs (validated numbers; names resolved by the backend)."""
+
+    iterations: int
+    repetitions: int
+    checkpoint_every: int
+    backend: str
+    fp: str
+    bp: str
+    secsize: int | None
+    graph: bool
+    gpus: int
+    layout: str
+    plan: Any
+    threads: int | None
+    reference_mode: bool
+    dtype: np.dtype
+
+
+@dataclass
+class Problem:
+    """One loaded MLEM problem: the opened matrices, ``g``, the norm, and what it is measured against."""
+
+    src: Any
+    tsrc: Any
+    g: np.ndarray
+    norm: np.ndarray
+    fingerprint: str
+    key: str
+    reference: np.ndarray | None
+    truth: np.ndarray | None
+    regions: Any
+    grid: Any
+    voxel_size: Any
+    load_s: float
+    #: The permutation of a reordered matrix (None otherwise): ``g``, ``norm`` and
+    #: the iterated images are in its permuted order; ``reference``, ``truth`` and
+    #: ``regions`` stay in the user's order.
+    perm: Permutation | None = None
+    #: The row fold of a folded matrix (None otherwise): ``g`` is folded into its stored rows.
+    row_fold: Any = None
+
+    @property
+    def reorder(self) -> str:
+        """The reorder mode of the matrix: ``none``, ``rows`` or ``rows+voxels``."""
+        return "none" if self.perm is None else self.perm.mode
+
+    def to_user(self, image: np.ndarray) -> np.ndarray:
+        """A host image of the iteration (permuted order) in the user's voxel order."""
+        if self.perm is None:
+            return image
+        return np.ascontiguousarray(image_to_user_order(image, self.perm))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(int(v) for v in self.src.shape)
+
+
+def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose: Any, reference: Any, truth: Any,
+                  settings: RunSettings) -> Problem:
+    """Open the matrix (and ``A^T``), read ``g`` and the norm, fingerprint the problem, load reference and truth.
+
+    Every reader opened here is appended to ``opened`` (the caller closes them,
+    :func:`close_all`, also when this raises). ``matrix``, ``sino``, ``norm``,
+    ``transpose``, ``reference`` and ``truth`` are as :func:`mlemlib.mlem.reconstruct`
+    takes them.
+    """
+    from mlemlib.formats import matrix_geometry
+    from mlemlib.formats.lmsino import read_lmsino
+
+    with Stopwatch() as sw_load:
+        src = open_source(matrix, "matrix")
+        if src is not matrix:
+            opened.append(src)
+        m, n = (int(v) for v in src.shape)
+        row_fold = fold_of(src)
+        m_user = m if row_fold is None else row_fold.m_user
+        if isinstance(sino, (str, os.PathLike)):
+            g = read_lmsino(sino, expected_length=m_user)
+        else:
+            g = np.asarray(sino).reshape(-1)
+            if g.size != m_user:
+                raise ConfigError("sino", f"measurement has {g.size} values, the matrix has m = {m_user} rows")
+        if row_fold is not None:
+            # g is in the user's LOR order: each stored row gets its LORs' summed counts.
+            g = row_fold.fold(g)
+            log.info("%s is folded: %d stored rows hold the %d LORs of the measurement (counts summed)",
+                     source_name(src, matrix), m, m_user)
+        perm = permutation_of(src)
+        if perm is not None:
+            if perm.shape != (m, n):
+                raise MatrixFormatError(
+                    source_name(src, matrix), f"permutation of a {perm.m} x {perm.n} matrix, the matrix is {m} x {n}"
+                )
+            # g is in the user's LOR order; the problem (and its fingerprint) lives in the permuted space.
+            g = to_permuted_measurement(g, perm)
+            log.info("%s is reordered (%s): measurement and images are mapped between the user's and the "
+                     "permuted order", source_name(src, matrix), perm.mode)
+        if norm is None:
+            log.info("no norm given: computing the column sums of the matrix")
+            norm_arr = source_column_sums(src)  # of the permuted matrix: in the permuted order
+        elif isinstance(norm, (str, os.PathLike)):
+            from mlemlib.norm import read_norm
+
+            if perm is None:
+                norm_arr = read_norm(norm, expected_length=n)
+            else:
+                norm_arr = read_permuted_norm(norm, n, src, perm, source_name(src, matrix))
+        else:
+            norm_arr = np.asarray(norm, dtype=np.float64).reshape(-1)
+            if norm_arr.size != n:
+                raise ConfigError("norm", f"norm has {norm_arr.size} values, the matrix has n = {n} columns")
+            if perm is not None:  # an array is in the user's voxel order
+                norm_arr = np.ascontiguousarray(image_to_permuted_order(norm_arr, perm))
+        tsrc = None
+        if transpose is not None:
+            tsrc = open_source(transpose, "transpose")
+            if tsrc is not transpose:
+                opened.append(tsrc)
+            if tuple(int(v) for v in tsrc.shape) != (n, m):
+                raise MatrixFormatError(
+                    source_name(tsrc, transpose), f"transpose has shape {tuple(tsrc.shape)}, expected (n, m) = {(n, m)}"
+                )
+            t_source = (getattr(tsrc, "attrs", None) or {}).get("source_checksum")
+            if perm is not None and t_source and t_source == perm.source_checksum:
+                raise MatrixFormatError(
+                    source_name(tsrc, transpose),
+                    f"transpose of the un-reordered matrix, but {source_name(src, matrix)} is reordered "
+                    f"({perm.mode}); transpose the reordered matrix ('mlem transpose')",
+                )
+        problem = problem_fingerprint(src, g)
+        key = checkpoint_key(problem, norm_arr, settings.dtype)
+        ref_img = load_reference(reference, n, problem, settings.iterations)
+        truth_img, regions = load_truth(truth, n)
+    grid, voxel_size = matrix_geometry(src)
+    log.info("loaded problem %s: %d x %d, %d nnz (%.2f s)", problem[:12], m, n, int(src.nnz), sw_load.seconds)
+    return Problem(src, tsrc, g, norm_arr, problem, key, ref_img, truth_img, regions, grid, voxel_size, sw_load.seconds,
+                   perm, row_fold)
+
+
+def read_permuted_norm(path: Any, n: int, src: Any, perm: Permutation, matrix_name: str) -> np.ndarray:
+    """The ``norm.h5`` of a reordered matrix: it must be that matrix's own norm (in the permuted voxel order).
+
+    The norm of the user's matrix has the same length but the user's voxel
+    order; it is recognised by its ``checksum`` attribute (the user's matrix's)
+    and refused in one line naming the file, as is any norm of another matrix.
+    """
+    from mlemlib.norm import read_norm
+
+    expected = getattr(src, "checksum", None) or (getattr(src, "attrs", None) or {}).get("checksum")
+    try:
+        return read_norm(path, expected_length=n, expected_checksum=str(expected) if expected else None)
+    except MatrixFormatError as exc:
+        import h5py
+
+        try:
+            with h5py.File(path, "r") as f:
+                found = plain_attr(f.attrs.get("checksum", ""))
+        except OSError:
+            raise exc from None
+        if found and found == perm.source_checksum:
+            raise MatrixFormatError(
+                path,
+                f"norm of the un-reordered matrix (in the user's voxel order), but {matrix_name} is reordered "
+                f"({perm.mode}); use the norm of the reordered matrix ('mlem norm {matrix_name}')",
+            ) from None
+        raise
+
+
+def load_truth(truth: Any, n: int) -> tuple[np.ndarray | None, Any]:
+    """The truth image (``truth.h5`` or an array of n voxels) and its regions (None where unreadable), or Nones."""
+    if truth is None:
+        return None, None
+    if isinstance(truth, np.ndarray):
+        t = truth.reshape(-1)
+        if t.size != n:
+            raise ConfigError("truth", f"truth has {t.size} voxels, expected n = {n}")
+        return t, None
+    from mlemlib.phantom import load_regions
+
+    t, attrs = read_image(truth, expected_length=n)
+    grid = attrs.get("grid")
+    vs = attrs.get("voxel_size")
+    try:
+        regions = load_regions(attrs, grid, vs)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("%s: regions attribute unreadable (%s); no contrast recovery", truth, exc)
+        regions = None
+    return t, regions
+
+
+def load_reference(reference: Any, n: int, problem: str, iterations: int) -> np.ndarray | None:
+    """The reference image (``reference.h5`` of this problem and iteration count, or an array of n voxels), or None."""
+    if reference is None:
+        return None
+    if isinstance(reference, np.ndarray):
+        r = reference.reshape(-1)
+        if r.size != n:
+            raise ConfigError("reference", f"reference has {r.size} voxels, expected n = {n}")
+        return r
+    r, attrs = read_image(reference, expected_length=n)
+    found = attrs.get("problem")
+    if found is not None and found != problem:
+        raise ConfigError(
+            os.fspath(reference), "reference of another problem (matrix or measurement differ); recompute it with --reference-mode"
+        )
+    it = attrs.get("iterations")
+    if it is not None and int(it) != int(iterations):
+        raise ConfigError(os.fspath(reference), f"reference after {int(it)} iterations, this run does {iterations}")
+    return r
+
+
+def close_all(objs: list[Any]) -> None:
+    """Close every object that has a ``close``; a failing close is logged."""
+    for o in objs:
+        close = getattr(o, "close", None)
+        if callable(close):
+            try:
+                close()
+            except OSError as exc:  # pragma: no cover - a failing close of a read-only file
+                log.warning("closing %r: %s", o, exc)
