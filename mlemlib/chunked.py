@@ -714,7 +714,8 @@ def source_fingerprint(source) -> str:
     return h.hexdigest()
 
 
-def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = LAYOUT_BLOCK_NNZ) -> ChunkLayout:
+def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = LAYOUT_BLOCK_NNZ,
+                 threads: int | None = None) -> ChunkLayout:
     """Write the chunked layout of ``source`` to ``path`` (HDF5), streaming block by block; return it opened.
 
     The file holds the arrays :class:`~mlemlib.backends._compressed_cuda.DeviceChunked`
@@ -728,7 +729,8 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
     (:func:`source_fingerprint`) and ``source``. Every dataset carries
     Fletcher-32 checksums; the file appears under its name only once
     complete. ``source``: a matrix path, an opened matrix or one in memory
-    (what :func:`row_blocks` reads).
+    (what :func:`row_blocks` reads). ``threads``: the host threads that
+    chunk a block (default: Numba's, all cores).
 
     Raises
     ------
@@ -745,7 +747,11 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
 
     if isinstance(source, (str, os.PathLike)):
         with open_matrix(source) as opened:
-            return write_layout(opened, path, window, max_nnz=max_nnz)
+            return write_layout(opened, path, window, max_nnz=max_nnz, threads=threads)
+    if threads:
+        import numba
+
+        numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
     window = int(window)
     if not 1 <= window <= MAX_WINDOW:
         raise ValueError(f"window must lie in [1, {MAX_WINDOW}] (16-bit local indices), got {window}")

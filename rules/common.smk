@@ -19,7 +19,7 @@ from snakemake.utils import validate
 from mlemlib.errors import ConfigError, InputError
 from mlemlib.compressed import LOSSY_FORMATS
 from mlemlib.formats import file_kind
-from mlemlib.registry import check_run, uses_transpose
+from mlemlib.registry import check_run, get_bp, uses_transpose
 
 
 def get_matrix_formats():
@@ -426,6 +426,39 @@ def get_converted_matrix():
     return "results/{matrix}/matrix.h5"
 
 
+# ----------------------------------------------------------------------- chunks
+
+
+def get_chunks_path():
+    """Path pattern of a matrix's row chunks, as chunk_matrix writes them and the runs read them."""
+    return "results/{matrix}/chunks.h5"
+
+
+def get_chunk_window():
+    """Voxels per chunk of chunk_matrix: mlemlib.chunked.DEFAULT_WINDOW (what an
+    H100's or H200's shared memory holds; a GPU with less refuses the file)."""
+    from mlemlib.chunked import DEFAULT_WINDOW
+
+    return DEFAULT_WINDOW
+
+
+def is_chunked_run(run):
+    """True when a run reads results/{matrix}/chunks.h5: a cuda run on one GPU
+    or in the local layout whose bp reads row chunks (onepass_chunked), or
+    whose bp and fp are auto on a matrix the reorder stage ordered (auto
+    takes the chunked one pass where the chunks reuse voxels)."""
+    if run["backend"] != "cuda" or (run["gpus"] > 1 and run["layout"] != "local"):
+        return False
+    if run["bp"] == "auto":
+        return run["fp"] == "auto" and is_reordered()
+    return get_bp("cuda", run["bp"]).chunks
+
+
+def is_chunks_needed():
+    """True when some run reads chunks.h5 (is_chunked_run)."""
+    return any(is_chunked_run(run) for run in get_runs())
+
+
 # ------------------------------------------------------------------- partitions
 
 
@@ -644,6 +677,8 @@ def get_mlem_input(wildcards):
         inputs["transpose"] = f"results/{wildcards.matrix}/transpose.h5"
     if run["gpus"] > 1:
         inputs["plan"] = f"results/{wildcards.matrix}/parts-{run['gpus']}/plan.json"
+    if is_chunked_run(run):
+        inputs["chunks"] = get_chunks_path().format(matrix=wildcards.matrix)
     if is_reference_enabled():
         inputs["reference"] = (
             f"results/{wildcards.matrix}/runs/{wildcards.data}/reference/image.h5"
@@ -923,6 +958,10 @@ def get_stage_needs():
                 parts=parts,
                 stored_transpose=local,
             )
+        if is_chunks_needed():
+            # sized like a conversion (rule chunk_matrix); about 7 bytes per non-zero written
+            path = get_chunks_path().format(matrix=matrix)
+            add("convert", "chunk_matrix", matrix, 7 * size.nnz + 8 * size.rows, path)
         vectors = 4 * size.rows + 4 * size.cols
         for data in get_simulated_measurements():
             path = f"results/{matrix}/data/{data}.LMsino"

@@ -53,7 +53,9 @@ rule exact_reference_mlem:
 
 
 # One configured run: its repetitions run inside this one job, so that they
-# share the device and the loaded matrix; timings.json holds every one.
+# share the device and the loaded matrix; timings.json holds every one. A run
+# whose kernel reads row chunks gets the matrix's chunks.h5 (chunk_matrix) as
+# input "chunks" (get_mlem_input), which the script passes to reconstruct.
 rule run_mlem:
     input:
         unpack(get_mlem_input),

@@ -32,6 +32,7 @@ with lease:
         norm=snakemake.input.norm,
         transpose=snakemake.input.get("transpose"),
         plan=snakemake.input.get("plan"),
+        chunks=snakemake.input.get("chunks"),
         checkpoint_every=mlem["checkpoint_every"],
         checkpoint=snakemake.params.checkpoint,
         repetitions=mlem["repetitions"],

@@ -351,3 +351,50 @@ def test_nccl_backend_with_a_layout_gives_the_one_gpu_image(tmp_path, fmt):
                              chunks=tmp_path / "chunks.h5") as be:
                 assert be.describe()["chunks"]["file"] == str(tmp_path / "chunks.h5")
                 np.testing.assert_array_equal(_image(be), one)
+
+
+def test_cli_reconstruct_takes_chunks_and_the_cpu_backend_leaves_them(tmp_path, capsys):
+    """--chunks reaches make_backend; the cpu backend chunks on its own (the image does not change)."""
+    from mlemlib.cli import main
+    from mlemlib.formats.h5 import write_matrix_h5
+    from mlemlib.formats.lmsino import write_lmsino
+    from mlemlib.image import read_image
+
+    a = _band(m=400, n=1500, seed=3, top=60)
+    g = np.random.default_rng(1).poisson(a.to_scipy() @ np.ones(a.shape[1])).astype(np.int32)
+    write_matrix_h5(tmp_path / "a.h5", a)
+    write_lmsino(tmp_path / "g.LMsino", g)
+    assert main(["chunk", str(tmp_path / "a.h5"), "-o", str(tmp_path / "chunks.h5"), "-w", "512"]) == 0
+    images = []
+    for extra in ([], ["--chunks", str(tmp_path / "chunks.h5")]):
+        out = tmp_path / f"run{len(extra)}" / "image.h5"
+        assert main(["reconstruct", "-m", str(tmp_path / "a.h5"), "-s", str(tmp_path / "g.LMsino"), "-n", "3",
+                     "-b", "cpu", "--bp", "onepass_chunked", "-k", "0", "-o", str(out), *extra]) == 0
+        images.append(read_image(out)[0])
+    np.testing.assert_array_equal(images[0], images[1])
+
+
+def test_workflow_chunks_a_matrix_once_for_the_runs_that_read_chunks(tmp_path):
+    """chunk_matrix is in the DAG where a cuda run reads chunks (onepass_chunked, or auto on a reordered
+    matrix; one GPU or the local layout), once per matrix, and those runs (only) take chunks.h5."""
+    from test_workflow import changed, dry_run, snakemake
+
+    runs = [
+        {"backend": "cuda", "fp": "auto", "bp": "auto", "gpus": [1, 2], "layout": ["local", "thesis"]},
+        {"backend": "cuda", "bp": "onepass_chunked"},
+        {"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector"},
+        {"backend": "cpu", "bp": "onepass_chunked"},
+    ]
+    config = changed(use_gpu=True, runs=runs)
+    assert dry_run(tmp_path, config)["chunk_matrix"] == 1
+    plan = snakemake(tmp_path, "--dry-run", config=config).stdout
+    reading = set()
+    for rule in plan.split("rule run_mlem:")[1:]:
+        rule = rule.split("\n\n", 1)[0]
+        if "chunks.h5" in rule.split("output:", 1)[0]:
+            reading.add(rule.split("output: ", 1)[1].split("/image.h5", 1)[0].split("/runs/", 1)[1])
+    assert reading == {"nema-seed1/cuda-auto-auto/gpus-1-local", "nema-seed1/cuda-auto-auto/gpus-2-local",
+                       "nema-seed1/cuda-auto-onepass_chunked/gpus-1-local"}, reading
+    # not reordered: auto keeps its sample (no chunks to reuse voxels), only onepass_chunked reads the file
+    jobs = dry_run(tmp_path, dict(config, reorder="none", runs=runs[:1] + runs[2:]))
+    assert "chunk_matrix" not in jobs

@@ -37,12 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from mlemlib import chunked
     from mlemlib.errors import ConfigError, InputError
 
-    if args.threads:
-        import numba
-
-        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        with chunked.write_layout(args.input, args.out, args.window, max_nnz=args.chunk_nnz) as lay:
+        with chunked.write_layout(args.input, args.out, args.window, max_nnz=args.chunk_nnz,
+                                  threads=args.threads) as lay:
             per_nnz = lay.device_bytes() / max(lay.nnz, 1)
             print(f"{args.out}: {lay.chunks} chunks of <= {lay.window} voxels, reuse {lay.reuse:.2f}, "
                   f"{per_nnz:.3f} bytes per non-zero on a GPU (format {lay.format})")

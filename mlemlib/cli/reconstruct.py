@@ -43,6 +43,10 @@ def register(sub) -> None:
         "--graph", action="store_true",
         help="capture each iteration (all GPUs' kernels and the all-reduce) as CUDA graphs and replay them (cuda)",
     )
+    p.add_argument(
+        "--chunks", type=existing_file, metavar="CHUNKS.h5",
+        help="the matrix's row chunks (mlem chunk): onepass_chunked loads them instead of chunking the matrix (cuda)",
+    )
     p.add_argument("--plan", type=existing_file, metavar="PARTS", help="partition directory or plan.json (gpus > 1)")
     p.add_argument("-k", "--checkpoint-every", type=_int_at_least(0), default=10, metavar="K", help="checkpoint every K iterations (0: never)")
     p.add_argument("--checkpoint", metavar="CKPT.h5", default=None, help="checkpoint file (default: <out>.checkpoint.h5)")
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             plan=args.plan, checkpoint_every=args.checkpoint_every, checkpoint=args.checkpoint,
             repetitions=args.repetitions, reference=args.reference, truth=args.truth, timings_out=args.timings,
             reference_mode=args.reference_mode, threads=args.threads, matrix_name=args.matrix_name,
+            chunks=args.chunks,
         )
     last = t["repetitions"][-1]
     it = last["steps"].get("iteration", {}).get("mean")
