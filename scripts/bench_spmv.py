@@ -1,4 +1,4 @@
-"""Rule bench_spmv: every CUDA SpMV kernel against cuSPARSE on one matrix."""
+"""Rule bench_spmv: every projection kernel and kernel pair on one matrix against cuSPARSE (mlemlib.bench.spmv)."""
 
 import logging
 
@@ -6,7 +6,7 @@ from mlemlib.logs import send_to_log
 
 send_to_log(snakemake.log[0])
 
-from mlemlib.bench import bench_spmv  # noqa: E402
+from mlemlib.bench.spmv import bench_spmv  # noqa: E402
 from mlemlib.dist.lease import lease_gpus  # noqa: E402
 
 bench = snakemake.params.bench
