@@ -51,7 +51,6 @@ def _expected(decoded: CSRMatrix, fmt: str, window: int, bounds, given_scale=Non
     from mlemlib.compressed import values16
     from mlemlib.matrix import slice_rows
 
-    ip = np.asarray(decoded.indptr, dtype=np.int64)
     out = {k: [] for k in ("indptr", "local", "data", "scale", "chunk_rows", "counts", "voxels", "nnz")}
     k = 0
     for r0, r1 in bounds:
@@ -285,10 +284,10 @@ def test_from_layout_refuses_a_window_larger_than_the_device_holds(tmp_path, mon
 
     monkeypatch.setattr(gpu, "cupy", _host_cupy)
     monkeypatch.setattr(gpu, "chunk_window", lambda device_id=None: 512)
-    with chunked.write_layout(_band(seed=2), tmp_path / "c.h5", window=1024) as lay:
-        with pytest.raises(ConfigError, match=r"c\.h5: chunks of 1024 voxels, more than .* \(512\): "
-                                              r"make it with mlem chunk --window 512"):
-            gpu.DeviceChunked.from_layout(lay)
+    refusal = r"c\.h5: chunks of 1024 voxels, more than .* \(512\): make it with mlem chunk --window 512"
+    with chunked.write_layout(_band(seed=2), tmp_path / "c.h5", window=1024) as lay, \
+            pytest.raises(ConfigError, match=refusal):
+        gpu.DeviceChunked.from_layout(lay)
 
 
 def _problem(seed=9):
