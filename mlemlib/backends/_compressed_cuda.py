@@ -266,9 +266,10 @@ class DeviceCompressed(DeviceMatrix):
         m = int(source.shape[0])
         r0, r1 = (0, m) if rows is None else (int(rows[0]), int(rows[1]))
         with cp.cuda.Device(dev):
-            if hasattr(source, "read_encoded") and hasattr(source, "read_slotptr"):
+            same = fmt is None or getattr(source, "format", None) == fmt
+            if same and hasattr(source, "read_encoded") and hasattr(source, "read_slotptr"):
                 return cls._stream(source, r0, r1, what)
-            return cls.from_host(_encoded_rows(source, r0, r1, fmt or "compressed", what))
+            return cls.from_host(_encoded_rows(source, r0, r1, fmt or getattr(source, "format", None) or "compressed", what))
 
     @classmethod
     def _stream(cls, source: Any, r0: int, r1: int, what: str) -> DeviceCompressed:
@@ -371,17 +372,19 @@ class DeviceCSRArrays:
 def _encoded_rows(source: Any, r0: int, r1: int, fmt: str, what: str):
     """Rows ``[r0, r1)`` of any matrix source as a host :class:`~mlemlib.compressed.CompressedMatrix`.
 
-    A compressed container or in-memory compressed matrix gives its own
-    encoding (``read_encoded`` / ``row_range``); anything else is read as CSR
-    block by block and encoded in ``fmt`` with one code width for all blocks
-    (chosen on the first block).
+    A compressed container or in-memory compressed matrix of format ``fmt``
+    gives its own encoding (``read_encoded`` / ``row_range``); anything else
+    (CSR, or another compressed format) is read as CSR block by block and
+    encoded in ``fmt`` with one code width for all blocks (chosen on the first
+    block).
     """
     from mlemlib.compressed import CompressedMatrix
 
-    if hasattr(source, "read_encoded"):
-        return source.read_encoded(r0, r1)
-    if isinstance(source, CompressedMatrix):
-        return source.row_range(r0, r1)
+    if getattr(source, "format", None) == fmt:  # a compressed source of this format: its own encoding
+        if hasattr(source, "read_encoded"):
+            return source.read_encoded(r0, r1)
+        if isinstance(source, CompressedMatrix):
+            return source.row_range(r0, r1)
     from mlemlib.formats import open_source
 
     src = open_source(source, what)
@@ -964,10 +967,11 @@ class DeviceChunked:
         step = max(1, int(max_nnz))
 
         def load(name: str, a: int, b: int, dtype: Any) -> Any:
+            # piece k + 1 read from the file while piece k is copied to the GPU
             out = cp.empty(b - a, dtype=dtype)
-            for p in range(a, b, step):
-                q = min(b, p + step)
-                out[p - a : q - a] = cp.asarray(layout.read(name, p, q))
+            spans = [(p, min(b, p + step)) for p in range(a, b, step)]
+            for (p, q), host in zip(spans, prefetched(lambda span: layout.read(name, *span), spans)):
+                out[p - a : q - a] = cp.asarray(host)
             return out
 
         out = cls(cp.asarray(ip - e0), load("local", e0, e1, cp.uint16), load("data", e0, e1, layout.value_dtype),
