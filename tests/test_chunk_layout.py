@@ -378,6 +378,7 @@ def test_cli_reconstruct_takes_chunks_and_the_cpu_backend_leaves_them(tmp_path, 
 def test_workflow_chunks_a_matrix_once_for_the_runs_that_read_chunks(tmp_path):
     """chunk_matrix is in the DAG where a cuda run reads chunks (onepass_chunked, or auto on a reordered
     matrix; one GPU or the local layout), once per matrix, and those runs (only) take chunks.h5."""
+    pytest.importorskip("snakemake")
     from test_workflow import changed, dry_run, snakemake
 
     runs = [

@@ -684,7 +684,7 @@ def test_step_vectors_check_and_allocate(monkeypatch):
     assert bp.shape == (5,) and fp.shape == (3,) and bp.dtype == fp.dtype == np.float32
     mine = np.zeros(5, np.float32)
     assert gpu._step_vectors((3, 5), g, f, mine, None)[0] is mine
-    with pytest.raises(ValueError, match="fp must be a contiguous float32 CuPy vector of 3 entries"):
+    with pytest.raises(ValueError, match="fp must be a contiguous float32 CuPy vector of length 3"):
         gpu._step_vectors((3, 5), g, f, None, np.zeros(4, np.float32))
     with pytest.raises(ValueError, match="^f must"):
         gpu._step_vectors((3, 5), g, np.ones(5, np.float64), None, None)

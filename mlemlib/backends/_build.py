@@ -95,7 +95,7 @@ def check_vector(name: str, v: Any, length: int) -> None:
     cp = cupy()
     if not isinstance(v, cp.ndarray) or v.dtype != cp.float32 or v.shape != (length,) or not v.flags.c_contiguous:
         what = (f"{v.dtype} {v.shape}" if isinstance(v, cp.ndarray) else type(v).__name__)
-        raise ValueError(f"{name} must be a contiguous float32 CuPy vector of {length} entries, got {what}")
+        raise ValueError(f"{name} must be a contiguous float32 CuPy vector of length {length}, got {what}")
     on = getattr(getattr(v, "device", None), "id", None)
     if v.size and on is not None and on != cp.cuda.Device().id:
         raise ValueError(f"{name} is on GPU {on}, the launch on GPU {cp.cuda.Device().id}")
