@@ -311,6 +311,39 @@ def test_the_committed_page_is_generated_from_the_committed_results():
     rows = [r for p in results for r in json.loads(p.read_text())["rows"]]
     for case in {r["case"] for r in rows}:
         assert f"## {case} on " in page
+    for chk in sorted((REPO / "perf" / "results").glob("*/checks.json")):
+        for c in json.loads(chk.read_text())["checks"]:
+            assert f"## {c['title']}" in page
+
+
+def test_before_after_lines_become_a_checks_section_of_the_page(tmp_path):
+    """perf/before_after.py table pairs the before and after lines of each configuration; the page shows each
+    pair's times, their change and whether the images are the same bits."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("before_after", REPO / "perf" / "before_after.py")
+    ba = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ba)
+    lines = tmp_path / "l.jsonl"
+    recs = [dict(label="before", matrix="M", fp_asked="auto", bp_asked="auto", bp="onepass_fixed", gpus=1,
+                 median_ms=2.0, image_sha="aa"),
+            dict(label="after", matrix="M", fp_asked="auto", bp_asked="auto", bp="onepass_fixed", gpus=1,
+                 median_ms=1.9, image_sha="aa"),
+            dict(label="before", matrix="M", fp_asked="auto", bp_asked="auto", gpus=2, error="ConfigError: no"),
+            dict(label="after", matrix="M", fp_asked="auto", bp_asked="auto", bp="onepass_chunked", gpus=2,
+                 median_ms=1.0, image_sha="bb")]
+    lines.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    res = tmp_path / "res"
+    assert ba.main(["table", str(lines), "--title", "A check", "--device", "D", "-o", str(res / "checks.json")]) == 0
+    runner.write_results(res, [dict(case="c", device="D", device_kind="D", gpus=1, fp="auto", bp="auto", ms=1.0,
+                             date="d", command="x")])
+    text = write_page([res], tmp_path / "p.md")
+    assert "## A check" in text
+    assert "| M | auto/auto (onepass_fixed) | 1 | 2.000 | 1.900 | -5.0% | same bits |" in text
+    assert "| M | auto/auto (onepass_chunked) | 2 | - | 1.000 | - | - (before: ConfigError: no) |" in text
+    (res / "checks.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="checks.json: not a checks file"):
+        write_page([res], tmp_path / "p.md")
 
 
 # --------------------------------------------------------------------------- synthetic matrix

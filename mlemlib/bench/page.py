@@ -7,7 +7,10 @@ floor (the bytes the iteration must read at the copy bandwidth measured in
 the same run), the speed-up over the same run's 1-GPU time, cuSPARSE's time
 in the same run and the thesis code's published figure for the same matrix,
 device family and GPU count (a peers file, ``perf/peers.yaml``). Published
-figures without a run of ours on their device are listed after the tables.
+figures without a run of ours on their device are listed after the tables,
+and a results directory's ``checks.json`` (``perf/before_after.py``: one
+configuration with two versions of the library on one machine, times and
+image bits) as its own section.
 """
 
 from __future__ import annotations
@@ -143,9 +146,34 @@ def _facts_line(r: dict[str, Any]) -> str:
     return text
 
 
+def _checks(chk: dict[str, Any]) -> list[str]:
+    """A before/after check (``checks.json`` of a results directory) as a section: one row per
+    configuration, its time with each library version and whether the images are the same bits."""
+    out = [f"## {chk.get('title', 'Before/after check')}", ""]
+    if chk.get("note"):
+        out += [str(chk["note"]), ""]
+    out += [f"- date {chk.get('date')}; device {chk.get('device')}; before: {chk.get('before')}; after: "
+            f"{chk.get('after')}; command: `{chk.get('command')}`", ""]
+    out += ["| matrix | configuration | GPUs | before (ms) | after (ms) | change | image |",
+            "|---|---|---|---|---|---|---|"]
+    for r in chk.get("rows", []):
+        b, a = _num(r.get("before_ms")), _num(r.get("after_ms"))
+        change = f"{100 * (a / b - 1):+.1f}%" if a and b else "-"
+        if r.get("before_image") and r.get("after_image"):
+            image = "same bits" if r["before_image"] == r["after_image"] else "differs"
+        else:
+            image = "-"
+        if r.get("image_note"):
+            image += f" ({r['image_note']})"
+        out.append(f"| {r.get('matrix')} | {r.get('configuration')} | {r.get('gpus')} | {_ms(b) if b else '-'} | "
+                   f"{_ms(a) if a else '-'} | {change} | {image} |")
+    out.append("")
+    return out
+
+
 def build_page(rows: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] = (), *,
-               sources: Sequence[str] = (), command: str = "") -> str:
-    """The Markdown page of ``rows`` (see the module docstring)."""
+               sources: Sequence[str] = (), command: str = "", checks: Sequence[dict[str, Any]] = ()) -> str:
+    """The Markdown page of ``rows`` (see the module docstring), with the before/after ``checks``."""
     out = [
         "# Performance",
         "",
@@ -181,6 +209,8 @@ def build_page(rows: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] =
                 f"{first.get('repeats')} repeats of {it} iterations", ""]
         out += _table(rs, peers, used)
         out.append("")
+    for chk in checks:
+        out += _checks(chk)
     left = [p for p in peers if id(p) not in used]
     if left:
         out += [
@@ -204,14 +234,24 @@ def write_page(results: Sequence[str | os.PathLike], out: str | os.PathLike, *, 
     from mlemlib._io import atomic_path
     from mlemlib.bench.runner import read_results
 
+    import json
+
     rows: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
     for d in results:
         p = Path(d)
-        doc = read_results(p.parent if p.name == "results.json" else p)
+        base = p.parent if p.name == "results.json" else p
+        doc = read_results(base)
         if not doc["rows"]:
             raise ConfigError(os.fspath(p), "no results.json with rows here (run mlem bench run --out DIR first)")
         rows += doc["rows"]
-    text = build_page(rows, load_peers(peers), sources=[os.fspath(d) for d in results], command=command)
+        if (base / "checks.json").exists():
+            try:
+                checks += json.loads((base / "checks.json").read_text(encoding="utf-8"))["checks"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(os.fspath(base / "checks.json"), f"not a checks file: {exc}") from None
+    text = build_page(rows, load_peers(peers), sources=[os.fspath(d) for d in results], command=command,
+                      checks=checks)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
         Path(tmp).write_text(text, encoding="utf-8")
