@@ -693,7 +693,7 @@ def source_fingerprint(source) -> str:
     """
     import hashlib
 
-    from mlemlib.backends.device_formats import format_of
+    from mlemlib.registry import format_of
     from mlemlib.matrix import shape_nnz
 
     (m, n), nnz = shape_nnz(source)
@@ -740,7 +740,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
     import h5py
 
     from mlemlib._io import atomic_path
-    from mlemlib.backends.device_formats import format_of
+    from mlemlib.registry import format_of
     from mlemlib.compressed import VALUE_DTYPES, values16
     from mlemlib.formats import open_matrix
     from mlemlib.matrix import shape_nnz

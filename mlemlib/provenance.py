@@ -18,17 +18,13 @@ import math
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from mlemlib import __version__
 from mlemlib.formats import InMemoryMatrix
 from mlemlib.image import FORMAT_VERSION
-
-if TYPE_CHECKING:
-    from mlemlib.backends.base import Backend
-    from mlemlib.problem import Problem, RunSettings
 
 #: ``format`` of ``timings.json``.
 TIMINGS_FORMAT = "mlem-timings"
@@ -115,7 +111,7 @@ def _path_or(value: Any, other: Any = None) -> Any:
     return os.fspath(value) if isinstance(value, (str, os.PathLike)) else other
 
 
-def timings_record(prob: Problem, settings: RunSettings, desc: dict[str, Any], be: Backend, records: list[dict],
+def timings_record(prob: Any, settings: Any, desc: dict[str, Any], be: Any, records: list[dict],
                    config: dict[str, Any], *, sources: dict[str, Any], matrix_name: str | None,
                    device_info: dict[str, Any] | None, setup_s: float) -> dict[str, Any]:
     """The content of ``timings.json``: configuration, problem, bytes moved, set-up and every repetition.

@@ -196,8 +196,8 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("scatter_smem", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_smem",
            "per row chunk, atomics into a shared-memory window where its columns fit",
            launcher="_cuda_kernels:scatter", smem=True),
-    Kernel("cusparse_notrans", "back_notrans", "cuda", ("csr",), False, (), False, "cupyx cuSPARSE: A.T @ c",
-           "cuSPARSE's transposed product (one GPU)",
+    Kernel("cusparse_notrans", "back_notrans", "cuda", ("csr",), False, _LOCAL, False, "cupyx cuSPARSE: A.T @ c",
+           "cuSPARSE's transposed product (allocates; not deterministic)",
            launcher="_cuda_kernels:scatter"),
     Kernel("notrans", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, "see choose_notrans",
            "scatter_smem where most row chunks fit shared memory, else scatter", selector=True,
@@ -239,6 +239,12 @@ AUTO_RULES = (
     "cuda csr_vector launch shape: the fastest of _cuda_plan.SHAPE_CANDIDATES, timed on each matrix (and each "
     "GPU's block) at set-up; a shape never changes a result",
 )
+
+
+def format_of(source: Any) -> str:
+    """The format a matrix source holds: a device matrix's, a compressed reader's or matrix's, else ``csr``."""
+    fmt = getattr(source, "format", None)
+    return fmt if isinstance(fmt, str) and fmt in FORMATS else "csr"
 
 
 def launcher(k: Kernel) -> Callable[..., Any]:

@@ -60,8 +60,8 @@ def test_resolve_kernels_rejects():
         N.resolve_kernels("auto", "auto", "ring")
     with pytest.raises(ConfigError, match="'scatter_smem' of backend cuda does not run on 2 GPUs in the thesis layout"):
         N.resolve_kernels("auto", "scatter_smem", "thesis")
-    with pytest.raises(ConfigError, match="'cusparse_notrans' of backend cuda does not run on 2 GPUs"):
-        N.resolve_kernels("auto", "cusparse_notrans", "local")
+    with pytest.raises(ConfigError, match="'cusparse_notrans' of backend cuda does not run on 2 GPUs in the thesis"):
+        N.resolve_kernels("auto", "cusparse_notrans", "thesis")
     with pytest.raises(ConfigError, match="unknown forward-projection kernel"):
         N.resolve_kernels("fast", "auto", "local")
 
@@ -382,3 +382,22 @@ def test_auto_takes_the_chunked_one_pass_on_several_gpus_by_the_one_gpu_rule(mon
         assert np.array_equal(_image(be, iters=5), ref)
     with N.NcclBackend(a, g, norm, transpose=_transpose(a), gpus=p, layout="thesis") as be:
         assert be.bp_kernel == "csr_vector"  # the thesis layout keeps its pair
+
+
+@pytest.mark.gpu
+def test_every_local_kernel_runs_on_several_gpus():
+    """Every kernel the registry gives the local layout runs there: the image within float32 rounding of the
+    one-GPU backend's (the same bits for the deterministic ones with the same lanes)."""
+    from mlemlib import registry
+    from mlemlib.backends.cuda import CudaBackend
+
+    a, at, g, norm = _problem()
+    p = min(_gpus(), 2)
+    for k in registry.KERNELS:
+        if k.backend != "cuda" or "local" not in k.layouts or "csr" not in k.formats or k.op not in ("back_notrans",):
+            continue
+        ref = _image(CudaBackend(a, g, norm, fp="csr_vector", bp=k.name), iters=5)
+        with N.NcclBackend(a, g, norm, gpus=p, layout="local", fp="csr_vector", bp=k.name) as be:
+            img = _image(be, iters=5)
+        rel = np.linalg.norm(img.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64))
+        assert rel < 1e-5, (k.name, rel)

@@ -84,11 +84,4 @@ def device_type(fmt: str) -> type[DeviceMatrix]:
     return getattr(importlib.import_module(mod), cls)
 
 
-def format_of(source: Any) -> str:
-    """The format a matrix source holds: a device matrix's, a compressed reader's or matrix's, else ``csr``."""
-    fmt = getattr(source, "format", None)
-    if not isinstance(fmt, str) or fmt not in registry.FORMATS:
-        fmt = "csr"
-    if fmt not in registry.FORMATS:
-        raise ConfigError("format", f"matrix format {fmt!r} has no kernels; known: {', '.join(registry.FORMATS)}")
-    return fmt
+format_of = registry.format_of  # the format a matrix source holds (registry.FORMATS, else csr)
