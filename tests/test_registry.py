@@ -115,7 +115,7 @@ def test_no_kernel_name_is_compared_as_a_string_in_the_backends():
         ("cuda", "bp", "numba", 1, None, "unknown back-projection kernel 'numba' for backend cuda"),
         ("cuda", "fp", "csr_vectr", 1, None, "valid: auto, csr_vector, csr_scalar, merge, cusparse"),
         ("cuda", "bp", "scatter_smem", 2, "thesis", "'scatter_smem' of backend cuda does not run on 2 GPUs in the thesis layout"),
-        ("cuda", "bp", "cusparse_notrans", 2, "thesis", "does not run on 2 GPUs in the thesis layout"),
+        ("cuda", "bp", "cusparse_notrans", 2, "local", "does not run on 2 GPUs in the local layout"),
         ("opencl", "fp", "auto", 1, None, "unknown backend 'opencl'"),
     ],
 )
