@@ -516,4 +516,7 @@ def table(*, as_json: bool = False) -> str:
         )
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "auto:"] + [f"- {r}" for r in AUTO_RULES]
+    single = [k for k in KERNELS if k.backend == "cuda" and not k.layouts]
+    if single:
+        lines += ["", "one GPU only:"] + [f"- {k.name} ({k.op}): {k.summary}" for k in single]
     return "\n".join(lines)

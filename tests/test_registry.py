@@ -91,6 +91,11 @@ def test_every_whole_iteration_kernel_runs_in_the_local_layout():
             assert registry.check("bp", k.name, "cuda", gpus=4, layout="local") == k.name
     row = [r for r in registry.table().splitlines() if r.startswith("| cuda | iteration | onepass_chunked |")]
     assert len(row) == 1 and "| local |" in row[0]
+    # a cuda kernel without a multi-GPU layout: the table says why
+    single = [k for k in registry.KERNELS if k.backend == "cuda" and not k.layouts]
+    text = registry.table()
+    for k in single:
+        assert f"- {k.name} ({k.op}): {k.summary}" in text.split("one GPU only:")[1]
 
 
 def test_no_kernel_name_is_compared_as_a_string_in_the_backends():
