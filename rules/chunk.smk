@@ -5,9 +5,9 @@
 # each). Made only where such a run exists (is_chunks_needed).
 rule chunk_matrix:
     input:
-        matrix="results/{matrix}/matrix.h5",
+        matrix=PATHS["matrix"],
     output:
-        chunks=get_chunks_path(),
+        chunks=PATHS["chunks"],
     log:
         "logs/chunk/{matrix}.log",
     benchmark:

@@ -6,6 +6,7 @@ the workflow makes and which config values each rule receives (as params, so
 that a changed value reruns exactly the rules that use it).
 """
 
+import collections
 import errno
 import functools
 import os
@@ -188,17 +189,59 @@ wildcard_constraints:
     matrix="[A-Za-z0-9_]+",
     method="[a-z0-9_]+",
     parts="[0-9]+",
-    phantom="[A-Za-z0-9_]+",
-    seed="[0-9]+",
     data="[A-Za-z0-9_]+(?:-seed[0-9]+)?",
     run="(?:cpu|cuda)-[a-z0-9_]+-[a-z0-9_]+(?:-s[0-9]+)?(?:-graph)?",
     gpus="[0-9]+",
     layout="local|thesis",
 
 
+# ------------------------------------------------------------------- paths
+# Every file the workflow makes (and the timings summarize reads), by name:
+# its path pattern, in DAG order. The rules' output: and input:, the targets
+# of `all` (get_jobs, get_summary_input) and the resource check
+# (get_stage_needs) take their paths from here, so each is written once. Each
+# rule's log: and benchmark: stay in the rule (nothing else reads them).
+
+_RUN_DIR = "results/{matrix}/runs/{data}/{run}/gpus-{gpus}-{layout}"
 # Each configuration's own summary (config key name), so that configurations
 # run in one directory keep their summaries side by side.
-SUMMARY_DIR = f"results/summary/{config['name']}"
+_SUMMARY_DIR = f"results/summary/{config['name']}"
+
+PATHS = {
+    "csr4": "resources/{matrix}.csr4",
+    "converted": "results/{matrix}/converted.h5",
+    "matrix": "results/{matrix}/matrix.h5",
+    "norm": "results/{matrix}/norm.h5",
+    "transpose": "results/{matrix}/transpose.h5",
+    "transpose_benchmark": "benchmarks/transpose/{matrix}.tsv",
+    "compared_transpose": "results/{matrix}/transpose-{method}.h5",
+    "compared_transpose_benchmark": "benchmarks/transpose/{matrix}-{method}.tsv",
+    "plan": "results/{matrix}/parts-{parts}/plan.json",
+    "chunks": "results/{matrix}/chunks.h5",
+    "sino": "results/{matrix}/data/{data}.LMsino",
+    "truth": "results/{matrix}/data/{data}-truth.h5",
+    "reference_image": "results/{matrix}/runs/{data}/reference/image.h5",
+    "reference_timings": "results/{matrix}/runs/{data}/reference/timings.json",
+    "exact_reference_image": "results/{matrix}/runs/{data}/reference-exact/image.h5",
+    "exact_reference_timings": "results/{matrix}/runs/{data}/reference-exact/timings.json",
+    "run_image": f"{_RUN_DIR}/image.h5",
+    "run_timings": f"{_RUN_DIR}/timings.json",
+    "run_raw": f"{_RUN_DIR}/image.raw",
+    "run_checkpoint": f"{_RUN_DIR}/checkpoint.h5",
+    "bench_csv": "results/{matrix}/bench/spmv.csv",
+    "bench_md": "results/{matrix}/bench/spmv.md",
+    "bench_json": "results/{matrix}/bench/spmv.json",
+    "runs_csv": f"{_SUMMARY_DIR}/runs.csv",
+    "summary_md": f"{_SUMMARY_DIR}/summary.md",
+    "summary_html": f"{_SUMMARY_DIR}/summary.html",
+    "runs_html": f"{_SUMMARY_DIR}/runs.html",
+    "plots": f"{_SUMMARY_DIR}/plots",
+}
+
+
+def get_path(name, **wildcards):
+    """PATHS[name] with its wildcards filled in (each given by name)."""
+    return PATHS[name].format(**wildcards)
 
 
 # ----------------------------------------------------------------- predicates
@@ -265,7 +308,7 @@ def get_matrix_source(wildcards):
     entry = config["matrices"][wildcards.matrix]
     if entry["path"] is not None:
         return entry["path"]
-    return f"resources/{wildcards.matrix}.csr4"
+    return get_path("csr4", matrix=wildcards.matrix)
 
 
 def _file_stamp(path):
@@ -341,7 +384,7 @@ def get_exact_source(matrix):
     if entry["format"] not in LOSSY_FORMATS or is_generated_direct(matrix):
         return None
     if entry["path"] is None:
-        return f"resources/{matrix}.csr4"
+        return get_path("csr4", matrix=matrix)
     if file_kind(entry["path"]) == "h5":
         path = Path(entry["path"])
         if h5_is_lossy(str(path), path.stat().st_mtime_ns):
@@ -368,19 +411,6 @@ def get_exact_reference_input(wildcards):
     del inputs["norm"]
     inputs["matrix"] = get_exact_source(wildcards.matrix)
     return inputs
-
-
-def get_exact_references():
-    """Images of the float64 reference MLEM on the lossless source of every
-    lossy-format matrix (the summary's accuracy cost of its values)."""
-    if not is_reference_enabled():
-        return []
-    return [
-        f"results/{matrix}/runs/{data}/reference-exact/image.h5"
-        for matrix in get_matrices()
-        if get_exact_source(matrix)
-        for data in get_measurements(matrix)
-    ]
 
 
 def get_transpose_method(wildcards=None):
@@ -421,17 +451,10 @@ def get_converted_matrix():
     """Path pattern of the user's matrix as convert_matrix writes it (and
     simulate_measurement reads it): matrix.h5, or converted.h5 when
     reorder_matrix makes matrix.h5 from it."""
-    if is_reordered():
-        return "results/{matrix}/converted.h5"
-    return "results/{matrix}/matrix.h5"
+    return PATHS["converted"] if is_reordered() else PATHS["matrix"]
 
 
 # ----------------------------------------------------------------------- chunks
-
-
-def get_chunks_path():
-    """Path pattern of a matrix's row chunks, as chunk_matrix writes them and the runs read them."""
-    return "results/{matrix}/chunks.h5"
 
 
 def get_chunk_window():
@@ -501,9 +524,9 @@ def is_partition_transposed(parts, matrix):
 
 def get_partition_input(wildcards):
     """Named inputs of partition_matrix: the matrix, and transpose.h5 where needed."""
-    inputs = {"matrix": f"results/{wildcards.matrix}/matrix.h5"}
+    inputs = {"matrix": get_path("matrix", matrix=wildcards.matrix)}
     if is_partition_transposed(int(wildcards.parts), wildcards.matrix):
-        inputs["transpose"] = f"results/{wildcards.matrix}/transpose.h5"
+        inputs["transpose"] = get_path("transpose", matrix=wildcards.matrix)
     return inputs
 
 
@@ -540,6 +563,11 @@ def get_simulated_measurements():
     return [f"{phantom}-seed{seed}" for phantom in sim["phantoms"] for seed in seeds]
 
 
+def get_simulated_data_regex():
+    """Wildcard regex of {data} of simulate_measurement: {phantom}-seed{seed}."""
+    return "[A-Za-z0-9_]+-seed[0-9]+"
+
+
 def get_measurements(matrix):
     """Every measurement reconstructed with one matrix: simulated and the user's."""
     return get_simulated_measurements() + list(get_user_measurements(matrix))
@@ -550,7 +578,7 @@ def get_measurement(wildcards):
     user = get_user_measurements(wildcards.matrix)
     if wildcards.data in user:
         return user[wildcards.data]
-    return f"results/{wildcards.matrix}/data/{wildcards.data}.LMsino"
+    return get_path("sino", matrix=wildcards.matrix, data=wildcards.data)
 
 
 def get_measurement_stamp(wildcards):
@@ -566,11 +594,12 @@ def get_measurement_stamp(wildcards):
 
 
 def get_simulation_params(wildcards):
-    """Phantom, seed and noise settings of simulate_measurement."""
+    """Phantom, seed and noise settings of simulate_measurement ({data} is {phantom}-seed{seed})."""
     sim = config["simulation"]
+    phantom, seed = wildcards.data.rsplit("-seed", 1)
     return {
-        "phantom": wildcards.phantom,
-        "seed": int(wildcards.seed),
+        "phantom": phantom,
+        "seed": int(seed),
         "noiseless": sim["noiseless"],
         "counts": sim["counts"],
     }
@@ -659,13 +688,14 @@ def get_reference_params(wildcards):
 
 def get_problem_input(wildcards):
     """Named inputs every reconstruction of {matrix} x {data} reads."""
+    matrix, data = wildcards.matrix, wildcards.data
     inputs = {
-        "matrix": f"results/{wildcards.matrix}/matrix.h5",
-        "norm": f"results/{wildcards.matrix}/norm.h5",
+        "matrix": get_path("matrix", matrix=matrix),
+        "norm": get_path("norm", matrix=matrix),
         "sino": get_measurement(wildcards),
     }
     if is_simulated(wildcards):
-        inputs["truth"] = f"results/{wildcards.matrix}/data/{wildcards.data}-truth.h5"
+        inputs["truth"] = get_path("truth", matrix=matrix, data=data)
     return inputs
 
 
@@ -673,24 +703,27 @@ def get_mlem_input(wildcards):
     """Named inputs of run_mlem: the problem, plus transpose, plan and reference as needed."""
     run = get_run(wildcards)
     inputs = get_problem_input(wildcards)
+    matrix, data = wildcards.matrix, wildcards.data
     if uses_transpose(run["backend"], run["bp"]):
-        inputs["transpose"] = f"results/{wildcards.matrix}/transpose.h5"
+        inputs["transpose"] = get_path("transpose", matrix=matrix)
     if run["gpus"] > 1:
-        inputs["plan"] = f"results/{wildcards.matrix}/parts-{run['gpus']}/plan.json"
+        inputs["plan"] = get_path("plan", matrix=matrix, parts=run["gpus"])
     if is_chunked_run(run):
-        inputs["chunks"] = get_chunks_path().format(matrix=wildcards.matrix)
+        inputs["chunks"] = get_path("chunks", matrix=matrix)
     if is_reference_enabled():
-        inputs["reference"] = (
-            f"results/{wildcards.matrix}/runs/{wildcards.data}/reference/image.h5"
-        )
+        inputs["reference"] = get_path("reference_image", matrix=matrix, data=data)
     return inputs
 
 
 def get_checkpoint(wildcards):
     """Checkpoint file of a run (kept by an interrupted job so a rerun resumes)."""
-    return (
-        f"results/{wildcards.matrix}/runs/{wildcards.data}/{wildcards.run}/"
-        f"gpus-{wildcards.gpus}-{wildcards.layout}/checkpoint.h5"
+    return get_path(
+        "run_checkpoint",
+        matrix=wildcards.matrix,
+        data=wildcards.data,
+        run=wildcards.run,
+        gpus=wildcards.gpus,
+        layout=wildcards.layout,
     )
 
 
@@ -723,78 +756,101 @@ def get_bench_params(wildcards):
     }
 
 
-# --------------------------------------------------------------------- summary
+# ------------------------------------------------------------------ the jobs
 
 
-def get_run_dirs(matrix):
-    """Every run directory of one matrix: results/{matrix}/runs/{data}/{run}/gpus-{P}-{layout}."""
-    return [
-        f"results/{matrix}/runs/{data}/{run['name']}/gpus-{run['gpus']}-{run['layout']}"
-        for data in get_measurements(matrix)
-        for run in get_runs()
-    ]
+Job = collections.namedtuple("Job", "rule wildcards output")
+Job.__doc__ = """One job of the workflow: its rule, its wildcards (a dict) and its
+main output's path (PATHS; whether it exists says whether the job is done)."""
+
+
+def get_jobs():
+    """Every job of this workflow but summarize, as Job, in DAG order matrix by
+    matrix. The one list of what runs: summarize's inputs (and so the targets
+    of `all`) and the resource check (get_stage_needs) are taken from it; the
+    jobs that nothing but another job reads (generate, convert, reorder, norm,
+    chunks, measurements) follow from the rules' input functions, under the
+    same predicates (is_reordered, is_chunks_needed, ...)."""
+    jobs = []
+    for matrix in get_matrices():
+
+        def add(rule, pattern, **wildcards):
+            wildcards = {"matrix": matrix, **wildcards}
+            jobs.append(Job(rule, wildcards, pattern.format(**wildcards)))
+
+        entry = config["matrices"][matrix]
+        if entry["preset"] and entry["csr4"]:
+            add("generate_matrix", PATHS["csr4"])
+        if is_generated_direct(matrix):
+            add("generate_container", get_converted_matrix())
+        else:
+            add("convert_matrix", get_converted_matrix())
+        if is_reordered():
+            add("reorder_matrix", PATHS["matrix"])
+        add("compute_norm", PATHS["norm"])
+        if is_transpose_needed():
+            add("transpose_matrix", PATHS["transpose"])
+        for method in get_compared_transpose_methods():
+            add("compare_transpose", PATHS["compared_transpose"], method=method)
+        for parts in get_part_counts():
+            add("partition_matrix", PATHS["plan"], parts=parts)
+        if is_chunks_needed():
+            add("chunk_matrix", PATHS["chunks"])
+        for data in get_simulated_measurements():
+            add("simulate_measurement", PATHS["sino"], data=data)
+        for data in get_measurements(matrix):
+            if is_reference_enabled():
+                add("reference_mlem", PATHS["reference_image"], data=data)
+                if get_exact_source(matrix):
+                    add(
+                        "exact_reference_mlem",
+                        PATHS["exact_reference_image"],
+                        data=data,
+                    )
+            for run in get_runs():
+                add(
+                    "run_mlem",
+                    PATHS["run_image"],
+                    data=data,
+                    run=run["name"],
+                    gpus=run["gpus"],
+                    layout=run["layout"],
+                )
+        if is_bench_enabled():
+            add("bench_spmv", PATHS["bench_csv"])
+    return jobs
+
+
+def _outputs(jobs, rule, name):
+    """PATHS[name] of every job of `rule` among `jobs`."""
+    return [get_path(name, **job.wildcards) for job in jobs if job.rule == rule]
 
 
 def get_summary_input(wildcards):
-    """Named inputs of summarize: lists of every stage's records."""
-    matrices = get_matrices()
+    """Named inputs of summarize: lists of every stage's records (get_jobs)."""
+    jobs = get_jobs()
     return {
-        "timings": [
-            f"{run_dir}/timings.json"
-            for matrix in matrices
-            for run_dir in get_run_dirs(matrix)
-        ],
-        "plans": [
-            f"results/{matrix}/parts-{parts}/plan.json"
-            for matrix in matrices
-            for parts in get_part_counts()
-        ],
-        "transposes": [
-            f"results/{matrix}/transpose.h5"
-            for matrix in matrices
-            if is_transpose_needed()
-        ]
-        + [
-            f"results/{matrix}/transpose-{method}.h5"
-            for matrix in matrices
-            for method in get_compared_transpose_methods()
-        ],
-        "transpose_benchmarks": [
-            f"benchmarks/transpose/{matrix}.tsv"
-            for matrix in matrices
-            if is_transpose_needed()
-        ]
-        + [
-            f"benchmarks/transpose/{matrix}-{method}.tsv"
-            for matrix in matrices
-            for method in get_compared_transpose_methods()
-        ],
-        "references": (
-            [
-                f"results/{matrix}/runs/{data}/reference/timings.json"
-                for matrix in matrices
-                for data in get_measurements(matrix)
-            ]
-            if is_reference_enabled()
-            else []
+        "timings": _outputs(jobs, "run_mlem", "run_timings"),
+        "plans": _outputs(jobs, "partition_matrix", "plan"),
+        "transposes": _outputs(jobs, "transpose_matrix", "transpose")
+        + _outputs(jobs, "compare_transpose", "compared_transpose"),
+        "transpose_benchmarks": _outputs(
+            jobs, "transpose_matrix", "transpose_benchmark"
+        )
+        + _outputs(jobs, "compare_transpose", "compared_transpose_benchmark"),
+        "references": _outputs(jobs, "reference_mlem", "reference_timings"),
+        "exact_references": _outputs(
+            jobs, "exact_reference_mlem", "exact_reference_image"
         ),
-        "exact_references": get_exact_references(),
-        "bench": (
-            [f"results/{matrix}/bench/spmv.csv" for matrix in matrices]
-            if is_bench_enabled()
-            else []
-        ),
+        "bench": _outputs(jobs, "bench_spmv", "bench_csv"),
     }
 
 
 def get_final_outputs():
     """Targets of `all`: the summary tables and plots (they pull in every stage)."""
     return [
-        f"{SUMMARY_DIR}/runs.csv",
-        f"{SUMMARY_DIR}/summary.md",
-        f"{SUMMARY_DIR}/summary.html",
-        f"{SUMMARY_DIR}/runs.html",
-        f"{SUMMARY_DIR}/plots",
+        PATHS[name]
+        for name in ("runs_csv", "summary_md", "summary_html", "runs_html", "plots")
     ]
 
 
@@ -870,7 +926,7 @@ def _matrix_size_of(matrix):
     from mlemlib.cluster import matrix_size, preset_size
 
     entry = config["matrices"][matrix]
-    made = Path(f"results/{matrix}/matrix.h5")
+    made = Path(get_path("matrix", matrix=matrix))
     if made.exists():
         return matrix_size(made)
     if entry["path"] is not None:
@@ -886,120 +942,79 @@ def _device_format(matrix):
     return fmt if fmt in registry.FORMATS else "csr"
 
 
-def get_stage_needs():
-    """Every job of this workflow as mlemlib.cluster.StageNeed, in DAG order."""
+def _stage_need(job, size):
+    """mlemlib.cluster.StageNeed of one Job: its rule's resource model (the
+    stage its get_mem_mb names), the bytes it writes, its label in the table;
+    None for a job the check does not size."""
     from mlemlib.cluster import SMALL_FILE_BYTES, matrix_bytes, stage_need
 
-    needs = []
+    name, wc = job.rule, job.wildcards
+    matrix = wc["matrix"]
+    fmt = config["matrices"][matrix]["format"]
     cores = workflow.cores or 1
-    for matrix in get_matrices():
-        size = _matrix_size_of(matrix)
-        entry = config["matrices"][matrix]
-        fmt = entry["format"]
-        h5_bytes = matrix_bytes(size, fmt)
-        csr_t = size.csr_t_bytes
+    csr_t = size.csr_t_bytes
+    kw = {}
+    if name == "generate_matrix":
+        stage, label, disk, kw = "generate", matrix, size.csr_bytes, {"threads": cores}
+    elif name == "generate_container":
+        stage, label, disk = "generate", f"{matrix}, {fmt}", matrix_bytes(size, fmt)
+        kw = {"threads": cores}
+    elif name == "convert_matrix":
+        stage, label, disk = "convert", f"{matrix}, {fmt}", matrix_bytes(size, fmt)
+    elif name == "reorder_matrix":
+        stage, label, disk = "transpose", matrix, size.csr_bytes
+    elif name == "compute_norm":
+        stage, label, disk = "norm", matrix, 8 * size.cols
+    elif name == "transpose_matrix":
+        stage, label, disk, kw = "transpose", matrix, csr_t, {"threads": cores}
+    elif name == "compare_transpose":
+        stage, label, disk = "transpose", f"{matrix}, {wc['method']}", csr_t
+        kw = {"threads": cores}
+    elif name == "partition_matrix":
+        local = is_local_transpose(wc["parts"], matrix)
+        stage = "partition"
+        label = f"{matrix}, {wc['parts']} parts" + (", A_k^T" if local else "")
+        disk = SMALL_FILE_BYTES + (csr_t if local else 0)
+        kw = {"parts": wc["parts"], "stored_transpose": local}
+    elif name == "chunk_matrix":
+        # sized like a conversion (rule chunk_matrix); about 7 bytes per non-zero written
+        stage, label, disk = "convert", matrix, 7 * size.nnz + 8 * size.rows
+    elif name == "simulate_measurement":
+        stage, label = "simulate", f"{matrix}, {wc['data']}"
+        disk = 4 * size.rows + 4 * size.cols
+    elif name == "reference_mlem":
+        stage, label, disk = "mlem", f"{matrix}, {wc['data']}", 8 * size.cols
+        kw = {"stored_transpose": False}
+    elif name == "run_mlem":
+        run = _all_runs()[(wc["run"], wc["gpus"], wc["layout"])]
+        device = "GPU" if run["backend"] == "cuda" else "CPU"
+        label = f"{matrix}, {wc['data']}, {run['name']} on {run['gpus']} {device}"
+        if run["gpus"] > 1:
+            label += f"s, {run['layout']}"
+        stage, disk = "mlem", 12 * size.cols
+        kw = {
+            "backend": run["backend"],
+            "gpus": run["gpus"],
+            "parts": run["gpus"],
+            "stored_transpose": uses_transpose(run["backend"], run["bp"]),
+            "device_format": _device_format(matrix),
+            "source_format": fmt,
+        }
+    elif name == "bench_spmv":
+        stage, label, disk = "bench", matrix, SMALL_FILE_BYTES
+        kw = {"backend": "cuda", "gpus": 1}
+    else:
+        # exact_reference_mlem reads the lossless source, whose size is not modelled here
+        return None
+    done = os.path.exists(job.output)
+    return stage_need(stage, name, label, size, disk_bytes=disk, done=done, **kw)
 
-        def add(stage, rule, label, disk, output, **kw):
-            done = os.path.exists(output)
-            needs.append(
-                stage_need(stage, rule, label, size, disk_bytes=disk, done=done, **kw)
-            )
 
-        converted = get_converted_matrix().format(matrix=matrix)
-        if entry["preset"] and entry["csr4"]:
-            source = f"resources/{matrix}.csr4"
-            add(
-                "generate",
-                "generate_matrix",
-                matrix,
-                size.csr_bytes,
-                source,
-                threads=cores,
-            )
-        if is_generated_direct(matrix):
-            add(
-                "generate",
-                "generate_container",
-                f"{matrix}, {fmt}",
-                h5_bytes,
-                converted,
-                threads=cores,
-            )
-        else:
-            add("convert", "convert_matrix", f"{matrix}, {fmt}", h5_bytes, converted)
-        if is_reordered():
-            path = f"results/{matrix}/matrix.h5"
-            add("transpose", "reorder_matrix", matrix, size.csr_bytes, path)
-        add("norm", "compute_norm", matrix, 8 * size.cols, f"results/{matrix}/norm.h5")
-        if is_transpose_needed():
-            path = f"results/{matrix}/transpose.h5"
-            add("transpose", "transpose_matrix", matrix, csr_t, path, threads=cores)
-        for method in get_compared_transpose_methods():
-            path = f"results/{matrix}/transpose-{method}.h5"
-            add(
-                "transpose",
-                "compare_transpose",
-                f"{matrix}, {method}",
-                csr_t,
-                path,
-                threads=cores,
-            )
-        for parts in get_part_counts():
-            local = is_local_transpose(parts, matrix)
-            path = f"results/{matrix}/parts-{parts}/plan.json"
-            label = f"{matrix}, {parts} parts" + (", A_k^T" if local else "")
-            disk = SMALL_FILE_BYTES + (csr_t if local else 0)
-            add(
-                "partition",
-                "partition_matrix",
-                label,
-                disk,
-                path,
-                parts=parts,
-                stored_transpose=local,
-            )
-        if is_chunks_needed():
-            # sized like a conversion (rule chunk_matrix); about 7 bytes per non-zero written
-            path = get_chunks_path().format(matrix=matrix)
-            add("convert", "chunk_matrix", matrix, 7 * size.nnz + 8 * size.rows, path)
-        vectors = 4 * size.rows + 4 * size.cols
-        for data in get_simulated_measurements():
-            path = f"results/{matrix}/data/{data}.LMsino"
-            add("simulate", "simulate_measurement", f"{matrix}, {data}", vectors, path)
-        for data in get_measurements(matrix):
-            if is_reference_enabled():
-                path = f"results/{matrix}/runs/{data}/reference/image.h5"
-                add(
-                    "mlem",
-                    "reference_mlem",
-                    f"{matrix}, {data}",
-                    8 * size.cols,
-                    path,
-                    stored_transpose=False,
-                )
-            for run in get_runs():
-                stored = uses_transpose(run["backend"], run["bp"])
-                label = f"{matrix}, {data}, {run['name']} on {run['gpus']} {'GPU' if run['backend'] == 'cuda' else 'CPU'}{'s' if run['gpus'] > 1 else ''}"
-                if run["gpus"] > 1:
-                    label += f", {run['layout']}"
-                path = f"results/{matrix}/runs/{data}/{run['name']}/gpus-{run['gpus']}-{run['layout']}/image.h5"
-                add(
-                    "mlem", "run_mlem", label, 12 * size.cols, path,
-                    backend=run["backend"], gpus=run["gpus"], parts=run["gpus"],
-                    stored_transpose=stored, device_format=_device_format(matrix), source_format=fmt,
-                )  # fmt: skip
-        if is_bench_enabled():
-            path = f"results/{matrix}/bench/spmv.csv"
-            add(
-                "bench",
-                "bench_spmv",
-                matrix,
-                SMALL_FILE_BYTES,
-                path,
-                backend="cuda",
-                gpus=1,
-            )
-    return needs
+def get_stage_needs():
+    """Every job of get_jobs() as mlemlib.cluster.StageNeed, in DAG order."""
+    sizes = {matrix: _matrix_size_of(matrix) for matrix in get_matrices()}
+    needs = (_stage_need(job, sizes[job.wildcards["matrix"]]) for job in get_jobs())
+    return [need for need in needs if need is not None]
 
 
 def _global_resource(name):

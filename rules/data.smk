@@ -2,10 +2,12 @@ rule simulate_measurement:
     input:
         matrix=get_converted_matrix(),
     output:
-        sino="results/{matrix}/data/{phantom}-seed{seed}.LMsino",
-        truth="results/{matrix}/data/{phantom}-seed{seed}-truth.h5",
+        sino=PATHS["sino"],
+        truth=PATHS["truth"],
     log:
-        "logs/data/{matrix}-{phantom}-seed{seed}.log",
+        "logs/data/{matrix}-{data}.log",
+    wildcard_constraints:
+        data=get_simulated_data_regex(),
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores

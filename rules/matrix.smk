@@ -1,6 +1,6 @@
 rule generate_matrix:
     output:
-        matrix="resources/{matrix}.csr4",
+        matrix=PATHS["csr4"],
     log:
         "logs/matrix/{matrix}-generate.log",
     benchmark:

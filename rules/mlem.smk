@@ -6,8 +6,8 @@ rule reference_mlem:
     input:
         unpack(get_problem_input),
     output:
-        image="results/{matrix}/runs/{data}/reference/image.h5",
-        timings="results/{matrix}/runs/{data}/reference/timings.json",
+        image=PATHS["reference_image"],
+        timings=PATHS["reference_timings"],
     log:
         "logs/mlem/{matrix}/{data}/reference.log",
     benchmark:
@@ -33,8 +33,8 @@ rule exact_reference_mlem:
     input:
         unpack(get_exact_reference_input),
     output:
-        image="results/{matrix}/runs/{data}/reference-exact/image.h5",
-        timings="results/{matrix}/runs/{data}/reference-exact/timings.json",
+        image=PATHS["exact_reference_image"],
+        timings=PATHS["exact_reference_timings"],
     log:
         "logs/mlem/{matrix}/{data}/reference-exact.log",
     benchmark:
@@ -60,9 +60,9 @@ rule run_mlem:
     input:
         unpack(get_mlem_input),
     output:
-        image="results/{matrix}/runs/{data}/{run}/gpus-{gpus}-{layout}/image.h5",
-        timings="results/{matrix}/runs/{data}/{run}/gpus-{gpus}-{layout}/timings.json",
-        raw="results/{matrix}/runs/{data}/{run}/gpus-{gpus}-{layout}/image.raw",
+        image=PATHS["run_image"],
+        timings=PATHS["run_timings"],
+        raw=PATHS["run_raw"],
     log:
         "logs/mlem/{matrix}/{data}/{run}-gpus-{gpus}-{layout}.log",
     benchmark:
@@ -87,12 +87,12 @@ rule run_mlem:
 # SpMV kernels against cuSPARSE on one matrix (only where a GPU is used).
 rule bench_spmv:
     input:
-        matrix="results/{matrix}/matrix.h5",
-        transpose="results/{matrix}/transpose.h5",
+        matrix=PATHS["matrix"],
+        transpose=PATHS["transpose"],
     output:
-        csv="results/{matrix}/bench/spmv.csv",
-        md="results/{matrix}/bench/spmv.md",
-        json="results/{matrix}/bench/spmv.json",
+        csv=PATHS["bench_csv"],
+        md=PATHS["bench_md"],
+        json=PATHS["bench_json"],
     log:
         "logs/bench/{matrix}-spmv.log",
     benchmark:

@@ -1,8 +1,8 @@
 rule compute_norm:
     input:
-        matrix="results/{matrix}/matrix.h5",
+        matrix=PATHS["matrix"],
     output:
-        norm="results/{matrix}/norm.h5",
+        norm=PATHS["norm"],
     log:
         "logs/norm/{matrix}.log",
     benchmark:

@@ -4,7 +4,7 @@ rule partition_matrix:
     input:
         unpack(get_partition_input),
     output:
-        plan="results/{matrix}/parts-{parts}/plan.json",
+        plan=PATHS["plan"],
     log:
         "logs/partition/{matrix}-parts-{parts}.log",
     benchmark:

@@ -9,9 +9,9 @@ if is_reordered():
 
     rule reorder_matrix:
         input:
-            matrix="results/{matrix}/converted.h5",
+            matrix=PATHS["converted"],
         output:
-            matrix="results/{matrix}/matrix.h5",
+            matrix=PATHS["matrix"],
         log:
             "logs/reorder/{matrix}.log",
         benchmark:

@@ -6,20 +6,20 @@ rule summarize:
     input:
         unpack(get_summary_input),
     output:
-        runs=f"{SUMMARY_DIR}/runs.csv",
-        summary=f"{SUMMARY_DIR}/summary.md",
+        runs=PATHS["runs_csv"],
+        summary=PATHS["summary_md"],
         summary_html=report(
-            f"{SUMMARY_DIR}/summary.html",
+            PATHS["summary_html"],
             caption="../report/summary.rst",
             category="Tables",
         ),
         runs_html=report(
-            f"{SUMMARY_DIR}/runs.html",
+            PATHS["runs_html"],
             caption="../report/runs.rst",
             category="Tables",
         ),
         plots=report(
-            directory(f"{SUMMARY_DIR}/plots"),
+            directory(PATHS["plots"]),
             patterns=["{plot}.png"],
             caption="../report/plots.rst",
             category="Plots",

@@ -1,12 +1,12 @@
 rule transpose_matrix:
     input:
-        matrix="results/{matrix}/matrix.h5",
+        matrix=PATHS["matrix"],
     output:
-        transpose="results/{matrix}/transpose.h5",
+        transpose=PATHS["transpose"],
     log:
         "logs/transpose/{matrix}.log",
     benchmark:
-        "benchmarks/transpose/{matrix}.tsv"
+        PATHS["transpose_benchmark"]
     conda:
         "../envs/gpu.yaml"
     threads: workflow.cores
@@ -24,13 +24,13 @@ rule transpose_matrix:
 # arrays equal transpose.h5's, only the timing differs.
 rule compare_transpose:
     input:
-        matrix="results/{matrix}/matrix.h5",
+        matrix=PATHS["matrix"],
     output:
-        transpose="results/{matrix}/transpose-{method}.h5",
+        transpose=PATHS["compared_transpose"],
     log:
         "logs/transpose/{matrix}-{method}.log",
     benchmark:
-        "benchmarks/transpose/{matrix}-{method}.tsv"
+        PATHS["compared_transpose_benchmark"]
     conda:
         "../envs/gpu.yaml"
     threads: workflow.cores
