@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,33 @@ def test_resources_gpu_limit_is_checked(tmp_path):
     proc = dry_run(tmp_path, matrix3_config(), "--resources", "gpu=1")
     assert "needs 2 GPUs, --resources gives gpu=1" in proc.stdout + proc.stderr
     assert proc.returncode != 0
+
+
+def test_the_check_sizes_every_job_of_the_dag(tmp_path):
+    """The resource check sizes get_jobs(), the job list the targets come from: the jobs of Snakemake's DAG."""
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config.update(use_gpu=True, reorder="none", node=dict(H200_NODE, check=False))
+    config["matrices"]["other"] = {"preset": "small", "format": "compressed"}
+    config["simulation"]["seeds"] = [1, 2]
+    config["transpose"]["compare"] = ["scipy", "cusparse"]
+    config["runs"] = [
+        {"backend": "cpu", "fp": "auto", "bp": "auto"},
+        {"backend": "cuda", "fp": "auto", "bp": "auto", "gpus": [1, 2], "layout": ["local"]},
+        {"backend": "cuda", "bp": "onepass_chunked", "gpus": [1, 2]},
+    ]
+    proc = dry_run(tmp_path, config)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    sized = Counter()
+    for line in out.split("what each job needs", 1)[1].split("still to write", 1)[0].splitlines()[2:]:
+        sized[line.split()[0]] += 1
+    dag = Counter()
+    for line in out.split("Job stats:", 1)[1].split("total", 1)[0].splitlines()[3:]:
+        rule, count = line.split()
+        dag[rule] = int(count)
+    del dag["all"], dag["summarize"]
+    assert {"generate_matrix", "chunk_matrix", "compare_transpose", "partition_matrix", "bench_spmv"} <= set(sized)
+    assert sized == dag
 
 
 def test_upload_piece_matches_the_uploader():
