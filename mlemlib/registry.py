@@ -103,6 +103,9 @@ class Kernel:
         It takes a number of lanes per row (``lanes:``).
     secsize
         It takes a section size (``secsize:``, ``merge``).
+    blocks
+        Without a transpose it scatters into per-block images summed in
+        block order (the CPU's deterministic scatter; ``blocks:``).
     """
 
     name: str
@@ -122,6 +125,7 @@ class Kernel:
     shapes: bool = False
     lanes: bool = False
     secsize: bool = False
+    blocks: bool = False
 
     @property
     def needs_transpose(self) -> bool:
@@ -140,20 +144,27 @@ _LOCAL = ("local",)
 KERNELS: tuple[Kernel, ...] = (
     # ---- cpu
     Kernel("numba", "forward", "cpu", _ALL, True, (), False, f"{_CPU}: _spmv32/_spmv64; {_CMPCPU}: cmp_spmv32",
-           "row-parallel SpMV (prange over rows, each row summed in order; compressed rows decoded on the fly)"),
+           "row-parallel SpMV (prange over rows, each row summed in order; compressed rows decoded on the fly)",
+           launcher="cpu:numba_forward"),
     Kernel("scipy", "forward", "cpu", ("csr",), True, (), False, "scipy.sparse csr_matrix @ x",
-           "SciPy's CSR product (one thread; same sums as numba)"),
+           "SciPy's CSR product (one thread; same sums as numba)",
+           launcher="cpu:scipy_forward"),
     Kernel("numba", "back", "cpu", _ALL, True, (), False, f"{_CPU}: _spmv32/_spmv64 on A^T; {_CMPCPU}: cmp_spmv32",
-           "row-parallel SpMV on the stored transpose; without one, the blocked scatter"),
+           "row-parallel SpMV on the stored transpose; without one, the blocked scatter",
+           launcher="cpu:numba_back", blocks=True),
     Kernel("scipy", "back", "cpu", ("csr",), True, (), False, "scipy.sparse: A^T @ c (or A.T @ c)",
-           "SciPy's product on the stored transpose, or its CSC product of A"),
+           "SciPy's product on the stored transpose, or its CSC product of A",
+           launcher="cpu:scipy_back"),
     Kernel("notrans", "back_notrans", "cpu", _ALL, True, (), False, f"{_CPU}: _spmv_t32/_spmv_t64; {_CMPCPU}: cmp_spmv_t32",
-           "scatter from the rows of A into per-block images, summed in block order (thesis ch. 7)"),
+           "scatter from the rows of A into per-block images, summed in block order (thesis ch. 7)",
+           launcher="cpu:numba_back", blocks=True),
     Kernel("onepass", "iteration", "cpu", _ALL, True, (), False, f"{_CMPCPU}: csr_onepass32 / cmp_onepass32",
-           "one pass over A per iteration: per row a . f, g / (a . f), and its scatter into per-block images"),
+           "one pass over A per iteration: per row a . f, g / (a . f), and its scatter into per-block images",
+           launcher="cpu:onepass_step", blocks=True),
     Kernel("onepass_chunked", "iteration", "cpu", _ALL, True, (), False, "mlemlib/chunked.py: _onepass_fixed",
            "the GPU's onepass_chunked arithmetic on the CPU (lane-order dot products, 64-bit fixed-point sums): "
-           "its reference"),
+           "its reference",
+           launcher="cpu:chunked_step", chunks=True),
     # ---- cuda: forward
     Kernel("csr_vector", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L",
            "2..32 lanes per row, 16-byte loads, warp-shuffle sum; correlation fused",

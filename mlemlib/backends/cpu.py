@@ -223,6 +223,75 @@ def cpu_facts() -> dict[str, Any]:
     return {"kind": "cpu", "name": name, "cores": os.cpu_count()}
 
 
+# --------------------------------------------------------------------------- the registry's launchers
+# One function per CPU kernel (mlemlib.registry binds them with kernel=): projections take
+# (be, x, out), whole-iteration steps (be, f) and leave bp and fp in be._bp, be._fp.
+def numba_forward(be: CpuBackend, f: np.ndarray, out: np.ndarray, *, kernel: str) -> np.ndarray:
+    """``out = A f``: row-parallel Numba SpMV (a compressed matrix's rows decoded on the fly)."""
+    if be.format != "csr":
+        return cmpcpu().spmv(be.a, f, out)
+    a = be.a
+    spmv(a.indptr, a.indices, a.data, f, out)
+    return out
+
+
+def scipy_forward(be: CpuBackend, f: np.ndarray, out: np.ndarray, *, kernel: str) -> np.ndarray:
+    """``out = A f`` by SciPy's CSR product."""
+    out[:] = be.scipy_matrix("a") @ f
+    return out
+
+
+def numba_back(be: CpuBackend, c: np.ndarray, out: np.ndarray, *, kernel: str) -> np.ndarray:
+    """``out = A^T c``: Numba SpMV on the stored transpose, else the blocked scatter from the rows of A."""
+    if be.format != "csr":
+        if be.use_transpose:
+            return cmpcpu().spmv(be.at, c, out)
+        return cmpcpu().spmv_t(be.a, c, out, blocks=be.blocks, partial=be._partial)
+    if be.use_transpose:
+        at = be.at
+        spmv(at.indptr, at.indices, at.data, c, out)
+    else:
+        a = be.a
+        spmv_t(a.indptr, a.indices, a.data, c, out, be._partial)
+    return out
+
+
+def scipy_back(be: CpuBackend, c: np.ndarray, out: np.ndarray, *, kernel: str) -> np.ndarray:
+    """``out = A^T c`` by SciPy: its product on the stored transpose, else its CSC product of A."""
+    out[:] = be.scipy_matrix("at") @ c if be.use_transpose else be.scipy_matrix("a").T @ c
+    return out
+
+
+def onepass_step(be: CpuBackend, f: np.ndarray, *, kernel: str) -> None:
+    """One pass over A: per row its dot product, the ratio and its scatter into per-block images."""
+    if be.format == "csr":
+        a = be.a
+        cmpcpu().csr_onepass(a.indptr, a.indices, a.data, be.g, f, bp=be._bp, fp=be._fp, blocks=be.blocks,
+                             partial=be._partial)
+    else:
+        cmpcpu().onepass(be.a, be.g, f, bp=be._bp, fp=be._fp, blocks=be.blocks, partial=be._partial)
+
+
+def chunked_step(be: CpuBackend, f: np.ndarray, *, kernel: str) -> None:
+    """The GPU's ``onepass_chunked`` arithmetic through the same row chunks: fixed point, redone with a range
+    2^20 larger on overflow (as the GPU)."""
+    from mlemlib import chunked
+    from mlemlib.backends._compressed_cuda import chunk_scale
+
+    for attempt in range(FIXED_RETRIES + 1):
+        scale = chunk_scale(be._fixed_bound)
+        bp, fp, overflow = chunked.onepass_fixed(be._plan, be.a.indptr, be.a.data, be.g, f, scale)
+        if not overflow:
+            break
+        if attempt == FIXED_RETRIES:
+            raise ConfigError("bp", f"onepass_chunked: fixed-point overflow after {FIXED_RETRIES} larger ranges")
+        be._fixed_bound *= FIXED_RETRY_FACTOR
+        be.fixed_stats["retries"] = be.fixed_stats.get("retries", 0) + 1
+    be.fixed_stats.update(scale=scale, bound=be._fixed_bound)
+    be._bp[:] = bp
+    be._fp[:] = fp
+
+
 # --------------------------------------------------------------------------- backend
 class CpuBackend(Backend):
     """MLEM on the host CPU.
@@ -282,7 +351,14 @@ class CpuBackend(Backend):
         choice = registry.resolve("cpu", fp, bp, transpose_available=transpose is not None,
                                   threads=numba.get_num_threads(), fmt=self.format)
         self.fp_kernel, self.bp_kernel = choice.fp, choice.bp
-        self.onepass = registry.get_bp("cpu", self.bp_kernel).op == "iteration"
+        self._kb = registry.get_bp("cpu", self.bp_kernel)
+        self.onepass = self._kb.op == "iteration"
+        self._kf = None if self.onepass else registry.get("cpu", "forward", self.fp_kernel)
+        # the forward projection alone (forward()): a one pass's is the row-parallel SpMV
+        self._forward = registry.launcher(self._kf or registry.get("cpu", "forward", "numba"))
+        self._step = registry.launcher(self._kb)
+        # the back projection alone (back()): a one pass's is the blocked scatter from the rows of A
+        self._back = registry.launcher(registry.get_bp("cpu", "notrans") if self.onepass else self._kb)
         if self.onepass and self.dtype != np.float32:
             raise ConfigError("bp", f"bp={self.bp_kernel} computes in float32; the float64 reference uses scipy")
         if int(blocks) < 1:
@@ -307,31 +383,32 @@ class CpuBackend(Backend):
         self._c = np.empty(m, dtype=self.dtype)
         self._bp = np.empty(n, dtype=self.dtype)
         self._partial = None
-        if not self.use_transpose and self.bp_kernel in ("numba", "notrans", "onepass"):
+        if not self.use_transpose and self._kb.blocks:
             self._partial = np.empty((self.blocks, n), dtype=self.dtype)
 
         self._plan = None
         self.fixed_stats: dict[str, Any] = {}
-        if self.bp_kernel == "onepass_chunked":  # the GPU kernel's arithmetic through the same row chunks
+        if self._kb.chunks:  # the GPU kernel's arithmetic through the same row chunks
             from mlemlib import chunked
 
             if not isinstance(self.a, CSRMatrix):  # a compressed matrix: its decoded values (as the GPU's), one copy
                 self.a = self.a.to_csr(validate=False)
             self._plan = chunked.build_plan(self.a)
             self._fixed_bound = ONEPASS_C_MAX * float(np.max(self.norm)) if self.norm.size else 1.0
-        self._sp_a = self._sp_at = None
-        if "scipy" in (self.fp_kernel, self.bp_kernel):
-            self._sp_a = self._scipy(self.a)
-            if self.at is not None:
-                self._sp_at = self._scipy(self.at)
+        self._scipy: dict[str, Any] = {}
         self._warm_up()
 
     # --- set-up helpers --------------------------------------------------------
-    def _scipy(self, a: CSRMatrix):
-        import scipy.sparse as sp
+    def scipy_matrix(self, which: str):
+        """``A`` (``which="a"``) or ``A^T`` (``"at"``) as a SciPy CSR matrix of the backend's dtype (made on
+        first use: views of the arrays, a converted copy of the values for float64)."""
+        if which not in self._scipy:
+            import scipy.sparse as sp
 
-        data = a.data if self.dtype == a.data.dtype else a.data.astype(self.dtype)
-        return sp.csr_matrix((data, a.indices, a.indptr), shape=a.shape, copy=False)
+            a = self.a if which == "a" else self.at
+            data = a.data if self.dtype == a.data.dtype else a.data.astype(self.dtype)
+            self._scipy[which] = sp.csr_matrix((data, a.indices, a.indptr), shape=a.shape, copy=False)
+        return self._scipy[which]
 
     def _warm_up(self) -> None:
         """Compile (or load from cache) the Numba kernels now, not in the first timed iteration."""
@@ -354,45 +431,13 @@ class CpuBackend(Backend):
             return super().iterate(f)
         self._times = {}
         with self.timer("bp"):  # one pass: forward, correlation and back projection
-            if self._plan is not None:
-                self._chunked_step(f)
-            elif self.format == "csr":
-                a = self.a
-                cmpcpu().csr_onepass(a.indptr, a.indices, a.data, self.g, f, bp=self._bp, fp=self._fp,
-                                     blocks=self.blocks, partial=self._partial)
-            else:
-                cmpcpu().onepass(self.a, self.g, f, bp=self._bp, fp=self._fp, blocks=self.blocks, partial=self._partial)
+            self._step(self, f)
         with self.timer("update"):
             f = self.update(f, self._bp)
         return f
 
-    def _chunked_step(self, f: np.ndarray) -> None:
-        """bp and fp of ``onepass_chunked``: fixed point, redone with a range 2^20 larger on overflow (as the GPU)."""
-        from mlemlib import chunked
-        from mlemlib.backends._compressed_cuda import chunk_scale
-
-        for attempt in range(FIXED_RETRIES + 1):
-            scale = chunk_scale(self._fixed_bound)
-            bp, fp, overflow = chunked.onepass_fixed(self._plan, self.a.indptr, self.a.data, self.g, f, scale)
-            if not overflow:
-                break
-            if attempt == FIXED_RETRIES:
-                raise ConfigError("bp", f"onepass_chunked: fixed-point overflow after {FIXED_RETRIES} larger ranges")
-            self._fixed_bound *= FIXED_RETRY_FACTOR
-            self.fixed_stats["retries"] = self.fixed_stats.get("retries", 0) + 1
-        self.fixed_stats.update(scale=scale, bound=self._fixed_bound)
-        self._bp[:] = bp
-        self._fp[:] = fp
-
     def forward(self, f: np.ndarray) -> np.ndarray:
-        if self.format != "csr":
-            return cmpcpu().spmv(self.a, f, self._fp)
-        if self.fp_kernel == "scipy":
-            self._fp[:] = self._sp_a @ f
-        else:
-            a = self.a
-            spmv(a.indptr, a.indices, a.data, f, self._fp)
-        return self._fp
+        return self._forward(self, f, self._fp)
 
     def correlate(self, fp: np.ndarray) -> np.ndarray:
         c = self._c
@@ -401,22 +446,7 @@ class CpuBackend(Backend):
         return c
 
     def back(self, c: np.ndarray) -> np.ndarray:
-        if self.format != "csr":
-            if self.use_transpose:
-                return cmpcpu().spmv(self.at, c, self._bp)
-            return cmpcpu().spmv_t(self.a, c, self._bp, blocks=self.blocks, partial=self._partial)
-        if self.use_transpose:
-            if self.bp_kernel == "scipy":
-                self._bp[:] = self._sp_at @ c
-            else:
-                at = self.at
-                spmv(at.indptr, at.indices, at.data, c, self._bp)
-        elif self.bp_kernel == "scipy":
-            self._bp[:] = self._sp_a.T @ c
-        else:
-            a = self.a
-            spmv_t(a.indptr, a.indices, a.data, c, self._bp, self._partial)
-        return self._bp
+        return self._back(self, c, self._bp)
 
     def update(self, f: np.ndarray, bp: np.ndarray) -> np.ndarray:
         np.multiply(f, bp, out=f)
@@ -443,7 +473,7 @@ class CpuBackend(Backend):
             bp_path = f"one pass over A (blocked scatter, {self.blocks} blocks)"
         elif self.use_transpose:
             bp_path = "stored transpose"
-        elif self.bp_kernel == "scipy":
+        elif not self._kb.blocks:
             bp_path = "A.T @ c (scipy)"
         else:
             bp_path = f"blocked scatter ({self.blocks} blocks)"
