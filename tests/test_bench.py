@@ -477,6 +477,47 @@ def test_spmv_markdown_and_csv():
     assert {"op", "kernel", "median_s", "of_copy"} <= set(rows[0])
 
 
+def test_spmv_csv_names_each_kernels_launch_shape_and_marks_autos_choice(monkeypatch):
+    """The kernel rows carry lanes and launch shape from the backend's describe() and the kernel auto picks
+    (fp/bp: fp=auto bp=auto; bp_notrans: the notrans selector), through a stand-in backend (no GPU)."""
+    import types
+
+    import mlemlib.bench.timing
+    from mlemlib.bench import spmv
+
+    class Backend:
+        def __init__(self, fp, bp):
+            self.fp_kernel = "csr_vector" if fp == "auto" else fp
+            self.bp_kernel = {"auto": "csr_vector", "notrans": "scatter_smem"}.get(bp, bp)
+
+        def describe(self):
+            vec = {"csr_vector"}
+            return {"lanes_fp": 16 if self.fp_kernel in vec else None,
+                    "shape_fp": "256t" if self.fp_kernel in vec else None,
+                    "lanes_bp": 32 if self.bp_kernel in vec | {"scatter"} else None,
+                    "shape_bp": "1024t row1024 mb2" if self.bp_kernel in vec else "-"}
+
+        def forward(self, v):
+            return v
+
+        back = forward
+
+    monkeypatch.setattr(spmv, "_backend", lambda src, g, norm, tsrc, fp, bp, device, secsize=None: Backend(fp, bp))
+    monkeypatch.setattr(spmv, "_device_vector", lambda be, v: v)
+    monkeypatch.setattr(spmv, "_free", lambda device: None)
+    monkeypatch.setattr(mlemlib.bench.timing, "time_calls", lambda call, repeat, warmup: np.full(3, 1e-3))
+    a = types.SimpleNamespace(shape=(10, 20), nnz=50)
+    rows = spmv._kernel_rows(a, a, None, None, None, fp_kernels=("csr_vector", "cusparse"),
+                             bp_kernels=("csr_vector", "merge"), notrans_kernels=("scatter", "scatter_smem"),
+                             secsizes=(5,), repeat=3, warmup=1, bw=1e12, check=False, device=0)
+    table = list(csv.DictReader(format_csv({"kernels": rows}).splitlines()))
+    got = [(r["op"], r["kernel"], r["lanes"], r["shape"], r["secsize"], r["auto"]) for r in table]
+    assert got == [("fp", "csr_vector", "16", "256t", "", "True"), ("fp", "cusparse", "", "", "", "False"),
+                   ("bp", "csr_vector", "32", "1024t row1024 mb2", "", "True"), ("bp", "merge", "", "", "5", "False"),
+                   ("bp_notrans", "scatter", "32", "", "", "False"), ("bp_notrans", "scatter_smem", "", "", "", "True")]
+    assert tuple(next(csv.reader(format_csv({"kernels": rows}).splitlines()))) == spmv.CSV_FIELDS
+
+
 def test_cli_bench_help_lists_the_subcommands(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--help"])

@@ -141,6 +141,7 @@ def _kernel_rows(src: Any, tsrc: Any, g: np.ndarray, norm: np.ndarray, a64: Any,
             log.warning("%s %s not timed: %s", op, k, exc)
             rows.append(row)
             continue
+        row.update(launch_of(be.describe(), op))
         vec = _device_vector(be, x if op == "fp" else c)
         call = (lambda: be.forward(vec)) if op == "fp" else (lambda: be.back(vec))
         t = time_calls(call, repeat=repeat, warmup=warmup)
@@ -154,10 +155,43 @@ def _kernel_rows(src: Any, tsrc: Any, g: np.ndarray, norm: np.ndarray, a64: Any,
         rows.append(row)
         del be, vec
         _free(device)
+    picks = _auto_picks(src, tsrc, g, norm, device)
+    for op, kernel in picks.items():
+        pick = next((r for r in rows if r["op"] == op and r["kernel"] == kernel and "median_s" in r), None)
+        if pick is not None:
+            pick["auto"] = True
+    for r in rows:
+        r.setdefault("auto", False)
     base = {r["op"]: r["median_s"] for r in rows if r["kernel"] in ("cusparse", "cusparse_notrans") and "median_s" in r}
     for r in rows:
         r["vs_cusparse"] = base[r["op"]] / r["median_s"] if r["op"] in base and r.get("median_s") else None
     return rows
+
+
+def launch_of(desc: dict[str, Any], op: str) -> dict[str, Any]:
+    """``lanes`` (per row) and launch ``shape`` of the kernel that computes ``op``, from the backend's
+    ``describe()``; None where the kernel has none (cuSPARSE, a scatter without lanes)."""
+    side = "fp" if op == "fp" else "bp"
+    shape = desc.get(f"shape_{side}")
+    return {"lanes": desc.get(f"lanes_{side}"), "shape": None if shape in (None, "", "-") else shape}
+
+
+def _auto_picks(src: Any, tsrc: Any, g: np.ndarray, norm: np.ndarray, device: int) -> dict[str, str]:
+    """The kernel ``auto`` runs for each operation on this matrix and device: ``fp`` and ``bp`` as
+    ``fp: auto, bp: auto`` resolve them, ``bp_notrans`` as the ``notrans`` selector does (backends built as
+    a run builds them). An operation ``auto`` does not run apart (a one-pass iteration) is left out."""
+    picks: dict[str, str] = {}
+    for fp, bp, ops in (("auto", "auto", ("fp", "bp")), ("auto", "notrans", ("bp_notrans",))):
+        try:
+            be = _backend(src, g, norm, tsrc, fp, bp, device)
+        except ConfigError as exc:
+            log.warning("fp=%s bp=%s: no backend, its choice not marked: %s", fp, bp, exc)
+            continue
+        chosen = {"fp": be.fp_kernel, "bp": be.bp_kernel, "bp_notrans": be.bp_kernel}
+        picks.update((op, chosen[op]) for op in ops)
+        del be
+        _free(device)
+    return picks
 
 
 def _device_vector(be: Any, v: np.ndarray) -> Any:
@@ -499,8 +533,10 @@ def format_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-CSV_FIELDS = ("op", "kernel", "lanes", "secsize", "deterministic", "median_s", "min_s", "bytes", "bandwidth",
-              "of_copy", "vs_cusparse", "rel_l2")
+#: The columns of ``spmv.csv``: ``lanes`` per row and the launch ``shape`` (``256t``, ``1024t row1024 mb2``;
+#: empty where the kernel has none), ``auto``: whether ``auto`` runs this kernel for this operation.
+CSV_FIELDS = ("op", "kernel", "lanes", "shape", "secsize", "auto", "deterministic", "median_s", "min_s", "bytes",
+              "bandwidth", "of_copy", "vs_cusparse", "rel_l2")
 
 
 def format_csv(result: dict[str, Any]) -> str:
