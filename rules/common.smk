@@ -9,7 +9,9 @@ that a changed value reruns exactly the rules that use it).
 import collections
 import errno
 import functools
+import json
 import os
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -17,7 +19,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake.utils import validate
 
-from mlemlib.errors import ConfigError, InputError
+from mlemlib.errors import EXIT_INPUT, ConfigError, InputError
 from mlemlib.compressed import LOSSY_FORMATS
 from mlemlib.formats import file_kind
 from mlemlib.registry import check_run, get_bp, uses_transpose
@@ -33,6 +35,18 @@ def is_generated_direct(matrix):
     (a preset with csr4: false): no .csr4, no conversion."""
     entry = config["matrices"][matrix]
     return bool(entry["preset"]) and not entry["csr4"]
+
+
+def stop(line):
+    """Stop the workflow before any job with `line` alone on stderr.
+
+    Snakemake prints a WorkflowError raised while it reads the workflow with
+    a "WorkflowError in file ...common.smk" header and traceback lines; a
+    fault of the user's config or files is one line naming the key or file
+    and the fault (exit status 2, as the mlem command's for bad input).
+    """
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(EXIT_INPUT)
 
 
 def validate_config():
@@ -54,18 +68,18 @@ def validate_config():
         fault = error.message
         if len(path) >= 2 and path[0] == "matrices" and error.validator == "oneOf":
             fault = "give exactly one of preset or path"
-        raise WorkflowError(
+        stop(
             f"config {where or '(top level)'}: {fault}; "
             "config/schema.yaml lists the keys and their allowed values"
-        ) from None
+        )
     for name, entry in config["matrices"].items():
         if entry["voxel_order"] != "raster" and not is_generated_direct(name):
-            raise WorkflowError(
+            stop(
                 f"config matrices.{name}.voxel_order: {entry['voxel_order']} is for a "
                 "preset written straight into the container (csr4: false)"
             )
         if entry["voxel_order"] != "raster" and config["reorder"] != "none":
-            raise WorkflowError(
+            stop(
                 f"config matrices.{name}.voxel_order: {entry['voxel_order']} orders the "
                 f"voxels already; reorder: {config['reorder']} would reorder the matrix again "
                 "(use one of them)"
@@ -73,14 +87,14 @@ def validate_config():
     for index, entry in enumerate(config["runs"]):
         gpus = entry["gpus"] if isinstance(entry["gpus"], list) else [entry["gpus"]]
         if entry["backend"] == "cpu" and gpus != [1]:
-            raise WorkflowError(
+            stop(
                 f"config runs[{index}].gpus: a run with backend cpu takes 1, "
                 f"found {entry['gpus']}"
             )
         try:
             check_run(entry, where=f"runs[{index}]", formats=get_matrix_formats())
         except ConfigError as exc:
-            raise WorkflowError(f"config {exc}") from None
+            stop(f"config {exc}")
 
 
 #: What a configured file must be, by role: its kinds (mlemlib.formats.file_kind)
@@ -140,26 +154,76 @@ def _file_fault(path, role):
     return None
 
 
+#: Where validate_paths records the files whose contents it read and found
+#: valid, by path, size and modification time, so that a file is read whole
+#: once per version, not at every dry run.
+CHECKED_FILES = ".snakemake/mlemlib/checked-files.json"
+
+
+def _read_checked(path, check):
+    """check(path) (a JSON value; raises InputError on a fault), once per version of path."""
+    stat = os.stat(path)
+    key = f"{check.__name__} {os.path.abspath(path)} {stat.st_size} {stat.st_mtime_ns}"
+    try:
+        with open(CHECKED_FILES, encoding="utf-8") as fh:
+            checked = json.load(fh)
+    except (OSError, ValueError):
+        checked = {}
+    if key in checked:
+        return checked[key]
+    value = checked[key] = check(path)
+    try:
+        os.makedirs(os.path.dirname(CHECKED_FILES), exist_ok=True)
+        with open(f"{CHECKED_FILES}.{os.getpid()}", "w", encoding="utf-8") as fh:
+            json.dump(checked, fh)
+        os.replace(f"{CHECKED_FILES}.{os.getpid()}", CHECKED_FILES)
+    except OSError:
+        pass  # a read-only working directory: check again next time
+    return value
+
+
+def matrix_rows(path):
+    """Rows (LORs) of a user's matrix file, read and validated by mlemlib.formats
+    (mlemlib.cluster.matrix_size: a .csr4's or .h5's header; a .mtx or .npz
+    whole, with every index and value checked)."""
+    from mlemlib.cluster import matrix_size
+
+    return matrix_size(path).rows
+
+
+def measurement_ok(path):
+    """True when mlemlib.formats.lmsino reads the measurement (counts >= 0); raises InputError else."""
+    from mlemlib.formats.lmsino import read_lmsino
+
+    read_lmsino(path)
+    return True
+
+
 def validate_paths():
-    """Stop the workflow unless every configured file is a readable file of its kind.
+    """Stop the workflow unless every configured file is a valid file of its kind.
 
     Checked on every run, dry runs included, so that a wrong path stops the
     workflow with one line naming the config key and the path, even where
     the results of an earlier path are on disk (Snakemake does not look at
-    the inputs of outputs it considers up to date). A measurement of a .csr4
-    matrix must also have one count per row of it.
+    the inputs of outputs it considers up to date). Then the contents, as
+    mlemlib.formats reads them (matrix_rows, measurement_ok; once per file
+    version): a .mtx index out of range, an .npz that holds no sparse
+    matrix, a negative count stop the dry run, not a job. A measurement must
+    have one count per row of its matrix.
     """
+    deep = not (workflow.remote_exec or workflow.subprocess_exec)
     for name, entry in config["matrices"].items():
         rows = None
         if entry["path"] is not None:
             path = entry["path"]
             fault = _file_fault(path, "matrix")
+            if not fault and deep:
+                try:
+                    rows = _read_checked(path, matrix_rows)
+                except InputError as exc:
+                    fault = exc.fault
             if fault:
-                raise WorkflowError(f"config matrices.{name}.path: {path}: {fault}")
-            if file_kind(path) == "csr4":
-                from mlemlib.formats.csr4 import read_header
-
-                rows = read_header(path).m
+                stop(f"config matrices.{name}.path: {path}: {fault}")
         for data, path in entry["measurements"].items():
             fault = _file_fault(path, "measurement")
             if not fault and rows is not None and os.path.getsize(path) != 4 * rows:
@@ -167,10 +231,13 @@ def validate_paths():
                     f"{os.path.getsize(path) // 4} counts, but the matrix "
                     f"{entry['path']} has {rows} rows (LORs)"
                 )
+            if not fault and deep:
+                try:
+                    _read_checked(path, measurement_ok)
+                except InputError as exc:
+                    fault = exc.fault
             if fault:
-                raise WorkflowError(
-                    f"config matrices.{name}.measurements.{data}: {path}: {fault}"
-                )
+                stop(f"config matrices.{name}.measurements.{data}: {path}: {fault}")
 
 
 validate_config()
@@ -191,6 +258,9 @@ wildcard_constraints:
     parts="[0-9]+",
     data="[A-Za-z0-9_]+(?:-seed[0-9]+)?",
     run="(?:cpu|cuda)-[a-z0-9_]+-[a-z0-9_]+(?:-s[0-9]+)?(?:-graph)?",
+    iterations="[0-9]+",
+    repetitions="[0-9]+",
+    checkpoint_every="[0-9]+",
     gpus="[0-9]+",
     layout="local|thesis",
 
@@ -202,7 +272,17 @@ wildcard_constraints:
 # (get_stage_needs) take their paths from here, so each is written once. Each
 # rule's log: and benchmark: stay in the rule (nothing else reads them).
 
-_RUN_DIR = "results/{matrix}/runs/{data}/{run}/gpus-{gpus}-{layout}"
+# A run's directory names everything that defines its outputs: the run
+# ({run}: backend and kernels; GPUs and layout) and the mlem settings
+# (get_run_key), so that configurations that differ only in them keep their
+# images and timings side by side and share every stage of the matrix. The
+# float64 reference depends on the iteration count alone.
+RUN_KEY = "it{iterations}-rep{repetitions}-ck{checkpoint_every}"
+_RUN_DIR = (
+    f"results/{{matrix}}/runs/{{data}}/{{run}}-{RUN_KEY}/gpus-{{gpus}}-{{layout}}"
+)
+_REFERENCE_DIR = "results/{matrix}/runs/{data}/reference-it{iterations}"
+_EXACT_REFERENCE_DIR = "results/{matrix}/runs/{data}/reference-exact-it{iterations}"
 # Each configuration's own summary (config key name), so that configurations
 # run in one directory keep their summaries side by side.
 _SUMMARY_DIR = f"results/summary/{config['name']}"
@@ -220,10 +300,10 @@ PATHS = {
     "chunks": "results/{matrix}/chunks.h5",
     "sino": "results/{matrix}/data/{data}.LMsino",
     "truth": "results/{matrix}/data/{data}-truth.h5",
-    "reference_image": "results/{matrix}/runs/{data}/reference/image.h5",
-    "reference_timings": "results/{matrix}/runs/{data}/reference/timings.json",
-    "exact_reference_image": "results/{matrix}/runs/{data}/reference-exact/image.h5",
-    "exact_reference_timings": "results/{matrix}/runs/{data}/reference-exact/timings.json",
+    "reference_image": f"{_REFERENCE_DIR}/image.h5",
+    "reference_timings": f"{_REFERENCE_DIR}/timings.json",
+    "exact_reference_image": f"{_EXACT_REFERENCE_DIR}/image.h5",
+    "exact_reference_timings": f"{_EXACT_REFERENCE_DIR}/timings.json",
     "run_image": f"{_RUN_DIR}/image.h5",
     "run_timings": f"{_RUN_DIR}/timings.json",
     "run_raw": f"{_RUN_DIR}/image.raw",
@@ -247,31 +327,77 @@ def get_path(name, **wildcards):
 # ----------------------------------------------------------------- predicates
 
 
+def _global_resource(name):
+    """--resources name=N as an int; None where not given."""
+    value = workflow.global_resources.get(name)
+    value = getattr(value, "value", value)
+    return int(value) if isinstance(value, (int, float)) else None
+
+
 @functools.cache
-def get_gpu_limit():
-    """Most GPUs a cuda run may use here; None for no limit.
+def get_gpu_limits():
+    """What caps a cuda run's GPU count here: {why: count}, empty for no cap.
 
     ``use_gpu: auto`` counts, once, the GPUs CuPy sees on this machine (0
-    without CuPy or a driver; no CUDA context is created); ``true`` sets no
-    limit (a cluster whose login node has no GPU); ``false`` gives 0.
+    without CuPy or a driver; no CUDA context is created); ``false`` gives 0;
+    ``true`` sets no cap of its own (a cluster whose login node has no GPU).
+    With ``gpu_runs: fit`` (the default) the node's GPUs (``node.gpus``, where
+    a number) and ``--resources gpu=N`` cap it too; ``gpu_runs: all`` keeps
+    every run within use_gpu, and the resource check refuses one the node
+    cannot give its GPUs.
     """
+    limits = {}
     setting = config["use_gpu"]
-    if setting in (True, "true"):
-        return None
     if setting in (False, "false"):
-        return 0
-    from mlemlib.backends import cuda_available
+        limits["use_gpu: false (0)"] = 0
+    elif setting not in (True, "true"):
+        from mlemlib.backends import cuda_available
 
-    count = 0
-    if cuda_available():
-        import cupy
+        count = 0
+        if cuda_available():
+            import cupy
 
-        count = cupy.cuda.runtime.getDeviceCount()
-    logger.info(
-        f"use_gpu: auto: {count} GPU(s) visible; runs with backend cuda that "
-        f"need more are left out"
+            count = cupy.cuda.runtime.getDeviceCount()
+        limits[f"use_gpu: auto ({count} visible here)"] = count
+    if config["gpu_runs"] == "fit":
+        if isinstance(config["node"]["gpus"], int):
+            limits[f"node.gpus: {config['node']['gpus']}"] = config["node"]["gpus"]
+        if _global_resource("gpu") is not None:
+            limits[f"--resources gpu={_global_resource('gpu')}"] = _global_resource(
+                "gpu"
+            )
+    return limits
+
+
+def get_gpu_limit():
+    """Most GPUs a cuda run may use here (get_gpu_limits); None for no limit."""
+    return min(get_gpu_limits().values(), default=None)
+
+
+def report_left_out_runs():
+    """Log, in one line, the configured cuda runs get_gpu_limit() leaves out.
+
+    Skipped inside jobs (Snakemake parses the workflow again there).
+    """
+    if workflow.remote_exec or workflow.subprocess_exec:
+        return
+    left = [run for run in _all_runs().values() if not is_run_possible(run)]
+    if not left:
+        return
+    limit = get_gpu_limit()
+    binding = [k for k, v in get_gpu_limits().items() if v == limit]
+    why = " and ".join(binding)
+    names = ", ".join(
+        f"{run['name']} on {run['gpus']} GPU{'s' if run['gpus'] > 1 else ''}"
+        + (f" {run['layout']}" if run["gpus"] > 1 else "")
+        for run in left
     )
-    return count
+    keep = ""
+    if any(not k.startswith("use_gpu") for k in binding):
+        keep = "; gpu_runs: all keeps them"
+    logger.warning(
+        f"runs left out, {len(left)} (they need more GPUs than {why}{keep}): {names}"
+    )
 
 
 def is_gpu_enabled():
@@ -671,19 +797,24 @@ def get_run(wildcards):
     }
 
 
-def get_mlem_params(wildcards):
-    """Iteration settings shared by every run of one problem."""
+def get_run_key():
+    """The wildcards of RUN_KEY, from config mlem: the settings that define a run's outputs."""
     mlem = config["mlem"]
+    return {k: mlem[k] for k in ("iterations", "repetitions", "checkpoint_every")}
+
+
+def get_mlem_params(wildcards):
+    """Iteration settings of a run, as its path names them (RUN_KEY)."""
     return {
-        "iterations": mlem["iterations"],
-        "checkpoint_every": mlem["checkpoint_every"],
-        "repetitions": mlem["repetitions"],
+        "iterations": int(wildcards.iterations),
+        "checkpoint_every": int(wildcards.checkpoint_every),
+        "repetitions": int(wildcards.repetitions),
     }
 
 
 def get_reference_params(wildcards):
-    """Iteration count of the float64 reference (the same as the runs')."""
-    return {"iterations": config["mlem"]["iterations"]}
+    """Iteration count of the float64 reference, as its path names it."""
+    return {"iterations": int(wildcards.iterations)}
 
 
 def get_problem_input(wildcards):
@@ -700,31 +831,24 @@ def get_problem_input(wildcards):
 
 
 def get_mlem_input(wildcards):
-    """Named inputs of run_mlem: the problem, plus transpose, plan and reference as needed."""
+    """Named inputs of run_mlem: the problem, plus transpose, plan and chunks as
+    needed. Not the float64 reference: no run waits for it; the summary
+    measures every run against it (get_summary_input)."""
     run = get_run(wildcards)
     inputs = get_problem_input(wildcards)
-    matrix, data = wildcards.matrix, wildcards.data
+    matrix = wildcards.matrix
     if uses_transpose(run["backend"], run["bp"]):
         inputs["transpose"] = get_path("transpose", matrix=matrix)
     if run["gpus"] > 1:
         inputs["plan"] = get_path("plan", matrix=matrix, parts=run["gpus"])
     if is_chunked_run(run):
         inputs["chunks"] = get_path("chunks", matrix=matrix)
-    if is_reference_enabled():
-        inputs["reference"] = get_path("reference_image", matrix=matrix, data=data)
     return inputs
 
 
 def get_checkpoint(wildcards):
     """Checkpoint file of a run (kept by an interrupted job so a rerun resumes)."""
-    return get_path(
-        "run_checkpoint",
-        matrix=wildcards.matrix,
-        data=wildcards.data,
-        run=wildcards.run,
-        gpus=wildcards.gpus,
-        layout=wildcards.layout,
-    )
+    return get_path("run_checkpoint", **dict(wildcards.items()))
 
 
 def get_mlem_gpus(wildcards):
@@ -798,14 +922,22 @@ def get_jobs():
             add("chunk_matrix", PATHS["chunks"])
         for data in get_simulated_measurements():
             add("simulate_measurement", PATHS["sino"], data=data)
+        key = get_run_key()
         for data in get_measurements(matrix):
             if is_reference_enabled():
-                add("reference_mlem", PATHS["reference_image"], data=data)
+                iterations = key["iterations"]
+                add(
+                    "reference_mlem",
+                    PATHS["reference_image"],
+                    data=data,
+                    iterations=iterations,
+                )
                 if get_exact_source(matrix):
                     add(
                         "exact_reference_mlem",
                         PATHS["exact_reference_image"],
                         data=data,
+                        iterations=iterations,
                     )
             for run in get_runs():
                 add(
@@ -815,6 +947,7 @@ def get_jobs():
                     run=run["name"],
                     gpus=run["gpus"],
                     layout=run["layout"],
+                    **key,
                 )
         if is_bench_enabled():
             add("bench_spmv", PATHS["bench_csv"])
@@ -838,7 +971,10 @@ def get_summary_input(wildcards):
             jobs, "transpose_matrix", "transpose_benchmark"
         )
         + _outputs(jobs, "compare_transpose", "compared_transpose_benchmark"),
-        "references": _outputs(jobs, "reference_mlem", "reference_timings"),
+        # Their timings (rows of their own) and images (each run's accuracy
+        # against its reference is joined here, mlemlib.report.summarize).
+        "references": _outputs(jobs, "reference_mlem", "reference_timings")
+        + _outputs(jobs, "reference_mlem", "reference_image"),
         "exact_references": _outputs(
             jobs, "exact_reference_mlem", "exact_reference_image"
         ),
@@ -879,8 +1015,7 @@ def _job_resources(stage, wildcards, input, threads, attempt):
             int(wildcards.parts), wildcards.matrix
         )
     elif stage == "mlem":
-        mlem = config["mlem"]
-        options.update(iterations=mlem["iterations"], backend="cpu")
+        options.update(iterations=int(wildcards.iterations), backend="cpu")
         options["stored_transpose"] = "transpose" in input.keys()
         if "run" in wildcards.keys():
             run = get_run(wildcards)
@@ -888,7 +1023,7 @@ def _job_resources(stage, wildcards, input, threads, attempt):
                 backend=run["backend"],
                 gpus=run["gpus"],
                 parts=run["gpus"],
-                repetitions=mlem["repetitions"],
+                repetitions=int(wildcards.repetitions),
                 source_format=config["matrices"][wildcards.matrix]["format"],
             )
     elif stage == "bench":
@@ -1017,12 +1152,6 @@ def get_stage_needs():
     return [need for need in needs if need is not None]
 
 
-def _global_resource(name):
-    value = workflow.global_resources.get(name)
-    value = getattr(value, "value", value)
-    return int(value) if isinstance(value, (int, float)) else None
-
-
 def check_resources():
     """Log every job's needs and the node's limits; stop on a shortfall (config node:).
 
@@ -1049,9 +1178,10 @@ def check_resources():
     )
     faults = shortfalls(needs, node, scheduler=workflow.non_local_exec)
     if faults and node_cfg["check"]:
-        raise WorkflowError(f"resources: {faults[0]}")
+        stop(f"resources: {faults[0]}")
     for fault in faults:
         logger.warning(f"resources (not checked, node.check: false): {fault}")
 
 
+report_left_out_runs()
 check_resources()

@@ -1,7 +1,9 @@
-# The float64 CPU reference MLEM of one problem (matrix x measurement), which
-# every run of that problem is measured against. params.measurement (here and
-# in run_mlem) is provenance, not read by the script: a user's measurement's
-# path, size and mtime, so that replacing the file reruns the reconstructions.
+# The float64 CPU reference MLEM of one problem (matrix x measurement) after
+# {iterations} iterations, which every run of that problem is measured against
+# where the summary is made (no run waits for it). params.measurement (here
+# and in run_mlem) is provenance, not read by the script: a user's
+# measurement's path, size and mtime, so that replacing the file reruns the
+# reconstructions.
 rule reference_mlem:
     input:
         unpack(get_problem_input),
@@ -9,9 +11,9 @@ rule reference_mlem:
         image=PATHS["reference_image"],
         timings=PATHS["reference_timings"],
     log:
-        "logs/mlem/{matrix}/{data}/reference.log",
+        "logs/mlem/{matrix}/{data}/reference-it{iterations}.log",
     benchmark:
-        "benchmarks/mlem/{matrix}/{data}/reference.tsv"
+        "benchmarks/mlem/{matrix}/{data}/reference-it{iterations}.tsv"
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores
@@ -36,9 +38,9 @@ rule exact_reference_mlem:
         image=PATHS["exact_reference_image"],
         timings=PATHS["exact_reference_timings"],
     log:
-        "logs/mlem/{matrix}/{data}/reference-exact.log",
+        "logs/mlem/{matrix}/{data}/reference-exact-it{iterations}.log",
     benchmark:
-        "benchmarks/mlem/{matrix}/{data}/reference-exact.tsv"
+        "benchmarks/mlem/{matrix}/{data}/reference-exact-it{iterations}.tsv"
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores
@@ -52,8 +54,9 @@ rule exact_reference_mlem:
         "../scripts/reference_mlem.py"
 
 
-# One configured run: its repetitions run inside this one job, so that they
-# share the device and the loaded matrix; timings.json holds every one. A run
+# One configured run with the mlem settings its path names (RUN_KEY in
+# common.smk): its repetitions run inside this one job, so that they share the
+# device and the loaded matrix; timings.json holds every one. A run
 # whose kernel reads row chunks gets the matrix's chunks.h5 (chunk_matrix) as
 # input "chunks" (get_mlem_input), which the script passes to reconstruct.
 rule run_mlem:
@@ -64,9 +67,9 @@ rule run_mlem:
         timings=PATHS["run_timings"],
         raw=PATHS["run_raw"],
     log:
-        "logs/mlem/{matrix}/{data}/{run}-gpus-{gpus}-{layout}.log",
+        f"logs/mlem/{{matrix}}/{{data}}/{{run}}-{RUN_KEY}-gpus-{{gpus}}-{{layout}}.log",
     benchmark:
-        "benchmarks/mlem/{matrix}/{data}/{run}-gpus-{gpus}-{layout}.tsv"
+        f"benchmarks/mlem/{{matrix}}/{{data}}/{{run}}-{RUN_KEY}-gpus-{{gpus}}-{{layout}}.tsv"
     conda:
         "../envs/gpu.yaml"
     threads: get_mlem_threads

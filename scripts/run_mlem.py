@@ -36,7 +36,6 @@ with lease:
         checkpoint_every=mlem["checkpoint_every"],
         checkpoint=snakemake.params.checkpoint,
         repetitions=mlem["repetitions"],
-        reference=snakemake.input.get("reference"),
         truth=snakemake.input.get("truth"),
         timings_out=snakemake.output.timings,
         raw_out=snakemake.output.raw,

@@ -395,8 +395,9 @@ def test_workflow_chunks_a_matrix_once_for_the_runs_that_read_chunks(tmp_path):
         rule = rule.split("\n\n", 1)[0]
         if "chunks.h5" in rule.split("output:", 1)[0]:
             reading.add(rule.split("output: ", 1)[1].split("/image.h5", 1)[0].split("/runs/", 1)[1])
-    assert reading == {"nema-seed1/cuda-auto-auto/gpus-1-local", "nema-seed1/cuda-auto-auto/gpus-2-local",
-                       "nema-seed1/cuda-auto-onepass_chunked/gpus-1-local"}, reading
+    key = "it{iterations}-rep{repetitions}-ck{checkpoint_every}".format(**config["mlem"])
+    assert reading == {f"nema-seed1/cuda-auto-auto-{key}/gpus-1-local", f"nema-seed1/cuda-auto-auto-{key}/gpus-2-local",
+                       f"nema-seed1/cuda-auto-onepass_chunked-{key}/gpus-1-local"}, reading
     # not reordered: auto keeps its sample (no chunks to reuse voxels), only onepass_chunked reads the file
     jobs = dry_run(tmp_path, dict(config, reorder="none", runs=runs[:1] + runs[2:]))
     assert "chunk_matrix" not in jobs

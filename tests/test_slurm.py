@@ -51,7 +51,10 @@ PARTITION = os.environ.get("MLEM_SLURM_PARTITION", "debug")
 #: Seconds before the plugin's first status poll and its base interval (the
 #: profile's 40 s suit a real cluster; a test wants answers sooner).
 STATUS_SECONDS = "2"
-RUN_DIR = "results/small/runs/nema-seed1/cpu-auto-auto/gpus-1-local"
+#: The run of config/config.yaml's settings (mlem: 20 iterations, 3 repetitions, checkpoints every 10).
+RUN_DIR = "results/small/runs/nema-seed1/cpu-auto-auto-it20-rep3-ck10/gpus-1-local"
+#: The long run that test_scancel_then_rerun_resumes_from_checkpoint interrupts.
+LONG_RUN_DIR = "results/small/runs/nema-seed1/cpu-auto-auto-it15000-rep1-ck1000/gpus-1-local"
 
 
 def _slurm_missing() -> str | None:
@@ -344,7 +347,7 @@ def test_gpu_run_is_submitted_with_its_gpus(default_runs):
     config = default_config()
     config["use_gpu"] = True
     config["runs"] = [{"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "gpus": 2, "layout": "local"}]
-    target = "results/small/runs/nema-seed1/cuda-csr_vector-csr_vector/gpus-2-local/image.h5"
+    target = "results/small/runs/nema-seed1/cuda-csr_vector-csr_vector-it20-rep3-ck10/gpus-2-local/image.h5"
     assert planned_jobs(remote, target, config=config) == Counter(run_mlem=1), "upstream would be recomputed"
     since = dt.datetime.now() - dt.timedelta(seconds=5)
     cmd = snakemake_cmd(
@@ -379,8 +382,8 @@ def test_scancel_then_rerun_resumes_from_checkpoint(default_runs, base):
     config = default_config()
     config["mlem"] = {"iterations": 15000, "checkpoint_every": 1000, "repetitions": 1, "reference": False}
     config["runs"] = [{"backend": "cpu", "fp": "auto", "bp": "auto"}]
-    target = f"{RUN_DIR}/image.h5"
-    run_dir = remote / RUN_DIR
+    target = f"{LONG_RUN_DIR}/image.h5"
+    run_dir = remote / LONG_RUN_DIR
     checkpoint = run_dir / "checkpoint.h5"
     upstream = {p: p.stat().st_mtime_ns for p in artifacts(remote).values() if run_dir not in p.parents}
     assert len(upstream) >= 8
@@ -423,7 +426,7 @@ def test_scancel_then_rerun_resumes_from_checkpoint(default_runs, base):
     rerun = slurm_jobs(remote, since)
     assert [rule_of(j["Comment"], {"run_mlem"}) for j in rerun] == ["run_mlem"], rerun
     assert rerun[0]["State"] == "COMPLETED"
-    mlem_log = (remote / "logs/mlem/small/nema-seed1/cpu-auto-auto-gpus-1-local.log").read_text()
+    mlem_log = (remote / "logs/mlem/small/nema-seed1/cpu-auto-auto-it15000-rep1-ck1000-gpus-1-local.log").read_text()
     assert "resuming from" in mlem_log and f"iteration {saved_iteration}" in mlem_log, mlem_log[-3000:]
     assert not checkpoint.exists(), "the checkpoint outlived the finished run"
     changed = [str(p) for p, mtime in upstream.items() if p.stat().st_mtime_ns != mtime]
@@ -433,8 +436,8 @@ def test_scancel_then_rerun_resumes_from_checkpoint(default_runs, base):
     local = default_runs["local"]
     run(snakemake_cmd(local, target, config=config), local)
     resumed = h5_datasets(run_dir / "image.h5")
-    straight = h5_datasets(local / RUN_DIR / "image.h5")
+    straight = h5_datasets(local / LONG_RUN_DIR / "image.h5")
     assert resumed.keys() == straight.keys()
     for key in straight:
         assert np.array_equal(resumed[key], straight[key]), f"resumed {key} differs from the uninterrupted run"
-    assert (run_dir / "image.raw").read_bytes() == (local / RUN_DIR / "image.raw").read_bytes()
+    assert (run_dir / "image.raw").read_bytes() == (local / LONG_RUN_DIR / "image.raw").read_bytes()

@@ -100,6 +100,81 @@ def load_timings(items: Iterable[Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 
+# --------------------------------------------------------------------------- accuracy join
+def join_reference_accuracy(
+    timings: list[tuple[str, dict[str, Any]]], reference_images: Iterable[Any]
+) -> list[tuple[str, dict[str, Any]]]:
+    """The runs' accuracy against the float64 reference, joined where the summary is made.
+
+    A run does not wait for its reference (the workflow's ``run_mlem`` has no
+    reference input); here each run's final image (``image.h5``, named in its
+    ``timings.json``) is compared with the reference image of the same
+    problem and iteration count (their ``problem`` fingerprint and
+    ``iterations`` attributes), with :func:`mlemlib.metrics.accuracy`: the
+    same ``reference_sum``, ``rel_l2_reference`` and
+    ``sum_rel_error_reference`` a run given ``reference=`` records. Every
+    repetition whose image is the final one (the same ``image_sha256``; all of
+    them in a deterministic run) gets all three; a repetition with another
+    image (atomics) gets the sums (from its recorded ``image_sum``) and no
+    ``rel_l2_reference`` (its image is not kept). Runs that recorded their
+    reference accuracy already, and references themselves, are left as they are.
+
+    Parameters
+    ----------
+    timings
+        ``(run id, timings)`` pairs of :func:`load_timings` (updated in place).
+    reference_images
+        ``image.h5`` files of float64 references (``mlem reconstruct --reference-mode``).
+
+    Returns
+    -------
+    list
+        ``timings``.
+
+    Raises
+    ------
+    InputError
+        A reference or run image that cannot be read.
+    """
+    from mlemlib import metrics
+    from mlemlib.image import read_image
+
+    refs: dict[tuple[str, int], tuple[str, np.ndarray]] = {}
+    for path in reference_images:
+        img, attrs = read_image(path)
+        if attrs.get("problem") is None or attrs.get("iterations") is None:
+            raise InputError(path, "no 'problem'/'iterations' attributes (not a reference image written by mlem)")
+        refs[(str(attrs["problem"]), int(attrs["iterations"]))] = (os.fspath(path), img)
+    if not refs:
+        return timings
+    for run_id, t in timings:
+        cfg = t.get("config") or {}
+        key = (str(t.get("problem")), int(cfg.get("iterations") or -1))
+        if cfg.get("reference_mode") or key not in refs:
+            continue
+        reps = t.get("repetitions") or []
+        if all("rel_l2_reference" in (rep.get("accuracy") or {}) for rep in reps):
+            continue
+        ref_path, ref = refs[key]
+        image = run_image({"run": run_id, "_outputs": t.get("outputs", {})})
+        if image is None:
+            log.warning("%s: names no image; no accuracy against %s", run_id, ref_path)
+            continue
+        final, _ = read_image(image, expected_length=ref.size)
+        joined = metrics.accuracy(final, reference=ref)
+        digest = joined["image_sha256"]
+        for rep in reps:
+            acc = rep.setdefault("accuracy", {})
+            if acc.get("image_sha256", digest) == digest:
+                acc.update((k, joined[k]) for k in ("reference_sum", "rel_l2_reference", "sum_rel_error_reference"))
+            elif acc.get("image_sum") is not None:
+                acc["reference_sum"] = joined["reference_sum"]
+                acc["sum_rel_error_reference"] = metrics.relative_sum_error([acc["image_sum"]], [joined["reference_sum"]])
+        cfg["reference"] = ref_path
+    return timings
+
+
+
 # --------------------------------------------------------------------------- rows
 def _num(v: Any) -> float | None:
     if v is None or isinstance(v, bool):
@@ -329,10 +404,11 @@ def run_image(row: Mapping[str, Any]) -> Path | None:
 
 
 def exact_reference_problem(path: str | os.PathLike) -> tuple[str, str]:
-    """``(matrix, data)`` of an exact reference image, ``results/{matrix}/runs/{data}/reference-exact/image.h5``."""
+    """``(matrix, data)`` of an exact reference image,
+    ``results/{matrix}/runs/{data}/reference-exact[-it{iterations}]/image.h5``."""
     parts = Path(path).parts
-    if len(parts) < 5 or parts[-2] != "reference-exact" or parts[-4] != "runs":
-        raise InputError(path, "not results/{matrix}/runs/{data}/reference-exact/image.h5")
+    if len(parts) < 5 or not parts[-2].startswith("reference-exact") or parts[-4] != "runs":
+        raise InputError(path, "not results/{matrix}/runs/{data}/reference-exact-it{iterations}/image.h5 (or reference-exact/image.h5)")
     return parts[-5], parts[-3]
 
 

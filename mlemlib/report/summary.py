@@ -25,7 +25,15 @@ from mlemlib.report.plots import (
     plot_time_vs_gpus,
     plot_times,
 )
-from mlemlib.report.rows import config_label, group_rows, load_timings, run_image, run_rows, transpose_rows
+from mlemlib.report.rows import (
+    config_label,
+    group_rows,
+    join_reference_accuracy,
+    load_timings,
+    run_image,
+    run_rows,
+    transpose_rows,
+)
 from mlemlib.report.tables import (
     accuracy_section,
     lossy_section,
@@ -82,7 +90,10 @@ def summarize(
     transpose_benchmarks
         Snakemake benchmark ``.tsv`` files of the transposition jobs.
     references
-        ``timings.json`` of the float64 references (``.h5`` files are ignored).
+        The float64 references: their ``timings.json`` (rows of their own) and
+        their ``image.h5``, against which each run of the same problem and
+        iteration count is measured here (:func:`join_reference_accuracy`:
+        the run itself does not wait for its reference).
     exact_references
         ``results/{matrix}/runs/{data}/reference-exact/image.h5``: the float64
         reference on the lossless source of a lossy-format matrix
@@ -118,8 +129,10 @@ def summarize(
     plots_dir = Path(out_plots) if out_plots is not None else out / "plots"
     title = "MLEM runs: summary" + (f" of configuration {name}" if name else "")
 
-    refs = [r for r in references if not os.fspath(r).endswith((".h5", ".hdf5"))]
-    loaded = load_timings([*runs, *timings, *refs])
+    references = list(references)
+    ref_images = [r for r in references if os.fspath(r).endswith((".h5", ".hdf5"))]
+    refs = [r for r in references if r not in ref_images]
+    loaded = join_reference_accuracy(load_timings([*runs, *timings, *refs]), ref_images)
     rows = run_rows(loaded)
     groups = group_rows(rows)
     trows = transpose_rows(transposes, transpose_benchmarks)
