@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -89,11 +90,11 @@ def test_markdown_tables(runs, tmp_path):
     root, _, _ = runs
     summarize([root], tmp_path / "s")
     md = (tmp_path / "s" / "summary.md").read_text()
-    # thesis Table 9.3, reproduced from the samples: step, average time per iteration
-    for text in ("| bp | 2.0921 s |", "| allreduce | 1.1001 s |", "| fp | 16.498 ms |", "| update | 49.424 us |",
-                 "| corr | 3.200 us |"):
+    # thesis Table 9.3, reproduced from the samples: step, average time per iteration (ms, 3 significant digits)
+    assert "| step | avg time per iteration (ms) | min (ms) | max (ms) | median (ms) |" in md
+    for text in ("| bp | 2092 |", "| allreduce | 1100 |", "| fp | 16.5 |", "| update | 0.0494 |", "| corr | 0.00320 |"):
         assert text in md
-    assert md.index("| bp | 2.0921 s |") < md.index("| allreduce | 1.1001 s |") < md.index("| fp | 16.498 ms |")
+    assert md.index("| bp | 2092 |") < md.index("| allreduce | 1100 |") < md.index("| fp | 16.5 |")
     # accuracy spread: min, max, std and max-min of the image sums; distinct images
     line = next(ln for ln in md.splitlines() if "csr_vector/notrans" in ln and "1000.5 |" in ln)
     cells = [c.strip() for c in line.strip("|").split("|")]
@@ -147,9 +148,9 @@ def test_image_plot_and_transpose_table(tmp_path):
     # A benchmark without its transpose file: the whole job only; two benchmark rows: their spread.
     head, rows = _md_section(md, "## Transposition times by method")
     assert dict(zip(head, rows[0])) == {
-        "matrix": "tiny", "method": "scipy", "A^T of the runs": "", "transposition alone": "", "threads": "",
-        "whole job": "2.0000 s", "rest of the job": "", "jobs": "2", "whole job min": "1.5000 s",
-        "whole job max": "2.5000 s", "job's max RSS (MB)": "130"}
+        "matrix": "tiny", "method": "scipy", "A^T of the runs": "", "transposition alone (s)": "", "threads": "",
+        "whole job (s)": "2.00", "rest of the job (s)": "", "jobs": "2", "whole job min (s)": "1.50",
+        "whole job max (s)": "2.50", "job's max RSS (MB)": "130"}
 
 
 def test_bad_inputs(tmp_path):
@@ -270,8 +271,8 @@ def test_scaling_table(scaling_runs, tmp_path):
     assert md.index("## Time per iteration by step") < md.index("## Scaling over GPUs") < md.index("## Accuracy")
     head, body = _md_section(md, "## Scaling over GPUs")
     # graph capture leaves fp/bp/allreduce blank; corr and update are never timed here: no columns
-    assert head == ["matrix", "data", "configuration", "GPUs", "layout", "reps", "iteration", "fp", "bp", "allreduce",
-                    "speed-up", "efficiency", "GB/s per GPU", "rel. L2 to ref.", "deterministic"]
+    assert head == ["matrix", "data", "configuration", "GPUs", "layout", "reps", "iteration (ms)", "fp (ms)", "bp (ms)",
+                    "allreduce (ms)", "speed-up", "efficiency", "GB/s per GPU", "rel. L2 to ref.", "deterministic"]
     got = {(r[2], r[3], r[4]): dict(zip(head, r)) for r in body}
     # cpu and the merge run (one GPU count only) are not in it; "cuda" (1 GPU) and "cuda-nccl" are one group
     assert sorted(got) == sorted([
@@ -288,20 +289,20 @@ def test_scaling_table(scaling_runs, tmp_path):
         return [got[key][n] for n in names]
 
     c = "cuda csr_vector/csr_vector"
-    measures = ("reps", "iteration", "speed-up", "efficiency", "GB/s per GPU")
+    measures = ("reps", "iteration (ms)", "speed-up", "efficiency", "GB/s per GPU")
     # T1 = 4.0 ms; bandwidth per GPU = 4e9 B / P / T(P)
-    assert cols((c, "1", "local"), *measures) == ["2", "4.000 ms", "1.00", "1.00", "1000"]
-    assert cols((c, "2", "local"), *measures) == ["2", "2.000 ms", "2.00", "1.00", "1000"]
-    assert cols((c, "2", "thesis"), *measures) == ["1", "2.500 ms", "1.60", "0.80", "800"]
-    assert cols((c, "4", "local"), *measures) == ["2", "1.250 ms", "3.20", "0.80", "800"]
-    assert cols((c, "4", "thesis"), *measures) == ["2", "2.000 ms", "2.00", "0.50", "500"]
-    assert cols((c, "4", "local"), "fp", "bp", "allreduce") == ["250.000 us", "750.000 us", "250.000 us"]
-    assert cols((c, "1", "local"), "fp", "bp", "allreduce") == ["", "", ""]
+    assert cols((c, "1", "local"), *measures) == ["2", "4.00", "1.00", "1.00", "1000"]
+    assert cols((c, "2", "local"), *measures) == ["2", "2.00", "2.00", "1.00", "1000"]
+    assert cols((c, "2", "thesis"), *measures) == ["1", "2.50", "1.60", "0.80", "800"]
+    assert cols((c, "4", "local"), *measures) == ["2", "1.25", "3.20", "0.80", "800"]
+    assert cols((c, "4", "thesis"), *measures) == ["2", "2.00", "2.00", "0.50", "500"]
+    assert cols((c, "4", "local"), "fp (ms)", "bp (ms)", "allreduce (ms)") == ["0.250", "0.750", "0.250"]
+    assert cols((c, "1", "local"), "fp (ms)", "bp (ms)", "allreduce (ms)") == ["", "", ""]
     assert got[(c, "4", "local")]["rel. L2 to ref."] == "3.000e-07"
     assert got[(c, "1", "local")]["rel. L2 to ref."] == "2.000e-07"
     # no 1-GPU run with graph capture: no speed-up, but the bandwidth per GPU is still there
-    assert cols(("cuda csr_vector/csr_vector graph", "2", "local"), *measures) == ["1", "1.600 ms", "–", "–", "1250"]
-    assert cols(("cuda csr_vector/csr_vector graph", "4", "local"), *measures) == ["1", "1.000 ms", "–", "–", "1000"]
+    assert cols(("cuda csr_vector/csr_vector graph", "2", "local"), *measures) == ["1", "1.60", "–", "–", "1250"]
+    assert cols(("cuda csr_vector/csr_vector graph", "4", "local"), *measures) == ["1", "1.00", "–", "–", "1000"]
 
     # the records behind the table, unrounded
     recs = {(r["configuration"], r["gpus"], r["layout"]): r for r in scaling_table(run_rows(load_timings([scaling_runs])))}
@@ -502,10 +503,11 @@ def test_transposition_table_says_what_each_time_measures(tmp_path):
     table = {r[1]: dict(zip(head, r)) for r in rows}
     assert set(table) == {"scantrans", "scipy"} and "(configured)" not in md
     assert (table["scantrans"]["A^T of the runs"], table["scipy"]["A^T of the runs"]) == ("yes", "")
-    for method, (_, seconds, _, job, _) in zip(("scantrans", "scipy"), files.values()):
-        assert table[method]["transposition alone"] == format_seconds(seconds)
-        assert table[method]["whole job"] == format_seconds(job)
-        assert table[method]["rest of the job"] == format_seconds(job - seconds)
+    # seconds, the unit in the header, to 3 significant digits
+    assert [table["scantrans"][c] for c in ("transposition alone (s)", "whole job (s)", "rest of the job (s)")] == [
+        "0.0487", "5.62", "5.57"]
+    assert [table["scipy"][c] for c in ("transposition alone (s)", "whole job (s)", "rest of the job (s)")] == [
+        "0.150", "0.840", "0.690"]
     assert "jobs" not in head  # one benchmark row each: no spread columns
     # the text above the table says which column compares the methods
     assert TRANSPOSE_INTRO in md and "compare methods by this column" in TRANSPOSE_INTRO
@@ -527,7 +529,7 @@ def test_html_tables_for_the_report(runs, tmp_path):
             assert f"<h2>{line[3:]}</h2>" in html
     assert html.count("<table>") == sum(line.startswith("|---") for line in md.splitlines()) > 3
     assert "|---" not in html
-    assert '<td style="text-align: right;">2.0921 s</td>' in html  # a time cell of the thesis table, right-aligned
+    assert '<td style="text-align: right;">2092</td>' in html  # a time cell (ms) of the thesis table, right-aligned
     assert "<td>cuda csr_vector/notrans x8 thesis</td>" in html  # a text cell, left-aligned
     # the Plots section shows the images, embedded so that the page shows them in the Snakemake report too
     images = [p for p in r["plots"]]
@@ -712,9 +714,9 @@ def test_runs_csv_hardware_and_energy_columns(tmp_path):
     md = (tmp_path / "s" / "summary.md").read_text()
     line = next(ln for ln in md.splitlines() if ln.startswith("| madpet3 | nema-seed1 | cuda csr_vector/notrans x1 |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    head = next(ln for ln in md.splitlines() if ln.startswith("| matrix | data | configuration | format |"))
+    head = next(ln for ln in md.splitlines() if ln.startswith("| matrix | data | configuration | format (bytes/nnz) |"))
     named = dict(zip([c.strip() for c in head.strip("|").split("|")], cells))
-    assert named["format"] == "compressed (5.25)" and named["J/iteration"] == "405"
+    assert named["format (bytes/nnz)"] == "compressed (5.25)" and named["J/iteration"] == "405"
 
 
 def test_thesis_section_for_matrix3_only(tmp_path):
@@ -728,9 +730,10 @@ def test_thesis_section_for_matrix3_only(tmp_path):
     assert "## The thesis beside us: Matrix 3 (Table 4.3)" in md
     rows = [ln for ln in md.splitlines() if ln.startswith("| thesis: ") or ln.startswith("| cuda")]
     thesis_rows = [ln for ln in rows if "Table 9.3" in ln or "x8 (DGX-1)" in ln]
-    assert len(thesis_rows) == 1 and "| 3.2088 s | 16.498 ms | 2.0921 s | 1.1001 s | 1.00 | 1.00 | 1.00 |" in md
+    assert len(thesis_rows) == 1 and "| 897 | 7176 | – | 3209 | 16.5 | 2092 | 1100 | 1.00 | 1.00 | 1.00 |" in md
+    assert "| iteration (ms) | fp (ms) | bp (ms) | allreduce (ms) |" in md
     # 1 H200: speed-up 4, bandwidth ratio 4800 / (8 x 897) = 0.6689, kernel gain 4 / 0.6689 = 5.98
-    assert "| 4800 | 4800 | 4000 | 802.200 ms | 4.124 ms | 523.030 ms | 275.033 ms | 4.00 | 0.67 | 5.98 | 405 |" in md
+    assert "| 4800 | 4800 | 4000 | 802 | 4.12 | 523 | 275 | 4.00 | 0.67 | 5.98 | 405 |" in md
     # 2 H200, one pass (no fp of its own): speed-up 8, ratio 1.338, gain 5.98; "fused into bp", not 0
     two = next(ln for ln in md.splitlines() if ln.startswith("| cuda-nccl csr_vector/onepass x2 local | madpet3"))
     assert "| fused into bp |" in two and "| 0 " not in two and "| 8.00 | 1.34 | 5.98 |" in two
@@ -830,3 +833,170 @@ def test_lossy_section_measures_each_image_against_the_exact_matrix_reference(tm
     assert lossy_section(rows, []) == ""
     with pytest.raises(InputError, match="reference-exact/image.h5"):
         exact_reference_problem(tmp_path / "image.h5")
+
+
+# --------------------------------------------------------------------------- a mixed summary: reference, CPU, GPUs
+@pytest.fixture
+def mixed_runs(tmp_path):
+    """What issue 40's user saw: a 3.6 s float64 reference, a CPU run of about 3 ms and GPU runs of 1-4 ms on
+    1, 2 and 4 GPUs in both layouts, of one problem."""
+    ref = _scaling_timings(1, "local", [3600.0], steps_ms={"fp": 1500.0, "bp": 2100.0})
+    ref["config"].update(backend="cpu", reference_mode=True, dtype="float64")
+    runs = {
+        "reference": ref,
+        "cpu": _timings(backend="cpu", fp="numba", bp="numba", gpus=1, layout="local", sums=[999.0], digests=["d"],
+                        scale=1e-3),
+        "gpu-1": _scaling_timings(1, "local", [4.0, 4.0], steps_ms={"fp": 1.2345678, "bp": 2.7654322}),
+        "gpu-2-local": _scaling_timings(2, "local", [2.0], steps_ms={"fp": 0.5, "bp": 1.25, "allreduce": 0.25}),
+        "gpu-2-thesis": _scaling_timings(2, "thesis", [2.5]),
+        "gpu-4-local": _scaling_timings(4, "local", [1.25], steps_ms={"fp": 0.25, "bp": 0.75, "allreduce": 0.25}),
+        "gpu-4-thesis": _scaling_timings(4, "thesis", [1.9]),
+    }
+    root = tmp_path / "runs"
+    for name, t in runs.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "timings.json").write_text(json.dumps(t))
+    return root
+
+
+def _md_tables(md):
+    """Every pipe table of ``md``: (header cells, rows of cells)."""
+    tables, current = [], None
+    for ln in md.splitlines():
+        if ln.startswith("|"):
+            cells = [c.strip() for c in ln.strip("|").split("|")]
+            if current is None:
+                current = (cells, [])
+                tables.append(current)
+            elif not ln.startswith("|---"):
+                current[1].append(cells)
+        else:
+            current = None
+    return tables
+
+
+def _significant(cell):
+    """Significant digits of a plain decimal number (``0.00320`` -> 3, ``2092`` -> 4)."""
+    digits = cell.replace("-", "").replace(".", "").lstrip("0")
+    return len(digits)
+
+
+def test_mixed_summary_tables_name_their_units_and_round_times(mixed_runs, tmp_path):
+    """Times in a column of one unit named in its header (3.6 s and 1 ms in one column: 3600 and 1.25), to 3
+    significant digits (4 above 1000); no unit inside a cell; a step no run timed has no column."""
+    summarize([mixed_runs], tmp_path / "s")
+    md = (tmp_path / "s" / "summary.md").read_text()
+    tables = _md_tables(md)
+    assert len(tables) >= 8
+    time_columns = 0
+    for head, rows in tables:
+        for k, name in enumerate(head):
+            cells = [r[k] for r in rows if k < len(r)]
+            assert not any(re.fullmatch(r"[\d.]+ ?(s|ms|us)", c) for c in cells), (name, cells)  # unit in the header
+            if name.endswith(("(ms)", "(s)")):
+                time_columns += 1
+                for c in cells:
+                    assert c in ("", "–") or c.startswith("fused") or (
+                        re.fullmatch(r"\d+(\.\d+)?", c) and _significant(c) <= 4), (name, c)
+    assert time_columns >= 20
+    head, rows = _md_section(md, "## Time per iteration by step")
+    named = {r[2]: dict(zip(head, r)) for r in rows}
+    assert named["reference (float64)"]["iteration (ms)"] == "3600"
+    assert named["cuda csr_vector/csr_vector+AT x1"]["iteration (ms)"] == "4.00"
+    assert named["cuda csr_vector/csr_vector+AT x1"]["fp (ms)"] == "1.23"
+    assert named["cuda-nccl csr_vector/csr_vector+AT x4 local"]["allreduce (ms)"] == "0.250"
+    assert [named["cpu numba/numba"][c] for c in ("iteration (ms)", "bp (ms)", "update (ms)")] == [
+        "3.21", "2.09", "0.0000494"]
+    assert "format (bytes/nnz)" in head and "GB/s" in head
+    # no run timed a step: no column (here every step is timed by some run)
+    summarize([mixed_runs / "gpu-2-thesis"], tmp_path / "one")
+    head, _ = _md_section((tmp_path / "one" / "summary.md").read_text(), "## Time per iteration by step")
+    assert not any(h.startswith(("fp", "bp", "allreduce")) for h in head)
+    # the count in the head leaves the reference out
+    assert "6 runs and 1 float64 reference, 8 repetitions, 7 configurations." in md
+
+
+def test_mixed_summary_html_shows_every_plot_and_right_aligned_times(mixed_runs, tmp_path):
+    r = summarize([mixed_runs], tmp_path / "s")
+    html = (tmp_path / "s" / "summary.html").read_text()
+    names = sorted(p.rsplit("/", 1)[1] for p in r["plots"])
+    assert names == ["accuracy.png", "scaling.png", "time_distribution.png", "time_per_iteration.png",
+                     "time_vs_gpus.png"]
+    assert html.count('<img alt="') == 5 and html.count('src="data:image/png;base64,') == 5
+    assert '<th style="text-align: right;">iteration (ms)</th>' in html and '<td style="text-align: right;">3600</td>' in html
+
+
+def test_mixed_time_plot_and_scaling_colours(mixed_runs, tmp_path, figures):
+    """The time plot puts the 3.6 s reference in a panel of its own (s), the 1-4 ms runs in one of ms whose
+    smallest bar is a fifth of its axis at least; scaling.png draws local and thesis in two colours."""
+    from matplotlib.colors import to_hex
+
+    summarize([mixed_runs], tmp_path / "s")
+    fig = figures["time_per_iteration.png"]
+    fast, slow = fig.axes[:2]
+    assert [t.get_text() for t in slow.get_yticklabels()] == ["reference (float64)"]
+    assert fast.get_xlabel() == "time per iteration (ms)" and slow.get_xlabel() == "time per iteration (s)"
+    totals = {}
+    for p in fast.patches:  # stacked bars: a configuration's total is its right-most edge
+        row = round(p.get_y() + p.get_height() / 2)
+        totals[row] = max(totals.get(row, 0.0), p.get_x() + p.get_width())
+    assert len(totals) == 6 and min(totals.values()) / fast.get_xlim()[1] > 0.2
+    ax = figures["scaling.png"].axes[0]
+    series = [ln for ln in ax.get_lines() if not ln.get_label().startswith(("_", "ideal"))]
+    assert [ln.get_label().rsplit(", ", 1)[1] for ln in series] == ["local layout", "thesis layout"]
+    assert len({to_hex(ln.get_color()) for ln in series}) == 2
+    # the key under the plots names every backend label they show
+    key = " ".join(t.get_text() for t in fig.texts).replace("\n", " ")
+    assert "cuda-nccl on several" in key
+
+
+def test_distribution_plot_names_far_outliers_without_exponents():
+    from mlemlib.report.plots import _beyond
+
+    assert _beyond([30720.0]) == "1 beyond: 30720 ms"
+    assert _beyond([7.0, 13.75]) == "2 beyond: 7, 13.75 ms"
+
+
+def test_image_plot_without_a_truth_speaks_of_none(tmp_path, figures):
+    """A measurement of the user's has no phantom: the figure shows the reconstruction's three slices, and
+    neither titles nor the note under it speak of a truth."""
+    from mlemlib.report import plot_image
+
+    run = _tiny_problem(tmp_path, (2.0, 2.0, 3.0))
+    assert plot_image(run / "image.h5", None, tmp_path / "i.png", "tiny / scan: cpu numba/numba+AT")
+    fig = figures["i.png"]
+    images = [im for ax in fig.axes for im in ax.get_images()]
+    assert len(images) == 3
+    text = " ".join([t.get_text() for t in fig.texts] + [ax.get_title() for ax in fig.axes]
+                    + [fig._suptitle.get_text()]).lower()
+    assert "truth" not in text and "phantom" not in text and "both" not in text
+    assert "99.9th percentile" in text
+    # beside a truth the note says the two share the scale
+    assert plot_image(run / "image.h5", tmp_path / "truth.h5", tmp_path / "t.png", "tiny / sim")
+    note = " ".join(t.get_text() for t in figures["t.png"].texts).replace("\n", " ")
+    assert "Truth and reconstruction share one grey scale" in note
+
+
+def test_spmv_table_from_the_benchmarks_own_csv(tmp_path):
+    """spmv.csv as mlem bench spmv writes it (format_csv, CSV_FIELDS): shape and auto reach the summary."""
+    from mlemlib.bench.spmv import format_csv
+
+    def k(op, kernel, ms, **kw):
+        return {"op": op, "kernel": kernel, "deterministic": op == "fp", "median_s": ms * 1e-3, "min_s": ms * 1e-3,
+                "bytes": 7.7e9, "bandwidth": 7.7e9 / ms * 1e3, "of_copy": 0.9, "rel_l2": 3e-8, **kw}
+
+    kernels = [k("fp", "csr_vector", 2.0123456, lanes=16, shape="256t", auto=True, vs_cusparse=1.44),
+               k("fp", "cusparse", 2.9, auto=False, vs_cusparse=1.0),
+               k("bp_notrans", "scatter", 3.9, lanes=8, auto=True), k("bp_notrans", "scatter_vec", 3.7, lanes=8)]
+    path = tmp_path / "results" / "madpet2" / "bench" / "spmv.csv"
+    path.parent.mkdir(parents=True)
+    path.write_text(format_csv({"kernels": kernels}))
+    summarize([], tmp_path / "s", bench=[path])
+    md = (tmp_path / "s" / "summary.md").read_text()
+    head, rows = _md_section(md, "### madpet2")
+    named = [dict(zip(head, r)) for r in rows]
+    assert [(r["operation"], r["kernel"], r["median (ms)"], r[""]) for r in named] == [
+        ("fp", "csr_vector (16 lanes, 256t)", "2.01", "*fastest*, *auto*"), ("fp", "cusparse", "2.90", ""),
+        ("bp_notrans", "scatter (8 lanes)", "3.90", "*auto*"), ("bp_notrans", "scatter_vec (8 lanes)", "3.70",
+                                                                "*fastest*")]
+    assert "bp_notrans: from the rows of A" in md and "launch shape" in md

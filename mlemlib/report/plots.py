@@ -44,7 +44,8 @@ def _slug(text: str) -> str:
 
 #: What the parts of a configuration's label mean (see :func:`config_label`), printed under the plots.
 LABEL_KEY = (
-    "Labels: backend (cpu, cuda) and fp/bp, the forward- and back-projection kernels (e.g. cpu: numba, scipy; "
+    "Labels: backend (cpu; cuda on one GPU, cuda-nccl on several) and fp/bp, the forward- and back-projection "
+    "kernels (e.g. cpu: numba, scipy; "
     "cuda: csr_vector, merge, cusparse); +AT: the back projection reads a stored transpose A^T; "
     "notrans: it scatters with A, no transpose; xP: on P GPUs, with the multi-GPU layout (local: one "
     "all-reduce of the image per iteration; thesis: one after each projection); secN: merge section size; "
@@ -264,7 +265,8 @@ def plot_distribution(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) 
 
 def _beyond(vals: list[float]) -> str:
     """Label of outliers beyond the plotted range: their count and times (ms)."""
-    shown = ", ".join(f"{v:.4g}" for v in (vals if len(vals) <= 3 else [vals[0], vals[-1]]))
+    shown = ", ".join(f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"  # 30720, not 3.072e+04
+                      for v in (vals if len(vals) <= 3 else [vals[0], vals[-1]]))
     if len(vals) > 3:
         shown = shown.replace(", ", " … ")
     return f"{len(vals)} beyond: {shown} ms"
@@ -510,13 +512,17 @@ def plot_time_vs_gpus(rows: list[dict[str, Any]], path: Path) -> bool:
 #: Colour-bar label of the image plots: what a voxel value measures.
 IMAGE_UNITS = "activity per voxel (A f = expected counts per LOR)"
 
-#: The note under the image plots.
+#: The note under the image plots; :data:`IMAGE_SCALE` or :data:`IMAGE_SCALE_NO_TRUTH` follows it.
 IMAGE_NOTE = (
     "Central slices through the field of view, centred on 0. A voxel's value is the activity MLEM estimates, in "
     "the units A gives it: A f is the expected number of counts of each LOR (for the scanner presets, whose "
-    "elements are chord lengths in mm, counts per mm of chord). Truth and reconstruction share one grey scale, "
-    "from 0 to the 99.9th percentile of both (the arrow: brighter voxels)."
+    "elements are chord lengths in mm, counts per mm of chord). "
 )
+#: How the grey scale is set, beside a truth.
+IMAGE_SCALE = ("Truth and reconstruction share one grey scale, from 0 to the 99.9th percentile of both (the arrow: "
+               "brighter voxels).")
+#: How the grey scale is set, without one (a measurement of the user's: nothing to compare with).
+IMAGE_SCALE_NO_TRUTH = "The grey scale runs from 0 to the image's 99.9th percentile (the arrow: brighter voxels)."
 
 
 def _axis_mm(count: int, size: float) -> tuple[float, float]:
@@ -534,7 +540,8 @@ def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool
 
     Axes in mm (the field of view centred on 0; in voxels where the image
     has no voxel size), one colour scale shared by truth and reconstruction
-    (0 to the 99.9th percentile of both) and one colour bar with the units.
+    (0 to the 99.9th percentile of both) and one colour bar with the units. Without a truth (none given,
+    or unreadable) the figure and its note show and speak of the reconstruction only.
     """
     import matplotlib.pyplot as plt
 
@@ -585,7 +592,7 @@ def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool
     bar.set_label(IMAGE_UNITS, fontsize=8)
     bar.ax.tick_params(labelsize=7)
     fig.suptitle(title, fontsize=9)
-    _add_key(fig, IMAGE_NOTE, width=150)
+    _add_key(fig, IMAGE_NOTE + (IMAGE_SCALE if len(vols) > 1 else IMAGE_SCALE_NO_TRUTH), width=150)
     _save(fig, path, dpi=100)
     return True
 

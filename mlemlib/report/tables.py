@@ -6,8 +6,10 @@ heading, a sentence on what its columns measure, a pipe table; "" where it
 has nothing to show): time per iteration by step, scaling over GPUs, the
 thesis beside us, accuracy over repetitions, the cost of lossy matrix
 values, transposition times, partition balance, the SpMV benchmark and the
-plots. Numbers are formatted for reading (times with their unit, ratios to
-2 decimals); numeric columns are right-aligned.
+plots. Every column that has a unit names it in its header (one unit per
+column: MLEM times in ms, whole jobs in s), and numbers are formatted for
+reading (times to 3 significant digits, ratios to 2 decimals); numeric
+columns are right-aligned.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from mlemlib.report.rows import (
     scaling_table,
     thesis_table,
 )
-from mlemlib.timing import format_seconds, ordered_steps
+from mlemlib.timing import ordered_steps
 
 
 def write_runs_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
@@ -70,9 +72,35 @@ def _md_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fmt_s(v: Any) -> str:
+def _sig3(v: float) -> str:
+    """``v`` to 3 significant digits without an exponent (``1.50``, ``0.0456``, ``123``, ``3590``)."""
+    if not math.isfinite(v) or v == 0:
+        return f"{v:g}"
+    if abs(v) >= 999.5:
+        return f"{v:.0f}"
+    s = f"{v:#.3g}"
+    if "e" in s:  # below 1e-4
+        s = f"{v:.{2 - math.floor(math.log10(abs(v)))}f}"
+    return s.rstrip(".")
+
+
+def _fmt_ms(seconds: Any) -> str:
+    """Seconds as milliseconds to 3 significant digits (``1.23``, ``0.0456``, ``3600``); the column's header
+    says ``(ms)``."""
+    v = _num(seconds)
+    return _sig3(v * 1e3) if v is not None else ""
+
+
+def _fmt_3(v: Any) -> str:
+    """A number to 3 significant digits, whole above 1000 (``11.8``, ``0.00346``, ``38400``)."""
     v = _num(v)
-    return format_seconds(v) if v is not None else ""
+    return _sig3(v) if v is not None else ""
+
+
+def _fmt_sec(seconds: Any) -> str:
+    """Seconds to 3 significant digits (``0.960``, ``18.3``); the column's header says ``(s)``."""
+    v = _num(seconds)
+    return _sig3(v) if v is not None else ""
 
 
 def _fmt_g(v: Any, digits: int = 9) -> str:
@@ -100,7 +128,9 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
     """
     energy = any(r.get("energy_per_iteration_J") is not None for rs in groups.values() for r in rs)
     floors = any(r.get("of_floor") is not None for rs in groups.values() for r in rs)
-    head = ["matrix", "data", "configuration", "format", "reps", "iteration", "min", "max", *STEPS, "GB/s",
+    steps = [s for s in STEPS if any(r.get(f"{s}_mean_s") is not None for rs in groups.values() for r in rs)]
+    head = ["matrix", "data", "configuration", "format (bytes/nnz)", "reps", "iteration (ms)", "min (ms)", "max (ms)",
+            *(f"{s} (ms)" for s in steps), "GB/s",
             *(["of floor", "of CSR floor"] if floors else []), *(["J/iteration"] if energy else []),
             "deterministic"]
     body = []
@@ -109,11 +139,11 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
         body.append(
             [
                 r0["matrix"], r0["data"], config_label(r0), _format_cell(r0), len(rs),
-                _fmt_s(_mean(r["iteration_mean_s"] for r in rs)),
-                _fmt_s(min((r["iteration_min_s"] for r in rs if r["iteration_min_s"] is not None), default=None)),
-                _fmt_s(max((r["iteration_max_s"] for r in rs if r["iteration_max_s"] is not None), default=None)),
-                *(_fmt_s(_mean(r[f"{s}_mean_s"] for r in rs)) for s in STEPS),
-                _fmt_g(_mean(r["bandwidth_GBps"] for r in rs), 4),
+                _fmt_ms(_mean(r["iteration_mean_s"] for r in rs)),
+                _fmt_ms(min((r["iteration_min_s"] for r in rs if r["iteration_min_s"] is not None), default=None)),
+                _fmt_ms(max((r["iteration_max_s"] for r in rs if r["iteration_max_s"] is not None), default=None)),
+                *(_fmt_ms(_mean(r[f"{s}_mean_s"] for r in rs)) for s in steps),
+                _fmt_3(_mean(r["bandwidth_GBps"] for r in rs)),
                 *([_fmt_pct(_mean(r.get("of_floor") for r in rs)), _fmt_pct(_mean(r.get("of_csr_floor") for r in rs))]
                   if floors else []),
                 *([_fmt_g(_mean(r.get("energy_per_iteration_J") for r in rs), 4)] if energy else []),
@@ -121,7 +151,9 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
             ]
         )
     intro = (
-        "Mean over all iterations and repetitions (min and max: the fastest and slowest single iteration). "
+        "Mean over all iterations and repetitions (min and max: the fastest and slowest single iteration), in ms; "
+        "fp, corr, bp, update, allreduce: the steps of an iteration (forward projection, the measurement's "
+        "correction, back projection, image update, all-reduce between GPUs), empty where not timed apart. "
         "format: the matrix format on the device, with its bytes per non-zero of A in brackets where recorded "
         "(CSR: 8, a 4-byte value and a 4-byte column, plus the row pointer); folded: the matrix stores each "
         "distinct row once (a LOR stored as (i, j) and (j, i) once), the same image from fewer bytes. "
@@ -135,7 +167,7 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
            "not measured, e.g. on the CPU)." if energy else "")
         + "\n\n"
     )
-    out = ["## Time per iteration by step\n", intro, _md_table(head, body)]
+    out = ["## Time per iteration by step\n\n", intro, _md_table(head, body)]
     for rs in groups.values():
         r0 = rs[0]
         samples: dict[str, list[float]] = {}
@@ -154,8 +186,8 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
         out.append(f"\n### {r0['matrix']} / {r0['data']}: {config_label(r0)}\n\n")
         out.append(
             _md_table(
-                ["step", "avg time per iteration", "min", "max", "median"],
-                [[s[0], _fmt_s(s[1]), _fmt_s(s[2]), _fmt_s(s[3]), _fmt_s(s[4])] for s in steps_sorted],
+                ["step", "avg time per iteration (ms)", "min (ms)", "max (ms)", "median (ms)"],
+                [[s[0], _fmt_ms(s[1]), _fmt_ms(s[2]), _fmt_ms(s[3]), _fmt_ms(s[4])] for s in steps_sorted],
             )
         )
     return "".join(out)
@@ -199,7 +231,7 @@ def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
         "reference MLEM of the same problem, and against the phantom. distinct images: how many different "
         "float32 images the repetitions produced (1: bit-identical).\n\n"
     )
-    out = ["## Accuracy over repetitions\n", intro, _md_table(head, body)]
+    out = ["## Accuracy over repetitions\n\n", intro, _md_table(head, body)]
     if cr_rows:
         out += ["\n### Contrast recovery (mean over repetitions; 1 is perfect)\n\n",
                 _md_table(["matrix", "data", "configuration", *(c[3:] for c in cr_labels)], cr_rows)]
@@ -258,12 +290,13 @@ def scaling_section(rows: Iterable[Mapping[str, Any]]) -> str:
     if not recs:
         return ""
     steps = [s for s in STEPS if any(r[f"{s}_s"] is not None for r in recs)]
-    head = ["matrix", "data", "configuration", "GPUs", "layout", "reps", "iteration", *steps, "speed-up",
+    head = ["matrix", "data", "configuration", "GPUs", "layout", "reps", "iteration (ms)", *(f"{s} (ms)" for s in steps),
+            "speed-up",
             "efficiency", "GB/s per GPU", "rel. L2 to ref.", "deterministic"]
     body = [
-        [r["matrix"], r["data"], r["configuration"], r["gpus"], r["layout"], r["reps"], _fmt_s(r["iteration_s"]),
-         *(_fmt_s(r[f"{s}_s"]) for s in steps), _fmt_ratio(r["speedup"]), _fmt_ratio(r["efficiency"]),
-         _fmt_g(r["bandwidth_per_gpu_GBps"], 4), _fmt_e(r["rel_l2_reference"]),
+        [r["matrix"], r["data"], r["configuration"], r["gpus"], r["layout"], r["reps"], _fmt_ms(r["iteration_s"]),
+         *(_fmt_ms(r[f"{s}_s"]) for s in steps), _fmt_ratio(r["speedup"]), _fmt_ratio(r["efficiency"]),
+         _fmt_3(r["bandwidth_per_gpu_GBps"]), _fmt_e(r["rel_l2_reference"]),
          "yes" if r["deterministic"] else "NO (atomics)"]
         for r in recs
     ]
@@ -283,7 +316,7 @@ def _step_cell(r: Mapping[str, Any], step: str, fused_into: str | None) -> str:
     """A step's mean time; ``fused into <step>`` where the backend timed it inside another; – where not timed."""
     t = r.get(f"{step}_s")
     if t is not None:
-        return _fmt_s(t)
+        return _fmt_ms(t)
     if fused_into and r.get(f"{fused_into}_s") is not None:
         return f"fused into {fused_into}"
     return "–"
@@ -315,7 +348,7 @@ def thesis_section(rows: Iterable[Mapping[str, Any]]) -> str:
     if not recs:
         return ""
     head = ["configuration", "matrix / data", "reps", "GPUs", "GPU", "GB/s per GPU (theor.)", "GB/s total (theor.)",
-            "GB/s total (measured copy)", "iteration", "fp", "bp", "allreduce", "speed-up over thesis",
+            "GB/s total (measured copy)", "iteration (ms)", "fp (ms)", "bp (ms)", "allreduce (ms)", "speed-up over thesis",
             "bandwidth ratio", "kernel gain", "J/iteration"]
     out = []
     for run in thesis.RUNS:
@@ -326,8 +359,8 @@ def thesis_section(rows: Iterable[Mapping[str, Any]]) -> str:
                 energy += f" ({r['energy_gpus']} of {r['gpus']} GPUs)"
             body.append([
                 r["configuration"], f"{r['matrix']} / {r['data']}", r["reps"], r["gpus"], r["gpu_model"],
-                _fmt_g(r["theoretical_per_gpu_GBps"], 5) or "–", _fmt_g(r["theoretical_GBps"], 5) or "–",
-                _fmt_g(r["measured_GBps"], 5) or "–", _fmt_s(r["iteration_s"]),
+                _fmt_3(r["theoretical_per_gpu_GBps"]) or "–", _fmt_3(r["theoretical_GBps"]) or "–",
+                _fmt_3(r["measured_GBps"]) or "–", _fmt_ms(r["iteration_s"]),
                 _step_cell(r, "fp", "bp"), _step_cell(r, "bp", None), _step_cell(r, "allreduce", None),
                 _fmt_ratio(r["speedup"]), _fmt_ratio(r["bandwidth_ratio"]), _fmt_ratio(r["kernel_gain"]),
                 energy or "–",
@@ -366,17 +399,17 @@ def transpose_section(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
     several = any((r.get("job_n") or 0) > 1 for r in rows)
-    head = ["matrix", "method", "A^T of the runs", "transposition alone", "threads", "whole job",
-            "rest of the job", *(["jobs", "whole job min", "whole job max"] if several else []),
+    head = ["matrix", "method", "A^T of the runs", "transposition alone (s)", "threads", "whole job (s)",
+            "rest of the job (s)", *(["jobs", "whole job min (s)", "whole job max (s)"] if several else []),
             "job's max RSS (MB)"]
     body = []
     for r in rows:
         rest = (r["job_mean_s"] - r["transpose_s"]
                 if r.get("job_mean_s") is not None and r.get("transpose_s") is not None else None)
-        spread_cells = [r.get("job_n") or "", _fmt_s(r.get("job_min_s")), _fmt_s(r.get("job_max_s"))]
-        body.append([r["matrix"], r["method"], "yes" if r["used_by_runs"] else "", _fmt_s(r.get("transpose_s")),
-                     _fmt_g(r.get("threads"), 3), _fmt_s(r.get("job_mean_s")), _fmt_s(rest),
-                     *(spread_cells if several else []), _fmt_g(r.get("max_rss_MB"), 6)])
+        spread_cells = [r.get("job_n") or "", _fmt_sec(r.get("job_min_s")), _fmt_sec(r.get("job_max_s"))]
+        body.append([r["matrix"], r["method"], "yes" if r["used_by_runs"] else "", _fmt_sec(r.get("transpose_s")),
+                     _fmt_g(r.get("threads"), 3), _fmt_sec(r.get("job_mean_s")), _fmt_sec(rest),
+                     *(spread_cells if several else []), _fmt_3(r.get("max_rss_MB"))])
     return "## Transposition times by method\n\n" + TRANSPOSE_INTRO + _md_table(head, body)
 
 
@@ -413,24 +446,6 @@ def spmv_rows(path: str | os.PathLike) -> list[dict[str, str]]:
     return recs
 
 
-def _sig3(v: float) -> str:
-    """``v`` to 3 significant digits without an exponent (``1.50``, ``0.0456``, ``123``, ``3590``)."""
-    if not math.isfinite(v) or v == 0:
-        return f"{v:g}"
-    if abs(v) >= 999.5:
-        return f"{v:.0f}"
-    s = f"{v:#.3g}"
-    if "e" in s:  # below 1e-4
-        s = f"{v:.{2 - math.floor(math.log10(abs(v)))}f}"
-    return s.rstrip(".")
-
-
-def _fmt_ms(seconds: Any) -> str:
-    """Seconds as milliseconds to 3 significant digits (``1.23``, ``0.0456``)."""
-    v = _num(seconds)
-    return _sig3(v * 1e3) if v is not None else ""
-
-
 def _truthy(v: Any) -> bool:
     return str(v).strip().lower() in ("true", "1", "yes")
 
@@ -451,8 +466,11 @@ def spmv_kernel_label(r: Mapping[str, Any]) -> str:
 
 #: What the columns of the SpMV benchmark table measure (printed above it).
 SPMV_INTRO = (
-    "Each kernel's forward projection (fp: A x) or back projection (bp: A^T y) on one GPU, timed over the "
-    "benchmark's repetitions: median and fastest time in ms. GB/s: the bytes the kernel reads over its median "
+    "Each kernel's forward projection (fp: A x) or back projection (bp: A^T y on the stored transpose; "
+    "bp_notrans: from the rows of A, without one) on one GPU, timed over the benchmark's repetitions: median and "
+    "fastest time in ms. kernel: its name, with the lanes per row, the launch shape (threads per block, e.g. "
+    "256t; row, mb, w, u: csr_vector's tuned variants) and merge's section size where it has them. "
+    "GB/s: the bytes the kernel reads over its median "
     "time; of copy: that bandwidth over the GPU's measured copy bandwidth; vs cuSPARSE: cuSPARSE's median time "
     "over the kernel's (above 1: faster than cuSPARSE); rel. L2: the result against a float64 product. "
     "*fastest*: the fastest kernel of the operation; *auto*: the one the `auto` policy runs, where the table "
