@@ -161,8 +161,6 @@ def test_thesis_matrix3_fits_the_h200_node(tmp_path):
          "needs 3.2 GB of host memory, the node has 3.0 GB (short by 230.2 MB)"),
         ({"host_memory_gb": 2.5}, "resources: stage generate_container (matrix3, compressed) needs 2.6 GB of host "
          "memory, the node has 2.5 GB (short by 68.3 MB)"),
-        ({"gpus": 1}, "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 2 GPUs, local) needs 2 "
-         "GPUs, the node has 1"),
     ],
 )
 def test_thesis_matrix3_refused_on_a_smaller_node(tmp_path, node, line):
@@ -180,10 +178,64 @@ def test_check_false_only_logs(tmp_path):
     assert "resources (not checked, node.check: false): stage run_mlem" in out
 
 
-def test_resources_gpu_limit_is_checked(tmp_path):
-    proc = dry_run(tmp_path, matrix3_config(), "--resources", "gpu=1")
-    assert "needs 2 GPUs, --resources gives gpu=1" in proc.stdout + proc.stderr
+def _job_count(out: str, rule: str) -> int:
+    return out.count(f"rule {rule}:")
+
+
+def _no_traceback(out: str) -> None:
+    assert "Traceback" not in out and "WorkflowError" not in out and "common.smk" not in out, out
+
+
+#: The runs of thesis-matrix3.yaml on 2 GPUs (each of them on both matrices).
+MATRIX3_ON_2 = "cuda-auto-onepass_fixed on 2 GPUs local, cuda-auto-onepass on 2 GPUs local"
+
+
+@pytest.mark.parametrize(
+    ("node", "args", "why"),
+    [({}, ("--resources", "gpu=1"), "--resources gpu=1"), ({"gpus": 1}, (), "node.gpus: 1")],
+)
+def test_runs_on_more_gpus_than_given_are_left_out_in_one_line(tmp_path, node, args, why):
+    proc = dry_run(tmp_path, matrix3_config(**node), *args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    (line,) = [x for x in out.splitlines() if x.startswith("runs left out")]
+    assert line == f"runs left out, 2 (they need more GPUs than {why}; gpu_runs: all keeps them): " + MATRIX3_ON_2
+    assert _job_count(out, "run_mlem") == 4  # the 1-GPU runs, both matrices
+    assert "on 2 GPUs" not in out.split("what each job needs", 1)[1]
+
+
+@pytest.mark.parametrize(
+    ("node", "args", "line"),
+    [
+        ({}, ("--resources", "gpu=1"), "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 2 "
+         "GPUs, local) needs 2 GPUs, --resources gives gpu=1"),
+        ({"gpus": 1}, (), "resources: stage run_mlem (matrix3, nema-seed1, cuda-auto-onepass_fixed on 2 GPUs, local) "
+         "needs 2 GPUs, the node has 1"),
+    ],
+)
+def test_gpu_runs_all_keeps_them_and_the_check_refuses_in_one_line(tmp_path, node, args, line):
+    config = matrix3_config(**node)
+    config["gpu_runs"] = "all"
+    proc = dry_run(tmp_path, config, *args)
+    out = proc.stdout + proc.stderr
     assert proc.returncode != 0
+    assert line in out.splitlines(), out[-3000:]
+    assert "runs left out" not in out and "Building DAG" not in out
+    _no_traceback(out)
+
+
+def test_thesis_config_on_a_4_gpu_node_leaves_out_its_8_gpu_runs(tmp_path):
+    config = yaml.safe_load((REPO / "config/thesis.yaml").read_text())
+    proc = dry_run(tmp_path, config, "--resources", "gpu=4")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    _no_traceback(out)
+    (line,) = [x for x in out.splitlines() if x.startswith("runs left out")]
+    assert line.startswith("runs left out, 10 (they need more GPUs than --resources gpu=4; gpu_runs: all keeps them): "
+                           "cuda-csr_vector-csr_vector on 8 GPUs local, cuda-csr_vector-csr_vector on 8 GPUs thesis, ")
+    assert line.count(" on 8 GPUs ") == 10
+    planned = out.split("what each job needs", 1)[1]
+    assert " on 4 GPUs, thesis" in planned and " on 8 GPUs" not in planned
 
 
 def test_the_check_sizes_every_job_of_the_dag(tmp_path):

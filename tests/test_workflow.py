@@ -27,6 +27,9 @@ SNAKEFILE = REPO / "Snakefile"
 #: The stages that make the problem and never depend on runs or iterations.
 UPSTREAM = {"generate_matrix", "convert_matrix", "compute_norm", "transpose_matrix"}
 
+#: The mlem settings of TINY in its runs' directories (RUN_KEY in rules/common.smk).
+KEY = "it2-rep1-ck0"
+
 #: A tiny config: every stage, CPU only, two runs (one with the stored
 #: transpose, one without), a reference, one phantom.
 TINY = {
@@ -86,6 +89,17 @@ def planned_jobs(proc: subprocess.CompletedProcess) -> dict[str, int]:
 def dry_run(workdir: Path, config: dict, *targets: str) -> dict[str, int]:
     """Jobs a dry run of ``config`` in ``workdir`` would run."""
     return planned_jobs(snakemake(workdir, "--dry-run", "--quiet", "rules", *targets, config=config))
+
+
+def one_line(proc: subprocess.CompletedProcess) -> str:
+    """The one line a workflow stopped by a bad input prints (Snakemake's own "Using ... profile" aside):
+    no traceback, no "WorkflowError in file ...common.smk" header."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "Traceback" not in out and "WorkflowError" not in out and "common.smk" not in out, out
+    lines = [line for line in out.splitlines() if line.strip() and not line.startswith("Using workflow specific profile")]
+    assert len(lines) == 1, out
+    return lines[0]
 
 
 def changed(**sections) -> dict:
@@ -181,7 +195,7 @@ def test_lossy_format_adds_the_exact_matrix_reference(tmp_path, fmt):
     if fmt != "compressed":
         plan = snakemake(tmp_path, "--dry-run", "--printshellcmds", config=config).stdout
         rule = plan.split("rule exact_reference_mlem:", 1)[1].split("\n\n", 1)[0]
-        assert "input: resources/small.csr4" in rule and "reference-exact/image.h5" in rule, rule
+        assert "input: resources/small.csr4" in rule and "reference-exact-it2/image.h5" in rule, rule
 
 
 def test_use_gpu_true_adds_every_cuda_run_and_the_benchmark(tmp_path):
@@ -223,8 +237,9 @@ def test_bad_config_stops_before_any_job(tmp_path, config, named):
     proc = snakemake(tmp_path, "--cores", "1", config=config)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert named in out, out
-    assert "config/schema.yaml" in out
+    line = one_line(proc)
+    assert line.startswith("config ") and named in line, out
+    assert line.endswith("config/schema.yaml lists the keys and their allowed values")
     for made in ("results", "resources", "logs"):
         assert not (tmp_path / made).exists()
 
@@ -255,7 +270,7 @@ def test_voxel_order_runs_every_stage_on_the_generated_container(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "results/summary/default/runs.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
-    runs = [r for r in rows if not r["run"].endswith("/reference")]
+    runs = [r for r in rows if r["reference_mode"] == "False"]
     assert len(runs) == 2 and "notrans" in {r["bp"] for r in runs}
     for r in runs:  # the images (in the grid's order) against the float64 reference of the same matrix
         assert float(r["rel_l2_reference"]) < 1e-5, r
@@ -264,6 +279,69 @@ def test_voxel_order_runs_every_stage_on_the_generated_container(tmp_path):
 
     perm = permutation_of(tmp_path / "results" / "small" / "matrix.h5")
     np.testing.assert_array_equal(perm.voxels, voxel_permutation(tuple(get_preset("small").grid)))
+
+
+# ------------------------------------------------- bad files stop the dry run
+
+
+def user_files(tmp_path: Path, counts: np.ndarray | None = None) -> dict:
+    """A config of a user's 40 x 12 Matrix Market matrix and a measurement (``counts``, default 0..39)."""
+    import scipy.io
+    import scipy.sparse as sp
+
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    scipy.io.mmwrite(data / "mine.mtx", sp.random(40, 12, density=0.3, random_state=1, format="coo"))
+    (np.arange(40) if counts is None else counts).astype("<i4").tofile(data / "scan.LMsino")
+    return {
+        **copy.deepcopy(MINE),
+        "matrices": {"mine": {"path": "data/mine.mtx", "measurements": {"scan": "data/scan.LMsino"}}},
+    }
+
+
+def test_user_files_that_read_well_plan_every_stage(tmp_path):
+    assert dry_run(tmp_path, user_files(tmp_path))["run_mlem"] == 1
+
+
+def test_negative_count_stops_the_dry_run(tmp_path):
+    counts = np.arange(40)
+    counts[7] = -3
+    proc = snakemake(tmp_path, "--dry-run", config=user_files(tmp_path, counts))
+    assert one_line(proc) == "config matrices.mine.measurements.scan: data/scan.LMsino: negative count -3 at LOR 7"
+    # a real run stops the same way, before any job
+    assert one_line(snakemake(tmp_path, "--cores", "1", config=user_files(tmp_path, counts))).endswith("at LOR 7")
+    assert not (tmp_path / "results").exists()
+
+
+def test_mtx_index_out_of_range_stops_the_dry_run(tmp_path):
+    config = user_files(tmp_path)
+    path = tmp_path / "data/mine.mtx"
+    lines = path.read_text().splitlines()
+    body = next(k for k, line in enumerate(lines) if not line.startswith("%") and line.strip()) + 1
+    lines[body] = "41 " + lines[body].split(None, 1)[1]  # row 41 of 40
+    path.write_text("\n".join(lines) + "\n")
+    line = one_line(snakemake(tmp_path, "--dry-run", config=config))
+    assert line.startswith("config matrices.mine.path: data/mine.mtx: ") and "out of bounds" in line, line
+
+
+def test_npz_without_a_sparse_matrix_stops_the_dry_run(tmp_path):
+    config = user_files(tmp_path)
+    np.savez(tmp_path / "data/dense.npz", a=np.ones(3))
+    config["matrices"]["mine"]["path"] = "data/dense.npz"
+    line = one_line(snakemake(tmp_path, "--dry-run", config=config))
+    assert line.startswith("config matrices.mine.path: data/dense.npz: not a SciPy sparse .npz file"), line
+
+
+def test_a_file_is_read_once_per_version(tmp_path):
+    config = user_files(tmp_path)
+    assert dry_run(tmp_path, config)["run_mlem"] == 1
+    checked = json.loads((tmp_path / ".snakemake/mlemlib/checked-files.json").read_text())
+    assert sorted(key.split()[0] for key in checked) == ["matrix_rows", "measurement_ok"]
+    counts = np.arange(40)
+    counts[0] = -1
+    counts.astype("<i4").tofile(tmp_path / "data/scan.LMsino")  # the same path, new contents: read again
+    os.utime(tmp_path / "data/scan.LMsino", ns=(1, 1))
+    assert one_line(snakemake(tmp_path, "--dry-run", config=config)).endswith("negative count -1 at LOR 0")
 
 
 # ------------------------------------------------------------------- reruns
@@ -285,7 +363,7 @@ def test_finished_run_leaves_summary_and_is_up_to_date(finished):
         assert (summary / name).stat().st_size > 0
     assert any((summary / "plots").glob("*.png"))
     for run in ("cpu-auto-auto", "cpu-auto-notrans"):
-        run_dir = finished / f"results/small/runs/nema-seed1/{run}/gpus-1-local"
+        run_dir = finished / f"results/small/runs/nema-seed1/{run}-{KEY}/gpus-1-local"
         assert (run_dir / "image.h5").exists()
         assert (run_dir / "timings.json").exists()
     assert dry_run(finished, TINY) == {}
@@ -296,6 +374,64 @@ def test_iterations_rerun_only_runs_and_summary(finished):
     jobs = dry_run(finished, changed(mlem={"iterations": 3}))
     # Both runs, the reference of the one problem, the summary; nothing upstream.
     assert jobs == {"reference_mlem": 1, "run_mlem": 2, "summarize": 1}
+
+
+def rule_blocks(proc: subprocess.CompletedProcess, rule: str) -> list[str]:
+    """The job blocks of ``rule`` in a dry run's full output."""
+    return [block.split("\n\n", 1)[0] for block in proc.stdout.split(f"rule {rule}:")[1:]]
+
+
+@pytest.mark.slow
+def test_no_run_waits_for_the_reference_and_the_summary_joins_it(finished):
+    plan = snakemake(finished, "--dry-run", config=changed(mlem={"iterations": 3}))
+    runs, (summary,) = rule_blocks(plan, "run_mlem"), rule_blocks(plan, "summarize")
+    assert len(runs) == 2 and not any("reference" in run.split("output:", 1)[0] for run in runs), runs
+    assert "results/small/runs/nema-seed1/reference-it3/image.h5" in summary.split("output:", 1)[0]
+    # the joined accuracy of the finished run: its image against the reference
+    with open(finished / "results/summary/default/runs.csv", newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["reference_mode"] == "False"]
+    assert len(rows) == 2 and all(0 < float(r["rel_l2_reference"]) < 1e-5 for r in rows), rows
+    for run in ("cpu-auto-auto", "cpu-auto-notrans"):
+        timings = json.loads((finished / f"results/small/runs/nema-seed1/{run}-{KEY}/gpus-1-local/timings.json").read_text())
+        assert timings["config"]["reference"] is None  # the run itself had none
+
+
+#: TINY with other mlem settings on the same matrix, under its own name.
+TINY_IT3 = {**changed(mlem={"iterations": 3, "repetitions": 2}), "name": "it3"}
+
+
+@pytest.fixture(scope="module")
+def keyed(finished, tmp_path_factory) -> Path:
+    """A copy of the tiny run's directory where TINY_IT3 ran to the end too."""
+    import shutil
+
+    workdir = Path(shutil.copytree(finished, tmp_path_factory.mktemp("keyed") / "w", symlinks=True))
+    # Only what the other settings define: its reference, its runs, its summary.
+    assert dry_run(workdir, TINY_IT3) == {"reference_mlem": 1, "run_mlem": 2, "summarize": 1}
+    proc = snakemake(workdir, "--cores", "2", config=TINY_IT3, timeout=600)
+    assert proc.returncode == 0, f"workflow failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+    return workdir
+
+
+@pytest.mark.slow
+def test_mlem_settings_keep_their_own_runs_side_by_side(keyed):
+    # Neither makes the other stale, whichever is asked first.
+    assert dry_run(keyed, TINY) == {}
+    assert dry_run(keyed, TINY_IT3) == {}
+    assert dry_run(keyed, TINY) == {}
+    runs = keyed / "results/small/runs/nema-seed1"
+    assert {p.name for p in runs.iterdir()} == {
+        "reference-it2", "reference-it3", f"cpu-auto-auto-{KEY}", f"cpu-auto-notrans-{KEY}",
+        "cpu-auto-auto-it3-rep2-ck0", "cpu-auto-notrans-it3-rep2-ck0",
+    }  # fmt: skip
+    # Each summary reads exactly its own runs.
+    for name, iterations, repetitions in (("default", "2", 1), ("it3", "3", 2)):
+        with open(keyed / f"results/summary/{name}/runs.csv", newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        assert {r["iterations"] for r in rows} == {iterations}
+        runs_rows = [r for r in rows if r["reference_mode"] == "False"]
+        assert len(runs_rows) == 2 * repetitions
+        assert all(0 < float(r["rel_l2_reference"]) < 1e-5 for r in runs_rows), runs_rows
 
 
 @pytest.mark.slow
@@ -319,7 +455,7 @@ def test_part_count_reruns_partition_and_what_follows(finished):
     assert jobs == {"partition_matrix": 1, "run_mlem": 1, "summarize": 1}
     planned = snakemake(finished, "--dry-run", config=config).stdout
     assert "results/small/parts-3/plan.json" in planned
-    assert "cuda-csr_vector-csr_vector/gpus-3-local" in planned
+    assert f"cuda-csr_vector-csr_vector-{KEY}/gpus-3-local" in planned
 
 
 @pytest.mark.slow
@@ -407,12 +543,9 @@ def two_configs(finished) -> Path:
 
 def fault_line(proc: subprocess.CompletedProcess) -> str:
     """The one line of a failed run that names the config key (and no "Nothing to be done")."""
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out
-    assert "Nothing to be done" not in out
-    lines = [line for line in out.splitlines() if line.startswith("config matrices.")]
-    assert len(lines) == 1, out
-    return lines[0]
+    line = one_line(proc)
+    assert line.startswith("config matrices."), line
+    return line
 
 
 @pytest.mark.slow
