@@ -106,7 +106,7 @@ def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose
     takes them.
     """
     from mlemlib.formats import matrix_geometry
-    from mlemlib.formats.lmsino import read_lmsino
+    from mlemlib.formats.lmsino import check_counts, read_lmsino
 
     with Stopwatch() as sw_load:
         src = open_source(matrix, "matrix")
@@ -118,7 +118,7 @@ def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose
         if isinstance(sino, (str, os.PathLike)):
             g = read_lmsino(sino, expected_length=m_user)
         else:
-            g = np.asarray(sino).reshape(-1)
+            g = check_counts(sino, "sino")
             if g.size != m_user:
                 raise ConfigError("sino", f"measurement has {g.size} values, the matrix has m = {m_user} rows")
         if row_fold is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 
@@ -12,6 +13,28 @@ def existing_file(text: str) -> Path:
     if not p.exists():
         raise argparse.ArgumentTypeError(f"{text}: no such file or directory")
     return p
+
+
+def output_file(text: str) -> str:
+    """argparse type: a file to write (checked at parse time, before any work).
+
+    The path must not name a directory (or end in a path separator), and its
+    nearest existing ancestor must be a directory this process may write in
+    (the missing ones between are created when the output is written).
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("empty path; expected a file to write")
+    p = Path(text)
+    if p.is_dir() or text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{text}: is a directory; expected the name of a file to write")
+    parent = p.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: cannot write in {parent} (permission denied)")
+    return text
 
 
 def positive_int(text: str) -> int:

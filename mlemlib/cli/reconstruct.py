@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, existing_file
+from mlemlib.cli._common import add_parser, existing_file, output_file
 
 
 def _int_at_least(minimum: int):
@@ -14,7 +14,7 @@ def _int_at_least(minimum: int):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if v < minimum:
-            raise argparse.ArgumentTypeError(f"{v} is below {minimum}")
+            raise argparse.ArgumentTypeError(f"{v}: must be >= {minimum}")
         return v
 
     return parse
@@ -30,7 +30,7 @@ def register(sub) -> None:
     )
     p.add_argument("-m", "--matrix", required=True, type=existing_file, metavar="MATRIX", help="system matrix (.h5, .csr4, .mtx, .npz)")
     p.add_argument("-s", "--sino", required=True, type=existing_file, metavar="DATA.LMsino", help="measurement (int32 counts)")
-    p.add_argument("-n", "--iterations", required=True, type=_int_at_least(0), metavar="N", help="MLEM iterations")
+    p.add_argument("-n", "--iterations", required=True, type=_int_at_least(1), metavar="N", help="MLEM iterations (>= 1)")
     p.add_argument("--norm", type=existing_file, metavar="NORM.h5", help="column sums (default: computed from the matrix)")
     p.add_argument("-t", "--transpose", type=existing_file, metavar="T.h5", help="stored A^T (default: back-project with A)")
     p.add_argument("-b", "--backend", choices=("auto", "cpu", "cuda"), default="auto", help="compute backend ($MLEM_BACKEND overrides auto)")
@@ -49,15 +49,15 @@ def register(sub) -> None:
     )
     p.add_argument("--plan", type=existing_file, metavar="PARTS", help="partition directory or plan.json (gpus > 1)")
     p.add_argument("-k", "--checkpoint-every", type=_int_at_least(0), default=10, metavar="K", help="checkpoint every K iterations (0: never)")
-    p.add_argument("--checkpoint", metavar="CKPT.h5", default=None, help="checkpoint file (default: <out>.checkpoint.h5)")
+    p.add_argument("--checkpoint", type=output_file, metavar="CKPT.h5", default=None, help="checkpoint file (default: <out>.checkpoint.h5)")
     p.add_argument("-r", "--repetitions", type=_int_at_least(1), default=1, metavar="R", help="timed repetitions (matrix loaded once)")
     p.add_argument("--reference", type=existing_file, metavar="REF.h5", help="float64 reference image for the relative L2 error")
     p.add_argument("--truth", type=existing_file, metavar="TRUTH.h5", help="true phantom image (from mlem simulate)")
     p.add_argument("--reference-mode", action="store_true", help="compute the float64 CPU reference instead (writes only --out)")
     p.add_argument("-j", "--threads", type=_int_at_least(1), default=None, metavar="N", help="host threads (cpu backend)")
-    p.add_argument("--timings", metavar="TIMINGS.json", default=None, help="timings file (default: timings.json beside --out)")
+    p.add_argument("--timings", type=output_file, metavar="TIMINGS.json", default=None, help="timings file (default: timings.json beside --out)")
     p.add_argument("--matrix-name", metavar="NAME", default=None, help="matrix name in tables (default: from its path)")
-    p.add_argument("-o", "--out", required=True, metavar="IMAGE.h5", help="image to write")
+    p.add_argument("-o", "--out", required=True, type=output_file, metavar="IMAGE.h5", help="image to write (not a directory)")
     p.add_argument(
         "--lease", action="store_true",
         help="take --gpus free GPUs of this node with lock files first (concurrent jobs; see mlem lease)",
