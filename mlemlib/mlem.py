@@ -123,6 +123,7 @@ def reconstruct(
     threads: int | None = None,
     device_info: dict[str, Any] | None = None,
     matrix_name: str | None = None,
+    data_name: str | None = None,
     keep_checkpoint: bool = False,
     progress: Callable[[int, int, Any], None] | None = None,
     chunks: Any | None = None,
@@ -182,6 +183,9 @@ def reconstruct(
         Facts about the device(s) recorded in ``timings.json``.
     matrix_name
         Name of the matrix in tables (default: from its path).
+    data_name
+        Name of the measurement in tables (default: its file name without the suffix); the
+        workflow gives the config's key, the name of the run's folder.
     progress
         Called as ``progress(repetition, iteration, image)`` after every
         iteration (and after its checkpoint), e.g. for a progress bar.
@@ -249,7 +253,7 @@ def reconstruct(
             prob, settings, desc, be, records, config,
             sources={"matrix": matrix, "sino": sino, "norm": norm, "transpose": transpose, "reference": reference,
                      "truth": truth, "plan": plan},
-            matrix_name=matrix_name, device_info=device_info, setup_s=sw_setup.seconds,
+            matrix_name=matrix_name, data_name=data_name, device_info=device_info, setup_s=sw_setup.seconds,
         )
         return _write_outputs(
             out_image, host_img, timings, prob, writer=writer, raw_out=raw_out, timings_out=timings_out,
@@ -436,6 +440,7 @@ def reference(
     checkpoint_every: int = 0,
     checkpoint: str | os.PathLike | None = None,
     threads: int | None = None,
+    data_name: str | None = None,
 ) -> dict[str, Any]:
     """The float64 reference MLEM of a problem, written to ``reference.h5``.
 
@@ -450,6 +455,7 @@ def reference(
         matrix, sino, out, iterations=iterations, norm=norm, transpose=transpose, truth=truth,
         timings_out=timings_out if timings_out is not None else record_out, raw_out=False, reference_mode=True,
         fp=fp, bp=bp, checkpoint_every=checkpoint_every, checkpoint=checkpoint, threads=threads,
+        data_name=data_name,
     )
 
 

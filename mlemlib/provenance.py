@@ -113,7 +113,7 @@ def _path_or(value: Any, other: Any = None) -> Any:
 
 def timings_record(prob: Any, settings: Any, desc: dict[str, Any], be: Any, records: list[dict],
                    config: dict[str, Any], *, sources: dict[str, Any], matrix_name: str | None,
-                   device_info: dict[str, Any] | None, setup_s: float) -> dict[str, Any]:
+                   device_info: dict[str, Any] | None, setup_s: float, data_name: str | None = None) -> dict[str, Any]:
     """The content of ``timings.json``: configuration, problem, bytes moved, set-up and every repetition.
 
     Parameters
@@ -132,6 +132,8 @@ def timings_record(prob: Any, settings: Any, desc: dict[str, Any], be: Any, reco
         recorded as text).
     matrix_name, device_info, setup_s
         The matrix's name in tables, device facts, the backend's set-up time.
+    data_name
+        The measurement's name in tables (default: its file name without the suffix).
     """
     m, n = prob.shape
     nnz = int(prob.src.nnz)
@@ -157,7 +159,7 @@ def timings_record(prob: Any, settings: Any, desc: dict[str, Any], be: Any, reco
             "matrix": matrix_name or matrix_label(sources["matrix"]) or "matrix",
             "matrix_path": source_name(prob.src, sources["matrix"]),
             "sino": _path_or(sino, "<memory>"),
-            "data": Path(sino).name.split(".")[0] if isinstance(sino, (str, os.PathLike)) else "memory",
+            "data": data_name or (Path(sino).name.split(".")[0] if isinstance(sino, (str, os.PathLike)) else "memory"),
             "norm": _path_or(sources["norm"]),
             "transpose": _path_or(transpose, None if transpose is None else "<memory>"),
             "reference": _path_or(sources["reference"]),

@@ -17,5 +17,6 @@ result = reference(
     truth=snakemake.input.get("truth"),
     timings_out=snakemake.output.timings,
     threads=snakemake.threads,
+    data_name=snakemake.wildcards.data,
 )
 logging.info("reference_mlem: wrote %s", snakemake.output.image)

@@ -41,5 +41,6 @@ with lease:
         raw_out=snakemake.output.raw,
         threads=snakemake.threads,
         matrix_name=snakemake.params.matrix_name,
+        data_name=snakemake.wildcards.data,
     )
 logging.info("run_mlem: wrote %s", snakemake.output.image)

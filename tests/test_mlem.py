@@ -157,6 +157,14 @@ def test_outputs_and_timings(problem, tmp_path):
     assert on_disk["deterministic"] is True
     assert len({r["accuracy"]["image_sha256"] for r in on_disk["repetitions"]}) == 1  # bit-identical repetitions
     assert t["backend"]["backend"] == "cpu"
+    assert on_disk["config"]["data"] == "memory"  # a measurement given as an array
+    # the measurement's name in tables: the one given (the workflow's config key), else the file's stem
+    sino = tmp_path / "scna.LMsino"
+    np.asarray(g, dtype="<i4").tofile(sino)
+    for name, want in ((None, "scna"), ("scan", "scan")):
+        reconstruct(src, sino, tmp_path / "named" / "image.h5", iterations=1, backend="cpu", checkpoint_every=0,
+                    data_name=name)
+        assert json.loads((tmp_path / "named" / "timings.json").read_text())["config"]["data"] == want
 
 
 class _CountingSource(InMemoryMatrix):

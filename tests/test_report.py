@@ -325,8 +325,8 @@ def test_scaling_graph_column_and_labels(scaling_runs, tmp_path):
     assert rows["cpu"]["graph"] == "False"
     # graph capture is a configuration of its own in the timing table too
     md = (tmp_path / "s" / "summary.md").read_text()
-    assert "cuda-nccl csr_vector/csr_vector+AT graph x2 local" in md
-    assert "cuda-nccl csr_vector/csr_vector+AT x2 local" in md
+    assert "cuda csr_vector/csr_vector+AT graph x2 local" in md
+    assert "cuda csr_vector/csr_vector+AT x2 local" in md
 
 
 def test_scaling_plot(scaling_runs, tmp_path):
@@ -735,7 +735,7 @@ def test_thesis_section_for_matrix3_only(tmp_path):
     # 1 H200: speed-up 4, bandwidth ratio 4800 / (8 x 897) = 0.6689, kernel gain 4 / 0.6689 = 5.98
     assert "| 4800 | 4800 | 4000 | 802 | 4.12 | 523 | 275 | 4.00 | 0.67 | 5.98 | 405 |" in md
     # 2 H200, one pass (no fp of its own): speed-up 8, ratio 1.338, gain 5.98; "fused into bp", not 0
-    two = next(ln for ln in md.splitlines() if ln.startswith("| cuda-nccl csr_vector/onepass x2 local | madpet3"))
+    two = next(ln for ln in md.splitlines() if ln.startswith("| cuda csr_vector/onepass x2 local | madpet3"))
     assert "| fused into bp |" in two and "| 0 " not in two and "| 8.00 | 1.34 | 5.98 |" in two
     recs = thesis_table(run_rows([("a", _gpu_run(1)), ("b", _gpu_run(2, onepass=True, scale=0.125))]))
     assert [rec["thesis"] for rec in recs] == [True, False, False]
@@ -904,7 +904,7 @@ def test_mixed_summary_tables_name_their_units_and_round_times(mixed_runs, tmp_p
     assert named["reference (float64)"]["iteration (ms)"] == "3600"
     assert named["cuda csr_vector/csr_vector+AT x1"]["iteration (ms)"] == "4.00"
     assert named["cuda csr_vector/csr_vector+AT x1"]["fp (ms)"] == "1.23"
-    assert named["cuda-nccl csr_vector/csr_vector+AT x4 local"]["allreduce (ms)"] == "0.250"
+    assert named["cuda csr_vector/csr_vector+AT x4 local"]["allreduce (ms)"] == "0.250"
     assert [named["cpu numba/numba"][c] for c in ("iteration (ms)", "bp (ms)", "update (ms)")] == [
         "3.21", "2.09", "0.0000494"]
     assert "format (bytes/nnz)" in head and "GB/s" in head

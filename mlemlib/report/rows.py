@@ -365,7 +365,7 @@ def config_label(r: Mapping[str, Any]) -> str:
     if r.get("reference_mode"):
         return "reference (float64)"
     bp = f"{r.get('bp')}" + ("+AT" if r.get("transpose") and r.get("bp") != "notrans" else "")
-    s = f"{r.get('backend')} {r.get('fp')}/{bp}"
+    s = f"{_family(r.get('backend'))} {r.get('fp')}/{bp}"
     if r.get("secsize"):
         s += f" sec{r['secsize']}"
     if r.get("graph"):
