@@ -144,17 +144,25 @@ def slice_rows(a: CSRMatrix, r0: int, r1: int) -> CSRMatrix:
     return CSRMatrix(ip[r0 : r1 + 1] - base, a.indices[base - off : end - off], a.data[base - off : end - off], (r1 - r0, a.shape[1]))
 
 
-def take_rows(a: CSRMatrix, rows: np.ndarray) -> CSRMatrix:
-    """The rows ``rows`` (ascending local numbers) of a host CSR matrix or row block, as a new matrix."""
+def row_elements(indptr: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(out_indptr, positions)`` of the rows ``rows`` (ascending local numbers) of a row pointer: the row
+    pointer of those rows alone, and where their elements lie in the arrays ``indptr`` indexes (from
+    ``indptr[0]``), in order; any per-element array taken at ``positions`` belongs to ``out_indptr``."""
     rows = np.asarray(rows, dtype=np.int64)
-    ip = np.asarray(a.indptr, dtype=np.int64)
+    ip = np.asarray(indptr, dtype=np.int64)
     p0 = int(ip[0])
     starts, ends = ip[rows] - p0, ip[rows + 1] - p0
     lens = ends - starts
     out_ip = np.zeros(rows.size + 1, dtype=np.int64)
     np.cumsum(lens, out=out_ip[1:])
     sel = np.repeat(starts - out_ip[:-1], lens) + np.arange(int(out_ip[-1]), dtype=np.int64)
-    return CSRMatrix(out_ip, a.indices[sel], a.data[sel], (rows.size, a.shape[1]))
+    return out_ip, sel
+
+
+def take_rows(a: CSRMatrix, rows: np.ndarray) -> CSRMatrix:
+    """The rows ``rows`` (ascending local numbers) of a host CSR matrix or row block, as a new matrix."""
+    out_ip, sel = row_elements(a.indptr, rows)
+    return CSRMatrix(out_ip, a.indices[sel], a.data[sel], (len(out_ip) - 1, a.shape[1]))
 
 
 def chunk_bounds(indptr: np.ndarray, max_nnz: int) -> list[tuple[int, int]]:

@@ -40,6 +40,7 @@ from mlemlib.formats.csr4 import (
 from mlemlib.formats.compressed_h5 import (
     CompressedH5,
     CompressedH5Writer,
+    conversion_summary,
     read_compressed_h5,
     sample_code_bits,
     write_compressed_h5,
@@ -326,26 +327,11 @@ def convert(
                         f"checksum mismatch: attribute says {reader.checksum}, data gives {got} (file corrupted)",
                     )
     seconds = time.perf_counter() - t0
-    nbytes = _matrix_nbytes(out, fmt, m_out, nnz_out)
-    summary = {
-        "source": os.fspath(src),
-        "output": os.fspath(out),
-        "shape": [m_out, n],
-        "nnz": nnz_out,
-        "chunks": chunks,
-        "seconds": seconds,
-        "bytes": out.stat().st_size,
-        "input_bytes": src.stat().st_size,
-        "checksum": writer.checksum,
-        "grid": list(reader.grid) if reader.grid else None,
-        "voxel_size": list(reader.voxel_size) if reader.voxel_size else None,
-        "format": fmt,
-        "lossless": fmt not in LOSSY_FORMATS,
-        "bytes_per_nnz": nbytes / nnz_out if nnz_out else None,
-        "code_bits": code_bits if fmt != "csr" else None,
-    }
-    if first is not None:
-        summary["input_shape"] = [m, n]
+    summary = conversion_summary(src, out, shape=(m_out, n), nnz=nnz_out, chunks=chunks, seconds=seconds,
+                                 checksum=writer.checksum, grid=reader.grid, voxel_size=reader.voxel_size, fmt=fmt,
+                                 lossless=fmt not in LOSSY_FORMATS, nbytes=_matrix_nbytes(out, fmt, m_out, nnz_out),
+                                 code_bits=code_bits if fmt != "csr" else None,
+                                 input_shape=(m, n) if first is not None else None)
     log.info("converted %s -> %s: nnz %d in %.1f s", src, out, summary["nnz"], seconds)
     return summary
 

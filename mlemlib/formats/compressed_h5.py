@@ -81,7 +81,7 @@ from mlemlib.formats.h5 import (
     _plain,
     checksum_for,
 )
-from mlemlib.matrix import CSRMatrix
+from mlemlib.matrix import CSRMatrix, row_elements
 
 log = logging.getLogger(__name__)
 
@@ -880,10 +880,7 @@ def copy_compressed(
                 input_sum.update_rows(block.indptr[1:] + done, block.indices, block.data)
                 if first is not None:
                     keep = np.flatnonzero(first[r0:r1])
-                    lens = np.diff(block.indptr)[keep]
-                    ip = np.zeros(len(keep) + 1, dtype=np.int64)
-                    np.cumsum(lens, out=ip[1:])
-                    sel = np.repeat(block.indptr[keep] - ip[:-1], lens) + np.arange(int(ip[-1]), dtype=np.int64)
+                    ip, sel = row_elements(block.indptr, keep)
                     writer.write_element_bits(ip, block.indices[sel], bits[sel],
                                               scale[keep] if scale is not None else None)
                 else:
@@ -898,27 +895,40 @@ def copy_compressed(
                     src, f"checksum mismatch: attribute says {reader.checksum}, data gives {got} (file corrupted)"
                 )
         grid, voxel_size = reader.grid, reader.voxel_size
+    seconds = time.perf_counter() - t0
     with CompressedH5(out) as f:
         nbytes = f.nbytes
-    seconds = time.perf_counter() - t0
+    summary = conversion_summary(src, out, shape=(m_out, n), nnz=nnz_out, chunks=chunks, seconds=seconds,
+                                 checksum=writer.checksum, grid=grid, voxel_size=voxel_size, fmt=fmt,
+                                 lossless=fmt == "compressed", nbytes=nbytes, code_bits=code_bits,
+                                 input_shape=(m, n) if first is not None else None)
+    log.info("copied %s -> %s: nnz %d in %.1f s", src, out, nnz_out, seconds)
+    return summary
+
+
+def conversion_summary(src: Path, out: Path, *, shape: tuple[int, int], nnz: int, chunks: int, seconds: float,
+                       checksum: str, grid, voxel_size, fmt: str, lossless: bool, nbytes: int,
+                       code_bits: int | None, input_shape: tuple[int, int] | None) -> dict:
+    """What a conversion (:func:`mlemlib.formats.convert`, :func:`copy_compressed`) reports: shape, nnz,
+    blocks, seconds, both files' sizes, checksum, geometry, format and bytes per non-zero
+    (``input_shape`` where rows were left out)."""
     summary = {
         "source": os.fspath(src),
         "output": os.fspath(out),
-        "shape": [m_out, n],
-        "nnz": nnz_out,
+        "shape": [shape[0], shape[1]],
+        "nnz": nnz,
         "chunks": chunks,
         "seconds": seconds,
         "bytes": out.stat().st_size,
         "input_bytes": src.stat().st_size,
-        "checksum": writer.checksum,
+        "checksum": checksum,
         "grid": list(grid) if grid else None,
         "voxel_size": list(voxel_size) if voxel_size else None,
         "format": fmt,
-        "lossless": fmt == "compressed",
-        "bytes_per_nnz": nbytes / nnz_out if nnz_out else None,
+        "lossless": lossless,
+        "bytes_per_nnz": nbytes / nnz if nnz else None,
         "code_bits": code_bits,
     }
-    if first is not None:
-        summary["input_shape"] = [m, n]
-    log.info("copied %s -> %s: nnz %d in %.1f s", src, out, nnz_out, seconds)
+    if input_shape is not None:
+        summary["input_shape"] = [input_shape[0], input_shape[1]]
     return summary
