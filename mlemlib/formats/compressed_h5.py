@@ -295,11 +295,7 @@ class CompressedH5(MatrixH5):
             Shape ``(stop - start, n)``, its row pointer rebased to slot 0.
         """
         start, stop = check_range(start, stop, self.shape[0], self.source)
-        sp = self.read_slotptr(start, stop)
-        lo, hi = int(sp[0]), int(sp[-1])
-        codes = self._read("codes", lo, hi)
-        values = self._read("values", lo, hi)
-        scale = self._read("scale", start, stop) if not self.lossless else None
+        sp, lo, codes, values, scale = self._read_slots(start, stop)
         if validate:
             nnz = check_slots(sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo)
         else:
@@ -307,6 +303,16 @@ class CompressedH5(MatrixH5):
         return CompressedMatrix.from_arrays(
             sp - lo, codes, values, scale, (stop - start, self.shape[1]), nnz, self.code_bits
         )
+
+    def _read_slots(self, start: int, stop: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The slot pointer of rows ``[start, stop)`` (a checked range), its first slot, the codes and values
+        of its slots and the rows' scales (None for float32 values): what every row reader decodes."""
+        sp = self.read_slotptr(start, stop)
+        lo, hi = int(sp[0]), int(sp[-1])
+        codes = self._read("codes", lo, hi)
+        values = self._read("values", lo, hi)
+        scale = self._read("scale", start, stop) if not self.lossless else None
+        return sp, lo, codes, values, scale
 
     def read_scale(self, start: int, stop: int) -> np.ndarray | None:
         """The row scales of rows ``[start, stop)`` (float32; 16-bit values only), None for float32 values."""
@@ -320,11 +326,7 @@ class CompressedH5(MatrixH5):
         image); ``validate`` also checks the values.
         """
         start, stop = check_range(start, stop, self.shape[0], self.source)
-        sp = self.read_slotptr(start, stop)
-        lo, hi = int(sp[0]), int(sp[-1])
-        codes = self._read("codes", lo, hi)
-        values = self._read("values", lo, hi)
-        scale = self._read("scale", start, stop) if not self.lossless else None
+        sp, lo, codes, values, scale = self._read_slots(start, stop)
         return decode_slots(
             sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo, check_values=validate
         )
@@ -337,11 +339,7 @@ class CompressedH5(MatrixH5):
         encodes it back). Checked as :meth:`read_rows` checks.
         """
         start, stop = check_range(start, stop, self.shape[0], self.source)
-        sp = self.read_slotptr(start, stop)
-        lo, hi = int(sp[0]), int(sp[-1])
-        codes = self._read("codes", lo, hi)
-        values = self._read("values", lo, hi)
-        scale = self._read("scale", start, stop) if not self.lossless else None
+        sp, lo, codes, values, scale = self._read_slots(start, stop)
         block = decode_slots(
             sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo, check_values=validate
         )
