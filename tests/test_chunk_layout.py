@@ -215,26 +215,7 @@ def test_chunk_ranges_are_nnz_balanced_and_cover_every_chunk_once(tmp_path, part
 
 
 # --------------------------------------------------------------------------- loading on a GPU
-class _HostArray(np.ndarray):
-    """A NumPy array standing in for device memory (CuPy's ``get``)."""
-
-    def get(self):
-        return np.asarray(self).copy()
-
-
-def _host_cupy():
-    """The CuPy calls of DeviceChunked.upload and from_layout on host arrays: tested without a GPU."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(
-        empty=lambda n, dtype: np.empty(n, dtype=dtype).view(_HostArray),
-        asarray=lambda a: np.array(a).view(_HostArray),
-        concatenate=lambda xs: np.concatenate(xs).view(_HostArray),
-        int64=np.int64, int32=np.int32, uint16=np.uint16, float32=np.float32, float16=np.float16,
-    )
-
-
-UPLOAD_ON = ("host", pytest.param("gpu", marks=pytest.mark.gpu))
+from test_chunked import UPLOAD_ON, _host_cupy  # noqa: E402  (the host stand-in for CuPy)
 ARRAYS = ("indptr", "local", "data", "chunk_rows", "vptr", "voxels")
 
 
