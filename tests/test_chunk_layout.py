@@ -281,11 +281,11 @@ def _problem(seed=9):
     return a, g, norm
 
 
-def _image(be, iterations=10):
-    f = be.initial_image()
-    for _ in range(iterations):
-        f = be.iterate(f)
-    return be.to_host(f)
+def _image(be):
+    """The image after 10 iterations (test_dist's helper)."""
+    from test_dist import _image as iterate
+
+    return iterate(be, iters=10)
 
 
 @pytest.mark.gpu
