@@ -501,6 +501,12 @@ def resolve(backend: str, fp: str | None, bp: str | None, *, gpus: int = 1, layo
     return Choice(fp, bp, kb.needs_transpose, get("cuda", "forward", fp).deterministic and kb.deterministic)
 
 
+def row_forward(fmt: str) -> Kernel:
+    """The cuda forward projection a backend runs alone where its iteration is one pass (``forward()``):
+    what ``auto`` takes for the format (``csr_vector``, ``delta_vector``)."""
+    return get("cuda", "forward", resolve("cuda", "auto", "auto", fmt=fmt).fp)
+
+
 def uses_transpose(backend: str, bp: str | None) -> bool:
     """Whether a run with back projection ``bp`` reads a stored ``A^T`` (the workflow asks before giving one).
 

@@ -83,6 +83,13 @@ def test_every_kernel_binds_a_launcher_that_exists():
         registry.launcher(dataclasses.replace(registry.get("cpu", "forward", "numba"), launcher=""))
 
 
+def test_row_forward_is_autos_forward_of_each_format():
+    assert registry.row_forward("csr").name == "csr_vector"
+    for fmt in ("compressed", "compressed-f16", "compressed-u16"):
+        k = registry.row_forward(fmt)
+        assert k.name == "delta_vector" and k.op == "forward" and fmt in k.formats
+
+
 def test_every_whole_iteration_kernel_runs_in_the_local_layout():
     """mlem kernels lists the one passes, the chunked one included, on N GPUs (each GPU its row block)."""
     for k in registry.KERNELS:

@@ -319,8 +319,7 @@ class CudaBackend(Backend):
             self.onepass = self._kb.op == "iteration"
             self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)
             # the forward projection alone (forward()): a one pass's is its format's row kernel
-            self._k_forward = self._kf or registry.get("cuda", "forward", registry.resolve(
-                "cuda", "auto", "auto", fmt=self.format).fp)
+            self._k_forward = self._kf or registry.row_forward(self.format)
             self.fuse_fp = fuse and self._kf is not None and self._kf.fused
             self.fuse_bp = fuse and self.at is not None and self._kb.fused
             self._fixed_bound = (ONEPASS_C_MAX * float(np.max(norm))) if norm.size else 1.0

@@ -350,8 +350,7 @@ class NcclBackend(Backend):
         self.onepass = self._kb.op == "iteration"
         self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)
         # the forward projection alone (forward(), diagnostics): a one pass's is its format's row kernel
-        self._k_forward = self._kf or registry.get("cuda", "forward", registry.resolve(
-            "cuda", "auto", "auto", fmt=self.format).fp)
+        self._k_forward = self._kf or registry.row_forward(self.format)
         if graph is None:
             graph = os.environ.get("MLEM_CUDA_GRAPH", "0").strip().lower() in ("1", "true", "yes", "on")
         self.graph = bool(graph)
