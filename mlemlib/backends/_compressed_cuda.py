@@ -998,16 +998,6 @@ def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: fl
                                        acc, np.float64(scale), flag, np.int32(w), np.int32(fwd_only)), shared_mem=shared)
 
 
-def chunked_onepass_fixed(a: DeviceChunked, g: Any, f: Any, acc: Any, fp: Any, scale: float, flag: Any) -> None:
-    """The chunked kernel alone: ``acc += rint(c_i a_ij * scale)`` per voxel and chunk, ``fp = A f``.
-
-    As :func:`onepass_fixed`, with ``scale`` from :func:`chunk_scale` (every
-    GPU the same): ``acc`` summed over GPUs as uint64, then
-    :func:`fixed_to_float`, is bit-identical for every GPU count.
-    """
-    _chunk_launch(a, g, f, fp, acc, scale, flag, 0)
-
-
 def chunked_step(a: DeviceChunked, g: Any, f: Any, *, kernel: str = "onepass_chunked", fp: Any, bp: Any = None,
                  acc: Any = None, flag: Any = None, bound: float = 1.0, lanes: int | None = None) -> float:
     """One GPU's part of a chunked one pass (``onepass_chunked``), as :func:`onepass_step`'s fixed point:
