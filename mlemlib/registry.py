@@ -106,6 +106,9 @@ class Kernel:
     blocks
         Without a transpose it scatters into per-block images summed in
         block order (the CPU's deterministic scatter; ``blocks:``).
+    interleaved
+        It reads its matrix's rows best lane-interleaved (``DeviceCSR.set_layout``), where it is
+        that matrix's one reader.
     """
 
     name: str
@@ -126,6 +129,7 @@ class Kernel:
     lanes: bool = False
     secsize: bool = False
     blocks: bool = False
+    interleaved: bool = False
 
     @property
     def needs_transpose(self) -> bool:
@@ -168,51 +172,51 @@ KERNELS: tuple[Kernel, ...] = (
     # ---- cuda: forward
     Kernel("csr_vector", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L",
            "2..32 lanes per row, 16-byte loads, warp-shuffle sum; correlation fused",
-           launcher="_cuda_kernels:spmv", fused=True, shapes=True, lanes=True),
+           launcher="_cuda_kernels:csr_vector", fused=True, shapes=True, lanes=True, interleaved=True),
     Kernel("csr_scalar", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_scalar",
            "one thread per row (baseline); correlation fused",
-           launcher="_cuda_kernels:spmv", fused=True),
+           launcher="_cuda_kernels:csr_scalar", fused=True),
     Kernel("merge", "forward", "cuda", ("csr",), False, _BOTH, True, f"{_SPMV}: merge_spmv",
            "merge-path SpMV of the thesis (5.1), secsize items per thread, atomics",
-           launcher="_cuda_kernels:spmv", secsize=True),
+           launcher="_cuda_kernels:merge", secsize=True),
     Kernel("cusparse", "forward", "cuda", ("csr",), False, _BOTH, False, "cupyx cuSPARSE: A @ f",
            "cuSPARSE's default SpMV through CuPy (allocates; not deterministic)",
-           launcher="_cuda_kernels:spmv"),
+           launcher="_cuda_kernels:cusparse"),
     Kernel("delta_vector", "forward", "cuda", _CMP, True, _BOTH, True, f"{_CMPCU}: cspmv_<kind>_L",
            "compressed rows: 4 slots per lane, warp scan of the column deltas; correlation fused",
            launcher="_compressed_cuda:spmv", fused=True, lanes=True),
     # ---- cuda: back projection on the stored transpose
     Kernel("csr_vector", "back", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L on A^T",
            "csr_vector on the rows of A^T (lanes capped by bandwidth per SM); update fused",
-           launcher="_cuda_kernels:spmv", fused=True, shapes=True, lanes=True),
+           launcher="_cuda_kernels:csr_vector", fused=True, shapes=True, lanes=True, interleaved=True),
     Kernel("csr_scalar", "back", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_scalar on A^T",
            "one thread per row of A^T; update fused",
-           launcher="_cuda_kernels:spmv", fused=True),
+           launcher="_cuda_kernels:csr_scalar", fused=True),
     Kernel("merge", "back", "cuda", ("csr",), False, _BOTH, True, f"{_SPMV}: merge_spmv on A^T",
            "merge-path SpMV on A^T, atomics",
-           launcher="_cuda_kernels:spmv", secsize=True),
+           launcher="_cuda_kernels:merge", secsize=True),
     Kernel("cusparse", "back", "cuda", ("csr",), False, _BOTH, False, "cupyx cuSPARSE: A_T @ c",
            "cuSPARSE's SpMV on the stored transpose",
-           launcher="_cuda_kernels:spmv"),
+           launcher="_cuda_kernels:cusparse"),
     Kernel("delta_vector", "back", "cuda", _CMP, True, _BOTH, True, f"{_CMPCU}: cspmv_<kind>_L on A^T",
            "delta_vector on the rows of A^T (stored as CSR, compressed when uploaded); update fused",
            launcher="_compressed_cuda:spmv", fused=True, lanes=True),
     # ---- cuda: back projection without a transpose
     Kernel("scatter", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_L",
            "the thesis's atomic scatter from the rows of A (lanes per row, one element per lane per trip)",
-           launcher="_cuda_kernels:scatter", lanes=True),
+           launcher="_cuda_kernels:scatter_atomic", lanes=True),
     Kernel("scatter_vec", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_vec_L",
            "atomic scatter with 2/4-wide vector atomics (sm_90)",
-           launcher="_cuda_kernels:scatter", lanes=True),
+           launcher="_cuda_kernels:scatter_vec", lanes=True),
     Kernel("scatter_smem", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_smem",
            "per row chunk, atomics into a shared-memory window where its columns fit",
-           launcher="_cuda_kernels:scatter", smem=True),
-    Kernel("cusparse_notrans", "back_notrans", "cuda", ("csr",), False, (), False, "cupyx cuSPARSE: A.T @ c",
-           "cuSPARSE's transposed product, a reference for the scatters: one GPU (on several, scatter takes its place; its launcher takes a row block, but no multi-GPU run of it has been checked on a GPU yet)",
-           launcher="_cuda_kernels:scatter"),
+           launcher="_cuda_kernels:scatter_smem", smem=True),
+    Kernel("cusparse_notrans", "back_notrans", "cuda", ("csr",), False, _LOCAL, False, "cupyx cuSPARSE: A.T @ c",
+           "cuSPARSE's transposed product through CuPy (allocates), a reference for the scatters",
+           launcher="_cuda_kernels:cusparse_scatter"),
     Kernel("notrans", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, "see choose_notrans",
            "scatter_smem where most row chunks fit shared memory, else scatter", selector=True,
-           launcher="_cuda_kernels:scatter", smem=True),
+           launcher="_cuda_kernels:notrans", smem=True),
     Kernel("delta_scatter", "back_notrans", "cuda", _CMP, False, _LOCAL, True, f"{_CMPCU}: cscatter_<kind>_L",
            "atomic scatter from compressed rows of A",
            launcher="_compressed_cuda:scatter"),
@@ -224,7 +228,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("onepass_fixed", "iteration", "cuda", _ALL, True, _LOCAL, True,
            f"{_CMPCU}: onepass_det_csr_L / conepass_det_<kind>_L",
            "onepass with bp summed as 64-bit fixed point (order-independent: bit-identical for any GPU count)",
-           launcher="_compressed_cuda:onepass_step"),
+           launcher="_compressed_cuda:onepass_fixed_step"),
     Kernel("onepass_chunked", "iteration", "cuda", _ALL, True, _LOCAL, True, f"{_CMPCU}: chunked_onepass / _f16 / _u16",
            "one pass through row chunks of a reordered A (mlemlib/chunked.py): f and each chunk's sums in shared "
            "memory, 64-bit fixed point (deterministic), one global atomic per voxel and chunk; 6 bytes per nnz "

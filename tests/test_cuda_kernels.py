@@ -479,12 +479,12 @@ def test_skip_empty_rows_computes_the_same_sums_and_leaves_empty_rows(rng, shape
     lanes = plan.BLOCK_LANES[-1] if shape is not None else None
     for mode, aux0 in ((ck.MODE_PLAIN, None), (ck.MODE_CORR, g)):
         ref = cp.asnumpy(ck.spmv(d, x, poisoned(4000), lanes=lanes, mode=mode, aux0=aux0, shape=shape))
-        got = cp.asnumpy(ck.spmv_launch(d, x, poisoned(4000), lanes=lanes, mode=mode, aux0=aux0, shape=shape,
-                                        skip_empty=True)())
+        got = cp.asnumpy(ck.csr_vector(d, x, poisoned(4000), lanes=lanes, mode=mode, aux0=aux0, shape=shape,
+                                       skip_empty=True, prepare=True)())
         assert np.array_equal(got[~empty], ref[~empty])
         assert np.all(ref[empty] == 0) and np.all(np.isnan(got[empty]))
     with pytest.raises(ValueError, match="skip_empty"):
-        ck.spmv_launch(d, x, poisoned(4000), mode=ck.MODE_UPDATE, aux0=g, aux1=g, skip_empty=True)
+        ck.csr_vector(d, x, poisoned(4000), mode=ck.MODE_UPDATE, aux0=g, aux1=g, skip_empty=True)
 
 
 def test_compact_rows_only_where_many_rows_are_empty(rng):
@@ -494,5 +494,5 @@ def test_compact_rows_only_where_many_rows_are_empty(rng):
     assert d.compact_rows() is None
     x = cp.asarray(rng.uniform(0.5, 1.5, 50).astype(np.float32))
     full = ck.spmv(d, x, poisoned(800))
-    got = ck.spmv_launch(d, x, poisoned(800), skip_empty=True)()  # no list: every row written
+    got = ck.csr_vector(d, x, poisoned(800), skip_empty=True, prepare=True)()  # no list: every row written
     assert cp.array_equal(got, full)

@@ -270,7 +270,7 @@ def test_fused_forward_skipping_empty_rows_changes_no_bit(pet, monkeypatch):
     outs = []
     for skip in (True, False):
         out = cp.zeros(3 * m, dtype=cp.float32)
-        ck.spmv_launch(be.a, f0, out, kernel="csr_vector", mode=ck.MODE_CORR, aux0=be.g, skip_empty=skip)()
+        ck.csr_vector(be.a, f0, out, mode=ck.MODE_CORR, aux0=be.g, skip_empty=skip, prepare=True)()
         outs.append(cp.asnumpy(out))
     np.testing.assert_array_equal(outs[0], outs[1])
     assert rel_l2(skipped, pet["ref"]) < 1e-5

@@ -60,8 +60,8 @@ def test_resolve_kernels_rejects():
         N.resolve_kernels("auto", "auto", "ring")
     with pytest.raises(ConfigError, match="'scatter_smem' of backend cuda does not run on 2 GPUs in the thesis layout"):
         N.resolve_kernels("auto", "scatter_smem", "thesis")
-    with pytest.raises(ConfigError, match="'cusparse_notrans' of backend cuda does not run on 2 GPUs"):
-        N.resolve_kernels("auto", "cusparse_notrans", "local")
+    with pytest.raises(ConfigError, match="'onepass' of backend cuda does not run on 2 GPUs in the thesis layout"):
+        N.resolve_kernels("auto", "onepass", "thesis")
     with pytest.raises(ConfigError, match="unknown forward-projection kernel"):
         N.resolve_kernels("fast", "auto", "local")
 

@@ -4,6 +4,7 @@ and the package's import structure (no import circle in mlemlib)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -73,7 +74,6 @@ def test_choose_notrans():
 
 def test_every_kernel_binds_a_launcher_that_exists():
     """Each entry names its launcher; the registry imports it (no GPU needed) with the kernel's name bound."""
-    import dataclasses
 
     for k in registry.KERNELS:
         fn = registry.launcher(k)
@@ -98,11 +98,16 @@ def test_every_whole_iteration_kernel_runs_in_the_local_layout():
             assert registry.check("bp", k.name, "cuda", gpus=4, layout="local") == k.name
     row = [r for r in registry.table().splitlines() if r.startswith("| cuda | iteration | onepass_chunked |")]
     assert len(row) == 1 and "| local |" in row[0]
-    # a cuda kernel without a multi-GPU layout: the table says why
-    single = [k for k in registry.KERNELS if k.backend == "cuda" and not k.layouts]
-    text = registry.table()
-    for k in single:
-        assert f"- {k.name} ({k.op}): {k.summary}" in text.split("one GPU only:")[1]
+    # every cuda kernel runs in the local layout; one that would not gets its reason in the table
+    assert [k.name for k in registry.KERNELS if k.backend == "cuda" and "local" not in k.layouts] == []
+    assert "one GPU only:" not in registry.table()
+
+
+def test_the_table_says_why_a_kernel_runs_on_one_gpu_only(monkeypatch):
+    lone = dataclasses.replace(registry.get("cuda", "back_notrans", "cusparse_notrans"), layouts=(),
+                               summary="cuSPARSE's transposed product: one GPU (a reason)")
+    monkeypatch.setattr(registry, "KERNELS", (*registry.KERNELS, lone))
+    assert f"- {lone.name} ({lone.op}): {lone.summary}" in registry.table().split("one GPU only:")[1]
 
 
 def test_no_kernel_name_is_compared_as_a_string_in_the_backends():
@@ -112,7 +117,8 @@ def test_no_kernel_name_is_compared_as_a_string_in_the_backends():
 
     names = {k.name for k in registry.KERNELS}
     root = Path(registry.__file__).parent / "backends"
-    for path in (root / "cuda.py", root / "nccl.py", root / "cpu.py"):
+    for path in (root / "cuda.py", root / "nccl.py", root / "cpu.py", root / "_cuda_kernels.py",
+                 root / "_compressed_cuda.py", root / "_cuda_plan.py"):
         text = path.read_text()
         for name in names:
             hits = re.findall(rf'(?:[=!]=|\bin)\s*\(?[^\n]*?"{name}"', text)
@@ -127,7 +133,7 @@ def test_no_kernel_name_is_compared_as_a_string_in_the_backends():
         ("cuda", "bp", "numba", 1, None, "unknown back-projection kernel 'numba' for backend cuda"),
         ("cuda", "fp", "csr_vectr", 1, None, "valid: auto, csr_vector, csr_scalar, merge, cusparse"),
         ("cuda", "bp", "scatter_smem", 2, "thesis", "'scatter_smem' of backend cuda does not run on 2 GPUs in the thesis layout"),
-        ("cuda", "bp", "cusparse_notrans", 2, "local", "does not run on 2 GPUs in the local layout"),
+        ("cuda", "bp", "scatter", 2, "thesis", "does not run on 2 GPUs in the thesis layout"),
         ("opencl", "fp", "auto", 1, None, "unknown backend 'opencl'"),
     ],
 )

@@ -486,24 +486,20 @@ def spmv(
     x: Any,
     out: Any = None,
     *,
-    kernel: str = "delta_vector",
     lanes: int | None = None,
     mode: int = MODE_PLAIN,
     aux0: Any = None,
     aux1: Any = None,
-    secsize: int | None = None,
+    **_: Any,
 ) -> Any:
     """``out = A x`` on a compressed matrix (the back projection on a compressed ``A^T`` likewise).
 
     ``mode`` as :func:`mlemlib.backends._cuda_kernels.spmv`: ``MODE_CORR``
     writes ``aux0 / (A x)`` (0 where ``A x`` is 0), ``MODE_UPDATE`` writes
     ``aux0 * (A x) / aux1`` (``aux0 * (A x)`` where ``aux1`` is 0; ``out`` may
-    be ``aux0``). Deterministic. Returns ``out``. ``kernel`` is ``delta_vector`` (the registry's name);
-    ``secsize`` is not used (the row projections' common keywords).
+    be ``aux0``). Deterministic. Returns ``out``. The registry's launcher of ``delta_vector``; other
+    kernels' keywords (``kernel``, ``secsize``, ...) are ignored.
     """
-    del secsize
-    if kernel != "delta_vector":
-        raise ConfigError("fp", f"compressed spmv runs delta_vector, not {kernel!r}")
     if not isinstance(a, DeviceCompressed):
         raise TypeError("spmv takes a DeviceCompressed (CSR has mlemlib.backends._cuda_kernels.spmv)")
     from mlemlib.backends._cuda_kernels import spmv_vectors
@@ -554,25 +550,21 @@ def scatter(
     c: Any,
     out: Any = None,
     *,
-    kernel: str = "delta_scatter",
     lanes: int | None = None,
-    smem: Any = None,
     deterministic: bool = False,
     bound: float | None = None,
     check: bool = True,
     stats: dict | None = None,
+    **_: Any,
 ) -> Any:
     """``out = A^T c`` from the rows of a compressed ``A`` (no transpose).
 
     With ``deterministic=False`` float atomics (order-dependent); with
     ``True`` 64-bit fixed point (bit-reproducible), its scale from ``bound``
     (default ``sum(c) * max(A)``, which bounds every output). ``stats``
-    receives ``scale``, ``bound`` and ``retries``. Returns ``out``. ``kernel`` is ``delta_scatter``;
-    ``smem`` is not used (the scatters' common keywords).
+    receives ``scale``, ``bound`` and ``retries``. Returns ``out``. The registry's launcher of
+    ``delta_scatter``; other kernels' keywords (``kernel``, ``smem``, ...) are ignored.
     """
-    del smem
-    if kernel != "delta_scatter":
-        raise ConfigError("bp", f"compressed scatter runs delta_scatter, not {kernel!r}")
     cp = cupy()
     m, n = a.shape
     check_vector("c", c, m)
@@ -718,32 +710,33 @@ def onepass(
     return bp, fp
 
 
-def onepass_step(a: Any, g: Any, f: Any, *, kernel: str, fp: Any, bp: Any = None, acc: Any = None, flag: Any = None,
-                 bound: float = 1.0, lanes: int | None = None) -> float | None:
-    """One GPU's part of a one-pass iteration (``onepass``, ``onepass_fixed``): ``fp = A_k f`` and the
-    terms ``c_i a_ij`` of its rows added up.
-
-    ``onepass``: into ``bp`` (zeroed here) with float atomics; returns None. ``onepass_fixed``: into
-    ``acc`` (uint64, zero on entry, as ``flag``) as 64-bit fixed point of the scale that
-    :func:`fixed_scale` gives ``bound``; returns that scale. Several GPUs add their ``acc`` (or ``bp``)
-    and convert with :func:`fixed_to_float`; the fixed point is then the same bits for every GPU count.
-    Nothing is synchronised.
+def onepass_step(a: Any, g: Any, f: Any, *, fp: Any, bp: Any = None, lanes: int | None = None, **_: Any) -> None:
+    """One GPU's part of a ``onepass`` iteration: ``fp = A_k f`` and the terms ``c_i a_ij`` of its rows
+    added into ``bp`` (zeroed here) with float atomics (not deterministic). Returns None (no fixed-point
+    scale). Several GPUs add their ``bp``. Nothing is synchronised.
     """
     kind, args, mean = _matrix_args(a)
     m = a.shape[0]
     L = _lanes(lanes, choose_lanes(mean))
-    if kernel == "onepass_fixed":
-        scale = fixed_scale(bound)
-        onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=L)
-        return scale
-    if kernel != "onepass":
-        raise ConfigError("bp", f"onepass_step runs onepass and onepass_fixed, not {kernel!r}")
     bp.fill(0)
     if m:
         groups, order = spread(m)
         _launch_rows(function(_onepass_name(kind, L, False)), groups, L, (*args, f, g, fp, bp, np.int64(m), *order),
                      waves=0 if kind == "csr" else None)  # the CSR kernels have no row loop
-    return None
+
+
+def onepass_fixed_step(a: Any, g: Any, f: Any, *, fp: Any, acc: Any = None, flag: Any = None, bound: float = 1.0,
+                       lanes: int | None = None, **_: Any) -> float:
+    """One GPU's part of a ``onepass_fixed`` iteration: ``fp = A_k f`` and the terms ``c_i a_ij`` of its
+    rows added into ``acc`` (uint64, zero on entry, as ``flag``) as 64-bit fixed point of the scale that
+    :func:`fixed_scale` gives ``bound``; returns that scale. Several GPUs add their ``acc`` and convert
+    with :func:`fixed_to_float`; the fixed point is then the same bits for every GPU count. Nothing is
+    synchronised.
+    """
+    _, _, mean = _matrix_args(a)
+    scale = fixed_scale(bound)
+    onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=_lanes(lanes, choose_lanes(mean)))
+    return scale
 
 
 # --------------------------------------------------------------------------- the chunked one pass
@@ -998,14 +991,12 @@ def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: fl
                                        acc, np.float64(scale), flag, np.int32(w), np.int32(fwd_only)), shared_mem=shared)
 
 
-def chunked_step(a: DeviceChunked, g: Any, f: Any, *, kernel: str = "onepass_chunked", fp: Any, bp: Any = None,
-                 acc: Any = None, flag: Any = None, bound: float = 1.0, lanes: int | None = None) -> float:
+def chunked_step(a: DeviceChunked, g: Any, f: Any, *, fp: Any, bp: Any = None, acc: Any = None, flag: Any = None,
+                 bound: float = 1.0, lanes: int | None = None, **_: Any) -> float:
     """One GPU's part of a chunked one pass (``onepass_chunked``), as :func:`onepass_step`'s fixed point:
     ``fp = A_k f`` and the terms into ``acc`` (zero on entry, as ``flag``) at the scale :func:`chunk_scale`
     gives ``bound``, which it returns. ``bp`` and ``lanes`` are not used (a warp per row)."""
     del bp, lanes
-    if kernel != "onepass_chunked":
-        raise ConfigError("bp", f"chunked_step runs onepass_chunked, not {kernel!r}")
     scale = chunk_scale(bound)
     _chunk_launch(a, g, f, fp, acc, scale, flag, 0)
     return scale

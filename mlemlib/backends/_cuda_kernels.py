@@ -5,11 +5,12 @@ Provides
 - :class:`DeviceCSR` — a CSR matrix in GPU memory (int64 row pointer, int32
   columns, float32 values), with its cuSPARSE view (:meth:`DeviceCSR.cusparse`)
   and an on-device transposition (:meth:`DeviceCSR.transpose`);
-- the launches: :func:`spmv` (``csr_scalar``, ``csr_vector``, ``merge``,
-  ``cusparse``, with the fused MLEM epilogues), :func:`scatter` (``A^T c``
-  from the rows of ``A``: ``scatter``, ``scatter_vec``, ``scatter_smem``,
-  ``cusparse_notrans``), :func:`correlate` and :func:`update` (fused
-  elementwise kernels).
+- one launcher per kernel, which the registry binds (:func:`mlemlib.registry.launcher`):
+  the row kernels :func:`csr_vector`, :func:`csr_scalar`, :func:`merge`, :func:`cusparse`
+  (``y = A x`` with the fused MLEM epilogues) and the scatters :func:`scatter_atomic`,
+  :func:`scatter_vec`, :func:`scatter_smem`, :func:`cusparse_scatter` (``A^T c`` from the
+  rows of ``A``); :func:`spmv` and :func:`scatter` call one by its name through the
+  registry; :func:`correlate` and :func:`update` (fused elementwise kernels).
 
 CuPy is imported inside the functions: importing this module needs no GPU,
 calling it does. Launch shapes come from the device's properties
@@ -320,13 +321,13 @@ class DeviceCSR(DeviceMatrix):
         return out
 
 
-def set_row_layouts(a: Any, at: Any, fp_kernel: str, bp_kernel: str, lanes_fp: int, lanes_bp: int) -> None:
+def set_row_layouts(a: Any, at: Any, fp_interleaved: bool, bp_interleaved: bool, lanes_fp: int, lanes_bp: int) -> None:
     """Give a backend's ``A`` and ``A^T`` the layouts its kernels read best (:func:`_cuda_plan.row_layouts`,
     :meth:`DeviceCSR.set_layout`); matrices of other formats, and a missing ``A^T``, are left alone.
     Called before the launch shapes are tuned: they are timed on the layout used."""
     if not isinstance(a, DeviceCSR):
         return
-    la, lt = plan.row_layouts(fp_kernel, bp_kernel, at is not None, lanes_fp, lanes_bp)
+    la, lt = plan.row_layouts(fp_interleaved, bp_interleaved, at is not None, lanes_fp, lanes_bp)
     a.set_layout(la)
     if isinstance(at, DeviceCSR):
         at.set_layout(lt)
@@ -500,99 +501,154 @@ def _rows_launch(kernel: Any, rows: int, lanes: int, args: tuple, waves: int | N
     return partial(kernel, (blocks,), (threads,), args)
 
 
-def spmv_launch(
+def _prepared(run: Callable[[], Any], out: Any, prepare: bool) -> Any:
+    """``run`` now (``out``), or, with ``prepare``, a call that runs it and returns ``out``."""
+    if prepare:
+        def launch() -> Any:
+            run()
+            return out
+        return launch
+    run()
+    return out
+
+
+def _checked_lanes(lanes: int | None, a: DeviceCSR) -> int:
+    lanes_ = lanes or a.lanes()
+    if lanes_ not in plan.LANE_CHOICES:
+        raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
+    return lanes_
+
+
+def csr_vector(
     a: DeviceCSR,
     x: Any,
     out: Any = None,
     *,
-    kernel: str = "csr_vector",
     lanes: int | None = None,
     mode: int = MODE_PLAIN,
     aux0: Any = None,
     aux1: Any = None,
     shape: plan.RowShape | None = None,
     skip_empty: bool = False,
-) -> Callable[[], Any] | None:
-    """:func:`spmv` with ``csr_vector`` or ``csr_scalar`` prepared: a call that only submits the kernel.
+    prepare: bool = False,
+    **_: Any,
+) -> Any:
+    """``out = A x`` by ``csr_vector`` (``lanes`` lanes per row), with the fused epilogue ``mode``.
 
-    Checks the vectors, resolves lanes and launch shape and builds the
-    arguments now; calling the result launches the kernel and returns
-    ``out``. A timed step (the MLEM iteration's first event) can so be
-    recorded after the host-side preparation instead of before it. None for
-    the other kernels (``merge``, ``cusparse``: several launches; call
-    :func:`spmv`).
+    The registry's launcher of ``csr_vector`` (forward, and back on a stored ``A^T``); every row
+    launcher takes these arguments (:func:`spmv` documents them) and ignores those of other kernels.
 
-    ``skip_empty`` (``csr_vector``, ``mode`` plain or the correlation):
-    where :meth:`DeviceCSR.compact_rows` lists the non-empty rows, only
-    they are computed and ``out``'s entries at empty rows are left as they
-    are; the caller keeps them at 0, what both epilogues write there.
+    ``shape`` is the launch shape (:class:`~mlemlib.backends._cuda_plan.RowShape`: threads per
+    block, rows in step, grid cap, streaming loads); None takes the matrix's
+    :attr:`DeviceCSR.row_shape` (set by :meth:`DeviceCSR.tune`). The default shape runs
+    ``csr_vector_L``, one with ``row_bound`` ``csr_row_L``, any other ``csr_block_L``; the sums, and
+    so the result, are the same bit for bit. ``skip_empty`` (``mode`` plain or the correlation):
+    where :meth:`DeviceCSR.compact_rows` lists the non-empty rows, only they are computed and
+    ``out``'s entries at empty rows are left as they are; the caller keeps them at 0, what both
+    epilogues write there. ``prepare``: check the vectors, resolve lanes and shape and build the
+    arguments now, and return a call that only submits the kernel (and returns ``out``).
     """
-    if kernel not in ("csr_vector", "csr_scalar"):
-        return None
     cp = cupy()
     m, n = a.shape
     out = spmv_vectors(a.shape, x, out, mode, aux0, aux1)
     if m == 0:
-        return lambda: out
-    a0 = aux0 if aux0 is not None else out
-    a1 = aux1 if aux1 is not None else out
-    if kernel == "csr_scalar":
-        args = (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1)
-        run = _rows_launch(function(SPMV, "csr_scalar"), m, 1, args)
-    else:
-        if skip_empty and mode == MODE_UPDATE:
-            raise ValueError("skip_empty: an empty row's update is not 0 (f * 0 / norm keeps f's sign and NaN)")
-        rows = a.launch_rows(skip_empty)
-        if rows is not None:
-            m = int(rows.size)
-        args = (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode), a0, a1,
-                np.uint64(0) if rows is None else rows)  # 0: the kernels' null row list
-        lanes_ = lanes or a.lanes()
-        if lanes_ not in plan.LANE_CHOICES:
-            raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
-        if shape is None:  # the matrix's tuned shape, where this lane count can take it
-            shape = a.row_shape if lanes_ in plan.BLOCK_LANES else None
-        if shape is None or shape.is_default:
-            run = _rows_launch(function(SPMV, f"csr_vector_{lanes_}"), m, lanes_, args)
+        return (lambda: out) if prepare else out
+    if skip_empty and mode == MODE_UPDATE:
+        raise ValueError("skip_empty: an empty row's update is not 0 (f * 0 / norm keeps f's sign and NaN)")
+    rows = a.launch_rows(skip_empty)
+    if rows is not None:
+        m = int(rows.size)
+    args = (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode),
+            aux0 if aux0 is not None else out, aux1 if aux1 is not None else out,
+            np.uint64(0) if rows is None else rows)  # 0: the kernels' null row list
+    lanes_ = _checked_lanes(lanes, a)
+    if shape is None:  # the matrix's tuned shape, where this lane count can take it
+        shape = a.row_shape if lanes_ in plan.BLOCK_LANES else None
+    if shape is None or shape.is_default:
+        return _prepared(_rows_launch(function(SPMV, f"csr_vector_{lanes_}"), m, lanes_, args), out, prepare)
+    if lanes_ not in plan.BLOCK_LANES:
+        raise ConfigError("lanes", f"a block shape needs lanes in {plan.BLOCK_LANES}, got {lanes_}")
+    if shape.row_bound and a.stats()["max_row_length"] > plan.ROW_KERNEL_MAX_LENGTH:
+        raise ConfigError("shape", f"shape {shape.label()} takes rows of at most "
+                                   f"{plan.ROW_KERNEL_MAX_LENGTH} non-zeros; this matrix has one of "
+                                   f"{a.stats()['max_row_length']}")
+    fn = function(shape.build, f"{shape.kernel}_{lanes_}")
+    if shape.row_bound:  # csr_row_L: one row per group, no loop
+        run = partial(fn, (max(1, -(-m // (shape.threads // lanes_))),), (shape.threads,), args)
+    else:  # csr_block_L
+        props = device_properties(cp.cuda.Device().id)
+        blocks, threads = plan.launch_shape(
+            m, shape.threads // lanes_, props["sm_count"], props["max_threads_per_sm"],
+            threads=shape.threads, waves=shape.waves,
+        )
+        run = partial(fn, (blocks,), (threads,), (*args[:-1], np.int32(bool(shape.sync)), args[-1]))
+    return _prepared(run, out, prepare)
+
+
+def csr_scalar(a: DeviceCSR, x: Any, out: Any = None, *, mode: int = MODE_PLAIN, aux0: Any = None,
+               aux1: Any = None, prepare: bool = False, **_: Any) -> Any:
+    """``out = A x`` by ``csr_scalar`` (one thread per row), with the fused epilogue ``mode`` (as :func:`csr_vector`)."""
+    m = a.shape[0]
+    out = spmv_vectors(a.shape, x, out, mode, aux0, aux1)
+    if m == 0:
+        return (lambda: out) if prepare else out
+    args = (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int32(mode),
+            aux0 if aux0 is not None else out, aux1 if aux1 is not None else out)
+    return _prepared(_rows_launch(function(SPMV, "csr_scalar"), m, 1, args), out, prepare)
+
+
+def _epilogue_after(product: Callable[[Any], None], a: DeviceCSR, x: Any, out: Any, mode: int, aux0: Any,
+                    aux1: Any, prepare: bool) -> Any:
+    """A product that writes its own output (``product(y)``), then the epilogue ``mode`` as a second kernel."""
+    cp = cupy()
+    m = a.shape[0]
+    out = spmv_vectors(a.shape, x, out, mode, aux0, aux1)
+
+    def run() -> None:
+        if m == 0:
+            return
+        # the product must not overwrite the epilogue's input
+        y = cp.empty(m, dtype=cp.float32) if mode != MODE_PLAIN and out is aux0 else out
+        product(y)
+        if mode == MODE_CORR:
+            correlate(aux0, y, out=out)
+        elif mode == MODE_UPDATE:
+            update(aux0, y, aux1, out=out)
+
+    return _prepared(run, out, prepare)
+
+
+def merge(a: DeviceCSR, x: Any, out: Any = None, *, mode: int = MODE_PLAIN, aux0: Any = None, aux1: Any = None,
+          secsize: int = plan.DEFAULT_SECSIZE, prepare: bool = False, **_: Any) -> Any:
+    """``out = A x`` by the merge-path ``merge_spmv`` (``secsize`` merge items per thread, atomics), then ``mode``'s epilogue."""
+    def product(y: Any) -> None:
+        y.fill(0)
+        if a.nnz:
+            props = device_properties(cupy().cuda.Device().id)
+            nthreads = plan.merge_threads(a.shape[0], a.nnz, secsize)
+            blocks, threads = plan.launch_shape(nthreads, plan.THREADS, props["sm_count"], props["max_threads_per_sm"])
+            function(SPMV, "merge_spmv")(
+                (blocks,), (threads,),
+                (a.indptr, a.indices, a.data, x, y, np.int64(a.shape[0]), np.int64(a.nnz), np.int32(secsize)),
+            )
+
+    return _epilogue_after(product, a, x, out, mode, aux0, aux1, prepare)
+
+
+def cusparse(a: DeviceCSR, x: Any, out: Any = None, *, mode: int = MODE_PLAIN, aux0: Any = None, aux1: Any = None,
+             prepare: bool = False, **_: Any) -> Any:
+    """``out = A x`` by cuSPARSE's SpMV through CuPy (allocates), then ``mode``'s epilogue."""
+    def product(y: Any) -> None:
+        if a.nnz:
+            y[...] = a.cusparse() @ x
         else:
-            if lanes_ not in plan.BLOCK_LANES:
-                raise ConfigError("lanes", f"a block shape needs lanes in {plan.BLOCK_LANES}, got {lanes_}")
-            if shape.row_bound and a.stats()["max_row_length"] > plan.ROW_KERNEL_MAX_LENGTH:
-                raise ConfigError("shape", f"shape {shape.label()} takes rows of at most "
-                                           f"{plan.ROW_KERNEL_MAX_LENGTH} non-zeros; this matrix has one of "
-                                           f"{a.stats()['max_row_length']}")
-            fn = function(shape.build, f"{shape.kernel}_{lanes_}")
-            if shape.row_bound:  # csr_row_L: one row per group, no loop
-                run = partial(fn, (max(1, -(-m // (shape.threads // lanes_))),), (shape.threads,), args)
-            else:  # csr_block_L
-                props = device_properties(cp.cuda.Device().id)
-                blocks, threads = plan.launch_shape(
-                    m, shape.threads // lanes_, props["sm_count"], props["max_threads_per_sm"],
-                    threads=shape.threads, waves=shape.waves,
-                )
-                run = partial(fn, (blocks,), (threads,), (*args[:-1], np.int32(bool(shape.sync)), args[-1]))
+            y.fill(0)
 
-    def launch() -> Any:
-        run()
-        return out
-
-    return launch
+    return _epilogue_after(product, a, x, out, mode, aux0, aux1, prepare)
 
 
-def spmv(
-    a: DeviceCSR,
-    x: Any,
-    out: Any = None,
-    *,
-    kernel: str = "csr_vector",
-    lanes: int | None = None,
-    mode: int = MODE_PLAIN,
-    aux0: Any = None,
-    aux1: Any = None,
-    secsize: int = plan.DEFAULT_SECSIZE,
-    shape: plan.RowShape | None = None,
-) -> Any:
-    """``y = A x`` with one of the row kernels, optionally with a fused epilogue.
+def spmv(a: DeviceCSR, x: Any, out: Any = None, *, kernel: str = "csr_vector", **kw: Any) -> Any:
+    """``y = A x`` by the row kernel named ``kernel`` (its registry launcher), optionally with a fused epilogue.
 
     Parameters
     ----------
@@ -605,63 +661,22 @@ def spmv(
         ``mode=MODE_UPDATE`` it may be ``aux0`` itself (in-place update).
     kernel
         ``csr_vector``, ``csr_scalar``, ``merge`` or ``cusparse``.
-    lanes
-        Lanes per row of ``csr_vector`` (default from the mean row length).
-    mode
-        :data:`MODE_PLAIN`, :data:`MODE_CORR` (out = aux0 / (A x), 0 where A x
-        is 0) or :data:`MODE_UPDATE` (out = aux0 * (A x) / aux1; aux0 * (A x)
-        where aux1 is 0). ``merge`` and ``cusparse`` apply the epilogue as a
-        second, elementwise kernel.
-    secsize
-        Section size of ``merge`` (merge items per thread).
-    shape
-        Launch shape of ``csr_vector`` (:class:`~mlemlib.backends._cuda_plan.RowShape`:
-        threads per block, rows in step, grid cap, streaming loads); None
-        takes the matrix's :attr:`DeviceCSR.row_shape` (set by
-        :meth:`DeviceCSR.tune`). The default shape runs ``csr_vector_L``, a
-        shape with ``row_bound`` ``csr_row_L``, any other ``csr_block_L``; the
-        sums, and so the result, are the same bit for bit.
+    **kw
+        The launchers' arguments: ``lanes`` (lanes per row of ``csr_vector``, default from the mean
+        row length); ``mode`` (:data:`MODE_PLAIN`; :data:`MODE_CORR`: out = aux0 / (A x), 0 where
+        A x is 0; :data:`MODE_UPDATE`: out = aux0 * (A x) / aux1, aux0 * (A x) where aux1 is 0;
+        ``merge`` and ``cusparse`` apply it as a second, elementwise kernel), ``aux0``, ``aux1``;
+        ``secsize`` (``merge``); ``shape`` (``csr_vector``, :func:`csr_vector`).
 
     Returns
     -------
     cupy.ndarray
         ``out``.
     """
-    launch = spmv_launch(a, x, out, kernel=kernel, lanes=lanes, mode=mode, aux0=aux0, aux1=aux1, shape=shape)
-    if launch is not None:
-        return launch()
-    cp = cupy()
-    m = a.shape[0]
-    out = spmv_vectors(a.shape, x, out, mode, aux0, aux1)
-    if m == 0:
-        return out
-    if kernel not in ("merge", "cusparse"):
-        raise ConfigError("fp", f"unknown SpMV kernel {kernel!r}")
-    final = out
-    if mode != MODE_PLAIN and out is aux0:  # the product must not overwrite the epilogue's input
-        out = cp.empty(m, dtype=cp.float32)
-    if kernel == "merge":
-        out.fill(0)
-        if a.nnz:
-            props = device_properties(cp.cuda.Device().id)
-            nthreads = plan.merge_threads(m, a.nnz, secsize)
-            blocks, threads = plan.launch_shape(nthreads, plan.THREADS, props["sm_count"], props["max_threads_per_sm"])
-            fn = function(SPMV, "merge_spmv")
-            fn(
-                (blocks,),
-                (threads,),
-                (a.indptr, a.indices, a.data, x, out, np.int64(m), np.int64(a.nnz), np.int32(secsize)),
-            )
-    else:
-        if a.nnz:
-            out[...] = a.cusparse() @ x
-        else:
-            out.fill(0)
-    if mode == MODE_CORR:
-        correlate(aux0, out, out=final)
-    elif mode == MODE_UPDATE:
-        update(aux0, out, aux1, out=final)
-    return final
+    from mlemlib import registry
+
+    return registry.launcher(registry.get("cuda", "forward", registry.check("fp", kernel, "cuda", fmt="csr")))(
+        a, x, out, **kw)
 
 
 @dataclass
@@ -692,79 +707,96 @@ def smem_plan(a: DeviceCSR, *, chunk_nnz: int = SMEM_CHUNK_NNZ) -> SmemPlan:
     return SmemPlan(crow, cmin, cmax, int(window), frac)
 
 
-def scatter(
-    a: DeviceCSR,
-    c: Any,
-    out: Any = None,
-    *,
-    kernel: str = "scatter",
-    lanes: int | None = None,
-    smem: SmemPlan | None = None,
-    spread: bool = True,
-) -> Any:
-    """``out = A^T c`` from the rows of ``A`` (no transpose); floating-point atomics: not deterministic.
-
-    Parameters
-    ----------
-    a
-        The matrix A (m x n).
-    c
-        float32 vector of length m.
-    out
-        float32 vector of length n (allocated when None); it is zeroed here.
-    kernel
-        ``scatter`` (lanes per row, scalar atomics), ``scatter_vec`` (vector
-        atomics over aligned runs of columns), ``scatter_smem`` (shared-memory
-        windows per row chunk) or ``cusparse_notrans`` (cuSPARSE's
-        transposed product ``A.T @ c``).
-    lanes
-        Lanes per row of ``scatter`` / ``scatter_vec`` (default from the mean row length).
-    smem
-        The :func:`smem_plan` of ``a`` (made here when None; make it once).
-    spread
-        ``scatter``/``scatter_vec`` take the rows in a spread order (rows in flight together then
-        add into voxels far apart); False: in order.
-    """
-    cp = cupy()
+def _scatter_out(a: DeviceCSR, c: Any, out: Any) -> Any:
+    """Check ``c`` (length m) and ``out`` (length n, allocated when None) of ``A^T c``."""
     m, n = a.shape
     check_vector("c", c, m)
     if out is None:
-        out = cp.empty(n, dtype=cp.float32)
-    else:
-        check_vector("out", out, n)
-    if kernel == "cusparse_notrans":
-        if a.nnz:
-            out[...] = a.cusparse().T @ c
-        else:
-            out.fill(0)
-        return out
+        return cupy().empty(n, dtype=cupy().float32)
+    check_vector("out", out, n)
+    return out
+
+
+def _scatter_lanes(build: Build, name: str, a: DeviceCSR, c: Any, out: Any, lanes: int | None, spread: bool) -> Any:
+    out = _scatter_out(a, c, out)
     out.fill(0)
+    m = a.shape[0]
     if m == 0 or a.nnz == 0:
         return out
-    if kernel in ("scatter", "scatter_vec"):
-        lanes_ = lanes or a.lanes()
-        if lanes_ not in plan.LANE_CHOICES:
-            raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes_}")
-        fn = function(SPMV_VECTOR_ATOMICS if kernel == "scatter_vec" else SPMV, f"{kernel}_{lanes_}")
-        # one row per lane group, no grid-stride loop; the rows in a spread order (group w takes row
-        # w P mod m) unless ``spread`` is off
-        stride = plan.spread_stride(m) if spread else 1
-        _launch_rows(fn, m, lanes_, (a.indptr, a.indices, a.data, c, out, np.int64(m), np.int64(stride)), waves=0)
-    elif kernel == "scatter_smem":
-        sp = smem if smem is not None else smem_plan(a)
-        nchunks = len(sp.chunk_rows) - 1
-        fn = function(SPMV, "scatter_smem")
-        shared = sp.window * 4
-        fn.max_dynamic_shared_size_bytes = shared
-        fn(
-            (nchunks,),
-            (SMEM_THREADS,),
-            (a.indptr, a.indices, a.data, c, out, sp.chunk_rows, sp.cmin, sp.cmax, np.int32(sp.window)),
-            shared_mem=shared,
-        )
-    else:
-        raise ConfigError("bp", f"unknown scatter kernel {kernel!r}")
+    lanes_ = _checked_lanes(lanes, a)
+    # one row per lane group, no grid-stride loop; the rows in a spread order (group w takes row
+    # w P mod m) unless ``spread`` is off
+    stride = plan.spread_stride(m) if spread else 1
+    _launch_rows(function(build, f"{name}_{lanes_}"), m, lanes_,
+                 (a.indptr, a.indices, a.data, c, out, np.int64(m), np.int64(stride)), waves=0)
     return out
+
+
+def scatter_atomic(a: DeviceCSR, c: Any, out: Any = None, *, lanes: int | None = None, spread: bool = True,
+                   **_: Any) -> Any:
+    """``out = A^T c`` by ``scatter_L`` (``lanes`` lanes per row, scalar float atomics: not deterministic).
+
+    ``out`` (length n, allocated when None) is zeroed here. ``spread``: the rows in a spread order
+    (rows in flight together then add into voxels far apart); False: in order.
+    """
+    return _scatter_lanes(SPMV, "scatter", a, c, out, lanes, spread)
+
+
+def scatter_vec(a: DeviceCSR, c: Any, out: Any = None, *, lanes: int | None = None, spread: bool = True,
+                **_: Any) -> Any:
+    """``out = A^T c`` by ``scatter_vec_L``: as :func:`scatter_atomic` with 2/4-wide vector atomics over aligned column runs (sm_90)."""
+    return _scatter_lanes(SPMV_VECTOR_ATOMICS, "scatter_vec", a, c, out, lanes, spread)
+
+
+def scatter_smem(a: DeviceCSR, c: Any, out: Any = None, *, smem: SmemPlan | None = None, **_: Any) -> Any:
+    """``out = A^T c`` by ``scatter_smem``: per row chunk, atomics into a shared-memory window of its columns.
+
+    ``smem`` is the :func:`smem_plan` of ``a`` (made here when None; make it once).
+    """
+    out = _scatter_out(a, c, out)
+    out.fill(0)
+    if a.shape[0] == 0 or a.nnz == 0:
+        return out
+    sp = smem if smem is not None else smem_plan(a)
+    fn = function(SPMV, "scatter_smem")
+    shared = sp.window * 4
+    fn.max_dynamic_shared_size_bytes = shared
+    fn((len(sp.chunk_rows) - 1,), (SMEM_THREADS,),
+       (a.indptr, a.indices, a.data, c, out, sp.chunk_rows, sp.cmin, sp.cmax, np.int32(sp.window)),
+       shared_mem=shared)
+    return out
+
+
+def cusparse_scatter(a: DeviceCSR, c: Any, out: Any = None, **_: Any) -> Any:
+    """``out = A^T c`` by cuSPARSE's transposed product ``A.T @ c`` through CuPy (allocates)."""
+    out = _scatter_out(a, c, out)
+    if a.nnz:
+        out[...] = a.cusparse().T @ c
+    else:
+        out.fill(0)
+    return out
+
+
+def notrans(a: DeviceCSR, c: Any, out: Any = None, *, smem: SmemPlan | None = None, **kw: Any) -> Any:
+    """``out = A^T c`` by the scatter the ``notrans`` selector takes for ``a`` (:func:`mlemlib.registry.choose_notrans`
+    of its :func:`smem_plan`). The backends settle the selector once at set-up; this is for a direct call."""
+    from mlemlib import registry
+
+    sp = smem if smem is not None else smem_plan(a)
+    chosen = registry.get("cuda", "back_notrans", registry.choose_notrans(sp.local_fraction))
+    return registry.launcher(chosen)(a, c, out, smem=sp, **kw)
+
+
+def scatter(a: DeviceCSR, c: Any, out: Any = None, *, kernel: str = "scatter", **kw: Any) -> Any:
+    """``out = A^T c`` from the rows of ``A`` (no transpose) by the kernel named ``kernel`` (its registry launcher).
+
+    ``kernel`` is ``scatter``, ``scatter_vec``, ``scatter_smem`` or ``cusparse_notrans``; ``kw`` the
+    launcher's arguments (``lanes``, ``spread``, ``smem``). ``out`` is zeroed (or overwritten).
+    """
+    from mlemlib import registry
+
+    return registry.launcher(registry.get("cuda", "back_notrans", registry.check("bp", kernel, "cuda", fmt="csr")))(
+        a, c, out, **kw)
 
 
 @functools.cache

@@ -340,18 +340,17 @@ def interleave_positions(indptr: np.ndarray, lanes: int) -> np.ndarray:
     return np.where(inside, moved, p)
 
 
-def row_layouts(fp_kernel: str, bp_kernel: str, transpose: bool, lanes_fp: int, lanes_bp: int) -> tuple[int, int]:
+def row_layouts(fp_interleaved: bool, bp_interleaved: bool, transpose: bool, lanes_fp: int, lanes_bp: int) -> tuple[int, int]:
     """Layouts (``DeviceCSR.set_layout``) of ``A`` and ``A^T`` for a backend's kernels: 0 or the lanes.
 
-    A matrix is interleaved only where ``csr_vector`` is its one reader: ``A``
-    when the forward projection is ``csr_vector`` and the back projection runs
-    on a stored ``A^T`` (the scatter kernels and the one pass read ``A`` one
-    element per lane, whose atomics want the columns in order); ``A^T`` when
-    the back projection is ``csr_vector`` on it. cuSPARSE sets its matrix
-    back to column order itself. Only for 8 lanes or more (:data:`BLOCK_LANES`;
-    measured with 32): fewer lanes take rows of a few elements, whose gathers
-    the layout cannot bring closer.
+    ``fp_interleaved`` / ``bp_interleaved``: the forward / back kernel reads its rows lane-interleaved
+    (the registry's :attr:`~mlemlib.registry.Kernel.interleaved`: ``csr_vector``). A matrix is
+    interleaved only where such a kernel is its one reader: ``A`` when the back projection runs on
+    a stored ``A^T`` (the scatter kernels and the one pass read ``A`` one element per lane, whose
+    atomics want the columns in order); ``A^T`` when the back projection reads it so. cuSPARSE sets
+    its matrix back to column order itself. Only for 8 lanes or more (:data:`BLOCK_LANES`): fewer
+    lanes take rows of a few elements, whose gathers the layout cannot bring closer.
     """
-    la = lanes_fp if fp_kernel == "csr_vector" and transpose and lanes_fp in BLOCK_LANES else 0
-    lt = lanes_bp if bp_kernel == "csr_vector" and transpose and lanes_bp in BLOCK_LANES else 0
+    la = lanes_fp if fp_interleaved and transpose and lanes_fp in BLOCK_LANES else 0
+    lt = lanes_bp if bp_interleaved and transpose and lanes_bp in BLOCK_LANES else 0
     return la, lt

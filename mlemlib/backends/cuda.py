@@ -347,7 +347,8 @@ class CudaBackend(Backend):
                 if self.l2_window:  # the set-aside and its lines go with the backend (later work gets all of L2)
                     weakref.finalize(self, _release_l2_on, self.device_id).atexit = False
             if isinstance(self.a, ck.DeviceCSR):
-                ck.set_row_layouts(self.a, self.at, self.fp_kernel, self.bp_kernel, self._lanes(self.a),
+                ck.set_row_layouts(self.a, self.at, self._kf is not None and self._kf.interleaved,
+                                   self._kb.interleaved, self._lanes(self.a),
                                    self._lanes(self.at) if self.at is not None else 0)
             if tune and self._kf is not None and self._kf.shapes and isinstance(self.a, ck.DeviceCSR):
                 self.a.tune(self._lanes(self.a))
@@ -396,14 +397,14 @@ class CudaBackend(Backend):
         return registry.launcher(k)(mat, x, out, lanes=self._lanes(mat), secsize=self.secsize, **kw)
 
     def _fused_fp_launch(self, f: Any) -> Any:
-        """The forward projection with the correlation fused, prepared (:func:`ck.spmv_launch`); None where
-        its kernel has no prepared launch (the call then goes through :meth:`_project`). Where more than
-        1/8 of A's rows are empty (:meth:`DeviceCSR.compact_rows`) only the others are computed: ``_c``
-        keeps its zeros there, the correlation of an empty row."""
+        """The forward projection with the correlation fused, prepared (its launcher's ``prepare``); None
+        for a matrix of another format than CSR (the call then goes through :meth:`_project`). Where more
+        than 1/8 of A's rows are empty (:meth:`DeviceCSR.compact_rows`) only the others are computed:
+        ``_c`` keeps its zeros there, the correlation of an empty row."""
         if not isinstance(self.a, ck.DeviceCSR):
             return None
-        return ck.spmv_launch(self.a, f, self._c, kernel=self.fp_kernel, lanes=self._lanes(self.a),
-                              mode=ck.MODE_CORR, aux0=self.g, skip_empty=True)
+        return registry.launcher(self._kf)(self.a, f, self._c, lanes=self._lanes(self.a), secsize=self.secsize,
+                                           mode=ck.MODE_CORR, aux0=self.g, skip_empty=True, prepare=True)
 
     def forward(self, f: Any) -> Any:
         with self._device:

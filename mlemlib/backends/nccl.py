@@ -31,6 +31,11 @@ plus event records from Python. Per-step times are then not observable
 One process drives all its GPUs (``NcclCommunicator.initAll``); the same
 class runs one GPU per process when :mod:`mlemlib.dist.mpi` hands it a
 communicator spanning several processes.
+
+The backend's concerns live in three modules: the host-side planning (its kernels, the
+partition plan: :mod:`mlemlib.backends._nccl_plan`), what each GPU holds and its loading
+(:mod:`mlemlib.backends._nccl_shards`), and here the set-up, the iteration's launches (all-reduces,
+the one pass, the overlapped back projection), graph capture and timing.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,114 +55,15 @@ from mlemlib.backends import _compressed_cuda as cc
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as cplan
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR, ONEPASS_C_MAX, Backend, bytes_per_nnz
+from mlemlib.backends._nccl_plan import build_plan, plan_has_parts, resolve_kernels
+from mlemlib.backends._nccl_shards import Shard, load_shard
 from mlemlib.backends.cuda import chunk_layout, sample_chunks
-from mlemlib.backends.device_formats import device_type, format_of
-from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
-from mlemlib.matrix import CSRMatrix, shape_nnz
+from mlemlib.backends.device_formats import format_of
+from mlemlib.errors import ConfigError, DeviceError
+from mlemlib.matrix import shape_nnz
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = registry.LAYOUTS
-
-
-# --------------------------------------------------------------------------- host-side planning (no GPU)
-
-
-def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2, fmt: str = "csr",
-                    transpose_available: bool = True) -> tuple[str, str, bool]:
-    """The forward and back-projection kernels of a layout, and whether the pair is deterministic.
-
-    :func:`mlemlib.registry.resolve` with the facts of this backend: the
-    transpose is available where ``transpose_available`` says (a CSR ``A_k``
-    is transposed on its GPU; a compressed one needs the plan's part files or
-    a stored ``A^T``) and fits (each GPU checks its memory when it loads its
-    part). The ``notrans`` selector takes ``scatter_smem``
-    or ``scatter`` (:func:`~mlemlib.registry.choose_notrans`) once the
-    parts are loaded.
-
-    Raises
-    ------
-    ConfigError
-        Unknown layout, or a kernel the layout does not run (one line naming the valid ones).
-    """
-    if layout not in LAYOUTS:
-        raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
-    choice = registry.resolve("cuda", fp, bp, gpus=max(2, int(world)), layout=layout, fmt=fmt,
-                              transpose_available=transpose_available or layout == "thesis")
-    return choice.fp, choice.bp, choice.deterministic
-
-
-def _plan_has_parts(plan: Any) -> bool:
-    """Whether a plan (path, directory or dict; None: split in memory) names each part's ``A_k^T`` file."""
-    if plan is None:
-        return False
-    from mlemlib import partition
-
-    d = dict(plan) if isinstance(plan, dict) else partition.read_plan(plan)
-    return bool(d.get("local_transpose"))
-
-
-def _indptr_of(source: Any) -> np.ndarray:
-    """The full row pointer of a matrix source (host int64)."""
-    if isinstance(source, CSRMatrix):
-        ip = np.asarray(source.indptr, dtype=np.int64)
-        return ip - ip[0] if len(ip) and ip[0] else ip
-    if hasattr(source, "read_indptr"):
-        return np.asarray(source.read_indptr(), dtype=np.int64)
-    if hasattr(source, "csr_indptr"):  # an in-memory compressed matrix: its elements' row pointer
-        return np.asarray(source.csr_indptr(), dtype=np.int64)
-    if hasattr(source, "tocsr"):
-        return np.asarray(source.tocsr().indptr, dtype=np.int64)
-    ip = getattr(source, "indptr", None)
-    if ip is not None and hasattr(ip, "get"):  # DeviceCSR
-        return np.asarray(ip.get(), dtype=np.int64)
-    raise TypeError(f"cannot read the row pointer of {type(source).__name__}")
-
-
-def build_plan(matrix: Any, transpose: Any | None, parts: int, plan: Any | None, layout: str) -> dict:
-    """The partition plan of a run: read (and checked against the matrix) or computed in memory.
-
-    Parameters
-    ----------
-    matrix, transpose
-        The sources of ``A`` and ``A^T`` (transpose may be None).
-    parts
-        Number of GPUs (parts).
-    plan
-        A ``plan.json`` path or directory, a plan dict, or None to split
-        here with the partition stage's rule
-        (:func:`mlemlib.partition.make_plan`).
-    layout
-        ``local`` or ``thesis``; ``thesis`` needs ``transpose_rows``.
-
-    Raises
-    ------
-    ConfigError
-        The plan has another number of parts, or the thesis layout lacks the
-        row blocks of ``A^T``.
-    MatrixFormatError
-        The plan does not describe this matrix.
-    """
-    from mlemlib import partition
-
-    (m, n), nnz = shape_nnz(matrix)
-    if plan is None:
-        t_ip = _indptr_of(transpose) if transpose is not None else None
-        out = partition.make_plan(_indptr_of(matrix), t_ip, parts, (m, n))
-    else:
-        out = dict(plan) if isinstance(plan, dict) else partition.read_plan(plan)
-        where = out.get("plan", "<plan>")
-        if int(out["parts"]) != parts:
-            raise ConfigError(
-                where, f"plan has {out['parts']} parts but the run uses {parts} GPUs: partition with --parts {parts}"
-            )
-        if [int(v) for v in out["shape"]] != [m, n] or int(out["nnz"]) != nnz:
-            raise MatrixFormatError(
-                where, f"plan is for a {tuple(out['shape'])} matrix with {out['nnz']} nnz, not {(m, n)} with {nnz}"
-            )
-    if layout == "thesis" and "transpose_rows" not in out:
-        raise ConfigError("layout", "layout=thesis needs the transpose (A^T): give --transpose or a plan made with one")
-    return out
 
 
 # --------------------------------------------------------------------------- device helpers
@@ -178,45 +83,6 @@ def _nccl():
         raise DeviceError("CuPy's NCCL module is not available (install nvidia-nccl for your CUDA)")
     del cp
     return nccl
-
-
-@dataclass
-class _Shard:
-    """What one GPU holds and does.
-
-    Field order is teardown order: the CUDA graph goes before the
-    communicator (NCCL waits for graphs that captured a communicator to be
-    destroyed before it destroys the communicator).
-    """
-
-    part: int
-    device: int
-    rows: tuple[int, int]
-    cols: tuple[int, int]
-    graph: Any = None
-    events: dict = field(default_factory=dict)
-    order: list = field(default_factory=list)
-    a: Any = None  # A_k (row pointer may start at an alignment pad, see rows_to_device)
-    acc: Any = None  # onepass_fixed: the 64-bit fixed-point bp
-    l2_window: dict | None = None  # the one pass's atomic target in L2 (_compressed_cuda.persist_in_l2)
-    flag: Any = None  # onepass_fixed: overflow flag
-    nnz: int = 0  # non-zeros of A_k (without padding)
-    at: Any = None  # A_k^T (local) or rows cols of A^T (thesis); None for scatter
-    smem: Any = None
-    g: Any = None  # g_k (local) or g (thesis)
-    norm: Any = None
-    f: Any = None  # the replicated image (the all-reduce's receive buffer in thesis+fuse)
-    c: Any = None
-    fp: Any = None
-    send: Any = None  # thesis: zero-padded FP of the block
-    img_send: Any = None  # thesis: zero-padded image/bp block
-    bp: Any = None
-    comm: Any = None
-    at_chunks: list = field(default_factory=list)  # row views of A_k^T (overlap)
-    chunk_events: list = field(default_factory=list)
-    join_event: Any = None
-    cstream: Any = None  # communication stream (overlap)
-    stream: Any = None
 
 
 class NcclBackend(Backend):
@@ -322,7 +188,7 @@ class NcclBackend(Backend):
             matrix = open_matrix(matrix)
         self.format = format_of(matrix)
         nworld = world or len(devices or []) or gpus or 2
-        t_avail = self.format == "csr" or transpose is not None or _plan_has_parts(plan)
+        t_avail = self.format == "csr" or transpose is not None or plan_has_parts(plan)
         self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout, nworld, fmt=self.format,
                                                                              transpose_available=t_avail)
         self.chunk_reuse_sample: float | None = None
@@ -387,7 +253,6 @@ class NcclBackend(Backend):
         (m, n), nnz = shape_nnz(matrix)
         self.shape = (m, n)
         self.nnz = nnz
-        dev_type = device_type(self.format)
         plan_d = build_plan(matrix, transpose, self.world, plan, layout)
         self.plan = {k: plan_d.get(k) for k in ("parts", "imbalance", "transpose_imbalance", "plan")}
         if transpose is None and layout == "thesis" and plan_d.get("transpose"):
@@ -408,7 +273,7 @@ class NcclBackend(Backend):
 
         # ---- shards --------------------------------------------------------------------
         t0 = time.perf_counter()
-        self.shards: list[_Shard] = []
+        self.shards: list[Shard] = []
         local_files = plan_d.get("local_transpose")
         # A layout file's chunks split over the GPUs instead of the plan's rows: a row's sums and its terms'
         # fixed point do not depend on the chunk it is in, so any split gives the same image bit for bit.
@@ -416,78 +281,11 @@ class NcclBackend(Backend):
         self.chunk_file = self._layout.path if chunk_ranges is not None else None
         try:
             for part, dev in zip(parts, devices):
-                r0, r1 = (int(v) for v in plan_d["rows"][part])
-                if chunk_ranges is not None:
-                    r0, r1 = self._layout.rows_of(chunk_ranges[part])
-                c0, c1 = (int(v) for v in plan_d["transpose_rows"][part]) if "transpose_rows" in plan_d else (0, n)
-                s = _Shard(part=part, device=dev, rows=(r0, r1), cols=(c0, c1))
-                with cp.cuda.Device(dev):
-                    s.stream = cp.cuda.Stream(non_blocking=True)
-                    # Pad for csr_vector only (scatter kernels and cuSPARSE expect a row pointer from 0).
-                    no_t = not self._kb.needs_transpose
-                    pad_a = self._kf is not None and self._kf.shapes and not no_t
-                    if chunk_ranges is not None:  # the part's range of the layout's chunks
-                        s.a = cc.DeviceChunked.from_layout(self._layout, chunk_ranges[part], device=dev)
-                        s.nnz = int(s.a.nnz)
-                    elif self._kb.chunks:  # the row block as its own row chunks
-                        s.a = cc.DeviceChunked.upload(matrix, (r0, r1), device=dev, what=f"part {part}")
-                        s.nnz = int(s.a.nnz)
-                    else:
-                        s.a = dev_type.upload(matrix, (r0, r1), device=dev, align=pad_a, fmt=self.format)
-                        s.nnz = int(s.a.nnz) if self.format != "csr" else int(s.a.indptr[-1] - s.a.indptr[0])
-                    if layout == "thesis":
-                        s.at = dev_type.upload(transpose, (c0, c1), device=dev, align=self._kb.shapes,
-                                               fmt=self.format)
-                    elif not no_t:
-                        if local_files:
-                            with open_matrix(local_files[part]) as pf:
-                                s.at = dev_type.upload(pf, (0, n), device=dev, fmt=self.format)
-                            if s.at.shape != (n, r1 - r0) or s.at.nnz != s.nnz:
-                                raise MatrixFormatError(local_files[part], f"part is {s.at.shape} with {s.at.nnz} nnz, expected {(n, r1 - r0)} with {s.nnz}")
-                        elif self.format != "csr":
-                            raise ConfigError("plan", f"the local layout on a {self.format} matrix reads each GPU's "
-                                              "A_k^T from the partition's part files (mlem partition); none given")
-                        else:
-                            plain = ck.unpadded(s.a)
-                            s.at = plain.transpose()  # cuSPARSE csr2csc on this GPU: A_k^T, rows sorted
-                            plain.drop_cusparse()
-                            del plain
-                    elif self._kb.smem:
-                        s.smem = ck.smem_plan(s.a)
-                        if self._kb.selector:  # settled on the first part, the same for all
-                            self.bp_kernel = registry.choose_notrans(s.smem.local_fraction)
-                            self._kb = registry.get_bp("cuda", self.bp_kernel)
-                            log.info("bp=notrans: %.0f%% of part %d's row chunks fit shared memory: %s",
-                                     100 * s.smem.local_fraction, part, self.bp_kernel)
-                        if not self._kb.smem:
-                            s.smem = None
-                    ck.set_row_layouts(s.a, s.at, self.fp_kernel, self.bp_kernel, self.lanes_fp,
-                                       self.lanes_bp(s) if s.at is not None else 0)
-                    if tune and self._kf is not None and self._kf.shapes:
-                        s.a.tune(self.lanes_fp)
-                    if tune and s.at is not None and self._kb.shapes:
-                        s.at.tune(self.lanes_bp(s))
-                    s.norm = cp.asarray(norm, dtype=cp.float32)
-                    s.f = cp.empty(n, dtype=cp.float32)
-                    if self.onepass and self.deterministic:
-                        s.acc = cp.empty(n, dtype=cp.uint64)
-                        s.flag = cp.zeros(1, dtype=cp.int32)
-                    if layout == "local":
-                        s.g = cp.asarray(g[r0:r1], dtype=cp.float32)
-                        s.c = cp.empty(r1 - r0, dtype=cp.float32)
-                        s.fp = s.c if self._fused_fp else cp.empty(r1 - r0, dtype=cp.float32)
-                        s.bp = cp.empty(n, dtype=cp.float32)
-                    else:
-                        s.g = cp.asarray(g, dtype=cp.float32)
-                        s.send = cp.zeros(m, dtype=cp.float32)
-                        s.fp = cp.empty(m, dtype=cp.float32)
-                        s.c = cp.empty(m, dtype=cp.float32)
-                        s.img_send = cp.zeros(n, dtype=cp.float32)
-                        s.bp = cp.empty(n, dtype=cp.float32)
-                    if self.onepass and not self._kb.chunks and self.format != "csr":  # atomic target in L2, as on one GPU
-                        s.l2_window = cc.persist_in_l2(s.stream, s.acc if self.deterministic else s.bp)
+                s = load_shard(self, part, dev, matrix=matrix, transpose=transpose, plan_d=plan_d, g=g, norm=norm,
+                               chunk_ranges=chunk_ranges, local_files=local_files, tune=tune)
                 self.shards.append(s)
-                log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", dev, part, r0, r1, s.nnz, f", A^T rows [{c0}, {c1})" if layout == "thesis" else "")
+                log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", dev, part, *s.rows, s.nnz,
+                         ", A^T rows [%d, %d)" % s.cols if layout == "thesis" else "")
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise DeviceError(f"out of GPU memory loading the parts ({exc}); use more GPUs") from exc
         # Loading ran on each device's default stream; the iteration runs on non-blocking streams.
@@ -550,7 +348,7 @@ class NcclBackend(Backend):
             return nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
 
     # --- the iteration, as launches ------------------------------------------------------
-    def _mark(self, s: _Shard, name: str, record: bool) -> None:
+    def _mark(self, s: Shard, name: str, record: bool) -> None:
         if not record:
             return
         cp = _cupy()
@@ -750,7 +548,7 @@ class NcclBackend(Backend):
                 s.chunk_events = [cp.cuda.Event(disable_timing=True) for _ in self.chunk_bounds]
                 s.join_event = cp.cuda.Event(disable_timing=True)
 
-    def lanes_bp(self, s: _Shard) -> int:
+    def lanes_bp(self, s: Shard) -> int:
         """Lanes per row of a shard's back projection (the whole A^T's in the thesis layout)."""
         if self.layout == "thesis":
             return self.lanes_bp_global

@@ -1,0 +1,141 @@
+"""What each GPU of the ``cuda-nccl`` backend holds (:class:`Shard`), and its loading (:func:`load_shard`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlemlib import registry
+from mlemlib.backends import _compressed_cuda as cc
+from mlemlib.backends import _cuda_kernels as ck
+from mlemlib.backends.device_formats import device_type
+from mlemlib.errors import ConfigError, MatrixFormatError
+
+log = logging.getLogger("mlemlib.backends.nccl")
+
+
+@dataclass
+class Shard:
+    """What one GPU holds and does.
+
+    Field order is teardown order: the CUDA graph goes before the
+    communicator (NCCL waits for graphs that captured a communicator to be
+    destroyed before it destroys the communicator).
+    """
+
+    part: int
+    device: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    graph: Any = None
+    events: dict = field(default_factory=dict)
+    order: list = field(default_factory=list)
+    a: Any = None  # A_k (row pointer may start at an alignment pad, see rows_to_device)
+    acc: Any = None  # onepass_fixed: the 64-bit fixed-point bp
+    l2_window: dict | None = None  # the one pass's atomic target in L2 (_compressed_cuda.persist_in_l2)
+    flag: Any = None  # onepass_fixed: overflow flag
+    nnz: int = 0  # non-zeros of A_k (without padding)
+    at: Any = None  # A_k^T (local) or rows cols of A^T (thesis); None for scatter
+    smem: Any = None
+    g: Any = None  # g_k (local) or g (thesis)
+    norm: Any = None
+    f: Any = None  # the replicated image (the all-reduce's receive buffer in thesis+fuse)
+    c: Any = None
+    fp: Any = None
+    send: Any = None  # thesis: zero-padded FP of the block
+    img_send: Any = None  # thesis: zero-padded image/bp block
+    bp: Any = None
+    comm: Any = None
+    at_chunks: list = field(default_factory=list)  # row views of A_k^T (overlap)
+    chunk_events: list = field(default_factory=list)
+    join_event: Any = None
+    cstream: Any = None  # communication stream (overlap)
+    stream: Any = None
+
+
+def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, plan_d: dict, g: Any, norm: Any,
+               chunk_ranges: list | None, local_files: list | None, tune: bool) -> Shard:
+    """Load plan part ``part`` onto GPU ``dev`` for the backend ``be`` (an :class:`~mlemlib.backends.nccl.NcclBackend`
+    during its set-up): its rows of ``A`` in the backend's format (or its range of the chunk layout's chunks), its
+    ``A_k^T`` (part file, or transposed on the GPU) or the thesis layout's rows of ``A^T``, the vectors of its
+    layout, the launch shapes where tuned. The ``notrans`` selector is settled here on the first part (``be.bp_kernel``).
+    """
+    from mlemlib.formats import open_matrix
+
+    cp = ck.cupy()
+    m, n = be.shape
+    layout = be.layout
+    dev_type = device_type(be.format)
+    r0, r1 = (int(v) for v in plan_d["rows"][part])
+    if chunk_ranges is not None:
+        r0, r1 = be._layout.rows_of(chunk_ranges[part])
+    c0, c1 = (int(v) for v in plan_d["transpose_rows"][part]) if "transpose_rows" in plan_d else (0, n)
+    s = Shard(part=part, device=dev, rows=(r0, r1), cols=(c0, c1))
+    with cp.cuda.Device(dev):
+        s.stream = cp.cuda.Stream(non_blocking=True)
+        # Pad for csr_vector only (scatter kernels and cuSPARSE expect a row pointer from 0).
+        no_t = not be._kb.needs_transpose
+        pad_a = be._kf is not None and be._kf.shapes and not no_t
+        if chunk_ranges is not None:  # the part's range of the layout's chunks
+            s.a = cc.DeviceChunked.from_layout(be._layout, chunk_ranges[part], device=dev)
+            s.nnz = int(s.a.nnz)
+        elif be._kb.chunks:  # the row block as its own row chunks
+            s.a = cc.DeviceChunked.upload(matrix, (r0, r1), device=dev, what=f"part {part}")
+            s.nnz = int(s.a.nnz)
+        else:
+            s.a = dev_type.upload(matrix, (r0, r1), device=dev, align=pad_a, fmt=be.format)
+            s.nnz = int(s.a.nnz) if be.format != "csr" else int(s.a.indptr[-1] - s.a.indptr[0])
+        if layout == "thesis":
+            s.at = dev_type.upload(transpose, (c0, c1), device=dev, align=be._kb.shapes,
+                                   fmt=be.format)
+        elif not no_t:
+            if local_files:
+                with open_matrix(local_files[part]) as pf:
+                    s.at = dev_type.upload(pf, (0, n), device=dev, fmt=be.format)
+                if s.at.shape != (n, r1 - r0) or s.at.nnz != s.nnz:
+                    raise MatrixFormatError(local_files[part], f"part is {s.at.shape} with {s.at.nnz} nnz, expected {(n, r1 - r0)} with {s.nnz}")
+            elif be.format != "csr":
+                raise ConfigError("plan", f"the local layout on a {be.format} matrix reads each GPU's "
+                                  "A_k^T from the partition's part files (mlem partition); none given")
+            else:
+                plain = ck.unpadded(s.a)
+                s.at = plain.transpose()  # cuSPARSE csr2csc on this GPU: A_k^T, rows sorted
+                plain.drop_cusparse()
+                del plain
+        elif be._kb.smem:
+            s.smem = ck.smem_plan(s.a)
+            if be._kb.selector:  # settled on the first part, the same for all
+                be.bp_kernel = registry.choose_notrans(s.smem.local_fraction)
+                be._kb = registry.get_bp("cuda", be.bp_kernel)
+                log.info("bp=notrans: %.0f%% of part %d's row chunks fit shared memory: %s",
+                         100 * s.smem.local_fraction, part, be.bp_kernel)
+            if not be._kb.smem:
+                s.smem = None
+        ck.set_row_layouts(s.a, s.at, be._kf is not None and be._kf.interleaved,
+                           be._kb.interleaved, be.lanes_fp,
+                           be.lanes_bp(s) if s.at is not None else 0)
+        if tune and be._kf is not None and be._kf.shapes:
+            s.a.tune(be.lanes_fp)
+        if tune and s.at is not None and be._kb.shapes:
+            s.at.tune(be.lanes_bp(s))
+        s.norm = cp.asarray(norm, dtype=cp.float32)
+        s.f = cp.empty(n, dtype=cp.float32)
+        if be.onepass and be.deterministic:
+            s.acc = cp.empty(n, dtype=cp.uint64)
+            s.flag = cp.zeros(1, dtype=cp.int32)
+        if layout == "local":
+            s.g = cp.asarray(g[r0:r1], dtype=cp.float32)
+            s.c = cp.empty(r1 - r0, dtype=cp.float32)
+            s.fp = s.c if be._fused_fp else cp.empty(r1 - r0, dtype=cp.float32)
+            s.bp = cp.empty(n, dtype=cp.float32)
+        else:
+            s.g = cp.asarray(g, dtype=cp.float32)
+            s.send = cp.zeros(m, dtype=cp.float32)
+            s.fp = cp.empty(m, dtype=cp.float32)
+            s.c = cp.empty(m, dtype=cp.float32)
+            s.img_send = cp.zeros(n, dtype=cp.float32)
+            s.bp = cp.empty(n, dtype=cp.float32)
+        if be.onepass and not be._kb.chunks and be.format != "csr":  # atomic target in L2, as on one GPU
+            s.l2_window = cc.persist_in_l2(s.stream, s.acc if be.deterministic else s.bp)
+    return s
