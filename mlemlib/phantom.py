@@ -37,6 +37,7 @@ order (LORs and voxels of the matrix the permutation was computed from).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -431,19 +432,245 @@ def forward_project(matrix: Any, f: np.ndarray, *, max_nnz: int = 1 << 24) -> np
     numpy.ndarray
         float64, length m.
     """
+    return project_images(matrix, [f], max_nnz=max_nnz)[0]
+
+
+def project_images(
+    matrix: Any, images: Sequence[np.ndarray], *, max_nnz: int = 1 << 24, row_filled: bool = False
+) -> list[np.ndarray]:
+    """``A @ x`` of every image in one pass over the matrix's row blocks (float64 accumulation).
+
+    Each row block is read once and multiplied with every image, so that
+    projecting the activity, the mu-map and the scatter source together
+    costs one read of the matrix.
+
+    Parameters
+    ----------
+    matrix
+        A path, an opened matrix or a :class:`~mlemlib.matrix.CSRMatrix`.
+    images
+        Images of ``n`` values each (any shape; flattened in C order).
+    max_nnz
+        Row-block size (elements).
+    row_filled
+        Also return, last, 1.0 for every row that holds a non-zero and 0.0 for an empty one.
+
+    Returns
+    -------
+    list of numpy.ndarray
+        float64, length m each, in the order of ``images`` (then the filled rows).
+    """
     from mlemlib.backends.cpu import passive_omp_wait, spmv
 
     passive_omp_wait()
     src = _open_source(matrix)
     m, n = src.shape
-    x = np.ascontiguousarray(np.asarray(f, dtype=np.float64).reshape(-1))
-    if x.size != n:
-        raise ConfigError("image", f"image has {x.size} voxels but the matrix has n = {n} columns")
-    y = np.zeros(m, dtype=np.float64)
+    xs = []
+    for f in images:
+        x = np.ascontiguousarray(np.asarray(f, dtype=np.float64).reshape(-1))
+        if x.size != n:
+            raise ConfigError("image", f"image has {x.size} voxels but the matrix has n = {n} columns")
+        xs.append(x)
+    ys = [np.zeros(m, dtype=np.float64) for _ in xs]
+    filled = np.zeros(m, dtype=np.float64) if row_filled else None
     for r0, r1, block in src.iter_chunks(max_nnz=max_nnz):
-        spmv(block.indptr, block.indices, block.data, x, y[r0:r1])
+        for x, y in zip(xs, ys):
+            spmv(block.indptr, block.indices, block.data, x, y[r0:r1])
+        if filled is not None:
+            filled[r0:r1] = np.diff(block.indptr) > 0
         log.debug("forward projection: rows %d..%d of %d", r0, r1, m)
-    return y
+    return ys if filled is None else [*ys, filled]
+
+
+# --------------------------------------------------------------------------- scanner effects
+#: Linear attenuation coefficient of water at 511 keV, 1/mm.
+MU_WATER = 0.0096
+
+#: Lung tissue at 511 keV, 1/mm: water's mass attenuation at about 0.3 g/cm^3
+#: (inflated lung; the NEMA phantom's lung insert is foam of that density).
+MU_LUNG = 0.0029
+
+#: Unit of mu-maps and of the line integrals ``sum_j A_ij mu_j`` (the matrix's values are mm).
+MU_UNITS = "1/mm"
+
+
+@dataclass(frozen=True)
+class ScannerEffects:
+    """What a simulated measurement sees of a real scanner, besides the activity.
+
+    Defaults are all off: :func:`simulate` then draws ``Poisson(A f)`` as it
+    always did, byte for byte.
+
+    Parameters
+    ----------
+    attenuation
+        Attenuate each LOR by ``exp(-sum_j A_ij mu_j)``: the phantom's
+        water-equivalent mu-map (:func:`attenuation_map`) integrated along the
+        LOR through ``A`` itself, whose values are chord lengths in mm.
+    normalisation_spread
+        Coefficient of variation of the crystal efficiencies (lognormal, mean
+        1); each LOR gets the product of its two crystals' (or, for a matrix
+        without a known scanner geometry, one factor of its own with this
+        spread). 0 for none.
+    normalisation_seed
+        Seed of the efficiencies (a property of the scanner: every noise seed
+        of a measurement shares them).
+    randoms_fraction
+        Expected randoms as a fraction of the expected total counts, spread
+        uniformly over the LORs whose row is not empty.
+    scatter_fraction
+        Expected scatter as a fraction of the expected total counts: the
+        forward projection of the activity blurred by a 3-D Gaussian of
+        ``scatter_sigma`` mm (smooth across LORs, with tails beyond the body).
+    scatter_sigma
+        Standard deviation of that Gaussian in mm; None for a quarter of the
+        field of view's transaxial width.
+    """
+
+    attenuation: bool = False
+    normalisation_spread: float = 0.0
+    normalisation_seed: int = 0
+    randoms_fraction: float = 0.0
+    scatter_fraction: float = 0.0
+    scatter_sigma: float | None = None
+
+    def check(self) -> ScannerEffects:
+        """Validate the values; return self.
+
+        Raises
+        ------
+        ConfigError
+            Naming the key: a spread or fraction that is negative or not a
+            number, fractions that leave no true counts, a bad seed or sigma.
+        """
+        if not isinstance(self.attenuation, (bool, np.bool_)):
+            raise ConfigError("attenuation", f"must be true or false, got {self.attenuation!r}")
+        for key in ("normalisation_spread", "randoms_fraction", "scatter_fraction"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(key, f"must be a number >= 0, got {v!r}")
+        if self.randoms_fraction + self.scatter_fraction >= 1:
+            raise ConfigError(
+                "randoms_fraction",
+                f"randoms_fraction + scatter_fraction = {self.randoms_fraction + self.scatter_fraction:g} "
+                "leaves no true counts; their sum must be below 1",
+            )
+        seed = self.normalisation_seed
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ConfigError("normalisation_seed", f"must be an integer >= 0, got {seed!r}")
+        sigma = self.scatter_sigma
+        if sigma is not None and (
+            isinstance(sigma, bool) or not isinstance(sigma, (int, float, np.integer, np.floating))
+            or not math.isfinite(sigma) or sigma <= 0
+        ):
+            raise ConfigError("scatter_sigma", f"must be a positive number of mm or None, got {sigma!r}")
+        return self
+
+    @property
+    def multiplicative(self) -> bool:
+        """True when some per-LOR factor differs from 1 (attenuation or normalisation)."""
+        return bool(self.attenuation) or self.normalisation_spread > 0
+
+    @property
+    def additive(self) -> bool:
+        """True when there is an additive background (randoms or scatter)."""
+        return self.randoms_fraction > 0 or self.scatter_fraction > 0
+
+    @property
+    def any(self) -> bool:
+        """True when anything is simulated beyond ``Poisson(A f)``."""
+        return self.multiplicative or self.additive
+
+
+def attenuation_map(phantom: Phantom, grid: Sequence[int], voxel_size: Sequence[float], *, supersample: int = 3) -> np.ndarray:
+    """The water-equivalent mu-map of a phantom, in 1/mm (:data:`MU_UNITS`).
+
+    Every shape is water (:data:`MU_WATER`; a cold insert or the cold body of
+    ``derenzo`` holds water without activity) except those labelled ``lung``
+    (:data:`MU_LUNG`); outside the body, air (0). Painted and antialiased as
+    :func:`rasterize` paints the activity.
+
+    Returns
+    -------
+    numpy.ndarray
+        float32, shape ``(gridZ, gridY, gridX)``.
+    """
+    shapes = [dataclasses.replace(sh, value=MU_LUNG if sh.label == "lung" else MU_WATER) for sh in phantom.shapes]
+    return rasterize(shapes, grid, voxel_size, supersample=supersample)
+
+
+def crystal_efficiencies(n_crystals: int, spread: float, seed: int) -> np.ndarray:
+    """Detector efficiencies: lognormal with mean 1 and coefficient of variation ``spread`` (float64)."""
+    sigma2 = math.log1p(float(spread) ** 2)
+    rng = np.random.default_rng(seed)
+    return rng.lognormal(mean=-0.5 * sigma2, sigma=math.sqrt(sigma2), size=int(n_crystals))
+
+
+def scanner_geometry(src: Any):
+    """The scanner block of an opened matrix, parsed (:class:`~mlemlib.formats.csr4.ScannerGeometry`); None without one.
+
+    A ``.csr4`` has it in its header; a container made from one (or by the
+    generator) keeps it as its ``scanner_block`` attribute.
+    """
+    from mlemlib.formats.csr4 import ScannerGeometry
+
+    geometry = getattr(getattr(src, "header", None), "geometry", None)
+    if geometry is not None:
+        return geometry
+    block = getattr(src, "scanner_block", None)
+    if block is None:
+        block = (getattr(src, "attrs", None) or {}).get("scanner_block")
+    if block is None:
+        return None
+    return ScannerGeometry.from_bytes(bytes(block), str(getattr(src, "source", "<matrix>")))
+
+
+def lor_crystals(geometry: Any, m: int) -> int | None:
+    """Crystals of the scanner whose LOR ``i * n_crystals + j`` is row ``i * n_crystals + j`` of an m-row matrix; None where m is not ``n_crystals**2``."""
+    if geometry is None:
+        return None
+    n_crystals = len(geometry.layers) * geometry.n_rings * geometry.n_blocks * geometry.block_size
+    return n_crystals if n_crystals * n_crystals == m else None
+
+
+def normalisation_factors(m: int, spread: float, seed: int, n_crystals: int | None = None) -> np.ndarray:
+    """Per-LOR normalisation (float64, length m) from detector efficiencies.
+
+    With ``n_crystals`` (LOR ``i * n_crystals + j`` joins crystals i and j) the
+    factor of a LOR is ``eps_i * eps_j`` (:func:`crystal_efficiencies`), and 0
+    where ``i == j`` (a crystal with itself is no line of response); else each
+    LOR draws a factor of its own with the same spread.
+    """
+    if n_crystals is None:
+        return crystal_efficiencies(m, spread, seed)
+    eps = crystal_efficiencies(n_crystals, spread, seed)
+    factors = np.outer(eps, eps)
+    np.fill_diagonal(factors, 0.0)
+    return factors.reshape(-1)
+
+
+def scatter_source(f: np.ndarray, grid: Sequence[int], voxel_size: Sequence[float], sigma: float | None) -> tuple[np.ndarray, float]:
+    """The activity blurred by a 3-D Gaussian of ``sigma`` mm (zero outside the grid), and that sigma.
+
+    ``sigma`` None takes a quarter of the field of view's transaxial width.
+    """
+    from scipy.ndimage import gaussian_filter
+
+    (gx, gy, gz), (vx, vy, vz) = _check_grid(grid, voxel_size)
+    if sigma is None:
+        sigma = 0.25 * min(gx * vx, gy * vy)
+    image = np.asarray(f, dtype=np.float64).reshape(gz, gy, gx)
+    blurred = gaussian_filter(image, sigma=(sigma / vz, sigma / vy, sigma / vx), mode="constant", truncate=4.0)
+    return blurred, float(sigma)
+
+
+def _write_factors(path: str | os.PathLike, values: np.ndarray) -> None:
+    """Write one float32 per LOR, raw little-endian, no header, atomically."""
+    from mlemlib._io import atomic_path
+
+    out = np.ascontiguousarray(values, dtype="<f4")
+    with atomic_path(path) as tmp:
+        out.tofile(tmp)
 
 
 # --------------------------------------------------------------------------- simulation
@@ -458,11 +685,19 @@ def simulate(
     counts: float | None = None,
     supersample: int = 3,
     max_nnz: int = 1 << 24,
+    effects: ScannerEffects | None = None,
+    mu_map: np.ndarray | None = None,
+    out_multiplicative: str | os.PathLike | None = None,
+    out_additive: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
-    """Simulate a measurement ``g`` of a phantom and write ``.LMsino`` (+ ``truth.h5``).
+    """Simulate a measurement ``g`` of a phantom and write ``.LMsino`` (+ ``truth.h5``, + ``m`` and ``b``).
 
-    ``g ~ Poisson(s A f)`` with ``s = counts / sum(A f)``, drawn by
-    ``numpy.random.default_rng(seed)``; ``noiseless`` writes ``rint(s A f)``.
+    ``g ~ Poisson(m * s A f + b)``, drawn by ``numpy.random.default_rng(seed)``;
+    ``noiseless`` writes ``rint(m * s A f + b)``. Without ``effects``, ``m = 1``
+    and ``b = 0`` and ``s = counts / sum(A f)``: today's ``Poisson(s A f)``.
+    With them, ``m`` is attenuation x normalisation, ``b`` randoms + scatter
+    at their fractions of ``counts``, and ``s`` scales the trues ``m * A f`` to
+    the rest (:class:`ScannerEffects`). The matrix is read once, in row blocks.
 
     Parameters
     ----------
@@ -480,37 +715,93 @@ def simulate(
     noiseless
         Round the expectation instead of drawing.
     counts
-        Total expected counts (default :data:`DEFAULT_COUNTS`).
+        Total expected counts, background included (default :data:`DEFAULT_COUNTS`).
     supersample
-        Points per voxel and axis when rasterising a named phantom.
+        Points per voxel and axis when rasterising a named phantom (and its mu-map).
     max_nnz
         Row-block size (elements) for streaming the matrix.
+    effects
+        Attenuation, normalisation, randoms and scatter; None for none.
+    mu_map
+        The mu-map (1/mm, n values) to attenuate with instead of the named
+        phantom's (needed for an image phantom with ``effects.attenuation``).
+    out_multiplicative, out_additive
+        Where to write ``m`` and ``b``: raw little-endian float32, one value
+        per LOR in the user's LOR order, no header; None to skip. Written
+        whenever given (all 1, or all 0, where ``effects`` leaves them so).
 
     Returns
     -------
     dict
         ``m``, ``n``, ``counts`` (the sum of g), ``expected_counts``, ``scale``,
-        ``max_count``, ``seed``, ``noiseless``, ``phantom``, output paths.
+        ``max_count``, ``seed``, ``noiseless``, ``phantom``, output paths; with
+        ``effects``, also ``effects`` (what was simulated and the expected
+        trues, randoms and scatter).
 
     Raises
     ------
     ConfigError
-        Unknown phantom, bad counts, counts that overflow int32.
+        Unknown phantom, bad counts, counts that overflow int32, bad effects
+        (naming the key), attenuation of an image phantom without a mu-map.
     MatrixFormatError
         A named phantom on a matrix without grid/voxel size, or a matrix that
         sees nothing of the phantom.
     """
+    if effects is not None:
+        effects.check()
     src = _open_source(matrix)
     try:
         return _simulate(src, matrix, phantom, out_sino, out_truth, seed=seed, noiseless=noiseless, counts=counts,
-                         supersample=supersample, max_nnz=max_nnz)
+                         supersample=supersample, max_nnz=max_nnz, effects=effects, mu_map=mu_map,
+                         out_multiplicative=out_multiplicative, out_additive=out_additive)
     finally:
         if src is not matrix and callable(getattr(src, "close", None)):
             src.close()
 
 
+@dataclass
+class _Projections:
+    """The per-LOR vectors of a simulation, in the user's LOR order (float64)."""
+
+    activity: np.ndarray
+    line_integral: np.ndarray | None = None
+    scatter: np.ndarray | None = None
+    filled: np.ndarray | None = None
+
+
+def _project_user_order(src: Any, source: str, images: dict[str, np.ndarray], *, filled: bool,
+                        max_nnz: int) -> tuple[_Projections, int, Any]:
+    """Project user-order images in one pass; return the projections in the user's LOR order, m_user and the
+    matrix's fold (None unless folded)."""
+    from mlemlib.fold import fold_of
+    from mlemlib.reorder import image_to_permuted_order, measurement_to_user_order, permutation_of
+
+    perm = permutation_of(src)
+    row_fold = fold_of(src)
+    names = list(images)
+    flat = [np.ascontiguousarray(images[k]).reshape(-1) for k in names]
+    if perm is not None:
+        # A reordered matrix: project the images in its permuted voxel order and
+        # bring the LORs back to the user's order (the images stay in the user's).
+        log.info("%s is reordered (%s): the measurement is written in the user's LOR order", source, perm.mode)
+        flat = [image_to_permuted_order(x, perm) for x in flat]
+    ys = project_images(src, flat, max_nnz=max_nnz, row_filled=filled)
+    if filled:
+        names.append("filled")
+    if perm is not None:
+        ys = [measurement_to_user_order(y, perm) for y in ys]
+    m = src.shape[0]
+    if row_fold is not None:
+        # A folded matrix: every LOR of a stored row sees the same expected counts (drawn independently).
+        log.info("%s is folded: the measurement is written for all %d LORs", source, row_fold.m_user)
+        ys = [row_fold.unfold(y) for y in ys]
+        m = row_fold.m_user
+    return _Projections(**dict(zip(names, ys))), m, row_fold
+
+
 def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, out_truth: Any, *, seed: int,
-              noiseless: bool, counts: float | None, supersample: int, max_nnz: int) -> dict[str, Any]:
+              noiseless: bool, counts: float | None, supersample: int, max_nnz: int, effects: ScannerEffects | None,
+              mu_map: np.ndarray | None, out_multiplicative: Any, out_additive: Any) -> dict[str, Any]:
     """The body of :func:`simulate` on an opened matrix."""
     from mlemlib.formats import matrix_geometry
     from mlemlib.formats.lmsino import write_lmsino
@@ -521,8 +812,10 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
     total = DEFAULT_COUNTS if counts is None else counts
     if not (isinstance(total, (int, float, np.integer, np.floating)) and math.isfinite(total) and total > 0):
         raise ConfigError("counts", f"total counts must be a positive number, got {counts!r}")
+    effects = effects if effects is not None and effects.any else None
     grid, vs = matrix_geometry(src)
     shapes_json = None
+    ph = None
     if isinstance(phantom, str):
         if grid is None:
             raise MatrixFormatError(source, "has no voxel grid (grid/voxel_size attributes); cannot place a phantom")
@@ -540,30 +833,31 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
         if not np.isfinite(f).all() or (f < 0).any():
             raise ConfigError("phantom", "image must be finite and non-negative")
         name = "custom"
-    from mlemlib.fold import fold_of
-    from mlemlib.reorder import image_to_permuted_order, measurement_to_user_order, permutation_of
-
-    perm = permutation_of(src)
-    row_fold = fold_of(src)
+    images = {"activity": f}
+    scatter_sigma = None
+    if effects is not None:
+        if effects.attenuation:
+            images["line_integral"] = _mu_image(mu_map, ph, grid, vs, n, supersample)
+        if effects.scatter_fraction > 0:
+            if grid is None or int(np.prod(grid)) != n:
+                raise ConfigError("scatter_fraction", f"{source} has no voxel grid to blur the activity on")
+            images["scatter"], scatter_sigma = scatter_source(f, grid, vs, effects.scatter_sigma)
     log.info("forward projecting the phantom through %s (%d x %d)", source, m, n)
-    if perm is None:
-        expected = forward_project(src, f, max_nnz=max_nnz)
-    else:
-        # A reordered matrix: project the phantom in its permuted voxel order and
-        # bring the LORs back to the user's order (f, the truth, stays in the user's).
-        log.info("%s is reordered (%s): the measurement is written in the user's LOR order", source, perm.mode)
-        f_perm = image_to_permuted_order(np.ascontiguousarray(f).reshape(-1), perm)
-        expected = measurement_to_user_order(forward_project(src, f_perm, max_nnz=max_nnz), perm)
-    if row_fold is not None:
-        # A folded matrix: every LOR of a stored row sees the same expected counts (drawn independently).
-        log.info("%s is folded: the measurement is written for all %d LORs", source, row_fold.m_user)
-        expected = row_fold.unfold(expected)
-        m = row_fold.m_user
+    proj, m, row_fold = _project_user_order(src, source, images, filled=effects is not None and effects.randoms_fraction > 0,
+                                  max_nnz=max_nnz)
+    expected = proj.activity
     esum = float(expected.sum())
     if not esum > 0:
         raise MatrixFormatError(source, "the phantom's forward projection is zero everywhere (does the matrix see the grid?)")
-    scale = float(total) / esum
-    lam = expected * scale
+    mult = add = None
+    simulated: dict[str, Any] = {}
+    if effects is None:
+        scale = float(total) / esum
+        lam = expected * scale
+    else:
+        mult, add, scale, simulated = _scanner_effects(src, source, proj, m, row_fold, float(total), effects)
+        simulated["scatter_sigma_mm"] = scatter_sigma
+        lam = expected * mult * scale + add if mult is not None else expected * scale + add
     if noiseless:
         g = np.rint(lam)
     else:
@@ -574,6 +868,12 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
         raise ConfigError("counts", f"{total:g} total counts give {g.max():.0f} counts in one LOR, over int32's {imax}")
     g32 = g.astype(np.int32)
     write_lmsino(out_sino, g32)
+    if out_multiplicative is not None:
+        _write_factors(out_multiplicative, mult if mult is not None else np.ones(m))
+    if out_additive is not None:
+        _write_factors(out_additive, add if add is not None else np.zeros(m))
+    files = {"multiplicative": out_multiplicative, "additive": out_additive}
+    files = {k: os.fspath(v) for k, v in files.items() if v is not None}
     truth = (f.astype(np.float64) * scale).astype(np.float32)
     if out_truth is not None:
         attrs = {
@@ -588,6 +888,11 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
         }
         if shapes_json is not None:
             attrs["regions"] = shapes_json
+        if simulated:
+            # what the measurement holds beyond Poisson(A f), as JSON (docs/reconstruction.md)
+            attrs["scanner_effects"] = json.dumps({**simulated, **files})
+        elif files:
+            attrs.update(files)
         write_image(out_truth, truth, grid=grid, voxel_size=vs, attrs=attrs)
     result = {
         "m": m,
@@ -602,8 +907,91 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
         "sino": os.fspath(out_sino),
         "truth": os.fspath(out_truth) if out_truth is not None else None,
     }
+    if simulated:
+        result["effects"] = simulated
+    result.update(files)
     log.info("simulated %s: %d counts in %d LORs (max %d per LOR)", name, result["counts"], m, result["max_count"])
     return result
+
+
+def _mu_image(mu_map: np.ndarray | None, ph: Phantom | None, grid: Any, vs: Any, n: int, supersample: int) -> np.ndarray:
+    """The mu-map to attenuate with (1/mm): the caller's, else the named phantom's."""
+    if mu_map is not None:
+        mu = np.asarray(mu_map, dtype=np.float64).reshape(-1)
+        if mu.size != n:
+            raise ConfigError("mu_map", f"has {mu.size} voxels but the matrix has n = {n} columns")
+        if not np.isfinite(mu).all() or (mu < 0).any():
+            raise ConfigError("mu_map", f"must be finite and non-negative ({MU_UNITS})")
+        return mu
+    if ph is None:
+        raise ConfigError("attenuation", "an image phantom has no mu-map: pass mu_map (1/mm), or use a named phantom")
+    return attenuation_map(ph, grid, vs, supersample=supersample)
+
+
+def _shared_by_stored_rows(values: np.ndarray, row_fold: Any) -> np.ndarray:
+    """Per-LOR ``values`` with every LOR of a folded matrix's stored row given its first LOR's value (the LORs
+    a stored row stands for are one line of response: one factor, as :mod:`mlemlib.corrections` requires)."""
+    rm = np.asarray(row_fold.row_map)
+    users = np.flatnonzero(rm >= 0)
+    stored, first = np.unique(rm[users], return_index=True)
+    by_row = np.empty(int(row_fold.m_stored), dtype=values.dtype)
+    by_row[stored] = values[users[first]]
+    out = values.copy()
+    out[users] = by_row[rm[users]]
+    return out
+
+
+def _scanner_effects(src: Any, source: str, proj: _Projections, m: int, row_fold: Any, total: float,
+                     effects: ScannerEffects) -> tuple[np.ndarray | None, np.ndarray, float, dict[str, Any]]:
+    """``m`` (None for all 1), ``b``, the trues' scale and the record of what was simulated."""
+    record: dict[str, Any] = {
+        "attenuation": bool(effects.attenuation),
+        "mu_units": MU_UNITS,
+        "matrix_units": "mm (chord lengths)",
+        "mu_water": MU_WATER,
+        "mu_lung": MU_LUNG,
+        "normalisation_spread": float(effects.normalisation_spread),
+        "normalisation_seed": int(effects.normalisation_seed),
+        "randoms_fraction": float(effects.randoms_fraction),
+        "scatter_fraction": float(effects.scatter_fraction),
+    }
+    mult = None
+    if effects.attenuation:
+        mult = np.exp(-proj.line_integral)
+        record["attenuation_min"] = float(mult.min()) if m else 1.0
+    if effects.normalisation_spread > 0:
+        n_crystals = lor_crystals(scanner_geometry(src), m)
+        if n_crystals is None:
+            log.info("%s: no scanner geometry with %d LORs: one normalisation factor per LOR", source, m)
+        norm = normalisation_factors(m, effects.normalisation_spread, effects.normalisation_seed, n_crystals)
+        if n_crystals is None and row_fold is not None:
+            norm = _shared_by_stored_rows(norm, row_fold)
+        record["normalisation"] = "crystal pairs" if n_crystals is not None else "per LOR"
+        record["crystals"] = n_crystals
+        mult = norm if mult is None else mult * norm
+    trues = proj.activity * mult if mult is not None else proj.activity
+    tsum = float(trues.sum())
+    if not tsum > 0:
+        raise MatrixFormatError(source, "the phantom's attenuated, normalised projection is zero everywhere")
+    rest = 1.0 - effects.randoms_fraction - effects.scatter_fraction
+    scale = rest * total / tsum
+    add = np.zeros(m, dtype=np.float64)
+    if effects.randoms_fraction > 0:
+        lors = float(proj.filled.sum())
+        if not lors > 0:
+            raise MatrixFormatError(source, "has no non-empty row to spread randoms over")
+        add += proj.filled * (effects.randoms_fraction * total / lors)
+    if effects.scatter_fraction > 0:
+        ssum = float(proj.scatter.sum())
+        if not ssum > 0:
+            raise MatrixFormatError(source, "the blurred activity's projection is zero everywhere: no scatter to spread")
+        add += proj.scatter * (effects.scatter_fraction * total / ssum)
+    record.update(
+        expected_trues=rest * total,
+        expected_randoms=effects.randoms_fraction * total,
+        expected_scatter=effects.scatter_fraction * total,
+    )
+    return mult, add, scale, record
 
 
 def load_regions(truth_attrs: dict[str, Any], grid: Sequence[int] | None, voxel_size: Sequence[float] | None) -> RegionMasks | None:
@@ -623,15 +1011,26 @@ __all__ = [
     "COLUMN_ORDER",
     "DEFAULT_COUNTS",
     "PHANTOMS",
+    "MU_LUNG",
+    "MU_UNITS",
+    "MU_WATER",
     "Cylinder",
     "Phantom",
     "RegionMasks",
+    "ScannerEffects",
     "Sphere",
+    "attenuation_map",
+    "crystal_efficiencies",
     "forward_project",
     "load_regions",
+    "lor_crystals",
     "make_phantom",
+    "normalisation_factors",
     "phantom_shapes",
+    "project_images",
     "rasterize",
     "region_masks",
+    "scanner_geometry",
+    "scatter_source",
     "simulate",
 ]

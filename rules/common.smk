@@ -7,6 +7,7 @@ that a changed value reruns exactly the rules that use it).
 """
 
 import collections
+import dataclasses
 import errno
 import functools
 import json
@@ -300,6 +301,10 @@ PATHS = {
     "chunks": "results/{matrix}/chunks.h5",
     "sino": "results/{matrix}/data/{data}.LMsino",
     "truth": "results/{matrix}/data/{data}-truth.h5",
+    # a simulated measurement's m and b (simulation: attenuation, normalisation_spread;
+    # randoms_fraction, scatter_fraction): raw float32 per LOR (docs/reconstruction.md)
+    "multiplicative": "results/{matrix}/data/{data}.mult.f32",
+    "additive": "results/{matrix}/data/{data}.add.f32",
     "reference_image": f"{_REFERENCE_DIR}/image.h5",
     "reference_timings": f"{_REFERENCE_DIR}/timings.json",
     "exact_reference_image": f"{_EXACT_REFERENCE_DIR}/image.h5",
@@ -720,14 +725,76 @@ def get_measurement_stamp(wildcards):
 
 
 def get_simulation_params(wildcards):
-    """Phantom, seed and noise settings of simulate_measurement ({data} is {phantom}-seed{seed})."""
+    """Phantom, seed and noise settings of simulate_measurement ({data} is
+    {phantom}-seed{seed}), and the scanner effects where any is on (left out
+    otherwise, so that a config without them keeps today's params and outputs)."""
     sim = config["simulation"]
     phantom, seed = wildcards.data.rsplit("-seed", 1)
-    return {
+    params = {
         "phantom": phantom,
         "seed": int(seed),
         "noiseless": sim["noiseless"],
         "counts": sim["counts"],
+    }
+    effects = get_scanner_effects()
+    if effects.any:
+        params["effects"] = dataclasses.asdict(effects)
+    return params
+
+
+#: The keys of config simulation that are mlemlib.phantom.ScannerEffects' fields.
+SCANNER_EFFECTS = (
+    "attenuation",
+    "normalisation_spread",
+    "normalisation_seed",
+    "randoms_fraction",
+    "scatter_fraction",
+)
+
+
+def get_scanner_effects():
+    """mlemlib.phantom.ScannerEffects of config simulation (checked by check_scanner_effects)."""
+    from mlemlib.phantom import ScannerEffects
+
+    sim = config["simulation"]
+    return ScannerEffects(**{key: sim[key] for key in SCANNER_EFFECTS})
+
+
+def check_scanner_effects():
+    """Stop the workflow before any job, in one line, on scanner effects the
+    schema cannot refuse alone (randoms_fraction + scatter_fraction >= 1)."""
+    try:
+        get_scanner_effects().check()
+    except ConfigError as exc:
+        stop(f"config simulation.{exc}")
+
+
+check_scanner_effects()
+
+
+def get_simulated_factor_roles():
+    """The factor files simulate_measurement writes: multiplicative (attenuation,
+    normalisation) and additive (randoms, scatter), where the config asks."""
+    effects = get_scanner_effects()
+    flags = {"multiplicative": effects.multiplicative, "additive": effects.additive}
+    return [role for role, on in flags.items() if on]
+
+
+def get_simulation_outputs():
+    """Named outputs of simulate_measurement beyond sino and truth: the path
+    patterns of its factor files (get_simulated_factor_roles)."""
+    return {role: PATHS[role] for role in get_simulated_factor_roles()}
+
+
+def get_simulated_factors(wildcards):
+    """The m and b files of a simulated {data} (role -> path) that every
+    reconstruction of it reads, as the measurement's multiplicative and
+    additive entries; empty for a user's measurement."""
+    if not is_simulated(wildcards):
+        return {}
+    return {
+        role: get_path(role, matrix=wildcards.matrix, data=wildcards.data)
+        for role in get_simulated_factor_roles()
     }
 
 
@@ -827,6 +894,7 @@ def get_problem_input(wildcards):
     }
     if is_simulated(wildcards):
         inputs["truth"] = get_path("truth", matrix=matrix, data=data)
+    inputs.update(get_simulated_factors(wildcards))
     return inputs
 
 
@@ -1116,7 +1184,7 @@ def _stage_need(job, size):
         stage, label, disk = "convert", matrix, 7 * size.nnz + 8 * size.rows
     elif name == "simulate_measurement":
         stage, label = "simulate", f"{matrix}, {wc['data']}"
-        disk = 4 * size.rows + 4 * size.cols
+        disk = 4 * size.rows * (1 + len(get_simulated_factor_roles())) + 4 * size.cols
     elif name == "reference_mlem":
         stage, label, disk = "mlem", f"{matrix}, {wc['data']}", 8 * size.cols
         kw = {"stored_transpose": False}

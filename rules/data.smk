@@ -2,6 +2,7 @@ rule simulate_measurement:
     input:
         matrix=get_converted_matrix(),
     output:
+        **get_simulation_outputs(),
         sino=PATHS["sino"],
         truth=PATHS["truth"],
     log:

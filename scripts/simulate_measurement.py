@@ -1,4 +1,5 @@
-"""Rule simulate_measurement: project a phantom through A, add Poisson noise."""
+"""Rule simulate_measurement: project a phantom through A, add Poisson noise
+(and, where the config asks, attenuation, normalisation, randoms and scatter)."""
 
 import logging
 
@@ -6,9 +7,10 @@ from mlemlib.logs import send_to_log
 
 send_to_log(snakemake.log[0])
 
-from mlemlib.phantom import simulate  # noqa: E402
+from mlemlib.phantom import ScannerEffects, simulate  # noqa: E402
 
 sim = snakemake.params.simulation
+effects = sim.get("effects")
 summary = simulate(
     snakemake.input.matrix,
     sim["phantom"],
@@ -17,5 +19,8 @@ summary = simulate(
     seed=sim["seed"],
     noiseless=sim["noiseless"],
     counts=sim["counts"],
+    effects=ScannerEffects(**effects) if effects else None,
+    out_multiplicative=snakemake.output.get("multiplicative"),
+    out_additive=snakemake.output.get("additive"),
 )
 logging.info("simulate_measurement: %s", summary)
