@@ -33,6 +33,17 @@ total count and draws Poisson counts with a seeded :class:`numpy.random.Generato
 the expected measurement and reconstructions compare with it directly.
 Given a reordered matrix (``mlem reorder``) it writes both in the user's
 order (LORs and voxels of the matrix the permutation was computed from).
+
+Realistic data (:class:`ScannerEffects`, all off by default): per-LOR
+multiplicative factors ``m`` (attenuation ``exp(-sum_j A_ij mu_j)`` of the
+phantom's water-equivalent mu-map, :func:`attenuation_map`, in 1/mm against
+the matrix's chord lengths in mm; crystal-efficiency normalisation,
+:func:`normalisation_factors`) and an additive background ``b`` (uniform
+randoms, smooth scatter, :func:`scatter_source`) at configured fractions of
+the total counts; then ``g ~ Poisson(m * A f + b)``, and ``m`` and ``b`` are
+written as raw float32 per LOR. The activity, the mu-map and the scatter
+source are projected in the same pass over the matrix's row blocks
+(:func:`project_images`).
 """
 
 from __future__ import annotations
