@@ -854,8 +854,8 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
                 raise ConfigError("scatter_fraction", f"{source} has no voxel grid to blur the activity on")
             images["scatter"], scatter_sigma = scatter_source(f, grid, vs, effects.scatter_sigma)
     log.info("forward projecting the phantom through %s (%d x %d)", source, m, n)
-    proj, m, row_fold = _project_user_order(src, source, images, filled=effects is not None and effects.randoms_fraction > 0,
-                                  max_nnz=max_nnz)
+    randoms = effects is not None and effects.randoms_fraction > 0
+    proj, m, row_fold = _project_user_order(src, source, images, filled=randoms, max_nnz=max_nnz)
     expected = proj.activity
     esum = float(expected.sum())
     if not esum > 0:
@@ -980,6 +980,8 @@ def _scanner_effects(src: Any, source: str, proj: _Projections, m: int, row_fold
         record["normalisation"] = "crystal pairs" if n_crystals is not None else "per LOR"
         record["crystals"] = n_crystals
         mult = norm if mult is None else mult * norm
+    if mult is not None:
+        mult = mult.astype(np.float32).astype(np.float64)  # as the file holds it (see b below)
     trues = proj.activity * mult if mult is not None else proj.activity
     tsum = float(trues.sum())
     if not tsum > 0:
@@ -997,6 +999,8 @@ def _scanner_effects(src: Any, source: str, proj: _Projections, m: int, row_fold
         if not ssum > 0:
             raise MatrixFormatError(source, "the blurred activity's projection is zero everywhere: no scatter to spread")
         add += proj.scatter * (effects.scatter_fraction * total / ssum)
+    # the expectation is made of the float32 values the files hold, so that the reconstruction's model is exact
+    add = add.astype(np.float32).astype(np.float64)
     record.update(
         expected_trues=rest * total,
         expected_randoms=effects.randoms_fraction * total,
