@@ -8,6 +8,11 @@ and runs the numerical contract of DESIGN.md ``repetitions`` times::
     f0 = sum(g) / sum(norm)                  (sums in float64)
     fp = A f ; c = g / fp (0 where fp == 0) ; bp = A^T c ; f <- f * bp / norm (f * bp where norm == 0)
 
+and, where asked, OSEM with multiplicative factors ``m`` and a background
+``b`` (:mod:`mlemlib.subsets`, :mod:`mlemlib.corrections`): each iteration
+visits the S subsets in order, ``c = m g / (m A f + b)`` and the norm of a
+subset is its sensitivity ``s^k = sum_{i in S_k} a_ij m_i``.
+
 Every iteration's step times are kept; every ``checkpoint_every`` iterations
 the image is saved atomically (HDF5, with the iteration and a hash of the
 inputs) so that a killed run resumes where it stopped and ends with the same
@@ -127,8 +132,12 @@ def reconstruct(
     keep_checkpoint: bool = False,
     progress: Callable[[int, int, Any], None] | None = None,
     chunks: Any | None = None,
+    subsets: int = 1,
+    subset_file: Any | None = None,
+    multiplicative: Any | None = None,
+    additive: Any | None = None,
 ) -> dict[str, Any]:
-    """Reconstruct an image with MLEM; write ``image.h5``, ``image.raw`` and ``timings.json``.
+    """Reconstruct an image with MLEM (OSEM with ``subsets``); write ``image.h5``, ``image.raw`` and ``timings.json``.
 
     Parameters
     ----------
@@ -186,6 +195,15 @@ def reconstruct(
     data_name
         Name of the measurement in tables (default: its file name without the suffix); the
         workflow gives the config's key, the name of the run's folder.
+    subsets, subset_file
+        OSEM subsets S (1: MLEM; :mod:`mlemlib.subsets`: by projection angle where the matrix
+        knows its scanner, else LOR ``i`` in subset ``i mod S``), or a user's subset file (one
+        little-endian int32 per LOR). The matrix's rows must be grouped by them (``mlem reorder
+        --subsets S``); an iteration is then S sub-iterations.
+    multiplicative, additive
+        The measurement's factors ``m`` and background ``b`` (:func:`mlemlib.corrections.read_factors`:
+        raw float32 per LOR in the user's order, ``file.h5:/dataset``, or arrays); None: m = 1, b = 0.
+        The model is ``ybar = m * (A f) + b`` (DESIGN.md's numerical contract).
     progress
         Called as ``progress(repetition, iteration, image)`` after every
         iteration (and after its checkpoint), e.g. for a progress bar.
@@ -204,6 +222,7 @@ def reconstruct(
         checkpoint_every=_check_int("checkpoint_every", checkpoint_every or 0, 0),
         backend=backend, fp=fp, bp=bp, secsize=secsize, graph=bool(graph), gpus=gpus, layout=layout, plan=plan,
         threads=threads, reference_mode=bool(reference_mode), dtype=np.dtype(np.float32),
+        subsets=subsets, subset_file=subset_file, multiplicative=multiplicative, additive=additive,
     )
     if reference_mode:
         settings.backend, settings.dtype = "cpu", np.dtype(np.float64)
@@ -225,6 +244,7 @@ def reconstruct(
                 settings.backend, prob.src, prob.g, prob.norm, prob.tsrc, fp=settings.fp, bp=settings.bp,
                 dtype=settings.dtype, gpus=settings.gpus, layout=settings.layout, plan=settings.plan,
                 secsize=settings.secsize, threads=settings.threads, chunks=chunks,
+                background=prob.corrections.background, subsets=prob.corrections.bounds,
                 **({"graph": True} if settings.graph else {}),
             )
         desc = be.describe()
@@ -241,6 +261,8 @@ def reconstruct(
             "bp": desc.get("bp", settings.bp), "secsize": secsize, "gpus": gpus, "layout": layout,
             "dtype": str(settings.dtype),
         }
+        if not prob.corrections.plain:
+            config["corrections"] = prob.corrections.identity()
         if settings.graph:
             config["graph"] = True
         if resume is not None and resume["config"] is not None and resume["config"] != config:
@@ -390,6 +412,7 @@ def _write_outputs(out_image: Path, host_img: np.ndarray, timings: dict[str, Any
         "layout": cfg["layout"],
         "dtype": cfg["dtype"],
         "reorder": cfg["reorder"],
+        "subsets": cfg["subsets"],
         "problem": prob.fingerprint,
         "reference": reference_mode,
         "deterministic": timings["deterministic"],
@@ -441,21 +464,27 @@ def reference(
     checkpoint: str | os.PathLike | None = None,
     threads: int | None = None,
     data_name: str | None = None,
+    subsets: int = 1,
+    subset_file: Any | None = None,
+    multiplicative: Any | None = None,
+    additive: Any | None = None,
 ) -> dict[str, Any]:
-    """The float64 reference MLEM of a problem, written to ``reference.h5``.
+    """The float64 reference MLEM (OSEM) of a problem, written to ``reference.h5``.
 
     The same loop as :func:`reconstruct` on the cpu backend in float64
     (SciPy kernels by default; ``fp="numba", bp="numba"`` avoid SciPy's float64
     copy of the matrix for big problems). The image file records the problem
     hash and the iteration count, which :func:`reconstruct` checks before
     comparing against it. ``timings_out`` (alias ``record_out``) also writes
-    its ``timings.json``.
+    its ``timings.json``. ``subsets``, ``subset_file``, ``multiplicative`` and
+    ``additive`` as :func:`reconstruct`'s: the reference of a run models what the run models.
     """
     return reconstruct(
         matrix, sino, out, iterations=iterations, norm=norm, transpose=transpose, truth=truth,
         timings_out=timings_out if timings_out is not None else record_out, raw_out=False, reference_mode=True,
         fp=fp, bp=bp, checkpoint_every=checkpoint_every, checkpoint=checkpoint, threads=threads,
-        data_name=data_name,
+        data_name=data_name, subsets=subsets, subset_file=subset_file, multiplicative=multiplicative,
+        additive=additive,
     )
 
 

@@ -16,6 +16,16 @@ has the same bits as a sequential float64 loop over the non-zeros in row order
 ``version=1``, ``source`` (the matrix file's name), ``checksum`` (the matrix's
 checksum attribute, to tie the norm to the matrix it came from), ``shape``
 (the matrix's ``(m, n)``) and ``nnz``.
+
+With OSEM subsets (a matrix whose rows the reorder stage grouped, its
+``/subset_bounds``) or multiplicative factors ``m`` (:func:`compute_norm`'s
+``multiplicative``) it also holds the sensitivities of
+:func:`sensitivities`: ``/subset_norms`` float64[S, n]
+(``s^k_j = sum_{i in S_k} a_ij m_i``), ``/subset_bounds`` int64[S+1] and the
+attribute ``multiplicative`` (the factors' checksum,
+:func:`mlemlib.corrections.factors_checksum`; ``""`` for m = 1); ``/norm`` is
+then ``s`` weighted by ``m`` (unchanged for m = 1). :func:`read_subset_norms`
+gives them to a run of the same subsets and factors.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numba import njit, prange
@@ -125,6 +136,31 @@ def source_column_sums(src, *, max_nnz: int = 1 << 24, progress: str | None = No
     return sums
 
 
+def sensitivities(src: Any, bounds: np.ndarray, weights: np.ndarray | None = None, *,
+                  max_nnz: int = 1 << 24) -> np.ndarray:
+    """``s^k_j = sum_{i in S_k} a_ij w_i`` (float64, S x n) of an opened matrix whose subsets are the row ranges
+    ``bounds``; ``weights`` one per stored row (m times a folded row's multiplicity; None: 1 each).
+
+    Each subset's columns are summed in row order in float64 (:func:`accumulate_column_sums`),
+    so S = 1 without weights gives the bits of :func:`source_column_sums`.
+    """
+    from mlemlib.matrix import slice_rows
+    from mlemlib.subsets import check_bounds
+
+    m, n = (int(v) for v in src.shape)
+    bounds = check_bounds(bounds, m)
+    sk = np.zeros((len(bounds) - 1, n), dtype=np.float64)
+    name = str(getattr(src, "source", None) or getattr(src, "path", None) or "<matrix>")
+    for r0, r1, block in src.iter_chunks(max_nnz=max_nnz):
+        for k in range(len(bounds) - 1):
+            a, b = max(r0, int(bounds[k])), min(r1, int(bounds[k + 1]))
+            if a < b:
+                part = slice_rows(block, a - r0, b - r0) if (a, b) != (r0, r1) else block
+                accumulate_column_sums(sk[k], part, source=name,
+                                       row_weights=None if weights is None else weights[a:b])
+    return sk
+
+
 def column_sums(a: CSRMatrix, *, threads: int | None = None) -> np.ndarray:
     """Return the column sums of ``a`` (float64, length n), deterministic.
 
@@ -152,6 +188,7 @@ def compute_norm(
     *,
     threads: int | None = None,
     chunk_nnz: int = DEFAULT_CHUNK_NNZ,
+    multiplicative: str | os.PathLike | np.ndarray | None = None,
 ) -> np.ndarray:
     """The ``norm`` stage: column sums of ``matrix.h5``, written to ``norm.h5``.
 
@@ -170,6 +207,11 @@ def compute_norm(
         Numba threads (None: all); the result does not depend on it.
     chunk_nnz
         Non-zeros per chunk.
+    multiplicative
+        The measurement's multiplicative factors (a file of
+        :func:`mlemlib.corrections.read_factors`, one per LOR in the user's
+        order), or None (m = 1). With them, or on a matrix whose rows are
+        grouped by subset, the file also holds the subsets' sensitivities.
 
     Returns
     -------
@@ -190,10 +232,19 @@ def compute_norm(
     if not isinstance(chunk_nnz, (int, np.integer)) or chunk_nnz < 1:
         raise ConfigError("chunk_nnz", f"{chunk_nnz!r} is not a positive number of non-zeros")
     name = Path(matrix_h5).name
+    subset_norms = None
     with MatrixH5(matrix_h5) as src, numba_threads(threads):
         m, n = src.shape
         nnz, checksum = src.nnz, src.checksum
-        sums = source_column_sums(src, max_nnz=chunk_nnz, progress=name)
+        bounds, weights, m_checksum = _sensitivity_setup(src, multiplicative)
+        if not m_checksum:  # m = 1: the column sums as ever (the S = 1 norm, bit for bit)
+            sums = source_column_sums(src, max_nnz=chunk_nnz, progress=name)
+        if bounds is not None:
+            log.info("%s: sensitivities of %d subsets%s", name, len(bounds) - 1,
+                     " weighted by the multiplicative factors" if m_checksum else "")
+            subset_norms = sensitivities(src, bounds, weights, max_nnz=chunk_nnz)
+            if m_checksum:
+                sums = subset_norms.sum(axis=0)
     zero = int(np.count_nonzero(sums == 0))
     if zero:
         log.info("%s: %d of %d voxels are seen by no LOR (norm 0)", name, zero, n)
@@ -205,8 +256,66 @@ def compute_norm(
         f.attrs["checksum"] = checksum
         f.attrs["shape"] = np.array([m, n], dtype=np.int64)
         f.attrs["nnz"] = np.int64(nnz)
+        if subset_norms is not None:
+            f.create_dataset("subset_norms", data=subset_norms)
+            f.create_dataset("subset_bounds", data=np.asarray(bounds, dtype=np.int64))
+            f.attrs["multiplicative"] = m_checksum
     log.info("%s: wrote %s", name, out)
     return sums
+
+
+def _sensitivity_setup(src, multiplicative) -> tuple[np.ndarray | None, np.ndarray | None, str]:
+    """``(bounds, row weights, m's checksum)`` of the subsets' sensitivities of ``src``; bounds None: the plain norm.
+
+    The bounds are the container's (``mlem reorder --subsets``), else one subset; the
+    weights are ``m`` in the matrix's row order (a folded row's LORs summed), None without ``m``.
+    """
+    from mlemlib.permutation import permutation_of
+
+    perm = permutation_of(src)
+    bounds = None if perm is None else perm.subsets
+    if multiplicative is None:
+        return bounds, row_weights(src, None, perm), ""
+    from mlemlib.corrections import factors_checksum, read_factors
+    from mlemlib.fold import user_rows
+
+    m = read_factors(multiplicative, user_rows(src), "multiplicative")
+    if bounds is None:
+        bounds = np.array([0, int(src.shape[0])], dtype=np.int64)
+    return bounds, row_weights(src, m, perm), factors_checksum(m)
+
+
+def row_weights(src, m: np.ndarray | None, perm=None) -> np.ndarray | None:
+    """Each row's weight in the sensitivities, in ``src``'s row order: ``m`` summed over a folded row's
+    LORs (its multiplicity for m = 1); None where every weight is 1."""
+    from mlemlib.fold import fold_of
+
+    fold = fold_of(src)
+    if fold is None and m is None:
+        return None
+    w = np.asarray(m, dtype=np.float64) if fold is None else (
+        fold.multiplicity().astype(np.float64) if m is None else fold.fold(np.asarray(m, dtype=np.float64), "multiplicative")
+    )
+    return w if perm is None else w[np.asarray(perm.rows)]
+
+
+def read_subset_norms(path: str | os.PathLike, bounds: np.ndarray, multiplicative: str) -> np.ndarray | None:
+    """The sensitivities (float64, S x n) that ``norm.h5`` holds for these subset ``bounds`` and factors
+    (``multiplicative``: their checksum, ``""`` for m = 1); None where it holds others or none."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        if "subset_norms" not in f or "subset_bounds" not in f:
+            return None
+        stored = np.asarray(f["subset_bounds"][()])
+        found = f.attrs.get("multiplicative", "")
+        found = found.decode() if isinstance(found, bytes) else str(found)
+        if found != multiplicative or not np.array_equal(stored, bounds):
+            return None
+        sk = np.asarray(f["subset_norms"][()], dtype=np.float64)
+    if sk.shape[0] != len(bounds) - 1 or not np.isfinite(sk).all() or (sk < 0).any():
+        raise MatrixFormatError(path, f"'subset_norms' of shape {sk.shape} with non-finite or negative values")
+    return sk
 
 
 def read_norm(

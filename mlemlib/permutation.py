@@ -51,6 +51,9 @@ ATTR_MODE = "reorder_mode"
 ATTR_SOURCE = "reorder_source"
 ATTR_SOURCE_CHECKSUM = "reorder_source_checksum"
 ATTR_PERM_CHECKSUM = "reorder_perm_checksum"
+#: The subsets' row bounds of a permutation that groups the rows by OSEM subset, and how they were assigned.
+SUBSET_DATASET = "subset_bounds"
+ATTR_SUBSET_METHOD = "reorder_subset_method"
 #: Default non-zeros per streamed chunk (as the other stages).
 DEFAULT_CHUNK_NNZ = 1 << 26
 
@@ -75,6 +78,12 @@ class Permutation:
     source_checksum
         The container checksum of the user's (unpermuted) matrix: the
         permutation belongs to that matrix only.
+    subsets
+        int64[S+1] or None: the rows are grouped by OSEM subset (subset-major,
+        :func:`mlemlib.subsets.order`), subset ``k`` is new rows
+        ``[subsets[k], subsets[k+1])``.
+    subset_method
+        How the subsets were assigned (:data:`mlemlib.subsets.METHODS`), ``""`` without subsets.
     """
 
     rows: np.ndarray
@@ -83,6 +92,8 @@ class Permutation:
     shape: tuple[int, int]
     nnz: int
     source_checksum: str
+    subsets: np.ndarray | None = None
+    subset_method: str = ""
 
     @property
     def m(self) -> int:
@@ -245,13 +256,18 @@ def _perm_datasets(perm: Permutation) -> dict[str, np.ndarray]:
     out = {"row_perm": np.ascontiguousarray(perm.rows, dtype="<i8")}
     if perm.voxels is not None:
         out["voxel_perm"] = np.ascontiguousarray(perm.voxels, dtype="<i8")
+    if perm.subsets is not None:
+        out[SUBSET_DATASET] = np.ascontiguousarray(perm.subsets, dtype="<i8")
     return out
 
 
 def _container_attrs(perm: Permutation, source: str) -> dict[str, str]:
     """The attributes that mark a matrix container as reordered by ``perm`` (``source``: the user's matrix)."""
-    return {ATTR_MODE: perm.mode, ATTR_SOURCE: source, ATTR_SOURCE_CHECKSUM: perm.source_checksum,
-            ATTR_PERM_CHECKSUM: perm.checksum}
+    attrs = {ATTR_MODE: perm.mode, ATTR_SOURCE: source, ATTR_SOURCE_CHECKSUM: perm.source_checksum,
+             ATTR_PERM_CHECKSUM: perm.checksum}
+    if perm.subsets is not None:
+        attrs[ATTR_SUBSET_METHOD] = perm.subset_method
+    return attrs
 
 
 def attach(writer: Any, perm: Permutation, source: str) -> None:
@@ -288,6 +304,8 @@ def write_permutation(path: str | os.PathLike, perm: Permutation, *, source: str
         f.attrs["source"] = str(source)
         f.attrs["source_checksum"] = perm.source_checksum
         f.attrs["checksum"] = perm.checksum
+        if perm.subsets is not None:
+            f.attrs["subset_method"] = perm.subset_method
 
 
 def _attr(f: Any, key: str, default: Any = None) -> Any:
@@ -317,7 +335,15 @@ def _read_perm(f: Any, path: str, shape: tuple[int, int], mode: str, nnz: int, s
         raise MatrixFormatError(path, f"permutation mode {mode!r}, expected one of {', '.join(MODES)}")
     if mode != "rows+voxels" and voxels is not None:
         raise MatrixFormatError(path, f"mode {mode!r} but a voxel permutation is stored")
-    perm = Permutation(rows, voxels, mode, (m, n), nnz, source_checksum)
+    subsets = None
+    if SUBSET_DATASET in f:
+        subsets = np.asarray(f[SUBSET_DATASET][()])
+        if subsets.dtype.kind not in "iu" or subsets.ndim != 1 or subsets.size < 2 or int(subsets[0]) != 0 \
+                or int(subsets[-1]) != m or (np.diff(subsets) <= 0).any():
+            raise MatrixFormatError(path, f"{SUBSET_DATASET!r} must rise strictly from 0 to m = {m}")
+        subsets = subsets.astype(np.int64)
+    method = str(_attr(f, "subset_method", _attr(f, ATTR_SUBSET_METHOD, "")) or "")
+    perm = Permutation(rows, voxels, mode, (m, n), nnz, source_checksum, subsets, method)
     if checksum and perm.checksum != checksum:
         raise MatrixFormatError(path, f"permutation checksum mismatch: attribute says {checksum[:16]}..., data gives {perm.checksum[:16]}... (file corrupted)")
     return perm

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from mlemlib.checkpoint import checkpoint_key
+from mlemlib.corrections import Corrections
 from mlemlib.errors import ConfigError, MatrixFormatError
 from mlemlib.fold import fold_of
 from mlemlib.formats import open_source
@@ -55,6 +56,11 @@ class RunSettings:
     threads: int | None
     reference_mode: bool
     dtype: np.dtype
+    #: OSEM subsets S (1: MLEM), a user's subset file, and the measurement's factor files (None: m = 1, b = 0).
+    subsets: int = 1
+    subset_file: Any = None
+    multiplicative: Any = None
+    additive: Any = None
 
 
 @dataclass
@@ -79,6 +85,8 @@ class Problem:
     perm: Permutation | None = None
     #: The row fold of a folded matrix (None otherwise): ``g`` is folded into its stored rows.
     row_fold: Any = None
+    #: Subsets, background and factors (in the permuted row order); the default is MLEM.
+    corrections: Corrections = field(default_factory=Corrections)
 
     @property
     def reorder(self) -> str:
@@ -136,7 +144,10 @@ def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose
             g = to_permuted_measurement(g, perm)
             log.info("%s is reordered (%s): measurement and images are mapped between the user's and the "
                      "permuted order", source_name(src, matrix), perm.mode)
-        if norm is None:
+        corr = load_corrections(src, source_name(src, matrix), row_fold, perm, settings)
+        if not corr.plain:
+            norm_arr = corrected_norm(src, norm, corr, settings.dtype)
+        elif norm is None:
             log.info("no norm given: computing the column sums of the matrix")
             norm_arr = source_column_sums(src)  # of the permuted matrix: in the permuted order
         elif isinstance(norm, (str, os.PathLike)):
@@ -168,14 +179,83 @@ def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose
                     f"transpose of the un-reordered matrix, but {source_name(src, matrix)} is reordered "
                     f"({perm.mode}); transpose the reordered matrix ('mlem transpose')",
                 )
-        problem = problem_fingerprint(src, g)
+        problem = problem_fingerprint(src, g, corr.identity())
         key = checkpoint_key(problem, norm_arr, settings.dtype)
         ref_img = load_reference(reference, n, problem, settings.iterations)
         truth_img, regions = load_truth(truth, n)
     grid, voxel_size = matrix_geometry(src)
     log.info("loaded problem %s: %d x %d, %d nnz (%.2f s)", problem[:12], m, n, int(src.nnz), sw_load.seconds)
     return Problem(src, tsrc, g, norm_arr, problem, key, ref_img, truth_img, regions, grid, voxel_size, sw_load.seconds,
-                   perm, row_fold)
+                   perm, row_fold, corr)
+
+
+def load_corrections(src: Any, name: str, row_fold: Any, perm: Permutation | None, settings: RunSettings) -> Corrections:
+    """The run's subsets (their rows must be grouped: ``mlem reorder --subsets``) and its factors ``m`` and ``b``,
+    read in the user's LOR order and taken to the matrix's rows (folded, then permuted)."""
+    from mlemlib.corrections import background, factors_checksum, read_factors
+    from mlemlib.norm import row_weights
+    from mlemlib.subsets import check_count, labels_checksum, labels_for
+
+    subsets = check_count(settings.subsets)
+    m = int(src.shape[0])
+    m_user = m if row_fold is None else row_fold.m_user
+    given = {"multiplicative": settings.multiplicative, "additive": settings.additive}
+    factors = {k: None if v is None else read_factors(v, m_user, k) for k, v in given.items()}
+    names = {k: _spec(v) for k, v in given.items()}
+    corr = Corrections(multiplicative=factors_checksum(factors["multiplicative"]),
+                       additive=factors_checksum(factors["additive"]),
+                       files={"subset_file": _spec(settings.subset_file), **names})
+    if subsets > 1 or settings.subset_file is not None:
+        labels, corr.method = labels_for(src, subsets, subset_file=settings.subset_file, name=name)
+        corr.bounds = _grouped_bounds(labels if perm is None else labels[perm.rows], subsets, corr.method, name)
+        corr.subsets, corr.labels = subsets, labels_checksum(labels)
+    if factors["multiplicative"] is not None or factors["additive"] is not None:
+        rows = {k: None if v is None else _to_rows(v, row_fold, perm, names[k], k) for k, v in factors.items()}
+        corr.background = background(rows["multiplicative"], rows["additive"], m)
+    corr.weights = row_weights(src, factors["multiplicative"], perm)
+    return corr
+
+
+def _spec(value: Any) -> str | None:
+    """A file argument as text for the record (an array: ``<array>``)."""
+    return None if value is None else os.fspath(value) if isinstance(value, (str, os.PathLike)) else "<array>"
+
+
+def _to_rows(values: np.ndarray, row_fold: Any, perm: Permutation | None, source: str, what: str) -> np.ndarray:
+    """Per-LOR values (the user's order) on the matrix's rows: a folded row's one value, then permuted."""
+    from mlemlib.corrections import stored_values
+
+    v = values if row_fold is None else stored_values(values, row_fold, source, f"{what} factor")
+    return v if perm is None else v[np.asarray(perm.rows)]
+
+
+def _grouped_bounds(labels: np.ndarray, subsets: int, method: str, name: str) -> np.ndarray:
+    """The bounds of ``labels`` in the matrix's row order, which must group them (one line naming the matrix)."""
+    from mlemlib.subsets import bounds_of
+
+    hint = (f"; group them with 'mlem reorder --subsets {subsets}'" + (" --subset-file FILE" if method == "file" else "")
+            + " (the workflow's mlem.subsets does)")
+    return bounds_of(labels, subsets, name, hint)
+
+
+def corrected_norm(src: Any, norm: Any, corr: Corrections, dtype: np.dtype) -> np.ndarray:
+    """The norm of a run with subsets or ``m``: ``s`` (n values) for S = 1, :func:`mlemlib.subsets.update_norms`
+    (S x n, in ``dtype``) for S > 1; from ``norm.h5`` where it holds these subsets' sensitivities for
+    these factors (``mlem norm --multiplicative``), else computed here (one pass over the matrix)."""
+    from mlemlib.norm import read_norm, read_subset_norms, sensitivities
+    from mlemlib.subsets import update_norms
+
+    bounds = corr.bounds if corr.bounds is not None else np.array([0, int(src.shape[0])], dtype=np.int64)
+    sk = None
+    if isinstance(norm, (str, os.PathLike)):
+        checksum = getattr(src, "checksum", None)
+        read_norm(norm, expected_length=int(src.shape[1]), expected_checksum=str(checksum) if checksum else None)
+        sk = read_subset_norms(norm, bounds, corr.multiplicative)
+    if sk is None:
+        log.info("computing the sensitivities of %d subset(s)%s", len(bounds) - 1,
+                 " weighted by m" if corr.multiplicative else "")
+        sk = sensitivities(src, bounds, corr.weights)
+    return sk[0] if len(bounds) == 2 else update_norms(sk, dtype)
 
 
 def read_permuted_norm(path: Any, n: int, src: Any, perm: Permutation, matrix_name: str) -> np.ndarray:

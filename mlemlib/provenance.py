@@ -88,9 +88,14 @@ def matrix_fingerprint(src: Any) -> str:
     return sha(*parts)
 
 
-def problem_fingerprint(src: Any, g: np.ndarray) -> str:
-    """Hash of one MLEM problem: the matrix and the measurement (what a reference is valid for)."""
-    return sha("problem", matrix_fingerprint(src), np.ascontiguousarray(g, dtype=np.int64 if g.dtype.kind in "iu" else np.float64).tobytes())
+def problem_fingerprint(src: Any, g: np.ndarray, corrections: str = "") -> str:
+    """Hash of one MLEM problem: the matrix and the measurement (what a reference is valid for), and the
+    subsets and factors where the run models them (``corrections``: :meth:`mlemlib.corrections.Corrections.identity`;
+    ``""`` keeps MLEM's fingerprint as it was)."""
+    counts = np.ascontiguousarray(g, dtype=np.int64 if g.dtype.kind in "iu" else np.float64).tobytes()
+    if not corrections:
+        return sha("problem", matrix_fingerprint(src), counts)
+    return sha("problem", matrix_fingerprint(src), counts, corrections)
 
 
 def transpose_used(value: Any, default: bool) -> bool:
@@ -180,6 +185,7 @@ def timings_record(prob: Any, settings: Any, desc: dict[str, Any], be: Any, reco
             "dtype": str(settings.dtype),
             "reference_mode": settings.reference_mode,
             "reorder": prob.reorder,
+            **prob.corrections.record(),
         },
         "problem": prob.fingerprint,
         "shape": [m, n],

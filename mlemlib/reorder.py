@@ -17,6 +17,7 @@ Provides
   the source).
 - :func:`relabel_columns` — one row block with its columns renamed and each
   row sorted again (in memory).
+- :func:`group_by_subsets` — a permutation made subset-major for OSEM (:mod:`mlemlib.subsets`).
 - :func:`reorder_file` — the stage: compute (or read) the permutation and apply it.
 """
 
@@ -93,6 +94,7 @@ __all__ = [
     "compute_permutation",
     "fingerprint",
     "gather_locality",
+    "group_by_subsets",
     "hilbert_keys",
     "image_to_permuted_order",
     "image_to_user_order",
@@ -352,6 +354,7 @@ def apply(
             "source_checksum": perm.source_checksum,
             "perm_checksum": perm.checksum,
             "passes": passes,
+            "subsets": None if perm.subsets is None else len(perm.subsets) - 1,
             "seconds": seconds,
         }
     finally:
@@ -388,6 +391,8 @@ def reorder_file(
     chunk_nnz: int = DEFAULT_CHUNK_NNZ,
     passes: int = 1,
     threads: int | None = None,
+    subsets: int = 1,
+    subset_file: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """The ``reorder`` stage: compute the permutation of ``matrix`` (or read ``perm``) and write the permuted container.
 
@@ -405,6 +410,9 @@ def reorder_file(
         Also write the permutation alone to this ``perm.h5``.
     chunk_nnz, passes, threads
         See :func:`compute_permutation` and :func:`apply`.
+    subsets, subset_file
+        OSEM subsets (S > 1 or a subset file): rows grouped by subset, the locality order inside
+        each (:func:`group_by_subsets`); the container records the bounds (``/subset_bounds``).
 
     Returns
     -------
@@ -419,10 +427,32 @@ def reorder_file(
             p = read_permutation(perm, shape=src.shape)
             _check_belongs(p, src, os.fspath(matrix), os.fspath(perm))
         else:
-            p = compute_permutation(src, mode, chunk_nnz=chunk_nnz, threads=threads)
+            p = group_by_subsets(compute_permutation(src, mode, chunk_nnz=chunk_nnz, threads=threads), src,
+                                 subsets, subset_file)
         t_perm = time.perf_counter() - t0
         if perm_out is not None:
             write_permutation(perm_out, p, source=Path(matrix).name)
         summary = apply(src, p, out, chunk_nnz=chunk_nnz, passes=passes, threads=threads)
     summary["permutation_s"] = t_perm
     return summary
+
+
+def group_by_subsets(perm: Permutation, src: Any, subsets: int,
+                     subset_file: str | os.PathLike | None = None) -> Permutation:
+    """``perm`` with its rows grouped by OSEM subset, its order kept inside each, and the subsets' bounds.
+
+    ``src`` is the user's (opened) matrix ``perm`` belongs to; the labels are
+    :func:`mlemlib.subsets.labels_for`'s. S = 1 without a subset file returns ``perm``.
+    """
+    import dataclasses
+
+    from mlemlib.subsets import check_count, labels_for, order
+
+    subsets = check_count(subsets)
+    if subsets == 1 and subset_file is None:
+        return perm
+    labels, method = labels_for(src, subsets, subset_file=subset_file, name=_name(src))
+    rows, bounds = order(labels, perm.rows, subsets)
+    log.info("%s: rows grouped into %d subsets (%s), %d to %d rows each", _name(src), subsets, method,
+             int(np.diff(bounds).min()), int(np.diff(bounds).max()))
+    return dataclasses.replace(perm, rows=rows, subsets=bounds, subset_method=method)

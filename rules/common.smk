@@ -79,6 +79,12 @@ def validate_config():
                 f"config matrices.{name}.voxel_order: {entry['voxel_order']} is for a "
                 "preset written straight into the container (csr4: false)"
             )
+        if entry["voxel_order"] != "raster" and is_subsetted():
+            stop(
+                f"config matrices.{name}.voxel_order: {entry['voxel_order']} stores the "
+                "matrix reordered already; mlem.subsets needs the reorder stage to group "
+                "its rows (use voxel_order: raster with reorder: rows+voxels)"
+            )
         if entry["voxel_order"] != "raster" and config["reorder"] != "none":
             stop(
                 f"config matrices.{name}.voxel_order: {entry['voxel_order']} orders the "
@@ -225,7 +231,16 @@ def validate_paths():
                     fault = exc.fault
             if fault:
                 stop(f"config matrices.{name}.path: {path}: {fault}")
-        for data, path in entry["measurements"].items():
+        for data, value in entry["measurements"].items():
+            files = measurement_files(value)
+            path = files["counts"]
+            for role in FACTOR_ROLES:
+                fault = files[role] and _factor_fault(files[role], rows)
+                if fault:
+                    stop(
+                        f"config matrices.{name}.measurements.{data}.{role}: "
+                        f"{files[role]}: {fault}"
+                    )
             fault = _file_fault(path, "measurement")
             if not fault and rows is not None and os.path.getsize(path) != 4 * rows:
                 fault = (
@@ -239,6 +254,67 @@ def validate_paths():
                     fault = exc.fault
             if fault:
                 stop(f"config matrices.{name}.measurements.{data}: {path}: {fault}")
+    subset_file = config["mlem"]["subset_file"]
+    fault = subset_file and _factor_fault(subset_file, None, "int32 subset label")
+    if fault:
+        stop(f"config mlem.subset_file: {subset_file}: {fault}")
+
+
+#: The measurement's factor files (mlemlib.corrections): multiplicative m, additive b.
+FACTOR_ROLES = ("multiplicative", "additive")
+
+
+def measurement_files(value):
+    """A user's measurement entry (a path, or {counts, multiplicative, additive})
+    as a dict of the three (None: not given)."""
+    if isinstance(value, str):
+        return {"counts": value, "multiplicative": None, "additive": None}
+    return {"counts": value["counts"], **{r: value.get(r) for r in FACTOR_ROLES}}
+
+
+def _factor_fault(spec, rows, what="float32 value"):
+    """Why `spec` (a raw file of one `what` per LOR, or FILE.h5:/dataset) is not
+    usable; None if it may be (the run reads and checks every value)."""
+    from mlemlib.corrections import split_h5
+
+    path, dataset = split_h5(spec)
+    if not os.path.isfile(path):
+        return "no such file"
+    if dataset is not None or path.lower().endswith((".h5", ".hdf5")):
+        return None
+    size = os.path.getsize(path)
+    if size % 4:
+        return f"size {size} is not a multiple of 4 bytes (one {what} per LOR)"
+    if rows is not None and size != 4 * rows:
+        return f"{size // 4} values, but the matrix has {rows} rows (LORs)"
+    return None
+
+
+def is_subsetted():
+    """True when the runs use OSEM subsets (mlem.subsets > 1 or a subset file)."""
+    return config["mlem"]["subsets"] > 1 or config["mlem"]["subset_file"] is not None
+
+
+#: The keys of config simulation that make simulate_measurement write m or b.
+_SIMULATED_FACTOR_KEYS = (
+    "attenuation",
+    "normalisation_spread",
+    "randoms_fraction",
+    "scatter_fraction",
+)
+
+
+def is_modelled():
+    """True when some run models more than MLEM: subsets, or a measurement's
+    m or b (a user's files, or simulated ones): the run paths name the model."""
+    users = any(
+        measurement_files(value)[role]
+        for entry in config["matrices"].values()
+        for value in entry["measurements"].values()
+        for role in FACTOR_ROLES
+    )
+    simulated = any(config["simulation"][key] for key in _SIMULATED_FACTOR_KEYS)
+    return is_subsetted() or users or simulated
 
 
 validate_config()
@@ -262,6 +338,8 @@ wildcard_constraints:
     iterations="[0-9]+",
     repetitions="[0-9]+",
     checkpoint_every="[0-9]+",
+    model="[a-z0-9_]+",
+    factors="m[0-9a-f]+",
     gpus="[0-9]+",
     layout="local|thesis",
 
@@ -278,12 +356,22 @@ wildcard_constraints:
 # (get_run_key), so that configurations that differ only in them keep their
 # images and timings side by side and share every stage of the matrix. The
 # float64 reference depends on the iteration count alone.
-RUN_KEY = "it{iterations}-rep{repetitions}-ck{checkpoint_every}"
+#
+# Where a run models more than MLEM (OSEM subsets, a measurement's factors m
+# and b: is_modelled), its path and its reference's also name the model
+# ({model}, get_model): mlem or osem{S}, then the identities of a subset file
+# and of m and b, so that two configurations never write one directory.
+# Without them the paths stay as they were.
+_MODEL = "-{model}" if is_modelled() else ""
+RUN_KEY = f"it{{iterations}}-rep{{repetitions}}-ck{{checkpoint_every}}{_MODEL}"
 _RUN_DIR = (
     f"results/{{matrix}}/runs/{{data}}/{{run}}-{RUN_KEY}/gpus-{{gpus}}-{{layout}}"
 )
-_REFERENCE_DIR = "results/{matrix}/runs/{data}/reference-it{iterations}"
-_EXACT_REFERENCE_DIR = "results/{matrix}/runs/{data}/reference-exact-it{iterations}"
+REFERENCE_KEY = f"it{{iterations}}{_MODEL}"
+_REFERENCE_DIR = f"results/{{matrix}}/runs/{{data}}/reference-{REFERENCE_KEY}"
+_EXACT_REFERENCE_DIR = (
+    f"results/{{matrix}}/runs/{{data}}/reference-exact-{REFERENCE_KEY}"
+)
 # Each configuration's own summary (config key name), so that configurations
 # run in one directory keep their summaries side by side.
 _SUMMARY_DIR = f"results/summary/{config['name']}"
@@ -293,6 +381,8 @@ PATHS = {
     "converted": "results/{matrix}/converted.h5",
     "matrix": "results/{matrix}/matrix.h5",
     "norm": "results/{matrix}/norm.h5",
+    # the sensitivities of a measurement with multiplicative factors ({factors}: their identity)
+    "measurement_norm": "results/{matrix}/data/{data}-norm-{factors}.h5",
     "transpose": "results/{matrix}/transpose.h5",
     "transpose_benchmark": "benchmarks/transpose/{matrix}.tsv",
     "compared_transpose": "results/{matrix}/transpose-{method}.h5",
@@ -569,13 +659,25 @@ def get_compared_transpose_methods():
 
 
 def is_reordered():
-    """True when reorder_matrix makes results/{matrix}/matrix.h5 (reorder: rows or rows+voxels)."""
-    return config["reorder"] != "none"
+    """True when reorder_matrix makes results/{matrix}/matrix.h5 (reorder: rows
+    or rows+voxels, or OSEM subsets, whose rows it groups)."""
+    return config["reorder"] != "none" or is_subsetted()
 
 
 def get_reorder_mode(wildcards):
-    """The permutation reorder_matrix computes: rows or rows+voxels."""
+    """The permutation reorder_matrix computes: none (subsets only), rows or rows+voxels."""
     return config["reorder"]
+
+
+def get_subsets(wildcards=None):
+    """OSEM subsets S of the reorder stage (its rows grouped) and of every run."""
+    return config["mlem"]["subsets"]
+
+
+def get_subset_input(wildcards=None):
+    """Named input subset_file (the user's subsets, mlem.subset_file) where configured."""
+    path = config["mlem"]["subset_file"]
+    return {"subset_file": path} if path else {}
 
 
 def get_converted_matrix():
@@ -684,7 +786,104 @@ def is_transpose_needed():
 
 def get_user_measurements(matrix):
     """The user's measurements of one matrix: name -> .LMsino path."""
-    return config["matrices"][matrix]["measurements"]
+    return {
+        name: measurement_files(value)["counts"]
+        for name, value in config["matrices"][matrix]["measurements"].items()
+    }
+
+
+def get_factor_specs(wildcards):
+    """The m and b of {data} as the reconstructions read them: role -> file
+    (a user's raw file or FILE.h5:/dataset, or the simulated file)."""
+    user = config["matrices"][wildcards.matrix]["measurements"]
+    if wildcards.data in user:
+        files = measurement_files(user[wildcards.data])
+        return {role: files[role] for role in FACTOR_ROLES if files[role]}
+    return get_simulated_factors(wildcards)
+
+
+def file_digest(path):
+    """blake2b-128 of a file's bytes (hex), read in 16 MiB blocks."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _factor_identity(wildcards, role):
+    """8 hex digits that identify {data}'s factor file of `role` ("" without one):
+    a user's file's contents (and dataset), or the simulation's settings."""
+    import hashlib
+
+    from mlemlib.corrections import split_h5
+
+    spec = get_factor_specs(wildcards).get(role)
+    if not spec:
+        return ""
+    if not is_simulated(wildcards):
+        path, dataset = split_h5(spec)
+        text = f"{_read_checked(path, file_digest)}:{dataset or ''}"
+    else:
+        text = json.dumps(get_simulation_params(wildcards), sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
+
+
+def get_model(matrix, data):
+    """{model} of the runs of {matrix} x {data} (is_modelled): mlem or osem{S},
+    then _f, _m and _b with the identities of the subset file, m and b."""
+    mlem = config["mlem"]
+    wildcards = Wildcards(matrix=matrix, data=data)
+    parts = [f"osem{mlem['subsets']}" if is_subsetted() else "mlem"]
+    if mlem["subset_file"]:
+        parts.append(f"f{_read_checked(mlem['subset_file'], file_digest)[:8]}")
+    for role, letter in (("multiplicative", "m"), ("additive", "b")):
+        identity = _factor_identity(wildcards, role)
+        if identity:
+            parts.append(letter + identity)
+    return "_".join(parts)
+
+
+def get_norm_factors(wildcards):
+    """{factors} of {data}'s own norm: m and the identity of its multiplicative
+    factors; None without them (the matrix's norm.h5 serves)."""
+    identity = _factor_identity(wildcards, "multiplicative")
+    return f"m{identity}" if identity else None
+
+
+def get_measurement_norm(wildcards):
+    """The norm.h5 of {data}: its own sensitivities where it has multiplicative
+    factors (compute_measurement_norm), else the matrix's."""
+    factors = get_norm_factors(wildcards)
+    if factors is None:
+        return get_path("norm", matrix=wildcards.matrix)
+    return get_path(
+        "measurement_norm",
+        matrix=wildcards.matrix,
+        data=wildcards.data,
+        factors=factors,
+    )
+
+
+def get_measurement_norm_input(wildcards):
+    """Named inputs of compute_measurement_norm: the matrix and the factor file."""
+    from mlemlib.corrections import split_h5
+
+    spec = get_factor_specs(wildcards)["multiplicative"]
+    return {
+        "matrix": get_path("matrix", matrix=wildcards.matrix),
+        "multiplicative": split_h5(spec)[0],
+    }
+
+
+def get_measurement_norm_params(wildcards):
+    """The multiplicative factors compute_measurement_norm weights by (a file or FILE.h5:/dataset)."""
+    return get_factor_specs(wildcards)["multiplicative"]
+
+
+Wildcards = collections.namedtuple("Wildcards", "matrix data")
 
 
 def get_simulated_measurements():
@@ -871,17 +1070,25 @@ def get_run_key():
 
 
 def get_mlem_params(wildcards):
-    """Iteration settings of a run, as its path names them (RUN_KEY)."""
+    """Iteration settings of a run, as its path names them (RUN_KEY), and its
+    model: subsets and the factor files (get_model)."""
     return {
         "iterations": int(wildcards.iterations),
         "checkpoint_every": int(wildcards.checkpoint_every),
         "repetitions": int(wildcards.repetitions),
+        **get_model_params(wildcards),
     }
 
 
 def get_reference_params(wildcards):
-    """Iteration count of the float64 reference, as its path names it."""
-    return {"iterations": int(wildcards.iterations)}
+    """Iteration count of the float64 reference, as its path names it, and its model."""
+    return {"iterations": int(wildcards.iterations), **get_model_params(wildcards)}
+
+
+def get_model_params(wildcards):
+    """What a reconstruction models beyond MLEM: subsets (S) and the factor
+    files (role -> file or FILE.h5:/dataset) of {data}."""
+    return {"subsets": get_subsets(), "factors": get_factor_specs(wildcards)}
 
 
 def get_problem_input(wildcards):
@@ -889,13 +1096,26 @@ def get_problem_input(wildcards):
     matrix, data = wildcards.matrix, wildcards.data
     inputs = {
         "matrix": get_path("matrix", matrix=matrix),
-        "norm": get_path("norm", matrix=matrix),
+        "norm": get_measurement_norm(wildcards),
         "sino": get_measurement(wildcards),
     }
     if is_simulated(wildcards):
         inputs["truth"] = get_path("truth", matrix=matrix, data=data)
     inputs.update(get_simulated_factors(wildcards))
+    inputs.update(get_user_factor_files(wildcards))
+    inputs.update(get_subset_input())
     return inputs
+
+
+def get_user_factor_files(wildcards):
+    """The files of a user's m and b of {data} (role -> path; the params say which dataset)."""
+    from mlemlib.corrections import split_h5
+
+    if is_simulated(wildcards):
+        return {}
+    return {
+        role: split_h5(spec)[0] for role, spec in get_factor_specs(wildcards).items()
+    }
 
 
 def get_mlem_input(wildcards):
@@ -979,7 +1199,10 @@ def get_jobs():
             add("convert_matrix", get_converted_matrix())
         if is_reordered():
             add("reorder_matrix", PATHS["matrix"])
-        add("compute_norm", PATHS["norm"])
+        if not all(
+            get_norm_factors(Wildcards(matrix, d)) for d in get_measurements(matrix)
+        ):
+            add("compute_norm", PATHS["norm"])
         if is_transpose_needed():
             add("transpose_matrix", PATHS["transpose"])
         for method in get_compared_transpose_methods():
@@ -990,22 +1213,28 @@ def get_jobs():
             add("chunk_matrix", PATHS["chunks"])
         for data in get_simulated_measurements():
             add("simulate_measurement", PATHS["sino"], data=data)
-        key = get_run_key()
         for data in get_measurements(matrix):
-            if is_reference_enabled():
-                iterations = key["iterations"]
+            key = get_run_key()
+            if is_modelled():
+                key["model"] = get_model(matrix, data)
+            ref_key = {k: key[k] for k in key if k in ("iterations", "model")}
+            factors = get_norm_factors(Wildcards(matrix, data))
+            if factors:
                 add(
-                    "reference_mlem",
-                    PATHS["reference_image"],
+                    "compute_measurement_norm",
+                    PATHS["measurement_norm"],
                     data=data,
-                    iterations=iterations,
+                    factors=factors,
                 )
-                if get_exact_source(matrix):
+            if is_reference_enabled():
+                add("reference_mlem", PATHS["reference_image"], data=data, **ref_key)
+                # the lossless file is not grouped by subset: no exact reference with subsets
+                if get_exact_source(matrix) and not is_subsetted():
                     add(
                         "exact_reference_mlem",
                         PATHS["exact_reference_image"],
                         data=data,
-                        iterations=iterations,
+                        **ref_key,
                     )
             for run in get_runs():
                 add(
@@ -1167,7 +1396,11 @@ def _stage_need(job, size):
     elif name == "reorder_matrix":
         stage, label, disk = "transpose", matrix, size.csr_bytes
     elif name == "compute_norm":
-        stage, label, disk = "norm", matrix, 8 * size.cols
+        subsets = get_subsets() if is_subsetted() else 0
+        stage, label, disk = "norm", matrix, 8 * size.cols * (1 + subsets)
+    elif name == "compute_measurement_norm":
+        stage, label = "norm", f"{matrix}, {wc['data']}"
+        disk = 8 * size.cols * (1 + get_subsets())
     elif name == "transpose_matrix":
         stage, label, disk, kw = "transpose", matrix, csr_t, {"threads": cores}
     elif name == "compare_transpose":

@@ -11,9 +11,9 @@ rule reference_mlem:
         image=PATHS["reference_image"],
         timings=PATHS["reference_timings"],
     log:
-        "logs/mlem/{matrix}/{data}/reference-it{iterations}.log",
+        f"logs/mlem/{{matrix}}/{{data}}/reference-{REFERENCE_KEY}.log",
     benchmark:
-        "benchmarks/mlem/{matrix}/{data}/reference-it{iterations}.tsv"
+        f"benchmarks/mlem/{{matrix}}/{{data}}/reference-{REFERENCE_KEY}.tsv"
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores
@@ -38,9 +38,9 @@ rule exact_reference_mlem:
         image=PATHS["exact_reference_image"],
         timings=PATHS["exact_reference_timings"],
     log:
-        "logs/mlem/{matrix}/{data}/reference-exact-it{iterations}.log",
+        f"logs/mlem/{{matrix}}/{{data}}/reference-exact-{REFERENCE_KEY}.log",
     benchmark:
-        "benchmarks/mlem/{matrix}/{data}/reference-exact-it{iterations}.tsv"
+        f"benchmarks/mlem/{{matrix}}/{{data}}/reference-exact-{REFERENCE_KEY}.tsv"
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores

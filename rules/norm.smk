@@ -15,3 +15,28 @@ rule compute_norm:
         runtime=get_runtime("norm"),
     script:
         "../scripts/compute_norm.py"
+
+
+# The sensitivities of one measurement with multiplicative factors m (the
+# subsets' s^k weighted by m): every reconstruction of it reads this instead
+# of norm.h5. {factors} names m's identity, so that other factors never
+# share the file.
+rule compute_measurement_norm:
+    input:
+        unpack(get_measurement_norm_input),
+    output:
+        norm=PATHS["measurement_norm"],
+    log:
+        "logs/norm/{matrix}-{data}-{factors}.log",
+    benchmark:
+        "benchmarks/norm/{matrix}-{data}-{factors}.tsv"
+    conda:
+        "../envs/cpu.yaml"
+    threads: workflow.cores
+    resources:
+        mem_mb=get_mem_mb("norm"),
+        runtime=get_runtime("norm"),
+    params:
+        multiplicative=get_measurement_norm_params,
+    script:
+        "../scripts/compute_norm.py"

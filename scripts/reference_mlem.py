@@ -8,15 +8,21 @@ send_to_log(snakemake.log[0])
 
 from mlemlib.mlem import reference  # noqa: E402
 
+mlem = snakemake.params.mlem
+
 result = reference(
     snakemake.input.matrix,
     snakemake.input.sino,
     snakemake.output.image,
-    iterations=snakemake.params.mlem["iterations"],
+    iterations=mlem["iterations"],
     norm=snakemake.input.get("norm"),  # exact_reference_mlem: none, the column sums of its matrix
     truth=snakemake.input.get("truth"),
     timings_out=snakemake.output.timings,
     threads=snakemake.threads,
     data_name=snakemake.wildcards.data,
+    subsets=mlem["subsets"],
+    subset_file=snakemake.input.get("subset_file"),
+    multiplicative=mlem["factors"].get("multiplicative"),
+    additive=mlem["factors"].get("additive"),
 )
 logging.info("reference_mlem: wrote %s", snakemake.output.image)

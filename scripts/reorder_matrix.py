@@ -1,4 +1,4 @@
-"""Rule reorder_matrix: renumber LORs (and voxels) of the user's matrix into matrix.h5."""
+"""Rule reorder_matrix: renumber LORs (and voxels) of the user's matrix into matrix.h5, rows grouped by subset."""
 
 import logging
 
@@ -13,5 +13,7 @@ summary = reorder_file(
     snakemake.output.matrix,
     snakemake.params.mode,
     threads=snakemake.threads,
+    subsets=snakemake.params.subsets,
+    subset_file=snakemake.input.get("subset_file"),
 )
 logging.info("reorder_matrix: %s", summary)

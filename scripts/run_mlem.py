@@ -42,5 +42,9 @@ with lease:
         threads=snakemake.threads,
         matrix_name=snakemake.params.matrix_name,
         data_name=snakemake.wildcards.data,
+        subsets=mlem["subsets"],
+        subset_file=snakemake.input.get("subset_file"),
+        multiplicative=mlem["factors"].get("multiplicative"),
+        additive=mlem["factors"].get("additive"),
     )
 logging.info("run_mlem: wrote %s", snakemake.output.image)

@@ -62,6 +62,8 @@ def make_backend(
     threads: int | None = None,
     launcher: str | None = None,
     chunks: Any | None = None,
+    background: np.ndarray | None = None,
+    subsets: np.ndarray | None = None,
     **options: Any,
 ) -> Backend:
     """Build the backend that runs one problem.
@@ -75,7 +77,8 @@ def make_backend(
     g
         Measurement (length m).
     norm
-        Column sums of ``A`` (float64, length n).
+        Column sums of ``A`` (float64, length n); with subsets the (S, n) update norms of
+        :func:`mlemlib.subsets.update_norms` (NaN: the voxel is kept in that sub-iteration).
     transpose
         ``A^T`` (opened matrix or CSRMatrix, shape (n, m)), or None: back-project with ``A``.
     fp, bp
@@ -101,6 +104,13 @@ def make_backend(
         reads chunks (``onepass_chunked``, also as ``auto``'s choice) loads
         them instead of chunking the matrix in every run. The cpu backend
         does not read it.
+    background
+        None (``b = 0``, ``m = 1``: MLEM as the thesis's), or ``b' = b / m`` per row in the
+        backend's row order (float32, ``+inf`` where ``m = 0``, :func:`mlemlib.corrections.background`):
+        the correlation is ``g / (A f + b')``.
+    subsets
+        None (S = 1), or int64 bounds of the S OSEM subsets (S + 1 values; subset k is rows
+        ``[bounds[k], bounds[k+1])``): :meth:`Backend.iterate` runs S sub-iterations.
     options
         Further backend-specific keyword arguments.
 
@@ -131,7 +141,8 @@ def make_backend(
             raise ConfigError("gpus", f"the cpu backend runs on the host: --gpus {gpus} needs --backend cuda")
         from mlemlib.backends.cpu import CpuBackend
 
-        return CpuBackend(matrix, g, norm, transpose=transpose, fp=fp, bp=bp, dtype=dtype, threads=threads, **options)
+        return CpuBackend(matrix, g, norm, transpose=transpose, fp=fp, bp=bp, dtype=dtype, threads=threads,
+                          background=background, subsets=subsets, **options)
     if np.dtype(dtype) != np.float32:
         raise ConfigError("dtype", "the cuda backend computes in float32; the float64 reference runs on the cpu")
     kw: dict[str, Any] = {"transpose": transpose, "fp": fp, "bp": bp, **options}
@@ -139,6 +150,8 @@ def make_backend(
         kw["secsize"] = secsize
     if chunks is not None:
         kw["chunks"] = chunks
+    if background is not None or subsets is not None:  # the GPU backends take them by the same names
+        kw.update(background=background, subsets=subsets)
     launcher = launcher or os.environ.get("MLEM_LAUNCHER") or "none"
     if launcher not in LAUNCHERS:
         raise ConfigError("MLEM_LAUNCHER", f"unknown launcher {launcher!r}, expected one of {', '.join(LAUNCHERS)}")

@@ -117,8 +117,9 @@ def cmp_spmv_t32(rowbase, rowoff, codes, vf, vb, scale, kind, high, c, out, part
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, kind, high, g, f, fp, bp, partial):  # pragma: no cover
-    """One-pass MLEM step on the encoding: ``fp = A f``, ``c = g / fp``, ``bp = A^T c``."""
+def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, kind, high, g, f, fp, bp, partial, bg, has_bg):  # pragma: no cover
+    """One-pass MLEM step on the encoding: ``fp = A f``, ``c = g / fp`` (``g / (fp + bg)`` with ``has_bg``),
+    ``bp = A^T c``."""
     nb = partial.shape[0]
     m = g.shape[0]
     n = bp.shape[0]
@@ -141,8 +142,9 @@ def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, kind, high, g, f, fp, b
                     acc += _val(vf, vb, scale, kind, i, k) * np.float32(f[col])
             fp[i] = acc
             ci = np.float32(0.0)
-            if acc != 0:
-                ci = np.float32(g[i]) / acc
+            d = acc + bg[i] if has_bg else acc
+            if d != 0:
+                ci = np.float32(g[i]) / d
             if ci != 0:
                 col = np.int64(0)
                 for k in range(s, e):
@@ -158,8 +160,8 @@ def cmp_onepass32(rowbase, rowoff, codes, vf, vb, scale, kind, high, g, f, fp, b
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def csr_onepass32(indptr, indices, data, g, f, fp, bp, partial):  # pragma: no cover - compiled
-    """One-pass MLEM step on CSR arrays (``indptr`` may start anywhere)."""
+def csr_onepass32(indptr, indices, data, g, f, fp, bp, partial, bg, has_bg):  # pragma: no cover - compiled
+    """One-pass MLEM step on CSR arrays (``indptr`` may start anywhere); ``bg`` as :func:`cmp_onepass32`."""
     nb = partial.shape[0]
     m = g.shape[0]
     n = bp.shape[0]
@@ -178,8 +180,9 @@ def csr_onepass32(indptr, indices, data, g, f, fp, bp, partial):  # pragma: no c
                 acc += np.float32(data[k]) * np.float32(f[indices[k]])
             fp[i] = acc
             ci = np.float32(0.0)
-            if acc != 0:
-                ci = np.float32(g[i]) / acc
+            d = acc + bg[i] if has_bg else acc
+            if d != 0:
+                ci = np.float32(g[i]) / d
             if ci != 0:
                 for k in range(s, e):
                     p[indices[k]] += np.float32(data[k]) * ci
@@ -233,6 +236,13 @@ def _partial(partial: np.ndarray | None, blocks: int, n: int) -> np.ndarray:
     return partial
 
 
+def _background(background: np.ndarray | None, m: int) -> tuple[np.ndarray, bool]:
+    """The one passes' ``(bg, has_bg)`` arguments: ``b'`` as float32[m], or a placeholder and False."""
+    if background is None:
+        return np.zeros(1, dtype=np.float32), False
+    return _vec("background", background, m), True
+
+
 def spmv(a: CompressedMatrix, x: np.ndarray, y: np.ndarray | None = None) -> np.ndarray:
     """``y = A x`` in float32 (``x``: n values; ``y``: m, allocated when None). Returns ``y``."""
     m, n = a.shape
@@ -267,6 +277,7 @@ def onepass(
     fp: np.ndarray | None = None,
     blocks: int = DEFAULT_BLOCKS,
     partial: np.ndarray | None = None,
+    background: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One-pass MLEM step on a compressed matrix: ``fp = A f``, ``c = g / fp``, ``bp = A^T c``.
 
@@ -282,6 +293,9 @@ def onepass(
         Outputs (float32, n and m), allocated when None.
     blocks, partial
         Row blocks of the scatter and their ``(blocks, n)`` float32 scratch.
+    background
+        ``b'`` per row (float32, m) or None: ``c = g / (fp + b')``, 0 where that is 0
+        (:mod:`mlemlib.backends.base`).
 
     Returns
     -------
@@ -292,7 +306,7 @@ def onepass(
     f = _vec("f", f, n)
     bp = _out("bp", bp, n)
     fp = _out("fp", fp, m)
-    cmp_onepass32(*kernel_args(a), g, f, fp, bp, _partial(partial, blocks, n))
+    cmp_onepass32(*kernel_args(a), g, f, fp, bp, _partial(partial, blocks, n), *_background(background, m))
     return bp, fp
 
 
@@ -307,6 +321,7 @@ def csr_onepass(
     fp: np.ndarray | None = None,
     blocks: int = DEFAULT_BLOCKS,
     partial: np.ndarray | None = None,
+    background: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One-pass MLEM step on CSR arrays (int64 ``indptr``, int32 ``indices``, float32 ``data``); see :func:`onepass`."""
     m = len(indptr) - 1
@@ -319,6 +334,6 @@ def csr_onepass(
         np.ascontiguousarray(indptr, dtype=np.int64),
         np.ascontiguousarray(indices, dtype=np.int32),
         np.ascontiguousarray(data, dtype=np.float32),
-        g, f, fp, bp, _partial(partial, blocks, n),
+        g, f, fp, bp, _partial(partial, blocks, n), *_background(background, m),
     )
     return bp, fp

@@ -14,6 +14,21 @@ One iteration follows the numerical contract of DESIGN.md::
     c_i = g_i / fp_i            (0 where fp_i == 0)
     bp = A^T c
     f_j <- f_j * bp_j / norm_j  (f_j * bp_j where norm_j == 0)
+
+With OSEM subsets and the corrections ``m`` and ``b`` every backend takes
+the same two extra inputs (checked here, :meth:`Backend._check_subsets`,
+:meth:`Backend._check_background`):
+
+- ``background``: None, or ``b'_i = b_i / m_i`` per row (float32; ``+inf``
+  where ``m_i = 0``, :func:`mlemlib.corrections.background`); then
+  ``c_i = g_i / (fp_i + b'_i)``, 0 where ``fp_i + b'_i == 0``, which is the
+  contract's ``m_i g_i / (m_i fp_i + b_i)`` (``m`` enters only through the
+  sensitivities);
+- ``subsets``: None (S = 1), or the S + 1 row bounds of subsets whose rows
+  are contiguous; ``norm`` is then (S, n) from
+  :func:`mlemlib.subsets.update_norms`, and one :meth:`Backend.iterate` is S
+  sub-iterations in order, each ``f_j <- f_j`` where ``norm[k, j]`` is NaN,
+  else as above with ``norm[k]`` over the subset's rows.
 """
 
 from __future__ import annotations
@@ -165,14 +180,55 @@ class Backend(ABC):
         g = np.asarray(g).reshape(-1)
         if g.size != m:
             raise SinogramFormatError("<measurement>", f"{g.size} values but the matrix has m = {m} rows")
-        norm = np.asarray(norm, dtype=np.float64).reshape(-1)
-        if norm.size != n:
-            raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
+        norm = np.asarray(norm, dtype=np.float64)
+        if norm.ndim == 2 and norm.shape[1] == n:  # per subset (update_norms): NaN where a voxel is kept
+            self._norm64sum = float(np.nansum(norm))
+        else:
+            norm = norm.reshape(-1)
+            if norm.size != n:
+                raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
+            self._norm64sum = float(norm.sum())
         self._g64sum = float(np.sum(g, dtype=np.float64))
-        self._norm64sum = float(norm.sum())
         if float32 and g.size and float(np.max(g)) > 2**24:
             log.warning("counts above 2^24 are not exact in float32 (max %g)", float(np.max(g)))
         return g, norm
+
+    @staticmethod
+    def _check_subsets(subsets: Any, norm: np.ndarray, shape: tuple[int, int]) -> np.ndarray | None:
+        """The subsets' row bounds (int64[S+1]) checked against ``m`` and the norm's shape; None for S = 1.
+
+        Call after :meth:`_check_problem`. S = 1 (None, or bounds ``[0, m]``) takes a norm of n values
+        (or one row); S > 1 one of shape (S, n).
+
+        Raises
+        ------
+        ConfigError
+            Bounds that do not rise strictly from 0 to m, or a norm of another shape.
+        """
+        from mlemlib.subsets import check_bounds
+
+        if subsets is None:
+            if norm.ndim == 2:
+                raise ConfigError("norm", f"norm has shape {norm.shape} (per subset) but no subsets were given")
+            return None
+        m, n = (int(v) for v in shape)
+        bounds = check_bounds(subsets, m)
+        s = len(bounds) - 1
+        if (norm.shape if norm.ndim == 2 else (1, norm.size)) != (s, n):
+            raise ConfigError("norm", f"norm has shape {norm.shape}, expected ({s}, n): one row per subset")
+        return bounds
+
+    @staticmethod
+    def _check_background(background: Any, m: int) -> np.ndarray | None:
+        """``b'`` as float32[m] (None stays None): no NaN, no negative value (``+inf`` marks a gap)."""
+        if background is None:
+            return None
+        b = np.asarray(background, dtype=np.float32).reshape(-1)
+        if b.size != m:
+            raise ConfigError("background", f"{b.size} values but the matrix has m = {m} rows")
+        if np.isnan(b).any() or (b < 0).any():
+            raise ConfigError("background", "holds NaN or a negative value (b / m: 0 or more, +inf at a gap)")
+        return b
 
     def _initial_value(self) -> float:
         """``sum(g) / sum(norm)`` in float64, the value of every voxel of the first image."""

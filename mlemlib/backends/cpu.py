@@ -169,6 +169,40 @@ def _update_flush(f, bp, norm, tiny):  # pragma: no cover - compiled
         f[j] = v
 
 
+@njit(cache=True, nogil=True)
+def _update_keep(f, bp, norm, tiny):  # pragma: no cover - compiled
+    for j in range(f.shape[0]):
+        if norm[j] != norm[j]:  # NaN: s^k_j == 0 < s_j, the voxel is kept in this sub-iteration
+            continue
+        v = f[j] * bp[j] / norm[j]
+        if abs(v) < tiny:
+            v = 0
+        f[j] = v
+
+
+def update_keep(f: np.ndarray, bp: np.ndarray, norm: np.ndarray) -> np.ndarray:
+    """:func:`update_flush` of one OSEM sub-iteration: ``f_j`` kept where ``norm_j`` is NaN
+    (:func:`mlemlib.subsets.update_norms`), the same roundings and flush elsewhere. Returns ``f``."""
+    if not (f.dtype == bp.dtype == norm.dtype) or f.dtype not in (np.float32, np.float64):
+        raise TypeError(f"update_keep: f, bp and norm must share float32 or float64, got {f.dtype}, {bp.dtype}, {norm.dtype}")
+    _update_keep(f, bp, norm, f.dtype.type(np.finfo(f.dtype).tiny))
+    return f
+
+
+def correlate(g: np.ndarray, fp: np.ndarray, c: np.ndarray, background: np.ndarray | None = None) -> np.ndarray:
+    """``c = g / fp`` (``g / (fp + b')`` with a background ``b'``), 0 where the denominator is 0, in ``c``'s dtype.
+
+    ``b' = +inf`` (a gap) gives 0. Without a background the roundings are those of the thesis's MLEM.
+    """
+    c[:] = 0
+    if background is None:
+        np.divide(g, fp, out=c, where=fp != 0)
+    else:
+        d = fp + background.astype(c.dtype, copy=False)
+        np.divide(g, d, out=c, where=d != 0)
+    return c
+
+
 def update_flush(f: np.ndarray, bp: np.ndarray, norm: np.ndarray) -> np.ndarray:
     """``f[:] = f * bp / norm`` in ``f``'s dtype (float32 or float64), values below its smallest normal set to 0.
 
@@ -289,13 +323,15 @@ def scipy_back(be: CpuBackend, c: np.ndarray, out: np.ndarray, *, kernel: str) -
 
 
 def onepass_step(be: CpuBackend, f: np.ndarray, *, kernel: str) -> None:
-    """One pass over A: per row its dot product, the ratio and its scatter into per-block images."""
+    """One pass over A: per row its dot product, the ratio (with the background ``b'`` where given) and its
+    scatter into per-block images."""
     if be.format == "csr":
         a = be.a
         cmpcpu().csr_onepass(a.indptr, a.indices, a.data, be.g, f, bp=be._bp, fp=be._fp, blocks=be.blocks,
-                             partial=be._partial)
+                             partial=be._partial, background=be.background)
     else:
-        cmpcpu().onepass(be.a, be.g, f, bp=be._bp, fp=be._fp, blocks=be.blocks, partial=be._partial)
+        cmpcpu().onepass(be.a, be.g, f, bp=be._bp, fp=be._fp, blocks=be.blocks, partial=be._partial,
+                         background=be.background)
 
 
 def chunked_step(be: CpuBackend, f: np.ndarray, *, kernel: str) -> None:
@@ -318,8 +354,76 @@ def chunked_step(be: CpuBackend, f: np.ndarray, *, kernel: str) -> None:
     be._fp[:] = fp
 
 
+# --------------------------------------------------------------------------- subsets
+def _rows(a: Any, r0: int, r1: int) -> Any:
+    """Rows ``[r0, r1)`` of a host matrix (CSR or compressed) as views of its arrays."""
+    from mlemlib.matrix import slice_rows
+
+    return slice_rows(a, r0, r1) if isinstance(a, CSRMatrix) else a.row_range(r0, r1)
+
+
+def _columns(at: Any, r0: int, r1: int, fmt: str) -> Any:
+    """Columns ``[r0, r1)`` of a stored transpose (one subset's LORs), each row in its stored order, in ``fmt``.
+
+    A copy (made once at set-up): the back projection of a subset then reads its own
+    non-zeros only, summing them in the order the whole transpose would (the others add exact zeros).
+    """
+    import scipy.sparse as sp
+
+    csr = at if isinstance(at, CSRMatrix) else at.to_csr(validate=False)
+    part = CSRMatrix.from_scipy(sp.csr_matrix((csr.data, csr.indices, csr.indptr), shape=csr.shape)[:, r0:r1])
+    if fmt == "csr":
+        return part
+    from mlemlib.compressed import CompressedMatrix
+
+    return CompressedMatrix.from_csr(part, fmt, validate=False)
+
+
+class _HostRows:
+    """What the registry's cpu launchers read of a backend: ``a`` (``at``), ``format``, ``dtype``, ``g``,
+    ``background``, the buffers, and SciPy views of the matrices (:meth:`scipy_matrix`)."""
+
+    a: Any
+    at: Any
+    dtype: np.dtype
+    _scipy: dict[str, Any]
+
+    def scipy_matrix(self, which: str):
+        """``A`` (``which="a"``) or ``A^T`` (``"at"``) as a SciPy CSR matrix of the backend's dtype (made on
+        first use: views of the arrays, a converted copy of the values for float64)."""
+        if which not in self._scipy:
+            import scipy.sparse as sp
+
+            a = self.a if which == "a" else self.at
+            data = a.data if self.dtype == a.data.dtype else a.data.astype(self.dtype)
+            self._scipy[which] = sp.csr_matrix((data, a.indices, a.indptr), shape=a.shape, copy=False)
+        return self._scipy[which]
+
+
+class _Subset(_HostRows):
+    """One OSEM subset of a :class:`CpuBackend` as its launchers see it: its rows of ``A`` (views), its columns
+    of a stored transpose, its slices of ``g``, ``b'`` and the row buffers, its update norm."""
+
+    def __init__(self, be: CpuBackend, k: int, r0: int, r1: int) -> None:
+        self.format, self.dtype, self.blocks = be.format, be.dtype, be.blocks
+        self.use_transpose, self._partial, self._bp = be.use_transpose, be._partial, be._bp
+        self.a = _rows(be.a, r0, r1)
+        self.at = _columns(be.at, r0, r1, be.format) if be.use_transpose else None
+        self.g, self._fp, self._c = be.g[r0:r1], be._fp[r0:r1], be._c[r0:r1]
+        self.background = None if be.background is None else be.background[r0:r1]
+        self.norm = be._norm_safe[k]
+        self.fixed_stats = be.fixed_stats
+        self._scipy: dict[str, Any] = {}
+        self._plan = None
+        if be._kb.chunks:
+            from mlemlib import chunked
+
+            self._plan = chunked.build_plan(self.a)
+            self._fixed_bound = ONEPASS_C_MAX * float(np.nanmax(self.norm, initial=1.0))
+
+
 # --------------------------------------------------------------------------- backend
-class CpuBackend(Backend):
+class CpuBackend(_HostRows, Backend):
     """MLEM on the host CPU.
 
     Parameters
@@ -341,6 +445,11 @@ class CpuBackend(Backend):
         Numba threads (``numba.set_num_threads``); None keeps Numba's default.
     blocks
         Row blocks of the no-transpose back projection.
+    background
+        ``b' = b / m`` per row (float32, ``+inf`` at a gap), or None (b = 0, m = 1): ``c = g / (fp + b')``.
+    subsets
+        None (S = 1), or the S + 1 row bounds of the OSEM subsets; ``norm`` is then
+        :func:`mlemlib.subsets.update_norms`'s (S, n) and :meth:`iterate` runs the S sub-iterations.
     """
 
     name = "cpu"
@@ -358,6 +467,8 @@ class CpuBackend(Backend):
         dtype: Any = np.float32,
         threads: int | None = None,
         blocks: int = DEFAULT_BLOCKS,
+        background: np.ndarray | None = None,
+        subsets: np.ndarray | None = None,
     ) -> None:
         super().__init__()
         self.dtype = np.dtype(dtype)
@@ -399,6 +510,13 @@ class CpuBackend(Backend):
             raise ConfigError("transpose", f"transpose has shape {self.at.shape}, expected (n, m) = {(n, m)}")
 
         g, norm = self._check_problem(g, norm, (m, n), float32=self.dtype == np.float32)
+        self.background = self._check_background(background, m)
+        self.bounds = self._check_subsets(subsets, norm, (m, n))
+        if self.bounds is not None and len(self.bounds) == 2:  # one subset: MLEM, today's path
+            self.bounds, norm = None, norm.reshape(-1)
+        if self._kb.chunks and self.background is not None:
+            raise ConfigError("bp", f"bp={self.bp_kernel} on the cpu takes no additive background (b); "
+                                    "use bp=onepass or numba")
         self.g = np.ascontiguousarray(g, dtype=self.dtype)
         self.norm = norm.astype(self.dtype)
         # Divide by 1 where norm == 0: the contract's "f * bp" there, exactly.
@@ -419,23 +537,16 @@ class CpuBackend(Backend):
 
             if not isinstance(self.a, CSRMatrix):  # a compressed matrix: its decoded values (as the GPU's), one copy
                 self.a = self.a.to_csr(validate=False)
-            self._plan = chunked.build_plan(self.a)
-            self._fixed_bound = ONEPASS_C_MAX * float(np.max(self.norm)) if self.norm.size else 1.0
+            if self.bounds is None:
+                self._plan = chunked.build_plan(self.a)
+            self._fixed_bound = ONEPASS_C_MAX * float(np.nanmax(self.norm)) if self.norm.size else 1.0
         self._scipy: dict[str, Any] = {}
+        self._subsets = [] if self.bounds is None else [
+            _Subset(self, k, int(self.bounds[k]), int(self.bounds[k + 1])) for k in range(len(self.bounds) - 1)
+        ]
         self._warm_up()
 
     # --- set-up helpers --------------------------------------------------------
-    def scipy_matrix(self, which: str):
-        """``A`` (``which="a"``) or ``A^T`` (``"at"``) as a SciPy CSR matrix of the backend's dtype (made on
-        first use: views of the arrays, a converted copy of the values for float64)."""
-        if which not in self._scipy:
-            import scipy.sparse as sp
-
-            a = self.a if which == "a" else self.at
-            data = a.data if self.dtype == a.data.dtype else a.data.astype(self.dtype)
-            self._scipy[which] = sp.csr_matrix((data, a.indices, a.indptr), shape=a.shape, copy=False)
-        return self._scipy[which]
-
     def _warm_up(self) -> None:
         """Compile (or load from cache) the Numba kernels now, not in the first timed iteration."""
         ip = np.array([0, 1], dtype=np.int64)
@@ -446,7 +557,8 @@ class CpuBackend(Backend):
         update_flush(x.copy(), x, x)
         if self._partial is not None:
             spmv_t(ip, ix, d, x, np.empty(1, dtype=self.dtype), np.empty((1, 1), dtype=self.dtype))
-        if self._plan is not None:
+        update_keep(x.copy(), x, x)
+        if self._kb.chunks:
             from mlemlib import chunked
 
             one = CSRMatrix(ip, ix, d, (1, 1))
@@ -454,6 +566,8 @@ class CpuBackend(Backend):
 
     # --- the four steps ----------------------------------------------------------
     def iterate(self, f: np.ndarray) -> np.ndarray:
+        if self._subsets:
+            return self._iterate_subsets(f)
         if not self.onepass:
             return super().iterate(f)
         self._times = {}
@@ -463,21 +577,38 @@ class CpuBackend(Backend):
             f = self.update(f, self._bp)
         return f
 
+    def _iterate_subsets(self, f: np.ndarray) -> np.ndarray:
+        """One OSEM iteration: the S sub-iterations in order, each over its subset's rows (its own views)."""
+        self._times = {}
+        for sub in self._subsets:
+            if self.onepass:
+                with self.timer("bp"):
+                    self._step(sub, f)
+            else:
+                with self.timer("fp"):
+                    fp = self._forward(sub, f, sub._fp)
+                with self.timer("corr"):
+                    c = correlate(sub.g, fp, sub._c, sub.background)
+                with self.timer("bp"):
+                    self._back(sub, c, sub._bp)
+            with self.timer("update"):
+                update_keep(f, sub._bp, sub.norm)
+        return f
+
     def forward(self, f: np.ndarray) -> np.ndarray:
         return self._forward(self, f, self._fp)
 
     def correlate(self, fp: np.ndarray) -> np.ndarray:
-        c = self._c
-        c[:] = 0
-        np.divide(self.g, fp, out=c, where=fp != 0)
-        return c
+        return correlate(self.g, fp, self._c, self.background)
 
     def back(self, c: np.ndarray) -> np.ndarray:
         return self._back(self, c, self._bp)
 
-    def update(self, f: np.ndarray, bp: np.ndarray) -> np.ndarray:
+    def update(self, f: np.ndarray, bp: np.ndarray, subset: int = 0) -> np.ndarray:
         """``f * bp / norm`` in place, a value below the dtype's smallest normal number set to 0 in the same pass
-        (:func:`update_flush`)."""
+        (:func:`update_flush`); with subsets that of sub-iteration ``subset`` (:func:`update_keep`)."""
+        if self._subsets:
+            return update_keep(f, bp, self._subsets[subset].norm)
         return update_flush(f, bp, self._norm_safe)
 
     # --- set-up and transfers ------------------------------------------------------
@@ -494,8 +625,9 @@ class CpuBackend(Backend):
     def describe(self) -> dict[str, Any]:
         import numba
 
-        if self._plan is not None:
-            bp_path = f"one pass through {self._plan.chunks} row chunks (the GPU kernel's fixed-point arithmetic)"
+        if self._kb.chunks:
+            chunks = sum(p._plan.chunks for p in self._subsets) if self._subsets else self._plan.chunks
+            bp_path = f"one pass through {chunks} row chunks (the GPU kernel's fixed-point arithmetic)"
         elif self.onepass:
             bp_path = f"one pass over A (blocked scatter, {self.blocks} blocks)"
         elif self.use_transpose:
@@ -513,7 +645,9 @@ class CpuBackend(Backend):
             "format": self.format,
             "bytes_per_nnz": {"A": bytes_per_nnz(self.a), "AT": bytes_per_nnz(self.at)},
             "onepass": self.onepass,
-            "fixed_point": dict(self.fixed_stats) if self._plan is not None else None,
+            "fixed_point": dict(self.fixed_stats) if self._kb.chunks else None,
+            "subsets": 1 if self.bounds is None else len(self.bounds) - 1,
+            "background": self.background is not None,
             "steps": ["bp", "update"] if self.onepass else ["fp", "corr", "bp", "update"],
             "transpose": self.use_transpose,
             "dtype": str(self.dtype),

@@ -15,6 +15,28 @@ def existing_file(text: str) -> Path:
     return p
 
 
+def factor_file(text: str) -> str:
+    """argparse type: a file of per-LOR values (raw float32, or ``file.h5:/dataset``) whose file must exist."""
+    from mlemlib.corrections import split_h5
+
+    if not Path(split_h5(text)[0]).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
+def add_subset_options(p: argparse.ArgumentParser) -> None:
+    """``--subsets S`` and ``--subset-file FILE`` (the OSEM subsets of ``reorder``, ``norm`` and ``reconstruct``)."""
+    p.add_argument(
+        "--subsets", type=positive_int, default=1, metavar="S",
+        help="OSEM subsets (1: MLEM): by projection angle where the matrix knows its scanner, else LOR i in "
+        "subset i mod S (default: %(default)s)",
+    )
+    p.add_argument(
+        "--subset-file", type=existing_file, default=None, metavar="FILE",
+        help="the subset of every LOR (raw little-endian int32, 0 .. S-1) instead",
+    )
+
+
 def output_file(text: str) -> str:
     """argparse type: a file to write (checked at parse time, before any work).
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, add_stream_options, existing_file
+from mlemlib.cli._common import add_parser, add_stream_options, existing_file, factor_file
 
 
 def register(sub) -> None:
@@ -17,6 +17,11 @@ def register(sub) -> None:
     )
     p.add_argument("input", type=existing_file, metavar="MATRIX.h5", help="matrix container (from 'mlem convert')")
     p.add_argument("-o", "--out", required=True, metavar="OUT.h5", help="output file (e.g. results/{matrix}/norm.h5)")
+    p.add_argument(
+        "--multiplicative", type=factor_file, default=None, metavar="M",
+        help="a measurement's multiplicative factors (raw float32 per LOR or FILE.h5:/dataset): also write the "
+        "subsets' sensitivities weighted by them (a reordered matrix's subsets, else one)",
+    )
     add_stream_options(p)
     p.set_defaults(func=run)
 
@@ -27,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
     from mlemlib.norm import compute_norm
 
-    norm = compute_norm(args.input, args.out, threads=args.threads, chunk_nnz=args.chunk_nnz)
+    norm = compute_norm(args.input, args.out, threads=args.threads, chunk_nnz=args.chunk_nnz,
+                        multiplicative=args.multiplicative)
     zero = int(np.count_nonzero(norm == 0))
     print(f"{args.out}: {norm.size} voxels, sum {float(norm.sum()):.9g}, {zero} with norm 0")
     return 0

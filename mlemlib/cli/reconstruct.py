@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, existing_file, output_file
+from mlemlib.cli._common import add_parser, add_subset_options, existing_file, factor_file, output_file
 
 
 def _int_at_least(minimum: int):
@@ -47,6 +47,15 @@ def register(sub) -> None:
         "--chunks", type=existing_file, metavar="CHUNKS.h5",
         help="the matrix's row chunks (mlem chunk): onepass_chunked loads them instead of chunking the matrix (cuda)",
     )
+    add_subset_options(p)
+    p.add_argument(
+        "--multiplicative", type=factor_file, default=None, metavar="M",
+        help="multiplicative factors m per LOR (attenuation x normalisation; raw float32 or FILE.h5:/dataset)",
+    )
+    p.add_argument(
+        "--additive", type=factor_file, default=None, metavar="B",
+        help="additive expected background b per LOR (randoms + scatter, in counts; raw float32 or FILE.h5:/dataset)",
+    )
     p.add_argument("--plan", type=existing_file, metavar="PARTS", help="partition directory or plan.json (gpus > 1)")
     p.add_argument("-k", "--checkpoint-every", type=_int_at_least(0), default=10, metavar="K", help="checkpoint every K iterations (0: never)")
     p.add_argument("--checkpoint", type=output_file, metavar="CKPT.h5", default=None, help="checkpoint file (default: <out>.checkpoint.h5)")
@@ -88,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
             plan=args.plan, checkpoint_every=args.checkpoint_every, checkpoint=args.checkpoint,
             repetitions=args.repetitions, reference=args.reference, truth=args.truth, timings_out=args.timings,
             reference_mode=args.reference_mode, threads=args.threads, matrix_name=args.matrix_name,
-            chunks=args.chunks,
+            chunks=args.chunks, subsets=args.subsets, subset_file=args.subset_file,
+            multiplicative=args.multiplicative, additive=args.additive,
         )
     last = t["repetitions"][-1]
     it = last["steps"].get("iteration", {}).get("mean")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlemlib.cli._common import add_parser, add_stream_options, existing_file, positive_int
+from mlemlib.cli._common import add_parser, add_stream_options, add_subset_options, existing_file, positive_int
 
 
 def register(sub) -> None:
@@ -29,6 +29,7 @@ def register(sub) -> None:
         help="apply this permutation file instead of computing one (it must belong to MATRIX)",
     )
     p.add_argument("--perm-out", default=None, metavar="PERM.h5", help="also write the permutation alone")
+    add_subset_options(p)
     add_stream_options(p, chunk_help="non-zeros per streamed row chunk")
     p.add_argument(
         "--passes", type=positive_int, default=1, metavar="P",
@@ -49,12 +50,13 @@ def run(args: argparse.Namespace) -> int:
 
     s = reorder_file(
         args.input, args.out, args.mode, perm=args.perm, perm_out=args.perm_out, chunk_nnz=args.chunk_nnz,
-        passes=args.passes, threads=args.threads,
+        passes=args.passes, threads=args.threads, subsets=args.subsets, subset_file=args.subset_file,
     )
     m, n = s["shape"]
     voxels = "rows and voxels" if s["voxels_permuted"] else "rows"
     print(
-        f"{s['out']}: {m} x {n}, nnz {s['nnz']}, {s['format']}, {s['mode']} ({voxels} permuted), "
+        f"{s['out']}: {m} x {n}, nnz {s['nnz']}, {s['format']}, {s['mode']} ({voxels} permuted"
+        f"{', rows grouped into %d subsets' % s['subsets'] if s['subsets'] else ''}), "
         f"permutation {s['permutation_s']:.3f} s, stage {s['seconds'] + s['permutation_s']:.3f} s"
     )
     if args.locality:

@@ -97,7 +97,7 @@ class Tracer:
         self.voxels: np.ndarray | None = None  # new column -> voxel (None: raster)
         self._lab = self._unlab = np.zeros(0, dtype=np.int32)
         if self.voxel_order == "hilbert":
-            from mlemlib.reorder import voxel_permutation
+            from mlemlib.ordering import voxel_permutation
 
             self.voxels = np.asarray(voxel_permutation(tuple(cfg.grid)), dtype=np.int64)
             self._unlab = self.voxels.astype(np.int32)
@@ -264,7 +264,7 @@ def _attach_voxel_order(writer, tracer: Tracer, m_out: int, nnz: int, preset: st
     The container then reads as a reordered one (``mlemlib.reorder.permutation_of``): runs take the
     measurement in the user's LOR order and write images in the grid's raster order.
     """
-    from mlemlib.reorder import Permutation, attach
+    from mlemlib.permutation import Permutation, attach
 
     perm = Permutation(np.arange(m_out, dtype=np.int64), tracer.voxels, "rows+voxels", (m_out, tracer.n), nnz, "")
     attach(writer, perm, f"mlem generate --preset {preset} --voxel-order {tracer.voxel_order}")
