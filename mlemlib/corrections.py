@@ -129,8 +129,9 @@ def check_factors(values: Any, m: int, kind: str, name: str) -> np.ndarray:
     return v
 
 
-def background(m: np.ndarray | None, b: np.ndarray | None, rows: int) -> np.ndarray:
-    """``b' = b / m`` per row (float32): computed in float64, then rounded; ``+inf`` where ``m == 0``.
+def background(m: np.ndarray | None, b: np.ndarray | None, rows: int, dtype: Any = np.float32) -> np.ndarray:
+    """``b' = b / m`` per row: computed in float64, then rounded to ``dtype`` (float32 for every backend; the
+    float64 reference keeps float64); ``+inf`` where ``m == 0``.
 
     ``m`` None means 1 everywhere, ``b`` None 0 everywhere (with a gap in
     ``m`` the background is still needed to mark it: ``b'`` is all zeros
@@ -140,7 +141,7 @@ def background(m: np.ndarray | None, b: np.ndarray | None, rows: int) -> np.ndar
     b64 = np.zeros(rows) if b is None else np.asarray(b, dtype=np.float64)
     out = np.full(rows, np.inf)
     np.divide(b64, m64, out=out, where=m64 > 0)
-    return out.astype(np.float32)
+    return out.astype(dtype)
 
 
 def stored_values(values: np.ndarray, fold: Any, source: str | os.PathLike, what: str) -> np.ndarray:

@@ -211,7 +211,8 @@ def load_corrections(src: Any, name: str, row_fold: Any, perm: Permutation | Non
         corr.subsets, corr.labels = subsets, labels_checksum(labels)
     if factors["multiplicative"] is not None or factors["additive"] is not None:
         rows = {k: None if v is None else _to_rows(v, row_fold, perm, names[k], k) for k, v in factors.items()}
-        corr.background = background(rows["multiplicative"], rows["additive"], m)
+        bg = background(rows["multiplicative"], rows["additive"], m, settings.dtype)
+        corr.background = bg if bg.any() else None  # b' = 0 everywhere: g / (fp + 0) is g / fp
     corr.weights = row_weights(src, factors["multiplicative"], perm)
     return corr
 

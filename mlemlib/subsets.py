@@ -73,25 +73,35 @@ def angle_labels(cfg: Any, subsets: int, *, block: int = 1 << 22) -> np.ndarray:
     """Subset of every LOR ``i * n_crystals + j`` of a scanner by its projection angle (int32[n_crystals**2]).
 
     The angle of the line between the crystals' face centres in the ``x, y``
-    plane, in ``[0, pi)``, falls in one of ``V = crystals_per_ring`` views;
-    view ``v`` is in subset ``v mod S`` (interleaved views, the usual OSEM
-    choice: every subset sees the whole object). A LOR without a transaxial
-    direction (one crystal, or one position in two rings) is in view 0.
+    plane, in ``[0, pi)`` (the same bits for ``(i, j)`` and ``(j, i)``), orders
+    the LORs (then their number); ``V = crystals_per_ring`` views take equal
+    shares of them in that order (the LORs ``(i, j)`` and ``(j, i)`` in one; a
+    LOR without a transaxial direction, one crystal or one position in two
+    rings, has angle 0), and view ``v`` is in subset ``v mod S``: interleaved
+    angular sectors, the usual OSEM choice (every subset sees the whole
+    object), with about m / S LORs each.
     """
     from mlemlib.scanner.geometry import crystal_faces
 
     centres = crystal_faces(cfg)[0]
     nc = int(cfg.n_crystals)
-    views = int(cfg.crystals_per_ring)
-    out = np.empty(nc * nc, dtype=np.int32)
     x, y = centres[:, 0], centres[:, 1]
-    for r0 in range(0, nc * nc, block):
-        r = np.arange(r0, min(r0 + block, nc * nc), dtype=np.int64)
-        i, j = r // nc, r % nc
-        phi = np.mod(np.arctan2(y[j] - y[i], x[j] - x[i]), np.pi)
-        view = np.minimum((phi * (views / np.pi)).astype(np.int64), views - 1)
-        out[r0 : r0 + len(r)] = view % subsets
-    return out
+    m = nc * nc
+    phi = np.empty(m, dtype=np.float64)
+    pair = np.empty(m, dtype=np.int64)  # the LOR's number with i <= j: (i, j) and (j, i) share it
+    for r0 in range(0, m, block):
+        r = np.arange(r0, min(r0 + block, m), dtype=np.int64)
+        i, j = np.minimum(r // nc, r % nc), np.maximum(r // nc, r % nc)
+        phi[r0 : r0 + len(r)] = np.mod(np.arctan2(y[j] - y[i], x[j] - x[i]), np.pi)
+        pair[r0 : r0 + len(r)] = i * nc + j
+    order = np.lexsort((pair, phi))
+    pos = np.arange(m, dtype=np.int64)
+    first = np.ones(m, dtype=bool)
+    first[1:] = pair[order][1:] != pair[order][:-1]
+    start = np.maximum.accumulate(np.where(first, pos, 0))  # each pair's first place in the angle order
+    labels = np.empty(m, dtype=np.int32)
+    labels[order] = (start * int(cfg.crystals_per_ring) // max(m, 1)) % subsets
+    return labels
 
 
 def scanner_of(src: Any) -> Any | None:

@@ -219,11 +219,15 @@ class Backend(ABC):
         return bounds
 
     @staticmethod
-    def _check_background(background: Any, m: int) -> np.ndarray | None:
-        """``b'`` as float32[m] (None stays None): no NaN, no negative value (``+inf`` marks a gap)."""
+    def _check_background(background: Any, m: int, dtype: Any = np.float32) -> np.ndarray | None:
+        """``b'`` as ``dtype``[m] (None stays None): no NaN, no negative value (``+inf`` marks a gap).
+
+        float32 on every device; the float64 reference (``dtype`` float64) keeps a float64 ``b'``.
+        """
         if background is None:
             return None
-        b = np.asarray(background, dtype=np.float32).reshape(-1)
+        b = np.asarray(background).reshape(-1)
+        b = b.astype(np.float64 if np.dtype(dtype) == np.float64 and b.dtype == np.float64 else np.float32)
         if b.size != m:
             raise ConfigError("background", f"{b.size} values but the matrix has m = {m} rows")
         if np.isnan(b).any() or (b < 0).any():

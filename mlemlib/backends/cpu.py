@@ -510,13 +510,12 @@ class CpuBackend(_HostRows, Backend):
             raise ConfigError("transpose", f"transpose has shape {self.at.shape}, expected (n, m) = {(n, m)}")
 
         g, norm = self._check_problem(g, norm, (m, n), float32=self.dtype == np.float32)
-        self.background = self._check_background(background, m)
+        self.background = self._check_background(background, m, self.dtype)
         self.bounds = self._check_subsets(subsets, norm, (m, n))
         if self.bounds is not None and len(self.bounds) == 2:  # one subset: MLEM, today's path
             self.bounds, norm = None, norm.reshape(-1)
         if self._kb.chunks and self.background is not None:
-            raise ConfigError("bp", f"bp={self.bp_kernel} on the cpu takes no additive background (b); "
-                                    "use bp=onepass or numba")
+            g = self._gaps_as_zero_counts(g)
         self.g = np.ascontiguousarray(g, dtype=self.dtype)
         self.norm = norm.astype(self.dtype)
         # Divide by 1 where norm == 0: the contract's "f * bp" there, exactly.
@@ -547,6 +546,16 @@ class CpuBackend(_HostRows, Backend):
         self._warm_up()
 
     # --- set-up helpers --------------------------------------------------------
+    def _gaps_as_zero_counts(self, g: np.ndarray) -> np.ndarray:
+        """For a kernel without a background term (the chunked one pass): a gap's ``b' = inf`` as a count of 0
+        (``0 / fp = g / inf = 0``), and no background left; refused where ``b > 0`` somewhere."""
+        gaps = np.isinf(self.background)
+        if np.any(self.background[~gaps] != 0):
+            raise ConfigError("bp", f"bp={self.bp_kernel} on the cpu takes no additive background (b); "
+                                    "use bp=onepass or numba")
+        self.background = None
+        return np.where(gaps, 0, g).astype(g.dtype)
+
     def _warm_up(self) -> None:
         """Compile (or load from cache) the Numba kernels now, not in the first timed iteration."""
         ip = np.array([0, 1], dtype=np.int64)
