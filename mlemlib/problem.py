@@ -248,6 +248,9 @@ def corrected_norm(src: Any, norm: Any, corr: Corrections, dtype: np.dtype) -> n
 
     bounds = corr.bounds if corr.bounds is not None else np.array([0, int(src.shape[0])], dtype=np.int64)
     sk = None
+    if norm is not None and not isinstance(norm, (str, os.PathLike)):
+        log.warning("a norm given as an array is the column sums of A (S = 1, m = 1): the sensitivities of "
+                    "these subsets and factors are computed instead")
     if isinstance(norm, (str, os.PathLike)):
         checksum = getattr(src, "checksum", None)
         read_norm(norm, expected_length=int(src.shape[1]), expected_checksum=str(checksum) if checksum else None)

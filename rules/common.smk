@@ -102,6 +102,11 @@ def validate_config():
             check_run(entry, where=f"runs[{index}]", formats=get_matrix_formats())
         except ConfigError as exc:
             stop(f"config {exc}")
+        if entry["backend"] == "cpu" and entry["bp"] == "onepass_chunked" and is_background():
+            stop(
+                f"config runs[{index}].bp: onepass_chunked on the cpu takes no additive "
+                "background (b); use onepass or numba"
+            )
 
 
 #: What a configured file must be, by role: its kinds (mlemlib.formats.file_kind)
@@ -302,6 +307,17 @@ _SIMULATED_FACTOR_KEYS = (
     "randoms_fraction",
     "scatter_fraction",
 )
+
+
+def is_background():
+    """True when some measurement has an additive background b (a user's file, or simulated)."""
+    users = any(
+        measurement_files(value)["additive"]
+        for entry in config["matrices"].values()
+        for value in entry["measurements"].values()
+    )
+    sim = config["simulation"]
+    return users or sim["randoms_fraction"] > 0 or sim["scatter_fraction"] > 0
 
 
 def is_modelled():

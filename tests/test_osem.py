@@ -476,3 +476,10 @@ def test_a_missing_subset_file_stops_the_dry_run(tmp_path):
     config["mlem"]["subset_file"] = "data/none.i32"
     assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == "config mlem.subset_file: data/none.i32: no such file"
 
+
+
+def test_a_cpu_chunked_run_with_a_background_stops_the_dry_run(tmp_path):
+    config = _osem_config(tmp_path)
+    config["runs"] = [{"backend": "cpu", "bp": "onepass_chunked"}]
+    assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
+        "config runs[0].bp: onepass_chunked on the cpu takes no additive background (b); use onepass or numba")
