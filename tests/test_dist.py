@@ -401,3 +401,21 @@ def test_every_local_kernel_runs_on_several_gpus():
             img = _image(be, iters=5)
         rel = np.linalg.norm(img.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64))
         assert rel < 1e-5, (k.name, rel)
+
+
+def test_subset_plans_give_each_gpu_an_nnz_balanced_share_of_every_subset(rng):
+    from mlemlib.backends._nccl_plan import build_plan, indptr_of
+    from mlemlib.backends.osem import subset_plans
+
+    a = _matrix(rng, m=400, n=50)
+    ip = indptr_of(a)
+    bounds = np.array([0, 90, 250, 400])
+    plans = subset_plans(ip, bounds, 3, a.shape[1])
+    assert len(plans) == 3
+    for k, p in enumerate(plans):
+        rows = p["rows"]
+        assert rows[0][0] == bounds[k] and rows[-1][1] == bounds[k + 1]
+        assert all(r1 == r0n for (_, r1), (r0n, _) in zip(rows, rows[1:]))  # contiguous, in order
+        share = [int(ip[r1] - ip[r0]) for r0, r1 in rows]
+        assert max(share) - min(share) <= int(np.diff(ip[bounds[k]:bounds[k + 1] + 1]).max())  # within one row
+        assert build_plan(a, None, 3, p, "local")["rows"] == rows  # what NcclBackend checks and takes

@@ -156,6 +156,14 @@ def make_backend(
     if launcher not in LAUNCHERS:
         raise ConfigError("MLEM_LAUNCHER", f"unknown launcher {launcher!r}, expected one of {', '.join(LAUNCHERS)}")
     try:
+        if subsets is not None and len(subsets) > 2:  # OSEM: one backend per subset on the same GPUs
+            if launcher != "none":
+                raise ConfigError("subsets", f"OSEM runs in one process (its GPUs {gpus}), not under the launcher "
+                                             f"{launcher!r}")
+            from mlemlib.backends.osem import OsemBackend
+
+            kw.update(gpus=gpus, layout=layout or "local", plan=plan)
+            return OsemBackend(matrix, g, norm, **kw)
         if gpus == 1 and not options.get("graph"):
             from mlemlib.backends.cuda import CudaBackend
 

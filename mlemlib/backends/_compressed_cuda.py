@@ -608,6 +608,15 @@ def _step_vectors(shape: tuple[int, int], g: Any, f: Any, bp: Any, fp: Any) -> t
     return bp, fp
 
 
+def _background(bg: Any, m: int) -> Any:
+    """The one-pass kernels' background argument: ``bg`` (checked: float32, one per row of the launch's
+    rows) or the null pointer (no background)."""
+    if bg is None:
+        return np.uint64(0)
+    check_vector("bg", bg, m)
+    return bg
+
+
 def onepass_fixed(
     a: Any,
     g: Any,
@@ -618,8 +627,11 @@ def onepass_fixed(
     flag: Any,
     *,
     lanes: int | None = None,
+    bg: Any = None,
 ) -> None:
     """The deterministic one-pass kernel alone: ``acc += rint(c_i a_ij * scale)``, ``fp = A f``.
+
+    ``c_i = g_i / (fp_i + bg_i)`` (0 where that is 0); ``bg`` None: no background (``g_i / fp_i``).
 
     ``acc`` (uint64, n) must be zero (or hold other GPUs' partial sums of
     the same scale) and ``flag`` (int32, 1) zero; nothing is synchronised.
@@ -635,7 +647,7 @@ def onepass_fixed(
         groups, order = spread(m)
         _launch_rows(
             function(_onepass_name(kind, L, True)), groups, L,
-            (*args, f, g, fp, acc, np.float64(scale), flag, np.int64(m), *order),
+            (*args, f, g, _background(bg, m), fp, acc, np.float64(scale), flag, np.int64(m), *order),
             waves=0 if kind == "csr" else None,  # the CSR kernels have no row loop
         )
 
@@ -653,8 +665,10 @@ def onepass(
     check: bool = True,
     stats: dict | None = None,
     acc: Any = None,
+    bg: Any = None,
 ) -> tuple[Any, Any]:
-    """One-pass MLEM step on the GPU: ``fp = A f``, ``c = g / fp`` (0 where fp is 0), ``bp = A^T c``.
+    """One-pass MLEM step on the GPU: ``fp = A f``, ``c = g / (fp + bg)`` (0 where that is 0; ``bg`` None:
+    ``g / fp``), ``bp = A^T c``.
 
     Parameters
     ----------
@@ -691,7 +705,8 @@ def onepass(
         bp.fill(0)
         if m:
             groups, order = spread(m)
-            _launch_rows(function(_onepass_name(kind, L, False)), groups, L, (*args, f, g, fp, bp, np.int64(m), *order),
+            _launch_rows(function(_onepass_name(kind, L, False)), groups, L,
+                         (*args, f, g, _background(bg, m), fp, bp, np.int64(m), *order),
                          waves=0 if kind == "csr" else None)  # the CSR kernels have no row loop
         return bp, fp
     if bound is None:
@@ -703,17 +718,19 @@ def onepass(
     flag = cp.zeros(1, dtype=cp.int32)
 
     def launch(scale: float) -> None:
-        onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=L)
+        onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=L, bg=bg)
 
     scale = _fixed_loop(launch, acc, flag, bound, check, stats)
     fixed_to_float(acc, bp, scale)
     return bp, fp
 
 
-def onepass_step(a: Any, g: Any, f: Any, *, fp: Any, bp: Any = None, lanes: int | None = None, **_: Any) -> None:
+def onepass_step(a: Any, g: Any, f: Any, *, fp: Any, bp: Any = None, lanes: int | None = None, bg: Any = None,
+                 **_: Any) -> None:
     """One GPU's part of a ``onepass`` iteration: ``fp = A_k f`` and the terms ``c_i a_ij`` of its rows
-    added into ``bp`` (zeroed here) with float atomics (not deterministic). Returns None (no fixed-point
-    scale). Several GPUs add their ``bp``. Nothing is synchronised.
+    (``c_i = g_i / (fp_i + bg_i)``, ``bg`` None: ``g_i / fp_i``) added into ``bp`` (zeroed here) with
+    float atomics (not deterministic). Returns None (no fixed-point scale). Several GPUs add their
+    ``bp``. Nothing is synchronised.
     """
     kind, args, mean = _matrix_args(a)
     m = a.shape[0]
@@ -721,12 +738,13 @@ def onepass_step(a: Any, g: Any, f: Any, *, fp: Any, bp: Any = None, lanes: int 
     bp.fill(0)
     if m:
         groups, order = spread(m)
-        _launch_rows(function(_onepass_name(kind, L, False)), groups, L, (*args, f, g, fp, bp, np.int64(m), *order),
+        _launch_rows(function(_onepass_name(kind, L, False)), groups, L,
+                     (*args, f, g, _background(bg, m), fp, bp, np.int64(m), *order),
                      waves=0 if kind == "csr" else None)  # the CSR kernels have no row loop
 
 
 def onepass_fixed_step(a: Any, g: Any, f: Any, *, fp: Any, acc: Any = None, flag: Any = None, bound: float = 1.0,
-                       lanes: int | None = None, **_: Any) -> float:
+                       lanes: int | None = None, bg: Any = None, **_: Any) -> float:
     """One GPU's part of a ``onepass_fixed`` iteration: ``fp = A_k f`` and the terms ``c_i a_ij`` of its
     rows added into ``acc`` (uint64, zero on entry, as ``flag``) as 64-bit fixed point of the scale that
     :func:`fixed_scale` gives ``bound``; returns that scale. Several GPUs add their ``acc`` and convert
@@ -735,7 +753,7 @@ def onepass_fixed_step(a: Any, g: Any, f: Any, *, fp: Any, acc: Any = None, flag
     """
     _, _, mean = _matrix_args(a)
     scale = fixed_scale(bound)
-    onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=_lanes(lanes, choose_lanes(mean)))
+    onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=_lanes(lanes, choose_lanes(mean)), bg=bg)
     return scale
 
 
@@ -978,7 +996,8 @@ class DeviceChunked:
         return out
 
 
-def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: float, flag: Any, fwd_only: int) -> None:
+def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: float, flag: Any, fwd_only: int,
+                  bg: Any = None) -> None:
     if a.chunks == 0:
         return
     fn = function(a.kernel)
@@ -987,18 +1006,19 @@ def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: fl
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
     rscale = a.scale if a.half else a.data  # not read for float32 values
-    fn((a.chunks,), (CHUNK_THREADS,), (a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, rscale, f, g, fp,
-                                       acc, np.float64(scale), flag, np.int32(w), np.int32(fwd_only)), shared_mem=shared)
+    fn((a.chunks,), (CHUNK_THREADS,), (a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, rscale, f, g,
+                                       _background(None if fwd_only else bg, a.shape[0]), fp, acc, np.float64(scale),
+                                       flag, np.int32(w), np.int32(fwd_only)), shared_mem=shared)
 
 
 def chunked_step(a: DeviceChunked, g: Any, f: Any, *, fp: Any, bp: Any = None, acc: Any = None, flag: Any = None,
-                 bound: float = 1.0, lanes: int | None = None, **_: Any) -> float:
+                 bound: float = 1.0, lanes: int | None = None, bg: Any = None, **_: Any) -> float:
     """One GPU's part of a chunked one pass (``onepass_chunked``), as :func:`onepass_step`'s fixed point:
     ``fp = A_k f`` and the terms into ``acc`` (zero on entry, as ``flag``) at the scale :func:`chunk_scale`
     gives ``bound``, which it returns. ``bp`` and ``lanes`` are not used (a warp per row)."""
     del bp, lanes
     scale = chunk_scale(bound)
-    _chunk_launch(a, g, f, fp, acc, scale, flag, 0)
+    _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg)
     return scale
 
 
@@ -1027,8 +1047,10 @@ def chunked_onepass(
     stats: dict | None = None,
     acc: Any = None,
     flag: Any = None,
+    bg: Any = None,
 ) -> tuple[Any, Any]:
-    """One-pass MLEM step through the chunks: ``fp = A f``, ``c = g / fp``, ``bp = A^T c``; deterministic.
+    """One-pass MLEM step through the chunks: ``fp = A f``, ``c = g / (fp + bg)`` (``bg`` None: ``g / fp``),
+    ``bp = A^T c``; deterministic.
 
     As :func:`onepass` with ``deterministic=True`` (``bound`` default
     :func:`onepass_bound`, retried larger on overflow when ``check``), the
@@ -1044,7 +1066,7 @@ def chunked_onepass(
     flag = cp.zeros(1, dtype=cp.int32) if flag is None else flag
 
     def launch(scale: float) -> None:
-        _chunk_launch(a, g, f, fp, acc, scale, flag, 0)
+        _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg)
 
     scale = _fixed_loop(launch, acc, flag, bound, check, stats, scale_of=chunk_scale)
     fixed_to_float(acc, bp, scale)

@@ -40,8 +40,9 @@ from mlemlib.matrix import CSRMatrix, slice_rows
 
 log = logging.getLogger(__name__)
 
-#: Epilogues of ``csr_scalar`` / ``csr_vector`` (see spmv.cu).
-MODE_PLAIN, MODE_CORR, MODE_UPDATE = 0, 1, 2
+#: Epilogues of the row kernels (epilogue.cuh): the product, the correlation ``g / (A f)``, the update
+#: ``f * (A^T c) / norm`` (``f`` kept where ``norm`` is NaN), the correlation with a background ``g / (A f + bg)``.
+MODE_PLAIN, MODE_CORR, MODE_UPDATE, MODE_CORR_BG = 0, 1, 2, 3
 #: Largest nnz cuSPARSE (through CuPy's int32 indices) can take.
 CUSPARSE_MAX_NNZ = plan.CUSPARSE_MAX_NNZ
 #: Non-zeros per chunk (one block) of ``scatter_smem``.
@@ -483,7 +484,7 @@ def spmv_vectors(shape: tuple[int, int], x: Any, out: Any, mode: int, aux0: Any,
         check_vector("out", out, m)
     if mode != MODE_PLAIN:
         check_vector("aux0", aux0, m)
-        if mode == MODE_UPDATE:
+        if mode in (MODE_UPDATE, MODE_CORR_BG):
             check_vector("aux1", aux1, m)
     return out
 
@@ -612,6 +613,8 @@ def _epilogue_after(product: Callable[[Any], None], a: DeviceCSR, x: Any, out: A
         product(y)
         if mode == MODE_CORR:
             correlate(aux0, y, out=out)
+        elif mode == MODE_CORR_BG:
+            correlate(aux0, y, out=out, bg=aux1)
         elif mode == MODE_UPDATE:
             update(aux0, y, aux1, out=out)
 
@@ -806,23 +809,33 @@ def _elementwise(which: str) -> Any:
         return cp.ElementwiseKernel(
             "float32 g, float32 fp", "float32 c", "c = (fp != 0.0f) ? g / fp : 0.0f", "mlem_correlate"
         )
+    if which == "correlate_bg":
+        return cp.ElementwiseKernel(
+            "float32 g, float32 fp, float32 bg", "float32 c", "float d = fp + bg; c = (d != 0.0f) ? g / d : 0.0f",
+            "mlem_correlate_bg"
+        )
     return cp.ElementwiseKernel(
         "float32 f, float32 bp, float32 norm",
         "float32 out",
-        "out = (norm != 0.0f) ? f * bp / norm : f * bp",
+        "out = (norm != 0.0f) ? (norm == norm ? f * bp / norm : f) : f * bp",
         "mlem_update",
     )
 
 
-def correlate(g: Any, fp: Any, out: Any = None) -> Any:
-    """``c = g / fp`` (0 where ``fp == 0``), one fused elementwise kernel; ``out`` may be ``fp``."""
-    if out is None:
-        return _elementwise("correlate")(g, fp)
-    return _elementwise("correlate")(g, fp, out)
+def correlate(g: Any, fp: Any, out: Any = None, bg: Any = None) -> Any:
+    """``c = g / fp`` (0 where ``fp == 0``), one fused elementwise kernel; ``out`` may be ``fp``.
+
+    With ``bg`` (the background per unit of sensitivity, ``b / m``; +inf at a gap): ``c = g / (fp + bg)``,
+    0 where that is 0.
+    """
+    args = (g, fp) if bg is None else (g, fp, bg)
+    kernel = _elementwise("correlate" if bg is None else "correlate_bg")
+    return kernel(*args) if out is None else kernel(*args, out)
 
 
 def update(f: Any, bp: Any, norm: Any, out: Any = None) -> Any:
-    """``f * bp / norm`` (``f * bp`` where ``norm == 0``); ``out`` may be ``f`` or ``bp``."""
+    """``f * bp / norm`` (``f * bp`` where ``norm == 0``; ``f`` where ``norm`` is NaN: an OSEM subset
+    that does not see the voxel keeps it); ``out`` may be ``f`` or ``bp``."""
     if out is None:
         return _elementwise("update")(f, bp, norm)
     return _elementwise("update")(f, bp, norm, out)

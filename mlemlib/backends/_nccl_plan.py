@@ -52,7 +52,7 @@ def plan_has_parts(plan: Any) -> bool:
     return bool(d.get("local_transpose"))
 
 
-def _indptr_of(source: Any) -> np.ndarray:
+def indptr_of(source: Any) -> np.ndarray:
     """The full row pointer of a matrix source (host int64)."""
     if isinstance(source, CSRMatrix):
         ip = np.asarray(source.indptr, dtype=np.int64)
@@ -97,8 +97,8 @@ def build_plan(matrix: Any, transpose: Any | None, parts: int, plan: Any | None,
 
     (m, n), nnz = shape_nnz(matrix)
     if plan is None:
-        t_ip = _indptr_of(transpose) if transpose is not None else None
-        out = partition.make_plan(_indptr_of(matrix), t_ip, parts, (m, n))
+        t_ip = indptr_of(transpose) if transpose is not None else None
+        out = partition.make_plan(indptr_of(matrix), t_ip, parts, (m, n))
     else:
         out = dict(plan) if isinstance(plan, dict) else partition.read_plan(plan)
         where = out.get("plan", "<plan>")

@@ -39,6 +39,7 @@ class Shard:
     at: Any = None  # A_k^T (local) or rows cols of A^T (thesis); None for scatter
     smem: Any = None
     g: Any = None  # g_k (local) or g (thesis)
+    bg: Any = None  # b' = b / m of the same rows as g (None: no background)
     norm: Any = None
     f: Any = None  # the replicated image (the all-reduce's receive buffer in thesis+fuse)
     c: Any = None
@@ -55,11 +56,15 @@ class Shard:
 
 
 def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, plan_d: dict, g: Any, norm: Any,
-               chunk_ranges: list | None, local_files: list | None, tune: bool) -> Shard:
+               chunk_ranges: list | None, local_files: list | None, tune: bool, bg: Any = None,
+               share: Shard | None = None) -> Shard:
     """Load plan part ``part`` onto GPU ``dev`` for the backend ``be`` (an :class:`~mlemlib.backends.nccl.NcclBackend`
     during its set-up): its rows of ``A`` in the backend's format (or its range of the chunk layout's chunks), its
     ``A_k^T`` (part file, or transposed on the GPU) or the thesis layout's rows of ``A^T``, the vectors of its
     layout, the launch shapes where tuned. The ``notrans`` selector is settled here on the first part (``be.bp_kernel``).
+    ``bg``: the background per row of the whole matrix (None: none); each shard holds its rows' (all rows in the
+    thesis layout). ``share``: the same GPU's shard of another backend whose stream and image buffer this one
+    uses (the OSEM subsets' backends run one after the other on one stream and one image).
     """
     from mlemlib.formats import open_matrix
 
@@ -73,7 +78,7 @@ def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, pla
     c0, c1 = (int(v) for v in plan_d["transpose_rows"][part]) if "transpose_rows" in plan_d else (0, n)
     s = Shard(part=part, device=dev, rows=(r0, r1), cols=(c0, c1))
     with cp.cuda.Device(dev):
-        s.stream = cp.cuda.Stream(non_blocking=True)
+        s.stream = share.stream if share is not None else cp.cuda.Stream(non_blocking=True)
         # Pad for csr_vector only (scatter kernels and cuSPARSE expect a row pointer from 0).
         no_t = not be._kb.needs_transpose
         pad_a = be._kf is not None and be._kf.shapes and not no_t
@@ -120,10 +125,12 @@ def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, pla
         if tune and s.at is not None and be._kb.shapes:
             s.at.tune(be.lanes_bp(s))
         s.norm = cp.asarray(norm, dtype=cp.float32)
-        s.f = cp.empty(n, dtype=cp.float32)
+        s.f = share.f if share is not None else cp.empty(n, dtype=cp.float32)
         if be.onepass and be.deterministic:
             s.acc = cp.empty(n, dtype=cp.uint64)
             s.flag = cp.zeros(1, dtype=cp.int32)
+        if bg is not None:
+            s.bg = cp.asarray(bg[r0:r1] if layout == "local" else bg, dtype=cp.float32)
         if layout == "local":
             s.g = cp.asarray(g[r0:r1], dtype=cp.float32)
             s.c = cp.empty(r1 - r0, dtype=cp.float32)

@@ -128,6 +128,12 @@ class CudaBackend(Backend):
         against ``matrix``: a kernel that reads chunks (``onepass_chunked``)
         loads it instead of chunking the matrix here, and ``bp=auto`` decides
         from its exact reuse and chunk count instead of a sample.
+    background
+        None, or ``b' = b / m`` per row (:mod:`mlemlib.backends.base`): the correlation is
+        ``g / (A f + b')`` in every kernel (fused epilogue, elementwise, one passes).
+    subsets
+        None or ``[0, m]`` (one subset); OSEM with S > 1 runs through
+        :class:`mlemlib.backends.osem.OsemBackend` (``make_backend`` takes it).
 
     Raises
     ------
@@ -156,6 +162,8 @@ class CudaBackend(Backend):
         fuse: bool = True,
         tune: bool = True,
         chunks: Any | None = None,
+        background: Any | None = None,
+        subsets: Any | None = None,
     ) -> None:
         super().__init__()
         cp = ck.cupy()
@@ -308,7 +316,13 @@ class CudaBackend(Backend):
                     self.transpose_source = "cusparse on device"
 
             g, norm = self._check_problem(g, norm, (m, n))
+            bounds = self._check_subsets(subsets, norm, (m, n))
+            if bounds is not None and len(bounds) > 2:
+                raise ConfigError("subsets", "CudaBackend runs one subset; OSEM runs through make_backend (OsemBackend)")
+            norm = norm.reshape(-1)
+            bg = self._check_background(background, m)
             self.g = cp.asarray(g, dtype=cp.float32)
+            self.bg = None if bg is None else cp.asarray(bg)
             self.norm = cp.asarray(norm, dtype=cp.float32)
 
             self._fp = cp.empty(m, dtype=cp.float32)
@@ -322,7 +336,7 @@ class CudaBackend(Backend):
             self._k_forward = self._kf or registry.row_forward(self.format)
             self.fuse_fp = fuse and self._kf is not None and self._kf.fused
             self.fuse_bp = fuse and self.at is not None and self._kb.fused
-            self._fixed_bound = (ONEPASS_C_MAX * float(np.max(norm))) if norm.size else 1.0
+            self._fixed_bound = (ONEPASS_C_MAX * float(np.nanmax(norm))) if norm.size else 1.0
             self.fixed_stats: dict[str, Any] = {}
             # the events of the last iteration and of the one before (previous_step_times): two sets,
             # so that the last can be recorded while the host reads the one before
@@ -404,7 +418,7 @@ class CudaBackend(Backend):
         if not isinstance(self.a, ck.DeviceCSR):
             return None
         return registry.launcher(self._kf)(self.a, f, self._c, lanes=self._lanes(self.a), secsize=self.secsize,
-                                           mode=ck.MODE_CORR, aux0=self.g, skip_empty=True, prepare=True)
+                                           skip_empty=True, prepare=True, **self._corr)
 
     def forward(self, f: Any) -> Any:
         with self._device:
@@ -412,9 +426,16 @@ class CudaBackend(Backend):
                 return cc().chunked_forward(self.a, f, self._fp)
             return self._project(self.a, f, self._fp, self._k_forward)
 
+    @property
+    def _corr(self) -> dict[str, Any]:
+        """The fused correlation's epilogue: ``g / (A f)``, or ``g / (A f + b')`` with a background."""
+        if self.bg is None:
+            return {"mode": ck.MODE_CORR, "aux0": self.g}
+        return {"mode": ck.MODE_CORR_BG, "aux0": self.g, "aux1": self.bg}
+
     def correlate(self, fp: Any) -> Any:
         with self._device:
-            return ck.correlate(self.g, fp, out=self._c)
+            return ck.correlate(self.g, fp, out=self._c, bg=self.bg)
 
     def back(self, c: Any) -> Any:
         with self._device:
@@ -446,7 +467,7 @@ class CudaBackend(Backend):
                 if first is not None:
                     c = first()
                 else:
-                    c = self._project(self.a, f, self._c, self._kf, mode=ck.MODE_CORR, aux0=self.g)
+                    c = self._project(self.a, f, self._c, self._kf, **self._corr)
                 self._record("fp")
             else:
                 fp = self.forward(f)
@@ -486,7 +507,7 @@ class CudaBackend(Backend):
                 self._acc.fill(0)
                 self._flag.fill(0)
             scale = step(self.a, self.g, f, fp=self._fp, bp=self._bp, acc=self._acc, flag=self._flag,
-                         bound=self._fixed_bound, lanes=self._lanes_onepass)
+                         bound=self._fixed_bound, lanes=self._lanes_onepass, bg=self.bg)
             if self.deterministic:
                 cc().fixed_to_float(self._acc, self._bp, scale)
                 self.fixed_stats.update(scale=scale, bound=self._fixed_bound)

@@ -177,6 +177,9 @@ class NcclBackend(Backend):
         comms: list[Any] | None = None,
         own_comms: bool = False,
         chunks: Any | None = None,
+        background: Any | None = None,
+        subsets: Any | None = None,
+        share: NcclBackend | None = None,
     ) -> None:
         super().__init__()
         cp = _cupy()
@@ -262,12 +265,20 @@ class NcclBackend(Backend):
             if (tm, tn) != (n, m) or tnnz != nnz:
                 raise ConfigError("transpose", f"transpose is {(tm, tn)} with {tnnz} nnz, expected {(n, m)} with {nnz}")
         g, norm = self._check_problem(g, norm, (m, n))
+        bounds = self._check_subsets(subsets, norm, (m, n))
+        if bounds is not None and len(bounds) > 2:
+            raise ConfigError("subsets", "NcclBackend runs one subset; OSEM runs through make_backend (OsemBackend)")
+        norm = norm.reshape(-1)
+        bg = self._check_background(background, m)
+        if share is not None and (share.devices != devices or share.layout != layout):
+            raise ConfigError("share", f"a backend shares the GPUs {share.devices} ({share.layout} layout) of "
+                                       f"another only with the same devices and layout, not {devices} ({layout})")
         # Lanes of the whole matrix, so each row is summed as on one GPU (deterministic across GPU counts).
         self.lanes_override = lanes
         self.lanes_fp = lanes or cplan.choose_lanes(nnz / m if m else 0.0)
         # one-pass lanes from the whole matrix (the same on every GPU: each row is summed the same way)
         self.lanes_onepass = cc.onepass_lanes(m, nnz, self.format)
-        self._fixed_bound = ONEPASS_C_MAX * float(np.max(norm)) if np.size(norm) else 1.0
+        self._fixed_bound = ONEPASS_C_MAX * float(np.nanmax(norm)) if np.size(norm) else 1.0
         self.lanes_bp_cap = cplan.LANE_CHOICES[-1]
         self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0, self.lanes_bp_cap)
 
@@ -282,7 +293,8 @@ class NcclBackend(Backend):
         try:
             for part, dev in zip(parts, devices):
                 s = load_shard(self, part, dev, matrix=matrix, transpose=transpose, plan_d=plan_d, g=g, norm=norm,
-                               chunk_ranges=chunk_ranges, local_files=local_files, tune=tune)
+                               chunk_ranges=chunk_ranges, local_files=local_files, tune=tune, bg=bg,
+                               share=share.shards[len(self.shards)] if share is not None else None)
                 self.shards.append(s)
                 log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", dev, part, *s.rows, s.nnz,
                          ", A^T rows [%d, %d)" % s.cols if layout == "thesis" else "")
@@ -297,6 +309,8 @@ class NcclBackend(Backend):
         self.load_seconds = time.perf_counter() - t0
 
         # ---- communicators -----------------------------------------------------------------
+        if share is not None:
+            comms, own_comms = [s.comm for s in share.shards], False
         if comms is None:
             if self.world != len(devices):
                 raise ConfigError("comms", "several processes need communicators (see mlemlib.dist.mpi)")
@@ -370,6 +384,13 @@ class NcclBackend(Backend):
         finally:
             nccl.groupEnd()
 
+    @staticmethod
+    def _corr(s: Shard) -> dict[str, Any]:
+        """The fused correlation's epilogue on shard ``s``: ``g / (A f)``, or ``g / (A f + b')`` with a background."""
+        if s.bg is None:
+            return {"mode": ck.MODE_CORR, "aux0": s.g}
+        return {"mode": ck.MODE_CORR_BG, "aux0": s.g, "aux1": s.bg}
+
     def _spmv(self, a: Any, x: Any, out: Any, lanes: int, **kw: Any) -> Any:
         """``out = a x`` by the forward (``fwd=True``) or back-projection kernel, through its registry launcher."""
         k = self._kf if kw.pop("fwd", False) else self._kb
@@ -397,7 +418,7 @@ class NcclBackend(Backend):
                         s.acc.fill(0)
                         s.flag.fill(0)
                     scale = step(s.a, s.g, s.f, fp=s.fp, bp=s.bp, acc=s.acc, flag=s.flag, bound=self._fixed_bound,
-                                 lanes=self.lanes_onepass)
+                                 lanes=self.lanes_onepass, bg=s.bg)
                     self._mark(s, "bp", record)
             nccl.groupStart()
             try:
@@ -441,12 +462,12 @@ class NcclBackend(Backend):
                 with cp.cuda.Device(s.device), s.stream:
                     self._mark(s, "start", record)
                     if fused_fp:
-                        self._spmv(s.a, s.f, s.c, self.lanes_fp, fwd=True, mode=ck.MODE_CORR, aux0=s.g)
+                        self._spmv(s.a, s.f, s.c, self.lanes_fp, fwd=True, **self._corr(s))
                         self._mark(s, "fp", record)
                     else:
                         self._spmv(s.a, s.f, s.fp, self.lanes_fp, fwd=True)
                         self._mark(s, "fp", record)
-                        ck.correlate(s.g, s.fp, out=s.c)
+                        ck.correlate(s.g, s.fp, out=s.c, bg=s.bg)
                         self._mark(s, "corr", record)
                     if self.chunks:
                         continue  # back projection and all-reduce chunk by chunk, below
@@ -476,7 +497,7 @@ class NcclBackend(Backend):
         for s in self.shards:
             with cp.cuda.Device(s.device), s.stream:
                 self._mark(s, "allreduce", record)
-                ck.correlate(s.g, s.fp, out=s.c)
+                ck.correlate(s.g, s.fp, out=s.c, bg=s.bg)
                 self._mark(s, "corr", record)
                 c0, c1 = s.cols
                 if self.fuse:

@@ -195,7 +195,7 @@ __device__ __forceinline__ void csr_row_scatter(i64 s, i64 e, int lane, const in
 template <int L, bool DET>
 __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, const int* __restrict__ idx,
                                                  const float* __restrict__ val, const float* __restrict__ f,
-                                                 const float* __restrict__ g, float* fp, float* bp, u64* acc,
+                                                 const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, u64* acc,
                                                  double fscale, int* flag, i64 m, i64 P, i64 U) {
     const int lane = threadIdx.x & (L - 1);
     const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -216,7 +216,7 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off, L);
         float ci = 0.0f;
         if (valid) {
-            if (sum != 0.0f) ci = __ldg(g + r) / sum;
+            ci = row_ratio(sum, g, bg, r);
             if (lane == 0) fp[r] = sum;
         }
         if (ci != 0.0f) csr_row_scatter<L, DET, false>(s, e, lane, idx, val, cc, cv, ci, bp, acc, fscale, flag);
@@ -230,7 +230,7 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
 template <bool DET>
 __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, const int* __restrict__ idx,
                                                  const float* __restrict__ val, const float* __restrict__ f,
-                                                 const float* __restrict__ g, float* fp, float* bp, u64* acc,
+                                                 const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, u64* acc,
                                                  double fscale, int* flag, i64 m, i64 P, i64 U) {
     const int lane = threadIdx.x & 31;
     const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // one row per warp: no row loop
@@ -243,7 +243,7 @@ __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, con
     float sum = csr_row_dot<32>(s, e, lane, idx, val, f, cc, cv);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
-    const float ci = sum != 0.0f ? __ldg(g + r) / sum : 0.0f;
+    const float ci = row_ratio(sum, g, bg, r);
     if (lane == 0) fp[r] = sum;
     if (ci == 0.0f) return;  // warp-uniform
     csr_row_scatter<32, DET, true>(s, e, lane, idx, val, cc, cv, ci, bp, acc, fscale, flag);
@@ -252,12 +252,12 @@ __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, con
 template <int L, bool DET>
 __device__ __forceinline__ void onepass_csr(const i64* __restrict__ rp, const int* __restrict__ idx,
                                             const float* __restrict__ val, const float* __restrict__ f,
-                                            const float* __restrict__ g, float* fp, float* bp, u64* acc,
+                                            const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, u64* acc,
                                             double fscale, int* flag, i64 m, i64 P, i64 U) {
     if (L == 32) {
-        onepass_csr_warp<DET>(rp, idx, val, f, g, fp, bp, acc, fscale, flag, m, P, U);
+        onepass_csr_warp<DET>(rp, idx, val, f, g, bg, fp, bp, acc, fscale, flag, m, P, U);
     } else {
-        onepass_csr_body<L, DET>(rp, idx, val, f, g, fp, bp, acc, fscale, flag, m, P, U);
+        onepass_csr_body<L, DET>(rp, idx, val, f, g, bg, fp, bp, acc, fscale, flag, m, P, U);
     }
 }
 
@@ -470,7 +470,7 @@ template <int L, int VK, int CB, bool DET>
 __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                               const void* __restrict__ codes, const void* __restrict__ vals,
                                               const float* __restrict__ scale, const float* __restrict__ f,
-                                              const float* __restrict__ g, float* fp, float* bp, u64* acc,
+                                              const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, u64* acc,
                                               double fscale, int* flag, i64 m, i64 P, i64 U) {
     const int lane = threadIdx.x & (L - 1);
     const i64 per_block = blockDim.x / L;
@@ -505,7 +505,7 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
         for (int off = L / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, off, L);
         float ci = 0.0f;
         if (valid) {
-            if (sum != 0.0f) ci = __ldg(g + r) / sum;
+            ci = row_ratio(sum, g, bg, r);
             if (lane == 0) fp[r] = sum;
         }
         // The scatter decodes the row again from its last trip back (the lines the dot product read
@@ -679,7 +679,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
                                                      const unsigned short* __restrict__ local,
                                                      const void* __restrict__ val, const float* __restrict__ rscale,
                                                      const float* __restrict__ f,
-                                                     const float* __restrict__ g, float* fp, u64* acc,
+                                                     const float* __restrict__ g, const float* __restrict__ bg, float* fp, u64* acc,
                                                      double fscale, int* flag, int window, int fwd_only) {
     typedef ChunkVals<VK> CV;
     typedef typename CV::V4 V4;
@@ -728,23 +728,25 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     // A warp loads its next row's bounds and measurement while it works on the current row, and takes
     // its rows from a shared counter (rows of unequal length balance over the warps).
     i64 ps = 0, pe = 0;
-    float pg = 0.0f;
+    float pg = 0.0f, pb = 0.0f;
     if (r0 + (threadIdx.x >> 5) < r1) {
         const i64 r = r0 + (threadIdx.x >> 5);
         ps = rp[r];
         pe = rp[r + 1];
         pg = fwd_only ? 0.0f : __ldg(g + r);  // g is not an m-vector with fwd_only
+        pb = (fwd_only || bg == nullptr) ? 0.0f : __ldg(bg + r);
     }
     for (i64 r = r0 + (threadIdx.x >> 5); r < r1;) {  // warp-uniform
         int nx = 0;
         if (lane == 0) nx = atomicAdd(&chunk_next, 1);  // this warp's next row
         const i64 s = ps, e = pe;
-        const float gr = pg;
+        const float gr = pg, br = pb;
         const i64 rn = r0 + __shfl_sync(FULL_MASK, nx, 0);
         if (rn < r1) {
             ps = rp[rn];
             pe = rp[rn + 1];
             pg = fwd_only ? 0.0f : __ldg(g + rn);
+            pb = (fwd_only || bg == nullptr) ? 0.0f : __ldg(bg + rn);
         }
         const int ng = (int)((e - s) >> 7);  // interleaved groups of 128
         const i64 t0 = s + ((i64)ng << 7);   // the rest, in order: [t0, e), at most 4 trips
@@ -784,7 +786,8 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
         if (lane == 0) fp[r] = sum;
-        const float ci = (sum != 0.0f && !fwd_only) ? gr / sum : 0.0f;
+        const float d = bg != nullptr ? sum + br : sum;  // the ratio as row_ratio, with g and bg prefetched
+        const float ci = (d != 0.0f && !fwd_only) ? gr / d : 0.0f;
         if (ci != 0.0f) {  // warp-uniform
             const float cs = ci * (float)fscale;
             if (chunk_fast(cs, fscale)) {
@@ -861,13 +864,13 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(CMP_THREADS, 1) conepass_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
-        const float* f, const float* g, float* fp, float* bp, i64 m, i64 P, i64 U) {                       \
-        conepass_body<L, VK, CB, false>(rb, ro, codes, vals, scale, f, g, fp, bp, nullptr, 0.0, nullptr, m, P, U); \
+        const float* f, const float* g, const float* bg, float* fp, float* bp, i64 m, i64 P, i64 U) {                       \
+        conepass_body<L, VK, CB, false>(rb, ro, codes, vals, scale, f, g, bg, fp, bp, nullptr, 0.0, nullptr, m, P, U); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(CMP_THREADS, 1) conepass_det_##K##_##L(                 \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
-        const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) { \
-        conepass_body<L, VK, CB, true>(rb, ro, codes, vals, scale, f, g, fp, nullptr, acc, fscale, flag, m, P, U); \
+        const float* f, const float* g, const float* bg, float* fp, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) { \
+        conepass_body<L, VK, CB, true>(rb, ro, codes, vals, scale, f, g, bg, fp, nullptr, acc, fscale, flag, m, P, U); \
     }
 
 #define ALL_KINDS(L)                     \
@@ -886,13 +889,13 @@ ALL_KINDS(32)
 #define CSR_ONEPASS(L)                                                                                     \
     extern "C" __global__ void __launch_bounds__(CMP_THREADS, OP_MINB) onepass_csr_##L(                        \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
-        const float* f, const float* g, float* fp, float* bp, i64 m, i64 P, i64 U) {                       \
-        onepass_csr<L, false>(rp, (const int*)idx, (const float*)val, f, g, fp, bp, nullptr, 0.0, nullptr, m, P, U); \
+        const float* f, const float* g, const float* bg, float* fp, float* bp, i64 m, i64 P, i64 U) {                       \
+        onepass_csr<L, false>(rp, (const int*)idx, (const float*)val, f, g, bg, fp, bp, nullptr, 0.0, nullptr, m, P, U); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(CMP_THREADS, OP_MINB) onepass_det_csr_##L(                    \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
-        const float* f, const float* g, float* fp, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) { \
-        onepass_csr<L, true>(rp, (const int*)idx, (const float*)val, f, g, fp, nullptr, acc, fscale, flag, m, P, U); \
+        const float* f, const float* g, const float* bg, float* fp, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) { \
+        onepass_csr<L, true>(rp, (const int*)idx, (const float*)val, f, g, bg, fp, nullptr, acc, fscale, flag, m, P, U); \
     }
 CSR_ONEPASS(4)
 CSR_ONEPASS(8)
@@ -906,9 +909,9 @@ CSR_ONEPASS(32)
 #define CHUNKED_ONEPASS(NAME, CG, VK)                                                                      \
     extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) NAME(                                \
         const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local, \
-        const void* val, const float* rscale, const float* f, const float* g, float* fp, u64* acc,       \
+        const void* val, const float* rscale, const float* f, const float* g, const float* bg, float* fp, u64* acc,       \
         double fscale, int* flag, int window, int fwd_only) {                                             \
-        chunked_onepass_body<CG, VK>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, fp, acc, fscale, \
+        chunked_onepass_body<CG, VK>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, bg, fp, acc, fscale, \
                                      flag, window, fwd_only);                                             \
     }
 CHUNKED_ONEPASS(chunked_onepass, CHUNK_CACHE, VK_F32)

@@ -53,7 +53,11 @@
 //   0  y[r] = sum                                         (plain SpMV)
 //   1  y[r] = sum != 0 ? aux0[r] / sum : 0                (correlation c = g / fp, aux0 = g)
 //   2  y[r] = aux1[r] != 0 ? aux0[r] * sum / aux1[r]      (update f * bp / norm,
-//             : aux0[r] * sum                              aux0 = f, may alias y; aux1 = norm)
+//             : aux0[r] * sum                              aux0 = f, may alias y; aux1 = norm;
+//                                                          aux1[r] NaN: aux0[r], f kept)
+//   3  y[r] = d != 0 ? aux0[r] / d : 0, d = sum + aux1[r] (correlation with a background,
+//                                                          aux0 = g, aux1 = b / m)
+// (epilogue.cuh has them.)
 // The formulas are spelled exactly as in the separate elementwise kernels of
 // the backend, so fused and unfused iterations give bit-identical images.
 

@@ -1,0 +1,153 @@
+"""OSEM subsets and the background b' = b / m on the GPU backends (issue 39; needs a CUDA GPU, several for the
+multi-GPU cases).
+
+The yardstick is test_osem's dense NumPy float64 implementation of the numerical contract; the
+deterministic kernels must also give the same bits on 1 and 2 GPUs, with and without CUDA graphs, and
+an all-zero background must give today's bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlemlib import metrics
+from mlemlib.backends import make_backend
+from mlemlib.corrections import background
+from mlemlib.formats.h5 import write_matrix_h5
+from mlemlib.image import read_image
+from mlemlib.matrix import CSRMatrix
+from mlemlib.mlem import reconstruct
+from mlemlib.reorder import reorder_file
+from mlemlib.subsets import index_labels, order, update_norms
+from test_osem import KEPT, M, S, UNSEEN, _problem, dense_osem
+
+pytestmark = pytest.mark.gpu
+
+ITERS = 5
+#: (fp, bp) of every family of GPU kernels: the stored-transpose pair (fused, and with the correlation as its
+#: own elementwise kernel), the scatters, the one passes.
+KERNELS = [("csr_vector", "csr_vector"), ("cusparse", "cusparse"), ("auto", "notrans"), ("auto", "scatter"),
+           ("auto", "onepass"), ("auto", "onepass_fixed"), ("auto", "onepass_chunked"), ("auto", "auto")]
+DETERMINISTIC = ("onepass_fixed", "onepass_chunked")
+
+
+def _gpus() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    """test_osem's problem with its rows grouped by subset (i mod S), the subsets' update norms, b' and the
+    dense float64 images of OSEM (S subsets) and of MLEM with m and b (S = 1)."""
+    a, g, m, b = _problem()
+    labels = index_labels(M, S)
+    rows, bounds = order(labels, subsets=S)
+    ag = CSRMatrix.from_scipy(a.to_scipy()[rows])
+    gg, mg, bg_ = g[rows].astype(np.float32), m[rows], b[rows]
+    d = ag.to_scipy().astype(np.float64)
+    sk = np.stack([(d[bounds[k]:bounds[k + 1]].multiply(mg[bounds[k]:bounds[k + 1], None].astype(np.float64))).sum(axis=0).A1
+                   for k in range(S)])
+    return {
+        "a": ag, "g": gg, "bounds": bounds, "norms": update_norms(sk), "s": sk.sum(axis=0),
+        "bg": background(mg, bg_, M),
+        "osem": dense_osem(a, g, m, b, labels, S, ITERS),
+        "mlem": dense_osem(a, g, m, b, np.zeros(M, dtype=np.int64), 1, ITERS),
+    }
+
+
+def _image(be, iters=ITERS):
+    try:
+        f = be.initial_image()
+        for _ in range(iters):
+            f = be.iterate(f)
+        return be.to_host(f)
+    finally:
+        if hasattr(be, "close"):
+            be.close()
+
+
+@pytest.mark.parametrize("fp,bp", KERNELS)
+def test_osem_with_m_and_b_matches_the_dense_contract_on_1_and_2_gpus(grouped, fp, bp):
+    p = grouped
+    images = {}
+    for gpus in sorted({1, min(2, _gpus())}):
+        be = make_backend("cuda", p["a"], p["g"], p["norms"], None, fp=fp, bp=bp, gpus=gpus,
+                          subsets=p["bounds"], background=p["bg"])
+        assert be.describe()["subsets"] == S
+        images[gpus] = img = _image(be)
+        assert metrics.relative_l2(img, p["osem"]) < 1e-5, (fp, bp, gpus)
+        assert img[UNSEEN] == 0 and img[KEPT] > 0
+    if bp in DETERMINISTIC and len(images) == 2:
+        assert np.array_equal(images[1], images[2]), bp
+
+
+@pytest.mark.parametrize("fp,bp", KERNELS)
+def test_mlem_with_m_and_b_matches_the_dense_contract(grouped, fp, bp):
+    p = grouped
+    t = CSRMatrix.from_scipy(p["a"].to_scipy().T.tocsr())
+    for gpus, layout in [(1, "local"), (min(2, _gpus()), "local"), (min(2, _gpus()), "thesis")]:
+        if layout == "thesis" and bp not in ("csr_vector", "cusparse"):
+            continue
+        be = make_backend("cuda", p["a"], p["g"], p["s"], t, fp=fp, bp=bp, gpus=gpus, layout=layout,
+                          background=p["bg"])
+        assert metrics.relative_l2(_image(be), p["mlem"]) < 1e-5, (fp, bp, gpus, layout)
+
+
+@pytest.mark.parametrize("fp,bp", [("csr_vector", "csr_vector"), ("auto", "onepass_fixed"), ("auto", "onepass_chunked")])
+def test_an_all_zero_background_and_one_subset_give_todays_bits(grouped, fp, bp):
+    p = grouped
+    norm = p["a"].to_scipy().astype(np.float64).sum(axis=0).A1
+    t = CSRMatrix.from_scipy(p["a"].to_scipy().T.tocsr())
+    today = _image(make_backend("cuda", p["a"], p["g"], norm, t, fp=fp, bp=bp))
+    zero = _image(make_backend("cuda", p["a"], p["g"], norm[None, :], t, fp=fp, bp=bp,
+                               background=np.zeros(M, dtype=np.float32), subsets=np.array([0, M])))
+    assert np.array_equal(zero, today)
+
+
+def test_osem_graphs_give_the_eager_bits(grouped):
+    p = grouped
+    gpus = min(2, _gpus())
+    eager = _image(make_backend("cuda", p["a"], p["g"], p["norms"], None, bp="onepass_fixed", gpus=gpus,
+                                subsets=p["bounds"], background=p["bg"]))
+    graphed = _image(make_backend("cuda", p["a"], p["g"], p["norms"], None, bp="onepass_fixed", gpus=gpus,
+                                  subsets=p["bounds"], background=p["bg"], graph=True))
+    assert np.array_equal(eager, graphed)
+
+
+def test_osem_steps_and_pass_time_are_reported(grouped):
+    p = grouped
+    be = make_backend("cuda", p["a"], p["g"], p["norms"], None, bp="onepass_fixed", gpus=1, subsets=p["bounds"])
+    try:
+        f = be.iterate(be.initial_image())
+        times = be.last_step_times()
+        assert times["iteration"] > 0 and times["bp"] > 0 and times["iteration"] >= times["bp"]
+        assert be.to_host(f).shape == (p["a"].shape[1],)
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("fmt", ["csr", "compressed"])
+def test_reconstruct_runs_osem_with_factor_files_on_the_gpu(tmp_path, fmt):
+    a, g, m, b = _problem()
+    from mlemlib.formats import convert
+
+    write_matrix_h5(tmp_path / "a.h5", a)
+    src = tmp_path / "a.h5"
+    if fmt == "compressed":
+        convert(src, tmp_path / "c.h5", fmt="compressed")
+        src = tmp_path / "c.h5"
+    reorder_file(src, tmp_path / "r.h5", "none", subsets=S)
+    m.tofile(tmp_path / "m.f32")
+    b.tofile(tmp_path / "b.f32")
+    expected = dense_osem(a, g, m, b, index_labels(M, S), S, ITERS)
+    for gpus in sorted({1, min(2, _gpus())}):
+        out = tmp_path / f"img-{gpus}.h5"
+        reconstruct(tmp_path / "r.h5", g, out, iterations=ITERS, backend="cuda", gpus=gpus, subsets=S,
+                    multiplicative=tmp_path / "m.f32", additive=tmp_path / "b.f32", checkpoint_every=0)
+        assert metrics.relative_l2(read_image(out)[0], expected) < 1e-5, (fmt, gpus)
