@@ -187,7 +187,7 @@ class Backend(ABC):
             norm = norm.reshape(-1)
             if norm.size != n:
                 raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
-            self._norm64sum = float(norm.sum())
+            self._norm64sum = float(np.nansum(norm))  # an OSEM subset's update norm: NaN where it keeps f
         self._g64sum = float(np.sum(g, dtype=np.float64))
         if float32 and g.size and float(np.max(g)) > 2**24:
             log.warning("counts above 2^24 are not exact in float32 (max %g)", float(np.max(g)))
