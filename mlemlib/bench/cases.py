@@ -20,7 +20,13 @@ mapping, merged into every case, and a list ``cases``. Each case::
     warmup: 5                        # untimed iterations first
     iterations: 20                   # timed iterations per repeat
     repeats: 3                       # repeats (the figure is the median of their medians)
-    seed: 0                          # of the shuffled order
+    seed: 0                          # of the shuffled order and of synthetic factors
+    subsets: [1]                     # OSEM subset counts S; S > 1 times one full pass over the S subsets
+    factors: [none]                  # none | synthetic (multiplicative m and background b), or a list of both
+
+A case that lists ``subsets`` other than ``[1]`` or ``factors`` other than
+``[none]`` is timed once per S and factor setting (:meth:`Case.variants`),
+each row beside the same configuration's S = 1 and factor-free times.
 
 :func:`load_cases` checks every key and value; a fault is one
 :class:`~mlemlib.errors.ConfigError` naming the file, the case and the key.
@@ -43,6 +49,9 @@ ORDERS = ("own", "shuffled", "reordered", "shuffled-reordered")
 BACKENDS = ("cuda", "cpu")
 LAYOUTS = ("local", "thesis")
 VOXEL_ORDERS = ("raster", "hilbert")
+#: What a case models beyond MLEM's ``g / A f``: nothing, or synthetic factors ``m`` and background ``b``
+#: (:mod:`mlemlib.bench.factors`).
+FACTORS = ("none", "synthetic")
 #: The reference pair timed where a case asks for ``cusparse``.
 CUSPARSE = ("cusparse", "cusparse")
 
@@ -62,6 +71,8 @@ DEFAULTS: dict[str, Any] = {
     "iterations": 20,
     "repeats": 3,
     "seed": 0,
+    "subsets": [1],
+    "factors": ["none"],
 }
 CASE_KEYS = ("name", "matrix", *DEFAULTS)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -107,17 +118,31 @@ class Case:
     iterations: int = 20
     repeats: int = 3
     seed: int = 0
+    subsets: tuple[int, ...] = (1,)
+    factors: tuple[str, ...] = ("none",)
     source: str = field(default="", compare=False)
 
-    def pairs(self) -> list[tuple[str, str]]:
-        """The kernel pairs timed: the case's, then the cuSPARSE reference where asked (cuda only)."""
+    @property
+    def osem(self) -> bool:
+        """Whether the case times subsets or factors (its rows then carry S, the factors and their ratios)."""
+        return self.subsets != (1,) or self.factors != ("none",)
+
+    def variants(self) -> list[tuple[int, str]]:
+        """The (S, factors) settings timed, S = 1 and ``none`` first where listed (the ratios' references)."""
+        return [(s, f) for s in sorted(self.subsets) for f in sorted(self.factors, key=FACTORS.index)]
+
+    def pairs(self, subsets: int = 1, factors: str = "none") -> list[tuple[str, str]]:
+        """The kernel pairs timed: the case's, then the cuSPARSE reference where asked (cuda only; MLEM without
+        factors only)."""
         out = list(dict.fromkeys(self.kernels))
-        if self.cusparse and self.backend == "cuda" and CUSPARSE not in out:
+        if (self.cusparse and self.backend == "cuda" and CUSPARSE not in out and subsets == 1
+                and factors == "none"):
             out.append(CUSPARSE)
         return out
 
-    def matrix_settings(self) -> dict[str, Any]:
-        """What defines the prepared matrix (the cache key's content)."""
+    def matrix_settings(self, subsets: int = 1) -> dict[str, Any]:
+        """What defines the prepared matrix (the cache key's content); ``subsets`` S > 1: its rows grouped by
+        the S subsets."""
         spec = {k: v for k, v in asdict(self.matrix).items() if v is not None}
         if self.matrix.path is not None:
             p = Path(self.matrix.path)
@@ -129,11 +154,13 @@ class Case:
             out["voxel_order"] = self.voxel_order
         if "shuffled" in self.order:
             out["seed"] = self.seed
+        if subsets > 1:
+            out["subsets"] = subsets
         return out
 
-    def matrix_key(self) -> str:
+    def matrix_key(self, subsets: int = 1) -> str:
         """A short name + hash of :meth:`matrix_settings`: the prepared matrix's directory."""
-        return settings_key(self.matrix_settings())
+        return settings_key(self.matrix_settings(subsets))
 
 
 def settings_key(settings: dict[str, Any]) -> str:
@@ -165,6 +192,23 @@ def _choice(v: Any, src: str, where: str, choices: tuple[str, ...]) -> str:
     if v not in choices:
         raise _fault(src, where, f"expected one of {', '.join(choices)}, got {v!r}")
     return v
+
+
+def _int_list(v: Any, src: str, where: str, what: str) -> tuple[int, ...]:
+    """A list of integers >= 1 (one integer is a list of one), duplicates dropped, in the given order."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise _fault(src, where, f"expected a list of {what}, got {v!r}")
+    return tuple(dict.fromkeys(_int(x, src, where, 1) for x in v))
+
+
+def _factors(v: Any, src: str, where: str) -> tuple[str, ...]:
+    """``none``, ``synthetic`` or a non-empty list of them."""
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or any(x not in FACTORS for x in items):
+        raise _fault(src, where, f"expected {' or '.join(FACTORS)}, or a list of them, got {v!r}")
+    return tuple(dict.fromkeys(items))
 
 
 def parse_pair(item: Any, src: str, where: str) -> tuple[str, str]:
@@ -253,12 +297,7 @@ def parse_case(raw: Any, src: str, index: int, defaults: dict[str, Any], base: P
                 registry.check(key, name_, backend, fmt=fmt)
             except ConfigError as exc:
                 raise _fault(src, f"{where}: kernels[{i}]", exc.fault) from None
-    gpus = v["gpus"]
-    if isinstance(gpus, int) and not isinstance(gpus, bool):
-        gpus = [gpus]
-    if not isinstance(gpus, list) or not gpus:
-        raise _fault(src, f"{where}: gpus", f"expected a list of GPU counts, got {gpus!r}")
-    gpus = tuple(dict.fromkeys(_int(g, src, f"{where}: gpus", 1) for g in gpus))
+    gpus = _int_list(v["gpus"], src, f"{where}: gpus", "GPU counts")
     if backend == "cpu" and gpus != (1,):
         raise _fault(src, f"{where}: gpus", f"the cpu backend runs on the host: gpus must be [1], got {list(gpus)}")
     voxel_order = _choice(v["voxel_order"], src, f"{where}: voxel_order", VOXEL_ORDERS)
@@ -267,6 +306,11 @@ def parse_case(raw: Any, src: str, index: int, defaults: dict[str, Any], base: P
     description = v["description"]
     if not isinstance(description, str):
         raise _fault(src, f"{where}: description", f"expected text, got {description!r}")
+    layout = _choice(v["layout"], src, f"{where}: layout", LAYOUTS)
+    subsets = _int_list(v["subsets"], src, f"{where}: subsets", "subset counts S >= 1")
+    if max(subsets) > 1 and backend == "cuda" and layout != "local":
+        raise _fault(src, f"{where}: subsets", f"OSEM subsets run in the local layout, not {layout!r} (its "
+                                                 "correlation spans every row)")
     return Case(
         name=name,
         matrix=matrix,
@@ -279,12 +323,14 @@ def parse_case(raw: Any, src: str, index: int, defaults: dict[str, Any], base: P
         cusparse=_bool(v["cusparse"], src, f"{where}: cusparse"),
         gpus=gpus,
         backend=backend,
-        layout=_choice(v["layout"], src, f"{where}: layout", LAYOUTS),
+        layout=layout,
         graph=_bool(v["graph"], src, f"{where}: graph"),
         warmup=_int(v["warmup"], src, f"{where}: warmup", 0),
         iterations=_int(v["iterations"], src, f"{where}: iterations", 1),
         repeats=_int(v["repeats"], src, f"{where}: repeats", 1),
         seed=_int(v["seed"], src, f"{where}: seed", 0),
+        subsets=subsets,
+        factors=_factors(v["factors"], src, f"{where}: factors"),
         source=src,
     )
 

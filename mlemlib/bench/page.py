@@ -10,7 +10,10 @@ device family and GPU count (a peers file, ``perf/peers.yaml``). Published
 figures without a run of ours on their device are listed after the tables,
 and a results directory's ``checks.json`` (``perf/before_after.py``: one
 configuration with two versions of the library on one machine, times and
-image bits) as its own section.
+image bits) as its own section. The table of a case with OSEM subsets or
+factors (its rows have ``subsets``) also gives S, the factors, the pass over
+the same run's MLEM iteration, the time with factors over the time without
+and the all-reduce's share of the pass; other tables are as before.
 """
 
 from __future__ import annotations
@@ -104,29 +107,49 @@ def peer_for(peers: Sequence[dict[str, Any]], case: str, device: str, gpus: int)
     return None
 
 
+def _ratio(v: Any) -> str:
+    f = _num(v)
+    return "-" if f is None else f"{f:.2f}x"
+
+
+def _share(v: Any) -> str:
+    f = _num(v)
+    return "-" if f is None else f"{f:.1%}"
+
+
 def _table(rows: list[dict[str, Any]], peers: Sequence[dict[str, Any]], used: set[int]) -> list[str]:
-    lines = [
-        "| configuration | GPUs | ms per iteration | share of its floor | speed-up vs 1 GPU | cuSPARSE, same run (ms) "
-        "| thesis code (ms) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in sorted(rows, key=lambda r: (int(r.get("gpus") or 0), _order(r))):
+    osem = any("subsets" in r for r in rows)
+    head = ["configuration", *(["S", "m, b"] if osem else []), "GPUs",
+            "ms per iteration (S > 1: per pass)" if osem else "ms per iteration",
+            *(["pass / MLEM iteration", "with m, b / without", "all-reduce share"] if osem else []),
+            "share of its floor", "speed-up vs 1 GPU", "cuSPARSE, same run (ms)", "thesis code (ms)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(rows, key=lambda r: (_model(r), int(r.get("gpus") or 0), _order(r))):
         gpus = int(r.get("gpus") or 0)
         peer = peer_for(peers, r["case"], r.get("device", ""), gpus)
         if peer is not None:
             used.add(id(peer))
         peer_cell = "-" if peer is None else f"{peer['ms']:.3f}"
+        model = [str(_model(r)[0]), "synthetic" if r.get("factors") == "synthetic" else "-"] if osem else []
         if r.get("error"):
             err = str(r["error"]).replace("|", "/")
-            lines.append(f"| {configuration(r)} | {gpus} | not run: {err} | | | | {peer_cell} |")
+            blanks = [""] * (len(head) - len(model) - 4)
+            lines.append("| " + " | ".join([configuration(r), *model, str(gpus), f"not run: {err}", *blanks,
+                                            peer_cell]) + " |")
             continue
         frac = _num(r.get("of_floor"))
         sp = _num(r.get("speedup"))
-        lines.append(
-            f"| {configuration(r)} | {gpus} | {_ms(r.get('ms'))} | {'-' if frac is None else f'{frac:.1%}'} | "
-            f"{'-' if sp is None else f'{sp:.2f}x'} | {_ms(r.get('cusparse_ms'))} | {peer_cell} |"
-        )
+        ratios = [_ratio(r.get("pass_vs_mlem")), _ratio(r.get("factors_vs_none")),
+                  _share(r.get("allreduce_share"))] if osem else []
+        cells = [configuration(r), *model, str(gpus), _ms(r.get("ms")), *ratios, _share(frac),
+                 "-" if sp is None else f"{sp:.2f}x", _ms(r.get("cusparse_ms")), peer_cell]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _model(r: dict[str, Any]) -> tuple[int, int]:
+    """(S, 0 without factors / 1 with), for the order of a table's rows."""
+    return int(_num(r.get("subsets")) or 1), 0 if r.get("factors", "none") == "none" else 1
 
 
 def _order(r: dict[str, Any]) -> tuple:
@@ -189,6 +212,16 @@ def build_page(rows: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] =
         "program on the same matrix, device family and GPU count, where it was measured.",
         "",
     ]
+    if any("subsets" in r for r in rows):
+        out += [
+            "A case with OSEM subsets or factors has more columns. *S*: the subsets (one timed iteration of S > 1 is",
+            "one full pass over the S subsets, on the matrix with its rows grouped by subset). *m, b*: synthetic",
+            "multiplicative factors and background (`mlemlib/bench/factors.py`). *Pass / MLEM iteration*: the time",
+            "over the same run's S = 1 time of the same configuration. *With m, b / without*: the time over the same",
+            "configuration's without factors. *All-reduce share*: the median over the timed iterations of the",
+            "all-reduces' time (the backend's `last_step_times()`) over the iteration's.",
+            "",
+        ]
     if sources:
         out += ["Results: " + ", ".join(f"`{s}`" for s in sources) + ".", ""]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}

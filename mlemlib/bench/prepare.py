@@ -21,6 +21,15 @@ with the same settings shares them and a rerun reuses them):
   first runs on ``P`` GPUs;
 - ``norm.npy`` (column sums, as :func:`mlemlib.norm.source_column_sums` gives them) and
   ``g.npy`` (the noiseless measurement ``A x`` of a fixed positive image);
+- with OSEM subsets (``prepare(..., subsets=S)``, S > 1: a directory of its
+  own, keyed by the settings and S): ``matrix.h5``'s rows grouped by subset by
+  the reorder stage itself (:func:`mlemlib.reorder.reorder_file` with
+  ``subsets=S``: by projection angle where the matrix knows its scanner, else
+  row ``i`` in subset ``i mod S``, :func:`mlemlib.subsets.labels_for`; the
+  case's order kept inside each subset: ``rows+voxels`` for a reordered case,
+  ``none`` otherwise), ``subset_bounds.npy`` (int64[S+1]) and
+  ``subset_norms.npy`` (the subsets' sensitivities, float64 S x n,
+  :func:`mlemlib.norm.sensitivities`, a folded row weighted by its multiplicity);
 - ``prepared.json`` — the settings and the matrix's facts, written last: a
   directory without it is prepared again.
 
@@ -62,15 +71,22 @@ class Prepared:
     norm: Path
     g: Path
     facts: dict[str, Any] = field(default_factory=dict)
+    #: S, and with S > 1 the subsets' row bounds and sensitivities (``subset_bounds.npy``, ``subset_norms.npy``).
+    subsets: int = 1
+    bounds: Path | None = None
+    subset_norms: Path | None = None
 
     def load_problem(self) -> tuple[np.ndarray, np.ndarray]:
         """``(g, norm)`` of the prepared matrix."""
         return np.load(self.g), np.load(self.norm)
 
 
-def needs_transpose(case: Case) -> bool:
-    """Whether any pair of the case (the cuSPARSE reference included) reads a stored ``A^T``."""
-    return any(registry.uses_transpose(case.backend, bp) for _, bp in case.pairs())
+def needs_transpose(case: Case, subsets: int = 1) -> bool:
+    """Whether any pair of the case (the cuSPARSE reference included) reads a stored ``A^T``; with S > 1 subsets
+    on the GPUs none does (each subset's GPUs transpose their own rows)."""
+    if subsets > 1 and case.backend == "cuda":
+        return False
+    return any(registry.uses_transpose(case.backend, bp) for _, bp in case.pairs(subsets))
 
 
 def matrix_facts(path: str | os.PathLike) -> dict[str, Any]:
@@ -242,6 +258,20 @@ def _reorder(case: Case, st: _Steps) -> None:
     st.done("reorder", out, t0)
 
 
+def _group(case: Case, st: _Steps, subsets: int) -> tuple[np.ndarray, str]:
+    """The rows grouped by the ``subsets`` OSEM subsets by the reorder stage (the case's locality order inside
+    each for a reordered case, the rows' own order otherwise); returns the bounds and how the rows were assigned."""
+    from mlemlib.reorder import permutation_of, reorder_file
+
+    t0 = time.perf_counter()
+    out = st.path("grouped.h5")
+    mode = "rows+voxels" if "reordered" in case.order else "none"
+    reorder_file(st.current, out, mode, threads=st.threads, subsets=subsets)
+    perm = permutation_of(out)  # read here: a later format conversion keeps the matrix, not its permutation
+    st.done(f"reorder ({mode}, {subsets} subsets)", out, t0)
+    return np.asarray(perm.subsets, dtype=np.int64), perm.subset_method
+
+
 def _finish(case: Case, st: _Steps, matrix: Path) -> None:
     """The last stage: the case's format (converted where a stage gave another), renamed to ``matrix.h5``."""
     from mlemlib.formats import convert
@@ -256,7 +286,7 @@ def _finish(case: Case, st: _Steps, matrix: Path) -> None:
 
 
 def prepare(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int | None = None,
-            force: bool = False) -> Prepared:
+            force: bool = False, subsets: int = 1) -> Prepared:
     """The prepared files of ``case``'s matrix in ``work`` (made now unless a previous run left them).
 
     Parameters
@@ -269,12 +299,15 @@ def prepare(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int 
         CPU threads of the stages (None: all).
     force
         Prepare again even where a previous run's files are there.
+    subsets
+        OSEM subsets S: with S > 1 the matrix's rows are grouped by subset (a directory of its own) and the
+        subsets' sensitivities are computed.
     """
-    settings = case.matrix_settings()
-    directory = Path(work) / case.matrix_key()
+    settings = case.matrix_settings(subsets)
+    directory = Path(work) / case.matrix_key(subsets)
     record = directory / "prepared.json"
-    want_t = needs_transpose(case)
-    want_csr = case.cusparse and case.backend == "cuda" and case.format != "csr"
+    want_t = needs_transpose(case, subsets)
+    want_csr = case.cusparse and case.backend == "cuda" and case.format != "csr" and subsets == 1
     done = None
     if record.exists() and not force:
         try:
@@ -293,7 +326,9 @@ def prepare(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int 
         _source(case, st)
         if "shuffled" in case.order:
             _shuffle(case, st)
-        if "reordered" in case.order:
+        if subsets > 1:
+            bounds, method = _group(case, st, subsets)
+        elif "reordered" in case.order:
             _reorder(case, st)
         _finish(case, st, matrix)
         t0 = time.perf_counter()
@@ -301,7 +336,15 @@ def prepare(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int 
         np.save(directory / "g.npy", g)
         np.save(directory / "norm.npy", norm)
         st.done("norm and g", matrix, t0, intermediate=False)
-        done = {"settings": settings, "facts": matrix_facts(matrix), "seconds": st.seconds,
+        facts = matrix_facts(matrix)
+        if subsets > 1:
+            t0 = time.perf_counter()
+            np.save(directory / "subset_bounds.npy", bounds)
+            np.save(directory / "subset_norms.npy", subset_sensitivities(matrix, bounds))
+            st.done("sensitivities", matrix, t0, intermediate=False)
+            facts.update(subsets=subsets, subset_method=method,
+                         subset_rows=[int(np.diff(bounds).min()), int(np.diff(bounds).max())])
+        done = {"settings": settings, "facts": facts, "seconds": st.seconds,
                 "prepare_s": round(time.perf_counter() - t_all, 3)}
         record.write_text(json.dumps(done, indent=2, default=str) + "\n")
     facts = done["facts"]
@@ -324,10 +367,34 @@ def prepare(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int 
                 t0 = time.perf_counter()
                 convert(matrix, csr, fmt="csr")
                 log.info("prepare: CSR copy -> %s in %.1f s", csr, time.perf_counter() - t0)
-    elif case.cusparse and case.backend == "cuda":
+    elif case.cusparse and case.backend == "cuda" and subsets == 1:
         csr = matrix
+    grouped = subsets > 1
     return Prepared(directory, matrix, transpose if want_t else None, csr, directory / "norm.npy",
-                    directory / "g.npy", dict(facts))
+                    directory / "g.npy", dict(facts), subsets,
+                    directory / "subset_bounds.npy" if grouped else None,
+                    directory / "subset_norms.npy" if grouped else None)
+
+
+def subset_sensitivities(matrix: Any, bounds: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """``s^k_j`` (float64, S x n) of a matrix (a path or an opened matrix) whose subsets are the row ranges
+    ``bounds``: :func:`mlemlib.norm.sensitivities`, each row weighted by ``weights`` (one per stored row; None: 1)
+    times a folded row's multiplicity (:func:`mlemlib.fold.stored_row_weights`)."""
+    from mlemlib.fold import stored_row_weights
+    from mlemlib.formats import open_source
+    from mlemlib.norm import sensitivities
+
+    src = open_source(matrix)
+    try:
+        mult = stored_row_weights(src)
+        if weights is not None:
+            w = np.asarray(weights, dtype=np.float64)
+            mult = w if mult is None else w * mult
+        return sensitivities(src, bounds, mult, max_nnz=CHUNK_NNZ)
+    finally:
+        close = getattr(src, "close", None)
+        if close is not None and src is not matrix:
+            close()
 
 
 def partition(case: Case, prep: Prepared, parts: int, *, threads: int | None = None) -> Path:

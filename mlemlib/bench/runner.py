@@ -10,6 +10,18 @@ and their time at the copy bandwidth measured in the same run (its floor),
 the same run's 1-GPU time of the pair and cuSPARSE's time on the same matrix
 and GPU count, the device, date and command, and the matrix's facts.
 
+A case with OSEM subsets or factors (:attr:`~mlemlib.bench.cases.Case.osem`)
+is timed once per S and factor setting (:meth:`~mlemlib.bench.cases.Case.variants`):
+for S > 1 on a matrix prepared with its rows grouped by subset, the backend
+built with the subsets' bounds and update norms, one timed iteration being one
+full pass over the S subsets; with ``synthetic`` factors with the background
+``b' = b / m`` and m-weighted sensitivities (:mod:`mlemlib.bench.factors`).
+Its rows carry S (``subsets``), ``factors``, the same run's S = 1 time of the
+same configuration (``ms_mlem``, ``pass_vs_mlem``), its time without factors
+(``ms_no_factors``, ``factors_vs_none``), and the step times the backend
+reports (``steps_ms``; ``allreduce_ms`` and ``allreduce_share`` where it
+all-reduces). Other cases' rows have none of these keys.
+
 :func:`write_results` merges the rows into ``DIR/results.json`` and
 ``DIR/results.csv``: a row of the same case, pair, GPU count and device from
 an earlier run is replaced, the others are kept, so cases can be run one
@@ -33,6 +45,7 @@ from typing import Any
 
 from mlemlib import registry
 from mlemlib.bench.cases import CUSPARSE, Case
+from mlemlib.bench.factors import BenchProblem, bench_problem
 from mlemlib.bench.prepare import DEFAULT_WORK, Prepared, matrix_facts, partition, prepare
 from mlemlib.bench.timing import floor_bytes, host_copy_bandwidth, time_iterations
 from mlemlib.errors import ConfigError, DeviceError
@@ -48,8 +61,20 @@ FIELDS = (
     "copy_bandwidth", "ms_1gpu", "speedup", "cusparse_ms", "device", "device_kind", "date", "command",
     "commit", "error",
 )
-#: What identifies a row: a later run's row with the same values replaces it.
-ROW_KEY = ("case", "fp", "bp", "gpus", "device_kind")
+#: Columns of a case with subsets or factors (after :data:`FIELDS`, where a row has them).
+OSEM_FIELDS = (
+    "subsets", "factors", "ms_mlem", "pass_vs_mlem", "ms_no_factors", "factors_vs_none", "allreduce_ms",
+    "allreduce_share",
+)
+#: What identifies a row: a later run's row with the same values replaces it (S 1 and factors none where a row
+#: has no such keys).
+ROW_KEY = ("case", "fp", "bp", "gpus", "device_kind", "subsets", "factors")
+_KEY_DEFAULTS = {"subsets": 1, "factors": "none"}
+
+
+def row_key(r: dict[str, Any]) -> tuple:
+    """The row's :data:`ROW_KEY` values."""
+    return tuple(r.get(k, _KEY_DEFAULTS.get(k)) for k in ROW_KEY)
 
 
 def pair_label(fp: str, bp: str) -> str:
@@ -164,28 +189,38 @@ def _matrix_columns(case: Case, facts: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: Devices,
-             problem: tuple[Any, Any], transpose_bytes: int | None) -> dict[str, Any]:
-    """One row: build the backend of ``fp``/``bp`` on ``gpus`` devices, time its iterations, free it."""
+             problem: BenchProblem | tuple[Any, Any], transpose_bytes: int | None,
+             factors: str = "none") -> dict[str, Any]:
+    """One row: build the backend of ``fp``/``bp`` on ``gpus`` devices, time its iterations, free it.
+
+    ``problem`` is ``(g, norm)`` or a :class:`~mlemlib.bench.factors.BenchProblem` (with its background and
+    subsets); ``factors`` names it in the row of a case with subsets or factors.
+    """
     from mlemlib.backends import make_backend
     from mlemlib.formats import open_source
 
     row: dict[str, Any] = {"fp": fp, "bp": bp, "gpus": gpus, "layout": case.layout if gpus > 1 else None,
                            "warmup": case.warmup, "iterations": case.iterations, "repeats": case.repeats}
+    if case.osem:
+        row.update(subsets=prep.subsets, factors=factors)
     reference = (fp, bp) == CUSPARSE
     if reference and prep.csr is None:
         row["error"] = prep.facts.get("cusparse_refused", "no CSR copy of the matrix")
         return row
-    g, norm = problem
+    if not isinstance(problem, BenchProblem):
+        problem = BenchProblem(*problem)
+    g, norm = problem.g, problem.norm
     src = open_source(os.fspath(prep.csr if reference else prep.matrix), "matrix")
     tsrc = None
     be = None
     try:
         if registry.uses_transpose(case.backend, bp) and prep.transpose is not None:
             tsrc = open_source(os.fspath(prep.transpose), "transpose")
-        kw: dict[str, Any] = {"fp": fp, "bp": bp}
+        kw: dict[str, Any] = {"fp": fp, "bp": bp, **problem.backend_options()}
         if case.backend == "cuda":
             kw.update(gpus=gpus, layout=case.layout)
-            if gpus > 1 and not reference:  # the partition stage's plan (each GPU's A_k^T where it is needed)
+            # the partition stage's plan (each GPU's A_k^T where it is needed); OSEM balances each subset itself
+            if gpus > 1 and not reference and prep.subsets == 1:
                 kw["plan"] = os.fspath(partition(case, prep, gpus))
         graph = case.graph and case.backend == "cuda" and not reference
         t0 = time.perf_counter()
@@ -198,7 +233,8 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
             graph = False
             be = make_backend(case.backend, src, g, norm, tsrc, **kw)
         setup_s = time.perf_counter() - t0
-        timed = time_iterations(be, warmup=case.warmup, iterations=case.iterations, repeats=case.repeats)
+        timed = time_iterations(be, warmup=case.warmup, iterations=case.iterations, repeats=case.repeats,
+                                steps=case.osem)
         desc = be.describe()
         bw = devices.bandwidth(case.backend, gpus)
         nbytes = floor_bytes(desc, prep.facts, case.backend, getattr(be, "bp_kernel", None) or desc.get("bp"),
@@ -217,15 +253,16 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
             setup_s=round(setup_s, 3),
             describe=_jsonable(desc),
         )
-        log.info("%s %s, %d device(s): %.3f ms per iteration (%s + %s), %.1f%% of its floor %.3f ms", case.name,
-                 pair_label(fp, bp), gpus, timed["ms"], row["fp_kernel"], row["bp_kernel"],
+        log.info("%s %s%s, %d device(s): %.3f ms per iteration (%s + %s), %.1f%% of its floor %.3f ms", case.name,
+                 pair_label(fp, bp), _variant_label(row), gpus, timed["ms"], row["fp_kernel"], row["bp_kernel"],
                  100 * (row["of_floor"] or 0), floor_ms)
     except (ConfigError, DeviceError) as exc:
         row["error"] = str(exc)
-        log.warning("%s %s on %d device(s) not run: %s", case.name, pair_label(fp, bp), gpus, exc)
+        log.warning("%s %s%s on %d device(s) not run: %s", case.name, pair_label(fp, bp), _variant_label(row), gpus,
+                    exc)
     except Exception as exc:  # noqa: BLE001 - out of memory, a CUDA fault: the other pairs still run
         row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        log.exception("%s %s on %d device(s) failed", case.name, pair_label(fp, bp), gpus)
+        log.exception("%s %s%s on %d device(s) failed", case.name, pair_label(fp, bp), _variant_label(row), gpus)
     finally:
         del be
         _close(src)
@@ -236,28 +273,54 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
     return row
 
 
+def _variant_label(row: dict[str, Any]) -> str:
+    """`` (S = 16, synthetic factors)`` for a row of a case with subsets or factors, else ``""``."""
+    if "subsets" not in row:
+        return ""
+    return f" (S = {row['subsets']}" + (f", {row['factors']} factors)" if row.get("factors") != "none" else ")")
+
+
 def _jsonable(v: Any) -> Any:
     return json.loads(json.dumps(v, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
 def fill_relations(rows: list[dict[str, Any]]) -> None:
     """Per row: the same run's 1-GPU time of the pair (``ms_1gpu``, ``speedup``) and cuSPARSE's time on the same
-    case and GPU count (``cusparse_ms``); rows are related only within one case, device and date."""
+    case and GPU count (``cusparse_ms``); for a case with subsets or factors (its rows have ``subsets``) the S = 1
+    time of the same pair, GPU count and factors (``ms_mlem``, ``pass_vs_mlem``, for S > 1) and the time of the
+    same pair, GPU count and S without factors (``ms_no_factors``, ``factors_vs_none``, for synthetic factors).
+    Rows are related only within one case, device and date, and the first two within one S and factor setting."""
     def key(r: dict[str, Any]) -> tuple:
         return r["case"], r.get("device_kind"), r.get("date"), r.get("command")
+
+    def model(r: dict[str, Any]) -> tuple:
+        return r.get("subsets", 1), r.get("factors", "none")
+
+    def find(r: dict[str, Any], **want: Any) -> dict[str, Any] | None:
+        return next((o for o in rows if key(o) == key(r) and o.get("ms")
+                     and all(o.get(k, _KEY_DEFAULTS.get(k)) == v for k, v in want.items())), None)
 
     for r in rows:
         if r.get("ms") is None:
             continue
-        one = next((o for o in rows if key(o) == key(r) and o["fp"] == r["fp"] and o["bp"] == r["bp"]
-                    and o["gpus"] == 1 and o.get("ms")), None)
+        one = find(r, fp=r["fp"], bp=r["bp"], gpus=1, subsets=model(r)[0], factors=model(r)[1])
         if one is not None and r["gpus"] > 1:
             r["ms_1gpu"] = one["ms"]
             r["speedup"] = one["ms"] / r["ms"]
-        ref = next((o for o in rows if key(o) == key(r) and (o["fp"], o["bp"]) == CUSPARSE
-                    and o["gpus"] == r["gpus"] and o.get("ms")), None)
+        ref = find(r, fp=CUSPARSE[0], bp=CUSPARSE[1], gpus=r["gpus"], subsets=model(r)[0], factors=model(r)[1])
         if ref is not None:
             r["cusparse_ms"] = ref["ms"]
+        if "subsets" not in r:
+            continue
+        same = {"fp": r["fp"], "bp": r["bp"], "gpus": r["gpus"]}
+        mlem = find(r, **same, subsets=1, factors=r["factors"]) if r["subsets"] > 1 else None
+        if mlem is not None:
+            r["ms_mlem"] = mlem["ms"]
+            r["pass_vs_mlem"] = r["ms"] / mlem["ms"]
+        plain = find(r, **same, subsets=r["subsets"], factors="none") if r["factors"] != "none" else None
+        if plain is not None:
+            r["ms_no_factors"] = plain["ms"]
+            r["factors_vs_none"] = r["ms"] / plain["ms"]
 
 
 def run_case(case: Case, devices: Devices, *, work: str | os.PathLike = DEFAULT_WORK, gpus: Sequence[int] | None = None,
@@ -275,23 +338,39 @@ def run_case(case: Case, devices: Devices, *, work: str | os.PathLike = DEFAULT_
         if skipped:
             log.warning("%s: %d GPU(s) visible, GPU counts %s skipped", case.name, have, skipped)
         counts = [k for k in counts if k <= have]
-    t0 = time.perf_counter()
-    prep = prepare(case, work, threads=threads)
-    log.info("%s: matrix ready in %.1f s: %s", case.name, time.perf_counter() - t0, prep.matrix)
-    problem = prep.load_problem()
-    transpose_bytes = matrix_facts(prep.transpose)["bytes"] if prep.transpose is not None else None
-    base = _matrix_columns(case, prep.facts)
     date = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     rows = []
-    for k in counts:
-        for fp, bp in case.pairs():
-            row = {**base, "backend": case.backend, **run_pair(case, prep, fp, bp, k, devices, problem,
-                                                                transpose_bytes)}
-            row.update(device=devices.name(case.backend), device_kind=devices.kind(case.backend), date=date,
-                       command=command, commit=commit)
-            rows.append(row)
+    for subsets in sorted(case.subsets):
+        t0 = time.perf_counter()
+        prep = prepare(case, work, threads=threads, subsets=subsets)
+        log.info("%s: matrix%s ready in %.1f s: %s", case.name, f" of {subsets} subsets" if subsets > 1 else "",
+                 time.perf_counter() - t0, prep.matrix)
+        transpose_bytes = matrix_facts(prep.transpose)["bytes"] if prep.transpose is not None else None
+        base = _matrix_columns(case, prep.facts)
+        for factors in [f for s_, f in case.variants() if s_ == subsets]:
+            problem = bench_problem(prep, factors, case.seed)
+            for k in counts:
+                for fp, bp in case.pairs(subsets, factors):
+                    row = {**base, "backend": case.backend,
+                           **run_pair(case, prep, fp, bp, k, devices, problem, transpose_bytes, factors)}
+                    row.update(device=devices.name(case.backend), device_kind=devices.kind(case.backend), date=date,
+                               command=command, commit=commit)
+                    rows.append(row)
+            del problem
     fill_relations(rows)
     return rows
+
+
+def prepare_case(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int | None = None) -> list[Prepared]:
+    """Everything ``case`` needs before it is timed: its matrix for each S (:func:`~mlemlib.bench.prepare.prepare`)
+    and the synthetic factors where it lists them (:func:`~mlemlib.bench.factors.bench_problem`)."""
+    out = []
+    for subsets in sorted(case.subsets):
+        prep = prepare(case, work, threads=threads, subsets=subsets)
+        if "synthetic" in case.factors:
+            bench_problem(prep, "synthetic", case.seed)
+        out.append(prep)
+    return out
 
 
 def run_cases(cases: Sequence[Case], out: str | os.PathLike, *, work: str | os.PathLike = DEFAULT_WORK,
@@ -330,17 +409,18 @@ def read_results(directory: str | os.PathLike) -> dict[str, Any]:
 
 def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``old`` with every row of the same :data:`ROW_KEY` as a row of ``new`` replaced, then ``new``'s others."""
-    keys = {tuple(r.get(k) for k in ROW_KEY) for r in new}
-    return [r for r in old if tuple(r.get(k) for k in ROW_KEY) not in keys] + list(new)
+    keys = {row_key(r) for r in new}
+    return [r for r in old if row_key(r) not in keys] + list(new)
 
 
 def format_csv(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as CSV (:data:`FIELDS`; floats as Python writes them)."""
+    """The rows as CSV (:data:`FIELDS`, then :data:`OSEM_FIELDS` where a row has S; floats as Python writes them)."""
+    fields = FIELDS + (OSEM_FIELDS if any("subsets" in r for r in rows) else ())
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=FIELDS, extrasaction="ignore", lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: r.get(k) for k in FIELDS})
+        w.writerow({k: r.get(k) for k in fields})
     return buf.getvalue()
 
 

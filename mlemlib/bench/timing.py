@@ -18,8 +18,10 @@ import numpy as np
 from mlemlib import registry
 
 
-def time_iterations(be: Any, *, warmup: int, iterations: int, repeats: int) -> dict[str, Any]:
+def time_iterations(be: Any, *, warmup: int, iterations: int, repeats: int, steps: bool = False) -> dict[str, Any]:
     """Time ``repeats`` runs of ``iterations`` MLEM iterations of backend ``be`` after ``warmup`` untimed ones.
+
+    An OSEM backend's iteration is one full pass over its subsets.
 
     Returns
     -------
@@ -27,28 +29,41 @@ def time_iterations(be: Any, *, warmup: int, iterations: int, repeats: int) -> d
         ``ms`` (median over the repeats of each repeat's median iteration),
         ``ms_min`` / ``ms_max`` (the fastest and slowest repeat's median),
         ``ms_repeats`` (each repeat's median), ``finite`` (the last image has
-        no NaN or infinity).
+        no NaN or infinity); with ``steps`` also ``steps_ms`` (each step the
+        backend reports, :meth:`last_step_times`, its median over the timed
+        iterations in ms) and, where it reports an ``allreduce``,
+        ``allreduce_ms`` and ``allreduce_share`` (the median of each
+        iteration's all-reduce time over its iteration time).
     """
     from mlemlib.backends.base import timed_iterations
 
     f = be.initial_image()
     total = warmup + iterations * repeats
-    times: dict[int, float] = {}
+    times: dict[int, dict[str, float]] = {}
     for _, f, ready in timed_iterations(be, f, 1, total):
         for k, step_times in ready:
-            times[k] = float(step_times["iteration"])
+            times[k] = {name: float(v) for name, v in step_times.items()}
     medians = []
     for r in range(repeats):
         first = warmup + r * iterations + 1
-        medians.append(float(np.median([times[k] for k in range(first, first + iterations)])) * 1e3)
+        medians.append(float(np.median([times[k]["iteration"] for k in range(first, first + iterations)])) * 1e3)
     img = np.asarray(be.to_host(f))
-    return {
+    out: dict[str, Any] = {
         "ms": float(np.median(medians)),
         "ms_min": min(medians),
         "ms_max": max(medians),
         "ms_repeats": [round(v, 6) for v in medians],
         "finite": bool(np.isfinite(img).all()),
     }
+    if steps:
+        timed = [times[k] for k in range(warmup + 1, total + 1)]
+        names = sorted({name for t in timed for name in t})
+        out["steps_ms"] = {name: float(np.median([t.get(name, 0.0) for t in timed])) * 1e3 for name in names}
+        if "allreduce" in names:
+            out["allreduce_ms"] = out["steps_ms"]["allreduce"]
+            shares = [t.get("allreduce", 0.0) / t["iteration"] for t in timed if t["iteration"] > 0]
+            out["allreduce_share"] = float(np.median(shares)) if shares else None
+    return out
 
 
 def time_calls(fn: Callable[[], Any], *, repeat: int, warmup: int = 3, gpu: bool = True) -> np.ndarray:

@@ -57,7 +57,8 @@ def register(sub) -> None:
                    help="the device's name in the tables (default: '<GPUs visible> x <GPU name>')")
     r.set_defaults(func=run_cases)
 
-    pr = add_parser(bsub, "prepare", "Prepare (and cache) the matrices of the cases without timing anything.")
+    pr = add_parser(bsub, "prepare", "Prepare (and cache) the matrices of the cases (one per subset count S, and "
+                    "their synthetic factors) without timing anything.")
     _add_case_options(pr)
     pr.set_defaults(func=prepare_cases)
 
@@ -116,12 +117,14 @@ def run_cases(args: argparse.Namespace) -> int:
 
 
 def prepare_cases(args: argparse.Namespace) -> int:
-    """``mlem bench prepare``: prepare each case's matrix; print the directories."""
-    from mlemlib.bench.prepare import DEFAULT_WORK, prepare
+    """``mlem bench prepare``: prepare each case's matrix (one per subset count S, with its synthetic factors where
+    the case lists them); print the directories."""
+    from mlemlib.bench.prepare import DEFAULT_WORK
+    from mlemlib.bench.runner import prepare_case
 
     for case in _cases(args):
-        prep = prepare(case, args.work or DEFAULT_WORK, threads=args.threads)
-        print(f"{case.name}: {prep.directory}")
+        for prep in prepare_case(case, args.work or DEFAULT_WORK, threads=args.threads):
+            print(f"{case.name}: {prep.directory}" + (f" (S = {prep.subsets})" if prep.subsets > 1 else ""))
     return 0
 
 
