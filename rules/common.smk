@@ -102,7 +102,11 @@ def validate_config():
             check_run(entry, where=f"runs[{index}]", formats=get_matrix_formats())
         except ConfigError as exc:
             stop(f"config {exc}")
-        if entry["backend"] == "cpu" and entry["bp"] == "onepass_chunked" and is_background():
+        if (
+            entry["backend"] == "cpu"
+            and entry["bp"] == "onepass_chunked"
+            and is_background()
+        ):
             stop(
                 f"config runs[{index}].bp: onepass_chunked on the cpu takes no additive "
                 "background (b); use onepass or numba"
