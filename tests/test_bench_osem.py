@@ -240,3 +240,39 @@ def test_an_osem_case_on_the_gpu_times_passes_with_their_step_times(tmp_path):
             assert r["pass_vs_mlem"] > 0 and r["describe"]["subsets"] == 4
         if r["gpus"] > 1:
             assert 0 <= r["allreduce_share"] < 1
+
+
+def test_step_times_and_the_allreduce_share_come_from_kernel_by_kernel_iterations_under_graphs():
+    from mlemlib.bench.timing import time_iterations
+
+    class Fake:
+        """A backend whose graph replay reports only the iteration, and 1 ms of its 4 ms all-reduce eagerly."""
+
+        def __init__(self):
+            self.graph = True
+
+        def initial_image(self):
+            return np.ones(3, dtype=np.float32)
+
+        def iterate(self, f):
+            return f
+
+        def last_step_times(self):
+            if self.graph:
+                return {"iteration": 0.003}
+            return {"bp": 0.002, "allreduce": 0.001, "update": 0.001, "iteration": 0.004}
+
+        def to_host(self, f):
+            return f
+
+        def use_graph(self, on):
+            self.graph = on
+
+    be = Fake()
+    timed = time_iterations(be, warmup=1, iterations=2, repeats=2, steps=True)
+    assert timed["ms"] == pytest.approx(3.0) and "allreduce_share" not in timed
+    case = Case(name="o", matrix=MatrixSpec(tor=TOR), subsets=(1, 4), iterations=2)
+    eager = runner._eager_steps(case, be)
+    assert eager["allreduce_share"] == pytest.approx(0.25) and eager["allreduce_ms"] == pytest.approx(1.0)
+    assert eager["steps_iteration_ms"] == pytest.approx(4.0) and eager["steps_from"] == "kernel by kernel"
+    assert set(eager["steps_ms"]) == {"bp", "allreduce", "update", "iteration"}

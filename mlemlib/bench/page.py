@@ -219,7 +219,8 @@ def build_page(rows: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] =
             "multiplicative factors and background (`mlemlib/bench/factors.py`). *Pass / MLEM iteration*: the time",
             "over the same run's S = 1 time of the same configuration. *With m, b / without*: the time over the same",
             "configuration's without factors. *All-reduce share*: the median over the timed iterations of the",
-            "all-reduces' time (the backend's `last_step_times()`) over the iteration's.",
+            "all-reduces' time (the backend's `last_step_times()`) over the iteration's; where the iterations replay",
+            "CUDA graphs, which hide the steps, of as many more iterations of the same backend launched kernel by kernel.",
             "",
         ]
     if sources:

@@ -20,7 +20,9 @@ Its rows carry S (``subsets``), ``factors``, the same run's S = 1 time of the
 same configuration (``ms_mlem``, ``pass_vs_mlem``), its time without factors
 (``ms_no_factors``, ``factors_vs_none``), and the step times the backend
 reports (``steps_ms``; ``allreduce_ms`` and ``allreduce_share`` where it
-all-reduces). Other cases' rows have none of these keys.
+all-reduces; where the iterations replay CUDA graphs, which hide the steps,
+from as many more iterations of the same backend launched kernel by kernel:
+``steps_from``, ``steps_iteration_ms``). Other cases' rows have none of these keys.
 
 :func:`write_results` merges the rows into ``DIR/results.json`` and
 ``DIR/results.csv``: a row of the same case, pair, GPU count and device from
@@ -236,6 +238,8 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
         timed = time_iterations(be, warmup=case.warmup, iterations=case.iterations, repeats=case.repeats,
                                 steps=case.osem)
         desc = be.describe()
+        if case.osem and desc.get("graph", graph) and hasattr(be, "use_graph"):
+            timed.update(_eager_steps(case, be))
         bw = devices.bandwidth(case.backend, gpus)
         nbytes = floor_bytes(desc, prep.facts, case.backend, getattr(be, "bp_kernel", None) or desc.get("bp"),
                              transpose_bytes)
@@ -271,6 +275,18 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
         if case.backend == "cuda":
             _free_pools(range(gpus))
     return row
+
+
+def _eager_steps(case: Case, be: Any) -> dict[str, Any]:
+    """The step times of iterations launched kernel by kernel (a replayed CUDA graph reports only the whole
+    iteration): ``steps_ms``, the all-reduce's time and share of such an iteration, its time (``steps_iteration_ms``)."""
+    be.use_graph(False)
+    eager = time_iterations(be, warmup=1, iterations=case.iterations, repeats=1, steps=True)
+    out = {"steps_ms": eager["steps_ms"], "steps_from": "kernel by kernel", "steps_iteration_ms": eager["ms"]}
+    for key in ("allreduce_ms", "allreduce_share"):
+        if key in eager:
+            out[key] = eager[key]
+    return out
 
 
 def _variant_label(row: dict[str, Any]) -> str:
