@@ -191,13 +191,10 @@ def _matrix_columns(case: Case, facts: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: Devices,
-             problem: BenchProblem | tuple[Any, Any], transpose_bytes: int | None,
-             factors: str = "none") -> dict[str, Any]:
-    """One row: build the backend of ``fp``/``bp`` on ``gpus`` devices, time its iterations, free it.
-
-    ``problem`` is ``(g, norm)`` or a :class:`~mlemlib.bench.factors.BenchProblem` (with its background and
-    subsets); ``factors`` names it in the row of a case with subsets or factors.
-    """
+             problem: BenchProblem, transpose_bytes: int | None, factors: str = "none") -> dict[str, Any]:
+    """One row: build the backend of ``fp``/``bp`` on ``gpus`` devices for ``problem`` (``g``, the norm, and the
+    background and subsets where it has them), time its iterations, free it; ``factors`` names the problem in
+    the row of a case with subsets or factors."""
     from mlemlib.backends import make_backend
     from mlemlib.formats import open_source
 
@@ -209,8 +206,6 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
     if reference and prep.csr is None:
         row["error"] = prep.facts.get("cusparse_refused", "no CSR copy of the matrix")
         return row
-    if not isinstance(problem, BenchProblem):
-        problem = BenchProblem(*problem)
     g, norm = problem.g, problem.norm
     src = open_source(os.fspath(prep.csr if reference else prep.matrix), "matrix")
     tsrc = None
@@ -309,9 +304,6 @@ def fill_relations(rows: list[dict[str, Any]]) -> None:
     def key(r: dict[str, Any]) -> tuple:
         return r["case"], r.get("device_kind"), r.get("date"), r.get("command")
 
-    def model(r: dict[str, Any]) -> tuple:
-        return r.get("subsets", 1), r.get("factors", "none")
-
     def find(r: dict[str, Any], **want: Any) -> dict[str, Any] | None:
         return next((o for o in rows if key(o) == key(r) and o.get("ms")
                      and all(o.get(k, _KEY_DEFAULTS.get(k)) == v for k, v in want.items())), None)
@@ -319,21 +311,22 @@ def fill_relations(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if r.get("ms") is None:
             continue
-        one = find(r, fp=r["fp"], bp=r["bp"], gpus=1, subsets=model(r)[0], factors=model(r)[1])
+        s, f = r.get("subsets", 1), r.get("factors", "none")
+        one = find(r, fp=r["fp"], bp=r["bp"], gpus=1, subsets=s, factors=f)
         if one is not None and r["gpus"] > 1:
             r["ms_1gpu"] = one["ms"]
             r["speedup"] = one["ms"] / r["ms"]
-        ref = find(r, fp=CUSPARSE[0], bp=CUSPARSE[1], gpus=r["gpus"], subsets=model(r)[0], factors=model(r)[1])
+        ref = find(r, fp=CUSPARSE[0], bp=CUSPARSE[1], gpus=r["gpus"], subsets=s, factors=f)
         if ref is not None:
             r["cusparse_ms"] = ref["ms"]
         if "subsets" not in r:
             continue
         same = {"fp": r["fp"], "bp": r["bp"], "gpus": r["gpus"]}
-        mlem = find(r, **same, subsets=1, factors=r["factors"]) if r["subsets"] > 1 else None
+        mlem = find(r, **same, subsets=1, factors=f) if s > 1 else None
         if mlem is not None:
             r["ms_mlem"] = mlem["ms"]
             r["pass_vs_mlem"] = r["ms"] / mlem["ms"]
-        plain = find(r, **same, subsets=r["subsets"], factors="none") if r["factors"] != "none" else None
+        plain = find(r, **same, subsets=s, factors="none") if f != "none" else None
         if plain is not None:
             r["ms_no_factors"] = plain["ms"]
             r["factors_vs_none"] = r["ms"] / plain["ms"]
