@@ -5,11 +5,15 @@ Modules, one concern each:
 - :mod:`~mlemlib.bench.cases` — the cases file (``perf/cases.yaml``): named
   workloads (matrix, LOR order, format, kernel pairs, GPU counts), checked;
 - :mod:`~mlemlib.bench.prepare` — a case's matrix made once through the
-  library's stages (generate, convert, fold, reorder, transpose) and cached;
+  library's stages (generate, convert, fold, reorder, transpose) and cached,
+  with its rows grouped by OSEM subset and the subsets' sensitivities for S > 1;
+- :mod:`~mlemlib.bench.factors` — the problem a row runs: ``g``, the norm,
+  and with synthetic factors ``m`` and background ``b`` (cached);
 - :mod:`~mlemlib.bench.timing` — iterations timed as the backends report
   them, single calls with CUDA events, the floor of an iteration;
-- :mod:`~mlemlib.bench.runner` — every case x kernel pair x GPU count through
-  :func:`mlemlib.backends.make_backend`, into ``results.csv`` / ``results.json``;
+- :mod:`~mlemlib.bench.runner` — every case x kernel pair x GPU count (x S x
+  factors) through :func:`mlemlib.backends.make_backend`, into ``results.csv`` /
+  ``results.json``;
 - :mod:`~mlemlib.bench.page` — ``docs/performance.md`` from results;
 - :mod:`~mlemlib.bench.spmv` — the workflow's per-kernel benchmark;
 - :mod:`~mlemlib.bench.synthetic` — the synthetic tube-of-response matrix.

@@ -25,8 +25,8 @@ from as many more iterations of the same backend launched kernel by kernel:
 ``steps_from``, ``steps_iteration_ms``). Other cases' rows have none of these keys.
 
 :func:`write_results` merges the rows into ``DIR/results.json`` and
-``DIR/results.csv``: a row of the same case, pair, GPU count and device from
-an earlier run is replaced, the others are kept, so cases can be run one
+``DIR/results.csv``: a row of the same case, pair, GPU count, device, S and
+factors from an earlier run is replaced, the others are kept, so cases can be run one
 command at a time into one directory.
 """
 

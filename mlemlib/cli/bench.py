@@ -47,8 +47,9 @@ def register(sub) -> None:
     p = add_parser(sub, "bench", "Benchmarks: named cases through the public API, and the page of their results.")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
 
-    r = add_parser(bsub, "run", "Run the cases of a cases file (every kernel pair on every GPU count) and merge "
-                   "one row per case, pair and GPU count into DIR/results.csv and DIR/results.json.")
+    r = add_parser(bsub, "run", "Run the cases of a cases file (every kernel pair on every GPU count, and every "
+                   "subset count and factor setting a case lists) and merge one row per case, pair, GPU count, S and "
+                   "factors into DIR/results.csv and DIR/results.json.")
     _add_case_options(r)
     r.add_argument("-g", "--gpus", type=_int_list, default=None, metavar="N[,N...]",
                    help="run only these GPU counts of each case (default: every count the case lists)")
