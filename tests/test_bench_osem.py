@@ -119,6 +119,23 @@ def test_the_grouped_matrix_is_the_reorder_stages_with_the_norm_stages_sensitivi
     assert bench_problem(plain).backend_options() == {}
 
 
+def test_a_reordered_case_keeps_its_locality_order_inside_each_subset(tmp_path):
+    from mlemlib.formats import open_matrix
+    from mlemlib.reorder import permutation_of
+
+    case = Case(name="r", matrix=MatrixSpec(tor=(8, 8, 2, 6, 8)), order="reordered", backend="cpu")
+    plain, grouped = prepare(case, tmp_path), prepare(case, tmp_path, subsets=4)
+    p1, p4 = permutation_of(plain.matrix), permutation_of(grouped.matrix)
+    np.testing.assert_array_equal(p4.voxels, p1.voxels)
+    rows1 = np.asarray(p1.rows)
+    order = np.concatenate([rows1[rows1 % 4 == k] for k in range(4)])  # the source's row i is in subset i mod 4
+    np.testing.assert_array_equal(p4.rows, order)
+    m = int(plain.facts["shape"][0])
+    a, b = open_matrix(plain.matrix).read_rows(0, m).to_scipy(), open_matrix(grouped.matrix).read_rows(0, m).to_scipy()
+    where = np.argsort(rows1)[order]  # each grouped row's place in the S = 1 matrix
+    assert (b != a[where]).nnz == 0
+
+
 def test_synthetic_factors_weight_the_sensitivities_and_are_cached(tmp_path, monkeypatch):
     from mlemlib.corrections import background
     from mlemlib.formats import open_matrix
