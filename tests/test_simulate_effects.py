@@ -120,6 +120,19 @@ def test_crystal_efficiency_product_per_lor(tiny, tmp_path):
     np.testing.assert_array_equal(m.reshape(nc, nc), m.reshape(nc, nc).T)
 
 
+def test_a_csr4_scanner_block_gives_the_same_crystal_pairs(tiny, tmp_path):
+    from mlemlib.scanner import generate
+
+    path, _ = tiny
+    generate(TINY_SCANNER, tmp_path / "tiny.csr4")
+    effects = ScannerEffects(attenuation=True, normalisation_spread=0.1)
+    for name, matrix in (("h5", path), ("csr4", tmp_path / "tiny.csr4")):
+        r = simulate(matrix, "nema", tmp_path / f"{name}.LMsino", noiseless=True, effects=effects,
+                     out_multiplicative=tmp_path / f"{name}.m")
+        assert r["effects"]["normalisation"] == "crystal pairs"
+    np.testing.assert_array_equal(_factors(tmp_path / "csr4.m"), _factors(tmp_path / "h5.m"))
+
+
 def test_crystal_efficiencies_have_mean_one_and_the_spread():
     eps = crystal_efficiencies(200_000, 0.1, 3)
     assert eps.mean() == pytest.approx(1.0, abs=2e-3) and eps.std() == pytest.approx(0.1, rel=0.02)
