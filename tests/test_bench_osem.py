@@ -35,7 +35,7 @@ def test_the_osem_cases_of_the_repository():
     cases = {c.name: c for c in load_cases(CASES)}
     osem = cases["madpet2-osem"]
     assert (osem.matrix.preset, osem.fold, osem.order, osem.format) == ("madpet2", True, "reordered", "compressed")
-    assert osem.kernels == (("auto", "auto"), ("auto", "onepass_fixed")) and osem.graph and osem.gpus == (1, 2, 4)
+    assert osem.kernels == (("auto", "auto"),) and osem.graph and osem.gpus == (1, 2, 4)
     assert osem.subsets == (1, 16) and osem.factors == ("none", "synthetic") and osem.osem
     assert osem.variants() == [(1, "none"), (1, "synthetic"), (16, "none"), (16, "synthetic")]
     assert osem.pairs(16, "none") == osem.pairs(1, "synthetic") == list(osem.kernels)
