@@ -454,11 +454,16 @@ def test_workflow_runs_osem_and_names_the_model_in_the_paths(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = sorted(p.name for p in (tmp_path / "results/mine/runs/scan").iterdir())
     assert len(runs) == 2 and all("-osem2_m" in r and "_b" in r for r in runs), runs
-    # other factors: other directories, the first run's outputs stay
+    # other factors: other directories (the first run's outputs stay), the matrix's stages kept
     other = copy.deepcopy(config)
     other["matrices"]["mine"]["measurements"]["scan"]["multiplicative"] = "data/m2.f32"
     np.full(40, 0.5, "<f4").tofile(tmp_path / "data/m2.f32")
-    assert dry_run(tmp_path, other)["run_mlem"] == 1
+    assert dry_run(tmp_path, other) == {"compute_measurement_norm": 1, "reference_mlem": 1, "run_mlem": 1,
+                                        "summarize": 1}
+    # other subsets: the reorder stage groups the rows again
+    other = copy.deepcopy(config)
+    other["mlem"]["subsets"] = 3
+    assert dry_run(tmp_path, other)["reorder_matrix"] == 1
 
 
 @pytest.mark.parametrize("role", ["multiplicative", "additive"])
