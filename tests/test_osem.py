@@ -488,3 +488,32 @@ def test_a_cpu_chunked_run_with_a_background_stops_the_dry_run(tmp_path):
     config["runs"] = [{"backend": "cpu", "bp": "onepass_chunked"}]
     assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
         "config runs[0].bp: onepass_chunked on the cpu takes no additive background (b); use onepass or numba")
+
+
+def test_a_folded_matrix_takes_factors_its_lors_share_and_refuses_others(problem, tmp_path):
+    from mlemlib.fold import fold_file, fold_of
+
+    a, g, m, b = problem
+    d = a.to_scipy().tolil()
+    for i in range(0, M, 10):  # LOR i + 1 repeats LOR i: folded into one stored row
+        d[i + 1] = d[i]
+    a2 = CSRMatrix.from_scipy(d.tocsr())
+    m2, b2 = m.copy(), b.copy()
+    m2[1::10], b2[1::10] = m2[0::10], b2[0::10]
+    write_matrix_h5(tmp_path / "a.h5", a2)
+    fold_file(tmp_path / "a.h5", tmp_path / "f.h5")
+    reorder_file(tmp_path / "f.h5", tmp_path / "r.h5", "none", subsets=2)
+    m2.tofile(tmp_path / "m.f32")
+    b2.tofile(tmp_path / "b.f32")
+    reconstruct(tmp_path / "r.h5", g, tmp_path / "img.h5", iterations=4, backend="cpu", subsets=2,
+                multiplicative=tmp_path / "m.f32", additive=tmp_path / "b.f32", checkpoint_every=0)
+    row_map = fold_of(tmp_path / "r.h5").row_map
+    labels = np.where(row_map >= 0, row_map % 2, 0)  # i mod S over the stored rows, taken to their LORs
+    expected = dense_osem(a2, g, m2, b2, labels, 2, 4)
+    assert metrics.relative_l2(read_image(tmp_path / "img.h5")[0], expected) < 1e-5
+    m2[1] = m2[0] + 0.25
+    m2.tofile(tmp_path / "m.f32")
+    with pytest.raises(ConfigError, match=r"m\.f32: LOR [01] has multiplicative factor .* another LOR of its "
+                                          r"stored row \(the matrix is folded\)"):
+        reconstruct(tmp_path / "r.h5", g, tmp_path / "img2.h5", iterations=1, backend="cpu", subsets=2,
+                    multiplicative=tmp_path / "m.f32")
