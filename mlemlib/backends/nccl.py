@@ -191,7 +191,9 @@ class NcclBackend(Backend):
             matrix = open_matrix(matrix)
         self.format = format_of(matrix)
         nworld = world or len(devices or []) or gpus or 2
-        t_avail = self.format == "csr" or transpose is not None or plan_has_parts(plan)
+        # A_k^T in the local layout: transposed on its GPU (CSR) or the plan's part files; a whole A^T only
+        # serves the thesis layout's row blocks
+        t_avail = self.format == "csr" or plan_has_parts(plan) or (layout == "thesis" and transpose is not None)
         self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout, nworld, fmt=self.format,
                                                                              transpose_available=t_avail)
         self.chunk_reuse_sample: float | None = None
