@@ -50,6 +50,9 @@ SMEM_LOCAL_MIN = 0.5
 #: Least voxel reuse of the row chunks (non-zeros per voxel and chunk, sampled) at which ``auto``
 #: takes ``onepass_chunked``: below it the chunks' global atomics cost more than the pair's second read.
 CHUNK_REUSE_MIN = 8.0
+#: The same where the other choice is ``onepass_fixed`` (a compressed matrix without a transpose): the
+#: fixed-point pass is bound by its 64-bit atomics, so the chunks win at a lower reuse (an OSEM subset's).
+CHUNK_REUSE_MIN_ONEPASS = 4.0
 #: Least chunks per multiprocessor of each GPU (one block each) at which ``auto`` takes
 #: ``onepass_chunked`` over the csr_vector pair when a transpose is there: below, most of the GPU waits
 #: for a few blocks.
@@ -401,7 +404,8 @@ def choose_auto(reuse: float | None, *, transpose: bool, chunks: float | None = 
 
     ``onepass_chunked`` (the whole iteration, deterministic) when the chunks
     of a sample block reuse each voxel at least :data:`CHUNK_REUSE_MIN`
-    times (a matrix in the reorder stage's order;
+    times (:data:`CHUNK_REUSE_MIN_ONEPASS` on a compressed ``fmt`` without a
+    transpose, where the other choice is ``onepass_fixed``) (a matrix in the reorder stage's order;
     :func:`mlemlib.chunked.sample_chunks`) and the layout is ``local`` (or
     one GPU). With a transpose (``transpose``: the ``csr_vector`` pair can
     run) it also needs :data:`CHUNK_WAVES_MIN` blocks per multiprocessor on
@@ -413,7 +417,8 @@ def choose_auto(reuse: float | None, *, transpose: bool, chunks: float | None = 
     an empty matrix) counts as no reuse.
     """
     gpus = max(1, int(gpus))
-    if reuse is not None and reuse >= CHUNK_REUSE_MIN and (gpus == 1 or layout in (None, "local")):
+    least = CHUNK_REUSE_MIN_ONEPASS if fmt != "csr" and not transpose else CHUNK_REUSE_MIN
+    if reuse is not None and reuse >= least and (gpus == 1 or layout in (None, "local")):
         per_gpu = chunks / gpus if chunks is not None else None
         if not transpose or (per_gpu is not None and sms is not None and per_gpu >= CHUNK_WAVES_MIN * sms):
             return "onepass_chunked"

@@ -703,3 +703,13 @@ def test_chunked_upload_refuses_u16_row_scales_its_one_fma_decode_cannot_hold(mo
         gpu.DeviceChunked.upload(CompressedMatrix.from_csr(a, "compressed-u16"), window=2048)
     d = gpu.DeviceChunked.upload(CompressedMatrix.from_csr(a, "compressed"), window=2048)  # float32 values: fine
     assert d.kernel == "chunked_onepass"
+
+
+def test_auto_takes_the_chunks_at_a_lower_reuse_where_the_other_choice_is_the_fixed_point_pass():
+    from mlemlib import registry
+
+    low = (registry.CHUNK_REUSE_MIN_ONEPASS + registry.CHUNK_REUSE_MIN) / 2
+    assert registry.choose_auto(low, transpose=False, fmt="compressed") == "onepass_chunked"
+    assert registry.choose_auto(registry.CHUNK_REUSE_MIN_ONEPASS - 0.01, transpose=False, fmt="compressed") == "onepass_fixed"
+    assert registry.choose_auto(low, transpose=True, fmt="compressed", chunks=1e6, sms=132) == "delta_vector"
+    assert registry.choose_auto(low, transpose=False, fmt="csr") == "notrans"  # the scatter: the csr threshold
