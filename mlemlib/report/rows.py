@@ -36,7 +36,7 @@ STEPS = ("fp", "corr", "bp", "update", "allreduce")
 #: The fixed columns of ``runs.csv`` (``cr_<label>`` columns follow).
 RUN_COLUMNS = (
     "run", "matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "graph", "dtype",
-    "reference_mode", "iterations", "repetition", "deterministic", "device", "format", "bytes_per_nnz",
+    "reference_mode", "subsets", "subset_method", "m", "b", "iterations", "repetition", "deterministic", "device", "format", "bytes_per_nnz",
     "iteration_mean_s", "iteration_median_s", "iteration_min_s", "iteration_max_s", "iteration_std_s",
     *(f"{s}_{k}_s" for s in STEPS for k in ("mean", "median", "min", "max")),
     "load_s", "setup_s", "wall_s", "bytes_per_iteration", "bandwidth_GBps", "fp_bandwidth_GBps",
@@ -286,6 +286,7 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
                 "graph": bool(cfg.get("graph", be.get("graph", False))),
                 "dtype": cfg.get("dtype"),
                 "reference_mode": bool(cfg.get("reference_mode", False)),
+                **model_columns(cfg),
                 "iterations": cfg.get("iterations", rep.get("iterations")),
                 "repetition": rep.get("repetition"),
                 "deterministic": bool(t.get("deterministic", be.get("deterministic", True))),
@@ -355,15 +356,36 @@ def run_columns(rows: list[dict[str, Any]]) -> list[str]:
     return list(RUN_COLUMNS) + extra
 
 
+def model_columns(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What a run models beyond MLEM, from its ``timings.json`` config: ``subsets`` (S; 1 is MLEM),
+    ``subset_method`` (``angle``, ``index``, ``file``; empty for MLEM), and ``m`` and ``b``: the first 8 hex
+    digits of the checksum of the multiplicative factors and of the additive background it read, ``no`` where
+    it read none (m = 1, b = 0)."""
+    return {
+        "subsets": int(cfg.get("subsets") or 1),
+        "subset_method": cfg.get("subset_method") or None,
+        "m": str(cfg.get("multiplicative_checksum") or "")[:8] or "no",
+        "b": str(cfg.get("additive_checksum") or "")[:8] or "no",
+    }
+
+
 # --------------------------------------------------------------------------- grouping
 _CONFIG_KEYS = ("matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "graph", "gpus", "layout", "dtype",
-                "reference_mode")
+                "reference_mode", "subsets", "m", "b")
+
+
+def model_label(r: Mapping[str, Any]) -> str:
+    """`` OSEM S8 +m +b`` for a run that models more than MLEM (``""`` for MLEM with m = 1, b = 0)."""
+    s = f" OSEM S{r['subsets']}" if (r.get("subsets") or 1) > 1 else ""
+    s += " +m" if r.get("m") not in (None, "no") else ""
+    s += " +b" if r.get("b") not in (None, "no") else ""
+    return s
 
 
 def config_label(r: Mapping[str, Any]) -> str:
     """Short name of a configuration, e.g. ``cuda csr_vector/notrans x2 thesis`` (``graph``: CUDA graph capture)."""
     if r.get("reference_mode"):
-        return "reference (float64)"
+        return "reference (float64)" + model_label(r)
     bp = f"{r.get('bp')}" + ("+AT" if r.get("transpose") and r.get("bp") != "notrans" else "")
     s = f"{_family(r.get('backend'))} {r.get('fp')}/{bp}"
     if r.get("secsize"):
@@ -375,7 +397,7 @@ def config_label(r: Mapping[str, Any]) -> str:
         s += f" x{gpus}"
         if gpus > 1:
             s += f" {r.get('layout')}"
-    return s
+    return s + model_label(r)
 
 
 def group_rows(rows: list[dict[str, Any]]) -> OrderedDict[tuple, list[dict[str, Any]]]:

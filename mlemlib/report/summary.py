@@ -19,6 +19,7 @@ from mlemlib.report.html import markdown_page, runs_html
 from mlemlib.report.plots import (
     _slug,
     plot_accuracy,
+    plot_convergence,
     plot_distribution,
     plot_image,
     plot_scaling,
@@ -36,6 +37,7 @@ from mlemlib.report.rows import (
 )
 from mlemlib.report.tables import (
     accuracy_section,
+    convergence_section,
     lossy_section,
     plan_section,
     plots_section,
@@ -44,6 +46,7 @@ from mlemlib.report.tables import (
     thesis_section,
     timing_section,
     transpose_section,
+    write_convergence_csv,
     write_runs_csv,
 )
 
@@ -70,7 +73,9 @@ def summarize(
     plans: Iterable[Any] = (),
     transposes: Iterable[Any] = (),
     bench: Iterable[Any] = (),
+    convergence: Iterable[Any] = (),
     out_csv: str | os.PathLike | None = None,
+    out_convergence: str | os.PathLike | None = None,
     out_md: str | os.PathLike | None = None,
     out_plots: str | os.PathLike | None = None,
     out_html: str | os.PathLike | None = None,
@@ -104,6 +109,11 @@ def summarize(
         ``transpose.h5`` files (their ``method``/``seconds`` attributes).
     bench
         SpMV benchmark tables (``spmv.csv``), shown in ms with each kernel named (:func:`spmv_section`).
+    convergence
+        Records of convergence studies (:func:`mlemlib.convergence.study`'s JSON files): their table
+        (:func:`convergence_section`, and ``out_convergence``: ``convergence.csv``, default beside
+        ``runs.csv``, written where a study is given or the path is) and one figure each,
+        ``plots/convergence_<matrix>_<data>.png``.
     name
         Name of the configuration (the workflow's ``name``), shown in the titles.
 
@@ -139,6 +149,13 @@ def summarize(
     log.info("summarising %d runs (%d rows, %d configurations)", len(loaded), len(rows), len(groups))
 
     write_runs_csv(rows, csv_path)
+    from mlemlib.convergence import read_study, study_rows
+
+    studies = [read_study(p) for p in convergence]
+    conv_rows = study_rows(studies)
+    conv_path = Path(out_convergence) if out_convergence is not None else csv_path.with_name("convergence.csv")
+    if studies or out_convergence is not None:
+        write_convergence_csv(conv_rows, conv_path)
 
     plot_names: dict[str, str] = {}  # file name -> title
     import matplotlib
@@ -166,12 +183,17 @@ def summarize(
                           f"{r['matrix']} / {r['data']}: {config_label(r)} ({r['run']})"):
                 seen.add(problem)
                 plot_names[fname] = f"Image: {r['matrix']} / {r['data']}"
+        for rec in studies:
+            fname = f"convergence_{_slug(rec['matrix'])}_{_slug(rec['data'])}.png"
+            if plot_convergence(rec, tmp / fname):
+                plot_names[fname] = f"Convergence and bias: {rec['matrix']} / {rec['data']}"
 
     sections = [
         timing_section(groups) if groups else "No runs.\n",
         scaling_section(rows),
         thesis_section(rows),
         accuracy_section(groups) if groups else "",
+        convergence_section(conv_rows),
         lossy_section(rows, exact_references),
         transpose_section(trows),
         plan_section(plans),
@@ -199,6 +221,7 @@ def summarize(
         "rows": len(rows),
         "configurations": len(groups),
         "runs_csv": os.fspath(csv_path),
+        "convergence_csv": os.fspath(conv_path) if studies or out_convergence is not None else None,
         "summary_md": os.fspath(md_path),
         "summary_html": os.fspath(html_path),
         "runs_html": os.fspath(runs_html_path),
