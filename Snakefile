@@ -27,6 +27,7 @@ include: "rules/partition.smk"
 include: "rules/chunk.smk"
 include: "rules/data.smk"
 include: "rules/mlem.smk"
+include: "rules/convergence.smk"
 include: "rules/summary.smk"
 
 

@@ -396,6 +396,16 @@ _EXACT_REFERENCE_DIR = (
 # run in one directory keep their summaries side by side.
 _SUMMARY_DIR = f"results/summary/{config['name']}"
 
+# The convergence study's folder names what defines it (config convergence):
+# backend and kernels, passes, the subset counts, how often it measures, and
+# whether it also ignores m and b.
+_STUDY = config["convergence"]
+CONVERGENCE_KEY = (
+    f"{_STUDY['backend']}-{_STUDY['fp']}-{_STUDY['bp']}-it{_STUDY['iterations']}"
+    f"-s{'_'.join(str(s) for s in _STUDY['subsets'])}-every{_STUDY['record_every']}"
+    + ("-ignore" if _STUDY["ignore_corrections"] else "")
+)
+
 PATHS = {
     "csr4": "resources/{matrix}.csr4",
     "converted": "results/{matrix}/converted.h5",
@@ -426,10 +436,12 @@ PATHS = {
     "bench_csv": "results/{matrix}/bench/spmv.csv",
     "bench_md": "results/{matrix}/bench/spmv.md",
     "bench_json": "results/{matrix}/bench/spmv.json",
+    "convergence": f"results/{{matrix}}/convergence/{{data}}/{CONVERGENCE_KEY}/convergence.json",
     "runs_csv": f"{_SUMMARY_DIR}/runs.csv",
     "summary_md": f"{_SUMMARY_DIR}/summary.md",
     "summary_html": f"{_SUMMARY_DIR}/summary.html",
     "runs_html": f"{_SUMMARY_DIR}/runs.html",
+    "convergence_csv": f"{_SUMMARY_DIR}/convergence.csv",
     "plots": f"{_SUMMARY_DIR}/plots",
 }
 
@@ -705,6 +717,54 @@ def get_converted_matrix():
     simulate_measurement reads it): matrix.h5, or converted.h5 when
     reorder_matrix makes matrix.h5 from it."""
     return PATHS["converted"] if is_reordered() else PATHS["matrix"]
+
+
+# ------------------------------------------------------------------ convergence
+
+
+def is_convergence_enabled():
+    """True when the convergence study runs (config convergence.enabled; with
+    backend cuda only where cuda runs are let in, use_gpu)."""
+    study = config["convergence"]
+    return study["enabled"] and (study["backend"] == "cpu" or is_gpu_enabled())
+
+
+def check_convergence():
+    """Stop before any job where the study cannot run: a matrix stored
+    reordered already (voxel_order), whose rows the study cannot regroup."""
+    if not config["convergence"]["enabled"]:
+        return
+    for name, entry in config["matrices"].items():
+        if entry["voxel_order"] != "raster":
+            stop(
+                f"config convergence.enabled: matrix {name} has voxel_order "
+                f"{entry['voxel_order']}, stored reordered already; the study groups "
+                "each S's rows itself (use voxel_order: raster)"
+            )
+
+
+check_convergence()
+
+
+def get_convergence_input(wildcards):
+    """Named inputs of study_convergence: the matrix in the user's row order
+    (each S groups its rows), the measurement, its truth and its m and b."""
+    return {
+        "matrix": get_converted_matrix().format(matrix=wildcards.matrix),
+        "sino": get_path("sino", matrix=wildcards.matrix, data=wildcards.data),
+        "truth": get_path("truth", matrix=wildcards.matrix, data=wildcards.data),
+        **get_simulated_factors(wildcards),
+    }
+
+
+def get_convergence_gpus(wildcards):
+    """GPUs a study_convergence job takes: 1 with backend cuda, else 0."""
+    return 1 if config["convergence"]["backend"] == "cuda" else 0
+
+
+def get_convergence_params(wildcards):
+    """The study's settings (config convergence but enabled)."""
+    return {k: v for k, v in config["convergence"].items() if k != "enabled"}
 
 
 # ----------------------------------------------------------------------- chunks
@@ -1266,6 +1326,9 @@ def get_jobs():
                     layout=run["layout"],
                     **key,
                 )
+        if is_convergence_enabled():
+            for data in get_simulated_measurements():
+                add("study_convergence", PATHS["convergence"], data=data)
         if is_bench_enabled():
             add("bench_spmv", PATHS["bench_csv"])
     return jobs
@@ -1296,6 +1359,7 @@ def get_summary_input(wildcards):
             jobs, "exact_reference_mlem", "exact_reference_image"
         ),
         "bench": _outputs(jobs, "bench_spmv", "bench_csv"),
+        "convergence": _outputs(jobs, "study_convergence", "convergence"),
     }
 
 
@@ -1303,7 +1367,14 @@ def get_final_outputs():
     """Targets of `all`: the summary tables and plots (they pull in every stage)."""
     return [
         PATHS[name]
-        for name in ("runs_csv", "summary_md", "summary_html", "runs_html", "plots")
+        for name in (
+            "runs_csv",
+            "convergence_csv",
+            "summary_md",
+            "summary_html",
+            "runs_html",
+            "plots",
+        )
     ]
 
 
@@ -1459,6 +1530,20 @@ def _stage_need(job, size):
     elif name == "bench_spmv":
         stage, label, disk = "bench", matrix, SMALL_FILE_BYTES
         kw = {"backend": "cuda", "gpus": 1}
+    elif name == "study_convergence":
+        # one grouped copy of the matrix at a time (removed at the end), then
+        # reconstructions sized like a run on one GPU (backend cuda) or the CPU
+        backend = config["convergence"]["backend"]
+        stage, label = "mlem", f"{matrix}, {wc['data']}, convergence on {backend}"
+        disk = matrix_bytes(size, fmt)
+        kw = {
+            "backend": backend,
+            "gpus": 1,
+            "parts": 1,
+            "stored_transpose": False,
+            "device_format": _device_format(matrix),
+            "source_format": fmt,
+        }
     else:
         # exact_reference_mlem reads the lossless source, whose size is not modelled here
         return None

@@ -7,6 +7,7 @@ rule summarize:
         unpack(get_summary_input),
     output:
         runs=PATHS["runs_csv"],
+        convergence=PATHS["convergence_csv"],
         summary=PATHS["summary_md"],
         summary_html=report(
             PATHS["summary_html"],
