@@ -198,3 +198,15 @@ def test_the_workflow_runs_the_study_into_the_summary(tmp_path):
     assert {(r["subsets"], r["m"] != "no", r["b"] != "no") for r in runs} == {("1", True, True)}
     # another pass count: the study alone (and the summary) reruns
     assert dry_run(tmp_path, _study_config(iterations=4)) == {"study_convergence": 1, "summarize": 1}
+
+
+def test_the_cli_runs_the_study_and_summarize_takes_its_record(small, tmp_path, capsys):
+    from mlemlib.cli import main
+
+    d, f = small
+    out = tmp_path / "c.json"
+    assert main(["convergence", str(d / "matrix.h5"), "-s", str(f["sino"]), "-t", str(f["truth"]), "--subsets", "1",
+                 "4", "-n", "3", "--multiplicative", str(f["m"]), "--additive", str(f["b"]), "-o", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("S = 1: contrast recovery ")
+    assert main(["summarize", str(out.parent), "-o", str(tmp_path / "s"), "--convergence", str(out)]) == 0
+    assert (tmp_path / "s/convergence.csv").read_text().count("\n") == 5

@@ -34,6 +34,7 @@ SUBCOMMANDS = (
     "chunk",
     "simulate",
     "reconstruct",
+    "convergence",
     "summarize",
     "bench",
     "kernels",

@@ -24,6 +24,8 @@ def register(sub) -> None:
     p.add_argument("--transposes", nargs="*", default=[], type=existing_file, metavar="T.h5", help="transpose.h5 files (method, seconds)")
     p.add_argument("--plans", nargs="*", default=[], type=existing_file, metavar="PLAN", help="partition plan.json files or directories")
     p.add_argument("--bench", nargs="*", default=[], type=existing_file, metavar="CSV", help="SpMV benchmark tables (results/{matrix}/bench/spmv.csv)")
+    p.add_argument("--convergence", nargs="*", default=[], type=existing_file, metavar="JSON",
+                   help="records of mlem convergence (their table, convergence.csv, and plots)")
     p.set_defaults(func=run)
 
 
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     r = summarize(
         args.runs, args.out, transpose_benchmarks=args.transpose_bench, transposes=args.transposes,
-        plans=args.plans, bench=args.bench, name=args.name,
+        plans=args.plans, bench=args.bench, convergence=args.convergence, name=args.name,
     )
     print(f"{r['summary_md']}: {r['rows']} rows, {r['configurations']} configurations, {len(r['plots'])} plots")
     return 0
