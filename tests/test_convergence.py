@@ -210,3 +210,28 @@ def test_the_cli_runs_the_study_and_summarize_takes_its_record(small, tmp_path, 
     assert capsys.readouterr().out.splitlines()[0].startswith("S = 1: contrast recovery ")
     assert main(["summarize", str(out.parent), "-o", str(tmp_path / "s"), "--convergence", str(out)]) == 0
     assert (tmp_path / "s/convergence.csv").read_text().count("\n") == 5
+
+
+def test_each_run_is_measured_against_the_reference_of_its_own_model(small, tmp_path):
+    """The summary joins a run with the float64 reference of the same problem: the same S, m and b."""
+    from mlemlib.mlem import reconstruct, reference
+    from mlemlib.reorder import reorder_file
+
+    d, f = small
+    reorder_file(d / "matrix.h5", tmp_path / "g4.h5", "none", subsets=4)
+    models = {"mlem": (d / "matrix.h5", 1, {}),
+              "osem4_mb": (tmp_path / "g4.h5", 4, {"multiplicative": f["m"], "additive": f["b"]})}
+    timings, refs = [], []
+    for name, (matrix, s, factors) in models.items():
+        reconstruct(matrix, f["sino"], tmp_path / name / "image.h5", iterations=3, backend="cpu", subsets=s,
+                    checkpoint_every=0, **factors)
+        reference(matrix, f["sino"], tmp_path / name / "ref" / "image.h5", iterations=3, subsets=s,
+                  timings_out=tmp_path / name / "ref" / "timings.json", **factors)
+        timings.append(tmp_path / name / "timings.json")
+        refs += [tmp_path / name / "ref" / "timings.json", tmp_path / name / "ref" / "image.h5"]
+    result = summarize(timings=timings, references=refs, out_dir=tmp_path / "s")
+    rows = list(csv.DictReader(open(result["runs_csv"], encoding="utf-8")))
+    runs = {(r["subsets"], r["m"] != "no"): r for r in rows if r["reference_mode"] == "False"}
+    assert set(runs) == {("1", False), ("4", True)}
+    for r in runs.values():  # float32 against its own model's float64 reference (another's is not joined)
+        assert float(r["rel_l2_reference"]) < 1e-5
