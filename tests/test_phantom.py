@@ -211,3 +211,22 @@ def test_cli_simulate(tmp_path):
     assert (tmp_path / "a.LMsino").read_bytes() == (tmp_path / "b.LMsino").read_bytes()
     assert (tmp_path / "a.LMsino").stat().st_size == 500 * 4
     assert (tmp_path / "t.h5").exists()
+
+
+def test_cli_simulate_realistic_data_writes_m_and_b_beside_the_counts(tmp_path):
+    from mlemlib.cli import main
+    from mlemlib.formats.h5 import write_matrix_h5
+
+    grid = (10, 10, 4)
+    write_matrix_h5(tmp_path / "m.h5", _ring_matrix(grid, m=500), grid=list(grid), voxel_size=[1.0, 1.0, 2.0])
+    base = ["simulate", str(tmp_path / "m.h5"), "--seed", "2", "--counts", "1e4"]
+    assert main([*base, "--out", str(tmp_path / "plain.LMsino")]) == 0
+    assert not (tmp_path / "plain.mult.f32").exists() and not (tmp_path / "plain.add.f32").exists()
+    assert main([*base, "--out", str(tmp_path / "real.LMsino"), "--attenuation", "--normalisation-spread", "0.1",
+                 "--randoms-fraction", "0.2", "--scatter-fraction", "0.1"]) == 0
+    m = np.fromfile(tmp_path / "real.mult.f32", dtype="<f4")
+    b = np.fromfile(tmp_path / "real.add.f32", dtype="<f4")
+    assert m.size == b.size == 500 and np.all(np.isfinite(m)) and np.all(m >= 0) and np.all(b >= 0)
+    assert 0 < float(np.median(m)) < 1 and b.sum() > 0  # attenuated, a background
+    with pytest.raises(SystemExit):
+        main([*base, "--out", str(tmp_path / "x.LMsino"), "--randoms-fraction", "1.5"])
