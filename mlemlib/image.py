@@ -47,8 +47,12 @@ def write_image(
     grid: tuple[int, int, int] | None = None,
     voxel_size: tuple[float, float, float] | None = None,
     attrs: dict[str, Any] | None = None,
+    others: dict[str, np.ndarray] | None = None,
 ) -> None:
     """Write an image as HDF5, atomically.
+
+    ``others``: further images of the same length under ``/repetitions/<name>`` (flat), e.g. the other
+    repetitions' images of a run with atomics by their SHA-256 (:func:`read_repetition_images`).
 
     Layout: dataset ``/image`` (float32, or float64 for a reference) of shape
     ``(gridZ, gridY, gridX)`` when ``grid`` is known, else ``(n,)``; attributes
@@ -71,6 +75,11 @@ def write_image(
         a = a.reshape(-1)
     with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         f.create_dataset("image", data=a)
+        for name, other in (others or {}).items():
+            o = np.asarray(other).reshape(-1)
+            if o.size != n:
+                raise ConfigError("others", f"image {name!r} has {o.size} voxels, not {n}")
+            f.create_dataset(f"repetitions/{name}", data=o.astype(a.dtype, copy=False))
         f.attrs["format"] = IMAGE_FORMAT
         f.attrs["version"] = FORMAT_VERSION
         f.attrs["column_order"] = COLUMN_ORDER
@@ -135,3 +144,12 @@ def write_raw(path: str | os.PathLike, image: np.ndarray) -> None:
     """Write the image as raw little-endian float32, nCols values, no header (the existing tools' format)."""
     with atomic_path(path) as tmp:
         np.ascontiguousarray(np.asarray(image).reshape(-1), dtype="<f4").tofile(tmp)
+
+
+def read_repetition_images(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The other repetitions' images an ``image.h5`` keeps (``/repetitions/<SHA-256>``, flat); {} where none."""
+    import h5py
+
+    with h5py.File(os.fspath(path), "r") as f:
+        group = f.get("repetitions")
+        return {} if group is None else {name: ds[...].reshape(-1) for name, ds in group.items()}

@@ -269,8 +269,8 @@ def reconstruct(
             log.warning("%s: written by another configuration %s; resuming with %s", ckpt_path, resume["config"], config)
         # Under a launcher (one process per GPU) every rank holds the same image; rank 0 writes.
         writer = bool(getattr(be, "writes_output", True))
-        records, host_img = _iterate(be, prob, settings, config, resume, ckpt_path if writer else None, progress,
-                                     energy)
+        records, host_img, others = _iterate(be, prob, settings, config, resume, ckpt_path if writer else None,
+                                             progress, energy)
         timings = timings_record(
             prob, settings, desc, be, records, config,
             sources={"matrix": matrix, "sino": sino, "norm": norm, "transpose": transpose, "reference": reference,
@@ -280,7 +280,7 @@ def reconstruct(
         return _write_outputs(
             out_image, host_img, timings, prob, writer=writer, raw_out=raw_out, timings_out=timings_out,
             ckpt_path=ckpt_path if checkpointed else None,
-            keep_checkpoint=keep_checkpoint,
+            keep_checkpoint=keep_checkpoint, others=others,
         )
     finally:
         close_all(opened)
@@ -293,8 +293,10 @@ def _log_interval(iterations: int) -> int:
 
 def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str, Any], resume: dict[str, Any] | None,
              ckpt_path: Path | None, progress: Callable[[int, int, Any], None] | None,
-             energy: EnergyMeter | None = None) -> tuple[list[dict], np.ndarray]:
-    """Run every repetition (from ``resume`` where given); checkpoint (where ``ckpt_path``); return records and image.
+             energy: EnergyMeter | None = None) -> tuple[list[dict], np.ndarray, dict[str, np.ndarray]]:
+    """Run every repetition (from ``resume`` where given); checkpoint (where ``ckpt_path``); return the records, the
+    final image and the other repetitions' images that differ from it, by their SHA-256 (a run with atomics:
+    :func:`_write_outputs` keeps them, so that the summary measures every repetition against the reference).
 
     Where ``energy`` is available, each repetition's GPU energy is read
     before and after its iteration loop, the GPUs synchronised first (an
@@ -309,6 +311,7 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
     start_rep = resume["repetition"] if resume else 0
     every = _log_interval(iterations)
     host_img = None
+    distinct: dict[str, np.ndarray] = {}
     for rep in range(start_rep, repetitions):
         times = StepTimes()
         if resume is not None and rep == start_rep:
@@ -374,6 +377,7 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
         with Stopwatch() as sw_back:
             host_img = prob.to_user(be.to_host(f))
         acc = metrics.accuracy(host_img, reference=prob.reference, truth=prob.truth, regions=prob.regions)
+        distinct.setdefault(acc["image_sha256"], host_img)
         records.append({
             "repetition": rep,
             "iterations": iterations,
@@ -392,12 +396,15 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
             f", rel. L2 to reference {acc['rel_l2_reference']:.3g}" if "rel_l2_reference" in acc else "",
             f", GPU energy {joules:.4g} J ({energy_fields['power_W']:.4g} W)" if energy_fields["power_W"] else "",
         )
-    return records, host_img
+    final = metrics.image_digest(host_img) if host_img is not None else None
+    return records, host_img, {sha: img for sha, img in distinct.items() if sha != final}
 
 
 def _write_outputs(out_image: Path, host_img: np.ndarray, timings: dict[str, Any], prob: Problem, *, writer: bool,
-                   raw_out: Any, timings_out: Any, ckpt_path: Path | None, keep_checkpoint: bool) -> dict[str, Any]:
-    """Write ``image.h5``, ``image.raw`` and ``timings.json`` (rank 0 only); drop the checkpoint; return the timings."""
+                   raw_out: Any, timings_out: Any, ckpt_path: Path | None, keep_checkpoint: bool,
+                   others: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """Write ``image.h5`` (with ``others``, the other repetitions' distinct images, under ``/repetitions``),
+    ``image.raw`` and ``timings.json`` (rank 0 only); drop the checkpoint; return the timings."""
     from mlemlib import metrics
 
     cfg = timings["config"]
@@ -435,7 +442,7 @@ def _write_outputs(out_image: Path, host_img: np.ndarray, timings: dict[str, Any
     if not writer:
         log.info("not the writing rank: leaving %s to rank 0", out_image)
         return timings
-    write_image(out_image, host_img, grid=prob.grid, voxel_size=prob.voxel_size, attrs=attrs)
+    write_image(out_image, host_img, grid=prob.grid, voxel_size=prob.voxel_size, attrs=attrs, others=others)
     if raw_path is not None:
         write_raw(raw_path, host_img)
     if tpath is not None:

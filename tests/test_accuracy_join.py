@@ -74,3 +74,31 @@ def test_a_repetition_with_another_image_gets_the_sums_only(runs):
     assert first["sum_rel_error_reference"] == pytest.approx(
         (first["image_sum"] - first["reference_sum"]) / first["reference_sum"], rel=1e-15)
     assert np.isfinite(last["rel_l2_reference"])
+
+
+def test_a_repetition_with_another_image_kept_in_image_h5_gets_its_own_accuracy(runs, tmp_path):
+    """A run with atomics keeps the other repetitions' images under /repetitions; the join measures each."""
+    from mlemlib import metrics
+    from mlemlib.image import read_image, read_repetition_images, write_image
+
+    ((run_id, t),) = load_timings([runs / "without"])
+    t = json.loads(json.dumps(t))
+    final, attrs = read_image(t["outputs"]["image"])
+    other = (final * np.float32(1.001)).astype(np.float32)  # as another repetition's image may differ
+    sha = metrics.image_digest(other)
+    image = tmp_path / "image.h5"
+    write_image(image, final, attrs=attrs, others={sha: other})
+    assert list(read_repetition_images(image)) == [sha]
+    t["outputs"]["image"] = str(image)
+    t["repetitions"][0]["accuracy"]["image_sha256"] = sha
+    ((_, t),) = join_reference_accuracy([(run_id, t)], [runs / "reference-it12" / "image.h5"])
+    first, last = (rep["accuracy"] for rep in t["repetitions"])
+    ref, _ = read_image(runs / "reference-it12" / "image.h5")
+    assert first["rel_l2_reference"] == metrics.relative_l2(other, ref) != last["rel_l2_reference"]
+    assert first["rel_l2_reference"] > 9e-4  # the 0.1% the image was scaled by
+
+
+def test_a_deterministic_run_keeps_no_other_images(runs):
+    from mlemlib.image import read_repetition_images
+
+    assert read_repetition_images(runs / "without" / "image.h5") == {}

@@ -113,11 +113,14 @@ def join_reference_accuracy(
     ``iterations`` attributes), with :func:`mlemlib.metrics.accuracy`: the
     same ``reference_sum``, ``rel_l2_reference`` and
     ``sum_rel_error_reference`` a run given ``reference=`` records. Every
-    repetition whose image is the final one (the same ``image_sha256``; all of
-    them in a deterministic run) gets all three; a repetition with another
-    image (atomics) gets the sums (from its recorded ``image_sum``) and no
-    ``rel_l2_reference`` (its image is not kept). Runs that recorded their
-    reference accuracy already, and references themselves, are left as they are.
+    repetition gets all three: the final image's (the same ``image_sha256``;
+    all of them in a deterministic run), or, for a repetition with another
+    image (atomics), that image's, which ``image.h5`` keeps under
+    ``/repetitions`` (:func:`mlemlib.image.read_repetition_images`); where it
+    does not (a run resumed past that repetition, or written before they were
+    kept) the sums from its recorded ``image_sum`` and no ``rel_l2_reference``.
+    Runs that recorded their reference accuracy already, and references
+    themselves, are left as they are.
 
     Parameters
     ----------
@@ -137,7 +140,7 @@ def join_reference_accuracy(
         A reference or run image that cannot be read.
     """
     from mlemlib import metrics
-    from mlemlib.image import read_image
+    from mlemlib.image import read_image, read_repetition_images
 
     refs: dict[tuple[str, int], tuple[str, np.ndarray]] = {}
     for path in reference_images:
@@ -163,10 +166,13 @@ def join_reference_accuracy(
         final, _ = read_image(image, expected_length=ref.size)
         joined = metrics.accuracy(final, reference=ref)
         digest = joined["image_sha256"]
+        others = read_repetition_images(image)
         for rep in reps:
             acc = rep.setdefault("accuracy", {})
-            if acc.get("image_sha256", digest) == digest:
-                acc.update((k, joined[k]) for k in ("reference_sum", "rel_l2_reference", "sum_rel_error_reference"))
+            sha = acc.get("image_sha256", digest)
+            if sha == digest or sha in others:
+                own = joined if sha == digest else metrics.accuracy(others[sha], reference=ref)
+                acc.update((k, own[k]) for k in ("reference_sum", "rel_l2_reference", "sum_rel_error_reference"))
             elif acc.get("image_sum") is not None:
                 acc["reference_sum"] = joined["reference_sum"]
                 acc["sum_rel_error_reference"] = metrics.relative_sum_error([acc["image_sum"]], [joined["reference_sum"]])
