@@ -1507,3 +1507,11 @@ def test_spread_launch_order_takes_every_row_once(monkeypatch, unit, m):
         assert int(p) > 1 and int(u) == unit and groups % unit == 0
         assert np.abs(np.diff(taken[: 16 * unit : unit])).min() > m // 10
         assert np.array_equal(taken[:unit], np.arange(unit) + taken[0])
+
+
+def test_the_fused_correlation_takes_the_background_only_where_there_is_one():
+    from mlemlib.backends import _cuda_kernels as ck
+
+    g, bg = object(), object()
+    assert ck.correlation_epilogue(g) == {"mode": ck.MODE_CORR, "aux0": g}
+    assert ck.correlation_epilogue(g, bg) == {"mode": ck.MODE_CORR_BG, "aux0": g, "aux1": bg}

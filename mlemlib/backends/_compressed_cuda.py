@@ -697,17 +697,12 @@ def onepass(
     (bp, fp)
     """
     cp = cupy()
-    kind, args, mean = _matrix_args(a)
-    m, n = a.shape
+    _, _, mean = _matrix_args(a)
+    n = a.shape[1]
     bp, fp = _step_vectors(a.shape, g, f, bp, fp)
     L = _lanes(lanes, choose_lanes(mean))
     if not deterministic:
-        bp.fill(0)
-        if m:
-            groups, order = spread(m)
-            _launch_rows(function(_onepass_name(kind, L, False)), groups, L,
-                         (*args, f, g, _background(bg, m), fp, bp, np.int64(m), *order),
-                         waves=0 if kind == "csr" else None)  # the CSR kernels have no row loop
+        onepass_step(a, g, f, fp=fp, bp=bp, lanes=L, bg=bg)
         return bp, fp
     if bound is None:
         bound = onepass_bound(g, f)

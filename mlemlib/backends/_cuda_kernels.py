@@ -474,6 +474,14 @@ def unpadded(a: Any) -> Any:
     return DeviceCSR(a.indptr - pad, a.indices[pad:].copy(), a.data[pad:].copy(), a.shape)
 
 
+def correlation_epilogue(g: Any, bg: Any = None) -> dict[str, Any]:
+    """The row launchers' fused-correlation keywords: ``g / (A f)`` (``MODE_CORR``), or with a background
+    ``bg`` (``b' = b / m``) ``g / (A f + bg)`` (``MODE_CORR_BG``)."""
+    if bg is None:
+        return {"mode": MODE_CORR, "aux0": g}
+    return {"mode": MODE_CORR_BG, "aux0": g, "aux1": bg}
+
+
 def spmv_vectors(shape: tuple[int, int], x: Any, out: Any, mode: int, aux0: Any, aux1: Any) -> Any:
     """Check an SpMV's vectors against ``shape`` (``x``; ``out``, allocated when None; the epilogue's); return ``out``."""
     m, n = shape

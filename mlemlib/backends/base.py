@@ -181,13 +181,11 @@ class Backend(ABC):
         if g.size != m:
             raise SinogramFormatError("<measurement>", f"{g.size} values but the matrix has m = {m} rows")
         norm = np.asarray(norm, dtype=np.float64)
-        if norm.ndim == 2 and norm.shape[1] == n:  # per subset (update_norms): NaN where a voxel is kept
-            self._norm64sum = float(np.nansum(norm))
-        else:
+        if norm.ndim != 2 or norm.shape[1] != n:  # (S, n) per subset, else one norm
             norm = norm.reshape(-1)
             if norm.size != n:
                 raise ConfigError("norm", f"norm has {norm.size} values but the matrix has n = {n} columns")
-            self._norm64sum = float(np.nansum(norm))  # an OSEM subset's update norm: NaN where it keeps f
+        self._norm64sum = float(np.nansum(norm))  # update_norms' NaN (a kept voxel) counts nothing
         self._g64sum = float(np.sum(g, dtype=np.float64))
         if float32 and g.size and float(np.max(g)) > 2**24:
             log.warning("counts above 2^24 are not exact in float32 (max %g)", float(np.max(g)))

@@ -418,20 +418,14 @@ class CudaBackend(Backend):
         if not isinstance(self.a, ck.DeviceCSR):
             return None
         return registry.launcher(self._kf)(self.a, f, self._c, lanes=self._lanes(self.a), secsize=self.secsize,
-                                           skip_empty=True, prepare=True, **self._corr)
+                                           skip_empty=True, prepare=True,
+                                           **ck.correlation_epilogue(self.g, self.bg))
 
     def forward(self, f: Any) -> Any:
         with self._device:
             if self.chunked:
                 return cc().chunked_forward(self.a, f, self._fp)
             return self._project(self.a, f, self._fp, self._k_forward)
-
-    @property
-    def _corr(self) -> dict[str, Any]:
-        """The fused correlation's epilogue: ``g / (A f)``, or ``g / (A f + b')`` with a background."""
-        if self.bg is None:
-            return {"mode": ck.MODE_CORR, "aux0": self.g}
-        return {"mode": ck.MODE_CORR_BG, "aux0": self.g, "aux1": self.bg}
 
     def correlate(self, fp: Any) -> Any:
         with self._device:
@@ -467,7 +461,7 @@ class CudaBackend(Backend):
                 if first is not None:
                     c = first()
                 else:
-                    c = self._project(self.a, f, self._c, self._kf, **self._corr)
+                    c = self._project(self.a, f, self._c, self._kf, **ck.correlation_epilogue(self.g, self.bg))
                 self._record("fp")
             else:
                 fp = self.forward(f)

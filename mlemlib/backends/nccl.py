@@ -386,13 +386,6 @@ class NcclBackend(Backend):
         finally:
             nccl.groupEnd()
 
-    @staticmethod
-    def _corr(s: Shard) -> dict[str, Any]:
-        """The fused correlation's epilogue on shard ``s``: ``g / (A f)``, or ``g / (A f + b')`` with a background."""
-        if s.bg is None:
-            return {"mode": ck.MODE_CORR, "aux0": s.g}
-        return {"mode": ck.MODE_CORR_BG, "aux0": s.g, "aux1": s.bg}
-
     def _spmv(self, a: Any, x: Any, out: Any, lanes: int, **kw: Any) -> Any:
         """``out = a x`` by the forward (``fwd=True``) or back-projection kernel, through its registry launcher."""
         k = self._kf if kw.pop("fwd", False) else self._kb
@@ -464,7 +457,7 @@ class NcclBackend(Backend):
                 with cp.cuda.Device(s.device), s.stream:
                     self._mark(s, "start", record)
                     if fused_fp:
-                        self._spmv(s.a, s.f, s.c, self.lanes_fp, fwd=True, **self._corr(s))
+                        self._spmv(s.a, s.f, s.c, self.lanes_fp, fwd=True, **ck.correlation_epilogue(s.g, s.bg))
                         self._mark(s, "fp", record)
                     else:
                         self._spmv(s.a, s.f, s.fp, self.lanes_fp, fwd=True)
