@@ -496,3 +496,30 @@ def test_compact_rows_only_where_many_rows_are_empty(rng):
     full = ck.spmv(d, x, poisoned(800))
     got = ck.csr_vector(d, x, poisoned(800), skip_empty=True, prepare=True)()  # no list: every row written
     assert cp.array_equal(got, full)
+
+
+def test_update_fixed_is_fixed_to_float_then_update_bit_for_bit(rng):
+    """The fused update from the 64-bit fixed point gives the bits of fixed_to_float then update, and the
+    update's three cases by hand: f * bp / norm, f * bp where norm == 0, f where norm is NaN."""
+    from mlemlib.backends import _compressed_cuda as cc
+
+    n = 50_000
+    scale = 2.0**40
+    bp_true = rng.uniform(0.0, 3.0, n)
+    acc = cp.asarray(np.round(bp_true * scale).astype(np.uint64))
+    f = cp.asarray(rng.uniform(0.1, 2.0, n).astype(np.float32))
+    norm = rng.uniform(0.5, 4.0, n).astype(np.float32)
+    norm[:5], norm[5:9] = 0.0, np.nan
+    norm = cp.asarray(norm)
+    bp = cc.fixed_to_float(acc, cp.empty(n, dtype=cp.float32), scale)
+    two_step = ck.update(f, bp, norm)
+    fused = ck.update_fixed(f, acc, scale, norm)
+    assert cp.array_equal(fused, two_step)
+    h_f, h_bp, h_norm = (cp.asnumpy(v) for v in (f, bp, norm))
+    got = cp.asnumpy(fused)
+    assert np.array_equal(got[:5], h_f[:5] * h_bp[:5])
+    assert np.array_equal(got[5:9], h_f[5:9])
+    assert np.array_equal(got[9:], h_f[9:] * h_bp[9:] / h_norm[9:])
+    np.testing.assert_allclose(cp.asnumpy(bp), bp_true, rtol=1e-6)
+    f_in = f.copy()
+    assert ck.update_fixed(f_in, acc, scale, norm, out=f_in) is f_in and cp.array_equal(f_in, fused)

@@ -110,14 +110,41 @@ def test_an_all_zero_background_and_one_subset_give_todays_bits(grouped, fp, bp)
     assert np.array_equal(zero, today)
 
 
-def test_osem_graphs_give_the_eager_bits(grouped):
+@pytest.mark.parametrize("bp", DETERMINISTIC)
+def test_osem_pass_graph_gives_the_eager_bits_on_1_and_2_gpus(grouped, bp):
+    """The whole pass as one graph per GPU (all-reduces included on 2 GPUs, none on 1) gives the bits of
+    the subsets launched one by one, and switching between the two on one backend keeps them."""
     p = grouped
-    gpus = min(2, _gpus())
-    eager = _image(make_backend("cuda", p["a"], p["g"], p["norms"], None, bp="onepass_fixed", gpus=gpus,
-                                subsets=p["bounds"], background=p["bg"]))
-    graphed = _image(make_backend("cuda", p["a"], p["g"], p["norms"], None, bp="onepass_fixed", gpus=gpus,
-                                  subsets=p["bounds"], background=p["bg"], graph=True))
-    assert np.array_equal(eager, graphed)
+    for gpus in sorted({1, min(2, _gpus())}):
+        eager = _image(make_backend("cuda", p["a"], p["g"], p["norms"], None, bp=bp, gpus=gpus,
+                                    subsets=p["bounds"], background=p["bg"]))
+        be = make_backend("cuda", p["a"], p["g"], p["norms"], None, bp=bp, gpus=gpus, subsets=p["bounds"],
+                          background=p["bg"], graph=True)
+        assert be.describe()["graph"] is True
+        try:
+            f = be.initial_image()
+            for k in range(ITERS):
+                be.use_graph(k % 2 == 0)  # graph, eager, graph, ...
+                f = be.iterate(f)
+                assert be.last_step_times()["iteration"] > 0
+            assert np.array_equal(be.to_host(f), eager), (bp, gpus)
+        finally:
+            be.close()
+
+
+def test_osem_pass_graph_reports_an_overflow_naming_the_subset(grouped):
+    p = grouped
+    be = make_backend("cuda", p["a"], p["g"], p["norms"], None, bp="onepass_fixed", gpus=1, subsets=p["bounds"],
+                      graph=True)
+    try:
+        be.parts[2]._fixed_bound = 1e-30  # a range that the captured scale of subset 2 cannot hold
+        be.use_graph(False)
+        be._graphs = None
+        be.use_graph(True)
+        with pytest.raises(Exception, match="subset 2"):
+            be.iterate(be.initial_image())
+    finally:
+        be.close()
 
 
 def test_osem_steps_and_pass_time_are_reported(grouped):

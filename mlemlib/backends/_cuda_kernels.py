@@ -822,6 +822,14 @@ def _elementwise(which: str) -> Any:
             "float32 g, float32 fp, float32 bg", "float32 c", "float d = fp + bg; c = (d != 0.0f) ? g / d : 0.0f",
             "mlem_correlate_bg"
         )
+    if which == "update_fixed":  # bp from the fixed point as fixed_to_float rounds it, then the update
+        return cp.ElementwiseKernel(
+            "float32 f, uint64 acc, float64 inv_scale, float32 norm",
+            "float32 out",
+            "float bp = (float)((double)acc * inv_scale); "
+            "out = (norm != 0.0f) ? (norm == norm ? f * bp / norm : f) : f * bp",
+            "mlem_update_fixed",
+        )
     return cp.ElementwiseKernel(
         "float32 f, float32 bp, float32 norm",
         "float32 out",
@@ -847,3 +855,13 @@ def update(f: Any, bp: Any, norm: Any, out: Any = None) -> Any:
     if out is None:
         return _elementwise("update")(f, bp, norm)
     return _elementwise("update")(f, bp, norm, out)
+
+
+def update_fixed(f: Any, acc: Any, scale: float, norm: Any, out: Any = None) -> Any:
+    """:func:`update` with ``bp`` the deterministic kernels' 64-bit fixed point ``acc`` at ``scale``, in one
+    kernel: ``bp = acc / scale`` rounded to float32 as ``fixed_to_float`` writes it, so the image is the
+    same bits as ``fixed_to_float`` then :func:`update`; ``out`` may be ``f``."""
+    inv = np.float64(1.0 / scale)
+    if out is None:
+        return _elementwise("update_fixed")(f, acc, inv, norm)
+    return _elementwise("update_fixed")(f, acc, inv, norm, out)

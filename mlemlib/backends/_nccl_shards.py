@@ -63,8 +63,9 @@ def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, pla
     ``A_k^T`` (part file, or transposed on the GPU) or the thesis layout's rows of ``A^T``, the vectors of its
     layout, the launch shapes where tuned. The ``notrans`` selector is settled here on the first part (``be.bp_kernel``).
     ``bg``: the background per row of the whole matrix (None: none); each shard holds its rows' (all rows in the
-    thesis layout). ``share``: the same GPU's shard of another backend whose stream and image buffer this one
-    uses (the OSEM subsets' backends run one after the other on one stream and one image).
+    thesis layout). ``share``: the same GPU's shard of another backend whose stream, image buffer and
+    scratch vectors (the back projection, the fixed point's accumulator) this one uses (the OSEM subsets'
+    backends run one after the other on one stream and one image).
     """
     from mlemlib.formats import open_matrix
 
@@ -127,7 +128,8 @@ def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, pla
         s.norm = cp.asarray(norm, dtype=cp.float32)
         s.f = share.f if share is not None else cp.empty(n, dtype=cp.float32)
         if be.onepass and be.deterministic:
-            s.acc = cp.empty(n, dtype=cp.uint64)
+            shared_acc = share is not None and share.acc is not None
+            s.acc = share.acc if shared_acc else cp.empty(n, dtype=cp.uint64)
             s.flag = cp.zeros(1, dtype=cp.int32)
         if bg is not None:
             s.bg = cp.asarray(bg[r0:r1] if layout == "local" else bg, dtype=cp.float32)
@@ -135,7 +137,7 @@ def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, pla
             s.g = cp.asarray(g[r0:r1], dtype=cp.float32)
             s.c = cp.empty(r1 - r0, dtype=cp.float32)
             s.fp = s.c if be._fused_fp else cp.empty(r1 - r0, dtype=cp.float32)
-            s.bp = cp.empty(n, dtype=cp.float32)
+            s.bp = share.bp if share is not None and share.bp is not None else cp.empty(n, dtype=cp.float32)
         else:
             s.g = cp.asarray(g, dtype=cp.float32)
             s.send = cp.zeros(m, dtype=cp.float32)

@@ -502,12 +502,13 @@ class CudaBackend(Backend):
                 self._flag.fill(0)
             scale = step(self.a, self.g, f, fp=self._fp, bp=self._bp, acc=self._acc, flag=self._flag,
                          bound=self._fixed_bound, lanes=self._lanes_onepass, bg=self.bg)
-            if self.deterministic:
-                cc().fixed_to_float(self._acc, self._bp, scale)
-                self.fixed_stats.update(scale=scale, bound=self._fixed_bound)
             if attempt == 0:
                 self._record("bp")
-            self.update(f, self._bp, out)
+            if self.deterministic:
+                self.fixed_stats.update(scale=scale, bound=self._fixed_bound)
+                ck.update_fixed(f, self._acc, scale, self.norm, out=out)
+            else:
+                self.update(f, self._bp, out)
             self._record("update" if attempt == 0 else "retry")
             if not self.deterministic or not int(self._flag.get()[0]):
                 break

@@ -222,9 +222,7 @@ class NcclBackend(Backend):
         self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)
         # the forward projection alone (forward(), diagnostics): a one pass's is its format's row kernel
         self._k_forward = self._kf or registry.row_forward(self.format)
-        if graph is None:
-            graph = os.environ.get("MLEM_CUDA_GRAPH", "0").strip().lower() in ("1", "true", "yes", "on")
-        self.graph = bool(graph)
+        self.graph = graph_default(graph)
         self.graph_capturing = False
         if self.graph and not self._graphable():
             raise ConfigError("graph", f"graph capture needs non-allocating kernels; fp={self.fp_kernel} bp={self.bp_kernel} use cuSPARSE through CuPy")
@@ -374,15 +372,26 @@ class NcclBackend(Backend):
         ev.record(s.stream)
         s.order.append(name)
 
-    def _allreduce(self, pairs: list[tuple[Any, Any]]) -> None:
-        """Grouped sum all-reduce: ``pairs[k] = (send, recv)`` on shard k's stream."""
+    def _allreduce(self, pairs: list[tuple[Any, Any]], dtype: Any = None) -> None:
+        """Grouped sum all-reduce: ``pairs[k] = (send, recv)`` on shard k's stream (float32, or ``dtype``).
+
+        One rank in all (one GPU, one process) sums nothing: ``recv`` gets ``send`` without a launch
+        where they are one buffer, by a copy where not.
+        """
         cp = _cupy()
         nccl = _nccl()
+        if self.world == 1:
+            for s, (send, recv) in zip(self.shards, pairs):
+                if send.data.ptr != recv.data.ptr:
+                    with cp.cuda.Device(s.device), s.stream:
+                        recv[...] = send
+            return
+        kind = nccl.NCCL_FLOAT32 if dtype is None else dtype
         nccl.groupStart()
         try:
             for s, (send, recv) in zip(self.shards, pairs):
                 with cp.cuda.Device(s.device):
-                    s.comm.allReduce(send.data.ptr, recv.data.ptr, send.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, s.stream.ptr)
+                    s.comm.allReduce(send.data.ptr, recv.data.ptr, send.size, kind, nccl.NCCL_SUM, s.stream.ptr)
         finally:
             nccl.groupEnd()
 
@@ -415,14 +424,10 @@ class NcclBackend(Backend):
                     scale = step(s.a, s.g, s.f, fp=s.fp, bp=s.bp, acc=s.acc, flag=s.flag, bound=self._fixed_bound,
                                  lanes=self.lanes_onepass, bg=s.bg)
                     self._mark(s, "bp", record)
-            nccl.groupStart()
-            try:
-                for s in self.shards:
-                    with cp.cuda.Device(s.device):
-                        buf, kind = (s.acc, nccl.NCCL_UINT64) if self.deterministic else (s.bp, nccl.NCCL_FLOAT32)
-                        s.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, kind, nccl.NCCL_SUM, s.stream.ptr)
-            finally:
-                nccl.groupEnd()
+            if self.deterministic:
+                self._allreduce([(s.acc, s.acc) for s in self.shards], nccl.NCCL_UINT64)
+            else:
+                self._allreduce([(s.bp, s.bp) for s in self.shards])
             if not self.deterministic or self.graph_capturing:
                 break
             bad = 0
@@ -439,8 +444,9 @@ class NcclBackend(Backend):
             with cp.cuda.Device(s.device), s.stream:
                 self._mark(s, "allreduce", record)
                 if self.deterministic:
-                    cc.fixed_to_float(s.acc, s.bp, scale)
-                ck.update(s.f, s.bp, s.norm, out=s.f)
+                    ck.update_fixed(s.f, s.acc, scale, s.norm, out=s.f)
+                else:
+                    ck.update(s.f, s.bp, s.norm, out=s.f)
                 self._mark(s, "update", record)
 
     def _launch(self, record: bool) -> None:
@@ -817,6 +823,13 @@ class NcclBackend(Backend):
             "steps": steps if not self.graph else ["iteration"],
             "devices": devs,
         }
+
+
+def graph_default(graph: bool | None) -> bool:
+    """``graph``, or where None the environment's ``MLEM_CUDA_GRAPH`` (1/true/yes/on; default off)."""
+    if graph is None:
+        return os.environ.get("MLEM_CUDA_GRAPH", "0").strip().lower() in ("1", "true", "yes", "on")
+    return bool(graph)
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

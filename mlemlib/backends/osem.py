@@ -8,8 +8,9 @@ stage's rule applied to the subset), with ``norm[k]`` (:func:`mlemlib.subsets.up
 the subset does not see a voxel, which the update then keeps). The S backends share their GPUs'
 streams, image buffers and communicators: one :meth:`OsemBackend.iterate` launches the S
 sub-iterations one after the other on each GPU's stream, with one all-reduce of the image's back
-projection per subset; nothing is copied between them. With CUDA graphs each sub-iteration is one
-captured graph per GPU.
+projection per subset (none on one GPU); nothing is copied between them, and the back projection's
+scratch vectors are one per GPU. With CUDA graphs the whole pass is one captured graph per GPU, and the
+fixed point's overflow flags (one per subset, in one array per GPU) are read once after it.
 
 Every kernel of the local layout runs in a subset (the stored-transpose pair transposes each GPU's
 share of each subset on the GPU for CSR; a compressed matrix takes the one passes), with the
@@ -19,6 +20,7 @@ GPU count, as without subsets.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -27,7 +29,8 @@ import numpy as np
 from mlemlib.backends._build import cupy
 from mlemlib.backends._nccl_plan import indptr_of
 from mlemlib.backends.base import Backend
-from mlemlib.errors import ConfigError
+from mlemlib.backends.nccl import graph_default
+from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import shape_nnz
 
 log = logging.getLogger(__name__)
@@ -101,40 +104,117 @@ class OsemBackend(Backend):
         plans = subset_plans(indptr_of(matrix), bounds, len(devices), n)
         self.bounds = bounds
         self.parts: list[Any] = []
+        self.graph = graph_default(kw.pop("graph", None))
+        self._graphs: list[Any] | None = None
         try:
             for k, p in enumerate(plans):
                 share = self.parts[0] if self.parts else None
                 self.parts.append(NcclBackend(matrix, g, norm[k], None, devices=devices, layout="local", plan=p,
-                                              background=background, share=share, **kw))
+                                              background=background, share=share, graph=False, **kw))
+            first = self.parts[0]
+            self.devices = devices
+            self.deterministic = first.deterministic
+            self.fp_kernel, self.bp_kernel = first.fp_kernel, first.bp_kernel
+            self.load_seconds = sum(p.load_seconds for p in self.parts)
+            self._share_flags()
+            if self.graph:
+                self._capture()
         except BaseException:
             self.close()
             raise
-        first = self.parts[0]
-        self.devices = devices
-        self.deterministic = first.deterministic
-        self.fp_kernel, self.bp_kernel = first.fp_kernel, first.bp_kernel
-        self.load_seconds = sum(p.load_seconds for p in self.parts)
         log.info("cuda-osem backend: %d subsets on %d GPU(s), fp=%s bp=%s (loaded in %.2f s)", len(plans),
                  len(devices), self.fp_kernel, self.bp_kernel, self.load_seconds)
 
+    # --- the pass as one graph per GPU ------------------------------------------------------
+    def _share_flags(self) -> None:
+        """Give the subsets' fixed-point overflow flags one array per GPU (S entries), so that one read
+        after a pass checks every subset."""
+        cp = cupy()
+        if not self.deterministic or self.parts[0].shards[0].flag is None:
+            self._flags = None
+            return
+        self._flags = []
+        for i, s0 in enumerate(self.parts[0].shards):
+            with cp.cuda.Device(s0.device):
+                flags = cp.zeros(len(self.parts), dtype=cp.int32)
+            for k, p in enumerate(self.parts):
+                p.shards[i].flag = flags[k:k + 1]
+            self._flags.append(flags)
+
+    def _capture(self) -> None:
+        """Capture the S sub-iterations (kernels, all-reduces, updates) as one CUDA graph per GPU."""
+        cp = cupy()
+        for p in self.parts:
+            if not p._graphable():
+                raise ConfigError("graph", f"graph capture needs non-allocating kernels, not fp={p.fp_kernel} "
+                                           f"bp={p.bp_kernel}")
+        shards = self.parts[0].shards
+        for s in shards:
+            with cp.cuda.Device(s.device):
+                s.stream.begin_capture()
+        try:
+            for p in self.parts:
+                p.graph_capturing = True
+                for t in p.shards:
+                    t.order = []
+                p._launch(record=False)
+        finally:
+            graphs = []
+            for p in self.parts:
+                p.graph_capturing = False
+            for s in shards:
+                with cp.cuda.Device(s.device):
+                    graphs.append(s.stream.end_capture())
+        for s, gr in zip(shards, graphs):
+            with cp.cuda.Device(s.device):
+                if hasattr(gr, "upload"):
+                    gr.upload(s.stream)
+        self._graphs = graphs
+        self.synchronize()
+        log.info("captured one OSEM pass (%d subsets) as %d CUDA graph(s)", len(self.parts), len(graphs))
+
     # --- Backend interface ---------------------------------------------------------------
     def iterate(self, f: Any) -> Any:
-        """One OSEM iteration: the S sub-iterations in order, on the shared image (one array per GPU)."""
-        for p in self.parts:
-            f = p.iterate(f)
-        return f
+        """One OSEM iteration: the S sub-iterations in order, on the shared image (one array per GPU); with
+        graphs one replay per GPU, then one read of each GPU's overflow flags."""
+        if not (self.graph and self._graphs is not None):
+            for p in self.parts:
+                f = p.iterate(f)
+            return f
+        cp = cupy()
+        first = self.parts[0]
+        first._adopt(f)
+        for s, gr in zip(first.shards, self._graphs):
+            with cp.cuda.Device(s.device):
+                s.order = []
+                first._mark(s, "start", True)
+                gr.launch(s.stream)
+                first._mark(s, "iteration", True)
+        for p in self.parts[1:]:
+            for t in p.shards:
+                t.order = []
+        for s, flags in zip(first.shards, self._flags or []):
+            with cp.cuda.Device(s.device):
+                bad = np.flatnonzero(flags.get(stream=s.stream))
+            if bad.size:
+                raise DeviceError(f"{self.bp_kernel} overflowed in subset {int(bad[0])} inside a CUDA graph; run "
+                                  "without graph=True (the eager path retries with a larger range)")
+        return [s.f for s in first.shards]
 
     def last_step_times(self) -> dict[str, float]:
         """Seconds per step of the last iteration, summed over the subsets (each step the slowest GPU's);
-        ``iteration`` is the longest GPU's span from the first subset's first event to the last one's last."""
+        ``iteration`` is the longest GPU's span from the first subset's first event to the last one's last
+        (with graphs only ``iteration``: a replay hides the steps)."""
         cp = cupy()
         per: dict[str, float] = {}
-        for p in self.parts:
-            for k, v in p.last_step_times().items():
-                if k != "iteration":
-                    per[k] = per.get(k, 0.0) + v
+        last = self.parts[-1] if not (self.graph and self._graphs is not None) else self.parts[0]
+        if last is not self.parts[0]:
+            for p in self.parts:
+                for k, v in p.last_step_times().items():
+                    if k != "iteration":
+                        per[k] = per.get(k, 0.0) + v
         span = 0.0
-        for s0, s1 in zip(self.parts[0].shards, self.parts[-1].shards):
+        for s0, s1 in zip(self.parts[0].shards, last.shards):
             if s0.order and s1.order:
                 with cp.cuda.Device(s0.device):
                     span = max(span, cp.cuda.get_elapsed_time(s0.events[s0.order[0]], s1.events[s1.order[-1]]) / 1e3)
@@ -168,11 +248,18 @@ class OsemBackend(Backend):
         return self.parts[0].from_host(f)
 
     def use_graph(self, on: bool) -> None:
-        for p in self.parts:
-            p.use_graph(on)
+        """Replay the pass's graphs (True; captured now where not yet) or launch subset by subset (False)."""
+        if on and self._graphs is None:
+            self._capture()
+        self.graph = bool(on)
 
     def close(self) -> None:
-        """Close the subsets' backends, the first (which owns the communicators) last."""
+        """Drop the pass's graphs (NCCL keeps a communicator a graph captured), then close the subsets'
+        backends, the first (which owns the communicators) last."""
+        if getattr(self, "_graphs", None) is not None:
+            self.synchronize()
+            self._graphs = None
+            gc.collect()
         for p in reversed(getattr(self, "parts", [])):
             p.close()
 
@@ -188,6 +275,8 @@ class OsemBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         out = self.parts[0].describe()
+        if self.graph:
+            out.update(graph=True, steps=["iteration"])
         out.update(backend=self.name, subsets=len(self.parts),
                    subset_rows=[[int(self.bounds[k]), int(self.bounds[k + 1])] for k in range(len(self.parts))],
                    load_seconds=round(self.load_seconds, 3))
