@@ -26,6 +26,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 for pin in "${pins[@]}"; do
     [[ $pin == connection_pool==* ]] && python3 -m pip wheel -q --no-deps -w "$dest" "$pin"
 done
-n=$(find "$dest" -name '*.whl' | wc -l)
+n=$(find "$dest" -maxdepth 1 -type f -name '*.whl' | wc -l)
 echo "fetch_wheels: $n wheels in $dest ($(du -sh "$dest" | cut -f1)); expected ${#pins[@]}"
 [[ $n -eq ${#pins[@]} ]]
