@@ -85,6 +85,7 @@ from numba import njit, prange
 
 from mlemlib.errors import MatrixFormatError
 from mlemlib.matrix import CSRMatrix, validate_csr_arrays
+from mlemlib.setup_times import timed
 
 # mlemlib.formats (which reads and writes this format) imports this module, so
 # this module imports nothing of mlemlib.formats (no import circle).
@@ -419,6 +420,7 @@ def rowbase_length(m: int) -> int:
     return m // ROW_BLOCK + 1
 
 
+@timed("check")
 def check_alignment(slotptr: np.ndarray, source: str | os.PathLike, *, row0: int = 0, slot0: int = 0) -> None:
     """Raise :class:`MatrixFormatError` unless every slot offset is a multiple of :data:`SLOT_ALIGN`.
 
@@ -660,6 +662,7 @@ def encode_bits(
     return CompressedMatrix.from_arrays(slotptr, codes, out.view(VALUE_DTYPES[fmt]), sc, (m, int(n)), nnz, code_bits)
 
 
+@timed("decode")
 def decode_slots(
     slotptr: np.ndarray,
     codes: np.ndarray,
@@ -743,6 +746,7 @@ def _raise_bad_row(slotptr, bad_slot, bad_col, high, n, source, row0, slot0) -> 
     )
 
 
+@timed("check")
 def check_slots(slotptr, codes, values, scale, n, **where) -> int:
     """Check encoded rows as :func:`decode_slots` does, without decoding them; return their element count.
 

@@ -19,7 +19,11 @@ inputs) so that a killed run resumes where it stopped and ends with the same
 image, bit for bit, on a deterministic backend. It writes ``image.h5`` (grid
 shape, voxel size), ``image.raw`` (nCols float32, no header, for the existing
 tools) and ``timings.json`` (per-step statistics per repetition, set-up
-times, backend and device facts, accuracy). On GPUs it also records each
+times, backend and device facts, accuracy). The set-up is recorded per phase
+(:mod:`mlemlib.setup_times`: opening and reading the matrix, copies to the
+GPU, compilation, tuning, warm-up; ``setup.phases``), and where the iterations
+start the log says how long after the process's start that is
+(``setup.first_iteration_s``). On GPUs it also records each
 GPU's measured copy bandwidth once per run (in the backend's device facts)
 and each repetition's energy from NVML (:class:`mlemlib.devices.EnergyMeter`):
 ``energy_J``, ``energy_per_iteration_J``, ``power_W``, None where not
@@ -57,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from mlemlib import setup_times
 from mlemlib._io import atomic_path
 from mlemlib.backends import make_backend
 from mlemlib.backends.base import Backend, timed_iterations
@@ -236,17 +241,23 @@ def reconstruct(
     use_checkpoint = checkpointed and ckpt_path.exists()
     opened: list[Any] = []
     try:
-        prob = load_problem(opened, matrix, sino, norm, transpose, reference, truth, settings)
-        resume = read_resume(ckpt_path, key=prob.key, n=prob.shape[1], dtype=settings.dtype,
-                             repetitions=settings.repetitions, iterations=settings.iterations) if use_checkpoint else None
-        with Stopwatch() as sw_setup:
-            be = make_backend(
-                settings.backend, prob.src, prob.g, prob.norm, prob.tsrc, fp=settings.fp, bp=settings.bp,
-                dtype=settings.dtype, gpus=settings.gpus, layout=settings.layout, plan=settings.plan,
-                secsize=settings.secsize, threads=settings.threads, chunks=chunks,
-                background=prob.corrections.background, subsets=prob.corrections.bounds,
-                **({"graph": True} if settings.graph else {}),
-            )
+        # one record of the set-up's phases, from loading the problem to the backend's warm-up (the backend
+        # joins it): timings.json's setup.phases
+        with setup_times.recording() as rec:
+            with setup_times.phase("problem"):
+                prob = load_problem(opened, matrix, sino, norm, transpose, reference, truth, settings)
+            resume = read_resume(ckpt_path, key=prob.key, n=prob.shape[1], dtype=settings.dtype,
+                                 repetitions=settings.repetitions, iterations=settings.iterations
+                                 ) if use_checkpoint else None
+            with Stopwatch() as sw_setup:
+                be = make_backend(
+                    settings.backend, prob.src, prob.g, prob.norm, prob.tsrc, fp=settings.fp, bp=settings.bp,
+                    dtype=settings.dtype, gpus=settings.gpus, layout=settings.layout, plan=settings.plan,
+                    secsize=settings.secsize, threads=settings.threads, chunks=chunks,
+                    background=prob.corrections.background, subsets=prob.corrections.bounds,
+                    **({"graph": True} if settings.graph else {}),
+                )
+        phases = rec.as_dict()
         desc = be.describe()
         log.info("backend %s ready (%.2f s): %s", desc.get("backend", settings.backend), sw_setup.seconds, desc)
         gpus_used = backend_gpus(desc)
@@ -269,6 +280,8 @@ def reconstruct(
             log.warning("%s: written by another configuration %s; resuming with %s", ckpt_path, resume["config"], config)
         # Under a launcher (one process per GPU) every rank holds the same image; rank 0 writes.
         writer = bool(getattr(be, "writes_output", True))
+        first_s = setup_times.process_age()
+        log.info("first iteration after %.1f s since the process started (set-up %.1f s)", first_s, phases["total"])
         records, host_img, others = _iterate(be, prob, settings, config, resume, ckpt_path if writer else None,
                                              progress, energy)
         timings = timings_record(
@@ -277,6 +290,7 @@ def reconstruct(
                      "truth": truth, "plan": plan},
             matrix_name=matrix_name, data_name=data_name, device_info=device_info, setup_s=sw_setup.seconds,
         )
+        timings["setup"].update(phases=phases, first_iteration_s=first_s)
         return _write_outputs(
             out_image, host_img, timings, prob, writer=writer, raw_out=raw_out, timings_out=timings_out,
             ckpt_path=ckpt_path if checkpointed else None,

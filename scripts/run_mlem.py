@@ -8,6 +8,12 @@ send_to_log(snakemake.log[0])
 
 import contextlib  # noqa: E402
 
+from mlemlib.setup_times import process_age  # noqa: E402
+
+# Python's and Snakemake's start before this script's body; reconstruct logs the first
+# iteration's time since the process started and the set-up's phases (timings.json's setup)
+logging.info("run_mlem: started %.1f s after its process", process_age())
+
 from mlemlib.dist.lease import lease_gpus  # noqa: E402
 from mlemlib.mlem import reconstruct  # noqa: E402
 

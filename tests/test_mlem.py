@@ -152,7 +152,10 @@ def test_outputs_and_timings(problem, tmp_path):
             st = rec["steps"][step]
             assert st["n"] == 7 and st["min"] <= st["median"] <= st["max"] and st["min"] <= st["mean"] <= st["max"]
             assert len(rec["samples"][step]) == 7
-    assert set(on_disk["setup"]) == {"load_s", "backend_s"}
+    assert set(on_disk["setup"]) == {"load_s", "backend_s", "phases", "first_iteration_s"}
+    phases = on_disk["setup"]["phases"]  # the set-up per phase (mlemlib.setup_times; tests/test_setup_times.py)
+    assert phases["total"] >= phases["problem"] >= 0 and phases["read_bytes"] == 0  # a matrix in memory: no reads
+    assert on_disk["setup"]["first_iteration_s"] >= phases["total"]
     assert on_disk["bytes"]["fp"] == 8 * (a.shape[0] + 1) + 8 * a.nnz
     assert on_disk["deterministic"] is True
     assert len({r["accuracy"]["image_sha256"] for r in on_disk["repetitions"]}) == 1  # bit-identical repetitions

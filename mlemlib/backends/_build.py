@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from mlemlib import setup_times
 from mlemlib.errors import DeviceError
 
 log = logging.getLogger(__name__)
@@ -65,9 +66,9 @@ def kernel_source(name: str) -> str:
 
 @functools.cache
 def module(build: Build, device_id: int) -> Any:
-    """``build`` compiled for one device (memoized per build and device)."""
+    """``build`` compiled for one device (memoized per build and device; set-up phase ``compile``)."""
     cp = cupy()
-    with cp.cuda.Device(device_id):
+    with cp.cuda.Device(device_id), setup_times.phase("compile"):
         mod = cp.RawModule(code=kernel_source(build.source), options=("--std=c++17", *build.options))
         mod.compile()
     log.debug("compiled %s.cu %s for device %d", build.source, " ".join(build.options), device_id)

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from mlemlib import setup_times
 from mlemlib._io import prefetched
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib.backends._build import Build, check_vector, cupy
@@ -239,15 +240,17 @@ class DeviceCompressed(DeviceMatrix):
 
     @classmethod
     def from_host(cls, a) -> DeviceCompressed:
-        """Upload a :class:`~mlemlib.compressed.CompressedMatrix` (its row pointer must start at slot 0)."""
+        """Upload a :class:`~mlemlib.compressed.CompressedMatrix` (its row pointer must start at slot 0;
+        set-up phase ``to_gpu``)."""
         cp = cupy()
         if a.shape[0] >= 0 and int(a.rowbase[0]) + int(a.rowoff[0]) != 0:
             raise ValueError("the row pointer must start at slot 0 (use row_range or read_encoded, which rebase)")
-        scale = cp.asarray(a.scale) if a.scale is not None else None
-        return cls(
-            cp.asarray(a.rowbase), cp.asarray(a.rowoff), cp.asarray(a.codes), cp.asarray(a.values), scale,
-            a.shape, a.nnz, int(getattr(a, "code_bits", 8)),
-        )
+        with setup_times.phase("to_gpu", device=True):
+            scale = cp.asarray(a.scale) if a.scale is not None else None
+            return cls(
+                cp.asarray(a.rowbase), cp.asarray(a.rowoff), cp.asarray(a.codes), cp.asarray(a.values), scale,
+                a.shape, a.nnz, int(getattr(a, "code_bits", 8)),
+            )
 
     @property
     def format(self) -> str:  # type: ignore[override]
@@ -293,21 +296,26 @@ class DeviceCompressed(DeviceMatrix):
         scale = None if lossless else cp.empty(r1 - r0, dtype=cp.float32)
         nnz = 0
         pieces = chunk_bounds(rel, UPLOAD_CHUNK_NNZ)
-        # Piece k + 1 is read and checked (columns in range, values finite and >= 0) while piece k is copied.
+        # Piece k + 1 is read and checked (columns in range, values finite and >= 0) while piece k is copied
+        # (set-up phases wait_read: this thread waits for a piece; to_gpu: the copies).
         encoded = prefetched(lambda ab: source.read_encoded(r0 + ab[0], r0 + ab[1]), pieces)
-        for k, ((a, b), enc) in enumerate(zip(pieces, encoded)):
+        for k, (a, b) in enumerate(pieces):
+            with setup_times.phase("wait_read"):
+                enc = next(encoded)
             lo, hi = int(rel[a]), int(rel[b])
-            if hi > lo:
-                codes[lo:hi].set(enc.codes)
-                values[lo:hi].set(enc.values)
-            if scale is not None and b > a:
-                scale[a:b].set(enc.scale)
+            with setup_times.phase("to_gpu", device=True):
+                if hi > lo:
+                    codes[lo:hi].set(enc.codes)
+                    values[lo:hi].set(enc.values)
+                if scale is not None and b > a:
+                    scale[a:b].set(enc.scale)
             nnz += int(enc.nnz)
             if len(pieces) > 8 and (k + 1) % max(1, len(pieces) // 10) == 0:
                 log.info("%s: rows %d..%d on GPU %d: %d of %d slots copied", what, r0, r1,
                          cp.cuda.Device().id, hi, total)
-        return cls(cp.asarray(rowbase), cp.asarray(rowoff), codes, values, scale, (r1 - r0, int(source.shape[1])),
-                   nnz, int(source.code_bits))
+        with setup_times.phase("to_gpu", device=True):
+            return cls(cp.asarray(rowbase), cp.asarray(rowoff), codes, values, scale,
+                       (r1 - r0, int(source.shape[1])), nnz, int(source.code_bits))
 
     @staticmethod
     def device_bytes(source: Any) -> int:
@@ -391,19 +399,29 @@ def _encoded_rows(source: Any, r0: int, r1: int, fmt: str, what: str):
     parts, bits = [], None
     ip = np.asarray(src.read_indptr(), dtype=np.int64)[r0 : r1 + 1]
     for a, b in chunk_bounds(ip, UPLOAD_CHUNK_NNZ):
-        enc = CompressedMatrix.from_csr(src.read_rows(r0 + a, r0 + b), fmt, code_bits=bits, validate=False)
+        block = src.read_rows(r0 + a, r0 + b)
+        with setup_times.phase("encode"):
+            enc = CompressedMatrix.from_csr(block, fmt, code_bits=bits, validate=False)
         bits = enc.code_bits
         parts.append(enc)
     if not parts:
-        return CompressedMatrix.from_csr(src.read_rows(r0, r1), fmt, validate=False)
+        block = src.read_rows(r0, r1)
+        with setup_times.phase("encode"):
+            return CompressedMatrix.from_csr(block, fmt, validate=False)
     log.info("%s: rows %d..%d encoded as %s (%d-bit codes) on the way to the GPU", what, r0, r1, fmt, bits)
-    return parts[0] if len(parts) == 1 else CompressedMatrix.concatenate(parts)
+    with setup_times.phase("encode"):
+        return parts[0] if len(parts) == 1 else CompressedMatrix.concatenate(parts)
 
 
 def upload_csr(a) -> DeviceCSRArrays:
-    """Upload a host :class:`~mlemlib.matrix.CSRMatrix` (``indptr`` rebased to 0)."""
+    """Upload a host :class:`~mlemlib.matrix.CSRMatrix` (``indptr`` rebased to 0; set-up phase ``to_gpu``)."""
     cp = cupy()
     ip = np.asarray(a.indptr, dtype=np.int64)
+    with setup_times.phase("to_gpu", device=True):
+        return _csr_arrays(cp, ip, a)
+
+
+def _csr_arrays(cp: Any, ip: np.ndarray, a: Any) -> DeviceCSRArrays:
     return DeviceCSRArrays(
         cp.asarray(ip - ip[0]),
         cp.asarray(np.asarray(a.indices, dtype=np.int32)),
@@ -900,17 +918,25 @@ class DeviceChunked:
         chunk_rows, counts, voxels = [np.zeros(1, np.int64)], [], []
         k = 0  # stored elements
         read = 0  # non-zeros
-        for b in chunked.layout_blocks(source, fmt, window=window, rows=rows, max_nnz=max_nnz, what=what):
+        # set-up phases: chunk (the next block read, chunked and laid out; its reads are phases of their
+        # own), to_gpu (its copies)
+        blocks = chunked.layout_blocks(source, fmt, window=window, rows=rows, max_nnz=max_nnz, what=what)
+        while True:
+            with setup_times.phase("chunk"):
+                b = next(blocks, None)
+            if b is None:
+                break
             r0, r1 = b.r0 - r_lo, b.r1 - r_lo  # rows of this block
-            if half:
-                scale[r0:r1] = cp.asarray(b.scale)
             n_b = len(b.local)
-            indptr[r0 + 1 : r1 + 1] = cp.asarray(b.indptr[1:] + k)
-            local[k : k + n_b] = cp.asarray(b.local)
-            data[k : k + n_b] = cp.asarray(b.data)
+            with setup_times.phase("to_gpu", device=True):
+                if half:
+                    scale[r0:r1] = cp.asarray(b.scale)
+                indptr[r0 + 1 : r1 + 1] = cp.asarray(b.indptr[1:] + k)
+                local[k : k + n_b] = cp.asarray(b.local)
+                data[k : k + n_b] = cp.asarray(b.data)
+                voxels.append(cp.asarray(b.voxels))  # on the device block by block: the host holds one block
             chunk_rows.append(b.chunk_rows[1:] + r0)
             counts.append(b.counts)
-            voxels.append(cp.asarray(b.voxels))  # on the device block by block: the host holds one block
             k += n_b
             read += b.nnz
             del b
@@ -921,10 +947,11 @@ class DeviceChunked:
         vptr = np.zeros(sum(len(c) for c in counts) + 1, dtype=np.int64)
         if counts:
             np.cumsum(np.concatenate(counts), out=vptr[1:])
-        vox = cp.concatenate(voxels) if voxels else cp.empty(0, dtype=cp.int32)
-        del voxels
-        out = cls(indptr, local[:k], data[:k], cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr), vox, (m, n),
-                  window, nnz, scale, fmt)
+        with setup_times.phase("to_gpu", device=True):
+            vox = cp.concatenate(voxels) if voxels else cp.empty(0, dtype=cp.int32)
+            del voxels
+            out = cls(indptr, local[:k], data[:k], cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr), vox,
+                      (m, n), window, nnz, scale, fmt)
         log.info("%s: %d chunks of <= %d voxels, reuse %.2f, %.3f bytes per non-zero on the GPU, in %.1f s",
                  what, out.chunks, window, out.reuse, out.nbytes / max(nnz, 1), time.perf_counter() - t0)
         return out
@@ -973,11 +1000,15 @@ class DeviceChunked:
         step = max(1, int(max_nnz))
 
         def load(name: str, a: int, b: int, dtype: Any) -> Any:
-            # piece k + 1 read from the file while piece k is copied to the GPU
+            # piece k + 1 read from the file while piece k is copied to the GPU (set-up phases wait_read, to_gpu)
             out = cp.empty(b - a, dtype=dtype)
             spans = [(p, min(b, p + step)) for p in range(a, b, step)]
-            for (p, q), host in zip(spans, prefetched(lambda span: layout.read(name, *span), spans)):
-                out[p - a : q - a] = cp.asarray(host)
+            pieces = prefetched(lambda span: layout.read(name, *span), spans)
+            for p, q in spans:
+                with setup_times.phase("wait_read"):
+                    host = next(pieces)
+                with setup_times.phase("to_gpu", device=True):
+                    out[p - a : q - a] = cp.asarray(host)
             return out
 
         out = cls(cp.asarray(ip - e0), load("local", e0, e1, cp.uint16), load("data", e0, e1, layout.value_dtype),

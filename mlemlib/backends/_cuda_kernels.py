@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from mlemlib.backends import _cuda_plan as plan
-from mlemlib.backends._build import Build, check_vector, cupy, function
+from mlemlib import setup_times
+from mlemlib.backends._build import Build, check_vector, cupy, function, kernel_source
 from mlemlib.backends.device_formats import DeviceMatrix
 from mlemlib.devices import cuda_memory_bandwidth
 from mlemlib.errors import ConfigError, DeviceError
@@ -72,6 +73,22 @@ def device_properties(device_id: int) -> dict[str, Any]:
         "compute_capability": f"{p['major']}.{p['minor']}",
         "memory_bandwidth": float(cuda_memory_bandwidth(device_id).get("theoretical_bandwidth", 0.0)),
     }
+
+
+def _device_key() -> dict[str, Any]:
+    """The current device's facts a tuning depends on (part of a tuning cache key)."""
+    cp = cupy()
+    props = device_properties(cp.cuda.Device().id)
+    return {"name": props["name"], "compute_capability": props["compute_capability"],
+            "cuda_runtime": int(cp.cuda.runtime.runtimeGetVersion())}
+
+
+@functools.cache
+def _kernels_digest() -> str:
+    """SHA-256 of spmv.cu as compiled (its headers included): a tuning cache entry is for this code."""
+    import hashlib
+
+    return hashlib.sha256(kernel_source("spmv").encode()).hexdigest()
 
 
 def shape_label(a: Any) -> str:
@@ -159,12 +176,13 @@ class DeviceCSR(DeviceMatrix):
 
     @classmethod
     def from_host(cls, a: CSRMatrix) -> DeviceCSR:
-        """Copy a host :class:`CSRMatrix` to the current GPU (row pointer rebased to 0)."""
+        """Copy a host :class:`CSRMatrix` to the current GPU (row pointer rebased to 0; set-up phase ``to_gpu``)."""
         cp = cupy()
         indptr = np.asarray(a.indptr, dtype=np.int64)
         if len(indptr) and indptr[0] != 0:
             indptr = indptr - indptr[0]
-        return cls(cp.asarray(indptr), cp.asarray(a.indices), cp.asarray(a.data), a.shape)
+        with setup_times.phase("to_gpu", device=True):
+            return cls(cp.asarray(indptr), cp.asarray(a.indices), cp.asarray(a.data), a.shape)
 
     def to_host(self) -> CSRMatrix:
         """Copy back to a host :class:`CSRMatrix` (each row by column: the layout is set back to 0 first)."""
@@ -230,7 +248,8 @@ class DeviceCSR(DeviceMatrix):
         """Lanes per row ``csr_vector`` / ``scatter`` take for this matrix (at most ``cap``)."""
         return plan.choose_lanes(self.stats()["mean_row_length"], cap)
 
-    def tune(self, lanes: int, *, candidates=plan.SHAPE_CANDIDATES, repeat: int = 7) -> plan.RowShape:
+    def tune(self, lanes: int, *, candidates=plan.SHAPE_CANDIDATES, repeat: int = 7, cache: Any = None,
+             cache_key: dict | None = None) -> plan.RowShape:
         """Time ``csr_vector`` (``lanes`` per row) under each launch shape; keep the fastest as :attr:`row_shape`.
 
         A shape never changes a result (each row is summed the same way), so
@@ -239,17 +258,42 @@ class DeviceCSR(DeviceMatrix):
         CUDA events; the median decides. Candidates a lane count cannot take
         are skipped. (Timing each candidate right after its compilation would
         time a GPU that idled through the compilation.)
+
+        ``cache`` (a :class:`~mlemlib.backends._tune_cache.TuneCache`) and
+        ``cache_key`` (:func:`~mlemlib.backends._tune_cache.source_key` of the
+        file this matrix was read from; None: not cached): the shape stored for
+        this matrix, lanes, layout, candidates, device and kernels is taken
+        without timing (nor compiling) the others; a tuning is stored. The set-up phase ``tune``.
         """
+        with setup_times.phase("tune", device=True):
+            return self._tune(lanes, candidates, repeat, cache, cache_key)
+
+    def _tune(self, lanes: int, candidates: Any, repeat: int, cache: Any, cache_key: dict | None) -> plan.RowShape:
         cp = cupy()
         m, n = self.shape
         if m == 0 or self.nnz == 0:
             self.row_shape, self.tuned = None, {}
             return plan.RowShape()
-        x = cp.ones(n, dtype=cp.float32)
-        y = cp.empty(m, dtype=cp.float32)
         long_rows = self.stats()["max_row_length"] > plan.ROW_KERNEL_MAX_LENGTH
         shapes = [sh for sh in candidates
                   if sh.is_default or (lanes in plan.BLOCK_LANES and not (sh.row_bound and long_rows))]
+        key = None
+        if cache is not None and cache_key is not None:
+            from mlemlib.backends import _tune_cache
+
+            key = _tune_cache.tune_key(cache_key, lanes=lanes, layout=self.layout,
+                                       candidates=[sh.label() for sh in shapes], device=_device_key(),
+                                       kernels=_kernels_digest())
+            hit = cache.get(key)
+            best = next((sh for sh in shapes if hit is not None and sh.label() == hit["best"]), None)
+            if best is not None:
+                self.row_shape = None if best.is_default else best
+                self.tuned = {str(k): float(v) for k, v in hit["times_ms"].items()}
+                log.info("csr_vector on %s x %s (%d lanes): %s from the tuning cache %s", m, n, lanes,
+                         best.label(), cache.path(key))
+                return best
+        x = cp.ones(n, dtype=cp.float32)
+        y = cp.empty(m, dtype=cp.float32)
         for shape in shapes:  # compile and warm up every build first: the GPU idles while NVRTC runs
             spmv(self, x, y, lanes=lanes, shape=shape)
         events = {sh: [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(repeat)] for sh in shapes}
@@ -266,6 +310,8 @@ class DeviceCSR(DeviceMatrix):
         self.tuned = {sh.label(): t for sh, t in times.items()}
         log.info("csr_vector on %s x %s (%d lanes): %s", m, n, lanes,
                  ", ".join(f"{k} {v:.3f} ms" for k, v in self.tuned.items()) + f" -> {best.label()}")
+        if key is not None:
+            cache.put(key, best.label(), self.tuned)
         return best
 
     def cusparse(self) -> Any:
@@ -312,26 +358,28 @@ class DeviceCSR(DeviceMatrix):
         return self.compact_rows() if skip_empty else None
 
     def transpose(self) -> DeviceCSR:
-        """``A^T`` as CSR, computed on the GPU with cuSPARSE (csr2csc); rows' columns sorted."""
+        """``A^T`` as CSR, computed on the GPU with cuSPARSE (csr2csc); rows' columns sorted (set-up phase
+        ``transpose``)."""
         cp = cupy()
         m, n = self.shape
         if self.nnz == 0:
             return DeviceCSR(cp.zeros(n + 1, cp.int64), cp.zeros(0, cp.int32), cp.zeros(0, cp.float32), (n, m))
-        t = self.cusparse().T.tocsr()
-        out = DeviceCSR(t.indptr.astype(cp.int64), t.indices, t.data, (n, m))
-        return out
+        with setup_times.phase("transpose", device=True):
+            t = self.cusparse().T.tocsr()
+            return DeviceCSR(t.indptr.astype(cp.int64), t.indices, t.data, (n, m))
 
 
 def set_row_layouts(a: Any, at: Any, fp_interleaved: bool, bp_interleaved: bool, lanes_fp: int, lanes_bp: int) -> None:
     """Give a backend's ``A`` and ``A^T`` the layouts its kernels read best (:func:`_cuda_plan.row_layouts`,
     :meth:`DeviceCSR.set_layout`); matrices of other formats, and a missing ``A^T``, are left alone.
-    Called before the launch shapes are tuned: they are timed on the layout used."""
+    Called before the launch shapes are tuned: they are timed on the layout used. The set-up phase ``layout``."""
     if not isinstance(a, DeviceCSR):
         return
     la, lt = plan.row_layouts(fp_interleaved, bp_interleaved, at is not None, lanes_fp, lanes_bp)
-    a.set_layout(la)
-    if isinstance(at, DeviceCSR):
-        at.set_layout(lt)
+    with setup_times.phase("layout", device=True):
+        a.set_layout(la)
+        if isinstance(at, DeviceCSR):
+            at.set_layout(lt)
 
 
 # --------------------------------------------------------------------------- uploads (DeviceCSR.upload)
@@ -386,12 +434,21 @@ def load_device(matrix: Any, what: str = "matrix") -> DeviceCSR:
         data = cp.empty(nnz, dtype=cp.float32)
         indptr[0] = 0
         k = 0
-        for r0, r1, block in matrix.iter_chunks():
+        # the reader reads block k + 1 on its own thread while block k is copied (set-up phases
+        # wait_read: this thread waits for a block; to_gpu: the copies)
+        blocks = iter(matrix.iter_chunks())
+        while True:
+            with setup_times.phase("wait_read"):
+                item = next(blocks, None)
+            if item is None:
+                break
+            r0, r1, block = item
             bnnz = block.nnz
             ip = np.asarray(block.indptr, dtype=np.int64)
-            indptr[r0 + 1 : r1 + 1] = cp.asarray(ip[1:] - ip[0] + k)
-            indices[k : k + bnnz] = cp.asarray(block.indices)
-            data[k : k + bnnz] = cp.asarray(block.data)
+            with setup_times.phase("to_gpu", device=True):
+                indptr[r0 + 1 : r1 + 1] = cp.asarray(ip[1:] - ip[0] + k)
+                indices[k : k + bnnz] = cp.asarray(block.indices)
+                data[k : k + bnnz] = cp.asarray(block.data)
             k += bnnz
         if k != nnz:
             raise DeviceError(f"{what}: read {k} non-zeros, header says {nnz}")
@@ -427,7 +484,7 @@ def rowsto_device(source: Any, r0: int, r1: int, device: int, *, align: bool = F
             pad = aligned_pad(base) if align else 0
             ip = ip - (base - pad)
             idx, val = source.indices[base - pad : end], source.data[base - pad : end]
-        with cp.cuda.Device(device):
+        with cp.cuda.Device(device), setup_times.phase("to_gpu", device=True):
             idx, val = to_device(idx, device), to_device(val, device)
             if pad:
                 idx[:pad] = 0
@@ -455,7 +512,8 @@ def rowsto_device(source: Any, r0: int, r1: int, device: int, *, align: bool = F
         val = np.zeros(block.nnz + pad, dtype=np.float32)
         idx[pad:] = block.indices[: block.nnz]
         val[pad:] = block.data[: block.nnz]
-        return DeviceCSR(cp.asarray(ip), cp.asarray(idx), cp.asarray(val), block.shape)
+        with setup_times.phase("to_gpu", device=True):
+            return DeviceCSR(cp.asarray(ip), cp.asarray(idx), cp.asarray(val), block.shape)
 
 
 def _indptr_at(source: Any, row: int) -> int:
@@ -702,7 +760,12 @@ class SmemPlan:
 
 
 def smem_plan(a: DeviceCSR, *, chunk_nnz: int = SMEM_CHUNK_NNZ) -> SmemPlan:
-    """Plan ``scatter_smem``: nnz-balanced row chunks and each chunk's column window."""
+    """Plan ``scatter_smem``: nnz-balanced row chunks and each chunk's column window (set-up phase ``plan``)."""
+    with setup_times.phase("plan", device=True):
+        return _smem_plan(a, chunk_nnz)
+
+
+def _smem_plan(a: DeviceCSR, chunk_nnz: int) -> SmemPlan:
     cp = cupy()
     props = device_properties(cp.cuda.Device().id)
     bounds = plan.chunk_rows(a.indptr.get(), chunk_nnz)

@@ -40,9 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from mlemlib import registry
+from mlemlib import registry, setup_times
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as plan
+from mlemlib.backends._tune_cache import TuneCache, source_key
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR, ONEPASS_C_MAX, STEPS, Backend, bytes_per_nnz
 from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError
@@ -60,7 +61,8 @@ def sample_chunks(matrix: Any, device_id: int) -> tuple[float, float] | None:
     (:func:`mlemlib.chunked.sample_chunks`): what :func:`mlemlib.registry.choose_auto` decides from."""
     from mlemlib import chunked
 
-    return chunked.sample_chunks(matrix, cc().chunk_window(device_id))
+    with setup_times.phase("sample"):
+        return chunked.sample_chunks(matrix, cc().chunk_window(device_id))
 
 
 def chunk_layout(chunks: Any, matrix: Any) -> tuple[Any, bool]:
@@ -83,9 +85,10 @@ def chunk_layout(chunks: Any, matrix: Any) -> tuple[Any, bool]:
 
 
 def free_memory(device_id: int) -> int:
-    """Bytes free on a GPU, counting what CuPy's pool holds but does not use."""
+    """Bytes free on a GPU, counting what CuPy's pool holds but does not use (set-up phase ``init``: the
+    first call creates the device's CUDA context)."""
     cp = ck.cupy()
-    with cp.cuda.Device(device_id):
+    with setup_times.phase("init"), cp.cuda.Device(device_id):
         free, _total = cp.cuda.runtime.memGetInfo()
         return int(free + cp.get_default_memory_pool().free_bytes())
 
@@ -134,6 +137,13 @@ class CudaBackend(Backend):
     subsets
         None or ``[0, m]`` (one subset); OSEM with S > 1 runs through
         :class:`mlemlib.backends.osem.OsemBackend` (``make_backend`` takes it).
+    tune_cache
+        A directory that keeps ``tune``'s launch shapes per matrix file, row
+        block and device (:mod:`mlemlib.backends._tune_cache`); None: the
+        environment's ``MLEM_TUNE_CACHE``, and no cache where that is unset.
+
+    The set-up is recorded per phase (:mod:`mlemlib.setup_times`):
+    ``describe()["setup"]`` and one log line where it ends.
 
     Raises
     ------
@@ -147,6 +157,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
 
+    @setup_times.records
     def __init__(
         self,
         matrix: Any,
@@ -164,17 +175,20 @@ class CudaBackend(Backend):
         chunks: Any | None = None,
         background: Any | None = None,
         subsets: Any | None = None,
+        tune_cache: Any | None = None,
     ) -> None:
         super().__init__()
-        cp = ck.cupy()
-        try:
-            ndev = cp.cuda.runtime.getDeviceCount()
-        except Exception as exc:
-            raise DeviceError(f"no CUDA GPU usable: {exc}") from exc
-        if not 0 <= int(device) < ndev:
-            raise DeviceError(f"GPU {device} requested, {ndev} visible")
-        self.device_id = int(device)
-        self._device = cp.cuda.Device(self.device_id)
+        with setup_times.phase("init"):
+            cp = ck.cupy()
+            try:
+                ndev = cp.cuda.runtime.getDeviceCount()
+            except Exception as exc:
+                raise DeviceError(f"no CUDA GPU usable: {exc}") from exc
+            if not 0 <= int(device) < ndev:
+                raise DeviceError(f"GPU {device} requested, {ndev} visible")
+            self.device_id = int(device)
+            self._device = cp.cuda.Device(self.device_id)
+            free = free_memory(self.device_id)  # the first call on the device: its CUDA context is made here
         self.secsize = plan.DEFAULT_SECSIZE if secsize is None else int(secsize)
         if self.secsize < 1:
             raise ConfigError("secsize", f"section size must be >= 1, got {secsize}")
@@ -193,7 +207,6 @@ class CudaBackend(Backend):
 
         layout, own_layout = chunk_layout(chunks, matrix)
         with self._device, contextlib.closing(layout) if own_layout else contextlib.nullcontext():
-            free = free_memory(self.device_id)
             # a DeviceCSR already on the GPU needs nothing more; the chunked one pass holds its own copy
             self.chunked = bp not in ("auto", None) and registry.get_bp("cuda", str(bp)).chunks
             if self.chunked:
@@ -321,9 +334,10 @@ class CudaBackend(Backend):
                 raise ConfigError("subsets", "CudaBackend runs one subset; OSEM runs through make_backend (OsemBackend)")
             norm = norm.reshape(-1)
             bg = self._check_background(background, m)
-            self.g = cp.asarray(g, dtype=cp.float32)
-            self.bg = None if bg is None else cp.asarray(bg)
-            self.norm = cp.asarray(norm, dtype=cp.float32)
+            with setup_times.phase("to_gpu", device=True):
+                self.g = cp.asarray(g, dtype=cp.float32)
+                self.bg = None if bg is None else cp.asarray(bg)
+                self.norm = cp.asarray(norm, dtype=cp.float32)
 
             self._fp = cp.empty(m, dtype=cp.float32)
             # zeros: the correlation of an empty row, which the fused forward leaves unwritten (skip_empty)
@@ -364,10 +378,13 @@ class CudaBackend(Backend):
                 ck.set_row_layouts(self.a, self.at, self._kf is not None and self._kf.interleaved,
                                    self._kb.interleaved, self._lanes(self.a),
                                    self._lanes(self.at) if self.at is not None else 0)
+            cache = TuneCache.from_setting(tune_cache) if tune else None
             if tune and self._kf is not None and self._kf.shapes and isinstance(self.a, ck.DeviceCSR):
-                self.a.tune(self._lanes(self.a))
+                self.a.tune(self._lanes(self.a), cache=cache, cache_key=source_key(matrix, "A"))
             if tune and self.at is not None and self._kb.shapes:
-                self.at.tune(self._lanes(self.at))
+                self.at.tune(self._lanes(self.at), cache=cache, cache_key=(
+                    source_key(transpose, "AT") if transpose is not None
+                    else source_key(matrix, "AT (transposed on the GPU)")))
             self._warm_up()
         log.info(
             "cuda backend on GPU %d: fp=%s bp=%s (%s transpose), lanes fp=%s, fused fp+corr=%s, bp+update=%s",
@@ -389,10 +406,12 @@ class CudaBackend(Backend):
         return ck.transpose_lanes(a) if a is self.at else a.lanes()
 
     def _warm_up(self) -> None:
-        """Compile the kernels and create cuSPARSE handles now, not in the first timed iteration."""
-        f = self.initial_image()
-        self.iterate(f)
-        self.synchronize()
+        """Compile the kernels and create cuSPARSE handles now, not in the first timed iteration (set-up phase
+        ``warm_up``; the kernels' compilation is its own phase)."""
+        with setup_times.phase("warm_up", device=True):
+            f = self.initial_image()
+            self.iterate(f)
+            self.synchronize()
         self._events, self._prev_events = {}, {}
         self._event_order, self._prev_order = [], []
         self._times = {}
@@ -617,6 +636,7 @@ class CudaBackend(Backend):
             ],
             "device": {"index": self.device_id, **dev},
             "memory": self.memory,
+            "setup": getattr(self, "setup_record", None),
         }
         return out
 

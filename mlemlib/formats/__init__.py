@@ -57,6 +57,7 @@ from mlemlib.formats.lmsino import read_lmsino, write_lmsino
 from mlemlib.formats.mtx import read_mtx
 from mlemlib.formats.npz import read_npz
 from mlemlib.matrix import take_rows
+from mlemlib.setup_times import timed
 
 __all__ = [
     "MATRIX_FORMATS",
@@ -124,6 +125,7 @@ def file_kind(path: str | os.PathLike) -> str:
     raise MatrixFormatError(path, f"unknown file type (expected one of {', '.join(sorted(set(SUFFIXES)))})")
 
 
+@timed("open")
 def open_matrix(path: str | os.PathLike) -> Csr4File | MatrixH5 | InMemoryMatrix:
     """Open a system matrix by suffix: ``.csr4`` and ``.h5`` lazily, ``.mtx``/``.npz`` whole.
 

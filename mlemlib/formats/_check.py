@@ -19,11 +19,13 @@ import numpy as np
 
 from mlemlib.errors import MatrixFormatError, os_error_words
 from mlemlib.matrix import CSRMatrix, chunk_bounds
+from mlemlib.setup_times import timed
 
 #: Elements per streamed row block, unless the caller says otherwise.
 DEFAULT_CHUNK_NNZ = 1 << 26
 
 
+@timed("check")
 def check_row_ends(
     ends: np.ndarray,
     base: int,
@@ -94,6 +96,7 @@ def check_row_ends(
     return indptr
 
 
+@timed("check")
 def check_columns(cols: np.ndarray, n: int, source: str | os.PathLike, *, elem0: int = 0) -> None:
     """Raise :class:`MatrixFormatError` unless every column index lies in ``[0, n)``.
 
@@ -107,6 +110,7 @@ def check_columns(cols: np.ndarray, n: int, source: str | os.PathLike, *, elem0:
         raise MatrixFormatError(source, f"column index {int(cols[bad])} at element {elem0 + bad} out of range [0, {n})")
 
 
+@timed("check")
 def check_values(vals: np.ndarray, source: str | os.PathLike, *, elem0: int = 0) -> None:
     """Raise :class:`MatrixFormatError` unless every value is finite and non-negative.
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from mlemlib import setup_times
 from mlemlib._io import atomic_path, prefetched
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import (
@@ -446,7 +447,8 @@ class MatrixH5(RowBlockReader):
     # -- reads
     def read_indptr(self) -> np.ndarray:
         """The full int64 row pointer (``m + 1`` entries), validated non-decreasing."""
-        ip = self._ds["indptr"][...]
+        with setup_times.phase("read", nbytes=8 * (self.shape[0] + 1)):
+            ip = self._ds["indptr"][...]
         return check_row_ends(ip[1:], int(ip[0]), self.nnz, self.source)
 
     def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
@@ -473,7 +475,8 @@ class MatrixH5(RowBlockReader):
             If the range lies outside the matrix.
         """
         start, stop = check_range(start, stop, self.shape[0], self.source)
-        ip = self._ds["indptr"][start : stop + 1]
+        with setup_times.phase("read", nbytes=8 * (stop + 1 - start)):
+            ip = self._ds["indptr"][start : stop + 1]
         base = int(ip[0])
         indptr = check_row_ends(ip[1:], base, self.nnz, self.source, row0=start)
         hi = base + int(indptr[-1])
@@ -485,10 +488,12 @@ class MatrixH5(RowBlockReader):
         return CSRMatrix(indptr, indices, data, (stop - start, self.shape[1]))
 
     def _read(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Entries ``[lo, hi)`` of dataset ``name`` (set-up phase ``read``, with their bytes)."""
         ds = self._ds[name]
         out = np.empty(hi - lo, dtype=ds.dtype.newbyteorder("="))
         if hi > lo:
-            ds.read_direct(out, np.s_[lo:hi])
+            with setup_times.phase("read", nbytes=out.nbytes):
+                ds.read_direct(out, np.s_[lo:hi])
         return out
 
     def read_ahead(self, name: str, ranges: list[tuple[int, int]]) -> Iterator[np.ndarray]:
