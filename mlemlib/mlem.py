@@ -192,7 +192,8 @@ def reconstruct(
         False: none).
     reference_mode
         Compute the float64 reference instead (cpu, float64; ``fp``/``bp``
-        ``auto`` become ``scipy``); see :func:`reference`.
+        ``auto`` as the cpu backend resolves them: ``numba`` on every thread
+        given, ``scipy`` on one); see :func:`reference`.
     device_info
         Facts about the device(s) recorded in ``timings.json``.
     matrix_name
@@ -231,8 +232,8 @@ def reconstruct(
     )
     if reference_mode:
         settings.backend, settings.dtype = "cpu", np.dtype(np.float64)
-        settings.fp = "scipy" if fp in (None, "auto") else fp
-        settings.bp = "scipy" if bp in (None, "auto") else bp
+        settings.fp = "auto" if fp is None else fp
+        settings.bp = "auto" if bp is None else bp
         if gpus not in (None, 1):
             raise ConfigError("gpus", "the reference runs on the cpu (gpus 1)")
     out_image = Path(out_image)
@@ -493,8 +494,8 @@ def reference(
     """The float64 reference MLEM (OSEM) of a problem, written to ``reference.h5``.
 
     The same loop as :func:`reconstruct` on the cpu backend in float64
-    (SciPy kernels by default; ``fp="numba", bp="numba"`` avoid SciPy's float64
-    copy of the matrix for big problems). The image file records the problem
+    (``auto``: the Numba kernels on ``threads`` threads, float32 values widened
+    exactly, no float64 copy of the matrix; SciPy's with one thread). The image file records the problem
     hash and the iteration count, which :func:`reconstruct` checks before
     comparing against it. ``timings_out`` (alias ``record_out``) also writes
     its ``timings.json``. ``subsets``, ``subset_file``, ``multiplicative`` and

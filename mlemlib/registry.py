@@ -247,7 +247,8 @@ AUTO_RULES = (
     "cpu bp: like fp on a stored transpose; numba's blocked scatter without one",
     "cpu with a compressed matrix: numba (scipy reads CSR only)",
     "cuda fp (1 and N GPUs): csr_vector (delta_vector on a compressed matrix)",
-    "cuda bp (1 and N GPUs): csr_vector (delta_vector) on A^T when a transpose is available and A and A^T fit "
+    "cuda bp (1 and N GPUs): csr_vector (delta_vector) on A^T when a transpose is available (stored; a CSR "
+    "matrix of < 2^31 non-zeros, or a CSR block in the local layout, is transposed on the GPU) and A and A^T fit "
     "the GPU, else notrans (onepass_fixed on a compressed matrix)",
     "bp naming a whole-iteration kernel (onepass, onepass_fixed) runs the iteration in one pass; fp is then auto",
     "cuda notrans: scatter_smem when >= 50% of its row chunks fit shared memory, else scatter",

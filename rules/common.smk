@@ -848,15 +848,32 @@ def get_local_transpose(wildcards):
     return is_local_transpose(int(wildcards.parts), wildcards.matrix)
 
 
-def is_transpose_needed():
-    """True when some job reads results/{matrix}/transpose.h5: a run with a
-    stored-transpose back projection, a thesis-layout run, the SpMV benchmark
-    or the transposition comparison. Runs without a transpose (notrans, the
-    one-pass iteration) never make one."""
+def run_reads_transpose(run, matrix):
+    """True when a run reads transpose.h5 itself: a cpu run whose back
+    projection reads A^T, a thesis-layout run (its row blocks of A^T), and a
+    one-GPU run of such a kernel on a compressed matrix. A GPU transposes a
+    CSR matrix (or its block of rows, in the local layout) itself with
+    cuSPARSE, faster than reading A^T from disk, and a compressed block's
+    A_k^T comes from the partition's part files."""
+    if not uses_transpose(run["backend"], run["bp"]):
+        return False
+    if run["backend"] != "cuda":
+        return True
+    if run["gpus"] > 1:
+        return run["layout"] == "thesis"
+    return config["matrices"][matrix].get("format", "csr") != "csr"
+
+
+def is_transpose_needed(matrix):
+    """True when some job reads results/{matrix}/transpose.h5: a run that
+    reads it (run_reads_transpose), a partition that needs it
+    (is_partition_transposed), the SpMV benchmark or the transposition
+    comparison. Runs without a transpose (notrans, the one-pass iteration),
+    GPU runs on a CSR matrix in the local layout and the SpMV benchmark (it
+    transposes on its GPU where no transpose.h5 is made) never make one."""
     return (
-        any(uses_transpose(run["backend"], run["bp"]) for run in get_runs())
-        or any(run["layout"] == "thesis" and run["gpus"] > 1 for run in get_runs())
-        or is_bench_enabled()
+        any(run_reads_transpose(run, matrix) for run in get_runs())
+        or any(is_partition_transposed(parts, matrix) for parts in get_part_counts())
         or bool(get_compared_transpose_methods())
     )
 
@@ -1205,7 +1222,7 @@ def get_mlem_input(wildcards):
     run = get_run(wildcards)
     inputs = get_problem_input(wildcards)
     matrix = wildcards.matrix
-    if uses_transpose(run["backend"], run["bp"]):
+    if run_reads_transpose(run, matrix):
         inputs["transpose"] = get_path("transpose", matrix=matrix)
     if run["gpus"] > 1:
         inputs["plan"] = get_path("plan", matrix=matrix, parts=run["gpus"])
@@ -1231,12 +1248,34 @@ def get_mlem_threads(wildcards):
     return workflow.cores if run["backend"] == "cpu" else run["gpus"]
 
 
+def get_reference_threads(wildcards):
+    """Host threads of the float64 reference: every core but one per GPU
+    that the GPU jobs (cuda runs, the SpMV benchmark) can hold at once, so
+    that no GPU job waits for the reference's cores."""
+    if not is_gpu_enabled():
+        return workflow.cores
+    gpus = sum(run["gpus"] for run in get_runs() if run["backend"] == "cuda")
+    gpus += 1 if is_bench_enabled() else 0
+    limit = get_gpu_limit()
+    held = gpus if limit is None else min(gpus, limit)
+    return max(1, workflow.cores - held)
+
+
 # ------------------------------------------------------------------- benchmark
 
 
 def is_bench_enabled():
     """True when the SpMV benchmark runs (it needs a GPU)."""
     return config["bench"]["spmv"] and is_gpu_enabled()
+
+
+def get_bench_input(wildcards):
+    """Named inputs of bench_spmv: the matrix, and transpose.h5 where the
+    workflow makes it anyway (else the benchmark transposes on its GPU)."""
+    inputs = {"matrix": get_path("matrix", matrix=wildcards.matrix)}
+    if is_transpose_needed(wildcards.matrix):
+        inputs["transpose"] = get_path("transpose", matrix=wildcards.matrix)
+    return inputs
 
 
 def get_bench_params(wildcards):
@@ -1283,7 +1322,7 @@ def get_jobs():
             get_norm_factors(Wildcards(matrix, d)) for d in get_measurements(matrix)
         ):
             add("compute_norm", PATHS["norm"])
-        if is_transpose_needed():
+        if is_transpose_needed(matrix):
             add("transpose_matrix", PATHS["transpose"])
         for method in get_compared_transpose_methods():
             add("compare_transpose", PATHS["compared_transpose"], method=method)
@@ -1523,7 +1562,7 @@ def _stage_need(job, size):
             "backend": run["backend"],
             "gpus": run["gpus"],
             "parts": run["gpus"],
-            "stored_transpose": uses_transpose(run["backend"], run["bp"]),
+            "stored_transpose": run_reads_transpose(run, matrix),
             "device_format": _device_format(matrix),
             "source_format": fmt,
         }

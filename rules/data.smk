@@ -9,9 +9,10 @@ rule simulate_measurement:
         "logs/data/{matrix}-{data}.log",
     wildcard_constraints:
         data=get_simulated_data_regex(),
+    priority: 1
     conda:
         "../envs/cpu.yaml"
-    threads: workflow.cores
+    threads: max(1, workflow.cores // 2)
     resources:
         mem_mb=get_mem_mb("simulate"),
         runtime=get_runtime("simulate"),

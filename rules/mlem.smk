@@ -16,7 +16,7 @@ rule reference_mlem:
         f"benchmarks/mlem/{{matrix}}/{{data}}/reference-{REFERENCE_KEY}.tsv"
     conda:
         "../envs/cpu.yaml"
-    threads: workflow.cores
+    threads: get_reference_threads
     resources:
         mem_mb=get_mem_mb("mlem"),
         runtime=get_runtime("mlem"),
@@ -43,7 +43,7 @@ rule exact_reference_mlem:
         f"benchmarks/mlem/{{matrix}}/{{data}}/reference-exact-{REFERENCE_KEY}.tsv"
     conda:
         "../envs/cpu.yaml"
-    threads: workflow.cores
+    threads: get_reference_threads
     resources:
         mem_mb=get_mem_mb("mlem"),
         runtime=get_runtime("mlem"),
@@ -70,6 +70,7 @@ rule run_mlem:
         f"logs/mlem/{{matrix}}/{{data}}/{{run}}-{RUN_KEY}-gpus-{{gpus}}-{{layout}}.log",
     benchmark:
         f"benchmarks/mlem/{{matrix}}/{{data}}/{{run}}-{RUN_KEY}-gpus-{{gpus}}-{{layout}}.tsv"
+    priority: 1
     conda:
         "../envs/gpu.yaml"
     threads: get_mlem_threads
@@ -90,8 +91,7 @@ rule run_mlem:
 # SpMV kernels against cuSPARSE on one matrix (only where a GPU is used).
 rule bench_spmv:
     input:
-        matrix=PATHS["matrix"],
-        transpose=PATHS["transpose"],
+        unpack(get_bench_input),
     output:
         csv=PATHS["bench_csv"],
         md=PATHS["bench_md"],
@@ -100,6 +100,7 @@ rule bench_spmv:
         "logs/bench/{matrix}-spmv.log",
     benchmark:
         "benchmarks/bench/{matrix}-spmv.tsv"
+    priority: 1
     conda:
         "../envs/gpu.yaml"
     threads: 1

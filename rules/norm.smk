@@ -7,9 +7,10 @@ rule compute_norm:
         "logs/norm/{matrix}.log",
     benchmark:
         "benchmarks/norm/{matrix}.tsv"
+    priority: 1
     conda:
         "../envs/cpu.yaml"
-    threads: workflow.cores
+    threads: max(1, workflow.cores // 2)
     resources:
         mem_mb=get_mem_mb("norm"),
         runtime=get_runtime("norm"),

@@ -9,6 +9,7 @@ rule partition_matrix:
         "logs/partition/{matrix}-parts-{parts}.log",
     benchmark:
         "benchmarks/partition/{matrix}-parts-{parts}.tsv"
+    priority: 1
     conda:
         "../envs/cpu.yaml"
     threads: workflow.cores

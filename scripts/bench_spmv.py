@@ -13,7 +13,7 @@ bench = snakemake.params.bench
 with lease_gpus(1):  # the GPU Snakemake counted for this job, not one a run holds
     bench_spmv(
         snakemake.input.matrix,
-        snakemake.input.transpose,
+        snakemake.input.get("transpose"),
         repeat=bench["repeats"],
         secsizes=bench["secsizes"],
         formats=bench["formats"],

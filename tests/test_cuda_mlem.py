@@ -153,12 +153,23 @@ def test_bp_auto(pet, caplog):
     assert be.deterministic
     with caplog.at_level(logging.INFO, logger="mlemlib.backends.cuda"):
         be = CudaBackend(pet["a"], pet["g"], pet["norm"], None, bp="auto")
-    # without a transpose, the small TOR matrix's voxels all fit one chunk (reuse far above
-    # registry.CHUNK_REUSE_MIN): the chunked one pass
-    assert (be.bp_kernel, be.transpose_source, be.deterministic) == ("onepass_chunked", "none", True)
+    # without a stored transpose a CSR matrix is transposed on the GPU; the small TOR matrix's voxels all fit
+    # one chunk (reuse far above registry.CHUNK_REUSE_MIN), but one chunk is far fewer than
+    # CHUNK_WAVES_MIN per multiprocessor: the pair, as with a stored transpose
+    assert (be.bp_kernel, be.transpose_source, be.deterministic) == ("csr_vector", "cusparse on device", True)
     d = be.describe()
     assert d["bp_requested"] == "auto" and d["chunk_reuse_sample"] >= registry.CHUNK_REUSE_MIN
-    assert "no transpose given" in caplog.text and "onepass_chunked" in caplog.text
+    assert "no transpose given" not in caplog.text
+    img = be.to_host(be.iterate(be.initial_image()))
+    stored = CudaBackend(pet["a"], pet["g"], pet["norm"], pet["at"])
+    assert np.array_equal(img, stored.to_host(stored.iterate(stored.initial_image())))  # the same A^T, the same bits
+    # a compressed matrix is not transposed on the GPU: without a transpose, the chunked one pass
+    from mlemlib.compressed import CompressedMatrix
+
+    with caplog.at_level(logging.INFO, logger="mlemlib.backends.cuda"):
+        be = CudaBackend(CompressedMatrix.from_csr(pet["a"], "compressed"), pet["g"], pet["norm"], None, bp="auto")
+    assert (be.bp_kernel, be.transpose_source, be.deterministic) == ("onepass_chunked", "none", True)
+    assert "onepass_chunked" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mlemlib.backends.cuda"):
         be = CudaBackend(pet["a"], pet["g"], pet["norm"], None, bp="notrans")

@@ -18,8 +18,9 @@ Kernels (``fp=`` / ``bp=``; see docs/gpu.md for when to pick which):
   where a sample of the matrix's row chunks reuses voxels (a matrix in the
   reorder stage's order; :func:`mlemlib.registry.choose_auto`, the rule of every GPU
   count), else
-  ``csr_vector`` on the transpose when one is given and ``A`` and ``A^T``
-  both fit in free GPU memory, else ``notrans`` (logged).
+  ``csr_vector`` on the transpose when one is given, or when ``A`` is CSR
+  with at most 2^31 - 1 non-zeros (transposed on the GPU with cuSPARSE), and
+  ``A`` and ``A^T`` both fit in free GPU memory, else ``notrans`` (logged).
 
 With ``fuse=True`` (the default) the correlation runs in the epilogue of a
 ``csr_vector``/``csr_scalar`` forward projection and the update in the
@@ -213,8 +214,8 @@ class CudaBackend(Backend):
                 need_a = layout.device_bytes() if layout is not None else cc().DeviceChunked.device_bytes(matrix)
             else:
                 need_a = 0 if isinstance(matrix, DeviceMatrix) else dev_type.device_bytes(matrix)
-            if transpose is None:  # transposed on the GPU, about A's size
-                need_t = need_a
+            if transpose is None:  # transposed on the GPU: about A's size, and cuSPARSE's work space
+                need_t = need_a + 4 * nnz
             else:
                 need_t = 0 if isinstance(transpose, DeviceMatrix) else dev_type.device_bytes(transpose)
             need_vec = 4 * (3 * m + 4 * n)
@@ -226,12 +227,17 @@ class CudaBackend(Backend):
                     f"GPU {self.device_id}: A needs {need_a / GIB:.2f} GiB but only {free / GIB:.2f} GiB are free; "
                     "use more GPUs"
                 )
+            # A CSR matrix without a stored transpose is transposed here (cuSPARSE, 32-bit indices): faster
+            # than reading A^T from disk
+            on_gpu_t = transpose is None and self.format == "csr" and nnz <= registry.CUSPARSE_MAX_NNZ
             choice = registry.resolve(
-                "cuda", fp, bp, transpose_available=transpose is not None, fits=fits_both, fmt=self.format
+                "cuda", fp, bp, transpose_available=transpose is not None or on_gpu_t, fits=fits_both,
+                fmt=self.format
             )
             if bp in ("auto", None):
-                if transpose is None:
-                    log.info("bp=auto: no transpose given, back projection by scatter (no transpose)")
+                if transpose is None and not on_gpu_t:
+                    log.info("bp=auto: no transpose given (and none made on the GPU for a %s matrix of %d "
+                             "non-zeros), back projection without a transpose", self.format, nnz)
                 elif not fits_both:
                     log.warning(
                         "bp=auto: A (%.2f GiB) and A^T (%.2f GiB) do not both fit in the %.2f GiB free on GPU %d: "

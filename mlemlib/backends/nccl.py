@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from mlemlib import registry
+from mlemlib import registry, setup_times
 from mlemlib.backends import _compressed_cuda as cc
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as cplan
@@ -153,6 +153,7 @@ class NcclBackend(Backend):
 
     name = "cuda-nccl"
 
+    @setup_times.records
     def __init__(
         self,
         matrix: Any,
@@ -301,9 +302,10 @@ class NcclBackend(Backend):
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise DeviceError(f"out of GPU memory loading the parts ({exc}); use more GPUs") from exc
         # Loading ran on each device's default stream; the iteration runs on non-blocking streams.
-        for dev in devices:
-            with cp.cuda.Device(dev):
-                cp.cuda.runtime.deviceSynchronize()
+        with setup_times.phase("to_gpu"):
+            for dev in devices:
+                with cp.cuda.Device(dev):
+                    cp.cuda.runtime.deviceSynchronize()
         if own_layout:
             self._layout.close()
         self.load_seconds = time.perf_counter() - t0
@@ -314,7 +316,9 @@ class NcclBackend(Backend):
         if comms is None:
             if self.world != len(devices):
                 raise ConfigError("comms", "several processes need communicators (see mlemlib.dist.mpi)")
-            comms = nccl.NcclCommunicator.initAll(devices) if len(devices) > 1 else [self._single_comm(dev) for dev in devices]
+            with setup_times.phase("comms"):
+                comms = (nccl.NcclCommunicator.initAll(devices) if len(devices) > 1
+                         else [self._single_comm(dev) for dev in devices])
             self._owns_comms = True
         else:
             self._owns_comms = bool(own_comms)
@@ -336,9 +340,11 @@ class NcclBackend(Backend):
             self.chunks = len(self.chunk_bounds)
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
-        self._warm_up()
+        with setup_times.phase("warm_up"):
+            self._warm_up()
         if self.graph:
-            self._capture()
+            with setup_times.phase("graph"):
+                self._capture()
         log.info(
             "cuda-nccl backend: %d GPU(s) %s of %d, layout %s, fp=%s bp=%s, graph=%s (loaded in %.2f s)",
             len(devices), devices, self.world, layout, self.fp_kernel, self.bp_kernel, self.graph, self.load_seconds,
@@ -821,6 +827,7 @@ class NcclBackend(Backend):
             "plan": self.plan,
             "nccl_version": self.nccl_version,
             "steps": steps if not self.graph else ["iteration"],
+            "setup": getattr(self, "setup_record", None),
             "devices": devs,
         }
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from mlemlib import setup_times
 from mlemlib.backends._build import cupy
 from mlemlib.backends._nccl_plan import indptr_of
 from mlemlib.backends.base import Backend
@@ -77,6 +78,7 @@ class OsemBackend(Backend):
 
     name = "cuda-osem"
 
+    @setup_times.records
     def __init__(self, matrix: Any, g: Any, norm: Any, transpose: Any | None = None, *, subsets: Any,
                  background: Any | None = None, gpus: int | None = None, devices: list[int] | None = None,
                  layout: str = "local", plan: Any | None = None, chunks: Any | None = None, **kw: Any) -> None:
@@ -118,7 +120,8 @@ class OsemBackend(Backend):
             self.load_seconds = sum(p.load_seconds for p in self.parts)
             self._share_flags()
             if self.graph:
-                self._capture()
+                with setup_times.phase("graph"):
+                    self._capture()
         except BaseException:
             self.close()
             raise
@@ -277,7 +280,7 @@ class OsemBackend(Backend):
         out = self.parts[0].describe()
         if self.graph:
             out.update(graph=True, steps=["iteration"])
-        out.update(backend=self.name, subsets=len(self.parts),
+        out.update(backend=self.name, subsets=len(self.parts), setup=getattr(self, "setup_record", None),
                    subset_rows=[[int(self.bounds[k]), int(self.bounds[k + 1])] for k in range(len(self.parts))],
                    load_seconds=round(self.load_seconds, 3))
         return out
