@@ -12,7 +12,7 @@ rule partition_matrix:
     priority: 1
     conda:
         "../envs/cpu.yaml"
-    threads: workflow.cores
+    threads: max(1, workflow.cores // 4)
     resources:
         mem_mb=get_mem_mb("partition"),
         runtime=get_runtime("partition"),

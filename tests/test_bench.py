@@ -502,7 +502,7 @@ def test_spmv_csv_names_each_kernels_launch_shape_and_marks_autos_choice(monkeyp
 
         back = forward
 
-    monkeypatch.setattr(spmv, "_backend", lambda src, g, norm, tsrc, fp, bp, device, secsize=None: Backend(fp, bp))
+    monkeypatch.setattr(spmv, "_backend", lambda src, g, norm, tsrc, fp, bp, device, secsize=None, resident=None: Backend(fp, bp))
     monkeypatch.setattr(spmv, "_device_vector", lambda be, v: v)
     monkeypatch.setattr(spmv, "_free", lambda device: None)
     monkeypatch.setattr(mlemlib.bench.timing, "time_calls", lambda call, repeat, warmup: np.full(3, 1e-3))
@@ -588,3 +588,36 @@ def test_tor_matrix_on_the_device_equals_the_cpu_one():
     dev = tor_matrix(20, 16, 3, 12, 18, device=True).to_host()
     np.testing.assert_array_equal(dev.indptr, host.indptr)
     np.testing.assert_array_equal(dev.indices, host.indices)
+
+
+def test_resident_copies_each_host_matrix_once_for_kernels_that_read_it_as_it_is(monkeypatch):
+    """The benchmark's backends of named kernels share one GPU copy of A (and of A^T); auto, the one passes
+    and the chunked pass get the host matrix (they choose or build their own layout)."""
+    import contextlib
+    import types
+
+    import scipy.sparse as sp
+
+    from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib.bench import spmv
+    from mlemlib.matrix import CSRMatrix
+
+    fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda d: contextlib.nullcontext()))
+    monkeypatch.setattr(ck, "cupy", lambda: fake_cp)
+    copies = []
+    monkeypatch.setattr(ck.DeviceCSR, "from_host", classmethod(lambda cls, a: copies.append(a) or ("gpu", id(a))))
+    a = CSRMatrix.from_scipy(sp.random(20, 10, density=0.3, format="csr", random_state=1, dtype=np.float32))
+    at = CSRMatrix.from_scipy(a.to_scipy().T.tocsr())
+    r = spmv._Resident(0)
+    assert r.get(a, "csr_vector", "csr_vector") == ("gpu", id(a))
+    assert r.get(a, "merge", "csr_vector") == ("gpu", id(a))
+    assert r.get(at, "csr_vector", "cusparse") == ("gpu", id(at))
+    assert r.get(a, "csr_vector", "scatter") == ("gpu", id(a))
+    assert len(copies) == 2  # one copy of A and one of A^T for all of them
+    for fp, bp in [("auto", "auto"), ("csr_vector", "auto"), ("auto", "onepass"), ("auto", "onepass_fixed"),
+                   ("auto", "onepass_chunked")]:
+        assert r.get(a, fp, bp) is a, (fp, bp)
+    assert r.get(None, "csr_vector", "csr_vector") is None
+    r.clear()
+    r.get(a, "csr_vector", "csr_vector")
+    assert len(copies) == 3

@@ -159,7 +159,7 @@ def test_bp_auto(pet, caplog):
     assert (be.bp_kernel, be.transpose_source, be.deterministic) == ("csr_vector", "cusparse on device", True)
     d = be.describe()
     assert d["bp_requested"] == "auto" and d["chunk_reuse_sample"] >= registry.CHUNK_REUSE_MIN
-    assert "no transpose given" not in caplog.text
+    assert "back projection without a transpose" not in caplog.text
     img = be.to_host(be.iterate(be.initial_image()))
     stored = CudaBackend(pet["a"], pet["g"], pet["norm"], pet["at"])
     assert np.array_equal(img, stored.to_host(stored.iterate(stored.initial_image())))  # the same A^T, the same bits

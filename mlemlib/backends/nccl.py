@@ -41,6 +41,7 @@ the one pass, the overlapped back projection), graph capture and timing.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import gc
 import logging
 import os
@@ -291,13 +292,24 @@ class NcclBackend(Backend):
         # fixed point do not depend on the chunk it is in, so any split gives the same image bit for bit.
         chunk_ranges = self._layout.ranges(self.world) if self._kb.chunks and self._layout is not None else None
         self.chunk_file = self._layout.path if chunk_ranges is not None else None
+        def load(i: int) -> Shard:
+            return load_shard(self, parts[i], devices[i], matrix=matrix, transpose=transpose, plan_d=plan_d, g=g,
+                              norm=norm, chunk_ranges=chunk_ranges, local_files=local_files, tune=tune, bg=bg,
+                              share=share.shards[i] if share is not None else None)
+
         try:
-            for part, dev in zip(parts, devices):
-                s = load_shard(self, part, dev, matrix=matrix, transpose=transpose, plan_d=plan_d, g=g, norm=norm,
-                               chunk_ranges=chunk_ranges, local_files=local_files, tune=tune, bg=bg,
-                               share=share.shards[len(self.shards)] if share is not None else None)
-                self.shards.append(s)
-                log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", dev, part, *s.rows, s.nnz,
+            # Each GPU reads, checks, uploads and tunes its part in a thread of its own (the reads are the
+            # file's, the rest overlaps); the first part alone first where it settles the notrans selector
+            # for all.
+            first = 1 if self._kb.selector else 0
+            self.shards = [load(i) for i in range(first)]
+            if len(devices) - first > 1:
+                with concurrent.futures.ThreadPoolExecutor(len(devices) - first, "mlem-load") as pool:
+                    self.shards += list(pool.map(load, range(first, len(devices))))
+            else:
+                self.shards += [load(i) for i in range(first, len(devices))]
+            for s in self.shards:
+                log.info("GPU %d: part %d rows [%d, %d) (%d nnz)%s", s.device, s.part, *s.rows, s.nnz,
                          ", A^T rows [%d, %d)" % s.cols if layout == "thesis" else "")
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise DeviceError(f"out of GPU memory loading the parts ({exc}); use more GPUs") from exc
