@@ -507,7 +507,7 @@ def test_spmv_csv_names_each_kernels_launch_shape_and_marks_autos_choice(monkeyp
     monkeypatch.setattr(spmv, "_free", lambda device: None)
     monkeypatch.setattr(mlemlib.bench.timing, "time_calls", lambda call, repeat, warmup: np.full(3, 1e-3))
     a = types.SimpleNamespace(shape=(10, 20), nnz=50)
-    rows = spmv._kernel_rows(a, a, None, None, None, fp_kernels=("csr_vector", "cusparse"),
+    rows = spmv._kernel_rows(a, a, None, None, fp_kernels=("csr_vector", "cusparse"),
                              bp_kernels=("csr_vector", "merge"), notrans_kernels=("scatter", "scatter_smem"),
                              secsizes=(5,), repeat=3, warmup=1, bw=1e12, check=False, device=0)
     table = list(csv.DictReader(format_csv({"kernels": rows}).splitlines()))
@@ -621,3 +621,21 @@ def test_resident_copies_each_host_matrix_once_for_kernels_that_read_it_as_it_is
     r.clear()
     r.get(a, "csr_vector", "csr_vector")
     assert len(copies) == 3
+
+
+def test_reference_products_are_float64_row_sums_of_a_and_its_transpose():
+    """The benchmark's yardstick: A x and A^T c summed in float64 (Numba on CSR), against SciPy in float64."""
+    import scipy.sparse as sp
+
+    from mlemlib.bench import spmv
+    from mlemlib.matrix import CSRMatrix
+
+    s = sp.random(300, 120, density=0.1, format="csr", random_state=3, dtype=np.float32)
+    a, at = CSRMatrix.from_scipy(s), CSRMatrix.from_scipy(s.T.tocsr())
+    rng = np.random.default_rng(0)
+    x, c = rng.uniform(0.5, 1.5, 120).astype(np.float32), rng.uniform(0.5, 1.5, 300).astype(np.float32)
+    refs = spmv._reference_products(a, at, x, c)
+    s64 = s.astype(np.float64)
+    np.testing.assert_allclose(refs["fp"], s64 @ x.astype(np.float64), rtol=1e-14)
+    np.testing.assert_allclose(refs["bp"], s64.T @ c.astype(np.float64), rtol=1e-14)
+    assert refs["fp"].dtype == refs["bp"].dtype == np.float64

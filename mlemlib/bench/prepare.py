@@ -128,8 +128,10 @@ def problem_arrays(matrix: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(g, norm)`` of a matrix (a path, an opened matrix or a CSRMatrix), in one streamed pass: ``g = A x``
     (float32) of :func:`_test_image`, a folded matrix's rows times their multiplicity, and the column sums
     (float64, :func:`mlemlib.norm.accumulate_column_sums`, a folded matrix's rows weighted likewise)."""
+    from mlemlib.backends.cpu import spmv as host_spmv
     from mlemlib.fold import stored_row_weights
     from mlemlib.formats import open_source
+    from mlemlib.matrix import CSRMatrix
     from mlemlib.norm import accumulate_column_sums
 
     src = open_source(matrix)
@@ -141,7 +143,10 @@ def problem_arrays(matrix: Any) -> tuple[np.ndarray, np.ndarray]:
         norm = np.zeros(n, dtype=np.float64)
         weights = stored_row_weights(src)
         for r0, r1, block in src.iter_chunks(CHUNK_NNZ):
-            g[r0:r1] = block.to_scipy() @ x
+            if isinstance(block, CSRMatrix):  # each row summed in float64 in its order, on every core
+                host_spmv(block.indptr, block.indices, block.data, x, g[r0:r1])
+            else:
+                g[r0:r1] = block.to_scipy() @ x
             accumulate_column_sums(norm, block, source=name,
                                    row_weights=None if weights is None else weights[r0:r1])
         if weights is not None:

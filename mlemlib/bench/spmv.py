@@ -145,7 +145,21 @@ def _backend(src: Any, g: np.ndarray, norm: np.ndarray, tsrc: Any, fp: str, bp: 
     return make_backend("cuda", src, g, norm, t, fp=fp, bp=bp, secsize=secsize, **kw)
 
 
-def _kernel_rows(src: Any, tsrc: Any, g: np.ndarray, norm: np.ndarray, a64: Any, *, fp_kernels: Sequence[str],
+def _reference_products(a: Any, at: Any, x: np.ndarray, c: np.ndarray) -> dict[str, np.ndarray]:
+    """``A x`` and ``A^T c`` in float64 on the host, the yardstick of every kernel's product: each row summed
+    in its order in float64 (the cpu backend's Numba kernels on every core, on ``A`` and ``A^T`` as they are;
+    SciPy on a float64 copy where they are not CSR)."""
+    from mlemlib.backends.cpu import spmv as host_spmv
+    from mlemlib.matrix import CSRMatrix
+
+    if isinstance(a, CSRMatrix) and isinstance(at, CSRMatrix):
+        return {"fp": host_spmv(a.indptr, a.indices, a.data, x, np.empty(a.shape[0], dtype=np.float64)),
+                "bp": host_spmv(at.indptr, at.indices, at.data, c, np.empty(at.shape[0], dtype=np.float64))}
+    a64 = a.to_scipy().astype(np.float64)
+    return {"fp": a64 @ x.astype(np.float64), "bp": a64.T @ c.astype(np.float64)}
+
+
+def _kernel_rows(src: Any, tsrc: Any, g: np.ndarray, norm: np.ndarray, *, fp_kernels: Sequence[str],
                  bp_kernels: Sequence[str], notrans_kernels: Sequence[str], secsizes: Sequence[int], repeat: int,
                  warmup: int, bw: float, check: bool, device: int,
                  resident: _Resident | None = None) -> list[dict[str, Any]]:
@@ -157,7 +171,7 @@ def _kernel_rows(src: Any, tsrc: Any, g: np.ndarray, norm: np.ndarray, a64: Any,
     rng = np.random.default_rng(1)
     x = rng.uniform(0.5, 1.5, n).astype(np.float32)
     c = rng.uniform(0.5, 1.5, m).astype(np.float32)
-    refs = {"fp": a64 @ x.astype(np.float64), "bp": a64.T @ c.astype(np.float64)} if check else {}
+    refs = _reference_products(src, tsrc, x, c) if check else {}
     refs["bp_notrans"] = refs.get("bp")
     jobs: list[tuple[str, str, int | None]] = []
     for k in fp_kernels:
@@ -398,12 +412,10 @@ def bench_spmv(
         bw = copy["bandwidth"]
         _free(device)
         log.info("copy bandwidth %.3f TB/s", bw / 1e12)
-        a64 = a.to_scipy().astype(np.float64) if check else None
         resident = _Resident(device)
-        kernels = _kernel_rows(a, at, g, norm, a64, fp_kernels=fp_kernels, bp_kernels=bp_kernels,
+        kernels = _kernel_rows(a, at, g, norm, fp_kernels=fp_kernels, bp_kernels=bp_kernels,
                                notrans_kernels=notrans_kernels, secsizes=secsizes, repeat=repeat, warmup=warmup,
                                bw=bw, check=check, device=device, resident=resident)
-        del a64
         its: list[dict[str, Any]] = []
         if iterations and a.nnz:
             csr_floor_s = (2 * (8 * a.nnz) + 8 * (m + 1) + 8 * (n + 1)) / bw
