@@ -272,7 +272,8 @@ def test_scaling_table(scaling_runs, tmp_path):
     head, body = _md_section(md, "## Scaling over GPUs")
     # graph capture leaves fp/bp/allreduce blank; corr and update are never timed here: no columns
     assert head == ["matrix", "data", "configuration", "GPUs", "layout", "reps", "iteration (ms)", "fp (ms)", "bp (ms)",
-                    "allreduce (ms)", "speed-up", "efficiency", "GB/s per GPU", "rel. L2 to ref.", "deterministic"]
+                    "allreduce (ms)", "speed-up", "efficiency", "faster than fewer GPUs", "GB/s per GPU",
+                    "rel. L2 to ref.", "deterministic"]
     got = {(r[2], r[3], r[4]): dict(zip(head, r)) for r in body}
     # cpu and the merge run (one GPU count only) are not in it; "cuda" (1 GPU) and "cuda-nccl" are one group
     assert sorted(got) == sorted([
@@ -304,6 +305,8 @@ def test_scaling_table(scaling_runs, tmp_path):
     assert cols(("cuda csr_vector/csr_vector graph", "2", "local"), *measures) == ["1", "1.60", "–", "–", "1250"]
     assert cols(("cuda csr_vector/csr_vector graph", "4", "local"), *measures) == ["1", "1.00", "–", "–", "1000"]
 
+    assert [got[(c, p, lay)]["faster than fewer GPUs"] for p, lay in
+            (("1", "local"), ("2", "local"), ("2", "thesis"), ("4", "local"), ("4", "thesis"))] == ["–"] + ["yes"] * 4
     # the records behind the table, unrounded
     recs = {(r["configuration"], r["gpus"], r["layout"]): r for r in scaling_table(run_rows(load_timings([scaling_runs])))}
     r4 = recs[(c, 4, "local")]
@@ -314,6 +317,25 @@ def test_scaling_table(scaling_runs, tmp_path):
     # nothing to compare: no section
     rows = run_rows(load_timings([scaling_runs / "csr-1-local", scaling_runs / "merge-1-local", scaling_runs / "cpu"]))
     assert scaling_section(rows) == "" and scaling_table(rows) == []
+
+
+def test_scaling_table_says_where_more_gpus_were_slower(tmp_path):
+    """A configuration slower on 2 GPUs than on 1 (all-reduce latency on a small matrix) is marked NO with the
+    fewest faster GPU count and its time; 4 GPUs faster than both are marked yes."""
+    from mlemlib.report import load_timings, run_rows, scaling_table
+
+    root = tmp_path / "runs"
+    for name, (p, ms) in {"a1": (1, [1.0]), "a2": (2, [1.6, 1.4]), "a4": (4, [0.9]), "a8": (8, [1.2])}.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "timings.json").write_text(json.dumps(_scaling_timings(p, "local", ms)))
+    recs = {r["gpus"]: r for r in scaling_table(run_rows(load_timings([root])))}
+    assert recs[1]["slower_than"] is None and recs[4]["slower_than"] is None
+    assert recs[2]["slower_than"] == (1, pytest.approx(1.0e-3, rel=1e-12))
+    assert recs[8]["slower_than"] == (1, pytest.approx(1.0e-3, rel=1e-12))  # the fewest: 1 GPU, not 4
+    summarize([root], tmp_path / "s")
+    head, body = _md_section((tmp_path / "s" / "summary.md").read_text(), "## Scaling over GPUs")
+    cell = {r[3]: dict(zip(head, r))["faster than fewer GPUs"] for r in body}
+    assert cell == {"1": "–", "2": "NO (1 GPU: 1.00 ms)", "4": "yes", "8": "NO (1 GPU: 1.00 ms)"}
 
 
 def test_scaling_graph_column_and_labels(scaling_runs, tmp_path):

@@ -480,7 +480,9 @@ def scaling_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     - ``bandwidth_per_gpu_GBps`` = bytes_per_iteration / P / T(P) / 1e9:
       ``bytes_per_iteration`` counts the whole A (and A^T where stored),
       which the P GPUs read in nnz-balanced parts, about 1/P each;
-    - ``rel_l2_reference``: mean over repetitions.
+    - ``rel_l2_reference``: mean over repetitions;
+    - ``slower_than``: ``(P', T(P'))`` of the fewest GPUs P' < P (any layout) that ran the
+      configuration faster than P do, None where none did (more GPUs never slower).
 
     Returns
     -------
@@ -515,7 +517,13 @@ def scaling_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "bandwidth_per_gpu_GBps": nbytes / p / t / 1e9 if nbytes and t else None,
                 "rel_l2_reference": _mean(c.get("rel_l2_reference") for c in cs),
                 "deterministic": all(c.get("deterministic") for c in cs),
+                "slower_than": None,
             }
+            for (q, _), qs in cells.items():
+                tq = _mean(c["iteration_mean_s"] for c in qs)
+                if q < p and t and tq and tq < t:
+                    rec["slower_than"] = (q, tq)
+                    break
             out.append(rec)
     return out
 

@@ -284,6 +284,16 @@ def _fmt_ratio(v: Any) -> str:
     return f"{v:.2f}" if v is not None else "–"
 
 
+def _fewer_cell(r: Mapping[str, Any]) -> str:
+    """``yes``, or ``NO (P' GPU(s): T ms)`` where fewer GPUs were faster; ``–`` on one GPU."""
+    if r["gpus"] <= 1:
+        return "–"
+    if r.get("slower_than") is None:
+        return "yes"
+    q, tq = r["slower_than"]
+    return f"NO ({q} GPU{'s' if q > 1 else ''}: {_fmt_ms(tq)} ms)"
+
+
 def scaling_section(rows: Iterable[Mapping[str, Any]]) -> str:
     """Markdown: speed-up, parallel efficiency and bandwidth per GPU over GPU counts and layouts ("" if none)."""
     recs = scaling_table(rows)
@@ -292,11 +302,11 @@ def scaling_section(rows: Iterable[Mapping[str, Any]]) -> str:
     steps = [s for s in STEPS if any(r[f"{s}_s"] is not None for r in recs)]
     head = ["matrix", "data", "configuration", "GPUs", "layout", "reps", "iteration (ms)", *(f"{s} (ms)" for s in steps),
             "speed-up",
-            "efficiency", "GB/s per GPU", "rel. L2 to ref.", "deterministic"]
+            "efficiency", "faster than fewer GPUs", "GB/s per GPU", "rel. L2 to ref.", "deterministic"]
     body = [
         [r["matrix"], r["data"], r["configuration"], r["gpus"], r["layout"], r["reps"], _fmt_ms(r["iteration_s"]),
          *(_fmt_ms(r[f"{s}_s"]) for s in steps), _fmt_ratio(r["speedup"]), _fmt_ratio(r["efficiency"]),
-         _fmt_3(r["bandwidth_per_gpu_GBps"]), _fmt_e(r["rel_l2_reference"]),
+         _fewer_cell(r), _fmt_3(r["bandwidth_per_gpu_GBps"]), _fmt_e(r["rel_l2_reference"]),
          "yes" if r["deterministic"] else "NO (atomics)"]
         for r in recs
     ]
@@ -304,7 +314,8 @@ def scaling_section(rows: Iterable[Mapping[str, Any]]) -> str:
         "Every cuda configuration run on more than one GPU count, by GPU count P and layout. iteration and steps: "
         "mean time per iteration over all iterations and repetitions, as in the table above (graph capture times "
         "only the whole iteration). speed-up: T(1)/T(P), T(1) the configuration's 1-GPU run (– without one); "
-        "efficiency: speed-up / P (1 is perfect). GB/s per GPU: bytes an iteration reads (as in the table above) "
+        "efficiency: speed-up / P (1 is perfect). faster than fewer GPUs: NO where fewer GPUs ran the same "
+        "configuration faster (the fewest such, with their time). GB/s per GPU: bytes an iteration reads (as in the table above) "
         "/ P / T(P), each GPU reading its nnz-balanced part, about 1/P of them. rel. L2 to ref.: mean "
         "over repetitions.\n\n"
     )
