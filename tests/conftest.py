@@ -32,6 +32,22 @@ def rng():
 REPO = Path(__file__).resolve().parents[1]
 
 
+#: The device workflow's tools (stdlib scripts, not a package).
+DEVICE_TOOLS = Path(__file__).resolve().parents[1] / "tools" / "device_workflow"
+
+
+def load_device_tool(name: str):
+    """``tools/device_workflow/<name>.py`` imported as module ``name`` (registered in ``sys.modules``:
+    dataclasses look their module up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, DEVICE_TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_workflow(workdir: Path, config: dict, *args: str, name: str = "config") -> subprocess.CompletedProcess:
     """The workflow on ``config`` (written to ``workdir/name.yaml``); asserts success, returns the process."""
     import yaml

@@ -9,7 +9,6 @@ two cannot drift apart unnoticed.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import load_device_tool
 
 from mlemlib.dist import lease as L
 from mlemlib.logs import LOG_FORMAT
@@ -27,15 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "device_workflow"
 
 
-def _load_checker() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("check_leases", TOOL / "check_leases.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-C = _load_checker()
+C = load_device_tool("check_leases")
 
 
 def line(clock: str, message: str, logger: str = "mlemlib.dist.lease") -> str:

@@ -11,13 +11,11 @@ issue 40's jobs.
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import logging
 import os
 import subprocess
 import sys
-import types
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import yaml
+from conftest import load_device_tool
 
 from mlemlib.logs import LOG_FORMAT
 
@@ -32,15 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "device_workflow"
 
 
-def _load() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("job_times", TOOL / "job_times.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-J = _load()
+J = load_device_tool("job_times")
 
 #: The logs' local time is UTC+1 here: the metadata's Unix times must be mapped back by the offset.
 OFFSET = timedelta(hours=1)
