@@ -450,3 +450,37 @@ def test_cpu_image_never_subnormal_and_within_1e6_of_float64():
         assert np.max(np.abs(f32.astype(np.float64) - f64)) <= 1e-6 * np.max(np.abs(f64))
     assert flushed > 10
     assert f32[1] == pytest.approx(100.0, rel=1e-6)
+
+
+def test_reference_blocks_depend_on_the_image_alone_and_keep_the_sums():
+    """The float64 reference scatters over 64 row blocks (one per core of a 64-core node) where their private
+    images fit 4 GiB, fewer (at least 16) for bigger images; float32 runs keep 16. The blocks fix the sums: the
+    same image for 1 and 2 threads, and within float64 rounding of 16 blocks' image."""
+    import numba
+
+    from mlemlib.backends.cpu import DEFAULT_BLOCKS, REFERENCE_BLOCKS, default_blocks
+
+    assert default_blocks(np.float32, 10) == DEFAULT_BLOCKS == 16
+    assert default_blocks(np.float64, 784_000) == REFERENCE_BLOCKS == 64
+    assert default_blocks(np.float64, 2**32 // (8 * 40)) == 40  # 40 private images fill the 4 GiB
+    assert default_blocks(np.float64, 10**9) == 16
+    rng = np.random.default_rng(5)
+    s = sp.random(500, 90, density=0.08, format="csr", random_state=rng, dtype=np.float32)
+    a = CSRMatrix.from_scipy(s)
+    g = rng.poisson(5.0, 500).astype(np.int32)
+    norm = np.asarray(s.sum(axis=0), dtype=np.float64).ravel()
+    images = {}
+    for threads in (1, 2):
+        be = CpuBackend(a, g, norm, dtype=np.float64, fp="numba", bp="numba", threads=threads)
+        assert be.blocks == 64 and be.describe()["bp_path"] == "blocked scatter (64 blocks)"
+        f = be.initial_image()
+        for _ in range(5):
+            f = be.iterate(f)
+        images[threads] = f
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    assert np.array_equal(images[1], images[2])
+    be16 = CpuBackend(a, g, norm, dtype=np.float64, fp="numba", bp="numba", blocks=16)
+    f = be16.initial_image()
+    for _ in range(5):
+        f = be16.iterate(f)
+    np.testing.assert_allclose(images[1], f, rtol=1e-12)

@@ -55,6 +55,22 @@ log = logging.getLogger(__name__)
 
 #: Default number of row blocks of the no-transpose back projection.
 DEFAULT_BLOCKS = 16
+#: Row blocks of the float64 reference's no-transpose back projection: a block is one thread's work, and
+#: the reference runs on every core of a node (up to 64 at once), where 16 blocks would leave most idle.
+REFERENCE_BLOCKS = 64
+#: Most bytes of the reference's private images (``blocks x n`` float64); fewer blocks where n needs it.
+REFERENCE_PARTIAL_BYTES = 1 << 32
+
+
+def default_blocks(dtype: Any, n: int) -> int:
+    """Row blocks of the no-transpose back projection: :data:`DEFAULT_BLOCKS` in float32 (a run's sums, the
+    same since the first version), :data:`REFERENCE_BLOCKS` in float64 where their private images fit
+    :data:`REFERENCE_PARTIAL_BYTES`, else as many as fit (at least 16). It depends on the dtype and the image
+    size alone, so a problem's sums are the same whatever the machine and its thread count."""
+    if np.dtype(dtype) != np.float64:
+        return DEFAULT_BLOCKS
+    fit = REFERENCE_PARTIAL_BYTES // (8 * max(1, int(n)))
+    return int(max(DEFAULT_BLOCKS, min(REFERENCE_BLOCKS, fit)))
 
 
 # --------------------------------------------------------------------------- Numba kernels
@@ -444,7 +460,7 @@ class CpuBackend(_HostRows, Backend):
     threads
         Numba threads (``numba.set_num_threads``); None keeps Numba's default.
     blocks
-        Row blocks of the no-transpose back projection.
+        Row blocks of the no-transpose back projection (None: :func:`default_blocks`).
     background
         ``b' = b / m`` per row (float32, ``+inf`` at a gap), or None (b = 0, m = 1): ``c = g / (fp + b')``.
     subsets
@@ -466,7 +482,7 @@ class CpuBackend(_HostRows, Backend):
         bp: str = "auto",
         dtype: Any = np.float32,
         threads: int | None = None,
-        blocks: int = DEFAULT_BLOCKS,
+        blocks: int | None = None,
         background: np.ndarray | None = None,
         subsets: np.ndarray | None = None,
     ) -> None:
@@ -498,7 +514,7 @@ class CpuBackend(_HostRows, Backend):
         self._back = registry.launcher(registry.get_bp("cpu", "notrans") if self.onepass else self._kb)
         if self.onepass and self.dtype != np.float32:
             raise ConfigError("bp", f"bp={self.bp_kernel} computes in float32; the float64 reference uses scipy")
-        if int(blocks) < 1:
+        if blocks is not None and int(blocks) < 1:
             raise ConfigError("blocks", f"must be >= 1, got {blocks}")
 
         self.a = _load(matrix, "matrix", self.format)
@@ -521,7 +537,7 @@ class CpuBackend(_HostRows, Backend):
         # Divide by 1 where norm == 0: the contract's "f * bp" there, exactly.
         self._norm_safe = np.where(self.norm != 0, self.norm, self.dtype.type(1))
 
-        self.blocks = int(blocks)
+        self.blocks = int(blocks) if blocks is not None else default_blocks(self.dtype, n)
         self._fp = np.empty(m, dtype=self.dtype)
         self._c = np.empty(m, dtype=self.dtype)
         self._bp = np.empty(n, dtype=self.dtype)
