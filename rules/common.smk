@@ -867,10 +867,10 @@ def run_reads_transpose(run, matrix):
 def is_transpose_needed(matrix):
     """True when some job reads results/{matrix}/transpose.h5: a run that
     reads it (run_reads_transpose), a partition that needs it
-    (is_partition_transposed), the SpMV benchmark or the transposition
-    comparison. Runs without a transpose (notrans, the one-pass iteration),
-    GPU runs on a CSR matrix in the local layout and the SpMV benchmark (it
-    transposes on its GPU where no transpose.h5 is made) never make one."""
+    (is_partition_transposed) or the transposition comparison. Runs without
+    a transpose (notrans, the one-pass iteration), GPU runs on a CSR matrix
+    and the SpMV benchmark (it transposes on its GPU where no transpose.h5 is
+    made) never make one."""
     return (
         any(run_reads_transpose(run, matrix) for run in get_runs())
         or any(is_partition_transposed(parts, matrix) for parts in get_part_counts())
@@ -1562,7 +1562,9 @@ def _stage_need(job, size):
             "backend": run["backend"],
             "gpus": run["gpus"],
             "parts": run["gpus"],
-            "stored_transpose": run_reads_transpose(run, matrix),
+            # A^T on the GPUs whether read from transpose.h5, from the partition's
+            # part files or transposed there: the back projection holds it
+            "stored_transpose": uses_transpose(run["backend"], run["bp"]),
             "device_format": _device_format(matrix),
             "source_format": fmt,
         }
