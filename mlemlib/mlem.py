@@ -325,7 +325,7 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
     records: list[dict[str, Any]] = list(resume["records"]) if resume else []
     start_rep = resume["repetition"] if resume else 0
     every = _log_interval(iterations)
-    host_img = None
+    host_img = final = None
     distinct: dict[str, np.ndarray] = {}
     for rep in range(start_rep, repetitions):
         times = StepTimes()
@@ -392,7 +392,8 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
         with Stopwatch() as sw_back:
             host_img = prob.to_user(be.to_host(f))
         acc = metrics.accuracy(host_img, reference=prob.reference, truth=prob.truth, regions=prob.regions)
-        distinct.setdefault(acc["image_sha256"], host_img)
+        final = acc["image_sha256"]
+        distinct.setdefault(final, host_img)
         records.append({
             "repetition": rep,
             "iterations": iterations,
@@ -411,7 +412,6 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
             f", rel. L2 to reference {acc['rel_l2_reference']:.3g}" if "rel_l2_reference" in acc else "",
             f", GPU energy {joules:.4g} J ({energy_fields['power_W']:.4g} W)" if energy_fields["power_W"] else "",
         )
-    final = metrics.image_digest(host_img) if host_img is not None else None
     return records, host_img, {sha: img for sha, img in distinct.items() if sha != final}
 
 
