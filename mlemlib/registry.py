@@ -511,6 +511,13 @@ def resolve(backend: str, fp: str | None, bp: str | None, *, gpus: int = 1, layo
     return Choice(fp, bp, kb.needs_transpose, get("cuda", "forward", fp).deterministic and kb.deterministic)
 
 
+def kernels_of(backend: str, fp: str, bp: str) -> list[Kernel]:
+    """The kernels a settled choice ``fp``/``bp`` runs: the back projection (a one pass: the whole
+    iteration) and, unless it is a one pass, the forward projection."""
+    kb = get_bp(backend, bp)
+    return [kb] if kb.op == "iteration" else [get(backend, "forward", fp), kb]
+
+
 def row_forward(fmt: str) -> Kernel:
     """The cuda forward projection a backend runs alone where its iteration is one pass (``forward()``):
     what ``auto`` takes for the format (``csr_vector``, ``delta_vector``)."""

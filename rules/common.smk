@@ -1248,6 +1248,15 @@ def get_mlem_threads(wildcards):
     return workflow.cores if run["backend"] == "cpu" else run["gpus"]
 
 
+def get_half_threads(wildcards=None):
+    """Host threads of norm and simulate, which start together once the
+    matrix is converted: half the cores each, less the SpMV benchmark's one
+    where it runs, so that the benchmark (the longest GPU job) starts beside
+    them."""
+    bench = 1 if is_bench_enabled() else 0
+    return max(1, (workflow.cores - bench) // 2)
+
+
 def get_reference_threads(wildcards):
     """Host threads of the float64 reference: every core but one per GPU
     that the GPU jobs (cuda runs, the SpMV benchmark) can hold at once, so

@@ -9,10 +9,10 @@ rule simulate_measurement:
         "logs/data/{matrix}-{data}.log",
     wildcard_constraints:
         data=get_simulated_data_regex(),
-    priority: 1
+    priority: 2
     conda:
         "../envs/cpu.yaml"
-    threads: max(1, workflow.cores // 2)
+    threads: get_half_threads
     resources:
         mem_mb=get_mem_mb("simulate"),
         runtime=get_runtime("simulate"),

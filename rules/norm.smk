@@ -7,10 +7,10 @@ rule compute_norm:
         "logs/norm/{matrix}.log",
     benchmark:
         "benchmarks/norm/{matrix}.tsv"
-    priority: 1
+    priority: 2
     conda:
         "../envs/cpu.yaml"
-    threads: max(1, workflow.cores // 2)
+    threads: get_half_threads
     resources:
         mem_mb=get_mem_mb("norm"),
         runtime=get_runtime("norm"),

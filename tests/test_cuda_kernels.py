@@ -523,3 +523,40 @@ def test_update_fixed_is_fixed_to_float_then_update_bit_for_bit(rng):
     np.testing.assert_allclose(cp.asnumpy(bp), bp_true, rtol=1e-6)
     f_in = f.copy()
     assert ck.update_fixed(f_in, acc, scale, norm, out=f_in) is f_in and cp.array_equal(f_in, fused)
+
+
+def test_builds_compiled_in_background_threads_launch_like_the_default_build(rng):
+    """prefetch compiles real builds with NVRTC on several threads at once; module() hands out the modules
+    those threads compiled, and their kernels compute the same bits as the default build's (the extra
+    define changes nothing in the code)."""
+    from mlemlib.backends import _build
+
+    dev = cp.cuda.Device().id
+    arch = str(cp.cuda.Device(dev).compute_capability)
+    tag = f"{rng.integers(1 << 30)}"
+    builds = [_build.Build("spmv", (f"-DMLEM_PREFETCH_TEST={tag}{i}",)) for i in range(4)]
+    _build.prefetch(builds, dev)
+    d = ck.DeviceCSR.from_host(random_csr(rng, 300, 200, rng.integers(0, 40, size=300)))
+    x = cp.asarray(rng.uniform(0.5, 1.5, 200).astype(np.float32))
+    want = ck.spmv(d, x, cp.empty(300, dtype=cp.float32), lanes=4).copy()
+    for b in builds:
+        mod = _build.module(b, dev)
+        assert _build._pending[(b, arch)].result() is mod  # the background thread's compilation
+        y = cp.empty(300, dtype=cp.float32)
+        args = (d.indptr, d.indices, d.data, x, y, np.int64(300), np.int32(ck.MODE_PLAIN), y, y, np.uint64(0))
+        ck._rows_launch(mod.get_function("csr_vector_4"), 300, 4, args)()
+        assert cp.array_equal(y, want), b
+
+
+def test_tuning_a_matrix_again_for_the_same_question_times_nothing(rng, monkeypatch):
+    """A DeviceCSR tuned for some lanes, layout and candidates keeps its shape when asked again (a backend
+    built again on the same matrix on the GPU); other lanes are timed."""
+    d = ck.DeviceCSR.from_host(random_csr(rng, 4000, 3000, rng.integers(10, 60, size=4000)))
+    first = d.tune(8)
+    assert d.tuned_for is not None and d.tuned_for[0] == 8
+    calls = []
+    real = ck.spmv
+    monkeypatch.setattr(ck, "spmv", lambda *a, **k: calls.append(k.get("shape")) or real(*a, **k))
+    assert d.tune(8) == first and calls == []
+    d.tune(16)
+    assert calls and d.tuned_for[0] == 16

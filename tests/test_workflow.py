@@ -216,6 +216,33 @@ def test_use_gpu_true_adds_every_cuda_run_and_the_benchmark(tmp_path):
     assert jobs["bench_spmv"] == 1
 
 
+def planned_job_settings(proc: subprocess.CompletedProcess) -> list[dict[str, object]]:
+    """Each job a dry run prints: rule, threads (1 where not printed), priority (0 where not printed)."""
+    assert proc.returncode == 0, f"dry run failed:\n{proc.stdout}\n{proc.stderr}"
+    jobs: list[dict[str, object]] = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if line.startswith(("rule ", "localrule ")) and line.rstrip().endswith(":"):
+            jobs.append({"rule": line.split()[1].rstrip(":"), "threads": 1, "priority": 0})
+        elif jobs and line.strip().startswith(("threads:", "priority:")):
+            key, value = line.strip().split(":", 1)
+            jobs[-1][key] = int(value)
+    return jobs
+
+
+def test_norm_simulate_and_the_benchmark_start_together_after_the_conversion(tmp_path):
+    """On 64 cores and 4 GPUs, once the matrix is converted: norm and simulate (every run waits for both)
+    come before the partitions and leave the benchmark (the longest GPU job) its core."""
+    config = changed(use_gpu=True, runs=[{"backend": "cuda", "fp": "auto", "bp": "auto", "gpus": [1, 2, 4]}],
+                     bench={"spmv": True})
+    proc = snakemake(tmp_path, "--dry-run", "--cores", "64", "--resources", "gpu=4", config=config)
+    jobs = {(j["rule"]): j for j in planned_job_settings(proc)}
+    norm, sim, bench, part = (jobs[r] for r in ("compute_norm", "simulate_measurement", "bench_spmv",
+                                                 "partition_matrix"))
+    assert norm["threads"] + sim["threads"] + bench["threads"] <= 64
+    assert norm["threads"] == sim["threads"] == 31
+    assert min(norm["priority"], sim["priority"]) > max(part["priority"], bench["priority"])
+
+
 def test_cpu_run_on_several_gpus_is_refused(tmp_path):
     proc = snakemake(tmp_path, "--dry-run", config=changed(runs=[{"backend": "cpu", "gpus": [1, 2]}]))
     assert proc.returncode != 0

@@ -41,7 +41,7 @@ import numpy as np
 from mlemlib import setup_times
 from mlemlib._io import prefetched
 from mlemlib.backends import _cuda_plan as plan
-from mlemlib.backends._build import Build, check_vector, cupy
+from mlemlib.backends._build import COMPRESSED, check_vector, cupy
 from mlemlib.backends._build import function as _function
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR
 from mlemlib.backends.device_formats import DeviceMatrix, format_of
@@ -66,8 +66,6 @@ VALUE_NAMES = {"f": "f32", "e": "f16", "H": "u16"}
 #: together then add into voxels far apart. The one passes, which gather f, and the fixed point keep
 #: the rows in order (unit 0).
 SCATTER_SPREAD_UNIT = 1
-#: The build of compressed.cu (it has no variants).
-COMPRESSED = Build("compressed")
 #: Epilogues of :func:`spmv` (as spmv.cu).
 MODE_PLAIN, MODE_CORR, MODE_UPDATE = 0, 1, 2
 #: Fixed point: the bound maps below 2**FIXED_HEADROOM_BITS (of 64).

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -32,7 +32,7 @@ import numpy as np
 
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib import setup_times
-from mlemlib.backends._build import Build, check_vector, cupy, function, kernel_source
+from mlemlib.backends._build import COMPRESSED, Build, check_vector, cupy, function, kernel_source, prefetch
 from mlemlib.backends.device_formats import DeviceMatrix
 from mlemlib.devices import cuda_memory_bandwidth
 from mlemlib.errors import ConfigError, DeviceError
@@ -55,6 +55,28 @@ SPMV = Build("spmv")
 #: The build of spmv.cu whose ``scatter_vec_L`` uses sm_90 vector atomics (a compiler without them loses
 #: this kernel only).
 SPMV_VECTOR_ATOMICS = Build("spmv", ("-DMLEM_VECTOR_ATOMICS",))
+
+
+def kernel_builds(kernels: Iterable[Any], *, tune: bool = True) -> list[Build]:
+    """The builds the registry's cuda ``kernels`` launch, :data:`SPMV` first (the vector operations and
+    epilogues every backend runs); a kernel whose launch shape is tuned (``shapes``) brings every build of
+    :data:`~mlemlib.backends._cuda_plan.SHAPE_CANDIDATES` where ``tune``."""
+    out = [SPMV]
+    for k in kernels:
+        module_name = (k.launcher or "").split(":")[0]
+        if module_name == "_compressed_cuda":
+            out.append(COMPRESSED)
+        elif k.launcher == "_cuda_kernels:scatter_vec":
+            out.append(SPMV_VECTOR_ATOMICS)
+        if k.shapes and tune:
+            out += [sh.build for sh in plan.SHAPE_CANDIDATES]
+    return list(dict.fromkeys(out))
+
+
+def prefetch_kernels(kernels: Iterable[Any], device_id: int, *, tune: bool = True) -> None:
+    """Start compiling :func:`kernel_builds` of ``kernels`` for GPU ``device_id`` in the background
+    (:func:`mlemlib.backends._build.prefetch`)."""
+    prefetch(kernel_builds(kernels, tune=tune), device_id)
 
 
 @functools.cache
@@ -123,6 +145,8 @@ class DeviceCSR(DeviceMatrix):
     row_shape: plan.RowShape | None = field(default=None, repr=False)
     #: Milliseconds per candidate shape measured by :meth:`tune`.
     tuned: dict | None = field(default=None, repr=False)
+    #: (lanes, layout, candidate labels) of the last tuning: the same question is not timed again.
+    tuned_for: tuple | None = field(default=None, repr=False)
     _compact: Any = field(default=None, repr=False)  # compact_rows: None (not computed), False or the rows
     #: Order of each row's elements: 0, by column (canonical: cuSPARSE, the host, the scatter kernels);
     #: L, interleaved for ``csr_vector`` with L lanes per row (:meth:`set_layout`).
@@ -263,7 +287,9 @@ class DeviceCSR(DeviceMatrix):
         ``cache_key`` (:func:`~mlemlib.backends._tune_cache.source_key` of the
         file this matrix was read from; None: not cached): the shape stored for
         this matrix, lanes, layout, candidates, device and kernels is taken
-        without timing (nor compiling) the others; a tuning is stored. The set-up phase ``tune``.
+        without timing (nor compiling) the others; a tuning is stored. A matrix already tuned for the
+        same lanes, layout and candidates (a backend built again on a matrix on the GPU) keeps its
+        shape without timing. The set-up phase ``tune``.
         """
         with setup_times.phase("tune", device=True):
             return self._tune(lanes, candidates, repeat, cache, cache_key)
@@ -277,6 +303,9 @@ class DeviceCSR(DeviceMatrix):
         long_rows = self.stats()["max_row_length"] > plan.ROW_KERNEL_MAX_LENGTH
         shapes = [sh for sh in candidates
                   if sh.is_default or (lanes in plan.BLOCK_LANES and not (sh.row_bound and long_rows))]
+        question = (lanes, self.layout, tuple(sh.label() for sh in shapes))
+        if self.tuned_for == question:  # a matrix on the GPU tuned before (a backend built again on it)
+            return self.row_shape or plan.RowShape()
         key = None
         if cache is not None and cache_key is not None:
             from mlemlib.backends import _tune_cache
@@ -289,6 +318,7 @@ class DeviceCSR(DeviceMatrix):
             if best is not None:
                 self.row_shape = None if best.is_default else best
                 self.tuned = {str(k): float(v) for k, v in hit["times_ms"].items()}
+                self.tuned_for = question
                 log.info("csr_vector on %s x %s (%d lanes): %s from the tuning cache %s", m, n, lanes,
                          best.label(), cache.path(key))
                 return best
@@ -308,6 +338,7 @@ class DeviceCSR(DeviceMatrix):
         best = min(times, key=times.get)
         self.row_shape = None if best.is_default else best
         self.tuned = {sh.label(): t for sh, t in times.items()}
+        self.tuned_for = question
         log.info("csr_vector on %s x %s (%d lanes): %s", m, n, lanes,
                  ", ".join(f"{k} {v:.3f} ms" for k, v in self.tuned.items()) + f" -> {best.label()}")
         if key is not None:

@@ -283,6 +283,10 @@ class CudaBackend(Backend):
                     choice = registry.resolve("cuda", "auto", pick.name, fmt=self.format)
                     self.fp_kernel, self.bp_kernel, self.deterministic = choice.fp, choice.bp, choice.deterministic
             self.chunk_file = layout.path if self.chunked and layout is not None else None
+            # the kernels compile in the background while A is read and copied
+            ck.prefetch_kernels(registry.kernels_of("cuda", self.fp_kernel, self.bp_kernel), self.device_id,
+                                tune=tune and self.format == "csr")
+            ck.prefetch_kernels([registry.row_forward(self.format)], self.device_id, tune=False)
             if self.chunk_file:
                 self.a = cc().DeviceChunked.from_layout(layout)
             elif self.chunked:

@@ -285,6 +285,10 @@ class NcclBackend(Backend):
         self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0, self.lanes_bp_cap)
 
         # ---- shards --------------------------------------------------------------------
+        # the kernels compile in the background (once for the GPUs' architecture) while the parts load
+        ck.prefetch_kernels(registry.kernels_of("cuda", self.fp_kernel, self.bp_kernel), devices[0],
+                            tune=tune and self.format == "csr")
+        ck.prefetch_kernels([self._k_forward], devices[0], tune=False)
         t0 = time.perf_counter()
         self.shards: list[Shard] = []
         local_files = plan_d.get("local_transpose")

@@ -311,6 +311,19 @@ def _iteration_rows(sources: dict[str, tuple[Any, Any]], g: np.ndarray, norm: np
     return rows
 
 
+def _prefetch(fp_kernels: Sequence[str], bp_kernels: Sequence[str], notrans_kernels: Sequence[str],
+              iterations: Sequence[tuple[str, str]], format_iterations: Sequence[tuple[str, str]],
+              device: int) -> None:
+    """Start compiling every kernel the benchmark runs on GPU ``device`` in the background
+    (:func:`mlemlib.backends._cuda_kernels.prefetch_kernels`), while the matrix is read: the named kernels,
+    their partner and the kernels of the iterations' pairs."""
+    from mlemlib.backends import _cuda_kernels as ck
+
+    names = {PARTNER, *fp_kernels, *bp_kernels, *notrans_kernels}
+    names.update(k for pair in (*iterations, *format_iterations) for k in pair)
+    ck.prefetch_kernels([k for k in registry.KERNELS if k.backend == "cuda" and k.name in names], device)
+
+
 def _transpose(a: Any, device: int) -> Any:
     """``A^T`` in host memory for the benchmark: transposed on GPU ``device`` with cuSPARSE where ``A`` (CSR) fits
     its 32-bit indices and the GPU's memory (faster than reading a stored ``A^T`` from disk), else by
@@ -399,12 +412,16 @@ def bench_spmv(
     if own not in formats:
         formats = (*formats, own)
     m, n = (int(v) for v in src.shape)
+    _prefetch(fp_kernels, bp_kernels, notrans_kernels, iterations if "csr" in formats else (),
+              FORMAT_ITERATION_BENCH if set(formats) - {"csr"} else (), device)
     t0 = time.perf_counter()
     a = src if isinstance(matrix, CSRMatrix) else src.read_rows(0, m)
     a = getattr(a, "matrix", a)
     at = open_source(transpose, "transpose").read_rows(0, n) if transpose is not None else _transpose(a, device)
     log.info("%s: %d x %d, %d nnz, A and A^T in host memory in %.1f s", label, m, n, a.nnz, time.perf_counter() - t0)
+    t0 = time.perf_counter()
     g, norm = problem_arrays(a)
+    log.info("g and the norm on the host in %.1f s", time.perf_counter() - t0)
     with EnergyMeter([device]) as meter:
         facts = device_facts(device)
         caps0, t_run = meter.capped(), time.perf_counter()
