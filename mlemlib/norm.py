@@ -49,7 +49,7 @@ NORM_FORMAT = "mlem-norm"
 NORM_VERSION = 1
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _add_columns(indptr, indices, data, weights, weighted, n, sums, nparts):  # pragma: no cover - compiled
     """Add ``data`` (times its row's weight) to ``sums[indices]`` in float64, column ranges owned by ``nparts`` tasks.
 

@@ -443,6 +443,8 @@ PATHS = {
     "runs_html": f"{_SUMMARY_DIR}/runs.html",
     "convergence_csv": f"{_SUMMARY_DIR}/convergence.csv",
     "plots": f"{_SUMMARY_DIR}/plots",
+    # what warm_kernels compiled on this machine, per configuration (its runs' kernels)
+    "warm": f"results/kernels/{config['name']}.json",
 }
 
 
@@ -1228,6 +1230,8 @@ def get_mlem_input(wildcards):
         inputs["plan"] = get_path("plan", matrix=matrix, parts=run["gpus"])
     if is_chunked_run(run):
         inputs["chunks"] = get_path("chunks", matrix=matrix)
+    if run["backend"] == "cuda":
+        inputs.update(get_warm_input())
     return inputs
 
 
@@ -1280,11 +1284,65 @@ def is_bench_enabled():
 
 def get_bench_input(wildcards):
     """Named inputs of bench_spmv: the matrix, and transpose.h5 where the
-    workflow makes it anyway (else the benchmark transposes on its GPU)."""
+    workflow makes it anyway (else the benchmark transposes on its GPU); the
+    kernels compiled on this machine (get_warm_input)."""
     inputs = {"matrix": get_path("matrix", matrix=wildcards.matrix)}
     if is_transpose_needed(wildcards.matrix):
         inputs["transpose"] = get_path("transpose", matrix=wildcards.matrix)
-    return inputs
+    return {**inputs, **get_warm_input()}
+
+
+# ------------------------------------------------------------ kernels compiled once
+
+
+def is_warm_enabled():
+    """True when a GPU job runs (a cuda run or the benchmark): warm_kernels
+    compiles their kernels first, once."""
+    if not is_gpu_enabled():
+        return False
+    return is_bench_enabled() or any(run["backend"] == "cuda" for run in get_runs())
+
+
+def get_warm_threads(wildcards=None):
+    """Host threads warm_kernels counts: none on one machine, where it runs
+    beside the matrix's generation (which holds every core; the compilers
+    take a core or so for some seconds), one under a cluster scheduler."""
+    return 1 if workflow.non_local_exec else 0
+
+
+def get_warm_input():
+    """Input "warm" of a GPU job: warm_kernels' record, as ancient (the jobs
+    wait for the compilation, and a later one does not make them stale)."""
+    return {"warm": ancient(PATHS["warm"])} if is_warm_enabled() else {}
+
+
+def get_warm_params(wildcards=None):
+    """What warm_kernels compiles and runs on its small matrix: the cuda runs'
+    kernel choices in each matrix format, OSEM where mlem.subsets > 1, the
+    background term where a measurement has one, the benchmark's kernels."""
+    runs = [
+        {
+            k: run[k]
+            for k in ("backend", "fp", "bp", "secsize", "graph", "gpus", "layout")
+        }
+        for run in get_runs()
+        if run["backend"] == "cuda"
+    ]
+    formats = sorted({entry["format"] for entry in config["matrices"].values()})
+    additive = "additive" in get_simulated_factor_roles() or any(
+        measurement_files(spec).get("additive")
+        for entry in config["matrices"].values()
+        for spec in entry["measurements"].values()
+    )
+    return {
+        "runs": runs,
+        "formats": formats,
+        "subsets": int(get_subsets()),
+        "background": bool(additive),
+        "bench": bool(is_bench_enabled()),
+        "bench_formats": list(config["bench"]["formats"]),
+        "reference": bool(config["mlem"]["reference"]),
+    }
 
 
 def get_bench_params(wildcards):

@@ -88,6 +88,31 @@ rule run_mlem:
         "../scripts/run_mlem.py"
 
 
+# The GPU jobs' kernels compiled once on this machine (mlemlib.backends.warm):
+# every build in background threads and each configured kernel choice run on a
+# small matrix, so that CuPy's and Numba's caches hold them; it has no input
+# and runs while the matrix is generated.
+rule warm_kernels:
+    output:
+        warm=PATHS["warm"],
+    log:
+        f"logs/kernels/{config['name']}.log",
+    benchmark:
+        f"benchmarks/kernels/{config['name']}.tsv"
+    priority: 1
+    conda:
+        "../envs/gpu.yaml"
+    threads: get_warm_threads
+    resources:
+        mem_mb=4000,
+        runtime=15,
+        gpu=1,
+    params:
+        warm=get_warm_params,
+    script:
+        "../scripts/warm_kernels.py"
+
+
 # SpMV kernels against cuSPARSE on one matrix (only where a GPU is used).
 rule bench_spmv:
     input:

@@ -518,6 +518,56 @@ def test_spmv_csv_names_each_kernels_launch_shape_and_marks_autos_choice(monkeyp
     assert tuple(next(csv.reader(format_csv({"kernels": rows}).splitlines()))) == spmv.CSV_FIELDS
 
 
+def test_kernel_rows_check_every_product_against_the_float64_products_asked_for_after_the_timing(monkeypatch):
+    """The float64 products may still be computed on the host while the kernels are timed: _kernel_rows asks
+    for them once, after the last kernel, and each row's error is against its own operation's product
+    (bp_notrans against A^T c)."""
+    import types
+
+    import mlemlib.bench.timing
+    from mlemlib.bench import spmv
+
+    events = []
+
+    class Backend:
+        fp_kernel = bp_kernel = "csr_vector"
+
+        def __init__(self, scale):
+            self.scale = scale
+
+        def describe(self):
+            return {}
+
+        def forward(self, v):
+            return v * self.scale
+
+        back = forward
+
+    scales = {"csr_vector": 1.0, "merge": 1.5, "scatter": 2.0}
+    monkeypatch.setattr(spmv, "_backend", lambda src, g, norm, tsrc, fp, bp, device, secsize=None, resident=None:
+                        Backend(scales.get(bp if fp == spmv.PARTNER else fp, 1.0)))
+    monkeypatch.setattr(spmv, "_device_vector", lambda be, v: v.astype(np.float64))
+    monkeypatch.setattr(spmv, "_host", lambda y: np.asarray(y, dtype=np.float64))
+    monkeypatch.setattr(spmv, "_free", lambda device: None)
+    monkeypatch.setattr(mlemlib.bench.timing, "time_calls",
+                        lambda call, repeat, warmup: events.append("timed") or np.full(3, 1e-3))
+    m, n = 6, 4
+    x, c = spmv.bench_vectors(m, n)
+
+    def refs():
+        events.append("refs")
+        return {"fp": x.astype(np.float64), "bp": c.astype(np.float64)}
+
+    a = types.SimpleNamespace(shape=(m, n), nnz=10)
+    rows = spmv._kernel_rows(a, a, None, None, fp_kernels=("csr_vector", "merge"), bp_kernels=("csr_vector",),
+                             notrans_kernels=("scatter",), secsizes=(5,), repeat=3, warmup=1, bw=1e12, check=True,
+                             device=0, refs=refs)
+    assert events == ["timed"] * 4 + ["refs"]
+    err = {(r["op"], r["kernel"]): r["rel_l2"] for r in rows}
+    assert err[("fp", "csr_vector")] == 0.0 and err[("bp", "csr_vector")] == 0.0
+    assert err[("fp", "merge")] == pytest.approx(0.5) and err[("bp_notrans", "scatter")] == pytest.approx(1.0)
+
+
 def test_cli_bench_help_lists_the_subcommands(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--help"])

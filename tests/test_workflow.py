@@ -243,6 +243,33 @@ def test_norm_simulate_and_the_benchmark_start_together_after_the_conversion(tmp
     assert min(norm["priority"], sim["priority"]) > max(part["priority"], bench["priority"])
 
 
+def test_gpu_jobs_wait_for_the_kernels_compiled_once_and_cpu_workflows_have_none(tmp_path):
+    """warm_kernels (no input) runs where a GPU job does; every cuda run and the benchmark take its record as
+    input; the cpu runs and the reference do not; a workflow without GPUs plans none."""
+    config = changed(use_gpu=True, runs=[{"backend": "cuda", "fp": "auto", "bp": "auto", "gpus": [1, 2]},
+                                         {"backend": "cpu"}], bench={"spmv": True})
+    proc = snakemake(tmp_path, "--dry-run", "--printshellcmds", "--cores", "8", "--resources", "gpu=2", config=config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = "results/kernels/default.json"  # the config's name (schema default)
+    blocks = (proc.stdout + proc.stderr).split("\n\n")
+    inputs = {}
+    for block in blocks:
+        lines = [line.strip() for line in block.splitlines()]
+        rule = next((line.split()[1].rstrip(":") for line in lines if line.startswith("rule ")), None)
+        got = next((line[len("input: "):] for line in lines if line.startswith("input: ")), "")
+        out = next((line[len("output: "):] for line in lines if line.startswith("output: ")), "")
+        if rule:
+            inputs.setdefault(rule, []).append((got, out))
+    assert [o for _, o in inputs["warm_kernels"]] == [record] and inputs["warm_kernels"][0][0] == ""
+    runs = inputs["run_mlem"]
+    assert sum(record in i for i, o in runs if "/cuda-" in o) == 2
+    assert not any(record in i for i, o in runs if "/cpu-" in o)
+    assert all(record in i for i, _ in inputs["bench_spmv"])
+    assert not any(record in i for i, _ in inputs["reference_mlem"])
+    (tmp_path / "cpu").mkdir()
+    assert "warm_kernels" not in dry_run(tmp_path / "cpu", changed(use_gpu=False))
+
+
 def test_cpu_run_on_several_gpus_is_refused(tmp_path):
     proc = snakemake(tmp_path, "--dry-run", config=changed(runs=[{"backend": "cpu", "gpus": [1, 2]}]))
     assert proc.returncode != 0

@@ -30,7 +30,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,6 @@ ITERATION_BENCH = (
     ("csr_vector", "csr_vector"),
     ("csr_vector", "scatter"),
     ("csr_vector", "scatter_smem"),
-    ("csr_vector", "notrans"),
     ("merge", "scatter"),
     ("auto", "onepass"),
     ("auto", "onepass_fixed"),
@@ -130,6 +129,10 @@ class _Resident:
                 self._copies[key] = (host, ck.DeviceCSR.from_host(host))
         return self._copies[key][1]
 
+    def put(self, host: Any, device_copy: Any) -> None:
+        """Serve ``device_copy`` (already on the GPU) for ``host``."""
+        self._copies[id(host)] = (host, device_copy)
+
     def clear(self) -> None:
         self._copies.clear()
 
@@ -159,20 +162,33 @@ def _reference_products(a: Any, at: Any, x: np.ndarray, c: np.ndarray) -> dict[s
     return {"fp": a64 @ x.astype(np.float64), "bp": a64.T @ c.astype(np.float64)}
 
 
+def bench_vectors(m: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The image ``x`` (length ``n``) and correlation ``c`` (length ``m``) every product of the benchmark
+    takes: uniform in [0.5, 1.5), seeded."""
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    c = rng.uniform(0.5, 1.5, m).astype(np.float32)
+    return x, c
+
+
 def _kernel_rows(src: Any, tsrc: Any, g: np.ndarray, norm: np.ndarray, *, fp_kernels: Sequence[str],
                  bp_kernels: Sequence[str], notrans_kernels: Sequence[str], secsizes: Sequence[int], repeat: int,
                  warmup: int, bw: float, check: bool, device: int,
-                 resident: _Resident | None = None) -> list[dict[str, Any]]:
-    """One row per kernel and operation: ``forward``/``back`` of a backend whose ``fp``/``bp`` is that kernel."""
+                 resident: _Resident | None = None,
+                 refs: Callable[[], dict[str, np.ndarray]] | None = None) -> list[dict[str, Any]]:
+    """One row per kernel and operation: ``forward``/``back`` of a backend whose ``fp``/``bp`` is that kernel,
+    on :func:`bench_vectors`. With ``check``, each product's error against ``refs()`` (the float64 products,
+    :func:`_reference_products`; asked for once every kernel is timed, so that the host may compute them
+    meanwhile; None: computed here first)."""
     from mlemlib.bench.timing import time_calls
 
     m, n = (int(v) for v in src.shape)
     nnz = int(src.nnz)
-    rng = np.random.default_rng(1)
-    x = rng.uniform(0.5, 1.5, n).astype(np.float32)
-    c = rng.uniform(0.5, 1.5, m).astype(np.float32)
-    refs = _reference_products(src, tsrc, x, c) if check else {}
-    refs["bp_notrans"] = refs.get("bp")
+    x, c = bench_vectors(m, n)
+    if check and refs is None:
+        computed = _reference_products(src, tsrc, x, c)
+        refs = lambda: computed  # noqa: E731
+    products: list[tuple[dict[str, Any], str, np.ndarray]] = []
     jobs: list[tuple[str, str, int | None]] = []
     for k in fp_kernels:
         jobs += [("fp", k, s) for s in secsizes] if k == "merge" else [("fp", k, None)]
@@ -199,11 +215,15 @@ def _kernel_rows(src: Any, tsrc: Any, g: np.ndarray, norm: np.ndarray, *, fp_ker
         row.update(median_s=med, min_s=float(t.min()), max_s=float(t.max()), bytes=nbytes, bandwidth=nbytes / med,
                    of_copy=nbytes / med / bw)
         if check:
-            row["rel_l2"] = _rel_l2(_host(call()), refs[op])
+            products.append((row, op, _host(call())))
         log.info("%-10s %-16s %8.3f ms %5.1f%% of copy", op, k, med * 1e3, 100 * nbytes / med / bw)
         rows.append(row)
         del be, vec
         _free(device)
+    if check:
+        ref = refs()
+        for row, op, y in products:
+            row["rel_l2"] = _rel_l2(y, ref["bp" if op == "bp_notrans" else op])
     picks = _auto_picks(src, tsrc, g, norm, device)
     for op, kernel in picks.items():
         pick = next((r for r in rows if r["op"] == op and r["kernel"] == kernel and "median_s" in r), None)
@@ -311,6 +331,46 @@ def _iteration_rows(sources: dict[str, tuple[Any, Any]], g: np.ndarray, norm: np
     return rows
 
 
+def _host_work(a: Any, at: Any, x: np.ndarray, c: np.ndarray, check: bool) -> tuple[Any, Any, dict]:
+    """The benchmark's host work on ``A``: ``(g, norm)`` of :func:`~mlemlib.bench.prepare.problem_arrays`
+    and, with ``check``, the float64 products of :func:`_reference_products`."""
+    from mlemlib.bench.prepare import problem_arrays
+
+    g, norm = problem_arrays(a)
+    return g, norm, (_reference_products(a, at, x, c) if check else {})
+
+
+class _Background:
+    """``fn(*args)`` in a thread, on all of Numba's threads but two (the thread that launches and times
+    the kernels keeps a core); :meth:`result` waits for it and raises its error."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        import threading
+
+        self.seconds = 0.0
+        self._out: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="mlem-bench-problem", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Any, args: tuple) -> None:
+        import numba
+
+        t0 = time.perf_counter()
+        try:
+            numba.set_num_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))
+            self._out = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - raised again by result()
+            self._error = exc
+        self.seconds = time.perf_counter() - t0
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+
 def _prefetch(fp_kernels: Sequence[str], bp_kernels: Sequence[str], notrans_kernels: Sequence[str],
               iterations: Sequence[tuple[str, str]], format_iterations: Sequence[tuple[str, str]],
               device: int) -> None:
@@ -324,10 +384,11 @@ def _prefetch(fp_kernels: Sequence[str], bp_kernels: Sequence[str], notrans_kern
     ck.prefetch_kernels([k for k in registry.KERNELS if k.backend == "cuda" and k.name in names], device)
 
 
-def _transpose(a: Any, device: int) -> Any:
-    """``A^T`` in host memory for the benchmark: transposed on GPU ``device`` with cuSPARSE where ``A`` (CSR) fits
-    its 32-bit indices and the GPU's memory (faster than reading a stored ``A^T`` from disk), else by
-    ScanTrans on the host (the transposition stage's method)."""
+def _transpose(a: Any, device: int) -> tuple[Any, Any | None]:
+    """``A^T`` in host memory for the benchmark, and ``(A, A^T)`` on GPU ``device`` where they were made
+    there (else None): transposed on the GPU with cuSPARSE where ``A`` (CSR) fits its 32-bit indices and the
+    GPU's memory (faster than reading a stored ``A^T`` from disk; the copies serve the benchmark's backends,
+    :class:`_Resident`), else by ScanTrans on the host (the transposition stage's method)."""
     from mlemlib.backends import _cuda_kernels as ck
     from mlemlib.matrix import CSRMatrix
     from mlemlib.transpose import transpose as transpose_matrix
@@ -336,15 +397,14 @@ def _transpose(a: Any, device: int) -> Any:
         cp = ck.cupy()
         try:
             with cp.cuda.Device(device):
-                t = ck.DeviceCSR.from_host(a).transpose()
-                at = t.to_host()
-                del t
-                cp.get_default_memory_pool().free_all_blocks()
-            return at
+                d = ck.DeviceCSR.from_host(a)
+                t = d.transpose()
+                d.drop_cusparse()
+                return t.to_host(), (d, t)
         except cp.cuda.memory.OutOfMemoryError as exc:
             log.info("A^T does not fit GPU %d beside A (%s): transposed on the host", device, exc)
             cp.get_default_memory_pool().free_all_blocks()
-    return transpose_matrix(a)
+    return transpose_matrix(a), None
 
 
 def bench_spmv(
@@ -398,7 +458,6 @@ def bench_spmv(
     out_json, out_md, out_csv
         Where to write the report (atomically); None: not written.
     """
-    from mlemlib.bench.prepare import problem_arrays
     from mlemlib.devices import EnergyMeter, capped_between, copy_bandwidth, device_facts
     from mlemlib.formats import convert, open_source, write_matrix_h5
     from mlemlib.matrix import CSRMatrix
@@ -417,11 +476,21 @@ def bench_spmv(
     t0 = time.perf_counter()
     a = src if isinstance(matrix, CSRMatrix) else src.read_rows(0, m)
     a = getattr(a, "matrix", a)
-    at = open_source(transpose, "transpose").read_rows(0, n) if transpose is not None else _transpose(a, device)
+    on_gpu = None
+    if transpose is not None:
+        at = open_source(transpose, "transpose").read_rows(0, n)
+    else:
+        at, on_gpu = _transpose(a, device)
     log.info("%s: %d x %d, %d nnz, A and A^T in host memory in %.1f s", label, m, n, a.nnz, time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    g, norm = problem_arrays(a)
-    log.info("g and the norm on the host in %.1f s", time.perf_counter() - t0)
+    # g and the norm (the iterations' problem) and the float64 products on the host's other cores while the
+    # kernels are timed alone (the only Numba work until result())
+    x, c = bench_vectors(m, n)
+    host = _Background(_host_work, a, at, x, c, check)
+    resident = _Resident(device)
+    if on_gpu is not None:
+        resident.put(a, on_gpu[0])
+        resident.put(at, on_gpu[1])
+    del on_gpu
     with EnergyMeter([device]) as meter:
         facts = device_facts(device)
         caps0, t_run = meter.capped(), time.perf_counter()
@@ -429,10 +498,14 @@ def bench_spmv(
         bw = copy["bandwidth"]
         _free(device)
         log.info("copy bandwidth %.3f TB/s", bw / 1e12)
-        resident = _Resident(device)
-        kernels = _kernel_rows(a, at, g, norm, fp_kernels=fp_kernels, bp_kernels=bp_kernels,
+        # forward(x) and back(c) alone read neither g nor the norm: any valid pair builds their backends
+        unit_g, unit_norm = np.ones(m, dtype=np.float32), np.ones(n, dtype=np.float64)
+        kernels = _kernel_rows(a, at, unit_g, unit_norm, fp_kernels=fp_kernels, bp_kernels=bp_kernels,
                                notrans_kernels=notrans_kernels, secsizes=secsizes, repeat=repeat, warmup=warmup,
-                               bw=bw, check=check, device=device, resident=resident)
+                               bw=bw, check=check, device=device, resident=resident,
+                               refs=lambda: host.result()[2])
+        g, norm, _ = host.result()
+        log.info("g, the norm and the float64 products on the host in %.1f s", host.seconds)
         its: list[dict[str, Any]] = []
         if iterations and a.nnz:
             csr_floor_s = (2 * (8 * a.nnz) + 8 * (m + 1) + 8 * (n + 1)) / bw

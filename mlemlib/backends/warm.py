@@ -1,0 +1,165 @@
+"""Compile, once per machine, what each GPU job of a workflow would otherwise compile at its start.
+
+On a machine whose caches are empty, a GPU job spends seconds before its
+first iteration compiling: the NVRTC builds of this package's kernels
+(``mlemlib/kernels/*.cu``: about a second for each ``spmv.cu`` build, some
+twenty for ``compressed.cu``), CuPy's own element-wise and reduction
+kernels (compiled on their first use in each process), and the host
+functions Numba compiles. All of them land in caches on disk (CuPy's kernel
+cache, ``~/.cupy/kernel_cache`` or ``$CUPY_CACHE_DIR``; Numba's
+``__pycache__`` beside the package), keyed by the code, its options, the
+types and the GPU's architecture, not by the matrix's size. :func:`warm_up`
+fills them: every build compiled at once in background threads, then each
+configured kernel choice run on a small matrix, so that the workflow's
+``warm_kernels`` job does this once, while the matrix is generated, and the
+GPU jobs find their kernels compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+#: The small matrix: a synthetic scanner in sinogram order (:func:`mlemlib.bench.tor_matrix`).
+SMALL = {"nx": 24, "ny": 24, "nz": 2, "n_angles": 24, "n_offsets": 32}
+
+
+def small_problem() -> tuple[Any, np.ndarray, np.ndarray]:
+    """A small CSR matrix, its measurement ``g = A 1`` (float32) and norm (float64)."""
+    from mlemlib.bench import tor_matrix
+
+    a = tor_matrix(**SMALL)
+    s = a.to_scipy().astype(np.float64)
+    g = np.asarray(s @ np.ones(a.shape[1]), dtype=np.float32)
+    norm = np.asarray(s.sum(axis=0)).ravel()
+    return a, g, norm
+
+
+def run_choices(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The distinct kernel choices of the cuda ``runs`` (dicts with fp, bp, secsize, graph, gpus,
+    layout): a multi-GPU run counts as its layout on one GPU."""
+    out: dict[tuple, dict[str, Any]] = {}
+    for run in runs:
+        if run.get("backend", "cuda") != "cuda":
+            continue
+        multi = int(run.get("gpus") or 1) > 1 or bool(run.get("graph"))
+        choice = {"fp": run.get("fp") or "auto", "bp": run.get("bp") or "auto", "secsize": run.get("secsize"),
+                  "nccl": multi, "layout": (run.get("layout") or "local") if multi else "local",
+                  "graph": bool(run.get("graph"))}
+        out.setdefault(tuple(sorted(choice.items(), key=lambda kv: kv[0])), choice)
+    return list(out.values())
+
+
+def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr",), subsets: int = 1,
+            background: bool = False, bench: bool = False, bench_formats: Sequence[str] = ("csr",),
+            reference: bool = True) -> dict[str, Any]:
+    """Compile every kernel build for GPU 0 (the job's GPU) and run each kernel choice of ``runs`` (see
+    :func:`run_choices`) on a small matrix in each of ``formats``; with ``subsets`` > 1 as OSEM (two subsets),
+    with ``background`` with a background term; with ``bench`` the SpMV benchmark on it (every named kernel
+    and pair, in ``bench_formats``); with ``reference`` the float64 cpu iteration. A choice that fails here
+    is logged and left (its run reports it); the CUDA-free parts need no GPU.
+
+    Returns
+    -------
+    dict
+        ``seconds``, ``builds`` (labels), ``choices`` (each with ``seconds``, and ``error`` where it failed).
+    """
+    from mlemlib.backends import _build
+    from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib import registry
+
+    t0 = time.perf_counter()
+    builds = ck.kernel_builds([k for k in registry.KERNELS if k.backend == "cuda"])
+    _build.prefetch(builds, 0)
+    a, g, norm = small_problem()
+    done: list[dict[str, Any]] = []
+    if reference:
+        done.append(_timed({"backend": "cpu", "dtype": "float64"}, _cpu_reference, a, g, norm))
+    for build in builds:
+        _build.module(build, 0)
+    log.info("compiled %d kernel builds in %.1f s", len(builds), time.perf_counter() - t0)
+    for fmt in formats:
+        matrix = a if fmt == "csr" else _compressed(a, fmt)
+        for choice in run_choices(runs):
+            done.append(_timed({**choice, "format": fmt}, _run_choice, matrix, g, norm, choice, subsets,
+                               background))
+    if bench:
+        done.append(_timed({"bench": list(bench_formats)}, _bench, a, bench_formats))
+    seconds = time.perf_counter() - t0
+    log.info("kernels warmed up in %.1f s: %d builds, %d choices (%d failed)", seconds, len(builds), len(done),
+             sum("error" in d for d in done))
+    return {"seconds": round(seconds, 3), "builds": [" ".join((b.source, *b.options)) for b in builds],
+            "choices": done}
+
+
+def _timed(what: dict[str, Any], fn: Any, *args: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    out = dict(what)
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - a warm-up failure is the run's to report
+        log.warning("warm-up of %s failed (the run reports it): %s", what, exc)
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def _compressed(a: Any, fmt: str) -> Any:
+    from mlemlib.compressed import CompressedMatrix
+
+    return CompressedMatrix.from_csr(a, fmt)
+
+
+def _cpu_reference(a: Any, g: np.ndarray, norm: np.ndarray) -> None:
+    from mlemlib.backends import make_backend
+
+    be = make_backend("cpu", a, g, norm, dtype=np.float64)
+    f = be.initial_image()
+    for _ in range(2):
+        f = be.iterate(f)
+
+
+def _run_choice(matrix: Any, g: np.ndarray, norm: np.ndarray, choice: Mapping[str, Any], subsets: int,
+                background: bool) -> None:
+    from mlemlib.backends import make_backend
+
+    m = int(matrix.shape[0])
+    kw: dict[str, Any] = {"fp": choice["fp"], "bp": choice["bp"]}
+    if choice.get("secsize"):
+        kw["secsize"] = choice["secsize"]
+    if background:
+        kw["background"] = np.full(m, 0.05, dtype=np.float32)
+    if subsets > 1:  # OSEM (two subsets) on one GPU, graphs as the run asks
+        from mlemlib.norm import sensitivities
+        from mlemlib.subsets import update_norms
+
+        bounds = np.array([0, m // 2, m], dtype=np.int64)
+        be = make_backend("cuda", matrix, g, update_norms(sensitivities(matrix, bounds)), subsets=bounds,
+                          graph=choice["graph"], **kw)
+    elif choice["nccl"]:  # the multi-GPU backend in the run's layout, on one GPU
+        from mlemlib.backends.nccl import NcclBackend
+
+        be = NcclBackend(matrix, g, norm, devices=[0], layout=choice["layout"], graph=choice["graph"], **kw)
+    else:
+        be = make_backend("cuda", matrix, g, norm, **kw)
+    try:
+        f = be.initial_image()
+        for _ in range(2):
+            f = be.iterate(f)
+        be.to_host(f)
+    finally:
+        close = getattr(be, "close", None)
+        if close is not None:
+            close()
+
+
+def _bench(a: Any, formats: Sequence[str]) -> None:
+    from mlemlib.bench.spmv import bench_spmv
+
+    bench_spmv(a, repeat=1, warmup=0, formats=formats, copy_bytes=1 << 24)

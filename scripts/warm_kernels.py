@@ -1,0 +1,20 @@
+"""Rule warm_kernels: compile, on this machine, the kernels the workflow's GPU jobs run (mlemlib.backends.warm)."""
+
+import json
+import logging
+
+from mlemlib.logs import send_to_log
+
+send_to_log(snakemake.log[0])
+
+from mlemlib._io import atomic_path  # noqa: E402
+from mlemlib.backends.warm import warm_up  # noqa: E402
+from mlemlib.dist.lease import lease_gpus  # noqa: E402
+
+p = snakemake.params.warm
+with lease_gpus(1):  # the GPU Snakemake counted for this job
+    record = warm_up(p["runs"], formats=p["formats"], subsets=p["subsets"], background=p["background"],
+                     bench=p["bench"], bench_formats=p["bench_formats"], reference=p["reference"])
+with atomic_path(snakemake.output.warm) as tmp:
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+logging.info("warm_kernels: wrote %s", snakemake.output.warm)

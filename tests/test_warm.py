@@ -1,0 +1,72 @@
+"""mlemlib.backends.warm without a GPU: which kernel choices of a workflow's runs it warms, and that a choice
+that fails is recorded, not raised (its run reports it); the float64 reference runs for real on the host."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlemlib.backends import _build
+from mlemlib.backends import warm
+
+
+def test_small_problem_is_a_consistent_problem():
+    a, g, norm = warm.small_problem()
+    s = a.to_scipy().astype(np.float64)
+    assert a.nnz > 1000 and g.dtype == np.float32 and norm.dtype == np.float64
+    np.testing.assert_allclose(g, s @ np.ones(a.shape[1]), rtol=1e-6)
+    np.testing.assert_allclose(norm, np.asarray(s.sum(axis=0)).ravel())
+
+
+def test_run_choices_count_each_kernel_choice_once_and_multi_gpu_runs_as_their_layout():
+    runs = [
+        {"backend": "cuda", "fp": "auto", "bp": "auto", "secsize": None, "graph": False, "gpus": g, "layout": "local"}
+        for g in (1, 2, 4)
+    ] + [
+        {"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "secsize": None, "graph": False, "gpus": 2,
+         "layout": "thesis"},
+        {"backend": "cuda", "fp": "auto", "bp": "auto", "secsize": None, "graph": True, "gpus": 1, "layout": "local"},
+        {"backend": "cpu", "fp": "auto", "bp": "auto", "secsize": None, "graph": False, "gpus": 1, "layout": "local"},
+    ]
+    got = [(c["fp"], c["bp"], c["nccl"], c["layout"], c["graph"]) for c in warm.run_choices(runs)]
+    assert got == [("auto", "auto", False, "local", False), ("auto", "auto", True, "local", False),
+                   ("csr_vector", "csr_vector", True, "thesis", False), ("auto", "auto", True, "local", True)]
+
+
+def test_warm_up_records_a_failed_choice_and_goes_on(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(_build, "prefetch", lambda builds, device: compiled.extend(builds))
+    monkeypatch.setattr(_build, "module", lambda build, device: None)
+    ran = []
+
+    def run_choice(matrix, g, norm, choice, subsets, background):
+        ran.append((choice["bp"], subsets, background, type(matrix).__name__))
+        if choice["bp"] == "onepass_fixed":
+            raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(warm, "_run_choice", run_choice)
+    runs = [{"backend": "cuda", "fp": "auto", "bp": bp, "secsize": None, "graph": False, "gpus": 1,
+             "layout": "local"} for bp in ("auto", "onepass_fixed")]
+    record = warm.warm_up(runs, formats=("csr", "compressed"), subsets=4, background=True)
+    assert len(compiled) == len(record["builds"]) > 3
+    assert ran == [("auto", 4, True, "CSRMatrix"), ("onepass_fixed", 4, True, "CSRMatrix"),
+                   ("auto", 4, True, "CompressedMatrix"), ("onepass_fixed", 4, True, "CompressedMatrix")]
+    choices = record["choices"]
+    assert choices[0] == {"backend": "cpu", "dtype": "float64", "seconds": choices[0]["seconds"]}  # ran here
+    failed = [c for c in choices if "error" in c]
+    assert [(c["bp"], c["format"]) for c in failed] == [("onepass_fixed", "csr"), ("onepass_fixed", "compressed")]
+    assert all(c["error"] == "RuntimeError: no GPU here" for c in failed)
+
+
+@pytest.mark.gpu
+def test_warm_up_runs_every_choice_on_the_gpu():
+    """On a GPU: every build compiles, and each choice (one GPU and the multi-GPU backend on one, CSR and
+    compressed, OSEM with a background) and the SpMV benchmark run on the small matrix without an error."""
+    runs = [{"backend": "cuda", "fp": fp, "bp": bp, "secsize": None, "graph": graph, "gpus": gpus, "layout": "local"}
+            for fp, bp, graph, gpus in (("auto", "auto", False, 1), ("auto", "auto", False, 2),
+                                        ("auto", "auto", True, 2), ("auto", "onepass_fixed", False, 1))]
+    record = warm.warm_up(runs, formats=("csr", "compressed"), bench=True, bench_formats=("csr", "compressed"))
+    assert [c for c in record["choices"] if "error" in c] == []
+    assert len(record["choices"]) == 1 + 2 * 4 + 1
+    osem = warm.warm_up(runs[:1], subsets=2, background=True, reference=False)
+    assert [c for c in osem["choices"] if "error" in c] == []
