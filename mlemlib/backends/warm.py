@@ -136,11 +136,12 @@ def _run_choice(matrix: Any, g: np.ndarray, norm: np.ndarray, choice: Mapping[st
     if background:
         kw["background"] = np.full(m, 0.05, dtype=np.float32)
     if subsets > 1:  # OSEM (two subsets) on one GPU, graphs as the run asks
+        from mlemlib.formats import open_source
         from mlemlib.norm import sensitivities
         from mlemlib.subsets import update_norms
 
         bounds = np.array([0, m // 2, m], dtype=np.int64)
-        be = make_backend("cuda", matrix, g, update_norms(sensitivities(matrix, bounds)), subsets=bounds,
+        be = make_backend("cuda", matrix, g, update_norms(sensitivities(open_source(matrix), bounds)), subsets=bounds,
                           graph=choice["graph"], **kw)
     elif choice["nccl"]:  # the multi-GPU backend in the run's layout, on one GPU
         from mlemlib.backends.nccl import NcclBackend

@@ -140,10 +140,11 @@ class _Resident:
 def _backend(src: Any, g: np.ndarray, norm: np.ndarray, tsrc: Any, fp: str, bp: str, device: int,
              secsize: int | None = None, resident: _Resident | None = None) -> Any:
     from mlemlib.backends import make_backend
+    from mlemlib.matrix import CSRMatrix
 
     kw: dict[str, Any] = {"device": device} if device else {}
     t = tsrc if registry.uses_transpose("cuda", bp) else None
-    if resident is not None:
+    if resident is not None and isinstance(src, CSRMatrix):  # a compressed A takes its A^T from the host
         src, t = resident.get(src, fp, bp), resident.get(t, fp, bp)
     return make_backend("cuda", src, g, norm, t, fp=fp, bp=bp, secsize=secsize, **kw)
 
