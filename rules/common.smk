@@ -1319,7 +1319,7 @@ def get_warm_input():
 def get_warm_params(wildcards=None):
     """What warm_kernels compiles and runs on its small matrix: the cuda runs'
     kernel choices in each matrix format, OSEM where mlem.subsets > 1, the
-    background term where a measurement has one, the benchmark's kernels."""
+    background term where a measurement has one, what the benchmark adds."""
     runs = [
         {
             k: run[k]
@@ -1340,7 +1340,6 @@ def get_warm_params(wildcards=None):
         "subsets": int(get_subsets()),
         "background": bool(additive),
         "bench": bool(is_bench_enabled()),
-        "bench_formats": list(config["bench"]["formats"]),
         "reference": bool(config["mlem"]["reference"]),
     }
 

@@ -14,7 +14,7 @@ from mlemlib.dist.lease import lease_gpus  # noqa: E402
 p = snakemake.params.warm
 with lease_gpus(1):  # the GPU Snakemake counted for this job
     record = warm_up(p["runs"], formats=p["formats"], subsets=p["subsets"], background=p["background"],
-                     bench=p["bench"], bench_formats=p["bench_formats"], reference=p["reference"])
+                     bench=p["bench"], reference=p["reference"])
 with atomic_path(snakemake.output.warm) as tmp:
     tmp.write_text(json.dumps(record, indent=1) + "\n")
 logging.info("warm_kernels: wrote %s", snakemake.output.warm)

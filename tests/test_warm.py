@@ -49,24 +49,31 @@ def test_warm_up_records_a_failed_choice_and_goes_on(monkeypatch):
              "layout": "local"} for bp in ("auto", "onepass_fixed")]
     record = warm.warm_up(runs, formats=("csr", "compressed"), subsets=4, background=True)
     assert len(compiled) == len(record["builds"]) > 3
+    assert record["host"] == 0  # the host functions' process (warm_host) ended well
     assert ran == [("auto", 4, True, "CSRMatrix"), ("onepass_fixed", 4, True, "CSRMatrix"),
                    ("auto", 4, True, "CompressedMatrix"), ("onepass_fixed", 4, True, "CompressedMatrix")]
-    choices = record["choices"]
-    assert choices[0] == {"backend": "cpu", "dtype": "float64", "seconds": choices[0]["seconds"]}  # ran here
-    failed = [c for c in choices if "error" in c]
+    failed = [c for c in record["choices"] if "error" in c]
     assert [(c["bp"], c["format"]) for c in failed] == [("onepass_fixed", "csr"), ("onepass_fixed", "compressed")]
     assert all(c["error"] == "RuntimeError: no GPU here" for c in failed)
+    assert len(record["choices"]) == 4
+
+
+def test_the_host_warm_up_runs_the_functions_the_cpu_jobs_compile():
+    """warm_host (the process warm_up starts) runs on the host alone: the float64 reference's iteration, the
+    chunked layout, the benchmark's problem and float64 products of the small matrix."""
+    warm.warm_host(reference=True, bench=True)
 
 
 @pytest.mark.gpu
 def test_warm_up_runs_every_choice_on_the_gpu():
     """On a GPU: every build compiles, and each choice (one GPU and the multi-GPU backend on one, CSR and
-    compressed, OSEM with a background) and the SpMV benchmark run on the small matrix without an error."""
+    compressed, OSEM with a background), cuSPARSE and the copy bandwidth run on the small matrix without an
+    error, and the host's process ends well."""
     runs = [{"backend": "cuda", "fp": fp, "bp": bp, "secsize": None, "graph": graph, "gpus": gpus, "layout": "local"}
             for fp, bp, graph, gpus in (("auto", "auto", False, 1), ("auto", "auto", False, 2),
                                         ("auto", "auto", True, 2), ("auto", "onepass_fixed", False, 1))]
-    record = warm.warm_up(runs, formats=("csr", "compressed"), bench=True, bench_formats=("csr", "compressed"))
-    assert [c for c in record["choices"] if "error" in c] == []
-    assert len(record["choices"]) == 1 + 2 * 4 + 1
-    osem = warm.warm_up(runs[:1], subsets=2, background=True, reference=False)
+    record = warm.warm_up(runs, formats=("csr", "compressed"), bench=True)
+    assert [c for c in record["choices"] if "error" in c] == [] and record["host"] == 0
+    assert len(record["choices"]) == 2 * 4 + 2
+    osem = warm.warm_up(runs[:1], subsets=2, background=True, reference=False, host=False)
     assert [c for c in osem["choices"] if "error" in c] == []

@@ -10,7 +10,8 @@ cache, ``~/.cupy/kernel_cache`` or ``$CUPY_CACHE_DIR``; Numba's
 ``__pycache__`` beside the package), keyed by the code, its options, the
 types and the GPU's architecture, not by the matrix's size. :func:`warm_up`
 fills them: every build compiled at once in background threads, then each
-configured kernel choice run on a small matrix, so that the workflow's
+configured kernel choice run on a small matrix, the host's Numba functions
+compiled in a process of their own, so that the workflow's
 ``warm_kernels`` job does this once, while the matrix is generated, and the
 GPU jobs find their kernels compiled.
 """
@@ -57,19 +58,25 @@ def run_choices(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr",), subsets: int = 1,
-            background: bool = False, bench: bool = False, bench_formats: Sequence[str] = ("csr",),
-            reference: bool = True) -> dict[str, Any]:
+            background: bool = False, bench: bool = False, reference: bool = True,
+            host: bool = True) -> dict[str, Any]:
     """Compile every kernel build for GPU 0 (the job's GPU) and run each kernel choice of ``runs`` (see
     :func:`run_choices`) on a small matrix in each of ``formats``; with ``subsets`` > 1 as OSEM (two subsets),
-    with ``background`` with a background term; with ``bench`` the SpMV benchmark on it (every named kernel
-    and pair, in ``bench_formats``); with ``reference`` the float64 cpu iteration. A choice that fails here
-    is logged and left (its run reports it); the CUDA-free parts need no GPU.
+    with ``background`` with a background term; with ``bench`` what the SpMV benchmark adds (cuSPARSE, the
+    copy-bandwidth measurement). The host's Numba functions (the float64 reference's iteration with
+    ``reference``, the benchmark's problem and float64 products, the chunked layout) compile meanwhile in a
+    process of their own (:func:`warm_host`; ``host`` False: not). The builds compile in background threads while the choices run,
+    each choice waiting only for its own. A choice that fails here is logged and left (its run reports it).
 
     Returns
     -------
     dict
-        ``seconds``, ``builds`` (labels), ``choices`` (each with ``seconds``, and ``error`` where it failed).
+        ``seconds``, ``builds`` (labels), ``choices`` (each with ``seconds``, and ``error`` where it failed),
+        ``host`` (the host process's exit status).
     """
+    import subprocess
+    import sys
+
     from mlemlib.backends import _build
     from mlemlib.backends import _cuda_kernels as ck
     from mlemlib import registry
@@ -77,25 +84,60 @@ def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr
     t0 = time.perf_counter()
     builds = ck.kernel_builds([k for k in registry.KERNELS if k.backend == "cuda"])
     _build.prefetch(builds, 0)
+    proc = None
+    if host:  # a fresh interpreter (not multiprocessing, which would run the calling script again)
+        proc = subprocess.Popen([sys.executable, "-c", "from mlemlib.backends.warm import warm_host; "
+                                 f"warm_host(reference={bool(reference)}, bench={bool(bench)})"])
     a, g, norm = small_problem()
     done: list[dict[str, Any]] = []
-    if reference:
-        done.append(_timed({"backend": "cpu", "dtype": "float64"}, _cpu_reference, a, g, norm))
-    for build in builds:
-        _build.module(build, 0)
-    log.info("compiled %d kernel builds in %.1f s", len(builds), time.perf_counter() - t0)
     for fmt in formats:
         matrix = a if fmt == "csr" else _compressed(a, fmt)
         for choice in run_choices(runs):
             done.append(_timed({**choice, "format": fmt}, _run_choice, matrix, g, norm, choice, subsets,
                                background))
     if bench:
-        done.append(_timed({"bench": list(bench_formats)}, _bench, a, bench_formats))
+        cusparse = {"fp": "cusparse", "bp": "cusparse", "secsize": None, "nccl": False, "layout": "local",
+                    "graph": False}
+        done.append(_timed({**cusparse, "format": "csr"}, _run_choice, a, g, norm, cusparse, 1, False))
+        done.append(_timed({"copy_bandwidth": True}, _copy_bandwidth))
+    for build in builds:
+        _build.module(build, 0)
+    log.info("compiled %d kernel builds (%.1f s)", len(builds), time.perf_counter() - t0)
+    status = None
+    if proc is not None:
+        try:
+            status = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            status = proc.wait()
+        if status != 0:
+            log.warning("the host functions' warm-up ended with status %s", status)
     seconds = time.perf_counter() - t0
     log.info("kernels warmed up in %.1f s: %d builds, %d choices (%d failed)", seconds, len(builds), len(done),
              sum("error" in d for d in done))
     return {"seconds": round(seconds, 3), "builds": [" ".join((b.source, *b.options)) for b in builds],
-            "choices": done}
+            "choices": done, "host": status}
+
+
+def warm_host(reference: bool = True, bench: bool = False) -> None:
+    """Compile the host's Numba functions a workflow's jobs call, on the small matrix (their caches on
+    disk): the float64 reference's iteration, the chunked layout, and with ``bench`` the benchmark's problem
+    and float64 products."""
+    from mlemlib import chunked
+
+    a, g, norm = small_problem()
+    if reference:
+        _cpu_reference(a, g, norm)
+    for _ in chunked.layout_blocks(a, "csr", window=chunked.DEFAULT_WINDOW):
+        pass
+    if bench:
+        from mlemlib.bench.prepare import problem_arrays
+        from mlemlib.bench.spmv import _reference_products, bench_vectors
+        from mlemlib.matrix import CSRMatrix
+
+        problem_arrays(a)
+        x, c = bench_vectors(*a.shape)
+        _reference_products(a, CSRMatrix.from_scipy(a.to_scipy().T.tocsr()), x, c)
 
 
 def _timed(what: dict[str, Any], fn: Any, *args: Any) -> dict[str, Any]:
@@ -160,7 +202,7 @@ def _run_choice(matrix: Any, g: np.ndarray, norm: np.ndarray, choice: Mapping[st
             close()
 
 
-def _bench(a: Any, formats: Sequence[str]) -> None:
-    from mlemlib.bench.spmv import bench_spmv
+def _copy_bandwidth() -> None:
+    from mlemlib.devices import copy_bandwidth
 
-    bench_spmv(a, repeat=1, warmup=0, formats=formats, copy_bytes=1 << 24)
+    copy_bandwidth(1 << 24, repeat=2, warmup=1)
