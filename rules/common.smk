@@ -1303,6 +1303,10 @@ def is_warm_enabled():
     return is_bench_enabled() or any(run["backend"] == "cuda" for run in get_runs())
 
 
+#: Host memory warm_kernels asks for (MB): CuPy, a small matrix, a Numba process.
+WARM_MEM_MB = 4000
+
+
 def get_warm_threads(wildcards=None):
     """Host threads warm_kernels counts: none on one machine, where it runs
     beside the matrix's generation (which holds every core; the compilers
@@ -1436,6 +1440,8 @@ def get_jobs():
                 add("study_convergence", PATHS["convergence"], data=data)
         if is_bench_enabled():
             add("bench_spmv", PATHS["bench_csv"])
+    if is_warm_enabled():  # one per configuration, of no matrix
+        jobs.insert(0, Job("warm_kernels", {}, PATHS["warm"]))
     return jobs
 
 
@@ -1661,8 +1667,32 @@ def _stage_need(job, size):
 def get_stage_needs():
     """Every job of get_jobs() as mlemlib.cluster.StageNeed, in DAG order."""
     sizes = {matrix: _matrix_size_of(matrix) for matrix in get_matrices()}
-    needs = (_stage_need(job, sizes[job.wildcards["matrix"]]) for job in get_jobs())
+    needs = (
+        (
+            _stage_need(job, sizes[job.wildcards["matrix"]])
+            if "matrix" in job.wildcards
+            else _warm_need(job)
+        )
+        for job in get_jobs()
+    )
     return [need for need in needs if need is not None]
+
+
+def _warm_need(job):
+    """warm_kernels' StageNeed: a small matrix on one GPU, its rule's mem_mb."""
+    from mlemlib.cluster import BASE_MB, GPU_BASE_MB, SMALL_FILE_BYTES, StageNeed
+
+    mb = 1 << 20
+    return StageNeed(
+        stage=job.rule,
+        label="this machine's kernels",
+        disk_bytes=SMALL_FILE_BYTES,
+        host_bytes=(BASE_MB + GPU_BASE_MB) * mb,
+        gpu_bytes=GPU_BASE_MB * mb,
+        gpus=1,
+        mem_mb=WARM_MEM_MB,
+        done=os.path.exists(job.output),
+    )
 
 
 def check_resources():

@@ -104,7 +104,7 @@ rule warm_kernels:
         "../envs/gpu.yaml"
     threads: get_warm_threads
     resources:
-        mem_mb=4000,
+        mem_mb=WARM_MEM_MB,
         runtime=15,
         gpu=1,
     params:

@@ -188,20 +188,21 @@ scenario() {
 }
 
 one=$((ngpu < 4 ? ngpu : 4))
+# Every scenario's leases count warm_kernels' (one GPU, before any run: the runs take its record as input).
 for name in $scenarios; do
     case $name in
-    one-gpu) scenario one-gpu one-gpu.yaml "$one" --jobs 4 --min-concurrent "$one" --max-concurrent "$one" ;;
+    one-gpu) scenario one-gpu one-gpu.yaml "$one" --jobs 5 --min-concurrent "$one" --max-concurrent "$one" ;;
     two-gpu)
         if ((ngpu >= 4)); then
-            scenario two-gpu two-gpu.yaml 4 --jobs 2 --min-concurrent 2
+            scenario two-gpu two-gpu.yaml 4 --jobs 3 --min-concurrent 2
         elif ((ngpu >= 2)); then
-            scenario two-gpu two-gpu.yaml 4 --jobs 2 --max-concurrent 1 --min-waited 1
+            scenario two-gpu two-gpu.yaml 4 --jobs 3 --max-concurrent 1 --min-waited 1
         fi
         ;;
-    madpet2) CORES=$(nproc) LIMIT=${MADPET2_LIMIT:-480} scenario madpet2 madpet2.yaml "$ngpu" --jobs 6 ;;
+    madpet2) CORES=$(nproc) LIMIT=${MADPET2_LIMIT:-480} scenario madpet2 madpet2.yaml "$ngpu" --jobs 7 ;;
     time-to-result)
-        # One lease per run on 1, 2 and 4 GPUs that --resources gpu=GPUS allows, and bench_spmv's.
-        leases=1
+        # One lease per run on 1, 2 and 4 GPUs that --resources gpu=GPUS allows, bench_spmv's and warm_kernels'.
+        leases=2
         for g in 1 2 4; do ((g <= ngpu)) && leases=$((leases + 1)); done
         TIMES=1 CORES=$(nproc) LIMIT=${TIME_TO_RESULT_LIMIT:-540} scenario time-to-result time-to-result.yaml "$ngpu" --jobs "$leases"
         ;;
