@@ -138,7 +138,10 @@ def pass_metrics(image: Any, truth: Any, regions: Any, grid: Sequence[int], voxe
 
 
 def _host(image: Any) -> np.ndarray:
-    """A device image as a NumPy array (CuPy's ``get``; a NumPy array as it is)."""
+    """A device image as a NumPy array (CuPy's ``get``; a NumPy array as it is); a list (the multi-GPU and
+    OSEM backends' replicated image, the same on every GPU) by its first."""
+    if isinstance(image, (list, tuple)):
+        image = image[0]
     return image.get() if hasattr(image, "get") and not isinstance(image, np.ndarray) else np.asarray(image)
 
 

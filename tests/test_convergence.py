@@ -43,6 +43,25 @@ def _series(s, corrected, crc, error=None):
             "contrast_recovery": [{}] * n, "profile": [0.0, 1.0], "seconds": 0.1}
 
 
+def test_a_multi_gpu_or_osem_image_is_measured_by_its_first_copy():
+    """The multi-GPU and OSEM backends hand the study a list (the same image on every GPU): it is measured by
+    its first entry; a device array by its get(), a NumPy array as it is."""
+    from mlemlib.convergence import _host
+
+    class Device:
+        def __init__(self, a):
+            self.a = a
+
+        def get(self):
+            return self.a.copy()
+
+    a = np.arange(4.0)
+    assert _host(a) is a
+    np.testing.assert_array_equal(_host(Device(a)), a)
+    np.testing.assert_array_equal(_host([Device(a), Device(a + 1)]), a)
+    np.testing.assert_array_equal(_host((a, a + 1)), a)
+
+
 def test_study_rows_count_against_the_corrected_mlem_run_after_its_last_pass():
     record = {"matrix": "m", "data": "d", "series": [
         _series(1, True, [0.1, 0.2, 0.3, 0.35]),
