@@ -189,6 +189,22 @@ def test_error_block_marks_the_job_failed():
     assert job.failed and job.logged_end == datetime(2026, 11, 27, 10, 0, 4)
 
 
+def test_the_reference_target_judges_its_iterations_where_its_log_times_them(fabricated, capsys):
+    """Issue 40's reference target is its iterations (<= 20 s for 50): from "backend ready" to the last
+    repetition's end in its log; the job's seconds (with loading the matrix) beside them."""
+    log = fabricated / "logs/mlem/m/g/reference-it50.log"
+    log.write_text("\n".join([
+        mlem_line("10:00:12,500", "loaded problem abc: 10 x 10, 20 nnz (0.30 s)", "mlemlib.problem"),
+        mlem_line("10:00:14,000", "backend cpu ready (1.20 s): {'backend': 'cpu'}"),
+        mlem_line("10:00:14,100", "repetition 1/1 iteration 1/50: 100.000 ms/iteration (fp 50 ms), ETA 4900 ms"),
+        mlem_line("10:00:19,250", "repetition 1/1 done: mean 100.000 ms/iteration, image sum 1"),
+    ]) + "\n")
+    J.main([str(fabricated), "--started", str(epoch("10:00:00")), "--total", "34.5", "--target-reference", "5"])
+    lines = capsys.readouterr().out.splitlines()
+    assert ("- float64 reference [4] (64 threads): its iterations 5.2 s, target <= 5 s: MISSED (the job, with "
+            "loading the matrix: 8.0 s)") in lines
+
+
 def test_tables_critical_path_and_targets_by_hand(fabricated, capsys):
     status = J.main([
         str(fabricated), "--started", str(epoch("10:00:00")), "--total", "34.5", "--disk-bw", "1e9",

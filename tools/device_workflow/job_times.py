@@ -588,11 +588,19 @@ def target_lines(jobs: Sequence[Job], total: float, opts: Options) -> list[str]:
     if opts.target_reference is not None:
         refs = [j for j in jobs if j.rule in REFERENCE_RULES]
         for j in refs:
-            s = j.seconds
-            out.append(
-                f"- float64 reference [{j.jobid}] ({j.threads} threads): {_f(s)} s, target <= "
-                f"{opts.target_reference:g} s: {verdict(s is not None and s <= opts.target_reference)}"
-            )
+            s, lg = j.seconds, j.log
+            its = (lg.done - lg.ready).total_seconds() if lg is not None and lg.done and lg.ready else None
+            if its is None:  # the job's seconds where its log does not say when the iterations ran
+                out.append(
+                    f"- float64 reference [{j.jobid}] ({j.threads} threads): {_f(s)} s, target <= "
+                    f"{opts.target_reference:g} s: {verdict(s is not None and s <= opts.target_reference)}"
+                )
+            else:  # the issue's target is the reference's iterations; the job also loads its problem
+                out.append(
+                    f"- float64 reference [{j.jobid}] ({j.threads} threads): its iterations {its:.1f} s, target <= "
+                    f"{opts.target_reference:g} s: {verdict(its <= opts.target_reference)} (the job, with loading "
+                    f"the matrix: {_f(s)} s)"
+                )
         if not refs:
             out.append("- float64 reference: no reference_mlem job in this run")
     if opts.target_first_iteration is not None:
@@ -646,7 +654,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--disk-bw", type=float, metavar="BYTES_PER_S", help="the disk's sequential read speed")
     parser.add_argument("--disk-note", default="", metavar="TEXT", help="how the disk's speed was measured")
     parser.add_argument("--target-total", type=float, metavar="S", help="target wall time of the whole workflow")
-    parser.add_argument("--target-reference", type=float, metavar="S", help="target seconds of a float64 reference job")
+    parser.add_argument("--target-reference", type=float, metavar="S",
+                        help="target seconds of a float64 reference's iterations (its job's where its log lacks them)")
     parser.add_argument("--target-first-iteration", type=float, metavar="RATIO",
                         help="target: a GPU run's first iteration within RATIO times its inputs' read time at disk speed")
     args = parser.parse_args(argv)
