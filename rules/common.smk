@@ -756,7 +756,13 @@ def get_convergence_input(wildcards):
         "sino": get_path("sino", matrix=wildcards.matrix, data=wildcards.data),
         "truth": get_path("truth", matrix=wildcards.matrix, data=wildcards.data),
         **get_simulated_factors(wildcards),
+        **(get_warm_input() if is_cuda_study() else {}),
     }
+
+
+def is_cuda_study():
+    """True when the convergence study runs, on a GPU."""
+    return is_convergence_enabled() and config["convergence"]["backend"] == "cuda"
 
 
 def get_convergence_gpus(wildcards):
@@ -1296,11 +1302,12 @@ def get_bench_input(wildcards):
 
 
 def is_warm_enabled():
-    """True when a GPU job runs (a cuda run or the benchmark): warm_kernels
-    compiles their kernels first, once."""
+    """True when a GPU job runs (a cuda run, the benchmark, the convergence
+    study on a GPU): warm_kernels compiles their kernels first, once."""
     if not is_gpu_enabled():
         return False
-    return is_bench_enabled() or any(run["backend"] == "cuda" for run in get_runs())
+    cuda_runs = any(run["backend"] == "cuda" for run in get_runs())
+    return is_bench_enabled() or cuda_runs or is_cuda_study()
 
 
 #: Host memory warm_kernels asks for (MB): CuPy, a small matrix, a Numba process.
@@ -1322,8 +1329,9 @@ def get_warm_input():
 
 def get_warm_params(wildcards=None):
     """What warm_kernels compiles and runs on its small matrix: the cuda runs'
-    kernel choices in each matrix format, OSEM where mlem.subsets > 1, the
-    background term where a measurement has one, what the benchmark adds."""
+    (and a GPU convergence study's) kernel choices in each matrix format, OSEM
+    where a run or the study has S > 1, the background term where a
+    measurement has one, what the benchmark adds."""
     runs = [
         {
             k: run[k]
@@ -1332,6 +1340,23 @@ def get_warm_params(wildcards=None):
         for run in get_runs()
         if run["backend"] == "cuda"
     ]
+    if is_cuda_study():  # the study's reconstructions: one GPU, as OSEM where S > 1
+        study = config["convergence"]
+        runs.append(
+            {
+                "backend": "cuda",
+                "fp": study["fp"],
+                "bp": study["bp"],
+                "secsize": None,
+                "graph": False,
+                "gpus": 1,
+                "layout": "local",
+            }
+        )
+    subsets = max(
+        [int(get_subsets())]
+        + (config["convergence"]["subsets"] if is_cuda_study() else [])
+    )
     formats = sorted({entry["format"] for entry in config["matrices"].values()})
     additive = "additive" in get_simulated_factor_roles() or any(
         measurement_files(spec).get("additive")
@@ -1341,7 +1366,7 @@ def get_warm_params(wildcards=None):
     return {
         "runs": runs,
         "formats": formats,
-        "subsets": int(get_subsets()),
+        "subsets": subsets,
         "background": bool(additive),
         "bench": bool(is_bench_enabled()),
         "reference": bool(config["mlem"]["reference"]),

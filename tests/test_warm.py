@@ -50,12 +50,13 @@ def test_warm_up_records_a_failed_choice_and_goes_on(monkeypatch):
     record = warm.warm_up(runs, formats=("csr", "compressed"), subsets=4, background=True)
     assert len(compiled) == len(record["builds"]) > 3
     assert record["host"] == 0  # the host functions' process (warm_host) ended well
-    assert ran == [("auto", 4, True, "CSRMatrix"), ("onepass_fixed", 4, True, "CSRMatrix"),
-                   ("auto", 4, True, "CompressedMatrix"), ("onepass_fixed", 4, True, "CompressedMatrix")]
+    assert ran == [(bp, s, True, kind) for kind in ("CSRMatrix", "CompressedMatrix")
+                   for bp in ("auto", "onepass_fixed") for s in (1, 2)]  # MLEM, then OSEM of two subsets
     failed = [c for c in record["choices"] if "error" in c]
-    assert [(c["bp"], c["format"]) for c in failed] == [("onepass_fixed", "csr"), ("onepass_fixed", "compressed")]
+    assert [(c["bp"], c["format"], c["subsets"]) for c in failed] == [
+        ("onepass_fixed", f, s) for f in ("csr", "compressed") for s in (1, 2)]
     assert all(c["error"] == "RuntimeError: no GPU here" for c in failed)
-    assert len(record["choices"]) == 4
+    assert len(record["choices"]) == 8
 
 
 def test_the_host_warm_up_runs_the_functions_the_cpu_jobs_compile():
@@ -75,5 +76,6 @@ def test_warm_up_runs_every_choice_on_the_gpu():
     record = warm.warm_up(runs, formats=("csr", "compressed"), bench=True)
     assert [c for c in record["choices"] if "error" in c] == [] and record["host"] == 0
     assert len(record["choices"]) == 2 * 4 + 2
-    osem = warm.warm_up(runs[:1], subsets=2, background=True, reference=False, host=False)
+    osem = warm.warm_up(runs[:1], subsets=8, background=True, reference=False, host=False)
+    assert [c["subsets"] for c in osem["choices"]] == [1, 2]
     assert [c for c in osem["choices"] if "error" in c] == []

@@ -270,6 +270,15 @@ def test_gpu_jobs_wait_for_the_kernels_compiled_once_and_cpu_workflows_have_none
     assert "warm_kernels" not in dry_run(tmp_path / "cpu", changed(use_gpu=False))
 
 
+def test_a_convergence_study_on_the_gpu_waits_for_the_kernels_too(tmp_path):
+    config = changed(use_gpu=True, runs=[{"backend": "cpu"}])
+    config["convergence"] = {"enabled": True, "backend": "cuda", "subsets": [1, 4]}
+    proc = snakemake(tmp_path, "--dry-run", "--cores", "4", "--resources", "gpu=1", config=config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    study = (proc.stdout + proc.stderr).split("rule study_convergence:", 1)[1].split("\n\n", 1)[0]
+    assert "results/kernels/default.json" in study and "rule warm_kernels:" in proc.stdout + proc.stderr
+
+
 def test_cpu_run_on_several_gpus_is_refused(tmp_path):
     proc = snakemake(tmp_path, "--dry-run", config=changed(runs=[{"backend": "cpu", "gpus": [1, 2]}]))
     assert proc.returncode != 0

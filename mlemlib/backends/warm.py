@@ -61,7 +61,7 @@ def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr
             background: bool = False, bench: bool = False, reference: bool = True,
             host: bool = True) -> dict[str, Any]:
     """Compile every kernel build for GPU 0 (the job's GPU) and run each kernel choice of ``runs`` (see
-    :func:`run_choices`) on a small matrix in each of ``formats``; with ``subsets`` > 1 as OSEM (two subsets),
+    :func:`run_choices`) on a small matrix in each of ``formats``; with ``subsets`` > 1 also as OSEM (two subsets),
     with ``background`` with a background term; with ``bench`` what the SpMV benchmark adds (cuSPARSE, the
     copy-bandwidth measurement). The host's Numba functions (the float64 reference's iteration with
     ``reference``, the benchmark's problem and float64 products, the chunked layout) compile meanwhile in a
@@ -93,8 +93,9 @@ def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr
     for fmt in formats:
         matrix = a if fmt == "csr" else _compressed(a, fmt)
         for choice in run_choices(runs):
-            done.append(_timed({**choice, "format": fmt}, _run_choice, matrix, g, norm, choice, subsets,
-                               background))
+            for s in sorted({1, min(int(subsets), 2)}):  # MLEM, and OSEM (two subsets) where runs have S > 1
+                done.append(_timed({**choice, "format": fmt, "subsets": s}, _run_choice, matrix, g, norm, choice,
+                                   s, background))
     if bench:
         cusparse = {"fp": "cusparse", "bp": "cusparse", "secsize": None, "nccl": False, "layout": "local",
                     "graph": False}
