@@ -1392,7 +1392,7 @@ main output's path (PATHS; whether it exists says whether the job is done)."""
 
 def get_jobs():
     """Every job of this workflow but summarize, as Job, in DAG order matrix by
-    matrix. The one list of what runs: summarize's inputs (and so the targets
+    matrix (warm_kernels, of no matrix, first). The one list of what runs: summarize's inputs (and so the targets
     of `all`) and the resource check (get_stage_needs) are taken from it; the
     jobs that nothing but another job reads (generate, convert, reorder, norm,
     chunks, measurements) follow from the rules' input functions, under the
