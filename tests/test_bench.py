@@ -568,6 +568,27 @@ def test_kernel_rows_check_every_product_against_the_float64_products_asked_for_
     assert err[("fp", "merge")] == pytest.approx(0.5) and err[("bp_notrans", "scatter")] == pytest.approx(1.0)
 
 
+def test_the_benchmark_compiles_ahead_every_kernel_it_runs(monkeypatch):
+    """_prefetch hands the build prefetch every cuda kernel the benchmark names (the kernels, their partner,
+    the pairs' kernels, the compressed formats' where they run); a GPU it cannot use is left to the backends."""
+    from mlemlib.backends import _cuda_kernels as ck
+    from mlemlib.bench import spmv
+
+    asked = []
+    monkeypatch.setattr(ck, "prefetch_kernels", lambda kernels, device: asked.append(({k.name for k in kernels}, device)))
+    spmv._prefetch(("cusparse",), ("merge",), ("scatter_vec",), (("auto", "onepass_chunked"),), (), 3)
+    names, device = asked[-1]
+    assert device == 3 and names == {"csr_vector", "cusparse", "merge", "scatter_vec", "onepass_chunked"}
+    spmv._prefetch((), (), (), (), spmv.FORMAT_ITERATION_BENCH, 0)
+    assert "delta_vector" in asked[-1][0] and "onepass_fixed" in asked[-1][0]
+
+    def no_gpu(kernels, device):
+        raise RuntimeError("cudaErrorInvalidDevice")
+
+    monkeypatch.setattr(ck, "prefetch_kernels", no_gpu)
+    spmv._prefetch(spmv.FP_BENCH, (), (), (), (), 7)  # not raised: the backend's own check names the GPU
+
+
 def test_cli_bench_help_lists_the_subcommands(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--help"])

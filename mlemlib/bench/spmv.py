@@ -382,7 +382,10 @@ def _prefetch(fp_kernels: Sequence[str], bp_kernels: Sequence[str], notrans_kern
 
     names = {PARTNER, *fp_kernels, *bp_kernels, *notrans_kernels}
     names.update(k for pair in (*iterations, *format_iterations) for k in pair)
-    ck.prefetch_kernels([k for k in registry.KERNELS if k.backend == "cuda" and k.name in names], device)
+    try:
+        ck.prefetch_kernels([k for k in registry.KERNELS if k.backend == "cuda" and k.name in names], device)
+    except Exception as exc:  # noqa: BLE001 - an optimisation: the backends report a GPU they cannot use
+        log.debug("kernels not compiled ahead on GPU %s: %s", device, exc)
 
 
 def _transpose(a: Any, device: int) -> tuple[Any, Any | None]:
