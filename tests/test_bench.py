@@ -710,3 +710,30 @@ def test_reference_products_are_float64_row_sums_of_a_and_its_transpose():
     np.testing.assert_allclose(refs["fp"], s64 @ x.astype(np.float64), rtol=1e-14)
     np.testing.assert_allclose(refs["bp"], s64.T @ c.astype(np.float64), rtol=1e-14)
     assert refs["fp"].dtype == refs["bp"].dtype == np.float64
+
+
+def test_the_host_work_beside_the_timed_kernels_gives_the_problem_and_the_products():
+    """_host_work (run in a thread of its own while the kernels are timed): problem_arrays' g and norm and,
+    with check, the float64 products of the benchmark's vectors, bit for bit as computed alone."""
+    import concurrent.futures
+
+    import scipy.sparse as sp
+
+    from mlemlib.bench import spmv
+    from mlemlib.bench.prepare import problem_arrays
+    from mlemlib.matrix import CSRMatrix
+
+    s = sp.random(200, 90, density=0.1, format="csr", random_state=5, dtype=np.float32)
+    a, at = CSRMatrix.from_scipy(s), CSRMatrix.from_scipy(s.T.tocsr())
+    x, c = spmv.bench_vectors(200, 90)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    g, norm, refs, seconds = pool.submit(spmv._host_work, a, at, x, c, True).result()
+    assert pool.submit(spmv._host_work, a, at, x, c, False).result()[2] == {}
+    pool.shutdown()
+    g0, norm0 = problem_arrays(a)
+    want = spmv._reference_products(a, at, x, c)
+    np.testing.assert_array_equal(g, g0)
+    np.testing.assert_array_equal(norm, norm0)
+    np.testing.assert_array_equal(refs["fp"], want["fp"])
+    np.testing.assert_array_equal(refs["bp"], want["bp"])
+    assert seconds >= 0

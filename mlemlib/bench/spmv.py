@@ -21,6 +21,7 @@ report (JSON, Markdown, and the CSV the workflow's summary reads).
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import datetime as _dt
 import io
@@ -332,44 +333,20 @@ def _iteration_rows(sources: dict[str, tuple[Any, Any]], g: np.ndarray, norm: np
     return rows
 
 
-def _host_work(a: Any, at: Any, x: np.ndarray, c: np.ndarray, check: bool) -> tuple[Any, Any, dict]:
-    """The benchmark's host work on ``A``: ``(g, norm)`` of :func:`~mlemlib.bench.prepare.problem_arrays`
-    and, with ``check``, the float64 products of :func:`_reference_products`."""
+def _host_work(a: Any, at: Any, x: np.ndarray, c: np.ndarray, check: bool) -> tuple[Any, Any, dict, float]:
+    """The benchmark's host work on ``A``, run beside the timed kernels on all of Numba's threads but two (the
+    thread that launches and times the kernels keeps a core): ``(g, norm)`` of
+    :func:`~mlemlib.bench.prepare.problem_arrays`, with ``check`` the float64 products of
+    :func:`_reference_products`, and its seconds."""
+    import numba
+
     from mlemlib.bench.prepare import problem_arrays
 
+    t0 = time.perf_counter()
+    numba.set_num_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))  # this thread's setting only
     g, norm = problem_arrays(a)
-    return g, norm, (_reference_products(a, at, x, c) if check else {})
-
-
-class _Background:
-    """``fn(*args)`` in a thread, on all of Numba's threads but two (the thread that launches and times
-    the kernels keeps a core); :meth:`result` waits for it and raises its error."""
-
-    def __init__(self, fn: Any, *args: Any) -> None:
-        import threading
-
-        self.seconds = 0.0
-        self._out: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, args), name="mlem-bench-problem", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Any, args: tuple) -> None:
-        import numba
-
-        t0 = time.perf_counter()
-        try:
-            numba.set_num_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))
-            self._out = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - raised again by result()
-            self._error = exc
-        self.seconds = time.perf_counter() - t0
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._out
+    refs = _reference_products(a, at, x, c) if check else {}
+    return g, norm, refs, time.perf_counter() - t0
 
 
 def _prefetch(fp_kernels: Sequence[str], bp_kernels: Sequence[str], notrans_kernels: Sequence[str],
@@ -489,7 +466,9 @@ def bench_spmv(
     # g and the norm (the iterations' problem) and the float64 products on the host's other cores while the
     # kernels are timed alone (the only Numba work until result())
     x, c = bench_vectors(m, n)
-    host = _Background(_host_work, a, at, x, c, check)
+    pool = concurrent.futures.ThreadPoolExecutor(1, "mlem-bench-host")
+    host = pool.submit(_host_work, a, at, x, c, check)
+    pool.shutdown(wait=False)  # no further work; the one submitted runs on
     resident = _Resident(device)
     if on_gpu is not None:
         resident.put(a, on_gpu[0])
@@ -508,8 +487,8 @@ def bench_spmv(
                                notrans_kernels=notrans_kernels, secsizes=secsizes, repeat=repeat, warmup=warmup,
                                bw=bw, check=check, device=device, resident=resident,
                                refs=lambda: host.result()[2])
-        g, norm, _ = host.result()
-        log.info("g, the norm and the float64 products on the host in %.1f s", host.seconds)
+        g, norm, _, host_s = host.result()
+        log.info("g, the norm and the float64 products on the host in %.1f s", host_s)
         its: list[dict[str, Any]] = []
         if iterations and a.nnz:
             csr_floor_s = (2 * (8 * a.nnz) + 8 * (m + 1) + 8 * (n + 1)) / bw
