@@ -13,6 +13,8 @@ and rows traced by the scanner (detector-pair order).
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -560,3 +562,37 @@ def test_tuning_a_matrix_again_for_the_same_question_times_nothing(rng, monkeypa
     assert d.tune(8) == first and calls == []
     d.tune(16)
     assert calls and d.tuned_for[0] == 16
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".csr4"])
+@pytest.mark.parametrize("align", [False, True])
+def test_streamed_row_blocks_equal_the_file(rng, tmp_path, monkeypatch, suffix, align):
+    """upload_rows streams a file's row range through the two pinned staging buffers (many small blocks here,
+    a row longer than a block among them) and gives the rows' arrays as read on the host, with ``align``'s
+    leading padding; the whole-matrix load takes the same path."""
+    from mlemlib.formats import open_matrix, write_csr4, write_matrix_h5
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_formats import scanner_bytes
+
+    lengths = rng.integers(0, 40, size=900)
+    lengths[500] = 700  # longer than a block
+    a = random_csr(rng, 900, 400, lengths, signed=False)
+    path = tmp_path / f"a{suffix}"
+    if suffix == ".h5":
+        write_matrix_h5(path, a)
+    else:
+        write_csr4(path, a, scanner_block=scanner_bytes(grid=(10, 10, 4)))
+    monkeypatch.setattr(ck, "STAGE_NNZ", 300)
+    with open_matrix(path) as src:
+        for r0, r1 in ((0, 900), (7, 613), (613, 900), (50, 50)):
+            d = ck.upload_rows(src, r0, r1, 0, align=align)
+            lo, hi = int(a.indptr[r0]), int(a.indptr[r1])
+            pad = lo % ck.ALIGN if align else 0
+            assert d.shape == (r1 - r0, 400)
+            assert np.array_equal(d.indptr.get(), a.indptr[r0 : r1 + 1] - lo + pad)
+            assert np.array_equal(d.indices.get()[pad:], a.indices[lo:hi])
+            assert np.array_equal(d.data.get()[pad:], a.data[lo:hi])
+            assert not d.indices.get()[:pad].any() and not d.data.get()[:pad].any()
+        whole = ck.load_device(src)
+        assert np.array_equal(whole.indices.get(), a.indices) and np.array_equal(whole.indptr.get(), a.indptr)

@@ -290,6 +290,23 @@ def test_read_rows_equals_slice(reader, ref, start, stop):
     np.testing.assert_array_equal(block.indptr, want.indptr)
 
 
+@pytest.mark.parametrize(("start", "stop"), RANGES)
+def test_read_rows_into_fills_the_front_of_the_buffers(reader, ref, start, stop):
+    """The columns and values of the rows land at the front of the caller's buffers (the rest untouched); the
+    row pointer from 0 says how many; buffers too short for the range are refused before any read."""
+    want = ref[start:stop]
+    idx = np.full(want.nnz + 3, -7, dtype=np.int32)
+    val = np.full(want.nnz + 3, -7, dtype=np.float32)
+    indptr = reader.read_rows_into(start, stop, idx, val)
+    np.testing.assert_array_equal(indptr, want.indptr)
+    np.testing.assert_array_equal(idx[: want.nnz], want.indices)
+    np.testing.assert_array_equal(val[: want.nnz], want.data)
+    assert (idx[want.nnz :] == -7).all() and (val[want.nnz :] == -7).all()
+    if want.nnz:
+        with pytest.raises(ValueError, match=f"cannot hold {want.nnz}"):
+            reader.read_rows_into(start, stop, idx[: want.nnz - 1], val)
+
+
 def test_iter_chunks_reads_the_next_block_while_the_caller_works(reader, monkeypatch):
     """Block k + 1 is read on a helper thread while the caller holds block k; stopping early leaves no thread."""
     import threading

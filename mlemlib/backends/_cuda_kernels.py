@@ -457,33 +457,13 @@ def load_device(matrix: Any, what: str = "matrix") -> DeviceCSR:
         return DeviceCSR.from_host(matrix)
     if hasattr(matrix, "tocsr"):
         return DeviceCSR.from_host(CSRMatrix.from_scipy(matrix))
-    if hasattr(matrix, "iter_chunks"):
+    if hasattr(matrix, "read_rows_into"):
         (m, n), nnz = _mx.shape_nnz(matrix)
         log.info("streaming %s (%d x %d, %d nnz, %.2f GiB) to the GPU", what, m, n, nnz, plan.csr_bytes(m, nnz) / float(1 << 30))
-        indptr = cp.empty(m + 1, dtype=cp.int64)
-        indices = cp.empty(nnz, dtype=cp.int32)
-        data = cp.empty(nnz, dtype=cp.float32)
-        indptr[0] = 0
-        k = 0
-        # the reader reads block k + 1 on its own thread while block k is copied (set-up phases
-        # wait_read: this thread waits for a block; to_gpu: the copies)
-        blocks = iter(matrix.iter_chunks())
-        while True:
-            with setup_times.phase("wait_read"):
-                item = next(blocks, None)
-            if item is None:
-                break
-            r0, r1, block = item
-            bnnz = block.nnz
-            ip = np.asarray(block.indptr, dtype=np.int64)
-            with setup_times.phase("to_gpu", device=True):
-                indptr[r0 + 1 : r1 + 1] = cp.asarray(ip[1:] - ip[0] + k)
-                indices[k : k + bnnz] = cp.asarray(block.indices)
-                data[k : k + bnnz] = cp.asarray(block.data)
-            k += bnnz
-        if k != nnz:
-            raise DeviceError(f"{what}: read {k} non-zeros, header says {nnz}")
-        return DeviceCSR(indptr, indices, data, (m, n))
+        a = upload_rows(matrix, 0, m, cp.cuda.Device().id)
+        if a.nnz != nnz:
+            raise DeviceError(f"{what}: read {a.nnz} non-zeros, header says {nnz}")
+        return a
     raise TypeError(f"{what}: expected a CSRMatrix, DeviceCSR or an opened matrix, got {type(matrix).__name__}")
 
 
@@ -521,6 +501,8 @@ def rowsto_device(source: Any, r0: int, r1: int, device: int, *, align: bool = F
                 idx[:pad] = 0
                 val[:pad] = 0
             return DeviceCSR(to_device(ip, device), idx, val, (r1 - r0, source.shape[1]))
+    if hasattr(source, "read_rows_into"):
+        return upload_rows(source, r0, r1, device, align=align)
     if hasattr(source, "read_rows"):
         block = source.read_rows(r0, r1)
         base = int(_indptr_at(source, r0)) if align else 0
@@ -545,6 +527,74 @@ def rowsto_device(source: Any, r0: int, r1: int, device: int, *, align: bool = F
         val[pad:] = block.data[: block.nnz]
         with setup_times.phase("to_gpu", device=True):
             return DeviceCSR(cp.asarray(ip), cp.asarray(idx), cp.asarray(val), block.shape)
+
+
+#: Elements per block of :func:`upload_rows` (32 MiB of columns and 32 MiB of values per staging buffer).
+STAGE_NNZ = 1 << 23
+
+
+def upload_rows(source: Any, r0: int, r1: int, device: int, *, align: bool = False) -> DeviceCSR:
+    """Rows ``[r0, r1)`` of an opened matrix (``read_rows_into``) streamed onto ``device`` as a ``DeviceCSR``.
+
+    The rows are read in blocks of about :data:`STAGE_NNZ` elements straight
+    into two page-locked staging buffers (a reader thread fills one while the
+    other is copied), and each block is copied asynchronously into the
+    device arrays, which are allocated once: the host holds 2 blocks, not the
+    matrix, and the copies hide behind the reads. ``align``: as in
+    :func:`rowsto_device`. Set-up phases: ``read`` and ``checks`` (the
+    reader's), ``wait_read`` (this thread waiting for a block), ``to_gpu``
+    (issuing the copies and waiting for the last).
+    """
+    from mlemlib._io import prefetched
+
+    cp = cupy()
+    r0, r1 = int(r0), int(r1)
+    ip = np.asarray(source.read_indptr()[r0 : r1 + 1], dtype=np.int64)
+    base = int(ip[0])
+    ip = ip - base
+    nnz = int(ip[-1])
+    pad = aligned_pad(base) if align else 0
+    bounds = _mx.chunk_bounds(ip, STAGE_NNZ)
+    widest = max((int(ip[b] - ip[a]) for a, b in bounds), default=0)
+    with cp.cuda.Device(device):
+        stream = cp.cuda.Stream(non_blocking=True)
+        indices = cp.zeros(nnz + pad, dtype=cp.int32) if pad else cp.empty(nnz, dtype=cp.int32)
+        data = cp.zeros(nnz + pad, dtype=cp.float32) if pad else cp.empty(nnz, dtype=cp.float32)
+        slots = [(_pinned(widest, np.int32), _pinned(widest, np.float32), cp.cuda.Event()) for _ in range(2)]
+
+        def read(k: int) -> tuple[int, int]:
+            # block k goes to slot k % 2, whose last copy (block k - 2) was issued before this read
+            # was asked for: wait for that copy, then read over it
+            (a, b), (idx, val, done) = bounds[k], slots[k % 2]
+            done.synchronize()
+            got = source.read_rows_into(r0 + a, r0 + b, idx, val)
+            if int(got[-1]) != int(ip[b] - ip[a]):
+                raise DeviceError(f"rows [{r0 + a}, {r0 + b}): read {int(got[-1])} elements, the row pointer says {int(ip[b] - ip[a])}")
+            return int(ip[a]), int(ip[b])
+
+        blocks = enumerate(prefetched(read, range(len(bounds))))
+        while True:
+            with setup_times.phase("wait_read"):
+                k, (lo, hi) = next(blocks, (None, (0, 0)))
+            if k is None:
+                break
+            idx, val, done = slots[k % 2]
+            with setup_times.phase("to_gpu"):
+                indices[pad + lo : pad + hi].set(idx[: hi - lo], stream)
+                data[pad + lo : pad + hi].set(val[: hi - lo], stream)
+                done.record(stream)
+        with setup_times.phase("to_gpu"):
+            indptr = cp.asarray(ip + pad)
+            stream.synchronize()
+        return DeviceCSR(indptr, indices, data, (r1 - r0, source.shape[1]))
+
+
+def _pinned(n: int, dtype: Any) -> np.ndarray:
+    """A NumPy array of ``n`` elements in page-locked host memory of its own (freed with the array, not pooled)."""
+    cp = cupy()
+    dtype = np.dtype(dtype)
+    mem = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(max(n, 1) * dtype.itemsize), 0)
+    return np.frombuffer(mem, dtype=dtype, count=n)
 
 
 def _indptr_at(source: Any, row: int) -> int:

@@ -169,6 +169,14 @@ def split_rows(matrix: CSRMatrix, max_nnz: int) -> Iterator[CSRMatrix]:
         yield CSRMatrix(ip[r0 : r1 + 1] - lo, matrix.indices[lo:hi], matrix.data[lo:hi], (r1 - r0, matrix.shape[1]))
 
 
+def check_buffers(k: int, indices: np.ndarray, data: np.ndarray) -> int:
+    """``k`` if both buffers hold ``k`` elements (:meth:`RowBlockReader.read_rows_into`), else ``ValueError``."""
+    k = int(k)
+    if len(indices) < k or len(data) < k:
+        raise ValueError(f"buffers of {len(indices)} and {len(data)} elements cannot hold {k}")
+    return k
+
+
 class RowBlockReader:
     """What every matrix reader derives from ``shape``, ``read_indptr`` and ``read_rows``.
 
@@ -206,6 +214,23 @@ class RowBlockReader:
         blocks = prefetched(lambda rr: self.read_rows(rr[0], rr[1], validate=validate), bounds)
         for (r0, r1), block in zip(bounds, blocks):
             yield r0, r1, block
+
+    def read_rows_into(self, start: int, stop: int, indices: np.ndarray, data: np.ndarray, *,
+                       validate: bool = True) -> np.ndarray:
+        """Rows ``[start, stop)`` with their columns and values written to the front of ``indices`` and ``data``.
+
+        For callers that bring their own buffers (the GPU upload's pinned
+        staging buffers): returns the range's row pointer rebased to 0, whose
+        last entry is the number of elements written. Raises ``ValueError`` if
+        the buffers are shorter. Readers that can read straight into the
+        buffers (``.h5``, ``.csr4``) override this; the rest copy a
+        :meth:`read_rows` block.
+        """
+        block = self.read_rows(start, stop, validate=validate)
+        k = check_buffers(block.nnz, indices, data)
+        np.copyto(indices[:k], block.indices[:k], casting="unsafe")
+        np.copyto(data[:k], block.data[:k])
+        return np.asarray(block.indptr, dtype=np.int64) - int(block.indptr[0])
 
     def to_csr(self) -> CSRMatrix:
         """Read the whole matrix into memory (small matrices, tests)."""

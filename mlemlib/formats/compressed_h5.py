@@ -69,7 +69,14 @@ from mlemlib.compressed import (
     values16,
 )
 from mlemlib.errors import MatrixFormatError
-from mlemlib.formats._check import DEFAULT_CHUNK_NNZ, RowBlockWriter, check_range, check_row_ends, chunk_bounds
+from mlemlib.formats._check import (
+    DEFAULT_CHUNK_NNZ,
+    RowBlockReader,
+    RowBlockWriter,
+    check_range,
+    check_row_ends,
+    chunk_bounds,
+)
 from mlemlib.formats.h5 import (
     CHECKSUM_METHOD,
     CHUNK_BYTES,
@@ -318,6 +325,9 @@ class CompressedH5(MatrixH5):
         """The row scales of rows ``[start, stop)`` (float32; 16-bit values only), None for float32 values."""
         start, stop = check_range(start, stop, self.shape[0], self.source)
         return self._read("scale", start, stop) if not self.lossless else None
+
+    #: decoded rows are a new block: copied into the caller's buffers (not the plain container's direct read)
+    read_rows_into = RowBlockReader.read_rows_into
 
     def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
         """Rows ``[start, stop)`` decoded into CSR (``indptr`` from 0).

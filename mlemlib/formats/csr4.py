@@ -35,6 +35,7 @@ from mlemlib.formats._check import (
     RowBlockReader,
     RowBlockWriter,
     check_block,
+    check_buffers,
     check_columns,
     check_range,
     check_row_ends,
@@ -408,12 +409,29 @@ class Csr4File(RowBlockReader):
         IndexError
             If the range lies outside the matrix.
         """
+        indptr, base = self._row_pointer(start, stop)
+        k = int(indptr[-1])
+        indices, data = np.empty(k, dtype=np.int32), np.empty(k, dtype=np.float32)
+        self._read_elements(base, indices, data, validate)
+        return CSRMatrix(indptr, indices, data, (stop - start, self.shape[1]))
+
+    def read_rows_into(self, start: int, stop: int, indices: np.ndarray, data: np.ndarray, *,
+                       validate: bool = True) -> np.ndarray:
+        """:meth:`RowBlockReader.read_rows_into`, the elements split straight into the buffers."""
+        indptr, base = self._row_pointer(start, stop)
+        k = check_buffers(indptr[-1], indices, data)
+        self._read_elements(base, indices[:k], data[:k], validate)
+        return indptr
+
+    def _row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
+        """Rows ``[start, stop)``'s row pointer rebased to 0 (checked) and the index of their first element."""
         start, stop = check_range(start, stop, self.shape[0], self.source)
         base = int(self._ends[start - 1]) if start else 0
-        indptr = check_row_ends(np.asarray(self._ends[start:stop]), base, self.nnz, self.source, row0=start)
-        k = int(indptr[-1])
-        indices = np.empty(k, dtype=np.int32)
-        data = np.empty(k, dtype=np.float32)
+        return check_row_ends(np.asarray(self._ends[start:stop]), base, self.nnz, self.source, row0=start), base
+
+    def _read_elements(self, base: int, indices: np.ndarray, data: np.ndarray, validate: bool) -> None:
+        """Elements ``[base, base + len(indices))`` split into ``indices`` and ``data``, checked where ``validate``."""
+        k = len(indices)
         # split the interleaved elements piece by piece, dropping each piece's mapped
         # pages once copied: resident memory stays at the two output arrays
         # the copies fault the mapped pages in: the set-up phase read, 8 bytes per element
@@ -428,7 +446,6 @@ class Csr4File(RowBlockReader):
             # through a uint32 view, a column >= 2**31 is reported with its stored value
             check_columns(indices.view(np.uint32), self.shape[1], self.source, elem0=base)
             check_values(data, self.source, elem0=base)
-        return CSRMatrix(indptr, indices, data, (stop - start, self.shape[1]))
 
 
 def read_csr4(path: str | os.PathLike) -> CSRMatrix:

@@ -45,6 +45,7 @@ from mlemlib.formats._check import (
     RowBlockReader,
     RowBlockWriter,
     check_block,
+    check_buffers,
     check_columns,
     check_range,
     check_row_ends,
@@ -474,18 +475,38 @@ class MatrixH5(RowBlockReader):
         IndexError
             If the range lies outside the matrix.
         """
+        indptr, base = self._row_pointer(start, stop)
+        k = int(indptr[-1])
+        indices, data = np.empty(k, dtype=np.int32), np.empty(k, dtype=np.float32)
+        self._read_elements(base, indices, data, validate)
+        return CSRMatrix(indptr, indices, data, (stop - start, self.shape[1]))
+
+    def read_rows_into(self, start: int, stop: int, indices: np.ndarray, data: np.ndarray, *,
+                       validate: bool = True) -> np.ndarray:
+        """:meth:`RowBlockReader.read_rows_into`, the datasets read straight into the buffers."""
+        indptr, base = self._row_pointer(start, stop)
+        k = check_buffers(indptr[-1], indices, data)
+        self._read_elements(base, indices[:k], data[:k], validate)
+        return indptr
+
+    def _row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
+        """Rows ``[start, stop)``'s row pointer rebased to 0 (checked) and the index of their first element."""
         start, stop = check_range(start, stop, self.shape[0], self.source)
         with setup_times.phase("read", nbytes=8 * (stop + 1 - start)):
             ip = self._ds["indptr"][start : stop + 1]
         base = int(ip[0])
-        indptr = check_row_ends(ip[1:], base, self.nnz, self.source, row0=start)
-        hi = base + int(indptr[-1])
-        indices = self._read("indices", base, hi)
-        data = self._read("data", base, hi)
+        return check_row_ends(ip[1:], base, self.nnz, self.source, row0=start), base
+
+    def _read_elements(self, base: int, indices: np.ndarray, data: np.ndarray, validate: bool) -> None:
+        """Elements ``[base, base + len(indices))`` into ``indices`` and ``data``, checked where ``validate``."""
+        hi = base + len(indices)
+        for name, out in (("indices", indices), ("data", data)):
+            if hi > base:
+                with setup_times.phase("read", nbytes=out.nbytes):
+                    self._ds[name].read_direct(out, np.s_[base:hi])
         if validate:
             check_columns(indices, self.shape[1], self.source, elem0=base)
             check_values(data, self.source, elem0=base)
-        return CSRMatrix(indptr, indices, data, (stop - start, self.shape[1]))
 
     def _read(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Entries ``[lo, hi)`` of dataset ``name`` (set-up phase ``read``, with their bytes)."""
