@@ -577,7 +577,7 @@ def test_streamed_row_blocks_equal_the_file(rng, tmp_path, monkeypatch, suffix, 
 
     lengths = rng.integers(0, 40, size=900)
     lengths[500] = 700  # longer than a block
-    a = random_csr(rng, 900, 400, lengths, signed=False)
+    a = random_csr(rng, 900, 1000, lengths, signed=False)
     path = tmp_path / f"a{suffix}"
     if suffix == ".h5":
         write_matrix_h5(path, a)
@@ -589,7 +589,7 @@ def test_streamed_row_blocks_equal_the_file(rng, tmp_path, monkeypatch, suffix, 
             d = ck.upload_rows(src, r0, r1, 0, align=align)
             lo, hi = int(a.indptr[r0]), int(a.indptr[r1])
             pad = lo % ck.ALIGN if align else 0
-            assert d.shape == (r1 - r0, 400)
+            assert d.shape == (r1 - r0, 1000)
             assert np.array_equal(d.indptr.get(), a.indptr[r0 : r1 + 1] - lo + pad)
             assert np.array_equal(d.indices.get()[pad:], a.indices[lo:hi])
             assert np.array_equal(d.data.get()[pad:], a.data[lo:hi])
