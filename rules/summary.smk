@@ -2,6 +2,16 @@
 # results/summary/{name}/: the tables as CSV and Markdown for reading and
 # scripts, the same as HTML for the report (whose viewer shows HTML and
 # images, not CSV or Markdown), and the plots.
+#
+# A local rule: under a cluster executor it runs in the main process, which
+# decided which runs exist (--resources gpu=N and the GPUs seen by use_gpu: auto
+# leave runs out). A cluster job parses the workflow again without --resources
+# (Snakemake does not pass it on), on a node whose GPUs may differ, and would
+# ask for runs the main process left out.
+localrules:
+    summarize,
+
+
 rule summarize:
     input:
         unpack(get_summary_input),

@@ -282,9 +282,15 @@ def default_runs(base) -> dict:
 # --------------------------------------------------------------------- tests
 
 
+#: Rules the workflow runs in the main process (``localrules``), not as cluster jobs.
+LOCAL_RULES = {"summarize"}
+
+
 def test_every_job_is_a_slurm_job(default_runs):
+    """Every job but the local rules' is one SLURM job; the summary runs in the main process."""
     remote, planned = default_runs["slurm"], default_runs["planned"]
-    assert planned["run_mlem"] >= 1 and planned["convert_matrix"] == 1, planned
+    assert planned["run_mlem"] >= 1 and planned["convert_matrix"] == 1 and planned["summarize"] == 1, planned
+    planned = Counter({rule: n for rule, n in planned.items() if rule not in LOCAL_RULES})
     jobs = slurm_jobs(remote, default_runs["since"])
     by_rule = Counter(rule_of(job["Comment"], set(planned)) for job in jobs)
     assert by_rule == planned, f"SLURM jobs per rule {dict(by_rule)} != Snakemake jobs {dict(planned)}"
@@ -303,7 +309,7 @@ def test_every_job_is_a_slurm_job(default_runs):
             assert minutes(job["Timelimit"]) == int(resources["runtime"]), (job, resources)
             sized += 1
     # Every rule that reads the matrix has a run time from mlemlib.cluster.
-    assert sized >= sum(n for rule, n in planned.items() if rule not in ("generate_matrix", "summarize")), asked
+    assert sized >= sum(n for rule, n in planned.items() if rule != "generate_matrix"), asked
     # The main log names one SLURM job per Snakemake job; each left its log.
     assert out.count("has been submitted with SLURM jobid") == sum(planned.values())
     logs = list((remote / "logs" / "slurm").rglob("*.log"))
@@ -379,6 +385,26 @@ def test_gpu_run_is_submitted_with_its_gpus(default_runs):
         assert not (remote / target).exists()
     else:  # real GPUs: the run either works or fails, and Snakemake agrees
         assert (job["State"] == "COMPLETED") == (proc.returncode == 0) == (remote / target).exists(), job
+
+
+def test_summary_with_runs_left_out_runs_in_the_main_process(default_runs):
+    """``--resources gpu=1`` leaves a 2-GPU run out; the summary (a local rule) is made in the main process, which
+    decided that, from the runs that exist. As a SLURM job it would parse the workflow without --resources (Snakemake
+    does not pass it on) and wait for the left-out run's image."""
+    remote = default_runs["slurm"]
+    config = default_config()
+    config["use_gpu"] = True
+    config["bench"]["spmv"] = False
+    cpu_runs = [run for run in config["runs"] if run["backend"] == "cpu"]
+    config["runs"] = [*cpu_runs, {"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "gpus": 2}]
+    since = dt.datetime.now() - dt.timedelta(seconds=5)
+    proc = run(snakemake_cmd(remote, "--resources", "gpu=1", "--forcerun", "summarize", "--until", "summarize",
+                             config=config, slurm=True), remote)
+    out = proc.stdout + proc.stderr
+    assert "runs left out, 1 (they need more GPUs than --resources gpu=1" in out, out[-3000:]
+    assert slurm_jobs(remote, since) == [], "the summary went to SLURM"
+    runs = (remote / "results" / "summary" / "default" / "runs.csv").read_text()
+    assert "cuda" not in runs and "cpu" in runs, runs
 
 
 def test_scancel_then_rerun_resumes_from_checkpoint(default_runs, base):
