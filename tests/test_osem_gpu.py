@@ -132,19 +132,43 @@ def test_osem_pass_graph_gives_the_eager_bits_on_1_and_2_gpus(grouped, bp):
             be.close()
 
 
-def test_osem_pass_graph_reports_an_overflow_naming_the_subset(grouped):
+@pytest.mark.parametrize("subsets", [True, False])
+def test_graph_overflow_is_redone_as_the_eager_path_does(grouped, caplog, subsets):
+    """An overflow inside a replayed graph (the range of subset 2, or of the one MLEM backend, made 2^40 times too
+    small) puts back the image the replay started from, redoes the pass or iteration kernel by kernel with the
+    range raised (retrying as the eager path does) and captures the graphs again: the images are the eager
+    backend's, bit for bit, from the same too-small range."""
+    import logging
+
+    from mlemlib.backends.base import FIXED_RETRY_FACTOR
+
     p = grouped
-    be = make_backend("cuda", p["a"], p["g"], p["norms"], None, bp="onepass_fixed", gpus=1, subsets=p["bounds"],
-                      graph=True)
-    try:
-        be.parts[2]._fixed_bound = 1e-30  # a range that the captured scale of subset 2 cannot hold
-        be.use_graph(False)
-        be._graphs = None
-        be.use_graph(True)
-        with pytest.raises(Exception, match="subset 2"):
-            be.iterate(be.initial_image())
-    finally:
-        be.close()
+    images, logs = {}, {}
+    for graph in (True, False):
+        kw = {"subsets": p["bounds"], "norm": p["norms"]} if subsets else {"norm": p["s"]}
+        be = make_backend("cuda", p["a"], p["g"], kw.pop("norm"), None, bp="onepass_fixed", gpus=1, graph=graph, **kw)
+        try:
+            part = be.parts[2] if subsets else be
+            part._fixed_bound /= FIXED_RETRY_FACTOR**2
+            if graph:  # capture again with the small range
+                be.use_graph(False)
+                if subsets:
+                    be._graphs = None
+                else:
+                    be.shards[0].graph = None
+                be.use_graph(True)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="mlemlib.backends"):
+                f = be.initial_image()
+                for _ in range(3):
+                    f = be.iterate(f)
+            images[graph], logs[graph] = be.to_host(f), caplog.text
+            assert getattr(be, "graph", False) == graph
+        finally:
+            be.close()
+    want = "overflow inside the pass's CUDA graph in subset(s) 2" if subsets else "overflow inside the CUDA graph"
+    assert want in logs[True] and "inside" not in logs[False]
+    assert np.array_equal(images[True], images[False])
 
 
 def test_osem_steps_and_pass_time_are_reported(grouped):

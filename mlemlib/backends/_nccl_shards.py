@@ -35,6 +35,7 @@ class Shard:
     acc: Any = None  # onepass_fixed: the 64-bit fixed-point bp
     l2_window: dict | None = None  # the one pass's atomic target in L2 (_compressed_cuda.persist_in_l2)
     flag: Any = None  # onepass_fixed: overflow flag
+    f_before: Any = None  # a fixed-point graph's copy of the image it starts from (an overflow puts it back)
     nnz: int = 0  # non-zeros of A_k (without padding)
     at: Any = None  # A_k^T (local) or rows cols of A^T (thesis); None for scatter
     smem: Any = None

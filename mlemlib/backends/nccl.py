@@ -121,7 +121,9 @@ class NcclBackend(Backend):
         all-reduces the image rather than the back projection).
     graph
         Capture the iteration as CUDA graphs and replay them. None: from
-        ``$MLEM_CUDA_GRAPH`` (``1``/``true``/``yes``; default off).
+        ``$MLEM_CUDA_GRAPH`` (``1``/``true``/``yes``; default off). A
+        fixed-point iteration that overflows inside a graph is redone kernel
+        by kernel with a larger range and captured again.
     tune
         Time ``csr_vector``'s launch shapes on each GPU's blocks at set-up and
         keep the fastest (never changes a result; see
@@ -623,10 +625,17 @@ class NcclBackend(Backend):
             self.graph = False
 
     def _capture(self) -> None:
+        """Capture one iteration per GPU; a fixed-point one pass's graph first copies the image it starts from
+        (:meth:`_graph_overflowed` puts it back)."""
         cp = _cupy()
         for s in self.shards:
             with cp.cuda.Device(s.device):
+                if s.flag is not None and s.f_before is None:
+                    s.f_before = cp.empty_like(s.f)
                 s.stream.begin_capture()
+                if s.flag is not None:
+                    with s.stream:
+                        s.f_before[...] = s.f
         self.graph_capturing = True
         try:
             self._launch(record=False)
@@ -656,14 +665,29 @@ class NcclBackend(Backend):
                     s.graph.launch(s.stream)
                     self._mark(s, "iteration", True)
             if self.onepass and self.deterministic:  # the replayed graph cannot retry: check its overflow flags
+                bad = 0
                 for s in self.shards:
                     with cp.cuda.Device(s.device):
-                        if int(s.flag.get(stream=s.stream)[0]):
-                            raise DeviceError("onepass_fixed overflowed inside a CUDA graph; run without graph=True "
-                                              "(the eager path retries with a larger range)")
+                        bad |= int(s.flag.get(stream=s.stream)[0])
+                if bad:
+                    self._graph_overflowed(bad)
         else:
             self._launch(record=True)
         return [s.f for s in self.shards]
+
+    def _graph_overflowed(self, flag: int) -> None:
+        """A replayed fixed-point iteration overflowed: put back the image it started from, redo the iteration
+        kernel by kernel with a larger range (retrying as the eager path does) and capture the graphs again with
+        that range."""
+        cp = _cupy()
+        for s in self.shards:
+            with cp.cuda.Device(s.device), s.stream:
+                s.f[...] = s.f_before
+        self._fixed_bound *= FIXED_RETRY_FACTOR
+        log.info("%s: overflow inside the CUDA graph (flag %d); iteration redone with the range raised to %.3g",
+                 self.bp_kernel, flag, self._fixed_bound)
+        self._launch(record=True)
+        self._capture()
 
     def _adopt(self, f: Any) -> None:
         """Make the shards' image buffers hold ``f`` (the graphs read those buffers)."""

@@ -29,9 +29,9 @@ import numpy as np
 from mlemlib import setup_times
 from mlemlib.backends._build import cupy
 from mlemlib.backends._nccl_plan import indptr_of
-from mlemlib.backends.base import Backend
+from mlemlib.backends.base import FIXED_RETRY_FACTOR, Backend
 from mlemlib.backends.nccl import graph_default
-from mlemlib.errors import ConfigError, DeviceError
+from mlemlib.errors import ConfigError
 from mlemlib.matrix import shape_nnz
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,12 @@ class OsemBackend(Backend):
         shards = self.parts[0].shards
         for s in shards:
             with cp.cuda.Device(s.device):
+                if self._flags is not None and s.f_before is None:
+                    s.f_before = cp.empty_like(s.f)
                 s.stream.begin_capture()
+                if self._flags is not None:  # the image the pass starts from (an overflow puts it back)
+                    with s.stream:
+                        s.f_before[...] = s.f
         try:
             for p in self.parts:
                 p.graph_capturing = True
@@ -196,13 +201,30 @@ class OsemBackend(Backend):
         for p in self.parts[1:]:
             for t in p.shards:
                 t.order = []
+        bad = np.zeros(len(self.parts), dtype=bool)
         for s, flags in zip(first.shards, self._flags or []):
             with cp.cuda.Device(s.device):
-                bad = np.flatnonzero(flags.get(stream=s.stream))
-            if bad.size:
-                raise DeviceError(f"{self.bp_kernel} overflowed in subset {int(bad[0])} inside a CUDA graph; run "
-                                  "without graph=True (the eager path retries with a larger range)")
+                bad |= flags.get(stream=s.stream) != 0
+        if bad.any():
+            self._pass_overflowed(np.flatnonzero(bad))
         return [s.f for s in first.shards]
+
+    def _pass_overflowed(self, subsets: np.ndarray) -> None:
+        """A replayed pass overflowed in ``subsets``: put back the image it started from, raise those subsets'
+        ranges, redo the pass subset by subset (each retrying as the eager path does) and capture it again."""
+        cp = cupy()
+        first = self.parts[0]
+        for s in first.shards:
+            with cp.cuda.Device(s.device), s.stream:
+                s.f[...] = s.f_before
+        for k in subsets:
+            self.parts[k]._fixed_bound *= FIXED_RETRY_FACTOR
+        log.info("%s: overflow inside the pass's CUDA graph in subset(s) %s; pass redone with their ranges raised",
+                 self.bp_kernel, ", ".join(str(int(k)) for k in subsets))
+        f = [s.f for s in first.shards]
+        for p in self.parts:
+            f = p.iterate(f)
+        self._capture()
 
     def last_step_times(self) -> dict[str, float]:
         """Seconds per step of the last iteration, summed over the subsets (each step the slowest GPU's);
