@@ -582,7 +582,7 @@ def test_streamed_row_blocks_equal_the_file(rng, tmp_path, monkeypatch, suffix, 
     if suffix == ".h5":
         write_matrix_h5(path, a)
     else:
-        write_csr4(path, a, scanner_block=scanner_bytes(grid=(10, 10, 4)))
+        write_csr4(path, a, scanner_block=scanner_bytes(grid=(10, 10, 10)))
     monkeypatch.setattr(ck, "STAGE_NNZ", 300)
     with open_matrix(path) as src:
         for r0, r1 in ((0, 900), (7, 613), (613, 900), (50, 50)):

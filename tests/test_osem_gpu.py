@@ -146,7 +146,8 @@ def test_graph_overflow_is_redone_as_the_eager_path_does(grouped, caplog, subset
     images, logs = {}, {}
     for graph in (True, False):
         kw = {"subsets": p["bounds"], "norm": p["norms"]} if subsets else {"norm": p["s"]}
-        be = make_backend("cuda", p["a"], p["g"], kw.pop("norm"), None, bp="onepass_fixed", gpus=1, graph=graph, **kw)
+        kw.update({"graph": True} if graph else {})  # one GPU without graphs is the one-GPU backend (no graph option)
+        be = make_backend("cuda", p["a"], p["g"], kw.pop("norm"), None, bp="onepass_fixed", gpus=1, **kw)
         try:
             part = be.parts[2] if subsets else be
             part._fixed_bound /= FIXED_RETRY_FACTOR**2
