@@ -141,13 +141,16 @@ def test_graph_overflow_is_redone_as_the_eager_path_does(grouped, caplog, subset
     import logging
 
     from mlemlib.backends.base import FIXED_RETRY_FACTOR
+    from mlemlib.backends.nccl import NcclBackend
 
     p = grouped
     images, logs = {}, {}
     for graph in (True, False):
-        kw = {"subsets": p["bounds"], "norm": p["norms"]} if subsets else {"norm": p["s"]}
-        kw.update({"graph": True} if graph else {})  # one GPU without graphs is the one-GPU backend (no graph option)
-        be = make_backend("cuda", p["a"], p["g"], kw.pop("norm"), None, bp="onepass_fixed", gpus=1, **kw)
+        if subsets:
+            be = make_backend("cuda", p["a"], p["g"], p["norms"], None, bp="onepass_fixed", gpus=1,
+                              subsets=p["bounds"], graph=graph)
+        else:
+            be = NcclBackend(p["a"], p["g"], p["s"], gpus=1, layout="local", bp="onepass_fixed", graph=graph)
         try:
             part = be.parts[2] if subsets else be
             part._fixed_bound /= FIXED_RETRY_FACTOR**2
@@ -164,7 +167,7 @@ def test_graph_overflow_is_redone_as_the_eager_path_does(grouped, caplog, subset
                 for _ in range(3):
                     f = be.iterate(f)
             images[graph], logs[graph] = be.to_host(f), caplog.text
-            assert getattr(be, "graph", False) == graph
+            assert be.graph == graph
         finally:
             be.close()
     want = "overflow inside the pass's CUDA graph in subset(s) 2" if subsets else "overflow inside the CUDA graph"
