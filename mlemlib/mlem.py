@@ -116,7 +116,7 @@ def reconstruct(
     fp: str = "auto",
     bp: str = "auto",
     secsize: int | None = None,
-    graph: bool = False,
+    graph: bool | None = None,
     gpus: int = 1,
     layout: str = "local",
     norm: Any | None = None,
@@ -226,7 +226,7 @@ def reconstruct(
         iterations=_check_int("iterations", iterations, 0),
         repetitions=_check_int("repetitions", repetitions, 1),
         checkpoint_every=_check_int("checkpoint_every", checkpoint_every or 0, 0),
-        backend=backend, fp=fp, bp=bp, secsize=secsize, graph=bool(graph), gpus=gpus, layout=layout, plan=plan,
+        backend=backend, fp=fp, bp=bp, secsize=secsize, graph=None if graph is None else bool(graph), gpus=gpus, layout=layout, plan=plan,
         threads=threads, reference_mode=bool(reference_mode), dtype=np.dtype(np.float32),
         subsets=subsets, subset_file=subset_file, multiplicative=multiplicative, additive=additive,
     )
@@ -256,7 +256,7 @@ def reconstruct(
                     dtype=settings.dtype, gpus=settings.gpus, layout=settings.layout, plan=settings.plan,
                     secsize=settings.secsize, threads=settings.threads, chunks=chunks,
                     background=prob.corrections.background, subsets=prob.corrections.bounds,
-                    **({"graph": True} if settings.graph else {}),
+                    **({"graph": settings.graph} if settings.graph is not None else {}),
                 )
         phases = rec.as_dict()
         desc = be.describe()
@@ -275,7 +275,7 @@ def reconstruct(
         }
         if not prob.corrections.plain:
             config["corrections"] = prob.corrections.identity()
-        if settings.graph:
+        if desc.get("graph"):
             config["graph"] = True
         if resume is not None and resume["config"] is not None and resume["config"] != config:
             log.warning("%s: written by another configuration %s; resuming with %s", ckpt_path, resume["config"], config)
@@ -325,7 +325,7 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
     records: list[dict[str, Any]] = list(resume["records"]) if resume else []
     start_rep = resume["repetition"] if resume else 0
     every = _log_interval(iterations)
-    host_img = final = None
+    host_img = final = f = None
     distinct: dict[str, np.ndarray] = {}
     for rep in range(start_rep, repetitions):
         times = StepTimes()
@@ -412,7 +412,40 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
             f", rel. L2 to reference {acc['rel_l2_reference']:.3g}" if "rel_l2_reference" in acc else "",
             f", GPU energy {joules:.4g} J ({energy_fields['power_W']:.4g} W)" if energy_fields["power_W"] else "",
         )
+    if records and f is not None:
+        sample = _steps_kernel_by_kernel(be, f, iterations)
+        if sample:
+            records[-1]["steps_kernel_by_kernel"] = sample
     return records, host_img, {sha: img for sha, img in distinct.items() if sha != final}
+
+
+#: Iterations launched kernel by kernel after a run that replayed CUDA graphs, to time its steps.
+STEP_SAMPLE_ITERATIONS = 5
+
+
+def _steps_kernel_by_kernel(be: Backend, f: Any, iterations: int) -> dict[str, dict[str, float | int]] | None:
+    """The steps' times of a run that replayed CUDA graphs (a replay times only the whole iteration).
+
+    After the last repetition (its image already read back), :data:`STEP_SAMPLE_ITERATIONS` more
+    iterations from its final image are launched kernel by kernel, their images dropped, and their
+    step times summarised; the graphs are replayed again afterwards. None for a run without graphs.
+    """
+    if not getattr(be, "graph", False) or not hasattr(be, "use_graph"):
+        return None
+    n = min(STEP_SAMPLE_ITERATIONS, iterations)
+    if n < 1:
+        return None
+    times = StepTimes()
+    be.use_graph(False)
+    try:
+        for _, f, ready in timed_iterations(be, f, 1, n):
+            for _, step_times in ready:
+                times.add(step_times)
+    finally:
+        be.use_graph(True)
+    log.info("steps of %d iterations launched kernel by kernel (the run replayed CUDA graphs): %s", n,
+             ", ".join(f"{k} {format_seconds(v['mean'])}" for k, v in times.summary().items()))
+    return times.summary()
 
 
 def _write_outputs(out_image: Path, host_img: np.ndarray, timings: dict[str, Any], prob: Problem, *, writer: bool,

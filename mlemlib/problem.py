@@ -49,7 +49,7 @@ class RunSettings:
     fp: str
     bp: str
     secsize: int | None
-    graph: bool
+    graph: bool | None  # None: auto (the backend decides: on for several GPUs where its kernels allow)
     gpus: int
     layout: str
     plan: Any

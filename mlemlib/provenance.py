@@ -178,7 +178,8 @@ def timings_record(prob: Any, settings: Any, desc: dict[str, Any], be: Any, reco
             "secsize": settings.secsize,
             "gpus": settings.gpus,
             "layout": settings.layout,
-            "graph": settings.graph,
+            "graph": bool(config.get("graph", False)),  # whether the run replayed CUDA graphs
+            "graph_requested": "auto" if settings.graph is None else bool(settings.graph),
             "iterations": settings.iterations,
             "repetitions": settings.repetitions,
             "checkpoint_every": settings.checkpoint_every,

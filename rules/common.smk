@@ -354,7 +354,7 @@ wildcard_constraints:
     method="[a-z0-9_]+",
     parts="[0-9]+",
     data="[A-Za-z0-9_]+(?:-seed[0-9]+)?",
-    run="(?:cpu|cuda)-[a-z0-9_]+-[a-z0-9_]+(?:-s[0-9]+)?(?:-graph)?",
+    run="(?:cpu|cuda)-[a-z0-9_]+-[a-z0-9_]+(?:-s[0-9]+)?(?:-graph|-nograph)?",
     iterations="[0-9]+",
     repetitions="[0-9]+",
     checkpoint_every="[0-9]+",
@@ -1113,8 +1113,10 @@ def _run_name(entry):
     name = f"{entry['backend']}-{entry['fp']}-{entry['bp']}"
     if entry["secsize"] is not None:
         name += f"-s{entry['secsize']}"
-    if entry["graph"]:
+    if entry["graph"] is True:
         name += "-graph"
+    elif entry["graph"] is False:
+        name += "-nograph"
     return name
 
 
@@ -1348,7 +1350,7 @@ def get_warm_params(wildcards=None):
                 "fp": study["fp"],
                 "bp": study["bp"],
                 "secsize": None,
-                "graph": False,
+                "graph": "auto",
                 "gpus": 1,
                 "layout": "local",
             }

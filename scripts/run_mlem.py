@@ -32,7 +32,7 @@ with lease:
         fp=run["fp"],
         bp=run["bp"],
         secsize=run["secsize"],
-        graph=run["graph"],
+        graph=None if run["graph"] == "auto" else run["graph"],
         gpus=run["gpus"],
         layout=run["layout"],
         norm=snakemake.input.norm,

@@ -310,13 +310,33 @@ def test_nccl_one_pass_describes_itself_as_one_pass():
 @pytest.mark.gpu
 def test_nccl_backend_step_times_and_describe():
     a, at, g, norm = _problem()
-    with N.NcclBackend(a, g, norm, transpose=at, gpus=min(_gpus(), 2), layout="local") as be:
+    with N.NcclBackend(a, g, norm, transpose=at, gpus=min(_gpus(), 2), layout="local", graph=False) as be:
         be.iterate(be.initial_image())
         times = be.last_step_times()
         desc = be.describe()
     assert {"fp", "bp", "allreduce", "update", "iteration"} <= set(times)
     assert all(v >= 0 for v in times.values())
     assert desc["backend"] == "cuda-nccl" and desc["layout"] == "local" and desc["deterministic"]
+
+
+@pytest.mark.gpu
+def test_graphs_are_on_by_default_on_several_gpus_where_the_kernels_allow():
+    """graph None (auto): one GPU launches kernel by kernel; several replay graphs (the same image as launched
+    kernel by kernel); cuSPARSE's pair, which allocates, is never captured; an explicit setting wins."""
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    a, at, g, norm = _problem()
+    with N.NcclBackend(a, g, norm, transpose=at, gpus=1, layout="local") as one:
+        assert not one.graph
+    with N.NcclBackend(a, g, norm, transpose=at, gpus=2, layout="local") as be:
+        assert be.graph and be.describe()["graph"]
+        graphed = _image(be)
+        be.use_graph(False)
+        assert np.array_equal(_image(be), graphed)
+    with N.NcclBackend(a, g, norm, transpose=at, gpus=2, layout="local", fp="cusparse", bp="cusparse") as be:
+        assert not be.graph
+    with N.NcclBackend(a, g, norm, transpose=at, gpus=2, layout="local", graph=False) as be:
+        assert not be.graph
 
 
 def _banded(m=6000, n=4000, seed=3):
@@ -419,3 +439,32 @@ def test_subset_plans_give_each_gpu_an_nnz_balanced_share_of_every_subset(rng):
         share = [int(ip[r1] - ip[r0]) for r0, r1 in rows]
         assert max(share) - min(share) <= int(np.diff(ip[bounds[k]:bounds[k + 1] + 1]).max())  # within one row
         assert build_plan(a, None, 3, p, "local")["rows"] == rows  # what NcclBackend checks and takes
+
+
+@pytest.mark.gpu
+def test_reconstruct_on_two_gpus_replays_graphs_and_times_the_steps_kernel_by_kernel(tmp_path):
+    """mlem reconstruct on 2 GPUs with the default graph setting: the run replays graphs (config graph true, asked
+    auto), its last repetition carries the steps of iterations launched kernel by kernel, and the image is the one
+    of the same run without graphs, bit for bit."""
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    from mlemlib.image import read_image
+    from mlemlib.mlem import reconstruct
+
+    a, at, g, norm = _problem()
+    got = {}
+    for graph in (None, False):
+        out = tmp_path / f"{graph}" / "image.h5"
+        t = reconstruct(a, g.astype(np.int32), out, backend="cuda", gpus=2, iterations=6, repetitions=2,
+                        checkpoint_every=0,
+                        **({} if graph is None else {"graph": graph}))
+        got[graph] = (t, read_image(out)[0])
+    t, img = got[None]
+    assert t["config"]["graph"] is True and t["config"]["graph_requested"] == "auto"
+    kbk = t["repetitions"][-1]["steps_kernel_by_kernel"]
+    assert {"fp", "bp", "allreduce"} <= set(kbk) and kbk["allreduce"]["n"] == 5
+    assert set(t["repetitions"][0]["steps"]) == {"iteration"}
+    t0, img0 = got[False]
+    assert t0["config"]["graph"] is False and t0["config"]["graph_requested"] is False
+    assert "steps_kernel_by_kernel" not in t0["repetitions"][-1] and "allreduce" in t0["repetitions"][0]["steps"]
+    assert np.array_equal(img, img0)

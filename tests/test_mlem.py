@@ -484,3 +484,35 @@ def test_reference_blocks_depend_on_the_image_alone_and_keep_the_sums():
     for _ in range(5):
         f = be16.iterate(f)
     np.testing.assert_allclose(images[1], f, rtol=1e-12)
+
+
+def test_a_graph_run_times_its_steps_over_iterations_launched_kernel_by_kernel():
+    """_steps_kernel_by_kernel: after a run that replayed graphs (which time only the whole iteration), a few more
+    iterations without them give the steps; the backend replays graphs again afterwards; none without graphs."""
+    from mlemlib import mlem
+
+    class Graphed:
+        graph = True
+
+        def __init__(self):
+            self.eager_iterations = 0
+
+        def use_graph(self, on):
+            self.graph = on
+
+        def iterate(self, f):
+            self.eager_iterations += not self.graph
+            return f + 1
+
+        def last_step_times(self):
+            return {"iteration": 4e-3} if self.graph else {"bp": 3e-3, "allreduce": 2e-3, "iteration": 5e-3}
+
+    be = Graphed()
+    got = mlem._steps_kernel_by_kernel(be, 0, iterations=20)
+    assert be.graph and be.eager_iterations == mlem.STEP_SAMPLE_ITERATIONS
+    assert got["allreduce"]["n"] == mlem.STEP_SAMPLE_ITERATIONS and got["allreduce"]["mean"] == pytest.approx(2e-3)
+    assert got["bp"]["mean"] == pytest.approx(3e-3) and got["iteration"]["mean"] == pytest.approx(5e-3)
+    assert mlem._steps_kernel_by_kernel(be, 0, iterations=2)["bp"]["n"] == 2  # never more than the run's
+    assert mlem._steps_kernel_by_kernel(be, 0, iterations=0) is None
+    be.graph = False
+    assert mlem._steps_kernel_by_kernel(be, 0, iterations=20) is None and be.eager_iterations == 7

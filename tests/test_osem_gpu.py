@@ -176,10 +176,16 @@ def test_graph_overflow_is_redone_as_the_eager_path_does(grouped, caplog, subset
 
 
 def test_osem_steps_and_pass_time_are_reported(grouped):
+    """By default (graph None: auto) a pass is one graph per GPU, which times only the whole pass; launched
+    subset by subset it times the steps too."""
     p = grouped
     be = make_backend("cuda", p["a"], p["g"], p["norms"], None, bp="onepass_fixed", gpus=1, subsets=p["bounds"])
     try:
+        assert be.graph and be.describe()["graph"]
         f = be.iterate(be.initial_image())
+        assert set(be.last_step_times()) == {"iteration"} and be.last_step_times()["iteration"] > 0
+        be.use_graph(False)
+        f = be.iterate(f)
         times = be.last_step_times()
         assert times["iteration"] > 0 and times["bp"] > 0 and times["iteration"] >= times["bp"]
         assert be.to_host(f).shape == (p["a"].shape[1],)

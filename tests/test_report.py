@@ -351,6 +351,36 @@ def test_scaling_graph_column_and_labels(scaling_runs, tmp_path):
     assert "cuda csr_vector/csr_vector+AT x2 local" in md
 
 
+def test_auto_graph_runs_scale_against_their_one_gpu_run_with_steps_timed_kernel_by_kernel(tmp_path):
+    """graph: auto replays graphs on 2 and 4 GPUs only: the three runs are one configuration of the scaling table
+    (speed-up over the 1-GPU run), the multi-GPU rows take their steps from the iterations launched kernel by kernel
+    after the run (marked in the timing table, named in runs.csv), and the time plot draws their whole iteration."""
+    root = tmp_path / "runs"
+    for gpus, ms in ((1, 4.0), (2, 2.0), (4, 1.0)):
+        t = _scaling_timings(gpus, "local", [ms], graph=gpus > 1)
+        t["config"].update(graph=gpus > 1, graph_requested="auto")
+        if gpus > 1:  # what mlem reconstruct records after a graph run
+            t["repetitions"][-1]["steps_kernel_by_kernel"] = {
+                "fp": stats([0.3e-3 * 4 / gpus]), "bp": stats([0.9e-3 * 4 / gpus]), "allreduce": stats([0.2e-3])}
+        (root / f"auto-{gpus}").mkdir(parents=True)
+        (root / f"auto-{gpus}" / "timings.json").write_text(json.dumps(t))
+    summarize([root], tmp_path / "s")
+    md = (tmp_path / "s" / "summary.md").read_text()
+    head, body = _md_section(md, "## Scaling over GPUs")
+    got = {r[3]: dict(zip(head, r)) for r in body}
+    assert sorted(got) == ["1", "2", "4"] and {r[2] for r in body} == {"cuda csr_vector/csr_vector"}
+    assert got["4"]["speed-up"] == "4.00" and got["2"]["allreduce (ms)"] == "0.200"
+    head, body = _md_section(md, "## Time per iteration by step")
+    rows = {r[2]: dict(zip(head, r)) for r in body}
+    assert rows["cuda csr_vector/csr_vector+AT graph x4 local"]["allreduce (ms)"] == "0.200 †"
+    assert rows["cuda csr_vector/csr_vector+AT x1"]["iteration (ms)"] == "4.00"
+    assert "† : " not in md and "†: the run replayed each iteration as CUDA graphs" in md
+    with open(tmp_path / "s" / "runs.csv", newline="") as fh:
+        csv_rows = {r["run"].split("/")[-1]: r for r in csv.DictReader(fh)}
+    assert csv_rows["auto-4"]["steps_from"] == "kernel by kernel" and csv_rows["auto-1"]["steps_from"] == ""
+    assert csv_rows["auto-4"]["graph"] == "True" and float(csv_rows["auto-4"]["bp_mean_s"]) == pytest.approx(0.9e-3)
+
+
 def test_scaling_plot(scaling_runs, tmp_path):
     import matplotlib.image as mpimg
 

@@ -232,7 +232,8 @@ def test_thesis_config_on_a_4_gpu_node_leaves_out_its_8_gpu_runs(tmp_path):
     _no_traceback(out)
     (line,) = [x for x in out.splitlines() if x.startswith("runs left out")]
     assert line.startswith("runs left out, 10 (they need more GPUs than --resources gpu=4; gpu_runs: all keeps them): "
-                           "cuda-csr_vector-csr_vector on 8 GPUs local, cuda-csr_vector-csr_vector on 8 GPUs thesis, ")
+                           "cuda-csr_vector-csr_vector-nograph on 8 GPUs local, cuda-csr_vector-csr_vector-nograph on 8 GPUs "
+                           "thesis, ")
     assert line.count(" on 8 GPUs ") == 10
     planned = out.split("what each job needs", 1)[1]
     assert " on 4 GPUs, thesis" in planned and " on 8 GPUs" not in planned

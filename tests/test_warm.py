@@ -27,10 +27,14 @@ def test_run_choices_count_each_kernel_choice_once_and_multi_gpu_runs_as_their_l
          "layout": "thesis"},
         {"backend": "cuda", "fp": "auto", "bp": "auto", "secsize": None, "graph": True, "gpus": 1, "layout": "local"},
         {"backend": "cpu", "fp": "auto", "bp": "auto", "secsize": None, "graph": False, "gpus": 1, "layout": "local"},
+    ] + [  # the default graph setting: left to the backend (off on the warm-up's one GPU)
+        {"backend": "cuda", "fp": "auto", "bp": "auto", "secsize": None, "graph": "auto", "gpus": g, "layout": "local"}
+        for g in (1, 2)
     ]
     got = [(c["fp"], c["bp"], c["nccl"], c["layout"], c["graph"]) for c in warm.run_choices(runs)]
     assert got == [("auto", "auto", False, "local", False), ("auto", "auto", True, "local", False),
-                   ("csr_vector", "csr_vector", True, "thesis", False), ("auto", "auto", True, "local", True)]
+                   ("csr_vector", "csr_vector", True, "thesis", False), ("auto", "auto", True, "local", True),
+                   ("auto", "auto", False, "local", None), ("auto", "auto", True, "local", None)]
 
 
 def test_warm_up_records_a_failed_choice_and_goes_on(monkeypatch):

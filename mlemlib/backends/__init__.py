@@ -164,9 +164,10 @@ def make_backend(
 
             kw.update(gpus=gpus, layout=layout or "local", plan=plan)
             return OsemBackend(matrix, g, norm, **kw)
-        if gpus == 1 and not options.get("graph"):
+        if gpus == 1 and not options.get("graph"):  # graph None (auto) or False: one GPU launches its kernels
             from mlemlib.backends.cuda import CudaBackend
 
+            kw.pop("graph", None)
             return CudaBackend(matrix, g, norm, **kw)
         kw.update(gpus=gpus, layout=layout or "local", plan=plan)
         from mlemlib.backends.nccl import NcclBackend

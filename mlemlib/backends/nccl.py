@@ -120,8 +120,9 @@ class NcclBackend(Backend):
         update into the thesis back projection (then the thesis layout
         all-reduces the image rather than the back projection).
     graph
-        Capture the iteration as CUDA graphs and replay them. None: from
-        ``$MLEM_CUDA_GRAPH`` (``1``/``true``/``yes``; default off). A
+        Capture the iteration as CUDA graphs and replay them. None (the
+        default, ``auto``): on for several GPUs where the kernels can be
+        captured, off on one (:func:`graph_default`). A
         fixed-point iteration that overflows inside a graph is redone kernel
         by kernel with a larger range and captured again.
     tune
@@ -226,7 +227,7 @@ class NcclBackend(Backend):
         self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)
         # the forward projection alone (forward(), diagnostics): a one pass's is its format's row kernel
         self._k_forward = self._kf or registry.row_forward(self.format)
-        self.graph = graph_default(graph)
+        self.graph = graph_default(graph, nworld > 1, self._graphable())
         self.graph_capturing = False
         if self.graph and not self._graphable():
             raise ConfigError("graph", f"graph capture needs non-allocating kernels; fp={self.fp_kernel} bp={self.bp_kernel} use cuSPARSE through CuPy")
@@ -872,10 +873,15 @@ class NcclBackend(Backend):
         }
 
 
-def graph_default(graph: bool | None) -> bool:
-    """``graph``, or where None the environment's ``MLEM_CUDA_GRAPH`` (1/true/yes/on; default off)."""
+def graph_default(graph: bool | None, wanted: bool, graphable: bool) -> bool:
+    """Whether a backend replays CUDA graphs: ``graph`` where given; None (``auto``): ``$MLEM_CUDA_GRAPH`` where
+    set (1/true/yes/on, else off), otherwise where ``wanted`` (several GPUs, whose graphs replace a launch per
+    kernel and GPU; an OSEM pass on any number) and the kernels can be captured (``graphable``: none allocates)."""
     if graph is None:
-        return os.environ.get("MLEM_CUDA_GRAPH", "0").strip().lower() in ("1", "true", "yes", "on")
+        env = os.environ.get("MLEM_CUDA_GRAPH", "").strip().lower()
+        if env:
+            return env in ("1", "true", "yes", "on")
+        return bool(wanted and graphable)
     return bool(graph)
 
 

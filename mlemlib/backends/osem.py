@@ -72,7 +72,8 @@ class OsemBackend(Backend):
         The GPUs; the ``local`` layout only (the thesis layout's correlation of all rows has no subset form).
     kw
         The rest of :class:`~mlemlib.backends.nccl.NcclBackend`'s keywords (``fp``, ``bp``, ``graph``,
-        ``tune``, ``lanes``...); ``transpose``, ``plan`` and ``chunks`` describe the whole matrix and are
+        ``tune``, ``lanes``...); ``graph`` None (``auto``) replays the pass as one graph per GPU on any number
+        of GPUs where the kernels can be captured; ``transpose``, ``plan`` and ``chunks`` describe the whole matrix and are
         not used (each subset's GPUs transpose or chunk their own rows).
     """
 
@@ -106,7 +107,8 @@ class OsemBackend(Backend):
         plans = subset_plans(indptr_of(matrix), bounds, len(devices), n)
         self.bounds = bounds
         self.parts: list[Any] = []
-        self.graph = graph_default(kw.pop("graph", None))
+        graph = kw.pop("graph", None)
+        self.graph = False
         self._graphs: list[Any] | None = None
         try:
             for k, p in enumerate(plans):
@@ -119,6 +121,7 @@ class OsemBackend(Backend):
             self.fp_kernel, self.bp_kernel = first.fp_kernel, first.bp_kernel
             self.load_seconds = sum(p.load_seconds for p in self.parts)
             self._share_flags()
+            self.graph = graph_default(graph, True, all(p._graphable() for p in self.parts))
             if self.graph:
                 with setup_times.phase("graph"):
                     self._capture()

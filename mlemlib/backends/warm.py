@@ -49,10 +49,11 @@ def run_choices(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for run in runs:
         if run.get("backend", "cuda") != "cuda":
             continue
-        multi = int(run.get("gpus") or 1) > 1 or bool(run.get("graph"))
+        graph = run.get("graph")
+        graph = None if graph in (None, "auto") else bool(graph)  # auto: as the backend decides on one GPU
+        multi = int(run.get("gpus") or 1) > 1 or graph is True
         choice = {"fp": run.get("fp") or "auto", "bp": run.get("bp") or "auto", "secsize": run.get("secsize"),
-                  "nccl": multi, "layout": (run.get("layout") or "local") if multi else "local",
-                  "graph": bool(run.get("graph"))}
+                  "nccl": multi, "layout": (run.get("layout") or "local") if multi else "local", "graph": graph}
         out.setdefault(tuple(sorted(choice.items(), key=lambda kv: kv[0])), choice)
     return list(out.values())
 

@@ -16,7 +16,7 @@ mapping, merged into every case, and a list ``cases``. Each case::
     gpus: [1, 2, 4]
     backend: cuda                    # cuda | cpu
     layout: local                    # local | thesis (several GPUs)
-    graph: false                     # replay each iteration as CUDA graphs
+    graph: auto                      # replay iterations as CUDA graphs: auto (several GPUs, OSEM), true, false
     warmup: 5                        # untimed iterations first
     iterations: 20                   # timed iterations per repeat
     repeats: 3                       # repeats (the figure is the median of their medians)
@@ -66,7 +66,7 @@ DEFAULTS: dict[str, Any] = {
     "gpus": [1],
     "backend": "cuda",
     "layout": "local",
-    "graph": False,
+    "graph": "auto",
     "warmup": 5,
     "iterations": 20,
     "repeats": 3,
@@ -113,7 +113,7 @@ class Case:
     gpus: tuple[int, ...] = (1,)
     backend: str = "cuda"
     layout: str = "local"
-    graph: bool = False
+    graph: bool | str = "auto"  # "auto": as the backend decides (graphs on several GPUs and for OSEM)
     warmup: int = 5
     iterations: int = 20
     repeats: int = 3
@@ -324,7 +324,7 @@ def parse_case(raw: Any, src: str, index: int, defaults: dict[str, Any], base: P
         gpus=gpus,
         backend=backend,
         layout=layout,
-        graph=_bool(v["graph"], src, f"{where}: graph"),
+        graph=v["graph"] if v["graph"] == "auto" else _bool(v["graph"], src, f"{where}: graph (or auto)"),
         warmup=_int(v["warmup"], src, f"{where}: warmup", 0),
         iterations=_int(v["iterations"], src, f"{where}: iterations", 1),
         repeats=_int(v["repeats"], src, f"{where}: repeats", 1),

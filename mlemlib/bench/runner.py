@@ -219,10 +219,11 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
             # the partition stage's plan (each GPU's A_k^T where it is needed); OSEM balances each subset itself
             if gpus > 1 and not reference and prep.subsets == 1:
                 kw["plan"] = os.fspath(partition(case, prep, gpus))
-        graph = case.graph and case.backend == "cuda" and not reference
+        # None (auto): the backend decides; the cuSPARSE reference pair cannot be captured
+        graph = (None if case.graph == "auto" else case.graph) if case.backend == "cuda" and not reference else False
         t0 = time.perf_counter()
         try:
-            be = make_backend(case.backend, src, g, norm, tsrc, **kw, **({"graph": True} if graph else {}))
+            be = make_backend(case.backend, src, g, norm, tsrc, **kw, **({"graph": graph} if graph else {}))
         except ConfigError as exc:
             if not graph or "graph" not in str(exc):
                 raise
@@ -233,7 +234,7 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
         timed = time_iterations(be, warmup=case.warmup, iterations=case.iterations, repeats=case.repeats,
                                 steps=case.osem)
         desc = be.describe()
-        if case.osem and desc.get("graph", graph) and hasattr(be, "use_graph"):
+        if case.osem and desc.get("graph", bool(graph)) and hasattr(be, "use_graph"):
             timed.update(_eager_steps(case, be))
         bw = devices.bandwidth(case.backend, gpus)
         nbytes = floor_bytes(desc, prep.facts, case.backend, getattr(be, "bp_kernel", None) or desc.get("bp"),
@@ -243,7 +244,7 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
             fp_kernel=getattr(be, "fp_kernel", None) or desc.get("fp"),
             bp_kernel=getattr(be, "bp_kernel", None) or desc.get("bp"),
             deterministic=bool(getattr(be, "deterministic", desc.get("deterministic"))),
-            graph=bool(desc.get("graph", graph)),
+            graph=bool(desc.get("graph", bool(graph))),
             **timed,
             floor_bytes=nbytes,
             floor_ms=floor_ms,

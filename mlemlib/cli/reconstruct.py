@@ -40,8 +40,9 @@ def register(sub) -> None:
     p.add_argument("-g", "--gpus", type=_int_at_least(1), default=1, metavar="P", help="number of GPUs")
     p.add_argument("--layout", choices=("local", "thesis"), default="local", help="multi-GPU communication layout")
     p.add_argument(
-        "--graph", action="store_true",
-        help="capture each iteration (all GPUs' kernels and the all-reduce) as CUDA graphs and replay them (cuda)",
+        "--graph", action=argparse.BooleanOptionalAction, default=None,
+        help="capture each iteration (all GPUs' kernels and the all-reduce) as CUDA graphs and replay them (cuda); "
+             "default: on for several GPUs, and for OSEM, where the kernels can be captured",
     )
     p.add_argument(
         "--chunks", type=existing_file, metavar="CHUNKS.h5",

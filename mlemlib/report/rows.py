@@ -35,7 +35,8 @@ STEPS = ("fp", "corr", "bp", "update", "allreduce")
 
 #: The fixed columns of ``runs.csv`` (``cr_<label>`` columns follow).
 RUN_COLUMNS = (
-    "run", "matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "graph", "dtype",
+    "run", "matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "graph", "steps_from",
+    "dtype",
     "reference_mode", "subsets", "subset_method", "m", "b", "iterations", "repetition", "deterministic", "device", "format", "bytes_per_nnz",
     "iteration_mean_s", "iteration_median_s", "iteration_min_s", "iteration_max_s", "iteration_std_s",
     *(f"{s}_{k}_s" for s in STEPS for k in ("mean", "median", "min", "max")),
@@ -274,8 +275,14 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
         theo = gpu_bandwidth_sum(devs, cfg.get("gpus"), "theoretical_bandwidth")
         measured = gpu_bandwidth_sum(devs, cfg.get("gpus"), "copy_bandwidth")
         bpn = be.get("bytes_per_nnz")
+        # a run that replayed CUDA graphs timed its steps over iterations launched kernel by kernel after it
+        kbk = next((r["steps_kernel_by_kernel"] for r in t.get("repetitions", []) if r.get("steps_kernel_by_kernel")),
+                   None)
         for rep in t.get("repetitions", []):
             steps = rep.get("steps", {})
+            steps_from = None
+            if kbk and not any(s in steps for s in STEPS):
+                steps, steps_from = {**kbk, "iteration": steps.get("iteration", {})}, "kernel by kernel"
             acc = rep.get("accuracy", {}) or {}
             row: dict[str, Any] = {
                 "run": run_id,
@@ -290,6 +297,7 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
                 "layout": cfg.get("layout"),
                 # Graph capture: the run's config, or (as mlem reconstruct records it) the backend's describe().
                 "graph": bool(cfg.get("graph", be.get("graph", False))),
+                "steps_from": steps_from,
                 "dtype": cfg.get("dtype"),
                 "reference_mode": bool(cfg.get("reference_mode", False)),
                 **model_columns(cfg),
@@ -342,6 +350,8 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
             # The kernels as configured ("auto", "notrans" resolve per backend and GPU count).
             row["_fp_requested"] = cfg.get("fp_requested") or cfg.get("fp")
             row["_bp_requested"] = cfg.get("bp_requested") or cfg.get("bp")
+            # graphs as configured ("auto" replays them on several GPUs only): one configuration across GPU counts
+            row["_graph_requested"] = cfg.get("graph_requested")
             row["_shape"] = tuple(int(v) for v in t["shape"]) if isinstance(t.get("shape"), (list, tuple)) else None
             # A folded matrix (each distinct row once): the user's shape, and the rows it stores.
             fold = t.get("fold") if isinstance(t.get("fold"), dict) else None
@@ -450,7 +460,13 @@ def _family(backend: Any) -> str:
 def _scaling_key(r: Mapping[str, Any]) -> tuple:
     """Every configuration dimension but the GPU count and the layout (kernels as configured)."""
     return (r.get("matrix"), r.get("data"), _family(r.get("backend")), r.get("_fp_requested") or r.get("fp"),
-            r.get("_bp_requested") or r.get("bp"), r.get("secsize"), bool(r.get("graph")), r.get("dtype"))
+            r.get("_bp_requested") or r.get("bp"), r.get("secsize"), _graph_requested(r), r.get("dtype"))
+
+
+def _graph_requested(r: Mapping[str, Any]) -> Any:
+    """The run's graph setting as configured (True, False, ``auto``); rows without one: whether it replayed graphs."""
+    asked = r.get("_graph_requested")
+    return bool(r.get("graph")) if asked is None else asked
 
 
 def _scaling_label(r: Mapping[str, Any]) -> str:
@@ -458,8 +474,10 @@ def _scaling_label(r: Mapping[str, Any]) -> str:
     s = f"{_family(r.get('backend'))} {r.get('_fp_requested') or r.get('fp')}/{r.get('_bp_requested') or r.get('bp')}"
     if r.get("secsize"):
         s += f" sec{r['secsize']}"
-    if r.get("graph"):
+    if _graph_requested(r) is True:
         s += " graph"
+    elif _graph_requested(r) is False and r.get("_graph_requested") is not None:
+        s += " no graph"
     return s
 
 

@@ -118,6 +118,10 @@ def _fmt_e(v: Any) -> str:
     return f"{v:.3e}" if v is not None else ""
 
 
+#: After a step time that was measured over iterations launched kernel by kernel (the run replayed CUDA graphs).
+KBK_MARK = " †"
+
+
 def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
     """Markdown: time per iteration by step, one row per configuration, then a thesis-style table each.
 
@@ -142,7 +146,8 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
                 _fmt_ms(_mean(r["iteration_mean_s"] for r in rs)),
                 _fmt_ms(min((r["iteration_min_s"] for r in rs if r["iteration_min_s"] is not None), default=None)),
                 _fmt_ms(max((r["iteration_max_s"] for r in rs if r["iteration_max_s"] is not None), default=None)),
-                *(_fmt_ms(_mean(r[f"{s}_mean_s"] for r in rs)) for s in steps),
+                *(_fmt_ms(_mean(r[f"{s}_mean_s"] for r in rs)) + (KBK_MARK if r0.get("steps_from") else "")
+                  for s in steps),
                 _fmt_3(_mean(r["bandwidth_GBps"] for r in rs)),
                 *([_fmt_pct(_mean(r.get("of_floor") for r in rs)), _fmt_pct(_mean(r.get("of_csr_floor") for r in rs))]
                   if floors else []),
@@ -165,6 +170,10 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
            if floors else "")
         + (" J/iteration: the GPUs' energy per iteration from NVML's counters, mean over repetitions (empty: "
            "not measured, e.g. on the CPU)." if energy else "")
+        + (f"{KBK_MARK.strip()}: the run replayed each iteration as CUDA graphs, which time only the whole "
+           "iteration; its steps were timed over a few more iterations launched kernel by kernel after it (they "
+           "add up to more than a replayed iteration)."
+           if any(r.get("steps_from") for rs in groups.values() for r in rs) else "")
         + "\n\n"
     )
     out = ["## Time per iteration by step\n\n", intro, _md_table(head, body)]
