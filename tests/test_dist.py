@@ -299,7 +299,7 @@ def test_nccl_backend_matches_one_gpu(layout):
 def test_nccl_one_pass_describes_itself_as_one_pass():
     """describe() says onepass, so timings.json counts A once an iteration (2-GPU Matrix 3 runs had counted it twice)."""
     a, _, g, norm = _problem()
-    with N.NcclBackend(a, g, norm, gpus=min(_gpus(), 2), layout="local", bp="onepass_fixed") as be:
+    with N.NcclBackend(a, g, norm, gpus=min(_gpus(), 2), layout="local", bp="onepass_fixed", graph=False) as be:
         be.iterate(be.initial_image())
         desc = be.describe()
     assert desc["onepass"] and desc["transpose"] == "none" and desc["steps"] == ["bp", "allreduce", "update"]

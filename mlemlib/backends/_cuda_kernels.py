@@ -464,6 +464,20 @@ def load_device(matrix: Any, what: str = "matrix") -> DeviceCSR:
         if a.nnz != nnz:
             raise DeviceError(f"{what}: read {a.nnz} non-zeros, header says {nnz}")
         return a
+    if hasattr(matrix, "iter_chunks"):  # another reader of row blocks: each block copied as it comes
+        (m, n), nnz = _mx.shape_nnz(matrix)
+        indptr, indices, data = cp.empty(m + 1, dtype=cp.int64), cp.empty(nnz, dtype=cp.int32), cp.empty(nnz, dtype=cp.float32)
+        indptr[0] = k = 0
+        for r0, r1, block in matrix.iter_chunks():
+            ip = np.asarray(block.indptr, dtype=np.int64)
+            with setup_times.phase("to_gpu", device=True):
+                indptr[r0 + 1 : r1 + 1] = cp.asarray(ip[1:] - ip[0] + k)
+                indices[k : k + block.nnz] = cp.asarray(block.indices)
+                data[k : k + block.nnz] = cp.asarray(block.data)
+            k += block.nnz
+        if k != nnz:
+            raise DeviceError(f"{what}: read {k} non-zeros, header says {nnz}")
+        return DeviceCSR(indptr, indices, data, (m, n))
     raise TypeError(f"{what}: expected a CSRMatrix, DeviceCSR or an opened matrix, got {type(matrix).__name__}")
 
 
