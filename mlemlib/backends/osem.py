@@ -245,7 +245,9 @@ class OsemBackend(Backend):
         for s0, s1 in zip(self.parts[0].shards, last.shards):
             if s0.order and s1.order:
                 with cp.cuda.Device(s0.device):
-                    span = max(span, cp.cuda.get_elapsed_time(s0.events[s0.order[0]], s1.events[s1.order[-1]]) / 1e3)
+                    end = s1.events[s1.order[-1]]
+                    end.synchronize()  # a replayed pass without overflow flags has not been waited for
+                    span = max(span, cp.cuda.get_elapsed_time(s0.events[s0.order[0]], end) / 1e3)
         per["iteration"] = span
         self._times = per
         return dict(per)

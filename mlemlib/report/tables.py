@@ -122,6 +122,11 @@ def _fmt_e(v: Any) -> str:
 KBK_MARK = " †"
 
 
+def _kbk_cell(r: Mapping[str, Any], cell: str) -> str:
+    """A step's cell, marked where the step was timed kernel by kernel after a graph run (an empty one stays empty)."""
+    return cell + KBK_MARK if cell and r.get("steps_from") else cell
+
+
 def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
     """Markdown: time per iteration by step, one row per configuration, then a thesis-style table each.
 
@@ -146,8 +151,7 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
                 _fmt_ms(_mean(r["iteration_mean_s"] for r in rs)),
                 _fmt_ms(min((r["iteration_min_s"] for r in rs if r["iteration_min_s"] is not None), default=None)),
                 _fmt_ms(max((r["iteration_max_s"] for r in rs if r["iteration_max_s"] is not None), default=None)),
-                *(_fmt_ms(_mean(r[f"{s}_mean_s"] for r in rs)) + (KBK_MARK if r0.get("steps_from") else "")
-                  for s in steps),
+                *(_kbk_cell(r0, _fmt_ms(_mean(r[f"{s}_mean_s"] for r in rs))) for s in steps),
                 _fmt_3(_mean(r["bandwidth_GBps"] for r in rs)),
                 *([_fmt_pct(_mean(r.get("of_floor") for r in rs)), _fmt_pct(_mean(r.get("of_csr_floor") for r in rs))]
                   if floors else []),
@@ -170,7 +174,7 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
            if floors else "")
         + (" J/iteration: the GPUs' energy per iteration from NVML's counters, mean over repetitions (empty: "
            "not measured, e.g. on the CPU)." if energy else "")
-        + (f"{KBK_MARK.strip()}: the run replayed each iteration as CUDA graphs, which time only the whole "
+        + (f" {KBK_MARK.strip()}: the run replayed each iteration as CUDA graphs, which time only the whole "
            "iteration; its steps were timed over a few more iterations launched kernel by kernel after it (they "
            "add up to more than a replayed iteration)."
            if any(r.get("steps_from") for rs in groups.values() for r in rs) else "")
