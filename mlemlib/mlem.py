@@ -258,6 +258,7 @@ def reconstruct(
                     background=prob.corrections.background, subsets=prob.corrections.bounds,
                     **({"graph": settings.graph} if settings.graph is not None else {}),
                 )
+        opened.append(be)  # closed at the end (a multi-GPU backend drops its graphs before its communicators)
         phases = rec.as_dict()
         desc = be.describe()
         log.info("backend %s ready (%.2f s): %s", desc.get("backend", settings.backend), sw_setup.seconds, desc)

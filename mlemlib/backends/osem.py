@@ -72,8 +72,8 @@ class OsemBackend(Backend):
         The GPUs; the ``local`` layout only (the thesis layout's correlation of all rows has no subset form).
     kw
         The rest of :class:`~mlemlib.backends.nccl.NcclBackend`'s keywords (``fp``, ``bp``, ``graph``,
-        ``tune``, ``lanes``...); ``graph`` None (``auto``) replays the pass as one graph per GPU on any number
-        of GPUs where the kernels can be captured; ``transpose``, ``plan`` and ``chunks`` describe the whole matrix and are
+        ``tune``, ``lanes``...); ``graph`` None (``auto``) launches subset by subset (the pass as graphs only
+        where asked: ``True``); ``transpose``, ``plan`` and ``chunks`` describe the whole matrix and are
         not used (each subset's GPUs transpose or chunk their own rows).
     """
 
@@ -105,11 +105,13 @@ class OsemBackend(Backend):
                      ", ".join(ignored))
         devices = list(devices) if devices is not None else list(range(int(gpus or 1)))
         plans = subset_plans(indptr_of(matrix), bounds, len(devices), n)
+        # _graphs before parts: where the backend is dropped without close(), its attributes go in this order,
+        # and NCCL does not destroy a communicator (parts[0]'s) while a graph that captured it lives
+        self._graphs: list[Any] | None = None
         self.bounds = bounds
         self.parts: list[Any] = []
         graph = kw.pop("graph", None)
         self.graph = False
-        self._graphs: list[Any] | None = None
         try:
             for k, p in enumerate(plans):
                 share = self.parts[0] if self.parts else None
@@ -121,7 +123,7 @@ class OsemBackend(Backend):
             self.fp_kernel, self.bp_kernel = first.fp_kernel, first.bp_kernel
             self.load_seconds = sum(p.load_seconds for p in self.parts)
             self._share_flags()
-            self.graph = graph_default(graph, True, all(p._graphable() for p in self.parts))
+            self.graph = graph_default(graph, False, all(p._graphable() for p in self.parts))
             if self.graph:
                 with setup_times.phase("graph"):
                     self._capture()

@@ -16,7 +16,7 @@ mapping, merged into every case, and a list ``cases``. Each case::
     gpus: [1, 2, 4]
     backend: cuda                    # cuda | cpu
     layout: local                    # local | thesis (several GPUs)
-    graph: auto                      # replay iterations as CUDA graphs: auto (several GPUs, OSEM), true, false
+    graph: auto                      # replay iterations as CUDA graphs: auto (MLEM on several GPUs), true, false
     warmup: 5                        # untimed iterations first
     iterations: 20                   # timed iterations per repeat
     repeats: 3                       # repeats (the figure is the median of their medians)
@@ -113,7 +113,7 @@ class Case:
     gpus: tuple[int, ...] = (1,)
     backend: str = "cuda"
     layout: str = "local"
-    graph: bool | str = "auto"  # "auto": as the backend decides (graphs on several GPUs and for OSEM)
+    graph: bool | str = "auto"  # "auto": as the backend decides (graphs for MLEM on several GPUs)
     warmup: int = 5
     iterations: int = 20
     repeats: int = 3

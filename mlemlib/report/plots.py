@@ -122,7 +122,7 @@ _STEP_COLORS = {"fp": "tab:blue", "corr": "tab:orange", "bp": "tab:green", "upda
                 "allreduce": "tab:purple", "iteration": "0.75"}
 _STEP_NAMES = {"fp": "fp: forward projection A f", "corr": "corr: g / (A f)", "bp": "bp: back projection A^T c",
                "update": "update: f * bp / norm", "allreduce": "allreduce: between GPUs",
-               "iteration": "whole iteration (steps not timed apart)"}
+               "iteration": "whole iteration (its steps not timed within it)"}
 
 
 def plot_times(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None:
