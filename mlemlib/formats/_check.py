@@ -237,6 +237,40 @@ class RowBlockReader:
         return self.read_rows(0, self.shape[0])
 
 
+class ElementReader(RowBlockReader):
+    """A reader that reads a row range's elements into any arrays (``.h5``, ``.csr4``): :meth:`read_rows` and
+    :meth:`read_rows_into` from the subclass's ``_row_pointer(start, stop)`` (the range's checked row pointer
+    from 0 and the index of its first element) and ``_read_elements(base, indices, data, validate)``."""
+
+    def _row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
+        raise NotImplementedError
+
+    def _read_elements(self, base: int, indices: np.ndarray, data: np.ndarray, validate: bool) -> None:
+        raise NotImplementedError
+
+    def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
+        """Rows ``[start, stop)`` as a CSR block (``indptr`` from 0, its own arrays); only that range is read.
+
+        ``validate``: check the elements read (columns in range, values finite and
+        non-negative); the row pointer of the range is always checked (non-decreasing,
+        within nnz). Raises :class:`MatrixFormatError` if the range read is
+        inconsistent, ``IndexError`` if it lies outside the matrix.
+        """
+        indptr, base = self._row_pointer(start, stop)
+        k = int(indptr[-1])
+        indices, data = np.empty(k, dtype=np.int32), np.empty(k, dtype=np.float32)
+        self._read_elements(base, indices, data, validate)
+        return CSRMatrix(indptr, indices, data, (len(indptr) - 1, self.shape[1]))
+
+    def read_rows_into(self, start: int, stop: int, indices: np.ndarray, data: np.ndarray, *,
+                       validate: bool = True) -> np.ndarray:
+        """:meth:`RowBlockReader.read_rows_into`, the elements read straight into the buffers."""
+        indptr, base = self._row_pointer(start, stop)
+        k = check_buffers(indptr[-1], indices, data)
+        self._read_elements(base, indices[:k], data[:k], validate)
+        return indptr
+
+
 #: HDF5 objects of files that could not be closed (:meth:`RowBlockWriter._close_h5`), kept alive.
 ABANDONED: list[Any] = []
 

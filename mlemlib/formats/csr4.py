@@ -32,10 +32,9 @@ from mlemlib._io import atomic_path
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import (
     DEFAULT_CHUNK_NNZ,
-    RowBlockReader,
+    ElementReader,
     RowBlockWriter,
     check_block,
-    check_buffers,
     check_columns,
     check_range,
     check_row_ends,
@@ -295,7 +294,7 @@ def read_header(path: str | os.PathLike) -> Csr4Header:
     return header
 
 
-class Csr4File(RowBlockReader):
+class Csr4File(ElementReader):
     """A memory-mapped ``.csr4`` matrix; header and file size are checked on open.
 
     Parameters
@@ -384,44 +383,6 @@ class Csr4File(RowBlockReader):
     def read_indptr(self) -> np.ndarray:
         """Return the full int64 row pointer (``m + 1`` entries from 0), validated."""
         return check_row_ends(np.asarray(self._ends), 0, self.nnz, self.source)
-
-    def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
-        """Read rows ``[start, stop)`` as a CSR block (``indptr`` rebased to 0).
-
-        Parameters
-        ----------
-        start, stop
-            Row range, ``0 <= start <= stop <= m``.
-        validate
-            Check the elements read: columns in range, values finite and
-            non-negative. The row pointer of the range is always checked
-            (non-decreasing, within nnz); it is cheap.
-
-        Returns
-        -------
-        CSRMatrix
-            Shape ``(stop - start, n)``, its own arrays (not views of the file).
-
-        Raises
-        ------
-        MatrixFormatError
-            If the range read is inconsistent.
-        IndexError
-            If the range lies outside the matrix.
-        """
-        indptr, base = self._row_pointer(start, stop)
-        k = int(indptr[-1])
-        indices, data = np.empty(k, dtype=np.int32), np.empty(k, dtype=np.float32)
-        self._read_elements(base, indices, data, validate)
-        return CSRMatrix(indptr, indices, data, (stop - start, self.shape[1]))
-
-    def read_rows_into(self, start: int, stop: int, indices: np.ndarray, data: np.ndarray, *,
-                       validate: bool = True) -> np.ndarray:
-        """:meth:`RowBlockReader.read_rows_into`, the elements split straight into the buffers."""
-        indptr, base = self._row_pointer(start, stop)
-        k = check_buffers(indptr[-1], indices, data)
-        self._read_elements(base, indices[:k], data[:k], validate)
-        return indptr
 
     def _row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
         """Rows ``[start, stop)``'s row pointer rebased to 0 (checked) and the index of their first element."""

@@ -42,10 +42,9 @@ from mlemlib._io import atomic_path, prefetched
 from mlemlib.errors import MatrixFormatError
 from mlemlib.formats._check import (
     DEFAULT_CHUNK_NNZ,
-    RowBlockReader,
+    ElementReader,
     RowBlockWriter,
     check_block,
-    check_buffers,
     check_columns,
     check_range,
     check_row_ends,
@@ -310,7 +309,7 @@ def _peek_format(path: str | os.PathLike) -> str | None:
 SUBCLASSES: dict[str, type] = {}
 
 
-class MatrixH5(RowBlockReader):
+class MatrixH5(ElementReader):
     """Reader of a matrix container; checks its attributes against its datasets on open.
 
     Parameters
@@ -451,43 +450,6 @@ class MatrixH5(RowBlockReader):
         with setup_times.phase("read", nbytes=8 * (self.shape[0] + 1)):
             ip = self._ds["indptr"][...]
         return check_row_ends(ip[1:], int(ip[0]), self.nnz, self.source)
-
-    def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
-        """Read rows ``[start, stop)``; only the chunks of that range are read.
-
-        Parameters
-        ----------
-        start, stop
-            Row range, ``0 <= start <= stop <= m``.
-        validate
-            Check columns in range and values finite and non-negative. The row
-            pointer of the range is always checked.
-
-        Returns
-        -------
-        CSRMatrix
-            Shape ``(stop - start, n)``, ``indptr`` rebased to 0.
-
-        Raises
-        ------
-        MatrixFormatError
-            If the range read is inconsistent.
-        IndexError
-            If the range lies outside the matrix.
-        """
-        indptr, base = self._row_pointer(start, stop)
-        k = int(indptr[-1])
-        indices, data = np.empty(k, dtype=np.int32), np.empty(k, dtype=np.float32)
-        self._read_elements(base, indices, data, validate)
-        return CSRMatrix(indptr, indices, data, (stop - start, self.shape[1]))
-
-    def read_rows_into(self, start: int, stop: int, indices: np.ndarray, data: np.ndarray, *,
-                       validate: bool = True) -> np.ndarray:
-        """:meth:`RowBlockReader.read_rows_into`, the datasets read straight into the buffers."""
-        indptr, base = self._row_pointer(start, stop)
-        k = check_buffers(indptr[-1], indices, data)
-        self._read_elements(base, indices[:k], data[:k], validate)
-        return indptr
 
     def _row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
         """Rows ``[start, stop)``'s row pointer rebased to 0 (checked) and the index of their first element."""
