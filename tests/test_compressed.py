@@ -1515,3 +1515,21 @@ def test_the_fused_correlation_takes_the_background_only_where_there_is_one():
     g, bg = object(), object()
     assert ck.correlation_epilogue(g) == {"mode": ck.MODE_CORR, "aux0": g}
     assert ck.correlation_epilogue(g, bg) == {"mode": ck.MODE_CORR_BG, "aux0": g, "aux1": bg}
+
+
+def test_compressed_container_gives_a_row_range_into_the_callers_buffers(tmp_path):
+    """CompressedH5 (no /indptr) answers row_pointer and read_rows_into from its decoded rows: the GPU upload's
+    staging path takes a compressed file as CSR."""
+    from mlemlib.formats import convert, open_matrix, write_matrix_h5
+
+    a = sp.random(500, 300, density=0.05, format="csr", dtype=np.float32, random_state=1)
+    write_matrix_h5(tmp_path / "a.h5", CSRMatrix.from_scipy(a))
+    convert(tmp_path / "a.h5", tmp_path / "c.h5", fmt="compressed")
+    with open_matrix(tmp_path / "c.h5") as c:
+        ip, base = c.row_pointer(100, 200)
+        assert base == a.indptr[100]
+        np.testing.assert_array_equal(ip, a.indptr[100:201] - a.indptr[100])
+        idx, val = np.zeros(ip[-1] + 2, np.int32), np.zeros(ip[-1] + 2, np.float32)
+        np.testing.assert_array_equal(c.read_rows_into(100, 200, idx, val), ip)
+        np.testing.assert_array_equal(idx[: ip[-1]], a[100:200].indices)
+        np.testing.assert_array_equal(val[: ip[-1]], a[100:200].data)  # compressed (lossless) keeps float32

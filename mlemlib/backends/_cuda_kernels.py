@@ -548,7 +548,7 @@ STAGE_NNZ = 1 << 23
 
 
 def upload_rows(source: Any, r0: int, r1: int, device: int, *, align: bool = False) -> DeviceCSR:
-    """Rows ``[r0, r1)`` of an opened matrix (``read_rows_into``) streamed onto ``device`` as a ``DeviceCSR``.
+    """Rows ``[r0, r1)`` of an opened matrix (``row_pointer``, ``read_rows_into``) streamed onto ``device`` as a ``DeviceCSR``.
 
     The rows are read in blocks of about :data:`STAGE_NNZ` elements straight
     into two page-locked staging buffers (a reader thread fills one while the
@@ -563,9 +563,8 @@ def upload_rows(source: Any, r0: int, r1: int, device: int, *, align: bool = Fal
 
     cp = cupy()
     r0, r1 = int(r0), int(r1)
-    ip = np.asarray(source.read_indptr()[r0 : r1 + 1], dtype=np.int64)
-    base = int(ip[0])
-    ip = ip - base
+    ip, base = source.row_pointer(r0, r1)  # only the range's row pointer is read
+    ip = np.asarray(ip, dtype=np.int64)
     nnz = int(ip[-1])
     pad = aligned_pad(base) if align else 0
     bounds = _mx.chunk_bounds(ip, STAGE_NNZ)

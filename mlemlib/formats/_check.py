@@ -215,6 +215,13 @@ class RowBlockReader:
         for (r0, r1), block in zip(bounds, blocks):
             yield r0, r1, block
 
+    def row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
+        """Rows ``[start, stop)``'s row pointer rebased to 0 (``stop - start + 1`` entries, checked) and the index of
+        their first element. Readers that can read only the range's (``.h5``, ``.csr4``) override this."""
+        start, stop = check_range(start, stop, self.shape[0], getattr(self, "source", "matrix"))
+        ip = np.asarray(self.read_indptr()[start : stop + 1], dtype=np.int64)
+        return ip - ip[0], int(ip[0])
+
     def read_rows_into(self, start: int, stop: int, indices: np.ndarray, data: np.ndarray, *,
                        validate: bool = True) -> np.ndarray:
         """Rows ``[start, stop)`` with their columns and values written to the front of ``indices`` and ``data``.
@@ -239,11 +246,8 @@ class RowBlockReader:
 
 class ElementReader(RowBlockReader):
     """A reader that reads a row range's elements into any arrays (``.h5``, ``.csr4``): :meth:`read_rows` and
-    :meth:`read_rows_into` from the subclass's ``_row_pointer(start, stop)`` (the range's checked row pointer
-    from 0 and the index of its first element) and ``_read_elements(base, indices, data, validate)``."""
-
-    def _row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
-        raise NotImplementedError
+    :meth:`read_rows_into` from the subclass's :meth:`~RowBlockReader.row_pointer` (reading only the range's)
+    and ``_read_elements(base, indices, data, validate)``."""
 
     def _read_elements(self, base: int, indices: np.ndarray, data: np.ndarray, validate: bool) -> None:
         raise NotImplementedError
@@ -256,7 +260,7 @@ class ElementReader(RowBlockReader):
         within nnz). Raises :class:`MatrixFormatError` if the range read is
         inconsistent, ``IndexError`` if it lies outside the matrix.
         """
-        indptr, base = self._row_pointer(start, stop)
+        indptr, base = self.row_pointer(start, stop)
         k = int(indptr[-1])
         indices, data = np.empty(k, dtype=np.int32), np.empty(k, dtype=np.float32)
         self._read_elements(base, indices, data, validate)
@@ -265,7 +269,7 @@ class ElementReader(RowBlockReader):
     def read_rows_into(self, start: int, stop: int, indices: np.ndarray, data: np.ndarray, *,
                        validate: bool = True) -> np.ndarray:
         """:meth:`RowBlockReader.read_rows_into`, the elements read straight into the buffers."""
-        indptr, base = self._row_pointer(start, stop)
+        indptr, base = self.row_pointer(start, stop)
         k = check_buffers(indptr[-1], indices, data)
         self._read_elements(base, indices[:k], data[:k], validate)
         return indptr

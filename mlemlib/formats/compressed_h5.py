@@ -326,8 +326,10 @@ class CompressedH5(MatrixH5):
         start, stop = check_range(start, stop, self.shape[0], self.source)
         return self._read("scale", start, stop) if not self.lossless else None
 
-    #: decoded rows are a new block: copied into the caller's buffers (not the plain container's direct read)
+    #: decoded rows are a new block: copied into the caller's buffers (not the plain container's direct read),
+    #: and a range's row pointer comes from the decoded one (there is no /indptr)
     read_rows_into = RowBlockReader.read_rows_into
+    row_pointer = RowBlockReader.row_pointer
 
     def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
         """Rows ``[start, stop)`` decoded into CSR (``indptr`` from 0).

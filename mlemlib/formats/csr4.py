@@ -384,7 +384,7 @@ class Csr4File(ElementReader):
         """Return the full int64 row pointer (``m + 1`` entries from 0), validated."""
         return check_row_ends(np.asarray(self._ends), 0, self.nnz, self.source)
 
-    def _row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
+    def row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
         """Rows ``[start, stop)``'s row pointer rebased to 0 (checked) and the index of their first element."""
         start, stop = check_range(start, stop, self.shape[0], self.source)
         base = int(self._ends[start - 1]) if start else 0

@@ -451,7 +451,7 @@ class MatrixH5(ElementReader):
             ip = self._ds["indptr"][...]
         return check_row_ends(ip[1:], int(ip[0]), self.nnz, self.source)
 
-    def _row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
+    def row_pointer(self, start: int, stop: int) -> tuple[np.ndarray, int]:
         """Rows ``[start, stop)``'s row pointer rebased to 0 (checked) and the index of their first element."""
         start, stop = check_range(start, stop, self.shape[0], self.source)
         with setup_times.phase("read", nbytes=8 * (stop + 1 - start)):
