@@ -318,15 +318,15 @@ def scaling_section(rows: Iterable[Mapping[str, Any]]) -> str:
             "efficiency", "faster than fewer GPUs", "GB/s per GPU", "rel. L2 to ref.", "deterministic"]
     body = [
         [r["matrix"], r["data"], r["configuration"], r["gpus"], r["layout"], r["reps"], _fmt_ms(r["iteration_s"]),
-         *(_fmt_ms(r[f"{s}_s"]) for s in steps), _fmt_ratio(r["speedup"]), _fmt_ratio(r["efficiency"]),
+         *(_kbk_cell(r, _fmt_ms(r[f"{s}_s"])) for s in steps), _fmt_ratio(r["speedup"]), _fmt_ratio(r["efficiency"]),
          _fewer_cell(r), _fmt_3(r["bandwidth_per_gpu_GBps"]), _fmt_e(r["rel_l2_reference"]),
          "yes" if r["deterministic"] else "NO (atomics)"]
         for r in recs
     ]
     intro = (
         "Every cuda configuration run on more than one GPU count, by GPU count P and layout. iteration and steps: "
-        "mean time per iteration over all iterations and repetitions, as in the table above (graph capture times "
-        "only the whole iteration). speed-up: T(1)/T(P), T(1) the configuration's 1-GPU run (– without one); "
+        "mean time per iteration over all iterations and repetitions, as in the table above (†: steps of a run that "
+        "replayed CUDA graphs, timed over iterations launched kernel by kernel after it). speed-up: T(1)/T(P), T(1) the configuration's 1-GPU run (– without one); "
         "efficiency: speed-up / P (1 is perfect). faster than fewer GPUs: NO where fewer GPUs ran the same "
         "configuration faster (the fewest such, with their time). GB/s per GPU: bytes an iteration reads (as in the table above) "
         "/ P / T(P), each GPU reading its nnz-balanced part, about 1/P of them. rel. L2 to ref.: mean "
@@ -340,7 +340,7 @@ def _step_cell(r: Mapping[str, Any], step: str, fused_into: str | None) -> str:
     """A step's mean time; ``fused into <step>`` where the backend timed it inside another; – where not timed."""
     t = r.get(f"{step}_s")
     if t is not None:
-        return _fmt_ms(t)
+        return _kbk_cell(r, _fmt_ms(t))
     if fused_into and r.get(f"{fused_into}_s") is not None:
         return f"fused into {fused_into}"
     return "–"
@@ -359,8 +359,9 @@ THESIS_INTRO = (
     "the hardware's (above 1: our kernels and layout do better per byte/s of memory bandwidth). "
     "measured copy: our GPUs' device-to-device copy bandwidth, all GPUs together, measured in the run. "
     "Our fp includes the correlation where it runs in the forward projection's epilogue, our bp the update "
-    "where fused; a one-pass iteration has no separate fp (*fused into bp*); graph capture times only the "
-    "whole iteration (–). J/iteration: the GPUs' energy per iteration (NVML), where measured.\n\n"
+    "where fused; a one-pass iteration has no separate fp (*fused into bp*); †: steps of a run that replayed "
+    "CUDA graphs (which time only the whole iteration), timed over iterations launched kernel by kernel after "
+    "it; –: not timed. J/iteration: the GPUs' energy per iteration (NVML), where measured.\n\n"
 )
 
 
