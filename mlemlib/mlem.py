@@ -444,9 +444,10 @@ def _steps_kernel_by_kernel(be: Backend, f: Any, iterations: int) -> dict[str, d
                 times.add(step_times)
     finally:
         be.use_graph(True)
+    summary = times.summary()
     log.info("steps of %d iterations launched kernel by kernel (the run replayed CUDA graphs): %s", n,
-             ", ".join(f"{k} {format_seconds(v['mean'])}" for k, v in times.summary().items()))
-    return times.summary()
+             ", ".join(f"{k} {format_seconds(v['mean'])}" for k, v in summary.items()))
+    return summary
 
 
 def _write_outputs(out_image: Path, host_img: np.ndarray, timings: dict[str, Any], prob: Problem, *, writer: bool,

@@ -15,6 +15,7 @@ from mlemlib.setup_times import process_age  # noqa: E402
 logging.info("run_mlem: started %.1f s after its process", process_age())
 
 from mlemlib.dist.lease import lease_gpus  # noqa: E402
+from mlemlib.backends import graph_option  # noqa: E402
 from mlemlib.mlem import reconstruct  # noqa: E402
 
 run = snakemake.params.run
@@ -32,7 +33,7 @@ with lease:
         fp=run["fp"],
         bp=run["bp"],
         secsize=run["secsize"],
-        graph=None if run["graph"] == "auto" else run["graph"],
+        graph=graph_option(run["graph"]),
         gpus=run["gpus"],
         layout=run["layout"],
         norm=snakemake.input.norm,

@@ -83,3 +83,12 @@ def test_warm_up_runs_every_choice_on_the_gpu():
     osem = warm.warm_up(runs[:1], subsets=8, background=True, reference=False, host=False)
     assert [c["subsets"] for c in osem["choices"]] == [1, 2]
     assert [c for c in osem["choices"] if "error" in c] == []
+
+
+def test_graph_option_maps_a_configured_setting_to_the_backends_argument():
+    """auto (or unset) leaves the choice to the backend (None); true and false are passed on, false too (a bench
+    case or run that says false must not get the several-GPU default)."""
+    from mlemlib.backends import graph_option
+
+    assert graph_option("auto") is None and graph_option(None) is None
+    assert graph_option(True) is True and graph_option(False) is False

@@ -35,6 +35,12 @@ def cuda_available() -> bool:
         return False
 
 
+def graph_option(setting: Any) -> bool | None:
+    """A configured graph setting (``auto``, true, false; None) as :func:`make_backend`'s ``graph``: None for
+    ``auto`` (the backend decides), else the bool."""
+    return None if setting is None or setting == "auto" else bool(setting)
+
+
 def get_backend_name(name: str = "auto") -> str:
     """Resolve ``auto`` (or ``$MLEM_BACKEND``) to ``cpu`` or ``cuda``."""
     name = os.environ.get("MLEM_BACKEND", name) if name == "auto" else name

@@ -55,6 +55,24 @@ class Shard:
     cstream: Any = None  # communication stream (overlap)
     stream: Any = None
 
+    def begin_capture(self, keep_image: bool) -> None:
+        """Start capturing this GPU's stream into a CUDA graph; with ``keep_image`` (a fixed-point pass, which
+        cannot retry inside a replay) the graph first copies the image it starts from into ``f_before``."""
+        cp = ck.cupy()
+        with cp.cuda.Device(self.device):
+            if keep_image and self.f_before is None:
+                self.f_before = cp.empty_like(self.f)
+            self.stream.begin_capture()
+            if keep_image:
+                with self.stream:
+                    self.f_before[...] = self.f
+
+    def put_back_image(self) -> None:
+        """After a replay that overflowed: the image it started from back into ``f`` (on this GPU's stream)."""
+        cp = ck.cupy()
+        with cp.cuda.Device(self.device), self.stream:
+            self.f[...] = self.f_before
+
 
 def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, plan_d: dict, g: Any, norm: Any,
                chunk_ranges: list | None, local_files: list | None, tune: bool, bg: Any = None,

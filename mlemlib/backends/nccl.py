@@ -630,13 +630,7 @@ class NcclBackend(Backend):
         (:meth:`_graph_overflowed` puts it back)."""
         cp = _cupy()
         for s in self.shards:
-            with cp.cuda.Device(s.device):
-                if s.flag is not None and s.f_before is None:
-                    s.f_before = cp.empty_like(s.f)
-                s.stream.begin_capture()
-                if s.flag is not None:
-                    with s.stream:
-                        s.f_before[...] = s.f
+            s.begin_capture(keep_image=s.flag is not None)
         self.graph_capturing = True
         try:
             self._launch(record=False)
@@ -680,10 +674,8 @@ class NcclBackend(Backend):
         """A replayed fixed-point iteration overflowed: put back the image it started from, redo the iteration
         kernel by kernel with a larger range (retrying as the eager path does) and capture the graphs again with
         that range."""
-        cp = _cupy()
         for s in self.shards:
-            with cp.cuda.Device(s.device), s.stream:
-                s.f[...] = s.f_before
+            s.put_back_image()
         self._fixed_bound *= FIXED_RETRY_FACTOR
         log.info("%s: overflow inside the CUDA graph (flag %d); iteration redone with the range raised to %.3g",
                  self.bp_kernel, flag, self._fixed_bound)

@@ -158,13 +158,7 @@ class OsemBackend(Backend):
                                            f"bp={p.bp_kernel}")
         shards = self.parts[0].shards
         for s in shards:
-            with cp.cuda.Device(s.device):
-                if self._flags is not None and s.f_before is None:
-                    s.f_before = cp.empty_like(s.f)
-                s.stream.begin_capture()
-                if self._flags is not None:  # the image the pass starts from (an overflow puts it back)
-                    with s.stream:
-                        s.f_before[...] = s.f
+            s.begin_capture(keep_image=self._flags is not None)  # an overflow puts the pass's start image back
         try:
             for p in self.parts:
                 p.graph_capturing = True
@@ -217,11 +211,9 @@ class OsemBackend(Backend):
     def _pass_overflowed(self, subsets: np.ndarray) -> None:
         """A replayed pass overflowed in ``subsets``: put back the image it started from, raise those subsets'
         ranges, redo the pass subset by subset (each retrying as the eager path does) and capture it again."""
-        cp = cupy()
         first = self.parts[0]
         for s in first.shards:
-            with cp.cuda.Device(s.device), s.stream:
-                s.f[...] = s.f_before
+            s.put_back_image()
         for k in subsets:
             self.parts[k]._fixed_bound *= FIXED_RETRY_FACTOR
         log.info("%s: overflow inside the pass's CUDA graph in subset(s) %s; pass redone with their ranges raised",

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from mlemlib.backends import graph_option
+
 log = logging.getLogger(__name__)
 
 #: The small matrix: a synthetic scanner in sinogram order (:func:`mlemlib.bench.tor_matrix`).
@@ -49,8 +51,7 @@ def run_choices(runs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for run in runs:
         if run.get("backend", "cuda") != "cuda":
             continue
-        graph = run.get("graph")
-        graph = None if graph in (None, "auto") else bool(graph)  # auto: as the backend decides on one GPU
+        graph = graph_option(run.get("graph"))  # auto (None): as the backend decides on one GPU
         multi = int(run.get("gpus") or 1) > 1 or graph is True
         choice = {"fp": run.get("fp") or "auto", "bp": run.get("bp") or "auto", "secsize": run.get("secsize"),
                   "nccl": multi, "layout": (run.get("layout") or "local") if multi else "local", "graph": graph}

@@ -195,7 +195,7 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
     """One row: build the backend of ``fp``/``bp`` on ``gpus`` devices for ``problem`` (``g``, the norm, and the
     background and subsets where it has them), time its iterations, free it; ``factors`` names the problem in
     the row of a case with subsets or factors."""
-    from mlemlib.backends import make_backend
+    from mlemlib.backends import graph_option, make_backend
     from mlemlib.formats import open_source
 
     row: dict[str, Any] = {"fp": fp, "bp": bp, "gpus": gpus, "layout": case.layout if gpus > 1 else None,
@@ -219,11 +219,12 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
             # the partition stage's plan (each GPU's A_k^T where it is needed); OSEM balances each subset itself
             if gpus > 1 and not reference and prep.subsets == 1:
                 kw["plan"] = os.fspath(partition(case, prep, gpus))
-        # None (auto): the backend decides; the cuSPARSE reference pair cannot be captured
-        graph = (None if case.graph == "auto" else case.graph) if case.backend == "cuda" and not reference else False
+        # None (auto, and the cpu backend's): the backend decides; the cuSPARSE reference pair cannot be captured
+        graph = None if case.backend != "cuda" else False if reference else graph_option(case.graph)
         t0 = time.perf_counter()
         try:
-            be = make_backend(case.backend, src, g, norm, tsrc, **kw, **({"graph": graph} if graph else {}))
+            asked = {"graph": graph} if graph is not None else {}
+            be = make_backend(case.backend, src, g, norm, tsrc, **kw, **asked)
         except ConfigError as exc:
             if not graph or "graph" not in str(exc):
                 raise
