@@ -194,8 +194,11 @@ def test_osem_steps_and_pass_time_are_reported(grouped):
         be.close()
 
 
+@pytest.mark.parametrize("graph", [None, True])
 @pytest.mark.parametrize("fmt", ["csr", "compressed"])
-def test_reconstruct_runs_osem_with_factor_files_on_the_gpu(tmp_path, fmt):
+def test_reconstruct_runs_osem_with_factor_files_on_the_gpu(tmp_path, fmt, graph):
+    """Through ``reconstruct`` (which closes its backend: a pass graph that captured NCCL calls must go before the
+    communicator), subset by subset and as one graph per pass, on 1 and 2 GPUs."""
     a, g, m, b = _problem()
     from mlemlib.formats import convert
 
@@ -211,5 +214,5 @@ def test_reconstruct_runs_osem_with_factor_files_on_the_gpu(tmp_path, fmt):
     for gpus in sorted({1, min(2, _gpus())}):
         out = tmp_path / f"img-{gpus}.h5"
         reconstruct(tmp_path / "r.h5", g, out, iterations=ITERS, backend="cuda", gpus=gpus, subsets=S,
-                    multiplicative=tmp_path / "m.f32", additive=tmp_path / "b.f32", checkpoint_every=0)
+                    multiplicative=tmp_path / "m.f32", additive=tmp_path / "b.f32", checkpoint_every=0, graph=graph)
         assert metrics.relative_l2(read_image(out)[0], expected) < 1e-5, (fmt, gpus)
