@@ -867,8 +867,8 @@ class NcclBackend(Backend):
 
 def graph_default(graph: bool | None, wanted: bool, graphable: bool) -> bool:
     """Whether a backend replays CUDA graphs: ``graph`` where given; None (``auto``): ``$MLEM_CUDA_GRAPH`` where
-    set (1/true/yes/on, else off), otherwise where ``wanted`` (MLEM on several GPUs, whose graphs replace a launch
-    per kernel and GPU) and the kernels can be captured (``graphable``: none allocates)."""
+    set (1/true/yes/on, else off), otherwise where ``wanted`` (MLEM on several GPUs and OSEM on any count, whose graphs
+    replace a launch per kernel, subset and GPU) and the kernels can be captured (``graphable``: none allocates)."""
     if graph is None:
         env = os.environ.get("MLEM_CUDA_GRAPH", "").strip().lower()
         if env:

@@ -72,8 +72,9 @@ class OsemBackend(Backend):
         The GPUs; the ``local`` layout only (the thesis layout's correlation of all rows has no subset form).
     kw
         The rest of :class:`~mlemlib.backends.nccl.NcclBackend`'s keywords (``fp``, ``bp``, ``graph``,
-        ``tune``, ``lanes``...); ``graph`` None (``auto``) launches subset by subset (the pass as graphs only
-        where asked: ``True``); ``transpose``, ``plan`` and ``chunks`` describe the whole matrix and are
+        ``tune``, ``lanes``...); ``graph`` None (``auto``) captures the pass as one graph per GPU on every GPU
+        count where the kernels allow (a pass launches S times a step's kernels: on one GPU too, the launches
+        cost more than a replay); ``False`` launches subset by subset; ``transpose``, ``plan`` and ``chunks`` describe the whole matrix and are
         not used (each subset's GPUs transpose or chunk their own rows).
     """
 
@@ -123,7 +124,7 @@ class OsemBackend(Backend):
             self.fp_kernel, self.bp_kernel = first.fp_kernel, first.bp_kernel
             self.load_seconds = sum(p.load_seconds for p in self.parts)
             self._share_flags()
-            self.graph = graph_default(graph, False, all(p._graphable() for p in self.parts))
+            self.graph = graph_default(graph, True, all(p._graphable() for p in self.parts))
             if self.graph:
                 with setup_times.phase("graph"):
                     self._capture()
