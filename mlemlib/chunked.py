@@ -70,14 +70,20 @@ SAMPLE_NNZ = 1 << 24
 #: Most rows per chunk: the fixed-point kernel's low words (20-bit parts summed in 32 bits)
 #: take at most 4,096 terms per voxel and chunk, and a voxel gets one term per row.
 MAX_CHUNK_ROWS = 1 << 12
+#: Most non-zeros per chunk: a chunk is one thread block (one per multiprocessor: its window fills the
+#: shared memory), whose time grows with its non-zeros, so the largest chunk bounds how late a GPU's
+#: last block ends. 2^18 is about twice a reordered madpet2's mean chunk (whose largest held 13 times the
+#: mean), and costs it 3% of its voxel reuse.
+MAX_CHUNK_NNZ = 1 << 18
 
 
 @njit(cache=True)
-def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62):  # pragma: no cover - compiled
+def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62, max_nnz=1 << 62):  # pragma: no cover - compiled
     """Group ``rows`` (taken in that order) greedily into chunks of at most ``window`` distinct columns.
 
-    A chunk also takes at most ``max_rows`` rows. A row with more distinct
-    columns than ``window`` is a chunk of its own.
+    A chunk also takes at most ``max_rows`` rows and ``max_nnz`` non-zeros. A
+    row with more distinct columns than ``window`` or more non-zeros than
+    ``max_nnz`` is a chunk of its own.
     Returns ``(starts, distinct)``: chunk ``c`` holds ``rows[starts[c]:starts[c + 1]]``
     (``starts`` has one entry more than there are chunks) and touches
     ``distinct[c]`` columns.
@@ -88,6 +94,7 @@ def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62):  # pragma
     chunk = 0
     count = 0
     taken = 0
+    nz = 0
     starts[0] = 0
     for t in range(rows.shape[0]):
         r = rows[t]
@@ -96,17 +103,19 @@ def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62):  # pragma
         for k in range(a, b):
             if stamp[indices[k]] != chunk:
                 new += 1
-        if taken > 0 and (count + new > window or taken >= max_rows):
+        if taken > 0 and (count + new > window or taken >= max_rows or nz + (b - a) > max_nnz):
             distinct[chunk] = count
             chunk += 1
             starts[chunk] = t
             count = 0
             taken = 0
+            nz = 0
             new = b - a  # the columns of a row are distinct
         for k in range(a, b):
             stamp[indices[k]] = chunk
         count += new
         taken += 1
+        nz += b - a
     if taken > 0:
         distinct[chunk] = count
         chunk += 1
@@ -201,7 +210,7 @@ def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW) -> ChunkPlan:
     longest = int(np.diff(ip).max()) if m else 0
     if longest > window:
         raise ValueError(f"a row has {longest} non-zeros, more than the window of {window} voxels")
-    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window, MAX_CHUNK_ROWS)
+    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window, MAX_CHUNK_ROWS, MAX_CHUNK_NNZ)
     vptr = np.zeros(len(distinct) + 1, dtype=np.int64)
     np.cumsum(distinct, out=vptr[1:])
     voxels = np.empty(int(vptr[-1]), dtype=np.int32)
@@ -505,7 +514,7 @@ def sample_chunks(source, window: int = DEFAULT_WINDOW, max_nnz: int = SAMPLE_NN
         return None
     ip = np.asarray(block.indptr, dtype=np.int64)
     _, distinct = greedy_chunks(ip, np.asarray(block.indices), np.arange(r1 - r0, dtype=np.int64),
-                                int(block.shape[1]), int(window), MAX_CHUNK_ROWS)
+                                int(block.shape[1]), int(window), MAX_CHUNK_ROWS, MAX_CHUNK_NNZ)
     from mlemlib.matrix import shape_nnz
 
     total = shape_nnz(source)[1]
@@ -910,6 +919,7 @@ class ChunkLayout:
         e0, e1 = (int(v) for v in self.read("indptr", r0, r1 + 1)[[0, -1]])
         per = 2 + self.value_dtype.itemsize
         return (8 * (r1 - r0 + 1) + per * (e1 - e0) + 4 * int(self.vptr[c1] - self.vptr[c0]) + 16 * (c1 - c0 + 1)
+                + 4 * (c1 - c0)
                 + (4 * (r1 - r0) if self.half else 0))
 
     def ranges(self, parts: int) -> list[tuple[int, int]]:

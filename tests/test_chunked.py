@@ -50,6 +50,10 @@ def test_plan_by_hand():
     assert chunked.greedy_chunks(a.indptr, a.indices, rows, 12, 100)[0].tolist() == [0, 3]
     starts, distinct = chunked.greedy_chunks(a.indptr, a.indices, rows, 12, 100, 2)
     assert starts.tolist() == [0, 2, 3] and distinct.tolist() == [4, 2]
+    # a non-zero cap: rows of 3, 3 and 2 non-zeros, at most 5 per chunk (a longer row alone)
+    starts, distinct = chunked.greedy_chunks(a.indptr, a.indices, rows, 12, 100, 100, 5)
+    assert starts.tolist() == [0, 1, 3] and distinct.tolist() == [3, 5]
+    assert chunked.greedy_chunks(a.indptr, a.indices, rows, 12, 100, 100, 2)[0].tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("window", [40, 64, 300, 5000])
@@ -122,6 +126,7 @@ def _host_cupy():
         empty=lambda n, dtype: np.empty(n, dtype=dtype).view(_HostArray),
         asarray=lambda a: np.array(a).view(_HostArray),
         concatenate=lambda xs: np.concatenate(xs).view(_HostArray),
+        argsort=lambda a: np.argsort(a, kind="stable").view(_HostArray),
         int64=np.int64, int32=np.int32, uint16=np.uint16, float32=np.float32, float16=np.float16,
     )
 
@@ -143,6 +148,11 @@ def _check_chunks(d, a: CSRMatrix, window: int, blocks: list[tuple[int, int]]) -
     cr, vptr, vox, loc = d.chunk_rows.get(), d.vptr.get(), d.voxels.get(), d.local.get()[pos]
     assert cr[0] == 0 and cr[-1] == a.shape[0] and (np.diff(cr) > 0).all()
     assert (np.diff(cr) <= chunked.MAX_CHUNK_ROWS).all() and (np.diff(vptr) <= window).all()
+    # launched largest first: the order is a permutation of the chunks, their stored elements never growing
+    sizes = np.diff(d.indptr.get()[cr])
+    order = d.order.get()
+    assert order.dtype == np.int32 and sorted(order.tolist()) == list(range(len(cr) - 1))
+    assert (np.diff(sizes[order]) <= 0).all()
     per_nnz = np.repeat(np.arange(len(cr) - 1), np.diff(ip[cr]))
     np.testing.assert_array_equal(vox[vptr[per_nnz] + loc.astype(np.int64)], a.indices)
     ends = {r1 for _, r1 in blocks}
@@ -174,7 +184,7 @@ def test_chunked_upload_streams_block_by_block(tmp_path, monkeypatch, where, sou
     _check_chunks(d, a, 64, blocks)
     assert d.window == 64 and d.lanes() == 32 and d.shape == a.shape
     stored = int(chunked.padded_indptr(a.indptr)[-1])
-    assert d.nbytes == 8 * (a.shape[0] + 1) + 6 * stored + 4 * len(d.voxels) + 8 * 2 * (d.chunks + 1)
+    assert d.nbytes == 8 * (a.shape[0] + 1) + 6 * stored + 4 * len(d.voxels) + 8 * 2 * (d.chunks + 1) + 4 * d.chunks
 
 
 def _long(m=600, n=5000, seed=0, top=700) -> CSRMatrix:
@@ -261,7 +271,8 @@ def test_chunked_upload_of_a_compressed_matrix_keeps_its_decoded_values(tmp_path
         assert np.isin(d.scale.get() / cm.scale, [1.0, 2.0] if fmt == "compressed-f16" else [1.0]).all()
         lengths = np.diff(decoded.indptr)
         np.testing.assert_array_equal(stored.astype(np.float32) * np.repeat(d.scale.get(), lengths), decoded.data)
-        stored_bytes = 8 * (cm.shape[0] + 1) + 4 * len(d.data) + 4 * len(d.voxels) + 16 * (d.chunks + 1) + 4 * cm.shape[0]
+        stored_bytes = (8 * (cm.shape[0] + 1) + 4 * len(d.data) + 4 * len(d.voxels) + 16 * (d.chunks + 1) + 4 * cm.shape[0]
+                        + 4 * d.chunks)
         assert d.nbytes == stored_bytes
     else:
         np.testing.assert_array_equal(stored, decoded.data)
