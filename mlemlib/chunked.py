@@ -191,8 +191,11 @@ class ChunkPlan:
         return self.voxels[self.vptr[per_nnz] + self.local.astype(np.int64)]
 
 
-def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW) -> ChunkPlan:
+def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW, chunk_nnz: int | None = None) -> ChunkPlan:
     """The :class:`ChunkPlan` of ``a`` in its stored row order (reorder the matrix first).
+
+    A chunk holds at most ``window`` distinct voxels, :data:`MAX_CHUNK_ROWS`
+    rows and ``chunk_nnz`` non-zeros (None: :data:`MAX_CHUNK_NNZ`).
 
     Raises
     ------
@@ -210,7 +213,8 @@ def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW) -> ChunkPlan:
     longest = int(np.diff(ip).max()) if m else 0
     if longest > window:
         raise ValueError(f"a row has {longest} non-zeros, more than the window of {window} voxels")
-    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window, MAX_CHUNK_ROWS, MAX_CHUNK_NNZ)
+    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window, MAX_CHUNK_ROWS,
+                                     MAX_CHUNK_NNZ if chunk_nnz is None else int(chunk_nnz))
     vptr = np.zeros(len(distinct) + 1, dtype=np.int64)
     np.cumsum(distinct, out=vptr[1:])
     voxels = np.empty(int(vptr[-1]), dtype=np.int32)
@@ -656,11 +660,11 @@ class LayoutBlock:
 
 
 def layout_blocks(source, fmt: str, *, window: int, rows: tuple[int, int] | None = None,
-                  max_nnz: int = LAYOUT_BLOCK_NNZ, what: str = "matrix"):
+                  max_nnz: int = LAYOUT_BLOCK_NNZ, what: str = "matrix", chunk_nnz: int | None = None):
     """The kernel's layout of ``source`` (its rows ``[r0, r1)``, or all), as :class:`LayoutBlock`\\ s in row order.
 
     Each block of about ``max_nnz`` non-zeros (:func:`row_blocks`) is
-    chunked on its own (:func:`build_plan`, all cores; chunks do not cross a
+    chunked on its own (:func:`build_plan` with ``window`` and ``chunk_nnz``, all cores; chunks do not cross a
     block's end) and laid out (:func:`interleave`). A ``compressed-f16`` or
     ``compressed-u16`` ``fmt`` keeps its 16-bit values: each row's decoded
     values are stored as float16 (uint16) times its row scale, which gives
@@ -679,7 +683,7 @@ def layout_blocks(source, fmt: str, *, window: int, rows: tuple[int, int] | None
 
     half = values16(fmt)
     for g0, g1, block, given in row_blocks(source, max_nnz, scales=True, rows=rows):
-        p = build_plan(block, window=window)
+        p = build_plan(block, window=window, chunk_nnz=chunk_nnz)
         values, rs = block.data, None
         if half:
             rs, values = half_rows(block, fmt, scale=given, what=what, row0=g0)
@@ -726,7 +730,7 @@ def source_fingerprint(source) -> str:
 
 
 def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = LAYOUT_BLOCK_NNZ,
-                 threads: int | None = None) -> ChunkLayout:
+                 threads: int | None = None, chunk_nnz: int | None = None) -> ChunkLayout:
     """Write the chunked layout of ``source`` to ``path`` (HDF5), streaming block by block; return it opened.
 
     The file holds the arrays :class:`~mlemlib.backends._compressed_cuda.DeviceChunked`
@@ -735,7 +739,8 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
     ``scale`` float32 per row for those, ``chunk_rows`` and ``vptr`` int64,
     ``voxels`` int32) and ``nnzptr`` (int64, the non-zeros before each
     chunk: the chunk ranges of several GPUs are balanced on it); attributes
-    ``format`` (``mlem-chunks``), ``version``, ``window``, ``shape``,
+    ``format`` (``mlem-chunks``), ``version``, ``window``, ``chunk_nnz`` (the most non-zeros of a chunk,
+    None: :data:`MAX_CHUNK_NNZ`), ``shape``,
     ``nnz``, ``source_format``, ``source_fingerprint``
     (:func:`source_fingerprint`) and ``source``. The file appears under its
     name only once complete. ``source``: a matrix path, an opened matrix or one in memory
@@ -757,7 +762,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
 
     if isinstance(source, (str, os.PathLike)):
         with open_matrix(source) as opened:
-            return write_layout(opened, path, window, max_nnz=max_nnz, threads=threads)
+            return write_layout(opened, path, window, max_nnz=max_nnz, threads=threads, chunk_nnz=chunk_nnz)
     if threads:
         import numba
 
@@ -789,7 +794,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
         put("vptr", np.zeros(1, np.int64))
         put("nnzptr", np.zeros(1, np.int64))
         k = v = z = 0
-        for b in layout_blocks(source, fmt, window=window, max_nnz=max_nnz, what=what):
+        for b in layout_blocks(source, fmt, window=window, max_nnz=max_nnz, what=what, chunk_nnz=chunk_nnz):
             put("indptr", b.indptr[1:] + k)
             put("local", b.local)
             put("data", b.data)
@@ -806,7 +811,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
         if z != nnz:
             raise MatrixFormatError(what, f"read {z} non-zeros, header says {nnz}")
         f.attrs.update(format=LAYOUT_FORMAT, version=LAYOUT_VERSION, window=window, shape=(m, n), nnz=nnz,
-                       source_format=fmt, source_fingerprint=source_fingerprint(source), source=what)
+                       chunk_nnz=MAX_CHUNK_NNZ if chunk_nnz is None else int(chunk_nnz), source_format=fmt, source_fingerprint=source_fingerprint(source), source=what)
     return open_layout(path)
 
 
@@ -919,7 +924,6 @@ class ChunkLayout:
         e0, e1 = (int(v) for v in self.read("indptr", r0, r1 + 1)[[0, -1]])
         per = 2 + self.value_dtype.itemsize
         return (8 * (r1 - r0 + 1) + per * (e1 - e0) + 4 * int(self.vptr[c1] - self.vptr[c0]) + 16 * (c1 - c0 + 1)
-                + 4 * (c1 - c0)
                 + (4 * (r1 - r0) if self.half else 0))
 
     def ranges(self, parts: int) -> list[tuple[int, int]]:

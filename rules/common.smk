@@ -786,6 +786,14 @@ def get_chunk_window():
     return DEFAULT_WINDOW
 
 
+def get_chunk_nnz():
+    """Most non-zeros per chunk of chunk_matrix: mlemlib.chunked.MAX_CHUNK_NNZ
+    (a params entry, so that a changed rule makes chunks.h5 again)."""
+    from mlemlib.chunked import MAX_CHUNK_NNZ
+
+    return MAX_CHUNK_NNZ
+
+
 def is_chunked_run(run):
     """True when a run reads results/{matrix}/chunks.h5: a cuda run on one GPU
     or in the local layout whose bp reads row chunks (onepass_chunked), or

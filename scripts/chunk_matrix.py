@@ -11,4 +11,5 @@ write_layout(
     snakemake.output.chunks,
     snakemake.params.window,
     threads=snakemake.threads,
+    chunk_nnz=snakemake.params.chunk_nnz,
 ).close()

@@ -214,6 +214,20 @@ def test_chunk_ranges_are_nnz_balanced_and_cover_every_chunk_once(tmp_path, part
     assert per.sum() == a.nnz
 
 
+def test_a_layout_caps_the_non_zeros_of_its_chunks_and_records_the_cap(tmp_path):
+    import h5py
+
+    a = _band(m=2000, seed=6)
+    with chunked.write_layout(a, tmp_path / "d.h5", window=1024, max_nnz=30_000) as lay:
+        default = np.diff(lay.nnzptr)
+    assert default.max() > 1500
+    with chunked.write_layout(a, tmp_path / "c.h5", window=1024, max_nnz=30_000, chunk_nnz=1500) as lay:
+        assert np.diff(lay.nnzptr).max() <= 1500 and lay.chunks > len(default)
+        assert lay.nnzptr[-1] == a.nnz
+    with h5py.File(tmp_path / "c.h5") as f, h5py.File(tmp_path / "d.h5") as g:
+        assert f.attrs["chunk_nnz"] == 1500 and g.attrs["chunk_nnz"] == chunked.MAX_CHUNK_NNZ
+
+
 # --------------------------------------------------------------------------- loading on a GPU
 from test_chunked import UPLOAD_ON, _host_cupy  # noqa: E402  (the host stand-in for CuPy)
 ARRAYS = ("indptr", "local", "data", "chunk_rows", "vptr", "voxels")

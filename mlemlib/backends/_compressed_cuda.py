@@ -818,15 +818,6 @@ class DeviceChunked:
     nnz: int  # non-zeros (the stored elements add the rows' padding)
     scale: Any = None  # float32[m] row scales of 16-bit values (compressed-f16: powers of two; -u16), else None
     format: str = "csr"  # the source's format: csr and compressed keep float32 values, the 16-bit formats theirs
-    order: Any = None  # int32[chunks]: the chunks by stored elements, largest first (the launch order); set here
-
-    def __post_init__(self) -> None:
-        # One thread block per chunk fills a multiprocessor, and a block's time grows with its elements: launched
-        # largest first, the blocks that start last are the short ones, and the GPU's last wave ends evenly.
-        if self.order is None:
-            cp = cupy()
-            ends = self.indptr[self.chunk_rows]
-            self.order = cp.argsort(ends[:-1] - ends[1:]).astype(cp.int32)
 
     @property
     def half(self) -> bool:
@@ -849,7 +840,7 @@ class DeviceChunked:
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.indptr, self.local, self.data, self.chunk_rows, self.vptr, self.voxels, self.order)
+        arrays = (self.indptr, self.local, self.data, self.chunk_rows, self.vptr, self.voxels)
         return int(sum(x.nbytes for x in arrays)) + (int(self.scale.nbytes) if self.scale is not None else 0)
 
     def lanes(self, cap: int = 32) -> int:
@@ -1039,7 +1030,7 @@ def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: fl
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
     rscale = a.scale if a.half else a.data  # not read for float32 values
-    fn((a.chunks,), (CHUNK_THREADS,), (a.order, a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, rscale, f, g,
+    fn((a.chunks,), (CHUNK_THREADS,), (a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, rscale, f, g,
                                        _background(None if fwd_only else bg, a.shape[0]), fp, acc, np.float64(scale),
                                        flag, np.int32(w), np.int32(fwd_only)), shared_mem=shared)
 

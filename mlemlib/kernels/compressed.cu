@@ -673,7 +673,7 @@ struct ChunkVals<VK_U16> {
 };
 
 template <int CG, int VK>
-__device__ __forceinline__ void chunked_onepass_body(const int* __restrict__ corder, const i64* __restrict__ chunk_rows,
+__device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chunk_rows,
                                                      const i64* __restrict__ vptr, const int* __restrict__ voxels,
                                                      const i64* __restrict__ rp,
                                                      const unsigned short* __restrict__ local,
@@ -690,7 +690,7 @@ __device__ __forceinline__ void chunked_onepass_body(const int* __restrict__ cor
     float* fl = chunk_sm;
     unsigned* lo = reinterpret_cast<unsigned*>(chunk_sm + window);
     unsigned* hi = lo + window;
-    const i64 c = corder[blockIdx.x];  // the largest chunks first: the last blocks to start are short
+    const i64 c = blockIdx.x;
     const i64 v0 = vptr[c];
     const int nv = (int)(vptr[c + 1] - v0);
     const i64 r0 = chunk_rows[c];
@@ -908,11 +908,10 @@ CSR_ONEPASS(32)
 // compressed-f16 / compressed-u16 matrix's).
 #define CHUNKED_ONEPASS(NAME, CG, VK)                                                                      \
     extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) NAME(                                \
-        const int* corder, const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp,          \
-        const unsigned short* local,                                                                      \
+        const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local, \
         const void* val, const float* rscale, const float* f, const float* g, const float* bg, float* fp, u64* acc,       \
         double fscale, int* flag, int window, int fwd_only) {                                             \
-        chunked_onepass_body<CG, VK>(corder, chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, bg, fp, acc, fscale, \
+        chunked_onepass_body<CG, VK>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, bg, fp, acc, fscale, \
                                      flag, window, fwd_only);                                             \
     }
 CHUNKED_ONEPASS(chunked_onepass, CHUNK_CACHE, VK_F32)
