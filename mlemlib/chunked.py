@@ -65,6 +65,22 @@ MAX_WINDOW = 1 << 16
 DEFAULT_WINDOW = 1 << 14
 
 
+#: Chunks per multiprocessor that a GPU's share should make at least (:func:`chunk_nnz_for`): each chunk is one
+#: thread block that fills a multiprocessor, so a small share (an OSEM subset's on several GPUs) is cut into
+#: smaller chunks rather than leave multiprocessors idle.
+CHUNK_WAVES = 2
+#: Fewest non-zeros per chunk that :func:`chunk_nnz_for` goes down to.
+MIN_CHUNK_NNZ = 1 << 13
+
+
+def chunk_nnz_for(nnz: int, sms: int) -> int:
+    """Most non-zeros per chunk for a GPU's share of ``nnz`` non-zeros on ``sms`` multiprocessors:
+    :data:`MAX_CHUNK_NNZ`, less where that share would make fewer than :data:`CHUNK_WAVES` chunks per
+    multiprocessor, not below :data:`MIN_CHUNK_NNZ`."""
+    want = int(nnz) // max(1, CHUNK_WAVES * int(sms))
+    return int(min(MAX_CHUNK_NNZ, max(MIN_CHUNK_NNZ, want)))
+
+
 #: Non-zeros of the block :func:`sample_chunks` reads.
 SAMPLE_NNZ = 1 << 24
 #: Most rows per chunk: the fixed-point kernel's low words (20-bit parts summed in 32 bits)

@@ -194,6 +194,26 @@ def test_chunked_upload_streams_block_by_block(tmp_path, monkeypatch, where, sou
     assert d.nbytes == 8 * (a.shape[0] + 1) + 6 * stored + 4 * len(d.voxels) + 8 * 2 * (d.chunks + 1)
 
 
+def test_a_small_share_is_cut_into_chunks_that_fill_the_multiprocessors(monkeypatch):
+    """chunk_nnz_for: MAX_CHUNK_NNZ for a large share; nnz / (CHUNK_WAVES sms) for a small one (an OSEM subset on
+    several GPUs), not below MIN_CHUNK_NNZ; the upload of a share with sms given keeps to it."""
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    waves = chunked.CHUNK_WAVES
+    assert chunked.chunk_nnz_for(10**9, 132) == chunked.MAX_CHUNK_NNZ
+    assert chunked.chunk_nnz_for(7_500_000, 132) == 7_500_000 // (waves * 132) < chunked.MAX_CHUNK_NNZ
+    assert chunked.chunk_nnz_for(1000, 132) == chunked.MIN_CHUNK_NNZ
+    monkeypatch.setattr(gpu, "cupy", _host_cupy)
+    monkeypatch.setattr(chunked, "MIN_CHUNK_NNZ", 10)
+    a = _random(seed=5)
+    whole = gpu.DeviceChunked.upload(a, window=5000, max_nnz=10**6)
+    d = gpu.DeviceChunked.upload(a, window=5000, max_nnz=10**6, sms=4)
+    cap = a.nnz // (waves * 4)
+    assert np.diff(whole.indptr.get()[whole.chunk_rows.get()]).max() > cap  # the window alone: larger chunks
+    _check_chunks(d, a, 5000, [(0, a.shape[0])])
+    assert np.diff(np.asarray(a.indptr)[d.chunk_rows.get()]).max() <= cap and d.chunks >= waves * 4
+
+
 def _long(m=600, n=5000, seed=0, top=700) -> CSRMatrix:
     """Rows of 0..top non-zeros from a moving band: whole groups of 128, several per row, and rests."""
     rng = np.random.default_rng(seed)

@@ -862,7 +862,8 @@ class DeviceChunked:
 
     @classmethod
     def upload(cls, source: Any, rows: tuple[int, int] | None = None, *, device: int | None = None,
-               window: int | None = None, what: str = "matrix", max_nnz: int = UPLOAD_CHUNK_NNZ) -> DeviceChunked:
+               window: int | None = None, what: str = "matrix", max_nnz: int = UPLOAD_CHUNK_NNZ,
+               sms: int | None = None) -> DeviceChunked:
         """Chunk ``source`` (its rows ``[r0, r1)``, or all) on ``device`` (default: the current GPU): an opened
         matrix file (CSR or compressed), a host CSR or compressed matrix, or a device CSR.
 
@@ -875,7 +876,10 @@ class DeviceChunked:
         values: each row's decoded values are stored as float16 (uint16) times
         its row scale, which gives them back exactly (4 bytes per
         non-zero instead of 6).
-        ``window`` defaults to :func:`chunk_window`. A row block (a GPU's part of a
+        ``window`` defaults to :func:`chunk_window`. ``sms``: the GPU's multiprocessors, where given a share too
+        small to make :data:`~mlemlib.chunked.CHUNK_WAVES` chunks of up to
+        :data:`~mlemlib.chunked.MAX_CHUNK_NNZ` non-zeros per multiprocessor is cut finer
+        (:func:`~mlemlib.chunked.chunk_nnz_for`). A row block (a GPU's part of a
         partition) is chunked on its own: a row's products and its terms' fixed
         point do not depend on its chunk, so every split gives the same sums.
 
@@ -893,7 +897,7 @@ class DeviceChunked:
         cp = cupy()
         if device is not None:
             with cp.cuda.Device(int(device)):
-                return cls.upload(source, rows, window=window, what=what, max_nnz=max_nnz)
+                return cls.upload(source, rows, window=window, what=what, max_nnz=max_nnz, sms=sms)
         window = chunk_window() if window is None else int(window)
         (m_all, n), nnz = shape_nnz(source)
         fmt = format_of(source)
@@ -918,7 +922,9 @@ class DeviceChunked:
         read = 0  # non-zeros
         # set-up phases: chunk (the next block read, chunked and laid out; its reads are phases of their
         # own), to_gpu (its copies)
-        blocks = chunked.layout_blocks(source, fmt, window=window, rows=rows, max_nnz=max_nnz, what=what)
+        chunk_nnz = chunked.chunk_nnz_for(nnz, sms) if sms else None
+        blocks = chunked.layout_blocks(source, fmt, window=window, rows=rows, max_nnz=max_nnz, what=what,
+                                       chunk_nnz=chunk_nnz)
         while True:
             with setup_times.phase("chunk"):
                 b = next(blocks, None)
@@ -950,8 +956,9 @@ class DeviceChunked:
             del voxels
             out = cls(indptr, local[:k], data[:k], cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr), vox,
                       (m, n), window, nnz, scale, fmt)
-        log.info("%s: %d chunks of <= %d voxels, reuse %.2f, %.3f bytes per non-zero on the GPU, in %.1f s",
-                 what, out.chunks, window, out.reuse, out.nbytes / max(nnz, 1), time.perf_counter() - t0)
+        log.info("%s: %d chunks of <= %d voxels and <= %d non-zeros, reuse %.2f, %.3f bytes per non-zero on the "
+                 "GPU, in %.1f s", what, out.chunks, window, chunk_nnz or chunked.MAX_CHUNK_NNZ, out.reuse,
+                 out.nbytes / max(nnz, 1), time.perf_counter() - t0)
         return out
 
     @classmethod

@@ -106,7 +106,8 @@ def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, pla
             s.a = cc.DeviceChunked.from_layout(be._layout, chunk_ranges[part], device=dev)
             s.nnz = int(s.a.nnz)
         elif be._kb.chunks:  # the row block as its own row chunks
-            s.a = cc.DeviceChunked.upload(matrix, (r0, r1), device=dev, what=f"part {part}")
+            s.a = cc.DeviceChunked.upload(matrix, (r0, r1), device=dev, what=f"part {part}",
+                                          sms=ck.device_properties(dev)["sm_count"])
             s.nnz = int(s.a.nnz)
         else:
             s.a = dev_type.upload(matrix, (r0, r1), device=dev, align=pad_a, fmt=be.format)
