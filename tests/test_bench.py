@@ -271,6 +271,24 @@ def test_page_has_one_table_per_device_and_case_with_every_column(tmp_path):
     assert body[2].startswith("| cusparse") and body[5].startswith("| cusparse")
 
 
+def test_results_of_several_commits_of_one_case_get_a_table_each_oldest_first():
+    old = [_row(commit="old1234", date="2026-11-27T10:00:00+00:00", ms=4.0),
+           _row(gpus=2, commit="old1234", date="2026-11-27T10:00:00+00:00", ms=2.5)]
+    new = [_row(commit="new5678", date="2026-11-28T10:00:00+00:00", ms=3.0),
+           _row(gpus=2, commit="new5678", date="2026-11-28T10:00:00+00:00", ms=1.5)]
+    runner.fill_relations(old)
+    runner.fill_relations(new)
+    page = build_page(new + old)
+    heads = [ln for ln in page.splitlines() if ln.startswith("## ")]
+    assert heads == ["## madpet2-own-csr on 4 x NVIDIA H200, commit old1234",
+                     "## madpet2-own-csr on 4 x NVIDIA H200, commit new5678"]
+    first, second = page.split("commit old1234\n")[1].split("## ")[0], page.split("commit new5678\n")[1]
+    assert "| csr_vector | 2 | 2.500 |" in first and "1.60x" in first and "1.500" not in first
+    assert "| csr_vector | 2 | 1.500 |" in second and "2.00x" in second and "2.500" not in second
+    # one commit: no commit in the heading
+    assert "## madpet2-own-csr on 4 x NVIDIA H200\n" in build_page(new)
+
+
 def test_write_page_from_a_results_directory(tmp_path):
     runner.write_results(tmp_path / "r", _hand_made_rows())
     text = write_page([tmp_path / "r"], tmp_path / "docs" / "performance.md", peers=PEERS)

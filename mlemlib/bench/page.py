@@ -225,13 +225,20 @@ def build_page(rows: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] =
         ]
     if sources:
         out += ["Results: " + ", ".join(f"`{s}`" for s in sources) + ".", ""]
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    # one table per device and case, and per commit where results of several commits are kept (their rows
+    # would otherwise interleave)
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((str(r.get("device_kind") or r.get("device")), str(r["case"])), []).append(r)
+        key = (str(r.get("device_kind") or r.get("device")), str(r["case"]), str(r.get("commit") or "?"))
+        groups.setdefault(key, []).append(r)
+    commits: dict[tuple[str, str], list[str]] = {}
+    for kind, case, commit in groups:
+        commits.setdefault((kind, case), []).append(commit)
     used: set[int] = set()
-    for (kind, case), rs in sorted(groups.items()):
+    for (kind, case, commit), rs in sorted(groups.items(), key=lambda kv: (kv[0][:2], str(kv[1][0].get("date")))):
         first = rs[0]
-        out += [f"## {case} on {kind}", ""]
+        several = len(commits[(kind, case)]) > 1
+        out += [f"## {case} on {kind}" + (f", commit {commit}" if several else ""), ""]
         if first.get("description"):
             out += [str(first["description"]), ""]
         runs = list(dict.fromkeys((str(r.get("date")), str(r.get("command")), str(r.get("commit") or "?"))
