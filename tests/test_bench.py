@@ -4,6 +4,8 @@ performance page, the synthetic matrix, the per-kernel report; the GPU parts ski
 from __future__ import annotations
 
 import csv
+import os
+import shutil
 import json
 from pathlib import Path
 
@@ -755,3 +757,25 @@ def test_the_host_work_beside_the_timed_kernels_gives_the_problem_and_the_produc
     np.testing.assert_array_equal(refs["fp"], want["fp"])
     np.testing.assert_array_equal(refs["bp"], want["bp"])
     assert seconds >= 0
+
+
+def test_the_commit_recorded_is_that_of_the_code_that_runs(tmp_path):
+    """A checkout names its own commit; a tree exported by git archive (here inside no checkout; on a device
+    inside another one) names the commit it was exported from, not the enclosing checkout's."""
+    import subprocess
+    import sys
+
+    git = shutil.which("git")
+    if git is None or not (REPO / ".git").exists():
+        pytest.skip("needs the repository's git checkout")
+    head = subprocess.run([git, "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert runner.git_commit().split("+")[0] == head
+    tree = tmp_path / "after"
+    tree.mkdir()
+    archive = subprocess.run([git, "archive", "HEAD", "mlemlib"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    out = subprocess.run([sys.executable, "-c", "from mlemlib.bench.runner import git_commit; print(git_commit())"],
+                         cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == head

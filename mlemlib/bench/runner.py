@@ -85,16 +85,25 @@ def pair_label(fp: str, bp: str) -> str:
 
 
 def git_commit() -> str | None:
-    """The checkout's short commit (``+dirty`` with uncommitted changes), or None outside a git checkout."""
+    """The commit of the code that runs: its git checkout's short commit (``+dirty`` with uncommitted changes);
+    for a tree exported by ``git archive`` (no checkout of its own, or inside another checkout) the commit the
+    archive recorded (:mod:`mlemlib._archive`); else None."""
+    from mlemlib._archive import COMMIT
+
     here = Path(__file__).resolve().parent
+    root = here.parent.parent  # the directory that holds the mlemlib package
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+        if Path(top).resolve() == root:
+            rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                                 timeout=10, check=True).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                   capture_output=True, text=True, timeout=30).stdout.strip()
+            return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return None
-    return rev + ("+dirty" if dirty else "")
+        pass
+    return None if COMMIT.startswith("$") else COMMIT
 
 
 class Devices:
