@@ -65,15 +65,15 @@ MAX_WINDOW = 1 << 16
 DEFAULT_WINDOW = 1 << 14
 
 
-#: Chunks per multiprocessor that a GPU's share should make at least (:func:`chunk_nnz_for`): each chunk is one
-#: thread block that fills a multiprocessor, so a small share (an OSEM subset's on several GPUs) is cut into
-#: smaller chunks rather than leave multiprocessors idle.
+#: Chunks per multiprocessor that a GPU's share should make at least (:func:`chunk_cap_for`): each chunk is one
+#: thread block that fills a multiprocessor, so a small share (an OSEM subset's, on one GPU or several) is cut
+#: into smaller chunks rather than leave multiprocessors idle.
 CHUNK_WAVES = 2
-#: Fewest non-zeros per chunk that :func:`chunk_nnz_for` goes down to.
+#: Fewest non-zeros per chunk that :func:`chunk_cap_for` goes down to.
 MIN_CHUNK_NNZ = 1 << 13
 
 
-def chunk_nnz_for(nnz: int, sms: int) -> int:
+def chunk_cap_for(nnz: int, sms: int) -> int:
     """Most non-zeros per chunk for a GPU's share of ``nnz`` non-zeros on ``sms`` multiprocessors:
     :data:`MAX_CHUNK_NNZ`, less where that share would make fewer than :data:`CHUNK_WAVES` chunks per
     multiprocessor, not below :data:`MIN_CHUNK_NNZ`."""
@@ -207,30 +207,32 @@ class ChunkPlan:
         return self.voxels[self.vptr[per_nnz] + self.local.astype(np.int64)]
 
 
-def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW, chunk_nnz: int | None = None) -> ChunkPlan:
+def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW, chunk_cap: int | None = None) -> ChunkPlan:
     """The :class:`ChunkPlan` of ``a`` in its stored row order (reorder the matrix first).
 
     A chunk holds at most ``window`` distinct voxels, :data:`MAX_CHUNK_ROWS`
-    rows and ``chunk_nnz`` non-zeros (None: :data:`MAX_CHUNK_NNZ`).
+    rows and ``chunk_cap`` non-zeros (None: :data:`MAX_CHUNK_NNZ`; a longer row is a chunk of its own).
 
     Raises
     ------
     ValueError
-        ``window`` outside ``[1, 65536]`` (local indices are 16-bit), or a
-        row with more than ``window`` non-zeros (it could not be scattered
+        ``window`` outside ``[1, 65536]`` (local indices are 16-bit), a
+        ``chunk_cap`` below 1, or a row with more than ``window`` non-zeros (it could not be scattered
         through one chunk's shared memory).
     """
     window = int(window)
     if not 1 <= window <= MAX_WINDOW:
         raise ValueError(f"window must lie in [1, {MAX_WINDOW}] (16-bit local indices), got {window}")
+    cap = MAX_CHUNK_NNZ if chunk_cap is None else int(chunk_cap)
+    if cap < 1:
+        raise ValueError(f"chunk_cap must be at least 1 non-zero, got {chunk_cap}")
     m, n = a.shape
     ip = np.asarray(a.indptr, dtype=np.int64)
     idx = np.asarray(a.indices)
     longest = int(np.diff(ip).max()) if m else 0
     if longest > window:
         raise ValueError(f"a row has {longest} non-zeros, more than the window of {window} voxels")
-    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window, MAX_CHUNK_ROWS,
-                                     MAX_CHUNK_NNZ if chunk_nnz is None else int(chunk_nnz))
+    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window, MAX_CHUNK_ROWS, cap)
     vptr = np.zeros(len(distinct) + 1, dtype=np.int64)
     np.cumsum(distinct, out=vptr[1:])
     voxels = np.empty(int(vptr[-1]), dtype=np.int32)
@@ -676,11 +678,11 @@ class LayoutBlock:
 
 
 def layout_blocks(source, fmt: str, *, window: int, rows: tuple[int, int] | None = None,
-                  max_nnz: int = LAYOUT_BLOCK_NNZ, what: str = "matrix", chunk_nnz: int | None = None):
+                  max_nnz: int = LAYOUT_BLOCK_NNZ, what: str = "matrix", chunk_cap: int | None = None):
     """The kernel's layout of ``source`` (its rows ``[r0, r1)``, or all), as :class:`LayoutBlock`\\ s in row order.
 
     Each block of about ``max_nnz`` non-zeros (:func:`row_blocks`) is
-    chunked on its own (:func:`build_plan` with ``window`` and ``chunk_nnz``, all cores; chunks do not cross a
+    chunked on its own (:func:`build_plan` with ``window`` and ``chunk_cap``, all cores; chunks do not cross a
     block's end) and laid out (:func:`interleave`). A ``compressed-f16`` or
     ``compressed-u16`` ``fmt`` keeps its 16-bit values: each row's decoded
     values are stored as float16 (uint16) times its row scale, which gives
@@ -699,7 +701,7 @@ def layout_blocks(source, fmt: str, *, window: int, rows: tuple[int, int] | None
 
     half = values16(fmt)
     for g0, g1, block, given in row_blocks(source, max_nnz, scales=True, rows=rows):
-        p = build_plan(block, window=window, chunk_nnz=chunk_nnz)
+        p = build_plan(block, window=window, chunk_cap=chunk_cap)
         values, rs = block.data, None
         if half:
             rs, values = half_rows(block, fmt, scale=given, what=what, row0=g0)
@@ -746,7 +748,7 @@ def source_fingerprint(source) -> str:
 
 
 def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = LAYOUT_BLOCK_NNZ,
-                 threads: int | None = None, chunk_nnz: int | None = None) -> ChunkLayout:
+                 threads: int | None = None, chunk_cap: int | None = None) -> ChunkLayout:
     """Write the chunked layout of ``source`` to ``path`` (HDF5), streaming block by block; return it opened.
 
     The file holds the arrays :class:`~mlemlib.backends._compressed_cuda.DeviceChunked`
@@ -755,7 +757,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
     ``scale`` float32 per row for those, ``chunk_rows`` and ``vptr`` int64,
     ``voxels`` int32) and ``nnzptr`` (int64, the non-zeros before each
     chunk: the chunk ranges of several GPUs are balanced on it); attributes
-    ``format`` (``mlem-chunks``), ``version``, ``window``, ``chunk_nnz`` (the most non-zeros of a chunk,
+    ``format`` (``mlem-chunks``), ``version``, ``window``, ``chunk_cap`` (the most non-zeros of a chunk,
     None: :data:`MAX_CHUNK_NNZ`), ``shape``,
     ``nnz``, ``source_format``, ``source_fingerprint``
     (:func:`source_fingerprint`) and ``source``. The file appears under its
@@ -778,7 +780,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
 
     if isinstance(source, (str, os.PathLike)):
         with open_matrix(source) as opened:
-            return write_layout(opened, path, window, max_nnz=max_nnz, threads=threads, chunk_nnz=chunk_nnz)
+            return write_layout(opened, path, window, max_nnz=max_nnz, threads=threads, chunk_cap=chunk_cap)
     if threads:
         import numba
 
@@ -810,7 +812,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
         put("vptr", np.zeros(1, np.int64))
         put("nnzptr", np.zeros(1, np.int64))
         k = v = z = 0
-        for b in layout_blocks(source, fmt, window=window, max_nnz=max_nnz, what=what, chunk_nnz=chunk_nnz):
+        for b in layout_blocks(source, fmt, window=window, max_nnz=max_nnz, what=what, chunk_cap=chunk_cap):
             put("indptr", b.indptr[1:] + k)
             put("local", b.local)
             put("data", b.data)
@@ -827,7 +829,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
         if z != nnz:
             raise MatrixFormatError(what, f"read {z} non-zeros, header says {nnz}")
         f.attrs.update(format=LAYOUT_FORMAT, version=LAYOUT_VERSION, window=window, shape=(m, n), nnz=nnz,
-                       chunk_nnz=MAX_CHUNK_NNZ if chunk_nnz is None else int(chunk_nnz), source_format=fmt, source_fingerprint=source_fingerprint(source), source=what)
+                       chunk_cap=MAX_CHUNK_NNZ if chunk_cap is None else int(chunk_cap), source_format=fmt, source_fingerprint=source_fingerprint(source), source=what)
     return open_layout(path)
 
 

@@ -22,6 +22,6 @@ rule chunk_matrix:
         runtime=get_runtime("convert"),
     params:
         window=get_chunk_window(),
-        chunk_nnz=get_chunk_nnz(),
+        chunk_cap=get_chunk_cap(),
     script:
         "../scripts/chunk_matrix.py"

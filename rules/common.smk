@@ -786,7 +786,7 @@ def get_chunk_window():
     return DEFAULT_WINDOW
 
 
-def get_chunk_nnz():
+def get_chunk_cap():
     """Most non-zeros per chunk of chunk_matrix: mlemlib.chunked.MAX_CHUNK_NNZ
     (a params entry, so that a changed rule makes chunks.h5 again)."""
     from mlemlib.chunked import MAX_CHUNK_NNZ

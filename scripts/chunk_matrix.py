@@ -11,5 +11,5 @@ write_layout(
     snakemake.output.chunks,
     snakemake.params.window,
     threads=snakemake.threads,
-    chunk_nnz=snakemake.params.chunk_nnz,
+    chunk_cap=snakemake.params.chunk_cap,
 ).close()

@@ -771,11 +771,18 @@ def test_the_commit_recorded_is_that_of_the_code_that_runs(tmp_path):
     head = subprocess.run([git, "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.strip()
     assert runner.git_commit().split("+")[0] == head
-    tree = tmp_path / "after"
-    tree.mkdir()
     archive = subprocess.run([git, "archive", "HEAD", "mlemlib"], cwd=REPO, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    out = subprocess.run([sys.executable, "-c", "from mlemlib.bench.runner import git_commit; print(git_commit())"],
-                         cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert out == head
+    outer = tmp_path / "outer"  # another checkout, the export in its git-ignored build/ (as on a device)
+    outer.mkdir()
+    (outer / ".gitignore").write_text("build/\n")
+    who = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([git, "init", "-q"], cwd=outer, check=True)
+    subprocess.run([git, *who, "add", ".gitignore"], cwd=outer, check=True)
+    subprocess.run([git, *who, "commit", "-q", "-m", "outer"], cwd=outer, check=True)
+    for tree in (tmp_path / "after", outer / "build" / "after"):
+        tree.mkdir(parents=True)
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        out = subprocess.run([sys.executable, "-c", "from mlemlib.bench.runner import git_commit; print(git_commit())"],
+                             cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        assert out == head, tree

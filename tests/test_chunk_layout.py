@@ -221,11 +221,13 @@ def test_a_layout_caps_the_non_zeros_of_its_chunks_and_records_the_cap(tmp_path)
     with chunked.write_layout(a, tmp_path / "d.h5", window=1024, max_nnz=30_000) as lay:
         default = np.diff(lay.nnzptr)
     assert default.max() > 1500
-    with chunked.write_layout(a, tmp_path / "c.h5", window=1024, max_nnz=30_000, chunk_nnz=1500) as lay:
+    with chunked.write_layout(a, tmp_path / "c.h5", window=1024, max_nnz=30_000, chunk_cap=1500) as lay:
         assert np.diff(lay.nnzptr).max() <= 1500 and lay.chunks > len(default)
         assert lay.nnzptr[-1] == a.nnz
     with h5py.File(tmp_path / "c.h5") as f, h5py.File(tmp_path / "d.h5") as g:
-        assert f.attrs["chunk_nnz"] == 1500 and g.attrs["chunk_nnz"] == chunked.MAX_CHUNK_NNZ
+        assert f.attrs["chunk_cap"] == 1500 and g.attrs["chunk_cap"] == chunked.MAX_CHUNK_NNZ
+    with pytest.raises(ValueError, match="chunk_cap must be at least 1"):
+        chunked.write_layout(a, tmp_path / "e.h5", window=1024, chunk_cap=0)
 
 
 # --------------------------------------------------------------------------- loading on a GPU

@@ -195,14 +195,14 @@ def test_chunked_upload_streams_block_by_block(tmp_path, monkeypatch, where, sou
 
 
 def test_a_small_share_is_cut_into_chunks_that_fill_the_multiprocessors(monkeypatch):
-    """chunk_nnz_for: MAX_CHUNK_NNZ for a large share; nnz / (CHUNK_WAVES sms) for a small one (an OSEM subset on
+    """chunk_cap_for: MAX_CHUNK_NNZ for a large share; nnz / (CHUNK_WAVES sms) for a small one (an OSEM subset on
     several GPUs), not below MIN_CHUNK_NNZ; the upload of a share with sms given keeps to it."""
     from mlemlib.backends import _compressed_cuda as gpu
 
     waves = chunked.CHUNK_WAVES
-    assert chunked.chunk_nnz_for(10**9, 132) == chunked.MAX_CHUNK_NNZ
-    assert chunked.chunk_nnz_for(7_500_000, 132) == 7_500_000 // (waves * 132) < chunked.MAX_CHUNK_NNZ
-    assert chunked.chunk_nnz_for(1000, 132) == chunked.MIN_CHUNK_NNZ
+    assert chunked.chunk_cap_for(10**9, 132) == chunked.MAX_CHUNK_NNZ
+    assert chunked.chunk_cap_for(7_500_000, 132) == 7_500_000 // (waves * 132) < chunked.MAX_CHUNK_NNZ
+    assert chunked.chunk_cap_for(1000, 132) == chunked.MIN_CHUNK_NNZ
     monkeypatch.setattr(gpu, "cupy", _host_cupy)
     monkeypatch.setattr(chunked, "MIN_CHUNK_NNZ", 10)
     a = _random(seed=5)

@@ -193,11 +193,12 @@ def test_osem_steps_and_pass_time_are_reported(grouped):
         be.close()
 
 
-@pytest.mark.parametrize("graph", [None, True])
+@pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("fmt", ["csr", "compressed"])
 def test_reconstruct_runs_osem_with_factor_files_on_the_gpu(tmp_path, fmt, graph):
     """Through ``reconstruct`` (which closes its backend: a pass graph that captured NCCL calls must go before the
-    communicator), subset by subset and as one graph per pass, on 1 and 2 GPUs."""
+    communicator), subset by subset (graph False) and as one graph per pass (True, also the default), on 1 and
+    2 GPUs."""
     a, g, m, b = _problem()
     from mlemlib.formats import convert
 

@@ -879,7 +879,7 @@ class DeviceChunked:
         ``window`` defaults to :func:`chunk_window`. ``sms``: the GPU's multiprocessors, where given a share too
         small to make :data:`~mlemlib.chunked.CHUNK_WAVES` chunks of up to
         :data:`~mlemlib.chunked.MAX_CHUNK_NNZ` non-zeros per multiprocessor is cut finer
-        (:func:`~mlemlib.chunked.chunk_nnz_for`). A row block (a GPU's part of a
+        (:func:`~mlemlib.chunked.chunk_cap_for`). A row block (a GPU's part of a
         partition) is chunked on its own: a row's products and its terms' fixed
         point do not depend on its chunk, so every split gives the same sums.
 
@@ -922,9 +922,9 @@ class DeviceChunked:
         read = 0  # non-zeros
         # set-up phases: chunk (the next block read, chunked and laid out; its reads are phases of their
         # own), to_gpu (its copies)
-        chunk_nnz = chunked.chunk_nnz_for(nnz, sms) if sms else None
+        cap = chunked.chunk_cap_for(nnz, sms) if sms else None
         blocks = chunked.layout_blocks(source, fmt, window=window, rows=rows, max_nnz=max_nnz, what=what,
-                                       chunk_nnz=chunk_nnz)
+                                       chunk_cap=cap)
         while True:
             with setup_times.phase("chunk"):
                 b = next(blocks, None)
@@ -957,7 +957,7 @@ class DeviceChunked:
             out = cls(indptr, local[:k], data[:k], cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr), vox,
                       (m, n), window, nnz, scale, fmt)
         log.info("%s: %d chunks of <= %d voxels and <= %d non-zeros, reuse %.2f, %.3f bytes per non-zero on the "
-                 "GPU, in %.1f s", what, out.chunks, window, chunk_nnz or chunked.MAX_CHUNK_NNZ, out.reuse,
+                 "GPU, in %.1f s", what, out.chunks, window, cap or chunked.MAX_CHUNK_NNZ, out.reuse,
                  out.nbytes / max(nnz, 1), time.perf_counter() - t0)
         return out
 

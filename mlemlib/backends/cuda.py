@@ -291,7 +291,8 @@ class CudaBackend(Backend):
                 self.a = cc().DeviceChunked.from_layout(layout)
             elif self.chunked:
                 try:
-                    self.a = cc().DeviceChunked.upload(matrix, what="matrix")
+                    self.a = cc().DeviceChunked.upload(matrix, what="matrix",
+                                                       sms=ck.device_properties(self.device_id)["sm_count"])
                 except ValueError as exc:
                     if bp not in ("auto", None):
                         raise ConfigError("bp", f"bp={bp}: {exc}; use bp=onepass_fixed") from exc

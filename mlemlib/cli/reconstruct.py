@@ -42,7 +42,8 @@ def register(sub) -> None:
     p.add_argument(
         "--graph", action=argparse.BooleanOptionalAction, default=None,
         help="capture each iteration (all GPUs' kernels and the all-reduce) as CUDA graphs and replay them (cuda); "
-             "default: on for MLEM on several GPUs where the kernels can be captured",
+             "default: on for MLEM on several GPUs and for OSEM (--subsets) on any number, where the kernels can "
+             "be captured",
     )
     p.add_argument(
         "--chunks", type=existing_file, metavar="CHUNKS.h5",
