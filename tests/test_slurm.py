@@ -144,9 +144,15 @@ def planned_jobs(workdir: Path, *args: str, config: dict | None = None) -> Count
     return jobs
 
 
+def started() -> dt.datetime:
+    """Now, less a second, to the second: what :func:`slurm_jobs` takes as the start of a test's jobs."""
+    return (dt.datetime.now() - dt.timedelta(seconds=1)).replace(microsecond=0)
+
+
 def slurm_jobs(workdir: Path, since: dt.datetime) -> list[dict]:
-    """SLURM jobs (allocations, not steps) submitted since ``since`` from ``workdir``."""
-    fields = ["JobIDRaw", "State", "WorkDir", "Comment", "ReqTRES", "AllocTRES", "Timelimit", "ExitCode"]
+    """SLURM jobs (allocations, not steps) submitted since ``since`` from ``workdir`` (sacct's ``-S`` also lists
+    earlier jobs that were still running then, such as the previous test's last one: those are left out)."""
+    fields = ["JobIDRaw", "State", "WorkDir", "Comment", "ReqTRES", "AllocTRES", "Timelimit", "ExitCode", "Submit"]
     proc = subprocess.run(
         ["sacct", "-X", "-P", "-n", "-S", since.strftime("%Y-%m-%dT%H:%M:%S"), f"--format={','.join(fields)}"],
         capture_output=True,
@@ -160,7 +166,11 @@ def slurm_jobs(workdir: Path, since: dt.datetime) -> list[dict]:
         if len(values) != len(fields):
             continue
         job = dict(zip(fields, values))
-        if Path(job["WorkDir"]).resolve() == workdir.resolve():
+        try:
+            submitted = dt.datetime.strptime(job["Submit"], "%Y-%m-%dT%H:%M:%S")
+        except ValueError:
+            submitted = since
+        if Path(job["WorkDir"]).resolve() == workdir.resolve() and submitted >= since:
             jobs.append(job)
     return jobs
 
@@ -274,7 +284,7 @@ def default_runs(base) -> dict:
     remote.mkdir()
     planned = planned_jobs(remote)
     run(snakemake_cmd(local), local)
-    since = dt.datetime.now() - dt.timedelta(seconds=5)
+    since = started()
     proc = run(snakemake_cmd(remote, slurm=True), remote)
     return {"local": local, "slurm": remote, "planned": planned, "since": since, "proc": proc}
 
@@ -359,7 +369,7 @@ def test_gpu_run_is_submitted_with_its_gpus(default_runs):
     warm.parent.mkdir(parents=True, exist_ok=True)
     warm.write_text("{}\n")
     assert planned_jobs(remote, target, config=config) == Counter(run_mlem=1), "upstream would be recomputed"
-    since = dt.datetime.now() - dt.timedelta(seconds=5)
+    since = started()
     cmd = snakemake_cmd(
         remote,
         target,
@@ -397,7 +407,7 @@ def test_summary_with_runs_left_out_runs_in_the_main_process(default_runs):
     config["bench"]["spmv"] = False
     cpu_runs = [run for run in config["runs"] if run["backend"] == "cpu"]
     config["runs"] = [*cpu_runs, {"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "gpus": 2}]
-    since = dt.datetime.now() - dt.timedelta(seconds=5)
+    since = started()
     proc = run(snakemake_cmd(remote, "--resources", "gpu=1", "--forcerun", "summarize", "--until", "summarize",
                              config=config, slurm=True), remote)
     out = proc.stdout + proc.stderr
@@ -419,7 +429,7 @@ def test_scancel_then_rerun_resumes_from_checkpoint(default_runs, base):
     assert len(upstream) >= 8
     assert planned_jobs(remote, target, config=config) == Counter(run_mlem=1)
 
-    since = dt.datetime.now() - dt.timedelta(seconds=5)
+    since = started()
     cmd = snakemake_cmd(remote, target, config=config, slurm=True)
     with open(remote / "interrupted.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=remote, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -451,7 +461,7 @@ def test_scancel_then_rerun_resumes_from_checkpoint(default_runs, base):
     saved_iteration = int(saved["iteration"])
     assert 1000 <= saved_iteration < 15000 and saved_iteration % 1000 == 0, saved
 
-    since = dt.datetime.now() - dt.timedelta(seconds=5)
+    since = started()
     run(cmd, remote)
     rerun = slurm_jobs(remote, since)
     assert [rule_of(j["Comment"], {"run_mlem"}) for j in rerun] == ["run_mlem"], rerun
