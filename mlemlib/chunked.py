@@ -93,6 +93,20 @@ MAX_CHUNK_ROWS = 1 << 12
 MAX_CHUNK_NNZ = 1 << 18
 
 
+def chunk_cap_of(chunk_cap: int | None) -> int:
+    """A chunk's most non-zeros as given (None: :data:`MAX_CHUNK_NNZ`), checked.
+
+    Raises
+    ------
+    ValueError
+        Below 1.
+    """
+    cap = MAX_CHUNK_NNZ if chunk_cap is None else int(chunk_cap)
+    if cap < 1:
+        raise ValueError(f"chunk_cap must be at least 1 non-zero, got {chunk_cap}")
+    return cap
+
+
 @njit(cache=True)
 def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62, max_nnz=1 << 62):  # pragma: no cover - compiled
     """Group ``rows`` (taken in that order) greedily into chunks of at most ``window`` distinct columns.
@@ -223,9 +237,7 @@ def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW, chunk_cap: int | None
     window = int(window)
     if not 1 <= window <= MAX_WINDOW:
         raise ValueError(f"window must lie in [1, {MAX_WINDOW}] (16-bit local indices), got {window}")
-    cap = MAX_CHUNK_NNZ if chunk_cap is None else int(chunk_cap)
-    if cap < 1:
-        raise ValueError(f"chunk_cap must be at least 1 non-zero, got {chunk_cap}")
+    cap = chunk_cap_of(chunk_cap)
     m, n = a.shape
     ip = np.asarray(a.indptr, dtype=np.int64)
     idx = np.asarray(a.indices)
@@ -768,7 +780,8 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
     Raises
     ------
     ValueError
-        What :func:`layout_blocks` refuses; a ``window`` outside ``[1, 65536]``.
+        What :func:`layout_blocks` refuses; a ``window`` outside ``[1, 65536]``; a ``chunk_cap`` below 1 (both
+        before the matrix is streamed or anything is written).
     """
     import h5py
 
@@ -788,6 +801,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
     window = int(window)
     if not 1 <= window <= MAX_WINDOW:
         raise ValueError(f"window must lie in [1, {MAX_WINDOW}] (16-bit local indices), got {window}")
+    cap = chunk_cap_of(chunk_cap)
     (m, n), nnz = shape_nnz(source)
     fmt = format_of(source)
     half = values16(fmt)
@@ -812,7 +826,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
         put("vptr", np.zeros(1, np.int64))
         put("nnzptr", np.zeros(1, np.int64))
         k = v = z = 0
-        for b in layout_blocks(source, fmt, window=window, max_nnz=max_nnz, what=what, chunk_cap=chunk_cap):
+        for b in layout_blocks(source, fmt, window=window, max_nnz=max_nnz, what=what, chunk_cap=cap):
             put("indptr", b.indptr[1:] + k)
             put("local", b.local)
             put("data", b.data)
@@ -829,7 +843,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
         if z != nnz:
             raise MatrixFormatError(what, f"read {z} non-zeros, header says {nnz}")
         f.attrs.update(format=LAYOUT_FORMAT, version=LAYOUT_VERSION, window=window, shape=(m, n), nnz=nnz,
-                       chunk_cap=MAX_CHUNK_NNZ if chunk_cap is None else int(chunk_cap), source_format=fmt, source_fingerprint=source_fingerprint(source), source=what)
+                       chunk_cap=cap, source_format=fmt, source_fingerprint=source_fingerprint(source), source=what)
     return open_layout(path)
 
 

@@ -228,6 +228,7 @@ def test_a_layout_caps_the_non_zeros_of_its_chunks_and_records_the_cap(tmp_path)
         assert f.attrs["chunk_cap"] == 1500 and g.attrs["chunk_cap"] == chunked.MAX_CHUNK_NNZ
     with pytest.raises(ValueError, match="chunk_cap must be at least 1"):
         chunked.write_layout(a, tmp_path / "e.h5", window=1024, chunk_cap=0)
+    assert not (tmp_path / "e.h5").exists()
 
 
 # --------------------------------------------------------------------------- loading on a GPU

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -231,14 +232,11 @@ def build_page(rows: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] =
     for r in rows:
         key = (str(r.get("device_kind") or r.get("device")), str(r["case"]), str(r.get("commit") or "?"))
         groups.setdefault(key, []).append(r)
-    commits: dict[tuple[str, str], list[str]] = {}
-    for kind, case, commit in groups:
-        commits.setdefault((kind, case), []).append(commit)
+    commits = Counter(key[:2] for key in groups)  # tables of each device and case
     used: set[int] = set()
     for (kind, case, commit), rs in sorted(groups.items(), key=lambda kv: (kv[0][:2], str(kv[1][0].get("date")))):
         first = rs[0]
-        several = len(commits[(kind, case)]) > 1
-        out += [f"## {case} on {kind}" + (f", commit {commit}" if several else ""), ""]
+        out += [f"## {case} on {kind}" + (f", commit {commit}" if commits[(kind, case)] > 1 else ""), ""]
         if first.get("description"):
             out += [str(first["description"]), ""]
         runs = list(dict.fromkeys((str(r.get("date")), str(r.get("command")), str(r.get("commit") or "?"))
