@@ -73,17 +73,6 @@ CHUNK_WAVES = 2
 MIN_CHUNK_NNZ = 1 << 13
 
 
-#: Tapering (:func:`greedy_chunks`' ``taper``): a chunk of a GPU's share holds at most the share's non-zeros left
-#: over ``TAPER_WAVES`` times the multiprocessors. One thread block per chunk runs until its chunk is done, so the
-#: kernel ends when the last chunk to start does: small last chunks shorten that wait.
-TAPER_WAVES = 1
-
-
-def taper_for(sms: int) -> int:
-    """The ``taper`` divisor of :func:`greedy_chunks` for a GPU of ``sms`` multiprocessors."""
-    return max(1, TAPER_WAVES * int(sms))
-
-
 def chunk_cap_for(nnz: int, sms: int) -> int:
     """Most non-zeros per chunk for a GPU's share of ``nnz`` non-zeros on ``sms`` multiprocessors:
     :data:`MAX_CHUNK_NNZ`, less where that share would make fewer than :data:`CHUNK_WAVES` chunks per
@@ -119,17 +108,12 @@ def chunk_cap_of(chunk_cap: int | None) -> int:
 
 
 @njit(cache=True)
-def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62, max_nnz=1 << 62, left=-1,
-                  taper=1):  # pragma: no cover - compiled
+def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62, max_nnz=1 << 62):  # pragma: no cover - compiled
     """Group ``rows`` (taken in that order) greedily into chunks of at most ``window`` distinct columns.
 
     A chunk also takes at most ``max_rows`` rows and ``max_nnz`` non-zeros. A
     row with more distinct columns than ``window`` or more non-zeros than
-    ``max_nnz`` is a chunk of its own. With ``left`` >= 0 (the non-zeros from
-    the first row to the end of the GPU's share) a chunk that starts with ``R``
-    non-zeros of the share left takes at most ``max(R // taper, MIN_CHUNK_NNZ)``
-    non-zeros: the chunks shrink towards the share's end, so that the last ones
-    to start end close together.
+    ``max_nnz`` is a chunk of its own.
     Returns ``(starts, distinct)``: chunk ``c`` holds ``rows[starts[c]:starts[c + 1]]``
     (``starts`` has one entry more than there are chunks) and touches
     ``distinct[c]`` columns.
@@ -141,8 +125,6 @@ def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62, max_nnz=1 
     count = 0
     taken = 0
     nz = 0
-    done = 0  # non-zeros of the chunks before this one
-    cap = max_nnz if left < 0 else min(max_nnz, max(left // taper, MIN_CHUNK_NNZ))
     starts[0] = 0
     for t in range(rows.shape[0]):
         r = rows[t]
@@ -151,13 +133,10 @@ def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62, max_nnz=1 
         for k in range(a, b):
             if stamp[indices[k]] != chunk:
                 new += 1
-        if taken > 0 and (count + new > window or taken >= max_rows or nz + (b - a) > cap):
+        if taken > 0 and (count + new > window or taken >= max_rows or nz + (b - a) > max_nnz):
             distinct[chunk] = count
             chunk += 1
             starts[chunk] = t
-            done += nz
-            if left >= 0:
-                cap = min(max_nnz, max((left - done) // taper, MIN_CHUNK_NNZ))
             count = 0
             taken = 0
             nz = 0
@@ -242,14 +221,11 @@ class ChunkPlan:
         return self.voxels[self.vptr[per_nnz] + self.local.astype(np.int64)]
 
 
-def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW, chunk_cap: int | None = None, *,
-               left: int | None = None, taper: int = 1) -> ChunkPlan:
+def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW, chunk_cap: int | None = None) -> ChunkPlan:
     """The :class:`ChunkPlan` of ``a`` in its stored row order (reorder the matrix first).
 
     A chunk holds at most ``window`` distinct voxels, :data:`MAX_CHUNK_ROWS`
     rows and ``chunk_cap`` non-zeros (None: :data:`MAX_CHUNK_NNZ`; a longer row is a chunk of its own).
-    ``left``: the non-zeros from ``a``'s first row to the end of the GPU's share, which tapers the chunks
-    by ``taper`` (:func:`greedy_chunks`); None: no tapering.
 
     Raises
     ------
@@ -268,8 +244,7 @@ def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW, chunk_cap: int | None
     longest = int(np.diff(ip).max()) if m else 0
     if longest > window:
         raise ValueError(f"a row has {longest} non-zeros, more than the window of {window} voxels")
-    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window, MAX_CHUNK_ROWS, cap,
-                                     -1 if left is None else int(left), max(1, int(taper)))
+    starts, distinct = greedy_chunks(ip, idx, np.arange(m, dtype=np.int64), n, window, MAX_CHUNK_ROWS, cap)
     vptr = np.zeros(len(distinct) + 1, dtype=np.int64)
     np.cumsum(distinct, out=vptr[1:])
     voxels = np.empty(int(vptr[-1]), dtype=np.int32)
@@ -715,14 +690,12 @@ class LayoutBlock:
 
 
 def layout_blocks(source, fmt: str, *, window: int, rows: tuple[int, int] | None = None,
-                  max_nnz: int = LAYOUT_BLOCK_NNZ, what: str = "matrix", chunk_cap: int | None = None,
-                  taper: int | None = None):
+                  max_nnz: int = LAYOUT_BLOCK_NNZ, what: str = "matrix", chunk_cap: int | None = None):
     """The kernel's layout of ``source`` (its rows ``[r0, r1)``, or all), as :class:`LayoutBlock`\\ s in row order.
 
     Each block of about ``max_nnz`` non-zeros (:func:`row_blocks`) is
     chunked on its own (:func:`build_plan` with ``window`` and ``chunk_cap``, all cores; chunks do not cross a
-    block's end) and laid out (:func:`interleave`). ``taper``: the chunks shrink towards the end of the
-    rows (a GPU's share) by this divisor (:func:`greedy_chunks`, :func:`taper_for`); None: they do not. A ``compressed-f16`` or
+    block's end) and laid out (:func:`interleave`). A ``compressed-f16`` or
     ``compressed-u16`` ``fmt`` keeps its 16-bit values: each row's decoded
     values are stored as float16 (uint16) times its row scale, which gives
     them back exactly (:func:`half_rows`). One block is in host memory at a
@@ -739,19 +712,8 @@ def layout_blocks(source, fmt: str, *, window: int, rows: tuple[int, int] | None
     from mlemlib.compressed import values16
 
     half = values16(fmt)
-    left = None
-    if taper is not None:
-        from mlemlib.matrix import shape_nnz
-
-        if rows is None:
-            left = shape_nnz(source)[1]
-        else:
-            ip = _host_indptr(_host_source(source))
-            left = int(ip[int(rows[1])] - ip[int(rows[0])])
     for g0, g1, block, given in row_blocks(source, max_nnz, scales=True, rows=rows):
-        p = build_plan(block, window=window, chunk_cap=chunk_cap, left=left, taper=taper or 1)
-        if left is not None:
-            left -= block.nnz
+        p = build_plan(block, window=window, chunk_cap=chunk_cap)
         values, rs = block.data, None
         if half:
             rs, values = half_rows(block, fmt, scale=given, what=what, row0=g0)

@@ -879,8 +879,7 @@ class DeviceChunked:
         ``window`` defaults to :func:`chunk_window`. ``sms``: the GPU's multiprocessors, where given a share too
         small to make :data:`~mlemlib.chunked.CHUNK_WAVES` chunks of up to
         :data:`~mlemlib.chunked.MAX_CHUNK_NNZ` non-zeros per multiprocessor is cut finer
-        (:func:`~mlemlib.chunked.chunk_cap_for`), and the chunks shrink towards the share's end
-        (:func:`~mlemlib.chunked.taper_for`). A row block (a GPU's part of a
+        (:func:`~mlemlib.chunked.chunk_cap_for`). A row block (a GPU's part of a
         partition) is chunked on its own: a row's products and its terms' fixed
         point do not depend on its chunk, so every split gives the same sums.
 
@@ -925,7 +924,7 @@ class DeviceChunked:
         # own), to_gpu (its copies)
         cap = chunked.chunk_cap_for(nnz, sms) if sms else None
         blocks = chunked.layout_blocks(source, fmt, window=window, rows=rows, max_nnz=max_nnz, what=what,
-                                       chunk_cap=cap, taper=chunked.taper_for(sms) if sms else None)
+                                       chunk_cap=cap)
         while True:
             with setup_times.phase("chunk"):
                 b = next(blocks, None)
