@@ -49,10 +49,6 @@ class Shard:
     img_send: Any = None  # thesis: zero-padded image/bp block
     bp: Any = None
     comm: Any = None
-    at_chunks: list = field(default_factory=list)  # row views of A_k^T (overlap)
-    chunk_events: list = field(default_factory=list)
-    join_event: Any = None
-    cstream: Any = None  # communication stream (overlap)
     stream: Any = None
 
     def begin_capture(self, keep_image: bool) -> None:

@@ -35,7 +35,7 @@ communicator spanning several processes.
 The backend's concerns live in three modules: the host-side planning (its kernels, the
 partition plan: :mod:`mlemlib.backends._nccl_plan`), what each GPU holds and its loading
 (:mod:`mlemlib.backends._nccl_shards`), and here the set-up, the iteration's launches (all-reduces,
-the one pass, the overlapped back projection), graph capture and timing.
+the one pass), graph capture and timing.
 """
 
 from __future__ import annotations
@@ -129,11 +129,6 @@ class NcclBackend(Backend):
         Time ``csr_vector``'s launch shapes on each GPU's blocks at set-up and
         keep the fastest (never changes a result; see
         :meth:`mlemlib.backends._cuda_kernels.DeviceCSR.tune`).
-    overlap
-        Local layout: back-project ``A_k^T`` in this many voxel chunks and
-        all-reduce each chunk on a second stream while the next is computed
-        (0 or 1: one all-reduce after the whole back projection). Needs a
-        row kernel on the stored ``A_k^T``.
     chunks
         The row chunks of ``matrix`` as a layout file (``mlem chunk``; path
         or :class:`mlemlib.chunked.ChunkLayout`), checked against ``matrix``:
@@ -175,7 +170,6 @@ class NcclBackend(Backend):
         lanes: int | None = None,
         fuse: bool = True,
         graph: bool | None = None,
-        overlap: int = 0,
         tune: bool = True,
         parts: list[int] | None = None,
         world: int | None = None,
@@ -347,16 +341,6 @@ class NcclBackend(Backend):
             s.comm = comm
         self.nccl_version = int(nccl.get_version())
 
-        self.chunks = 0
-        self.chunk_bounds: list[tuple[int, int]] = []
-        overlap = int(overlap or 0)
-        if overlap < 0:
-            raise ConfigError("overlap", f"number of chunks must be >= 0, got {overlap}")
-        if overlap > 1:
-            if layout != "local" or not self._kb.needs_transpose:
-                raise ConfigError("overlap", "overlap needs layout=local and a back projection on the stored A_k^T")
-            self._setup_chunks(overlap)
-            self.chunks = len(self.chunk_bounds)
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
         with setup_times.phase("warm_up"):
@@ -495,17 +479,12 @@ class NcclBackend(Backend):
                         self._mark(s, "fp", record)
                         ck.correlate(s.g, s.fp, out=s.c, bg=s.bg)
                         self._mark(s, "corr", record)
-                    if self.chunks:
-                        continue  # back projection and all-reduce chunk by chunk, below
                     if s.at is not None:
                         self._spmv(s.at, s.c, s.bp, self.lanes_bp(s))
                     else:
                         registry.launcher(self._kb)(s.a, s.c, s.bp, lanes=self.lanes_fp, smem=s.smem)
                     self._mark(s, "bp", record)
-            if self.chunks:
-                self._overlapped_bp(record)
-            else:
-                self._allreduce([(s.bp, s.bp) for s in self.shards])
+            self._allreduce([(s.bp, s.bp) for s in self.shards])
             for s in self.shards:
                 with cp.cuda.Device(s.device), s.stream:
                     self._mark(s, "allreduce", record)
@@ -539,61 +518,6 @@ class NcclBackend(Backend):
                 if not self.fuse:
                     ck.update(s.f, s.bp, s.norm, out=s.f)
                     self._mark(s, "update", record)
-
-    def _overlapped_bp(self, record: bool) -> None:
-        """Back-project ``A_k^T`` in voxel chunks; all-reduce chunk j on a second stream while chunk j+1 runs.
-
-        Chunk boundaries are the same on every GPU (:attr:`chunk_bounds`).
-        The compute stream forks to the communication stream through an
-        event per chunk and joins it after the last all-reduce, so a CUDA
-        graph captures the overlap as well.
-        """
-        cp = _cupy()
-        nccl = _nccl()
-        for j, (v0, v1) in enumerate(self.chunk_bounds):
-            for s in self.shards:
-                with cp.cuda.Device(s.device), s.stream:
-                    self._spmv(s.at_chunks[j], s.c, s.bp[v0:v1], self.lanes_bp(s))
-                    s.chunk_events[j].record(s.stream)
-                    s.cstream.wait_event(s.chunk_events[j])
-            nccl.groupStart()
-            try:
-                for s in self.shards:
-                    with cp.cuda.Device(s.device):
-                        buf = s.bp[v0:v1]
-                        s.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, s.cstream.ptr)
-            finally:
-                nccl.groupEnd()
-        for s in self.shards:
-            with cp.cuda.Device(s.device), s.stream:
-                self._mark(s, "bp", record)  # the compute stream is done with the back projection
-                s.join_event.record(s.cstream)
-                s.stream.wait_event(s.join_event)
-
-    def _setup_chunks(self, chunks: int) -> None:
-        """Row views of each ``A_k^T`` over ``chunks`` voxel ranges with about equal non-zeros (all GPUs agree)."""
-        cp = _cupy()
-        n = self.shape[1]
-        counts = np.zeros(n, dtype=np.int64)
-        for s in self.shards:  # the whole A^T's row lengths where this process sees all parts, else uniform
-            with cp.cuda.Device(s.device):
-                counts += cp.diff(s.at.indptr).get()
-        if len(self.shards) != self.world:
-            counts = np.ones(n, dtype=np.int64)
-        cum = np.concatenate([[0], np.cumsum(counts)])
-        bounds = [0] + [int(np.searchsorted(cum, cum[-1] * j / chunks)) for j in range(1, chunks)] + [n]
-        bounds = sorted(set(min(max(b, 0), n) for b in bounds))
-        self.chunk_bounds = list(zip(bounds[:-1], bounds[1:]))
-        for s in self.shards:
-            with cp.cuda.Device(s.device):
-                s.cstream = cp.cuda.Stream(non_blocking=True)
-                s.at_chunks = [
-                    ck.DeviceCSR(s.at.indptr[v0 : v1 + 1], s.at.indices, s.at.data, (v1 - v0, s.at.shape[1]),
-                                 layout=s.at.layout)
-                    for v0, v1 in self.chunk_bounds
-                ]
-                s.chunk_events = [cp.cuda.Event(disable_timing=True) for _ in self.chunk_bounds]
-                s.join_event = cp.cuda.Event(disable_timing=True)
 
     def lanes_bp(self, s: Shard) -> int:
         """Lanes per row of a shard's back projection (the whole A^T's in the thesis layout)."""
@@ -699,8 +623,6 @@ class NcclBackend(Backend):
         """Wait for every shard's streams."""
         for s in self.shards:
             s.stream.synchronize()
-            if s.cstream is not None:
-                s.cstream.synchronize()
 
     def last_step_times(self) -> dict[str, float]:
         """Seconds per step of the last iteration: for each step the slowest GPU's time.
@@ -843,7 +765,6 @@ class NcclBackend(Backend):
             "l2_window": self.shards[0].l2_window if self.shards else None,  # every GPU's alike
             "gpus": self.world,
             "graph": self.graph,
-            "overlap_chunks": self.chunks,
             "fused": self.fuse,
             "chunks": {"count": sum(s.a.chunks for s in self.shards), "reuse_sample": self.chunk_reuse_sample,
                        "file": self.chunk_file} if self._kb.chunks else None,
