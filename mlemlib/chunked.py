@@ -10,11 +10,8 @@ voxels in shared memory, accumulates the chunk's back projection there, and
 adds each distinct voxel to global memory once makes ``1 / reuse`` of the
 global atomics. The chunk's voxels are scattered over the volume's index
 range (a compact region lies on several stretches of the Hilbert curve), so
-each chunk carries its list of distinct voxels and every non-zero a
-16-bit index into that list, not a column. The list is in the order the
-chunk's rows first touch its voxels: a line's consecutive voxels get
-consecutive places, so a warp's 32 lanes, at 32 consecutive non-zeros of a
-row, mostly hit different shared-memory banks.
+each chunk carries its sorted list of distinct voxels and every non-zero a
+16-bit index into that list, not a column.
 
 Provides
 
@@ -159,8 +156,8 @@ def greedy_chunks(indptr, indices, rows, n, window, max_rows=1 << 62, max_nnz=1 
 @njit(parallel=True, cache=True)
 def _fill(indptr, indices, chunk_rows, vptr, voxels, local, n, groups):  # pragma: no cover - compiled
     # Chunks in `groups` contiguous runs, one task each with its own voxel stamps and positions
-    # (2 arrays of n entries per task, not per chunk): a chunk's distinct voxels are listed in the
-    # order its rows first touch them, and every non-zero's position read back in O(1).
+    # (2 arrays of n entries per task, not per chunk): a chunk's distinct voxels are found in one
+    # pass, sorted (only the distinct ones), and every non-zero's position read back in O(1).
     nch = chunk_rows.shape[0] - 1
     for gi in prange(groups):
         stamp = np.full(n, -1, np.int64)
@@ -175,18 +172,20 @@ def _fill(indptr, indices, chunk_rows, vptr, voxels, local, n, groups):  # pragm
                 if stamp[j] != c:
                     stamp[j] = c
                     voxels[v0 + cnt] = j
-                    pos[j] = cnt
                     cnt += 1
+            voxels[v0 : v0 + cnt] = np.sort(voxels[v0 : v0 + cnt])
+            for i in range(cnt):
+                pos[voxels[v0 + i]] = i
             for k in range(a, b):
                 local[k] = pos[indices[k]]
 
 
 @dataclass
 class ChunkPlan:
-    """Chunks of consecutive rows of a CSR matrix, each with its own voxel list.
+    """Chunks of consecutive rows of a CSR matrix, each with its own sorted voxel list.
 
     Chunk ``c`` holds rows ``[chunk_rows[c], chunk_rows[c + 1])`` and voxels
-    ``voxels[vptr[c]:vptr[c + 1]]`` (distinct, at most ``window``, in the order the rows first touch them);
+    ``voxels[vptr[c]:vptr[c + 1]]`` (sorted, distinct, at most ``window``);
     non-zero ``k`` of those rows is at column ``voxels[vptr[c] + local[k]]``.
     The matrix's row pointer and values are used as they are (not copied).
     """
@@ -670,7 +669,7 @@ class LayoutBlock:
     Rows ``[r0, r1)`` of the source; ``indptr`` (from 0), ``local`` and
     ``data`` as :func:`interleave` gives them; ``scale`` the rows' scales of
     16-bit values (else None); the block's chunks ``chunk_rows`` (from 0, its
-    rows), their voxel lists ``voxels`` (``counts`` per chunk) and
+    rows), their sorted voxel lists ``voxels`` (``counts`` per chunk) and
     non-zeros ``chunk_nnz`` (without the padding).
     """
 
