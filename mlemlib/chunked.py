@@ -93,6 +93,20 @@ MAX_CHUNK_ROWS = 1 << 12
 MAX_CHUNK_NNZ = 1 << 18
 
 
+def window_of(window: int) -> int:
+    """A chunk's window (its most distinct voxels) as an int, checked.
+
+    Raises
+    ------
+    ValueError
+        Outside ``[1, 65536]`` (local indices are 16-bit).
+    """
+    window = int(window)
+    if not 1 <= window <= MAX_WINDOW:
+        raise ValueError(f"window must lie in [1, {MAX_WINDOW}] (16-bit local indices), got {window}")
+    return window
+
+
 def chunk_cap_of(chunk_cap: int | None) -> int:
     """A chunk's most non-zeros as given (None: :data:`MAX_CHUNK_NNZ`), checked.
 
@@ -234,9 +248,7 @@ def build_plan(a: CSRMatrix, window: int = DEFAULT_WINDOW, chunk_cap: int | None
         ``chunk_cap`` below 1, or a row with more than ``window`` non-zeros (it could not be scattered
         through one chunk's shared memory).
     """
-    window = int(window)
-    if not 1 <= window <= MAX_WINDOW:
-        raise ValueError(f"window must lie in [1, {MAX_WINDOW}] (16-bit local indices), got {window}")
+    window = window_of(window)
     cap = chunk_cap_of(chunk_cap)
     m, n = a.shape
     ip = np.asarray(a.indptr, dtype=np.int64)
@@ -798,9 +810,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
         import numba
 
         numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
-    window = int(window)
-    if not 1 <= window <= MAX_WINDOW:
-        raise ValueError(f"window must lie in [1, {MAX_WINDOW}] (16-bit local indices), got {window}")
+    window = window_of(window)
     cap = chunk_cap_of(chunk_cap)
     (m, n), nnz = shape_nnz(source)
     fmt = format_of(source)

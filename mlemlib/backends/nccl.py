@@ -620,7 +620,7 @@ class NcclBackend(Backend):
                     s.f[...] = ck.to_device(a, s.device) if a.device.id != s.device else a
 
     def synchronize(self) -> None:
-        """Wait for every shard's streams."""
+        """Wait for every shard's stream."""
         for s in self.shards:
             s.stream.synchronize()
 
