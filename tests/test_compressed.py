@@ -1261,7 +1261,7 @@ def test_gpu_onepass_on_long_rows_with_far_jumps_in_an_l2_window(fmt, code_bits)
 class _HostArray(np.ndarray):
     """A NumPy array with CuPy's ``set``/``get``: a stand-in for device memory (views write through)."""
 
-    def set(self, a):
+    def set(self, a, stream=None):
         self[...] = a
 
     def get(self):
@@ -1287,8 +1287,22 @@ def _fake_cupy():
         empty=lambda n, dtype: np.empty(n, dtype=dtype).view(_HostArray),
         asarray=lambda a: np.array(a).view(_HostArray),
         float32=np.float32,
-        cuda=SimpleNamespace(Device=_FakeDevice),
+        cuda=SimpleNamespace(Device=_FakeDevice, Stream=_FakeStream),
+        get_default_pinned_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None),
     )
+
+
+class _FakeStream:
+    """A stream whose copies are done when issued (the host stand-in's ``set`` copies at once)."""
+
+    def __init__(self, non_blocking=False):
+        pass
+
+    def record(self):
+        return self
+
+    def synchronize(self):
+        pass
 
 
 #: The streamed upload on host arrays (its logic, in CI) and on a GPU.
@@ -1300,6 +1314,7 @@ def _upload_on(where, monkeypatch):
 
     if where == "host":
         monkeypatch.setattr(gpu, "cupy", _fake_cupy)
+        monkeypatch.setattr(gpu, "pinned", lambda n, dtype: np.empty(n, dtype=dtype))
     monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)  # many pieces
     return gpu
 

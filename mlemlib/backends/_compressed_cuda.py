@@ -277,9 +277,13 @@ class DeviceCompressed(DeviceMatrix):
         """Rows ``[r0, r1)`` of a compressed container, read, validated and copied piece by piece.
 
         The device arrays are allocated once from the slot pointer; each piece
-        of about :data:`UPLOAD_CHUNK_NNZ` slots is read (still encoded),
-        checked and copied into its place, so the host holds one piece and the
-        row pointer, never the whole block.
+        of about :data:`UPLOAD_CHUNK_NNZ` slots is read (still encoded) and
+        checked on a helper thread while the piece before it is copied, so the
+        host holds a piece or two and the row pointer, never the whole block.
+        A container that reads into given buffers (``read_encoded_into``) gets
+        two page-locked buffers, used in turn: a piece is read into one while
+        the other's copy runs asynchronously on a stream of its own, and a
+        buffer is read into again once its last copy has finished.
         """
         from mlemlib.compressed import CODE_DTYPES, pack_rowptr
 
@@ -294,24 +298,49 @@ class DeviceCompressed(DeviceMatrix):
         scale = None if lossless else cp.empty(r1 - r0, dtype=cp.float32)
         nnz = 0
         pieces = chunk_bounds(rel, UPLOAD_CHUNK_NNZ)
+        stream = cp.cuda.Stream(non_blocking=True)
+        into = hasattr(source, "read_encoded_into") and pieces
+        if into:
+            cap = max(int(rel[b] - rel[a]) for a, b in pieces)
+            with setup_times.phase("to_gpu"):
+                buffers = [(pinned(cap, codes.dtype), pinned(cap, values.dtype)) for _ in range(2)]
+            copied: list[Any] = [None, None]  # the event of the last copy out of each buffer
+
+            def read(k: int):
+                if copied[k % 2] is not None:
+                    copied[k % 2].synchronize()
+                a, b = pieces[k]
+                return source.read_encoded_into(r0 + a, r0 + b, *buffers[k % 2])
+        else:
+            def read(k: int):
+                a, b = pieces[k]
+                return source.read_encoded(r0 + a, r0 + b)
         # Piece k + 1 is read and checked (columns in range, values finite and >= 0) while piece k is copied
         # (set-up phases wait_read: this thread waits for a piece; to_gpu: the copies).
-        encoded = prefetched(lambda ab: source.read_encoded(r0 + ab[0], r0 + ab[1]), pieces)
+        encoded = prefetched(read, range(len(pieces)))
         for k, (a, b) in enumerate(pieces):
             with setup_times.phase("wait_read"):
                 enc = next(encoded)
             lo, hi = int(rel[a]), int(rel[b])
-            with setup_times.phase("to_gpu", device=True):
+            with setup_times.phase("to_gpu"):
                 if hi > lo:
-                    codes[lo:hi].set(enc.codes)
-                    values[lo:hi].set(enc.values)
+                    codes[lo:hi].set(enc.codes, stream=stream)
+                    values[lo:hi].set(enc.values, stream=stream)
                 if scale is not None and b > a:
-                    scale[a:b].set(enc.scale)
+                    scale[a:b].set(enc.scale, stream=stream)
+                if into:
+                    copied[k % 2] = stream.record()
+                else:
+                    stream.synchronize()
             nnz += int(enc.nnz)
             if len(pieces) > 8 and (k + 1) % max(1, len(pieces) // 10) == 0:
                 log.info("%s: rows %d..%d on GPU %d: %d of %d slots copied", what, r0, r1,
                          cp.cuda.Device().id, hi, total)
         with setup_times.phase("to_gpu", device=True):
+            stream.synchronize()
+            if into:
+                del buffers, enc
+                cp.get_default_pinned_memory_pool().free_all_blocks()
             return cls(cp.asarray(rowbase), cp.asarray(rowoff), codes, values, scale,
                        (r1 - r0, int(source.shape[1])), nnz, int(source.code_bits))
 
@@ -359,6 +388,13 @@ class DeviceCompressed(DeviceMatrix):
     def kind(self) -> str:
         """Kernel name part: values and code bits, ``f32c8``, ``f32c16``, ``f16c8``, ``f16c16``, ``u16c8`` or ``u16c16``."""
         return f"{VALUE_NAMES[self.values.dtype.char]}c{self.code_bits}"
+
+
+def pinned(n: int, dtype: Any) -> np.ndarray:
+    """A page-locked host array of ``n`` items (an upload's staging buffer: copied from asynchronously)."""
+    import cupyx
+
+    return cupyx.empty_pinned(n, dtype=dtype)
 
 
 @dataclass

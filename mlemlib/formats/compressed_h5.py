@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mlemlib import setup_times
 from mlemlib._io import atomic_path, prefetched
 from mlemlib.compressed import (
     CODE_DTYPES,
@@ -310,6 +311,24 @@ class CompressedH5(MatrixH5):
         return CompressedMatrix.from_arrays(
             sp - lo, codes, values, scale, (stop - start, self.shape[1]), nnz, self.code_bits
         )
+
+    def read_encoded_into(self, start: int, stop: int, codes: np.ndarray, values: np.ndarray) -> CompressedMatrix:
+        """Rows ``[start, stop)`` as :meth:`read_encoded` reads and checks them, their codes and values read
+        into the first slots of the caller's ``codes`` and ``values`` (a GPU upload's pinned buffers, reused
+        piece after piece: no new pages to fault in); the result's arrays are views of them."""
+        start, stop = check_range(start, stop, self.shape[0], self.source)
+        sp = self.read_slotptr(start, stop)
+        lo, hi = int(sp[0]), int(sp[-1])
+        if hi - lo > min(len(codes), len(values)):
+            raise ValueError(f"rows {start}..{stop} hold {hi - lo} slots, the buffers {min(len(codes), len(values))}")
+        c, v = codes[: hi - lo], values[: hi - lo]
+        if hi > lo:
+            with setup_times.phase("read", nbytes=c.nbytes + v.nbytes):
+                self._read_into("codes", lo, hi, c)
+                self._read_into("values", lo, hi, v)
+        scale = self._read("scale", start, stop) if not self.lossless else None
+        nnz = check_slots(sp, c, v, scale, self.shape[1], source=self.source, row0=start, slot0=lo)
+        return CompressedMatrix.from_arrays(sp - lo, c, v, scale, (stop - start, self.shape[1]), nnz, self.code_bits)
 
     def _read_slots(self, start: int, stop: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray | None]:
         """The slot pointer of rows ``[start, stop)`` (a checked range), its first slot, the codes and values

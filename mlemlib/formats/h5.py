@@ -29,6 +29,7 @@ import hashlib
 import logging
 import math
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -359,6 +360,9 @@ class MatrixH5(ElementReader):
             self._f = h5py.File(self.source, "r")
         except OSError as exc:
             raise MatrixFormatError(self.source, f"not a readable HDF5 file ({exc})") from None
+        self._fd: int | None = None  # the file opened again for the direct reads (mlemlib.formats._direct)
+        self._direct: dict[str, Any] = {}
+        self._direct_lock = threading.Lock()
         try:
             self._open()
         except BaseException:
@@ -440,6 +444,31 @@ class MatrixH5(ElementReader):
     def close(self) -> None:
         """Close the HDF5 file."""
         self._f.close()
+        with self._direct_lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self._direct.clear()
+
+    def _read_into(self, name: str, lo: int, hi: int, out: np.ndarray) -> None:
+        """Entries ``[lo, hi)`` of dataset ``name`` into ``out``: large ranges of a plain dataset straight from
+        the file on several threads (:mod:`mlemlib.formats._direct`), anything else through h5py."""
+        from mlemlib.formats._direct import MIN_BYTES, DirectDataset
+
+        if out.nbytes >= MIN_BYTES:
+            with self._direct_lock:
+                if name not in self._direct:
+                    if self._fd is None:
+                        self._fd = os.open(self.source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    self._direct[name] = DirectDataset.of(self._ds[name], self._fd)
+                direct = self._direct[name]
+            if direct is not None:
+                try:
+                    if direct.read(lo, hi, out):
+                        return
+                except OSError as exc:
+                    raise self._fault(f"reading /{name}[{lo}:{hi}]: {exc}") from None
+        self._ds[name].read_direct(out, np.s_[lo:hi])
 
     def __repr__(self) -> str:
         return f"MatrixH5({self.source!r}, shape={self.shape}, nnz={self.nnz})"
@@ -465,7 +494,7 @@ class MatrixH5(ElementReader):
         for name, out in (("indices", indices), ("data", data)):
             if hi > base:
                 with setup_times.phase("read", nbytes=out.nbytes):
-                    self._ds[name].read_direct(out, np.s_[base:hi])
+                    self._read_into(name, base, hi, out)
         if validate:
             check_columns(indices, self.shape[1], self.source, elem0=base)
             check_values(data, self.source, elem0=base)
@@ -476,7 +505,7 @@ class MatrixH5(ElementReader):
         out = np.empty(hi - lo, dtype=ds.dtype.newbyteorder("="))
         if hi > lo:
             with setup_times.phase("read", nbytes=out.nbytes):
-                ds.read_direct(out, np.s_[lo:hi])
+                self._read_into(name, lo, hi, out)
         return out
 
     def read_ahead(self, name: str, ranges: list[tuple[int, int]]) -> Iterator[np.ndarray]:
