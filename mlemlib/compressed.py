@@ -758,6 +758,22 @@ def check_slots(slotptr, codes, values, scale, n, **where) -> int:
     return decode_slots(slotptr, codes, values, scale, n, store=False, **where)
 
 
+def check_row_scales(slotptr: np.ndarray, values: np.ndarray, scale: np.ndarray | None, source: str | os.PathLike,
+                     *, row0: int = 0) -> None:
+    """Raise :class:`MatrixFormatError` unless 16-bit values come with one finite, positive scale per row."""
+    if value_kind(values.dtype) == 0:
+        return
+    if scale is None or len(scale) != len(slotptr) - 1:
+        raise MatrixFormatError(source, f"{values.dtype} values without one row scale per row")
+    if len(scale):
+        ok = np.isfinite(scale) & (scale > 0)
+        if not ok.all():
+            r = int(np.argmax(~ok))
+            raise MatrixFormatError(
+                source, f"row scale {float(scale[r])!r} of row {row0 + r} is not a finite positive number"
+            )
+
+
 def check_encoded_values(
     slotptr: np.ndarray,
     codes: np.ndarray,
@@ -773,16 +789,7 @@ def check_encoded_values(
     uint16 values (``compressed-u16``) are always finite and >= 0: only their row scales are checked.
     """
     kind = value_kind(values.dtype)
-    if kind != 0:
-        if scale is None or len(scale) != len(slotptr) - 1:
-            raise MatrixFormatError(source, f"{values.dtype} values without one row scale per row")
-        if len(scale):
-            ok = np.isfinite(scale) & (scale > 0)
-            if not ok.all():
-                r = int(np.argmax(~ok))
-                raise MatrixFormatError(
-                    source, f"row scale {float(scale[r])!r} of row {row0 + r} is not a finite positive number"
-                )
+    check_row_scales(slotptr, values, scale, source, row0=row0)
     if len(codes) == 0 or kind == 2:
         return
     from numba import get_num_threads

@@ -28,6 +28,7 @@ from mlemlib.compressed import (
     ROW_BLOCK,
     SLOT_ALIGN,
     CompressedMatrix,
+    check_slots,
     choose_code_bits,
     code_high,
     code_mark,
@@ -1305,6 +1306,21 @@ class _FakeStream:
         pass
 
 
+def _host_device_check(a):
+    """The device check's verdict computed on the host stand-in's arrays, row by row with the host's checks."""
+    sp = unpack_rowptr(np.asarray(a.rowbase), np.asarray(a.rowoff))
+    codes, values = np.asarray(a.codes), np.asarray(a.values)
+    first, nnz = None, 0
+    for r in range(a.shape[0]):
+        lo, hi = int(sp[r]), int(sp[r + 1])
+        scale = None if a.scale is None else np.asarray(a.scale)[r : r + 1]
+        try:
+            nnz += check_slots(sp[r : r + 2] - lo, codes[lo:hi], values[lo:hi], scale, a.shape[1])
+        except MatrixFormatError:
+            first = r if first is None else first
+    return first, nnz
+
+
 #: The streamed upload on host arrays (its logic, in CI) and on a GPU.
 UPLOAD_ON = ("host", pytest.param("gpu", marks=pytest.mark.gpu))
 
@@ -1315,6 +1331,7 @@ def _upload_on(where, monkeypatch):
     if where == "host":
         monkeypatch.setattr(gpu, "cupy", _fake_cupy)
         monkeypatch.setattr(gpu, "pinned", lambda n, dtype: np.empty(n, dtype=dtype))
+        monkeypatch.setattr(gpu, "device_check", _host_device_check)
     monkeypatch.setattr(gpu, "UPLOAD_CHUNK_NNZ", 97)  # many pieces
     return gpu
 
@@ -1359,6 +1376,72 @@ def test_streamed_upload_of_a_corrupt_piece_names_the_file(tmp_path, monkeypatch
         f["values"][...] = v
     gpu = _upload_on(where, monkeypatch)
     with CompressedH5(path) as src, pytest.raises(MatrixFormatError, match=r"bad\.h5.*negative value -1\.0 at slot"):
+        gpu.DeviceCompressed.upload(src)
+
+
+def _corrupt(path, fault):
+    """Spoil one element of a compressed container in place: a value, or a column past the last one."""
+    with h5py.File(path, "r+") as f:
+        codes, v = f["codes"][...], f["values"][...]
+        high = code_high(int(f.attrs["code_bits"]))
+        real = np.flatnonzero(codes < high)
+        k = int(real[len(real) // 2])
+        if fault == "nan":
+            v[k] = np.nan
+        elif fault == "negative":
+            v[k] = -1e-30
+        elif fault == "negative zero":  # passes: -0.0 >= 0
+            v[k] = -0.0
+        elif fault == "column":  # a marker that jumps past the grid
+            codes[k] = high + 1
+            v.view(np.uint32)[k] = 1 << 30
+        elif fault == "high marker":  # 16-bit values only: not in a float32 row
+            codes[k] = high
+        f["codes"][...] = codes
+        f["values"][...] = v
+
+
+@pytest.mark.parametrize("where", UPLOAD_ON)
+@pytest.mark.parametrize(("fault", "message"), [
+    ("nan", r"non-finite value nan at slot"), ("negative", r"negative value -1\.0+\d*e-30 at slot"),
+    ("column", r"row \d+: .*column"), ("high marker", r"high marker"),
+])
+def test_upload_check_names_each_fault(tmp_path, monkeypatch, where, fault, message):
+    """Each fault the host's check knows is found by the upload's check (on the GPU there) and reported in the
+    host's words, naming the file."""
+    from mlemlib.formats.compressed_h5 import CompressedH5
+
+    path = tmp_path / "bad.h5"
+    write_compressed_h5(path, random_csr(300, 800, 41))
+    _corrupt(path, fault)
+    gpu = _upload_on(where, monkeypatch)
+    with CompressedH5(path) as src, pytest.raises(MatrixFormatError, match=r"bad\.h5.*" + message):
+        gpu.DeviceCompressed.upload(src)
+
+
+@pytest.mark.parametrize("where", UPLOAD_ON)
+def test_upload_check_passes_negative_zero(tmp_path, monkeypatch, where):
+    """-0.0 is a value >= 0: the upload takes it, and counts every element."""
+    from mlemlib.formats.compressed_h5 import CompressedH5
+
+    path = tmp_path / "z.h5"
+    write_compressed_h5(path, random_csr(300, 800, 47))
+    _corrupt(path, "negative zero")
+    gpu = _upload_on(where, monkeypatch)
+    with CompressedH5(path) as src:
+        got = gpu.DeviceCompressed.upload(src)
+        assert got.nnz == src.nnz
+
+
+def test_upload_check_disagreeing_with_the_host_is_refused(tmp_path, monkeypatch):
+    """A row the device check refuses and the host's passes is still refused, naming the row."""
+    from mlemlib.formats.compressed_h5 import CompressedH5
+
+    path = tmp_path / "m.h5"
+    write_compressed_h5(path, random_csr(300, 800, 43))
+    gpu = _upload_on("host", monkeypatch)
+    monkeypatch.setattr(gpu, "device_check", lambda a: (217, 0))
+    with CompressedH5(path) as src, pytest.raises(MatrixFormatError, match=r"m\.h5.*row 217: .*fail the check on the GPU"):
         gpu.DeviceCompressed.upload(src)
 
 

@@ -46,7 +46,7 @@ from mlemlib.backends._build import function as _function
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR
 from mlemlib.backends.device_formats import DeviceMatrix, format_of
 from mlemlib.compressed import VALUE_DTYPES, format_of_values, values16
-from mlemlib.errors import ConfigError, DeviceError
+from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
 from mlemlib.matrix import chunk_bounds
 
 log = logging.getLogger(__name__)
@@ -283,7 +283,10 @@ class DeviceCompressed(DeviceMatrix):
         A container that reads into given buffers (``read_encoded_into``) gets
         two page-locked buffers, used in turn: a piece is read into one while
         the other's copy runs asynchronously on a stream of its own, and a
-        buffer is read into again once its last copy has finished.
+        buffer is read into again once its last copy has finished; its columns
+        and values are then checked on the device (:func:`device_check`, the
+        host's checks on a GPU), and the first bad row's piece is read and
+        checked again on the host for the one-line message.
         """
         from mlemlib.compressed import CODE_DTYPES, pack_rowptr
 
@@ -310,7 +313,7 @@ class DeviceCompressed(DeviceMatrix):
                 if copied[k % 2] is not None:
                     copied[k % 2].synchronize()
                 a, b = pieces[k]
-                return source.read_encoded_into(r0 + a, r0 + b, *buffers[k % 2])
+                return source.read_encoded_into(r0 + a, r0 + b, *buffers[k % 2], check=False)
         else:
             def read(k: int):
                 a, b = pieces[k]
@@ -341,8 +344,18 @@ class DeviceCompressed(DeviceMatrix):
             if into:
                 del buffers, enc
                 cp.get_default_pinned_memory_pool().free_all_blocks()
-            return cls(cp.asarray(rowbase), cp.asarray(rowoff), codes, values, scale,
-                       (r1 - r0, int(source.shape[1])), nnz, int(source.code_bits))
+            out = cls(cp.asarray(rowbase), cp.asarray(rowoff), codes, values, scale,
+                      (r1 - r0, int(source.shape[1])), nnz, int(source.code_bits))
+        if into:
+            with setup_times.phase("check", device=True):
+                bad, out.nnz = device_check(out)
+            if bad is not None:
+                a, b = next((a, b) for a, b in pieces if a <= bad < b)
+                source.read_encoded(r0 + a, r0 + b)  # raises the host's message
+                raise MatrixFormatError(source.source, f"row {r0 + bad}: its columns or values fail the check on "
+                                                       "the GPU (and pass the host's)")
+        return out
+
 
     @staticmethod
     def device_bytes(source: Any) -> int:
@@ -388,6 +401,20 @@ class DeviceCompressed(DeviceMatrix):
     def kind(self) -> str:
         """Kernel name part: values and code bits, ``f32c8``, ``f32c16``, ``f16c8``, ``f16c16``, ``u16c8`` or ``u16c16``."""
         return f"{VALUE_NAMES[self.values.dtype.char]}c{self.code_bits}"
+
+
+def device_check(a: DeviceCompressed) -> tuple[int | None, int]:
+    """The first row of ``a`` whose columns leave ``[0, n)`` or whose values are not finite and >= 0 (or a
+    float32 row with a high marker), None if none, and ``a``'s element count: ``ccheck_<kind>`` on its GPU."""
+    cp = cupy()
+    m, n = a.shape
+    out = cp.array([np.iinfo(np.uint64).max, 0], dtype=cp.uint64)  # first bad row, elements
+    if m:
+        blocks = min((m * 32 + THREADS - 1) // THREADS, 1 << 16)  # a warp per row, grid-stride past 2^19 rows
+        function(f"ccheck_{a.kind}")((blocks,), (THREADS,), (a.rowbase, a.rowoff, a.codes, a.values, np.int64(m),
+                                                               np.int64(n), out[0:1], out[1:2]))
+    first, nnz = (int(v) for v in out.get())
+    return (None if first >= m else first), nnz
 
 
 def pinned(n: int, dtype: Any) -> np.ndarray:

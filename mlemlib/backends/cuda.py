@@ -48,7 +48,7 @@ from mlemlib.backends._tune_cache import TuneCache, source_key
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR, ONEPASS_C_MAX, STEPS, Backend, bytes_per_nnz
 from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError
-from mlemlib.matrix import CSRMatrix, shape_nnz
+from mlemlib.matrix import shape_nnz
 
 log = logging.getLogger(__name__)
 

@@ -57,6 +57,7 @@ from mlemlib.compressed import (
     CompressedMatrix,
     _real_counts,
     check_alignment,
+    check_row_scales,
     check_slots,
     choose_code_bits,
     code_high,
@@ -312,10 +313,15 @@ class CompressedH5(MatrixH5):
             sp - lo, codes, values, scale, (stop - start, self.shape[1]), nnz, self.code_bits
         )
 
-    def read_encoded_into(self, start: int, stop: int, codes: np.ndarray, values: np.ndarray) -> CompressedMatrix:
+    def read_encoded_into(self, start: int, stop: int, codes: np.ndarray, values: np.ndarray, *,
+                          check: bool = True) -> CompressedMatrix:
         """Rows ``[start, stop)`` as :meth:`read_encoded` reads and checks them, their codes and values read
         into the first slots of the caller's ``codes`` and ``values`` (a GPU upload's pinned buffers, reused
-        piece after piece: no new pages to fault in); the result's arrays are views of them."""
+        piece after piece: no new pages to fault in); the result's arrays are views of them.
+
+        ``check=False`` checks the slot pointer and the row scales only and leaves the columns and values to
+        the caller (a GPU upload checks them on the device, ``ccheck``); the result's ``nnz`` is then 0.
+        """
         start, stop = check_range(start, stop, self.shape[0], self.source)
         sp = self.read_slotptr(start, stop)
         lo, hi = int(sp[0]), int(sp[-1])
@@ -327,7 +333,11 @@ class CompressedH5(MatrixH5):
                 self._read_into("codes", lo, hi, c)
                 self._read_into("values", lo, hi, v)
         scale = self._read("scale", start, stop) if not self.lossless else None
-        nnz = check_slots(sp, c, v, scale, self.shape[1], source=self.source, row0=start, slot0=lo)
+        if check:
+            nnz = check_slots(sp, c, v, scale, self.shape[1], source=self.source, row0=start, slot0=lo)
+        else:
+            check_row_scales(sp, v, scale, self.source, row0=start)
+            nnz = 0
         return CompressedMatrix.from_arrays(sp - lo, c, v, scale, (stop - start, self.shape[1]), nnz, self.code_bits)
 
     def _read_slots(self, start: int, stop: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray | None]:

@@ -37,6 +37,7 @@
 //                          per lane per trip).
 //   chunked_onepass        the one-pass step through a chunk plan (mlemlib/chunked.py):
 //                          shared-memory sums, 64-bit fixed point; deterministic.
+//   ccheck_<K>             the upload's check of the rows (columns, values) and their element count.
 //   fixed_to_float         out = acc / scale.
 //
 // One-pass on CSR: the lanes keep the first OP_CACHE trips of their row
@@ -917,6 +918,64 @@ CSR_ONEPASS(32)
 CHUNKED_ONEPASS(chunked_onepass, CHUNK_CACHE, VK_F32)
 CHUNKED_ONEPASS(chunked_onepass_f16, CHUNK_CACHE, VK_F16)
 CHUNKED_ONEPASS(chunked_onepass_u16, CHUNK_CACHE, VK_U16)
+
+// The upload's check of rows [0, m) (mlemlib.compressed.check_slots's, on the device): a warp per
+// row sums its slots' column advances and looks at its elements' value bits. A row is bad where its
+// running column reaches n (the column only grows, so its end decides), where a float32 row holds a
+// high marker, or where an element's value is not finite or below 0 (the sign bit and any other bit:
+// -0 passes, as -0.0 >= 0; 16-bit integer values always pass). first_bad gets the smallest bad row (atomicMin), nnz the elements (codes
+// below HIGH) of every row. The host reads the first bad row's piece again and checks it on the CPU
+// for its one-line message.
+template <int VK, int CB>
+__device__ void ccheck_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro, const void* codes,
+                            const void* vals, i64 m, i64 n, u64* first_bad, u64* nnz) {
+    constexpr unsigned HIGH = (1u << CB) - 2u;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    u64 count = 0;
+    for (i64 r = (((i64)blockIdx.x * blockDim.x) + threadIdx.x) >> 5; r < m; r += warps) {
+        const i64 s0 = rb[r >> ROW_SHIFT] + ro[r];
+        const i64 s1 = rb[(r + 1) >> ROW_SHIFT] + ro[r + 1];
+        i64 adv = 0;
+        bool bad = false;
+        for (i64 s = s0 + lane; s < s1; s += 32) {
+            const unsigned c = CB == 8 ? (unsigned)((const unsigned char*)codes)[s]
+                                       : (unsigned)((const unsigned short*)codes)[s];
+            const unsigned b = VK == VK_F32 ? ((const unsigned*)vals)[s] : (unsigned)((const unsigned short*)vals)[s];
+            if (c < HIGH) {
+                adv += c;
+                count += 1;
+                if (VK == VK_F32) bad |= (b & 0x7F800000u) == 0x7F800000u || (b > 0x80000000u);
+                if (VK == VK_F16) bad |= (b & 0x7C00u) == 0x7C00u || (b > 0x8000u);
+            } else if (c == HIGH) {
+                if (VK == VK_F32) bad = true;
+                else adv += (i64)b << 16;
+            } else {
+                adv += (i64)b;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) adv += __shfl_xor_sync(FULL_MASK, adv, o);
+        bad = __any_sync(FULL_MASK, bad) || (s1 > s0 && adv >= n);
+        if (lane == 0 && bad) atomicMin(first_bad, (u64)r);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) count += __shfl_xor_sync(FULL_MASK, count, o);
+    if (lane == 0 && count) atomicAdd(nnz, count);
+}
+
+#define CCHECK(K, VK, CB)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(CMP_THREADS) ccheck_##K(                                 \
+        const i64* rb, const unsigned* ro, const void* codes, const void* vals, i64 m, i64 n, u64* first_bad, \
+        u64* nnz) {                                                                                        \
+        ccheck_body<VK, CB>(rb, ro, codes, vals, m, n, first_bad, nnz);                                    \
+    }
+CCHECK(f32c8, VK_F32, 8)
+CCHECK(f32c16, VK_F32, 16)
+CCHECK(f16c8, VK_F16, 8)
+CCHECK(f16c16, VK_F16, 16)
+CCHECK(u16c8, VK_U16, 8)
+CCHECK(u16c16, VK_U16, 16)
 
 // out[j] = acc[j] / scale, as float32 (inv_scale = 1 / scale, a power of two).
 extern "C" __global__ void fixed_to_float(const u64* __restrict__ acc, float* __restrict__ out, i64 n,
