@@ -1631,3 +1631,21 @@ def test_compressed_container_gives_a_row_range_into_the_callers_buffers(tmp_pat
         np.testing.assert_array_equal(c.read_rows_into(100, 200, idx, val), ip)
         np.testing.assert_array_equal(idx[: ip[-1]], a[100:200].indices)
         np.testing.assert_array_equal(val[: ip[-1]], a[100:200].data)  # compressed (lossless) keeps float32
+
+
+def test_fingerprint_of_a_container_reads_no_codes(tmp_path, monkeypatch):
+    """A compressed container's fingerprint hashes its checksum and stored slot pointer: it reads no code (the
+    element row pointer would mean every code, a fifth of the file); it is the same for the same file and differs
+    for another matrix."""
+    from mlemlib.provenance import matrix_fingerprint
+
+    p1, p2 = tmp_path / "a.h5", tmp_path / "b.h5"
+    write_compressed_h5(p1, CompressedMatrix.from_csr(random_csr(300, 800, 51), "compressed"))
+    write_compressed_h5(p2, CompressedMatrix.from_csr(random_csr(300, 800, 52), "compressed"))
+
+    def no_codes(self):
+        raise AssertionError("the fingerprint read every code")
+
+    monkeypatch.setattr(CompressedH5, "read_indptr", no_codes)
+    with CompressedH5(p1) as a, CompressedH5(p1) as again, CompressedH5(p2) as b:
+        assert matrix_fingerprint(a) == matrix_fingerprint(again) != matrix_fingerprint(b)

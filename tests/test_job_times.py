@@ -326,3 +326,37 @@ def test_config_plans_runs_the_node_can_give(tmp_path, gpus, planned):
     assert runs == planned
     rules = [j.rule for j in run.jobs.values()]
     assert rules.count("bench_spmv") == 1 and rules.count("reference_mlem") == 1 and "reorder_matrix" not in rules
+
+
+def test_matrix3_config_is_issue_38s():
+    """The matrix3 scenario's config: Matrix 3 folded, compressed, Hilbert voxels, both one passes on 1, 2, 4 GPUs."""
+    jsonschema = pytest.importorskip("jsonschema")
+    config = yaml.safe_load((TOOL / "matrix3.yaml").read_text())
+    jsonschema.validate(config, yaml.safe_load((REPO / "config" / "schema.yaml").read_text()))
+    assert config["matrices"] == {"matrix3": {"preset": "matrix3", "csr4": False, "format": "compressed",
+                                              "fold": True, "voxel_order": "hilbert"}}
+    assert sorted(r["bp"] for r in config["runs"]) == ["onepass", "onepass_fixed"]
+    assert all(r["gpus"] == [1, 2, 4] and r["backend"] == "cuda" for r in config["runs"])
+    assert config["mlem"]["reference"] is False and config["bench"]["spmv"] is False
+
+
+@pytest.mark.parametrize("gpus, planned", [(4, [1, 1, 2, 2, 4, 4]), (2, [1, 1, 2, 2])])
+def test_matrix3_config_plans_runs_the_node_can_give(tmp_path, gpus, planned):
+    """A dry run as on a GPU node: generation, norm, measurement and the runs that fit; no conversion, transpose
+    or reference (31 GB of matrix is all the disk holds of it)."""
+    node = tmp_path / "node.yaml"  # the lent 4-GPU node's disk, memory and GPUs, whatever machine runs the test
+    node.write_text("node: {check: true, disk_free_gb: 200, host_memory_gb: 512, gpu_memory_gb: 80, gpus: 4}\n")
+    cmd = [
+        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+        "--configfile", str(TOOL / "matrix3.yaml"), str(node), "--config", "use_gpu=true",
+        "--dry-run", "--cores", "64", "--resources", f"gpu={gpus}",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    run = J.parse_snakemake_log(out)
+    rules = [j.rule for j in run.jobs.values()]
+    assert sorted(j.gpus for j in run.jobs.values() if j.rule == "run_mlem") == planned
+    assert rules.count("generate_container") == 1 and rules.count("compute_norm") == 1
+    assert not {"convert_matrix", "transpose_matrix", "reference_mlem", "bench_spmv"} & set(rules)
