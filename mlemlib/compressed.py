@@ -675,6 +675,7 @@ def decode_slots(
     slot0: int = 0,
     check_values: bool = True,
     store: bool = True,
+    out: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> CSRMatrix | int:
     """Decode encoded rows into a :class:`CSRMatrix`, validating as it goes (``store=False``: only check, see :func:`check_slots`).
 
@@ -693,6 +694,10 @@ def decode_slots(
     check_values
         Also reject non-finite or negative values (and row scales that are not
         finite and positive).
+    out
+        int32 and float32 arrays the columns and values are written to the
+        front of (the result's arrays are views of them); ``ValueError`` if
+        they are shorter than the rows' elements.
 
     Raises
     ------
@@ -713,8 +718,13 @@ def decode_slots(
         _real_counts(slotptr, codes, high, counts)
         np.cumsum(counts, out=indptr[1:])
     nnz = int(indptr[-1])
-    cols = np.empty(nnz, dtype=np.int32)
-    vals = np.empty(nnz, dtype=np.float32)
+    if out is not None and store:
+        if len(out[0]) < nnz or len(out[1]) < nnz:
+            raise ValueError(f"buffers of {len(out[0])} and {len(out[1])} elements cannot hold {nnz}")
+        cols, vals = out[0][:nnz], out[1][:nnz]
+    else:
+        cols = np.empty(nnz, dtype=np.int32)
+        vals = np.empty(nnz, dtype=np.float32)
     bad_slot = np.empty(m, dtype=np.int64)
     bad_col = np.empty(m, dtype=np.int64)
     vf = values if kind == 0 else np.empty(0, dtype=np.float32)

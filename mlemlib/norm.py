@@ -50,47 +50,90 @@ NORM_VERSION = 1
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _add_columns(indptr, indices, data, weights, weighted, n, sums, nparts):  # pragma: no cover - compiled
-    """Add ``data`` (times its row's weight) to ``sums[indices]`` in float64, column ranges owned by ``nparts`` tasks.
+def _add_columns(indptr, indices, data, weights, weighted, n, sums, seg, nbins, out_col, out_val):  # pragma: no cover
+    """Add ``data`` (times its row's weight) to ``sums[indices]`` in float64, every column in row order.
 
-    ``indptr`` is the block's row pointer rebased to 0. Task ``p`` owns
-    columns ``[p*n//nparts, (p+1)*n//nparts)`` and walks all non-zeros in
-    order, so every column is summed in row order by one task. ``weights[r]``
-    (when ``weighted``) multiplies row ``r``'s values: small integers, so the
-    products are exact. Task 0 also notes the first index outside ``[0, n)``
-    (returned; -1 if none).
+    ``indptr`` is the block's row pointer rebased to 0; ``seg`` cuts its rows
+    into segments (parallel tasks). Each non-zero goes to one of ``nbins``
+    column ranges: counted per segment, then written, segment by segment in
+    row order, into its range's run of ``out_col``/``out_val`` (a stable
+    counting sort); then each range's run is added to ``sums`` by one task.
+    A column's terms are added in row order whatever the segments, ranges and
+    threads, so the sums are bit for bit those of a plain loop over the rows.
+    ``weights[r]`` (when ``weighted``) multiplies row ``r``'s values: small
+    integers, so the products are exact. Returns the first element whose
+    column lies outside ``[0, n)`` (nothing added then), else -1.
     """
-    m = indptr.shape[0] - 1
-    bad = np.full(nparts, -1, dtype=np.int64)
-    for p in prange(nparts):
-        c0 = p * n // nparts
-        c1 = (p + 1) * n // nparts
-        for r in range(m):
+    nseg = seg.shape[0] - 1
+    counts = np.zeros((nseg, nbins), dtype=np.int64)
+    bad = np.full(nseg, -1, dtype=np.int64)
+    for s in prange(nseg):
+        for k in range(indptr[seg[s]], indptr[seg[s + 1]]):
+            c = np.int64(indices[k])
+            if c < 0 or c >= n:
+                if bad[s] < 0:
+                    bad[s] = k
+            else:
+                counts[s, (c * nbins) // n] += 1
+    for s in range(nseg):
+        if bad[s] >= 0:
+            return bad[s]
+    pos = np.empty((nseg, nbins), dtype=np.int64)
+    start = np.empty(nbins + 1, dtype=np.int64)
+    acc = 0
+    for b in range(nbins):
+        start[b] = acc
+        for s in range(nseg):
+            pos[s, b] = acc
+            acc += counts[s, b]
+    start[nbins] = acc
+    for s in prange(nseg):
+        p = pos[s].copy()
+        for r in range(seg[s], seg[s + 1]):
             w = weights[r] if weighted else 1.0
             for k in range(indptr[r], indptr[r + 1]):
-                c = indices[k]
-                if c >= c0 and c < c1:
-                    sums[c] += np.float64(data[k]) * w
-                elif p == 0 and (c < 0 or c >= n) and bad[0] < 0:
-                    bad[0] = k
-    return bad[0]
+                c = np.int64(indices[k])
+                b = (c * nbins) // n
+                out_col[p[b]] = c
+                out_val[p[b]] = np.float64(data[k]) * w
+                p[b] += 1
+    for b in prange(nbins):
+        for q in range(start[b], start[b + 1]):
+            sums[out_col[q]] += out_val[q]
+    return -1
+
+
+class ColumnScratch:
+    """The sorted columns and products of :func:`accumulate_column_sums`, kept between blocks (grown, never
+    shrunk): a pass over a large matrix faults in no new pages block after block."""
+
+    def __init__(self) -> None:
+        self.cols = np.empty(0, dtype=np.int32)
+        self.vals = np.empty(0, dtype=np.float64)
+
+    def get(self, nnz: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.cols) < nnz:
+            self.cols = np.empty(nnz, dtype=np.int32)
+            self.vals = np.empty(nnz, dtype=np.float64)
+        return self.cols, self.vals
 
 
 def accumulate_column_sums(
     sums: np.ndarray, block: CSRMatrix, *, source: str | os.PathLike = "<matrix>",
-    row_weights: np.ndarray | None = None,
+    row_weights: np.ndarray | None = None, scratch: ColumnScratch | None = None,
 ) -> None:
     """Add the column sums of a row block to ``sums`` (float64, in place).
 
     Call it for the row blocks in row order to get the sums of the whole matrix.
     ``row_weights`` (one per row of the block) weights each row's values: a
     folded matrix's multiplicities (:mod:`mlemlib.fold`), so that its norm is
-    the unfolded matrix's.
+    the unfolded matrix's. ``scratch`` keeps the work arrays (12 bytes per
+    non-zero) for the next block.
 
     Raises
     ------
     MatrixFormatError
-        If a column index is outside ``[0, n)``.
+        If a column index is outside ``[0, n)`` (``sums`` unchanged).
     """
     n = sums.shape[0]
     p0 = int(block.indptr[0]) if len(block.indptr) else 0
@@ -104,10 +147,18 @@ def accumulate_column_sums(
     from numba import get_num_threads
 
     indptr = np.asarray(block.indptr, dtype=np.int64)
+    indptr = indptr - indptr[0]
+    m = len(indptr) - 1
+    threads = get_num_threads()
+    nseg = max(1, min(m, 4 * threads))
+    seg = np.searchsorted(indptr, np.linspace(0, nnz, nseg + 1), side="left").astype(np.int64)
+    seg[0], seg[-1] = 0, m
+    nbins = int(max(1, min(n, 8 * threads)))
     weighted = row_weights is not None
     weights = np.asarray(row_weights, dtype=np.float64) if weighted else np.ones(1, dtype=np.float64)
-    bad = _add_columns(indptr - indptr[0], indices, data, weights, weighted, np.int64(n), sums,
-                       np.int64(get_num_threads()))
+    out_col, out_val = (scratch or ColumnScratch()).get(nnz)
+    bad = _add_columns(indptr, indices, data, weights, weighted, np.int64(n), sums, seg, np.int64(nbins),
+                       out_col, out_val)
     if bad >= 0:
         raise MatrixFormatError(source, f"column index {int(indices[bad])} out of range [0, {n})")
 
@@ -128,8 +179,10 @@ def source_column_sums(src, *, max_nnz: int = 1 << 24, progress: str | None = No
         log.info("%s: column sums of %d x %d, %d non-zeros%s", progress, m, n, int(src.nnz),
                  "" if weights is None else " (folded: rows weighted by their multiplicity)")
     next_report = 0.1
-    for r0, r1, block in src.iter_chunks(max_nnz=max_nnz):
-        accumulate_column_sums(sums, block, source=name, row_weights=None if weights is None else weights[r0:r1])
+    scratch = ColumnScratch()
+    for r0, r1, block in src.iter_chunks(max_nnz=max_nnz, reuse=True):
+        accumulate_column_sums(sums, block, source=name, row_weights=None if weights is None else weights[r0:r1],
+                               scratch=scratch)
         if progress is not None and m and r1 / m >= next_report:
             log.info("%s: summed rows up to %d of %d (%.0f%%)", progress, r1, m, 100.0 * r1 / m)
             next_report = r1 / m + 0.1
@@ -151,13 +204,14 @@ def sensitivities(src: Any, bounds: np.ndarray, weights: np.ndarray | None = Non
     bounds = check_bounds(bounds, m)
     sk = np.zeros((len(bounds) - 1, n), dtype=np.float64)
     name = str(getattr(src, "source", None) or getattr(src, "path", None) or "<matrix>")
-    for r0, r1, block in src.iter_chunks(max_nnz=max_nnz):
+    scratch = ColumnScratch()
+    for r0, r1, block in src.iter_chunks(max_nnz=max_nnz, reuse=True):
         for k in range(len(bounds) - 1):
             a, b = max(r0, int(bounds[k])), min(r1, int(bounds[k + 1]))
             if a < b:
                 part = slice_rows(block, a - r0, b - r0) if (a, b) != (r0, r1) else block
                 accumulate_column_sums(sk[k], part, source=name,
-                                       row_weights=None if weights is None else weights[a:b])
+                                       row_weights=None if weights is None else weights[a:b], scratch=scratch)
     return sk
 
 

@@ -484,7 +484,7 @@ def project_images(
         xs.append(x)
     ys = [np.zeros(m, dtype=np.float64) for _ in xs]
     filled = np.zeros(m, dtype=np.float64) if row_filled else None
-    for r0, r1, block in src.iter_chunks(max_nnz=max_nnz):
+    for r0, r1, block in src.iter_chunks(max_nnz=max_nnz, reuse=True):
         for x, y in zip(xs, ys):
             spmv(block.indptr, block.indices, block.data, x, y[r0:r1])
         if filled is not None:

@@ -169,3 +169,62 @@ def test_cli_norm(matrix_h5, tmp_path, capsys):
     assert main(["norm", str(tmp_path / "norm.h5"), "--out", str(tmp_path / "x.h5")]) == 2
     err = capsys.readouterr().err  # a norm.h5 is not a matrix: one line naming file and fault
     assert err == f"mlem: error: {tmp_path / 'norm.h5'}: attribute format is 'mlem-norm', expected 'mlem-csr'\n"
+
+
+def test_weighted_sums_in_row_order_bit_for_bit(rng):
+    """Folded rows' weights, many more bins than columns in some ranges: each column's products summed in row order
+    (np.add.at adds in element order), bit for bit; the sums do not depend on the threads."""
+    from mlemlib.norm import ColumnScratch, accumulate_column_sums
+
+    a = wide_matrix(rng, m=2000, n=37)
+    w = rng.integers(1, 5, a.shape[0]).astype(np.float64)
+    want = np.zeros(a.shape[1])
+    np.add.at(want, a.indices, a.data.astype(np.float64) * np.repeat(w, np.diff(a.indptr)))
+    scratch = ColumnScratch()
+    for threads in (1, 2):
+        from mlemlib.transpose import numba_threads
+
+        got = np.zeros(a.shape[1])
+        with numba_threads(threads):
+            accumulate_column_sums(got, a, row_weights=w, scratch=scratch)
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_out_of_range_index_leaves_the_sums():
+    from mlemlib.norm import accumulate_column_sums
+
+    a = CSRMatrix(np.array([0, 2, 3]), np.array([1, 2, 9]), np.array([1.0, 2.0, 3.0], np.float32), (2, 4))
+    sums = np.full(4, 0.5)
+    with pytest.raises(MatrixFormatError, match=r"m\.h5: column index 9 out of range \[0, 4\)"):
+        accumulate_column_sums(sums, a, source="m.h5")
+    np.testing.assert_array_equal(sums, 0.5)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "compressed", "compressed-u16"])
+def test_reused_blocks_equal_new_ones(tmp_path, rng, fmt):
+    """iter_chunks(reuse=True) gives the blocks iter_chunks gives (a row longer than the buffers too), in
+    buffers reused in turn."""
+    from mlemlib.compressed import CompressedMatrix
+    from mlemlib.formats import open_matrix, write_compressed_h5
+
+    a = wide_matrix(rng, m=500, n=300, density=0.05)
+    a.data[:] = np.abs(a.data) % 100 + 0.5
+    long = sp.csr_matrix((np.ones(300, np.float32), (np.zeros(300, int), np.arange(300))), shape=(1, 300))
+    s = sp.vstack([sp.csr_matrix((a.data, a.indices, a.indptr), shape=a.shape), long]).tocsr()
+    b = CSRMatrix.from_scipy(s)
+    path = tmp_path / "m.h5"
+    if fmt == "csr":
+        write_matrix_h5(path, b, source="m")
+    else:
+        write_compressed_h5(path, CompressedMatrix.from_csr(b, fmt))
+    with open_matrix(path) as src:
+        plain = [(r0, r1, blk.indptr.copy(), blk.indices.copy(), blk.data.copy())
+                 for r0, r1, blk in src.iter_chunks(max_nnz=211)]
+        seen = set()
+        for (r0, r1, blk), (p0, p1, ip, idx, val) in zip(src.iter_chunks(max_nnz=211, reuse=True), plain, strict=True):
+            assert (r0, r1) == (p0, p1)
+            np.testing.assert_array_equal(np.asarray(blk.indptr) - blk.indptr[0], ip - ip[0])
+            np.testing.assert_array_equal(blk.indices[: blk.nnz], idx[: len(idx)])
+            np.testing.assert_array_equal(blk.data[: blk.nnz], val[: len(val)])
+            seen.add(blk.indices.__array_interface__["data"][0] if blk.nnz <= 211 else None)
+        assert len(seen - {None}) == 2  # two buffers, used in turn

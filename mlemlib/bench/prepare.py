@@ -132,7 +132,7 @@ def problem_arrays(matrix: Any) -> tuple[np.ndarray, np.ndarray]:
     from mlemlib.fold import stored_row_weights
     from mlemlib.formats import open_source
     from mlemlib.matrix import CSRMatrix
-    from mlemlib.norm import accumulate_column_sums
+    from mlemlib.norm import ColumnScratch, accumulate_column_sums
 
     src = open_source(matrix)
     try:
@@ -142,13 +142,14 @@ def problem_arrays(matrix: Any) -> tuple[np.ndarray, np.ndarray]:
         g = np.zeros(m, dtype=np.float64)
         norm = np.zeros(n, dtype=np.float64)
         weights = stored_row_weights(src)
-        for r0, r1, block in src.iter_chunks(CHUNK_NNZ):
+        scratch = ColumnScratch()
+        for r0, r1, block in src.iter_chunks(CHUNK_NNZ, reuse=True):
             if isinstance(block, CSRMatrix):  # each row summed in float64 in its order, on every core
                 host_spmv(block.indptr, block.indices, block.data, x, g[r0:r1])
             else:
                 g[r0:r1] = block.to_scipy() @ x
             accumulate_column_sums(norm, block, source=name,
-                                   row_weights=None if weights is None else weights[r0:r1])
+                                   row_weights=None if weights is None else weights[r0:r1], scratch=scratch)
         if weights is not None:
             g *= weights
     finally:

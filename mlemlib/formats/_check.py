@@ -186,6 +186,8 @@ class RowBlockReader:
     """
 
     shape: tuple[int, int]
+    #: whether ``iter_chunks(reuse=True)`` reads into reused buffers (False where a block is a view already)
+    reads_into_buffers: bool = True
 
     def __enter__(self) -> Self:
         return self
@@ -198,7 +200,7 @@ class RowBlockReader:
         return chunk_bounds(self.read_indptr(), max_nnz)
 
     def iter_chunks(
-        self, max_nnz: int = DEFAULT_CHUNK_NNZ, *, validate: bool = True
+        self, max_nnz: int = DEFAULT_CHUNK_NNZ, *, validate: bool = True, reuse: bool = False
     ) -> Iterator[tuple[int, int, CSRMatrix]]:
         """Yield ``(row0, row1, block)`` covering every row exactly once, in order.
 
@@ -207,10 +209,35 @@ class RowBlockReader:
         whole file. Block k + 1 is read (and decoded, checked) on a helper
         thread while block k is used: two blocks in memory, the reading hidden
         behind the caller's work (the norm, the simulation, the transposition).
+
+        ``reuse``: the blocks' columns and values live in two pairs of buffers
+        of ``max_nnz`` elements, used in turn (:meth:`read_rows_into`), so a
+        pass over a large matrix faults in no new pages block after block; a
+        block is then valid only until the next one is asked for (a longer row
+        gets arrays of its own).
         """
         from mlemlib._io import prefetched
 
         bounds = self.chunk_bounds(max_nnz)
+        if reuse and bounds and self.reads_into_buffers:
+            cap = max(1, int(max_nnz))
+            buffers = [(np.empty(cap, dtype=np.int32), np.empty(cap, dtype=np.float32)) for _ in range(2)]
+
+            def read(k: int) -> CSRMatrix:
+                r0, r1 = bounds[k]
+                idx, val = buffers[k % 2]
+                try:
+                    ip = self.read_rows_into(r0, r1, idx, val, validate=validate)
+                except MatrixFormatError:
+                    raise
+                except ValueError:  # a row longer than the buffers
+                    return self.read_rows(r0, r1, validate=validate)
+                nnz = int(ip[-1])
+                return CSRMatrix(ip, idx[:nnz], val[:nnz], (r1 - r0, self.shape[1]))
+
+            for (r0, r1), block in zip(bounds, prefetched(read, range(len(bounds)))):
+                yield r0, r1, block
+            return
         blocks = prefetched(lambda rr: self.read_rows(rr[0], rr[1], validate=validate), bounds)
         for (r0, r1), block in zip(bounds, blocks):
             yield r0, r1, block

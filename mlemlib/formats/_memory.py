@@ -98,6 +98,9 @@ class InMemoryMatrix(RowBlockReader):
         self.nnz = matrix.nnz
         self.attrs: dict = {}
 
+    #: its blocks are views of its arrays: nothing to read into buffers
+    reads_into_buffers = False
+
     def close(self) -> None:
         """Nothing to release (kept for interface symmetry)."""
 

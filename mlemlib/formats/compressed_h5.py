@@ -37,6 +37,7 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -355,10 +356,42 @@ class CompressedH5(MatrixH5):
         start, stop = check_range(start, stop, self.shape[0], self.source)
         return self._read("scale", start, stop) if not self.lossless else None
 
-    #: decoded rows are a new block: copied into the caller's buffers (not the plain container's direct read),
-    #: and a range's row pointer comes from the decoded one (there is no /indptr)
-    read_rows_into = RowBlockReader.read_rows_into
+    #: a range's row pointer comes from the decoded one (there is no /indptr)
     row_pointer = RowBlockReader.row_pointer
+
+    def read_rows_into(self, start: int, stop: int, indices: np.ndarray, data: np.ndarray, *,
+                       validate: bool = True) -> np.ndarray:
+        """Rows ``[start, stop)`` decoded straight into the front of ``indices`` (int32) and ``data`` (float32);
+        the range's row pointer from 0 (:meth:`RowBlockReader.read_rows_into`; checked as :meth:`read_rows`).
+
+        The encoded slots pass through this thread's scratch arrays, kept for its next call (a pass over the
+        matrix with reused buffers, ``iter_chunks(reuse=True)``, faults in no new pages); other dtypes are
+        decoded into a new block and copied.
+        """
+        if indices.dtype != np.int32 or data.dtype != np.float32:
+            return RowBlockReader.read_rows_into(self, start, stop, indices, data, validate=validate)
+        start, stop = check_range(start, stop, self.shape[0], self.source)
+        sp = self.read_slotptr(start, stop)
+        lo, hi = int(sp[0]), int(sp[-1])
+        codes, values = self._scratch(hi - lo)
+        if hi > lo:
+            with setup_times.phase("read", nbytes=codes.nbytes + values.nbytes):
+                self._read_into("codes", lo, hi, codes)
+                self._read_into("values", lo, hi, values)
+        scale = self._read("scale", start, stop) if not self.lossless else None
+        block = decode_slots(sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo,
+                             check_values=validate, out=(indices, data))
+        return np.asarray(block.indptr, dtype=np.int64)
+
+    def _scratch(self, slots: int) -> tuple[np.ndarray, np.ndarray]:
+        """This thread's codes and values arrays for ``slots`` slots (grown, never shrunk)."""
+        local = self.__dict__.setdefault("_scratch_local", threading.local())
+        have = getattr(local, "arrays", None)
+        if have is None or len(have[0]) < slots:
+            dts = _datasets(self.format, self.code_bits)
+            have = (np.empty(slots, dtype=dts["codes"]), np.empty(slots, dtype=dts["values"]))
+            local.arrays = have
+        return have[0][:slots], have[1][:slots]
 
     def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
         """Rows ``[start, stop)`` decoded into CSR (``indptr`` from 0).
