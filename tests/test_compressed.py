@@ -1649,3 +1649,16 @@ def test_fingerprint_of_a_container_reads_no_codes(tmp_path, monkeypatch):
     monkeypatch.setattr(CompressedH5, "read_indptr", no_codes)
     with CompressedH5(p1) as a, CompressedH5(p1) as again, CompressedH5(p2) as b:
         assert matrix_fingerprint(a) == matrix_fingerprint(again) != matrix_fingerprint(b)
+
+
+@pytest.mark.parametrize(("slots", "piece"), [
+    (6_233_060_612, 1 << 26),  # Matrix 3 on one GPU
+    (3_116_541_592, 1 << 25),  # a GPU's half
+    (1_558_000_000, 1 << 24),  # a GPU's quarter
+    (10_000, 1 << 22), (0, 1 << 22),
+])
+def test_upload_piece_keeps_many_pieces(slots, piece):
+    """At least UPLOAD_PIECES pieces of a power of two of slots, within [UPLOAD_MIN_PIECE, UPLOAD_CHUNK_NNZ]."""
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    assert gpu.upload_piece(slots) == piece

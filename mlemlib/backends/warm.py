@@ -124,11 +124,19 @@ def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr
 
 def warm_host(reference: bool = True, bench: bool = False) -> None:
     """Compile the host's Numba functions a workflow's jobs call, on the small matrix (their caches on
-    disk): the float64 reference's iteration, the chunked layout, and with ``bench`` the benchmark's problem
-    and float64 products."""
+    disk): the decoder of a compressed container and the norm's and the measurement's passes over the
+    matrix (which start as soon as it is written), the float64 reference's iteration, the chunked layout,
+    and with ``bench`` the benchmark's problem and float64 products."""
     from mlemlib import chunked
+    from mlemlib.compressed import CompressedMatrix
+    from mlemlib.norm import column_sums
+    from mlemlib.phantom import project_images
 
     a, g, norm = small_problem()
+    for fmt in ("compressed", "compressed-u16"):
+        CompressedMatrix.from_csr(a, fmt).to_csr()
+    column_sums(a)
+    project_images(a, [np.ones(a.shape[1])])
     if reference:
         _cpu_reference(a, g, norm)
     for _ in chunked.layout_blocks(a, "csr", window=chunked.DEFAULT_WINDOW):
