@@ -49,9 +49,12 @@ def test_warm_up_records_a_failed_choice_and_goes_on(monkeypatch):
             raise RuntimeError("no GPU here")
 
     monkeypatch.setattr(warm, "_run_choice", run_choice)
+    measured = []
+    monkeypatch.setattr(warm, "_copy_bandwidth", lambda: measured.append(True))
     runs = [{"backend": "cuda", "fp": "auto", "bp": bp, "secsize": None, "graph": False, "gpus": 1,
              "layout": "local"} for bp in ("auto", "onepass_fixed")]
     record = warm.warm_up(runs, formats=("csr", "compressed"), subsets=4, background=True)
+    assert measured == [True] and record["choices"][-1]["copy_bandwidth"] is True  # every GPU run measures it
     assert len(compiled) == len(record["builds"]) > 3
     assert record["host"] == 0  # the host functions' process (warm_host) ended well
     assert ran == [(bp, s, True, kind) for kind in ("CSRMatrix", "CompressedMatrix")
@@ -60,7 +63,7 @@ def test_warm_up_records_a_failed_choice_and_goes_on(monkeypatch):
     assert [(c["bp"], c["format"], c["subsets"]) for c in failed] == [
         ("onepass_fixed", f, s) for f in ("csr", "compressed") for s in (1, 2)]
     assert all(c["error"] == "RuntimeError: no GPU here" for c in failed)
-    assert len(record["choices"]) == 8
+    assert len(record["choices"]) == 8 + 1
 
 
 def test_the_host_warm_up_runs_the_functions_the_cpu_jobs_compile():
@@ -86,7 +89,7 @@ def test_warm_up_runs_every_choice_on_the_gpu():
     assert [c for c in record["choices"] if "error" in c] == [] and record["host"] == 0
     assert len(record["choices"]) == 2 * 4 + 2
     osem = warm.warm_up(runs[:1], subsets=8, background=True, reference=False, host=False)
-    assert [c["subsets"] for c in osem["choices"]] == [1, 2]
+    assert [c.get("subsets", "copy bandwidth") for c in osem["choices"]] == [1, 2, "copy bandwidth"]
     assert [c for c in osem["choices"] if "error" in c] == []
 
 

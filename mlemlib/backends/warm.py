@@ -64,8 +64,8 @@ def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr
             host: bool = True) -> dict[str, Any]:
     """Compile every kernel build for GPU 0 (the job's GPU) and run each kernel choice of ``runs`` (see
     :func:`run_choices`) on a small matrix in each of ``formats``; with ``subsets`` > 1 also as OSEM (two subsets),
-    with ``background`` with a background term; with ``bench`` what the SpMV benchmark adds (cuSPARSE, the
-    copy-bandwidth measurement). The host's Numba functions (the float64 reference's iteration with
+    with ``background`` with a background term; with ``bench`` what the SpMV benchmark adds (cuSPARSE); and the
+    copy-bandwidth measurement every GPU run makes. The host's Numba functions (the float64 reference's iteration with
     ``reference``, the benchmark's problem and float64 products, the chunked layout) compile meanwhile in a
     process of their own (:func:`warm_host`; ``host`` False: not). The builds compile in background threads while the choices run,
     each choice waiting only for its own. A choice that fails here is logged and left (its run reports it).
@@ -102,7 +102,9 @@ def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr
         cusparse = {"fp": "cusparse", "bp": "cusparse", "secsize": None, "nccl": False, "layout": "local",
                     "graph": False}
         done.append(_timed({**cusparse, "format": "csr"}, _run_choice, a, g, norm, cusparse, 1, False))
-        done.append(_timed({"copy_bandwidth": True}, _copy_bandwidth))
+    # Every GPU run measures its GPUs' copy bandwidth before its first iteration: CuPy's reduction in its check
+    # compiled there, 4-6 s in each of the first jobs to start together on a fresh machine.
+    done.append(_timed({"copy_bandwidth": True}, _copy_bandwidth))
     for build in builds:
         _build.module(build, 0)
     log.info("compiled %d kernel builds (%.1f s)", len(builds), time.perf_counter() - t0)
