@@ -154,3 +154,33 @@ def test_truncated_file_is_one_line(tmp_path):
             src.read_rows(0, 3000)
     finally:
         src.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_reads_with_its_own_pool(tmp_path):
+    """The pool's threads stay in the parent: a child forked after a direct read reads with a new pool (the old
+    one would take its work and never run it)."""
+    import multiprocessing as mp
+
+    p = tmp_path / "d.h5"
+    data = np.arange(200_000, dtype=np.float32)
+    with h5py.File(p, "w") as f:
+        f.create_dataset("x", data=data, chunks=(4096,))
+    f, fd, d = _direct(p, "x")
+    try:
+        out = np.empty(data.size, dtype=np.float32)
+        assert d.read(0, data.size, out) and D._pool is not None
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+
+        def child():
+            got = np.empty(data.size, dtype=np.float32)
+            q.put(bool(d.read(0, data.size, got)) and bool((got == data).all()))
+
+        proc = ctx.Process(target=child)
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0 and q.get(timeout=5) is True
+    finally:
+        f.close()
+        os.close(fd)

@@ -45,6 +45,17 @@ def _read_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist there; the child makes its own."""
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 class DirectDataset:
     """File byte offsets of one 1-D dataset, for :meth:`read`; build with :meth:`of` (None if not possible)."""
 
