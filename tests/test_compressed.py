@@ -1662,3 +1662,30 @@ def test_upload_piece_keeps_many_pieces(slots, piece):
     from mlemlib.backends import _compressed_cuda as gpu
 
     assert gpu.upload_piece(slots) == piece
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_read_encoded_into_equals_read_encoded(tmp_path, fmt):
+    """The rows read into the caller's buffers are read_encoded's, checked alike; check=False leaves the
+    columns and values (nnz 0) and still refuses a bad row scale; short buffers are a ValueError."""
+    from mlemlib.compressed import CODE_DTYPES, VALUE_DTYPES
+
+    c = CompressedMatrix.from_csr(random_csr(300, 800, 61), fmt)
+    path = tmp_path / "m.h5"
+    write_compressed_h5(path, c)
+    with CompressedH5(path) as src:
+        codes = np.empty(src.slots, dtype=CODE_DTYPES[src.code_bits])
+        values = np.empty(src.slots, dtype=VALUE_DTYPES[fmt])
+        want = src.read_encoded(41, 257)
+        got = src.read_encoded_into(41, 257, codes, values)
+        assert got.nnz == want.nnz and np.shares_memory(got.codes, codes)
+        np.testing.assert_array_equal(got.codes, want.codes)
+        np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8))
+        assert src.read_encoded_into(41, 257, codes, values, check=False).nnz == 0
+        with pytest.raises(ValueError, match="buffers"):
+            src.read_encoded_into(0, 300, codes[:10], values)
+    if fmt != "compressed":
+        with h5py.File(path, "r+") as f:
+            f["scale"][7] = np.nan
+        with CompressedH5(path) as src, pytest.raises(MatrixFormatError, match=r"row scale nan of row 7"):
+            src.read_encoded_into(0, 300, codes, values, check=False)
