@@ -39,7 +39,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -324,16 +324,13 @@ class CompressedH5(MatrixH5):
         the caller (a GPU upload checks them on the device, ``ccheck``); the result's ``nnz`` is then 0.
         """
         start, stop = check_range(start, stop, self.shape[0], self.source)
-        sp = self.read_slotptr(start, stop)
-        lo, hi = int(sp[0]), int(sp[-1])
-        if hi - lo > min(len(codes), len(values)):
-            raise ValueError(f"rows {start}..{stop} hold {hi - lo} slots, the buffers {min(len(codes), len(values))}")
-        c, v = codes[: hi - lo], values[: hi - lo]
-        if hi > lo:
-            with setup_times.phase("read", nbytes=c.nbytes + v.nbytes):
-                self._read_into("codes", lo, hi, c)
-                self._read_into("values", lo, hi, v)
-        scale = self._read("scale", start, stop) if not self.lossless else None
+
+        def given(slots: int) -> tuple[np.ndarray, np.ndarray]:
+            if slots > min(len(codes), len(values)):
+                raise ValueError(f"rows {start}..{stop} hold {slots} slots, the buffers {min(len(codes), len(values))}")
+            return codes[:slots], values[:slots]
+
+        sp, lo, c, v, scale = self._read_slots(start, stop, given)
         if check:
             nnz = check_slots(sp, c, v, scale, self.shape[1], source=self.source, row0=start, slot0=lo)
         else:
@@ -341,13 +338,26 @@ class CompressedH5(MatrixH5):
             nnz = 0
         return CompressedMatrix.from_arrays(sp - lo, c, v, scale, (stop - start, self.shape[1]), nnz, self.code_bits)
 
-    def _read_slots(self, start: int, stop: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray | None]:
+    def _read_slots(
+        self, start: int, stop: int, buffers: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
+    ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray | None]:
         """The slot pointer of rows ``[start, stop)`` (a checked range), its first slot, the codes and values
-        of its slots and the rows' scales (None for float32 values): what every row reader decodes."""
+        of its slots and the rows' scales (None for float32 values): what every row reader decodes.
+
+        ``buffers(slots)`` gives the codes and values arrays of ``slots`` slots to read into (the caller's,
+        or reused scratch); None: new arrays.
+        """
         sp = self.read_slotptr(start, stop)
         lo, hi = int(sp[0]), int(sp[-1])
-        codes = self._read("codes", lo, hi)
-        values = self._read("values", lo, hi)
+        if buffers is None:
+            codes = np.empty(hi - lo, dtype=self._ds["codes"].dtype.newbyteorder("="))
+            values = np.empty(hi - lo, dtype=self._ds["values"].dtype.newbyteorder("="))
+        else:
+            codes, values = buffers(hi - lo)
+        if hi > lo:
+            with setup_times.phase("read", nbytes=codes.nbytes + values.nbytes):
+                self._read_into("codes", lo, hi, codes)
+                self._read_into("values", lo, hi, values)
         scale = self._read("scale", start, stop) if not self.lossless else None
         return sp, lo, codes, values, scale
 
@@ -371,14 +381,7 @@ class CompressedH5(MatrixH5):
         if indices.dtype != np.int32 or data.dtype != np.float32:
             return RowBlockReader.read_rows_into(self, start, stop, indices, data, validate=validate)
         start, stop = check_range(start, stop, self.shape[0], self.source)
-        sp = self.read_slotptr(start, stop)
-        lo, hi = int(sp[0]), int(sp[-1])
-        codes, values = self._scratch(hi - lo)
-        if hi > lo:
-            with setup_times.phase("read", nbytes=codes.nbytes + values.nbytes):
-                self._read_into("codes", lo, hi, codes)
-                self._read_into("values", lo, hi, values)
-        scale = self._read("scale", start, stop) if not self.lossless else None
+        sp, lo, codes, values, scale = self._read_slots(start, stop, self._scratch)
         block = decode_slots(sp, codes, values, scale, self.shape[1], source=self.source, row0=start, slot0=lo,
                              check_values=validate, out=(indices, data))
         return np.asarray(block.indptr, dtype=np.int64)
