@@ -1175,6 +1175,54 @@ def test_fixed_point_scale_and_lanes():
     assert choose_lanes(700, cap=16) == 16
 
 
+def test_fixed_limits_hand_computed():
+    from mlemlib.backends._compressed_cuda import fixed_limits
+
+    assert fixed_limits(3) == (3074457345618258602, 2**63)  # 2^63 // 3, by hand
+    assert fixed_limits(0, 4) == (2**63, 2**61)
+    assert fixed_limits(2**20, 2) == (2**43, 2**62)
+    for bad in ((-1, 1), (5, 0)):
+        with pytest.raises(ValueError, match="fixed_limits"):
+            fixed_limits(*bad)
+
+
+def _model_adds(terms, gpu_of, red_lim, sum_lim):
+    """add_term's fixed-point adds as exact integers: (each GPU's sum, whether a flag was set)."""
+    sums = [0] * (max(gpu_of) + 1)
+    flag = False
+    for u, p in zip(terms, gpu_of):
+        old = sums[p]
+        sums[p] = old + u
+        if u >= red_lim and old + u >= sum_lim:
+            flag = True
+    return sums, flag
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_fixed_limits_leave_no_sum_to_wrap_unflagged(gpus):
+    """Adversarial term sequences into one output, up to K terms over P GPUs: while no flag is set, neither
+    a GPU's sum nor the all-reduced sum reaches 2^64 (what lets the small terms skip the read-back)."""
+    from mlemlib.backends._compressed_cuda import fixed_limits
+
+    rng = np.random.default_rng(gpus)
+    k = 40
+    red, top = fixed_limits(k, gpus)
+    unflagged = 0
+    for _ in range(3000):
+        n = int(rng.integers(1, k + 1))
+        kind = rng.integers(0, 3, n)  # largest term below red_lim, a term just at red_lim, a random large one
+        terms = [red - 1 if t == 0 else red if t == 1 else int(rng.integers(red, 2**64 - 1, dtype=np.uint64))
+                 for t in kind]
+        sums, flag = _model_adds(terms, [int(p) for p in rng.integers(0, gpus, n)], red, top)
+        if not flag:
+            unflagged += 1
+            assert max(sums) < 2**64 and sum(sums) < 2**64
+    assert unflagged > 100
+    # the limits are tight: k terms of red_lim - 1 never flag, and a sum at sum_lim does
+    assert _model_adds([red - 1] * k, [0] * k, red, top) == ([k * (red - 1)], False)
+    assert _model_adds([top], [0], red, top)[1]
+
+
 # --------------------------------------------------------------------------- GPU (skipped without one)
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -1205,6 +1253,46 @@ def test_gpu_kernels_match_numba(fmt):
                 if det:
                     again, _ = gpu.onepass(m_, gd, fd, lanes=lanes, deterministic=True)
                     np.testing.assert_array_equal(bp.get(), again.get())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_fixed_point_limits(fmt):
+    """The fixed-point one pass adds the same integers whether its terms go as reductions (below red_lim) or
+    as checked atomics, and flags exactly where a checked sum reaches sum_lim; each column's element count
+    (the limits' K) is numpy's, on the compressed matrix and on CSR."""
+    import cupy as cp
+
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    a = random_csr(300, 800, 23)
+    c = CompressedMatrix.from_csr(a, fmt)
+    r = a if fmt == "compressed" else c.to_csr()
+    f, g = _vectors(a, 5)
+    fd, gd = cp.asarray(f), cp.asarray(g)
+    want_k = int(np.bincount(np.asarray(r.indices), minlength=800).max())
+    for m_ in (gpu.DeviceCompressed.from_host(c), gpu.upload_csr(r)):
+        assert gpu.column_count_max(m_) == want_k
+        scale = gpu.fixed_scale(gpu.onepass_bound(gd, fd))
+        fp = cp.empty(300, dtype=cp.float32)
+
+        def run(limits, lanes):
+            acc = cp.zeros(800, dtype=cp.uint64)
+            flag = cp.zeros(1, dtype=cp.int32)
+            gpu.onepass_fixed(m_, gd, fd, acc, fp, scale, flag, lanes=lanes, limits=limits)
+            return acc.get(), int(flag.get()[0])
+
+        for lanes in gpu.LANE_CHOICES:
+            checked, bad = run((0, 2**64 - 1), lanes)  # every add returns the old sum
+            assert bad == 0 and checked.max() > 2**20
+            for limits in (None, (2**63, 2**63), gpu.fixed_limits(want_k, 4)):
+                got, bad = run(limits, lanes)
+                assert bad == 0
+                np.testing.assert_array_equal(got, checked)
+            top = int(checked.max())
+            assert run((0, top), lanes)[1] == 2  # the largest sum reaches a limit of itself
+            assert run((0, top + 1), lanes)[1] == 0
+            assert run((2**63, top), lanes)[1] == 0  # reductions are not checked
 
 
 @pytest.mark.gpu

@@ -542,6 +542,62 @@ def fixed_scale(bound: float) -> float:
     return math.ldexp(1.0, k)
 
 
+#: Column counts at or above this are not exact in ``ccount_<kind>``'s float32 sums.
+_COUNT_EXACT = 1 << 24
+
+
+def column_count_max(a: Any) -> int:
+    """The most elements any column of a device matrix holds (stored zeros included); computed once per matrix.
+
+    A :class:`DeviceCompressed` is counted by ``ccount_<kind>`` (its columns decoded as the scatter
+    decodes them, a float32 atomic add of 1 per element: exact below 2^24; a larger count gives the
+    matrix's ``nnz``, which bounds it as well); CSR arrays by ``bincount`` of their columns.
+    """
+    cached = getattr(a, "_column_count_max", None)
+    if cached is not None:
+        return cached
+    cp = cupy()
+    m, n = a.shape
+    if m == 0 or n == 0:
+        k = 0
+    elif isinstance(a, DeviceCompressed):
+        counts = cp.zeros(n, dtype=cp.float32)
+        groups, order = spread(m, 0)
+        _launch_rows(function(f"ccount_{a.kind}"), groups, 32, (*a.kernel_args(), counts, np.int64(m), *order))
+        k = int(cp.max(counts))
+        if k >= _COUNT_EXACT:
+            k = int(a.nnz)
+        del counts
+    else:
+        k = int(cp.max(cp.bincount(a.indices, minlength=n)))
+    try:
+        a._column_count_max = k
+    except AttributeError:  # an object that takes no new attributes: counted again next time
+        pass
+    return k
+
+
+def fixed_limits(terms: int, gpus: int = 1) -> tuple[int, int]:
+    """``(red_lim, sum_lim)`` of the fixed-point kernels' adds, where no output gets more than ``terms``
+    terms over all ``gpus`` GPUs (the sum of each GPU's :func:`column_count_max`).
+
+    A term below ``red_lim = 2^63 // terms`` is added without reading the sum back: all of them
+    together add less than 2^63 to an output. A larger one is checked against ``sum_lim = 2^63 // gpus``:
+    the kernel flags a GPU's sum that reaches it. While no flag is set, no GPU's sum and no all-reduced
+    sum reaches 2^64. ``terms = 0`` gives ``red_lim = 2^63``.
+    """
+    terms, gpus = int(terms), int(gpus)
+    if terms < 0 or gpus < 1:
+        raise ValueError(f"fixed_limits needs terms >= 0 and gpus >= 1, got {terms} and {gpus}")
+    return (1 << 63) // max(terms, 1), (1 << 63) // gpus
+
+
+def _limits(a: Any, limits: tuple[int, int] | None) -> tuple[np.uint64, np.uint64]:
+    """The kernels' ``red_lim, sum_lim`` arguments: ``limits``, or one GPU's from ``a``'s column counts."""
+    red, top = limits if limits is not None else fixed_limits(column_count_max(a))
+    return np.uint64(red), np.uint64(top)
+
+
 def onepass_bound(g: Any, f: Any) -> float:
     """Upper bound of every ``bp_j`` with ``f_j > 0`` in a one-pass step: ``sum(g) / min(f_j > 0)``.
 
@@ -646,6 +702,7 @@ def scatter(
     bound: float | None = None,
     check: bool = True,
     stats: dict | None = None,
+    limits: tuple[int, int] | None = None,
     **_: Any,
 ) -> Any:
     """``out = A^T c`` from the rows of a compressed ``A`` (no transpose).
@@ -653,7 +710,8 @@ def scatter(
     With ``deterministic=False`` float atomics (order-dependent); with
     ``True`` 64-bit fixed point (bit-reproducible), its scale from ``bound``
     (default ``sum(c) * max(A)``, which bounds every output). ``stats``
-    receives ``scale``, ``bound`` and ``retries``. Returns ``out``. The registry's launcher of
+    receives ``scale``, ``bound`` and ``retries``; ``limits``: :func:`fixed_limits` (default: this
+    matrix alone's). Returns ``out``. The registry's launcher of
     ``delta_scatter``; other kernels' keywords (``kernel``, ``smem``, ...) are ignored.
     """
     cp = cupy()
@@ -675,12 +733,13 @@ def scatter(
     acc = cp.empty(n, dtype=cp.uint64)
     flag = cp.zeros(1, dtype=cp.int32)
     fn = function(f"cscatter_det_{a.kind}_{L}")
+    lims = _limits(a, limits)
 
     groups, order = spread(m, 0)  # the fixed point's 64-bit atomics in row order
 
     def launch(scale: float) -> None:
         if m:
-            _launch_rows(fn, groups, L, (*args, c, acc, np.float64(scale), flag, np.int64(m), *order))
+            _launch_rows(fn, groups, L, (*args, c, acc, np.float64(scale), flag, *lims, np.int64(m), *order))
 
     scale = _fixed_loop(launch, acc, flag, bound, check, stats)
     return fixed_to_float(acc, out, scale)
@@ -719,6 +778,7 @@ def onepass_fixed(
     *,
     lanes: int | None = None,
     bg: Any = None,
+    limits: tuple[int, int] | None = None,
 ) -> None:
     """The deterministic one-pass kernel alone: ``acc += rint(c_i a_ij * scale)``, ``fp = A f``.
 
@@ -729,16 +789,18 @@ def onepass_fixed(
     For several GPUs: every GPU runs this on its row block with the same
     ``scale`` (and ``lanes``), the ``acc`` arrays are summed as uint64
     (e.g. an NCCL all-reduce), then :func:`fixed_to_float` gives ``bp``:
-    bit-identical for every GPU count.
+    bit-identical for every GPU count. ``limits``: :func:`fixed_limits` of every GPU's block (default:
+    ``a`` alone's, one GPU).
     """
     kind, args, mean = _matrix_args(a)
     m, n = a.shape
     L = _lanes(lanes, choose_lanes(mean))
     if m:
+        lims = _limits(a, limits)
         groups, order = spread(m)
         _launch_rows(
             function(_onepass_name(kind, L, True)), groups, L,
-            (*args, f, g, _background(bg, m), fp, acc, np.float64(scale), flag, np.int64(m), *order),
+            (*args, f, g, _background(bg, m), fp, acc, np.float64(scale), flag, *lims, np.int64(m), *order),
             waves=0 if kind == "csr" else None,  # the CSR kernels have no row loop
         )
 
@@ -830,16 +892,17 @@ def onepass_step(a: Any, g: Any, f: Any, *, fp: Any, bp: Any = None, lanes: int 
 
 
 def onepass_fixed_step(a: Any, g: Any, f: Any, *, fp: Any, acc: Any = None, flag: Any = None, bound: float = 1.0,
-                       lanes: int | None = None, bg: Any = None, **_: Any) -> float:
+                       lanes: int | None = None, bg: Any = None, limits: tuple[int, int] | None = None,
+                       **_: Any) -> float:
     """One GPU's part of a ``onepass_fixed`` iteration: ``fp = A_k f`` and the terms ``c_i a_ij`` of its
     rows added into ``acc`` (uint64, zero on entry, as ``flag``) as 64-bit fixed point of the scale that
     :func:`fixed_scale` gives ``bound``; returns that scale. Several GPUs add their ``acc`` and convert
-    with :func:`fixed_to_float`; the fixed point is then the same bits for every GPU count. Nothing is
-    synchronised.
+    with :func:`fixed_to_float`; the fixed point is then the same bits for every GPU count. ``limits``:
+    :func:`fixed_limits` of all GPUs' blocks (default: ``a`` alone's). Nothing is synchronised.
     """
     _, _, mean = _matrix_args(a)
     scale = fixed_scale(bound)
-    onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=_lanes(lanes, choose_lanes(mean)), bg=bg)
+    onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=_lanes(lanes, choose_lanes(mean)), bg=bg, limits=limits)
     return scale
 
 

@@ -373,6 +373,9 @@ class CudaBackend(Backend):
             self._acc = cp.empty(n, dtype=cp.uint64) if self.onepass and self.deterministic else None
             self._lanes_onepass = cc().onepass_lanes(m, nnz, self.format)  # as on N GPUs
             self._flag = cp.zeros(1, dtype=cp.int32) if self.onepass and self.deterministic else None
+            # the fixed-point kernel's add limits, from the matrix's longest column (one count pass, here)
+            self._limits = (cc().fixed_limits(cc().column_count_max(self.a))
+                            if self._kb.name == "onepass_fixed" else None)
             self._images: list[Any] | None = None  # the one pass's two image buffers
             # The one pass on a compressed A: its atomic target (bp, or the fixed point's accumulator) kept
             # in L2 by a persisting access-policy window on the iteration's own stream (blocking: ordered
@@ -531,7 +534,8 @@ class CudaBackend(Backend):
                 self._acc.fill(0)
                 self._flag.fill(0)
             scale = step(self.a, self.g, f, fp=self._fp, bp=self._bp, acc=self._acc, flag=self._flag,
-                         bound=self._fixed_bound, lanes=self._lanes_onepass, bg=self.bg)
+                         bound=self._fixed_bound, lanes=self._lanes_onepass, bg=self.bg,
+                         limits=self._limits)
             if attempt == 0:
                 self._record("bp")
             if self.deterministic:

@@ -340,6 +340,7 @@ class NcclBackend(Backend):
         for s, comm in zip(self.shards, comms):
             s.comm = comm
         self.nccl_version = int(nccl.get_version())
+        self._limits = self._fixed_limits() if self._kb.name == "onepass_fixed" else None
 
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -380,6 +381,20 @@ class NcclBackend(Backend):
             ev = s.events[name] = cp.cuda.Event()
         ev.record(s.stream)
         s.order.append(name)
+
+    def _fixed_limits(self) -> tuple[int, int]:
+        """The fixed-point one pass's add limits (:func:`~mlemlib.backends._compressed_cuda.fixed_limits`):
+        each GPU counts its block's longest column, one all-reduce sums the counts over every rank."""
+        cp = _cupy()
+        counts = []
+        for s in self.shards:
+            with cp.cuda.Device(s.device), s.stream:
+                counts.append(cp.full(1, cc.column_count_max(s.a), dtype=cp.uint64))
+        self._allreduce([(c, c) for c in counts], _nccl().NCCL_UINT64)
+        s = self.shards[0]
+        with cp.cuda.Device(s.device):
+            terms = int(counts[0].get(stream=s.stream)[0])
+        return cc.fixed_limits(terms, self.world)
 
     def _allreduce(self, pairs: list[tuple[Any, Any]], dtype: Any = None) -> None:
         """Grouped sum all-reduce: ``pairs[k] = (send, recv)`` on shard k's stream (float32, or ``dtype``).
@@ -431,7 +446,7 @@ class NcclBackend(Backend):
                         s.acc.fill(0)
                         s.flag.fill(0)
                     scale = step(s.a, s.g, s.f, fp=s.fp, bp=s.bp, acc=s.acc, flag=s.flag, bound=self._fixed_bound,
-                                 lanes=self.lanes_onepass, bg=s.bg)
+                                 lanes=self.lanes_onepass, bg=s.bg, limits=self._limits)
                     self._mark(s, "bp", record)
             if self.deterministic:
                 self._allreduce([(s.acc, s.acc) for s in self.shards], nccl.NCCL_UINT64)

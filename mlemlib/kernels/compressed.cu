@@ -38,6 +38,7 @@
 //   chunked_onepass        the one-pass step through a chunk plan (mlemlib/chunked.py):
 //                          shared-memory sums, 64-bit fixed point; deterministic.
 //   ccheck_<K>             the upload's check of the rows (columns, values) and their element count.
+//   ccount_<K>             each column's element count (the fixed point's limits, add_term).
 //   fixed_to_float         out = acc / scale.
 //
 // One-pass on CSR: the lanes keep the first OP_CACHE trips of their row
@@ -57,8 +58,8 @@
 // and for every GPU count when the partial sums are added as integers. `scale`
 // is a power of two from an upper bound B of every output (scale * B <= 2^62);
 // an output of K terms is off by at most K / (2 scale) before its final float32
-// rounding. A term that does not fit sets bit 0 of *flag, a wrapping addition
-// bit 1: the caller retries with a larger bound.
+// rounding. A term that does not fit sets bit 0 of *flag, a sum that reaches its
+// limit bit 1 (add_term): the caller retries with a larger bound.
 //
 // Offsets (slots, elements, rows) are 64-bit throughout.
 
@@ -127,19 +128,37 @@ __device__ __forceinline__ i64 warp_max(i64 v) {
     return v;
 }
 
-// bp[j] += t (float atomic) or acc[j] += rint(t * fscale) (fixed point).
+// The fixed point's accumulator and limits (the _det kernels' acc, fscale, flag, red_lim, sum_lim;
+// empty for the float kernels). See add_term.
+struct Fixed {
+    u64* acc = nullptr;
+    double scale = 0.0;
+    int* flag = nullptr;
+    u64 red_lim = 0ull;
+    u64 sum_lim = 0ull;
+};
+
+// bp[j] += t (float atomic) or fx.acc[j] += u = rint(t * fx.scale) (fixed point). A term u below
+// fx.red_lim is added without reading the sum back (a reduction, which the L2 cache serves at about
+// twice the rate of an atomic that returns the old value); a larger one returns the old sum, and
+// bit 1 of *flag is set when the new sum reaches fx.sum_lim. The caller sets red_lim = 2^63 / K,
+// K bounding the terms any one output receives over all GPUs, and sum_lim = 2^63 / P for P GPUs:
+// the reductions then add less than 2^63 to an output, the checked adds less than 2^63 over all
+// GPUs while no flag is set, and no sum, per GPU or all-reduced, wraps unseen.
 template <bool DET>
-__device__ __forceinline__ void add_term(float* bp, u64* acc, unsigned j, float t, double fscale, int* flag) {
+__device__ __forceinline__ void add_term(float* bp, const Fixed& fx, unsigned j, float t) {
     if (DET) {
-        const double q = (double)t * fscale;
+        const double q = (double)t * fx.scale;
         if (!(q >= 0.0 && q < 18446744073709551616.0)) {
-            atomicOr(flag, 1);
+            atomicOr(fx.flag, 1);
             return;
         }
         const u64 u = __double2ull_rn(q);
-        if (u != 0ull) {
-            const u64 old = atomicAdd(acc + j, u);
-            if (old + u < old) atomicOr(flag, 2);
+        if (u < fx.red_lim) {
+            if (u != 0ull) atomicAdd(fx.acc + j, u);
+        } else {
+            const u64 old = atomicAdd(fx.acc + j, u);
+            if (u >= fx.sum_lim || old >= fx.sum_lim - u) atomicOr(fx.flag, 2);
         }
     } else {
         atomicAdd(bp + j, t);
@@ -174,17 +193,16 @@ __device__ __forceinline__ float csr_row_dot(i64 s, i64 e, int lane, const int* 
 template <int L, bool DET, bool STOP>
 __device__ __forceinline__ void csr_row_scatter(i64 s, i64 e, int lane, const int* __restrict__ idx,
                                                 const float* __restrict__ val, const unsigned cc[OP_CACHE],
-                                                const float cv[OP_CACHE], float ci, float* bp, u64* acc,
-                                                double fscale, int* flag) {
+                                                const float cv[OP_CACHE], float ci, float* bp, const Fixed& fx) {
 #pragma unroll
     for (int t = 0; t < OP_CACHE; ++t) {
         if (STOP && s + (i64)L * t >= e) break;
-        if (cv[t] != 0.0f) add_term<DET>(bp, acc, cc[t], cv[t] * ci, fscale, flag);
+        if (cv[t] != 0.0f) add_term<DET>(bp, fx, cc[t], cv[t] * ci);
     }
     for (i64 k = s + (i64)L * OP_CACHE + lane; k < e; k += L) {
         const unsigned j = (unsigned)__ldcs(idx + k);  // both loads before the branch
         const float v = __ldcs(val + k);
-        if (v != 0.0f) add_term<DET>(bp, acc, j, v * ci, fscale, flag);
+        if (v != 0.0f) add_term<DET>(bp, fx, j, v * ci);
     }
 }
 
@@ -196,8 +214,7 @@ __device__ __forceinline__ void csr_row_scatter(i64 s, i64 e, int lane, const in
 template <int L, bool DET>
 __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, const int* __restrict__ idx,
                                                  const float* __restrict__ val, const float* __restrict__ f,
-                                                 const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, u64* acc,
-                                                 double fscale, int* flag, i64 m, i64 P, i64 U) {
+                                                 const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, const Fixed& fx, i64 m, i64 P, i64 U) {
     const int lane = threadIdx.x & (L - 1);
     const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const i64 ngroups = ((i64)gridDim.x * blockDim.x) / L;
@@ -220,7 +237,7 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
             ci = row_ratio(sum, g, bg, r);
             if (lane == 0) fp[r] = sum;
         }
-        if (ci != 0.0f) csr_row_scatter<L, DET, false>(s, e, lane, idx, val, cc, cv, ci, bp, acc, fscale, flag);
+        if (ci != 0.0f) csr_row_scatter<L, DET, false>(s, e, lane, idx, val, cc, cv, ci, bp, fx);
     }
 }
 
@@ -231,8 +248,7 @@ __device__ __forceinline__ void onepass_csr_body(const i64* __restrict__ rp, con
 template <bool DET>
 __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, const int* __restrict__ idx,
                                                  const float* __restrict__ val, const float* __restrict__ f,
-                                                 const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, u64* acc,
-                                                 double fscale, int* flag, i64 m, i64 P, i64 U) {
+                                                 const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, const Fixed& fx, i64 m, i64 P, i64 U) {
     const int lane = threadIdx.x & 31;
     const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;  // one row per warp: no row loop
     if (w >= spread_groups(P, U, m)) return;                           // warp-uniform
@@ -247,18 +263,17 @@ __device__ __forceinline__ void onepass_csr_warp(const i64* __restrict__ rp, con
     const float ci = row_ratio(sum, g, bg, r);
     if (lane == 0) fp[r] = sum;
     if (ci == 0.0f) return;  // warp-uniform
-    csr_row_scatter<32, DET, true>(s, e, lane, idx, val, cc, cv, ci, bp, acc, fscale, flag);
+    csr_row_scatter<32, DET, true>(s, e, lane, idx, val, cc, cv, ci, bp, fx);
 }
 
 template <int L, bool DET>
 __device__ __forceinline__ void onepass_csr(const i64* __restrict__ rp, const int* __restrict__ idx,
                                             const float* __restrict__ val, const float* __restrict__ f,
-                                            const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, u64* acc,
-                                            double fscale, int* flag, i64 m, i64 P, i64 U) {
+                                            const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, const Fixed& fx, i64 m, i64 P, i64 U) {
     if (L == 32) {
-        onepass_csr_warp<DET>(rp, idx, val, f, g, bg, fp, bp, acc, fscale, flag, m, P, U);
+        onepass_csr_warp<DET>(rp, idx, val, f, g, bg, fp, bp, fx, m, P, U);
     } else {
-        onepass_csr_body<L, DET>(rp, idx, val, f, g, bg, fp, bp, acc, fscale, flag, m, P, U);
+        onepass_csr_body<L, DET>(rp, idx, val, f, g, bg, fp, bp, fx, m, P, U);
     }
 }
 
@@ -413,8 +428,7 @@ __device__ __forceinline__ void warp_stage(const unsigned col[4], const float t[
 }
 
 template <bool DET>
-__device__ __forceinline__ void warp_scatter(const unsigned col[4], const float t[4], float* bp, u64* acc,
-                                             double fscale, int* flag) {
+__device__ __forceinline__ void warp_scatter(const unsigned col[4], const float t[4], float* bp, const Fixed& fx) {
     const unsigned* c1;
     const float* v1;
     warp_stage(col, t, c1, v1);
@@ -422,15 +436,17 @@ __device__ __forceinline__ void warp_scatter(const unsigned col[4], const float 
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const float v = v1[32 * k + lane];
-        if (v != 0.0f) add_term<DET>(bp, acc, c1[32 * k + lane], v, fscale, flag);
+        if (v != 0.0f) add_term<DET>(bp, fx, c1[32 * k + lane], v);
     }
 }
 
-template <int L, int VK, int CB, bool DET>
+// out += A^T c (float atomics, DET false), acc += A^T c in fixed point (DET), or, with COUNT,
+// out_j += 1 for every element of column j (c unused): each column's element count, exact below 2^24.
+template <int L, int VK, int CB, bool DET, bool COUNT = false>
 __device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                               const void* __restrict__ codes, const void* __restrict__ vals,
                                               const float* __restrict__ scale, const float* __restrict__ c,
-                                              float* out, u64* acc, double fscale, int* flag, i64 m, i64 P,
+                                              float* out, const Fixed& fx, i64 m, i64 P,
                                               i64 U) {
     const int lane = threadIdx.x & (L - 1);
     const i64 per_block = blockDim.x / L;
@@ -439,7 +455,7 @@ __device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const 
     for (i64 base = (i64)blockIdx.x * per_block; base < mw; base += step) {
         const i64 w = base + threadIdx.x / L;
         const i64 r = w < mw ? spread_rows(w, P, U, m) : m;
-        const float cr = r < m ? __ldg(c + r) : 0.0f;
+        const float cr = r < m ? (COUNT ? 1.0f : __ldg(c + r)) : 0.0f;
         i64 qs, qe;
         float rs;
         row_quads<VK>(rb, ro, scale, r, cr != 0.0f, qs, qe, rs);
@@ -459,9 +475,9 @@ __device__ __forceinline__ void cscatter_body(const i64* __restrict__ rb, const 
             for (int k = 0; k < 4; ++k) {
                 col += d[k];
                 cl[k] = col;
-                tv[k] = el[k] ? v[k] * cr : 0.0f;
+                tv[k] = el[k] ? (COUNT ? 1.0f : v[k] * cr) : 0.0f;
             }
-            warp_scatter<DET>(cl, tv, out, acc, fscale, flag);
+            warp_scatter<DET>(cl, tv, out, fx);
             carry += all;
         }
     }
@@ -471,8 +487,7 @@ template <int L, int VK, int CB, bool DET>
 __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const unsigned* __restrict__ ro,
                                               const void* __restrict__ codes, const void* __restrict__ vals,
                                               const float* __restrict__ scale, const float* __restrict__ f,
-                                              const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, u64* acc,
-                                              double fscale, int* flag, i64 m, i64 P, i64 U) {
+                                              const float* __restrict__ g, const float* __restrict__ bg, float* fp, float* bp, const Fixed& fx, i64 m, i64 P, i64 U) {
     const int lane = threadIdx.x & (L - 1);
     const i64 per_block = blockDim.x / L;
     const i64 step = (i64)gridDim.x * per_block;
@@ -532,7 +547,7 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
                     cl[k] = col;
                     tv[k] = el[k] ? v[k] * ci : 0.0f;
                 }
-                warp_scatter<DET>(cl, tv, bp, acc, fscale, flag);
+                warp_scatter<DET>(cl, tv, bp, fx);
             }
         }
     }
@@ -856,22 +871,22 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     extern "C" __global__ void __launch_bounds__(CMP_THREADS) cscatter_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* c, float* out, i64 m, i64 P, i64 U) {                                                 \
-        cscatter_body<L, VK, CB, false>(rb, ro, codes, vals, scale, c, out, nullptr, 0.0, nullptr, m, P, U); \
+        cscatter_body<L, VK, CB, false>(rb, ro, codes, vals, scale, c, out, Fixed{}, m, P, U); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(CMP_THREADS) cscatter_det_##K##_##L(                 \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
-        const float* c, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) {                         \
-        cscatter_body<L, VK, CB, true>(rb, ro, codes, vals, scale, c, nullptr, acc, fscale, flag, m, P, U); \
+        const float* c, u64* acc, double fscale, int* flag, u64 red_lim, u64 sum_lim, i64 m, i64 P, i64 U) {                         \
+        cscatter_body<L, VK, CB, true>(rb, ro, codes, vals, scale, c, nullptr, Fixed{acc, fscale, flag, red_lim, sum_lim}, m, P, U); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(CMP_THREADS, 1) conepass_##K##_##L(                     \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
         const float* f, const float* g, const float* bg, float* fp, float* bp, i64 m, i64 P, i64 U) {                       \
-        conepass_body<L, VK, CB, false>(rb, ro, codes, vals, scale, f, g, bg, fp, bp, nullptr, 0.0, nullptr, m, P, U); \
+        conepass_body<L, VK, CB, false>(rb, ro, codes, vals, scale, f, g, bg, fp, bp, Fixed{}, m, P, U); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(CMP_THREADS, 1) conepass_det_##K##_##L(                 \
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
-        const float* f, const float* g, const float* bg, float* fp, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) { \
-        conepass_body<L, VK, CB, true>(rb, ro, codes, vals, scale, f, g, bg, fp, nullptr, acc, fscale, flag, m, P, U); \
+        const float* f, const float* g, const float* bg, float* fp, u64* acc, double fscale, int* flag, u64 red_lim, u64 sum_lim, i64 m, i64 P, i64 U) { \
+        conepass_body<L, VK, CB, true>(rb, ro, codes, vals, scale, f, g, bg, fp, nullptr, Fixed{acc, fscale, flag, red_lim, sum_lim}, m, P, U); \
     }
 
 #define ALL_KINDS(L)                     \
@@ -891,12 +906,12 @@ ALL_KINDS(32)
     extern "C" __global__ void __launch_bounds__(CMP_THREADS, OP_MINB) onepass_csr_##L(                        \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
         const float* f, const float* g, const float* bg, float* fp, float* bp, i64 m, i64 P, i64 U) {                       \
-        onepass_csr<L, false>(rp, (const int*)idx, (const float*)val, f, g, bg, fp, bp, nullptr, 0.0, nullptr, m, P, U); \
+        onepass_csr<L, false>(rp, (const int*)idx, (const float*)val, f, g, bg, fp, bp, Fixed{}, m, P, U); \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(CMP_THREADS, OP_MINB) onepass_det_csr_##L(                    \
         const i64* rp, const unsigned* roff, const void* idx, const void* val, const float* scale,          \
-        const float* f, const float* g, const float* bg, float* fp, u64* acc, double fscale, int* flag, i64 m, i64 P, i64 U) { \
-        onepass_csr<L, true>(rp, (const int*)idx, (const float*)val, f, g, bg, fp, nullptr, acc, fscale, flag, m, P, U); \
+        const float* f, const float* g, const float* bg, float* fp, u64* acc, double fscale, int* flag, u64 red_lim, u64 sum_lim, i64 m, i64 P, i64 U) { \
+        onepass_csr<L, true>(rp, (const int*)idx, (const float*)val, f, g, bg, fp, nullptr, Fixed{acc, fscale, flag, red_lim, sum_lim}, m, P, U); \
     }
 CSR_ONEPASS(4)
 CSR_ONEPASS(8)
@@ -969,6 +984,11 @@ __device__ void ccheck_body(const i64* __restrict__ rb, const unsigned* __restri
         const i64* rb, const unsigned* ro, const void* codes, const void* vals, i64 m, i64 n, u64* first_bad, \
         u64* nnz) {                                                                                        \
         ccheck_body<VK, CB>(rb, ro, codes, vals, m, n, first_bad, nnz);                                    \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(CMP_THREADS) ccount_##K(                                 \
+        const i64* rb, const unsigned* ro, const void* codes, const void* vals, const float* scale,        \
+        float* out, i64 m, i64 P, i64 U) {                                                                 \
+        cscatter_body<32, VK, CB, false, true>(rb, ro, codes, vals, scale, nullptr, out, Fixed{}, m, P, U); \
     }
 CCHECK(f32c8, VK_F32, 8)
 CCHECK(f32c16, VK_F32, 16)
