@@ -112,6 +112,10 @@ class Kernel:
     interleaved
         It reads its matrix's rows best lane-interleaved (``DeviceCSR.set_layout``), where it is
         that matrix's one reader.
+    limits
+        Its launcher takes the fixed point's add limits (``limits=``,
+        :func:`mlemlib.backends._compressed_cuda.fixed_limits`), which the backend computes once
+        from the longest column of each GPU's rows.
     """
 
     name: str
@@ -133,6 +137,7 @@ class Kernel:
     secsize: bool = False
     blocks: bool = False
     interleaved: bool = False
+    limits: bool = False
 
     @property
     def needs_transpose(self) -> bool:
@@ -231,7 +236,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("onepass_fixed", "iteration", "cuda", _ALL, True, _LOCAL, True,
            f"{_CMPCU}: onepass_det_csr_L / conepass_det_<kind>_L",
            "onepass with bp summed as 64-bit fixed point (order-independent: bit-identical for any GPU count)",
-           launcher="_compressed_cuda:onepass_fixed_step"),
+           launcher="_compressed_cuda:onepass_fixed_step", limits=True),
     Kernel("onepass_chunked", "iteration", "cuda", _ALL, True, _LOCAL, True, f"{_CMPCU}: chunked_onepass / _f16 / _u16",
            "one pass through row chunks of a reordered A (mlemlib/chunked.py): f and each chunk's sums in shared "
            "memory, 64-bit fixed point (deterministic), one global atomic per voxel and chunk; 6 bytes per nnz "

@@ -375,7 +375,7 @@ class CudaBackend(Backend):
             self._flag = cp.zeros(1, dtype=cp.int32) if self.onepass and self.deterministic else None
             # the fixed-point kernel's add limits, from the matrix's longest column (one count pass, here)
             self._limits = (cc().fixed_limits(cc().column_count_max(self.a))
-                            if self._kb.name == "onepass_fixed" else None)
+                            if self._kb.limits else None)
             self._images: list[Any] | None = None  # the one pass's two image buffers
             # The one pass on a compressed A: its atomic target (bp, or the fixed point's accumulator) kept
             # in L2 by a persisting access-policy window on the iteration's own stream (blocking: ordered

@@ -340,7 +340,7 @@ class NcclBackend(Backend):
         for s, comm in zip(self.shards, comms):
             s.comm = comm
         self.nccl_version = int(nccl.get_version())
-        self._limits = self._fixed_limits() if self._kb.name == "onepass_fixed" else None
+        self._limits = self._fixed_limits() if self._kb.limits else None
 
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
