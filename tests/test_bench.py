@@ -273,6 +273,28 @@ def test_page_has_one_table_per_device_and_case_with_every_column(tmp_path):
     assert body[2].startswith("| cusparse") and body[5].startswith("| cusparse")
 
 
+def test_scaling_line_names_each_configuration_slower_on_more_gpus():
+    from mlemlib.bench.page import scaling_line
+
+    rows = [_row(gpus=1, ms=4.0), _row(gpus=2, ms=2.0), _row(gpus=4, ms=1.0),
+            _row(fp="auto", bp="auto", gpus=1, ms=1.6), _row(fp="auto", bp="auto", gpus=2, ms=1.7),
+            _row(fp="auto", bp="auto", gpus=4, ms=1.65),  # slower than 1 GPU, though faster than 2
+            _row(fp="auto", bp="auto", gpus=4, ms=None, subsets=16, error="x"),  # not timed: not counted
+            _row(fp="auto", bp="onepass", gpus=1, ms=9.0)]  # one GPU count only
+    assert scaling_line(rows) == ("More GPUs never slower: no: auto on 2 GPUs 1.700 ms against 1.600 on 1; "
+                                  "auto on 4 GPUs 1.650 ms against 1.600 on 1.")
+    assert scaling_line(rows[:3]) == ("More GPUs never slower: yes, every configuration timed on 1, 2, 4 GPUs "
+                                      "is no slower on more.")
+    assert scaling_line([_row(gpus=1, ms=4.0), _row(gpus=2, ms=4.0)]).startswith("More GPUs never slower: yes")
+    assert scaling_line(rows[-1:]) is None
+    # OSEM and factors are configurations of their own
+    osem = [_row(fp="auto", bp="auto", gpus=1, ms=2.0, subsets=16),
+            _row(fp="auto", bp="auto", gpus=2, ms=2.5, subsets=16, factors="synthetic")]
+    assert scaling_line(osem) is None
+    page = build_page(_hand_made_rows())
+    assert "More GPUs never slower: yes, every configuration timed on 1, 2 GPUs" in page
+
+
 def test_results_of_several_commits_of_one_case_get_a_table_each_oldest_first():
     old = [_row(commit="old1234", date="2026-11-27T10:00:00+00:00", ms=4.0),
            _row(gpus=2, commit="old1234", date="2026-11-27T10:00:00+00:00", ms=2.5)]

@@ -148,6 +148,35 @@ def _table(rows: list[dict[str, Any]], peers: Sequence[dict[str, Any]], used: se
     return lines
 
 
+def scaling_line(rows: Sequence[dict[str, Any]]) -> str | None:
+    """Whether each configuration (requested ``fp``/``bp``, subsets, factors) is never slower on more GPUs
+    than on fewer in these rows (one run); None where none was timed on two GPU counts or more."""
+    by: dict[tuple, dict[int, float]] = {}
+    for r in rows:
+        ms = _num(r.get("ms"))
+        if r.get("error") or ms is None:
+            continue
+        key = (str(r.get("fp")), str(r.get("bp")), _model(r))
+        by.setdefault(key, {})[int(r.get("gpus") or 0)] = ms
+    counted = {k: v for k, v in by.items() if len(v) > 1}
+    if not counted:
+        return None
+    slower = []
+    for (fp, bp, (subsets, factors)), times in sorted(counted.items()):
+        gpus = sorted(times)
+        for i, p in enumerate(gpus[1:], 1):
+            q = min(gpus[:i], key=lambda g: times[g])
+            if times[p] > times[q]:
+                label = fp if fp == bp else f"{fp}/{bp}"
+                label += (f", S = {subsets}" if subsets > 1 else "") + (", m, b" if factors else "")
+                slower.append(f"{label} on {p} GPUs {_ms(times[p])} ms against {_ms(times[q])} on {q}")
+    counts = sorted({g for v in counted.values() for g in v})
+    if not slower:
+        return (f"More GPUs never slower: yes, every configuration timed on {', '.join(map(str, counts))} GPUs "
+                "is no slower on more.")
+    return "More GPUs never slower: no: " + "; ".join(slower) + "."
+
+
 def _model(r: dict[str, Any]) -> tuple[int, int]:
     """(S, 0 without factors / 1 with), for the order of a table's rows."""
     return int(_num(r.get("subsets")) or 1), 0 if r.get("factors", "none") == "none" else 1
@@ -210,7 +239,9 @@ def build_page(rows: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] =
         "its floor*: the bytes the iteration must read (A and A^T for a pair, A once for a one pass, A twice",
         "without A^T; on several GPUs all of them) at the copy bandwidth measured in the same run, over the",
         "time. *Speed-up vs 1 GPU* and *cuSPARSE* come from the same run. *Thesis code*: the 2019 thesis's",
-        "program on the same matrix, device family and GPU count, where it was measured.",
+        "program on the same matrix, device family and GPU count, where it was measured. *More GPUs never",
+        "slower*: for each configuration asked (its `fp`/`bp`, `auto` whatever it picks), whether its time",
+        "on each GPU count is at most its least on fewer GPUs, in the same run.",
         "",
     ]
     if any("subsets" in r for r in rows):
@@ -247,6 +278,8 @@ def build_page(rows: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] =
         out += [f"- {_facts_line(first)}; timed: {first.get('warmup')} warm-up iterations, then "
                 f"{first.get('repeats')} repeats of {it} iterations", ""]
         out += _table(rs, peers, used)
+        line = scaling_line(rs)
+        out += ["", line] if line else []
         out.append("")
     for chk in checks:
         out += _checks(chk)
