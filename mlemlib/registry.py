@@ -115,7 +115,8 @@ class Kernel:
     limits
         Its launcher takes the fixed point's add limits (``limits=``,
         :func:`mlemlib.backends._compressed_cuda.fixed_limits`), which the backend computes once
-        from the longest column of each GPU's rows.
+        from the longest column of each GPU's rows (the chunked kernel: from the chunks holding
+        each voxel).
     """
 
     name: str
@@ -241,7 +242,7 @@ KERNELS: tuple[Kernel, ...] = (
            "one pass through row chunks of a reordered A (mlemlib/chunked.py): f and each chunk's sums in shared "
            "memory, 64-bit fixed point (deterministic), one global atomic per voxel and chunk; 6 bytes per nnz "
            "(4 with a compressed-f16 or compressed-u16 matrix's 16-bit values) plus voxel lists",
-           launcher="_compressed_cuda:chunked_step", chunks=True),
+           launcher="_compressed_cuda:chunked_step", chunks=True, limits=True),
 )
 
 _INDEX = {(k.backend, k.op, k.name): k for k in KERNELS}

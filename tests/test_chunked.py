@@ -422,6 +422,38 @@ def _gpu_step_checks(cp, gpu, a, cases):
 
 
 @pytest.mark.gpu
+def test_chunked_step_flags_a_sum_that_reaches_its_limit():
+    """The chunked kernel's global adds are checked against fixed_limits' sum limit (2^63 / P on P GPUs):
+    the flag is set exactly where a voxel's sum reaches it; each voxel's adds are counted by the chunks
+    whose voxel lists hold it."""
+    import cupy as cp
+
+    from mlemlib.backends import _compressed_cuda as gpu
+
+    a = _random(m=3000, n=2000, seed=9)
+    f, g, _, _ = _step_problem(a, 3)
+    fd, gd = cp.asarray(f), cp.asarray(g)
+    d = gpu.DeviceChunked.upload(a, window=64, max_nnz=5000)
+    lists = np.asarray(d.voxels.get())
+    assert gpu.column_count_max(d) == int(np.bincount(lists, minlength=2000).max()) > 1
+    fp = cp.empty(3000, dtype=cp.float32)
+
+    def run(limits):
+        acc = cp.zeros(2000, dtype=cp.uint64)
+        flag = cp.zeros(1, dtype=cp.int32)
+        gpu.chunked_step(d, gd, fd, fp=fp, acc=acc, flag=flag, bound=gpu.onepass_bound(gd, fd), limits=limits)
+        return acc.get(), int(flag.get()[0])
+
+    sums, bad = run(None)
+    assert bad == 0 and sums.max() > 2**20
+    for limits in (gpu.fixed_limits(gpu.column_count_max(d), 4), (0, int(sums.max()) + 1)):
+        again, bad = run(limits)
+        assert bad == 0
+        np.testing.assert_array_equal(again, sums)
+    assert run((0, int(sums.max())))[1] == 2
+
+
+@pytest.mark.gpu
 def test_chunked_onepass_on_compressed_matrices_is_the_decoded_matrix_step_bit_for_bit():
     import cupy as cp
 

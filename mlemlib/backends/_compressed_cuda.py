@@ -551,7 +551,9 @@ def column_count_max(a: Any) -> int:
 
     A :class:`DeviceCompressed` is counted by ``ccount_<kind>`` (its columns decoded as the scatter
     decodes them, a float32 atomic add of 1 per element: exact below 2^24; a larger count gives the
-    matrix's ``nnz``, which bounds it as well); CSR arrays by ``bincount`` of their columns.
+    matrix's ``nnz``, which bounds it as well); CSR arrays by ``bincount`` of their columns; a
+    :class:`DeviceChunked` by the chunks whose voxel lists hold each voxel (the adds its kernel makes
+    into one voxel's sum).
     """
     cached = getattr(a, "_column_count_max", None)
     if cached is not None:
@@ -568,6 +570,8 @@ def column_count_max(a: Any) -> int:
         if k >= _COUNT_EXACT:
             k = int(a.nnz)
         del counts
+    elif isinstance(a, DeviceChunked):  # a voxel gets one add per chunk whose voxel list holds it
+        k = int(cp.max(cp.bincount(a.voxels, minlength=n))) if int(a.voxels.size) else 0
     else:
         k = int(cp.max(cp.bincount(a.indices, minlength=n)))
     try:
@@ -1166,7 +1170,9 @@ class DeviceChunked:
 
 
 def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: float, flag: Any, fwd_only: int,
-                  bg: Any = None) -> None:
+                  bg: Any = None, sum_lim: int = 1 << 63) -> None:
+    """Launch the chunked kernel; a global sum reaching ``sum_lim`` (:func:`fixed_limits`' second value, 2^63 on
+    one GPU) sets bit 1 of ``flag``."""
     if a.chunks == 0:
         return
     fn = function(a.kernel)
@@ -1177,17 +1183,19 @@ def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: fl
     rscale = a.scale if a.half else a.data  # not read for float32 values
     fn((a.chunks,), (CHUNK_THREADS,), (a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, rscale, f, g,
                                        _background(None if fwd_only else bg, a.shape[0]), fp, acc, np.float64(scale),
-                                       flag, np.int32(w), np.int32(fwd_only)), shared_mem=shared)
+                                       flag, np.uint64(sum_lim), np.int32(w), np.int32(fwd_only)), shared_mem=shared)
 
 
 def chunked_step(a: DeviceChunked, g: Any, f: Any, *, fp: Any, bp: Any = None, acc: Any = None, flag: Any = None,
-                 bound: float = 1.0, lanes: int | None = None, bg: Any = None, **_: Any) -> float:
+                 bound: float = 1.0, lanes: int | None = None, bg: Any = None, limits: tuple[int, int] | None = None,
+                 **_: Any) -> float:
     """One GPU's part of a chunked one pass (``onepass_chunked``), as :func:`onepass_step`'s fixed point:
     ``fp = A_k f`` and the terms into ``acc`` (zero on entry, as ``flag``) at the scale :func:`chunk_scale`
-    gives ``bound``, which it returns. ``bp`` and ``lanes`` are not used (a warp per row)."""
+    gives ``bound``, which it returns. ``bp`` and ``lanes`` are not used (a warp per row). ``limits``:
+    :func:`fixed_limits` of all GPUs (its second value checks each voxel's sum; default: one GPU's)."""
     del bp, lanes
     scale = chunk_scale(bound)
-    _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg)
+    _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg, sum_lim=limits[1] if limits is not None else 1 << 63)
     return scale
 
 

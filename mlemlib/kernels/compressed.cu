@@ -566,7 +566,8 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
 // wraps, no carry is needed, and (hi << 20) + lo goes to the global 64-bit accumulator.
 // Integer sums: deterministic, for any order and any number of GPUs sharing fscale.
 // fwd_only: fp = A f alone (no scatter). Overflow (a term outside [0, 2^52)) sets flag 1, a
-// wrapped global sum flag 2. Dynamic shared memory: 3 * window words (f, low, high).
+// global sum that reaches sum_lim flag 2 (2^63 / P on P GPUs: then no GPU's sum and no all-reduced
+// sum wraps unseen). Dynamic shared memory: 3 * window words (f, low, high).
 //
 // Row layout (mlemlib.chunked.interleave): every row starts at a multiple of 4 elements (rows
 // padded with zeros: value 0, local index 0), and its first 128 * (len / 128) elements are
@@ -696,7 +697,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
                                                      const void* __restrict__ val, const float* __restrict__ rscale,
                                                      const float* __restrict__ f,
                                                      const float* __restrict__ g, const float* __restrict__ bg, float* fp, u64* acc,
-                                                     double fscale, int* flag, int window, int fwd_only) {
+                                                     double fscale, int* flag, u64 sum_lim, int window, int fwd_only) {
     typedef ChunkVals<VK> CV;
     typedef typename CV::V4 V4;
     constexpr int SU = CHUNK_STAGE;
@@ -851,7 +852,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         for (int u = 0; u < SU; ++u) {
             if (uu[u] != 0ull) {
                 const u64 old = atomicAdd(acc + vx[u], uu[u]);
-                wrapped |= old + uu[u] < old;
+                wrapped |= uu[u] >= sum_lim || old >= sum_lim - uu[u];
             }
         }
         if (wrapped) atomicOr(flag, 2);
@@ -926,9 +927,9 @@ CSR_ONEPASS(32)
     extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) NAME(                                \
         const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local, \
         const void* val, const float* rscale, const float* f, const float* g, const float* bg, float* fp, u64* acc,       \
-        double fscale, int* flag, int window, int fwd_only) {                                             \
+        double fscale, int* flag, u64 sum_lim, int window, int fwd_only) {                                \
         chunked_onepass_body<CG, VK>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, bg, fp, acc, fscale, \
-                                     flag, window, fwd_only);                                             \
+                                     flag, sum_lim, window, fwd_only);                                    \
     }
 CHUNKED_ONEPASS(chunked_onepass, CHUNK_CACHE, VK_F32)
 CHUNKED_ONEPASS(chunked_onepass_f16, CHUNK_CACHE, VK_F16)
