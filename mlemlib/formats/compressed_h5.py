@@ -349,11 +349,7 @@ class CompressedH5(MatrixH5):
         """
         sp = self.read_slotptr(start, stop)
         lo, hi = int(sp[0]), int(sp[-1])
-        if buffers is None:
-            codes = np.empty(hi - lo, dtype=self._ds["codes"].dtype.newbyteorder("="))
-            values = np.empty(hi - lo, dtype=self._ds["values"].dtype.newbyteorder("="))
-        else:
-            codes, values = buffers(hi - lo)
+        codes, values = (buffers or self._new_slots)(hi - lo)
         if hi > lo:
             with setup_times.phase("read", nbytes=codes.nbytes + values.nbytes):
                 self._read_into("codes", lo, hi, codes)
@@ -386,14 +382,17 @@ class CompressedH5(MatrixH5):
                              check_values=validate, out=(indices, data))
         return np.asarray(block.indptr, dtype=np.int64)
 
+    def _new_slots(self, slots: int) -> tuple[np.ndarray, np.ndarray]:
+        """New codes and values arrays of ``slots`` slots (the datasets' dtypes, in this machine's byte order)."""
+        return (np.empty(slots, dtype=self._ds["codes"].dtype.newbyteorder("=")),
+                np.empty(slots, dtype=self._ds["values"].dtype.newbyteorder("=")))
+
     def _scratch(self, slots: int) -> tuple[np.ndarray, np.ndarray]:
         """This thread's codes and values arrays for ``slots`` slots (grown, never shrunk)."""
         local = self.__dict__.setdefault("_scratch_local", threading.local())
         have = getattr(local, "arrays", None)
         if have is None or len(have[0]) < slots:
-            dts = _datasets(self.format, self.code_bits)
-            have = (np.empty(slots, dtype=dts["codes"]), np.empty(slots, dtype=dts["values"]))
-            local.arrays = have
+            have = local.arrays = self._new_slots(slots)
         return have[0][:slots], have[1][:slots]
 
     def read_rows(self, start: int, stop: int, *, validate: bool = True) -> CSRMatrix:
