@@ -81,6 +81,32 @@ def chunk_cap_for(nnz: int, sms: int) -> int:
     return int(min(MAX_CHUNK_NNZ, max(MIN_CHUNK_NNZ, want)))
 
 
+#: Multiprocessor waves of a launch's smallest chunks that :func:`launch_order` puts at its end.
+TAIL_WAVES = 1
+
+
+def launch_order(sizes: np.ndarray, sms: int, tail_waves: int | None = None) -> np.ndarray:
+    """The order a GPU starts its chunks in (int32 chunk numbers; the kernel's block ``b`` takes chunk
+    ``order[b]``): row order, except that the ``tail_waves * sms`` smallest chunks by ``sizes`` (their stored
+    elements) go last, largest first.
+
+    Blocks start in index order as multiprocessors free up, so a launch ends when its last chunks do; row
+    order keeps neighbouring chunks, which share voxels, close in time (the L2 cache serves their staging
+    and flushes). ``tail_waves`` defaults to :data:`TAIL_WAVES`; 0 gives row order. The sums are integers,
+    the same bits in any order.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    waves = TAIL_WAVES if tail_waves is None else int(tail_waves)
+    k = min(len(sizes), max(0, waves) * max(1, int(sms)))
+    if k == 0:
+        return np.arange(len(sizes), dtype=np.int32)
+    by_size = np.argsort(sizes, kind="stable")  # smallest first; ties in row order
+    tail = by_size[:k][::-1]
+    keep = np.ones(len(sizes), dtype=bool)
+    keep[tail] = False
+    return np.concatenate([np.flatnonzero(keep), tail]).astype(np.int32)
+
+
 #: Non-zeros of the block :func:`sample_chunks` reads.
 SAMPLE_NNZ = 1 << 24
 #: Most rows per chunk: the fixed-point kernel's low words (20-bit parts summed in 32 bits)
@@ -965,8 +991,9 @@ class ChunkLayout:
         r0, r1 = self.rows_of((c0, c1))
         e0, e1 = (int(v) for v in self.read("indptr", r0, r1 + 1)[[0, -1]])
         per = 2 + self.value_dtype.itemsize
+        # row pointer, elements, voxel lists, chunk_rows and vptr (8 bytes each), launch order (4), row scales
         return (8 * (r1 - r0 + 1) + per * (e1 - e0) + 4 * int(self.vptr[c1] - self.vptr[c0]) + 16 * (c1 - c0 + 1)
-                + (4 * (r1 - r0) if self.half else 0))
+                + 4 * (c1 - c0) + (4 * (r1 - r0) if self.half else 0))
 
     def ranges(self, parts: int) -> list[tuple[int, int]]:
         """The chunks split into ``parts`` contiguous, nnz-balanced ranges :func:`chunk_ranges`."""

@@ -140,6 +140,7 @@ def _host_cupy():
         asarray=lambda a: np.array(a).view(_HostArray),
         concatenate=lambda xs: np.concatenate(xs).view(_HostArray),
         int64=np.int64, int32=np.int32, uint16=np.uint16, float32=np.float32, float16=np.float16,
+        cuda=SimpleNamespace(Device=lambda: SimpleNamespace(attributes={"MultiProcessorCount": 4})),
     )
 
 
@@ -157,6 +158,13 @@ def _check_chunks(d, a: CSRMatrix, window: int, blocks: list[tuple[int, int]]) -
     pad = np.ones(len(stored), dtype=bool)
     pad[pos] = False
     assert not stored[pad].any() and not d.local.get()[pad].any()  # the padding adds nothing
+    # every chunk is launched once, the smallest last (the stand-in's 4 multiprocessors, on a GPU its own)
+    order = d.order.get()
+    np.testing.assert_array_equal(np.sort(order), np.arange(d.chunks))
+    sizes = np.diff(d.indptr.get()[d.chunk_rows.get()])
+    tail = min(d.chunks, chunked.TAIL_WAVES * 4)
+    if tail and d.chunks > tail:
+        assert sizes[order[-tail:]].max() <= sizes[order[:-tail]].min()
     cr, vptr, vox, loc = d.chunk_rows.get(), d.vptr.get(), d.voxels.get(), d.local.get()[pos]
     assert cr[0] == 0 and cr[-1] == a.shape[0] and (np.diff(cr) > 0).all()
     assert (np.diff(cr) <= chunked.MAX_CHUNK_ROWS).all() and (np.diff(vptr) <= window).all()
@@ -191,7 +199,7 @@ def test_chunked_upload_streams_block_by_block(tmp_path, monkeypatch, where, sou
     _check_chunks(d, a, 64, blocks)
     assert d.window == 64 and d.lanes() == 32 and d.shape == a.shape
     stored = int(chunked.padded_indptr(a.indptr)[-1])
-    assert d.nbytes == 8 * (a.shape[0] + 1) + 6 * stored + 4 * len(d.voxels) + 8 * 2 * (d.chunks + 1)
+    assert d.nbytes == 8 * (a.shape[0] + 1) + 6 * stored + 4 * len(d.voxels) + 8 * 2 * (d.chunks + 1) + 4 * d.chunks
 
 
 def test_a_small_share_is_cut_into_chunks_that_fill_the_multiprocessors(monkeypatch):
@@ -212,6 +220,17 @@ def test_a_small_share_is_cut_into_chunks_that_fill_the_multiprocessors(monkeypa
     assert np.diff(whole.indptr.get()[whole.chunk_rows.get()]).max() > cap  # the window alone: larger chunks
     _check_chunks(d, a, 5000, [(0, a.shape[0])])
     assert np.diff(np.asarray(a.indptr)[d.chunk_rows.get()]).max() <= cap and d.chunks >= waves * 4
+
+
+def test_launch_order_by_hand():
+    """Row order, the tail_waves * sms smallest chunks last, largest first among them."""
+    sizes = np.array([5, 1, 7, 3, 2, 9])
+    np.testing.assert_array_equal(chunked.launch_order(sizes, 2, 1), [0, 2, 3, 5, 4, 1])
+    np.testing.assert_array_equal(chunked.launch_order(sizes, 1, 2), [0, 2, 3, 5, 4, 1])
+    np.testing.assert_array_equal(chunked.launch_order(sizes, 2, 0), np.arange(6))
+    np.testing.assert_array_equal(chunked.launch_order(sizes, 4, 9), [5, 2, 0, 3, 4, 1])  # all: largest first
+    assert chunked.launch_order(np.zeros(0, np.int64), 132).size == 0
+    assert chunked.launch_order(sizes, 132).dtype == np.int32
 
 
 def _long(m=600, n=5000, seed=0, top=700) -> CSRMatrix:
@@ -299,6 +318,7 @@ def test_chunked_upload_of_a_compressed_matrix_keeps_its_decoded_values(tmp_path
         lengths = np.diff(decoded.indptr)
         np.testing.assert_array_equal(stored.astype(np.float32) * np.repeat(d.scale.get(), lengths), decoded.data)
         stored_bytes = 8 * (cm.shape[0] + 1) + 4 * len(d.data) + 4 * len(d.voxels) + 16 * (d.chunks + 1) + 4 * cm.shape[0]
+        stored_bytes += 4 * d.chunks  # the launch order
         assert d.nbytes == stored_bytes
     else:
         np.testing.assert_array_equal(stored, decoded.data)
@@ -412,6 +432,11 @@ def _gpu_step_checks(cp, gpu, a, cases):
         np.testing.assert_array_equal(bp.get(), cbp)
         again, _ = gpu.chunked_onepass(d, gd, fd)
         np.testing.assert_array_equal(bp.get(), again.get())
+        # the chunks started in any order: the same integer sums, the same bits
+        d.order = d.order[::-1].copy()
+        rev, rfp = gpu.chunked_onepass(d, gd, fd)
+        np.testing.assert_array_equal(bp.get(), rev.get())
+        np.testing.assert_array_equal(fp.get(), rfp.get())
         fwd = gpu.chunked_forward(d, fd)
         np.testing.assert_array_equal(fwd.get(), fp.get())
         # a bound far too small: the overflow is detected and the step retried with a larger one

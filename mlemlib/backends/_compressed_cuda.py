@@ -946,7 +946,10 @@ class DeviceChunked:
     loads); chunk ``c`` holds rows ``[chunk_rows[c], chunk_rows[c + 1])``
     and voxels ``voxels[vptr[c]:vptr[c + 1]]``. No column indices: 6 bytes
     per stored element (non-zeros and at most 3 zeros per row) plus the voxel
-    lists (4 bytes per non-zero / :attr:`reuse`).
+    lists (4 bytes per non-zero / :attr:`reuse`). ``order`` (int32, one per
+    chunk) is the order the kernel starts them in
+    (:func:`mlemlib.chunked.launch_order`, set by :meth:`upload` and
+    :meth:`from_layout` for the GPU they load on).
     """
 
     indptr: Any
@@ -960,6 +963,7 @@ class DeviceChunked:
     nnz: int  # non-zeros (the stored elements add the rows' padding)
     scale: Any = None  # float32[m] row scales of 16-bit values (compressed-f16: powers of two; -u16), else None
     format: str = "csr"  # the source's format: csr and compressed keep float32 values, the 16-bit formats theirs
+    order: Any = None  # int32[chunks]: the launch order (None: row order, made at the first launch)
 
     @property
     def half(self) -> bool:
@@ -983,7 +987,18 @@ class DeviceChunked:
     @property
     def nbytes(self) -> int:
         arrays = (self.indptr, self.local, self.data, self.chunk_rows, self.vptr, self.voxels)
-        return int(sum(x.nbytes for x in arrays)) + (int(self.scale.nbytes) if self.scale is not None else 0)
+        extra = [x for x in (self.scale, self.order) if x is not None]
+        return int(sum(x.nbytes for x in arrays)) + int(sum(x.nbytes for x in extra))
+
+    def set_launch_order(self) -> None:
+        """:attr:`order` for the current GPU: :func:`mlemlib.chunked.launch_order` of the chunks' stored elements
+        over its multiprocessors."""
+        from mlemlib import chunked
+
+        cp = cupy()
+        sizes = (self.indptr[self.chunk_rows[1:]] - self.indptr[self.chunk_rows[:-1]]).get()
+        sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+        self.order = cp.asarray(chunked.launch_order(sizes, sms))
 
     def lanes(self, cap: int = 32) -> int:
         """32: a warp per row."""
@@ -1098,6 +1113,7 @@ class DeviceChunked:
             del voxels
             out = cls(indptr, local[:k], data[:k], cp.asarray(np.concatenate(chunk_rows)), cp.asarray(vptr), vox,
                       (m, n), window, nnz, scale, fmt)
+            out.set_launch_order()
         log.info("%s: %d chunks of <= %d voxels and <= %d non-zeros, reuse %.2f, %.3f bytes per non-zero on the "
                  "GPU, in %.1f s", what, out.chunks, window, cap or chunked.MAX_CHUNK_NNZ, out.reuse,
                  out.nbytes / max(nnz, 1), time.perf_counter() - t0)
@@ -1163,6 +1179,7 @@ class DeviceChunked:
                   load("voxels", v0, v1, cp.int32), (r1 - r0, layout.shape[1]), layout.window,
                   int(layout.nnzptr[c1] - layout.nnzptr[c0]),
                   load("scale", r0, r1, cp.float32) if layout.half else None, layout.format)
+        out.set_launch_order()
         log.info("%s: chunks [%d, %d) of %d (rows [%d, %d)), reuse %.2f, %.3f bytes per non-zero on the GPU, "
                  "loaded in %.1f s", layout.path, c0, c1, layout.chunks, r0, r1, out.reuse,
                  out.nbytes / max(out.nnz, 1), time.perf_counter() - t0)
@@ -1181,7 +1198,9 @@ def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: fl
     if fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
     rscale = a.scale if a.half else a.data  # not read for float32 values
-    fn((a.chunks,), (CHUNK_THREADS,), (a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, rscale, f, g,
+    if a.order is None:
+        a.set_launch_order()
+    fn((a.chunks,), (CHUNK_THREADS,), (a.order, a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, rscale, f, g,
                                        _background(None if fwd_only else bg, a.shape[0]), fp, acc, np.float64(scale),
                                        flag, np.uint64(sum_lim), np.int32(w), np.int32(fwd_only)), shared_mem=shared)
 

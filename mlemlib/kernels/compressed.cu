@@ -145,6 +145,10 @@ struct Fixed {
 // K bounding the terms any one output receives over all GPUs, and sum_lim = 2^63 / P for P GPUs:
 // the reductions then add less than 2^63 to an output, the checked adds less than 2^63 over all
 // GPUs while no flag is set, and no sum, per GPU or all-reduced, wraps unseen.
+// Whether old + u, an add to a fixed-point sum that held old, reaches lim (u and old below 2^64,
+// no wrap in the test itself): the checked adds of add_term and of the chunked kernel's flush.
+__device__ __forceinline__ bool reaches(u64 u, u64 old, u64 lim) { return u >= lim || old >= lim - u; }
+
 template <bool DET>
 __device__ __forceinline__ void add_term(float* bp, const Fixed& fx, unsigned j, float t) {
     if (DET) {
@@ -158,7 +162,7 @@ __device__ __forceinline__ void add_term(float* bp, const Fixed& fx, unsigned j,
             if (u != 0ull) atomicAdd(fx.acc + j, u);
         } else {
             const u64 old = atomicAdd(fx.acc + j, u);
-            if (u >= fx.sum_lim || old >= fx.sum_lim - u) atomicOr(fx.flag, 2);
+            if (reaches(u, old, fx.sum_lim)) atomicOr(fx.flag, 2);
         }
     } else {
         atomicAdd(bp + j, t);
@@ -567,7 +571,9 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
 // Integer sums: deterministic, for any order and any number of GPUs sharing fscale.
 // fwd_only: fp = A f alone (no scatter). Overflow (a term outside [0, 2^52)) sets flag 1, a
 // global sum that reaches sum_lim flag 2 (2^63 / P on P GPUs: then no GPU's sum and no all-reduced
-// sum wraps unseen). Dynamic shared memory: 3 * window words (f, low, high).
+// sum wraps unseen). Dynamic shared memory: 3 * window words (f, low, high). Block b takes
+// chunk order[b] (mlemlib.chunked.launch_order: the blocks start in index order, so the chunks
+// that end a launch are those at the end of order).
 //
 // Row layout (mlemlib.chunked.interleave): every row starts at a multiple of 4 elements (rows
 // padded with zeros: value 0, local index 0), and its first 128 * (len / 128) elements are
@@ -690,7 +696,7 @@ struct ChunkVals<VK_U16> {
 };
 
 template <int CG, int VK>
-__device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chunk_rows,
+__device__ __forceinline__ void chunked_onepass_body(const int* __restrict__ order, const i64* __restrict__ chunk_rows,
                                                      const i64* __restrict__ vptr, const int* __restrict__ voxels,
                                                      const i64* __restrict__ rp,
                                                      const unsigned short* __restrict__ local,
@@ -707,7 +713,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
     float* fl = chunk_sm;
     unsigned* lo = reinterpret_cast<unsigned*>(chunk_sm + window);
     unsigned* hi = lo + window;
-    const i64 c = blockIdx.x;
+    const i64 c = order[blockIdx.x];  // blocks start in launch order; chunk c keeps its rows and voxels
     const i64 v0 = vptr[c];
     const int nv = (int)(vptr[c + 1] - v0);
     const i64 r0 = chunk_rows[c];
@@ -852,7 +858,7 @@ __device__ __forceinline__ void chunked_onepass_body(const i64* __restrict__ chu
         for (int u = 0; u < SU; ++u) {
             if (uu[u] != 0ull) {
                 const u64 old = atomicAdd(acc + vx[u], uu[u]);
-                wrapped |= uu[u] >= sum_lim || old >= sum_lim - uu[u];
+                wrapped |= reaches(uu[u], old, sum_lim);
             }
         }
         if (wrapped) atomicOr(flag, 2);
@@ -925,10 +931,10 @@ CSR_ONEPASS(32)
 // compressed-f16 / compressed-u16 matrix's).
 #define CHUNKED_ONEPASS(NAME, CG, VK)                                                                      \
     extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) NAME(                                \
-        const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp, const unsigned short* local, \
-        const void* val, const float* rscale, const float* f, const float* g, const float* bg, float* fp, u64* acc,       \
-        double fscale, int* flag, u64 sum_lim, int window, int fwd_only) {                                \
-        chunked_onepass_body<CG, VK>(chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, bg, fp, acc, fscale, \
+        const int* order, const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp,          \
+        const unsigned short* local, const void* val, const float* rscale, const float* f, const float* g,      \
+        const float* bg, float* fp, u64* acc, double fscale, int* flag, u64 sum_lim, int window, int fwd_only) { \
+        chunked_onepass_body<CG, VK>(order, chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, bg, fp, acc, fscale, \
                                      flag, sum_lim, window, fwd_only);                                    \
     }
 CHUNKED_ONEPASS(chunked_onepass, CHUNK_CACHE, VK_F32)
