@@ -68,7 +68,7 @@ DEFAULT_WINDOW = 1 << 14
 #: Chunks per multiprocessor that a GPU's share should make at least (:func:`chunk_cap_for`): each chunk is one
 #: thread block that fills a multiprocessor, so a small share (an OSEM subset's, on one GPU or several) is cut
 #: into smaller chunks rather than leave multiprocessors idle.
-CHUNK_WAVES = 2
+CHUNK_WAVES = 1
 #: Fewest non-zeros per chunk that :func:`chunk_cap_for` goes down to.
 MIN_CHUNK_NNZ = 1 << 13
 
