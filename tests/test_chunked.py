@@ -448,9 +448,9 @@ def _gpu_step_checks(cp, gpu, a, cases):
 
 @pytest.mark.gpu
 def test_chunked_step_flags_a_sum_that_reaches_its_limit():
-    """The chunked kernel's global adds are checked against fixed_limits' sum limit (2^63 / P on P GPUs):
-    the flag is set exactly where a voxel's sum reaches it; each voxel's adds are counted by the chunks
-    whose voxel lists hold it."""
+    """The chunked kernel's global adds: a chunk's sum below fixed_limits' red_lim is a reduction, a larger one
+    is checked against its sum limit (2^63 / P on P GPUs), and the flag is set exactly where a voxel's sum
+    reaches it; each voxel's adds are counted by the chunks whose voxel lists hold it."""
     import cupy as cp
 
     from mlemlib.backends import _compressed_cuda as gpu
@@ -475,7 +475,11 @@ def test_chunked_step_flags_a_sum_that_reaches_its_limit():
         again, bad = run(limits)
         assert bad == 0
         np.testing.assert_array_equal(again, sums)
-    assert run((0, int(sums.max())))[1] == 2
+    assert run((0, int(sums.max())))[1] == 2  # every add checked: the largest sum reaches the limit
+    # every add a reduction (red_lim above every chunk's sum): the same integers, nothing read back to check
+    again, bad = run(((1 << 64) - 1, int(sums.max())))
+    assert bad == 0
+    np.testing.assert_array_equal(again, sums)
 
 
 @pytest.mark.gpu

@@ -1187,9 +1187,10 @@ class DeviceChunked:
 
 
 def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: float, flag: Any, fwd_only: int,
-                  bg: Any = None, sum_lim: int = 1 << 63) -> None:
-    """Launch the chunked kernel; a global sum reaching ``sum_lim`` (:func:`fixed_limits`' second value, 2^63 on
-    one GPU) sets bit 1 of ``flag``."""
+                  bg: Any = None, red_lim: int = 0, sum_lim: int = 1 << 63) -> None:
+    """Launch the chunked kernel: a chunk's sum for a voxel below ``red_lim`` is added as a reduction, a larger
+    one is checked, and a global sum reaching ``sum_lim`` sets bit 1 of ``flag`` (:func:`fixed_limits`; the
+    defaults check every add against one GPU's 2^63)."""
     if a.chunks == 0:
         return
     fn = function(a.kernel)
@@ -1202,7 +1203,8 @@ def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: fl
         a.set_launch_order()
     fn((a.chunks,), (CHUNK_THREADS,), (a.order, a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, rscale, f, g,
                                        _background(None if fwd_only else bg, a.shape[0]), fp, acc, np.float64(scale),
-                                       flag, np.uint64(sum_lim), np.int32(w), np.int32(fwd_only)), shared_mem=shared)
+                                       flag, np.uint64(red_lim), np.uint64(sum_lim), np.int32(w), np.int32(fwd_only)),
+       shared_mem=shared)
 
 
 def chunked_step(a: DeviceChunked, g: Any, f: Any, *, fp: Any, bp: Any = None, acc: Any = None, flag: Any = None,
@@ -1211,10 +1213,12 @@ def chunked_step(a: DeviceChunked, g: Any, f: Any, *, fp: Any, bp: Any = None, a
     """One GPU's part of a chunked one pass (``onepass_chunked``), as :func:`onepass_step`'s fixed point:
     ``fp = A_k f`` and the terms into ``acc`` (zero on entry, as ``flag``) at the scale :func:`chunk_scale`
     gives ``bound``, which it returns. ``bp`` and ``lanes`` are not used (a warp per row). ``limits``:
-    :func:`fixed_limits` of all GPUs (its second value checks each voxel's sum; default: one GPU's)."""
+    :func:`fixed_limits` of all GPUs (default: one GPU's, from :func:`column_count_max`, the most chunks
+    that hold one voxel)."""
     del bp, lanes
     scale = chunk_scale(bound)
-    _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg, sum_lim=limits[1] if limits is not None else 1 << 63)
+    red, top = _limits(a, limits)
+    _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg, red_lim=int(red), sum_lim=int(top))
     return scale
 
 
@@ -1261,8 +1265,10 @@ def chunked_onepass(
     acc = cp.empty(n, dtype=cp.uint64) if acc is None else acc
     flag = cp.zeros(1, dtype=cp.int32) if flag is None else flag
 
+    red, top = _limits(a, None)
+
     def launch(scale: float) -> None:
-        _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg)
+        _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg, red_lim=int(red), sum_lim=int(top))
 
     scale = _fixed_loop(launch, acc, flag, bound, check, stats, scale_of=chunk_scale)
     fixed_to_float(acc, bp, scale)

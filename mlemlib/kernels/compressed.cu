@@ -569,9 +569,10 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
 // voxel. With at most 4,096 rows per chunk (mlemlib.chunked.MAX_CHUNK_ROWS) neither word
 // wraps, no carry is needed, and (hi << 20) + lo goes to the global 64-bit accumulator.
 // Integer sums: deterministic, for any order and any number of GPUs sharing fscale.
-// fwd_only: fp = A f alone (no scatter). Overflow (a term outside [0, 2^52)) sets flag 1, a
-// global sum that reaches sum_lim flag 2 (2^63 / P on P GPUs: then no GPU's sum and no all-reduced
-// sum wraps unseen). Dynamic shared memory: 3 * window words (f, low, high). Block b takes
+// fwd_only: fp = A f alone (no scatter). Overflow (a term outside [0, 2^52)) sets flag 1. A
+// chunk's sum for a voxel below red_lim (2^63 / K, K bounding the chunks that hold a voxel over all
+// GPUs) is added as a reduction; a larger one is checked, and a global sum that reaches sum_lim sets
+// flag 2 (2^63 / P on P GPUs: then no GPU's sum and no all-reduced sum wraps unseen; add_term's rule). Dynamic shared memory: 3 * window words (f, low, high). Block b takes
 // chunk order[b] (mlemlib.chunked.launch_order: the blocks start in index order, so the chunks
 // that end a launch are those at the end of order).
 //
@@ -703,7 +704,8 @@ __device__ __forceinline__ void chunked_onepass_body(const int* __restrict__ ord
                                                      const void* __restrict__ val, const float* __restrict__ rscale,
                                                      const float* __restrict__ f,
                                                      const float* __restrict__ g, const float* __restrict__ bg, float* fp, u64* acc,
-                                                     double fscale, int* flag, u64 sum_lim, int window, int fwd_only) {
+                                                     double fscale, int* flag, u64 red_lim, u64 sum_lim, int window,
+                                                     int fwd_only) {
     typedef ChunkVals<VK> CV;
     typedef typename CV::V4 V4;
     constexpr int SU = CHUNK_STAGE;
@@ -856,7 +858,10 @@ __device__ __forceinline__ void chunked_onepass_body(const int* __restrict__ ord
         int wrapped = 0;
 #pragma unroll
         for (int u = 0; u < SU; ++u) {
-            if (uu[u] != 0ull) {
+            if (uu[u] == 0ull) continue;
+            if (uu[u] < red_lim) {
+                atomicAdd(acc + vx[u], uu[u]);  // a reduction (RED): the sum is not read back
+            } else {
                 const u64 old = atomicAdd(acc + vx[u], uu[u]);
                 wrapped |= reaches(uu[u], old, sum_lim);
             }
@@ -933,9 +938,10 @@ CSR_ONEPASS(32)
     extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) NAME(                                \
         const int* order, const i64* chunk_rows, const i64* vptr, const int* voxels, const i64* rp,          \
         const unsigned short* local, const void* val, const float* rscale, const float* f, const float* g,      \
-        const float* bg, float* fp, u64* acc, double fscale, int* flag, u64 sum_lim, int window, int fwd_only) { \
+        const float* bg, float* fp, u64* acc, double fscale, int* flag, u64 red_lim, u64 sum_lim, int window,   \
+        int fwd_only) {                                                                                    \
         chunked_onepass_body<CG, VK>(order, chunk_rows, vptr, voxels, rp, local, val, rscale, f, g, bg, fp, acc, fscale, \
-                                     flag, sum_lim, window, fwd_only);                                    \
+                                     flag, red_lim, sum_lim, window, fwd_only);                           \
     }
 CHUNKED_ONEPASS(chunked_onepass, CHUNK_CACHE, VK_F32)
 CHUNKED_ONEPASS(chunked_onepass_f16, CHUNK_CACHE, VK_F16)
