@@ -963,7 +963,7 @@ class DeviceChunked:
     nnz: int  # non-zeros (the stored elements add the rows' padding)
     scale: Any = None  # float32[m] row scales of 16-bit values (compressed-f16: powers of two; -u16), else None
     format: str = "csr"  # the source's format: csr and compressed keep float32 values, the 16-bit formats theirs
-    order: Any = None  # int32[chunks]: the launch order (None: row order, made at the first launch)
+    order: Any = None  # int32[chunks]: the launch order (set_launch_order; a launch makes it where missing)
 
     @property
     def half(self) -> bool:

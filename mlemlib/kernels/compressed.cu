@@ -138,6 +138,10 @@ struct Fixed {
     u64 sum_lim = 0ull;
 };
 
+// Whether old + u, an add to a fixed-point sum that held old, reaches lim (u and old below 2^64,
+// no wrap in the test itself): the checked adds of add_term and of the chunked kernel's flush.
+__device__ __forceinline__ bool reaches(u64 u, u64 old, u64 lim) { return u >= lim || old >= lim - u; }
+
 // bp[j] += t (float atomic) or fx.acc[j] += u = rint(t * fx.scale) (fixed point). A term u below
 // fx.red_lim is added without reading the sum back (a reduction, which the L2 cache serves at about
 // twice the rate of an atomic that returns the old value); a larger one returns the old sum, and
@@ -145,10 +149,6 @@ struct Fixed {
 // K bounding the terms any one output receives over all GPUs, and sum_lim = 2^63 / P for P GPUs:
 // the reductions then add less than 2^63 to an output, the checked adds less than 2^63 over all
 // GPUs while no flag is set, and no sum, per GPU or all-reduced, wraps unseen.
-// Whether old + u, an add to a fixed-point sum that held old, reaches lim (u and old below 2^64,
-// no wrap in the test itself): the checked adds of add_term and of the chunked kernel's flush.
-__device__ __forceinline__ bool reaches(u64 u, u64 old, u64 lim) { return u >= lim || old >= lim - u; }
-
 template <bool DET>
 __device__ __forceinline__ void add_term(float* bp, const Fixed& fx, unsigned j, float t) {
     if (DET) {
