@@ -1187,10 +1187,11 @@ class DeviceChunked:
 
 
 def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: float, flag: Any, fwd_only: int,
-                  bg: Any = None, red_lim: int = 0, sum_lim: int = 1 << 63) -> None:
-    """Launch the chunked kernel: a chunk's sum for a voxel below ``red_lim`` is added as a reduction, a larger
-    one is checked, and a global sum reaching ``sum_lim`` sets bit 1 of ``flag`` (:func:`fixed_limits`; the
-    defaults check every add against one GPU's 2^63)."""
+                  bg: Any = None, limits: tuple[int, int] | None = None) -> None:
+    """Launch the chunked kernel: a chunk's sum for a voxel below ``limits``' ``red_lim`` is added as a
+    reduction, a larger one is checked, and a global sum reaching its ``sum_lim`` sets bit 1 of ``flag``
+    (:func:`fixed_limits` of all GPUs; None: one GPU's, from :func:`column_count_max`). ``fwd_only`` adds
+    nothing."""
     if a.chunks == 0:
         return
     fn = function(a.kernel)
@@ -1201,9 +1202,10 @@ def _chunk_launch(a: DeviceChunked, g: Any, f: Any, fp: Any, acc: Any, scale: fl
     rscale = a.scale if a.half else a.data  # not read for float32 values
     if a.order is None:
         a.set_launch_order()
+    red, top = (np.uint64(0), np.uint64(1 << 63)) if fwd_only else _limits(a, limits)
     fn((a.chunks,), (CHUNK_THREADS,), (a.order, a.chunk_rows, a.vptr, a.voxels, a.indptr, a.local, a.data, rscale, f, g,
                                        _background(None if fwd_only else bg, a.shape[0]), fp, acc, np.float64(scale),
-                                       flag, np.uint64(red_lim), np.uint64(sum_lim), np.int32(w), np.int32(fwd_only)),
+                                       flag, red, top, np.int32(w), np.int32(fwd_only)),
        shared_mem=shared)
 
 
@@ -1217,8 +1219,7 @@ def chunked_step(a: DeviceChunked, g: Any, f: Any, *, fp: Any, bp: Any = None, a
     that hold one voxel)."""
     del bp, lanes
     scale = chunk_scale(bound)
-    red, top = _limits(a, limits)
-    _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg, red_lim=int(red), sum_lim=int(top))
+    _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg, limits)
     return scale
 
 
@@ -1265,10 +1266,8 @@ def chunked_onepass(
     acc = cp.empty(n, dtype=cp.uint64) if acc is None else acc
     flag = cp.zeros(1, dtype=cp.int32) if flag is None else flag
 
-    red, top = _limits(a, None)
-
     def launch(scale: float) -> None:
-        _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg, red_lim=int(red), sum_lim=int(top))
+        _chunk_launch(a, g, f, fp, acc, scale, flag, 0, bg)
 
     scale = _fixed_loop(launch, acc, flag, bound, check, stats, scale_of=chunk_scale)
     fixed_to_float(acc, bp, scale)

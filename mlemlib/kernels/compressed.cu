@@ -572,9 +572,10 @@ __device__ __forceinline__ void conepass_body(const i64* __restrict__ rb, const 
 // fwd_only: fp = A f alone (no scatter). Overflow (a term outside [0, 2^52)) sets flag 1. A
 // chunk's sum for a voxel below red_lim (2^63 / K, K bounding the chunks that hold a voxel over all
 // GPUs) is added as a reduction; a larger one is checked, and a global sum that reaches sum_lim sets
-// flag 2 (2^63 / P on P GPUs: then no GPU's sum and no all-reduced sum wraps unseen; add_term's rule). Dynamic shared memory: 3 * window words (f, low, high). Block b takes
-// chunk order[b] (mlemlib.chunked.launch_order: the blocks start in index order, so the chunks
-// that end a launch are those at the end of order).
+// flag 2 (2^63 / P on P GPUs: then no GPU's sum and no all-reduced sum wraps unseen; add_term's
+// rule). Dynamic shared memory: 3 * window words (f, low, high). Block b takes chunk order[b]
+// (mlemlib.chunked.launch_order: the blocks start in index order, so the chunks that end a launch
+// are those at the end of order).
 //
 // Row layout (mlemlib.chunked.interleave): every row starts at a multiple of 4 elements (rows
 // padded with zeros: value 0, local index 0), and its first 128 * (len / 128) elements are
