@@ -320,6 +320,32 @@ def test_nccl_backend_step_times_and_describe():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_nccl_backend_pipelines_its_step_times(graph):
+    """The pair queues iteration k+1 before iteration k's times are read (previous_step_times: k's events, kept
+    in the other of two sets), with the same image bits as reading each iteration's times at once; the
+    deterministic one pass reads its overflow flags every iteration and does not pipeline."""
+    from mlemlib.backends.base import timed_iterations
+
+    a, at, g, norm = _problem()
+    with N.NcclBackend(a, g, norm, transpose=at, gpus=min(_gpus(), 2), layout="local", graph=graph) as be:
+        assert be.pipelines
+        assert be.previous_step_times() is None  # none queued yet
+        f = be.initial_image()
+        reads = []
+        for _, f, ready in timed_iterations(be, f, 1, 6):
+            reads += ready
+        piped = be.to_host(f)
+        plain = _image(be, 6)
+    assert [k for k, _ in reads] == [1, 2, 3, 4, 5, 6]
+    assert all(t["iteration"] > 0 and t["iteration"] >= max((v for s, v in t.items() if s != "iteration"), default=0.0)
+               for _, t in reads)
+    assert np.array_equal(piped, plain)
+    with N.NcclBackend(a, g, norm, gpus=1, layout="local", bp="onepass_fixed", graph=graph) as one:
+        assert not one.pipelines
+
+
+@pytest.mark.gpu
 def test_graphs_are_on_by_default_on_several_gpus_where_the_kernels_allow():
     """graph None (auto): one GPU launches kernel by kernel; several replay graphs (the same image as launched
     kernel by kernel); cuSPARSE's pair, which allocates, is never captured; an explicit setting wins."""

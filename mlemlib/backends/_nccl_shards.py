@@ -31,6 +31,8 @@ class Shard:
     graph: Any = None
     events: dict = field(default_factory=dict)
     order: list = field(default_factory=list)
+    prev_events: dict = field(default_factory=dict)  # the iteration before the last's (a pipelined read)
+    prev_order: list = field(default_factory=list)
     a: Any = None  # A_k (row pointer may start at an alignment pad, see rows_to_device)
     acc: Any = None  # onepass_fixed: the 64-bit fixed-point bp
     l2_window: dict | None = None  # the one pass's atomic target in L2 (_compressed_cuda.persist_in_l2)

@@ -548,6 +548,8 @@ class NcclBackend(Backend):
         self.iterate(f, _eager=True)
         self.synchronize()
         self._times = {}
+        for s in self.shards:
+            s.order, s.prev_order = [], []
 
     def capture_graph(self) -> None:
         """Switch to CUDA-graph replay (capture now; as ``graph=True`` at construction)."""
@@ -586,11 +588,24 @@ class NcclBackend(Backend):
         log.info("captured one iteration as %d CUDA graph(s)", len(self.shards))
 
     # --- Backend interface ---------------------------------------------------------------
+    @property
+    def pipelines(self) -> bool:
+        """Whether the host may queue the next iteration before reading this one's times: yes, unless each
+        iteration ends with a read of the fixed-point overflow flags (the deterministic one pass), which
+        waits for it anyway."""
+        return not (self.onepass and self.deterministic)
+
     def iterate(self, f: Any, *, _eager: bool = False) -> Any:
-        """One MLEM iteration on every GPU; returns the replicated image (a list, one array per GPU)."""
+        """One MLEM iteration on every GPU; returns the replicated image (a list, one array per GPU).
+
+        Its events go into one of two sets per GPU, taken in turn, so that the times of the iteration before
+        (:meth:`previous_step_times`) stay readable while this one runs."""
         cp = _cupy()
         self._adopt(f)
         self._times = {}
+        for s in self.shards:
+            s.events, s.prev_events = s.prev_events, s.events
+            s.order, s.prev_order = [], s.order
         if self.graph and not _eager:
             for s in self.shards:
                 with cp.cuda.Device(s.device):
@@ -646,27 +661,40 @@ class NcclBackend(Backend):
         thesis layout) and includes waiting for the slowest GPU to arrive.
         ``iteration`` is the longest GPU's span from its first to last event.
         """
-        cp = _cupy()
         if not self.shards or not self.shards[0].order:
             return dict(self._times)
+        self._times = self._read_times([(s, s.events, s.order) for s in self.shards])
+        return dict(self._times)
+
+    def previous_step_times(self) -> dict[str, float] | None:
+        """The step times of the iteration before the last (as :meth:`last_step_times`; None where there is
+        none): read while the last one runs."""
+        if not self.shards or not self.shards[0].prev_order:
+            return None
+        return self._read_times([(s, s.prev_events, s.prev_order) for s in self.shards])
+
+    @staticmethod
+    def _read_times(sets: list[tuple[Shard, dict, list]]) -> dict[str, float]:
+        """Each step's slowest GPU and the longest GPU's span (``iteration``) from each GPU's recorded events
+        (waits for the last of them)."""
+        cp = _cupy()
         per: dict[str, float] = {}
         span = 0.0
-        for s in self.shards:
+        for s, events, order in sets:
             with cp.cuda.Device(s.device):
-                s.events[s.order[-1]].synchronize()
-                prev = s.events[s.order[0]]
+                events[order[-1]].synchronize()
+                prev = events[order[0]]
                 local: dict[str, float] = {}
-                for name in s.order[1:]:
-                    ev = s.events[name]
+                for name in order[1:]:
+                    ev = events[name]
                     step = "allreduce" if name.startswith("allreduce") else name
                     local[step] = local.get(step, 0.0) + cp.cuda.get_elapsed_time(prev, ev) / 1e3
                     prev = ev
-                span = max(span, cp.cuda.get_elapsed_time(s.events[s.order[0]], s.events[s.order[-1]]) / 1e3)
+                span = max(span, cp.cuda.get_elapsed_time(events[order[0]], events[order[-1]]) / 1e3)
             for k, v in local.items():
                 per[k] = max(per.get(k, 0.0), v)
         per["iteration"] = span
-        self._times = per
-        return dict(per)
+        return per
 
     def forward(self, f: Any) -> Any:
         """``A f`` gathered on the host (diagnostics; the iteration never calls it)."""
