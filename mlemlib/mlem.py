@@ -212,7 +212,9 @@ def reconstruct(
         The model is ``ybar = m * (A f) + b`` (DESIGN.md's numerical contract).
     progress
         Called as ``progress(repetition, iteration, image)`` after every
-        iteration (and after its checkpoint), e.g. for a progress bar.
+        iteration (and after its checkpoint), e.g. for a progress bar. The
+        backend is synchronised first, so ``image`` is final; the GPU then
+        idles while the callback runs.
         ``image`` is the backend's device image: for a reordered matrix it is
         in the permuted voxel order (``mlemlib.reorder.image_to_user_order``
         maps it back).
@@ -380,6 +382,7 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
                 write_checkpoint(ckpt_path, be.to_host(f), key=prob.key, repetition=rep, iteration=it, state=state)
                 ckpt_s += time.perf_counter() - t_ck
             if progress is not None:
+                be.synchronize()  # the image is final (a replay's overflow check may still be pending)
                 progress(rep, it, f)
         if metered:
             be.synchronize()

@@ -324,7 +324,8 @@ def test_nccl_backend_step_times_and_describe():
 def test_nccl_backend_pipelines_its_step_times(graph):
     """The pair queues iteration k+1 before iteration k's times are read (previous_step_times: k's events, kept
     in the other of two sets), with the same image bits as reading each iteration's times at once; the
-    deterministic one pass reads its overflow flags every iteration and does not pipeline."""
+    deterministic one pass launched kernel by kernel reads its overflow flags every iteration and does not
+    pipeline."""
     from mlemlib.backends.base import timed_iterations
 
     a, at, g, norm = _problem()
@@ -342,7 +343,37 @@ def test_nccl_backend_pipelines_its_step_times(graph):
                for _, t in reads)
     assert np.array_equal(piped, plain)
     with N.NcclBackend(a, g, norm, gpus=1, layout="local", bp="onepass_fixed", graph=graph) as one:
-        assert not one.pipelines
+        assert one.pipelines == graph  # replayed, its flags are read one iteration late
+
+
+@pytest.mark.gpu
+def test_fixed_point_replays_are_checked_one_iteration_late():
+    """A fixed-point one pass replays two graphs in turn and reads each replay's overflow flag while the next
+    one runs, the last one's before its image is read. An overflow found either way (iteration 1's, while
+    iteration 2 runs; iteration 3's, the last, by to_host) is redone kernel by kernel with the range raised,
+    the replay after it too: the images are the eager backend's, bit for bit, from the same too-small ranges."""
+    from mlemlib.backends.base import FIXED_RETRY_FACTOR
+
+    a, _, g, norm = _problem()
+    images = {}
+    for graph in (False, True):
+        with N.NcclBackend(a, g, norm, gpus=min(_gpus(), 2), layout="local", bp="onepass_fixed", graph=graph) as be:
+            assert be.pipelines == graph
+            f = be.initial_image()
+            for k in range(4):
+                if k in (1, 3):  # this iteration's range 2^40 times too small: it overflows
+                    be._fixed_bound /= FIXED_RETRY_FACTOR**2
+                    if graph:  # capture again with the small range
+                        be.use_graph(False)
+                        be.shards[0].graph = None
+                        be.use_graph(True)
+                f = be.iterate(f)
+            images[graph] = be.to_host(f)
+            bound = be._fixed_bound
+        if graph:
+            assert bound == eager_bound
+        eager_bound = bound
+    assert np.array_equal(images[True], images[False])
 
 
 @pytest.mark.gpu

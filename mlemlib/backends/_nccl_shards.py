@@ -29,6 +29,7 @@ class Shard:
     rows: tuple[int, int]
     cols: tuple[int, int]
     graph: Any = None
+    graph2: Any = None  # a fixed-point one pass's second graph (its own image copy and flag; replays alternate)
     events: dict = field(default_factory=dict)
     order: list = field(default_factory=list)
     prev_events: dict = field(default_factory=dict)  # the iteration before the last's (a pipelined read)
@@ -38,6 +39,9 @@ class Shard:
     l2_window: dict | None = None  # the one pass's atomic target in L2 (_compressed_cuda.persist_in_l2)
     flag: Any = None  # onepass_fixed: overflow flag
     f_before: Any = None  # a fixed-point graph's copy of the image it starts from (an overflow puts it back)
+    flags: list | None = None  # the two graphs' flags and image copies (graph, graph2)
+    befores: list | None = None
+    side: Any = None  # a stream that reads a replay's flag without waiting for the replays queued after it
     nnz: int = 0  # non-zeros of A_k (without padding)
     at: Any = None  # A_k^T (local) or rows cols of A^T (thesis); None for scatter
     smem: Any = None
@@ -65,11 +69,23 @@ class Shard:
                 with self.stream:
                     self.f_before[...] = self.f
 
-    def put_back_image(self) -> None:
-        """After a replay that overflowed: the image it started from back into ``f`` (on this GPU's stream)."""
+    def put_back_image(self, before: Any = None) -> None:
+        """After a replay that overflowed: the image it started from (``before``, default ``f_before``) back into
+        ``f``, on this GPU's stream (after any replay queued there)."""
         cp = ck.cupy()
         with cp.cuda.Device(self.device), self.stream:
-            self.f[...] = self.f_before
+            self.f[...] = self.f_before if before is None else before
+
+    def replay_flag(self, parity: int, done: Any) -> int:
+        """The overflow flag of the replay of graph ``parity`` (0: ``graph``, 1: ``graph2``), once the event
+        ``done`` recorded after it has completed; read on a side stream, so that replays queued after it on
+        this GPU's stream keep running."""
+        cp = ck.cupy()
+        with cp.cuda.Device(self.device):
+            if self.side is None:
+                self.side = cp.cuda.Stream(non_blocking=True)
+            done.synchronize()
+            return int(self.flags[parity].get(stream=self.side)[0])
 
 
 def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, plan_d: dict, g: Any, norm: Any,

@@ -223,6 +223,10 @@ class NcclBackend(Backend):
         self._k_forward = self._kf or registry.row_forward(self.format)
         self.graph = graph_default(graph, nworld > 1, self._graphable())
         self.graph_capturing = False
+        # a fixed-point one pass's replays alternate between two graphs, each with its own overflow flag and
+        # copy of the image it starts from; a replay's flag is read after the next replay is queued
+        self._parity = 0  # the graph the next replay takes
+        self._pending: int | None = None  # the graph of the last replay whose flag is not read yet
         if self.graph and not self._graphable():
             raise ConfigError("graph", f"graph capture needs non-allocating kernels; fp={self.fp_kernel} bp={self.bp_kernel} use cuSPARSE through CuPy")
         self.secsize = cplan.DEFAULT_SECSIZE if secsize is None else int(secsize)
@@ -564,36 +568,50 @@ class NcclBackend(Backend):
         if on:
             self.capture_graph()
         else:
+            self._settle()
             self.graph = False
 
     def _capture(self) -> None:
-        """Capture one iteration per GPU; a fixed-point one pass's graph first copies the image it starts from
-        (:meth:`_graph_overflowed` puts it back)."""
+        """Capture one iteration per GPU. A fixed-point one pass's graph first copies the image it starts from
+        (:meth:`_check_replay` puts it back); it is captured twice (``graph``, ``graph2``), each with its own
+        flag and image copy, and replays alternate between them, so that one replay's flag can be read while
+        the next runs."""
         cp = _cupy()
-        for s in self.shards:
-            s.begin_capture(keep_image=s.flag is not None)
-        self.graph_capturing = True
-        try:
-            self._launch(record=False)
-        finally:
-            self.graph_capturing = False
+        self._settle()
+        fixed = any(s.flag is not None for s in self.shards)
+        for parity in (0, 1) if fixed else (0,):
             for s in self.shards:
-                with cp.cuda.Device(s.device):
-                    s.graph = s.stream.end_capture()
+                if fixed:
+                    with cp.cuda.Device(s.device):
+                        if s.flags is None:
+                            s.flags = [s.flag, cp.zeros_like(s.flag)]
+                            s.befores = [cp.empty_like(s.f), cp.empty_like(s.f)]
+                    s.flag, s.f_before = s.flags[parity], s.befores[parity]
+                s.begin_capture(keep_image=fixed)
+            self.graph_capturing = True
+            try:
+                self._launch(record=False)
+            finally:
+                self.graph_capturing = False
+                for s in self.shards:
+                    with cp.cuda.Device(s.device):
+                        setattr(s, "graph2" if parity else "graph", s.stream.end_capture())
         for s in self.shards:
             with cp.cuda.Device(s.device):
-                if hasattr(s.graph, "upload"):
-                    s.graph.upload(s.stream)
+                for g in (s.graph, s.graph2) if fixed else (s.graph,):
+                    if hasattr(g, "upload"):
+                        g.upload(s.stream)
+        self._parity, self._pending = 0, None
         self.synchronize()
-        log.info("captured one iteration as %d CUDA graph(s)", len(self.shards))
+        log.info("captured one iteration as %d CUDA graph(s)%s", len(self.shards), " (two each: replays alternate)" if fixed else "")
 
     # --- Backend interface ---------------------------------------------------------------
     @property
     def pipelines(self) -> bool:
         """Whether the host may queue the next iteration before reading this one's times: yes, unless each
-        iteration ends with a read of the fixed-point overflow flags (the deterministic one pass), which
-        waits for it anyway."""
-        return not (self.onepass and self.deterministic)
+        iteration ends with a read of the fixed-point overflow flags (the deterministic one pass launched
+        kernel by kernel), which waits for it anyway. Replayed, its flags are read one iteration late."""
+        return self.graph or not (self.onepass and self.deterministic)
 
     def iterate(self, f: Any, *, _eager: bool = False) -> Any:
         """One MLEM iteration on every GPU; returns the replicated image (a list, one array per GPU).
@@ -607,33 +625,49 @@ class NcclBackend(Backend):
             s.events, s.prev_events = s.prev_events, s.events
             s.order, s.prev_order = [], s.order
         if self.graph and not _eager:
+            fixed = self.onepass and self.deterministic
+            parity = self._parity if fixed else 0
             for s in self.shards:
                 with cp.cuda.Device(s.device):
                     s.order = []
                     self._mark(s, "start", True)
-                    s.graph.launch(s.stream)
+                    (s.graph2 if parity else s.graph).launch(s.stream)
                     self._mark(s, "iteration", True)
-            if self.onepass and self.deterministic:  # the replayed graph cannot retry: check its overflow flags
-                bad = 0
-                for s in self.shards:
-                    with cp.cuda.Device(s.device):
-                        bad |= int(s.flag.get(stream=s.stream)[0])
-                if bad:
-                    self._graph_overflowed(bad)
+            if fixed:  # a replay cannot retry: the replay before this one is checked now, while this one runs
+                before, self._pending, self._parity = self._pending, parity, 1 - parity
+                if before is not None:
+                    self._check_replay(before, [(s, s.prev_events, s.prev_order) for s in self.shards], redo_next=True)
         else:
+            self._settle()
             self._launch(record=True)
         return [s.f for s in self.shards]
 
-    def _graph_overflowed(self, flag: int) -> None:
-        """A replayed fixed-point iteration overflowed: put back the image it started from, redo the iteration
-        kernel by kernel with a larger range (retrying as the eager path does) and capture the graphs again with
-        that range."""
+    def _settle(self) -> None:
+        """Read the overflow flags of the last replay if they are not read yet (and redo it if it overflowed):
+        before anything reads the image, its times or launches kernel by kernel."""
+        if getattr(self, "_pending", None) is not None:
+            last, self._pending = self._pending, None
+            self._check_replay(last, [(s, s.events, s.order) for s in self.shards], redo_next=False)
+
+    def _check_replay(self, parity: int, sets: list[tuple[Shard, dict, list]], *, redo_next: bool) -> None:
+        """Read the flags of the replay of graph ``parity`` (its events in ``sets``). Where it overflowed: put
+        back the image it started from, redo it kernel by kernel with a larger range (retrying as the eager
+        path does), redo the replay queued after it (``redo_next``: it started from a wrong image) the same
+        way, and capture the graphs again with that range."""
+        bad = 0
+        for s, events, order in sets:
+            bad |= s.replay_flag(parity, events[order[-1]])
+        if not bad:
+            return
+        self._pending = None
         for s in self.shards:
-            s.put_back_image()
+            s.put_back_image(s.befores[parity])
         self._fixed_bound *= FIXED_RETRY_FACTOR
         log.info("%s: overflow inside the CUDA graph (flag %d); iteration redone with the range raised to %.3g",
-                 self.bp_kernel, flag, self._fixed_bound)
+                 self.bp_kernel, bad, self._fixed_bound)
         self._launch(record=True)
+        if redo_next:
+            self._launch(record=True)
         self._capture()
 
     def _adopt(self, f: Any) -> None:
@@ -641,6 +675,7 @@ class NcclBackend(Backend):
         cp = _cupy()
         if isinstance(f, list) and len(f) == len(self.shards) and all(a is s.f for a, s in zip(f, self.shards)):
             return
+        self._settle()
         arrs = f if isinstance(f, list) else [f] * len(self.shards)
         for s, a in zip(self.shards, arrs):
             with cp.cuda.Device(s.device), s.stream:
@@ -650,7 +685,8 @@ class NcclBackend(Backend):
                     s.f[...] = ck.to_device(a, s.device) if a.device.id != s.device else a
 
     def synchronize(self) -> None:
-        """Wait for every shard's stream."""
+        """Wait for every shard's stream (and read the last replay's overflow flags where they are not read)."""
+        self._settle()
         for s in self.shards:
             s.stream.synchronize()
 
@@ -661,6 +697,7 @@ class NcclBackend(Backend):
         thesis layout) and includes waiting for the slowest GPU to arrive.
         ``iteration`` is the longest GPU's span from its first to last event.
         """
+        self._settle()
         if not self.shards or not self.shards[0].order:
             return dict(self._times)
         self._times = self._read_times([(s, s.events, s.order) for s in self.shards])
@@ -698,6 +735,7 @@ class NcclBackend(Backend):
 
     def forward(self, f: Any) -> Any:
         """``A f`` gathered on the host (diagnostics; the iteration never calls it)."""
+        self._settle()
         self._adopt(f)
         cp = _cupy()
         out = np.zeros(self.shape[0], dtype=np.float32)
@@ -723,6 +761,7 @@ class NcclBackend(Backend):
         raise NotImplementedError("cuda-nccl runs whole iterations: use iterate()")
 
     def initial_image(self) -> Any:
+        self._settle()
         value = self._initial_value()
         cp = _cupy()
         for s in self.shards:
@@ -757,7 +796,7 @@ class NcclBackend(Backend):
         except Exception as exc:  # a failed kernel must not stop the teardown
             log.warning("cuda-nccl close: %s", exc)
         for s in self.shards:
-            s.graph = None
+            s.graph = s.graph2 = None
         gc.collect()
         for s in self.shards:
             with cp.cuda.Device(s.device):
