@@ -578,7 +578,7 @@ class NcclBackend(Backend):
         the next runs."""
         cp = _cupy()
         self._settle()
-        fixed = any(s.flag is not None for s in self.shards)
+        fixed = self._fixed_point
         for parity in (0, 1) if fixed else (0,):
             for s in self.shards:
                 if fixed:
@@ -611,7 +611,12 @@ class NcclBackend(Backend):
         """Whether the host may queue the next iteration before reading this one's times: yes, unless each
         iteration ends with a read of the fixed-point overflow flags (the deterministic one pass launched
         kernel by kernel), which waits for it anyway. Replayed, its flags are read one iteration late."""
-        return self.graph or not (self.onepass and self.deterministic)
+        return self.graph or not self._fixed_point
+
+    @property
+    def _fixed_point(self) -> bool:
+        """The deterministic one pass: 64-bit fixed-point sums, whose overflow flags the host reads."""
+        return self.onepass and self.deterministic
 
     def iterate(self, f: Any, *, _eager: bool = False) -> Any:
         """One MLEM iteration on every GPU; returns the replicated image (a list, one array per GPU).
@@ -625,11 +630,10 @@ class NcclBackend(Backend):
             s.events, s.prev_events = s.prev_events, s.events
             s.order, s.prev_order = [], s.order
         if self.graph and not _eager:
-            fixed = self.onepass and self.deterministic
+            fixed = self._fixed_point
             parity = self._parity if fixed else 0
             for s in self.shards:
                 with cp.cuda.Device(s.device):
-                    s.order = []
                     self._mark(s, "start", True)
                     (s.graph2 if parity else s.graph).launch(s.stream)
                     self._mark(s, "iteration", True)
@@ -645,7 +649,7 @@ class NcclBackend(Backend):
     def _settle(self) -> None:
         """Read the overflow flags of the last replay if they are not read yet (and redo it if it overflowed):
         before anything reads the image, its times or launches kernel by kernel."""
-        if getattr(self, "_pending", None) is not None:
+        if self._pending is not None:
             last, self._pending = self._pending, None
             self._check_replay(last, [(s, s.events, s.order) for s in self.shards], redo_next=False)
 
