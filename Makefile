@@ -9,13 +9,20 @@
 # default, as in config/config.yaml).
 #
 # The virtual environment is created once and reinstalled only when
-# pyproject.toml changes (the stamp file below records the last install).
+# pyproject.toml or the lock changes (the stamp file below records the last
+# install, one per EXTRAS). Every package is installed at the version of the
+# lock, requirements/lock.txt, by uv (itself pinned by UV_VERSION and
+# installed into the venv with pip). `make lock` refreshes the lock after a
+# change of pyproject.toml's dependencies (UPGRADE=1: every package to its
+# newest allowed version) and derives the GPU node's wheel list from it.
 
 PYTHON ?= python3
 VENV   ?= .venv
 CORES  ?= all
 EXTRAS ?= workflow,test
 CONFIG ?=
+UV_VERSION ?= 0.13.9
+UPGRADE ?=
 
 # The configuration's name (its `name:` key; "default" without one), read
 # when a recipe runs, after set-up.
@@ -24,10 +31,15 @@ SNAKEMAKE = $(strip $(BIN)/snakemake $(if $(CONFIG),--configfile $(CONFIG)))
 REPORT = results/report-$(NAME).html
 
 BIN   := $(VENV)/bin
-STAMP := $(VENV)/.mlem-installed
+STAMP := $(VENV)/.mlem-installed-$(EXTRAS)
+LOCK  := requirements/lock.txt
+UV    := $(BIN)/uv
+# The lock: every extra, for every platform, from Python 3.11 on.
+COMPILE = $(UV) pip compile pyproject.toml --all-extras --universal --python-version 3.11 \
+	--custom-compile-command 'make lock' --quiet
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test test-slurm lint dry-run report clean
+.PHONY: help setup lock lock-check run test test-slurm lint dry-run report clean
 
 help:
 	@echo "make run      set up $(VENV) if needed, run the default workflow (CPU without a GPU)"
@@ -36,7 +48,9 @@ help:
 	@echo "make lint     snakefmt --check and snakemake --lint"
 	@echo "make dry-run  show the jobs the workflow would run"
 	@echo "make report   the HTML report of a finished run (results/report-<name>.html)"
-	@echo "make setup    only create or update $(VENV)"
+	@echo "make setup    only create or update $(VENV) (at the versions of $(LOCK))"
+	@echo "make lock     refresh $(LOCK) from pyproject.toml (UPGRADE=1: newest versions) and the GPU node's wheel list"
+	@echo "make lock-check  fail if $(LOCK) or the wheel list is not what pyproject.toml gives"
 	@echo "make clean    remove the workflow's outputs (results, resources, logs, benchmarks)"
 	@echo "variables: PYTHON=$(PYTHON) VENV=$(VENV) CORES=$(CORES) EXTRAS=$(EXTRAS) CONFIG=$(CONFIG)"
 	@echo "  CONFIG=my.yaml: run, dry-run or report that configuration; its summary is"
@@ -44,12 +58,30 @@ help:
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK) | $(UV)
+	$(UV) pip install --quiet --python $(BIN)/python --constraint $(LOCK) --editable '.[$(EXTRAS)]'
+	@touch $@
+
+# The venv and uv in it (reinstalled when UV_VERSION changes).
+$(UV): $(if $(filter $(UV_VERSION),$(shell $(UV) --version 2>/dev/null | cut -d' ' -f2)),,FORCE)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 		|| { echo "error: $(PYTHON) is older than Python 3.11 (set PYTHON=...)" >&2; exit 1; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --editable '.[$(EXTRAS)]'
-	@touch $@
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check 'uv==$(UV_VERSION)'
+
+FORCE:
+
+lock: | $(UV)
+	$(COMPILE) $(if $(UPGRADE),--upgrade) --output-file $(LOCK)
+	$(BIN)/python tools/device_workflow/wheels_from_lock.py
+
+lock-check: | $(UV)
+	@cp $(LOCK) $(VENV)/lock-check.txt
+	@$(COMPILE) --output-file $(VENV)/lock-check.txt
+	@diff -u $(LOCK) $(VENV)/lock-check.txt \
+		|| { echo "error: $(LOCK) is not what pyproject.toml gives: run 'make lock' and commit it" >&2; exit 1; }
+	@$(BIN)/python tools/device_workflow/wheels_from_lock.py --check
+	@echo "$(LOCK) and tools/device_workflow/wheels.txt match pyproject.toml"
 
 run: $(STAMP)
 	$(SNAKEMAKE) --cores $(CORES)

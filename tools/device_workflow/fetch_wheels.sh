@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Fetch the wheels of tools/device_workflow/wheels.txt for CPython 3.12 on x86-64 Linux
 # (the lent GPU machines) into .whl/ at the repository root, which run.sh installs from.
+# wheels.txt is derived from the lock, requirements/lock.txt, by wheels_from_lock.py
+# (`make lock` runs both).
 #
 #   bash tools/device_workflow/fetch_wheels.sh [DIR]     (default: .whl)
 #
@@ -19,12 +21,12 @@ done
 mapfile -t pins < <(grep -Ev '^\s*(#|$)' "$here/wheels.txt")
 binary=()
 for pin in "${pins[@]}"; do
-    [[ $pin == connection_pool==* ]] || binary+=("$pin")
+    [[ $pin == connection[-_]pool==* ]] || binary+=("$pin")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${plat[@]}" -d "$dest" "${binary[@]}"
 for pin in "${pins[@]}"; do
-    [[ $pin == connection_pool==* ]] && python3 -m pip wheel -q --no-deps -w "$dest" "$pin"
+    [[ $pin == connection[-_]pool==* ]] && python3 -m pip wheel -q --no-deps -w "$dest" "$pin"
 done
 n=$(find "$dest" -maxdepth 1 -type f -name '*.whl' | wc -l)
 echo "fetch_wheels: $n wheels in $dest ($(du -sh "$dest" | cut -f1)); expected ${#pins[@]}"
