@@ -1,9 +1,17 @@
 """The measurement's correction factors: multiplicative ``m`` and additive ``b`` per LOR (host, NumPy).
 
 The forward model of the expected counts is ``ybar = m * (A f) + b``
-(DESIGN.md, "Numerical contract"): ``m`` are attenuation x normalisation
+(docs/reconstruction.md): ``m`` are attenuation x normalisation
 factors (dimensionless, 1 when not given), ``b`` the expected background
 counts (randoms + scatter, in counts like ``g``, 0 when not given).
+
+A folded matrix (:mod:`mlemlib.fold`) stores once each group ``L_r`` of LORs
+whose rows of ``A`` are equal, and its measurement is their counts' sum
+``G_r = sum_{i in L_r} g_i``. ``G_r`` is Poisson with mean
+``M_r (A f)_r + B_r``, ``M_r = sum_{i in L_r} m_i`` and
+``B_r = sum_{i in L_r} b_i``: the folded run models these per stored row
+(:func:`summed_factors`), exactly the unfolded model for ``b = 0`` and the
+maximum-likelihood image of the summed counts otherwise.
 
 Provides
 
@@ -15,14 +23,17 @@ Provides
 - :func:`background` — what the backends add to the forward projection:
   ``b' = b / m`` (float64, then float32), ``+inf`` where ``m = 0`` (a gap: the
   LOR does not count, ``g / inf = 0``). Then ``g / (A f + b') = m g / ybar``.
-- :func:`stored_values` — per-LOR values of a folded matrix's stored rows
-  (the LORs of one stored row must share the value).
+- :func:`summed_factors` — a folded matrix's ``m`` and ``b`` per stored row:
+  the sums over the LORs each stored row stands for (the folded model below).
+- :func:`stored_values` — per-LOR labels on a folded matrix's stored rows
+  (one per stored row: shared by its LORs, or its first LOR's).
 - :func:`factors_checksum` — the identity of a factor vector (run keys, norms).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +42,8 @@ from typing import Any
 import numpy as np
 
 from mlemlib.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: The two kinds of factor files and what a message calls them.
 KINDS = {"multiplicative": "multiplicative factor", "additive": "additive background"}
@@ -144,18 +157,71 @@ def background(m: np.ndarray | None, b: np.ndarray | None, rows: int, dtype: Any
     return out.astype(dtype)
 
 
-def stored_values(values: np.ndarray, fold: Any, source: str | os.PathLike, what: str) -> np.ndarray:
-    """Per-LOR ``values`` (the user's rows) on a folded matrix's stored rows: each stored row takes its LORs'
-    value, which must be one (the LORs it stands for are one line of response)."""
+def summed_factors(fold: Any, m: np.ndarray | None, b: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """A folded matrix's factors per stored row: ``M_r = sum_{i in L_r} m_i`` and ``B_r = sum_{i in L_r} b_i``
+    (float64, the fold's stored-row order), ``L_r`` the LORs stored row ``r`` stands for.
+
+    A stored row holds the values of one row of ``A``, once, and stands for
+    its ``|L_r|`` LORs; its measurement is their counts' sum ``G_r``
+    (:meth:`mlemlib.fold.RowFold.fold`). ``G_r`` is Poisson with mean
+    ``sum_{i in L_r} (m_i (A f)_r + b_i) = M_r (A f)_r + B_r``. So the folded
+    run weights row ``r`` by ``M_r`` in the sensitivities (for m = 1, ``M_r``
+    is the row's multiplicity ``|L_r|``: the fold's weights of the plain norm)
+    and adds ``b'_r = B_r / M_r`` to its forward projection
+    (:func:`background`): ``G_r / ((A f)_r + b'_r) = M_r G_r / ybar_r``, the
+    folded ``c_r``. With ``b = 0`` this is the unfolded run, term for term:
+    ``sum_{i in L_r} a_rj m_i g_i / (m_i (A f)_r) = a_rj G_r / (A f)_r`` and
+    ``sum_{i in L_r} a_rj m_i = a_rj M_r`` (where a gap, ``m_i = 0``, holds
+    no counts, as the model expects with ``b = 0``: the unfolded run ignores a
+    gap's count, the folded one sums it into ``G_r``). A row whose LORs are all
+    gaps has ``M_r = 0``: ``b'_r = +inf``, it does not count.
+
+    Parameters
+    ----------
+    fold
+        The matrix's :class:`~mlemlib.fold.RowFold`.
+    m, b
+        Per-LOR factors in the user's LOR order (None: 1 and 0 everywhere).
+
+    Returns
+    -------
+    (M, B)
+        float64[m_stored] each; ``B`` None where ``b`` is None.
+    """
+    if m is None:
+        big_m = fold.multiplicity().astype(np.float64)
+    else:
+        big_m = fold.fold(np.asarray(m, dtype=np.float64), "multiplicative")
+    big_b = None if b is None else fold.fold(np.asarray(b, dtype=np.float64), "additive")
+    return big_m, big_b
+
+
+def stored_values(values: np.ndarray, fold: Any, source: str | os.PathLike, what: str, *,
+                  first: bool = False) -> np.ndarray:
+    """Per-LOR ``values`` (the user's rows, e.g. subset labels) on a folded matrix's stored rows.
+
+    Each stored row takes its LORs' value. Where they differ (a content fold
+    merges LORs of different angles whose rows of ``A`` are equal) it takes
+    its first LOR's value with ``first``, and is refused otherwise.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``source``: two LORs of one stored row with different values (``first`` False).
+    """
     rm = np.asarray(fold.row_map)
     users = np.flatnonzero(rm >= 0)
-    out = np.zeros(int(fold.m_stored), dtype=np.asarray(values).dtype)
-    out[rm[users]] = values[users]
+    values = np.asarray(values)
+    _, first_lor = np.unique(rm[users], return_index=True)  # every stored row is some LOR's (RowFold.check)
+    out = values[users[first_lor]]
     differ = out[rm[users]] != values[users]
-    if differ.any():
+    if differ.any() and first:
+        log.info("%s: %d stored row(s) stand for LORs of different %ss (equal rows of A): each takes its "
+                 "first LOR's", source, int(np.unique(rm[users][differ]).size), what)
+    elif differ.any():
         i = int(users[np.argmax(differ)])
-        raise ConfigError(source, f"LOR {i} has {what} {values[i]}, another LOR of its stored row (the matrix is "
-                                  f"folded) has {out[rm[i]]}; use an unfolded matrix")
+        raise ConfigError(source, f"LOR {i} has {what} {values[i]}, another LOR of its stored row has {out[rm[i]]} "
+                                  f"(the matrix is folded: a stored row takes one {what}); use an unfolded matrix")
     return out
 
 
@@ -181,7 +247,8 @@ class Corrections:
     labels: str = ""
     #: float32[m] ``b' = b / m`` (+inf at a gap), or None (m = 1 and b = 0).
     background: np.ndarray | None = None
-    #: float64[m] each row's weight in the sensitivities (m, times a folded row's multiplicity), or None (all 1).
+    #: float64[m] each row's weight in the sensitivities (``m``; a folded row's ``M_r``, :func:`summed_factors`),
+    #: or None (all 1).
     weights: np.ndarray | None = None
     #: Checksums of the factors (``""``: not given) and the files they came from.
     multiplicative: str = ""

@@ -10,9 +10,11 @@ terms ``a_ij y_k / p`` in the back projection add up to ``a_ij (sum_k y_k)
 order of its first occurrence, and a row map from the user's rows to the
 stored ones; every stage reads the measurement in the user's LOR order and
 folds it (sums the counts of a stored row's LORs), and the norm counts each
-stored row as often as it occurs. Half the rows mean half the bytes read per
-iteration, half the gathers and half the atomics (docs/formats.md, "Folded
-matrices").
+stored row as often as it occurs. Per-LOR factors ``m`` and ``b`` are summed
+over a stored row's LORs in the same way: its counts' sum is Poisson with mean
+``(sum m_i) (A f)_r + sum b_i`` (:func:`mlemlib.corrections.summed_factors`).
+Half the rows mean half the bytes read per iteration, half the gathers and
+half the atomics (docs/formats.md, "Folded matrices").
 
 Provides
 
@@ -130,7 +132,8 @@ class RowFold:
         ``g`` has the user's ``m_user`` values (NumPy or CuPy; the result lives
         where ``g`` lives, in ``g``'s dtype; sums in int64 or float64).
         Counts in empty rows are dropped (no LOR sees them: the unfolded MLEM
-        ignores them too).
+        ignores them too). Per-LOR factors ``m`` and ``b`` are summed the same
+        way (:func:`mlemlib.corrections.summed_factors`).
 
         Raises
         ------

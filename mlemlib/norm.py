@@ -192,7 +192,7 @@ def source_column_sums(src, *, max_nnz: int = 1 << 24, progress: str | None = No
 def sensitivities(src: Any, bounds: np.ndarray, weights: np.ndarray | None = None, *,
                   max_nnz: int = 1 << 24) -> np.ndarray:
     """``s^k_j = sum_{i in S_k} a_ij w_i`` (float64, S x n) of an opened matrix whose subsets are the row ranges
-    ``bounds``; ``weights`` one per stored row (m times a folded row's multiplicity; None: 1 each).
+    ``bounds``; ``weights`` one per stored row (:func:`row_weights`; None: 1 each).
 
     Each subset's columns are summed in row order in float64 (:func:`accumulate_column_sums`),
     so S = 1 without weights gives the bits of :func:`source_column_sums`.
@@ -340,16 +340,20 @@ def _sensitivity_setup(src, multiplicative) -> tuple[np.ndarray | None, np.ndarr
 
 
 def row_weights(src, m: np.ndarray | None, perm=None) -> np.ndarray | None:
-    """Each row's weight in the sensitivities, in ``src``'s row order: ``m`` summed over a folded row's
-    LORs (its multiplicity for m = 1); None where every weight is 1."""
+    """Each row's weight in the sensitivities (float64), in ``src``'s row order, or None where every weight is 1.
+
+    ``m`` (the user's LOR order; None: 1) on an unfolded matrix; on a folded
+    one ``M_r``, the sum of ``m`` over the LORs stored row ``r`` stands for
+    (its multiplicity for m = 1): :func:`mlemlib.corrections.summed_factors`,
+    the same sums as the run's background ``B_r / M_r``.
+    """
+    from mlemlib.corrections import summed_factors
     from mlemlib.fold import fold_of
 
     fold = fold_of(src)
     if fold is None and m is None:
         return None
-    w = np.asarray(m, dtype=np.float64) if fold is None else (
-        fold.multiplicity().astype(np.float64) if m is None else fold.fold(np.asarray(m, dtype=np.float64), "multiplicative")
-    )
+    w = np.asarray(m, dtype=np.float64) if fold is None else summed_factors(fold, m, None)[0]
     return w if perm is None else w[np.asarray(perm.rows)]
 
 

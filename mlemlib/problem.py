@@ -191,7 +191,8 @@ def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose
 
 def load_corrections(src: Any, name: str, row_fold: Any, perm: Permutation | None, settings: RunSettings) -> Corrections:
     """The run's subsets (their rows must be grouped: ``mlem reorder --subsets``) and its factors ``m`` and ``b``,
-    read in the user's LOR order and taken to the matrix's rows (folded, then permuted)."""
+    read in the user's LOR order and taken to the matrix's rows: on a folded matrix summed over each stored
+    row's LORs (:func:`mlemlib.corrections.summed_factors`), then permuted."""
     from mlemlib.corrections import background, factors_checksum, read_factors
     from mlemlib.norm import row_weights
     from mlemlib.subsets import check_count, labels_checksum, labels_for
@@ -210,8 +211,8 @@ def load_corrections(src: Any, name: str, row_fold: Any, perm: Permutation | Non
         corr.bounds = _grouped_bounds(labels if perm is None else labels[perm.rows], subsets, corr.method, name)
         corr.subsets, corr.labels = subsets, labels_checksum(labels)
     if factors["multiplicative"] is not None or factors["additive"] is not None:
-        rows = {k: None if v is None else _to_rows(v, row_fold, perm, names[k], k) for k, v in factors.items()}
-        bg = background(rows["multiplicative"], rows["additive"], m, settings.dtype)
+        mult, add = _to_rows(factors["multiplicative"], factors["additive"], row_fold, perm)
+        bg = background(mult, add, m, settings.dtype)
         corr.background = bg if bg.any() else None  # b' = 0 everywhere: g / (fp + 0) is g / fp
     corr.weights = row_weights(src, factors["multiplicative"], perm)
     return corr
@@ -222,12 +223,19 @@ def _spec(value: Any) -> str | None:
     return None if value is None else os.fspath(value) if isinstance(value, (str, os.PathLike)) else "<array>"
 
 
-def _to_rows(values: np.ndarray, row_fold: Any, perm: Permutation | None, source: str, what: str) -> np.ndarray:
-    """Per-LOR values (the user's order) on the matrix's rows: a folded row's one value, then permuted."""
-    from mlemlib.corrections import stored_values
+def _to_rows(m: np.ndarray | None, b: np.ndarray | None, row_fold: Any,
+             perm: Permutation | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Per-LOR ``m`` and ``b`` (the user's order; None: 1 and 0) on the matrix's rows: a folded row's sums
+    ``M_r`` and ``B_r`` (:func:`mlemlib.corrections.summed_factors`; ``M_r`` is its multiplicity for m = 1),
+    then permuted."""
+    from mlemlib.corrections import summed_factors
 
-    v = values if row_fold is None else stored_values(values, row_fold, source, f"{what} factor")
-    return v if perm is None else v[np.asarray(perm.rows)]
+    if row_fold is not None:
+        m, b = summed_factors(row_fold, m, b)
+    if perm is None:
+        return m, b
+    rows = np.asarray(perm.rows)
+    return (None if m is None else m[rows]), (None if b is None else b[rows])
 
 
 def _grouped_bounds(labels: np.ndarray, subsets: int, method: str, name: str) -> np.ndarray:

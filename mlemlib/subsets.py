@@ -142,7 +142,8 @@ def labels_for(src: Any, subsets: int, *, subset_file: str | os.PathLike | None 
     ``subset_file`` (one label per user LOR) wins; else the scanner's
     projection angles where the matrix carries a scanner block whose crystals
     make its LORs; else ``i mod S`` over the stored rows. A folded matrix's
-    stored row takes its LORs' label, which must be one (:func:`mlemlib.corrections.stored_values`).
+    stored row takes its LORs' label: a file's must be one; by angle, a row that stands for LORs of
+    several angles (a content fold) takes its first LOR's (:func:`mlemlib.corrections.stored_values`).
     """
     from mlemlib.corrections import stored_values
     from mlemlib.fold import fold_of
@@ -161,7 +162,7 @@ def labels_for(src: Any, subsets: int, *, subset_file: str | os.PathLike | None 
         else:
             return check_labels(index_labels(m, subsets), m, subsets, name), "index"
     if fold is not None:
-        labels = stored_values(labels, fold, where, "subset label")
+        labels = stored_values(labels, fold, where, "subset label", first=method == "angle")
     return check_labels(labels, m, subsets, where), method
 
 

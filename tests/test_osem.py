@@ -490,7 +490,8 @@ def test_a_cpu_chunked_run_with_a_background_stops_the_dry_run(tmp_path):
         "config runs[0].bp: onepass_chunked on the cpu takes no additive background (b); use onepass or numba")
 
 
-def test_a_folded_matrix_takes_factors_its_lors_share_and_refuses_others(problem, tmp_path):
+def test_a_folded_matrix_takes_factors_its_lors_share(problem, tmp_path):
+    """Shared factors: the folded model is the unfolded one (differing ones: tests/test_fold_factors.py)."""
     from mlemlib.fold import fold_file, fold_of
 
     a, g, m, b = problem
@@ -511,9 +512,3 @@ def test_a_folded_matrix_takes_factors_its_lors_share_and_refuses_others(problem
     labels = np.where(row_map >= 0, row_map % 2, 0)  # i mod S over the stored rows, taken to their LORs
     expected = dense_osem(a2, g, m2, b2, labels, 2, 4)
     assert metrics.relative_l2(read_image(tmp_path / "img.h5")[0], expected) < 1e-5
-    m2[1] = m2[0] + 0.25
-    m2.tofile(tmp_path / "m.f32")
-    with pytest.raises(ConfigError, match=r"m\.f32: LOR [01] has multiplicative factor .* another LOR of its "
-                                          r"stored row \(the matrix is folded\)"):
-        reconstruct(tmp_path / "r.h5", g, tmp_path / "img2.h5", iterations=1, backend="cpu", subsets=2,
-                    multiplicative=tmp_path / "m.f32")
