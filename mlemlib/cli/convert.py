@@ -54,11 +54,25 @@ def register(sub) -> None:
         help="store each distinct non-empty row once, with the map from the input's rows (a LOR stored as (i, j) "
         "and (j, i) once): the same images from fewer bytes (docs/formats.md, 'Folded matrices')",
     )  # fmt: skip
+    p.add_argument(
+        "--grid", nargs=3, type=positive_int, default=None, metavar=("NX", "NY", "NZ"),
+        help="record the image grid of a matrix that has none (.npz, .mtx), x fastest: NX*NY*NZ must be the "
+        "column count (a prior needs the grid; docs/reconstruction.md, 'MAP reconstruction')",
+    )  # fmt: skip
+    p.add_argument(
+        "--voxel-size", nargs=3, type=float, default=None, metavar=("X", "Y", "Z"),
+        help="record the voxel size in mm with --grid",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Convert ``args.input`` to ``args.out``; print a one-line summary."""
+    grid, voxel_size = getattr(args, "grid", None), getattr(args, "voxel_size", None)
+    if args.fold and (grid or voxel_size):
+        from mlemlib.errors import ConfigError
+
+        raise ConfigError("--grid", "not with --fold: convert with --grid first, then fold the container (the grid is kept)")
     if args.fold:
         from mlemlib.fold import fold_file
 
@@ -66,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         from mlemlib.formats import convert
 
-        s = convert(args.input, args.out, fmt=args.format, code_bits=args.code_bits, max_nnz=args.chunk_nnz)
+        s = convert(args.input, args.out, fmt=args.format, code_bits=args.code_bits, max_nnz=args.chunk_nnz,
+                    grid=grid, voxel_size=voxel_size)
     m, n = s["shape"]
     bpn = f"{s['bytes_per_nnz']:.2f}" if s["bytes_per_nnz"] is not None else "n/a"
     codes = f", {s['code_bits']}-bit codes" if s.get("code_bits") else ""

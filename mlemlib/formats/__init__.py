@@ -180,6 +180,8 @@ def convert(
     code_bits: int | None = None,
     keep_rows: np.ndarray | None = None,
     attach: tuple[dict, dict] | None = None,
+    grid: tuple[int, int, int] | None = None,
+    voxel_size: tuple[float, float, float] | None = None,
 ) -> dict:
     """Convert any supported matrix into the container ``out`` (``matrix.h5``), streaming.
 
@@ -224,6 +226,10 @@ def convert(
     attach
         ``(datasets, attributes)`` stored in the output besides the matrix
         (a fold's row map).
+    grid, voxel_size
+        The image grid ``(nx, ny, nz)`` (product ``n``) and voxel size (mm) to record, for an input that has
+        none (``mlem convert --grid``); one it records already must agree
+        (:func:`mlemlib.prior.given_geometry`).
 
     Returns
     -------
@@ -253,10 +259,26 @@ def convert(
     if fmt != "csr" and fmt == own:
         from mlemlib.formats.compressed_h5 import copy_compressed
 
+        if grid is not None or voxel_size is not None:  # recorded through the attachment, checked first
+            from mlemlib.prior import given_geometry
+
+            with MatrixH5(src) as r:
+                g, vs = given_geometry(src, r.shape[1], grid, voxel_size, r.grid, r.voxel_size)
+            geo = {"grid": np.array(g, dtype=np.int64)} | ({} if vs is None else {"voxel_size": np.array(vs)})
+            attach = ((attach or ({}, {}))[0], (attach or ({}, {}))[1] | geo)
+            summary = copy_compressed(src, out, code_bits=code_bits, keep_rows=keep_rows, attach=attach,
+                                      max_nnz=max_nnz)
+            return summary | {"grid": list(g), "voxel_size": None if vs is None else list(vs)}
         return copy_compressed(src, out, code_bits=code_bits, keep_rows=keep_rows, attach=attach, max_nnz=max_nnz)
     t0 = time.perf_counter()
     with open_matrix(src) as reader:
         m, n = reader.shape
+        if grid is not None or voxel_size is not None:
+            from mlemlib.prior import given_geometry
+
+            grid, voxel_size = given_geometry(src, n, grid, voxel_size, reader.grid, reader.voxel_size)
+        else:
+            grid, voxel_size = reader.grid, reader.voxel_size
         m_out, nnz_out, first = m, int(reader.nnz), None
         if keep_rows is not None:
             first = np.asarray(keep_rows, dtype=bool).reshape(-1)
@@ -298,8 +320,8 @@ def convert(
             (m_out, n),
             nnz_out,
             source=src.name,
-            grid=reader.grid,
-            voxel_size=reader.voxel_size,
+            grid=grid,
+            voxel_size=voxel_size,
             scanner_block=scanner_block,
             **fmt_kw,
             **extra,
@@ -330,7 +352,7 @@ def convert(
                     )
     seconds = time.perf_counter() - t0
     summary = conversion_summary(src, out, shape=(m_out, n), nnz=nnz_out, chunks=chunks, seconds=seconds,
-                                 checksum=writer.checksum, grid=reader.grid, voxel_size=reader.voxel_size, fmt=fmt,
+                                 checksum=writer.checksum, grid=grid, voxel_size=voxel_size, fmt=fmt,
                                  lossless=fmt not in LOSSY_FORMATS, nbytes=_matrix_nbytes(out, fmt, m_out, nnz_out),
                                  code_bits=code_bits if fmt != "csr" else None,
                                  input_shape=(m, n) if first is not None else None)
