@@ -190,7 +190,12 @@ def gradient(problem: MapProblem, f: np.ndarray, rows: slice = slice(None)) -> n
 
 
 def solve_map(
-    problem: MapProblem, f0: np.ndarray | None = None, *, gtol: float = 1e-11, maxiter: int = 50000
+    problem: MapProblem,
+    f0: np.ndarray | None = None,
+    *,
+    gtol: float = 1e-11,
+    maxiter: int = 50000,
+    polish: bool = True,
 ) -> np.ndarray:
     """The maximiser of ``Phi`` over ``f >= 0`` (L-BFGS-B on ``-Phi``, bounds ``[0, inf)``, float64).
 
@@ -206,6 +211,10 @@ def solve_map(
         Starting image (default :meth:`MapProblem.initial`).
     gtol, maxiter
         L-BFGS-B's projected-gradient tolerance (on the scaled problem) and its iteration limit.
+    polish
+        Follow L-BFGS-B with Newton steps on the positive voxels (images of at most
+        :data:`POLISH_MAX_VOXELS` voxels): the largest gradient component falls from about 1e-7 of the
+        initial one to rounding, the image's error from about 1e-6 to about 1e-12.
 
     Returns
     -------
@@ -229,7 +238,54 @@ def solve_map(
     bounds = [(0.0, 0.0) if fx else (0.0, None) for fx in fixed]
     res = minimize(fun, f0 / scale, jac=True, method="L-BFGS-B", bounds=bounds,
                    options={"maxiter": maxiter, "maxfun": 2 * maxiter, "ftol": 1e-16, "gtol": gtol, "maxcor": 30})
-    return np.maximum(res.x, 0.0) * scale
+    f = np.maximum(res.x, 0.0) * scale
+    return _newton_polish(problem, f, ~fixed) if polish and f.size <= POLISH_MAX_VOXELS else f
+
+
+#: Largest image :func:`solve_map` polishes with Newton steps (a dense Hessian).
+POLISH_MAX_VOXELS = 4096
+
+
+def _newton_polish(problem: MapProblem, f: np.ndarray, live: np.ndarray, steps: int = 20) -> np.ndarray:
+    """Newton steps on the voxels with ``f > 0``: L-BFGS-B stops where ``Phi``'s rounding hides its progress
+    (a relative gradient of about 1e-7); Newton steps drive the analytic gradient down to rounding.
+
+    The likelihood's Hessian is exact (``-A^T diag(m^2 g / ybar^2) A``), the prior's is the central difference
+    of its analytic gradient. A step is shortened to keep ``f >= 0`` and taken only while it reduces the
+    largest gradient component of the free voxels.
+    """
+    def grad_phi(x: np.ndarray) -> np.ndarray:
+        return gradient(problem, x) - problem.beta * problem.prior_gradient(x)
+
+    g = grad_phi(f)
+    for _ in range(steps):
+        free = np.flatnonzero(live & (f > 0))
+        if free.size == 0:
+            break
+        now = float(np.abs(g[free]).max())
+        y = problem.ybar(f)
+        w = np.divide(problem.mult**2 * problem.g, y * y, out=np.zeros_like(y), where=y > 0)
+        Af = problem.A[:, free].toarray()
+        H = -(Af.T * w) @ Af
+        if problem.beta > 0:
+            h = 1e-6 * float(f[free].max())
+            for col, j in enumerate(free):
+                e = np.zeros_like(f)
+                e[j] = h
+                H[:, col] -= problem.beta * (problem.prior_gradient(f + e)[free] - problem.prior_gradient(f - e)[free]) / (2 * h)
+        try:
+            step = -np.linalg.solve(H, g[free])
+        except np.linalg.LinAlgError:
+            break
+        neg = step < 0
+        t = min(1.0, 0.99 * float(np.min(f[free][neg] / -step[neg]))) if neg.any() else 1.0
+        trial = f.copy()
+        trial[free] = f[free] + t * step
+        g_trial = grad_phi(trial)
+        if not float(np.abs(g_trial[free]).max()) < now:
+            break
+        f, g = trial, g_trial
+    return f
 
 
 @dataclass
