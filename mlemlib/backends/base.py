@@ -53,9 +53,32 @@ STEPS = ("fp", "corr", "bp", "update")
 #: The deterministic one-pass kernels' fixed-point range: bp_j <= ONEPASS_C_MAX * max(norm), i.e. every
 #: correlation g_i / fp_i below 2^20 (an overflow is detected and the iteration redone with a larger range).
 ONEPASS_C_MAX = float(2**20)
+#: A calibrated fixed-point range's headroom over the largest ``bp_j`` its first pass summed (:func:`calibrated_bound`).
+FIXED_MARGIN = 2.0**8
 #: Retries of a fixed-point iteration that overflowed, each with a range FIXED_RETRY_FACTOR times larger.
 FIXED_RETRIES = 3
 FIXED_RETRY_FACTOR = 2.0**20
+
+
+def calibrated_bound(top: int, scale: float, bound: float) -> float:
+    """The fixed-point range of a deterministic one pass, chosen from what it sums.
+
+    The range a backend starts with (``ONEPASS_C_MAX * max(norm)``) must hold
+    every ``bp_j`` before anything is known of the data; its resolution,
+    ``bound * 2^-52`` per term in the chunked kernel, is then coarse for the
+    voxels of small sensitivity (an OSEM subset's, with attenuation, most of
+    all). The backend's warm-up pass from the initial image sums its terms with
+    that range; ``top`` is the largest of those sums (the fixed-point integers,
+    after the all-reduce: the same on every GPU count and rerun) and ``scale``
+    its scale. The range becomes :data:`FIXED_MARGIN` times the largest ``bp_j``
+    (a power of two is taken by the kernels' scale), 2^12 (chunked) to 2^22
+    times finer in practice; an iteration that outgrows it is flagged and redone
+    with a larger range as before. ``bound`` is kept where the pass summed nothing.
+    """
+    top_bp = float(top) / float(scale) if scale else 0.0
+    if not (top_bp > 0.0) or not np.isfinite(top_bp):
+        return bound
+    return min(bound, FIXED_MARGIN * top_bp)
 
 
 def bytes_per_nnz(*mats: Any) -> float | None:

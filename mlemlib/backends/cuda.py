@@ -45,7 +45,15 @@ from mlemlib import registry, setup_times
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib.backends._tune_cache import TuneCache, source_key
-from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR, ONEPASS_C_MAX, STEPS, Backend, bytes_per_nnz
+from mlemlib.backends.base import (
+    FIXED_RETRIES,
+    FIXED_RETRY_FACTOR,
+    ONEPASS_C_MAX,
+    STEPS,
+    Backend,
+    bytes_per_nnz,
+    calibrated_bound,
+)
 from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
 from mlemlib.errors import ConfigError, DeviceError
 from mlemlib.matrix import shape_nnz
@@ -426,6 +434,9 @@ class CudaBackend(Backend):
             f = self.initial_image()
             self.iterate(f)
             self.synchronize()
+            if self.onepass and self.deterministic:  # the range from what the pass summed, as on N GPUs
+                top = int(ck.cupy().max(self._acc).get()) if self._acc.size else 0
+                self._fixed_bound = calibrated_bound(top, self.fixed_stats.get("scale", 0.0), self._fixed_bound)
         self._events, self._prev_events = {}, {}
         self._event_order, self._prev_order = [], []
         self._times = {}

@@ -55,7 +55,14 @@ from mlemlib import registry, setup_times
 from mlemlib.backends import _compressed_cuda as cc
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import _cuda_plan as cplan
-from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR, ONEPASS_C_MAX, Backend, bytes_per_nnz
+from mlemlib.backends.base import (
+    FIXED_RETRIES,
+    FIXED_RETRY_FACTOR,
+    ONEPASS_C_MAX,
+    Backend,
+    bytes_per_nnz,
+    calibrated_bound,
+)
 from mlemlib.backends._nccl_plan import build_plan, plan_has_parts, resolve_kernels
 from mlemlib.backends._nccl_shards import Shard, load_shard
 from mlemlib.backends.cuda import chunk_layout, sample_chunks
@@ -468,6 +475,7 @@ class NcclBackend(Backend):
                 raise DeviceError(f"fixed-point accumulation overflowed (flag {bad}) after {FIXED_RETRIES} retries")
             self._fixed_bound *= FIXED_RETRY_FACTOR
             log.info("%s: overflow (flag %d); range raised to %.3g", self.bp_kernel, bad, self._fixed_bound)
+        self._scale = scale
         for s in self.shards:
             with cp.cuda.Device(s.device), s.stream:
                 self._mark(s, "allreduce", record)
@@ -551,6 +559,12 @@ class NcclBackend(Backend):
         f = self.initial_image()
         self.iterate(f, _eager=True)
         self.synchronize()
+        if self.onepass and self.deterministic:  # the range from what the pass summed (all-reduced: every GPU alike)
+            cp = _cupy()
+            s = self.shards[0]
+            with cp.cuda.Device(s.device):
+                top = int(cp.max(s.acc).get()) if s.acc.size else 0
+            self._fixed_bound = calibrated_bound(top, self._scale, self._fixed_bound)
         self._times = {}
         for s in self.shards:
             s.order, s.prev_order = [], []
