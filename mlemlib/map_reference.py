@@ -272,7 +272,8 @@ def _newton_polish(problem: MapProblem, f: np.ndarray, live: np.ndarray, steps: 
             for col, j in enumerate(free):
                 e = np.zeros_like(f)
                 e[j] = h
-                H[:, col] -= problem.beta * (problem.prior_gradient(f + e)[free] - problem.prior_gradient(f - e)[free]) / (2 * h)
+                dg = problem.prior_gradient(f + e)[free] - problem.prior_gradient(f - e)[free]
+                H[:, col] -= problem.beta * dg / (2 * h)
         try:
             step = -np.linalg.solve(H, g[free])
         except np.linalg.LinAlgError:

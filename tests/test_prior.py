@@ -357,7 +357,7 @@ def test_osl_stays_off_the_maximiser_with_subsets(map_problem):
     assert rel(f1, fmap) < 1e-6  # one subset: OSL's fixed point is the maximiser, and it gets there here
     f200, _ = osl(problem, subsets, 200)
     f400, hist = osl(problem, subsets, 400)
-    assert rel(f200, fmap) > 2e-2 and rel(f400, fmap) > 2e-2  # eight: a limit cycle, not nearer with more passes
+    assert rel(f200, fmap) > 5e-2 and rel(f400, fmap) > 5e-2  # eight: a limit cycle, not nearer with more passes
     assert abs(rel(f400, fmap) - rel(f200, fmap)) < 1e-3
     assert hist.phi[-1] < objective(problem, fmap)[0]
 

@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.fold and (grid or voxel_size):
         from mlemlib.errors import ConfigError
 
-        raise ConfigError("--grid", "not with --fold: convert with --grid first, then fold the container (the grid is kept)")
+        raise ConfigError("--grid", "not with --fold: convert with --grid first, then fold the container "
+                          "(the grid is kept)")
     if args.fold:
         from mlemlib.fold import fold_file
 
