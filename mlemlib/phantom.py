@@ -855,7 +855,7 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
             images["scatter"], scatter_sigma = scatter_source(f, grid, vs, effects.scatter_sigma)
     log.info("forward projecting the phantom through %s (%d x %d)", source, m, n)
     randoms = effects is not None and effects.randoms_fraction > 0
-    proj, m, row_fold = _project_user_order(src, source, images, filled=randoms, max_nnz=max_nnz)
+    proj, m, _ = _project_user_order(src, source, images, filled=randoms, max_nnz=max_nnz)
     expected = proj.activity
     esum = float(expected.sum())
     if not esum > 0:
@@ -866,7 +866,7 @@ def _simulate(src: Any, matrix: Any, phantom: str | np.ndarray, out_sino: Any, o
         scale = float(total) / esum
         lam = expected * scale
     else:
-        mult, add, scale, simulated = _scanner_effects(src, source, proj, m, row_fold, float(total), effects)
+        mult, add, scale, simulated = _scanner_effects(src, source, proj, m, float(total), effects)
         simulated["scatter_sigma_mm"] = scatter_sigma
         lam = expected * mult * scale + add if mult is not None else expected * scale + add
     if noiseless:
@@ -939,20 +939,7 @@ def _mu_image(mu_map: np.ndarray | None, ph: Phantom | None, grid: Any, vs: Any,
     return attenuation_map(ph, grid, vs, supersample=supersample)
 
 
-def _shared_by_stored_rows(values: np.ndarray, row_fold: Any) -> np.ndarray:
-    """Per-LOR ``values`` with every LOR of a folded matrix's stored row given its first LOR's value (the LORs
-    a stored row stands for are one line of response: one factor, as :mod:`mlemlib.corrections` requires)."""
-    rm = np.asarray(row_fold.row_map)
-    users = np.flatnonzero(rm >= 0)
-    stored, first = np.unique(rm[users], return_index=True)
-    by_row = np.empty(int(row_fold.m_stored), dtype=values.dtype)
-    by_row[stored] = values[users[first]]
-    out = values.copy()
-    out[users] = by_row[rm[users]]
-    return out
-
-
-def _scanner_effects(src: Any, source: str, proj: _Projections, m: int, row_fold: Any, total: float,
+def _scanner_effects(src: Any, source: str, proj: _Projections, m: int, total: float,
                      effects: ScannerEffects) -> tuple[np.ndarray | None, np.ndarray, float, dict[str, Any]]:
     """``m`` (None for all 1), ``b``, the trues' scale and the record of what was simulated."""
     record: dict[str, Any] = {
@@ -975,8 +962,6 @@ def _scanner_effects(src: Any, source: str, proj: _Projections, m: int, row_fold
         if n_crystals is None:
             log.info("%s: no scanner geometry with %d LORs: one normalisation factor per LOR", source, m)
         norm = normalisation_factors(m, effects.normalisation_spread, effects.normalisation_seed, n_crystals)
-        if n_crystals is None and row_fold is not None:
-            norm = _shared_by_stored_rows(norm, row_fold)
         record["normalisation"] = "crystal pairs" if n_crystals is not None else "per LOR"
         record["crystals"] = n_crystals
         mult = norm if mult is None else mult * norm

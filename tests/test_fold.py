@@ -192,6 +192,44 @@ def test_measurement_of_the_stored_rows_is_refused(small, tmp_path):
     assert not (tmp_path / "x.h5").exists()
 
 
+def _spans(fold, labels) -> np.ndarray:
+    """Stored rows whose LORs carry more than one of ``labels`` (the user's LOR order)."""
+    rm = fold.row_map
+    users = np.flatnonzero(rm >= 0)
+    lo = np.full(fold.m_stored, np.iinfo(np.int64).max)
+    hi = np.full(fold.m_stored, -1)
+    np.minimum.at(lo, rm[users], labels[users])
+    np.maximum.at(hi, rm[users], labels[users])
+    return np.flatnonzero(lo != hi)
+
+
+def test_angle_subsets_of_a_folded_matrix(small, tmp_path):
+    """LOR (i, j) and (j, i) share their angle, so a pairs fold never splits a stored row between subsets; a
+    content fold also merges mirror-image LORs (equal rows of A at other angles): such a row takes its first LOR's
+    subset. A subset file that gives one stored row two labels is refused in one line."""
+    from mlemlib.subsets import angle_labels, labels_for, scanner_of
+
+    d, _, _ = small
+    with open_matrix(d / "a.h5") as s:
+        lor_labels = angle_labels(scanner_of(s), 4)
+    pairs, content = F.fold_of(d / "p.h5"), F.fold_of(d / "c.h5")
+    assert _spans(pairs, lor_labels).size == 0
+    mixed = _spans(content, lor_labels)
+    assert mixed.size > 0
+    with open_matrix(d / "c.h5") as s:
+        labels, method = labels_for(s, 4)
+    assert method == "angle"
+    first = F.first_rows(content)
+    np.testing.assert_array_equal(labels[content.row_map[first]], lor_labels[first])
+    with open_matrix(d / "p.h5") as s:
+        labels, _ = labels_for(s, 4)
+    np.testing.assert_array_equal(labels[pairs.row_map[pairs.row_map >= 0]], lor_labels[pairs.row_map >= 0])
+    lor_labels.astype("<i4").tofile(tmp_path / "s.i32")
+    with open_matrix(d / "c.h5") as s, pytest.raises(ConfigError, match=r"^\S*s\.i32: LOR \d+ has subset label .*"
+                                                                        r"a stored row takes one subset label"):
+        labels_for(s, 4, subset_file=tmp_path / "s.i32")
+
+
 def _copy(src, dst):
     dst.write_bytes(src.read_bytes())
     return dst

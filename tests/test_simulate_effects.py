@@ -278,6 +278,32 @@ def test_folded_and_reordered_matrices_give_the_users_factors(tmp_path):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_folded_matrix_without_a_geometry_gives_each_lor_its_own_factor(tmp_path):
+    """Per-LOR normalisation on a folded matrix: the unfolded matrix's factors, different inside a stored row
+    (the folded run sums them per stored row, mlemlib.corrections.summed_factors)."""
+    import scipy.sparse as sp
+
+    from mlemlib.fold import fold_file, fold_of
+
+    grid = (8, 8, 4)
+    half = _ring_matrix(grid, m=500).to_scipy()
+    a = CSRMatrix.from_scipy(sp.vstack([half, half]).tocsr())  # LOR i + 500 repeats LOR i
+    write_matrix_h5(tmp_path / "a.h5", a, grid=list(grid), voxel_size=[1.0, 1.0, 1.0])
+    fold_file(tmp_path / "a.h5", tmp_path / "f.h5")
+    assert fold_of(tmp_path / "f.h5").m_stored == 500
+    effects = ScannerEffects(normalisation_spread=0.2, randoms_fraction=0.1)
+    got = {}
+    for name in ("a", "f"):
+        simulate(tmp_path / f"{name}.h5", "uniform", tmp_path / f"{name}.LMsino", noiseless=True, effects=effects,
+                 out_multiplicative=tmp_path / f"{name}.m", out_additive=tmp_path / f"{name}.b")
+        got[name] = [_factors(tmp_path / f"{name}.m"), _factors(tmp_path / f"{name}.b"),
+                     read_lmsino(tmp_path / f"{name}.LMsino")]
+    for x, y in zip(got["f"], got["a"]):
+        np.testing.assert_array_equal(x, y)
+    m = got["f"][0]
+    assert (m[:500] != m[500:]).all()
+
+
 def test_bad_effects_are_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="^randoms_fraction: .*below 1"):
         ScannerEffects(randoms_fraction=0.6, scatter_fraction=0.5).check()
