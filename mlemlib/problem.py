@@ -240,10 +240,14 @@ def _to_rows(m: np.ndarray | None, b: np.ndarray | None, row_fold: Any,
 
 def _grouped_bounds(labels: np.ndarray, subsets: int, method: str, name: str) -> np.ndarray:
     """The bounds of ``labels`` in the matrix's row order, which must group them (one line naming the matrix)."""
+    from mlemlib.formats import SUFFIXES, container_path, convert_command, file_kind
     from mlemlib.subsets import bounds_of
 
-    hint = (f"; group them with 'mlem reorder --subsets {subsets}'" + (" --subset-file FILE" if method == "file" else "")
-            + " (the workflow's mlem.subsets does)")
+    files = " --subset-file FILE" if method == "file" else ""
+    hint = f"; group them with 'mlem reorder --subsets {subsets}{files}' (the workflow's mlem.subsets does)"
+    if any(name.lower().endswith(s) for s in SUFFIXES) and file_kind(name) != "h5":  # reorder reads a container
+        hint = (f"; group them in a container: '{convert_command(name)}', then 'mlem reorder {container_path(name)} "
+                f"--subsets {subsets}{files} --out OUT.h5' (the workflow's mlem.subsets does)")
     return bounds_of(labels, subsets, name, hint)
 
 

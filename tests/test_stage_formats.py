@@ -300,3 +300,147 @@ def test_transpose_f16_rounds_only_subnormals(tmp_path):
     assert at[1, 0] == np.float32(2.0**-38)  # rounded at A^T's row scale
     assert at[0, 0] == _decoded(path)[0, 0] and at[1, 1] == _decoded(path)[1, 1]  # the normal values are kept
     np.testing.assert_array_equal(_encoded(tmp_path / "t.h5").scale, [2.0**-16, 2.0**-15])
+
+
+# --------------------------------------------------------------------------- every stage's matrix input
+#
+# Every `mlem` subcommand that reads a matrix takes a .csr4, .mtx or .npz as it takes an .h5 container, or
+# refuses it before any work in one line (exit 2) that names the 'mlem convert' command making what it needs;
+# that command, run as written, makes an input the stage then accepts.
+
+import shlex  # noqa: E402
+
+from mlemlib.formats import write_csr4, write_lmsino  # noqa: E402
+
+KINDS = ("csr4", "mtx", "npz")
+#: subcommand -> its arguments for matrix M in directory D (outputs under D/out).
+STAGES = {
+    "info": lambda m, d: ["info", m],
+    "convert": lambda m, d: ["convert", m, "-o", f"{d}/out/c.h5"],
+    "fold": lambda m, d: ["fold", m, "-o", f"{d}/out/f.h5"],
+    "chunk": lambda m, d: ["chunk", m, "-o", f"{d}/out/chunks.h5"],
+    "reorder": lambda m, d: ["reorder", m, "-o", f"{d}/out/r.h5", "--subsets", "4"],
+    "norm": lambda m, d: ["norm", m, "-o", f"{d}/out/n.h5"],
+    "transpose": lambda m, d: ["transpose", m, "-o", f"{d}/out/t.h5"],
+    "partition": lambda m, d: ["partition", m, "--parts", "2", "-o", f"{d}/out/parts"],
+    "simulate": lambda m, d: ["simulate", m, "-o", f"{d}/out/s.LMsino", "--seed", "1", "--supersample", "1"],
+    "reconstruct": lambda m, d: ["reconstruct", "--matrix", m, "--sino", f"{d}/g.LMsino", "-n", "2",
+                                 "-o", f"{d}/out/img.h5", "--backend", "cpu"],
+    "reconstruct --subsets": lambda m, d: ["reconstruct", "--matrix", m, "--sino", f"{d}/g.LMsino", "-n", "2",
+                                           "-o", f"{d}/out/img.h5", "--backend", "cpu", "--subsets", "4"],
+    "convergence": lambda m, d: ["convergence", m, "-s", f"{d}/truth-data.LMsino", "-t", f"{d}/truth.h5",
+                                 "--subsets", "1", "2", "-n", "1", "--no-ignored", "-o", f"{d}/out/c.json"],
+    "bench spmv": lambda m, d: ["bench", "spmv", m, "-o", f"{d}/out/b.json", "-n", "1", "-w", "1", "--no-check"],
+}
+#: What each stage must do with a .csr4 / .mtx / .npz: "works", or "convert" (refused, naming 'mlem convert').
+EXPECTED = {
+    "info": dict.fromkeys(KINDS, "works"),
+    "convert": dict.fromkeys(KINDS, "works"),
+    "fold": dict.fromkeys(KINDS, "works"),
+    "chunk": dict.fromkeys(KINDS, "works"),
+    "reconstruct": dict.fromkeys(KINDS, "works"),
+    "bench spmv": dict.fromkeys(KINDS, "works"),
+    "simulate": {"csr4": "works", "mtx": "convert", "npz": "convert"},  # .mtx and .npz hold no voxel grid
+    # read a container's own records (checksum, format, permutations, subsets): a container only
+    "reorder": dict.fromkeys(KINDS, "convert"),
+    "norm": dict.fromkeys(KINDS, "convert"),
+    "transpose": dict.fromkeys(KINDS, "convert"),
+    "partition": dict.fromkeys(KINDS, "convert"),
+    "convergence": dict.fromkeys(KINDS, "convert"),
+    # rows of a file in its own order are not grouped by subsets: grouping them takes a container
+    "reconstruct --subsets": dict.fromkeys(KINDS, "convert"),
+}
+STAGE_GRID = (4, 3, 2)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The same 60 x 24 matrix as .h5 (with its grid), .csr4 (with a scanner block), .mtx and .npz, a measurement,
+    and a simulated measurement with its phantom (for convergence)."""
+    import scipy.io
+
+    from test_formats import scanner_bytes
+
+    d = tmp_path_factory.mktemp("stage-inputs")
+    n = int(np.prod(STAGE_GRID))
+    a = sp.random(60, n, density=0.3, random_state=3, format="csr", dtype=np.float32)
+    a.data += np.float32(0.125)
+    a.sort_indices()
+    c = CSRMatrix.from_scipy(a)
+    write_matrix_h5(d / "m.h5", c, grid=STAGE_GRID, voxel_size=(1.5, 1.5, 2.0))
+    write_csr4(d / "m.csr4", c, scanner_block=scanner_bytes(grid=STAGE_GRID, voxel=(1.5, 1.5, 2.0)))
+    scipy.io.mmwrite(d / "m.mtx", a)
+    sp.save_npz(d / "m.npz", a)
+    write_lmsino(d / "g.LMsino", np.random.default_rng(0).poisson(20.0, 60).astype(np.int32))
+    from mlemlib.cli import main
+
+    assert main(["simulate", str(d / "m.h5"), "-o", str(d / "truth-data.LMsino"), "-t", str(d / "truth.h5"),
+                 "--seed", "2", "--supersample", "1"]) == 0
+    return d, a
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    from mlemlib.cli import main
+
+    capsys.readouterr()
+    rc = main(argv)
+    return rc, capsys.readouterr().err
+
+
+def _needs_gpu(stage: str) -> None:
+    if stage == "bench spmv":
+        pytest.importorskip("cupy", reason="mlem bench spmv times GPU kernels")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_every_stage_takes_any_matrix_or_names_mlem_convert(stage, kind, inputs, tmp_path, capsys):
+    _needs_gpu(stage)
+    d, _ = inputs
+    (tmp_path / "out").mkdir()
+    for f in ("g.LMsino", "truth-data.LMsino", "truth.h5"):
+        (tmp_path / f).symlink_to(d / f)
+    src = tmp_path / f"m.{kind}"
+    src.symlink_to(d / f"m.{kind}")
+    rc, err = _run(STAGES[stage](str(src), str(tmp_path)), capsys)
+    if EXPECTED[stage][kind] == "works":
+        assert rc == 0, err
+        assert any((tmp_path / "out").iterdir()) or stage == "info"
+        return
+    # refused before any work, in one line naming the file and the convert command that makes its input
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"mlem: error: {src}: ")
+    assert "'mlem convert " in lines[0]
+    assert not any((tmp_path / "out").iterdir())
+    # the named command, run as written (options to fill in filled), makes what the stage accepts
+    command = lines[0].split("'mlem convert ", 1)[1].split("'", 1)[0]
+    args = shlex.split(command.replace("NX NY NZ", " ".join(map(str, STAGE_GRID))).replace("X Y Z", "1.5 1.5 2.0"))
+    assert args[-2:] == ["--out", str(tmp_path / "m.h5")]
+    assert _run(["convert", *args], capsys)[0] == 0
+    argv = STAGES[stage](str(tmp_path / "m.h5"), str(tmp_path))
+    if stage == "reconstruct --subsets":  # the message goes on: group the container's rows with mlem reorder
+        reorder = lines[0].split("then 'mlem reorder ", 1)[1].split("'", 1)[0].replace("OUT.h5", str(tmp_path / "r.h5"))
+        assert _run(["reorder", *shlex.split(reorder)], capsys)[0] == 0
+        argv = STAGES[stage](str(tmp_path / "r.h5"), str(tmp_path))
+    rc, err = _run(argv, capsys)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reconstruct_gives_the_same_image_from_every_matrix_file(kind, inputs, tmp_path, capsys):
+    """The image does not depend on the file the matrix came in (the values survive every format exactly)."""
+    import h5py
+
+    d, _ = inputs
+    images = []
+    for k in ("h5", kind):
+        out = tmp_path / f"img-{k}.h5"
+        rc, err = _run(["reconstruct", "--matrix", str(d / f"m.{k}"), "--sino", str(d / "g.LMsino"), "-n", "3",
+                        "-o", str(out), "--backend", "cpu"], capsys)
+        assert rc == 0, err
+        with h5py.File(out, "r") as f:
+            images.append(np.asarray(f["image"]))
+    assert images[0].size == int(np.prod(STAGE_GRID)) and images[0].sum() > 0
+    np.testing.assert_array_equal(images[1].ravel(), images[0].ravel())  # .mtx and .npz know no grid: flat

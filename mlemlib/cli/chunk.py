@@ -18,7 +18,7 @@ def register(sub) -> None:
         "write them in the layout the onepass_chunked kernel reads (chunks.h5), streaming block by block; "
         "mlem reconstruct --chunks loads it instead of chunking the matrix in every run.",
     )
-    p.add_argument("input", type=existing_file, metavar="MATRIX.h5", help="matrix (reordered: mlem reorder)")
+    p.add_argument("input", type=existing_file, metavar="MATRIX", help="matrix (.h5, .csr4, .mtx, .npz; reordered: mlem reorder)")
     p.add_argument("-o", "--out", required=True, metavar="CHUNKS.h5", help="output file (e.g. results/{matrix}/chunks.h5)")
     p.add_argument(
         "-w", "--window", type=positive_int, default=chunked.DEFAULT_WINDOW, metavar="W",

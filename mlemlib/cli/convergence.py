@@ -35,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
     """Run the study; print MLEM's contrast recovery and the passes each S takes to reach it."""
     from mlemlib.backends.cpu import passive_omp_wait
 
+    from mlemlib.formats import require_container
+
+    require_container(args.matrix, "mlem convergence")
     passive_omp_wait()  # before any Numba parallel launch
     from mlemlib.convergence import study, study_rows
 

@@ -30,8 +30,10 @@ def run(args: argparse.Namespace) -> int:
     """Compute the norm of ``args.input`` into ``args.out``; print a one-line summary."""
     import numpy as np
 
+    from mlemlib.formats import require_container
     from mlemlib.norm import compute_norm
 
+    require_container(args.input, "mlem norm")
     norm = compute_norm(args.input, args.out, threads=args.threads, chunk_nnz=args.chunk_nnz,
                         multiplicative=args.multiplicative)
     zero = int(np.count_nonzero(norm == 0))

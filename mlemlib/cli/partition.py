@@ -34,8 +34,12 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Partition ``args.input``; print one line per part."""
+    from mlemlib.formats import require_container
     from mlemlib.partition import partition_file
 
+    require_container(args.input, "mlem partition")
+    if args.transpose is not None:
+        require_container(args.transpose, "mlem partition --transpose")
     plan = partition_file(
         args.input,
         args.transpose,

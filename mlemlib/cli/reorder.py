@@ -46,8 +46,10 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Reorder ``args.input`` into ``args.out``; print a one-line summary."""
+    from mlemlib.formats import require_container
     from mlemlib.reorder import reorder_file
 
+    require_container(args.input, "mlem reorder")
     s = reorder_file(
         args.input, args.out, args.mode, perm=args.perm, perm_out=args.perm_out, chunk_nnz=args.chunk_nnz,
         passes=args.passes, threads=args.threads, subsets=args.subsets, subset_file=args.subset_file,

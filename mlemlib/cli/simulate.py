@@ -27,7 +27,7 @@ def register(sub) -> None:
         "Project an analytic phantom through the system matrix and draw Poisson counts "
         "(seeded); write the .LMsino and the true image (truth.h5).",
     )
-    p.add_argument("matrix", type=existing_file, metavar="MATRIX", help="system matrix with a voxel grid (.h5 or .csr4)")
+    p.add_argument("matrix", type=existing_file, metavar="MATRIX", help="system matrix with a voxel grid (.h5 or .csr4; an .mtx or .npz through mlem convert --grid)")
     p.add_argument("-p", "--phantom", choices=PHANTOMS, default="nema", help="phantom")
     p.add_argument("-s", "--seed", type=int, default=1, metavar="N", help="seed of the Poisson draw")
     p.add_argument("--noiseless", action="store_true", help="write the rounded expectation instead of a Poisson draw")
@@ -68,6 +68,14 @@ def run(args: argparse.Namespace) -> int:
     """Simulate; print a one-line summary."""
     from mlemlib.backends.cpu import passive_omp_wait
 
+    from mlemlib.errors import MatrixFormatError
+    from mlemlib.formats import convert_command, file_kind
+
+    if file_kind(args.matrix) in ("mtx", "npz"):  # these formats hold no voxel grid
+        raise MatrixFormatError(
+            args.matrix, "has no voxel grid, which the phantom needs: make a container that records one with "
+            f"'{convert_command(args.matrix, '--grid NX NY NZ --voxel-size X Y Z')}'"
+        )
     passive_omp_wait()  # before any Numba parallel launch (the norm, the phantom projection)
     from mlemlib.phantom import simulate
 

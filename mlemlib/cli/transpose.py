@@ -34,8 +34,10 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Transpose ``args.input`` into ``args.out``; print a one-line summary."""
+    from mlemlib.formats import require_container
     from mlemlib.transpose import transpose_file
 
+    require_container(args.input, "mlem transpose")
     s = transpose_file(args.input, args.out, args.method, threads=args.threads, chunk_nnz=args.chunk_nnz)
     n, m = s["shape"]
     codes = f", {s['code_bits']}-bit codes" if s.get("code_bits") else ""

@@ -71,6 +71,8 @@ __all__ = [
     "MatrixH5Writer",
     "ScannerGeometry",
     "convert",
+    "container_path",
+    "convert_command",
     "file_kind",
     "geometry_value",
     "info",
@@ -86,6 +88,7 @@ __all__ = [
     "read_matrix_h5",
     "read_mtx",
     "read_npz",
+    "require_container",
     "write_compressed_h5",
     "write_csr4",
     "write_lmsino",
@@ -163,6 +166,68 @@ def matrix_format(path: str | os.PathLike) -> str:
         return "csr"
     with MatrixH5(path) as f:
         return getattr(f, "format", "csr")
+
+
+def convert_command(path: str | os.PathLike, options: str = "") -> str:
+    """The ``mlem convert`` command line that makes an HDF5 container of a matrix file.
+
+    Parameters
+    ----------
+    path
+        The matrix file (``.csr4``, ``.mtx``, ``.mtx.gz``, ``.npz``).
+    options
+        Further options to show (e.g. ``"--grid NX NY NZ"``).
+
+    Returns
+    -------
+    str
+        ``mlem convert PATH [OPTIONS] --out STEM.h5``, the container beside the input.
+    """
+    import shlex
+
+    name = os.fspath(path)
+    return " ".join(p for p in ("mlem convert", shlex.quote(name), options, "--out", shlex.quote(container_path(path))) if p)
+
+
+def container_path(path: str | os.PathLike) -> str:
+    """The container :func:`convert_command` names for a matrix file: its suffix replaced by ``.h5``."""
+    name = os.fspath(path)
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)] + ".h5"
+    return name + ".h5"
+
+
+def require_container(path: str | os.PathLike, reader: str) -> None:
+    """Refuse, before any work, a file that is not an HDF5 matrix container by its suffix.
+
+    Stages that read a container's own records (its checksum, format,
+    permutations, subsets) take only ``.h5``; the message of any other matrix
+    names the command that makes the container.
+
+    Parameters
+    ----------
+    path
+        The input file.
+    reader
+        Who reads it, for the message (``"mlem reorder"``).
+
+    Raises
+    ------
+    MatrixFormatError
+        ``x.csr4: a .csr4 matrix; mlem reorder reads an HDF5 container: make
+        one with 'mlem convert x.csr4 --out x.h5'`` (and likewise for ``.mtx``
+        and ``.npz``), a measurement file, or an unknown suffix.
+    """
+    kind = file_kind(path)
+    if kind == "h5":
+        return
+    if kind == "lmsino":
+        raise MatrixFormatError(path, f"a measurement, not a system matrix; {reader} reads an HDF5 matrix container")
+    suffix = ".mtx.gz" if os.fspath(path).lower().endswith(".mtx.gz") else f".{kind}"
+    raise MatrixFormatError(
+        path, f"a {suffix} matrix; {reader} reads an HDF5 container: make one with '{convert_command(path)}'"
+    )
 
 
 def read_matrix(path: str | os.PathLike):
