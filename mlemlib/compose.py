@@ -1,0 +1,180 @@
+"""The configuration space a run may ask for, and which of its combinations run (every backend).
+
+A run is a matrix variant (format, fold, reorder), a model (OSEM subsets S,
+the factors ``m`` and ``b`` or none) and an execution (backend, ``fp``/``bp``
+kernels, GPU count, layout, CUDA graphs). :func:`space` enumerates the
+combinations the configuration schema accepts, the kernels drawn from
+:mod:`mlemlib.registry`; :func:`check` is the verdict the workflow's dry run
+gives each (matrix, run) pair: nothing, or a :class:`~mlemlib.errors.ConfigError`
+naming the setting that does not go with the others. Every combination
+:func:`check` accepts must run and meet the numerical contract (tests/test_compose.py
+runs them: the CPU ones in CI, the cuda ones on a GPU); :func:`table` renders the
+outcomes as docs/combinations.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mlemlib import registry
+from mlemlib.errors import ConfigError
+
+#: The matrix formats of the configuration (``matrices.<name>.format``).
+FORMATS = ("csr", "compressed", "compressed-f16", "compressed-u16")
+#: ``reorder`` values; OSEM subsets S of the space (1: MLEM); the graph settings (``auto``, ``off``).
+REORDERS = ("none", "rows+voxels")
+SUBSETS = (1, 4)
+GRAPHS = ("auto", "off")
+#: GPU counts the cuda tier covers, and the layouts of a multi-GPU run.
+GPU_COUNTS = (1, 2)
+LAYOUTS = ("local", "thesis")
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One point of the space: what one run of one matrix models and how it executes."""
+
+    format: str
+    fold: bool
+    reorder: str
+    subsets: int
+    factors: bool  # m and b (attenuation, normalisation, randoms, scatter) or none
+    backend: str
+    fp: str
+    bp: str
+    gpus: int = 1
+    layout: str = "local"
+    graph: str = "auto"
+
+    @property
+    def model(self) -> tuple[str, bool, str, int, bool]:
+        """What the float64 reference of the run depends on (its matrix variant and model)."""
+        return (self.format, self.fold, self.reorder, self.subsets, self.factors)
+
+    def label(self) -> str:
+        """A short name: ``csr fold rows+voxels S4 m+b | cpu numba/auto``."""
+        model = " ".join(p for p in (self.format, "fold" if self.fold else "", self.reorder if self.reorder != "none"
+                                     else "", f"S{self.subsets}", "m+b" if self.factors else "") if p)
+        run = f"{self.backend} {self.fp}/{self.bp}"
+        if self.backend == "cuda":
+            run += f" {self.gpus} GPU" + (f" {self.layout}" if self.gpus > 1 else "") + f" graph {self.graph}"
+        return f"{model} | {run}"
+
+
+def kernel_choices(backend: str) -> list[tuple[str, str]]:
+    """The ``(fp, bp)`` pairs of a backend that cover every kernel the registry offers: ``auto``/``auto``,
+    each forward kernel with ``bp: auto`` and each back projection (stored-transpose, no-transpose and
+    whole-iteration) with ``fp: auto``; selectors (``notrans``) included. Formats are not filtered here:
+    :func:`check` refuses a kernel that does not read the matrix's format."""
+    fps = registry.names(backend, *registry.KEY_OPS["fp"])
+    bps = registry.names(backend, *registry.KEY_OPS["bp"])
+    return [("auto", "auto")] + [(fp, "auto") for fp in fps] + [("auto", bp) for bp in bps]
+
+
+def models() -> Iterator[tuple[str, bool, str, int, bool]]:
+    """Every (format, fold, reorder, S, factors) of the space."""
+    return itertools.product(FORMATS, (False, True), REORDERS, SUBSETS, (False, True))
+
+
+def space(backends: Iterable[str] = ("cpu", "cuda"), gpu_counts: Iterable[int] = GPU_COUNTS) -> Iterator[Combination]:
+    """Every combination of the space for ``backends`` (cuda: each GPU count of ``gpu_counts``, each layout
+    where there are several, each graph setting)."""
+    gpu_counts = tuple(gpu_counts)
+    for backend in backends:
+        pairs = kernel_choices(backend)
+        for (fmt, fold, reorder, subsets, factors), (fp, bp) in itertools.product(models(), pairs):
+            base = dict(format=fmt, fold=fold, reorder=reorder, subsets=subsets, factors=factors, backend=backend,
+                        fp=fp, bp=bp)
+            if backend == "cpu":
+                yield Combination(**base)
+                continue
+            for gpus in gpu_counts:
+                for layout in LAYOUTS if gpus > 1 else ("local",):
+                    for graph in GRAPHS:
+                        yield Combination(**base, gpus=gpus, layout=layout, graph=graph)
+
+
+def check(c: Combination, where: str = "run") -> None:
+    """The dry run's verdict on one combination: return where it runs, raise where it does not.
+
+    Raises
+    ------
+    ConfigError
+        One line naming the setting (``where.fp``, ``where.bp``, ``where.gpus``, ``where.layout``) that does
+        not go with the matrix's format or the model.
+    """
+    if c.format not in FORMATS:
+        raise ConfigError(f"{where}.format", f"unknown matrix format {c.format!r}, expected one of {', '.join(FORMATS)}")
+    if c.backend == "cpu" and c.gpus != 1:
+        raise ConfigError(f"{where}.gpus", f"a run with backend cpu takes 1, found {c.gpus}")
+    layout = c.layout if c.gpus > 1 else None
+    for key in ("fp", "bp"):
+        registry.check(key, getattr(c, key), c.backend, gpus=c.gpus, layout=layout, where=f"{where}.{key}",
+                       fmt=c.format)
+    if c.subsets > 1 and c.gpus > 1 and c.layout == "thesis":
+        raise ConfigError(f"{where}.layout", f"OSEM (subsets {c.subsets}) runs in the local layout; the thesis "
+                                             "layout's correlation spans every row")
+    if c.backend == "cpu" and c.bp == "onepass_chunked" and c.factors:
+        raise ConfigError(f"{where}.bp", "onepass_chunked on the cpu takes no additive background (b); use "
+                                         "onepass or numba")
+    if (c.backend == "cuda" and c.subsets > 1 and c.format != "csr" and c.bp not in (None, "auto")
+            and registry.get_bp("cuda", c.bp).op == "back"):
+        raise ConfigError(f"{where}.bp", f"{c.bp} back-projects on a stored A^T, which OSEM (subsets {c.subsets}) "
+                                         f"cannot have on the GPUs for a {c.format} matrix; use bp: auto or a "
+                                         "one-pass kernel (onepass, onepass_fixed, onepass_chunked), or format: csr")
+
+
+def verdict(c: Combination) -> str | None:
+    """None where :func:`check` accepts the combination, else its one-line refusal."""
+    try:
+        check(c)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def record(path: str | os.PathLike, c: Combination, outcome: str, detail: str = "") -> None:
+    """Append one outcome (``refused``, ``ran``, ``FAILED``) as a JSON line to ``path`` (the tiers' results)."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({**asdict(c), "outcome": outcome, "detail": detail}) + "\n")
+
+
+def table(lines: Iterable[str]) -> str:
+    """docs/combinations.md's body from the tiers' JSON lines: counts per backend and outcome, then one row
+    per combination that did not simply run (refused with its line, or failed)."""
+    rows: list[dict[str, Any]] = [json.loads(t) for t in lines if t.strip()]
+    out = ["| backend | GPUs | combinations | ran within 1e-5 of the float64 reference | refused by the dry run | failed |",
+           "|---|---|---|---|---|---|"]
+    keys = sorted({(r["backend"], r["gpus"]) for r in rows})
+    for backend, gpus in keys:
+        sel = [r for r in rows if r["backend"] == backend and r["gpus"] == gpus]
+        count = {k: sum(r["outcome"] == k for r in sel) for k in ("ran", "refused", "FAILED")}
+        out.append(f"| {backend} | {gpus} | {len(sel)} | {count['ran']} | {count['refused']} | {count['FAILED']} |")
+    out += ["", "| combination | outcome | detail |", "|---|---|---|"]
+    for r in rows:
+        if r["outcome"] != "ran":
+            c = Combination(**{k: v for k, v in r.items() if k not in ("outcome", "detail")})
+            out.append(f"| {c.label()} | {r['outcome']} | {r['detail'].replace('|', '/')} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mlemlib.compose FILE...``: print docs/combinations.md's table from the tiers' JSON lines."""
+    import sys
+
+    paths = sys.argv[1:] if argv is None else argv
+    lines: list[str] = []
+    for p in paths:
+        with open(p, encoding="utf-8") as fh:
+            lines += fh.readlines()
+    sys.stdout.write(table(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

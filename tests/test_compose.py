@@ -1,0 +1,205 @@
+"""Every combination of the configuration space runs within the contract, or is refused up front (issue 53).
+
+The space is :func:`mlemlib.compose.space`: matrix format x fold x reorder x
+OSEM subsets x factors (m and b or none) x every kernel choice of the
+registry x (cuda) GPU counts x layouts x graphs. For each combination either
+:func:`mlemlib.compose.check` (the workflow's dry-run verdict) refuses it in
+one line naming the setting, or it runs on the ``small`` preset (thin-ray
+tubes, for speed) and its image is within 1e-5 (relative L2) of the float64
+reference of the same model; deterministic kernels give the same bits on a
+rerun (and on 1 and 2 GPUs in the cuda tier). The matrix variants, the
+measurement and the references are built once per session and shared by the
+tests (and by xdist workers, through a lock file).
+
+The CPU tier runs in CI; the cuda tier (``-m gpu``) on a GPU machine. With
+``MLEM_COMPOSE_RESULTS=FILE`` every outcome is appended to FILE as a JSON
+line, from which ``python -m mlemlib.compose FILE ... > docs/combinations.md``
+makes the table of docs/combinations.md.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlemlib import compose
+from mlemlib.image import read_image
+
+#: Passes of each run (S sub-iterations each) and the contract's tolerance.
+ITERS = 3
+TOL = 1e-5
+
+
+def _build(root: Path) -> None:
+    """The ``small`` preset (rays 1), its 32 variants (format x fold x reorder x S) and one realistic measurement."""
+    from mlemlib.fold import fold_file
+    from mlemlib.formats import convert
+    from mlemlib.phantom import ScannerEffects, simulate
+    from mlemlib.reorder import reorder_file
+    from mlemlib.scanner import generate
+
+    generate("small", root / "small.csr4", rays=1)
+    convert(root / "small.csr4", root / "small.h5")
+    effects = ScannerEffects(attenuation=True, normalisation_spread=0.1, randoms_fraction=0.2, scatter_fraction=0.3)
+    simulate(root / "small.h5", "nema", root / "g.LMsino", None, seed=1, counts=1_000_000, supersample=1,
+             effects=effects, out_multiplicative=root / "m.f32", out_additive=root / "b.f32")
+    for fmt in compose.FORMATS:
+        for fold in (False, True):
+            base = root / f"{fmt}-{int(fold)}.h5"
+            if fold:
+                fold_file(root / "small.h5", base, fmt=fmt)
+            else:
+                convert(root / "small.csr4", base, fmt=fmt)
+            for reorder in compose.REORDERS:
+                for s in compose.SUBSETS:
+                    if reorder != "none" or s > 1:
+                        reorder_file(base, _matrix(root, fmt, fold, reorder, s), reorder, subsets=s)
+
+
+def _matrix(root: Path, fmt: str, fold: bool, reorder: str, subsets: int) -> Path:
+    if reorder == "none" and subsets == 1:
+        return root / f"{fmt}-{int(fold)}.h5"
+    return root / f"{fmt}-{int(fold)}-{reorder.replace('+', '')}-S{subsets}.h5"
+
+
+@pytest.fixture(scope="session")
+def space_files(tmp_path_factory) -> Path:
+    """The shared directory of the variants (built by the first worker that gets the lock)."""
+    root = tmp_path_factory.getbasetemp().parent / "compose-space"
+    root.mkdir(exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not (root / ".done").exists():
+                _build(root)
+                (root / ".done").touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return root
+
+
+def _factors(root: Path, factors: bool) -> dict:
+    return {"multiplicative": root / "m.f32", "additive": root / "b.f32"} if factors else {}
+
+
+def _reference(root: Path, model: tuple) -> np.ndarray:
+    """The float64 reference of a model (its matrix variant, S, factors), computed once (under the lock)."""
+    from mlemlib.mlem import reference
+
+    fmt, fold, reorder, s, factors = model
+    path = root / f"ref-{fmt}-{int(fold)}-{reorder.replace('+', '')}-S{s}-{int(factors)}.h5"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not path.exists():
+                tmp = path.with_suffix(".tmp.h5")
+                reference(_matrix(root, fmt, fold, reorder, s), root / "g.LMsino", tmp, iterations=ITERS,
+                          subsets=s, checkpoint_every=0, **_factors(root, factors))
+                os.replace(tmp, path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return read_image(path)[0].astype(np.float64)
+
+
+def _run(root: Path, c: compose.Combination, out: Path) -> np.ndarray:
+    from mlemlib.backends import graph_option
+    from mlemlib.mlem import reconstruct
+
+    fmt, fold, reorder, s, factors = c.model
+    reconstruct(_matrix(root, fmt, fold, reorder, s), root / "g.LMsino", out, iterations=ITERS, backend=c.backend,
+                fp=c.fp, bp=c.bp, gpus=c.gpus, layout=c.layout, graph=graph_option(None if c.graph == "auto" else False),
+                subsets=s, checkpoint_every=0, raw_out=False, **_factors(root, factors))
+    return read_image(out)[0]
+
+
+def _note(c: compose.Combination, outcome: str, detail: str = "") -> None:
+    path = os.environ.get("MLEM_COMPOSE_RESULTS")
+    if path:
+        compose.record(path, c, outcome, detail)
+
+
+def _check_model(space_files: Path, tmp_path: Path, model: tuple, backend: str, gpu_counts=(1,)) -> None:
+    """Every combination of one model on one backend: refused in one line, or within TOL and repeatable."""
+    combos = [c for c in compose.space([backend], gpu_counts) if c.model == model]
+    assert combos
+    ref = None
+    failures = []
+    bits: dict[tuple, np.ndarray] = {}
+    for i, c in enumerate(combos):
+        refusal = compose.verdict(c)
+        if refusal is not None:
+            assert "\n" not in refusal and refusal.split(":")[0].startswith("run."), refusal
+            _note(c, "refused", refusal)
+            continue
+        if ref is None:
+            ref = _reference(space_files, model)
+        try:
+            img = _run(space_files, c, tmp_path / f"{i}.h5").astype(np.float64)
+            err = float(np.linalg.norm(img - ref) / np.linalg.norm(ref))
+            if not err <= TOL:
+                raise AssertionError(f"relative L2 {err:.2e} to the float64 reference (contract {TOL:g})")
+            key = (c.fp, c.bp, c.layout, c.graph)
+            if key in bits and not np.array_equal(bits[key], img) and _deterministic(c):
+                raise AssertionError(f"{c.gpus} GPUs give other bits than {min(gpu_counts)}")
+            bits.setdefault(key, img)
+            _note(c, "ran", f"{err:.1e}")
+        except Exception as exc:  # noqa: BLE001 - every failure is collected and reported with its combination
+            _note(c, "FAILED", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            failures.append(f"{c.label()}: {type(exc).__name__}: {exc}")
+    assert not failures, "\n".join(failures)
+
+
+def _deterministic(c: compose.Combination) -> bool:
+    from mlemlib import registry
+
+    if c.bp == "auto":
+        return c.backend == "cpu"
+    return registry.get_bp(c.backend, c.bp).deterministic
+
+
+MODELS = list(compose.models())
+
+
+def _id(model: tuple) -> str:
+    fmt, fold, reorder, s, factors = model
+    return f"{fmt}-{'fold' if fold else 'nofold'}-{reorder}-S{s}-{'mb' if factors else 'plain'}"
+
+
+@pytest.mark.parametrize("model", MODELS, ids=[_id(m) for m in MODELS])
+def test_cpu_combinations_run_within_the_contract_or_are_refused(space_files, tmp_path, model):
+    _check_model(space_files, tmp_path, model, "cpu")
+
+
+def test_cpu_runs_repeat_bit_for_bit(space_files, tmp_path):
+    """A rerun of deterministic CPU runs (every CPU kernel is) gives the same image bits."""
+    for c in (compose.Combination("compressed", True, "rows+voxels", 4, True, "cpu", "auto", "auto"),
+              compose.Combination("csr", False, "none", 1, False, "cpu", "auto", "onepass_chunked")):
+        assert compose.verdict(c) is None
+        first = _run(space_files, c, tmp_path / "a.h5")
+        assert np.array_equal(first, _run(space_files, c, tmp_path / "b.h5")), c.label()
+
+
+def test_every_refusal_names_a_setting_in_one_line():
+    """The verdicts over the whole space (cuda included): each refusal one line naming ``run.<key>``."""
+    refused = [(c, compose.verdict(c)) for c in compose.space()]
+    refused = [(c, v) for c, v in refused if v is not None]
+    assert refused
+    keys = {v.split(":")[0] for _, v in refused}
+    assert keys <= {"run.fp", "run.bp", "run.gpus", "run.layout"}, keys
+    assert all("\n" not in v for _, v in refused)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", MODELS, ids=[_id(m) for m in MODELS])
+def test_cuda_combinations_run_within_the_contract_or_are_refused(space_files, tmp_path, model):
+    try:
+        import cupy
+
+        gpus = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001
+        pytest.skip("no GPU")
+    _check_model(space_files, tmp_path, model, "cuda", gpu_counts=tuple(g for g in compose.GPU_COUNTS if g <= gpus))
