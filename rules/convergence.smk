@@ -7,6 +7,7 @@
 rule study_convergence:
     input:
         unpack(get_convergence_input),
+        warm=get_study_warm_record,
     output:
         record=PATHS["convergence"],
     log:

@@ -62,6 +62,7 @@ rule exact_reference_mlem:
 rule run_mlem:
     input:
         unpack(get_mlem_input),
+        warm=get_run_warm_record,
     output:
         image=PATHS["run_image"],
         timings=PATHS["run_timings"],
@@ -91,8 +92,10 @@ rule run_mlem:
 # The GPU jobs' kernels compiled once on this machine (mlemlib.backends.warm):
 # every build in background threads and each configured kernel choice run on a
 # small matrix, so that CuPy's and Numba's caches hold them; it has no input
-# and runs while the matrix is generated.
-rule warm_kernels:
+# and runs while the matrix is generated. A checkpoint: once it has run,
+# Snakemake looks at the GPU jobs that wait for it again (get_warm_record), so
+# that a warm-up rerun for changed params never hides the GPU jobs to make.
+checkpoint warm_kernels:
     output:
         warm=PATHS["warm"],
     log:
@@ -117,6 +120,7 @@ rule warm_kernels:
 rule bench_spmv:
     input:
         unpack(get_bench_input),
+        warm=get_warm_record,
     output:
         csv=PATHS["bench_csv"],
         md=PATHS["bench_md"],
