@@ -17,7 +17,7 @@ rule summarize:
         unpack(get_summary_input),
     output:
         runs=PATHS["runs_csv"],
-        convergence=PATHS["convergence_csv"],
+        convergence=get_convergence_table(),
         summary=PATHS["summary_md"],
         summary_html=report(
             PATHS["summary_html"],
@@ -40,6 +40,6 @@ rule summarize:
     conda:
         "../envs/cpu.yaml"
     params:
-        name=config["name"],
+        name=get_summary_name,
     script:
         "../scripts/summarize.py"

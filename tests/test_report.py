@@ -251,9 +251,18 @@ def scaling_runs(tmp_path):
     return root
 
 
-def _md_section(md, title):
-    """Rows of the first table after the heading ``title``, as lists of stripped cells (header first)."""
-    lines = md[md.index(title):].splitlines()
+def _md_section(md, title, key=False):
+    """Rows of the section ``title``'s full table (the first one after its "In full:" paragraph, or its first
+    table where it has none), or with ``key`` its first table (the key columns), as lists of stripped cells
+    (header first)."""
+    from mlemlib.report.tables import MORE
+
+    text = md[md.index(title):]
+    end = text.find("\n## ", 1)
+    section = text if end < 0 else text[:end]
+    if not key and f"\n{MORE}" in section:
+        text = section[section.index(f"\n{MORE}"):]
+    lines = text.splitlines()
     start = next(k for k, ln in enumerate(lines) if ln.startswith("|"))
     table = []
     for ln in lines[start:]:
@@ -277,19 +286,19 @@ def test_scaling_table(scaling_runs, tmp_path):
     got = {(r[2], r[3], r[4]): dict(zip(head, r)) for r in body}
     # cpu and the merge run (one GPU count only) are not in it; "cuda" (1 GPU) and "cuda-nccl" are one group
     assert sorted(got) == sorted([
-        ("cuda csr_vector/csr_vector", "1", "local"), ("cuda csr_vector/csr_vector", "2", "local"),
-        ("cuda csr_vector/csr_vector", "2", "thesis"), ("cuda csr_vector/csr_vector", "4", "local"),
-        ("cuda csr_vector/csr_vector", "4", "thesis"),
-        ("cuda csr_vector/csr_vector graph", "2", "local"), ("cuda csr_vector/csr_vector graph", "4", "local")])
+        ("cuda csr_vector/csr_vector+AT", "1", "local"), ("cuda csr_vector/csr_vector+AT", "2", "local"),
+        ("cuda csr_vector/csr_vector+AT", "2", "thesis"), ("cuda csr_vector/csr_vector+AT", "4", "local"),
+        ("cuda csr_vector/csr_vector+AT", "4", "thesis"),
+        ("cuda csr_vector/csr_vector+AT graph", "2", "local"), ("cuda csr_vector/csr_vector+AT graph", "4", "local")])
     # ordered by configuration, then GPUs, then layout
-    assert [(r[2], r[3], r[4]) for r in body][:5] == [("cuda csr_vector/csr_vector", p, lay) for p, lay in
+    assert [(r[2], r[3], r[4]) for r in body][:5] == [("cuda csr_vector/csr_vector+AT", p, lay) for p, lay in
                                                       (("1", "local"), ("2", "local"), ("2", "thesis"),
                                                        ("4", "local"), ("4", "thesis"))]
 
     def cols(key, *names):
         return [got[key][n] for n in names]
 
-    c = "cuda csr_vector/csr_vector"
+    c = "cuda csr_vector/csr_vector+AT"
     measures = ("reps", "iteration (ms)", "speed-up", "efficiency", "GB/s per GPU")
     # T1 = 4.0 ms; bandwidth per GPU = 4e9 B / P / T(P)
     assert cols((c, "1", "local"), *measures) == ["2", "4.00", "1.00", "1.00", "1000"]
@@ -302,8 +311,8 @@ def test_scaling_table(scaling_runs, tmp_path):
     assert got[(c, "4", "local")]["rel. L2 to ref."] == "3.000e-07"
     assert got[(c, "1", "local")]["rel. L2 to ref."] == "2.000e-07"
     # no 1-GPU run with graph capture: no speed-up, but the bandwidth per GPU is still there
-    assert cols(("cuda csr_vector/csr_vector graph", "2", "local"), *measures) == ["1", "1.60", "–", "–", "1250"]
-    assert cols(("cuda csr_vector/csr_vector graph", "4", "local"), *measures) == ["1", "1.00", "–", "–", "1000"]
+    assert cols(("cuda csr_vector/csr_vector+AT graph", "2", "local"), *measures) == ["1", "1.60", "–", "–", "1250"]
+    assert cols(("cuda csr_vector/csr_vector+AT graph", "4", "local"), *measures) == ["1", "1.00", "–", "–", "1000"]
 
     assert [got[(c, p, lay)]["faster than fewer GPUs"] for p, lay in
             (("1", "local"), ("2", "local"), ("2", "thesis"), ("4", "local"), ("4", "thesis"))] == ["–"] + ["yes"] * 4
@@ -313,7 +322,7 @@ def test_scaling_table(scaling_runs, tmp_path):
     assert r4["speedup"] == pytest.approx(3.2, rel=1e-12) and r4["efficiency"] == pytest.approx(0.8, rel=1e-12)
     assert r4["bandwidth_per_gpu_GBps"] == pytest.approx(800.0, rel=1e-12)
     assert recs[(c, 4, "thesis")]["efficiency"] == pytest.approx(0.5, rel=1e-12)
-    assert recs[("cuda csr_vector/csr_vector graph", 4, "local")]["speedup"] is None
+    assert recs[("cuda csr_vector/csr_vector+AT graph", 4, "local")]["speedup"] is None
     # nothing to compare: no section
     rows = run_rows(load_timings([scaling_runs / "csr-1-local", scaling_runs / "merge-1-local", scaling_runs / "cpu"]))
     assert scaling_section(rows) == "" and scaling_table(rows) == []
@@ -368,7 +377,7 @@ def test_auto_graph_runs_scale_against_their_one_gpu_run_with_steps_timed_kernel
     md = (tmp_path / "s" / "summary.md").read_text()
     head, body = _md_section(md, "## Scaling over GPUs")
     got = {r[3]: dict(zip(head, r)) for r in body}
-    assert sorted(got) == ["1", "2", "4"] and {r[2] for r in body} == {"cuda csr_vector/csr_vector"}
+    assert sorted(got) == ["1", "2", "4"] and {r[2] for r in body} == {"cuda csr_vector/csr_vector+AT graph (auto)"}
     assert got["4"]["speed-up"] == "4.00" and got["2"]["allreduce (ms)"] == "0.200 †" and got["1"]["fp (ms)"] == ""
     head, body = _md_section(md, "## Time per iteration by step")
     rows = {r[2]: dict(zip(head, r)) for r in body}
@@ -387,7 +396,7 @@ def test_scaling_plot(scaling_runs, tmp_path):
     from mlemlib.report import load_timings, run_rows, scaling_series
 
     lines = scaling_series(run_rows(load_timings([scaling_runs])))
-    conf = "madpet3/nema-seed1 cuda csr_vector/csr_vector"
+    conf = "madpet3/nema-seed1 cuda csr_vector/csr_vector+AT"
     # graph capture has no 1-GPU run: no line
     assert list(lines) == [(conf, "local"), (conf, "thesis")]
     assert [p for p, _ in lines[(conf, "local")]] == [1, 2, 4]
@@ -782,7 +791,7 @@ def test_thesis_section_for_matrix3_only(tmp_path):
     assert "## The thesis beside us: Matrix 3 (Table 4.3)" in md
     rows = [ln for ln in md.splitlines() if ln.startswith("| thesis: ") or ln.startswith("| cuda")]
     thesis_rows = [ln for ln in rows if "Table 9.3" in ln or "x8 (DGX-1)" in ln]
-    assert len(thesis_rows) == 1 and "| 897 | 7176 | – | 3209 | 16.5 | 2092 | 1100 | 1.00 | 1.00 | 1.00 |" in md
+    assert len(thesis_rows) == 2 and "| 897 | 7176 | – | 3209 | 16.5 | 2092 | 1100 | 1.00 | 1.00 | 1.00 |" in md
     assert "| iteration (ms) | fp (ms) | bp (ms) | allreduce (ms) |" in md
     # 1 H200: speed-up 4, bandwidth ratio 4800 / (8 x 897) = 0.6689, kernel gain 4 / 0.6689 = 5.98
     assert "| 4800 | 4800 | 4000 | 802 | 4.12 | 523 | 275 | 4.00 | 0.67 | 5.98 | 405 |" in md
@@ -997,9 +1006,10 @@ def test_mixed_time_plot_and_scaling_colours(mixed_runs, tmp_path, figures):
     series = [ln for ln in ax.get_lines() if not ln.get_label().startswith(("_", "ideal"))]
     assert [ln.get_label().rsplit(", ", 1)[1] for ln in series] == ["local layout", "thesis layout"]
     assert len({to_hex(ln.get_color()) for ln in series}) == 2
-    # the key under the plots names every backend label they show
+    # the key under the plots names the terms its labels use, and only those
     key = " ".join(t.get_text() for t in fig.texts).replace("\n", " ")
-    assert "cuda-nccl on several" in key
+    assert "xP: on P GPUs with a layout" in key and "thesis: one all-reduce after each projection" in key
+    assert "reference (float64)" in key and "OSEM" not in key and "+m" not in key
 
 
 def test_distribution_plot_names_far_outliers_without_exponents():

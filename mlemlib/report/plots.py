@@ -28,8 +28,10 @@ from mlemlib.report.rows import (
     _family,
     _mean,
     _num,
-    _scaling_label,
+    _scaling_key,
     config_label,
+    label_terms,
+    scaling_label,
     scaling_table,
 )
 
@@ -42,17 +44,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_") or "x"
 
 
-#: What the parts of a configuration's label mean (see :func:`config_label`), printed under the plots.
-LABEL_KEY = (
-    "Labels: backend (cpu; cuda on one GPU, cuda-nccl on several) and fp/bp, the forward- and back-projection "
-    "kernels (e.g. cpu: numba, scipy; "
-    "cuda: csr_vector, merge, cusparse); +AT: the back projection reads a stored transpose A^T; "
-    "notrans: it scatters with A, no transpose; xP: on P GPUs, with the multi-GPU layout (local: one "
-    "all-reduce of the image per iteration; thesis: one after each projection); secN: merge section size; "
-    "graph: iterations replayed as CUDA graphs; OSEM SK: K ordered subsets (else MLEM); +m, +b: the run models the "
-    "measurement's multiplicative factors m (attenuation, normalisation) and additive background b (randoms, "
-    "scatter); reference (float64): the CPU reference MLEM of the same model."
-)
+def labels_note(rows: Iterable[Mapping[str, Any]]) -> str:
+    """The key to the configuration labels of a plot's ``rows``: only the terms those labels use
+    (:func:`mlemlib.report.rows.label_terms`); "" without any."""
+    terms = label_terms(rows)
+    return ("Labels: " + "; ".join(terms) + ".") if terms else ""
 
 
 def _plot_labels(groups: Mapping[tuple, list[dict[str, Any]]]) -> tuple[list[str], str]:
@@ -183,7 +179,7 @@ def plot_times(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None
     note = ("Bars: the mean of each step over all iterations and repetitions, stacked. "
             + (f"Configurations whose times differ by more than {PANEL_RATIO:g}x are in separate panels, each "
                "with its own time axis. " if len(panels) > 1 else ""))
-    _add_key(fig, note + LABEL_KEY)
+    _add_key(fig, note + labels_note(r for rs in rs_list for r in rs))
     _save(fig, path)
 
 
@@ -261,9 +257,11 @@ def plot_distribution(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) 
         ax.text(0.5, 0.5, "no per-iteration samples", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("time per iteration (ms)")
     ax.set_title("Distribution of the time per iteration" + (f": {problem}" if problem else ""))
+    beyond = bool(data) and any(v > hi or v < lo for vals in data for v in vals)
     _add_key(fig, "Boxes: median and quartiles; whiskers: the furthest iteration within 1.5 times the box's "
-                  "width; circles: iterations beyond the whiskers; a red triangle at the edge: iterations beyond "
-                  "the plotted range, with their times. " + LABEL_KEY)
+                  "width; circles: iterations beyond the whiskers"
+                  + ("; a red triangle at the edge: iterations beyond the plotted range, with their times"
+                     if beyond else "") + ". " + labels_note(r for rs in shown.values() for r in rs))
     _save(fig, path)
 
 
@@ -363,7 +361,7 @@ def plot_accuracy(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> N
     for ax in (ax1, ax2):
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle("Accuracy over repetitions" + (f": {problem}" if problem else ""))
-    _add_key(fig, LABEL_KEY, width=160)
+    _add_key(fig, labels_note(r for rs in groups.values() for r in rs), width=160)
     _save(fig, path)
 
 
@@ -399,6 +397,7 @@ def plot_scaling(rows: Iterable[Mapping[str, Any]], path: Path) -> bool:
     """
     import matplotlib.pyplot as plt
 
+    rows = list(rows)
     lines = scaling_series(rows)
     if not lines:
         return False
@@ -414,9 +413,13 @@ def plot_scaling(rows: Iterable[Mapping[str, Any]], path: Path) -> bool:
     ax.set_title("MLEM scaling over GPUs (mean time per iteration)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    _add_key(fig, "One line per configuration and multi-GPU layout (local: one all-reduce of the image per "
-                  "iteration; thesis, dashed: one after each projection), from the configuration's 1-GPU run; "
-                  "the dotted line is the ideal speed-up P.", width=110)
+    layouts = {layout for _, layout in lines}
+    meaning = [m for lay, m in (("local", "local: one all-reduce of the image per iteration"),
+                                ("thesis", "thesis, dashed: one after each projection")) if lay in layouts]
+    _add_key(fig, "One line per configuration and multi-GPU layout (" + "; ".join(meaning) + "), from the "
+                  "configuration's 1-GPU run; the dotted line is the ideal speed-up P. "
+                  + labels_note(r for r in rows if not r.get("reference_mode")
+                                and _family(r.get("backend")) == "cuda"), width=110)
     _save(fig, path)
     return True
 
@@ -438,11 +441,15 @@ def time_vs_gpus_series(rows: Iterable[Mapping[str, Any]]) -> OrderedDict[tuple[
     layouts' lines (one GPU has no layout); cuda runs only, the reference left
     out.
     """
+    rows = [r for r in rows if not r.get("reference_mode") and _family(r.get("backend")) == "cuda"
+            and r.get("iteration_mean_s") is not None]
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(_scaling_key(r), []).append(r)
+    names = {key: scaling_label(rs) for key, rs in groups.items()}
     cells: OrderedDict[tuple[str, int, str], list[float]] = OrderedDict()
     for r in rows:
-        if r.get("reference_mode") or _family(r.get("backend")) != "cuda" or r.get("iteration_mean_s") is None:
-            continue
-        conf = f"{r['matrix']}/{r['data']} {_scaling_label(r)}"
+        conf = f"{r['matrix']}/{r['data']} {names[_scaling_key(r)]}"
         p = int(_num(r.get("gpus")) or 1)
         layout = "local" if p == 1 else str(r.get("layout"))
         cells.setdefault((conf, p, layout), []).append(float(r["iteration_mean_s"]))
@@ -506,9 +513,14 @@ def plot_time_vs_gpus(rows: list[dict[str, Any]], path: Path) -> bool:
     ax.set_title("MLEM time per iteration against the number of GPUs")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    _add_key(fig, "Squares joined by a line: the mean over repetitions of each configuration and layout (dashed: "
-                  "the thesis layout); circles: each repetition's mean time per iteration; a star: the thesis's "
-                  "run on a matrix of the same shape (the sum of its published step times). " + LABEL_KEY, width=110)
+    dashed = any(layout == "thesis" for _, layout in lines)
+    starred = any(run.matrix.shape in shapes for run in thesis.RUNS)
+    _add_key(fig, "Squares joined by a line: the mean over repetitions of each configuration and layout"
+                  + (" (dashed: the thesis layout)" if dashed else "") + "; circles: each repetition's mean time "
+                  "per iteration" + ("; a star: the thesis's run on a matrix of the same shape (the sum of its "
+                                     "published step times)" if starred else "") + ". "
+                  + labels_note(r for r in rows if not r.get("reference_mode") and _family(r.get("backend")) == "cuda"),
+                  width=110)
     _save(fig, path)
     return True
 
@@ -574,25 +586,36 @@ def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool
     vx, vy, vz = (float(v) for v in voxel) if voxel else (1.0, 1.0, 1.0)
     ex, ey, ez = _axis_mm(gx, vx), _axis_mm(gy, vy), _axis_mm(gz, vz)
     vmax = max(float(np.percentile(v, 99.9)) for _, v in vols) or max(float(v.max()) for _, v in vols) or 1.0
-    # Columns as wide as their slices: axial x by y, coronal x by z, sagittal y by z.
-    widths = [gx * vx, gx * vx, gy * vy]
-    fig, axes = plt.subplots(len(vols), 3, figsize=(11, 0.6 + 3.2 * len(vols)), squeeze=False,
-                             gridspec_kw={"width_ratios": widths}, constrained_layout=True)
+    # Panels as large as their slices (axial x by y, coronal x by z, sagittal y by z), packed without gaps:
+    # where the field of view is short in z, the coronal and sagittal slices stack beside the axial one.
+    wx, wy, wz = gx * vx, gy * vy, gz * vz
+    stacked = 2 * wz <= 1.3 * wy
+    if stacked:
+        row_h = max(wz, wy / 2)
+        mosaic = [row for k in range(len(vols)) for row in ([f"a{k}", f"c{k}"], [f"a{k}", f"s{k}"])]
+        widths, heights = [wx, max(wx, wy)], [row_h] * (2 * len(vols))
+    else:
+        mosaic = [[f"a{k}", f"c{k}", f"s{k}"] for k in range(len(vols))]
+        widths, heights = [wx, wx, wy], [max(wy, wz)] * len(vols)
+    width_in = 8.0 if stacked else 11.0
+    height_in = min(width_in * sum(heights) / sum(widths) * 1.05 + 0.9 * len(vols), 14.0)
+    fig, panel = plt.subplot_mosaic(mosaic, figsize=(width_in + 1.2, height_in), width_ratios=widths,
+                                    height_ratios=heights, layout="constrained")
     for row, (name, v) in enumerate(vols):
         slices = [
-            (f"axial, z = {_centre_mm(gz, vz):g} {unit}", v[gz // 2], (*ex, *ey), "x", "y"),
-            (f"coronal, y = {_centre_mm(gy, vy):g} {unit}", v[:, gy // 2, :], (*ex, *ez), "x", "z"),
-            (f"sagittal, x = {_centre_mm(gx, vx):g} {unit}", v[:, :, gx // 2], (*ey, *ez), "y", "z"),
+            ("a", f"axial, z = {_centre_mm(gz, vz):g} {unit}", v[gz // 2], (*ex, *ey), "x", "y"),
+            ("c", f"coronal, y = {_centre_mm(gy, vy):g} {unit}", v[:, gy // 2, :], (*ex, *ez), "x", "z"),
+            ("s", f"sagittal, x = {_centre_mm(gx, vx):g} {unit}", v[:, :, gx // 2], (*ey, *ez), "y", "z"),
         ]
-        for col, (sname, sl, extent, xl, yl) in enumerate(slices):
-            ax = axes[row][col]
+        for key, sname, sl, extent, xl, yl in slices:
+            ax = panel[f"{key}{row}"]
             im = ax.imshow(sl, cmap="gray", vmin=0, vmax=vmax, origin="lower", extent=extent,
                            interpolation="nearest")
             ax.set_title(f"{name}: {sname}", fontsize=8)
             ax.set_xlabel(f"{xl} ({unit})", fontsize=7)
             ax.set_ylabel(f"{yl} ({unit})", fontsize=7)
             ax.tick_params(labelsize=7)
-    bar = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.85, extend="max", aspect=30)
+    bar = fig.colorbar(im, ax=list(panel.values()), shrink=0.85, extend="max", aspect=30)
     bar.set_label(IMAGE_UNITS, fontsize=8)
     bar.ax.tick_params(labelsize=7)
     fig.suptitle(title, fontsize=9)
@@ -603,40 +626,44 @@ def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool
 
 
 
-#: What the convergence figure shows, printed under it (the report's caption says the same).
-CONVERGENCE_KEY = (
-    "A pass visits all S subsets once: one MLEM iteration (S = 1), S OSEM sub-iterations. Solid: the reconstruction "
-    "models the measurement's attenuation/normalisation factors m and background b (randoms + scatter); dashed: "
-    "the same data reconstructed ignoring them (m = 1, b = 0). Contrast recovery: the mean over the phantom's hot "
-    "spheres of (C_sphere / C_background - 1) / (true ratio - 1), 1 is perfect; the dotted line is MLEM's after its "
-    "last pass, the target the table's 'passes to reach' counts against. Relative error: ||f - truth|| / ||truth||. "
-    "Profile: the mean along x through the phantom's centre (the lung insert is the dip in the middle) of the last "
-    "pass of the smallest S, with and without m and b, beside the phantom."
-)
+def convergence_note(record: Mapping[str, Any]) -> str:
+    """The note under a convergence figure: what its lines and panels mean, only the terms it shows."""
+    series = [s for s in record.get("series", []) if s.get("passes")]
+    counts = sorted({int(s["subsets"]) for s in series})
+    ignored = any(not s["corrected"] for s in series)
+    osem = any(S > 1 for S in counts)
+    text = ("A pass visits all S subsets once (one MLEM iteration; S OSEM sub-iterations). " if osem else
+            "A pass is one MLEM iteration. ")
+    if ignored:
+        text += ("Solid: the reconstruction models the measurement's factors m (attenuation, normalisation) and "
+                 "background b (randoms, scatter); dashed: the same data reconstructed with m = 1 and b = 0. ")
+    text += ("Contrast recovery: the mean over the phantom's hot spheres of (C_sphere / C_background - 1) / "
+             "(true ratio - 1), 1 is perfect")
+    text += ("; dotted: MLEM's after its last pass, the target of the table's 'passes to reach'. "
+             if any(S == 1 and s["corrected"] for s in series for S in [int(s["subsets"])]) else ". ")
+    text += ("Relative error: ||f - truth|| / ||truth||. Profile: the mean along x through the phantom's centre "
+             "of the last pass" + (" of the smallest S" if len(counts) > 1 else "") + ", beside the phantom.")
+    return text
 
 
-def plot_convergence(record: Mapping[str, Any], path: Path) -> bool:
-    """Contrast recovery and relative error against the phantom per pass for each S, and the profile of the bias.
-
-    One figure of a :func:`mlemlib.convergence.study` record: three panels
-    (hot contrast recovery per pass, relative L2 error against the phantom per
-    pass on a log axis, and a profile through the centre), one colour per S,
-    solid where m and b are modelled and dashed where they are ignored.
-    Returns False (nothing written) for a record without series.
-    """
+def convergence_figure(record: Mapping[str, Any]) -> Any:
+    """The figure of :func:`plot_convergence` (a matplotlib Figure), or None for a record without series."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
     series = [s for s in record.get("series", []) if s.get("passes")]
     if not series:
-        return False
+        return None
     counts = sorted({int(s["subsets"]) for s in series})
     colour = {S: _series_color(k) for k, S in enumerate(counts)}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    ignored = any(not s["corrected"] for s in series)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5.2), layout="constrained",
+                             gridspec_kw={"width_ratios": [1, 1, 1.1]})
     ax_crc, ax_err, ax_prof = axes
     for s in series:
-        style = "-" if s["corrected"] else "--"
-        label = ("MLEM" if s["subsets"] == 1 else f"OSEM S={s['subsets']}") + ("" if s["corrected"] else ", m and b ignored")
-        kw = {"color": colour[int(s["subsets"])], "linestyle": style, "label": label,
+        label = ("MLEM" if s["subsets"] == 1 else f"OSEM S={s['subsets']}") + (
+            (", m and b modelled" if s["corrected"] else ", m and b ignored") if ignored else "")
+        kw = {"color": colour[int(s["subsets"])], "linestyle": "-" if s["corrected"] else "--", "label": label,
               "marker": "o" if len(s["passes"]) <= 12 else None, "markersize": 3}
         ax_crc.plot(s["passes"], s["crc_hot"], **kw)
         ax_err.plot(s["passes"], s["rel_error"], **kw)
@@ -648,6 +675,10 @@ def plot_convergence(record: Mapping[str, Any], path: Path) -> bool:
     ax_err.set(xlabel="pass", ylabel="relative L2 error against the phantom", title="Error against the phantom per pass")
     if all(v > 0 for s in series for v in s["rel_error"] if v is not None and math.isfinite(v)):
         ax_err.set_yscale("log")
+        # plain numbers at 1, 2, 5 of each decade: a narrow range still has labelled ticks
+        ax_err.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+        ax_err.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.3g}"))
+        ax_err.yaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: ""))
     smallest = counts[0]
     vx = float((record.get("voxel_size") or [1.0])[0])
     truth = record.get("profile_truth") or []
@@ -657,14 +688,38 @@ def plot_convergence(record: Mapping[str, Any], path: Path) -> bool:
         if int(s["subsets"]) == smallest and s.get("profile"):
             ax_prof.plot(x, s["profile"], color=colour[smallest], linestyle="-" if s["corrected"] else "--",
                          label=("MLEM" if smallest == 1 else f"OSEM S={smallest}")
-                         + (", m and b modelled" if s["corrected"] else ", m and b ignored"))
-    ax_prof.set(xlabel="x (mm)", ylabel="activity per voxel", title=f"Profile through the centre, pass {record.get('iterations')}")
+                         + ((", m and b modelled" if s["corrected"] else ", m and b ignored") if ignored else ""))
+    ax_prof.set(xlabel="x (mm)", ylabel="activity per voxel (mean along the profile)",
+                title=f"Profile through the centre, pass {record.get('iterations')}")
+    ax_prof.yaxis.set_major_locator(MaxNLocator(6))
     for ax in axes:
         ax.grid(True, alpha=0.3)
+        ax.tick_params(labelleft=True, labelbottom=True)
+    # one legend under the two panels whose lines it names, one under the profile
     handles, labels = ax_crc.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.55), fontsize=8)
-    ax_prof.legend(fontsize=7, loc="best")
+    ax_crc.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=min(3, len(labels)),
+                  fontsize=8, borderaxespad=0, frameon=False)
+    ax_prof.legend(loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=1, fontsize=8, borderaxespad=0,
+                   frameon=False)
     fig.suptitle(f"Convergence and bias: {record.get('matrix')} / {record.get('data')}")
-    _add_key(fig, CONVERGENCE_KEY, width=170)
+    return fig
+
+
+def plot_convergence(record: Mapping[str, Any], path: Path) -> bool:
+    """Contrast recovery and relative error against the phantom per pass for each S, and a profile through the centre.
+
+    One figure of a :func:`mlemlib.convergence.study` record
+    (:func:`convergence_figure`): three panels (hot contrast recovery per
+    pass, relative L2 error against the phantom per pass on a log axis, and
+    a profile through the centre), one colour per S, solid where m and b are
+    modelled and dashed where they are ignored; the legend of the first two
+    panels under them, the profile's under it; every axis labelled; the note
+    under the figure (:func:`convergence_note`) speaks only of what it shows.
+    Returns False (nothing written) for a record without series.
+    """
+    fig = convergence_figure(record)
+    if fig is None:
+        return False
+    _add_key(fig, convergence_note(record), width=170)
     _save(fig, path)
     return True

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -337,8 +338,10 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
             row["gpu_bandwidth_theoretical_GBps"] = theo / 1e9 if theo is not None else None
             row["gpu_bandwidth_measured_GBps"] = measured / 1e9 if measured is not None else None
             row["of_floor"], row["of_csr_floor"] = floor_fractions(t, row["iteration_mean_s"], measured)
+            # NVML's counter advances in steps: a loop shorter than one reads 0 J, which is no measurement
+            measured_energy = (_num(rep.get("energy_J")) or 0.0) > 0
             for k in ("energy_J", "energy_per_iteration_J", "power_W"):
-                row[k] = _num(rep.get(k))
+                row[k] = _num(rep.get(k)) if measured_energy else None
             row["energy_gpus"] = rep.get("energy_gpus") if row["energy_J"] is not None else None
             capped = rep.get("clock_capped_s") or {}  # the loop's seconds of clocks held down (devices.EnergyMeter)
             row["power_capped_s"], row["thermal_capped_s"] = _num(capped.get("power")), _num(capped.get("thermal"))
@@ -398,22 +401,84 @@ def model_label(r: Mapping[str, Any]) -> str:
     return s
 
 
-def config_label(r: Mapping[str, Any]) -> str:
-    """Short name of a configuration, e.g. ``cuda csr_vector/notrans x2 thesis`` (``graph``: CUDA graph capture)."""
+def kernel_label(r: Mapping[str, Any]) -> str:
+    """The kernels a run used, as chosen, and which of them ``auto`` chose: ``numba/numba+AT (auto)``.
+
+    ``fp/bp`` are the kernels that ran (``+AT``: the back projection read a
+    stored transpose ``A^T``; ``notrans`` never does). Where the run's
+    configuration asked for ``auto`` (the ``fp_requested``/``bp_requested``
+    of its ``timings.json``), the label says so: `` (auto)`` where both were,
+    `` (fp auto)`` or `` (bp auto)`` where one was.
+    """
+    bp = f"{r.get('bp')}" + ("+AT" if r.get("transpose") and r.get("bp") != "notrans" else "")
+    auto = [k for k in ("fp", "bp") if r.get(f"_{k}_requested") == "auto" and r.get(k) != "auto"]
+    mark = " (auto)" if len(auto) == 2 else (f" ({auto[0]} auto)" if auto else "")
+    return f"{r.get('fp')}/{bp}{mark}"
+
+
+def config_label(r: Mapping[str, Any], *, gpus: bool = True) -> str:
+    """The one name of a run's configuration in every table, plot and the report.
+
+    ``cpu numba/numba+AT (auto)``, ``cuda csr_vector/notrans graph x4 local OSEM S8 +m +b``: the backend
+    family (``cuda`` for one GPU and several), :func:`kernel_label`, the merge section size (``secN``),
+    ``graph`` where iterations were replayed as CUDA graphs, ``xP`` and the layout on GPUs (``gpus=False``
+    leaves them out: a configuration across GPU counts), then :func:`model_label`. The float64 reference
+    is ``reference (float64)`` and its model.
+    """
     if r.get("reference_mode"):
         return "reference (float64)" + model_label(r)
-    bp = f"{r.get('bp')}" + ("+AT" if r.get("transpose") and r.get("bp") != "notrans" else "")
-    s = f"{_family(r.get('backend'))} {r.get('fp')}/{bp}"
+    s = f"{_family(r.get('backend'))} {kernel_label(r)}"
     if r.get("secsize"):
         s += f" sec{r['secsize']}"
     if r.get("graph"):
         s += " graph"
-    gpus = r.get("gpus") or 1
-    if r.get("backend") != "cpu" or gpus != 1:
-        s += f" x{gpus}"
-        if gpus > 1:
+    count = r.get("gpus") or 1
+    if gpus and (r.get("backend") != "cpu" or count != 1):
+        s += f" x{count}"
+        if count > 1:
             s += f" {r.get('layout')}"
     return s + model_label(r)
+
+
+def label_terms(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """What the parts of the labels of ``rows`` mean, one short phrase per part some label uses.
+
+    Only the terms that occur: a CPU-only summary is not told about CUDA
+    graphs, GPU layouts or OSEM. The plots' notes and the tables' intros
+    print these (:func:`config_label` makes the labels).
+    """
+    rows = list(rows)
+    runs = [r for r in rows if not r.get("reference_mode")]
+    labels = [config_label(r) for r in rows]
+    terms = []
+    if runs:
+        terms.append("fp/bp: the forward- and back-projection kernels that ran")
+    if any("+AT" in lab for lab in labels):
+        terms.append("+AT: the back projection reads a stored transpose A^T")
+    if any(r.get("bp") == "notrans" for r in runs):
+        terms.append("notrans: it scatters with the rows of A, without A^T")
+    if any(re.search(r"\((fp |bp )?auto\)", lab) for lab in labels):
+        terms.append("(auto): the kernel auto chose")
+    if any(r.get("secsize") for r in runs):
+        terms.append("secN: merge's section size")
+    if any(r.get("graph") for r in runs):
+        terms.append("graph: iterations replayed as CUDA graphs")
+    multi = {r.get("layout") for r in runs if (r.get("gpus") or 1) > 1}
+    if any(_family(r.get("backend")) == "cuda" for r in runs):
+        terms.append("xP: on P GPUs" + (" with a layout" if multi else ""))
+    if "local" in multi:
+        terms.append("local: one all-reduce of the image per iteration")
+    if "thesis" in multi:
+        terms.append("thesis: one all-reduce after each projection")
+    if any((r.get("subsets") or 1) > 1 for r in rows):
+        terms.append("OSEM SK: K ordered subsets")
+    if any(r.get("m") not in (None, "no") for r in rows):
+        terms.append("+m: models the multiplicative factors (attenuation, normalisation)")
+    if any(r.get("b") not in (None, "no") for r in rows):
+        terms.append("+b: models the additive background (randoms, scatter)")
+    if len(runs) < len(rows):
+        terms.append("reference (float64): the CPU reference MLEM in float64")
+    return terms
 
 
 def group_rows(rows: list[dict[str, Any]]) -> OrderedDict[tuple, list[dict[str, Any]]]:
@@ -469,16 +534,22 @@ def _graph_requested(r: Mapping[str, Any]) -> Any:
     return bool(r.get("graph")) if asked is None else asked
 
 
-def _scaling_label(r: Mapping[str, Any]) -> str:
-    """Name of a configuration without GPU count and layout, e.g. ``cuda csr_vector/csr_vector graph``."""
-    s = f"{_family(r.get('backend'))} {r.get('_fp_requested') or r.get('fp')}/{r.get('_bp_requested') or r.get('bp')}"
-    if r.get("secsize"):
-        s += f" sec{r['secsize']}"
-    if _graph_requested(r) is True:
-        s += " graph"
-    elif _graph_requested(r) is False and r.get("_graph_requested") is not None:
-        s += " no graph"
-    return s
+def scaling_label(rs: list[Mapping[str, Any]]) -> str:
+    """The label of a configuration across GPU counts: :func:`config_label` without the GPU count and layout.
+
+    ``rs`` are the runs of one configuration on its GPU counts. Where ``auto``
+    chose different kernels on different counts, each kernel lists its choices
+    (``csr_vector|merge``) in the order of the GPU counts; where ``graph: auto``
+    replayed CUDA graphs on some counts only, the label ends in ``graph (auto)``.
+    """
+    ordered = sorted(rs, key=lambda r: int(_num(r.get("gpus")) or 1))
+    base = dict(ordered[0])
+    for k in ("fp", "bp"):
+        base[k] = "|".join(dict.fromkeys(str(r.get(k)) for r in ordered))
+    base["transpose"] = any(r.get("transpose") for r in ordered)
+    graphs = {bool(r.get("graph")) for r in ordered}
+    base["graph"] = graphs == {True}
+    return config_label(base, gpus=False) + (" graph (auto)" if len(graphs) > 1 else "")
 
 
 def scaling_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -500,7 +571,8 @@ def scaling_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
       which the P GPUs read in nnz-balanced parts, about 1/P each;
     - ``rel_l2_reference``: mean over repetitions;
     - ``slower_than``: ``(P', T(P'))`` of the fewest GPUs P' < P (any layout) that ran the
-      configuration faster than P do, None where none did (more GPUs never slower).
+      configuration faster than P do, None where none did (more GPUs never slower);
+    - ``runs``: the run ids of the record's rows; ``configuration``: :func:`scaling_label`.
 
     Returns
     -------
@@ -523,12 +595,13 @@ def scaling_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         ones = [k for k in cells if k[0] == 1]
         base = (1, "local") if (1, "local") in cells else (ones[0] if ones else None)
         t1 = _mean(r["iteration_mean_s"] for r in cells[base]) if base else None
+        label = scaling_label(rs)
         for (p, layout), cs in cells.items():
             t = _mean(c["iteration_mean_s"] for c in cs)
             nbytes = _mean(c.get("bytes_per_iteration") for c in cs)
             speedup = t1 / t if t1 and t else None
             rec: dict[str, Any] = {
-                "matrix": cs[0].get("matrix"), "data": cs[0].get("data"), "configuration": _scaling_label(cs[0]),
+                "matrix": cs[0].get("matrix"), "data": cs[0].get("data"), "configuration": label,
                 "gpus": p, "layout": layout, "reps": len(cs), "iteration_s": t,
                 **{f"{s}_s": _mean(c.get(f"{s}_mean_s") for c in cs) for s in STEPS},
                 "steps_from": cs[0].get("steps_from"),
@@ -537,6 +610,7 @@ def scaling_table(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "rel_l2_reference": _mean(c.get("rel_l2_reference") for c in cs),
                 "deterministic": all(c.get("deterministic") for c in cs),
                 "slower_than": None,
+                "runs": sorted({str(c.get("run")) for c in cs}),
             }
             for (q, _), qs in cells.items():
                 tq = _mean(c["iteration_mean_s"] for c in qs)

@@ -39,6 +39,7 @@ from mlemlib.report.tables import (
     accuracy_section,
     convergence_section,
     lossy_section,
+    overview_section,
     plan_section,
     plots_section,
     scaling_section,
@@ -112,7 +113,7 @@ def summarize(
     convergence
         Records of convergence studies (:func:`mlemlib.convergence.study`'s JSON files): their table
         (:func:`convergence_section`, and ``out_convergence``: ``convergence.csv``, default beside
-        ``runs.csv``, written where a study is given or the path is) and one figure each,
+        ``runs.csv``, written only where a study has rows: no header-only file) and one figure each,
         ``plots/convergence_<matrix>_<data>.png``.
     name
         Name of the configuration (the workflow's ``name``), shown in the titles.
@@ -121,8 +122,8 @@ def summarize(
     -------
     dict
         ``rows`` (number of rows), ``configurations``, and the written paths
-        (``runs_csv``, ``summary_md``, ``summary_html``, ``runs_html``,
-        ``plots``: list of PNG paths).
+        (``runs_csv``, ``convergence_csv``: None where not written, ``summary_md``, ``summary_html``,
+        ``runs_html``, ``plots``: list of PNG paths).
 
     Raises
     ------
@@ -154,8 +155,7 @@ def summarize(
     studies = [read_study(p) for p in convergence]
     conv_rows = study_rows(studies)
     conv_path = Path(out_convergence) if out_convergence is not None else csv_path.with_name("convergence.csv")
-    if studies or out_convergence is not None:
-        write_convergence_csv(conv_rows, conv_path)
+    wrote_convergence = write_convergence_csv(conv_rows, conv_path)
 
     plot_names: dict[str, str] = {}  # file name -> title
     import matplotlib
@@ -179,8 +179,7 @@ def summarize(
             if problem in seen or image is None:
                 continue
             fname = f"image_{_slug(r['matrix'])}_{_slug(r['data'])}.png"
-            if plot_image(image, r.get("_truth"), tmp / fname,
-                          f"{r['matrix']} / {r['data']}: {config_label(r)} ({r['run']})"):
+            if plot_image(image, r.get("_truth"), tmp / fname, f"{r['matrix']} / {r['data']}: {config_label(r)}"):
                 seen.add(problem)
                 plot_names[fname] = f"Image: {r['matrix']} / {r['data']}"
         for rec in studies:
@@ -189,6 +188,7 @@ def summarize(
                 plot_names[fname] = f"Convergence and bias: {rec['matrix']} / {rec['data']}"
 
     sections = [
+        overview_section(groups, rows),
         timing_section(groups) if groups else "No runs.\n",
         scaling_section(rows),
         thesis_section(rows),
@@ -221,7 +221,7 @@ def summarize(
         "rows": len(rows),
         "configurations": len(groups),
         "runs_csv": os.fspath(csv_path),
-        "convergence_csv": os.fspath(conv_path) if studies or out_convergence is not None else None,
+        "convergence_csv": os.fspath(conv_path) if wrote_convergence else None,
         "summary_md": os.fspath(md_path),
         "summary_html": os.fspath(html_path),
         "runs_html": os.fspath(runs_html_path),

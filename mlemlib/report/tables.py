@@ -10,6 +10,11 @@ plots. Every column that has a unit names it in its header (one unit per
 column: MLEM times in ms, whole jobs in s), and numbers are formatted for
 reading (times to 3 significant digits, ratios to 2 decimals); numeric
 columns are right-aligned.
+
+A wide table comes twice: first its key columns (those that fit a
+1400-pixel screen), then, after a paragraph that starts with :data:`MORE`,
+in full; the HTML page (:func:`mlemlib.report.html.markdown_page`) folds
+everything from that paragraph to the next section behind one click.
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ from mlemlib.errors import InputError
 from mlemlib.metrics import spread
 from mlemlib.report.rows import (
     STEPS,
+    _family,
     _mean,
     _num,
     config_label,
     exact_reference_problem,
+    label_terms,
     run_columns,
     run_image,
     scaling_table,
@@ -127,60 +134,198 @@ def _kbk_cell(r: Mapping[str, Any], cell: str) -> str:
     return cell + KBK_MARK if cell and r.get("steps_from") else cell
 
 
+#: The paragraph that opens the folded part of a section (every column, the details): the HTML page shows
+#: what follows it, up to the next section, behind a click (``<details>``); ``summary.md`` shows it all.
+MORE = "In full:"
+
+
+def _more(what: str) -> str:
+    """The paragraph that opens a section's folded part, saying what it holds."""
+    return f"\n{MORE} {what}.\n\n"
+
+
+def _problems(groups: Mapping[tuple, list[dict[str, Any]]]) -> list[str]:
+    """The problems (``matrix / data``) of the configurations, in first-seen order."""
+    return list(dict.fromkeys(f"{rs[0]['matrix']} / {rs[0]['data']}" for rs in groups.values()))
+
+
+def _is_gpu(r: Mapping[str, Any]) -> bool:
+    """Whether a row is a run on GPUs (the float64 reference is not)."""
+    return not r.get("reference_mode") and _family(r.get("backend")) == "cuda"
+
+
+def _energy_cell(rs: list[dict[str, Any]]) -> str:
+    """A configuration's energy per iteration in J (mean over repetitions), ``not measured`` for a GPU run
+    whose counter gave nothing, ``–`` on the CPU (no counter)."""
+    if not _is_gpu(rs[0]):
+        return "–"
+    v = _mean(r.get("energy_per_iteration_J") for r in rs)
+    return _fmt_g(v, 4) if v is not None else "not measured"
+
+
+def _deterministic_cell(r: Mapping[str, Any]) -> str:
+    return "yes" if r.get("deterministic") else "NO (atomics)"
+
+
+def _model_key(r: Mapping[str, Any]) -> tuple:
+    """The problem and model a speed-up compares within: matrix, data, subsets, m and b."""
+    return r.get("matrix"), r.get("data"), r.get("subsets") or 1, r.get("m"), r.get("b")
+
+
+def speedup_baselines(groups: Mapping[tuple, list[dict[str, Any]]]) -> dict[tuple, tuple[float, str, bool]]:
+    """Per problem and model (:func:`_model_key`): the time per iteration speed-ups are measured against, the
+    label of its configuration, and whether it is the float64 reference.
+
+    The float64 reference of the same problem and model where it ran (the
+    CPU reference MLEM), else the problem's first CPU configuration; none
+    (no entry) without either.
+    """
+    out: dict[tuple, tuple[float, str, bool]] = {}
+    for prefer_reference in (True, False):
+        for rs in groups.values():
+            r0 = rs[0]
+            key = _model_key(r0)
+            t = _mean(r["iteration_mean_s"] for r in rs)
+            if key in out or not t:
+                continue
+            if (r0.get("reference_mode") if prefer_reference
+                    else _family(r0.get("backend")) == "cpu" and not r0.get("reference_mode")):
+                out[key] = (t, config_label(r0), prefer_reference)
+    return out
+
+
+def overview_section(groups: Mapping[tuple, list[dict[str, Any]]], rows: Iterable[Mapping[str, Any]] = ()) -> str:
+    """Markdown: the key numbers of every configuration in one narrow table, with what their labels mean.
+
+    Per configuration: the mean time per iteration, the relative L2 error to
+    the float64 reference, whether the kernels are deterministic, the
+    speed-up over :func:`speedup_baselines` and, where a configuration ran on
+    several GPU counts, the speed-up over its 1-GPU run
+    (:func:`mlemlib.report.rows.scaling_table`).
+    """
+    if not groups:
+        return ""
+    rows = list(rows) or [r for rs in groups.values() for r in rs]
+    problems = _problems(groups)
+    base = speedup_baselines(groups)
+    over_one = {}
+    for rec in scaling_table(rows):
+        for run in rec["runs"]:
+            over_one[run] = rec["speedup"]
+    scaled = any(over_one.get(str(rs[0]["run"])) is not None and (rs[0].get("gpus") or 1) > 1
+                 for rs in groups.values())
+    refs_only = all(is_ref for _, _, is_ref in base.values())
+    head = [*(["matrix / data"] if len(problems) > 1 else []), "configuration", "iteration (ms)", "rel. L2 to ref.",
+            "deterministic", "speed-up" + (" vs. reference" if base and refs_only else ""),
+            *(["speed-up vs. 1 GPU"] if scaled else [])]
+    body = []
+    for rs in groups.values():
+        r0 = rs[0]
+        t = _mean(r["iteration_mean_s"] for r in rs)
+        b = base.get(_model_key(r0))
+        one = over_one.get(str(r0["run"])) if (r0.get("gpus") or 1) > 1 else None
+        body.append([
+            *([f"{r0['matrix']} / {r0['data']}"] if len(problems) > 1 else []), config_label(r0), _fmt_ms(t),
+            _fmt_e(_mean(r["rel_l2_reference"] for r in rs)) or "–",
+            _deterministic_cell(r0), f"{b[0] / t:.2f}x" if b and t else "–",
+            *([f"{one:.2f}x" if one is not None else "–"] if scaled else []),
+        ])
+    if not base:
+        against = "speed-up: – (no float64 reference and no CPU run to compare with)."
+    elif refs_only:
+        against = ("speed-up: the float64 reference's time per iteration (CPU, same problem and model) over the "
+                   "configuration's.")
+    else:
+        against = ("speed-up: the time per iteration of " + "; ".join(
+            f"{label} for {k[0]} / {k[1]}" for k, (_, label, _) in base.items()) + " over the configuration's.")
+    intro = ((f"{problems[0]}: " if len(problems) == 1 else "")
+             + "each configuration's mean time per iteration (all iterations and repetitions), its relative L2 "
+             "error to the float64 reference MLEM (||f - f_ref|| / ||f_ref||, mean over repetitions), whether its "
+             "kernels give the same image every time (NO: floating-point atomics) and its speed-up (–: none to "
+             "compare, as for the reference itself against itself). " + against
+             + (" speed-up vs. 1 GPU: T(1) / T(P) of the same configuration (the scaling table below)."
+                if scaled else "") + "\n\n")
+    terms = label_terms(rows)
+    labels = ("Labels: " + "; ".join(terms) + ".\n") if terms else ""
+    return "## At a glance\n\n" + intro + _md_table(head, body) + "\n" + labels
+
+
 def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
     """Markdown: time per iteration by step, one row per configuration, then a thesis-style table each.
 
-    The ``format`` column gives the matrix format on the device and its bytes
-    per non-zero of ``A`` where the backend recorded them; ``J/iteration``
-    (the GPUs' energy per iteration, mean over repetitions) appears only
-    where some run measured it.
+    First the key columns (the time per iteration and of each step and, where
+    a GPU ran, the energy per iteration), then, folded (:data:`MORE`), every
+    column: the ``format`` column gives the matrix format on the device and
+    its bytes per non-zero of ``A`` where the backend recorded them;
+    ``J/iteration`` (the GPUs' energy per iteration, mean over repetitions)
+    appears where a GPU ran or some run measured it, ``not measured`` for a
+    GPU run whose counter gave nothing (never 0 J).
     """
-    energy = any(r.get("energy_per_iteration_J") is not None for rs in groups.values() for r in rs)
-    floors = any(r.get("of_floor") is not None for rs in groups.values() for r in rs)
-    steps = [s for s in STEPS if any(r.get(f"{s}_mean_s") is not None for rs in groups.values() for r in rs)]
+    every = [r for rs in groups.values() for r in rs]
+    energy = any(_is_gpu(r) or r.get("energy_per_iteration_J") is not None for r in every)
+    floors = any(r.get("of_floor") is not None for r in every)
+    steps = [s for s in STEPS if any(r.get(f"{s}_mean_s") is not None for r in every)]
+    several = len(_problems(groups)) > 1
     head = ["matrix", "data", "configuration", "format (bytes/nnz)", "reps", "iteration (ms)", "min (ms)", "max (ms)",
             *(f"{s} (ms)" for s in steps), "GB/s",
             *(["of floor", "of CSR floor"] if floors else []), *(["J/iteration"] if energy else []),
             "deterministic"]
-    body = []
+    key_head = [*(["matrix / data"] if several else []), "configuration", "iteration (ms)",
+                *(f"{s} (ms)" for s in steps), *(["J/iteration"] if energy else [])]
+    body, key_body = [], []
     for rs in groups.values():
         r0 = rs[0]
+        iteration = _fmt_ms(_mean(r["iteration_mean_s"] for r in rs))
+        step_cells = [_kbk_cell(r0, _fmt_ms(_mean(r[f"{s}_mean_s"] for r in rs))) for s in steps]
+        energy_cells = [_energy_cell(rs)] if energy else []
+        key_body.append([*([f"{r0['matrix']} / {r0['data']}"] if several else []), config_label(r0), iteration,
+                         *step_cells, *energy_cells])
         body.append(
             [
-                r0["matrix"], r0["data"], config_label(r0), _format_cell(r0), len(rs),
-                _fmt_ms(_mean(r["iteration_mean_s"] for r in rs)),
+                r0["matrix"], r0["data"], config_label(r0), _format_cell(r0), len(rs), iteration,
                 _fmt_ms(min((r["iteration_min_s"] for r in rs if r["iteration_min_s"] is not None), default=None)),
                 _fmt_ms(max((r["iteration_max_s"] for r in rs if r["iteration_max_s"] is not None), default=None)),
-                *(_kbk_cell(r0, _fmt_ms(_mean(r[f"{s}_mean_s"] for r in rs))) for s in steps),
+                *step_cells,
                 _fmt_3(_mean(r["bandwidth_GBps"] for r in rs)),
                 *([_fmt_pct(_mean(r.get("of_floor") for r in rs)), _fmt_pct(_mean(r.get("of_csr_floor") for r in rs))]
                   if floors else []),
-                *([_fmt_g(_mean(r.get("energy_per_iteration_J") for r in rs), 4)] if energy else []),
-                "yes" if r0["deterministic"] else "NO (atomics)",
+                *energy_cells,
+                _deterministic_cell(r0),
             ]
         )
+    named = {"fp": "forward projection", "corr": "the measurement's correction", "bp": "back projection",
+             "update": "image update", "allreduce": "all-reduce between GPUs"}
     intro = (
-        "Mean over all iterations and repetitions (min and max: the fastest and slowest single iteration), in ms; "
-        "fp, corr, bp, update, allreduce: the steps of an iteration (forward projection, the measurement's "
-        "correction, back projection, image update, all-reduce between GPUs), empty where not timed apart. "
+        "Mean over all iterations and repetitions, in ms; "
+        + ", ".join(f"{s}: {named[s]}" for s in steps)
+        + (" (the steps of an iteration; empty where not timed apart)" if steps else "")
+        + "."
+        + (" J/iteration: the GPUs' energy per iteration from NVML's counters, mean over repetitions (not "
+           "measured: the counter gave nothing, e.g. a loop shorter than its update interval; –: a CPU run)."
+           if energy else "")
+        + (f" {KBK_MARK.strip()}: the run replayed each iteration as CUDA graphs, which time only the whole "
+           "iteration; its steps were timed over a few more iterations launched kernel by kernel after it (they "
+           "add up to more than a replayed iteration)."
+           if any(r.get("steps_from") for r in every) else "")
+        + "\n\n"
+    )
+    more = (
+        "min and max: the fastest and slowest single iteration. "
         "format: the matrix format on the device, with its bytes per non-zero of A in brackets where recorded "
-        "(CSR: 8, a 4-byte value and a 4-byte column, plus the row pointer); folded: the matrix stores each "
-        "distinct row once (a LOR stored as (i, j) and (j, i) once), the same image from fewer bytes. "
-        "GB/s: bytes the iteration reads over its mean time: A and A^T where stored (A twice without it; once "
+        "(CSR: 8, a 4-byte value and a 4-byte column, plus the row pointer)"
+        + ("; folded: the matrix stores each distinct row once (a LOR stored as (i, j) and (j, i) once), the same "
+           "image from fewer bytes" if any(r.get("_stored_rows") for r in every) else "")
+        + ". GB/s: bytes the iteration reads over its mean time: A and A^T where stored (A twice without it; once "
         "in one pass), in the format on the device."
         + (" of floor: the time those bytes take at the GPUs' copy bandwidth measured in the run, over the "
            "iteration's time (100%: as fast as reading them can be); of CSR floor: the same for the bytes of A and "
            "A^T as CSR, read once each (above 100%: faster than any iteration on the CSR pair can be)."
            if floors else "")
-        + (" J/iteration: the GPUs' energy per iteration from NVML's counters, mean over repetitions (empty: "
-           "not measured, e.g. on the CPU)." if energy else "")
-        + (f" {KBK_MARK.strip()}: the run replayed each iteration as CUDA graphs, which time only the whole "
-           "iteration; its steps were timed over a few more iterations launched kernel by kernel after it (they "
-           "add up to more than a replayed iteration)."
-           if any(r.get("steps_from") for rs in groups.values() for r in rs) else "")
         + "\n\n"
     )
-    out = ["## Time per iteration by step\n\n", intro, _md_table(head, body)]
+    out = ["## Time per iteration by step\n\n", intro, _md_table(key_head, key_body),
+           _more("every column, and each configuration step by step (mean, min, max, median)"), more,
+           _md_table(head, body)]
     for rs in groups.values():
         r0 = rs[0]
         samples: dict[str, list[float]] = {}
@@ -238,16 +383,24 @@ def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
             ]
         )
         if cr_labels:
-            cr_rows.append([r0["matrix"], r0["data"], config_label(r0), *(_fmt_g(_mean(r.get(c) for r in rs), 4) for c in cr_labels)])
+            cr_rows.append([r0["matrix"], r0["data"], config_label(r0),
+                            *(_fmt_g(_mean(r.get(c) for r in rs), 4) for c in cr_labels)])
+    several = len(_problems(groups)) > 1
+    key = [*([0, 1] if several else []), 2, 3, 9, 12, 13, 14]  # configuration, reps, rel. L2 (mean), truth, ...
     intro = (
-        "Image sum: the thesis's measure (float64 sum). rel. L2: ||f - f_ref|| / ||f_ref|| against the float64 "
-        "reference MLEM of the same problem, and against the phantom. distinct images: how many different "
-        "float32 images the repetitions produced (1: bit-identical).\n\n"
+        "rel. L2 to ref.: ||f - f_ref|| / ||f_ref|| against the float64 reference MLEM of the same problem (mean "
+        "over repetitions); to truth: the same against the phantom. distinct images: how many different float32 "
+        "images the repetitions produced (1: bit-identical).\n\n"
     )
-    out = ["## Accuracy over repetitions\n\n", intro, _md_table(head, body)]
+    out = ["## Accuracy over repetitions\n\n", intro,
+           _md_table([head[k] for k in key], [[row[k] for k in key] for row in body])]
     if cr_rows:
+        drop = 0 if several else 2  # one problem: named above the first table
         out += ["\n### Contrast recovery (mean over repetitions; 1 is perfect)\n\n",
-                _md_table(["matrix", "data", "configuration", *(c[3:] for c in cr_labels)], cr_rows)]
+                _md_table(["matrix", "data", "configuration", *(c[3:] for c in cr_labels)][drop:],
+                          [row[drop:] for row in cr_rows])]
+    out += [_more("every column: the image sum (the thesis's measure, a float64 sum) and the spread of both "
+                  "measures over repetitions"), _md_table(head, body)]
     return "".join(out)
 
 
@@ -332,7 +485,14 @@ def scaling_section(rows: Iterable[Mapping[str, Any]]) -> str:
         "/ P / T(P), each GPU reading its nnz-balanced part, about 1/P of them. rel. L2 to ref.: mean "
         "over repetitions.\n\n"
     )
-    return "## Scaling over GPUs\n\n" + intro + _md_table(head, body)
+    names = ["configuration", "GPUs", "layout", "iteration (ms)", "speed-up", "efficiency", "rel. L2 to ref.",
+             "deterministic"]
+    if len({(r["matrix"], r["data"]) for r in recs}) > 1:
+        names = ["matrix", "data", *names]
+    key = [head.index(n) for n in names]
+    return ("## Scaling over GPUs\n\n" + intro + _md_table([head[k] for k in key], [[b[k] for k in key] for b in body])
+            + _more("every column: the steps, whether fewer GPUs were faster, the bandwidth per GPU")
+            + _md_table(head, body))
 
 
 
@@ -361,7 +521,7 @@ THESIS_INTRO = (
     "Our fp includes the correlation where it runs in the forward projection's epilogue, our bp the update "
     "where fused; a one-pass iteration has no separate fp (*fused into bp*); †: steps of a run that replayed "
     "CUDA graphs (which time only the whole iteration), timed over iterations launched kernel by kernel after "
-    "it; –: not timed. J/iteration: the GPUs' energy per iteration (NVML), where measured.\n\n"
+    "it; –: not timed. J/iteration: the GPUs' energy per iteration (NVML; not measured: its counter gave nothing).\n\n"
 )
 
 
@@ -388,7 +548,7 @@ def thesis_section(rows: Iterable[Mapping[str, Any]]) -> str:
                 _fmt_3(r["measured_GBps"]) or "–", _fmt_ms(r["iteration_s"]),
                 _step_cell(r, "fp", "bp"), _step_cell(r, "bp", None), _step_cell(r, "allreduce", None),
                 _fmt_ratio(r["speedup"]), _fmt_ratio(r["bandwidth_ratio"]), _fmt_ratio(r["kernel_gain"]),
-                energy or "–",
+                energy or ("–" if r["thesis"] else "not measured"),
             ])
         if not body:
             continue
@@ -396,7 +556,11 @@ def thesis_section(rows: Iterable[Mapping[str, Any]]) -> str:
             table=run.table, iterations=run.iterations, gpus=run.gpus, model=run.gpu.model, platform=run.platform,
             bw=run.gpu.theoretical_bandwidth / 1e9, rows=run.matrix.rows, cols=run.matrix.cols,
             total=run.theoretical_bandwidth / 1e9)
+        key = [head.index(n) for n in ("configuration", "GPUs", "iteration (ms)", "speed-up over thesis",
+                                          "bandwidth ratio", "kernel gain", "J/iteration")]
         out.append(f"## The thesis beside us: {run.matrix.name} ({run.matrix.table})\n\n" + intro
+                   + _md_table([head[k] for k in key], [[b[k] for k in key] for b in body])
+                   + _more("every column: the matrix, the GPUs and their bandwidths, the steps")
                    + _md_table(head, body))
     return "\n".join(out)
 
@@ -562,9 +726,19 @@ def plots_section(plots: Iterable[tuple[str, str]]) -> str:
     return "## Plots\n\n" + (shown or "none\n")
 
 
-def write_convergence_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
-    """Write ``convergence.csv`` (atomically): :func:`mlemlib.convergence.study_rows`, a header alone without a study."""
+def write_convergence_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -> bool:
+    """Write ``convergence.csv`` (atomically): :func:`mlemlib.convergence.study_rows`.
+
+    Returns
+    -------
+    bool
+        Whether the file was written: without rows (no study) nothing is,
+        not even a header.
+    """
     from mlemlib.convergence import STUDY_COLUMNS
+
+    if not rows:
+        return False
 
     with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
@@ -572,6 +746,7 @@ def write_convergence_csv(rows: list[dict[str, Any]], path: str | os.PathLike) -
         for r in rows:
             w.writerow(["" if r.get(c) is None else (repr(r[c]) if isinstance(r[c], float) else r[c])
                         for c in STUDY_COLUMNS])
+    return True
 
 
 CONVERGENCE_INTRO = (
@@ -602,4 +777,9 @@ def convergence_section(rows: list[dict[str, Any]]) -> str:
             f"{_fmt_g(r.get('min_rel_error'), 4)} ({r.get('min_rel_error_pass')})", _fmt_g(r.get("centre_to_edge"), 4),
             _fmt_sec(r.get("seconds")),
         ])
-    return "## Convergence and bias\n\n" + CONVERGENCE_INTRO + _md_table(headers, body)
+    key = [headers.index(n) for n in ("matrix / data", "S", "m and b", "passes to reach MLEM's CRC", "CRC hot",
+                                      "rel. error vs phantom", "centre/edge")]
+    return ("## Convergence and bias\n\n" + CONVERGENCE_INTRO
+            + _md_table([headers[k] for k in key], [[b[k] for k in key] for b in body])
+            + _more("every column: the passes, MLEM's CRC, the cold CRC, the lowest error and the time")
+            + _md_table(headers, body))
