@@ -123,6 +123,23 @@ def test_a_small_study_records_every_pass_and_feeds_the_summary(small, tmp_path)
     assert "## Convergence and bias" in md and "passes to reach MLEM's CRC" in md
 
 
+def test_without_a_study_the_summary_writes_no_convergence_table_and_names_none(tmp_path):
+    """No study: no convergence.csv (not even a header), even where its path is given, no figure, no section, and
+    nothing in summary.md or summary.html that points to them."""
+    timings = {"config": {"matrix": "mine", "data": "scan", "backend": "cpu", "fp": "numba", "bp": "numba",
+                          "gpus": 1, "layout": "local", "iterations": 2},
+               "repetitions": [{"repetition": 0, "iterations": 2, "steps": {"iteration": {"mean": 1e-3}},
+                                "accuracy": {"image_sum": 1.0}}]}
+    given = tmp_path / "s" / "convergence.csv"
+    result = summarize(timings=[timings], out_dir=tmp_path / "s", out_convergence=given)
+    assert result["convergence_csv"] is None and not given.exists()
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["plots", "runs.csv", "runs.html", "summary.html",
+                                                                  "summary.md"]
+    assert not list((tmp_path / "s/plots").glob("convergence*"))
+    for page in ("summary.md", "summary.html"):
+        assert "onvergence" not in (tmp_path / "s" / page).read_text()
+
+
 def test_ignoring_attenuation_darkens_the_centre(small, tmp_path):
     """Attenuation alone, noiseless: the reconstruction with m = 1 has a darker centre, relative to the truth, than the
     one that models m; the one that models m is the closer to the phantom."""

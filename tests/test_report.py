@@ -1062,3 +1062,203 @@ def test_spmv_table_from_the_benchmarks_own_csv(tmp_path):
         ("bp_notrans", "scatter (8 lanes)", "3.90", "*auto*"), ("bp_notrans", "scatter_vec (8 lanes)", "3.70",
                                                                 "*fastest*")]
     assert "bp_notrans: from the rows of A" in md and "launch shape" in md
+
+
+# ------------------------------------------------------------------ key columns, labels, captions (issue 56)
+def _html_tables(page):
+    """The tables of an HTML page outside ``<details>``, in order: each a list of rows of cell texts."""
+    from html.parser import HTMLParser
+
+    class Tables(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tables, self.folded, self.cell = [], 0, None
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "details":
+                self.folded += 1
+            elif tag == "table" and not self.folded:
+                self.tables.append([])
+            elif tag == "tr" and not self.folded and self.tables:
+                self.tables[-1].append([])
+            elif tag in ("td", "th") and not self.folded and self.tables:
+                self.cell = ""
+
+        def handle_endtag(self, tag):
+            if tag == "details":
+                self.folded -= 1
+            elif tag in ("td", "th") and self.cell is not None:
+                self.tables[-1][-1].append(self.cell.strip())
+                self.cell = None
+
+        def handle_data(self, data):
+            if self.cell is not None:
+                self.cell += data
+
+    parser = Tables()
+    parser.feed(page)
+    return parser.tables
+
+
+def test_the_first_html_table_holds_the_key_columns_and_the_rest_is_one_click_away(tmp_path):
+    """summary.html opens with one narrow table of every configuration: its time per iteration, rel. L2 to the
+    reference, whether it is deterministic and its speed-up over the float64 reference; the wide tables show
+    their key columns, every column sits in a <details> of the same section."""
+    ref = _timings(backend="cpu", fp="numba", bp="numba", gpus=1, layout="local", sums=[999.0], digests=["r"],
+                   scale=40.0)
+    ref["config"]["reference_mode"] = True
+    gpu = _gpu_run(1)  # 0.25 x TABLE_93: 802 ms per iteration
+    gpu["repetitions"][0]["accuracy"]["rel_l2_reference"] = 2.5e-7
+    cpu = _timings(backend="cpu", fp="numba", bp="numba", gpus=1, layout="local", sums=[999.0], digests=["d"],
+                   rel=[4e-7], scale=10.0)
+    summarize([gpu, cpu, ref], tmp_path / "s")
+    page = (tmp_path / "s" / "summary.html").read_text()
+    tables = _html_tables(page)
+    head, *rows = tables[0]
+    assert head == ["configuration", "iteration (ms)", "rel. L2 to ref.", "deterministic", "speed-up vs. reference"]
+    got = {r[0]: r for r in rows}
+    ms = sum(TABLE_93.values())
+    assert got["cuda csr_vector/notrans x1"][1:] == [f"{ms * 0.25 * 1e3:.0f}", "2.500e-07", "NO (atomics)", "160.00x"]
+    assert got["cpu numba/numba"][1:] == [f"{ms * 10 * 1e3:.0f}", "4.000e-07", "yes", "4.00x"]
+    assert got["reference (float64)"][1:] == [f"{ms * 40 * 1e3:.0f}", "–", "yes", "1.00x"]
+    # the timing table shows every step and the energy without the format, GB/s... which are folded
+    timing = next(t for t in tables[1:] if "fp (ms)" in t[0])
+    assert timing[0] == ["configuration", "iteration (ms)", "fp (ms)", "corr (ms)", "bp (ms)", "update (ms)",
+                         "allreduce (ms)", "J/iteration"]
+    assert [r[-1] for r in timing[1:]] == ["405", "–", "–"]  # mean of 400 and 410 J; the CPU has no counter
+    assert all(len(t[0]) <= 8 for t in tables)  # no wide table outside a <details>
+    # folded: the timing, accuracy and thesis tables' every column (the GPU run has Matrix 3's shape)
+    assert page.count("<details>") == 3 and "<summary>In full: every column" in page
+    assert "format (bytes/nnz)" in page.split("<details>", 1)[1]  # the full timing table, folded
+    # the Markdown has both, the key table first
+    md = (tmp_path / "s" / "summary.md").read_text()
+    key_head, _ = _md_section(md, "## Time per iteration by step", key=True)
+    full_head, _ = _md_section(md, "## Time per iteration by step")
+    assert key_head[:2] == ["configuration", "iteration (ms)"] and full_head[:3] == ["matrix", "data", "configuration"]
+
+
+def test_one_label_function_names_the_kernels_as_chosen_and_autos_choice():
+    from mlemlib.report.rows import config_label, scaling_label
+
+    def row(**kw):
+        r = {"backend": "cpu", "fp": "numba", "bp": "numba", "transpose": True, "gpus": 1, "layout": "local",
+             "subsets": 1, "m": "no", "b": "no", "_fp_requested": "numba", "_bp_requested": "numba"}
+        r.update(kw)
+        return r
+
+    assert config_label(row(_fp_requested="auto", _bp_requested="auto")) == "cpu numba/numba+AT (auto)"
+    assert config_label(row()) == "cpu numba/numba+AT"
+    assert config_label(row(fp="scipy", bp="notrans", transpose=False, _fp_requested="scipy",
+                            _bp_requested="notrans")) == "cpu scipy/notrans"
+    assert config_label(row(_bp_requested="auto")) == "cpu numba/numba+AT (bp auto)"
+    cuda = row(backend="cuda-nccl", fp="csr_vector", bp="notrans", transpose=False, gpus=4, layout="thesis",
+               graph=True, _fp_requested="auto", _bp_requested="notrans", subsets=8, m="ab12cd34", b="no")
+    assert config_label(cuda) == "cuda csr_vector/notrans (fp auto) graph x4 thesis OSEM S8 +m"
+    assert config_label(row(backend="cuda", gpus=1)) == "cpu numba/numba+AT".replace("cpu", "cuda") + " x1"
+    assert config_label(row(reference_mode=True, _fp_requested="auto")) == "reference (float64)"
+    # across GPU counts: the same words without xP; auto's differing choices are listed, graph: auto is named
+    one, two = row(backend="cuda", fp="csr_vector", bp="csr_vector", gpus=1), row(
+        backend="cuda-nccl", fp="merge", bp="csr_vector", gpus=2, graph=True)
+    assert scaling_label([two, one]) == "cuda csr_vector|merge/csr_vector+AT graph (auto)"
+    assert scaling_label([one]) == config_label(one, gpus=False) == "cuda csr_vector/csr_vector+AT"
+
+
+def test_workflow_runs_are_labelled_alike_in_every_table_and_plot(tmp_path, figures):
+    """A run configured fp: auto, bp: auto carries one label, with auto's choice, in the tables, runs.html and
+    the plots' axes."""
+    t = _timings(backend="cpu", fp="numba", bp="numba", gpus=1, layout="local", sums=[999.0, 999.0],
+                 digests=["d", "d"], rel=[4e-7, 4e-7], transpose=True)
+    t["config"].update(fp_requested="auto", bp_requested="auto")
+    summarize([t], tmp_path / "s")
+    label = "cpu numba/numba+AT (auto)"
+    md = (tmp_path / "s" / "summary.md").read_text()
+    for section in ("## At a glance", "## Time per iteration by step", "## Accuracy over repetitions"):
+        assert _md_section(md, section, key=True)[1][0][0] == label
+    assert f"<td>{label}</td>" in (tmp_path / "s" / "runs.html").read_text()
+    for name in ("time_per_iteration.png", "time_distribution.png", "accuracy.png"):
+        assert [x.get_text() for x in figures[name].axes[0].get_yticklabels()] == [label]
+        note = " ".join(x.get_text() for x in figures[name].texts).replace("\n", " ")
+        # the note explains the terms the labels use, none that they do not
+        assert "(auto): the kernel auto chose" in note and "+AT:" in note
+        for absent in ("cuda", "GPU", "graph", "OSEM", "+m", "+b", "notrans", "reference (float64)"):
+            assert absent not in note, (name, absent)
+
+
+def test_energy_is_reported_or_marked_not_measured_never_zero(tmp_path):
+    """A GPU run whose NVML counter did not advance (0 J over a short loop) and one without a counter show
+    'not measured', never 0 J; runs.csv leaves them empty."""
+    measured = _gpu_run(1)
+    zero = _gpu_run(1, energy=(0.0,))
+    zero["config"]["fp"] = "merge"
+    for rep in zero["repetitions"]:
+        rep.update(energy_J=0.0, energy_per_iteration_J=0.0, power_W=0.0)
+    absent = _gpu_run(1, energy=(400.0,))
+    absent["config"]["fp"] = "cusparse"
+    for rep in absent["repetitions"]:
+        rep.update(energy_J=None, energy_per_iteration_J=None, power_W=None)
+    r = summarize([measured, zero, absent], tmp_path / "s")
+    md = (tmp_path / "s" / "summary.md").read_text()
+    head, body = _md_section(md, "## Time per iteration by step", key=True)
+    energy = {row[0]: row[head.index("J/iteration")] for row in body}
+    assert energy == {"cuda csr_vector/notrans x1": "405", "cuda merge/notrans x1": "not measured",
+                      "cuda cusparse/notrans x1": "not measured"}
+    head, body = _md_section(md, "## The thesis beside us", key=True)
+    assert [row[head.index("J/iteration")] for row in body] == ["–", "405", "not measured", "not measured"]
+    with open(r["runs_csv"], newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(row["fp"], row["energy_J"], row["energy_per_iteration_J"]) for row in rows][2] == ("merge", "", "")
+
+
+def test_image_plot_is_packed_and_titled_by_the_run_label(tmp_path, figures):
+    """A field of view short in z: coronal and sagittal stack beside the axial slice (their column as wide as
+    the axial one), no panel further from it than a title's height; the title is the label, not the path."""
+    from mlemlib.image import write_image
+
+    grid = (20, 20, 8)
+    rng = np.random.default_rng(1)
+    write_image(tmp_path / "img.h5", rng.random(int(np.prod(grid)), dtype=np.float32), grid=grid,
+                voxel_size=(1.0, 1.0, 1.0))
+    t = _timings(backend="cpu", fp="numba", bp="numba", gpus=1, layout="local", sums=[1.0], digests=["d"])
+    t["outputs"] = {"image": str(tmp_path / "img.h5")}
+    summarize([t], tmp_path / "s")
+    fig = figures["image_madpet3_nema-seed1.png"]
+    fig.canvas.draw()
+    assert fig._suptitle.get_text() == "madpet3 / nema-seed1: cpu numba/numba"
+    boxes = {ax.get_title().split(": ")[1].split(",")[0]: ax.get_window_extent() for ax in fig.axes
+             if ax.get_title()}
+    axial, coronal, sagittal = boxes["axial"], boxes["coronal"], boxes["sagittal"]
+    assert coronal.x0 > axial.x1 and abs(coronal.x0 - sagittal.x0) < 2  # one column right of the axial slice
+    # no large gap: between the axial slice and the coronal one's axis labels, a few pixels
+    labelled = next(ax for ax in fig.axes if ax.get_title().startswith("reconstruction: coronal")).get_tightbbox()
+    assert labelled.x0 - axial.x1 < 0.1 * axial.width
+    assert coronal.y1 - sagittal.y0 > 0.8 * axial.height  # the stacked pair fills the axial slice's height
+    assert sagittal.y1 < coronal.y0 and coronal.y1 <= axial.y1 + 40 and sagittal.y0 >= axial.y0 - 40
+
+
+def test_convergence_figure_legends_by_their_panels_and_every_axis_labelled(tmp_path):
+    from mlemlib.report.plots import convergence_figure, convergence_note
+
+    passes = [1, 2, 3]
+    rec = {"matrix": "small", "data": "nema-seed1", "iterations": 3, "voxel_size": [2.0, 2.0, 2.0],
+           "profile_truth": [0.0, 1.0, 1.0, 0.0],
+           "series": [{"subsets": S, "corrected": c, "passes": passes, "crc_hot": [0.2, 0.4, 0.5],
+                       "rel_error": [0.5, 0.4, 0.45], "profile": [0.1, 0.9, 0.8, 0.1]}
+                      for S in (1, 4) for c in (True, False)]}
+    fig = convergence_figure(rec)
+    fig.canvas.draw()
+    crc, err, prof = fig.axes[:3]
+    for ax in (crc, err, prof):
+        assert ax.get_xlabel() and ax.get_ylabel()
+        assert any(t.get_text() for t in ax.get_yticklabels()), ax.get_title()
+    assert len(fig.legends) == 0  # no figure-wide legend beside the third panel
+    legends = {ax: ax.get_legend() for ax in (crc, err, prof)}
+    assert legends[err] is None and legends[crc] is not None and legends[prof] is not None
+    box_crc, box_prof = legends[crc].get_window_extent(), legends[prof].get_window_extent()
+    assert box_crc.x0 >= crc.get_window_extent().x0 - 1 and box_crc.x1 <= err.get_window_extent().x1 + 1
+    assert box_crc.y1 <= crc.get_window_extent().y0 and box_prof.x0 >= prof.get_window_extent().x0 - 1
+    assert "MLEM, m and b ignored" in [t.get_text() for t in legends[crc].get_texts()]
+    note = convergence_note(rec)
+    assert "dashed" in note and "OSEM" in note
+    # one S, corrections modelled only: the note speaks of neither subsets nor dashed lines
+    rec["series"] = [s for s in rec["series"] if s["subsets"] == 1 and s["corrected"]]
+    assert "dashed" not in convergence_note(rec) and "subsets" not in convergence_note(rec)
