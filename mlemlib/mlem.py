@@ -81,6 +81,7 @@ from mlemlib.provenance import (
     dumps,
     matrix_fingerprint,
     problem_fingerprint,
+    source_name,
     timings_record,
     transpose_used,
 )
@@ -141,8 +142,10 @@ def reconstruct(
     subset_file: Any | None = None,
     multiplicative: Any | None = None,
     additive: Any | None = None,
+    map_settings: Any | None = None,
 ) -> dict[str, Any]:
-    """Reconstruct an image with MLEM (OSEM with ``subsets``); write ``image.h5``, ``image.raw`` and ``timings.json``.
+    """Reconstruct an image with MLEM (OSEM with ``subsets``, MAP with ``map_settings``); write ``image.h5``,
+    ``image.raw`` and ``timings.json``.
 
     Parameters
     ----------
@@ -209,7 +212,11 @@ def reconstruct(
     multiplicative, additive
         The measurement's factors ``m`` and background ``b`` (:func:`mlemlib.corrections.read_factors`:
         raw float32 per LOR in the user's order, ``file.h5:/dataset``, or arrays); None: m = 1, b = 0.
-        The model is ``ybar = m * (A f) + b`` (DESIGN.md's numerical contract).
+        The model is ``ybar = m * (A f) + b``.
+    map_settings
+        None (MLEM, OSEM), or a :class:`mlemlib.map.MapSettings`: MAP with its prior and algorithm (BSREM,
+        OSL), each iteration a pass over the subsets; the matrix needs a voxel grid. ``timings.json``'s
+        ``map`` records the settings and ``Phi``, the log-likelihood and ``R`` per pass.
     progress
         Called as ``progress(repetition, iteration, image)`` after every
         iteration (and after its checkpoint), e.g. for a progress bar. The
@@ -231,6 +238,7 @@ def reconstruct(
         backend=backend, fp=fp, bp=bp, secsize=secsize, graph=None if graph is None else bool(graph), gpus=gpus, layout=layout, plan=plan,
         threads=threads, reference_mode=bool(reference_mode), dtype=np.dtype(np.float32),
         subsets=subsets, subset_file=subset_file, multiplicative=multiplicative, additive=additive,
+        map=None if map_settings is None else map_settings.check(),
     )
     if reference_mode:
         settings.backend, settings.dtype = "cpu", np.dtype(np.float64)
@@ -261,6 +269,8 @@ def reconstruct(
                     **({"graph": settings.graph} if settings.graph is not None else {}),
                 )
         opened.append(be)  # closed at the end (a multi-GPU backend drops its graphs before its communicators)
+        if settings.map is not None:
+            be = map_backend(be, prob, settings.map)
         phases = rec.as_dict()
         desc = be.describe()
         log.info("backend %s ready (%.2f s): %s", desc.get("backend", settings.backend), sw_setup.seconds, desc)
@@ -295,6 +305,8 @@ def reconstruct(
             matrix_name=matrix_name, data_name=data_name, device_info=device_info, setup_s=sw_setup.seconds,
         )
         timings["setup"].update(phases=phases, first_iteration_s=first_s)
+        if settings.map is not None:
+            timings["map"] = {**settings.map.record(), "history": be.history}
         return _write_outputs(
             out_image, host_img, timings, prob, writer=writer, raw_out=raw_out, timings_out=timings_out,
             ckpt_path=ckpt_path if checkpointed else None,
@@ -302,6 +314,20 @@ def reconstruct(
         )
     finally:
         close_all(opened)
+
+
+def map_backend(be: Backend, prob: Problem, settings: Any) -> Any:
+    """``be`` wrapped for MAP (:class:`mlemlib.map.MapBackend`): the prior on the matrix's voxel grid (in its
+    stored voxel order) and the objective of the problem's stored-row model."""
+    from mlemlib.map import MapBackend, objective_function
+    from mlemlib.prior import make_prior, require_grid
+
+    grid = require_grid(prob.src, source_name(prob.src, None))
+    voxels = None if prob.perm is None else prob.perm.voxels
+    prior = make_prior(settings.prior, grid, beta=settings.beta, gamma=settings.gamma, epsilon=settings.epsilon,
+                       kappa=settings.kappa, voxels=voxels)
+    objective = objective_function(prob.src, prob.g, prob.corrections, prior, float(settings.beta))
+    return MapBackend(be, settings, prior, prob.norm, objective=objective)
 
 
 def _log_interval(iterations: int) -> int:

@@ -61,6 +61,8 @@ class RunSettings:
     subset_file: Any = None
     multiplicative: Any = None
     additive: Any = None
+    #: MAP (:class:`mlemlib.map.MapSettings`: the prior and the algorithm), or None: MLEM/OSEM.
+    map: Any = None
 
 
 @dataclass
@@ -179,7 +181,9 @@ def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose
                     f"transpose of the un-reordered matrix, but {source_name(src, matrix)} is reordered "
                     f"({perm.mode}); transpose the reordered matrix ('mlem transpose')",
                 )
-        problem = problem_fingerprint(src, g, corr.identity())
+        identity = corr.identity() if settings.map is None else ";".join(
+            p for p in (corr.identity(), settings.map.identity()) if p)
+        problem = problem_fingerprint(src, g, identity)
         key = checkpoint_key(problem, norm_arr, settings.dtype)
         ref_img = load_reference(reference, n, problem, settings.iterations)
         truth_img, regions = load_truth(truth, n)

@@ -293,6 +293,18 @@ class Backend(ABC):
         """Seconds spent in each step of the last :meth:`iterate` (resolved; GPU backends synchronise here)."""
         return dict(self._times)
 
+    def sub_iterate(self, f: Any, k: int) -> Any:
+        """Sub-iteration ``k`` alone (EM's update over subset ``k``'s rows), for an algorithm that acts between
+        sub-iterations (:mod:`mlemlib.map`); its times are :meth:`sub_step_times`. A backend of one subset
+        (S = 1) runs :meth:`iterate`; backends with subsets override it."""
+        if k != 0:
+            raise ConfigError("subsets", f"sub-iteration {k} of a backend with one subset")
+        return self.iterate(f)
+
+    def sub_step_times(self, k: int) -> dict[str, float]:
+        """Seconds per step of the last :meth:`sub_iterate` ``k``."""
+        return self.last_step_times()
+
     #: Whether :meth:`previous_step_times` reads an iteration's times while the next one runs
     #: (backends that time with events on a queue: a loop that reads its times one iteration
     #: late keeps the device busy instead of letting it wait for the host between iterations).

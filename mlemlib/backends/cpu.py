@@ -606,18 +606,29 @@ class CpuBackend(_HostRows, Backend):
         """One OSEM iteration: the S sub-iterations in order, each over its subset's rows (its own views)."""
         self._times = {}
         for sub in self._subsets:
-            if self.onepass:
-                with self.timer("bp"):
-                    self._step(sub, f)
-            else:
-                with self.timer("fp"):
-                    fp = self._forward(sub, f, sub._fp)
-                with self.timer("corr"):
-                    c = correlate(sub.g, fp, sub._c, sub.background)
-                with self.timer("bp"):
-                    self._back(sub, c, sub._bp)
-            with self.timer("update"):
-                update_keep(f, sub._bp, sub.norm)
+            self._sub_iteration(sub, f)
+        return f
+
+    def _sub_iteration(self, sub: Any, f: np.ndarray) -> None:
+        """One sub-iteration over ``sub``'s rows, ``f`` updated in place."""
+        if self.onepass:
+            with self.timer("bp"):
+                self._step(sub, f)
+        else:
+            with self.timer("fp"):
+                fp = self._forward(sub, f, sub._fp)
+            with self.timer("corr"):
+                c = correlate(sub.g, fp, sub._c, sub.background)
+            with self.timer("bp"):
+                self._back(sub, c, sub._bp)
+        with self.timer("update"):
+            update_keep(f, sub._bp, sub.norm)
+
+    def sub_iterate(self, f: np.ndarray, k: int) -> np.ndarray:
+        if not self._subsets:
+            return super().sub_iterate(f, k)
+        self._times = {}
+        self._sub_iteration(self._subsets[k], f)
         return f
 
     def forward(self, f: np.ndarray) -> np.ndarray:

@@ -209,6 +209,13 @@ class OsemBackend(Backend):
             self._pass_overflowed(np.flatnonzero(bad))
         return [s.f for s in first.shards]
 
+    def sub_iterate(self, f: Any, k: int) -> Any:
+        """Sub-iteration ``k`` alone, launched kernel by kernel (its subset's backend)."""
+        return self.parts[k].iterate(f)
+
+    def sub_step_times(self, k: int) -> dict[str, float]:
+        return self.parts[k].last_step_times()
+
     def _pass_overflowed(self, subsets: np.ndarray) -> None:
         """A replayed pass overflowed in ``subsets``: put back the image it started from, raise those subsets'
         ranges, redo the pass subset by subset (each retrying as the eager path does) and capture it again."""

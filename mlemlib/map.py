@@ -1,0 +1,305 @@
+"""MAP reconstruction: BSREM and OSL with the relative difference or quadratic prior, on every backend.
+
+The objective (maximised over ``f >= 0``)::
+
+    Phi(f) = sum_i [g_i log(ybar_i) - ybar_i] - beta R(f),     ybar = m (A f) + b
+
+with ``R`` the prior of :mod:`mlemlib.prior`. MAP is a term of the model and
+an algorithm, not a backend: :class:`MapBackend` wraps any backend (CPU, one
+GPU, N GPUs, every kernel family) and runs each pass as the S sub-iterations
+the wrapped backend offers (:meth:`mlemlib.backends.base.Backend.sub_iterate`),
+each followed by one elementwise step over the image in the backend's own
+array namespace (NumPy or CuPy, on every GPU's copy alike, so deterministic
+kernels stay bit-identical over GPU counts). A sub-iteration of the wrapped
+backend is EM's: ``f_EM = f * bp_k / s_k`` (``f`` kept where ``s_k = 0``),
+``bp_k = A_k^T (m g / ybar)``; from it, with ``grad = dR/df`` at ``f``:
+
+- **BSREM** (De Pierro and Yamagishi 2001, Ahn and Fessler 2003): the
+  relaxed, preconditioned gradient step on the subset objective
+  ``L_k - beta R / S`` with the preconditioner ``f / s``::
+
+      f <- max(nu, f + lambda_n (f / s) (S (bp_k - s_k) - beta grad))
+         = max(nu, f + lambda_n (S (s_k / s) (f_EM - f) - beta f grad / s))
+
+  ``lambda_n = lambda_0 / (1 + n / eta)`` in pass ``n`` (from 0; defaults 1 and
+  10); the relaxation going to 0 with an infinite sum makes the iterates
+  converge to the maximiser of ``Phi``. ``nu`` (1e-5 of the initial image's
+  value) keeps every voxel positive, so that one the step pushes to the bound
+  can rise again (EM's preconditioner is 0 at 0); voxels that no LOR sees
+  (``s = 0``) are 0.
+- **OSL** (Green's one-step-late OSEM): ``f <- f_EM s_k / (s_k + beta grad / S)``
+  (``f_EM`` where the denominator is not positive or ``s_k = 0``). Fast, but
+  with subsets it does not converge to the maximiser.
+
+``Phi``, the log-likelihood (up to the constant ``-sum log g_i!``, over the rows
+with ``m > 0``) and ``R`` are recorded per pass (:attr:`MapBackend.history`),
+from the host image and the stored matrix (matrices up to
+:data:`OBJECTIVE_NNZ_MAX` non-zeros; none for a larger one).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlemlib.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: The algorithms and their defaults.
+ALGORITHMS = ("bsrem", "osl")
+DEFAULT_RELAXATION = (1.0, 10.0)
+#: BSREM's positivity bound, relative to the initial image's value.
+FLOOR = 1e-5
+#: Matrices with more stored non-zeros record no Phi per pass (it is computed on the host).
+OBJECTIVE_NNZ_MAX = 300_000_000
+
+
+@dataclass(frozen=True)
+class MapSettings:
+    """A MAP run: the prior (``rdp`` or ``quadratic``), its parameters and the algorithm."""
+
+    prior: str
+    beta: float
+    gamma: float = 2.0
+    epsilon: float | None = None
+    kappa: Any = None
+    algorithm: str = "bsrem"
+    relaxation: tuple[float, float] = DEFAULT_RELAXATION
+
+    def check(self) -> MapSettings:
+        """Validate (one-line :class:`ConfigError` naming ``prior.<key>`` or ``algorithm``); return self."""
+        from mlemlib.prior import KINDS
+
+        if self.prior not in KINDS:
+            raise ConfigError("prior.type", f"{self.prior!r}, expected one of {', '.join(KINDS)}")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError("algorithm", f"{self.algorithm!r}, expected one of {', '.join(ALGORITHMS)}")
+        lam, eta = (float(v) for v in self.relaxation)
+        if not (lam > 0 and math.isfinite(lam)) or not eta > 0:
+            raise ConfigError("relaxation", f"lambda_0 and eta must be > 0, got {self.relaxation}")
+        if not (math.isfinite(float(self.beta)) and float(self.beta) >= 0):
+            raise ConfigError("prior.beta", f"must be >= 0, got {self.beta}")
+        if self.prior == "rdp" and (self.epsilon is None or not float(self.epsilon) > 0):
+            raise ConfigError("prior.epsilon", f"the relative difference prior needs epsilon > 0, got {self.epsilon}")
+        return self
+
+    def identity(self) -> str:
+        """What the settings change of the problem (its fingerprint's part)."""
+        kappa = "" if self.kappa is None else (str(self.kappa) if isinstance(self.kappa, (str, bytes)) or
+                                               hasattr(self.kappa, "__fspath__") else "<array>")
+        eta = float(self.relaxation[1])
+        return (f"map={self.algorithm}:{self.prior}:beta={float(self.beta)!r}:gamma={float(self.gamma)!r}:"
+                f"epsilon={None if self.epsilon is None else float(self.epsilon)!r}:kappa={kappa}:"
+                f"relax={float(self.relaxation[0])!r},{eta!r}")
+
+    def record(self) -> dict[str, Any]:
+        """``timings.json``'s account of the settings."""
+        return {"algorithm": self.algorithm, "prior": self.prior, "beta": float(self.beta), "gamma": float(self.gamma),
+                "epsilon": None if self.epsilon is None else float(self.epsilon),
+                "kappa": None if self.kappa is None else str(self.kappa), "relaxation": list(self.relaxation)}
+
+
+def _xp(a: Any) -> Any:
+    """The array's namespace: CuPy for a CuPy array, else NumPy."""
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+class MapBackend:
+    """A backend running MAP passes: each of the wrapped backend's sub-iterations followed by the MAP step.
+
+    Parameters
+    ----------
+    inner
+        The backend of the problem (``subsets`` as its norm says), built for MLEM/OSEM.
+    settings
+        The MAP settings (validated).
+    prior
+        The :class:`mlemlib.prior.Prior` in the backend's voxel order.
+    norm
+        The problem's norm: (n,) for S = 1, or the (S, n) update norms (NaN: kept in that sub-iteration).
+    objective
+        ``(f_host) -> (Phi, L, R)`` or None: evaluated after every pass (``every_pass``) or only on request.
+    """
+
+    def __init__(self, inner: Any, settings: MapSettings, prior: Any, norm: np.ndarray, *,
+                 objective: Any = None, every_pass: bool = True) -> None:
+        self.inner = inner
+        self.settings = settings.check()
+        self.prior = prior
+        sk = np.asarray(norm, dtype=np.float64)
+        sk = sk.reshape(1, -1) if sk.ndim == 1 else sk
+        sk = np.where(np.isnan(sk), 0.0, sk)
+        self.subsets = sk.shape[0]
+        s = sk.sum(axis=0)
+        self._host = {"sk": sk, "s": s}
+        self._dev: dict[Any, dict[str, Any]] = {}
+        self.objective = objective
+        self.every_pass = every_pass
+        self.passes = 0
+        self.history: list[dict[str, float]] = []
+        self._times: dict[str, float] = {}
+        self._floor = None
+        if self.subsets > 1 and hasattr(inner, "use_graph") and getattr(inner, "graph", False):
+            inner.use_graph(False)  # the passes run subset by subset (the MAP step between them)
+        self.shape = inner.shape
+
+    # --- the per-device constants ---------------------------------------------------------
+    def _consts(self, f: Any) -> dict[str, Any]:
+        xp = _xp(f)
+        key = (xp.__name__, getattr(getattr(f, "device", None), "id", None))
+        c = self._dev.get(key)
+        if c is None:
+            dt = f.dtype
+            sk, s = self._host["sk"], self._host["s"]
+            with _device(f):
+                c = {"s": xp.asarray(s.astype(dt)), "sk": [xp.asarray(v.astype(dt)) for v in sk],
+                     "ratio": [xp.asarray(np.divide(self.subsets * v, s, out=np.zeros_like(s), where=s > 0).astype(dt))
+                               for v in sk],
+                     "inv_s": xp.asarray(np.divide(1.0, s, out=np.zeros_like(s), where=s > 0).astype(dt)),
+                     "seen": xp.asarray(s > 0)}
+            self._dev[key] = c
+        return c
+
+    def _images(self, f: Any) -> list[Any]:
+        return list(f) if isinstance(f, list) else [f]
+
+    # --- the pass ------------------------------------------------------------------------
+    def iterate(self, f: Any) -> Any:
+        """One MAP pass: S sub-iterations of the wrapped backend, each followed by the MAP step."""
+        t0 = time.perf_counter()
+        lam0, eta = (float(v) for v in self.settings.relaxation)
+        lam = lam0 / (1.0 + self.passes / eta)
+        beta = float(self.settings.beta)
+        inner_times: dict[str, float] = {}
+        t_prior = 0.0
+        for k in range(self.subsets):
+            tp = time.perf_counter()
+            before = []
+            for img in self._images(f):
+                with _device(img):
+                    before.append((img.copy(), self.prior.gradient(img) if beta else None))
+            t_prior += time.perf_counter() - tp
+            f = self.inner.sub_iterate(f, k)
+            for step, v in self.inner.sub_step_times(k).items():
+                inner_times[step] = inner_times.get(step, 0.0) + v
+            tp = time.perf_counter()
+            for img, (prev, grad) in zip(self._images(f), before):
+                with _device(img):
+                    self._step(img, prev, grad, k, lam, beta)
+            t_prior += time.perf_counter() - tp
+        self.passes += 1
+        self.inner.synchronize()
+        self._times = {**inner_times, "map": t_prior, "iteration": time.perf_counter() - t0}
+        if self.objective is not None and self.every_pass:
+            self.record_objective(f)
+        return f
+
+    def _step(self, f: Any, prev: Any, grad: Any, k: int, lam: float, beta: float) -> None:
+        """The MAP step in place: ``f`` holds ``f_EM`` of the sub-iteration from ``prev``."""
+        xp = _xp(f)
+        c = self._consts(f)
+        if self.settings.algorithm == "bsrem":
+            if self._floor is None:
+                self._floor = FLOOR * float(self.inner._initial_value())
+            new = prev + lam * (c["ratio"][k] * (f - prev))
+            if grad is not None:
+                new -= (lam * beta) * prev * grad * c["inv_s"]
+            xp.maximum(new, f.dtype.type(self._floor), out=new)
+            f[...] = xp.where(c["seen"], new, 0)
+        elif grad is not None:  # OSL
+            sk = c["sk"][k]
+            den = sk + (beta / self.subsets) * grad
+            ok = (sk > 0) & (den > 0)
+            f[...] = xp.where(ok, f * sk / xp.where(ok, den, 1), f)
+
+    def record_objective(self, f: Any) -> dict[str, float]:
+        """Evaluate and append ``Phi``, ``L`` and ``R`` of image ``f`` (this pass's)."""
+        phi, ll, r = self.objective(self.inner.to_host(f))
+        entry = {"pass": self.passes, "phi": phi, "log_likelihood": ll, "prior": r}
+        self.history.append(entry)
+        return entry
+
+    # --- the rest of the interface: the wrapped backend's ---------------------------------
+    def initial_image(self) -> Any:
+        self.passes = 0
+        self.history = []
+        f = self.inner.initial_image()
+        if self.objective is not None and self.every_pass:
+            self.record_objective(f)
+        return f
+
+    def last_step_times(self) -> dict[str, float]:
+        return dict(self._times)
+
+    def previous_step_times(self) -> None:
+        return None
+
+    pipelines = False
+    #: The passes run subset by subset: no graph to sample kernel by kernel afterwards.
+    graph = False
+
+    def __getattr__(self, name: str) -> Any:  # to_host, from_host, synchronize, close, writes_output, ...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def describe(self) -> dict[str, Any]:
+        d = dict(self.inner.describe())
+        d["map"] = self.settings.record()
+        d["graph"] = False
+        return d
+
+
+class _device:
+    """The CUDA device of a CuPy array as a context (nothing for NumPy)."""
+
+    def __init__(self, a: Any) -> None:
+        self.ctx = a.device if type(a).__module__.startswith("cupy") else None
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def objective_function(src: Any, g: np.ndarray, corrections: Any, prior: Any, beta: float) -> Any:
+    """``f_host -> (Phi, L, R)`` of the stored-row model (float64): ``ybar = w (A f + b')`` with the rows'
+    weights ``w`` (``m``, summed over a folded row) and ``b' = b / m``; rows with ``w = 0`` (gaps) are left
+    out (their term does not depend on ``f``). None for a matrix above :data:`OBJECTIVE_NNZ_MAX` non-zeros."""
+    if int(src.nnz) > OBJECTIVE_NNZ_MAX:
+        return None
+    from mlemlib.matrix import CSRMatrix
+
+    m, _ = (int(v) for v in src.shape)
+    a = src.read_rows(0, m) if hasattr(src, "read_rows") else src
+    a = (a if isinstance(a, CSRMatrix) else CSRMatrix.from_scipy(a)).to_scipy().astype(np.float64)
+    w = np.ones(m) if corrections is None or corrections.weights is None else np.asarray(corrections.weights, float)
+    bg = None if corrections is None or corrections.background is None else np.asarray(corrections.background, float)
+    keep = w > 0
+    g64 = np.asarray(g, dtype=np.float64)
+
+    def evaluate(f: np.ndarray) -> tuple[float, float, float]:
+        fp = a @ np.asarray(f, dtype=np.float64)
+        ybar = w * (fp + (0.0 if bg is None else np.where(keep, bg, 0.0)))
+        y, gk = ybar[keep], g64[keep]
+        pos = y > 0
+        ll = float(np.sum(gk[pos] * np.log(y[pos])) - np.sum(y))
+        if np.any(gk[~pos] > 0):
+            ll = -math.inf
+        r = float(prior.value(np.asarray(f, dtype=np.float64))) if beta else 0.0
+        return ll - beta * r, ll, r
+
+    return evaluate

@@ -1,0 +1,122 @@
+"""MAP reconstruction through mlem reconstruct (BSREM, OSL) on the CPU backends, against independent float64 solutions.
+
+The problem is test_prior's: 60 voxels on a 5x4x3 grid, 240 LORs in 8 subsets of 30 rows, ``m`` with gaps,
+``b > 0``, the relative difference prior. The yardsticks are :mod:`mlemlib.map_reference`'s L-BFGS-B maximiser
+of ``Phi`` (BSREM must converge to it) and the float64 reference of the same algorithm (reference_mode).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from mlemlib.errors import ConfigError
+from mlemlib.formats import convert
+from mlemlib.map import MapSettings
+from mlemlib.map_reference import MapProblem, objective, solve_map
+from mlemlib.mlem import reconstruct
+from mlemlib.prior import make_prior
+
+GRID, N, M, S = (5, 4, 3), 60, 240, 8
+RDP = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """The matrix (float32 values) as a container with its grid, the same reordered, m, b, the subset file, g and
+    the float64 maximiser of Phi."""
+    rng = np.random.default_rng(7)
+    a = sp.random(M, N, density=0.2, random_state=rng, data_rvs=lambda k: rng.uniform(0.1, 1, k)).tocsr()
+    a = a.astype(np.float32).astype(np.float64)
+    truth = np.ones(N)
+    truth[[7, 8, 12, 13, 27, 28]] = 4.0
+    mult = rng.uniform(0.5, 1.5, M).astype(np.float32)
+    mult[rng.random(M) < 0.1] = 0.0
+    clean = 20 * mult * (a @ truth)
+    add = np.where(mult > 0, 0.2 * clean[mult > 0].mean(), 0.0).astype(np.float32)
+    g = rng.poisson(clean + add).astype(np.int32)
+    d = tmp_path_factory.mktemp("map")
+    sp.save_npz(d / "a.npz", a.astype(np.float32))
+    convert(d / "a.npz", d / "a.h5", grid=GRID)
+    mult.tofile(d / "m.f32")
+    add.tofile(d / "b.f32")
+    (np.arange(M) // (M // S)).astype("<i4").tofile(d / "subsets.i32")
+    prior = make_prior("rdp", GRID, beta=RDP.beta, gamma=RDP.gamma, epsilon=RDP.epsilon)
+    problem = MapProblem(a, g.astype(np.float64), mult.astype(np.float64), add.astype(np.float64), prior)
+    return {"dir": d, "g": g, "problem": problem, "map": solve_map(problem)}
+
+
+def _run(case, out, passes, settings=RDP, **kw):
+    d = case["dir"]
+    kw.setdefault("matrix", d / "a.h5")
+    t = reconstruct(kw.pop("matrix"), case["g"], out, iterations=passes, backend="cpu", subsets=S,
+                    subset_file=d / "subsets.i32", multiplicative=d / "m.f32", additive=d / "b.f32",
+                    checkpoint_every=0, raw_out=False, map_settings=settings, **kw)
+    from mlemlib.image import read_image
+
+    return read_image(out)[0].astype(np.float64), t
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_bsrem_converges_to_the_maximiser_and_phi_never_decreases(case, tmp_path):
+    img, t = _run(case, tmp_path / "bsrem.h5", 2000, reference_mode=True)
+    assert rel(img, case["map"]) < 1e-3
+    hist = t["map"]["history"]
+    assert len(hist) == 2001 and hist[0]["pass"] == 0
+    phi = np.array([h["phi"] for h in hist])
+    assert np.all(np.diff(phi) >= -1e-9 * np.abs(phi[1:])), np.diff(phi).min()
+    # the recorded objective is the independent reference's, up to its constant (sum log g! is left out)
+    want = objective(case["problem"], img)
+    assert abs((hist[-1]["phi"] - hist[-2]["phi"]) - 0.0) < 1e-6 * abs(want[0]) + 1e-6
+    assert hist[-1]["prior"] == pytest.approx(want[2], rel=1e-9)
+
+
+def test_float32_run_matches_the_float64_reference_of_the_same_algorithm(case, tmp_path):
+    for algorithm in ("bsrem", "osl"):
+        ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0, algorithm=algorithm)
+        ref, _ = _run(case, tmp_path / f"ref-{algorithm}.h5", 50, ms, reference_mode=True)
+        img, t = _run(case, tmp_path / f"{algorithm}.h5", 50, ms)
+        assert rel(img, ref) < 1e-5, algorithm
+        assert t["map"]["algorithm"] == algorithm and t["backend"]["map"]["prior"] == "rdp"
+
+
+def test_osl_with_subsets_stays_off_the_maximiser(case, tmp_path):
+    ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0, algorithm="osl")
+    img, _ = _run(case, tmp_path / "osl.h5", 200, ms, reference_mode=True)
+    assert rel(img, case["map"]) > 1e-2
+
+
+def test_the_prior_follows_the_voxel_permutation(case, tmp_path):
+    from mlemlib.reorder import reorder_file
+
+    d = case["dir"]
+    reorder_file(d / "a.h5", tmp_path / "r.h5", "rows+voxels", subsets=S, subset_file=d / "subsets.i32")
+    plain, _ = _run(case, tmp_path / "plain.h5", 20, reference_mode=True)
+    permuted, _ = _run(case, tmp_path / "perm.h5", 20, matrix=tmp_path / "r.h5", reference_mode=True)
+    assert rel(permuted, plain) < 1e-10
+
+
+def test_map_refuses_a_matrix_without_a_grid(case, tmp_path):
+    with pytest.raises(ConfigError, match="no voxel grid"):
+        _run(case, tmp_path / "x.h5", 1, matrix=case["dir"] / "a.npz")
+
+
+def test_a_map_run_is_another_problem_than_osem(case, tmp_path):
+    """The prior is part of the problem's fingerprint: OSEM's float64 reference is refused as MAP's."""
+    d = case["dir"]
+    reconstruct(d / "a.h5", case["g"], tmp_path / "osem.h5", iterations=2, subsets=S, subset_file=d / "subsets.i32",
+                multiplicative=d / "m.f32", additive=d / "b.f32", checkpoint_every=0, reference_mode=True)
+    with pytest.raises(ConfigError):
+        _run(case, tmp_path / "map.h5", 2, reference=tmp_path / "osem.h5")
+
+
+@pytest.mark.parametrize("bad,key", [(dict(algorithm="em"), "algorithm"), (dict(beta=-1.0), "beta"),
+                                     (dict(epsilon=None), "epsilon"), (dict(relaxation=(0.0, 10.0)), "relaxation")])
+def test_bad_settings_are_refused_in_one_line(bad, key):
+    kw = {**dict(prior="rdp", beta=0.3, gamma=2.0, epsilon=2.0), **bad}
+    with pytest.raises(ConfigError, match=key):
+        MapSettings(**kw).check()
