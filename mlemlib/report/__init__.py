@@ -14,7 +14,10 @@ benchmark tables, and writes:
     and the GPUs' energy per repetition and per iteration and mean power
     (NVML, :class:`mlemlib.devices.EnergyMeter`; empty where not measured).
 ``summary.md``
-    Time per iteration by step (as the thesis's Table 9.3; with the format,
+    At a glance (each configuration's time per iteration, rel. L2 to the
+    reference, whether deterministic, speed-up; wide tables show their key
+    columns, then every column after an "In full:" paragraph, which the
+    HTML page folds behind a click), time per iteration by step (as the thesis's Table 9.3; with the format,
     bytes per non-zero and, where measured, energy per iteration), the
     scaling over GPU counts and layouts (speed-up, parallel efficiency,
     bandwidth per GPU; only where a cuda configuration ran on more than one
@@ -89,6 +92,9 @@ from mlemlib.report.rows import (
     RUN_COLUMNS,
     STEPS,
     config_label,
+    kernel_label,
+    label_terms,
+    scaling_label,
     csr_pair_bytes,
     exact_reference_problem,
     floor_fractions,
@@ -111,6 +117,7 @@ from mlemlib.report.tables import (
     TRANSPOSE_INTRO,
     accuracy_section,
     lossy_section,
+    overview_section,
     plan_section,
     plots_section,
     scaling_section,
@@ -136,9 +143,12 @@ __all__ = [
     "floor_fractions",
     "gpu_bandwidth_sum",
     "group_rows",
+    "kernel_label",
+    "label_terms",
     "load_timings",
     "lossy_section",
     "markdown_page",
+    "overview_section",
     "plan_section",
     "plot_accuracy",
     "plot_distribution",
@@ -153,6 +163,7 @@ __all__ = [
     "run_image",
     "run_rows",
     "runs_html",
+    "scaling_label",
     "scaling_section",
     "scaling_series",
     "scaling_table",

@@ -28,7 +28,9 @@ _STYLE = (
     "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;font-size:13px;margin:1em 1.5em;color:#222}"
     "h1{font-size:1.5em}h2{font-size:1.25em;margin-top:1.6em;border-bottom:1px solid #ddd}h3{font-size:1.05em}"
     "p{max-width:75em;line-height:1.4}table{border-collapse:collapse;margin:.5em 0 1.2em;display:block;"
-    "overflow-x:auto;max-width:100%}th,td{border:1px solid #ccc;padding:2px 7px;text-align:left;white-space:nowrap}"
+    "overflow-x:auto;max-width:100%}th,td{border:1px solid #ccc;padding:2px 5px;text-align:left;white-space:nowrap}"
+    # a long configuration label wraps inside its column rather than push the key columns off screen
+    "td:first-child{white-space:normal;min-width:10em;max-width:22em}"
     "th{background:#f2f2f2;position:sticky;top:0}td.n{text-align:right}"
     "code{background:#f4f4f4;padding:0 2px}img{max-width:100%;height:auto;display:block;margin:.5em 0 1.5em}"
     "details{margin:.2em 0 1.2em}summary{cursor:pointer;color:#1a5fb4;margin:.4em 0}"

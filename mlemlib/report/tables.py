@@ -177,8 +177,8 @@ def speedup_baselines(groups: Mapping[tuple, list[dict[str, Any]]]) -> dict[tupl
     label of its configuration, and whether it is the float64 reference.
 
     The float64 reference of the same problem and model where it ran (the
-    CPU reference MLEM), else the problem's first CPU configuration; none
-    (no entry) without either.
+    CPU reference MLEM), else the problem's first CPU configuration, else its
+    slowest configuration (a summary of GPU runs alone).
     """
     out: dict[tuple, tuple[float, str, bool]] = {}
     for prefer_reference in (True, False):
@@ -191,7 +191,12 @@ def speedup_baselines(groups: Mapping[tuple, list[dict[str, Any]]]) -> dict[tupl
             if (r0.get("reference_mode") if prefer_reference
                     else _family(r0.get("backend")) == "cpu" and not r0.get("reference_mode")):
                 out[key] = (t, config_label(r0), prefer_reference)
-    return out
+    slowest: dict[tuple, tuple[float, str, bool]] = {}
+    for rs in groups.values():
+        key, t = _model_key(rs[0]), _mean(r["iteration_mean_s"] for r in rs)
+        if key not in out and t and t > slowest.get(key, (0.0, "", False))[0]:
+            slowest[key] = (t, config_label(rs[0]), False)
+    return {**out, **slowest}
 
 
 def overview_section(groups: Mapping[tuple, list[dict[str, Any]]], rows: Iterable[Mapping[str, Any]] = ()) -> str:
@@ -214,7 +219,7 @@ def overview_section(groups: Mapping[tuple, list[dict[str, Any]]], rows: Iterabl
             over_one[run] = rec["speedup"]
     scaled = any(over_one.get(str(rs[0]["run"])) is not None and (rs[0].get("gpus") or 1) > 1
                  for rs in groups.values())
-    refs_only = all(is_ref for _, _, is_ref in base.values())
+    refs_only = bool(base) and all(is_ref for _, _, is_ref in base.values())
     head = [*(["matrix / data"] if len(problems) > 1 else []), "configuration", "iteration (ms)", "rel. L2 to ref.",
             "deterministic", "speed-up" + (" vs. reference" if base and refs_only else ""),
             *(["speed-up vs. 1 GPU"] if scaled else [])]
@@ -230,9 +235,7 @@ def overview_section(groups: Mapping[tuple, list[dict[str, Any]]], rows: Iterabl
             _deterministic_cell(r0), f"{b[0] / t:.2f}x" if b and t else "–",
             *([f"{one:.2f}x" if one is not None else "–"] if scaled else []),
         ])
-    if not base:
-        against = "speed-up: – (no float64 reference and no CPU run to compare with)."
-    elif refs_only:
+    if refs_only:
         against = ("speed-up: the float64 reference's time per iteration (CPU, same problem and model) over the "
                    "configuration's.")
     else:
@@ -241,8 +244,8 @@ def overview_section(groups: Mapping[tuple, list[dict[str, Any]]], rows: Iterabl
     intro = ((f"{problems[0]}: " if len(problems) == 1 else "")
              + "each configuration's mean time per iteration (all iterations and repetitions), its relative L2 "
              "error to the float64 reference MLEM (||f - f_ref|| / ||f_ref||, mean over repetitions), whether its "
-             "kernels give the same image every time (NO: floating-point atomics) and its speed-up (–: none to "
-             "compare, as for the reference itself against itself). " + against
+             "kernels give the same image every time (NO: floating-point atomics) and its speed-up (–: nothing to "
+             "compare with). " + against
              + (" speed-up vs. 1 GPU: T(1) / T(P) of the same configuration (the scaling table below)."
                 if scaled else "") + "\n\n")
     terms = label_terms(rows)
