@@ -143,7 +143,7 @@ class MatrixSize:
 # --- reading the size from a file header -------------------------------------------
 
 
-def matrix_size(path: str | os.PathLike) -> MatrixSize:
+def matrix_size(path: str | os.PathLike, *, allow_negative: bool = False) -> MatrixSize:
     """A matrix's shape and nnz, as :func:`mlemlib.formats.open_matrix` reads them.
 
     ``.csr4`` and ``.h5`` files (the project's container, also
@@ -157,6 +157,9 @@ def matrix_size(path: str | os.PathLike) -> MatrixSize:
     ----------
     path
         A ``.csr4``, ``.h5``, ``.mtx``/``.mtx.gz`` or SciPy ``.npz`` file.
+    allow_negative
+        Let negative values of a file read whole pass (a matrix converted
+        with ``clip_negative``).
 
     Returns
     -------
@@ -173,19 +176,19 @@ def matrix_size(path: str | os.PathLike) -> MatrixSize:
         st = p.stat()
     except OSError:
         raise MatrixFormatError(p, "no such file") from None
-    key = (os.fspath(p.resolve()), st.st_size, st.st_mtime_ns)
+    key = (os.fspath(p.resolve()), st.st_size, st.st_mtime_ns, allow_negative)
     size = _SIZES.get(key)
     if size is None:
         from mlemlib.formats import open_matrix
 
-        with open_matrix(p) as reader:
+        with open_matrix(p, allow_negative=allow_negative) as reader:
             rows, cols = (int(v) for v in reader.shape)
             size = _SIZES[key] = MatrixSize(rows=rows, cols=cols, nnz=int(reader.nnz))
     return size
 
 
 #: :func:`matrix_size`'s results by (resolved path, bytes, modification time).
-_SIZES: dict[tuple[str, int, int], MatrixSize] = {}
+_SIZES: dict[tuple[str, int, int, bool], MatrixSize] = {}
 
 
 #: Relative margin on a preset's recorded (possibly sampled) non-zeros.

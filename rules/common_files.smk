@@ -104,6 +104,13 @@ def matrix_rows(path):
     return matrix_size(path).rows
 
 
+def matrix_rows_negative_ok(path):
+    """matrix_rows for a matrix converted with clip_negative: its negative values pass."""
+    from mlemlib.cluster import matrix_size
+
+    return matrix_size(path, allow_negative=True).rows
+
+
 def measurement_ok(path):
     """True when mlemlib.formats.lmsino reads the measurement (counts >= 0); raises InputError else."""
     from mlemlib.formats.lmsino import read_lmsino
@@ -132,7 +139,10 @@ def validate_paths():
             fault = _file_fault(path, "matrix")
             if not fault and deep:
                 try:
-                    rows = _read_checked(path, matrix_rows)
+                    check = matrix_rows
+                    if entry["clip_negative"]:
+                        check = matrix_rows_negative_ok
+                    rows = _read_checked(path, check)
                 except InputError as exc:
                     fault = exc.fault
             if fault:

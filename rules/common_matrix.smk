@@ -77,6 +77,11 @@ def get_matrix_fold(wildcards):
     return bool(config["matrices"][wildcards.matrix]["fold"])
 
 
+def get_matrix_clip_negative(wildcards):
+    """Whether the conversion sets the matrix's negative values to 0 (mlem convert --clip-negative)."""
+    return bool(config["matrices"][wildcards.matrix]["clip_negative"])
+
+
 def get_voxel_order(wildcards):
     """Column order of a matrix the generator writes into its container: raster or hilbert."""
     return config["matrices"][wildcards.matrix]["voxel_order"]

@@ -71,5 +71,6 @@ rule convert_matrix:
         source=get_matrix_stamp,
         format=get_matrix_format,
         fold=get_matrix_fold,
+        clip_negative=get_matrix_clip_negative,
     script:
         "../scripts/convert_matrix.py"

@@ -6,11 +6,11 @@ from mlemlib.logs import send_to_log
 
 send_to_log(snakemake.log[0])
 
-from mlemlib.fold import fold_file  # noqa: E402
-from mlemlib.formats import convert  # noqa: E402
+from mlemlib.formats import convert_stage  # noqa: E402
 
 # fold: each distinct row once, with the map from the user's rows (docs/formats.md); a compressed
-# container kept in its own format is copied with its stored values bit for bit (convert does it)
-write = fold_file if snakemake.params.fold else convert
-summary = write(snakemake.input.source, snakemake.output.matrix, fmt=snakemake.params.format)
+# container kept in its own format is copied with its stored values bit for bit (convert does it);
+# clip_negative: values below zero set to 0 (mlem convert --clip-negative)
+summary = convert_stage(snakemake.input.source, snakemake.output.matrix, fmt=snakemake.params.format,
+                        fold=snakemake.params.fold, clip_negative=snakemake.params.clip_negative)
 logging.info("convert_matrix: %s", summary)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import struct
@@ -1092,3 +1093,115 @@ def test_csr4_without_elements(tmp_path, m, rows):
         out = tmp_path / "o.csr4"
         write_csr4(out, block, scanner_block=f.header.scanner_block)
     assert out.read_bytes() == p.read_bytes()
+
+
+# --------------------------------------------------------------------------- negative values: --clip-negative
+
+from mlemlib.formats.h5 import CHECKSUM_METHOD  # noqa: E402
+
+#: Where a projector's export put its tiny negative values (element index -> value), as in the use case.
+NEGATIVES = {2: -5.4e-6, 9: -1.0e-7, 20: -2.5e-6, 21: -3.0e-9}
+
+
+def negative_matrix(tmp_path: Path, kind: str) -> tuple[Path, sp.csr_matrix]:
+    """``reference_matrix`` with :data:`NEGATIVES` written into its values, encoded by hand as ``kind``."""
+    a = reference_matrix(m=13)
+    for k, v in NEGATIVES.items():
+        a.data[k] = np.float32(v)
+    path = tmp_path / f"neg.{kind}"
+    if kind == "csr4":
+        write_bytes(path, encode_csr4(a.indptr, a.indices, a.data, a.shape[0]))
+    elif kind == "mtx":
+        scipy.io.mmwrite(path, a, precision=9)
+    elif kind == "npz":
+        sp.save_npz(path, a)
+    else:  # a container written by another tool: no writer of ours stores a negative value
+        h5_by_hand(path, a.indptr, a.indices, a.data, {"checksum": independent_checksum(a.indptr, a.indices, a.data),
+                                                        "checksum_method": CHECKSUM_METHOD})
+    return path, a
+
+
+@pytest.mark.parametrize("kind", ["csr4", "mtx", "npz", "h5"])
+def test_convert_refuses_negative_values_naming_clip_negative(tmp_path, kind, capsys):
+    path, a = negative_matrix(tmp_path, kind)
+    out = tmp_path / "out.h5"
+    assert main(["convert", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith(f"mlem: error: {path}: negative value -5.4")
+    assert "--clip-negative" in err[0]
+    assert not out.exists()
+    with pytest.raises(MatrixFormatError, match=r"'mlem convert --clip-negative' sets negative values to 0"):
+        convert(path, out)
+
+
+@pytest.mark.parametrize("kind", ["csr4", "mtx", "npz", "h5"])
+def test_convert_clip_negative_sets_them_to_zero_and_logs_count_and_minimum(tmp_path, kind, caplog, capsys):
+    path, a = negative_matrix(tmp_path, kind)
+    out = tmp_path / "out.h5"
+    with caplog.at_level(logging.INFO, logger="mlemlib.formats"):
+        assert main(["convert", str(path), "--out", str(out), "--clip-negative", "--chunk-nnz", "7"]) == 0
+    # the same structure (explicit zeros kept) with exactly the negative values replaced by 0
+    with MatrixH5(out) as f:
+        got = f.to_csr()
+    np.testing.assert_array_equal(got.indptr, a.indptr)
+    np.testing.assert_array_equal(got.indices, a.indices)
+    want = a.data.copy()
+    want[list(NEGATIVES)] = 0
+    np.testing.assert_array_equal(got.data, want)
+    assert got.nnz == a.nnz and int((got.data == 0).sum()) == len(NEGATIVES)
+    logged = [r.getMessage() for r in caplog.records if "set to 0" in r.getMessage()]
+    assert logged == [f"{path}: 4 negative value(s) set to 0, the smallest {float(np.float32(-5.4e-6)):.9g} "
+                      "(kept as explicit zeros)"]
+    assert "4 negative value(s) set to 0 (smallest -5.4e-06)" in capsys.readouterr().out
+    # the container validates (no negative value left) and records the clipped values' checksum
+    assert info(out)["verdict"].startswith("valid")
+    with MatrixH5(out) as f:
+        assert f.checksum == independent_checksum(a.indptr, a.indices, want)
+
+
+def test_convert_clip_negative_summary_and_matrix_without_negatives(tmp_path, ref, caplog):
+    path, a = negative_matrix(tmp_path, "npz")
+    s = convert(path, tmp_path / "c.h5", clip_negative=True, fmt="compressed")
+    assert (s["clipped"], s["clipped_min"]) == (4, float(np.float32(-5.4e-6)))
+    with MatrixH5(tmp_path / "c.h5") as f:
+        assert f.format == "compressed" and float(f.to_csr().data.min()) == 0.0
+    # nothing to clip: the same container as without the option, and a log line that says so
+    clean = write_bytes(tmp_path / "clean.csr4", encode_csr4(ref.indptr, ref.indices, ref.data, ref.shape[0]))
+    with caplog.at_level(logging.INFO, logger="mlemlib.formats"):
+        s1 = convert(clean, tmp_path / "a.h5", clip_negative=True)
+    s0 = convert(clean, tmp_path / "b.h5")
+    assert (s1["clipped"], s1["clipped_min"]) == (0, None) and "clipped" not in s0
+    assert s1["checksum"] == s0["checksum"]
+    assert any(r.getMessage() == f"{clean}: no negative value to set to 0" for r in caplog.records)
+
+
+def test_convert_fold_clip_negative_folds_the_clipped_matrix(tmp_path, capsys):
+    """--fold --clip-negative: rows equal once clipped are stored once, as SciPy finds them."""
+    from mlemlib.fold import fold_of
+
+    a = reference_matrix(m=13)
+    b = sp.vstack([a, a[[4]]]).tocsr()  # row 13 repeats row 4 ...
+    lo = b.indptr[13]
+    b.data[lo] = np.float32(-1e-6)  # ... except for a negative value where row 4 holds a positive one
+    b.data[b.indptr[4]] = 0.0  # which becomes 0 in row 4 too: after clipping they are equal
+    path = tmp_path / "f.npz"
+    sp.save_npz(path, b)
+    out = tmp_path / "folded.h5"
+    assert main(["convert", str(path), "--out", str(out), "--fold", "--clip-negative"]) == 0
+    assert "1 negative value(s) set to 0" in capsys.readouterr().out
+    clipped = b.copy()
+    clipped.data[clipped.data < 0] = 0
+    def distinct_rows(x: sp.csr_matrix) -> int:
+        return len({(x.indices[x.indptr[r]:x.indptr[r + 1]].tobytes(), x.data[x.indptr[r]:x.indptr[r + 1]].tobytes())
+                    for r in range(x.shape[0]) if x.indptr[r + 1] > x.indptr[r]})
+
+    assert distinct_rows(clipped) == distinct_rows(b) - 1  # clipping made rows 4 and 13 equal
+    with MatrixH5(out) as f:
+        got = f.to_csr().to_scipy()
+    fold = fold_of(out)
+    assert got.shape[0] == distinct_rows(clipped)
+    users = np.flatnonzero(fold.row_map >= 0)
+    np.testing.assert_array_equal(got[fold.row_map[users]].toarray(), clipped[users].toarray())
+    assert fold.row_map[13] == fold.row_map[4]
+    assert not list(tmp_path.glob(".*clipped*"))  # the temporary container is gone

@@ -222,3 +222,49 @@ def test_mtx_index_out_of_range_one_line(tmp_path, capsys, element, fault):
     rc, lines = run_cli(capsys, "convert", path, "--out", out)
     assert rc == 2 and lines == [f"mlem: error: {expected}"]
     assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- a user's matrix with negative values
+
+
+def _negative_user_matrix(tmp_path: Path, clip: bool | None) -> dict:
+    """A config of a user's 40 x 12 .npz holding three tiny negative values (clip_negative as given)."""
+    from test_workflow import user_files
+
+    config = user_files(tmp_path)
+    a = sp.random(40, 12, density=0.3, random_state=1, format="csr", dtype=np.float32)
+    a.data += np.float32(0.1)
+    a.data[[0, 5, 9]] = np.float32([-5.4e-6, -1e-7, -2e-6])
+    sp.save_npz(tmp_path / "data" / "neg.npz", a)
+    entry = config["matrices"]["mine"]
+    entry["path"] = "data/neg.npz"
+    if clip is not None:
+        entry["clip_negative"] = clip
+    return config
+
+
+def test_workflow_refuses_negative_matrix_values_naming_clip_negative(tmp_path):
+    from test_workflow import one_line, snakemake
+
+    line = one_line(snakemake(tmp_path, "--dry-run", config=_negative_user_matrix(tmp_path, None)))
+    assert line.startswith("config matrices.mine.path: data/neg.npz: negative value -5.4"), line
+    assert "matrices.<name>.clip_negative: true" in line and "--clip-negative" in line
+
+
+def test_workflow_clip_negative_converts_them_to_zero(tmp_path):
+    from test_workflow import snakemake
+
+    from mlemlib.formats import read_matrix
+
+    config = _negative_user_matrix(tmp_path, True)
+    config["reorder"] = "none"  # convert_matrix then writes matrix.h5 itself
+    proc = snakemake(tmp_path, "--cores", "1", "results/mine/matrix.h5", config=config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rule convert_matrix" in proc.stdout + proc.stderr
+    got = read_matrix(tmp_path / "results" / "mine" / "matrix.h5").to_scipy()
+    want = sp.load_npz(tmp_path / "data" / "neg.npz").tocsr()
+    want.data[want.data < 0] = 0
+    np.testing.assert_array_equal(got.indptr, want.indptr)
+    np.testing.assert_array_equal(got.data, want.data)  # explicit zeros kept
+    log = (tmp_path / "logs" / "matrix" / "mine-convert.log").read_text()
+    assert "3 negative value(s) set to 0, the smallest -5.4" in log

@@ -63,6 +63,11 @@ def register(sub) -> None:
         "--voxel-size", nargs=3, type=float, default=None, metavar=("X", "Y", "Z"),
         help="record the voxel size in mm with --grid",
     )  # fmt: skip
+    p.add_argument(
+        "--clip-negative", action="store_true",
+        help="set values below zero to 0 (kept as explicit zeros) and log how many and the smallest; without it "
+        "a negative value is refused (a projector's export may hold a few tiny ones; docs/formats.md)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -74,20 +79,23 @@ def run(args: argparse.Namespace) -> int:
 
         raise ConfigError("--grid", "not with --fold: convert with --grid first, then fold the container "
                           "(the grid is kept)")
+    clip = getattr(args, "clip_negative", False)
     if args.fold:
-        from mlemlib.fold import fold_file
+        from mlemlib.formats import convert_stage
 
-        s = fold_file(args.input, args.out, fmt=args.format, code_bits=args.code_bits, chunk_nnz=args.chunk_nnz)
+        s = convert_stage(args.input, args.out, fmt=args.format, fold=True, clip_negative=clip,
+                          code_bits=args.code_bits, max_nnz=args.chunk_nnz)
     else:
         from mlemlib.formats import convert
 
         s = convert(args.input, args.out, fmt=args.format, code_bits=args.code_bits, max_nnz=args.chunk_nnz,
-                    grid=grid, voxel_size=voxel_size)
+                    grid=grid, voxel_size=voxel_size, clip_negative=clip)
     m, n = s["shape"]
     bpn = f"{s['bytes_per_nnz']:.2f}" if s["bytes_per_nnz"] is not None else "n/a"
     codes = f", {s['code_bits']}-bit codes" if s.get("code_bits") else ""
     print(
         f"{s['output']}: {m} x {n}, nnz {s['nnz']}, {s['format']} ({bpn} bytes per non-zero{codes}), "
         f"{s['chunks']} chunk(s), {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.1f} s, checksum {s['checksum'][:16]}..."
+        + (f", {s['clipped']} negative value(s) set to 0 (smallest {s['clipped_min']:.3g})" if s.get("clipped") else "")
     )
     return 0

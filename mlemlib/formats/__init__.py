@@ -73,6 +73,7 @@ __all__ = [
     "convert",
     "container_path",
     "convert_command",
+    "convert_stage",
     "file_kind",
     "geometry_value",
     "info",
@@ -129,13 +130,15 @@ def file_kind(path: str | os.PathLike) -> str:
 
 
 @timed("open")
-def open_matrix(path: str | os.PathLike) -> Csr4File | MatrixH5 | InMemoryMatrix:
+def open_matrix(path: str | os.PathLike, *, allow_negative: bool = False) -> Csr4File | MatrixH5 | InMemoryMatrix:
     """Open a system matrix by suffix: ``.csr4`` and ``.h5`` lazily, ``.mtx``/``.npz`` whole.
 
     The result is a context manager with ``shape``, ``nnz``, ``grid``,
     ``voxel_size``, ``read_rows(start, stop)``, ``iter_chunks(max_nnz)``,
     ``read_indptr()`` and ``to_csr()``. A compressed ``.h5`` container opens
     as a :class:`CompressedH5` (a :class:`MatrixH5` that decodes into CSR).
+    Its validated reads refuse negative values unless ``allow_negative``
+    (:func:`convert` with ``clip_negative``).
 
     Raises
     ------
@@ -143,14 +146,14 @@ def open_matrix(path: str | os.PathLike) -> Csr4File | MatrixH5 | InMemoryMatrix
         Unknown suffix, a measurement file, or any fault of the file.
     """
     kind = file_kind(path)
-    if kind == "csr4":
-        return Csr4File(path)
-    if kind == "h5":
-        return MatrixH5(path)
+    if kind in ("csr4", "h5"):
+        reader = Csr4File(path) if kind == "csr4" else MatrixH5(path)
+        reader.allow_negative = allow_negative
+        return reader
     if kind == "mtx":
-        return InMemoryMatrix(read_mtx(path), path)
+        return InMemoryMatrix(read_mtx(path, allow_negative=allow_negative), path)
     if kind == "npz":
-        return InMemoryMatrix(read_npz(path), path)
+        return InMemoryMatrix(read_npz(path, allow_negative=allow_negative), path)
     raise MatrixFormatError(path, f"a {kind} file holds measurements, not a system matrix")
 
 
@@ -247,6 +250,7 @@ def convert(
     attach: tuple[dict, dict] | None = None,
     grid: tuple[int, int, int] | None = None,
     voxel_size: tuple[float, float, float] | None = None,
+    clip_negative: bool = False,
 ) -> dict:
     """Convert any supported matrix into the container ``out`` (``matrix.h5``), streaming.
 
@@ -295,6 +299,12 @@ def convert(
         The image grid ``(nx, ny, nz)`` (product ``n``) and voxel size (mm) to record, for an input that has
         none (``mlem convert --grid``); one it records already must agree
         (:func:`mlemlib.prior.given_geometry`).
+    clip_negative
+        Set values below zero to zero (kept as explicit zeros: the row
+        pointer, the columns and the non-zero count stay the input's) and log
+        how many there were and the smallest. Without it a negative value is
+        refused, naming this option. (A matrix exported from a projector may
+        hold a few tiny negative values from rounding.)
 
     Returns
     -------
@@ -303,7 +313,9 @@ def convert(
         ``bytes`` (output size), ``input_bytes``, ``checksum``, ``grid``,
         ``voxel_size``, ``format``, ``lossless``, ``bytes_per_nnz`` (of the
         matrix arrays, not the file), ``code_bits`` (compressed formats, else None);
-        with ``keep_rows``, ``shape`` and ``nnz`` are the written ones and ``input_shape`` the input's.
+        with ``keep_rows``, ``shape`` and ``nnz`` are the written ones and ``input_shape`` the input's;
+        with ``clip_negative``, ``clipped`` (how many values were set to 0) and ``clipped_min`` (the
+        smallest of them, None if none).
 
     Raises
     ------
@@ -333,10 +345,17 @@ def convert(
             attach = ((attach or ({}, {}))[0], (attach or ({}, {}))[1] | geo)
             summary = copy_compressed(src, out, code_bits=code_bits, keep_rows=keep_rows, attach=attach,
                                       max_nnz=max_nnz)
-            return summary | {"grid": list(g), "voxel_size": None if vs is None else list(vs)}
-        return copy_compressed(src, out, code_bits=code_bits, keep_rows=keep_rows, attach=attach, max_nnz=max_nnz)
+            summary |= {"grid": list(g), "voxel_size": None if vs is None else list(vs)}
+        else:
+            summary = copy_compressed(src, out, code_bits=code_bits, keep_rows=keep_rows, attach=attach,
+                                      max_nnz=max_nnz)
+        if clip_negative:  # a compressed container was validated when written: it holds no negative value
+            log.info("%s: no negative value to set to 0", src)
+            summary |= {"clipped": 0, "clipped_min": None}
+        return summary
     t0 = time.perf_counter()
-    with open_matrix(src) as reader:
+    clipped, clipped_min = 0, None
+    with open_matrix(src, allow_negative=clip_negative) as reader:
         m, n = reader.shape
         if grid is not None or voxel_size is not None:
             from mlemlib.prior import given_geometry
@@ -376,7 +395,8 @@ def convert(
         # the writer's checksum is the input's unless the output rounds the values
         # (and unless the input has the legacy checksum: the output gets today's)
         input_sum = checksum_for(reader.checksum_method) if isinstance(reader, MatrixH5) else None
-        if input_sum is not None and fmt not in LOSSY_FORMATS and first is None and input_sum.method == CHECKSUM_METHOD:
+        if (input_sum is not None and fmt not in LOSSY_FORMATS and first is None and input_sum.method == CHECKSUM_METHOD
+                and not clip_negative):
             input_sum = None  # the writer computes the same checksum
         if input_sum is not None:
             input_sum.update("indptr", np.zeros(1, dtype=np.int64))
@@ -392,13 +412,18 @@ def convert(
             **extra,
         ) as writer:
             for r0, r1, block in reader.iter_chunks(max_nnz):
+                if input_sum is not None:  # of the values as read, before any clipping
+                    input_sum.update_rows(block.indptr[1:] + done, block.indices, block.data)
                 kept = block if first is None else take_rows(block, np.flatnonzero(first[r0:r1]))
+                if clip_negative:
+                    kept, k, low = _clip_negative(kept)
+                    if k:
+                        clipped += k
+                        clipped_min = low if clipped_min is None else min(clipped_min, low)
                 if fmt == "csr":
                     writer.write_rows(kept, validate=False)  # the reader validated it
                 else:
                     writer.write_rows(kept, validate=False, source=src)
-                if input_sum is not None:
-                    input_sum.update_rows(block.indptr[1:] + done, block.indices, block.data)
                 chunks += 1
                 done += block.nnz
                 del block  # free it before the next block is read: one block in memory at a time
@@ -421,8 +446,74 @@ def convert(
                                  lossless=fmt not in LOSSY_FORMATS, nbytes=_matrix_nbytes(out, fmt, m_out, nnz_out),
                                  code_bits=code_bits if fmt != "csr" else None,
                                  input_shape=(m, n) if first is not None else None)
+    if clip_negative:
+        if clipped:
+            log.info("%s: %d negative value(s) set to 0, the smallest %.9g (kept as explicit zeros)",
+                     src, clipped, clipped_min)
+        else:
+            log.info("%s: no negative value to set to 0", src)
+        summary |= {"clipped": clipped, "clipped_min": clipped_min}
     log.info("converted %s -> %s: nnz %d in %.1f s", src, out, summary["nnz"], seconds)
     return summary
+
+
+def convert_stage(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    fmt: str | None = None,
+    fold: bool = False,
+    clip_negative: bool = False,
+    code_bits: int | None = None,
+    max_nnz: int = DEFAULT_CHUNK_NNZ,
+) -> dict:
+    """The convert stage (``mlem convert``, the workflow's ``convert_matrix``): :func:`convert`, or with
+    ``fold`` :func:`mlemlib.fold.fold_file`.
+
+    Folding hashes the rows as read, so with both ``fold`` and ``clip_negative``
+    the input is first converted with its negative values set to 0 into a
+    temporary CSR container beside ``out`` (removed afterwards), which is then
+    folded into ``out`` in ``fmt`` (default: the input's format).
+
+    Returns
+    -------
+    dict
+        The summary of :func:`convert` or :func:`~mlemlib.fold.fold_file`
+        (with ``clipped`` and ``clipped_min`` where ``clip_negative``).
+    """
+    if not fold:
+        return convert(src, out, fmt=fmt, code_bits=code_bits, max_nnz=max_nnz, clip_negative=clip_negative)
+    from mlemlib.fold import fold_file
+
+    if not clip_negative:
+        return fold_file(src, out, fmt=fmt, code_bits=code_bits, chunk_nnz=max_nnz)
+    fmt = fmt or matrix_format(src)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.clipped.h5")
+    try:
+        clip = convert(src, tmp, fmt="csr", max_nnz=max_nnz, clip_negative=True)
+        summary = fold_file(tmp, out, fmt=fmt, code_bits=code_bits, chunk_nnz=max_nnz)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return summary | {"clipped": clip["clipped"], "clipped_min": clip["clipped_min"]}
+
+
+def _clip_negative(block):
+    """``(block with its values below zero set to 0, how many there were, the smallest)``.
+
+    A block with none is returned as it is; otherwise its values are copied
+    first (a reader's block may be a view of its buffers or of the input).
+    """
+    from mlemlib.matrix import CSRMatrix
+
+    data = block.data
+    if len(data) == 0 or data.min() >= 0:
+        return block, 0, None
+    negative = data < 0
+    low = float(data[negative].min())
+    data = np.where(negative, np.float32(0), data).astype(data.dtype, copy=False)
+    return CSRMatrix(block.indptr, block.indices, data, block.shape), int(negative.sum()), low
 
 
 def _matrix_nbytes(path: str | os.PathLike, fmt: str, m: int, nnz: int) -> int:

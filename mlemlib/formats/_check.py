@@ -110,24 +110,30 @@ def check_columns(cols: np.ndarray, n: int, source: str | os.PathLike, *, elem0:
         raise MatrixFormatError(source, f"column index {int(cols[bad])} at element {elem0 + bad} out of range [0, {n})")
 
 
+#: What the refusal of a negative value suggests.
+CLIP_HINT = ("a system matrix holds probabilities; 'mlem convert --clip-negative' (the workflow: "
+             "matrices.<name>.clip_negative: true) sets negative values to 0")
+
+
 @timed("check")
-def check_values(vals: np.ndarray, source: str | os.PathLike, *, elem0: int = 0) -> None:
-    """Raise :class:`MatrixFormatError` unless every value is finite and non-negative.
+def check_values(vals: np.ndarray, source: str | os.PathLike, *, elem0: int = 0, negative_ok: bool = False) -> None:
+    """Raise :class:`MatrixFormatError` unless every value is finite and (unless ``negative_ok``) non-negative.
 
     Two reductions (min and max propagate NaN); the offending element is looked
-    up only when the check fails.
+    up only when the check fails. A negative value's message names
+    ``mlem convert --clip-negative``.
     """
     if len(vals) == 0:
         return
     lo, hi = vals.min(), vals.max()
-    if lo >= 0 and np.isfinite(hi):
+    if (lo >= 0 or (negative_ok and np.isfinite(lo))) and np.isfinite(hi):
         return
     nonfinite = ~np.isfinite(vals)
     if nonfinite.any():
         bad = int(np.argmax(nonfinite))
         raise MatrixFormatError(source, f"non-finite value {float(vals[bad])!r} at element {elem0 + bad}")
     bad = int(np.argmax(vals < 0))
-    raise MatrixFormatError(source, f"negative value {float(vals[bad])!r} at element {elem0 + bad}")
+    raise MatrixFormatError(source, f"negative value {float(vals[bad])!r} at element {elem0 + bad} ({CLIP_HINT})")
 
 
 def check_range(start: int, stop: int, m: int, source: str | os.PathLike) -> tuple[int, int]:
@@ -188,6 +194,9 @@ class RowBlockReader:
     shape: tuple[int, int]
     #: whether ``iter_chunks(reuse=True)`` reads into reused buffers (False where a block is a view already)
     reads_into_buffers: bool = True
+    #: whether validated reads let negative values through (``open_matrix(..., allow_negative=True)``, for
+    #: ``convert(..., clip_negative=True)``); non-finite values are refused all the same
+    allow_negative: bool = False
 
     def __enter__(self) -> Self:
         return self

@@ -26,11 +26,12 @@ from mlemlib.matrix import CSRMatrix, validate_csr_arrays
 MAX_INDEX = int(np.iinfo(np.int32).max)
 
 
-def csr_from_scipy(a, source: str | os.PathLike) -> CSRMatrix:
+def csr_from_scipy(a, source: str | os.PathLike, *, allow_negative: bool = False) -> CSRMatrix:
     """Convert a SciPy sparse (or dense 2-D) matrix to a validated :class:`CSRMatrix`.
 
     Duplicate entries are summed and column indices sorted within rows (the
-    canonical CSR form). Values are cast to float32.
+    canonical CSR form). Values are cast to float32. ``allow_negative`` lets
+    negative values through (for ``convert(..., clip_negative=True)``).
 
     Raises
     ------
@@ -65,7 +66,7 @@ def csr_from_scipy(a, source: str | os.PathLike) -> CSRMatrix:
     mat = CSRMatrix(a.indptr.astype(np.int64), a.indices.astype(np.int32), data, (m, n))
     check_row_ends(mat.indptr[1:], int(mat.indptr[0]), mat.nnz, source)
     check_columns(mat.indices, n, source)
-    check_values(mat.data, source)
+    check_values(mat.data, source, negative_ok=allow_negative)
     return mat
 
 

@@ -406,7 +406,7 @@ class Csr4File(ElementReader):
         if validate:
             # through a uint32 view, a column >= 2**31 is reported with its stored value
             check_columns(indices.view(np.uint32), self.shape[1], self.source, elem0=base)
-            check_values(data, self.source, elem0=base)
+            check_values(data, self.source, elem0=base, negative_ok=self.allow_negative)
 
 
 def read_csr4(path: str | os.PathLike) -> CSRMatrix:

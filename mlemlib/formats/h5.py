@@ -497,7 +497,7 @@ class MatrixH5(ElementReader):
                     self._read_into(name, base, hi, out)
         if validate:
             check_columns(indices, self.shape[1], self.source, elem0=base)
-            check_values(data, self.source, elem0=base)
+            check_values(data, self.source, elem0=base, negative_ok=self.allow_negative)
 
     def _read(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Entries ``[lo, hi)`` of dataset ``name`` (set-up phase ``read``, with their bytes)."""

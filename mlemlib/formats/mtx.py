@@ -15,8 +15,8 @@ from mlemlib.formats._memory import csr_from_scipy
 from mlemlib.matrix import CSRMatrix
 
 
-def read_mtx(path: str | os.PathLike) -> CSRMatrix:
-    """Read a Matrix Market file into a validated CSR matrix.
+def read_mtx(path: str | os.PathLike, *, allow_negative: bool = False) -> CSRMatrix:
+    """Read a Matrix Market file into a validated CSR matrix (negative values refused unless ``allow_negative``).
 
     Raises
     ------
@@ -35,7 +35,7 @@ def read_mtx(path: str | os.PathLike) -> CSRMatrix:
         a = scipy.io.mmread(source)
     except (ValueError, TypeError, IndexError, OSError, EOFError, UnicodeDecodeError) as exc:
         raise MatrixFormatError(source, _fault(source, exc)) from None
-    return csr_from_scipy(a, source)
+    return csr_from_scipy(a, source, allow_negative=allow_negative)
 
 
 def _fault(source: str, exc: BaseException) -> str:

@@ -28,8 +28,8 @@ def _exc_words(exc: BaseException) -> str:
     return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
 
 
-def read_npz(path: str | os.PathLike) -> CSRMatrix:
-    """Read a SciPy sparse ``.npz`` file into a validated CSR matrix.
+def read_npz(path: str | os.PathLike, *, allow_negative: bool = False) -> CSRMatrix:
+    """Read a SciPy sparse ``.npz`` file into a validated CSR matrix (negative values refused unless ``allow_negative``).
 
     Raises
     ------
@@ -64,4 +64,4 @@ def read_npz(path: str | os.PathLike) -> CSRMatrix:
         a = sp.load_npz(source)
     except (ValueError, KeyError, TypeError, IndexError, OSError, EOFError, zipfile.BadZipFile) as exc:
         raise MatrixFormatError(source, f"invalid SciPy sparse matrix ({_exc_words(exc)})") from None
-    return csr_from_scipy(a, source)
+    return csr_from_scipy(a, source, allow_negative=allow_negative)
