@@ -21,6 +21,10 @@ VENV   ?= .venv
 CORES  ?= all
 EXTRAS ?= workflow,test
 CONFIG ?=
+# make test: one pytest worker per core (pytest-xdist; `auto` is the core count, at most 8),
+# each module's tests that share a module fixture on one worker (tests/conftest.py).
+# PYTEST_ARGS= runs the tests one after another in one process.
+PYTEST_ARGS ?= -n auto --dist loadgroup
 UV_VERSION ?= 0.13.9
 UPGRADE ?=
 
@@ -89,7 +93,7 @@ run: $(STAMP)
 	@echo "summary: results/summary/$(NAME)/  report: $(REPORT)"
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-slurm: $(STAMP)
 	tools/slurm/run_test.sh

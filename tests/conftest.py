@@ -12,13 +12,37 @@ import pytest
 from mlemlib.backends import cuda_available
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """Skip the ``gpu`` tests without a CUDA GPU.
+
+    Under ``pytest -n N --dist loadgroup`` (``make test``): keep the tests of a module that share a
+    module- or session-scoped fixture (a finished workflow run, a generated matrix) on one worker, so
+    the fixture is made once, not once per worker. The other tests are spread one by one. Runs before
+    xdist's own hook, which reads the ``xdist_group`` marks; without xdist the marks change nothing."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        shared = any(
+            defs[-1].scope in ("module", "package", "session") and defs[-1].baseid  # baseid "": a plugin's
+            for defs in info.name2fixturedefs.values()
+            if defs
+        )
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (CuPy with a device)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per usable core, at most 8 (each worker imports the whole suite once)."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8))
 
 
 @pytest.fixture
