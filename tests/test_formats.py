@@ -42,6 +42,7 @@ from mlemlib.formats import (
     write_lmsino,
     write_matrix_h5,
 )
+from mlemlib.formats.h5 import CHECKSUM_METHOD
 from mlemlib.matrix import CSRMatrix
 
 GRID = (4, 3, 2)
@@ -1097,8 +1098,6 @@ def test_csr4_without_elements(tmp_path, m, rows):
 
 # --------------------------------------------------------------------------- negative values: --clip-negative
 
-from mlemlib.formats.h5 import CHECKSUM_METHOD  # noqa: E402
-
 #: Where a projector's export put its tiny negative values (element index -> value), as in the use case.
 NEGATIVES = {2: -5.4e-6, 9: -1.0e-7, 20: -2.5e-6, 21: -3.0e-9}
 
@@ -1131,7 +1130,8 @@ def test_convert_refuses_negative_values_naming_clip_negative(tmp_path, kind, ca
     assert err[0].startswith(f"mlem: error: {path}: negative value -5.4")
     assert "--clip-negative" in err[0]
     assert not out.exists()
-    with pytest.raises(MatrixFormatError, match=r"'mlem convert --clip-negative' sets negative values to 0"):
+    with pytest.raises(MatrixFormatError, match=r"'mlem convert --clip-negative' \(the workflow: "
+                       r"matrices\.<name>\.clip_negative: true\) sets negative values to 0\)$"):
         convert(path, out)
 
 

@@ -18,11 +18,14 @@ What is compared, per format:
 
 from __future__ import annotations
 
+import shlex
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
 from mlemlib.compressed import CompressedMatrix
+from mlemlib.formats import write_csr4, write_lmsino
 from mlemlib.formats.compressed_h5 import CompressedH5, write_compressed_h5
 from mlemlib.formats.h5 import MatrixH5, write_matrix_h5
 from mlemlib.matrix import CSRMatrix
@@ -307,10 +310,6 @@ def test_transpose_f16_rounds_only_subnormals(tmp_path):
 # Every `mlem` subcommand that reads a matrix takes a .csr4, .mtx or .npz as it takes an .h5 container, or
 # refuses it before any work in one line (exit 2) that names the 'mlem convert' command making what it needs;
 # that command, run as written, makes an input the stage then accepts.
-
-import shlex  # noqa: E402
-
-from mlemlib.formats import write_csr4, write_lmsino  # noqa: E402
 
 KINDS = ("csr4", "mtx", "npz")
 #: subcommand -> its arguments for matrix M in directory D (outputs under D/out).
