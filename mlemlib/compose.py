@@ -129,6 +129,19 @@ def check(c: Combination, where: str = "run") -> None:
                                          "one-pass kernel (onepass, onepass_fixed, onepass_chunked), or format: csr")
 
 
+def reads_transpose(c: Combination) -> bool:
+    """Whether the run reads the matrix's stored ``A^T`` (``transpose.h5``), as the workflow gives it: a cpu run
+    whose back projection reads ``A^T`` (``auto`` included), a thesis-layout run, and a one-GPU run of such a
+    kernel on a compressed matrix (a GPU transposes a CSR matrix, or its block of rows, itself)."""
+    if not registry.uses_transpose(c.backend, c.bp):
+        return False
+    if c.backend != "cuda":
+        return True
+    if c.gpus > 1:
+        return c.layout == "thesis"
+    return c.format != "csr"
+
+
 def verdict(c: Combination) -> str | None:
     """None where :func:`check` accepts the combination, else its one-line refusal."""
     try:

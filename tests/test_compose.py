@@ -105,14 +105,34 @@ def _reference(root: Path, model: tuple) -> np.ndarray:
     return read_image(path)[0].astype(np.float64)
 
 
+def _transpose(root: Path, matrix: Path) -> Path:
+    """The stored ``A^T`` of a matrix variant (``mlem transpose``), made once (under the lock)."""
+    from mlemlib.transpose import transpose_file
+
+    path = matrix.with_name(matrix.stem + "-T.h5")
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not path.exists():
+                tmp = path.with_suffix(".tmp.h5")
+                transpose_file(matrix, tmp, "scantrans")
+                os.replace(tmp, path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return path
+
+
 def _run(root: Path, c: compose.Combination, out: Path) -> np.ndarray:
+    """The run as the workflow makes it: its matrix variant, the transpose where it reads one, its model."""
     from mlemlib.backends import graph_option
     from mlemlib.mlem import reconstruct
 
     fmt, fold, reorder, s, factors = c.model
-    reconstruct(_matrix(root, fmt, fold, reorder, s), root / "g.LMsino", out, iterations=ITERS, backend=c.backend,
-                fp=c.fp, bp=c.bp, gpus=c.gpus, layout=c.layout, graph=graph_option(None if c.graph == "auto" else False),
-                subsets=s, checkpoint_every=0, raw_out=False, **_factors(root, factors))
+    matrix = _matrix(root, fmt, fold, reorder, s)
+    transpose = _transpose(root, matrix) if compose.reads_transpose(c) else None
+    reconstruct(matrix, root / "g.LMsino", out, iterations=ITERS, backend=c.backend, fp=c.fp, bp=c.bp,
+                gpus=c.gpus, layout=c.layout, graph=graph_option(None if c.graph == "auto" else False),
+                transpose=transpose, subsets=s, checkpoint_every=0, raw_out=False, **_factors(root, factors))
     return read_image(out)[0]
 
 

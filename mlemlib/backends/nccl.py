@@ -285,7 +285,8 @@ class NcclBackend(Backend):
                                        f"another only with the same devices and layout, not {devices} ({layout})")
         # Lanes of the whole matrix, so each row is summed as on one GPU (deterministic across GPU counts).
         self.lanes_override = lanes
-        self.lanes_fp = lanes or cplan.choose_lanes(nnz / m if m else 0.0)
+        self.lanes_fp = lanes or (cplan.choose_lanes(nnz / m if m else 0.0) if self.format == "csr"
+                                  else cc.onepass_lanes(m, nnz, self.format))
         # one-pass lanes from the whole matrix (the same on every GPU: each row is summed the same way)
         self.lanes_onepass = cc.onepass_lanes(m, nnz, self.format)
         self._fixed_bound = ONEPASS_C_MAX * float(np.nanmax(norm)) if np.size(norm) else 1.0
@@ -333,6 +334,10 @@ class NcclBackend(Backend):
         if own_layout:
             self._layout.close()
         self.load_seconds = time.perf_counter() - t0
+        slots = [getattr(s.a, "slots", None) for s in self.shards]
+        if self.format != "csr" and not lanes and self.world == len(devices) and None not in slots:
+            # a compressed matrix's lanes from its padded rows, as one GPU's backend takes them (DeviceCompressed.lanes)
+            self.lanes_fp = cc.choose_lanes(sum(int(v) for v in slots) / 4 / m if m else 0.0)
 
         # ---- communicators -----------------------------------------------------------------
         if share is not None:
