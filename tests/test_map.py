@@ -146,3 +146,27 @@ def test_cuda_map_matches_the_float64_reference_of_the_same_algorithm(case, tmp_
     assert rel(img.astype(np.float64), ref) < 1e-5
     if bp in ("onepass_fixed", "onepass_chunked", "csr_vector"):
         assert np.array_equal(img, run(tmp_path / "b.h5"))
+
+
+def test_the_command_line_runs_map_and_refuses_bad_options_in_one_line(case, tmp_path):
+    import subprocess
+    import sys
+
+    d = case["dir"]
+    case["g"].astype("<i4").tofile(tmp_path / "g.LMsino")
+    base = [sys.executable, "-m", "mlemlib", "reconstruct", "-m", str(d / "a.h5"), "-s", str(tmp_path / "g.LMsino"),
+            "-n", "3", "--subset-file", str(d / "subsets.i32"), "--subsets", str(S), "--multiplicative",
+            str(d / "m.f32"), "--additive", str(d / "b.f32"), "-b", "cpu", "-k", "0", "-o", str(tmp_path / "cli.h5")]
+    ok = subprocess.run(base + ["--prior", "rdp", "--beta", "0.3", "--epsilon", "2"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    want, _ = _run(case, tmp_path / "api.h5", 3)
+    from mlemlib.image import read_image
+
+    assert np.array_equal(read_image(tmp_path / "cli.h5")[0], want.astype(np.float32))
+    for extra, option in ((["--prior", "rdp", "--epsilon", "2"], "--beta"), (["--beta", "1"], "--beta"),
+                          (["--prior", "rdp", "--beta", "0.3"], "--epsilon"),
+                          (["--prior", "quadratic", "--beta", "-1"], "--beta")):
+        bad = subprocess.run(base + extra, capture_output=True, text=True)
+        assert bad.returncode == 2, (extra, bad.stderr)
+        lines = bad.stderr.strip().splitlines()
+        assert len(lines) == 1 and option in lines[0], (extra, bad.stderr)

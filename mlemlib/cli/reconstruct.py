@@ -58,6 +58,20 @@ def register(sub) -> None:
         "--additive", type=factor_file, default=None, metavar="B",
         help="additive expected background b per LOR (randoms + scatter, in counts; raw float32 or FILE.h5:/dataset)",
     )
+    m = p.add_argument_group("MAP reconstruction (docs/reconstruction.md, 'MAP reconstruction'; each iteration a pass)")
+    m.add_argument("--prior", choices=("rdp", "quadratic"), default=None,
+                   help="maximise the log-likelihood minus beta times this prior: the relative difference prior or "
+                        "the quadratic one (default: none, MLEM/OSEM)")
+    m.add_argument("--beta", type=float, default=None, metavar="B", help="the prior's strength (>= 0; required with --prior)")
+    m.add_argument("--gamma", type=float, default=2.0, metavar="G", help="rdp: edge preservation (>= 0)")
+    m.add_argument("--epsilon", type=float, default=None, metavar="E",
+                   help="rdp: smoothing (> 0; required for rdp: small against the image's values, e.g. 1e-3 of their mean)")
+    m.add_argument("--kappa", type=factor_file, default=None, metavar="FILE",
+                   help="per-voxel weights of the prior (raw float32 or FILE.h5:/dataset; default 1)")
+    m.add_argument("--algorithm", choices=("bsrem", "osl"), default="bsrem",
+                   help="bsrem (converges to the MAP image) or osl (one-step-late OSEM: fast, does not converge with subsets)")
+    m.add_argument("--relaxation", type=float, nargs=2, default=(1.0, 10.0), metavar=("L0", "ETA"),
+                   help="BSREM's relaxation lambda_n = L0 / (1 + n / ETA) in pass n")
     p.add_argument("--plan", type=existing_file, metavar="PARTS", help="partition directory or plan.json (gpus > 1)")
     p.add_argument("-k", "--checkpoint-every", type=_int_at_least(0), default=10, metavar="K", help="checkpoint every K iterations (0: never)")
     p.add_argument("--checkpoint", type=output_file, metavar="CKPT.h5", default=None, help="checkpoint file (default: <out>.checkpoint.h5)")
@@ -75,6 +89,25 @@ def register(sub) -> None:
     )
     p.add_argument("--lease-timeout", type=float, default=600.0, metavar="SECONDS", help="wait at most this long for --lease")
     p.set_defaults(func=run)
+
+
+def map_settings(args: argparse.Namespace) -> object | None:
+    """The MAP settings of the options (None without ``--prior``); one-line refusals naming the option."""
+    from mlemlib.errors import ConfigError
+    from mlemlib.map import MapSettings
+
+    if args.prior is None:
+        given = [o for o, v in (("--beta", args.beta), ("--epsilon", args.epsilon), ("--kappa", args.kappa)) if v is not None]
+        if given:
+            raise ConfigError(given[0], "is a prior's parameter: give --prior rdp or --prior quadratic too")
+        return None
+    if args.beta is None:
+        raise ConfigError("--beta", f"--prior {args.prior} needs the prior's strength --beta B (>= 0)")
+    try:
+        return MapSettings(args.prior, beta=args.beta, gamma=args.gamma, epsilon=args.epsilon, kappa=args.kappa,
+                           algorithm=args.algorithm, relaxation=tuple(args.relaxation)).check()
+    except ConfigError as exc:  # prior.beta -> --beta
+        raise ConfigError("--" + exc.source.split(".")[-1], exc.fault) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             repetitions=args.repetitions, reference=args.reference, truth=args.truth, timings_out=args.timings,
             reference_mode=args.reference_mode, threads=args.threads, matrix_name=args.matrix_name,
             chunks=args.chunks, subsets=args.subsets, subset_file=args.subset_file,
-            multiplicative=args.multiplicative, additive=args.additive,
+            multiplicative=args.multiplicative, additive=args.additive, map_settings=map_settings(args),
         )
     last = t["repetitions"][-1]
     it = last["steps"].get("iteration", {}).get("mean")
