@@ -17,15 +17,18 @@ def pytest_collection_modifyitems(config, items):
     """Skip the ``gpu`` tests without a CUDA GPU.
 
     Under ``pytest -n N --dist loadgroup`` (``make test``): keep the tests of a module that share a
-    module- or session-scoped fixture (a finished workflow run, a generated matrix) on one worker, so
-    the fixture is made once, not once per worker. The other tests are spread one by one. Runs before
-    xdist's own hook, which reads the ``xdist_group`` marks; without xdist the marks change nothing."""
+    module- or class-scoped fixture (a finished workflow run, a generated matrix) on one worker, so
+    the fixture is made once, not once per worker. The other tests are spread one by one, and so are
+    those of a session-scoped fixture: such a fixture shares its work between workers itself (a
+    directory under ``tmp_path_factory.getbasetemp().parent`` and a lock file, as in test_compose.py).
+    Runs before xdist's own hook, which reads the ``xdist_group`` marks; without xdist the marks change
+    nothing."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
             continue
         shared = any(
-            defs[-1].scope in ("module", "package", "session") and defs[-1].baseid  # baseid "": a plugin's
+            defs[-1].scope in ("module", "package", "class") and defs[-1].baseid  # baseid "": a plugin's
             for defs in info.name2fixturedefs.values()
             if defs
         )
