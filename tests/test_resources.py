@@ -114,14 +114,16 @@ def test_stage_need_of_a_gpu_run():
 H200_NODE = {"check": True, "disk_free_gb": 128, "host_memory_gb": 256, "gpu_memory_gb": 141, "gpus": 2}
 
 
-def dry_run(tmp_path: Path, config: dict, *args: str) -> subprocess.CompletedProcess:
+def dry_run(tmp_path: Path, config: dict, *args: str, gpus: int = 2) -> subprocess.CompletedProcess:
+    """A dry run of ``config`` in ``tmp_path`` on a machine that shows ``gpus`` GPUs ($MLEM_NUM_GPUS: the fake
+    node's, so that use_gpu: true plans its GPU jobs here)."""
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     cmd = [
         sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
         "--configfile", str(path), "--dry-run", "--cores", "32", *args,
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), MLEM_NUM_GPUS=str(gpus))
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -168,7 +170,7 @@ def test_thesis_matrix3_refused_on_a_smaller_node(tmp_path, node, line):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert line in out.splitlines(), out[-3000:]
-    assert "Building DAG" not in out  # before any job
+    _before_any_job(out)
 
 
 def test_check_false_only_logs(tmp_path):
@@ -180,6 +182,13 @@ def test_check_false_only_logs(tmp_path):
 
 def _job_count(out: str, rule: str) -> int:
     return out.count(f"rule {rule}:")
+
+
+def _before_any_job(out: str) -> None:
+    """The check ran on Snakemake's DAG (built, not run): no job planned or started, the refusal the last line."""
+    assert "Building DAG of jobs" in out and "Job stats" not in out, out[-3000:]
+    assert not any(x.startswith(("rule ", "checkpoint ", "localrule ")) for x in out.splitlines()), out[-3000:]
+    assert out.rstrip().splitlines()[-1].startswith("resources: "), out[-3000:]
 
 
 def _no_traceback(out: str) -> None:
@@ -220,7 +229,8 @@ def test_gpu_runs_all_keeps_them_and_the_check_refuses_in_one_line(tmp_path, nod
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert line in out.splitlines(), out[-3000:]
-    assert "runs left out" not in out and "Building DAG" not in out
+    assert "runs left out" not in out
+    _before_any_job(out)
     _no_traceback(out)
 
 
@@ -240,7 +250,7 @@ def test_thesis_config_on_a_4_gpu_node_leaves_out_its_8_gpu_runs(tmp_path):
 
 
 def test_the_check_sizes_every_job_of_the_dag(tmp_path):
-    """The resource check sizes get_jobs(), the job list the targets come from: the jobs of Snakemake's DAG."""
+    """The resource check sizes the jobs of the DAG Snakemake built: each rule as often as in its Job stats."""
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     config.update(use_gpu=True, reorder="none", node=dict(H200_NODE, check=False))
     config["matrices"]["other"] = {"preset": "small", "format": "compressed"}

@@ -140,7 +140,10 @@ def test_every_shipped_config_validates_and_plans(tmp_path, name):
     config/thesis.yaml once asked for bp=notrans in the thesis layout, which the registry refuses:
     its documented command stopped before any job.
     """
-    proc = snakemake(tmp_path, "--dry-run", "--quiet", "rules", "--configfile", str(REPO / "config" / name))
+    path = REPO / "config" / name
+    # A config with use_gpu: true plans its GPU jobs where GPUs are given (here, without one, --resources gpu=N).
+    gpus = ("--resources", "gpu=8") if yaml.safe_load(path.read_text()).get("use_gpu") is True else ()
+    proc = snakemake(tmp_path, "--dry-run", "--quiet", "rules", "--configfile", str(path), *gpus)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "summarize" in planned_jobs(proc)
 
@@ -208,7 +211,7 @@ def test_use_gpu_true_adds_every_cuda_run_and_the_benchmark(tmp_path):
         ],
         bench={"spmv": True, "formats": ["csr", "compressed", "compressed-u16"]},
     )
-    jobs = dry_run(tmp_path, config)
+    jobs = dry_run(tmp_path, config, "--resources", "gpu=4")
     # cpu 1 + csr_vector: gpus 1 (local only) + 2 x 2 layouts + 4 x 2 layouts = 5 + merge 1.
     assert jobs["run_mlem"] == 1 + 5 + 1
     # Plans for parts 2 (partition.parts, also a GPU count) and 4.
@@ -243,29 +246,50 @@ def test_norm_simulate_and_the_benchmark_start_together_after_the_conversion(tmp
     assert min(norm["priority"], sim["priority"]) > max(part["priority"], bench["priority"])
 
 
+def dag_edges(proc: subprocess.CompletedProcess) -> list[tuple[str, str]]:
+    """The edges of ``snakemake --dag`` (Graphviz): (upstream job, downstream job), each job as its node's
+    label (the rule, then its wildcards, one per line as ``name: value``)."""
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    labels, edges = {}, []
+    for line in proc.stdout.splitlines():
+        line = line.strip()
+        if "[label = " in line:
+            labels[line.split("[", 1)[0]] = line.split('label = "', 1)[1].split('"', 1)[0].replace("\\n", "\n")
+        elif " -> " in line:
+            edges.append(tuple(x.strip() for x in line.split(" -> ")))
+    return [(labels[a], labels[b]) for a, b in edges]
+
+
 def test_gpu_jobs_wait_for_the_kernels_compiled_once_and_cpu_workflows_have_none(tmp_path):
-    """warm_kernels (no input) runs where a GPU job does; every cuda run and the benchmark take its record as
-    input; the cpu runs and the reference do not; a workflow without GPUs plans none."""
+    """warm_kernels (no input) runs where a GPU job does; every cuda run and the benchmark wait for it (its
+    record is their input, through the checkpoint: <TBD> in a dry run until it has run); the cpu runs and the
+    reference do not; a workflow without GPUs plans none."""
     config = changed(use_gpu=True, runs=[{"backend": "cuda", "fp": "auto", "bp": "auto", "gpus": [1, 2]},
                                          {"backend": "cpu"}], bench={"spmv": True})
-    proc = snakemake(tmp_path, "--dry-run", "--printshellcmds", "--cores", "8", "--resources", "gpu=2", config=config)
+    args = ("--cores", "8", "--resources", "gpu=2")
+    proc = snakemake(tmp_path, "--dry-run", "--printshellcmds", *args, config=config)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = "results/kernels/default.json"  # the config's name (schema default)
     blocks = (proc.stdout + proc.stderr).split("\n\n")
     inputs = {}
     for block in blocks:
         lines = [line.strip() for line in block.splitlines()]
-        rule = next((line.split()[1].rstrip(":") for line in lines if line.startswith("rule ")), None)
+        rule = next((line.split()[1].rstrip(":") for line in lines if line.startswith(("rule ", "checkpoint "))),
+                    None)
         got = next((line[len("input: "):] for line in lines if line.startswith("input: ")), "")
         out = next((line[len("output: "):] for line in lines if line.startswith("output: ")), "")
         if rule:
             inputs.setdefault(rule, []).append((got, out))
     assert [o for _, o in inputs["warm_kernels"]] == [record] and inputs["warm_kernels"][0][0] == ""
     runs = inputs["run_mlem"]
-    assert sum(record in i for i, o in runs if "/cuda-" in o) == 2
-    assert not any(record in i for i, o in runs if "/cpu-" in o)
-    assert all(record in i for i, _ in inputs["bench_spmv"])
-    assert not any(record in i for i, _ in inputs["reference_mlem"])
+    assert sum("<TBD>" in i for i, o in runs if "/cuda-" in o) == 2
+    assert not any("<TBD>" in i or record in i for i, o in runs if "/cpu-" in o)
+    assert all("<TBD>" in i for i, _ in inputs["bench_spmv"])
+    assert not any("<TBD>" in i or record in i for i, _ in inputs["reference_mlem"])
+    waiting = [down for up, down in dag_edges(snakemake(tmp_path, "--dag", *args, config=config))
+               if up == "warm_kernels"]
+    assert sorted(w.split("\n", 1)[0] for w in waiting) == ["bench_spmv", "run_mlem", "run_mlem"]
+    assert all("run: cuda-" in w for w in waiting if w.startswith("run_mlem"))
     (tmp_path / "cpu").mkdir()
     assert "warm_kernels" not in dry_run(tmp_path / "cpu", changed(use_gpu=False))
 
@@ -273,10 +297,9 @@ def test_gpu_jobs_wait_for_the_kernels_compiled_once_and_cpu_workflows_have_none
 def test_a_convergence_study_on_the_gpu_waits_for_the_kernels_too(tmp_path):
     config = changed(use_gpu=True, runs=[{"backend": "cpu"}])
     config["convergence"] = {"enabled": True, "backend": "cuda", "subsets": [1, 4]}
-    proc = snakemake(tmp_path, "--dry-run", "--cores", "4", "--resources", "gpu=1", config=config)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    study = (proc.stdout + proc.stderr).split("rule study_convergence:", 1)[1].split("\n\n", 1)[0]
-    assert "results/kernels/default.json" in study and "rule warm_kernels:" in proc.stdout + proc.stderr
+    proc = snakemake(tmp_path, "--dag", "--cores", "4", "--resources", "gpu=1", config=config)
+    waiting = [down.split("\n", 1)[0] for up, down in dag_edges(proc) if up == "warm_kernels"]
+    assert waiting == ["study_convergence"]
 
 
 def test_cpu_run_on_several_gpus_is_refused(tmp_path):
@@ -514,10 +537,10 @@ def test_part_count_reruns_partition_and_what_follows(finished):
         partition={"parts": [2]},
         runs=TINY["runs"] + [{"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "gpus": [3]}],
     )
-    jobs = dry_run(finished, config)
+    jobs = dry_run(finished, config, "--resources", "gpu=3")
     # the first cuda run also brings the kernels' warm-up (once per configuration)
     assert jobs == {"partition_matrix": 1, "run_mlem": 1, "summarize": 1, "warm_kernels": 1}
-    planned = snakemake(finished, "--dry-run", config=config).stdout
+    planned = snakemake(finished, "--dry-run", "--resources", "gpu=3", config=config).stdout
     assert "results/small/parts-3/plan.json" in planned
     assert f"cuda-csr_vector-csr_vector-{KEY}/gpus-3-local" in planned
 
