@@ -1,14 +1,12 @@
 """Rule warm_kernels: compile, on this machine, the kernels the workflow's GPU jobs run (mlemlib.backends.warm)."""
 
-import json
 import logging
 
 from mlemlib.logs import send_to_log
 
 send_to_log(snakemake.log[0])
 
-from mlemlib._io import atomic_path  # noqa: E402
-from mlemlib.backends.warm import warm_up  # noqa: E402
+from mlemlib.backends.warm import warm_up, write_record  # noqa: E402
 from mlemlib.dist.lease import lease_gpus  # noqa: E402
 
 p = snakemake.params.warm
@@ -20,6 +18,5 @@ except Exception as exc:  # noqa: BLE001 - a warm-up only saves the GPU jobs tim
     logging.warning("warm_kernels: nothing compiled here (%s: %s); each GPU job compiles its kernels itself",
                     type(exc).__name__, exc)
     record = {"error": f"{type(exc).__name__}: {exc}"}
-with atomic_path(snakemake.output.warm) as tmp:
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
+write_record(record, snakemake.output.warm)
 logging.info("warm_kernels: wrote %s", snakemake.output.warm)

@@ -100,3 +100,16 @@ def test_graph_option_maps_a_configured_setting_to_the_backends_argument():
 
     assert graph_option("auto") is None and graph_option(None) is None
     assert graph_option(True) is True and graph_option(False) is False
+
+
+def test_write_record_writes_the_json_whole(tmp_path):
+    """The warm_kernels script's record: JSON read back equal; an existing record is replaced, no temporary left."""
+    import json
+
+    path = tmp_path / "kernels" / "default.json"
+    path.parent.mkdir()
+    path.write_text("old")
+    record = {"seconds": 1.5, "builds": ["spmv.cu"], "choices": [{"fp": "auto", "error": "RuntimeError: x"}]}
+    warm.write_record(record, path)
+    assert json.loads(path.read_text()) == record
+    assert [p.name for p in path.parent.iterdir()] == ["default.json"]

@@ -19,6 +19,7 @@ GPU jobs find their kernels compiled.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -122,6 +123,25 @@ def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr
              sum("error" in d for d in done))
     return {"seconds": round(seconds, 3), "builds": [" ".join((b.source, *b.options)) for b in builds],
             "choices": done, "host": status}
+
+
+def write_record(record: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Write a warm-up's record (what :func:`warm_up` returns) to ``path`` as JSON, atomically.
+
+    Parameters
+    ----------
+    record
+        The record: ``seconds``, ``builds``, ``choices``, ``host``, or ``error`` where nothing was compiled.
+    path
+        The file; a temporary file beside it is renamed to it once written, so that no reader (or job
+        interrupted meanwhile) sees a partial record.
+    """
+    import json
+
+    from mlemlib._io import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def warm_host(reference: bool = True, bench: bool = False) -> None:
