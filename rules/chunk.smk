@@ -19,6 +19,7 @@ rule chunk_matrix:
     # the matrix read once and about 7 bytes per non-zero written.
     resources:
         mem_mb=get_mem_mb("convert"),
+        disk_mb=get_disk_mb("chunk_matrix"),
         runtime=get_runtime("convert"),
     params:
         window=get_chunk_window(),

@@ -79,6 +79,11 @@ def get_transpose_outputs(name, compared):
     ]
 
 
+#: Host memory summarize asks for (MB): the tables, the plots and one image at a
+#: time; set here so that Snakemake's default (from the inputs' size) is not used.
+SUMMARY_MEM_MB = 2000
+
+
 def get_summary_input(wildcards):
     """Named inputs of summarize: lists of every stage's records it tabulates."""
     return {

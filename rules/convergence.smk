@@ -22,6 +22,7 @@ rule study_convergence:
     # Sized like the reorder stage: each S writes the matrix grouped by its subsets once.
     resources:
         mem_mb=get_mem_mb("transpose"),
+        disk_mb=get_disk_mb("study_convergence"),
         runtime=get_runtime("transpose"),
         gpu=get_convergence_gpus,
     params:

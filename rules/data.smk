@@ -15,6 +15,7 @@ rule simulate_measurement:
     threads: get_half_threads
     resources:
         mem_mb=get_mem_mb("simulate"),
+        disk_mb=get_disk_mb("simulate_measurement"),
         runtime=get_runtime("simulate"),
     params:
         simulation=get_simulation_params,

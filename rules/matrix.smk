@@ -12,6 +12,7 @@ rule generate_matrix:
     threads: workflow.cores
     resources:
         mem_mb=get_mem_mb("generate"),
+        disk_mb=get_disk_mb("generate_matrix"),
         runtime=get_runtime("generate"),
     params:
         preset=get_preset,
@@ -38,6 +39,7 @@ rule generate_container:
     threads: workflow.cores
     resources:
         mem_mb=get_mem_mb("generate"),
+        disk_mb=get_disk_mb("generate_container"),
         runtime=get_runtime("generate"),
     params:
         preset=get_preset,
@@ -66,6 +68,7 @@ rule convert_matrix:
         "../envs/cpu.yaml"
     resources:
         mem_mb=get_mem_mb("convert"),
+        disk_mb=get_disk_mb("convert_matrix"),
         runtime=get_runtime("convert"),
     params:
         source=get_matrix_stamp,

@@ -19,6 +19,7 @@ rule reference_mlem:
     threads: get_reference_threads
     resources:
         mem_mb=get_mem_mb("mlem"),
+        disk_mb=get_disk_mb("reference_mlem"),
         runtime=get_runtime("mlem"),
     params:
         mlem=get_reference_params,
@@ -46,6 +47,7 @@ rule exact_reference_mlem:
     threads: get_reference_threads
     resources:
         mem_mb=get_mem_mb("mlem"),
+        disk_mb=get_disk_mb("exact_reference_mlem"),
         runtime=get_runtime("mlem"),
     params:
         mlem=get_reference_params,
@@ -77,6 +79,7 @@ rule run_mlem:
     threads: get_mlem_threads
     resources:
         mem_mb=get_mem_mb("mlem"),
+        disk_mb=get_disk_mb("run_mlem"),
         runtime=get_runtime("mlem"),
         gpu=get_mlem_gpus,
     params:
@@ -108,6 +111,7 @@ checkpoint warm_kernels:
     threads: get_warm_threads
     resources:
         mem_mb=WARM_MEM_MB,
+        disk_mb=get_disk_mb("warm_kernels"),
         runtime=15,
         gpu=1,
     params:
@@ -135,6 +139,7 @@ rule bench_spmv:
     threads: 1
     resources:
         mem_mb=get_mem_mb("bench"),
+        disk_mb=get_disk_mb("bench_spmv"),
         runtime=get_runtime("bench"),
         gpu=1,
     params:

@@ -13,6 +13,7 @@ rule compute_norm:
     threads: get_half_threads
     resources:
         mem_mb=get_mem_mb("norm"),
+        disk_mb=get_disk_mb("compute_norm"),
         runtime=get_runtime("norm"),
     script:
         "../scripts/compute_norm.py"
@@ -36,6 +37,7 @@ rule compute_measurement_norm:
     threads: workflow.cores
     resources:
         mem_mb=get_mem_mb("norm"),
+        disk_mb=get_disk_mb("compute_measurement_norm"),
         runtime=get_runtime("norm"),
     params:
         multiplicative=get_measurement_norm_params,

@@ -15,6 +15,7 @@ rule partition_matrix:
     threads: max(1, workflow.cores // 4)
     resources:
         mem_mb=get_mem_mb("partition"),
+        disk_mb=get_disk_mb("partition_matrix"),
         runtime=get_runtime("partition"),
     params:
         parts=get_parts,

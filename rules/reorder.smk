@@ -27,6 +27,7 @@ if is_reordered():
         # chunk, the matrix read and written once.
         resources:
             mem_mb=get_mem_mb("transpose"),
+            disk_mb=get_disk_mb("reorder_matrix"),
             runtime=get_runtime("transpose"),
         params:
             mode=get_reorder_mode,

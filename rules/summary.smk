@@ -39,6 +39,9 @@ rule summarize:
         f"logs/summary/{config['name']}.log",
     conda:
         "../envs/cpu.yaml"
+    resources:
+        mem_mb=SUMMARY_MEM_MB,
+        disk_mb=get_disk_mb("summarize"),
     params:
         name=get_summary_name,
     script:

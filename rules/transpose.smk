@@ -12,6 +12,7 @@ rule transpose_matrix:
     threads: workflow.cores
     resources:
         mem_mb=get_mem_mb("transpose"),
+        disk_mb=get_disk_mb("transpose_matrix"),
         runtime=get_runtime("transpose"),
         gpu=get_transpose_gpus,
     params:
@@ -36,6 +37,7 @@ rule compare_transpose:
     threads: workflow.cores
     resources:
         mem_mb=get_mem_mb("transpose"),
+        disk_mb=get_disk_mb("compare_transpose"),
         runtime=get_runtime("transpose"),
         gpu=get_transpose_gpus,
     params:

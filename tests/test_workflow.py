@@ -625,6 +625,8 @@ def two_configs(finished) -> Path:
         name = config.get("name", "default")
         proc = snakemake(finished, "--report", f"results/report-{name}.html", config=config)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+        # no warning the user cannot act on (a coroutine of Snakemake's default disk resource), no resource table
+        assert "Warning" not in proc.stderr and "what each job needs" not in proc.stdout + proc.stderr, proc.stderr
     return finished
 
 
