@@ -4,7 +4,7 @@ Provides the numbers a batch scheduler needs before a job starts -- host memory
 (``mem_mb``), wall-clock limit (``runtime``, minutes), GPUs (``gpu``) and CPUs per
 GPU (``cpus_per_gpu``) -- for each workflow stage, computed from the matrix's
 shape and number of stored elements, so that a bigger matrix asks for more.
-The workflow's resource functions (``rules/common.smk``) call these; the SLURM
+The workflow's resource functions (``rules/common_resources.smk``) call these; the SLURM
 profile (``profiles/slurm``) turns them into ``sbatch`` options. See
 docs/cluster.md for the model and how to override it.
 
