@@ -116,9 +116,13 @@ def get_summary_input(wildcards):
 
 
 def get_summary_name(wildcards):
-    """The configuration's name (config name), which the summary's title shows;
-    the first function Snakemake evaluates once its DAG is built, so it starts
-    the check of the DAG against this machine (check_dag)."""
+    """The configuration's name (config name), which the summary's title shows.
+
+    Snakemake evaluates every job's params once it has built the DAG, dry
+    runs (quiet ones too) included, and summarize is in every DAG of the
+    workflow's target: so this starts the check of the DAG against this
+    machine (check_dag) before any job runs.
+    """
     check_dag()
     return config["name"]
 
