@@ -386,8 +386,9 @@ def test_workflow_chunks_a_matrix_once_for_the_runs_that_read_chunks(tmp_path):
         {"backend": "cpu", "bp": "onepass_chunked"},
     ]
     config = changed(use_gpu=True, runs=runs)
-    assert dry_run(tmp_path, config)["chunk_matrix"] == 1
-    plan = snakemake(tmp_path, "--dry-run", config=config).stdout
+    gpus = ("--resources", "gpu=2")  # use_gpu: true plans GPU jobs where GPUs are given
+    assert dry_run(tmp_path, config, *gpus)["chunk_matrix"] == 1
+    plan = snakemake(tmp_path, "--dry-run", *gpus, config=config).stdout
     reading = set()
     for rule in plan.split("rule run_mlem:")[1:]:
         rule = rule.split("\n\n", 1)[0]
@@ -397,5 +398,5 @@ def test_workflow_chunks_a_matrix_once_for_the_runs_that_read_chunks(tmp_path):
     assert reading == {f"nema-seed1/cuda-auto-auto-{key}/gpus-1-local", f"nema-seed1/cuda-auto-auto-{key}/gpus-2-local",
                        f"nema-seed1/cuda-auto-onepass_chunked-{key}/gpus-1-local"}, reading
     # not reordered: auto keeps its sample (no chunks to reuse voxels), only onepass_chunked reads the file
-    jobs = dry_run(tmp_path, dict(config, reorder="none", runs=runs[:1] + runs[2:]))
+    jobs = dry_run(tmp_path, dict(config, reorder="none", runs=runs[:1] + runs[2:]), *gpus)
     assert "chunk_matrix" not in jobs
