@@ -241,11 +241,12 @@ def test_configs_plan_the_gpu_runs(tmp_path, name, runs, gpus):
         sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
         "--configfile", str(TOOL / name), "--config", "use_gpu=true", "--dry-run", "--cores", "4",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MLEM_NUM_GPUS": str(gpus)}  # the GPU machine's GPUs
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert out.count("rule run_mlem:") == runs
-    assert out.count("rule warm_kernels:") == 1  # one GPU, before the runs
+    assert out.count("checkpoint warm_kernels:") == 1  # one GPU, before the runs
     assert out.count(f"gpu={gpus}") == runs + (1 if gpus == 1 else 0)
     assert "rule reference_mlem:" not in out and "rule bench_spmv:" not in out
 
@@ -260,7 +261,8 @@ def test_madpet2_config_plans_every_stage_and_six_runs(tmp_path):
         sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(tmp_path),
         "--configfile", str(TOOL / "madpet2.yaml"), "--config", "use_gpu=true", "--dry-run", "--cores", "4",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MLEM_NUM_GPUS": "2"}  # the GPU machine's GPUs
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     for rule in ("generate_matrix", "convert_matrix", "compute_norm", "transpose_matrix", "partition_matrix", "summarize"):
