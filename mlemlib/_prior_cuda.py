@@ -38,15 +38,14 @@ def _args(prior: Any, f: Any) -> tuple:
     dev = f.device.id
     cached = prior._device.get(dev)
     if cached is None:
-        from mlemlib.prior import _OX, _OY, _OZ, _W
-
+        ox, oy, oz, w = prior.offsets
         with cp.cuda.Device(dev):
             empty_i = cp.zeros(1, dtype=cp.int64)
             cached = (
                 cp.asarray(prior.kappa) if prior.kappa is not None else cp.zeros(1, dtype=cp.float32),
                 cp.asarray(prior.pos) if prior.pos is not None else empty_i,
                 cp.asarray(prior.inv) if prior.inv is not None else empty_i,
-                cp.asarray(_OX), cp.asarray(_OY), cp.asarray(_OZ), cp.asarray(_W),
+                cp.asarray(ox), cp.asarray(oy), cp.asarray(oz), cp.asarray(w),
             )  # fmt: skip
         prior._device[dev] = cached
     kappa, pos, inv, ox, oy, oz, w = cached

@@ -40,6 +40,8 @@ Provides
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hashlib
 import logging
 import os
@@ -51,6 +53,7 @@ import numpy as np
 from numba import njit, prange
 
 from mlemlib.errors import ConfigError, MatrixFormatError
+from mlemlib.formats._check import DEFAULT_CHUNK_NNZ
 from mlemlib.formats.h5 import FOLD_ATTR_USER_ROWS, FOLD_DATASET, marked_container
 from mlemlib.image import plain_attr
 from mlemlib.matrix import CSRMatrix
@@ -428,6 +431,7 @@ def fold_file(
 
 
 __all__ = [
+    "convert_stage",
     "ATTR_CHECKSUM",
     "ATTR_METHOD",
     "ATTR_ROWS",
@@ -444,3 +448,45 @@ __all__ = [
     "stored_row_weights",
     "user_rows",
 ]
+
+
+def convert_stage(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    fmt: str | None = None,
+    fold: bool = False,
+    clip_negative: bool = False,
+    code_bits: int | None = None,
+    max_nnz: int = DEFAULT_CHUNK_NNZ,
+) -> dict:
+    """The convert stage (``mlem convert``, the workflow's ``convert_matrix``): :func:`mlemlib.formats.convert`,
+    or with ``fold`` :func:`fold_file`.
+
+    Folding hashes the rows as read, so with both ``fold`` and ``clip_negative``
+    the input is first converted with its negative values set to 0 into a
+    temporary CSR container beside ``out`` (removed afterwards), which is then
+    folded into ``out`` in ``fmt`` (default: the input's format).
+
+    Returns
+    -------
+    dict
+        The summary of :func:`~mlemlib.formats.convert` or :func:`fold_file`
+        (with ``clipped`` and ``clipped_min`` where ``clip_negative``).
+    """
+    from mlemlib.formats import convert, matrix_format
+
+    if not fold:
+        return convert(src, out, fmt=fmt, code_bits=code_bits, max_nnz=max_nnz, clip_negative=clip_negative)
+    if not clip_negative:
+        return fold_file(src, out, fmt=fmt, code_bits=code_bits, chunk_nnz=max_nnz)
+    fmt = fmt or matrix_format(src)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.clipped.h5")
+    try:
+        clip = convert(src, tmp, fmt="csr", max_nnz=max_nnz, clip_negative=True)
+        summary = fold_file(tmp, out, fmt=fmt, code_bits=code_bits, chunk_nnz=max_nnz)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return summary | {"clipped": clip["clipped"], "clipped_min": clip["clipped_min"]}

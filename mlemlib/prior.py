@@ -53,6 +53,7 @@ import numpy as np
 from numba import njit, prange
 
 from mlemlib.errors import ConfigError, MatrixFormatError
+from mlemlib.grid import check_grid, given_geometry
 
 #: Prior types and the codes the kernels use for them.
 KINDS = {"rdp": 0, "quadratic": 1}
@@ -255,6 +256,11 @@ class Prior:
         """The kernels' code of :attr:`kind` (0 rdp, 1 quadratic)."""
         return KINDS[self.kind]
 
+    @property
+    def offsets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The stencil's 26 neighbour offsets (x, y, z) and weights, as the kernels take them."""
+        return _OX, _OY, _OZ, _W
+
     def _check(self, f: Any) -> None:
         if getattr(f, "ndim", None) != 1 or f.shape[0] != self.n:
             raise ConfigError("image", f"has shape {tuple(getattr(f, 'shape', ()))}, expected a vector of "
@@ -333,20 +339,6 @@ def _number(key: str, value: Any, *, positive: bool = False) -> float:
     if not math.isfinite(v) or v < 0 or (positive and v == 0):
         raise ConfigError(key, f"{value!r}, expected a finite number {'> 0' if positive else '>= 0'}")
     return v
-
-
-def check_grid(grid: Any, n: int | None = None, key: str = "grid") -> tuple[int, int, int]:
-    """``grid`` as three positive ints whose product is ``n`` (when given); one-line ConfigError naming ``key``."""
-    try:
-        g = tuple(int(v) for v in grid)
-        ok = len(g) == 3 and all(v >= 1 for v in g) and all(float(v) == int(v) for v in grid)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(key, f"{grid!r}, expected three positive integers NX NY NZ")
-    if n is not None and math.prod(g) != int(n):
-        raise ConfigError(key, f"{g[0]}x{g[1]}x{g[2]} = {math.prod(g)} voxels, but the matrix has n = {int(n)} columns")
-    return g  # type: ignore[return-value]
 
 
 def make_prior(
@@ -472,53 +464,6 @@ def read_kappa(spec: str | os.PathLike, n: int) -> np.ndarray:
             raise ConfigError(name, f"size {size} is not a multiple of 4 bytes (raw little-endian float32 per voxel)")
         values = np.fromfile(path, dtype="<f4")
     return check_kappa(values, n, name)
-
-
-def given_geometry(
-    source: str | os.PathLike,
-    n: int,
-    grid: Any,
-    voxel_size: Any,
-    found_grid: Any = None,
-    found_voxel_size: Any = None,
-) -> tuple[tuple[int, int, int] | None, tuple[float, float, float] | None]:
-    """The grid and voxel size a converted matrix records: those given (``mlem convert --grid --voxel-size``)
-    checked against its column count and against what the input already records, else the input's.
-
-    Raises
-    ------
-    ConfigError
-        One line naming ``source``: a grid whose product is not ``n``, not three positive integers, a voxel
-        size that is not three positive numbers or is given without a grid, or a value that disagrees
-        with the one the input records.
-    """
-    label = os.fspath(source)
-    g = found_grid if grid is None else None
-    if grid is not None:
-        try:
-            g = check_grid(grid, n, key=label)
-        except ConfigError as exc:
-            raise ConfigError(label, f"--grid {exc.fault}") from None
-        if found_grid is not None and tuple(int(v) for v in found_grid) != g:
-            raise ConfigError(label, f"records grid {'x'.join(str(int(v)) for v in found_grid)}, --grid gives "
-                              f"{'x'.join(map(str, g))}")  # fmt: skip
-    vs = found_voxel_size if voxel_size is None else None
-    if voxel_size is not None:
-        try:
-            vs = tuple(float(v) for v in voxel_size)
-            ok = len(vs) == 3 and all(math.isfinite(v) and v > 0 for v in vs)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ConfigError(label, f"--voxel-size {voxel_size!r}, expected three positive numbers (mm)")
-        if g is None:
-            raise ConfigError(label, "--voxel-size without a grid: give --grid NX NY NZ as well")
-        if found_voxel_size is not None and tuple(float(v) for v in found_voxel_size) != vs:
-            raise ConfigError(label, f"records voxel size {tuple(float(v) for v in found_voxel_size)}, --voxel-size "
-                              f"gives {vs}")  # fmt: skip
-    g = None if g is None else tuple(int(v) for v in g)
-    vs = None if vs is None else tuple(float(v) for v in vs)
-    return g, vs  # type: ignore[return-value]
 
 
 def require_grid(matrix: Any, name: str | None = None) -> tuple[int, int, int]:

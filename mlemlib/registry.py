@@ -517,6 +517,61 @@ def resolve(backend: str, fp: str | None, bp: str | None, *, gpus: int = 1, layo
     return Choice(fp, bp, kb.needs_transpose, get("cuda", "forward", fp).deterministic and kb.deterministic)
 
 
+@dataclass(frozen=True)
+class Decision(Choice):
+    """A :class:`Choice` with how ``auto`` came to it: the chunk sample it judged (``reuse``, ``chunks``; None
+    where none was taken) and ``paired``, the choice without the chunked one pass (a backend falls back to it
+    where the chunks cannot be made)."""
+
+    chunked: bool = False
+    reuse: float | None = None
+    chunks: float | None = None
+    paired: Choice | None = None
+
+
+def decide(backend: str, fp: str | None, bp: str | None, *, fmt: str = "csr", gpus: int = 1,
+           layout: str | None = None, transpose_available: bool = True, fits: bool = True, threads: int = 1,
+           sample: Callable[[], tuple[float | None, float | None] | None] | None = None, sms: int | None = None,
+           chunks_fit: Callable[[], bool] | None = None, check_gpus: int | None = None) -> Decision:
+    """The one kernel decision of every backend (cpu, one GPU, N GPUs): the user's names, ``auto`` and the
+    chunk choice, from the facts of the matrix and the device.
+
+    :func:`resolve` gives the names (``auto``: the pair or the no-transpose choice); where ``auto`` may
+    still take ``onepass_chunked`` (:func:`may_chunk`, the cuda backend, the local layout) and ``sample``
+    is given, its chunk sample (``(reuse, chunks)``, :func:`mlemlib.chunked.sample_chunks`; called only
+    then) decides by :func:`choose_auto`, and ``chunks_fit`` (called only then) whether the chunks fit the
+    device. The ``notrans`` selector stays for the backend to settle (:meth:`Choice.settle`) once ``A`` is
+    on its device.
+
+    Parameters
+    ----------
+    gpus
+        GPU count (each GPU's share of the chunks is judged).
+    check_gpus
+        The GPU count the names are checked against (default ``gpus``; the several-GPU backend running on
+        one passes 2, so that only kernels of its layout are valid).
+    Others
+        As :func:`resolve` and :func:`choose_auto`.
+    """
+    checked = gpus if check_gpus is None else check_gpus
+    choice = resolve(backend, fp, bp, gpus=checked, layout=layout, transpose_available=transpose_available,
+                     fits=fits, threads=threads, fmt=fmt)
+    plain = Decision(choice.fp, choice.bp, choice.needs_transpose, choice.deterministic,
+                     chunked=get_bp(backend, choice.bp).chunks)
+    if backend != "cuda" or sample is None or layout not in (None, "local") or not may_chunk(fp, bp, choice):
+        return plain
+    got = sample()
+    reuse, chunks = got if got is not None else (None, None)
+    pick = choose_auto(reuse, transpose=choice.needs_transpose, chunks=chunks, sms=sms, fmt=fmt, gpus=gpus,
+                       layout=layout, fits=fits)
+    if not get_bp("cuda", pick).chunks or (chunks_fit is not None and not chunks_fit()):
+        return Decision(choice.fp, choice.bp, choice.needs_transpose, choice.deterministic, reuse=reuse,
+                        chunks=chunks)
+    c = resolve("cuda", "auto", pick, gpus=checked, layout=layout, fmt=fmt)
+    return Decision(c.fp, c.bp, c.needs_transpose, c.deterministic, chunked=True, reuse=reuse, chunks=chunks,
+                    paired=choice)
+
+
 def kernels_of(backend: str, fp: str, bp: str) -> list[Kernel]:
     """The kernels a settled choice ``fp``/``bp`` runs: the back projection (a one pass: the whole
     iteration) and, unless it is a one pass, the forward projection."""

@@ -6,7 +6,7 @@ from mlemlib.logs import send_to_log
 
 send_to_log(snakemake.log[0])
 
-from mlemlib.formats import convert_stage  # noqa: E402
+from mlemlib.fold import convert_stage  # noqa: E402
 
 # fold: each distinct row once, with the map from the user's rows (docs/formats.md); a compressed
 # container kept in its own format is copied with its stored values bit for bit (convert does it);

@@ -24,6 +24,7 @@ from mlemlib.backends import make_backend
 from mlemlib.dist import mpi as M
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import nccl as N
+from mlemlib.backends._nccl_plan import resolve_kernels
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix
 
@@ -52,18 +53,18 @@ def _transpose(a: CSRMatrix) -> CSRMatrix:
     ],
 )
 def test_resolve_kernels(fp, bp, layout, expected):
-    assert N.resolve_kernels(fp, bp, layout) == expected
+    assert resolve_kernels(fp, bp, layout) == expected
 
 
 def test_resolve_kernels_rejects():
     with pytest.raises(ConfigError, match="unknown layout"):
-        N.resolve_kernels("auto", "auto", "ring")
+        resolve_kernels("auto", "auto", "ring")
     with pytest.raises(ConfigError, match="'scatter_smem' of backend cuda does not run on 2 GPUs in the thesis layout"):
-        N.resolve_kernels("auto", "scatter_smem", "thesis")
+        resolve_kernels("auto", "scatter_smem", "thesis")
     with pytest.raises(ConfigError, match="'onepass' of backend cuda does not run on 2 GPUs in the thesis layout"):
-        N.resolve_kernels("auto", "onepass", "thesis")
+        resolve_kernels("auto", "onepass", "thesis")
     with pytest.raises(ConfigError, match="unknown forward-projection kernel"):
-        N.resolve_kernels("fast", "auto", "local")
+        resolve_kernels("fast", "auto", "local")
 
 
 def test_build_plan_in_memory_matches_the_partition_stage(rng):

@@ -1,6 +1,6 @@
 """Host-side planning of the ``cuda-nccl`` backend (no GPU): its kernels and its partition plan.
 
-:func:`resolve_kernels` is :func:`mlemlib.registry.resolve` with the facts of a multi-GPU run;
+:func:`resolve_kernels` is :func:`mlemlib.registry.decide` with the facts of a multi-GPU run (no chunk sample);
 :func:`build_plan` reads a partition plan (checked against the matrix) or splits the rows in memory
 with the partition stage's rule.
 """
@@ -22,7 +22,7 @@ def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2,
                     transpose_available: bool = True) -> tuple[str, str, bool]:
     """The forward and back-projection kernels of a layout, and whether the pair is deterministic.
 
-    :func:`mlemlib.registry.resolve` with the facts of this backend: the
+    :func:`mlemlib.registry.decide` with the facts of this backend (no chunk sample): the
     transpose is available where ``transpose_available`` says (a CSR ``A_k``
     is transposed on its GPU; a compressed one needs the plan's part files or
     a stored ``A^T``) and fits (each GPU checks its memory when it loads its
@@ -37,8 +37,8 @@ def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2,
     """
     if layout not in LAYOUTS:
         raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
-    choice = registry.resolve("cuda", fp, bp, gpus=max(2, int(world)), layout=layout, fmt=fmt,
-                              transpose_available=transpose_available or layout == "thesis")
+    choice = registry.decide("cuda", fp, bp, gpus=int(world), check_gpus=max(2, int(world)), layout=layout, fmt=fmt,
+                             transpose_available=transpose_available or layout == "thesis")
     return choice.fp, choice.bp, choice.deterministic
 
 

@@ -501,8 +501,8 @@ class CpuBackend(_HostRows, Backend):
 
         # A compressed matrix runs its own (float32) kernels; the float64 reference reads it decoded.
         self.format = format_of(matrix) if self.dtype == np.float32 else "csr"
-        choice = registry.resolve("cpu", fp, bp, transpose_available=transpose is not None,
-                                  threads=numba.get_num_threads(), fmt=self.format)
+        choice = registry.decide("cpu", fp, bp, transpose_available=transpose is not None,
+                                 threads=numba.get_num_threads(), fmt=self.format)
         self.fp_kernel, self.bp_kernel = choice.fp, choice.bp
         self._kb = registry.get_bp("cpu", self.bp_kernel)
         self.onepass = self._kb.op == "iteration"

@@ -238,9 +238,22 @@ class CudaBackend(Backend):
             # A CSR matrix without a stored transpose is transposed here (cuSPARSE, 32-bit indices): faster
             # than reading A^T from disk
             on_gpu_t = transpose is None and self.format == "csr" and nnz <= registry.CUSPARSE_MAX_NNZ
-            choice = registry.resolve(
+            def chunks_fit() -> bool:
+                need_c = layout.device_bytes() if layout is not None else cc().DeviceChunked.device_bytes(matrix)
+                if need_c + need_vec > MEMORY_HEADROOM * free:
+                    log.info("bp=auto: the row chunks (%.2f GiB) do not fit the %.2f GiB free", need_c / GIB,
+                             free / GIB)
+                    return False
+                self.memory["matrix"], self.memory["transpose"] = need_c, 0
+                return True
+
+            # the chunked one pass where a sample of the matrix's chunks reuses voxels (a reordered matrix)
+            may_sample = self.format == "csr" or not isinstance(matrix, DeviceMatrix)
+            choice = registry.decide(
                 "cuda", fp, bp, transpose_available=transpose is not None or on_gpu_t, fits=fits_both,
-                fmt=self.format
+                fmt=self.format, sms=ck.device_properties(self.device_id)["sm_count"], chunks_fit=chunks_fit,
+                sample=(lambda: (layout.reuse, layout.chunks) if layout is not None
+                        else sample_chunks(matrix, self.device_id)) if may_sample else None,
             )
             if bp in ("auto", None):
                 if transpose is None and not on_gpu_t:
@@ -263,33 +276,14 @@ class CudaBackend(Backend):
             self.fp_kernel, self.bp_kernel = choice.fp, choice.bp
             self.bp_requested = str(bp)
             self.deterministic = choice.deterministic
-
-            self.chunk_reuse_sample: float | None = None
-            self.chunk_estimate: float | None = None
-            paired = choice
-            if registry.may_chunk(fp, bp, choice) and (self.format == "csr" or not isinstance(matrix, DeviceMatrix)):
-                # the chunked one pass where a sample of the matrix's chunks reuses voxels (a reordered
-                # matrix), with or without a transpose
-                sample = (layout.reuse, layout.chunks) if layout is not None else sample_chunks(matrix, self.device_id)
-                self.chunk_reuse_sample, chunks = sample if sample is not None else (None, None)
-                self.chunk_estimate = chunks
-                pick = registry.get_bp("cuda", registry.choose_auto(
-                    self.chunk_reuse_sample, transpose=choice.needs_transpose, chunks=chunks,
-                    sms=ck.device_properties(self.device_id)["sm_count"], fmt=self.format, fits=fits_both))
-                need_c = (layout.device_bytes() if layout is not None else cc().DeviceChunked.device_bytes(matrix)
-                          ) if pick.chunks else 0
-                if pick.chunks and need_c + need_vec > MEMORY_HEADROOM * free:
-                    log.info("bp=auto: the row chunks (%.2f GiB) do not fit the %.2f GiB free: %s",
-                             need_c / GIB, free / GIB, choice.bp)
-                elif pick.chunks:
-                    self.memory["matrix"], self.memory["transpose"] = need_c, 0
-                    log.info("bp=auto: %s reuse each voxel %.1f times (%.0f chunks): %s%s",
-                             "the layout's chunks" if layout is not None else "chunks of a sample",
-                             self.chunk_reuse_sample, chunks, pick.name,
-                             " (the transpose is not read)" if choice.needs_transpose else "")
-                    self.chunked = True
-                    choice = registry.resolve("cuda", "auto", pick.name, fmt=self.format)
-                    self.fp_kernel, self.bp_kernel, self.deterministic = choice.fp, choice.bp, choice.deterministic
+            self.chunk_reuse_sample, self.chunk_estimate = choice.reuse, choice.chunks
+            self.chunked = choice.chunked
+            paired = choice.paired or choice
+            if choice.chunked:
+                log.info("bp=auto: %s reuse each voxel %.1f times (%.0f chunks): %s%s",
+                         "the layout's chunks" if layout is not None else "chunks of a sample",
+                         choice.reuse, choice.chunks, choice.bp,
+                         " (the transpose is not read)" if paired.needs_transpose else "")
             self.chunk_file = layout.path if self.chunked and layout is not None else None
             # the kernels compile in the background while A is read and copied
             ck.prefetch_kernels(registry.kernels_of("cuda", self.fp_kernel, self.bp_kernel), self.device_id,

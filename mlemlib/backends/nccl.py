@@ -63,7 +63,7 @@ from mlemlib.backends.base import (
     bytes_per_nnz,
     calibrated_bound,
 )
-from mlemlib.backends._nccl_plan import build_plan, plan_has_parts, resolve_kernels
+from mlemlib.backends._nccl_plan import LAYOUTS, build_plan, plan_has_parts
 from mlemlib.backends._nccl_shards import Shard, load_shard
 from mlemlib.backends.cuda import chunk_layout, sample_chunks
 from mlemlib.backends.device_formats import format_of
@@ -200,29 +200,25 @@ class NcclBackend(Backend):
         # A_k^T in the local layout: transposed on its GPU (CSR) or the plan's part files; a whole A^T only
         # serves the thesis layout's row blocks
         t_avail = self.format == "csr" or plan_has_parts(plan) or (layout == "thesis" and transpose is not None)
-        self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels(fp, bp, layout, nworld, fmt=self.format,
-                                                                             transpose_available=t_avail)
-        self.chunk_reuse_sample: float | None = None
-        choice = registry.Choice(self.fp_kernel, self.bp_kernel, registry.get_bp("cuda", self.bp_kernel).needs_transpose,
-                                 self.deterministic)
+        if layout not in LAYOUTS:
+            raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
         self._layout, own_layout = chunk_layout(chunks, matrix) if layout == "local" else (None, False)
         if own_layout:
             weakref.finalize(self, self._layout.close)
-        if layout == "local" and registry.may_chunk(fp, bp, choice):
-            # the same rule as on one GPU (registry.choose_auto), each GPU's share of the chunks counted
-            dev0 = (devices or [0])[0]
-            lay = self._layout
-            sample = (lay.reuse, lay.chunks) if lay is not None else sample_chunks(matrix, dev0)
-            self.chunk_reuse_sample, chunks = sample if sample is not None else (None, None)
-            pick = registry.choose_auto(self.chunk_reuse_sample, transpose=choice.needs_transpose, chunks=chunks,
-                                        sms=ck.device_properties(dev0)["sm_count"], fmt=self.format,
-                                        gpus=nworld, layout=layout)
-            if registry.get_bp("cuda", pick).chunks:
-                log.info("bp=auto: %s reuse each voxel %.1f times (%.0f chunks, %d GPUs): %s",
-                         "the layout's chunks" if lay is not None else "chunks of a sample",
-                         self.chunk_reuse_sample, chunks, nworld, pick)
-                self.fp_kernel, self.bp_kernel, self.deterministic = resolve_kernels("auto", pick, layout, nworld,
-                                                                                     fmt=self.format)
+        dev0 = (devices or [0])[0]
+        lay = self._layout
+        # the same decision as on one GPU (registry.decide), each GPU's share of the chunks counted
+        choice = registry.decide(
+            "cuda", fp, bp, fmt=self.format, gpus=nworld, check_gpus=max(2, nworld), layout=layout,
+            transpose_available=t_avail or layout == "thesis", sms=ck.device_properties(dev0)["sm_count"],
+            sample=lambda: (lay.reuse, lay.chunks) if lay is not None else sample_chunks(matrix, dev0),
+        )
+        self.fp_kernel, self.bp_kernel, self.deterministic = choice.fp, choice.bp, choice.deterministic
+        self.chunk_reuse_sample: float | None = choice.reuse
+        if choice.reuse is not None and choice.chunked:
+            log.info("bp=auto: %s reuse each voxel %.1f times (%.0f chunks, %d GPUs): %s",
+                     "the layout's chunks" if lay is not None else "chunks of a sample",
+                     choice.reuse, choice.chunks, nworld, choice.bp)
         self._kb = registry.get_bp("cuda", self.bp_kernel)
         self.onepass = self._kb.op == "iteration"
         self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
                           "(the grid is kept)")
     clip = getattr(args, "clip_negative", False)
     if args.fold:
-        from mlemlib.formats import convert_stage
+        from mlemlib.fold import convert_stage
 
         s = convert_stage(args.input, args.out, fmt=args.format, fold=True, clip_negative=clip,
                           code_bits=args.code_bits, max_nnz=args.chunk_nnz)

@@ -73,7 +73,6 @@ __all__ = [
     "convert",
     "container_path",
     "convert_command",
-    "convert_stage",
     "file_kind",
     "geometry_value",
     "info",
@@ -337,7 +336,7 @@ def convert(
         from mlemlib.formats.compressed_h5 import copy_compressed
 
         if grid is not None or voxel_size is not None:  # recorded through the attachment, checked first
-            from mlemlib.prior import given_geometry
+            from mlemlib.grid import given_geometry
 
             with MatrixH5(src) as r:
                 g, vs = given_geometry(src, r.shape[1], grid, voxel_size, r.grid, r.voxel_size)
@@ -358,7 +357,7 @@ def convert(
     with open_matrix(src, allow_negative=clip_negative) as reader:
         m, n = reader.shape
         if grid is not None or voxel_size is not None:
-            from mlemlib.prior import given_geometry
+            from mlemlib.grid import given_geometry
 
             grid, voxel_size = given_geometry(src, n, grid, voxel_size, reader.grid, reader.voxel_size)
         else:
@@ -455,48 +454,6 @@ def convert(
         summary |= {"clipped": clipped, "clipped_min": clipped_min}
     log.info("converted %s -> %s: nnz %d in %.1f s", src, out, summary["nnz"], seconds)
     return summary
-
-
-def convert_stage(
-    src: str | os.PathLike,
-    out: str | os.PathLike,
-    *,
-    fmt: str | None = None,
-    fold: bool = False,
-    clip_negative: bool = False,
-    code_bits: int | None = None,
-    max_nnz: int = DEFAULT_CHUNK_NNZ,
-) -> dict:
-    """The convert stage (``mlem convert``, the workflow's ``convert_matrix``): :func:`convert`, or with
-    ``fold`` :func:`mlemlib.fold.fold_file`.
-
-    Folding hashes the rows as read, so with both ``fold`` and ``clip_negative``
-    the input is first converted with its negative values set to 0 into a
-    temporary CSR container beside ``out`` (removed afterwards), which is then
-    folded into ``out`` in ``fmt`` (default: the input's format).
-
-    Returns
-    -------
-    dict
-        The summary of :func:`convert` or :func:`~mlemlib.fold.fold_file`
-        (with ``clipped`` and ``clipped_min`` where ``clip_negative``).
-    """
-    if not fold:
-        return convert(src, out, fmt=fmt, code_bits=code_bits, max_nnz=max_nnz, clip_negative=clip_negative)
-    from mlemlib.fold import fold_file
-
-    if not clip_negative:
-        return fold_file(src, out, fmt=fmt, code_bits=code_bits, chunk_nnz=max_nnz)
-    fmt = fmt or matrix_format(src)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.clipped.h5")
-    try:
-        clip = convert(src, tmp, fmt="csr", max_nnz=max_nnz, clip_negative=True)
-        summary = fold_file(tmp, out, fmt=fmt, code_bits=code_bits, chunk_nnz=max_nnz)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return summary | {"clipped": clip["clipped"], "clipped_min": clip["clipped_min"]}
 
 
 def _clip_negative(block):
