@@ -17,7 +17,9 @@ def get_matrices():
 
 
 def get_preset(wildcards):
-    """Scanner preset of a generated matrix."""
+    """Scanner preset of a generated matrix (and, as the params of a first
+    job of the DAG, the start of check_dag)."""
+    check_dag()
     return config["matrices"][wildcards.matrix]["preset"]
 
 
@@ -36,8 +38,10 @@ def get_matrix_stamp(wildcards):
     the config at another file, or replacing the file with one of another
     size or time (even an older one), reruns the conversion and what follows.
     A generated matrix: its preset (generate_matrix's output is tracked by
-    Snakemake itself).
+    Snakemake itself). As the params of a first job of the DAG, it starts
+    check_dag.
     """
+    check_dag()
     entry = config["matrices"][wildcards.matrix]
     if entry["path"] is None:
         return {"preset": entry["preset"]}

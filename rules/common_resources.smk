@@ -341,10 +341,12 @@ DAG_CHECKED = []
 def check_dag():
     """Check the DAG Snakemake built against this machine, once, before any job.
 
-    Called from the functions Snakemake evaluates for the jobs of a complete
-    DAG: the summary's params (every job's params are evaluated once the DAG
-    is built, dry runs included) and every sized job's resources (evaluated
-    before the job runs). Logs the runs get_gpu_limit() leaves out
+    Snakemake evaluates every job's params once it has built the DAG (dry
+    runs, quiet ones too, included), before it decides what to run: the
+    params of the DAG's first jobs (generate_matrix, generate_container,
+    convert_matrix: get_preset, get_matrix_stamp) and of its last
+    (summarize: get_summary_name) start this check, so that a refusal is one
+    line. The resource functions (evaluated before a job runs) call it too. Logs the runs get_gpu_limit() leaves out
     (report_left_out_runs), refuses GPU jobs without a GPU
     (check_gpus_visible), logs every job's needs and refuses a shortfall
     (check_resources). Skipped inside jobs (Snakemake parses the workflow

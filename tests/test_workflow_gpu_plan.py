@@ -213,3 +213,20 @@ def test_unlock_prints_no_resource_table(tmp_path):
     assert proc.returncode == 0, out
     assert "what each job needs" not in out and "runs left out" not in out and "use_gpu" not in out
     assert "Unlocked working directory" in out
+
+
+# ------------------------------------------------------------------ the DAG check, whatever the target
+
+
+@pytest.mark.parametrize("target", [(), ("results/small/norm.h5",)])
+def test_the_dag_check_refuses_in_one_last_line_for_any_target(tmp_path, target):
+    """The check of the DAG against the node runs once the DAG is built, for the whole workflow or one file."""
+    config = copy.deepcopy(TINY)
+    config["node"] = {"host_memory_gb": 0.5}
+    proc = snakemake(tmp_path, config, *target, "--dry-run")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("resources: stage generate_matrix (small) needs ") and last.endswith(
+        "of host memory, the node has 500.0 MB (short by " + last.rsplit("(short by ", 1)[-1]), out[-2000:]
+    assert "Exception" not in out and "Traceback" not in out and "Job stats" not in out
