@@ -59,7 +59,18 @@ benchmark tables, and writes:
     run's matrix has a thesis matrix's shape. Written where a cuda run is.
 ``plots/image_<matrix>_<data>.png``
     Central slices (axial, coronal, sagittal) of a reconstruction beside the
-    truth, one per problem: axes in mm, one grey scale for both, its units.
+    truth, one per problem: axes in mm, one grey scale for both, its units;
+    where MLEM or OSEM and MAP both ran for the problem, the MAP image in a
+    row below OSEM's.
+``plots/map_objective.png``
+    Phi, the log-likelihood and the prior R per pass of every MAP
+    configuration (``map.history`` of ``timings.json``). Written only where a
+    MAP run is.
+``plots/map_metrics.png``
+    The convergence metrics per pass (:mod:`mlemlib.map_metrics`: the RMSE
+    over the phantom's object and background, the largest sphere error,
+    against a converged MAP image) on log axes with the 1% and 0.5%
+    thresholds. Written only where a MAP run recorded them (``map.metrics``).
 
 The file names are stable; the workflow's report captions refer to them
 (``report/plots.rst`` shows whichever of them exist).
@@ -81,6 +92,8 @@ from mlemlib.report.plots import (
     plot_accuracy,
     plot_distribution,
     plot_image,
+    plot_map_metrics,
+    plot_map_objective,
     plot_scaling,
     plot_time_vs_gpus,
     plot_times,
@@ -147,12 +160,18 @@ __all__ = [
     "label_terms",
     "load_timings",
     "lossy_section",
+    "map_columns",
+    "map_label",
+    "map_section",
+    "map_threshold",
     "markdown_page",
     "overview_section",
     "plan_section",
     "plot_accuracy",
     "plot_distribution",
     "plot_image",
+    "plot_map_metrics",
+    "plot_map_objective",
     "plot_scaling",
     "plot_time_vs_gpus",
     "plot_times",

@@ -3,8 +3,9 @@
 ``time_per_iteration.png`` (:func:`plot_times`), ``time_distribution.png``
 (:func:`plot_distribution`), ``accuracy.png`` (:func:`plot_accuracy`),
 ``scaling.png`` (:func:`plot_scaling`), ``time_vs_gpus.png``
-(:func:`plot_time_vs_gpus`) and ``image_<matrix>_<data>.png``
-(:func:`plot_image`). Each figure carries its legend outside the axes and a
+(:func:`plot_time_vs_gpus`), ``image_<matrix>_<data>.png``
+(:func:`plot_image`), and for MAP runs ``map_objective.png``
+(:func:`plot_map_objective`) and ``map_metrics.png`` (:func:`plot_map_metrics`). Each figure carries its legend outside the axes and a
 note under it that says what its marks and labels mean; every series has a
 colour of its own; times that differ by more than :data:`PANEL_RATIO` are
 drawn on separate axes or a log axis, so that no bar is too small to see.
@@ -30,6 +31,7 @@ from mlemlib.report.rows import (
     _num,
     _scaling_key,
     config_label,
+    has_map_metrics,
     label_terms,
     scaling_label,
     scaling_table,
@@ -537,6 +539,9 @@ IMAGE_NOTE = (
 #: How the grey scale is set, beside a truth.
 IMAGE_SCALE = ("Truth and reconstruction share one grey scale, from 0 to the 99.9th percentile of both (the arrow: "
                "brighter voxels).")
+#: How the grey scale is set for several reconstructions (with or without the truth).
+IMAGE_SCALE_ALL = ("Every row shares one grey scale, from 0 to the 99.9th percentile of them all (the arrow: "
+                   "brighter voxels).")
 #: How the grey scale is set, without one (a measurement of the user's: nothing to compare with).
 IMAGE_SCALE_NO_TRUTH = "The grey scale runs from 0 to the image's 99.9th percentile (the arrow: brighter voxels)."
 
@@ -551,13 +556,16 @@ def _centre_mm(count: int, size: float) -> float:
     return (count // 2 + 0.5 - count / 2.0) * size
 
 
-def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool:
+def plot_image(image_path: Any, truth_path: Any, path: Path, title: str, *, name: str = "reconstruction",
+               beside: Iterable[tuple[str, Any]] = ()) -> bool:
     """Central axial, coronal and sagittal slices of an image (and of the truth above it). False if unreadable.
 
     Axes in mm (the field of view centred on 0; in voxels where the image
     has no voxel size), one colour scale shared by truth and reconstruction
     (0 to the 99.9th percentile of both) and one colour bar with the units. Without a truth (none given,
-    or unreadable) the figure and its note show and speak of the reconstruction only.
+    or unreadable) the figure and its note show and speak of the reconstruction only. ``name`` titles
+    the image's row; ``beside``: ``(name, image.h5)`` of further reconstructions of the same problem
+    (a MAP image beside OSEM's), each a row below it on the same scale (an unreadable one left out).
     """
     import matplotlib.pyplot as plt
 
@@ -580,7 +588,13 @@ def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool
             vols.append(("truth", t.reshape(gz, gy, gx)))
         except InputError as exc:
             log.warning("truth not shown: %s", exc)
-    vols.append(("reconstruction", img.reshape(gz, gy, gx)))
+    vols.append((name, img.reshape(gz, gy, gx)))
+    for other, other_path in beside:
+        try:
+            o, _ = read_image(other_path, expected_length=img.size)
+            vols.append((other, o.reshape(gz, gy, gx)))
+        except InputError as exc:
+            log.warning("%s not shown: %s", other, exc)
     voxel = attrs.get("voxel_size")
     unit = "mm" if voxel else "voxels"
     vx, vy, vz = (float(v) for v in voxel) if voxel else (1.0, 1.0, 1.0)
@@ -619,7 +633,10 @@ def plot_image(image_path: Any, truth_path: Any, path: Path, title: str) -> bool
     bar.set_label(IMAGE_UNITS, fontsize=8)
     bar.ax.tick_params(labelsize=7)
     fig.suptitle(title, fontsize=9)
-    _add_key(fig, IMAGE_NOTE + (IMAGE_SCALE if len(vols) > 1 else IMAGE_SCALE_NO_TRUTH), width=150)
+    truth_shown = vols[0][0] == "truth"
+    scale = (IMAGE_SCALE if truth_shown and len(vols) == 2 else IMAGE_SCALE_ALL if len(vols) > 1
+             else IMAGE_SCALE_NO_TRUTH)
+    _add_key(fig, IMAGE_NOTE + scale, width=150)
     _save(fig, path, dpi=100)
     return True
 
@@ -721,5 +738,112 @@ def plot_convergence(record: Mapping[str, Any], path: Path) -> bool:
     if fig is None:
         return False
     _add_key(fig, convergence_note(record), width=170)
+    _save(fig, path)
+    return True
+
+
+def _map_groups(groups: Mapping[tuple, list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    return [rs for rs in groups.values() if rs[0].get("map_algorithm") and (rs[0].get("_map") or {}).get("history")]
+
+
+def _map_line_labels(maps: list[list[dict[str, Any]]]) -> list[str]:
+    problems = {(rs[0]["matrix"], rs[0]["data"]) for rs in maps}
+    return [(f"{rs[0]['matrix']} / {rs[0]['data']}: " if len(problems) > 1 else "") + config_label(rs[0])
+            for rs in maps]
+
+
+def plot_map_objective(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> bool:
+    """Phi, the log-likelihood L and the prior R per pass of every MAP configuration (``map.history``).
+
+    Three panels side by side, one colour per configuration (pass 0: the
+    initial image); the legend under them, the note under the figure
+    naming only what it shows. Returns False (nothing written) where no
+    configuration recorded a history.
+    """
+    import matplotlib.pyplot as plt
+
+    maps = _map_groups(groups)
+    if not maps:
+        return False
+    labels = _map_line_labels(maps)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8), layout="constrained")
+    keys = (("phi", "Phi = L - beta R"), ("log_likelihood", "log-likelihood L"), ("prior", "prior R"))
+    for k, (rs, label) in enumerate(zip(maps, labels)):
+        hist = [h for h in rs[0]["_map"]["history"] if isinstance(h, dict)]
+        passes = [h.get("pass") for h in hist]
+        for ax, (key, _) in zip(axes, keys):
+            ax.plot(passes, [_num(h.get(key)) if _num(h.get(key)) is not None else np.nan for h in hist],
+                    color=_series_color(k), label=label, marker="o" if len(hist) <= 12 else None, markersize=3)
+    for ax, (_, name) in zip(axes, keys):
+        ax.set(xlabel="pass", ylabel=name, title=f"{name} per pass")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=1, fontsize=8, borderaxespad=0,
+                   frameon=False)
+    problems = {(rs[0]["matrix"], rs[0]["data"]) for rs in maps}
+    fig.suptitle("MAP objective per pass" + (f": {maps[0][0]['matrix']} / {maps[0][0]['data']}"
+                                             if len(problems) == 1 else ""))
+    note = ("Pass 0 is the initial image; a pass visits every subset once. L is the Poisson log-likelihood "
+            "without its constant, R the prior, beta its weight; MAP maximises Phi.")
+    _add_key(fig, " ".join(t for t in (note, labels_note([rs[0] for rs in maps])) if t), width=170)
+    _save(fig, path)
+    return True
+
+
+def plot_map_metrics(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> bool:
+    """The convergence metrics per pass of every MAP configuration that recorded them (``map.metrics``).
+
+    Three panels on log y axes, one colour per configuration: the RMSE over
+    the phantom's object and over its background (each relative to the
+    converged image's mean there) with the 1% threshold, and the largest
+    relative error of a sphere's mean with the 0.5% threshold. Returns False
+    (nothing written) where no configuration recorded metrics.
+    """
+    import matplotlib.pyplot as plt
+
+    from mlemlib.map_metrics import RMSE_THRESHOLD, SPHERE_THRESHOLD
+
+    maps = [rs for rs in _map_groups(groups) if any(has_map_metrics(r) for r in rs)]
+    if not maps:
+        return False
+    labels = _map_line_labels(maps)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8), layout="constrained")
+    spheres_any = False
+    for k, (rs, label) in enumerate(zip(maps, labels)):
+        m = next(r for r in rs if has_map_metrics(r))["_map"]["metrics"]
+        passes = m["passes"]
+        kw = {"color": _series_color(k), "label": label, "marker": "o" if len(passes) <= 12 else None,
+              "markersize": 3}
+
+        def clean(vals: Iterable[Any]) -> list[float]:
+            return [_num(v) if _num(v) is not None and _num(v) > 0 else np.nan for v in vals]
+
+        axes[0].plot(passes, clean(m["rmse_object"]), **kw)
+        axes[1].plot(passes, clean(m["rmse_background"]), **kw)
+        spheres = [v for v in (m.get("spheres") or {}).values()]
+        if spheres:
+            spheres_any = True
+            worst = [max((_num(v[j]) if _num(v[j]) is not None else math.inf) for v in spheres)
+                     for j in range(len(passes))]
+            axes[2].plot(passes, clean(worst), **kw)
+    titles = ("RMSE over the object", "RMSE over the background", "largest sphere mean error")
+    ylabels = ("RMSE / converged mean (object)", "RMSE / converged mean (background)",
+               "max over spheres |mean - converged mean| / converged mean")
+    for ax, title, ylabel, limit in zip(axes, titles, ylabels, (RMSE_THRESHOLD, RMSE_THRESHOLD, SPHERE_THRESHOLD)):
+        if ax is axes[2] and not spheres_any:
+            ax.set_visible(False)
+            continue
+        ax.axhline(limit, color="0.3", linestyle=":", linewidth=1, label=f"threshold {100 * limit:g}%")
+        ax.set_yscale("log")
+        ax.set(xlabel="pass", ylabel=ylabel, title=title)
+        ax.grid(True, alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    axes[0].legend(handles, names, loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=1, fontsize=8,
+                   borderaxespad=0, frameon=False)
+    problems = {(rs[0]["matrix"], rs[0]["data"]) for rs in maps}
+    fig.suptitle("MAP convergence per pass" + (f": {maps[0][0]['matrix']} / {maps[0][0]['data']}"
+                                               if len(problems) == 1 else ""))
+    note = ("Measured against the converged MAP image of the same problem; dotted: the thresholds of the "
+            "time to threshold (both RMSEs below 1%" + (", every sphere below 0.5%" if spheres_any else "") + ").")
+    _add_key(fig, " ".join(t for t in (note, labels_note([rs[0] for rs in maps])) if t), width=170)
     _save(fig, path)
     return True

@@ -3,7 +3,9 @@
 :func:`load_timings` reads the ``timings.json`` of runs (and of the float64
 references); :func:`run_rows` makes one row per run and repetition (the rows
 of ``runs.csv``, :data:`RUN_COLUMNS`), :func:`group_rows` groups them by
-configuration and :func:`config_label` names a configuration. From the rows:
+configuration and :func:`config_label` names a configuration (a MAP run's
+algorithm, prior and beta included, :func:`map_columns`; its time to threshold,
+:func:`map_threshold`). From the rows:
 :func:`scaling_table` (speed-up over GPU counts and layouts),
 :func:`thesis_table` (the thesis's run beside ours) and
 :func:`transpose_rows` (transposition times from ``transpose.h5`` files and
@@ -38,13 +40,14 @@ STEPS = ("fp", "corr", "bp", "update", "allreduce")
 RUN_COLUMNS = (
     "run", "matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "gpus", "layout", "graph", "steps_from",
     "dtype",
-    "reference_mode", "subsets", "subset_method", "m", "b", "iterations", "repetition", "deterministic", "device", "format", "bytes_per_nnz",
+    "reference_mode", "subsets", "subset_method", "m", "b", "map_algorithm", "prior", "beta", "iterations", "repetition", "deterministic", "device", "format", "bytes_per_nnz",
     "iteration_mean_s", "iteration_median_s", "iteration_min_s", "iteration_max_s", "iteration_std_s",
     *(f"{s}_{k}_s" for s in STEPS for k in ("mean", "median", "min", "max")),
     "load_s", "setup_s", "wall_s", "bytes_per_iteration", "bandwidth_GBps", "fp_bandwidth_GBps",
     "bp_bandwidth_GBps", "gpu_bandwidth_theoretical_GBps", "gpu_bandwidth_measured_GBps",
     "of_floor", "of_csr_floor", "energy_J", "energy_per_iteration_J", "power_W", "energy_gpus",
     "power_capped_s", "thermal_capped_s",
+    "phi", "time_to_threshold_s", "passes_to_threshold",
     "image_sum", "reference_sum", "rel_l2_reference", "sum_rel_error_reference", "rel_l2_truth", "image_sha256", "resumed_at",
 )
 
@@ -302,6 +305,7 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
                 "dtype": cfg.get("dtype"),
                 "reference_mode": bool(cfg.get("reference_mode", False)),
                 **model_columns(cfg),
+                **map_columns(t),
                 "iterations": cfg.get("iterations", rep.get("iterations")),
                 "repetition": rep.get("repetition"),
                 "deterministic": bool(t.get("deterministic", be.get("deterministic", True))),
@@ -348,6 +352,10 @@ def run_rows(timings: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, An
             for label, v in (acc.get("contrast_recovery") or {}).items():
                 row[f"cr_{label}"] = _num(v)
             row["_samples"] = rep.get("samples", {})
+            row["_map"] = t.get("map") if isinstance(t.get("map"), dict) else None
+            reached = map_threshold(row["_map"], rep)
+            row["time_to_threshold_s"] = reached["seconds"] if reached else None
+            row["passes_to_threshold"] = reached["passes"] if reached else None
             row["_outputs"] = t.get("outputs", {})
             row["_truth"] = cfg.get("truth")
             # The kernels as configured ("auto", "notrans" resolve per backend and GPU count).
@@ -388,14 +396,64 @@ def model_columns(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def map_columns(t: Mapping[str, Any]) -> dict[str, Any]:
+    """A MAP run's columns from its ``timings.json``'s ``map``: ``map_algorithm`` (``bsrem``, ``osl``), ``prior``
+    (``rdp``, ``quadratic``), ``beta`` and ``phi`` (Phi after the last pass); None for MLEM and OSEM. The other
+    settings (gamma, epsilon, kappa, relaxation) go into ``_map_params``, which tells configurations apart."""
+    m = t.get("map") if isinstance(t.get("map"), dict) else None
+    if m is None:
+        return {"map_algorithm": None, "prior": None, "beta": None, "phi": None, "_map_params": None}
+    history = m.get("history") or []
+    params = tuple(json.dumps(m.get(k), sort_keys=True) for k in ("gamma", "epsilon", "kappa", "relaxation"))
+    return {"map_algorithm": m.get("algorithm"), "prior": m.get("prior"), "beta": _num(m.get("beta")),
+            "phi": _num(history[-1].get("phi")) if history and isinstance(history[-1], dict) else None,
+            "_map_params": params}
+
+
+def map_threshold(record: Mapping[str, Any] | None, rep: Mapping[str, Any]) -> dict[str, Any] | None:
+    """:func:`mlemlib.map_metrics.time_to_threshold` of a repetition whose passes were measured (``map.metrics``
+    of its ``timings.json``, with that repetition's iteration times), None otherwise (never reached, or not
+    measured)."""
+    from mlemlib.map_metrics import series, time_to_threshold
+
+    metrics = (record or {}).get("metrics")
+    if not isinstance(metrics, dict) or metrics.get("repetition", 0) != rep.get("repetition"):
+        return None
+    seconds = (rep.get("samples") or {}).get("iteration") or []
+    try:
+        return time_to_threshold(series(metrics), seconds)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        log.warning("MAP metrics unreadable (%s): no time to threshold", exc)
+        return None
+
+
+def has_map_metrics(r: Mapping[str, Any]) -> bool:
+    """Whether a row's run recorded MAP convergence metrics (``map.metrics`` with passes)."""
+    return bool(((r.get("_map") or {}).get("metrics") or {}).get("passes"))
+
+
 # --------------------------------------------------------------------------- grouping
 _CONFIG_KEYS = ("matrix", "data", "backend", "fp", "bp", "transpose", "secsize", "graph", "gpus", "layout", "dtype",
-                "reference_mode", "subsets", "m", "b")
+                "reference_mode", "subsets", "m", "b", "map_algorithm", "prior", "beta", "_map_params")
+
+
+def map_label(r: Mapping[str, Any]) -> str:
+    """`` BSREM rdp beta=0.3`` for a MAP run, ``""`` otherwise."""
+    if not r.get("map_algorithm"):
+        return ""
+    beta = _num(r.get("beta"))
+    return f" {str(r['map_algorithm']).upper()} {r.get('prior')} beta={beta:g}" if beta is not None else (
+        f" {str(r['map_algorithm']).upper()} {r.get('prior')}")
 
 
 def model_label(r: Mapping[str, Any]) -> str:
-    """`` OSEM S8 +m +b`` for a run that models more than MLEM (``""`` for MLEM with m = 1, b = 0)."""
-    s = f" OSEM S{r['subsets']}" if (r.get("subsets") or 1) > 1 else ""
+    """`` OSEM S8 +m +b`` for a run that models more than MLEM (``""`` for MLEM with m = 1, b = 0); a MAP run
+    names its algorithm, prior and beta instead of OSEM (`` BSREM rdp beta=0.3 S8 +m +b``)."""
+    subsets = (r.get("subsets") or 1) > 1
+    if r.get("map_algorithm"):
+        s = map_label(r) + (f" S{r['subsets']}" if subsets else "")
+    else:
+        s = f" OSEM S{r['subsets']}" if subsets else ""
     s += " +m" if r.get("m") not in (None, "no") else ""
     s += " +b" if r.get("b") not in (None, "no") else ""
     return s
@@ -470,14 +528,21 @@ def label_terms(rows: Iterable[Mapping[str, Any]]) -> list[str]:
         terms.append("local: one all-reduce of the image per iteration")
     if "thesis" in multi:
         terms.append("thesis: one all-reduce after each projection")
-    if any((r.get("subsets") or 1) > 1 for r in rows):
+    if any((r.get("subsets") or 1) > 1 and not r.get("map_algorithm") for r in rows):
         terms.append("OSEM SK: K ordered subsets")
+    if any(r.get("map_algorithm") for r in rows):
+        terms.append("BSREM, OSL: MAP (its prior, rdp: relative difference, and its weight beta)"
+                     + (", SK: passes of K subsets" if any((r.get("subsets") or 1) > 1 and r.get("map_algorithm")
+                                                          for r in rows) else ""))
     if any(r.get("m") not in (None, "no") for r in rows):
         terms.append("+m: models the multiplicative factors (attenuation, normalisation)")
     if any(r.get("b") not in (None, "no") for r in rows):
         terms.append("+b: models the additive background (randoms, scatter)")
     if len(runs) < len(rows):
-        terms.append("reference (float64): the CPU reference MLEM in float64")
+        refs = [r for r in rows if r.get("reference_mode")]
+        what = ("the CPU reference of the same algorithm (MLEM, OSEM or MAP) in float64"
+                if any(r.get("map_algorithm") for r in refs) else "the CPU reference MLEM in float64")
+        terms.append(f"reference (float64): {what}")
     return terms
 
 

@@ -22,6 +22,8 @@ from mlemlib.report.plots import (
     plot_convergence,
     plot_distribution,
     plot_image,
+    plot_map_metrics,
+    plot_map_objective,
     plot_scaling,
     plot_time_vs_gpus,
     plot_times,
@@ -31,6 +33,7 @@ from mlemlib.report.rows import (
     group_rows,
     join_reference_accuracy,
     load_timings,
+    map_label,
     run_image,
     run_rows,
     transpose_rows,
@@ -39,6 +42,7 @@ from mlemlib.report.tables import (
     accuracy_section,
     convergence_section,
     lossy_section,
+    map_section,
     overview_section,
     plan_section,
     plots_section,
@@ -60,6 +64,8 @@ PLOT_TITLES = {
     "accuracy.png": "Accuracy over repetitions",
     "scaling.png": "Scaling over GPUs",
     "time_vs_gpus.png": "Time per iteration against the number of GPUs",
+    "map_objective.png": "MAP objective per pass",
+    "map_metrics.png": "MAP convergence per pass",
 }
 
 
@@ -172,16 +178,10 @@ def summarize(
                 plot_names["scaling.png"] = PLOT_TITLES["scaling.png"]
             if plot_time_vs_gpus(rows, tmp / "time_vs_gpus.png"):
                 plot_names["time_vs_gpus.png"] = PLOT_TITLES["time_vs_gpus.png"]
-        seen: set[tuple] = set()
-        for r in sorted(rows, key=lambda r: (bool(r["reference_mode"]), r["run"])):
-            problem = (r["matrix"], r["data"])
-            image = run_image(r)
-            if problem in seen or image is None:
-                continue
-            fname = f"image_{_slug(r['matrix'])}_{_slug(r['data'])}.png"
-            if plot_image(image, r.get("_truth"), tmp / fname, f"{r['matrix']} / {r['data']}: {config_label(r)}"):
-                seen.add(problem)
-                plot_names[fname] = f"Image: {r['matrix']} / {r['data']}"
+            for fname, plot in (("map_objective.png", plot_map_objective), ("map_metrics.png", plot_map_metrics)):
+                if plot(groups, tmp / fname):
+                    plot_names[fname] = PLOT_TITLES[fname]
+        plot_names.update(_image_plots(rows, tmp))
         for rec in studies:
             fname = f"convergence_{_slug(rec['matrix'])}_{_slug(rec['data'])}.png"
             if plot_convergence(rec, tmp / fname):
@@ -194,6 +194,7 @@ def summarize(
         thesis_section(rows),
         accuracy_section(groups) if groups else "",
         convergence_section(conv_rows),
+        map_section(groups),
         lossy_section(rows, exact_references),
         transpose_section(trows),
         plan_section(plans),
@@ -228,3 +229,33 @@ def summarize(
         "plots": [os.fspath(plots_dir / p) for p in plot_names],
     }
 
+
+
+def _image_plots(rows: list[dict[str, Any]], plots: Path) -> dict[str, str]:
+    """One image plot per problem (``image_<matrix>_<data>.png``): the first run's image (runs before the
+    float64 references, by run id) that can be read, MLEM or OSEM where one ran, with the first MAP run's
+    image beside it where both ran for the problem. Returns file name -> title."""
+    out: dict[str, str] = {}
+    problems: dict[tuple, dict[bool, list[tuple[dict[str, Any], Path]]]] = {}
+    for r in sorted(rows, key=lambda r: (bool(r["reference_mode"]), r["run"])):
+        image = run_image(r)
+        if image is not None:
+            found = problems.setdefault((r["matrix"], r["data"]), {False: [], True: []})[bool(r.get("map_algorithm"))]
+            if all(image != i for _, i in found):
+                found.append((r, image))
+    for (matrix, data), kinds in problems.items():
+        fname = f"image_{_slug(matrix)}_{_slug(data)}.png"
+        first, maps = (kinds[False], kinds[True][:1]) if kinds[False] else (kinds[True], [])
+        for r, image in first:
+            title = f"{matrix} / {data}: {config_label(r)}"
+            beside = []
+            name = "reconstruction"
+            if maps:
+                m, m_image = maps[0]
+                name = "OSEM" if (r.get("subsets") or 1) > 1 else "MLEM"
+                beside = [("MAP" + map_label(m), m_image)]
+                title += f"; MAP: {config_label(m)}"
+            if plot_image(image, r.get("_truth"), plots / fname, title, name=name, beside=beside):
+                out[fname] = f"Image: {matrix} / {data}"
+                break
+    return out

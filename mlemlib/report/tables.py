@@ -4,7 +4,8 @@
 precision. Each ``*_section`` function returns one Markdown section (a
 heading, a sentence on what its columns measure, a pipe table; "" where it
 has nothing to show): time per iteration by step, scaling over GPUs, the
-thesis beside us, accuracy over repetitions, the cost of lossy matrix
+thesis beside us, accuracy over repetitions, MAP (Phi and the time to
+threshold), the cost of lossy matrix
 values, transposition times, partition balance, the SpMV benchmark and the
 plots. Every column that has a unit names it in its header (one unit per
 column: MLEM times in ms, whole jobs in s), and numbers are formatted for
@@ -40,6 +41,7 @@ from mlemlib.report.rows import (
     _num,
     config_label,
     exact_reference_problem,
+    has_map_metrics,
     label_terms,
     run_columns,
     run_image,
@@ -168,8 +170,10 @@ def _deterministic_cell(r: Mapping[str, Any]) -> str:
 
 
 def _model_key(r: Mapping[str, Any]) -> tuple:
-    """The problem and model a speed-up compares within: matrix, data, subsets, m and b."""
-    return r.get("matrix"), r.get("data"), r.get("subsets") or 1, r.get("m"), r.get("b")
+    """The problem and model a speed-up compares within: matrix, data, subsets, m and b, and a MAP run's
+    algorithm, prior and its parameters."""
+    return (r.get("matrix"), r.get("data"), r.get("subsets") or 1, r.get("m"), r.get("b"), r.get("map_algorithm"),
+            r.get("prior"), r.get("beta"), r.get("_map_params"))
 
 
 def speedup_baselines(groups: Mapping[tuple, list[dict[str, Any]]]) -> dict[tuple, tuple[float, str, bool]]:
@@ -786,3 +790,42 @@ def convergence_section(rows: list[dict[str, Any]]) -> str:
             + _md_table([headers[k] for k in key], [[b[k] for k in key] for b in body])
             + _more("every column: the passes, MLEM's CRC, the cold CRC, the lowest error and the time")
             + _md_table(headers, body))
+
+
+def map_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
+    """Markdown: the MAP configurations (rows whose ``timings.json`` has ``map``), "" without one.
+
+    Per configuration: the passes, Phi after the last pass and, where some
+    run recorded the convergence metrics (``map.metrics``,
+    :mod:`mlemlib.map_metrics`), the time to threshold: the iteration time
+    until both RMSEs are below 1% and every sphere's mean below 0.5% of the
+    converged image's, and its passes (``never`` where not reached, ``–``
+    where not measured).
+    """
+    maps = [rs for rs in groups.values() if rs[0].get("map_algorithm")]
+    if not maps:
+        return ""
+    problems = _problems(dict(enumerate(maps)))
+    measured = any(has_map_metrics(r) for rs in maps for r in rs)
+    head = [*(["matrix / data"] if len(problems) > 1 else []), "configuration", "passes", "Phi (last pass)",
+            *(["time to threshold (s)", "passes to threshold"] if measured else [])]
+    body = []
+    for rs in maps:
+        r0 = rs[0]
+        timed = [r for r in rs if has_map_metrics(r) and r.get("repetition") == r["_map"]["metrics"].get("repetition", 0)]
+        if not timed:
+            reach = ["–", "–"]
+        elif timed[0].get("time_to_threshold_s") is None:
+            reach = ["never", "never"]
+        else:
+            reach = [_fmt_sec(timed[0]["time_to_threshold_s"]), str(timed[0]["passes_to_threshold"])]
+        body.append([*([f"{r0['matrix']} / {r0['data']}"] if len(problems) > 1 else []), config_label(r0),
+                     r0.get("iterations"), _fmt_g(r0.get("phi"), 9), *(reach if measured else [])])
+    intro = ((f"{problems[0]}: " if len(problems) == 1 else "")
+             + "each MAP configuration's passes and its objective Phi = L - beta R after the last pass"
+             + (". Time to threshold: the summed iteration time of the passes until, measured against the "
+                "converged MAP image of the same problem, the RMSE over the phantom's object and over its "
+                "background are both below 1% of that image's mean there and every sphere's mean is within 0.5% "
+                "of that image's (the first pass at which all hold; never: not within the run; –: not measured)"
+                if measured else "") + ".\n\n")
+    return "## MAP\n\n" + intro + _md_table(head, body)
