@@ -75,8 +75,8 @@ def get_runtime(stage):
     return runtime
 
 
-def get_disk_mb(rule):
-    """Resource function of `rule`: the disk its job writes (MB), as the
+def get_disk_mb(rule_name):
+    """Resource function of the jobs of `rule_name`: the disk each writes (MB), as the
     resource check models it (_stage_need; 1 for a job it does not size).
 
     It replaces Snakemake's default (twice the size of the input), whose
@@ -90,10 +90,10 @@ def get_disk_mb(rule):
         for key in ("parts", "gpus"):
             if key in wc:
                 wc[key] = int(wc[key])
-        if rule == "warm_kernels":
+        if rule_name == "warm_kernels":
             need = _warm_need(False)
         elif "matrix" in wc:
-            need = _stage_need(rule, wc, _matrix_size_of(wc["matrix"]), False)
+            need = _stage_need(rule_name, wc, _matrix_size_of(wc["matrix"]), False)
         else:
             need = None
         return max(1, -(-need.disk_bytes // 10**6)) if need is not None else 1
