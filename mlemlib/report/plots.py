@@ -795,7 +795,7 @@ def plot_map_metrics(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -
     Three panels on log y axes, one colour per configuration: the RMSE over
     the phantom's object and over its background (each relative to the
     converged image's mean there) with the 1% threshold, and the largest
-    relative error of a sphere's mean with the 0.5% threshold. Returns False
+    relative error of a sphere's mean with the 0.5% threshold (where the phantom has spheres). Returns False
     (nothing written) where no configuration recorded metrics.
     """
     import matplotlib.pyplot as plt
@@ -806,10 +806,12 @@ def plot_map_metrics(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -
     if not maps:
         return False
     labels = _map_line_labels(maps)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8), layout="constrained")
-    spheres_any = False
+    records = [next(r for r in rs if has_map_metrics(r))["_map"]["metrics"] for rs in maps]
+    spheres_any = any(m.get("spheres") for m in records)
+    fig, axes = plt.subplots(1, 3 if spheres_any else 2, figsize=(15 if spheres_any else 10.5, 4.8),
+                             layout="constrained")
     for k, (rs, label) in enumerate(zip(maps, labels)):
-        m = next(r for r in rs if has_map_metrics(r))["_map"]["metrics"]
+        m = records[k]
         passes = m["passes"]
         kw = {"color": _series_color(k), "label": label, "marker": "o" if len(passes) <= 12 else None,
               "markersize": 3}
@@ -821,7 +823,6 @@ def plot_map_metrics(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -
         axes[1].plot(passes, clean(m["rmse_background"]), **kw)
         spheres = [v for v in (m.get("spheres") or {}).values()]
         if spheres:
-            spheres_any = True
             worst = [max((_num(v[j]) if _num(v[j]) is not None else math.inf) for v in spheres)
                      for j in range(len(passes))]
             axes[2].plot(passes, clean(worst), **kw)
@@ -829,9 +830,6 @@ def plot_map_metrics(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -
     ylabels = ("RMSE / converged mean (object)", "RMSE / converged mean (background)",
                "max over spheres |mean - converged mean| / converged mean")
     for ax, title, ylabel, limit in zip(axes, titles, ylabels, (RMSE_THRESHOLD, RMSE_THRESHOLD, SPHERE_THRESHOLD)):
-        if ax is axes[2] and not spheres_any:
-            ax.set_visible(False)
-            continue
         ax.axhline(limit, color="0.3", linestyle=":", linewidth=1, label=f"threshold {100 * limit:g}%")
         ax.set_yscale("log")
         ax.set(xlabel="pass", ylabel=ylabel, title=title)
