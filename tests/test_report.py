@@ -1262,3 +1262,100 @@ def test_convergence_figure_legends_by_their_panels_and_every_axis_labelled(tmp_
     # one S, corrections modelled only: the note speaks of neither subsets nor dashed lines
     rec["series"] = [s for s in rec["series"] if s["subsets"] == 1 and s["corrected"]]
     assert "dashed" not in convergence_note(rec) and "subsets" not in convergence_note(rec)
+
+
+# --------------------------------------------------------------------------- MAP runs
+def _map_run(timings, *, beta, metrics=None, algorithm="bsrem"):
+    """``timings`` as a MAP run's: Phi, L and R per pass (entry 0 the initial image) and, where given, the
+    convergence metrics of repetition 0 (``metrics``: (rmse_object, rmse_background, sphere) per pass 1..4)."""
+    history = [{"pass": p, "phi": -100.0 + 10 * p, "log_likelihood": -90.0 + 10 * p, "prior": 100.0 / beta}
+               for p in range(5)]
+    timings["map"] = {"algorithm": algorithm, "prior": "rdp", "beta": beta, "gamma": 2.0, "epsilon": 1.0,
+                      "kappa": None, "relaxation": [1.0, 10.0], "history": history}
+    timings["config"]["subsets"] = 8
+    if metrics is not None:
+        timings["map"]["metrics"] = {"format": "mlem-map-metrics", "repetition": 0, "every": 1, "passes": [1, 2, 3, 4],
+                                     "rmse_object": [v[0] for v in metrics], "rmse_background": [v[1] for v in metrics],
+                                     "spheres": {"hot1": [v[2] for v in metrics]}}
+    return timings
+
+
+def _cpu(**kw):
+    return _timings(backend="cpu", fp="numba", bp="numba", gpus=1, layout="local", sums=[1.0], digests=["d"], **kw)
+
+
+def test_map_runs_get_their_table_plots_and_labels(tmp_path, figures):
+    osem = _cpu()
+    osem["config"]["subsets"] = 8
+    reached = _map_run(_cpu(), beta=0.5, metrics=[(0.5, 0.5, 0.1), (0.02, 0.005, 0.001), (0.009, 0.009, 0.004),
+                                                  (0.001, 0.001, 0.001)])
+    never = _map_run(_cpu(), beta=2.0, metrics=[(0.5, 0.5, 0.1)] * 4)
+    unmeasured = _map_run(_cpu(), beta=1.0, algorithm="osl")
+    r = summarize([osem, reached, never, unmeasured], tmp_path / "s")
+    assert r["configurations"] == 4  # one per beta and algorithm: MAP is not OSEM's configuration
+    md = (tmp_path / "s" / "summary.md").read_text()
+    section = md.split("## MAP", 1)[1].split("\n## ", 1)[0]
+    lines = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")]
+             for ln in section.splitlines() if ln.startswith("| cpu")}
+    assert "| configuration | passes | Phi (last pass) | time to threshold (s) | passes to threshold |" in section
+    # pass 3 is the first with both RMSEs below 1% and the sphere below 0.5%: the first 3 iterations' time
+    it = sum(TABLE_93.values())
+    assert lines["cpu numba/numba BSREM rdp beta=0.5 S8"][1:] == ["4", "-60", f"{(0.9 + 1.1 + 0.95) * it:.3g}", "3"]
+    assert lines["cpu numba/numba BSREM rdp beta=2 S8"][3:] == ["never", "never"]
+    assert lines["cpu numba/numba OSL rdp beta=1 S8"][3:] == ["–", "–"]
+    assert not any("OSEM" in k for k in lines)  # OSEM has no MAP row
+    with open(tmp_path / "s" / "runs.csv", newline="") as fh:
+        rows = {row["beta"]: row for row in csv.DictReader(fh)}
+    assert rows[""]["map_algorithm"] == "" and rows["0.5"]["map_algorithm"] == "bsrem"
+    assert float(rows["0.5"]["phi"]) == -60.0 and rows["0.5"]["passes_to_threshold"] == "3"
+    assert float(rows["0.5"]["time_to_threshold_s"]) == pytest.approx((0.9 + 1.1 + 0.95) * it, rel=1e-12)
+    assert "BSREM, OSL: MAP" in md and "OSEM SK: K ordered subsets" in md
+
+    objective, metrics = figures["map_objective.png"], figures["map_metrics.png"]
+    assert [ax.get_ylabel() for ax in objective.axes] == ["Phi = L - beta R", "log-likelihood L", "prior R"]
+    assert len(objective.axes[0].get_lines()) == 3  # the three MAP configurations, OSEM none
+    assert list(objective.axes[0].get_lines()[0].get_xdata()) == [0, 1, 2, 3, 4]
+    assert list(objective.axes[2].get_lines()[1].get_ydata()) == [50.0] * 5  # R = 100 / beta, beta = 2
+    assert len(metrics.axes) == 3 and all(ax.get_yscale() == "log" for ax in metrics.axes)
+    lines = metrics.axes[2].get_lines()  # two measured configurations and the 0.5% threshold
+    assert len(lines) == 3 and list(lines[-1].get_ydata()) == [0.005, 0.005]
+    assert list(metrics.axes[0].get_lines()[-1].get_ydata()) == [0.01, 0.01]
+    assert list(lines[0].get_ydata()) == [0.1, 0.001, 0.004, 0.001]
+
+
+def test_no_map_part_without_map_runs_and_no_metrics_plot_without_metrics(runs, tmp_path):
+    root, _, _ = runs
+    r = summarize([root], tmp_path / "s")
+    md = (tmp_path / "s" / "summary.md").read_text()
+    assert "## MAP" not in md and "BSREM" not in md
+    assert not any(p.rsplit("/", 1)[-1].startswith("map_") for p in r["plots"])
+    r = summarize([_map_run(_cpu(), beta=1.0)], tmp_path / "t")
+    names = {p.rsplit("/", 1)[-1] for p in r["plots"]}
+    assert "map_objective.png" in names and "map_metrics.png" not in names
+    md = (tmp_path / "t" / "summary.md").read_text()
+    assert "## MAP" in md and "time to threshold" not in md
+
+
+def test_image_plot_shows_the_map_image_below_osems(tmp_path, figures):
+    from mlemlib.image import write_image
+
+    grid = (6, 5, 4)
+    n = int(np.prod(grid))
+    write_image(tmp_path / "osem.h5", np.full(n, 1.0, np.float32), grid=grid, voxel_size=(1.0, 1.0, 1.0))
+    write_image(tmp_path / "map.h5", np.full(n, 3.0, np.float32), grid=grid, voxel_size=(1.0, 1.0, 1.0))
+    osem = _cpu()
+    osem["config"]["subsets"] = 8
+    osem["outputs"] = {"image": str(tmp_path / "osem.h5")}
+    bsrem = _map_run(_cpu(), beta=0.5)
+    bsrem["outputs"] = {"image": str(tmp_path / "map.h5")}
+    summarize([bsrem, osem], tmp_path / "s")
+    fig = figures["image_madpet3_nema-seed1.png"]
+    rows = [ax.get_title().split(":")[0] for ax in fig.axes if ax.get_images()]
+    assert rows == ["OSEM"] * 3 + ["MAP BSREM rdp beta=0.5"] * 3
+    assert {tuple(ax.get_images()[0].get_clim()) for ax in fig.axes if ax.get_images()} == {(0.0, 3.0)}
+    assert fig._suptitle.get_text() == ("madpet3 / nema-seed1: cpu numba/numba OSEM S8; "
+                                        "MAP: cpu numba/numba BSREM rdp beta=0.5 S8")
+    # a MAP run alone: its image, as any run's
+    summarize([bsrem], tmp_path / "t")
+    rows = [ax.get_title().split(":")[0] for ax in figures["image_madpet3_nema-seed1.png"].axes if ax.get_images()]
+    assert rows == ["reconstruction"] * 3
