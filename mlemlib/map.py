@@ -188,14 +188,19 @@ class MapBackend:
             for img in self._images(f):
                 with _device(img):
                     before.append((img.copy(), self.prior.gradient(img) if beta else None))
+                    _synchronize(img)
             t_prior += time.perf_counter() - tp
             f = self.inner.sub_iterate(f, k)
             for step, v in self.inner.sub_step_times(k).items():
                 inner_times[step] = inner_times.get(step, 0.0) + v
+            # the backend runs on streams of its own: its sub-iteration is done before the step reads f, and
+            # the step is done before the next sub-iteration starts
+            self.inner.synchronize()
             tp = time.perf_counter()
             for img, (prev, grad) in zip(self._images(f), before):
                 with _device(img):
                     self._step(img, prev, grad, k, lam, beta)
+                    _synchronize(img)
             t_prior += time.perf_counter() - tp
         self.passes += 1
         self.inner.synchronize()
@@ -258,6 +263,14 @@ class MapBackend:
         d["map"] = self.settings.record()
         d["graph"] = False
         return d
+
+
+def _synchronize(a: Any) -> None:
+    """Wait for the work queued on the current stream of a CuPy array's device (nothing for NumPy)."""
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
 
 
 class _device:
