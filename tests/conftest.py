@@ -23,6 +23,7 @@ def pytest_collection_modifyitems(config, items):
     directory under ``tmp_path_factory.getbasetemp().parent`` and a lock file, as in test_compose.py).
     Runs before xdist's own hook, which reads the ``xdist_group`` marks; without xdist the marks change
     nothing."""
+    loadgroup = bool(getattr(config.option, "loadgroup", False))  # set on xdist's workers
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
@@ -33,7 +34,14 @@ def pytest_collection_modifyitems(config, items):
             if defs
         )
         if shared:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+            group = Path(item.nodeid.split("::", 1)[0]).stem
+            item.add_marker(pytest.mark.xdist_group(group))
+            if loadgroup and "_nodeid" not in vars(item) and hasattr(item, "_id"):
+                # pytest >= 9.2 keeps the node id in ``_id``: xdist 3.8 still sets ``_nodeid`` (no longer
+                # read), so its ``@group`` suffix, which the scheduler groups by, is set here.
+                from _pytest.nodeid import NodeId
+
+                item._id = NodeId.parse(f"{item.nodeid}@{group}")
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (CuPy with a device)")
