@@ -459,6 +459,8 @@ def convert_stage(
     clip_negative: bool = False,
     code_bits: int | None = None,
     max_nnz: int = DEFAULT_CHUNK_NNZ,
+    grid: tuple[int, int, int] | None = None,
+    voxel_size: tuple[float, float, float] | None = None,
 ) -> dict:
     """The convert stage (``mlem convert``, the workflow's ``convert_matrix``): :func:`mlemlib.formats.convert`,
     or with ``fold`` :func:`fold_file`.
@@ -466,7 +468,9 @@ def convert_stage(
     Folding hashes the rows as read, so with both ``fold`` and ``clip_negative``
     the input is first converted with its negative values set to 0 into a
     temporary CSR container beside ``out`` (removed afterwards), which is then
-    folded into ``out`` in ``fmt`` (default: the input's format).
+    folded into ``out`` in ``fmt`` (default: the input's format). ``grid`` and ``voxel_size`` (``mlem convert
+    --grid --voxel-size``) are recorded in ``out``; with ``fold`` through the same temporary container, whose
+    grid the fold keeps.
 
     Returns
     -------
@@ -477,16 +481,20 @@ def convert_stage(
     from mlemlib.formats import convert, matrix_format
 
     if not fold:
-        return convert(src, out, fmt=fmt, code_bits=code_bits, max_nnz=max_nnz, clip_negative=clip_negative)
-    if not clip_negative:
+        return convert(src, out, fmt=fmt, code_bits=code_bits, max_nnz=max_nnz, clip_negative=clip_negative,
+                       grid=grid, voxel_size=voxel_size)
+    if not clip_negative and grid is None and voxel_size is None:
         return fold_file(src, out, fmt=fmt, code_bits=code_bits, chunk_nnz=max_nnz)
     fmt = fmt or matrix_format(src)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.clipped.h5")
     try:
-        clip = convert(src, tmp, fmt="csr", max_nnz=max_nnz, clip_negative=True)
+        clip = convert(src, tmp, fmt="csr", max_nnz=max_nnz, clip_negative=clip_negative, grid=grid,
+                       voxel_size=voxel_size)
         summary = fold_file(tmp, out, fmt=fmt, code_bits=code_bits, chunk_nnz=max_nnz)
     finally:
         tmp.unlink(missing_ok=True)
+    if not clip_negative:
+        return summary
     return summary | {"clipped": clip["clipped"], "clipped_min": clip["clipped_min"]}

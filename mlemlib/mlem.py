@@ -554,6 +554,7 @@ def reference(
     subset_file: Any | None = None,
     multiplicative: Any | None = None,
     additive: Any | None = None,
+    map_settings: Any | None = None,
 ) -> dict[str, Any]:
     """The float64 reference MLEM (OSEM) of a problem, written to ``reference.h5``.
 
@@ -563,14 +564,15 @@ def reference(
     hash and the iteration count, which :func:`reconstruct` checks before
     comparing against it. ``timings_out`` (alias ``record_out``) also writes
     its ``timings.json``. ``subsets``, ``subset_file``, ``multiplicative`` and
-    ``additive`` as :func:`reconstruct`'s: the reference of a run models what the run models.
+    ``additive`` as :func:`reconstruct`'s: the reference of a run models what the run models;
+    ``map_settings`` too: the reference of a MAP run is the same algorithm in float64.
     """
     return reconstruct(
         matrix, sino, out, iterations=iterations, norm=norm, transpose=transpose, truth=truth,
         timings_out=timings_out if timings_out is not None else record_out, raw_out=False, reference_mode=True,
         fp=fp, bp=bp, checkpoint_every=checkpoint_every, checkpoint=checkpoint, threads=threads,
         data_name=data_name, subsets=subsets, subset_file=subset_file, multiplicative=multiplicative,
-        additive=additive,
+        additive=additive, map_settings=map_settings,
     )
 
 
