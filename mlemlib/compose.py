@@ -157,23 +157,62 @@ def record(path: str | os.PathLike, c: Combination, outcome: str, detail: str = 
         fh.write(json.dumps({**asdict(c), "outcome": outcome, "detail": detail}) + "\n")
 
 
-def table(lines: Iterable[str]) -> str:
-    """docs/combinations.md's body from the tiers' JSON lines: counts per backend and outcome, then one row
-    per combination that did not simply run (refused with its line, or failed)."""
+def table(lines: Iterable[str], planned: Iterable[Combination] | None = None) -> str:
+    """docs/combinations.md's tables from the tiers' JSON lines (:func:`record`).
+
+    The first counts the outcomes per backend and GPU count; the second has one row per execution (backend,
+    ``fp``/``bp``, GPUs, layout, graphs) with its outcomes over the 64 models (format x fold x reorder x S x
+    factors) and each distinct refusal or failure (the line up to its first ``;``) with the models it
+    concerns. ``planned`` (default: the whole :func:`space`) adds the executions no tier ran as "not run".
+    """
     rows: list[dict[str, Any]] = [json.loads(t) for t in lines if t.strip()]
-    out = ["| backend | GPUs | combinations | ran within 1e-5 of the float64 reference | refused by the dry run | failed |",
-           "|---|---|---|---|---|---|"]
-    keys = sorted({(r["backend"], r["gpus"]) for r in rows})
-    for backend, gpus in keys:
+    keys = ("backend", "fp", "bp", "gpus", "layout", "graph")
+    seen = {tuple(r[k] for k in keys) for r in rows}
+    planned = list(space()) if planned is None else list(planned)
+    missing = sorted({tuple(getattr(c, k) for k in keys) for c in planned} - seen, key=str)
+    out = ["| backend | GPUs | combinations | ran within 1e-5 of the float64 reference | refused by the dry run | failed | not run |",
+           "|---|---|---|---|---|---|---|"]
+    for backend, gpus in sorted({(r["backend"], r["gpus"]) for r in rows} | {(k[0], k[3]) for k in missing}):
         sel = [r for r in rows if r["backend"] == backend and r["gpus"] == gpus]
         count = {k: sum(r["outcome"] == k for r in sel) for k in ("ran", "refused", "FAILED")}
-        out.append(f"| {backend} | {gpus} | {len(sel)} | {count['ran']} | {count['refused']} | {count['FAILED']} |")
-    out += ["", "| combination | outcome | detail |", "|---|---|---|"]
+        absent = sum(1 for c in planned if (c.backend, c.gpus) == (backend, gpus)
+                     and tuple(getattr(c, k) for k in keys) in set(missing))
+        out.append(f"| {backend} | {gpus} | {len(sel) + absent} | {count['ran']} | {count['refused']} | "
+                   f"{count['FAILED']} | {absent} |")
+    out += ["", "| backend | fp / bp | GPUs, layout, graph | ran | refused | failed | why refused or failed (models) |",
+            "|---|---|---|---|---|---|---|"]
+    groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
-        if r["outcome"] != "ran":
-            c = Combination(**{k: v for k, v in r.items() if k not in ("outcome", "detail")})
-            out.append(f"| {c.label()} | {r['outcome']} | {r['detail'].replace('|', '/')} |")
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    for key in sorted(groups, key=lambda k: (k[0], k[3], k[4], k[5], k[1], k[2])):
+        sel = groups[key]
+        count = {k: sum(r["outcome"] == k for r in sel) for k in ("ran", "refused", "FAILED")}
+        why: dict[str, list[str]] = {}
+        for r in sel:
+            if r["outcome"] != "ran":
+                c = Combination(**{k: v for k, v in r.items() if k not in ("outcome", "detail")})
+                reason = r["detail"].split(";")[0].replace(f"the {c.format} format", "the matrix's format").replace(
+                    f"a {c.format} matrix", "a compressed matrix")
+                why.setdefault(f"{r['outcome'].lower()}: {reason}", []).append(c.label().split(" | ")[0])
+        notes = "; ".join(f"{w} ({_models(ms)})" for w, ms in why.items()).replace("|", "/")
+        backend, fp, bp, gpus, layout, graph = key
+        ex = f"{gpus}" + (f", {layout}" if gpus > 1 else "") + (f", graph {graph}" if backend == "cuda" else "")
+        out.append(f"| {backend} | {fp} / {bp} | {ex} | {count['ran']} | {count['refused']} | {count['FAILED']} | "
+                   f"{notes or '-'} |")
+    for backend, fp, bp, gpus, layout, graph in missing:
+        ex = f"{gpus}" + (f", {layout}" if gpus > 1 else "") + (f", graph {graph}" if backend == "cuda" else "")
+        out.append(f"| {backend} | {fp} / {bp} | {ex} | - | - | - | not run: no machine of {gpus} GPUs |")
     return "\n".join(out) + "\n"
+
+
+def _models(labels: list[str]) -> str:
+    """The models a note concerns: all of them, or the formats/subsets they share, else a count."""
+    n = len(labels)
+    if n == 64:
+        return "every model"
+    fmts = sorted({lab.split()[0] for lab in labels})
+    subsets = sorted({p for lab in labels for p in lab.split() if p.startswith("S") and p[1:].isdigit()})
+    return f"{n} of 64: {', '.join(fmts)}; {', '.join(subsets)}"
 
 
 def main(argv: list[str] | None = None) -> int:

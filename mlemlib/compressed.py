@@ -107,6 +107,14 @@ VALUE_DTYPES = {
 }
 #: The compressed formats whose values are rounded to 16 bits (never the default).
 LOSSY_FORMATS = ("compressed-f16", "compressed-u16")
+
+
+def exact_format(fmt: str) -> str:
+    """The format that holds a matrix's decoded values exactly: ``fmt`` itself, or ``compressed`` (float32
+    values) for a lossy one, whose values a second encoding would round again (the transpose of a lossy
+    matrix is written in it, so that ``A^T`` is exactly ``A``'s transpose)."""
+    return "compressed" if fmt in LOSSY_FORMATS else fmt
+
 #: Value dtype -> the value kind the Numba and CUDA kernels take (0 float32; 1 float16 times the row's
 #: power-of-two scale; 2 uint16 times the row's float32 scale).
 VALUE_KINDS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}

@@ -379,11 +379,14 @@ def _rows(a: Any, r0: int, r1: int) -> Any:
 
 
 def _columns(at: Any, r0: int, r1: int, fmt: str) -> Any:
-    """Columns ``[r0, r1)`` of a stored transpose (one subset's LORs), each row in its stored order, in ``fmt``.
+    """Columns ``[r0, r1)`` of a stored transpose (one subset's LORs), each row in its stored order, in the
+    transpose's own format (``fmt`` for a CSR one): a lossy matrix's transpose is stored exact, and encoding
+    its columns in 16 bits again would round them a second time.
 
     A copy (made once at set-up): the back projection of a subset then reads its own
     non-zeros only, summing them in the order the whole transpose would (the others add exact zeros).
     """
+    fmt = getattr(at, "format", None) or fmt
     import scipy.sparse as sp
 
     csr = at if isinstance(at, CSRMatrix) else at.to_csr(validate=False)

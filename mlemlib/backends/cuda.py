@@ -323,8 +323,12 @@ class CudaBackend(Backend):
             self.transpose_source = "none"
             if choice.needs_transpose:
                 if transpose is not None:
-                    self.at = dev_type.upload(transpose, what="transpose", fmt=self.format)
-                    self.transpose_source = "stored" if format_of(transpose) == self.format else f"stored, as {self.format}"
+                    # a compressed A^T keeps its own encoding (a lossy A's is stored exact: re-encoding it would
+                    # round it again); a CSR one is encoded as A is
+                    t_fmt = format_of(transpose)
+                    t_fmt = t_fmt if dev_type.reads(t_fmt) else self.format
+                    self.at = dev_type.upload(transpose, what="transpose", fmt=t_fmt)
+                    self.transpose_source = "stored" if t_fmt == format_of(transpose) else f"stored, as {t_fmt}"
                 elif self.format != "csr":
                     raise ConfigError(
                         "transpose", f"bp={self.bp_kernel} on a {self.format} matrix needs a stored transpose "

@@ -66,6 +66,13 @@ class DeviceMatrix(ABC):
         encode a source of another format into (one type may hold several).
         """
 
+    @classmethod
+    def reads(cls, fmt: str) -> bool:
+        """Whether a source of format ``fmt`` uploads into this type in its own encoding (a type may hold
+        several formats: the compressed one holds all three)."""
+        entry = DEVICE_TYPES.get(fmt)
+        return entry is not None and entry.rpartition(":")[2] == cls.__name__
+
     @staticmethod
     @abstractmethod
     def device_bytes(source: Any) -> int:
