@@ -49,7 +49,7 @@ class Combination:
     bp: str
     gpus: int = 1
     layout: str = "local"
-    graph: str = "auto"
+    graph: str = "auto"  # "auto" or "off" in the space; "on" where a run forces graphs (graph: true)
 
     @property
     def model(self) -> tuple[str, bool, str, int, bool]:
@@ -132,13 +132,17 @@ def check(c: Combination, where: str = "run") -> None:
 def reads_transpose(c: Combination) -> bool:
     """Whether the run reads the matrix's stored ``A^T`` (``transpose.h5``), as the workflow gives it: a cpu run
     whose back projection reads ``A^T`` (``auto`` included), a thesis-layout run, and a one-GPU run of such a
-    kernel on a compressed matrix (a GPU transposes a CSR matrix, or its block of rows, itself)."""
+    kernel on a compressed matrix (a GPU transposes a CSR matrix, or its block of rows, itself), except where
+    ``graph`` is ``on`` (the workflow's ``graph: true``), ``bp`` names the kernel and there are no subsets: that
+    run takes the several-GPU backend, which reads its ``A_k^T`` from the partition's part files."""
     if not registry.uses_transpose(c.backend, c.bp):
         return False
     if c.backend != "cuda":
         return True
     if c.gpus > 1:
         return c.layout == "thesis"
+    if c.graph == "on" and c.subsets == 1 and c.bp not in (None, "auto"):
+        return False
     return c.format != "csr"
 
 

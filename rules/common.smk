@@ -3,7 +3,10 @@ and the helpers the rules call (get_<thing>(wildcards), is_<predicate>()),
 one file per concern:
 
 - common_files.smk: the user's files (checked before any job), their stamps
-- common_runs.smk: the configured runs and the GPUs this machine gives them
+- common_runs.smk: the configured runs, the GPUs this machine gives them, and
+  each (matrix, run) pair as a mlemlib.compose.Combination (the dry run's verdict)
+- common_map.smk: MAP (mlem.prior): its checks, the model part naming it, the
+  converged MAP image and the metrics; a user's matrix's grid
 - common_paths.smk: every path the workflow makes (PATHS), by name
 - common_matrix.smk: the matrix stages (convert, reorder, transpose, partition, chunks)
 - common_data.smk: measurements, reconstructions, benchmark, warm-up, convergence
@@ -26,8 +29,8 @@ import jsonschema
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+from mlemlib import compose
 from mlemlib.errors import EXIT_INPUT, ConfigError
-from mlemlib.registry import check_run, get_bp
 
 
 def stop(line):
@@ -82,9 +85,15 @@ def is_background():
     return users or sim["randoms_fraction"] > 0 or sim["scatter_fraction"] > 0
 
 
+def is_map():
+    """True when the runs reconstruct MAP: a prior (config mlem.prior.type not none)."""
+    return config["mlem"]["prior"]["type"] != "none"
+
+
 def is_modelled():
-    """True when some run models more than MLEM: subsets, or a measurement's
-    m or b (a user's files, or simulated ones): the run paths name the model."""
+    """True when some run models more than MLEM: subsets, a measurement's m or
+    b (a user's files, or simulated ones), or a prior (MAP): the run paths
+    name the model."""
     users = any(
         measurement_files(value)[role]
         for entry in config["matrices"].values()
@@ -92,7 +101,7 @@ def is_modelled():
         for role in FACTOR_ROLES
     )
     simulated = any(config["simulation"][key] for key in SIMULATED_FACTOR_KEYS)
-    return is_subsetted() or users or simulated
+    return is_subsetted() or users or simulated or is_map()
 
 
 # ----------------------------------------------------------------- config checks
@@ -146,49 +155,13 @@ def check_settings():
                 "(use one of them)"
             )
     for index, entry in enumerate(config["runs"]):
-        gpus = entry["gpus"] if isinstance(entry["gpus"], list) else [entry["gpus"]]
-        if entry["backend"] == "cpu" and gpus != [1]:
-            stop(
-                f"config runs[{index}].gpus: a run with backend cpu takes 1, "
-                f"found {entry['gpus']}"
-            )
-        try:
-            check_run(entry, where=f"runs[{index}]", formats=get_matrix_formats())
-        except ConfigError as exc:
-            stop(f"config {exc}")
-        if (
-            entry["backend"] == "cpu"
-            and entry["bp"] == "onepass_chunked"
-            and is_background()
-        ):
-            stop(
-                f"config runs[{index}].bp: onepass_chunked on the cpu takes no additive "
-                "background (b); use onepass or numba"
-            )
-        check_osem_transpose(index, entry)
-
-
-def check_osem_transpose(index, entry):
-    """Stop on a cuda run whose bp back-projects on a stored A^T (the pair
-    delta_vector, csr_vector, ...) with OSEM subsets on a compressed matrix.
-
-    Each subset's GPUs transpose their share of the subset's rows themselves,
-    which they can only for CSR (mlemlib.backends.osem); the partition's
-    part files hold A_k^T of the whole matrix's row blocks, not of a subset's.
-    """
-    bp = entry["bp"]
-    if entry["backend"] != "cuda" or not is_subsetted() or bp in (None, "auto"):
-        return
-    if get_bp("cuda", bp).op != "back":
-        return
-    for name, matrix in config["matrices"].items():
-        if matrix["format"] != "csr":
-            stop(
-                f"config runs[{index}].bp: {bp} back-projects on a stored A^T, which "
-                f"OSEM (mlem.subsets: {config['mlem']['subsets']}) cannot have on the GPUs for "
-                f"a {matrix['format']} matrix (matrices.{name}.format); use bp: auto or a "
-                "one-pass kernel (onepass, onepass_fixed, onepass_chunked), or format: csr"
-            )
+        for matrix in config["matrices"]:
+            for run in expand_run(entry):
+                try:
+                    compose.check(get_combination(run, matrix), where=f"runs[{index}]")
+                except ConfigError as exc:
+                    stop(f"config {exc}")
+    check_map_settings()
 
 
 def check_convergence():
@@ -216,10 +189,12 @@ def check_scanner_effects():
 
 include: "common_files.smk"
 include: "common_runs.smk"
+include: "common_map.smk"
 
 
 validate_config()
 validate_paths()
+check_map_files()
 check_convergence()
 
 # Jobs import mlemlib from this checkout, also inside --sdm conda environments

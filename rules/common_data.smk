@@ -55,9 +55,10 @@ def _factor_identity(wildcards, role):
     return hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
 
 
-def get_model(matrix, data):
+def get_model(matrix, data, map_settings=None):
     """{model} of the runs of {matrix} x {data} (is_modelled): mlem or osem{S},
-    then _f, _m and _b with the identities of the subset file, m and b."""
+    then _f, _m and _b with the identities of the subset file, m and b, then
+    the MAP settings (get_map_model; `map_settings`: others than the runs')."""
     mlem = config["mlem"]
     wildcards = Wildcards(matrix=matrix, data=data)
     parts = [f"osem{mlem['subsets']}" if is_subsetted() else "mlem"]
@@ -67,6 +68,8 @@ def get_model(matrix, data):
         identity = _factor_identity(wildcards, role)
         if identity:
             parts.append(letter + identity)
+    if is_map():
+        parts.append(get_map_model(map_settings or get_map_settings()))
     return "_".join(parts)
 
 
@@ -223,12 +226,13 @@ def get_run_key():
 
 def get_mlem_params(wildcards):
     """Iteration settings of a run, as its path names them (RUN_KEY), and its
-    model: subsets and the factor files (get_model)."""
+    model: subsets, factor files, MAP (get_model), metrics (get_metrics_params)."""
     return {
         "iterations": int(wildcards.iterations),
         "checkpoint_every": int(wildcards.checkpoint_every),
         "repetitions": int(wildcards.repetitions),
         **get_model_params(wildcards),
+        **get_metrics_params(wildcards),
     }
 
 
@@ -238,9 +242,14 @@ def get_reference_params(wildcards):
 
 
 def get_model_params(wildcards):
-    """What a reconstruction models beyond MLEM: subsets (S) and the factor
-    files (role -> file or FILE.h5:/dataset) of {data}."""
-    return {"subsets": get_subsets(), "factors": get_factor_specs(wildcards)}
+    """What a reconstruction models beyond MLEM: subsets (S), the factor files
+    (role -> file or FILE.h5:/dataset) of {data} and MAP (the reference of a
+    MAP run: the same algorithm in float64)."""
+    return {
+        "subsets": get_subsets(),
+        "factors": get_factor_specs(wildcards),
+        **get_map_params(),
+    }
 
 
 def get_problem_input(wildcards):
@@ -256,6 +265,7 @@ def get_problem_input(wildcards):
     inputs.update(get_simulated_factors(wildcards))
     inputs.update(get_user_factor_files(wildcards))
     inputs.update(get_subset_input())
+    inputs.update(get_map_input())
     return inputs
 
 
@@ -292,6 +302,7 @@ def get_mlem_input(wildcards):
         inputs["plan"] = get_path("plan", matrix=matrix, parts=run["gpus"])
     if is_chunked_run(run):
         inputs["chunks"] = get_path("chunks", matrix=matrix)
+    inputs.update(get_converged_input(wildcards))
     return inputs
 
 
@@ -304,34 +315,6 @@ def get_mlem_gpus(wildcards):
     """GPUs a run occupies (the `gpu` resource): its GPU count for cuda, else 0."""
     run = get_run(wildcards)
     return run["gpus"] if run["backend"] == "cuda" else 0
-
-
-def get_mlem_threads(wildcards):
-    """Host threads of a run: every core for cpu runs, one per GPU for cuda."""
-    run = get_run(wildcards)
-    return workflow.cores if run["backend"] == "cpu" else run["gpus"]
-
-
-def get_half_threads(wildcards=None):
-    """Host threads of norm and simulate, which start together once the
-    matrix is converted: half the cores each, less the SpMV benchmark's one
-    where it runs, so that the benchmark (the longest GPU job) starts beside
-    them."""
-    bench = 1 if is_bench_enabled() else 0
-    return max(1, (workflow.cores - bench) // 2)
-
-
-def get_reference_threads(wildcards):
-    """Host threads of the float64 reference: every core but one per GPU
-    that the GPU jobs (cuda runs, the SpMV benchmark) can hold at once, so
-    that no GPU job waits for the reference's cores."""
-    if not is_gpu_enabled():
-        return workflow.cores
-    gpus = sum(run["gpus"] for run in get_runs() if run["backend"] == "cuda")
-    gpus += 1 if is_bench_enabled() else 0
-    limit = get_gpu_limit()
-    held = gpus if limit is None else min(gpus, limit)
-    return max(1, workflow.cores - held)
 
 
 # ---------------------------------------------------------------- benchmark

@@ -6,7 +6,7 @@ runs read.
 import functools
 
 from mlemlib.compressed import LOSSY_FORMATS
-from mlemlib.registry import uses_transpose
+from mlemlib.registry import get_bp, uses_transpose
 
 # ----------------------------------------------------------------- matrices
 
@@ -182,22 +182,14 @@ def get_compared_transpose_methods():
 
 
 def run_reads_transpose(run, matrix):
-    """True when a run reads transpose.h5 itself: a cpu run whose back
-    projection reads A^T, a thesis-layout run (its row blocks of A^T), and a
-    one-GPU run of such a kernel on a compressed matrix (but one that reads the
-    partition's part files: needs_part_files). A GPU transposes a
-    CSR matrix (or its block of rows, in the local layout) itself with
-    cuSPARSE, faster than reading A^T from disk, and a compressed block's
+    """True when a run reads transpose.h5 itself (mlemlib.compose.reads_transpose):
+    a cpu run whose back projection reads A^T, a thesis-layout run (its row
+    blocks of A^T), and a one-GPU run of such a kernel on a compressed matrix
+    (but one that reads the partition's part files: needs_part_files). A GPU
+    transposes a CSR matrix (or its block of rows, in the local layout) itself
+    with cuSPARSE, faster than reading A^T from disk, and a compressed block's
     A_k^T comes from the partition's part files."""
-    if not uses_transpose(run["backend"], run["bp"]):
-        return False
-    if run["backend"] != "cuda":
-        return True
-    if run["gpus"] > 1:
-        return run["layout"] == "thesis"
-    if needs_part_files(run, matrix):
-        return False
-    return config["matrices"][matrix].get("format", "csr") != "csr"
+    return compose.reads_transpose(get_combination(run, matrix))
 
 
 def is_transpose_needed(matrix):

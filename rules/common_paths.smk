@@ -12,9 +12,10 @@ benchmark: stay in the rule (nothing else reads them).
 # float64 reference depends on the iteration count alone.
 #
 # Where a run models more than MLEM (OSEM subsets, a measurement's factors m
-# and b: is_modelled), its path and its reference's also name the model
-# ({model}, get_model): mlem or osem{S}, then the identities of a subset file
-# and of m and b, so that two configurations never write one directory.
+# and b, a prior: is_modelled), its path and its reference's also name the
+# model ({model}, get_model): mlem or osem{S}, then the identities of a subset
+# file and of m and b, then the MAP settings, so that two configurations never
+# write one directory.
 # Without them the paths stay as they were.
 _MODEL = "-{model}" if is_modelled() else ""
 RUN_KEY = f"it{{iterations}}-rep{{repetitions}}-ck{{checkpoint_every}}{_MODEL}"
@@ -62,6 +63,8 @@ PATHS = {
     "reference_image": f"{_REFERENCE_DIR}/image.h5",
     "reference_timings": f"{_REFERENCE_DIR}/timings.json",
     "exact_reference_image": f"{_EXACT_REFERENCE_DIR}/image.h5",
+    # the converged MAP image of a simulated measurement (BSREM, {iterations} passes)
+    "converged_image": "results/{matrix}/runs/{data}/converged-it{iterations}-{model}/image.h5",
     "exact_reference_timings": f"{_EXACT_REFERENCE_DIR}/timings.json",
     "run_image": f"{_RUN_DIR}/image.h5",
     "run_timings": f"{_RUN_DIR}/timings.json",

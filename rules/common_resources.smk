@@ -170,7 +170,7 @@ def _stage_need(name, wc, size, done):
     elif name == "simulate_measurement":
         stage, label = "simulate", f"{matrix}, {wc['data']}"
         disk = 4 * size.rows * (1 + len(get_simulated_factor_roles())) + 4 * size.cols
-    elif name == "reference_mlem":
+    elif name in ("reference_mlem", "compute_converged_map"):
         stage, label, disk = "mlem", f"{matrix}, {wc['data']}", 8 * size.cols
         kw = {"stored_transpose": False}
     elif name == "run_mlem":

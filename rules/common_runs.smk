@@ -1,5 +1,9 @@
-"""The configured runs, expanded over GPU counts and layouts, and the GPUs
-this machine gives them (use_gpu, gpu_runs, node.gpus, --resources gpu=N).
+"""The configured runs, expanded over GPU counts and layouts, the GPUs
+this machine gives them (use_gpu, gpu_runs, node.gpus, --resources gpu=N),
+the host threads of the jobs beside the GPU jobs, and each (matrix, run)
+pair as the mlemlib.compose.Combination whose verdict
+(compose.check) the dry run gives and whose reads (compose.reads_transpose)
+its inputs follow.
 """
 
 import functools
@@ -101,27 +105,57 @@ def _run_name(entry):
     return name
 
 
+def expand_run(entry):
+    """The runs of one config runs: entry, one per GPU count and (above one
+    GPU) layout; one GPU has no layout to choose: its run is "local"."""
+    return [
+        {
+            "name": _run_name(entry),
+            "backend": entry["backend"],
+            "fp": entry["fp"],
+            "bp": entry["bp"],
+            "secsize": entry["secsize"],
+            "graph": entry["graph"],
+            "gpus": gpus,
+            "layout": layout,
+        }
+        for gpus in _as_list(entry["gpus"])
+        for layout in (_as_list(entry["layout"]) if gpus > 1 else ["local"])
+    ]
+
+
 @functools.cache
 def _all_runs():
     """Every configured run, expanded over GPU counts and layouts (cached)."""
-    runs = {}
-    for entry in config["runs"]:
-        for gpus in _as_list(entry["gpus"]):
-            # One GPU has no layout to choose: its run is "local".
-            layouts = _as_list(entry["layout"]) if gpus > 1 else ["local"]
-            for layout in layouts:
-                run = {
-                    "name": _run_name(entry),
-                    "backend": entry["backend"],
-                    "fp": entry["fp"],
-                    "bp": entry["bp"],
-                    "secsize": entry["secsize"],
-                    "graph": entry["graph"],
-                    "gpus": gpus,
-                    "layout": layout,
-                }
-                runs[(run["name"], gpus, layout)] = run
-    return runs
+    return {
+        (run["name"], run["gpus"], run["layout"]): run
+        for entry in config["runs"]
+        for run in expand_run(entry)
+    }
+
+
+#: A run's graph setting (true, false, auto) as mlemlib.compose names it.
+COMPOSE_GRAPHS = {True: "on", False: "off"}
+
+
+def get_combination(run, matrix):
+    """The mlemlib.compose.Combination of one run of `matrix`: the matrix's
+    format, fold and the reorder stage, the config's subsets and factors (an
+    additive background b: what the verdict looks at), the run's execution."""
+    entry = config["matrices"][matrix]
+    return compose.Combination(
+        format=entry["format"],
+        fold=bool(entry["fold"]),
+        reorder=config["reorder"],
+        subsets=config["mlem"]["subsets"],
+        factors=is_background(),
+        backend=run["backend"],
+        fp=run["fp"],
+        bp=run["bp"],
+        gpus=run["gpus"],
+        layout=run["layout"],
+        graph=COMPOSE_GRAPHS.get(run["graph"], "auto"),
+    )
 
 
 def is_run_possible(run):
@@ -149,6 +183,37 @@ def get_run(wildcards):
     return {
         k: run[k] for k in ("backend", "fp", "bp", "secsize", "graph", "gpus", "layout")
     }
+
+
+# ------------------------------------------------- host threads beside the GPUs
+
+
+def get_mlem_threads(wildcards):
+    """Host threads of a run: every core for cpu runs, one per GPU for cuda."""
+    run = get_run(wildcards)
+    return workflow.cores if run["backend"] == "cpu" else run["gpus"]
+
+
+def get_half_threads(wildcards=None):
+    """Host threads of norm and simulate, which start together once the
+    matrix is converted: half the cores each, less the SpMV benchmark's one
+    where it runs, so that the benchmark (the longest GPU job) starts beside
+    them."""
+    bench = 1 if is_bench_enabled() else 0
+    return max(1, (workflow.cores - bench) // 2)
+
+
+def get_reference_threads(wildcards):
+    """Host threads of the float64 reference: every core but one per GPU
+    that the GPU jobs (cuda runs, the SpMV benchmark) can hold at once, so
+    that no GPU job waits for the reference's cores."""
+    if not is_gpu_enabled():
+        return workflow.cores
+    gpus = sum(run["gpus"] for run in get_runs() if run["backend"] == "cuda")
+    gpus += 1 if is_bench_enabled() else 0
+    limit = get_gpu_limit()
+    held = gpus if limit is None else min(gpus, limit)
+    return max(1, workflow.cores - held)
 
 
 def report_left_out_runs():

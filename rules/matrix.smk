@@ -53,6 +53,8 @@ rule generate_container:
 # params.source is provenance, not read by the script: the source file's path,
 # size and modification time, so that a config pointing at another file, or
 # the file replaced by another (even an older one), reruns the conversion.
+# params.geometry: the grid and voxel size the conversion records
+# (matrices.<name>.grid, voxel_size; a prior needs the grid).
 rule convert_matrix:
     input:
         source=get_matrix_source,
@@ -75,5 +77,6 @@ rule convert_matrix:
         format=get_matrix_format,
         fold=get_matrix_fold,
         clip_negative=get_matrix_clip_negative,
+        geometry=get_matrix_geometry,
     script:
         "../scripts/convert_matrix.py"

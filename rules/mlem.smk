@@ -56,6 +56,36 @@ rule exact_reference_mlem:
         "../scripts/reference_mlem.py"
 
 
+# The converged MAP image of a simulated measurement (mlem.prior set): BSREM
+# with the configured prior for mlem.map_converged_passes passes on the float64
+# reference path (mlemlib.map_metrics.converged_map), once per problem and
+# prior; its path names the passes and the model of BSREM, so that runs of
+# either algorithm share it. The MAP runs of the measurement measure their
+# images against it (input converged of run_mlem) for the summary's time to
+# threshold.
+rule compute_converged_map:
+    input:
+        unpack(get_problem_input),
+    output:
+        image=PATHS["converged_image"],
+    log:
+        "logs/mlem/{matrix}/{data}/converged-it{iterations}-{model}.log",
+    benchmark:
+        "benchmarks/mlem/{matrix}/{data}/converged-it{iterations}-{model}.tsv"
+    conda:
+        "../envs/cpu.yaml"
+    threads: get_reference_threads
+    resources:
+        mem_mb=get_mem_mb("mlem"),
+        disk_mb=get_disk_mb("compute_converged_map"),
+        runtime=get_runtime("mlem"),
+    params:
+        mlem=get_converged_params,
+        measurement=get_measurement_stamp,
+    script:
+        "../scripts/compute_converged_map.py"
+
+
 # One configured run with the mlem settings its path names (RUN_KEY in
 # common.smk): its repetitions run inside this one job, so that they share the
 # device and the loaded matrix; timings.json holds every one. A run

@@ -6,6 +6,7 @@ from mlemlib.logs import send_to_log
 
 send_to_log(snakemake.log[0])
 
+from mlemlib.map import MapSettings  # noqa: E402
 from mlemlib.mlem import reference  # noqa: E402
 
 mlem = snakemake.params.mlem
@@ -24,5 +25,7 @@ result = reference(
     subset_file=snakemake.input.get("subset_file"),
     multiplicative=mlem["factors"].get("multiplicative"),
     additive=mlem["factors"].get("additive"),
+    # MAP (mlem.prior): the float64 reference of the same algorithm
+    map_settings=MapSettings(**mlem["map"]) if "map" in mlem else None,
 )
 logging.info("reference_mlem: wrote %s", snakemake.output.image)
