@@ -223,3 +223,19 @@ def test_cuda_combinations_run_within_the_contract_or_are_refused(space_files, t
     except Exception:  # noqa: BLE001
         pytest.skip("no GPU")
     _check_model(space_files, tmp_path, model, "cuda", gpu_counts=tuple(g for g in compose.GPU_COUNTS if g <= gpus))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "subsets", "graph", "bp", "reads"),
+    [
+        ("compressed", 1, "on", "delta_vector", False),  # the several-GPU backend: A_k^T from the part files
+        ("compressed", 1, "auto", "delta_vector", True),
+        ("compressed", 1, "on", "auto", True),  # auto: a one pass or the pair, never the part files
+        ("compressed", 4, "on", "delta_vector", True),  # OSEM: each subset's GPU transposes (or is refused)
+        ("csr", 1, "on", "csr_vector", False),  # a GPU transposes CSR itself
+    ],
+)
+def test_a_one_gpu_run_reads_the_stored_transpose_as_the_workflow_gives_it(fmt, subsets, graph, bp, reads):
+    """The workflow's graph: true on one GPU with a named A^T kernel reads the partition's part files instead."""
+    c = compose.Combination(fmt, False, "none", subsets, False, "cuda", "auto", bp, gpus=1, graph=graph)
+    assert compose.reads_transpose(c) is reads

@@ -1,0 +1,211 @@
+"""The workflow's MAP runs (config mlem.prior, mlem.algorithm, mlem.relaxation) and its one verdict.
+
+Dry runs: a MAP config plans the converged MAP image once per measurement and
+names the settings in the run and reference paths (two settings, two
+directories; the algorithms share the converged image); bad MAP settings, and a
+prior on a matrix without a voxel grid, stop the dry run in one line. A real
+run of the ``small`` preset on the CPU writes the MAP columns of runs.csv.
+Then the dry run's verdict on a sample of (matrix, run) pairs is
+:func:`mlemlib.compose.verdict`'s, word for word.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import re
+
+import pytest
+from test_workflow import TINY, changed, dry_run, one_line, planned_jobs, snakemake, user_files
+
+from mlemlib import compose
+
+#: A MAP prior of the tests (the relative difference prior).
+RDP = {"type": "rdp", "beta": 0.1, "epsilon": 0.01}
+
+
+def map_config(prior: dict | None = None, **mlem) -> dict:
+    """TINY with a prior (RDP unless given) and other mlem keys; no partition table (not needed)."""
+    config = changed(mlem={"prior": dict(prior or RDP), **mlem}, partition={"parts": []})
+    return config
+
+
+def planned_outputs(workdir, config: dict) -> dict[str, list[str]]:
+    """rule -> the outputs a dry run of ``config`` would write (from Snakemake's job listing)."""
+    proc = snakemake(workdir, "--dry-run", config=config)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    outputs: dict[str, list[str]] = {}
+    rule = None
+    for line in (proc.stdout + proc.stderr).splitlines():
+        found = re.match(r"\s*(?:local)?rule (\w+):", line)
+        if found:
+            rule = found.group(1)
+        elif line.strip().startswith("output:") and rule:
+            outputs.setdefault(rule, []).extend(p.strip() for p in line.split(":", 1)[1].split(","))
+    return outputs
+
+
+def run_dir(path: str) -> str:
+    """The run's (or reference's, converged image's) directory name under results/{matrix}/runs/{data}/."""
+    return path.split("/runs/nema-seed1/", 1)[1].split("/", 1)[0]
+
+
+# --------------------------------------------------------------- the dry run
+
+
+def test_a_map_dry_run_plans_the_converged_image_once_and_names_the_settings(tmp_path):
+    config = map_config(map_converged_passes=7)
+    assert dry_run(tmp_path, config)["compute_converged_map"] == 1
+    out = planned_outputs(tmp_path, config)
+    runs = {run_dir(p) for p in out["run_mlem"]}
+    (reference,) = {run_dir(p) for p in out["reference_mlem"]}
+    (converged,) = {run_dir(p) for p in out["compute_converged_map"]}
+    model = re.fullmatch(r"reference-it2-(mlem_bsrem_rdp_p[0-9a-f]{8})", reference).group(1)
+    # every run, its reference and the converged image (7 passes of BSREM) name the same MAP settings
+    assert runs == {f"cpu-auto-auto-{'it2-rep1-ck0'}-{model}", f"cpu-auto-notrans-it2-rep1-ck0-{model}"}
+    assert converged == f"converged-it7-{model}"
+    # OSL: other runs and reference, the same converged image (BSREM's, which converges)
+    osl = planned_outputs(tmp_path, map_config(map_converged_passes=7, algorithm="osl"))
+    (osl_reference,) = {run_dir(p) for p in osl["reference_mlem"]}
+    assert osl_reference.startswith("reference-it2-mlem_osl_rdp_p") and osl_reference != reference
+    assert {run_dir(p) for p in osl["compute_converged_map"]} == {converged}
+
+
+def test_two_betas_give_two_run_directories_and_no_prior_keeps_todays_paths(tmp_path):
+    def dirs(config):
+        out = planned_outputs(tmp_path, config)
+        return {run_dir(p) for rule in ("run_mlem", "reference_mlem") for p in out[rule]}
+
+    first, second = dirs(map_config()), dirs(map_config({**RDP, "beta": 0.2}))
+    assert len(first) == len(second) == 3 and not first & second
+    relaxed = dirs(map_config(relaxation=[0.5, 10]))
+    assert not relaxed & first and not relaxed & second
+    # prior none (the default): the paths of MLEM, no model part, no converged image
+    plain = planned_outputs(tmp_path, TINY)
+    assert {run_dir(p) for p in plain["reference_mlem"]} == {"reference-it2"}
+    assert "compute_converged_map" not in plain
+
+
+@pytest.mark.parametrize(
+    ("prior", "mlem", "line"),
+    [
+        ({**RDP, "bta": 1}, {}, "config mlem.prior: Additional properties are not allowed ('bta' was unexpected); "
+                                "config/schema.yaml lists the keys and their allowed values"),
+        ({"type": "rdp", "beta": 0.1}, {}, "config mlem.prior.epsilon: the relative difference prior needs "
+                                           "epsilon > 0, got None"),
+        ({"type": "quadratic"}, {}, "config mlem.prior.beta: a prior needs beta (a number >= 0), found none"),
+        ({"type": "quadratic", "beta": -1}, {}, "config mlem.prior.beta: must be >= 0, got -1"),
+        (RDP, {"relaxation": [1, 0]}, "config mlem.relaxation: lambda_0 and eta must be > 0, got (1, 0)"),
+    ],
+)
+def test_bad_map_settings_stop_the_dry_run_in_one_line(tmp_path, prior, mlem, line):
+    assert one_line(snakemake(tmp_path, "--dry-run", config=map_config(prior, **mlem))) == line
+
+
+def test_a_prior_needs_the_grid_of_a_users_matrix(tmp_path):
+    config = user_files(tmp_path)  # a 40 x 12 .mtx: no grid
+    config["mlem"] = {**config["mlem"], "prior": dict(RDP)}
+    assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
+        "config mlem.prior.type: rdp needs the voxel grid of matrix mine, and data/mine.mtx records none; set "
+        "matrices.mine.grid: [NX, NY, NZ]")
+    config["matrices"]["mine"]["grid"] = [2, 2, 2]
+    assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
+        "config matrices.mine.grid: 2x2x2 = 8 voxels, but the matrix has n = 12 columns")
+    config["matrices"]["mine"]["grid"] = [2, 2, 3]
+    jobs = dry_run(tmp_path, config)
+    assert jobs["convert_matrix"] == 1 and jobs["run_mlem"] == 1
+    assert "compute_converged_map" not in jobs  # a user's measurement: no truth, no regions, no metrics
+    config["matrices"]["mine"]["grid"] = None
+    config["matrices"]["mine"]["voxel_size"] = [2.0, 2.0, 2.0]
+    assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
+        "config matrices.mine.voxel_size: given without a grid; set matrices.mine.grid: [NX, NY, NZ] as well")
+    preset = map_config()
+    preset["matrices"]["small"]["grid"] = [2, 2, 3]
+    assert one_line(snakemake(tmp_path, "--dry-run", config=preset)) == (
+        "config matrices.small.grid: the preset small has its own grid; grid is for your own matrix file (path) "
+        "that records none")
+
+
+# ------------------------------------------------------------- a real run
+
+
+@pytest.fixture(scope="module")
+def map_run(tmp_path_factory):
+    """The small preset on the CPU with the relative difference prior: 3 passes, the converged image 3 passes."""
+    workdir = tmp_path_factory.mktemp("map")
+    config = map_config(iterations=3, map_converged_passes=3)
+    config["runs"] = [{"backend": "cpu", "fp": "auto", "bp": "auto"}]
+    config["transpose"] = {"method": "scipy", "compare": []}
+    proc = snakemake(workdir, "--cores", "2", config=config, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(workdir / "results/summary/default/runs.csv", newline="") as fh:
+        return workdir, config, list(csv.DictReader(fh))
+
+
+def test_a_map_run_writes_the_map_columns(map_run):
+    _, _, rows = map_run
+    run = [r for r in rows if r["reference_mode"] == "False"]
+    ref = [r for r in rows if r["reference_mode"] == "True"]
+    assert len(run) == len(ref) == 1
+    for r in run + ref:
+        assert (r["map_algorithm"], r["prior"], float(r["beta"])) == ("bsrem", "rdp", 0.1)
+        assert float(r["phi"]) != 0
+    # BSREM's run of as many passes as the converged image (BSREM in float64) ends at it: the threshold
+    # is reached, at the last pass at the latest
+    assert int(run[0]["passes_to_threshold"]) <= 3 and float(run[0]["time_to_threshold_s"]) > 0
+    # the run (float32) is measured against its float64 reference of the same algorithm, and Phi agrees
+    assert float(run[0]["rel_l2_reference"]) < 1e-4
+    assert abs(float(run[0]["phi"]) - float(ref[0]["phi"])) <= 1e-6 * abs(float(ref[0]["phi"]))
+
+
+def test_a_finished_map_run_is_up_to_date_and_another_beta_reruns_the_map_jobs_only(map_run):
+    workdir, config, _ = map_run
+    assert dry_run(workdir, config) == {}
+    other = copy.deepcopy(config)
+    other["mlem"]["prior"]["beta"] = 0.2
+    assert dry_run(workdir, other) == {"compute_converged_map": 1, "reference_mlem": 1, "run_mlem": 1,
+                                       "summarize": 1}
+
+
+# ---------------------------------------------------------- one verdict
+
+
+def _pair(fmt: str, subsets: int, background: bool, run: dict) -> tuple[dict, compose.Combination]:
+    """A config of one matrix in `fmt` and one run, and the Combination compose judges for it."""
+    config = changed(matrices={"small": {"preset": "small", "format": fmt}}, runs=[run], use_gpu=True,
+                     mlem={"subsets": subsets}, partition={"parts": []},
+                     simulation={"randoms_fraction": 0.2} if background else {})
+    full = {"gpus": 1, "layout": "local", "graph": "auto", "fp": "auto", "bp": "auto", **run}
+    c = compose.Combination(format=fmt, fold=False, reorder="rows+voxels", subsets=subsets, factors=background,
+                            backend=full["backend"], fp=full["fp"], bp=full["bp"], gpus=full["gpus"],
+                            layout=full["layout"], graph=full["graph"])
+    return config, c
+
+
+PAIRS = [
+    ("csr", 1, False, {"backend": "cpu"}),
+    ("compressed", 4, False, {"backend": "cuda", "bp": "onepass"}),
+    ("csr", 1, False, {"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "gpus": 2, "layout": "thesis"}),
+    ("csr", 1, True, {"backend": "cpu", "bp": "onepass_chunked"}),
+    ("compressed", 4, False, {"backend": "cuda", "bp": "delta_vector"}),
+    ("csr", 4, False, {"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "gpus": 2, "layout": "thesis"}),
+    ("compressed-u16", 1, False, {"backend": "cpu", "fp": "csr_vector"}),
+]
+
+
+@pytest.mark.parametrize(("fmt", "subsets", "background", "run"), PAIRS)
+def test_the_dry_runs_verdict_is_composes(tmp_path, fmt, subsets, background, run):
+    config, c = _pair(fmt, subsets, background, run)
+    verdict = compose.verdict(c)
+    proc = snakemake(tmp_path, "--dry-run", "--quiet", "rules", "--resources", "gpu=2", config=config)
+    if verdict is None:
+        assert planned_jobs(proc)["run_mlem"] == 1
+    else:
+        assert one_line(proc) == "config " + verdict.replace("run.", "runs[0].", 1)
+
+
+def test_the_sample_has_refusals_and_acceptances_across_formats_subsets_and_backends():
+    verdicts = [compose.verdict(_pair(*p)[1]) for p in PAIRS]
+    assert sum(v is None for v in verdicts) == 3 and sum(v is not None for v in verdicts) == 4
+    refused = [p for p, v in zip(PAIRS, verdicts) if v is not None]
+    assert {p[0] for p in refused} >= {"csr", "compressed"} and {p[3]["backend"] for p in refused} == {"cpu", "cuda"}
