@@ -316,3 +316,17 @@ def objective_function(src: Any, g: np.ndarray, corrections: Any, prior: Any, be
         return ll - beta * r, ll, r
 
     return evaluate
+
+
+def wrap(be: Any, model: Any, settings: MapSettings) -> MapBackend:
+    """``be`` wrapped for MAP: the prior on the model's voxel grid (in its stored voxel order) and the objective
+    of its stored-row model (:class:`mlemlib.problem.Problem`)."""
+    from mlemlib.prior import make_prior, require_grid
+    from mlemlib.provenance import source_name
+
+    grid = require_grid(model.src, source_name(model.src, None))
+    voxels = None if model.perm is None else model.perm.voxels
+    prior = make_prior(settings.prior, grid, beta=settings.beta, gamma=settings.gamma, epsilon=settings.epsilon,
+                       kappa=settings.kappa, voxels=voxels)
+    objective = objective_function(model.src, model.g, model.corrections, prior, float(settings.beta))
+    return MapBackend(be, settings, prior, model.norm, objective=objective)

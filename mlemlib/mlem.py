@@ -1,8 +1,8 @@
 """The MLEM iteration, independent of the backend: :func:`reconstruct` and :func:`reference` (all backends).
 
 :func:`reconstruct` loads a problem (system matrix ``A``, measurement ``g``,
-norm, optionally ``A^T``) once, builds a backend with :func:`make_backend`
-(:func:`mlemlib.backends.make_backend`: ``cpu``, ``cuda`` on one or several GPUs),
+norm, optionally ``A^T``) once, builds a backend from it and the run's settings
+(:func:`mlemlib.backends.build_backend`: ``cpu``, ``cuda`` on one or several GPUs; MAP wraps it),
 and runs the numerical contract of DESIGN.md ``repetitions`` times::
 
     f0 = sum(g) / sum(norm)                  (sums in float64)
@@ -63,7 +63,7 @@ import numpy as np
 
 from mlemlib import setup_times
 from mlemlib._io import atomic_path
-from mlemlib.backends import make_backend
+from mlemlib.backends import build_backend
 from mlemlib.backends.base import Backend, timed_iterations
 from mlemlib.checkpoint import (
     CHECKPOINT_FORMAT,
@@ -81,7 +81,6 @@ from mlemlib.provenance import (
     dumps,
     matrix_fingerprint,
     problem_fingerprint,
-    source_name,
     timings_record,
     transpose_used,
 )
@@ -162,7 +161,7 @@ def reconstruct(
     iterations
         MLEM iterations per repetition (>= 0).
     backend, fp, bp, secsize, graph, gpus, layout, plan, threads, chunks
-        Passed to :func:`make_backend` (``chunks``: the matrix's row chunks as
+        Passed to :func:`mlemlib.backends.make_backend` (``chunks``: the matrix's row chunks as
         a layout file of ``mlem chunk``, read by the chunked one pass).
     norm
         ``norm.h5`` path or array (float64, n); None computes the column sums.
@@ -261,16 +260,8 @@ def reconstruct(
                                  repetitions=settings.repetitions, iterations=settings.iterations
                                  ) if use_checkpoint else None
             with Stopwatch() as sw_setup:
-                be = make_backend(
-                    settings.backend, prob.src, prob.g, prob.norm, prob.tsrc, fp=settings.fp, bp=settings.bp,
-                    dtype=settings.dtype, gpus=settings.gpus, layout=settings.layout, plan=settings.plan,
-                    secsize=settings.secsize, threads=settings.threads, chunks=chunks,
-                    background=prob.corrections.background, subsets=prob.corrections.bounds,
-                    **({"graph": settings.graph} if settings.graph is not None else {}),
-                )
+                be = build_backend(prob, settings, chunks=chunks)
         opened.append(be)  # closed at the end (a multi-GPU backend drops its graphs before its communicators)
-        if settings.map is not None:
-            be = map_backend(be, prob, settings.map)
         phases = rec.as_dict()
         desc = be.describe()
         log.info("backend %s ready (%.2f s): %s", desc.get("backend", settings.backend), sw_setup.seconds, desc)
@@ -314,20 +305,6 @@ def reconstruct(
         )
     finally:
         close_all(opened)
-
-
-def map_backend(be: Backend, prob: Problem, settings: Any) -> Any:
-    """``be`` wrapped for MAP (:class:`mlemlib.map.MapBackend`): the prior on the matrix's voxel grid (in its
-    stored voxel order) and the objective of the problem's stored-row model."""
-    from mlemlib.map import MapBackend, objective_function
-    from mlemlib.prior import make_prior, require_grid
-
-    grid = require_grid(prob.src, source_name(prob.src, None))
-    voxels = None if prob.perm is None else prob.perm.voxels
-    prior = make_prior(settings.prior, grid, beta=settings.beta, gamma=settings.gamma, epsilon=settings.epsilon,
-                       kappa=settings.kappa, voxels=voxels)
-    objective = objective_function(prob.src, prob.g, prob.corrections, prior, float(settings.beta))
-    return MapBackend(be, settings, prior, prob.norm, objective=objective)
 
 
 def _log_interval(iterations: int) -> int:
