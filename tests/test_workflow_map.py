@@ -126,6 +126,40 @@ def test_a_prior_needs_the_grid_of_a_users_matrix(tmp_path):
         "that records none")
 
 
+@pytest.mark.parametrize("fold", [False, True])
+def test_the_convert_stage_records_the_given_grid(tmp_path, fold):
+    import numpy as np
+    import scipy.sparse as sp
+
+    from mlemlib.fold import convert_stage
+    from mlemlib.formats import geometry_value, open_matrix
+
+    a = sp.random(20, 12, density=0.4, random_state=2, format="csr", dtype=np.float32)
+    sp.save_npz(tmp_path / "a.npz", sp.vstack([a, a]).tocsr())  # every row twice: folding halves them
+    convert_stage(tmp_path / "a.npz", tmp_path / "m.h5", fold=fold, grid=(2, 3, 2), voxel_size=(1.0, 1.0, 2.5))
+    with open_matrix(tmp_path / "m.h5") as src:
+        assert src.shape == ((20 if fold else 40), 12)
+        assert tuple(geometry_value(src, "grid")) == (2, 3, 2)
+        assert tuple(geometry_value(src, "voxel_size")) == (1.0, 1.0, 2.5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npz", "m.h5"]  # no temporary left
+
+
+def test_a_users_matrix_with_a_grid_runs_map(tmp_path):
+    from mlemlib.formats import geometry_value, open_matrix
+
+    config = user_files(tmp_path)
+    config["matrices"]["mine"]["grid"] = [2, 2, 3]
+    config["mlem"] = {**config["mlem"], "prior": {"type": "quadratic", "beta": 0.5}, "algorithm": "osl"}
+    proc = snakemake(tmp_path, "--cores", "2", config=config)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open_matrix(next((tmp_path / "results/mine").glob("*.h5"))) as src:
+        assert tuple(geometry_value(src, "grid")) == (2, 2, 3)
+    with open(tmp_path / f"results/summary/{config.get('name', 'default')}/runs.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert rows and {(r["map_algorithm"], r["prior"]) for r in rows} == {("osl", "quadratic")}
+    assert all(r["time_to_threshold_s"] == "" for r in rows)  # no phantom: no metrics
+
+
 # ------------------------------------------------------------- a real run
 
 
