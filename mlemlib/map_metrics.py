@@ -305,7 +305,8 @@ def reconstruct_with_metrics(matrix: Any, sino: Any, out_image: str | os.PathLik
     """:func:`mlemlib.mlem.reconstruct` of a MAP run, measuring every ``every``-th pass against ``converged``.
 
     ``converged`` is the converged image (an ``image.h5`` of :func:`converged_map`, or an array in the
-    user's voxel order), ``truth`` the phantom's ``truth.h5`` (its regions); ``kwargs`` are
+    user's voxel order), ``truth`` the phantom's ``truth.h5`` (its regions; also the run's truth, for its
+    accuracy against the phantom); ``kwargs`` are
     ``reconstruct``'s (``map_settings`` required; ``progress`` is taken). The record goes into the
     run's ``timings.json`` as ``map.metrics`` (:func:`add_metrics`) and into the returned timings.
     """
@@ -329,7 +330,7 @@ def reconstruct_with_metrics(matrix: Any, sino: Any, out_image: str | os.PathLik
             src.close()
     rec = MetricsRecorder(ref, regions_from_truth(truth), perm=perm, every=every, repetition=repetition,
                           reference=about)
-    timings = reconstruct(matrix, sino, out_image, progress=rec, **kwargs)
+    timings = reconstruct(matrix, sino, out_image, progress=rec, truth=truth, **kwargs)
     record = rec.record()
     path = (timings.get("outputs") or {}).get("timings")
     if path:

@@ -169,8 +169,7 @@ def test_osem_with_the_stored_transpose_pair_on_a_compressed_matrix_is_refused(t
                         matrices={"small": {"preset": "small", "format": "compressed"}})
     line = one_line(snakemake(tmp_path, config, "--dry-run", "--resources", "gpu=1"))
     assert line.startswith("config runs[0].bp: delta_vector back-projects on a stored A^T, which OSEM "
-                           "(mlem.subsets: 16) cannot have on the GPUs for a compressed matrix "
-                           "(matrices.small.format)"), line
+                           "(subsets 16) cannot have on the GPUs for a compressed matrix; use bp: auto"), line
     # the one passes and auto run with subsets on a compressed matrix; the pair on CSR transposes on the GPUs
     for fp, bp, fmt in (("auto", "auto", "compressed"), ("auto", "onepass_fixed", "compressed"),
                         ("csr_vector", "csr_vector", "csr")):
