@@ -2,7 +2,7 @@
 
 :func:`reconstruct` loads a problem (system matrix ``A``, measurement ``g``,
 norm, optionally ``A^T``) once, builds a backend from it and the run's settings
-(:func:`mlemlib.backends.build_backend`: ``cpu``, ``cuda`` on one or several GPUs; MAP wraps it),
+(:func:`build_backend`: ``cpu``, ``cuda`` on one or several GPUs; MAP wraps it),
 and runs the numerical contract of DESIGN.md ``repetitions`` times::
 
     f0 = sum(g) / sum(norm)                  (sums in float64)
@@ -63,7 +63,7 @@ import numpy as np
 
 from mlemlib import setup_times
 from mlemlib._io import atomic_path
-from mlemlib.backends import build_backend
+from mlemlib.backends import make_backend
 from mlemlib.backends.base import Backend, timed_iterations
 from mlemlib.checkpoint import (
     CHECKPOINT_FORMAT,
@@ -305,6 +305,36 @@ def reconstruct(
         )
     finally:
         close_all(opened)
+
+
+def build_backend(model: Any, settings: Any, *, chunks: Any | None = None) -> Any:
+    """The backend of one run: ``model`` (a :class:`mlemlib.problem.Problem`) on the devices ``settings``
+    (:class:`mlemlib.problem.RunSettings`) name, with the kernels they ask for.
+
+    The backend gets the model's arrays in its stored-row order: the matrix (and ``A^T`` where given),
+    ``g``, the norm (per subset with OSEM), the subsets' row bounds and ``b' = b / m``; it knows nothing of
+    where they came from (folded, reordered, the factor files). A model term above the projector (MAP's
+    prior: ``settings.map``) wraps it (:func:`mlemlib.map.wrap`). ``chunks``: a layout file of the
+    matrix's row chunks (``mlem chunk``).
+    """
+    be = make_backend(
+        settings.backend, model.src, model.g, model.norm, model.tsrc, fp=settings.fp, bp=settings.bp,
+        dtype=settings.dtype, gpus=settings.gpus, layout=settings.layout, plan=settings.plan,
+        secsize=settings.secsize, threads=settings.threads, chunks=chunks,
+        background=model.corrections.background, subsets=model.corrections.bounds,
+        **({"graph": settings.graph} if settings.graph is not None else {}),
+    )
+    if getattr(settings, "map", None) is None:
+        return be
+    from mlemlib.map import wrap
+
+    try:
+        return wrap(be, model, settings.map)
+    except BaseException:
+        if hasattr(be, "close"):
+            be.close()
+        raise
+
 
 
 def _log_interval(iterations: int) -> int:

@@ -216,7 +216,7 @@ class _PipelinedCpu(CpuBackend):
 
 
 def test_a_pipelining_backend_has_each_iterations_times_read_one_iteration_late(problem, tmp_path, monkeypatch):
-    from mlemlib import backends
+    from mlemlib import mlem
 
     a, g, _ = problem
     made = []
@@ -225,7 +225,7 @@ def test_a_pipelining_backend_has_each_iterations_times_read_one_iteration_late(
         made.append(_PipelinedCpu(matrix, g, norm, transpose=transpose, fp="numba", bp="numba", dtype=kw["dtype"]))
         return made[-1]
 
-    monkeypatch.setattr(backends, "make_backend", make)
+    monkeypatch.setattr(mlem, "make_backend", make)
     out = tmp_path / "piped" / "image.h5"
     t = reconstruct(a, g, out, iterations=7, backend="cpu", checkpoint_every=3, repetitions=1)
     be = made[0]

@@ -238,30 +238,31 @@ def _within_rounding(fmt: str, got: np.ndarray, exact: np.ndarray, scale: np.nda
 
 
 def test_transpose_keeps_the_format(source, tmp_path, capsys):
-    """``mlem transpose`` of a container writes ``A^T`` in its format, holding the values ``A`` decodes to.
+    """``mlem transpose`` of a container writes ``A^T`` holding exactly the values ``A`` decodes to:
+    ``decode(transpose(A)) == transpose(decode(A))`` bit for bit, for every format.
 
-    - ``csr`` and ``compressed``: ``decode(transpose(A)) == transpose(decode(A))`` bit for bit (and, A being
-      lossless, ``== A.T`` of the float32 original); a compressed one is exactly the encoding of ``A.T``.
-    - ``compressed-f16`` / ``-u16``: the transpose is exactly the encoding, in the format, of
-      ``transpose(decode(A))`` (each row of ``A^T`` with its own row scale), slot for slot; so it decodes to
-      ``transpose(decode(A))`` within one rounding of the format at that scale. In ``compressed-f16`` (row
-      scales are powers of two) that rounding changes nothing but values below ``2**-14`` times their row
-      scale in ``A^T`` (float16 subnormals there: :func:`test_transpose_f16_rounds_only_subnormals`); every
-      other value is ``A``'s decoded value bit for bit. In ``compressed-u16`` (a 16-bit fixed point per row)
-      values are rounded to the fixed point of their row of ``A^T``: the fixture's differ.
+    - ``csr`` and ``compressed``: in the input's format (A being lossless, ``== A.T`` of the float32 original);
+      a compressed one is exactly the encoding of ``A.T``.
+    - ``compressed-f16`` / ``-u16``: in the lossless ``compressed`` format (encoding ``A^T`` in 16 bits again
+      would round its values a second time, at ``A^T``'s own row scales), exactly the encoding of
+      ``transpose(decode(A))``.
     """
     from mlemlib.cli import main
+    from mlemlib.compressed import exact_format
     from mlemlib.transpose import transpose_file
 
     fmt, path, a = source
+    out_fmt = exact_format(fmt)
+    assert out_fmt == ("compressed" if fmt.endswith("16") else fmt)
     out = tmp_path / "transpose.h5"
     s = transpose_file(path, out, chunk_nnz=150)
-    assert s["format"] == fmt and _format(out) == fmt
+    assert s["format"] == out_fmt and _format(out) == out_fmt
     want = _decoded(path).T.tocsr()  # transpose(decode(A))
     want.sort_indices()
     got = _decoded(out)
     np.testing.assert_array_equal(got.indptr, want.indptr)
     np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_array_equal(got.data.view(np.uint32), want.data.astype(np.float32).view(np.uint32))
     with MatrixH5(out) as f, MatrixH5(path) as g:
         assert f.attrs["kind"] == "transpose" and f.attrs["source_checksum"] == g.checksum
     if fmt in ("csr", "compressed"):
@@ -271,26 +272,19 @@ def test_transpose_keeps_the_format(source, tmp_path, capsys):
     else:
         enc = _encoded(out)
         assert s["code_bits"] == enc.code_bits
-        _same_encoding(enc, CompressedMatrix.from_csr(CSRMatrix.from_scipy(want), fmt, code_bits=enc.code_bits))
-        scale = np.repeat(enc.scale.astype(np.float64), np.diff(got.indptr))
-        _within_rounding(fmt, got.data, want.data, scale)
-        if fmt == "compressed-f16":
-            normal = want.data >= 2.0**-14 * scale
-            assert normal.sum() > 0.9 * len(normal)
-            np.testing.assert_array_equal(got.data[normal].view(np.uint32), want.data[normal].view(np.uint32))
-        else:
-            assert not np.array_equal(got.data, want.data)
+        _same_encoding(enc, CompressedMatrix.from_csr(CSRMatrix.from_scipy(want), out_fmt, code_bits=enc.code_bits))
     # the CLI says what it wrote
     out2 = tmp_path / "cli" / "transpose.h5"
     assert main(["transpose", str(path), "-o", str(out2), "-c", "100"]) == 0
-    assert f": {a.shape[1]} x {a.shape[0]}, nnz {a.nnz}, {fmt}" in capsys.readouterr().out
-    assert _format(out2) == fmt
+    assert f": {a.shape[1]} x {a.shape[0]}, nnz {a.nnz}, {out_fmt}" in capsys.readouterr().out
+    assert _format(out2) == out_fmt
 
 
-def test_transpose_f16_rounds_only_subnormals(tmp_path):
-    """A value of a float16 row that is a subnormal of its row of ``A^T`` (a larger row scale there) is rounded
-    once more: ``A`` = [[0.3, t], [0, 0.9]] with t = 3 * 2**-40 (row 0's scale is 2**-16: t is 3 float16
-    subnormal steps); in ``A^T``, t meets 0.9 (scale 2**-15: 1.5 steps), rounds to 2 steps (half to even)."""
+def test_transpose_of_a_lossy_matrix_keeps_even_its_subnormal_values(tmp_path):
+    """A value of a float16 row that would be a subnormal of its row of ``A^T`` (a larger row scale there) is
+    kept exactly: ``A`` = [[0.3, t], [0, 0.9]] with t = 3 * 2**-40 (row 0's scale is 2**-16: t is 3 float16
+    subnormal steps); in a float16 ``A^T`` t would meet 0.9 (scale 2**-15: 1.5 steps) and round to 2 steps;
+    the transpose is stored in the lossless format instead and holds t."""
     from mlemlib.transpose import transpose_file
 
     t = 3 * 2.0**-40
@@ -300,9 +294,8 @@ def test_transpose_f16_rounds_only_subnormals(tmp_path):
     assert _decoded(path)[0, 1] == np.float32(t)  # A holds t exactly
     transpose_file(path, tmp_path / "t.h5")
     at = _decoded(tmp_path / "t.h5")
-    assert at[1, 0] == np.float32(2.0**-38)  # rounded at A^T's row scale
-    assert at[0, 0] == _decoded(path)[0, 0] and at[1, 1] == _decoded(path)[1, 1]  # the normal values are kept
-    np.testing.assert_array_equal(_encoded(tmp_path / "t.h5").scale, [2.0**-16, 2.0**-15])
+    assert at[1, 0] == np.float32(t)
+    assert at[0, 0] == _decoded(path)[0, 0] and at[1, 1] == _decoded(path)[1, 1]
 
 
 # --------------------------------------------------------------------------- every stage's matrix input

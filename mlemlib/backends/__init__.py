@@ -4,12 +4,10 @@
   (one GPU, CuPy RawKernels), :mod:`~mlemlib.backends.nccl` (several GPUs,
   NCCL all-reduces; also one GPU with CUDA graphs), all deriving from
   :class:`~mlemlib.backends.base.Backend`;
-- :func:`build_backend` builds the backend of a run from its model (the loaded
-  :class:`mlemlib.problem.Problem`: the matrix, ``g``, the norm, the subsets and
-  ``b'``) and its settings (:class:`mlemlib.problem.RunSettings`), wrapped for
-  MAP where the settings ask for a prior; :func:`make_backend` builds one from
-  arrays (the benchmarks, tests); :func:`get_backend_name` resolves ``auto`` to
-  ``cuda`` where CuPy sees a GPU, else ``cpu``.
+- :func:`make_backend` builds one from the model's arrays (a run's, through
+  :func:`mlemlib.mlem.build_backend`; the benchmarks and tests directly);
+  :func:`get_backend_name` resolves ``auto`` to ``cuda`` where CuPy sees a GPU,
+  else ``cpu``.
 
 Which kernel a name means is decided in :mod:`mlemlib.registry`. No GPU is
 probed and CuPy is not imported at import.
@@ -53,35 +51,6 @@ def get_backend_name(name: str = "auto") -> str:
     if name not in ("cpu", "cuda"):
         raise ConfigError("backend", f"unknown backend {name!r}, expected auto, cpu or cuda")
     return name
-
-
-def build_backend(model: Any, settings: Any, *, chunks: Any | None = None) -> Any:
-    """The backend of one run: ``model`` (a :class:`mlemlib.problem.Problem`) on the devices ``settings``
-    (:class:`mlemlib.problem.RunSettings`) name, with the kernels they ask for.
-
-    The backend gets the model's arrays in its stored-row order: the matrix (and ``A^T`` where given),
-    ``g``, the norm (per subset with OSEM), the subsets' row bounds and ``b' = b / m``; it knows nothing of
-    where they came from (folded, reordered, the factor files). A model term above the projector (MAP's
-    prior: ``settings.map``) wraps it (:func:`mlemlib.map.wrap`). ``chunks``: a layout file of the
-    matrix's row chunks (``mlem chunk``).
-    """
-    be = make_backend(
-        settings.backend, model.src, model.g, model.norm, model.tsrc, fp=settings.fp, bp=settings.bp,
-        dtype=settings.dtype, gpus=settings.gpus, layout=settings.layout, plan=settings.plan,
-        secsize=settings.secsize, threads=settings.threads, chunks=chunks,
-        background=model.corrections.background, subsets=model.corrections.bounds,
-        **({"graph": settings.graph} if settings.graph is not None else {}),
-    )
-    if getattr(settings, "map", None) is None:
-        return be
-    from mlemlib.map import wrap
-
-    try:
-        return wrap(be, model, settings.map)
-    except BaseException:
-        if hasattr(be, "close"):
-            be.close()
-        raise
 
 
 def make_backend(
