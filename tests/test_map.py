@@ -22,26 +22,38 @@ GRID, N, M, S = (5, 4, 3), 60, 240, 8
 RDP = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0)
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory):
-    """The matrix (float32 values) as a container with its grid, the same reordered, m, b, the subset file, g and
-    the float64 maximiser of Phi."""
+#: The phantom's hot voxels (4 in a flat 1).
+HOT = [7, 8, 12, 13, 27, 28]
+
+
+def write_case(d):
+    """Write the problem into ``d``: the matrix (float32 values; ``a.npz`` and the container ``a.h5`` with its
+    grid), ``m.f32`` (about 10% gaps), ``b.f32`` (> 0 but in the gaps), ``subsets.i32`` (8 blocks of 30 LORs);
+    return the float64 matrix, ``g``, ``m``, ``b`` and the true image."""
     rng = np.random.default_rng(7)
     a = sp.random(M, N, density=0.2, random_state=rng, data_rvs=lambda k: rng.uniform(0.1, 1, k)).tocsr()
     a = a.astype(np.float32).astype(np.float64)
     truth = np.ones(N)
-    truth[[7, 8, 12, 13, 27, 28]] = 4.0
+    truth[HOT] = 4.0
     mult = rng.uniform(0.5, 1.5, M).astype(np.float32)
     mult[rng.random(M) < 0.1] = 0.0
     clean = 20 * mult * (a @ truth)
     add = np.where(mult > 0, 0.2 * clean[mult > 0].mean(), 0.0).astype(np.float32)
     g = rng.poisson(clean + add).astype(np.int32)
-    d = tmp_path_factory.mktemp("map")
     sp.save_npz(d / "a.npz", a.astype(np.float32))
     convert(d / "a.npz", d / "a.h5", grid=GRID)
     mult.tofile(d / "m.f32")
     add.tofile(d / "b.f32")
     (np.arange(M) // (M // S)).astype("<i4").tofile(d / "subsets.i32")
+    return a, g, mult, add, truth
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """The matrix (float32 values) as a container with its grid, the same reordered, m, b, the subset file, g and
+    the float64 maximiser of Phi."""
+    d = tmp_path_factory.mktemp("map")
+    a, g, mult, add, _ = write_case(d)
     prior = make_prior("rdp", GRID, beta=RDP.beta, gamma=RDP.gamma, epsilon=RDP.epsilon)
     problem = MapProblem(a, g.astype(np.float64), mult.astype(np.float64), add.astype(np.float64), prior)
     return {"dir": d, "g": g, "problem": problem, "map": solve_map(problem)}

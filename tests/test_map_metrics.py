@@ -9,11 +9,9 @@ import math
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 
 from mlemlib import map_metrics as mm
 from mlemlib.errors import ConfigError
-from mlemlib.formats import convert
 from mlemlib.image import read_image, write_image
 from mlemlib.map import MapSettings
 from mlemlib.mlem import reconstruct
@@ -116,22 +114,10 @@ def test_regions_of_a_truth_against_a_brute_force_rasterisation(tmp_path):
 # --------------------------------------------------------------------------- runs (test_map's problem)
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    rng = np.random.default_rng(7)
-    a = sp.random(M, N, density=0.2, random_state=rng, data_rvs=lambda k: rng.uniform(0.1, 1, k)).tocsr()
-    a = a.astype(np.float32).astype(np.float64)
-    truth = np.ones(N)
-    truth[[7, 8, 12, 13, 27, 28]] = 4.0
-    mult = rng.uniform(0.5, 1.5, M).astype(np.float32)
-    mult[rng.random(M) < 0.1] = 0.0
-    clean = 20 * mult * (a @ truth)
-    add = np.where(mult > 0, 0.2 * clean[mult > 0].mean(), 0.0).astype(np.float32)
-    g = rng.poisson(clean + add).astype(np.int32)
+    from test_map import write_case
+
     d = tmp_path_factory.mktemp("mapm")
-    sp.save_npz(d / "a.npz", a.astype(np.float32))
-    convert(d / "a.npz", d / "a.h5", grid=GRID)
-    mult.tofile(d / "m.f32")
-    add.tofile(d / "b.f32")
-    (np.arange(M) // (M // S)).astype("<i4").tofile(d / "subsets.i32")
+    _, g, _, _, truth = write_case(d)
     kw = {"subsets": S, "subset_file": d / "subsets.i32", "multiplicative": d / "m.f32", "additive": d / "b.f32"}
     idx = np.arange(N)
     spheres = {"s1": np.isin(idx, [7, 8, 12, 13]), "s2": np.isin(idx, [27, 28])}
