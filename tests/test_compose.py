@@ -69,7 +69,10 @@ def _matrix(root: Path, fmt: str, fold: bool, reorder: str, subsets: int) -> Pat
 @pytest.fixture(scope="session")
 def space_files(tmp_path_factory) -> Path:
     """The shared directory of the variants (built by the first worker that gets the lock)."""
-    root = tmp_path_factory.getbasetemp().parent / "compose-space"
+    # under xdist every worker's base is a folder of the session's: its parent is shared by the workers and
+    # new each session; without xdist the base is the session's own folder
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "compose-space"
     root.mkdir(exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
