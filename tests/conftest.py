@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from mlemlib.backends import cuda_available
+# Idle OpenMP threads sleep instead of spin (as the mlem command sets it, mlemlib.backends.cpu.passive_omp_wait):
+# the test workers share the cores, and spinning waiters made a small parallel kernel's run up to 60x slower.
+# Set before any Numba parallel launch; inherited by the workflow's jobs.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+from mlemlib.backends import cuda_available  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -368,7 +368,9 @@ def test_gpu_run_is_submitted_with_its_gpus(default_runs):
     warm = remote / "results" / "kernels" / f"{config.get('name', 'default')}.json"
     warm.parent.mkdir(parents=True, exist_ok=True)
     warm.write_text("{}\n")
-    assert planned_jobs(remote, target, config=config) == Counter(run_mlem=1), "upstream would be recomputed"
+    # planned here as on the cluster (its GPUs are on the nodes: the dry run on this host is told how many)
+    assert planned_jobs(remote, target, "--resources", "gpu=2", config=config) == Counter(run_mlem=1), \
+        "upstream would be recomputed"
     since = started()
     cmd = snakemake_cmd(
         remote,
