@@ -9,12 +9,7 @@ from pathlib import Path
 
 import pytest
 
-# Idle OpenMP threads sleep instead of spin (as the mlem command sets it, mlemlib.backends.cpu.passive_omp_wait):
-# the test workers share the cores, and spinning waiters made a small parallel kernel's run up to 60x slower.
-# Set before any Numba parallel launch; inherited by the workflow's jobs.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-
-from mlemlib.backends import cuda_available  # noqa: E402
+from mlemlib.backends import cuda_available
 
 
 @pytest.hookimpl(tryfirst=True)
