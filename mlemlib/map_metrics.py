@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -344,37 +344,20 @@ def problem_fingerprint_of(matrix: Any, sino: Any, map_settings: Any, *, subsets
                            subset_file: Any = None, multiplicative: Any = None, additive: Any = None) -> str:
     """The fingerprint :func:`mlemlib.mlem.reconstruct` gives the problem (its image's ``problem``
     attribute), computed as :func:`mlemlib.problem.load_problem` does, without the norm or the backend."""
-    from mlemlib.fold import fold_of
     from mlemlib.formats import open_source
-    from mlemlib.formats.lmsino import check_counts, read_lmsino
-    from mlemlib.problem import RunSettings, load_corrections
+    from mlemlib.problem import RunSettings, load_corrections, problem_identity, stored_measurement
     from mlemlib.provenance import problem_fingerprint, source_name
-    from mlemlib.reorder import permutation_of, to_permuted_measurement
 
     src = open_source(matrix, "matrix")
     try:
-        m = int(src.shape[0])
-        row_fold = fold_of(src)
-        m_user = m if row_fold is None else row_fold.m_user
-        if isinstance(sino, (str, os.PathLike)):
-            g = read_lmsino(sino, expected_length=m_user)
-        else:
-            g = check_counts(sino, "sino")
-            if g.size != m_user:
-                raise ConfigError("sino", f"measurement has {g.size} values, the matrix has m = {m_user} rows")
-        if row_fold is not None:
-            g = row_fold.fold(g)
-        perm = permutation_of(src)
-        if perm is not None:
-            g = to_permuted_measurement(g, perm)
+        g, row_fold, perm = stored_measurement(src, matrix, sino)
         settings = RunSettings(iterations=1, repetitions=1, checkpoint_every=0, backend="cpu", fp="auto", bp="auto",
                                secsize=None, graph=None, gpus=1, layout="local", plan=None, threads=None,
                                reference_mode=True, dtype=np.dtype(np.float64), subsets=subsets,
                                subset_file=subset_file, multiplicative=multiplicative, additive=additive,
                                map=map_settings.check())
         corr = load_corrections(src, source_name(src, matrix), row_fold, perm, settings)
-        identity = ";".join(p for p in (corr.identity(), map_settings.identity()) if p)
-        return problem_fingerprint(src, g, identity)
+        return problem_fingerprint(src, g, problem_identity(corr, settings))
     finally:
         if src is not matrix and hasattr(src, "close"):
             src.close()

@@ -116,36 +116,13 @@ def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose
     takes them.
     """
     from mlemlib.formats import matrix_geometry
-    from mlemlib.formats.lmsino import check_counts, read_lmsino
 
     with Stopwatch() as sw_load:
         src = open_source(matrix, "matrix")
         if src is not matrix:
             opened.append(src)
         m, n = (int(v) for v in src.shape)
-        row_fold = fold_of(src)
-        m_user = m if row_fold is None else row_fold.m_user
-        if isinstance(sino, (str, os.PathLike)):
-            g = read_lmsino(sino, expected_length=m_user)
-        else:
-            g = check_counts(sino, "sino")
-            if g.size != m_user:
-                raise ConfigError("sino", f"measurement has {g.size} values, the matrix has m = {m_user} rows")
-        if row_fold is not None:
-            # g is in the user's LOR order: each stored row gets its LORs' summed counts.
-            g = row_fold.fold(g)
-            log.info("%s is folded: %d stored rows hold the %d LORs of the measurement (counts summed)",
-                     source_name(src, matrix), m, m_user)
-        perm = permutation_of(src)
-        if perm is not None:
-            if perm.shape != (m, n):
-                raise MatrixFormatError(
-                    source_name(src, matrix), f"permutation of a {perm.m} x {perm.n} matrix, the matrix is {m} x {n}"
-                )
-            # g is in the user's LOR order; the problem (and its fingerprint) lives in the permuted space.
-            g = to_permuted_measurement(g, perm)
-            log.info("%s is reordered (%s): measurement and images are mapped between the user's and the "
-                     "permuted order", source_name(src, matrix), perm.mode)
+        g, row_fold, perm = stored_measurement(src, matrix, sino)
         corr = load_corrections(src, source_name(src, matrix), row_fold, perm, settings)
         if not corr.plain:
             norm_arr = corrected_norm(src, norm, corr, settings.dtype)
@@ -181,9 +158,7 @@ def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose
                     f"transpose of the un-reordered matrix, but {source_name(src, matrix)} is reordered "
                     f"({perm.mode}); transpose the reordered matrix ('mlem transpose')",
                 )
-        identity = corr.identity() if settings.map is None else ";".join(
-            p for p in (corr.identity(), settings.map.identity()) if p)
-        problem = problem_fingerprint(src, g, identity)
+        problem = problem_fingerprint(src, g, problem_identity(corr, settings))
         key = checkpoint_key(problem, norm_arr, settings.dtype)
         ref_img = load_reference(reference, n, problem, settings.iterations)
         truth_img, regions = load_truth(truth, n)
@@ -191,6 +166,46 @@ def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose
     log.info("loaded problem %s: %d x %d, %d nnz (%.2f s)", problem[:12], m, n, int(src.nnz), sw_load.seconds)
     return Problem(src, tsrc, g, norm_arr, problem, key, ref_img, truth_img, regions, grid, voxel_size, sw_load.seconds,
                    perm, row_fold, corr)
+
+
+def stored_measurement(src: Any, matrix: Any, sino: Any) -> tuple[np.ndarray, Any, Permutation | None]:
+    """The measurement ``g`` (a ``.LMsino`` path or counts, in the user's LOR order) on the opened matrix's
+    stored rows: summed per row of a folded matrix, permuted for a reordered one; with the fold and the
+    permutation (None where there is none). ``matrix`` names the matrix in messages."""
+    from mlemlib.formats.lmsino import check_counts, read_lmsino
+
+    m, n = (int(v) for v in src.shape)
+    row_fold = fold_of(src)
+    m_user = m if row_fold is None else row_fold.m_user
+    if isinstance(sino, (str, os.PathLike)):
+        g = read_lmsino(sino, expected_length=m_user)
+    else:
+        g = check_counts(sino, "sino")
+        if g.size != m_user:
+            raise ConfigError("sino", f"measurement has {g.size} values, the matrix has m = {m_user} rows")
+    if row_fold is not None:
+        # g is in the user's LOR order: each stored row gets its LORs' summed counts.
+        g = row_fold.fold(g)
+        log.info("%s is folded: %d stored rows hold the %d LORs of the measurement (counts summed)",
+                 source_name(src, matrix), m, m_user)
+    perm = permutation_of(src)
+    if perm is not None:
+        if perm.shape != (m, n):
+            raise MatrixFormatError(
+                source_name(src, matrix), f"permutation of a {perm.m} x {perm.n} matrix, the matrix is {m} x {n}"
+            )
+        # g is in the user's LOR order; the problem (and its fingerprint) lives in the permuted space.
+        g = to_permuted_measurement(g, perm)
+        log.info("%s is reordered (%s): measurement and images are mapped between the user's and the "
+                 "permuted order", source_name(src, matrix), perm.mode)
+    return g, row_fold, perm
+
+
+def problem_identity(corr: Corrections, settings: RunSettings) -> str:
+    """What the run models beyond MLEM, as the problem's fingerprint takes it: the corrections' identity and
+    the MAP settings' (``""`` for MLEM)."""
+    parts = (corr.identity(), "" if settings.map is None else settings.map.identity())
+    return ";".join(p for p in parts if p)
 
 
 def load_corrections(src: Any, name: str, row_fold: Any, perm: Permutation | None, settings: RunSettings) -> Corrections:
