@@ -111,17 +111,30 @@ def read_factors(spec: Any, m: int, kind: str) -> np.ndarray:
         name, values = f"<{kind} array>", spec.reshape(-1)
     else:
         name = os.fspath(spec)
-        path, dataset = split_h5(name)
-        if not Path(path).is_file():
-            raise ConfigError(name, f"no such {KINDS[kind]} file")
-        if dataset is not None or _is_h5(path):
-            values = _read_h5(path, dataset, name)
-        else:
-            size = Path(path).stat().st_size
-            if size % 4:
-                raise ConfigError(name, f"size {size} is not a multiple of 4 bytes (raw little-endian float32 per LOR)")
-            values = np.fromfile(path, dtype="<f4")
+        values = read_float32_file(name, KINDS[kind], "LOR")
     return check_factors(values, m, kind, name)
+
+
+def read_float32_file(spec: str | os.PathLike, what: str, per: str) -> np.ndarray:
+    """The values of a raw little-endian float32 file, of ``file.h5:/dataset``, or of an HDF5 file holding one
+    dataset (read flat, C order), unchecked.
+
+    Raises
+    ------
+    ConfigError
+        One line naming the file: missing (``no such <what> file``), or a raw file whose size is not whole
+        float32 values (one per ``per``).
+    """
+    name = os.fspath(spec)
+    path, dataset = split_h5(name)
+    if not Path(path).is_file():
+        raise ConfigError(name, f"no such {what} file")
+    if dataset is not None or _is_h5(path):
+        return _read_h5(path, dataset, name)
+    size = Path(path).stat().st_size
+    if size % 4:
+        raise ConfigError(name, f"size {size} is not a multiple of 4 bytes (raw little-endian float32 per {per})")
+    return np.fromfile(path, dtype="<f4")
 
 
 def check_factors(values: Any, m: int, kind: str, name: str) -> np.ndarray:

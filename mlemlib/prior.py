@@ -46,7 +46,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -448,22 +447,10 @@ def read_kappa(spec: str | os.PathLike, n: int) -> np.ndarray:
         One line naming the file: missing, a size that is not whole float32 values, the wrong number of
         values, NaN or Inf, a negative value.
     """
-    from mlemlib.corrections import _read_h5, split_h5
+    from mlemlib.corrections import read_float32_file
 
     name = os.fspath(spec)
-    path, dataset = split_h5(name)
-    if not Path(path).is_file():
-        raise ConfigError(name, "no such kappa file")
-    with open(path, "rb") as fh:
-        is_h5 = fh.read(8) == b"\x89HDF\r\n\x1a\n"
-    if dataset is not None or is_h5:
-        values = _read_h5(path, dataset, name)
-    else:
-        size = Path(path).stat().st_size
-        if size % 4:
-            raise ConfigError(name, f"size {size} is not a multiple of 4 bytes (raw little-endian float32 per voxel)")
-        values = np.fromfile(path, dtype="<f4")
-    return check_kappa(values, n, name)
+    return check_kappa(read_float32_file(name, "kappa", "voxel"), n, name)
 
 
 def require_grid(matrix: Any, name: str | None = None) -> tuple[int, int, int]:
