@@ -50,19 +50,10 @@ def wide():
             "bg": background(mg, bg_, M), "osem": dense_osem(a, g, m, b, labels, S, ITERS)}
 
 
-def _image(be):
-    try:
-        f = be.initial_image()
-        for _ in range(ITERS):
-            f = be.iterate(f)
-        return be.to_host(f)
-    finally:
-        be.close()
-
-
 @pytest.mark.gpu
 def test_deterministic_osem_with_m_and_b_is_as_accurate_as_the_float_pass(wide):
     from mlemlib.backends import make_backend
+    from test_osem_gpu import _image
 
     p = wide
     err = {}
@@ -71,7 +62,7 @@ def test_deterministic_osem_with_m_and_b_is_as_accurate_as_the_float_pass(wide):
         if bp != "onepass":  # each subset's range came from what its warm-up pass summed
             for k, part in enumerate(be.parts):
                 assert part._fixed_bound < ONEPASS_C_MAX * float(np.nanmax(p["norms"][k])), (bp, k)
-        err[bp] = metrics.relative_l2(_image(be), p["osem"])
+        err[bp] = metrics.relative_l2(_image(be, ITERS), p["osem"])
     for bp in ("onepass_fixed", "onepass_chunked"):
         assert err[bp] < 1e-5, err
         assert err[bp] <= max(3.0 * err["onepass"], 1e-6), err
