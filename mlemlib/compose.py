@@ -25,14 +25,14 @@ from mlemlib import registry
 from mlemlib.errors import ConfigError
 
 #: The matrix formats of the configuration (``matrices.<name>.format``).
-FORMATS = ("csr", "compressed", "compressed-f16", "compressed-u16")
+FORMATS = registry.FORMATS
 #: ``reorder`` values; OSEM subsets S of the space (1: MLEM); the graph settings (``auto``, ``off``).
 REORDERS = ("none", "rows+voxels")
 SUBSETS = (1, 4)
 GRAPHS = ("auto", "off")
 #: GPU counts the cuda tier covers, and the layouts of a multi-GPU run.
 GPU_COUNTS = (1, 2)
-LAYOUTS = ("local", "thesis")
+LAYOUTS = registry.LAYOUTS
 
 
 @dataclass(frozen=True)

@@ -552,7 +552,14 @@ def decide(backend: str, fp: str | None, bp: str | None, *, fmt: str = "csr", gp
         one passes 2, so that only kernels of its layout are valid).
     Others
         As :func:`resolve` and :func:`choose_auto`.
+
+    Raises
+    ------
+    ConfigError
+        An unknown layout, or a name the backend, GPU count, layout or format does not have (one line).
     """
+    if layout not in (None, *LAYOUTS):
+        raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
     checked = gpus if check_gpus is None else check_gpus
     choice = resolve(backend, fp, bp, gpus=checked, layout=layout, transpose_available=transpose_available,
                      fits=fits, threads=threads, fmt=fmt)

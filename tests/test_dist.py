@@ -24,7 +24,7 @@ from mlemlib.backends import make_backend
 from mlemlib.dist import mpi as M
 from mlemlib.backends import _cuda_kernels as ck
 from mlemlib.backends import nccl as N
-from mlemlib.backends._nccl_plan import resolve_kernels
+from mlemlib import registry
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix
 
@@ -40,6 +40,12 @@ def _transpose(a: CSRMatrix) -> CSRMatrix:
 
 
 # --------------------------------------------------------------------------- kernels and plans
+
+
+def resolve_kernels(fp, bp, layout):
+    """The several-GPU backend's decision without a chunk sample: (fp, bp, deterministic)."""
+    c = registry.decide("cuda", fp, bp, gpus=2, layout=layout, transpose_available=True)
+    return c.fp, c.bp, c.deterministic
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""Host-side planning of the ``cuda-nccl`` backend (no GPU): its kernels and its partition plan.
+"""Host-side planning of the ``cuda-nccl`` backend (no GPU): its partition plan (its kernels are
+:func:`mlemlib.registry.decide`'s, as every backend's).
 
-:func:`resolve_kernels` is :func:`mlemlib.registry.decide` with the facts of a multi-GPU run (no chunk sample);
 :func:`build_plan` reads a partition plan (checked against the matrix) or splits the rows in memory
 with the partition stage's rule.
 """
@@ -16,30 +16,6 @@ from mlemlib.errors import ConfigError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix, shape_nnz
 
 LAYOUTS = registry.LAYOUTS
-
-
-def resolve_kernels(fp: str | None, bp: str | None, layout: str, world: int = 2, fmt: str = "csr",
-                    transpose_available: bool = True) -> tuple[str, str, bool]:
-    """The forward and back-projection kernels of a layout, and whether the pair is deterministic.
-
-    :func:`mlemlib.registry.decide` with the facts of this backend (no chunk sample): the
-    transpose is available where ``transpose_available`` says (a CSR ``A_k``
-    is transposed on its GPU; a compressed one needs the plan's part files or
-    a stored ``A^T``) and fits (each GPU checks its memory when it loads its
-    part). The ``notrans`` selector takes ``scatter_smem``
-    or ``scatter`` (:func:`~mlemlib.registry.choose_notrans`) once the
-    parts are loaded.
-
-    Raises
-    ------
-    ConfigError
-        Unknown layout, or a kernel the layout does not run (one line naming the valid ones).
-    """
-    if layout not in LAYOUTS:
-        raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
-    choice = registry.decide("cuda", fp, bp, gpus=int(world), check_gpus=max(2, int(world)), layout=layout, fmt=fmt,
-                             transpose_available=transpose_available or layout == "thesis")
-    return choice.fp, choice.bp, choice.deterministic
 
 
 def plan_has_parts(plan: Any) -> bool:

@@ -63,7 +63,7 @@ from mlemlib.backends.base import (
     bytes_per_nnz,
     calibrated_bound,
 )
-from mlemlib.backends._nccl_plan import LAYOUTS, build_plan, plan_has_parts
+from mlemlib.backends._nccl_plan import build_plan, plan_has_parts
 from mlemlib.backends._nccl_shards import Shard, load_shard
 from mlemlib.backends.cuda import chunk_layout, sample_chunks
 from mlemlib.backends.device_formats import format_of
@@ -200,8 +200,6 @@ class NcclBackend(Backend):
         # A_k^T in the local layout: transposed on its GPU (CSR) or the plan's part files; a whole A^T only
         # serves the thesis layout's row blocks
         t_avail = self.format == "csr" or plan_has_parts(plan) or (layout == "thesis" and transpose is not None)
-        if layout not in LAYOUTS:
-            raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
         self._layout, own_layout = chunk_layout(chunks, matrix) if layout == "local" else (None, False)
         if own_layout:
             weakref.finalize(self, self._layout.close)
