@@ -21,7 +21,7 @@ VALUE_BLOCK = 4096
 
 
 @functools.cache
-def _module(device_id: int) -> Any:
+def module(device_id: int) -> Any:
     from mlemlib.backends._build import cupy, kernel_source
 
     cp = cupy()
@@ -31,7 +31,7 @@ def _module(device_id: int) -> Any:
     return mod
 
 
-def _args(prior: Any, f: Any) -> tuple:
+def device_args(prior: Any, f: Any) -> tuple:
     """The kernels' leading arguments for image ``f`` (the prior's arrays uploaded to ``f``'s device once)."""
     import cupy as cp
 
@@ -68,8 +68,8 @@ def stencil(prior: Any, f: Any, out: Any, second: bool) -> Any:
         raise ValueError("out must be a C-contiguous CuPy vector")
     dev = cp.cuda.Device()
     blocks = max(1, min(-(-n // THREADS), 8 * dev.attributes["MultiProcessorCount"]))
-    kernel = _module(dev.id).get_function(f"prior_stencil_{_suffix(f)}")
-    kernel((blocks,), (THREADS,), (*_args(prior, f), np.int32(bool(second)), out))
+    kernel = module(dev.id).get_function(f"prior_stencil_{_suffix(f)}")
+    kernel((blocks,), (THREADS,), (*device_args(prior, f), np.int32(bool(second)), out))
     return out
 
 
@@ -80,8 +80,8 @@ def value(prior: Any, f: Any) -> float:
     n = f.shape[0]
     blocks = max(1, -(-n // VALUE_BLOCK))
     partial = cp.zeros(blocks, dtype=cp.float64)
-    kernel = _module(cp.cuda.Device().id).get_function(f"prior_value_{_suffix(f)}")
-    kernel((blocks,), (THREADS,), (*_args(prior, f), partial))
+    kernel = module(cp.cuda.Device().id).get_function(f"prior_value_{_suffix(f)}")
+    kernel((blocks,), (THREADS,), (*device_args(prior, f), partial))
     total = 0.0
     for p in cp.asnumpy(partial):
         total += float(p)

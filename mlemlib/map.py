@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 #: The algorithms and their defaults.
 ALGORITHMS = ("bsrem", "osl")
+PRECONDITIONERS = ("em", "hessian")
 DEFAULT_RELAXATION = (1.0, 10.0)
 #: BSREM's positivity bound, relative to the initial image's value.
 FLOOR = 1e-5
@@ -71,6 +72,9 @@ class MapSettings:
     kappa: Any = None
     algorithm: str = "bsrem"
     relaxation: tuple[float, float] = DEFAULT_RELAXATION
+    #: BSREM's preconditioner: ``em`` (``f / s``) or ``hessian`` (``f / (s + beta f H)``, ``H`` the diagonal of the
+    #: prior's Hessian at ``f``).
+    preconditioner: str = "em"
 
     def check(self) -> MapSettings:
         """Validate (one-line :class:`ConfigError` naming ``prior.<key>`` or ``algorithm``); return self."""
@@ -80,6 +84,8 @@ class MapSettings:
             raise ConfigError("prior.type", f"{self.prior!r}, expected one of {', '.join(KINDS)}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError("algorithm", f"{self.algorithm!r}, expected one of {', '.join(ALGORITHMS)}")
+        if self.preconditioner not in PRECONDITIONERS:
+            raise ConfigError("preconditioner", f"{self.preconditioner!r}, expected one of {', '.join(PRECONDITIONERS)}")
         lam, eta = (float(v) for v in self.relaxation)
         if not (lam > 0 and math.isfinite(lam)) or not eta > 0:
             raise ConfigError("relaxation", f"lambda_0 and eta must be > 0, got {self.relaxation}")
@@ -96,13 +102,15 @@ class MapSettings:
         eta = float(self.relaxation[1])
         return (f"map={self.algorithm}:{self.prior}:beta={float(self.beta)!r}:gamma={float(self.gamma)!r}:"
                 f"epsilon={None if self.epsilon is None else float(self.epsilon)!r}:kappa={kappa}:"
-                f"relax={float(self.relaxation[0])!r},{eta!r}")
+                f"relax={float(self.relaxation[0])!r},{eta!r}" + (
+                    "" if self.preconditioner == "em" else f":precond={self.preconditioner}"))
 
     def record(self) -> dict[str, Any]:
         """``timings.json``'s account of the settings."""
         return {"algorithm": self.algorithm, "prior": self.prior, "beta": float(self.beta), "gamma": float(self.gamma),
                 "epsilon": None if self.epsilon is None else float(self.epsilon),
-                "kappa": None if self.kappa is None else str(self.kappa), "relaxation": list(self.relaxation)}
+                "kappa": None if self.kappa is None else str(self.kappa), "relaxation": list(self.relaxation),
+                "preconditioner": self.preconditioner}
 
 
 def _xp(a: Any) -> Any:
@@ -149,7 +157,17 @@ class MapBackend:
         self.history: list[dict[str, float]] = []
         self._times: dict[str, float] = {}
         self._floor = None
-        if self.subsets > 1 and hasattr(inner, "use_graph") and getattr(inner, "graph", False):
+        #: The step on the GPUs' streams as the wrapped backend's update (:mod:`mlemlib._map_cuda`), or None:
+        #: the step runs here between the sub-iterations.
+        self.device_step = None
+        if callable(getattr(inner, "takes_image_step", None)) and inner.takes_image_step():
+            from mlemlib._map_cuda import DeviceMapStep
+
+            self._floor = FLOOR * float(inner._initial_value())
+            self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta), sk,
+                                             self._floor, hessian=self.settings.preconditioner == "hessian")
+            inner.set_image_step(self.device_step)
+        elif self.subsets > 1 and hasattr(inner, "use_graph") and getattr(inner, "graph", False):
             inner.use_graph(False)  # the passes run subset by subset (the MAP step between them)
         self.shape = inner.shape
 
@@ -180,14 +198,24 @@ class MapBackend:
         lam0, eta = (float(v) for v in self.settings.relaxation)
         lam = lam0 / (1.0 + self.passes / eta)
         beta = float(self.settings.beta)
+        if self.device_step is not None:  # the whole pass on the GPUs (one graph replay where captured)
+            self.device_step.set_relaxation(lam)
+            f = self.inner.iterate(f)
+            self.passes += 1
+            self._times = dict(self.inner.last_step_times())
+            if self.objective is not None and self.every_pass:
+                self.record_objective(f)
+            return f
         inner_times: dict[str, float] = {}
         t_prior = 0.0
+        hessian = self.settings.preconditioner == "hessian" and self.settings.algorithm == "bsrem"
         for k in range(self.subsets):
             tp = time.perf_counter()
             before = []
             for img in self._images(f):
                 with _device(img):
-                    before.append((img.copy(), self.prior.gradient(img) if beta else None))
+                    before.append((img.copy(), self.prior.gradient(img) if beta else None,
+                                   self.prior.curvature(img) if beta and hessian else None))
                     _synchronize(img)
             t_prior += time.perf_counter() - tp
             f = self.inner.sub_iterate(f, k)
@@ -197,9 +225,9 @@ class MapBackend:
             # the step is done before the next sub-iteration starts
             self.inner.synchronize()
             tp = time.perf_counter()
-            for img, (prev, grad) in zip(self._images(f), before):
+            for img, (prev, grad, curv) in zip(self._images(f), before):
                 with _device(img):
-                    self._step(img, prev, grad, k, lam, beta)
+                    self._step(img, prev, grad, curv, k, lam, beta)
                     _synchronize(img)
             t_prior += time.perf_counter() - tp
         self.passes += 1
@@ -209,16 +237,20 @@ class MapBackend:
             self.record_objective(f)
         return f
 
-    def _step(self, f: Any, prev: Any, grad: Any, k: int, lam: float, beta: float) -> None:
-        """The MAP step in place: ``f`` holds ``f_EM`` of the sub-iteration from ``prev``."""
+    def _step(self, f: Any, prev: Any, grad: Any, curv: Any, k: int, lam: float, beta: float) -> None:
+        """The MAP step in place: ``f`` holds ``f_EM`` of the sub-iteration from ``prev``; ``grad`` and ``curv``
+        the prior's gradient and curvature at ``prev`` (None: no prior, or the EM preconditioner)."""
         xp = _xp(f)
         c = self._consts(f)
         if self.settings.algorithm == "bsrem":
             if self._floor is None:
                 self._floor = FLOOR * float(self.inner._initial_value())
-            new = prev + lam * (c["ratio"][k] * (f - prev))
+            step = c["ratio"][k] * (f - prev)  # (f / s) S (bp_k - s_k) = (S s_k / s) (f_EM - f)
             if grad is not None:
-                new -= (lam * beta) * prev * grad * c["inv_s"]
+                step -= beta * prev * grad * c["inv_s"]
+                if curv is not None:  # f / (s + beta f H) = (f / s) / (1 + beta f H / s)
+                    step /= 1 + beta * prev * curv * c["inv_s"]
+            new = prev + lam * step
             xp.maximum(new, f.dtype.type(self._floor), out=new)
             f[...] = xp.where(c["seen"], new, 0)
         elif grad is not None:  # OSL
@@ -235,6 +267,10 @@ class MapBackend:
         return entry
 
     # --- the rest of the interface: the wrapped backend's ---------------------------------
+    def resume_at(self, passes: int) -> None:
+        """The run goes on from a checkpoint written after ``passes`` passes: the relaxation continues from there."""
+        self.passes = int(passes)
+
     def initial_image(self) -> Any:
         self.passes = 0
         self.history = []
@@ -250,7 +286,7 @@ class MapBackend:
         return None
 
     pipelines = False
-    #: The passes run subset by subset: no graph to sample kernel by kernel afterwards.
+    #: No graph to sample kernel by kernel after the run (that would run passes of MAP's own state).
     graph = False
 
     def __getattr__(self, name: str) -> Any:  # to_host, from_host, synchronize, close, writes_output, ...
@@ -260,8 +296,9 @@ class MapBackend:
 
     def describe(self) -> dict[str, Any]:
         d = dict(self.inner.describe())
-        d["map"] = self.settings.record()
-        d["graph"] = False
+        d["map"] = {**self.settings.record(), "step": "device" if self.device_step is not None else "host"}
+        if self.device_step is None:
+            d["graph"] = False
         return d
 
 

@@ -368,6 +368,8 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
         if resume is not None and rep == start_rep:
             f = be.from_host(resume["image"])
             first = resume["iteration"] + 1
+            if hasattr(be, "resume_at"):  # an algorithm whose passes differ (MAP's relaxation)
+                be.resume_at(resume["iteration"])
             for step, vals in (resume["samples"] or {}).items():
                 for v in vals:
                     times.samples.setdefault(step, []).append(float(v))

@@ -1,4 +1,5 @@
-"""MAP reconstruction (config mlem.prior, mlem.algorithm, mlem.relaxation):
+"""MAP reconstruction (config mlem.prior, mlem.algorithm, mlem.relaxation,
+mlem.preconditioner):
 its settings checked before any job, the part of {model} that names them in
 the run and reference paths, the converged MAP image of a simulated
 measurement and the metrics its runs record against it, and the voxel grid of
@@ -30,6 +31,7 @@ def get_map_settings(algorithm=None):
         kappa=prior["kappa"],
         algorithm=algorithm or mlem["algorithm"],
         relaxation=tuple(mlem["relaxation"]),
+        preconditioner=mlem["preconditioner"],
     )
 
 

@@ -7,6 +7,7 @@ of ``Phi`` (BSREM must converge to it) and the float64 reference of the same alg
 
 from __future__ import annotations
 
+import h5py
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -62,9 +63,10 @@ def case(tmp_path_factory):
 def _run(case, out, passes, settings=RDP, **kw):
     d = case["dir"]
     kw.setdefault("matrix", d / "a.h5")
+    kw.setdefault("checkpoint_every", 0)
     t = reconstruct(kw.pop("matrix"), case["g"], out, iterations=passes, backend="cpu", subsets=S,
                     subset_file=d / "subsets.i32", multiplicative=d / "m.f32", additive=d / "b.f32",
-                    checkpoint_every=0, raw_out=False, map_settings=settings, **kw)
+                    raw_out=False, map_settings=settings, **kw)
     from mlemlib.image import read_image
 
     return read_image(out)[0].astype(np.float64), t
@@ -141,10 +143,10 @@ def test_bad_settings_are_refused_in_one_line(bad, key):
                                    ("auto", "onepass"), ("auto", "onepass_fixed"), ("auto", "onepass_chunked")])
 @pytest.mark.parametrize("algorithm", ["bsrem", "osl"])
 def test_cuda_map_matches_the_float64_reference_of_the_same_algorithm(case, tmp_path, fp, bp, algorithm):
-    """Every kernel family on one GPU (the MAP step in CuPy between the sub-iterations): within 1e-5 after 50
-    passes; deterministic kernels give the same bits on a rerun."""
+    """Every kernel family on one GPU (the MAP step on the GPU's stream, inside the pass's graph where the kernels
+    allow one): within 1e-5 after 50 passes; deterministic kernels give the same bits on a rerun."""
     ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0, algorithm=algorithm)
-    ref, _ = _run(case, tmp_path / "ref.h5", 50, ms, reference_mode=True)
+    ref, _ = _run(case, tmp_path / "ref.h5", 50, ms, reference_mode=True, threads=1)
     kw = dict(backend="cuda", fp=fp, bp=bp)
     d = case["dir"]
 
@@ -184,3 +186,27 @@ def test_the_command_line_runs_map_and_refuses_bad_options_in_one_line(case, tmp
         assert bad.returncode == 2, (extra, bad.stderr)
         lines = bad.stderr.strip().splitlines()
         assert len(lines) == 1 and option in lines[0], (extra, bad.stderr)
+
+
+def test_a_resumed_run_continues_the_relaxation(case, tmp_path):
+    """A BSREM run resumed from its checkpoint after pass 4 takes pass 5's relaxation: the uninterrupted image,
+    bit for bit."""
+    whole, _ = _run(case, tmp_path / "whole.h5", 6)
+    ckpt = tmp_path / "ck.h5"
+    _run(case, tmp_path / "half.h5", 4, checkpoint=ckpt, checkpoint_every=4, keep_checkpoint=True)
+    with h5py.File(ckpt, "r") as f:
+        assert int(f.attrs["iteration"]) == 4
+    again, _ = _run(case, tmp_path / "again.h5", 6, checkpoint=ckpt)
+    assert np.array_equal(whole, again)
+
+
+def test_the_hessian_preconditioner_converges_to_the_same_maximiser(case, tmp_path):
+    """BSREM with the preconditioner f / (s + beta f H): Phi never decreases and the image reaches the L-BFGS-B
+    maximiser (2000 passes, float64), as with f / s; the settings name another problem."""
+    ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0, preconditioner="hessian")
+    img, t = _run(case, tmp_path / "h.h5", 2000, ms, reference_mode=True, threads=1)
+    assert rel(img, case["map"]) < 1e-3
+    phi = np.array([h["phi"] for h in t["map"]["history"]])
+    assert np.all(np.diff(phi) >= -1e-9 * np.abs(phi[1:])), np.diff(phi).min()
+    assert t["map"]["preconditioner"] == "hessian"
+    assert ms.identity() != RDP.identity()

@@ -352,6 +352,8 @@ class NcclBackend(Backend):
         self.nccl_version = int(nccl.get_version())
         self._limits = self._fixed_limits() if self._kb.limits else None
 
+        #: The algorithm's update in place of EM's (:meth:`set_image_step`).
+        self.image_step: Any = None
         self._closed = False
         atexit.register(_close_at_exit, weakref.ref(self))
         with setup_times.phase("warm_up"):
@@ -479,9 +481,9 @@ class NcclBackend(Backend):
             with cp.cuda.Device(s.device), s.stream:
                 self._mark(s, "allreduce", record)
                 if self.deterministic:
-                    ck.update_fixed(s.f, s.acc, scale, s.norm, out=s.f)
+                    self._update(s, acc=s.acc, scale=scale)
                 else:
-                    ck.update(s.f, s.bp, s.norm, out=s.f)
+                    self._update(s, bp=s.bp)
                 self._mark(s, "update", record)
 
     def _launch(self, record: bool) -> None:
@@ -514,7 +516,7 @@ class NcclBackend(Backend):
             for s in self.shards:
                 with cp.cuda.Device(s.device), s.stream:
                     self._mark(s, "allreduce", record)
-                    ck.update(s.f, s.bp, s.norm, out=s.f)
+                    self._update(s, bp=s.bp)
                     self._mark(s, "update", record)
             return
         # thesis layout
@@ -544,6 +546,34 @@ class NcclBackend(Backend):
                 if not self.fuse:
                     ck.update(s.f, s.bp, s.norm, out=s.f)
                     self._mark(s, "update", record)
+
+    def _update(self, s: Shard, *, bp: Any = None, acc: Any = None, scale: float | None = None) -> None:
+        """The image's update on shard ``s``'s stream from the all-reduced back projection (``bp``, or the
+        fixed point ``acc`` at ``scale``): EM's, or the algorithm's :attr:`image_step`."""
+        if self.image_step is not None:
+            self.image_step.launch(s.f, s.norm, bp=bp, acc=acc, scale=scale)
+        elif acc is not None:
+            ck.update_fixed(s.f, acc, scale, s.norm, out=s.f)
+        else:
+            ck.update(s.f, bp, s.norm, out=s.f)
+
+    def takes_image_step(self) -> bool:
+        """Whether :meth:`set_image_step` works here: the local layout (the thesis layout fuses EM's update
+        into its back projection)."""
+        return self.layout == "local"
+
+    def set_image_step(self, step: Any) -> None:
+        """Run ``step`` (:class:`mlemlib._map_cuda.DeviceMapStep`) as the update of this backend's iteration
+        (with this backend's norm: an OSEM subset's); a captured graph is captured again with it."""
+        if not self.takes_image_step():
+            raise ConfigError("layout", f"an algorithm's image step runs in the local layout, not {self.layout!r}")
+        self._settle()
+        self.synchronize()
+        for s in self.shards:
+            step.prepare(s.device, s.stream)
+        self.image_step = step
+        if self.graph and self.shards and self.shards[0].graph is not None:
+            self._capture()
 
     def lanes_bp(self, s: Shard) -> int:
         """Lanes per row of a shard's back projection (the whole A^T's in the thesis layout)."""

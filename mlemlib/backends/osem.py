@@ -216,6 +216,21 @@ class OsemBackend(Backend):
     def sub_step_times(self, k: int) -> dict[str, float]:
         return self.parts[k].last_step_times()
 
+    def takes_image_step(self) -> bool:
+        """Whether :meth:`set_image_step` works here (always: the subsets run in the local layout)."""
+        return all(p.takes_image_step() for p in self.parts)
+
+    def set_image_step(self, step: Any) -> None:
+        """Run ``step`` (:class:`mlemlib._map_cuda.DeviceMapStep`) as the update of every sub-iteration (each
+        subset's backend with its own norm); the pass's graphs are captured again with it."""
+        self.synchronize()
+        captured = self._graphs is not None
+        self._graphs = None
+        for p in self.parts:
+            p.set_image_step(step)
+        if captured:
+            self._capture()
+
     def _pass_overflowed(self, subsets: np.ndarray) -> None:
         """A replayed pass overflowed in ``subsets``: put back the image it started from, raise those subsets'
         ranges, redo the pass subset by subset (each retrying as the eager path does) and capture it again."""

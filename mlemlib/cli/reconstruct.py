@@ -72,6 +72,8 @@ def register(sub) -> None:
                    help="bsrem (converges to the MAP image) or osl (one-step-late OSEM: fast, does not converge with subsets)")
     m.add_argument("--relaxation", type=float, nargs=2, default=(1.0, 10.0), metavar=("L0", "ETA"),
                    help="BSREM's relaxation lambda_n = L0 / (1 + n / ETA) in pass n")
+    m.add_argument("--preconditioner", choices=("em", "hessian"), default="em",
+                   help="BSREM's preconditioner: em (f / s) or hessian (f / (s + beta f H), H the prior's curvature)")
     p.add_argument("--plan", type=existing_file, metavar="PARTS", help="partition directory or plan.json (gpus > 1)")
     p.add_argument("-k", "--checkpoint-every", type=_int_at_least(0), default=10, metavar="K", help="checkpoint every K iterations (0: never)")
     p.add_argument("--checkpoint", type=output_file, metavar="CKPT.h5", default=None, help="checkpoint file (default: <out>.checkpoint.h5)")
@@ -105,7 +107,8 @@ def map_settings(args: argparse.Namespace) -> object | None:
         raise ConfigError("--beta", f"--prior {args.prior} needs the prior's strength --beta B (>= 0)")
     try:
         return MapSettings(args.prior, beta=args.beta, gamma=args.gamma, epsilon=args.epsilon, kappa=args.kappa,
-                           algorithm=args.algorithm, relaxation=tuple(args.relaxation)).check()
+                           algorithm=args.algorithm, relaxation=tuple(args.relaxation),
+                           preconditioner=args.preconditioner).check()
     except ConfigError as exc:  # prior.beta -> --beta
         raise ConfigError("--" + exc.source.split(".")[-1], exc.fault) from None
 

@@ -1,0 +1,139 @@
+"""The MAP step on a GPU backend's own streams: the prior's gradient and the BSREM or OSL update, as the
+update of each sub-iteration (CuPy imported lazily, on first use).
+
+A GPU backend that takes an image step (:meth:`mlemlib.backends.nccl.NcclBackend.set_image_step`, and
+:class:`~mlemlib.backends.osem.OsemBackend` for its subsets) launches :meth:`DeviceMapStep.launch` where
+EM's update would run: after the (all-reduced) back projection ``bp_k`` of subset ``k``, on each GPU's
+stream, with the image ``f`` still the one the sub-iteration started from. Two kernels per GPU
+(``mlemlib/kernels/prior.cu``): the image copied to the user's grid (through the voxel permutation, where
+the matrix has one), then one thread per voxel forms the prior's gradient from its neighbours there and
+writes the update (``sk`` the subset's sensitivity, 0 where the backend's norm is NaN; ``s`` the sum of
+the subsets' sensitivities; ``S`` the subset count)::
+
+    BSREM  f <- max(nu, f + lambda (f / s) (S (bp_k - sk) - beta grad))   (0 where s = 0)
+    OSL    f <- f bp_k / (sk + beta grad / S)   where sk > 0 and the denominator > 0, else EM's update
+
+(BSREM with the ``hessian`` preconditioner: the step divided by ``1 + beta f H / s``, ``H`` the diagonal of
+the prior's Hessian at ``f``, formed in the same pass over the neighbours.)
+
+which is :class:`mlemlib.map.MapBackend`'s step written from ``bp_k`` instead of EM's image
+(``f_EM = f bp_k / sk``). ``bp_k`` comes as float32 or as the deterministic kernels' 64-bit fixed point,
+rounded to float32 as EM's update rounds it. The neighbours are read on the user's grid instead of through
+the permutation (26 scattered reads per voxel), and the pair terms are formed in float: the double
+divisions of the objective's stencils made the step cost 100 us per sub-iteration on madpet2 (H200).
+
+Nothing allocates and nothing waits for the host, so a CUDA graph captures the step with the rest of the
+pass; the relaxation ``lambda`` of the pass is a device value set before each pass
+(:meth:`DeviceMapStep.set_relaxation`). The same inputs give the same bits on every GPU (the gradient has
+no atomics), so deterministic kernels stay bit-identical over GPU counts and reruns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mlemlib.errors import ConfigError
+
+#: The kernels' algorithm codes.
+ALGORITHM_CODES = {"bsrem": 0, "osl": 1}
+THREADS = 256
+
+
+class DeviceMapStep:
+    """The MAP step of one run, for the GPUs of a backend (module docstring).
+
+    Parameters
+    ----------
+    algorithm
+        ``bsrem`` or ``osl``.
+    prior
+        The :class:`mlemlib.prior.Prior` in the backend's voxel order.
+    beta
+        The prior's weight (0: no gradient is computed).
+    norm
+        The problem's norm: (n,) for S = 1 or the (S, n) update norms (NaN: not seen by that subset).
+    floor
+        BSREM's positivity bound ``nu``.
+    hessian
+        BSREM's preconditioner ``f / (s + beta f H)`` (``H`` the diagonal of the prior's Hessian at
+        ``f``, formed in the same pass over the neighbours) instead of ``f / s``.
+    """
+
+    def __init__(self, algorithm: str, prior: Any, beta: float, norm: np.ndarray, floor: float, *,
+                 hessian: bool = False) -> None:
+        sk = np.asarray(norm, dtype=np.float64)
+        sk = sk.reshape(1, -1) if sk.ndim == 1 else sk
+        self.subsets = sk.shape[0]
+        s = np.where(np.isnan(sk), 0.0, sk).sum(axis=0)
+        self._inv_s = np.divide(1.0, s, out=np.zeros_like(s), where=s > 0).astype(np.float32)
+        self.algorithm = algorithm
+        self.prior = prior
+        self.beta = float(beta)
+        self.floor = float(floor)
+        self.hessian = bool(hessian) and algorithm != "osl"
+        self._dev: dict[int, dict[str, Any]] = {}
+
+    def prepare(self, device: int, stream: Any) -> None:
+        """Set up a GPU (its constants, buffers and kernels, compiled now: nothing is compiled or allocated
+        inside a graph's capture); ``stream`` is where the backend runs its passes on it."""
+        from mlemlib import _prior_cuda
+        from mlemlib.backends._build import cupy
+
+        cp = cupy()
+        if device in self._dev:
+            self._dev[device]["stream"] = stream
+            return
+        prior = self.prior
+        with cp.cuda.Device(device):
+            mod = _prior_cuda.module(device)
+            _, kappa, pos, inv, has_kappa, perm, _, nx, ny, nz, code, gamma, eps, *_ = _prior_cuda.device_args(
+                prior, cp.zeros(1, dtype=cp.float32))
+            n = int(prior.n)
+            if n >= 2**31:
+                raise ConfigError("image", f"{n} voxels: the MAP step on a GPU takes fewer than 2^31")
+            kappa_u = kappa
+            if prior.kappa is not None and prior.inv is not None:  # kappa on the user's grid
+                kappa_u = cp.asarray(np.ascontiguousarray(prior.kappa[prior.inv]))
+            sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
+            self._dev[device] = {
+                "stream": stream, "inv_s": cp.asarray(self._inv_s), "lam": cp.ones(1, dtype=cp.float32),
+                "fu": cp.empty(n, dtype=cp.float32), "pos": pos, "n": np.int64(n),
+                "blocks": max(1, min(-(-n // THREADS), 8 * sms)),
+                "to_grid": mod.get_function("map_to_grid_f32"), "update": mod.get_function("map_update_f32"),
+                "prior": (kappa_u, inv, has_kappa, perm, np.int32(n), np.int32(nx), np.int32(ny), np.int32(nz), code,
+                          np.float32(gamma), np.float32(eps)),
+                "no_bp": cp.zeros(1, dtype=cp.float32), "no_acc": cp.zeros(1, dtype=cp.uint64),
+            }  # fmt: skip
+            cp.cuda.Device().synchronize()
+
+    def set_relaxation(self, lam: float) -> None:
+        """The relaxation of the next pass, queued on every GPU's stream before it."""
+        from mlemlib.backends._build import cupy
+
+        cp = cupy()
+        value = np.array([lam], dtype=np.float32)
+        for device, d in self._dev.items():
+            with cp.cuda.Device(device):
+                d["lam"].set(value, stream=d["stream"])
+
+    def launch(self, f: Any, norm: Any, *, bp: Any = None, acc: Any = None, scale: float | None = None) -> None:
+        """The step on the current device and stream, in place on ``f``: ``bp`` (float32) or ``acc`` and its
+        ``scale`` (fixed point) the all-reduced back projection, ``norm`` the subset's (NaN: not seen)."""
+        from mlemlib.backends._build import cupy
+
+        cp = cupy()
+        d = self._dev[f.device.id]
+        fu, blocks = d["fu"], (d["blocks"],)
+        if self.prior.pos is not None:
+            d["to_grid"](blocks, (THREADS,), (f, d["pos"], d["n"], fu))
+        else:
+            rt = cp.cuda.runtime
+            rt.memcpyAsync(fu.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice, cp.cuda.get_current_stream().ptr)
+        fixed = acc is not None
+        d["update"](blocks, (THREADS,), (
+            fu, *d["prior"], np.int32(ALGORITHM_CODES[self.algorithm]), f, d["no_bp"] if fixed else bp,
+            acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed), norm,
+            d["inv_s"], d["lam"], np.float32(self.beta), np.float32(self.subsets), np.float32(self.floor),
+            np.int32(self.hessian)))
