@@ -49,7 +49,8 @@ run of the problem is measured against (``reference.h5``).
 
 The concerns beside the loop have their own modules: :mod:`mlemlib.problem`
 (the model and the settings: :class:`~mlemlib.problem.ModelSpec`,
-:class:`~mlemlib.problem.RunSettings`; loading a problem: :class:`~mlemlib.problem.Problem`), :mod:`mlemlib.checkpoint` (checkpoint
+:class:`~mlemlib.problem.RunSettings`; loading a problem:
+:class:`~mlemlib.problem.Problem`), :mod:`mlemlib.checkpoint` (checkpoint
 files) and :mod:`mlemlib.provenance` (fingerprints, ``timings.json``). Their
 public names stay importable from here.
 """

@@ -126,7 +126,6 @@ def test_map_refuses_a_matrix_without_a_grid(case, tmp_path):
 
 def test_a_map_run_is_another_problem_than_osem(case, tmp_path):
     """The prior is part of the problem's fingerprint: OSEM's float64 reference is refused as MAP's."""
-    d = case["dir"]
     reconstruct(_model(case, None), RunSettings(2, checkpoint_every=0, reference_mode=True), tmp_path / "osem.h5")
     with pytest.raises(ConfigError):
         _run(case, tmp_path / "map.h5", 2, reference=tmp_path / "osem.h5")

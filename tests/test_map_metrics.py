@@ -134,8 +134,8 @@ def test_converged_image_is_cached_by_problem_and_passes(case, tmp_path, monkeyp
     img, attrs = mm.converged_map(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw), cache, passes=30)
     # the same as the float64 BSREM of the same settings, run directly
     direct = tmp_path / "direct.h5"
-    reconstruct(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw), RunSettings(30, checkpoint_every=0, reference_mode=True),
-                direct)
+    reconstruct(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw),
+                RunSettings(30, checkpoint_every=0, reference_mode=True), direct)
     want, want_attrs = read_image(direct)
     assert np.array_equal(img, want) and img.dtype == np.float64
     assert attrs["problem"] == want_attrs["problem"] and attrs["iterations"] == 30

@@ -103,7 +103,8 @@ def grouped(problem, tmp_path_factory):
 def _run(d, g, out, model=(), settings=(), **call):
     """Five OSEM iterations of ``d / r.h5`` on the cpu: S subsets with m and b (``model`` overrides these),
     no checkpoints (``settings`` overrides these); ``call``: reconstruct's other arguments."""
-    model = ModelSpec(d / "r.h5", g, subsets=S, **{"multiplicative": d / "m.f32", "additive": d / "b.f32", **dict(model)})
+    model = {"multiplicative": d / "m.f32", "additive": d / "b.f32", **dict(model)}
+    model = ModelSpec(d / "r.h5", g, subsets=S, **model)
     settings = RunSettings(5, **{"checkpoint_every": 0, "backend": "cpu", **dict(settings)})
     return reconstruct(model, settings, out, **call)
 
@@ -142,7 +143,8 @@ def test_cpu_kernels_match_the_dense_contract(problem, grouped, tmp_path, fp, bp
 def test_chunked_one_pass_takes_subsets_and_gaps_and_refuses_a_background(problem, grouped, tmp_path):
     a, g, m, b = problem
     expected = dense_osem(a, g, m, np.zeros(M), index_labels(M, S), S, 5)
-    _run(grouped, g, tmp_path / "img.h5", model={"additive": None}, settings={"bp": "onepass_chunked"})  # m's gaps: counts of 0
+    # m's gaps: counts of 0
+    _run(grouped, g, tmp_path / "img.h5", model={"additive": None}, settings={"bp": "onepass_chunked"})
     assert metrics.relative_l2(read_image(tmp_path / "img.h5")[0], expected) < 1e-5
     with pytest.raises(ConfigError, match="onepass_chunked on the cpu takes no additive background"):
         _run(grouped, g, tmp_path / "img2.h5", settings={"bp": "onepass_chunked"})
