@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from mlemlib.cli._common import add_parser, add_subset_options, existing_file, factor_file, output_file
+
+if TYPE_CHECKING:
+    from mlemlib.problem import ModelSpec, RunSettings
 
 
 def _int_at_least(minimum: int):
@@ -110,7 +114,7 @@ def map_settings(args: argparse.Namespace) -> object | None:
         raise ConfigError("--" + exc.source.split(".")[-1], exc.fault) from None
 
 
-def model_spec(args: argparse.Namespace) -> object:
+def model_spec(args: argparse.Namespace) -> ModelSpec:
     """What the options say is reconstructed: a :class:`mlemlib.problem.ModelSpec`."""
     from mlemlib.problem import ModelSpec
 
@@ -121,7 +125,7 @@ def model_spec(args: argparse.Namespace) -> object:
     )
 
 
-def run_settings(args: argparse.Namespace) -> object:
+def run_settings(args: argparse.Namespace) -> RunSettings:
     """How the options say to run it: a :class:`mlemlib.problem.RunSettings`."""
     from mlemlib.problem import RunSettings
 
