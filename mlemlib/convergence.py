@@ -226,13 +226,15 @@ def study(
         A bad list of subsets, iteration count or ``record_every``, or a truth without regions.
     """
     from mlemlib.image import read_image
-    from mlemlib.mlem import _check_int, reconstruct
+    from mlemlib.mlem import reconstruct
     from mlemlib.phantom import load_regions
+    from mlemlib.problem import ModelSpec, RunSettings, check_int
     from mlemlib.reorder import image_to_user_order, permutation_of, reorder_file
 
     counts = _check_list("convergence.subsets", list(subsets))
-    iterations = _check_int("convergence.iterations", iterations, 1)
-    every = _check_int("convergence.record_every", record_every, 1)
+    iterations = check_int("convergence.iterations", iterations, 1)
+    every = check_int("convergence.record_every", record_every, 1)
+    settings = RunSettings(iterations, checkpoint_every=0, backend=backend, fp=fp, bp=bp, threads=threads)
     t_img, attrs = read_image(truth)
     grid, vs = attrs.get("grid"), attrs.get("voxel_size")
     regions = load_regions(attrs, grid, vs) if grid is not None and vs is not None else None
@@ -271,10 +273,9 @@ def study(
 
                 t0 = time.perf_counter()
                 image_path = work / f"osem{s}-{'corrected' if corrected else 'ignored'}.h5"
-                reconstruct(grouped, sino, image_path, iterations=iterations, backend=backend, fp=fp, bp=bp,
-                            checkpoint_every=0, repetitions=1, raw_out=False, timings_out=False, threads=threads,
-                            subsets=s, multiplicative=m, additive=b, progress=note,
-                            matrix_name=matrix_name, data_name=data_name)
+                model = ModelSpec(grouped, sino, subsets=s, multiplicative=m, additive=b, matrix_name=matrix_name,
+                                  data_name=data_name)
+                reconstruct(model, settings, image_path, raw_out=False, timings_out=False, progress=note)
                 final, _ = read_image(image_path)
                 seconds = time.perf_counter() - t0
                 series.append({"subsets": s, "corrected": corrected, **recorded, "profile": yard.profile(final),

@@ -299,15 +299,16 @@ def _finite(v: Any) -> Any:
     return v
 
 
-def reconstruct_with_metrics(matrix: Any, sino: Any, out_image: str | os.PathLike, *, converged: Any,
+def reconstruct_with_metrics(model: Any, settings: Any, out_image: str | os.PathLike, *, converged: Any,
                              truth: str | os.PathLike, every: int = 1, repetition: int = 0,
                              **kwargs: Any) -> dict[str, Any]:
     """:func:`mlemlib.mlem.reconstruct` of a MAP run, measuring every ``every``-th pass against ``converged``.
 
-    ``converged`` is the converged image (an ``image.h5`` of :func:`converged_map`, or an array in the
-    user's voxel order), ``truth`` the phantom's ``truth.h5`` (its regions; also the run's truth, for its
-    accuracy against the phantom); ``kwargs`` are
-    ``reconstruct``'s (``map_settings`` required; ``progress`` is taken). The record goes into the
+    ``model`` (a :class:`mlemlib.problem.ModelSpec` with a prior, ``map``) and ``settings`` (a
+    :class:`mlemlib.problem.RunSettings`) as ``reconstruct`` takes them. ``converged`` is the converged image
+    (an ``image.h5`` of :func:`converged_map`, or an array in the user's voxel order), ``truth`` the
+    phantom's ``truth.h5`` (its regions; also the run's truth, for its accuracy against the phantom);
+    ``kwargs`` are ``reconstruct``'s other ones (``progress`` is taken). The record goes into the
     run's ``timings.json`` as ``map.metrics`` (:func:`add_metrics`) and into the returned timings.
     """
     from mlemlib.formats import open_source
@@ -315,22 +316,22 @@ def reconstruct_with_metrics(matrix: Any, sino: Any, out_image: str | os.PathLik
     from mlemlib.mlem import reconstruct
     from mlemlib.reorder import permutation_of
 
-    if kwargs.get("map_settings") is None:
-        raise ConfigError("map_settings", "MAP convergence metrics need a MAP run (map_settings)")
+    if model.map is None:
+        raise ConfigError("map", "MAP convergence metrics need a MAP run (a model with a prior)")
     if isinstance(converged, (str, os.PathLike)):
         ref, attrs = read_image(converged)
         about = {"image": os.fspath(converged), "problem": attrs.get("problem"), "passes": attrs.get("iterations")}
     else:
         ref, about = _flat64(converged), {"image": None}
-    src = open_source(matrix, "matrix")
+    src = open_source(model.matrix, "matrix")
     try:
         perm = permutation_of(src)
     finally:
-        if src is not matrix and hasattr(src, "close"):
+        if src is not model.matrix and hasattr(src, "close"):
             src.close()
     rec = MetricsRecorder(ref, regions_from_truth(truth), perm=perm, every=every, repetition=repetition,
                           reference=about)
-    timings = reconstruct(matrix, sino, out_image, progress=rec, truth=truth, **kwargs)
+    timings = reconstruct(model, settings, out_image, progress=rec, truth=truth, **kwargs)
     record = rec.record()
     path = (timings.get("outputs") or {}).get("timings")
     if path:
@@ -340,24 +341,20 @@ def reconstruct_with_metrics(matrix: Any, sino: Any, out_image: str | os.PathLik
     return timings
 
 
-def problem_fingerprint_of(matrix: Any, sino: Any, map_settings: Any, *, subsets: int = 1,
-                           subset_file: Any = None, multiplicative: Any = None, additive: Any = None) -> str:
-    """The fingerprint :func:`mlemlib.mlem.reconstruct` gives the problem (its image's ``problem``
-    attribute), computed as :func:`mlemlib.problem.load_problem` does, without the norm or the backend."""
+def problem_fingerprint_of(model: Any) -> str:
+    """The fingerprint :func:`mlemlib.mlem.reconstruct` gives the problem of ``model`` (a
+    :class:`mlemlib.problem.ModelSpec`; its image's ``problem`` attribute), computed as
+    :func:`mlemlib.problem.load_problem` does, without the norm or the backend."""
     from mlemlib.formats import open_source
-    from mlemlib.problem import RunSettings, load_corrections, problem_identity, stored_measurement
+    from mlemlib.problem import load_corrections, problem_identity, stored_measurement
     from mlemlib.provenance import problem_fingerprint, source_name
 
+    matrix = model.matrix
     src = open_source(matrix, "matrix")
     try:
-        g, row_fold, perm = stored_measurement(src, matrix, sino)
-        settings = RunSettings(iterations=1, repetitions=1, checkpoint_every=0, backend="cpu", fp="auto", bp="auto",
-                               secsize=None, graph=None, gpus=1, layout="local", plan=None, threads=None,
-                               reference_mode=True, dtype=np.dtype(np.float64), subsets=subsets,
-                               subset_file=subset_file, multiplicative=multiplicative, additive=additive,
-                               map=map_settings.check())
-        corr = load_corrections(src, source_name(src, matrix), row_fold, perm, settings)
-        return problem_fingerprint(src, g, problem_identity(corr, settings))
+        g, row_fold, perm = stored_measurement(src, matrix, model.sino)
+        corr = load_corrections(src, source_name(src, matrix), row_fold, perm, model, np.dtype(np.float64))
+        return problem_fingerprint(src, g, problem_identity(corr, model.map))
     finally:
         if src is not matrix and hasattr(src, "close"):
             src.close()
@@ -368,22 +365,17 @@ def converged_settings(map_settings: Any) -> Any:
     return dataclasses.replace(map_settings, algorithm="bsrem").check()
 
 
-def converged_map(matrix: Any, sino: Any, cache: str | os.PathLike, *, map_settings: Any,
-                  passes: int = CONVERGED_PASSES, subsets: int = 1, subset_file: Any = None,
-                  multiplicative: Any = None, additive: Any = None, norm: Any = None, transpose: Any = None,
-                  reference_mode: bool = True, backend: str = "cpu", **kwargs: Any) -> tuple[np.ndarray, dict[str, Any]]:
+def converged_map(model: Any, cache: str | os.PathLike, *, passes: int = CONVERGED_PASSES,
+                  settings: Any | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """The converged MAP image of a problem, computed once and cached in ``cache`` (an ``image.h5``).
 
-    The image is BSREM (:func:`converged_settings`: ``map_settings`` with
-    ``algorithm="bsrem"``, its relaxation as given) after ``passes`` passes, on
-    the float64 CPU reference path (``reference_mode=True``) or, with
-    ``reference_mode=False``, on ``backend`` (``kwargs``: the rest of
-    :func:`mlemlib.mlem.reconstruct`'s, e.g. ``fp``, ``bp``, ``gpus``). The
-    cache is reused where it records this problem (its ``problem`` attribute,
-    the fingerprint :func:`problem_fingerprint_of` computes: matrix,
-    measurement, subsets, ``m``, ``b``, prior and BSREM's settings), the same
-    ``passes`` and the same ``reference_mode``; otherwise it is recomputed and
-    overwritten.
+    The image is that of ``model`` (a :class:`mlemlib.problem.ModelSpec` with a prior, ``map``) with BSREM
+    (:func:`converged_settings`: its prior with ``algorithm="bsrem"``, its relaxation as given) after
+    ``passes`` passes, run as ``settings`` say (a :class:`mlemlib.problem.RunSettings`, its iterations
+    replaced by ``passes``; default: the float64 CPU reference path, no checkpoints). The cache is reused
+    where it records this problem (its ``problem`` attribute, the fingerprint :func:`problem_fingerprint_of`
+    computes: matrix, measurement, subsets, ``m``, ``b``, prior and BSREM's settings), the same ``passes``
+    and the same ``reference_mode``; otherwise it is recomputed and overwritten.
 
     Returns
     -------
@@ -394,16 +386,20 @@ def converged_map(matrix: Any, sino: Any, cache: str | os.PathLike, *, map_setti
     Raises
     ------
     ConfigError
-        Bad settings or passes.
+        Bad settings or passes, or a model without a prior.
     """
     from mlemlib.image import read_image, write_image
-    from mlemlib.mlem import _check_int, reconstruct
+    from mlemlib.mlem import reconstruct
+    from mlemlib.problem import RunSettings, check_int
 
-    passes = _check_int("passes", passes, 1)
-    settings = converged_settings(map_settings)
+    passes = check_int("passes", passes, 1)
+    if model.map is None:
+        raise ConfigError("map", "the converged MAP image needs a model with a prior")
+    model = dataclasses.replace(model, map=converged_settings(model.map))
+    settings = (RunSettings(passes, checkpoint_every=0, reference_mode=True) if settings is None
+                else dataclasses.replace(settings, iterations=passes))
     cache = Path(cache)
-    want = problem_fingerprint_of(matrix, sino, settings, subsets=subsets, subset_file=subset_file,
-                                  multiplicative=multiplicative, additive=additive)
+    want = problem_fingerprint_of(model)
     if cache.exists():
         try:
             img, attrs = read_image(cache)
@@ -412,7 +408,7 @@ def converged_map(matrix: Any, sino: Any, cache: str | os.PathLike, *, map_setti
         else:
             found = (attrs.get("problem"), attrs.get("iterations"), bool(attrs.get("reference")),
                      attrs.get("converged_map") is not None)
-            if found == (want, passes, bool(reference_mode), True):
+            if found == (want, passes, settings.reference_mode, True):
                 log.info("%s: the converged MAP image of problem %s after %d passes (cached)", cache, want[:12], passes)
                 return img, attrs
             log.info("%s: another problem or pass count (%s after %s passes); recomputing", cache,
@@ -420,18 +416,14 @@ def converged_map(matrix: Any, sino: Any, cache: str | os.PathLike, *, map_setti
     cache.parent.mkdir(parents=True, exist_ok=True)
     work = cache.with_name(f".{cache.stem}.run.h5")
     try:
-        timings = reconstruct(matrix, sino, work, iterations=passes, subsets=subsets, subset_file=subset_file,
-                              multiplicative=multiplicative, additive=additive, norm=norm, transpose=transpose,
-                              reference_mode=reference_mode, backend=backend, map_settings=settings,
-                              checkpoint_every=kwargs.pop("checkpoint_every", 0), raw_out=False, timings_out=False,
-                              **kwargs)
+        timings = reconstruct(model, settings, work, raw_out=False, timings_out=False)
         img, attrs = read_image(work)
     finally:
         work.unlink(missing_ok=True)
     if attrs.get("problem") != want:  # the fingerprint is computed as load_problem does: a mismatch is a bug
         raise RuntimeError(f"converged MAP image of problem {attrs.get('problem')}, expected {want}")
     history = (timings.get("map") or {}).get("history") or []
-    extra = {"converged_map": settings.record(), "phi": history[-1]["phi"] if history else None}
+    extra = {"converged_map": model.map.record(), "phi": history[-1]["phi"] if history else None}
     keep = {k: v for k, v in attrs.items() if k not in ("format", "version", "column_order", "grid", "voxel_size")}
     write_image(cache, img, grid=attrs.get("grid"), voxel_size=attrs.get("voxel_size"), attrs={**keep, **extra})
     log.info("wrote %s: the converged MAP image of problem %s after %d passes", cache, want[:12], passes)

@@ -1,9 +1,13 @@
 """The MLEM iteration, independent of the backend: :func:`reconstruct` and :func:`reference` (all backends).
 
-:func:`reconstruct` loads a problem (system matrix ``A``, measurement ``g``,
-norm, optionally ``A^T``) once, builds a backend from it and the run's settings
-(:func:`build_backend`: ``cpu``, ``cuda`` on one or several GPUs; MAP wraps it),
-and runs the numerical contract of DESIGN.md ``repetitions`` times::
+:func:`reconstruct` takes what is reconstructed, a
+:class:`~mlemlib.problem.ModelSpec` (system matrix ``A``, measurement ``g``,
+norm, optionally ``A^T``, subsets, ``m``, ``b``, the MAP prior), and how, a
+:class:`~mlemlib.problem.RunSettings` (iterations, repetitions, checkpoints,
+backend, kernels, GPUs...), both validated when made. It loads the problem once,
+builds a backend from it and the settings (:func:`build_backend`: ``cpu``,
+``cuda`` on one or several GPUs; MAP wraps it), and runs the numerical contract
+of DESIGN.md ``repetitions`` times::
 
     f0 = sum(g) / sum(norm)                  (sums in float64)
     fp = A f ; c = g / fp (0 where fp == 0) ; bp = A^T c ; f <- f * bp / norm (f * bp where norm == 0)
@@ -44,14 +48,16 @@ and its norm counts each stored row as often as it occurs.
 run of the problem is measured against (``reference.h5``).
 
 The concerns beside the loop have their own modules: :mod:`mlemlib.problem`
-(loading a problem: :class:`~mlemlib.problem.Problem`,
-:class:`~mlemlib.problem.RunSettings`), :mod:`mlemlib.checkpoint` (checkpoint
+(the model and the settings: :class:`~mlemlib.problem.ModelSpec`,
+:class:`~mlemlib.problem.RunSettings`; loading a problem:
+:class:`~mlemlib.problem.Problem`), :mod:`mlemlib.checkpoint` (checkpoint
 files) and :mod:`mlemlib.provenance` (fingerprints, ``timings.json``). Their
 public names stay importable from here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -73,9 +79,8 @@ from mlemlib.checkpoint import (
     write_checkpoint,
 )
 from mlemlib.devices import EnergyMeter, backend_gpus, capped_between, energy_record
-from mlemlib.errors import ConfigError
 from mlemlib.image import read_image, write_image, write_raw
-from mlemlib.problem import Problem, RunSettings, close_all, load_problem
+from mlemlib.problem import ModelSpec, Problem, RunSettings, close_all, load_problem
 from mlemlib.provenance import (
     TIMINGS_FORMAT,
     dumps,
@@ -89,6 +94,7 @@ from mlemlib.timing import StepTimes, Stopwatch, format_seconds
 __all__ = [
     "CHECKPOINT_FORMAT",
     "TIMINGS_FORMAT",
+    "ModelSpec",
     "Problem",
     "RunSettings",
     "checkpoint_key",
@@ -107,115 +113,54 @@ log = logging.getLogger(__name__)
 
 
 def reconstruct(
-    matrix: Any,
-    sino: Any,
+    model: ModelSpec,
+    settings: RunSettings,
     out_image: str | os.PathLike,
     *,
-    iterations: int,
-    backend: str = "auto",
-    fp: str = "auto",
-    bp: str = "auto",
-    secsize: int | None = None,
-    graph: bool | None = None,
-    gpus: int = 1,
-    layout: str = "local",
-    norm: Any | None = None,
-    transpose: Any | None = None,
-    plan: Any | None = None,
-    checkpoint_every: int = 10,
-    checkpoint: str | os.PathLike | None = None,
-    repetitions: int = 1,
     reference: Any | None = None,
     truth: Any | None = None,
-    timings_out: str | os.PathLike | None = None,
-    raw_out: str | os.PathLike | None | bool = None,
-    reference_mode: bool = False,
-    threads: int | None = None,
-    device_info: dict[str, Any] | None = None,
-    matrix_name: str | None = None,
-    data_name: str | None = None,
+    checkpoint: str | os.PathLike | None = None,
     keep_checkpoint: bool = False,
+    timings_out: str | os.PathLike | None | bool = None,
+    raw_out: str | os.PathLike | None | bool = None,
+    device_info: dict[str, Any] | None = None,
     progress: Callable[[int, int, Any], None] | None = None,
-    chunks: Any | None = None,
-    subsets: int = 1,
-    subset_file: Any | None = None,
-    multiplicative: Any | None = None,
-    additive: Any | None = None,
-    map_settings: Any | None = None,
 ) -> dict[str, Any]:
-    """Reconstruct an image with MLEM (OSEM with ``subsets``, MAP with ``map_settings``); write ``image.h5``,
-    ``image.raw`` and ``timings.json``.
+    """Reconstruct ``model`` as ``settings`` say: MLEM (OSEM with subsets, MAP with a prior); write
+    ``image.h5``, ``image.raw`` and ``timings.json``.
 
     Parameters
     ----------
-    matrix
-        System matrix: a path (``.h5``, ``.csr4``, ``.mtx``, ``.npz``), an opened matrix or a CSRMatrix.
-        A reordered container (``mlem reorder``) is reconstructed in its
-        permuted space, transparently: ``sino``, ``reference``, ``truth`` and
-        a norm given as an array are in the user's order, the image written
-        is in the user's voxel order (see :mod:`mlemlib.reorder`).
-    sino
-        Measurement: a ``.LMsino`` path or an array of m counts, in the user's LOR order.
+    model
+        What is reconstructed (:class:`mlemlib.problem.ModelSpec`): the matrix, the measurement, the norm,
+        ``A^T``, the subsets, the factors ``m`` and ``b`` (``ybar = m * (A f) + b``), the MAP prior, the
+        names in tables. With a prior each iteration is a pass over the subsets and ``timings.json``'s
+        ``map`` records the settings and ``Phi``, the log-likelihood and ``R`` per pass.
+    settings
+        How (:class:`mlemlib.problem.RunSettings`, validated when made): iterations, repetitions,
+        checkpoints, the backend and its kernels, GPUs, layout, graphs, plan, chunks, threads, or the
+        float64 reference (``reference_mode``, see :func:`reference`).
     out_image
-        The ``image.h5`` to write.
-    iterations
-        MLEM iterations per repetition (>= 0).
-    backend, fp, bp, secsize, graph, gpus, layout, plan, threads, chunks
-        Passed to :func:`mlemlib.backends.make_backend` (``chunks``: the matrix's row chunks as
-        a layout file of ``mlem chunk``, read by the chunked one pass).
-    norm
-        ``norm.h5`` path or array (float64, n); None computes the column sums.
-        For a reordered matrix a ``norm.h5`` must be that of the reordered
-        matrix (``mlem norm`` of it: the permuted voxel order, checked by its
-        ``checksum`` attribute), an array is in the user's voxel order.
-    transpose
-        ``transpose.h5`` path, opened matrix or CSRMatrix of ``A^T``; None back-projects with ``A``.
-        For a reordered matrix: the transpose of the reordered matrix.
-    checkpoint_every
-        Save the image every K iterations (0: never).
+        The ``image.h5`` to write (in the user's voxel order).
+    reference
+        ``reference.h5`` (or an array): the float64 MLEM of the same problem
+        and iteration count, for the relative L2 error.
+    truth
+        ``truth.h5`` (or an array) of a simulated phantom.
     checkpoint
         Checkpoint file (default: ``<out_image stem>.checkpoint.h5`` beside the
         image). Where it exists, the run resumes from it; it is removed once the
         outputs are written (unless ``keep_checkpoint``). For a reordered matrix
         its image is in the permuted voxel order (its key is that of the
         permuted problem).
-    repetitions
-        Times the reconstruction is repeated (the matrix is loaded once); each
-        repetition is timed and measured separately.
-    reference
-        ``reference.h5`` (or an array): the float64 MLEM of the same problem
-        and iteration count, for the relative L2 error.
-    truth
-        ``truth.h5`` (or an array) of a simulated phantom.
     timings_out
-        ``timings.json`` path (default: ``timings.json`` beside the image).
-    raw_out
-        ``image.raw`` path (default: the image's path with suffix ``.raw``;
+        ``timings.json`` path (default: ``timings.json`` beside the image; none in reference mode;
         False: none).
-    reference_mode
-        Compute the float64 reference instead (cpu, float64; ``fp``/``bp``
-        ``auto`` as the cpu backend resolves them: ``numba`` on every thread
-        given, ``scipy`` on one); see :func:`reference`.
+    raw_out
+        ``image.raw`` path (default: the image's path with suffix ``.raw``, none in reference mode;
+        False: none).
     device_info
         Facts about the device(s) recorded in ``timings.json``.
-    matrix_name
-        Name of the matrix in tables (default: from its path).
-    data_name
-        Name of the measurement in tables (default: its file name without the suffix); the
-        workflow gives the config's key, the name of the run's folder.
-    subsets, subset_file
-        OSEM subsets S (1: MLEM; :mod:`mlemlib.subsets`: by projection angle where the matrix
-        knows its scanner, else LOR ``i`` in subset ``i mod S``), or a user's subset file (one
-        little-endian int32 per LOR). The matrix's rows must be grouped by them (``mlem reorder
-        --subsets S``); an iteration is then S sub-iterations.
-    multiplicative, additive
-        The measurement's factors ``m`` and background ``b`` (:func:`mlemlib.corrections.read_factors`:
-        raw float32 per LOR in the user's order, ``file.h5:/dataset``, or arrays); None: m = 1, b = 0.
-        The model is ``ybar = m * (A f) + b``.
-    map_settings
-        None (MLEM, OSEM), or a :class:`mlemlib.map.MapSettings`: MAP with its prior and algorithm (BSREM,
-        OSL), each iteration a pass over the subsets; the matrix needs a voxel grid. ``timings.json``'s
-        ``map`` records the settings and ``Phi``, the log-likelihood and ``R`` per pass.
     progress
         Called as ``progress(repetition, iteration, image)`` after every
         iteration (and after its checkpoint), e.g. for a progress bar. The
@@ -230,21 +175,6 @@ def reconstruct(
     dict
         The content of ``timings.json``.
     """
-    settings = RunSettings(
-        iterations=_check_int("iterations", iterations, 0),
-        repetitions=_check_int("repetitions", repetitions, 1),
-        checkpoint_every=_check_int("checkpoint_every", checkpoint_every or 0, 0),
-        backend=backend, fp=fp, bp=bp, secsize=secsize, graph=None if graph is None else bool(graph), gpus=gpus, layout=layout, plan=plan,
-        threads=threads, reference_mode=bool(reference_mode), dtype=np.dtype(np.float32),
-        subsets=subsets, subset_file=subset_file, multiplicative=multiplicative, additive=additive,
-        map=None if map_settings is None else map_settings.check(),
-    )
-    if reference_mode:
-        settings.backend, settings.dtype = "cpu", np.dtype(np.float64)
-        settings.fp = "auto" if fp is None else fp
-        settings.bp = "auto" if bp is None else bp
-        if gpus not in (None, 1):
-            raise ConfigError("gpus", "the reference runs on the cpu (gpus 1)")
     out_image = Path(out_image)
     ckpt_path = Path(checkpoint) if checkpoint is not None else out_image.with_name(out_image.stem + ".checkpoint.h5")
     checkpointed = settings.checkpoint_every > 0 or checkpoint is not None
@@ -255,12 +185,12 @@ def reconstruct(
         # joins it): timings.json's setup.phases
         with setup_times.recording() as rec:
             with setup_times.phase("problem"):
-                prob = load_problem(opened, matrix, sino, norm, transpose, reference, truth, settings)
+                prob = load_problem(opened, model, settings, reference=reference, truth=truth)
             resume = read_resume(ckpt_path, key=prob.key, n=prob.shape[1], dtype=settings.dtype,
                                  repetitions=settings.repetitions, iterations=settings.iterations
                                  ) if use_checkpoint else None
             with Stopwatch() as sw_setup:
-                be = build_backend(prob, settings, chunks=chunks)
+                be = build_backend(prob, settings)
         opened.append(be)  # closed at the end (a multi-GPU backend drops its graphs before its communicators)
         phases = rec.as_dict()
         desc = be.describe()
@@ -274,8 +204,8 @@ def reconstruct(
         opened.append(energy)
         config = {
             "backend": desc.get("backend", settings.backend), "fp": desc.get("fp", settings.fp),
-            "bp": desc.get("bp", settings.bp), "secsize": secsize, "gpus": gpus, "layout": layout,
-            "dtype": str(settings.dtype),
+            "bp": desc.get("bp", settings.bp), "secsize": settings.secsize, "gpus": settings.gpus,
+            "layout": settings.layout, "dtype": str(settings.dtype),
         }
         if not prob.corrections.plain:
             config["corrections"] = prob.corrections.identity()
@@ -291,13 +221,13 @@ def reconstruct(
                                              progress, energy)
         timings = timings_record(
             prob, settings, desc, be, records, config,
-            sources={"matrix": matrix, "sino": sino, "norm": norm, "transpose": transpose, "reference": reference,
-                     "truth": truth, "plan": plan},
-            matrix_name=matrix_name, data_name=data_name, device_info=device_info, setup_s=sw_setup.seconds,
+            sources={**model.sources, "reference": reference, "truth": truth, "plan": settings.plan},
+            matrix_name=model.matrix_name, data_name=model.data_name, device_info=device_info,
+            setup_s=sw_setup.seconds,
         )
         timings["setup"].update(phases=phases, first_iteration_s=first_s)
-        if settings.map is not None:
-            timings["map"] = {**settings.map.record(), "history": be.history}
+        if prob.map is not None:
+            timings["map"] = {**prob.map.record(), "history": be.history}
         return _write_outputs(
             out_image, host_img, timings, prob, writer=writer, raw_out=raw_out, timings_out=timings_out,
             ckpt_path=ckpt_path if checkpointed else None,
@@ -307,34 +237,33 @@ def reconstruct(
         close_all(opened)
 
 
-def build_backend(model: Any, settings: Any, *, chunks: Any | None = None) -> Any:
+def build_backend(model: Any, settings: Any) -> Any:
     """The backend of one run: ``model`` (a :class:`mlemlib.problem.Problem`) on the devices ``settings``
     (:class:`mlemlib.problem.RunSettings`) name, with the kernels they ask for.
 
     The backend gets the model's arrays in its stored-row order: the matrix (and ``A^T`` where given),
     ``g``, the norm (per subset with OSEM), the subsets' row bounds and ``b' = b / m``; it knows nothing of
     where they came from (folded, reordered, the factor files). A model term above the projector (MAP's
-    prior: ``settings.map``) wraps it (:func:`mlemlib.map.wrap`). ``chunks``: a layout file of the
-    matrix's row chunks (``mlem chunk``).
+    prior: ``model.map``) wraps it (:func:`mlemlib.map.wrap`), which on the GPUs hands the backend the
+    algorithm's image step.
     """
     be = make_backend(
         settings.backend, model.src, model.g, model.norm, model.tsrc, fp=settings.fp, bp=settings.bp,
         dtype=settings.dtype, gpus=settings.gpus, layout=settings.layout, plan=settings.plan,
-        secsize=settings.secsize, threads=settings.threads, chunks=chunks,
+        secsize=settings.secsize, threads=settings.threads, chunks=settings.chunks,
         background=model.corrections.background, subsets=model.corrections.bounds,
         **({"graph": settings.graph} if settings.graph is not None else {}),
     )
-    if getattr(settings, "map", None) is None:
+    if model.map is None:
         return be
     from mlemlib.map import wrap
 
     try:
-        return wrap(be, model, settings.map)
+        return wrap(be, model, model.map)
     except BaseException:
         if hasattr(be, "close"):
             be.close()
         raise
-
 
 
 def _log_interval(iterations: int) -> int:
@@ -543,53 +472,30 @@ def _write_outputs(out_image: Path, host_img: np.ndarray, timings: dict[str, Any
 
 
 def reference(
-    matrix: Any,
-    sino: Any,
+    model: ModelSpec,
+    settings: RunSettings,
     out: str | os.PathLike,
     *,
-    iterations: int,
-    norm: Any | None = None,
-    transpose: Any | None = None,
     truth: Any | None = None,
     timings_out: str | os.PathLike | None = None,
-    record_out: str | os.PathLike | None = None,
-    fp: str = "auto",
-    bp: str = "auto",
-    checkpoint_every: int = 0,
     checkpoint: str | os.PathLike | None = None,
-    threads: int | None = None,
-    data_name: str | None = None,
-    subsets: int = 1,
-    subset_file: Any | None = None,
-    multiplicative: Any | None = None,
-    additive: Any | None = None,
-    map_settings: Any | None = None,
 ) -> dict[str, Any]:
-    """The float64 reference MLEM (OSEM) of a problem, written to ``reference.h5``.
+    """The float64 reference MLEM (OSEM, MAP) of ``model``, written to ``out`` (``reference.h5``).
 
-    The same loop as :func:`reconstruct` on the cpu backend in float64
-    (``auto``: the Numba kernels on ``threads`` threads, float32 values widened
-    exactly, no float64 copy of the matrix; SciPy's with one thread). The image file records the problem
-    hash and the iteration count, which :func:`reconstruct` checks before
-    comparing against it. ``timings_out`` (alias ``record_out``) also writes
-    its ``timings.json``. ``subsets``, ``subset_file``, ``multiplicative`` and
-    ``additive`` as :func:`reconstruct`'s: the reference of a run models what the run models;
-    ``map_settings`` too: the reference of a MAP run is the same algorithm in float64.
+    The same loop as :func:`reconstruct` with ``settings`` in reference mode
+    (``reference_mode=True``: the cpu backend in float64; ``auto``: the Numba
+    kernels on ``settings.threads`` threads, float32 values widened exactly,
+    no float64 copy of the matrix; SciPy's with one thread). The image file
+    records the problem hash and the iteration count, which :func:`reconstruct`
+    checks before comparing against it; no ``image.raw``. ``timings_out`` also
+    writes its ``timings.json``. The model is the run's: the reference of a
+    run models what the run models (subsets, ``m``, ``b``, the prior: a MAP
+    run's reference is the same algorithm in float64).
     """
-    return reconstruct(
-        matrix, sino, out, iterations=iterations, norm=norm, transpose=transpose, truth=truth,
-        timings_out=timings_out if timings_out is not None else record_out, raw_out=False, reference_mode=True,
-        fp=fp, bp=bp, checkpoint_every=checkpoint_every, checkpoint=checkpoint, threads=threads,
-        data_name=data_name, subsets=subsets, subset_file=subset_file, multiplicative=multiplicative,
-        additive=additive, map_settings=map_settings,
-    )
+    return reconstruct(model, dataclasses.replace(settings, reference_mode=True), out, truth=truth,
+                       timings_out=timings_out, raw_out=False, checkpoint=checkpoint)
 
 
 #: Alias used by the workflow's ``reference_mlem`` rule.
 reference_mlem = reference
 
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
-        raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
-    return int(value)

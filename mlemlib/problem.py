@@ -5,8 +5,11 @@ the measurement ``g`` (in the user's LOR order: folded into the stored rows of
 a folded matrix, permuted for a reordered one), reads or computes the norm,
 fingerprints the problem (:mod:`mlemlib.provenance`) and loads the reference
 and truth images (in the user's voxel order), returning a :class:`Problem`.
-:class:`RunSettings` holds what one :func:`mlemlib.mlem.reconstruct` call
-runs. Host memory; every backend.
+What :func:`mlemlib.mlem.reconstruct` reconstructs is a :class:`ModelSpec` (the
+matrix, the measurement, the norm, ``A^T``, the subsets, ``m``, ``b``, the
+prior), how it runs it a :class:`RunSettings` (iterations, repetitions,
+checkpoints, the backend and its kernels, GPUs, layout, graphs, the float64
+reference); both are validated when made. Host memory; every backend.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,31 +42,153 @@ from mlemlib.timing import Stopwatch
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RunSettings:
-    """What one :func:`reconstruct` call runs (validated numbers; names resolved by the backend)."""
+@dataclass(frozen=True, eq=False)
+class ModelSpec:
+    """What is reconstructed: the forward model ``ybar = m * (A f) + b`` of a measurement ``g``, and its prior.
 
-    iterations: int
-    repetitions: int
-    checkpoint_every: int
-    backend: str
-    fp: str
-    bp: str
-    secsize: int | None
-    graph: bool | None  # None: auto (the backend decides: on for several GPUs where its kernels allow)
-    gpus: int
-    layout: str
-    plan: Any
-    threads: int | None
-    reference_mode: bool
-    dtype: np.dtype
-    #: OSEM subsets S (1: MLEM), a user's subset file, and the measurement's factor files (None: m = 1, b = 0).
+    The inputs that define the problem (its fingerprint, :func:`load_problem`); how it is run is
+    :class:`RunSettings`. Paths, opened matrices or arrays, as :func:`load_problem` reads them; a new model
+    term is a field here and a step in :func:`load_problem` (and the backend that uses it).
+
+    Attributes
+    ----------
+    matrix
+        System matrix ``A``: a path (``.h5``, ``.csr4``, ``.mtx``, ``.npz``), an opened matrix or a CSRMatrix.
+        A reordered container (``mlem reorder``) is reconstructed in its permuted space, transparently: the
+        measurement, the factors and a norm given as an array are in the user's order, the image written is
+        in the user's voxel order (:mod:`mlemlib.reorder`); a folded one (:mod:`mlemlib.fold`) as
+        transparently.
+    sino
+        Measurement ``g``: a ``.LMsino`` path or an array of m counts, in the user's LOR order.
+    norm
+        ``norm.h5`` path or array (float64, n); None computes the column sums (the sensitivities with subsets
+        or ``m``). For a reordered matrix a ``norm.h5`` must be that of the reordered matrix, an array is in
+        the user's voxel order.
+    transpose
+        ``transpose.h5`` path, opened matrix or CSRMatrix of ``A^T`` (of the reordered matrix for a reordered
+        one); None back-projects with ``A``.
+    subsets, subset_file
+        OSEM subsets S (1: MLEM; :mod:`mlemlib.subsets`), or a user's subset file (one little-endian int32
+        per LOR). The matrix's rows must be grouped by them (``mlem reorder --subsets S``).
+    multiplicative, additive
+        The measurement's factors ``m`` and background ``b`` (:func:`mlemlib.corrections.read_factors`: raw
+        float32 per LOR in the user's order, ``file.h5:/dataset``, or arrays); None: m = 1, b = 0.
+    map
+        None (MLEM, OSEM), or a :class:`mlemlib.map.MapSettings`: MAP with its prior and algorithm (BSREM,
+        OSL); the matrix needs a voxel grid.
+    matrix_name, data_name
+        The matrix's and the measurement's names in tables (default: from the matrix's path; the
+        measurement's file name without the suffix).
+
+    Raises
+    ------
+    ConfigError
+        A bad subset count or MAP settings (one line), when the value is made.
+    """
+
+    matrix: Any
+    sino: Any
+    norm: Any = None
+    transpose: Any = None
     subsets: int = 1
     subset_file: Any = None
     multiplicative: Any = None
     additive: Any = None
-    #: MAP (:class:`mlemlib.map.MapSettings`: the prior and the algorithm), or None: MLEM/OSEM.
     map: Any = None
+    matrix_name: str | None = None
+    data_name: str | None = None
+
+    def __post_init__(self) -> None:
+        from mlemlib.subsets import check_count
+
+        object.__setattr__(self, "subsets", check_count(self.subsets))
+        if self.map is not None:
+            object.__setattr__(self, "map", self.map.check())
+
+    @property
+    def sources(self) -> dict[str, Any]:
+        """The model's inputs by the names ``timings.json`` records them under."""
+        return {"matrix": self.matrix, "sino": self.sino, "norm": self.norm, "transpose": self.transpose}
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How one :func:`mlemlib.mlem.reconstruct` call runs its :class:`ModelSpec`: validated when made.
+
+    Attributes
+    ----------
+    iterations
+        Iterations per repetition (>= 0; with subsets or MAP an iteration is a pass over the subsets).
+    repetitions
+        Times the reconstruction is repeated (the matrix loaded once), each timed and measured separately.
+    checkpoint_every
+        Save the image every K iterations (0 or None: never); a killed run resumes from it.
+    backend, fp, bp, secsize, graph, gpus, layout, plan, threads, chunks
+        The backend and its kernels (:func:`mlemlib.backends.make_backend`): ``backend`` auto, cpu or cuda;
+        ``graph`` None lets the backend decide (CUDA graphs on several GPUs and for OSEM where the kernels
+        can be captured); ``plan`` a partition (gpus > 1); ``chunks`` the matrix's row chunks as a layout
+        file of ``mlem chunk`` (the chunked one pass).
+    reference_mode
+        Compute the float64 reference instead (:func:`mlemlib.mlem.reference`): the cpu backend in float64,
+        ``fp``/``bp`` None as ``auto`` (the cpu backend resolves them: ``numba`` on every thread given,
+        ``scipy`` on one); one GPU count only (1).
+
+    Raises
+    ------
+    ConfigError
+        A bad count, an unknown backend or layout, or a GPU count with ``reference_mode`` (one line naming
+        the setting), when the value is made: before any work.
+    """
+
+    iterations: int
+    repetitions: int = 1
+    checkpoint_every: int = 10
+    backend: str = "auto"
+    fp: str = "auto"
+    bp: str = "auto"
+    secsize: int | None = None
+    graph: bool | None = None  # None: auto (the backend decides: on for several GPUs where its kernels allow)
+    gpus: int = 1
+    layout: str = "local"
+    plan: Any = None
+    threads: int | None = None
+    chunks: Any = None
+    reference_mode: bool = False
+
+    def __post_init__(self) -> None:
+        from mlemlib.backends import get_backend_name
+        from mlemlib.registry import LAYOUTS
+
+        put = partial(object.__setattr__, self)
+        put("iterations", check_int("iterations", self.iterations, 0))
+        put("repetitions", check_int("repetitions", self.repetitions, 1))
+        put("checkpoint_every", check_int("checkpoint_every", self.checkpoint_every or 0, 0))
+        put("graph", None if self.graph is None else bool(self.graph))
+        put("reference_mode", bool(self.reference_mode))
+        if self.reference_mode:
+            if self.gpus not in (None, 1):
+                raise ConfigError("gpus", "the reference runs on the cpu (gpus 1)")
+            put("backend", "cpu")
+            put("gpus", 1)
+            put("fp", "auto" if self.fp is None else self.fp)
+            put("bp", "auto" if self.bp is None else self.bp)
+        if self.backend != "auto":
+            get_backend_name(self.backend)  # an unknown name: one line (auto is resolved by the backend)
+        put("gpus", 1 if self.gpus is None else check_int("gpus", self.gpus, 1))
+        if self.layout not in LAYOUTS:
+            raise ConfigError("layout", f"unknown layout {self.layout!r}, expected one of {', '.join(LAYOUTS)}")
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The iteration's floating type: float64 for the reference, float32 otherwise."""
+        return np.dtype(np.float64 if self.reference_mode else np.float32)
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``, or a one-line :class:`ConfigError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < minimum:
+        raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 @dataclass
@@ -89,6 +215,8 @@ class Problem:
     row_fold: Any = None
     #: Subsets, background and factors (in the permuted row order); the default is MLEM.
     corrections: Corrections = field(default_factory=Corrections)
+    #: The model's MAP term (:class:`mlemlib.map.MapSettings`), or None: MLEM/OSEM.
+    map: Any = None
 
     @property
     def reorder(self) -> str:
@@ -106,24 +234,26 @@ class Problem:
         return tuple(int(v) for v in self.src.shape)
 
 
-def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose: Any, reference: Any, truth: Any,
-                  settings: RunSettings) -> Problem:
-    """Open the matrix (and ``A^T``), read ``g`` and the norm, fingerprint the problem, load reference and truth.
+def load_problem(opened: list[Any], model: ModelSpec, settings: RunSettings, *, reference: Any = None,
+                 truth: Any = None) -> Problem:
+    """Open the matrix (and ``A^T``), read ``g``, the corrections and the norm, fingerprint the problem, load
+    reference and truth.
 
     Every reader opened here is appended to ``opened`` (the caller closes them,
-    :func:`close_all`, also when this raises). ``matrix``, ``sino``, ``norm``,
-    ``transpose``, ``reference`` and ``truth`` are as :func:`mlemlib.mlem.reconstruct`
-    takes them.
+    :func:`close_all`, also when this raises). ``settings`` gives the floating type (the norm per subset
+    and ``b / m`` are in it; the checkpoint key names it) and the iteration count the reference must
+    have. ``reference`` and ``truth`` are as :func:`mlemlib.mlem.reconstruct` takes them.
     """
     from mlemlib.formats import matrix_geometry
 
+    matrix, norm, transpose = model.matrix, model.norm, model.transpose
     with Stopwatch() as sw_load:
         src = open_source(matrix, "matrix")
         if src is not matrix:
             opened.append(src)
         m, n = (int(v) for v in src.shape)
-        g, row_fold, perm = stored_measurement(src, matrix, sino)
-        corr = load_corrections(src, source_name(src, matrix), row_fold, perm, settings)
+        g, row_fold, perm = stored_measurement(src, matrix, model.sino)
+        corr = load_corrections(src, source_name(src, matrix), row_fold, perm, model, settings.dtype)
         if not corr.plain:
             norm_arr = corrected_norm(src, norm, corr, settings.dtype)
         elif norm is None:
@@ -158,14 +288,14 @@ def load_problem(opened: list[Any], matrix: Any, sino: Any, norm: Any, transpose
                     f"transpose of the un-reordered matrix, but {source_name(src, matrix)} is reordered "
                     f"({perm.mode}); transpose the reordered matrix ('mlem transpose')",
                 )
-        problem = problem_fingerprint(src, g, problem_identity(corr, settings))
+        problem = problem_fingerprint(src, g, problem_identity(corr, model.map))
         key = checkpoint_key(problem, norm_arr, settings.dtype)
         ref_img = load_reference(reference, n, problem, settings.iterations)
         truth_img, regions = load_truth(truth, n)
     grid, voxel_size = matrix_geometry(src)
     log.info("loaded problem %s: %d x %d, %d nnz (%.2f s)", problem[:12], m, n, int(src.nnz), sw_load.seconds)
     return Problem(src, tsrc, g, norm_arr, problem, key, ref_img, truth_img, regions, grid, voxel_size, sw_load.seconds,
-                   perm, row_fold, corr)
+                   perm, row_fold, corr, model.map)
 
 
 def stored_measurement(src: Any, matrix: Any, sino: Any) -> tuple[np.ndarray, Any, Permutation | None]:
@@ -201,37 +331,38 @@ def stored_measurement(src: Any, matrix: Any, sino: Any) -> tuple[np.ndarray, An
     return g, row_fold, perm
 
 
-def problem_identity(corr: Corrections, settings: RunSettings) -> str:
+def problem_identity(corr: Corrections, map_settings: Any) -> str:
     """What the run models beyond MLEM, as the problem's fingerprint takes it: the corrections' identity and
-    the MAP settings' (``""`` for MLEM)."""
-    parts = (corr.identity(), "" if settings.map is None else settings.map.identity())
+    the MAP settings' (``map_settings``, None for MLEM; ``""`` for MLEM without corrections)."""
+    parts = (corr.identity(), "" if map_settings is None else map_settings.identity())
     return ";".join(p for p in parts if p)
 
 
-def load_corrections(src: Any, name: str, row_fold: Any, perm: Permutation | None, settings: RunSettings) -> Corrections:
-    """The run's subsets (their rows must be grouped: ``mlem reorder --subsets``) and its factors ``m`` and ``b``,
-    read in the user's LOR order and taken to the matrix's rows: on a folded matrix summed over each stored
-    row's LORs (:func:`mlemlib.corrections.summed_factors`), then permuted."""
+def load_corrections(src: Any, name: str, row_fold: Any, perm: Permutation | None, model: ModelSpec,
+                     dtype: np.dtype) -> Corrections:
+    """The model's subsets (their rows must be grouped: ``mlem reorder --subsets``) and its factors ``m`` and
+    ``b``, read in the user's LOR order and taken to the matrix's rows: on a folded matrix summed over each
+    stored row's LORs (:func:`mlemlib.corrections.summed_factors`), then permuted; ``b / m`` in ``dtype``."""
     from mlemlib.corrections import background, factors_checksum, read_factors
     from mlemlib.norm import row_weights
     from mlemlib.subsets import check_count, labels_checksum, labels_for
 
-    subsets = check_count(settings.subsets)
+    subsets = check_count(model.subsets)
     m = int(src.shape[0])
     m_user = m if row_fold is None else row_fold.m_user
-    given = {"multiplicative": settings.multiplicative, "additive": settings.additive}
+    given = {"multiplicative": model.multiplicative, "additive": model.additive}
     factors = {k: None if v is None else read_factors(v, m_user, k) for k, v in given.items()}
     names = {k: _spec(v) for k, v in given.items()}
     corr = Corrections(multiplicative=factors_checksum(factors["multiplicative"]),
                        additive=factors_checksum(factors["additive"]),
-                       files={"subset_file": _spec(settings.subset_file), **names})
-    if subsets > 1 or settings.subset_file is not None:
-        labels, corr.method = labels_for(src, subsets, subset_file=settings.subset_file, name=name)
+                       files={"subset_file": _spec(model.subset_file), **names})
+    if subsets > 1 or model.subset_file is not None:
+        labels, corr.method = labels_for(src, subsets, subset_file=model.subset_file, name=name)
         corr.bounds = _grouped_bounds(labels if perm is None else labels[perm.rows], subsets, corr.method, name)
         corr.subsets, corr.labels = subsets, labels_checksum(labels)
     if factors["multiplicative"] is not None or factors["additive"] is not None:
         mult, add = _to_rows(factors["multiplicative"], factors["additive"], row_fold, perm)
-        bg = background(mult, add, m, settings.dtype)
+        bg = background(mult, add, m, dtype)
         corr.background = bg if bg.any() else None  # b' = 0 everywhere: g / (fp + 0) is g / fp
     corr.weights = row_weights(src, factors["multiplicative"], perm)
     return corr

@@ -8,21 +8,25 @@ send_to_log(snakemake.log[0])
 
 from mlemlib.map import MapSettings  # noqa: E402
 from mlemlib.map_metrics import converged_map  # noqa: E402
+from mlemlib.problem import ModelSpec, RunSettings  # noqa: E402
 
 mlem = snakemake.params.mlem
 
-image, attrs = converged_map(
+model = ModelSpec(
     snakemake.input.matrix,
     snakemake.input.sino,
-    snakemake.output.image,
-    map_settings=MapSettings(**mlem["map"]),
-    passes=mlem["passes"],
+    norm=snakemake.input.norm,
     subsets=mlem["subsets"],
     subset_file=snakemake.input.get("subset_file"),
     multiplicative=mlem["factors"].get("multiplicative"),
     additive=mlem["factors"].get("additive"),
-    norm=snakemake.input.norm,
-    threads=snakemake.threads,
+    map=MapSettings(**mlem["map"]),
+)
+image, attrs = converged_map(
+    model,
+    snakemake.output.image,
+    passes=mlem["passes"],
+    settings=RunSettings(mlem["passes"], checkpoint_every=0, threads=snakemake.threads, reference_mode=True),
 )
 logging.info("compute_converged_map: wrote %s (Phi %s after %d passes)", snakemake.output.image, attrs.get("phi"),
              mlem["passes"])

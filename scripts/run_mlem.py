@@ -19,49 +19,51 @@ from mlemlib.backends import graph_option  # noqa: E402
 from mlemlib.map import MapSettings  # noqa: E402
 from mlemlib.map_metrics import reconstruct_with_metrics  # noqa: E402
 from mlemlib.mlem import reconstruct  # noqa: E402
+from mlemlib.problem import ModelSpec, RunSettings  # noqa: E402
 
 run = snakemake.params.run
 mlem = snakemake.params.mlem
+model = ModelSpec(
+    snakemake.input.matrix,
+    snakemake.input.sino,
+    norm=snakemake.input.norm,
+    transpose=snakemake.input.get("transpose"),
+    subsets=mlem["subsets"],
+    subset_file=snakemake.input.get("subset_file"),
+    multiplicative=mlem["factors"].get("multiplicative"),
+    additive=mlem["factors"].get("additive"),
+    # MAP (mlem.prior): the prior and the algorithm
+    map=MapSettings(**mlem["map"]) if "map" in mlem else None,
+    matrix_name=snakemake.params.matrix_name,
+    data_name=snakemake.wildcards.data,
+)
+settings = RunSettings(
+    mlem["iterations"],
+    repetitions=mlem["repetitions"],
+    checkpoint_every=mlem["checkpoint_every"],
+    backend=run["backend"],
+    fp=run["fp"],
+    bp=run["bp"],
+    secsize=run["secsize"],
+    graph=graph_option(run["graph"]),
+    gpus=run["gpus"],
+    layout=run["layout"],
+    plan=snakemake.input.get("plan"),
+    chunks=snakemake.input.get("chunks"),
+    threads=snakemake.threads,
+)
+outputs = dict(checkpoint=snakemake.params.checkpoint, timings_out=snakemake.output.timings,
+               raw_out=snakemake.output.raw)
 # Snakemake counts gpu resources but never says which GPUs a job gets: take
 # free ones with lock files before anything initialises CUDA.
 lease = lease_gpus(run["gpus"]) if run["backend"] == "cuda" else contextlib.nullcontext()
-# MAP (mlem.prior): the settings; a MAP run of a simulated measurement measures every map_metrics_every-th
-# pass against the converged MAP image (input converged) into timings.json's map.metrics
-map_settings = MapSettings(**mlem["map"]) if "map" in mlem else None
+# a MAP run of a simulated measurement measures every map_metrics_every-th pass against the converged MAP
+# image (input converged) into timings.json's map.metrics
 converged = snakemake.input.get("converged")
 with lease:
-    settings = dict(
-        iterations=mlem["iterations"],
-        backend=run["backend"],
-        fp=run["fp"],
-        bp=run["bp"],
-        secsize=run["secsize"],
-        graph=graph_option(run["graph"]),
-        gpus=run["gpus"],
-        layout=run["layout"],
-        norm=snakemake.input.norm,
-        transpose=snakemake.input.get("transpose"),
-        plan=snakemake.input.get("plan"),
-        chunks=snakemake.input.get("chunks"),
-        checkpoint_every=mlem["checkpoint_every"],
-        checkpoint=snakemake.params.checkpoint,
-        repetitions=mlem["repetitions"],
-        timings_out=snakemake.output.timings,
-        raw_out=snakemake.output.raw,
-        threads=snakemake.threads,
-        matrix_name=snakemake.params.matrix_name,
-        data_name=snakemake.wildcards.data,
-        subsets=mlem["subsets"],
-        subset_file=snakemake.input.get("subset_file"),
-        multiplicative=mlem["factors"].get("multiplicative"),
-        additive=mlem["factors"].get("additive"),
-        map_settings=map_settings,
-    )
     if converged:
-        result = reconstruct_with_metrics(snakemake.input.matrix, snakemake.input.sino, snakemake.output.image,
-                                          converged=converged, truth=snakemake.input.truth,
-                                          every=mlem["map_metrics_every"], **settings)
+        result = reconstruct_with_metrics(model, settings, snakemake.output.image, converged=converged,
+                                          truth=snakemake.input.truth, every=mlem["map_metrics_every"], **outputs)
     else:
-        result = reconstruct(snakemake.input.matrix, snakemake.input.sino, snakemake.output.image,
-                             truth=snakemake.input.get("truth"), **settings)
+        result = reconstruct(model, settings, snakemake.output.image, truth=snakemake.input.get("truth"), **outputs)
 logging.info("run_mlem: wrote %s", snakemake.output.image)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mlemlib.mlem import reconstruct, reference
+from mlemlib.problem import ModelSpec, RunSettings
 from mlemlib.report.rows import join_reference_accuracy, load_timings
 from mlemlib.report.summary import summarize
 from test_mlem import _problem
@@ -34,11 +35,11 @@ def runs(tmp_path_factory):
     a, g = _problem()
     ref = tmp / "reference-it12" / "image.h5"
     ref.parent.mkdir()
-    reference(a, g, ref, iterations=12, timings_out=ref.with_name("timings.json"))
+    reference(ModelSpec(a, g), RunSettings(12, checkpoint_every=0), ref, timings_out=ref.with_name("timings.json"))
     for name, given in (("with", ref), ("without", None)):
         (tmp / name).mkdir()
-        reconstruct(a, g, tmp / name / "image.h5", iterations=12, backend="cpu", repetitions=2, checkpoint_every=0,
-                    reference=given)
+        reconstruct(ModelSpec(a, g), RunSettings(12, repetitions=2, checkpoint_every=0, backend="cpu"),
+                    tmp / name / "image.h5", reference=given)
     return tmp
 
 
@@ -58,7 +59,7 @@ def test_summary_joins_the_same_accuracy_a_run_with_its_reference_records(runs):
 def test_reference_of_another_iteration_count_is_not_joined(runs, tmp_path):
     a, g = _problem()
     other = tmp_path / "image.h5"
-    reference(a, g, other, iterations=11)
+    reference(ModelSpec(a, g), RunSettings(11, checkpoint_every=0), other)
     ((_, t),) = join_reference_accuracy(load_timings([runs / "without"]), [other])
     assert all("rel_l2_reference" not in rep["accuracy"] for rep in t["repetitions"])
 

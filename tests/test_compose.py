@@ -28,6 +28,7 @@ import pytest
 
 from mlemlib import compose
 from mlemlib.image import read_image
+from mlemlib.problem import ModelSpec, RunSettings
 
 #: Passes of each run (S sub-iterations each) and the contract's tolerance.
 ITERS = 3
@@ -100,8 +101,9 @@ def _reference(root: Path, model: tuple) -> np.ndarray:
         try:
             if not path.exists():
                 tmp = path.with_suffix(".tmp.h5")
-                reference(_matrix(root, fmt, fold, reorder, s), root / "g.LMsino", tmp, iterations=ITERS,
-                          subsets=s, checkpoint_every=0, **_factors(root, factors))
+                model = ModelSpec(_matrix(root, fmt, fold, reorder, s), root / "g.LMsino", subsets=s,
+                                  **_factors(root, factors))
+                reference(model, RunSettings(ITERS, checkpoint_every=0), tmp)
                 os.replace(tmp, path)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
@@ -133,9 +135,10 @@ def _run(root: Path, c: compose.Combination, out: Path) -> np.ndarray:
     fmt, fold, reorder, s, factors = c.model
     matrix = _matrix(root, fmt, fold, reorder, s)
     transpose = _transpose(root, matrix) if compose.reads_transpose(c) else None
-    reconstruct(matrix, root / "g.LMsino", out, iterations=ITERS, backend=c.backend, fp=c.fp, bp=c.bp,
-                gpus=c.gpus, layout=c.layout, graph=graph_option(None if c.graph == "auto" else False),
-                transpose=transpose, subsets=s, checkpoint_every=0, raw_out=False, **_factors(root, factors))
+    model = ModelSpec(matrix, root / "g.LMsino", transpose=transpose, subsets=s, **_factors(root, factors))
+    settings = RunSettings(ITERS, checkpoint_every=0, backend=c.backend, fp=c.fp, bp=c.bp, gpus=c.gpus,
+                           layout=c.layout, graph=graph_option(None if c.graph == "auto" else False))
+    reconstruct(model, settings, out, raw_out=False)
     return read_image(out)[0]
 
 

@@ -251,6 +251,7 @@ def test_the_cli_runs_the_study_and_summarize_takes_its_record(small, tmp_path, 
 def test_each_run_is_measured_against_the_reference_of_its_own_model(small, tmp_path):
     """The summary joins a run with the float64 reference of the same problem: the same S, m and b."""
     from mlemlib.mlem import reconstruct, reference
+    from mlemlib.problem import ModelSpec, RunSettings
     from mlemlib.reorder import reorder_file
 
     d, f = small
@@ -259,10 +260,10 @@ def test_each_run_is_measured_against_the_reference_of_its_own_model(small, tmp_
               "osem4_mb": (tmp_path / "g4.h5", 4, {"multiplicative": f["m"], "additive": f["b"]})}
     timings, refs = [], []
     for name, (matrix, s, factors) in models.items():
-        reconstruct(matrix, f["sino"], tmp_path / name / "image.h5", iterations=3, backend="cpu", subsets=s,
-                    checkpoint_every=0, **factors)
-        reference(matrix, f["sino"], tmp_path / name / "ref" / "image.h5", iterations=3, subsets=s,
-                  timings_out=tmp_path / name / "ref" / "timings.json", **factors)
+        model = ModelSpec(matrix, f["sino"], subsets=s, **factors)
+        reconstruct(model, RunSettings(3, checkpoint_every=0, backend="cpu"), tmp_path / name / "image.h5")
+        reference(model, RunSettings(3, checkpoint_every=0), tmp_path / name / "ref" / "image.h5",
+                  timings_out=tmp_path / name / "ref" / "timings.json")
         timings.append(tmp_path / name / "timings.json")
         refs += [tmp_path / name / "ref" / "timings.json", tmp_path / name / "ref" / "image.h5"]
     result = summarize(timings=timings, references=refs, out_dir=tmp_path / "s")

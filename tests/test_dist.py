@@ -514,14 +514,14 @@ def test_reconstruct_on_two_gpus_replays_graphs_and_times_the_steps_kernel_by_ke
         pytest.skip("needs 2 GPUs")
     from mlemlib.image import read_image
     from mlemlib.mlem import reconstruct
+    from mlemlib.problem import ModelSpec, RunSettings
 
     a, at, g, norm = _problem()
     got = {}
     for graph in (None, False):
         out = tmp_path / f"{graph}" / "image.h5"
-        t = reconstruct(a, g.astype(np.int32), out, backend="cuda", gpus=2, iterations=6, repetitions=2,
-                        checkpoint_every=0,
-                        **({} if graph is None else {"graph": graph}))
+        t = reconstruct(ModelSpec(a, g.astype(np.int32)),
+                        RunSettings(6, repetitions=2, checkpoint_every=0, backend="cuda", gpus=2, graph=graph), out)
         got[graph] = (t, read_image(out)[0])
     t, img = got[None]
     assert t["config"]["graph"] is True and t["config"]["graph_requested"] == "auto"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mlemlib import devices
+from mlemlib.problem import ModelSpec, RunSettings
 
 
 class FakeNVMLError(Exception):
@@ -175,7 +176,8 @@ def test_cpu_run_records_no_energy(tmp_path):
     from mlemlib.mlem import reconstruct
 
     a, g = _problem()
-    t = reconstruct(a, g, tmp_path / "image.h5", iterations=3, repetitions=2, backend="cpu", checkpoint_every=0)
+    t = reconstruct(ModelSpec(a, g), RunSettings(3, repetitions=2, checkpoint_every=0, backend="cpu"),
+                    tmp_path / "image.h5")
     for rec in t["repetitions"]:
         assert rec["energy_J"] is None and rec["energy_per_iteration_J"] is None and rec["power_W"] is None
         assert rec["energy_note"] == "not available: no GPU (cpu backend)"
@@ -211,8 +213,8 @@ def test_gpu_run_records_energy_per_repetition(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "record_copy_bandwidths", lambda gpus: copied.append(gpus))
     monkeypatch.setattr(CpuBackend, "synchronize", lambda self: events.append("sync"), raising=False)
     a, g = _problem()
-    t = mlem.reconstruct(a, g, tmp_path / "image.h5", iterations=5, repetitions=2, backend="cpu",
-                         checkpoint_every=0)
+    t = mlem.reconstruct(ModelSpec(a, g), RunSettings(5, repetitions=2, checkpoint_every=0, backend="cpu"),
+                         tmp_path / "image.h5")
     assert copied == [[{"index": 0}]]  # once per run
     assert events == ["sync", "read", "sync", "read"] * 2 + ["close"]
     for rec in t["repetitions"]:

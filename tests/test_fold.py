@@ -17,6 +17,7 @@ from mlemlib.matrix import CSRMatrix
 from mlemlib.mlem import reconstruct
 from mlemlib.norm import compute_norm
 from mlemlib.phantom import simulate
+from mlemlib.problem import ModelSpec, RunSettings
 from mlemlib.scanner.system import estimate, generate
 
 
@@ -158,7 +159,8 @@ def test_mlem_through_a_folded_matrix_is_the_unfolded_image(small, tmp_path):
     images = {}
     for name in ("a.h5", "p.h5", "c.h5", "cz.h5"):
         out = tmp_path / f"i{name}"
-        reconstruct(d / name, d / "g.lmsino", out, iterations=50, backend="cpu", timings_out=tmp_path / f"t{name}.json")
+        reconstruct(ModelSpec(d / name, d / "g.lmsino"), RunSettings(50, backend="cpu"), out,
+                    timings_out=tmp_path / f"t{name}.json")
         images[name] = read_image(out)[0]
     for name in ("p.h5", "c.h5", "cz.h5"):
         assert _rel(images[name], images["a.h5"]) < 1e-6, name
@@ -176,8 +178,8 @@ def test_reordered_folded_matrix(small, tmp_path):
     reorder_file(d / "p.h5", tmp_path / "r.h5", "rows+voxels")
     fold = F.fold_of(tmp_path / "r.h5")
     assert fold is not None and fold.checksum == F.fold_of(d / "p.h5").checksum
-    reconstruct(d / "a.h5", d / "g.lmsino", tmp_path / "ia.h5", iterations=50, backend="cpu")
-    reconstruct(tmp_path / "r.h5", d / "g.lmsino", tmp_path / "ir.h5", iterations=50, backend="cpu")
+    reconstruct(ModelSpec(d / "a.h5", d / "g.lmsino"), RunSettings(50, backend="cpu"), tmp_path / "ia.h5")
+    reconstruct(ModelSpec(tmp_path / "r.h5", d / "g.lmsino"), RunSettings(50, backend="cpu"), tmp_path / "ir.h5")
     assert _rel(read_image(tmp_path / "ir.h5")[0], read_image(tmp_path / "ia.h5")[0]) < 1e-6
     np.testing.assert_allclose(compute_norm(tmp_path / "r.h5", tmp_path / "nr.h5").sum(),
                                compute_norm(d / "a.h5", tmp_path / "na.h5").sum(), rtol=1e-12)
@@ -188,7 +190,8 @@ def test_measurement_of_the_stored_rows_is_refused(small, tmp_path):
     stored = F.fold_of(d / "p.h5").m_stored
     write_lmsino(tmp_path / "short.lmsino", np.ones(stored, dtype=np.int32))
     with pytest.raises(Exception, match="36864"):
-        reconstruct(d / "p.h5", tmp_path / "short.lmsino", tmp_path / "x.h5", iterations=1, backend="cpu")
+        reconstruct(ModelSpec(d / "p.h5", tmp_path / "short.lmsino"), RunSettings(1, backend="cpu"),
+                    tmp_path / "x.h5")
     assert not (tmp_path / "x.h5").exists()
 
 
@@ -246,7 +249,7 @@ def test_corrupt_fold_is_refused(small, tmp_path):
     with h5py.File(gone, "a") as f:
         del f[F.DATASET]
     with pytest.raises(MatrixFormatError, match="gone.h5.*no dataset"):
-        reconstruct(gone, d / "g.lmsino", tmp_path / "x.h5", iterations=1, backend="cpu")
+        reconstruct(ModelSpec(gone, d / "g.lmsino"), RunSettings(1, backend="cpu"), tmp_path / "x.h5")
     short = _copy(d / "p.h5", tmp_path / "short.h5")
     with h5py.File(short, "a") as f:
         rm = f[F.DATASET][()]
@@ -304,8 +307,8 @@ def test_hand_matrix_round_trip(tmp_path):
     s = F.fold_file(tmp_path / "a.h5", tmp_path / "f.h5")
     assert s["shape"] == [3, 3] and s["nnz"] == 4 and s["user_rows"] == 6
     g = np.array([1, 2, 3, 4, 5, 6], dtype=np.int32)
-    reconstruct(tmp_path / "a.h5", g, tmp_path / "ia.h5", iterations=20, backend="cpu")
-    reconstruct(tmp_path / "f.h5", g, tmp_path / "if.h5", iterations=20, backend="cpu")
+    reconstruct(ModelSpec(tmp_path / "a.h5", g), RunSettings(20, backend="cpu"), tmp_path / "ia.h5")
+    reconstruct(ModelSpec(tmp_path / "f.h5", g), RunSettings(20, backend="cpu"), tmp_path / "if.h5")
     assert _rel(read_image(tmp_path / "if.h5")[0], read_image(tmp_path / "ia.h5")[0]) < 1e-6
 
 
@@ -323,11 +326,11 @@ def test_estimate_and_sizes_halve():
 @pytest.mark.gpu
 def test_cuda_mlem_through_a_folded_matrix(small, tmp_path):
     d, _, _ = small
-    reconstruct(d / "a.h5", d / "g.lmsino", tmp_path / "ia.h5", iterations=50, backend="cpu")
+    reconstruct(ModelSpec(d / "a.h5", d / "g.lmsino"), RunSettings(50, backend="cpu"), tmp_path / "ia.h5")
     ref = read_image(tmp_path / "ia.h5")[0]
     for name, bp in (("p.h5", "notrans"), ("cz.h5", "auto"), ("p.h5", "onepass")):
         out = tmp_path / f"i{name}{bp}.h5"
-        reconstruct(d / name, d / "g.lmsino", out, iterations=50, backend="cuda", bp=bp)
+        reconstruct(ModelSpec(d / name, d / "g.lmsino"), RunSettings(50, backend="cuda", bp=bp), out)
         assert _rel(read_image(out)[0], ref) < 1e-5, (name, bp)
 
 
@@ -359,7 +362,7 @@ def test_workflow_with_fold(tmp_path, csr4):
     assert images
     unfolded = tmp_path / "a.h5"
     generate("small", unfolded)
-    reconstruct(unfolded, sinos[0], tmp_path / "ia.h5", iterations=20, backend="cpu")
+    reconstruct(ModelSpec(unfolded, sinos[0]), RunSettings(20, backend="cpu"), tmp_path / "ia.h5")
     ref = read_image(tmp_path / "ia.h5")[0]
     for img in images:
         assert _rel(read_image(img)[0], ref) < 1e-6, img

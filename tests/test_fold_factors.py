@@ -23,6 +23,7 @@ from mlemlib.image import read_image
 from mlemlib.matrix import CSRMatrix
 from mlemlib.mlem import reconstruct, reference
 from mlemlib.norm import compute_norm, read_subset_norms
+from mlemlib.problem import ModelSpec, RunSettings
 from mlemlib.reorder import permutation_of, reorder_file
 
 U, N = 36, 12  # distinct rows, voxels
@@ -137,14 +138,15 @@ def _image(path) -> np.ndarray:
 @pytest.mark.parametrize("subsets", [1, 2])
 def test_without_background_the_folded_run_is_the_unfolded_one(folded, tmp_path, subsets):
     d, src_row, rows, labels_u, m, b, g0, gb = folded
-    kw = dict(iterations=ITERATIONS, subsets=subsets, multiplicative=d / "m.f32", checkpoint_every=0)
+    kw = dict(subsets=subsets, multiplicative=d / "m.f32")
     if subsets > 1:
         kw["subset_file"] = d / "s.i32"
-    reference(d / f"a{subsets}.h5", g0, tmp_path / "ra.h5", **kw)
-    reference(d / f"f{subsets}.h5", g0, tmp_path / "rf.h5", **kw)
+    settings = RunSettings(ITERATIONS, checkpoint_every=0, backend="cpu")
+    reference(ModelSpec(d / f"a{subsets}.h5", g0, **kw), settings, tmp_path / "ra.h5")
+    reference(ModelSpec(d / f"f{subsets}.h5", g0, **kw), settings, tmp_path / "rf.h5")
     ref = _image(tmp_path / "ra.h5")
     assert metrics.relative_l2(_image(tmp_path / "rf.h5"), ref) < 1e-10
-    reconstruct(d / f"f{subsets}.h5", g0, tmp_path / "if.h5", backend="cpu", **kw)
+    reconstruct(ModelSpec(d / f"f{subsets}.h5", g0, **kw), settings, tmp_path / "if.h5")
     assert metrics.relative_l2(_image(tmp_path / "if.h5"), ref) < 1e-5
     # the summed model agrees (with b = 0 it is the unfolded one)
     expected = dense_summed_osem(rows, src_row, g0, m, np.zeros_like(b), labels_u % subsets, subsets, ITERATIONS)
@@ -154,18 +156,18 @@ def test_without_background_the_folded_run_is_the_unfolded_one(folded, tmp_path,
 @pytest.mark.parametrize("subsets", [1, 2])
 def test_with_background_the_folded_run_is_the_ml_image_of_the_summed_counts(folded, tmp_path, subsets):
     d, src_row, rows, labels_u, m, b, g0, gb = folded
-    kw = dict(iterations=ITERATIONS, subsets=subsets, multiplicative=d / "m.f32", additive=d / "b.f32",
-              checkpoint_every=0)
+    kw = dict(subsets=subsets, multiplicative=d / "m.f32", additive=d / "b.f32")
     if subsets > 1:
         kw["subset_file"] = d / "s.i32"
+    settings = RunSettings(ITERATIONS, checkpoint_every=0, backend="cpu")
     expected = dense_summed_osem(rows, src_row, gb, m, b, labels_u % subsets, subsets, ITERATIONS)
-    reference(d / f"f{subsets}.h5", gb, tmp_path / "rf.h5", **kw)
+    reference(ModelSpec(d / f"f{subsets}.h5", gb, **kw), settings, tmp_path / "rf.h5")
     ref = _image(tmp_path / "rf.h5")
     assert metrics.relative_l2(ref, expected) < 1e-10
-    reconstruct(d / f"f{subsets}.h5", gb, tmp_path / "if.h5", backend="cpu", **kw)
+    reconstruct(ModelSpec(d / f"f{subsets}.h5", gb, **kw), settings, tmp_path / "if.h5")
     assert metrics.relative_l2(_image(tmp_path / "if.h5"), expected) < 1e-5
     # another model than the unfolded run's (per-LOR b inside a stored row): the yardstick tells them apart
-    reference(d / f"a{subsets}.h5", gb, tmp_path / "ra.h5", **kw)
+    reference(ModelSpec(d / f"a{subsets}.h5", gb, **kw), settings, tmp_path / "ra.h5")
     assert metrics.relative_l2(_image(tmp_path / "ra.h5"), expected) > 1e-6
 
 
@@ -173,7 +175,8 @@ def test_background_without_m_is_summed_over_the_multiplicity(folded, tmp_path):
     d, src_row, rows, labels_u, m, b, g0, gb = folded
     ones = np.ones_like(m)
     expected = dense_summed_osem(rows, src_row, gb, ones, b, labels_u * 0, 1, ITERATIONS)
-    reference(d / "f1.h5", gb, tmp_path / "rf.h5", iterations=ITERATIONS, additive=d / "b.f32", checkpoint_every=0)
+    reference(ModelSpec(d / "f1.h5", gb, additive=d / "b.f32"), RunSettings(ITERATIONS, checkpoint_every=0),
+              tmp_path / "rf.h5")
     assert metrics.relative_l2(_image(tmp_path / "rf.h5"), expected) < 1e-10
 
 

@@ -17,6 +17,7 @@ from mlemlib.backends import make_backend
 from mlemlib.compressed import CompressedMatrix
 from mlemlib.errors import ConfigError
 from mlemlib.matrix import CSRMatrix
+from mlemlib.problem import ModelSpec, RunSettings
 
 
 def problem(seed: int = 0, m: int = 900, n: int = 400):
@@ -182,7 +183,7 @@ def test_timings_count_the_bytes_each_iteration_reads(tmp_path):
         stored = src.nbytes
     for bp, reads in (("onepass", 1), ("notrans", 2)):
         out = tmp_path / bp / "image.h5"
-        reconstruct(path, g, out, norm=norm, backend="cpu", bp=bp, iterations=2)
+        reconstruct(ModelSpec(path, g, norm=norm), RunSettings(2, backend="cpu", bp=bp), out)
         t = json.loads((out.parent / "timings.json").read_text())
         per_nnz = t["backend"]["bytes_per_nnz"]["A"]
         assert 4.0 < per_nnz < 8.0  # the compressed format, below CSR's 8

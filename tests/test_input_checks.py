@@ -21,6 +21,7 @@ from mlemlib.formats.lmsino import MAX_PLAUSIBLE_COUNT, looks_like_float32, read
 from mlemlib.formats.mtx import read_mtx
 from mlemlib.formats.npz import read_npz
 from mlemlib.matrix import CSRMatrix
+from mlemlib.problem import ModelSpec, RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 M, N = 30, 8
@@ -121,7 +122,7 @@ def test_array_measurement_with_a_bad_value_is_refused_naming_it(files, bad, fau
     sino[4] = bad
     a = CSRMatrix.from_scipy(sp.load_npz(d / "m.npz"))
     with pytest.raises(SinogramFormatError, match=fault):
-        reconstruct(a, sino, d / "run" / "image.h5", iterations=2, backend="cpu")
+        reconstruct(ModelSpec(a, sino), RunSettings(2, backend="cpu"), d / "run" / "image.h5")
     assert written(d) == []
 
 
@@ -130,7 +131,7 @@ def test_float_array_measurement_is_reconstructed(files):
 
     d, g = files
     a = CSRMatrix.from_scipy(sp.load_npz(d / "m.npz"))
-    t = reconstruct(a, g.astype(np.float32) + 0.25, d / "run" / "image.h5", iterations=2, backend="cpu")
+    t = reconstruct(ModelSpec(a, g.astype(np.float32) + 0.25), RunSettings(2, backend="cpu"), d / "run" / "image.h5")
     assert t["repetitions"][-1]["accuracy"]["image_sum"] > 0
 
 

@@ -26,6 +26,7 @@ import yaml
 from conftest import load_device_tool
 
 from mlemlib.logs import LOG_FORMAT
+from mlemlib.problem import ModelSpec, RunSettings
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "device_workflow"
@@ -283,8 +284,8 @@ def test_parses_what_a_real_reconstruction_logs(tmp_path):
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     try:
-        reconstruct(CSRMatrix.from_scipy(a), g, tmp_path / "image.h5", iterations=50, backend="cpu", repetitions=2,
-                    checkpoint_every=0)
+        reconstruct(ModelSpec(CSRMatrix.from_scipy(a), g),
+                    RunSettings(50, repetitions=2, checkpoint_every=0, backend="cpu"), tmp_path / "image.h5")
     finally:
         root.removeHandler(handler)
         root.setLevel(level)

@@ -18,6 +18,7 @@ from mlemlib.map import MapSettings
 from mlemlib.map_reference import MapProblem, objective, solve_map
 from mlemlib.mlem import reconstruct
 from mlemlib.prior import make_prior
+from mlemlib.problem import ModelSpec, RunSettings
 
 GRID, N, M, S = (5, 4, 3), 60, 240, 8
 RDP = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0)
@@ -60,13 +61,18 @@ def case(tmp_path_factory):
     return {"dir": d, "g": g, "problem": problem, "map": solve_map(problem)}
 
 
-def _run(case, out, passes, settings=RDP, **kw):
+def _model(case, prior, matrix=None):
+    """The case's MAP model: its matrix (or ``matrix``), S subsets of its subset file, m, b and ``prior``."""
     d = case["dir"]
-    kw.setdefault("matrix", d / "a.h5")
-    kw.setdefault("checkpoint_every", 0)
-    t = reconstruct(kw.pop("matrix"), case["g"], out, iterations=passes, backend="cpu", subsets=S,
-                    subset_file=d / "subsets.i32", multiplicative=d / "m.f32", additive=d / "b.f32",
-                    raw_out=False, map_settings=settings, **kw)
+    return ModelSpec(d / "a.h5" if matrix is None else matrix, case["g"], subsets=S, subset_file=d / "subsets.i32",
+                     multiplicative=d / "m.f32", additive=d / "b.f32", map=prior)
+
+
+def _run(case, out, passes, prior=RDP, *, matrix=None, reference=None, checkpoint=None, keep_checkpoint=False,
+         **settings):
+    settings = RunSettings(passes, **{"backend": "cpu", "checkpoint_every": 0, **settings})
+    t = reconstruct(_model(case, prior, matrix), settings, out, raw_out=False, reference=reference,
+                    checkpoint=checkpoint, keep_checkpoint=keep_checkpoint)
     from mlemlib.image import read_image
 
     return read_image(out)[0].astype(np.float64), t
@@ -123,9 +129,7 @@ def test_map_refuses_a_matrix_without_a_grid(case, tmp_path):
 
 def test_a_map_run_is_another_problem_than_osem(case, tmp_path):
     """The prior is part of the problem's fingerprint: OSEM's float64 reference is refused as MAP's."""
-    d = case["dir"]
-    reconstruct(d / "a.h5", case["g"], tmp_path / "osem.h5", iterations=2, subsets=S, subset_file=d / "subsets.i32",
-                multiplicative=d / "m.f32", additive=d / "b.f32", checkpoint_every=0, reference_mode=True)
+    reconstruct(_model(case, None), RunSettings(2, checkpoint_every=0, reference_mode=True), tmp_path / "osem.h5")
     with pytest.raises(ConfigError):
         _run(case, tmp_path / "map.h5", 2, reference=tmp_path / "osem.h5")
 
@@ -147,13 +151,10 @@ def test_cuda_map_matches_the_float64_reference_of_the_same_algorithm(case, tmp_
     allow one): within 1e-5 after 50 passes; deterministic kernels give the same bits on a rerun."""
     ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0, algorithm=algorithm)
     ref, _ = _run(case, tmp_path / "ref.h5", 50, ms, reference_mode=True, threads=1)
-    kw = dict(backend="cuda", fp=fp, bp=bp)
-    d = case["dir"]
+    settings = RunSettings(50, checkpoint_every=0, backend="cuda", fp=fp, bp=bp)
 
     def run(out):
-        reconstruct(d / "a.h5", case["g"], out, iterations=50, subsets=S, subset_file=d / "subsets.i32",
-                    multiplicative=d / "m.f32", additive=d / "b.f32", checkpoint_every=0, raw_out=False,
-                    map_settings=ms, **kw)
+        reconstruct(_model(case, ms), settings, out, raw_out=False)
         from mlemlib.image import read_image
 
         return read_image(out)[0]

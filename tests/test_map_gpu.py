@@ -12,6 +12,7 @@ import pytest
 from mlemlib.image import read_image
 from mlemlib.map import MapSettings
 from mlemlib.mlem import reconstruct
+from mlemlib.problem import ModelSpec, RunSettings
 from test_map import S, case, rel  # noqa: F401 (case: the module fixture)
 
 pytestmark = pytest.mark.gpu
@@ -26,11 +27,12 @@ def _gpu_count() -> int:
         return 0
 
 
-def _run(case, out, passes, ms, **kw):
+def _run(case, out, passes, ms, *, subsets=S, **settings):
+    """Reconstruct the case (its subset file where ``subsets`` is S, else MLEM) with MAP settings ``ms``."""
     d = case["dir"]
-    t = reconstruct(d / "a.h5", case["g"], out, iterations=passes, subsets=kw.pop("subsets", S),
-                    subset_file=kw.pop("subset_file", d / "subsets.i32"), multiplicative=d / "m.f32", additive=d / "b.f32",
-                    checkpoint_every=0, raw_out=False, map_settings=ms, **kw)
+    model = ModelSpec(d / "a.h5", case["g"], subsets=subsets, subset_file=d / "subsets.i32" if subsets > 1 else None,
+                      multiplicative=d / "m.f32", additive=d / "b.f32", map=ms)
+    t = reconstruct(model, RunSettings(passes, checkpoint_every=0, **settings), out, raw_out=False)
     return read_image(out)[0], t
 
 
@@ -75,8 +77,7 @@ def test_two_gpus_give_the_bits_of_one(case, tmp_path):
 def test_two_gpus_without_subsets_take_the_step(case, tmp_path):
     """S = 1 on 2 GPUs (the N-GPU backend, the step after its all-reduce): within 1e-5 of the float64 reference."""
     ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0)
-    kw = dict(subsets=1, subset_file=None)
-    ref, _ = _run(case, tmp_path / "ref.h5", 30, ms, backend="cpu", reference_mode=True, threads=1, **kw)
-    img, t = _run(case, tmp_path / "two.h5", 30, ms, backend="cuda", gpus=2, **kw)
+    ref, _ = _run(case, tmp_path / "ref.h5", 30, ms, subsets=1, backend="cpu", reference_mode=True, threads=1)
+    img, t = _run(case, tmp_path / "two.h5", 30, ms, subsets=1, backend="cuda", gpus=2)
     assert t["backend"]["map"]["step"] == "device"
     assert rel(img.astype(np.float64), ref.astype(np.float64)) < 1e-5

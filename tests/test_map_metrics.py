@@ -15,6 +15,7 @@ from mlemlib.errors import ConfigError
 from mlemlib.image import read_image, write_image
 from mlemlib.map import MapSettings
 from mlemlib.mlem import reconstruct
+from mlemlib.problem import ModelSpec, RunSettings
 
 GRID, N, M, S = (5, 4, 3), 60, 240, 8
 RDP = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0)
@@ -130,11 +131,11 @@ def test_converged_image_is_cached_by_problem_and_passes(case, tmp_path, monkeyp
 
     d, kw = case["dir"], case["kw"]
     cache = tmp_path / "converged.h5"
-    img, attrs = mm.converged_map(d / "a.h5", case["g"], cache, map_settings=RDP, passes=30, **kw)
+    img, attrs = mm.converged_map(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw), cache, passes=30)
     # the same as the float64 BSREM of the same settings, run directly
     direct = tmp_path / "direct.h5"
-    reconstruct(d / "a.h5", case["g"], direct, iterations=30, reference_mode=True, map_settings=RDP,
-                checkpoint_every=0, **kw)
+    reconstruct(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw),
+                RunSettings(30, checkpoint_every=0, reference_mode=True), direct)
     want, want_attrs = read_image(direct)
     assert np.array_equal(img, want) and img.dtype == np.float64
     assert attrs["problem"] == want_attrs["problem"] and attrs["iterations"] == 30
@@ -144,16 +145,16 @@ def test_converged_image_is_cached_by_problem_and_passes(case, tmp_path, monkeyp
     real = mlemlib.mlem.reconstruct
     monkeypatch.setattr(mlemlib.mlem, "reconstruct", lambda *a, **k: calls.append(1) or real(*a, **k))
     # second call: read from the file; an OSL setting of the same prior converges to the same image (BSREM's)
-    again, _ = mm.converged_map(d / "a.h5", case["g"], cache, map_settings=MapSettings(
-        "rdp", beta=0.3, gamma=2.0, epsilon=2.0, algorithm="osl"), passes=30, **kw)
+    again, _ = mm.converged_map(ModelSpec(d / "a.h5", case["g"], map=MapSettings(
+        "rdp", beta=0.3, gamma=2.0, epsilon=2.0, algorithm="osl"), **kw), cache, passes=30)
     assert calls == [] and np.array_equal(again, img)
     # another problem (beta), another pass count, other counts: each recomputed, never the cached image
-    other, o_attrs = mm.converged_map(d / "a.h5", case["g"], cache, map_settings=MapSettings(
-        "rdp", beta=0.6, gamma=2.0, epsilon=2.0), passes=30, **kw)
+    other, o_attrs = mm.converged_map(ModelSpec(d / "a.h5", case["g"], map=MapSettings(
+        "rdp", beta=0.6, gamma=2.0, epsilon=2.0), **kw), cache, passes=30)
     assert calls == [1] and o_attrs["problem"] != attrs["problem"] and not np.array_equal(other, img)
-    mm.converged_map(d / "a.h5", case["g"], cache, map_settings=RDP, passes=31, **kw)
+    mm.converged_map(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw), cache, passes=31)
     assert calls == [1, 1]
-    mm.converged_map(d / "a.h5", case["g"] + 1, cache, map_settings=RDP, passes=31, **kw)
+    mm.converged_map(ModelSpec(d / "a.h5", case["g"] + 1, map=RDP, **kw), cache, passes=31)
     assert calls == [1, 1, 1] and read_image(cache)[1]["problem"] != attrs["problem"]
 
 
@@ -163,11 +164,12 @@ def test_the_fingerprint_is_the_one_a_run_records_also_for_a_reordered_matrix(ca
     d, kw = case["dir"], case["kw"]
     reorder_file(d / "a.h5", tmp_path / "r.h5", "rows+voxels", subsets=S, subset_file=d / "subsets.i32")
     for matrix in (d / "a.h5", tmp_path / "r.h5"):
-        reconstruct(matrix, case["g"], tmp_path / "run.h5", iterations=1, backend="cpu", map_settings=RDP,
-                    checkpoint_every=0, raw_out=False, timings_out=False, **kw)
-        assert mm.problem_fingerprint_of(matrix, case["g"], RDP, **kw) == read_image(tmp_path / "run.h5")[1]["problem"]
-    plain = mm.problem_fingerprint_of(d / "a.h5", case["g"], RDP)
-    assert plain != mm.problem_fingerprint_of(d / "a.h5", case["g"], RDP, **kw)
+        model = ModelSpec(matrix, case["g"], map=RDP, **kw)
+        reconstruct(model, RunSettings(1, checkpoint_every=0, backend="cpu"), tmp_path / "run.h5", raw_out=False,
+                    timings_out=False)
+        assert mm.problem_fingerprint_of(model) == read_image(tmp_path / "run.h5")[1]["problem"]
+    plain = mm.problem_fingerprint_of(ModelSpec(d / "a.h5", case["g"], map=RDP))
+    assert plain != mm.problem_fingerprint_of(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw))
 
 
 def test_the_recorder_measures_each_pass_of_a_cpu_map_run(case, tmp_path):
@@ -181,8 +183,8 @@ def test_the_recorder_measures_each_pass_of_a_cpu_map_run(case, tmp_path):
             images.append(np.array(image, dtype=np.float64))
         rec(rep, it, image)
 
-    reconstruct(d / "a.h5", case["g"], tmp_path / "run.h5", iterations=6, backend="cpu", map_settings=RDP,
-                checkpoint_every=0, repetitions=2, progress=both, **kw)
+    reconstruct(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw),
+                RunSettings(6, repetitions=2, checkpoint_every=0, backend="cpu"), tmp_path / "run.h5", progress=both)
     r = rec.record()
     assert r["passes"] == [2, 4, 6] and r["repetition"] == 1 and r["every"] == 2
     for k, p in enumerate(r["passes"]):  # each pass's values are those of that pass's image, by hand
@@ -206,7 +208,7 @@ def test_a_run_with_metrics_writes_them_and_the_summary_reads_them(case, tmp_pat
 
     d, kw = case["dir"], case["kw"]
     reorder_file(d / "a.h5", tmp_path / "r.h5", "rows+voxels", subsets=S, subset_file=d / "subsets.i32")
-    ref, _ = mm.converged_map(d / "a.h5", case["g"], tmp_path / "conv.h5", map_settings=RDP, passes=200, **kw)
+    ref, _ = mm.converged_map(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw), tmp_path / "conv.h5", passes=200)
     # a truth whose phantom is a uniform body over the 5 x 4 x 3 grid (every voxel inside it), no spheres
     from mlemlib.phantom import Cylinder, Phantom
 
@@ -214,9 +216,9 @@ def test_a_run_with_metrics_writes_them_and_the_summary_reads_them(case, tmp_pat
     write_image(tmp_path / "truth.h5", case["truth"], grid=GRID, voxel_size=(1.0, 1.0, 1.0),
                 attrs={"regions": ph.to_json()})
     out = tmp_path / "run" / "image.h5"
-    t = mm.reconstruct_with_metrics(tmp_path / "r.h5", case["g"], out, converged=tmp_path / "conv.h5",
-                                    truth=tmp_path / "truth.h5", iterations=60, backend="cpu", map_settings=RDP,
-                                    checkpoint_every=0, **kw)
+    t = mm.reconstruct_with_metrics(ModelSpec(tmp_path / "r.h5", case["g"], map=RDP, **kw),
+                                    RunSettings(60, checkpoint_every=0, backend="cpu"), out,
+                                    converged=tmp_path / "conv.h5", truth=tmp_path / "truth.h5")
     stored = json.loads((out.parent / "timings.json").read_text())
     m = stored["map"]["metrics"]
     assert m == t["map"]["metrics"] and m["format"] == mm.METRICS_FORMAT and m["passes"] == list(range(1, 61))

@@ -22,6 +22,7 @@ from mlemlib.backends import make_backend
 from mlemlib.formats import InMemoryMatrix
 from mlemlib.image import read_image
 from mlemlib.mlem import reconstruct, reference
+from mlemlib.problem import ModelSpec, RunSettings
 
 GRID = (6, 5, 4)  # gridX, gridY, gridZ: n = 120
 
@@ -73,10 +74,8 @@ def problem():
 )
 def test_cpu_matches_dense_float64(problem, tmp_path, fp, bp, with_t):
     a, g, expected = problem
-    t = reconstruct(
-        a, g, tmp_path / "image.h5", iterations=50, backend="cpu", fp=fp, bp=bp,
-        transpose=_transpose(a) if with_t else None, checkpoint_every=0,
-    )
+    t = reconstruct(ModelSpec(a, g, transpose=_transpose(a) if with_t else None),
+                    RunSettings(50, checkpoint_every=0, backend="cpu", fp=fp, bp=bp), tmp_path / "image.h5")
     img, attrs = read_image(tmp_path / "image.h5")
     assert img.dtype == np.float32
     assert metrics.relative_l2(img, expected) < 1e-5
@@ -87,7 +86,7 @@ def test_cpu_matches_dense_float64(problem, tmp_path, fp, bp, with_t):
 
 def test_reference_mode_is_float64(problem, tmp_path):
     a, g, expected = problem
-    reference(a, g, tmp_path / "reference.h5", iterations=50)
+    reference(ModelSpec(a, g), RunSettings(50, checkpoint_every=0), tmp_path / "reference.h5")
     img, attrs = read_image(tmp_path / "reference.h5")
     assert img.dtype == np.float64
     assert attrs["reference"] is True or attrs["reference"] == 1
@@ -133,7 +132,7 @@ def test_outputs_and_timings(problem, tmp_path):
     a, g, _ = problem
     src = InMemoryMatrix(a, grid=GRID, voxel_size=(2.0, 2.0, 3.0))
     out = tmp_path / "run" / "image.h5"
-    t = reconstruct(src, g, out, iterations=7, backend="cpu", repetitions=3, checkpoint_every=0)
+    t = reconstruct(ModelSpec(src, g), RunSettings(7, repetitions=3, checkpoint_every=0, backend="cpu"), out)
     with h5py.File(out) as f:
         assert f["image"].shape == (4, 5, 6)  # (gridZ, gridY, gridX)
         assert list(f.attrs["voxel_size"]) == [2.0, 2.0, 3.0]
@@ -165,8 +164,8 @@ def test_outputs_and_timings(problem, tmp_path):
     sino = tmp_path / "scna.LMsino"
     np.asarray(g, dtype="<i4").tofile(sino)
     for name, want in ((None, "scna"), ("scan", "scan")):
-        reconstruct(src, sino, tmp_path / "named" / "image.h5", iterations=1, backend="cpu", checkpoint_every=0,
-                    data_name=name)
+        reconstruct(ModelSpec(src, sino, data_name=name), RunSettings(1, checkpoint_every=0, backend="cpu"),
+                    tmp_path / "named" / "image.h5")
         assert json.loads((tmp_path / "named" / "timings.json").read_text())["config"]["data"] == want
 
 
@@ -183,8 +182,8 @@ def test_repetitions_load_once(problem, tmp_path):
     counts = []
     for reps in (1, 4):
         _CountingSource.reads = 0
-        reconstruct(_CountingSource(a), g, tmp_path / f"r{reps}.h5", iterations=2, backend="cpu", repetitions=reps,
-                    checkpoint_every=0, norm=np.asarray(a.to_scipy().sum(axis=0)).ravel())
+        reconstruct(ModelSpec(_CountingSource(a), g, norm=np.asarray(a.to_scipy().sum(axis=0)).ravel()),
+                    RunSettings(2, repetitions=reps, checkpoint_every=0, backend="cpu"), tmp_path / f"r{reps}.h5")
         counts.append(_CountingSource.reads)
     assert counts[0] == counts[1] >= 1
 
@@ -227,7 +226,7 @@ def test_a_pipelining_backend_has_each_iterations_times_read_one_iteration_late(
 
     monkeypatch.setattr(mlem, "make_backend", make)
     out = tmp_path / "piped" / "image.h5"
-    t = reconstruct(a, g, out, iterations=7, backend="cpu", checkpoint_every=3, repetitions=1)
+    t = reconstruct(ModelSpec(a, g), RunSettings(7, repetitions=1, checkpoint_every=3, backend="cpu"), out)
     be = made[0]
     # every iteration's own times, in order: none shifted by the late reading, none lost
     assert t["repetitions"][0]["samples"]["iteration"] == pytest.approx([k * 1e-3 for k in range(1, 8)])
@@ -240,7 +239,7 @@ def test_a_pipelining_backend_has_each_iterations_times_read_one_iteration_late(
     # the image is the plain loop's, bit for bit
     plain = tmp_path / "plain" / "image.h5"
     monkeypatch.undo()
-    reconstruct(a, g, plain, iterations=7, backend="cpu", fp="numba", bp="numba", checkpoint_every=3)
+    reconstruct(ModelSpec(a, g), RunSettings(7, checkpoint_every=3, backend="cpu", fp="numba", bp="numba"), plain)
     assert read_image(out)[0].tobytes() == read_image(plain)[0].tobytes()
 
 
@@ -248,10 +247,11 @@ KILLER = """
 import os, signal, sys
 import numpy as np
 from mlemlib.mlem import reconstruct
+from mlemlib.problem import ModelSpec, RunSettings
 def progress(rep, it, f):
     if rep == {rep} and it == {it}:
         os.kill(os.getpid(), signal.SIGKILL)
-reconstruct({matrix!r}, {sino!r}, {out!r}, iterations=20, backend="cpu", checkpoint_every=5, repetitions=2,
+reconstruct(ModelSpec({matrix!r}, {sino!r}), RunSettings(20, repetitions=2, checkpoint_every=5, backend="cpu"), {out!r},
             progress=progress)
 """
 
@@ -275,11 +275,11 @@ def test_resume_after_kill_is_bit_identical(problem, tmp_path, kill_rep, kill_it
     with h5py.File(ckpt) as f:
         assert (int(f.attrs["repetition"]), int(f.attrs["iteration"])) == (kill_rep, kill_it // 5 * 5)
 
-    t = reconstruct(tmp_path / "matrix.h5", tmp_path / "g.LMsino", killed, iterations=20, backend="cpu",
-                    checkpoint_every=5, repetitions=2)
+    t = reconstruct(ModelSpec(tmp_path / "matrix.h5", tmp_path / "g.LMsino"),
+                    RunSettings(20, repetitions=2, checkpoint_every=5, backend="cpu"), killed)
     whole = tmp_path / "whole" / "image.h5"
-    reconstruct(tmp_path / "matrix.h5", tmp_path / "g.LMsino", whole, iterations=20, backend="cpu",
-                checkpoint_every=5, repetitions=2)
+    reconstruct(ModelSpec(tmp_path / "matrix.h5", tmp_path / "g.LMsino"),
+                RunSettings(20, repetitions=2, checkpoint_every=5, backend="cpu"), whole)
     a_img, _ = read_image(killed)
     b_img, _ = read_image(whole)
     assert a_img.tobytes() == b_img.tobytes()
@@ -299,22 +299,22 @@ def test_checkpoint_of_another_problem_is_refused(problem, tmp_path):
 
     out = tmp_path / "image.h5"
     with pytest.raises(KeyboardInterrupt):
-        reconstruct(a, g, out, iterations=10, backend="cpu", checkpoint_every=3, progress=stop)
+        reconstruct(ModelSpec(a, g), RunSettings(10, checkpoint_every=3, backend="cpu"), out, progress=stop)
     assert out.with_name("image.checkpoint.h5").exists()
     other = g.copy()
     other[0] += 1
     with pytest.raises(ConfigError, match="another problem"):
-        reconstruct(a, other, out, iterations=10, backend="cpu", checkpoint_every=3)
+        reconstruct(ModelSpec(a, other), RunSettings(10, checkpoint_every=3, backend="cpu"), out)
     assert not out.exists()
     with pytest.raises(ConfigError, match="beyond this run"):
-        reconstruct(a, g, out, iterations=2, backend="cpu", checkpoint_every=3)
+        reconstruct(ModelSpec(a, g), RunSettings(2, checkpoint_every=3, backend="cpu"), out)
 
 
 def test_reference_comparison_and_mismatch(problem, tmp_path):
     a, g, expected = problem
-    reference(a, g, tmp_path / "ref.h5", iterations=50)
-    t = reconstruct(a, g, tmp_path / "img.h5", iterations=50, backend="cpu", reference=tmp_path / "ref.h5",
-                    truth=expected.astype(np.float32), checkpoint_every=0)
+    reference(ModelSpec(a, g), RunSettings(50, checkpoint_every=0), tmp_path / "ref.h5")
+    t = reconstruct(ModelSpec(a, g), RunSettings(50, checkpoint_every=0, backend="cpu"), tmp_path / "img.h5",
+                    reference=tmp_path / "ref.h5", truth=expected.astype(np.float32))
     acc = t["repetitions"][0]["accuracy"]
     img, _ = read_image(tmp_path / "img.h5")
     ref, _ = read_image(tmp_path / "ref.h5")
@@ -322,11 +322,53 @@ def test_reference_comparison_and_mismatch(problem, tmp_path):
     assert 0 < acc["rel_l2_reference"] < 1e-5
     assert acc["rel_l2_truth"] < 1e-5
     with pytest.raises(ConfigError, match="after 50 iterations"):
-        reconstruct(a, g, tmp_path / "img2.h5", iterations=49, backend="cpu", reference=tmp_path / "ref.h5")
+        reconstruct(ModelSpec(a, g), RunSettings(49, backend="cpu"), tmp_path / "img2.h5",
+                    reference=tmp_path / "ref.h5")
     other = g.copy()
     other[1] += 2
     with pytest.raises(ConfigError, match="another problem"):
-        reconstruct(a, other, tmp_path / "img3.h5", iterations=50, backend="cpu", reference=tmp_path / "ref.h5")
+        reconstruct(ModelSpec(a, other), RunSettings(50, backend="cpu"), tmp_path / "img3.h5",
+                    reference=tmp_path / "ref.h5")
+
+
+@pytest.mark.parametrize("given,message", [
+    ({"iterations": -1}, "iterations: must be an integer >= 0, got -1"),
+    ({"iterations": 2.5}, "iterations: must be an integer >= 0, got 2.5"),
+    ({"iterations": True}, "iterations: must be an integer >= 0, got True"),
+    ({"iterations": 2, "repetitions": 0}, "repetitions: must be an integer >= 1, got 0"),
+    ({"iterations": 2, "checkpoint_every": -3}, "checkpoint_every: must be an integer >= 0, got -3"),
+    ({"iterations": 2, "backend": "opencl"}, "backend: unknown backend 'opencl', expected auto, cpu or cuda"),
+    ({"iterations": 2, "layout": "ring"}, "layout: unknown layout 'ring', expected one of local, thesis"),
+    ({"iterations": 2, "gpus": 0}, "gpus: must be an integer >= 1, got 0"),
+    ({"iterations": 2, "gpus": 2, "reference_mode": True}, "gpus: the reference runs on the cpu (gpus 1)"),
+])
+def test_run_settings_are_refused_in_one_line_when_made(given, message):
+    """A bad count or name stops the run before any work: when its settings are made, not after the problem
+    is loaded (the unknown backend was refused by make_backend, after the matrix had been read)."""
+    with pytest.raises(ConfigError) as exc:
+        RunSettings(**given)
+    assert str(exc.value) == message
+
+
+def test_model_and_settings_values(problem, tmp_path):
+    """The model's subset count and prior are checked when it is made; reference mode runs float64 on the cpu;
+    both values are frozen."""
+    from mlemlib.map import MapSettings
+
+    a, g, _ = problem
+    with pytest.raises(ConfigError, match="^subsets: must be an integer >= 1, got 0$"):
+        ModelSpec(a, g, subsets=0)
+    with pytest.raises(ConfigError, match="^prior.beta: must be >= 0, got -1$"):
+        ModelSpec(a, g, map=MapSettings("quadratic", beta=-1))
+    ref = RunSettings(3, backend="cuda", fp=None, reference_mode=True)
+    assert (ref.backend, ref.gpus, ref.fp, ref.dtype) == ("cpu", 1, "auto", np.dtype(np.float64))
+    plain = RunSettings(3)
+    assert (plain.backend, plain.repetitions, plain.checkpoint_every, plain.dtype) == ("auto", 1, 10, np.float32)
+    assert RunSettings(3, checkpoint_every=None).checkpoint_every == 0
+    with pytest.raises(AttributeError):
+        plain.iterations = 4
+    with pytest.raises(AttributeError):
+        ModelSpec(a, g).sino = g
 
 
 def test_make_backend_errors(problem, monkeypatch):

@@ -24,6 +24,7 @@ from mlemlib.image import read_image
 from mlemlib.matrix import CSRMatrix
 from mlemlib.mlem import reconstruct, reference
 from mlemlib.norm import compute_norm, read_norm, read_subset_norms, sensitivities
+from mlemlib.problem import ModelSpec, RunSettings
 from mlemlib.reorder import compute_permutation, permutation_of, read_permutation, reorder_file
 from mlemlib.subsets import (
     angle_labels,
@@ -99,11 +100,13 @@ def grouped(problem, tmp_path_factory):
     return d
 
 
-def _run(d, g, out, **kw):
-    kw.setdefault("multiplicative", d / "m.f32")
-    kw.setdefault("additive", d / "b.f32")
-    kw.setdefault("checkpoint_every", 0)
-    return reconstruct(d / "r.h5", g, out, iterations=5, backend="cpu", subsets=S, **kw)
+def _run(d, g, out, model=(), settings=(), **call):
+    """Five OSEM iterations of ``d / r.h5`` on the cpu: S subsets with m and b (``model`` overrides these),
+    no checkpoints (``settings`` overrides these); ``call``: reconstruct's other arguments."""
+    model = {"multiplicative": d / "m.f32", "additive": d / "b.f32", **dict(model)}
+    model = ModelSpec(d / "r.h5", g, subsets=S, **model)
+    settings = RunSettings(5, **{"checkpoint_every": 0, "backend": "cpu", **dict(settings)})
+    return reconstruct(model, settings, out, **call)
 
 
 # ------------------------------------------------------------------ against the dense contract
@@ -112,8 +115,8 @@ def _run(d, g, out, **kw):
 def test_reference_matches_the_dense_contract(problem, grouped, tmp_path):
     a, g, m, b = problem
     expected = dense_osem(a, g, m, b, index_labels(M, S), S, 5)
-    reference(grouped / "r.h5", g, tmp_path / "ref.h5", iterations=5, subsets=S, multiplicative=grouped / "m.f32",
-              additive=grouped / "b.f32")
+    reference(ModelSpec(grouped / "r.h5", g, subsets=S, multiplicative=grouped / "m.f32", additive=grouped / "b.f32"),
+              RunSettings(5, checkpoint_every=0), tmp_path / "ref.h5")
     img, attrs = read_image(tmp_path / "ref.h5")
     assert img.dtype == np.float64 and attrs["subsets"] == S
     assert metrics.relative_l2(img, expected) < 1e-12
@@ -131,7 +134,7 @@ def test_cpu_kernels_match_the_dense_contract(problem, grouped, tmp_path, fp, bp
         reordered = permutation_of(grouped / "r.h5")
         at = a.to_scipy()[reordered.rows].T.tocsr()
         transpose = CSRMatrix.from_scipy(at)
-    _run(grouped, g, tmp_path / "img.h5", fp=fp, bp=bp, transpose=transpose)
+    _run(grouped, g, tmp_path / "img.h5", model={"transpose": transpose}, settings={"fp": fp, "bp": bp})
     img, _ = read_image(tmp_path / "img.h5")
     assert img.dtype == np.float32
     assert metrics.relative_l2(img, expected) < 1e-5
@@ -140,10 +143,11 @@ def test_cpu_kernels_match_the_dense_contract(problem, grouped, tmp_path, fp, bp
 def test_chunked_one_pass_takes_subsets_and_gaps_and_refuses_a_background(problem, grouped, tmp_path):
     a, g, m, b = problem
     expected = dense_osem(a, g, m, np.zeros(M), index_labels(M, S), S, 5)
-    _run(grouped, g, tmp_path / "img.h5", bp="onepass_chunked", additive=None)  # m's gaps: counts of 0
+    # m's gaps: counts of 0
+    _run(grouped, g, tmp_path / "img.h5", model={"additive": None}, settings={"bp": "onepass_chunked"})
     assert metrics.relative_l2(read_image(tmp_path / "img.h5")[0], expected) < 1e-5
     with pytest.raises(ConfigError, match="onepass_chunked on the cpu takes no additive background"):
-        _run(grouped, g, tmp_path / "img2.h5", bp="onepass_chunked")
+        _run(grouped, g, tmp_path / "img2.h5", settings={"bp": "onepass_chunked"})
 
 
 def test_compressed_matrix_runs_the_same_subsets(problem, tmp_path):
@@ -157,7 +161,7 @@ def test_compressed_matrix_runs_the_same_subsets(problem, tmp_path):
     b.tofile(tmp_path / "b.f32")
     expected = dense_osem(a, g, m, b, index_labels(M, S), S, 5)
     for bp in ("numba", "onepass"):
-        _run(tmp_path, g, tmp_path / f"{bp}.h5", bp=bp)
+        _run(tmp_path, g, tmp_path / f"{bp}.h5", settings={"bp": bp})
         assert metrics.relative_l2(read_image(tmp_path / f"{bp}.h5")[0], expected) < 1e-5
 
 
@@ -166,8 +170,8 @@ def test_one_subset_with_m_and_b_is_mlem_with_them(problem, tmp_path):
     m.tofile(tmp_path / "m.f32")
     b.tofile(tmp_path / "b.f32")
     expected = dense_osem(a, g, m, b, np.zeros(M, dtype=np.int32), 1, 5)
-    reconstruct(a, g, tmp_path / "img.h5", iterations=5, backend="cpu", checkpoint_every=0,
-                multiplicative=tmp_path / "m.f32", additive=tmp_path / "b.f32")
+    reconstruct(ModelSpec(a, g, multiplicative=tmp_path / "m.f32", additive=tmp_path / "b.f32"),
+                RunSettings(5, checkpoint_every=0, backend="cpu"), tmp_path / "img.h5")
     assert metrics.relative_l2(read_image(tmp_path / "img.h5")[0], expected) < 1e-5
 
 
@@ -175,11 +179,11 @@ def test_checkpointed_osem_resumes_bit_identical(problem, grouped, tmp_path):
     a, g, m, b = problem
     _run(grouped, g, tmp_path / "whole.h5")
     ckpt = tmp_path / "ck.h5"
-    half = dict(checkpoint=ckpt, checkpoint_every=2)
-    _run(grouped, g, tmp_path / "half.h5", keep_checkpoint=True, **half)
+    half = {"checkpoint_every": 2}
+    _run(grouped, g, tmp_path / "half.h5", settings=half, checkpoint=ckpt, keep_checkpoint=True)
     with h5py.File(ckpt, "r") as f:
         assert int(f.attrs["iteration"]) == 4  # the last checkpoint: after iteration 4's last subset
-    _run(grouped, g, tmp_path / "again.h5", **half)
+    _run(grouped, g, tmp_path / "again.h5", settings=half, checkpoint=ckpt)
     assert np.array_equal(read_image(tmp_path / "whole.h5")[0], read_image(tmp_path / "again.h5")[0])
 
 
@@ -212,8 +216,8 @@ def test_explicit_single_subset_and_zero_background_give_todays_bits(problem, fp
 
 def test_reconstruct_with_subsets_1_writes_todays_image(problem, tmp_path):
     a, g, _, _ = problem
-    reconstruct(a, g, tmp_path / "a.h5", iterations=4, backend="cpu", checkpoint_every=0)
-    reconstruct(a, g, tmp_path / "b.h5", iterations=4, backend="cpu", checkpoint_every=0, subsets=1)
+    reconstruct(ModelSpec(a, g), RunSettings(4, checkpoint_every=0, backend="cpu"), tmp_path / "a.h5")
+    reconstruct(ModelSpec(a, g, subsets=1), RunSettings(4, checkpoint_every=0, backend="cpu"), tmp_path / "b.h5")
     (img_a, attrs_a), (img_b, attrs_b) = read_image(tmp_path / "a.h5"), read_image(tmp_path / "b.h5")
     assert np.array_equal(img_a, img_b) and attrs_a["problem"] == attrs_b["problem"]
 
@@ -306,7 +310,7 @@ def test_subset_file_refusals(tmp_path):
 def test_a_run_on_rows_not_grouped_is_refused_in_one_line(problem, grouped, tmp_path):
     _, g, _, _ = problem
     with pytest.raises(ConfigError) as exc:
-        reconstruct(grouped / "a.h5", g, tmp_path / "img.h5", iterations=1, backend="cpu", subsets=S)
+        reconstruct(ModelSpec(grouped / "a.h5", g, subsets=S), RunSettings(1, backend="cpu"), tmp_path / "img.h5")
     assert str(exc.value).startswith(f"{grouped / 'a.h5'}: rows are not grouped by the 4 subsets")
     assert "mlem reorder --subsets 4" in str(exc.value) and "\n" not in str(exc.value)
 
@@ -317,8 +321,8 @@ def test_subset_file_through_reorder_and_run(problem, tmp_path):
     labels.tofile(tmp_path / "sub.i32")
     write_matrix_h5(tmp_path / "a.h5", a)
     reorder_file(tmp_path / "a.h5", tmp_path / "r.h5", "rows", subsets=3, subset_file=tmp_path / "sub.i32")
-    t = reconstruct(tmp_path / "r.h5", g, tmp_path / "img.h5", iterations=3, backend="cpu", subsets=3,
-                    subset_file=tmp_path / "sub.i32", checkpoint_every=0)
+    t = reconstruct(ModelSpec(tmp_path / "r.h5", g, subsets=3, subset_file=tmp_path / "sub.i32"),
+                    RunSettings(3, checkpoint_every=0, backend="cpu"), tmp_path / "img.h5")
     assert t["config"]["subset_method"] == "file"
     expected = dense_osem(a, g, np.ones(M), np.zeros(M), labels, 3, 3)
     assert metrics.relative_l2(read_image(tmp_path / "img.h5")[0], expected) < 1e-5
@@ -381,7 +385,7 @@ def test_a_bad_factor_file_stops_the_cli_in_one_line(problem, grouped, tmp_path,
 
 def test_a_reference_of_other_factors_is_refused(problem, grouped, tmp_path):
     _, g, _, _ = problem
-    reference(grouped / "r.h5", g, tmp_path / "ref.h5", iterations=5, subsets=S)
+    reference(ModelSpec(grouped / "r.h5", g, subsets=S), RunSettings(5, checkpoint_every=0), tmp_path / "ref.h5")
     with pytest.raises(ConfigError, match="reference of another problem"):
         _run(grouped, g, tmp_path / "img.h5", reference=tmp_path / "ref.h5")
 
@@ -415,7 +419,7 @@ def test_a_run_reads_the_norm_stages_sensitivities(problem, grouped, tmp_path, m
 
     calls = []
     monkeypatch.setattr(mlemlib.norm, "sensitivities", lambda *a, **k: calls.append(1))
-    _run(grouped, g, tmp_path / "img.h5", norm=tmp_path / "norm.h5")
+    _run(grouped, g, tmp_path / "img.h5", model={"norm": tmp_path / "norm.h5"})
     assert not calls
 
 
@@ -506,8 +510,9 @@ def test_a_folded_matrix_takes_factors_its_lors_share(problem, tmp_path):
     reorder_file(tmp_path / "f.h5", tmp_path / "r.h5", "none", subsets=2)
     m2.tofile(tmp_path / "m.f32")
     b2.tofile(tmp_path / "b.f32")
-    reconstruct(tmp_path / "r.h5", g, tmp_path / "img.h5", iterations=4, backend="cpu", subsets=2,
-                multiplicative=tmp_path / "m.f32", additive=tmp_path / "b.f32", checkpoint_every=0)
+    reconstruct(ModelSpec(tmp_path / "r.h5", g, subsets=2, multiplicative=tmp_path / "m.f32",
+                          additive=tmp_path / "b.f32"),
+                RunSettings(4, checkpoint_every=0, backend="cpu"), tmp_path / "img.h5")
     row_map = fold_of(tmp_path / "r.h5").row_map
     labels = np.where(row_map >= 0, row_map % 2, 0)  # i mod S over the stored rows, taken to their LORs
     expected = dense_osem(a2, g, m2, b2, labels, 2, 4)

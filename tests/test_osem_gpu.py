@@ -18,6 +18,7 @@ from mlemlib.formats.h5 import write_matrix_h5
 from mlemlib.image import read_image
 from mlemlib.matrix import CSRMatrix
 from mlemlib.mlem import reconstruct
+from mlemlib.problem import ModelSpec, RunSettings
 from mlemlib.reorder import reorder_file
 from mlemlib.subsets import index_labels, order, update_norms
 from test_osem import KEPT, M, S, UNSEEN, _problem, dense_osem
@@ -213,6 +214,7 @@ def test_reconstruct_runs_osem_with_factor_files_on_the_gpu(tmp_path, fmt, graph
     expected = dense_osem(a, g, m, b, index_labels(M, S), S, ITERS)
     for gpus in sorted({1, min(2, _gpus())}):
         out = tmp_path / f"img-{gpus}.h5"
-        reconstruct(tmp_path / "r.h5", g, out, iterations=ITERS, backend="cuda", gpus=gpus, subsets=S,
-                    multiplicative=tmp_path / "m.f32", additive=tmp_path / "b.f32", checkpoint_every=0, graph=graph)
+        reconstruct(ModelSpec(tmp_path / "r.h5", g, subsets=S, multiplicative=tmp_path / "m.f32",
+                              additive=tmp_path / "b.f32"),
+                    RunSettings(ITERS, checkpoint_every=0, backend="cuda", graph=graph, gpus=gpus), out)
         assert metrics.relative_l2(read_image(out)[0], expected) < 1e-5, (fmt, gpus)

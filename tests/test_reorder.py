@@ -18,6 +18,7 @@ from mlemlib.errors import ConfigError, InputError, MatrixFormatError
 from mlemlib.formats.h5 import MatrixH5, read_matrix_h5, write_matrix_h5
 from mlemlib.image import read_image
 from mlemlib.matrix import CSRMatrix
+from mlemlib.problem import ModelSpec, RunSettings
 from conftest import run_workflow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -436,9 +437,10 @@ def _transparent_runs(small, tmp_path, mode: str, backend: str):
     _, g = _user_problem(user_path)
     out = tmp_path / "reordered.h5"
     reorder.reorder_file(user_path, out, mode)
-    kw = {"iterations": 50, "backend": backend, "raw_out": False, "checkpoint_every": 0}
-    reconstruct(user_path, g, tmp_path / "user" / "image.h5", **kw)
-    t = reconstruct(out, g, tmp_path / "perm" / "image.h5", **kw)  # the user's measurement, the user's image
+    settings = RunSettings(50, checkpoint_every=0, backend=backend)
+    reconstruct(ModelSpec(user_path, g), settings, tmp_path / "user" / "image.h5", raw_out=False)
+    # the user's measurement, the user's image
+    t = reconstruct(ModelSpec(out, g), settings, tmp_path / "perm" / "image.h5", raw_out=False)
     f_user, _ = read_image(tmp_path / "user" / "image.h5")
     f_perm, attrs = read_image(tmp_path / "perm" / "image.h5")
     return f_user, f_perm, attrs, t, out
@@ -459,8 +461,8 @@ def test_reconstruct_is_transparent_for_a_reordered_matrix(small, tmp_path, mode
     # In float64 the mapping is exact up to rounding (3e-15): the float32 difference is not a mapping error.
     user_path, _ = small
     _, g = _user_problem(user_path)
-    reference(user_path, g, tmp_path / "ref_user.h5", iterations=50)
-    reference(out, g, tmp_path / "ref_perm.h5", iterations=50)
+    reference(ModelSpec(user_path, g), RunSettings(50, checkpoint_every=0), tmp_path / "ref_user.h5")
+    reference(ModelSpec(out, g), RunSettings(50, checkpoint_every=0), tmp_path / "ref_perm.h5")
     assert _rel_l2(read_image(tmp_path / "ref_perm.h5")[0], read_image(tmp_path / "ref_user.h5")[0]) < 1e-12
 
 
@@ -486,14 +488,14 @@ def test_reordered_run_measures_against_user_order_reference_and_truth(matrix_h5
     _, g = _user_problem(path)
     truth = np.random.default_rng(2).uniform(0.5, 2.0, a.shape[1]).astype(np.float32)
     # the float64 reference of the reordered problem is the user's reference, in the user's order
-    reference(out, g, tmp_path / "ref.h5", iterations=20)
-    reference(path, g, tmp_path / "ref_user.h5", iterations=20)
+    reference(ModelSpec(out, g), RunSettings(20, checkpoint_every=0), tmp_path / "ref.h5")
+    reference(ModelSpec(path, g), RunSettings(20, checkpoint_every=0), tmp_path / "ref_user.h5")
     ref, ref_attrs = read_image(tmp_path / "ref.h5")
     ref_user, _ = read_image(tmp_path / "ref_user.h5")
     assert ref_attrs["reorder"] == "rows+voxels"
     assert _rel_l2(ref, ref_user) < 1e-12
-    t = reconstruct(out, g, tmp_path / "img.h5", iterations=20, backend="cpu", reference=tmp_path / "ref.h5",
-                    truth=truth, checkpoint_every=0, raw_out=tmp_path / "img.raw")
+    t = reconstruct(ModelSpec(out, g), RunSettings(20, checkpoint_every=0, backend="cpu"), tmp_path / "img.h5",
+                    reference=tmp_path / "ref.h5", truth=truth, raw_out=tmp_path / "img.raw")
     img, _ = read_image(tmp_path / "img.h5")
     acc = t["repetitions"][0]["accuracy"]
     assert acc["rel_l2_reference"] == pytest.approx(metrics.relative_l2(img, ref), rel=1e-12)
@@ -513,28 +515,31 @@ def test_norm_and_transpose_of_the_unreordered_matrix_are_refused(matrix_h5, tmp
     _, g = _user_problem(path)
     compute_norm(path, tmp_path / "norm_user.h5")
     compute_norm(out, tmp_path / "norm.h5")
-    kw = {"iterations": 5, "backend": "cpu", "checkpoint_every": 0, "raw_out": False, "timings_out": False}
+    settings = RunSettings(5, checkpoint_every=0, backend="cpu")
+    kw = {"raw_out": False, "timings_out": False}
     with pytest.raises(MatrixFormatError) as exc:  # the same length, the user's voxel order
-        reconstruct(out, g, tmp_path / "x.h5", norm=tmp_path / "norm_user.h5", **kw)
+        reconstruct(ModelSpec(out, g, norm=tmp_path / "norm_user.h5"), settings, tmp_path / "x.h5", **kw)
     _one_line_naming(exc.value, tmp_path / "norm_user.h5")
     assert "norm of the un-reordered matrix" in str(exc.value)
     other = tmp_path / "other.h5"
     write_matrix_h5(other, _random_matrix(seed=4), grid=GRID)
     compute_norm(other, tmp_path / "norm_other.h5")
     with pytest.raises(MatrixFormatError) as exc:
-        reconstruct(out, g, tmp_path / "x.h5", norm=tmp_path / "norm_other.h5", **kw)
+        reconstruct(ModelSpec(out, g, norm=tmp_path / "norm_other.h5"), settings, tmp_path / "x.h5", **kw)
     _one_line_naming(exc.value, tmp_path / "norm_other.h5")
     assert not (tmp_path / "x.h5").exists()
     transpose_file(path, tmp_path / "t_user.h5", "scipy")
     with pytest.raises(MatrixFormatError) as exc:
-        reconstruct(out, g, tmp_path / "x.h5", transpose=tmp_path / "t_user.h5", **kw)
+        reconstruct(ModelSpec(out, g, transpose=tmp_path / "t_user.h5"), settings, tmp_path / "x.h5", **kw)
     _one_line_naming(exc.value, tmp_path / "t_user.h5")
     assert "transpose of the un-reordered matrix" in str(exc.value)
     # its own norm file, the user's norm as an array (user order) and none at all: the same image
     transpose_file(out, tmp_path / "t.h5", "scipy")
-    reconstruct(out, g, tmp_path / "own.h5", norm=tmp_path / "norm.h5", transpose=tmp_path / "t.h5", **kw)
-    reconstruct(out, g, tmp_path / "array.h5", norm=np.asarray(a.to_scipy().astype(np.float64).sum(axis=0)).ravel(), **kw)
-    reconstruct(out, g, tmp_path / "none.h5", **kw)
+    reconstruct(ModelSpec(out, g, norm=tmp_path / "norm.h5", transpose=tmp_path / "t.h5"), settings,
+                tmp_path / "own.h5", **kw)
+    user_norm = np.asarray(a.to_scipy().astype(np.float64).sum(axis=0)).ravel()
+    reconstruct(ModelSpec(out, g, norm=user_norm), settings, tmp_path / "array.h5", **kw)
+    reconstruct(ModelSpec(out, g), settings, tmp_path / "none.h5", **kw)
     own, _ = read_image(tmp_path / "own.h5")
     for name in ("array.h5", "none.h5"):
         assert _rel_l2(read_image(tmp_path / name)[0], own) < 1e-6, name
@@ -556,19 +561,20 @@ def test_resume_of_a_reordered_run_gives_the_uninterrupted_image(matrix_h5, tmp_
         if it == 8:
             raise KeyboardInterrupt
 
-    kw = {"iterations": 12, "backend": "cpu", "checkpoint_every": 3, "raw_out": False, "timings_out": False}
+    model, settings = ModelSpec(out, g), RunSettings(12, checkpoint_every=3, backend="cpu")
+    kw = {"raw_out": False, "timings_out": False}
     killed = tmp_path / "killed" / "image.h5"
     with pytest.raises(KeyboardInterrupt):
-        reconstruct(out, g, killed, progress=stop, **kw)
+        reconstruct(model, settings, killed, progress=stop, **kw)
     ckpt = killed.with_name("image.checkpoint.h5")
     with h5py.File(ckpt) as f:
         assert int(f.attrs["iteration"]) == 6
         np.testing.assert_array_equal(f["image"][()], seen[6])  # checkpoints stay in the permuted order
-    t = reconstruct(out, g, killed, **kw)
+    t = reconstruct(model, settings, killed, **kw)
     assert t["repetitions"][0]["resumed_at"] == [6] and not ckpt.exists()
     whole = tmp_path / "whole" / "image.h5"
     last = {}
-    reconstruct(out, g, whole, progress=lambda rep, it, f: last.update(f=np.array(f, copy=True)), **kw)
+    reconstruct(model, settings, whole, progress=lambda rep, it, f: last.update(f=np.array(f, copy=True)), **kw)
     a_img, _ = read_image(killed)
     b_img, _ = read_image(whole)
     assert a_img.tobytes() == b_img.tobytes()
@@ -785,8 +791,8 @@ def test_generated_hilbert_container_is_transparent_to_simulate_and_reconstruct(
     assert np.abs(g["hilbert"].astype(np.int64) - g["raster"]).max() <= 1  # rounding of the expected counts
     imgs = {}
     for order, path in generated_orders.items():
-        reconstruct(path, g["raster"], tmp_path / order / "image.h5", iterations=30, backend="cpu",
-                    raw_out=False, checkpoint_every=0)
+        reconstruct(ModelSpec(path, g["raster"]), RunSettings(30, checkpoint_every=0, backend="cpu"),
+                    tmp_path / order / "image.h5", raw_out=False)
         imgs[order], attrs = read_image(tmp_path / order / "image.h5")
         assert attrs["reorder"] == ("rows+voxels" if order == "hilbert" else "none")
     assert _rel_l2(imgs["hilbert"], imgs["raster"]) <= 1e-6
@@ -808,8 +814,8 @@ def test_generated_hilbert_container_is_transparent_on_the_gpu(generated_orders,
     g = np.random.default_rng(7).poisson(fold_of(generated_orders["raster"]).unfold(a.to_scipy() @ truth * 5.0))
     imgs = {}
     for order, path in generated_orders.items():
-        reconstruct(path, g.astype(np.int32), tmp_path / order / "image.h5", iterations=30, backend="cuda", bp=bp,
-                    raw_out=False, checkpoint_every=0)
+        reconstruct(ModelSpec(path, g.astype(np.int32)), RunSettings(30, checkpoint_every=0, backend="cuda", bp=bp),
+                    tmp_path / order / "image.h5", raw_out=False)
         imgs[order], _ = read_image(tmp_path / order / "image.h5")
     assert _rel_l2(imgs["hilbert"], imgs["raster"]) <= 1.5e-6
 

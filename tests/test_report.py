@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mlemlib.errors import InputError
+from mlemlib.problem import ModelSpec, RunSettings
 from mlemlib.report import RUN_COLUMNS, summarize
 from mlemlib.timing import StepTimes, format_seconds, stats
 
@@ -137,8 +138,8 @@ def test_image_plot_and_transpose_table(tmp_path):
 
     write_image(truth, np.ones(n, np.float32), grid=grid, voxel_size=(1, 1, 1))
     out = tmp_path / "results" / "runs" / "x" / "image.h5"
-    reconstruct(InMemoryMatrix(a, grid=grid, voxel_size=(1.0, 1.0, 1.0)), g, out, iterations=3, backend="cpu",
-                truth=truth, checkpoint_every=0, matrix_name="tiny")
+    reconstruct(ModelSpec(InMemoryMatrix(a, grid=grid, voxel_size=(1.0, 1.0, 1.0)), g, matrix_name="tiny"),
+                RunSettings(3, checkpoint_every=0, backend="cpu"), out, truth=truth)
     tsv = tmp_path / "tiny-scipy.tsv"
     tsv.write_text("s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
                    "1.5\t0:00:01\t120.5\t1\t1\t1\t0\t0\t0\t1\n2.5\t0:00:02\t130.0\t1\t1\t1\t0\t0\t0\t2\n")
@@ -516,8 +517,8 @@ def _tiny_problem(tmp_path, voxel_size):
     truth = tmp_path / "truth.h5"
     write_image(truth, np.full(n, 1000.0, np.float32), grid=grid, voxel_size=voxel_size)
     out = tmp_path / "results" / "runs" / "x" / "image.h5"
-    reconstruct(InMemoryMatrix(a, grid=grid, voxel_size=voxel_size), g, out, iterations=3, backend="cpu",
-                truth=truth, checkpoint_every=0, matrix_name="tiny")
+    reconstruct(ModelSpec(InMemoryMatrix(a, grid=grid, voxel_size=voxel_size), g, matrix_name="tiny"),
+                RunSettings(3, checkpoint_every=0, backend="cpu"), out, truth=truth)
     return out.parent
 
 

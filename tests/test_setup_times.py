@@ -15,6 +15,7 @@ from mlemlib import setup_times
 from mlemlib.formats import open_matrix, write_matrix_h5
 from mlemlib.matrix import CSRMatrix
 from mlemlib.mlem import reconstruct
+from mlemlib.problem import ModelSpec, RunSettings
 from mlemlib.setup_times import SetupTimes, format_line, phase, recording
 
 
@@ -211,7 +212,8 @@ def test_a_run_records_its_set_up(tmp_path, caplog):
     write_matrix_h5(path, a)
     g = np.random.default_rng(1).poisson(5.0, a.shape[0]).astype(np.int32)
     with caplog.at_level(logging.INFO, logger="mlemlib.mlem"):
-        t = reconstruct(path, g, tmp_path / "run" / "image.h5", iterations=2, backend="cpu", checkpoint_every=0)
+        t = reconstruct(ModelSpec(path, g), RunSettings(2, checkpoint_every=0, backend="cpu"),
+                        tmp_path / "run" / "image.h5")
     phases = t["setup"]["phases"]
     assert {"open", "read", "check", "problem"} <= set(phases)
     assert phases["read_bytes"] >= 8 * a.nnz  # the norm's pass and the backend's load read the matrix

@@ -35,11 +35,14 @@ import sys
 if sys.argv and sys.argv[0].endswith("run_mlem.py"):
     import mlemlib.mlem as _mlem
 
+    import dataclasses
+
     _reconstruct = _mlem.reconstruct
 
-    def _on_the_cpu(*args, backend="cpu", gpus=1, layout="local", fp="auto", bp="auto", graph=None,
-                    secsize=None, **kw):
-        return _reconstruct(*args, backend="cpu", gpus=1, layout="local", fp="auto", bp="auto", **kw)
+    def _on_the_cpu(model, settings, *args, **kw):
+        settings = dataclasses.replace(settings, backend="cpu", gpus=1, layout="local", fp="auto", bp="auto",
+                                       graph=None, secsize=None)
+        return _reconstruct(model, settings, *args, **kw)
 
     _mlem.reconstruct = _on_the_cpu
 '''

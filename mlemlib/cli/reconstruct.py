@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from mlemlib.cli._common import add_parser, add_subset_options, existing_file, factor_file, output_file
+
+if TYPE_CHECKING:
+    from mlemlib.problem import ModelSpec, RunSettings
 
 
 def _int_at_least(minimum: int):
@@ -113,6 +117,28 @@ def map_settings(args: argparse.Namespace) -> object | None:
         raise ConfigError("--" + exc.source.split(".")[-1], exc.fault) from None
 
 
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """What the options say is reconstructed: a :class:`mlemlib.problem.ModelSpec`."""
+    from mlemlib.problem import ModelSpec
+
+    return ModelSpec(
+        args.matrix, args.sino, norm=args.norm, transpose=args.transpose, subsets=args.subsets,
+        subset_file=args.subset_file, multiplicative=args.multiplicative, additive=args.additive,
+        map=map_settings(args), matrix_name=args.matrix_name,
+    )
+
+
+def run_settings(args: argparse.Namespace) -> RunSettings:
+    """How the options say to run it: a :class:`mlemlib.problem.RunSettings`."""
+    from mlemlib.problem import RunSettings
+
+    return RunSettings(
+        args.iterations, repetitions=args.repetitions, checkpoint_every=args.checkpoint_every, backend=args.backend,
+        fp=args.fp, bp=args.bp, secsize=args.secsize, graph=args.graph, gpus=args.gpus, layout=args.layout,
+        plan=args.plan, threads=args.threads, chunks=args.chunks, reference_mode=args.reference_mode,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the reconstruction; print a one-line summary."""
     import contextlib
@@ -123,21 +149,15 @@ def run(args: argparse.Namespace) -> int:
     passive_omp_wait()  # before any Numba parallel launch (the norm, the phantom projection)
     from mlemlib.mlem import reconstruct
 
+    model, settings = model_spec(args), run_settings(args)
     lease = contextlib.nullcontext()
     if args.lease:  # before anything initialises CUDA: the lease sets CUDA_VISIBLE_DEVICES
         from mlemlib.dist.lease import lease_gpus
 
         lease = lease_gpus(args.gpus, timeout=args.lease_timeout)
     with lease:
-        t = reconstruct(
-            args.matrix, args.sino, args.out, iterations=args.iterations, backend=args.backend, fp=args.fp, bp=args.bp,
-            secsize=args.secsize, graph=args.graph, gpus=args.gpus, layout=args.layout, norm=args.norm, transpose=args.transpose,
-            plan=args.plan, checkpoint_every=args.checkpoint_every, checkpoint=args.checkpoint,
-            repetitions=args.repetitions, reference=args.reference, truth=args.truth, timings_out=args.timings,
-            reference_mode=args.reference_mode, threads=args.threads, matrix_name=args.matrix_name,
-            chunks=args.chunks, subsets=args.subsets, subset_file=args.subset_file,
-            multiplicative=args.multiplicative, additive=args.additive, map_settings=map_settings(args),
-        )
+        t = reconstruct(model, settings, args.out, reference=args.reference, truth=args.truth,
+                        checkpoint=args.checkpoint, timings_out=args.timings)
     last = t["repetitions"][-1]
     it = last["steps"].get("iteration", {}).get("mean")
     per_it = f"{it * 1e3:.3f} ms/iteration" if it is not None and math.isfinite(it) else "no iterations"

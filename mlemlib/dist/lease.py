@@ -496,7 +496,7 @@ def lease_gpus(
     Examples
     --------
     >>> with lease_gpus(2) as lease:               # doctest: +SKIP
-    ...     reconstruct(..., gpus=2)
+    ...     reconstruct(model, RunSettings(50, backend="cuda", gpus=2), "image.h5")
     """
     lease = acquire(count, timeout=timeout, directory=directory)
     saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")}
