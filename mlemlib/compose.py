@@ -1,8 +1,11 @@
 """The configuration space a run may ask for, and which of its combinations run (every backend).
 
 A run is a matrix variant (format, fold, reorder), a model (OSEM subsets S,
-the factors ``m`` and ``b`` or none) and an execution (backend, ``fp``/``bp``
-kernels, GPU count, layout, CUDA graphs). :func:`space` enumerates the
+the factors ``m`` and ``b`` or none, MAP's prior or none) and an execution
+(backend, ``fp``/``bp`` kernels, GPU count, layout, CUDA graphs). MAP (BSREM
+with the relative difference prior) is taken with every model and every
+backend, GPU count and layout, with the kernels ``auto`` (the kernel families
+under MAP are tests/test_map.py's). :func:`space` enumerates the
 combinations the configuration schema accepts, the kernels drawn from
 :mod:`mlemlib.registry`; :func:`check` is the verdict the workflow's dry run
 gives each (matrix, run) pair: nothing, or a :class:`~mlemlib.errors.ConfigError`
@@ -30,6 +33,8 @@ FORMATS = registry.FORMATS
 REORDERS = ("none", "rows+voxels")
 SUBSETS = (1, 4)
 GRAPHS = ("auto", "off")
+#: MAP's prior of a run: none (MLEM/OSEM) or the relative difference prior (BSREM).
+PRIORS = ("none", "rdp")
 #: GPU counts the cuda tier covers, and the layouts of a multi-GPU run.
 GPU_COUNTS = (1, 2)
 LAYOUTS = registry.LAYOUTS
@@ -50,6 +55,7 @@ class Combination:
     gpus: int = 1
     layout: str = "local"
     graph: str = "auto"  # "auto" or "off" in the space; "on" where a run forces graphs (graph: true)
+    prior: str = "none"  # "rdp": MAP (BSREM) with the relative difference prior
 
     @property
     def model(self) -> tuple[str, bool, str, int, bool]:
@@ -60,7 +66,7 @@ class Combination:
         """A short name: ``csr fold rows+voxels S4 m+b | cpu numba/auto``."""
         model = " ".join(p for p in (self.format, "fold" if self.fold else "", self.reorder if self.reorder != "none"
                                      else "", f"S{self.subsets}", "m+b" if self.factors else "") if p)
-        run = f"{self.backend} {self.fp}/{self.bp}"
+        run = f"{self.backend} {self.fp}/{self.bp}" + (f" MAP {self.prior}" if self.prior != "none" else "")
         if self.backend == "cuda":
             run += f" {self.gpus} GPU" + (f" {self.layout}" if self.gpus > 1 else "") + f" graph {self.graph}"
         return f"{model} | {run}"
@@ -92,11 +98,15 @@ def space(backends: Iterable[str] = ("cpu", "cuda"), gpu_counts: Iterable[int] =
                         fp=fp, bp=bp)
             if backend == "cpu":
                 yield Combination(**base)
+                if (fp, bp) == ("auto", "auto"):
+                    yield Combination(**base, prior="rdp")
                 continue
             for gpus in gpu_counts:
                 for layout in LAYOUTS if gpus > 1 else ("local",):
                     for graph in GRAPHS:
                         yield Combination(**base, gpus=gpus, layout=layout, graph=graph)
+                    if (fp, bp) == ("auto", "auto"):
+                        yield Combination(**base, gpus=gpus, layout=layout, prior="rdp")
 
 
 def check(c: Combination, where: str = "run") -> None:
@@ -110,6 +120,8 @@ def check(c: Combination, where: str = "run") -> None:
     """
     if c.format not in FORMATS:
         raise ConfigError(f"{where}.format", f"unknown matrix format {c.format!r}, expected one of {', '.join(FORMATS)}")
+    if c.prior not in PRIORS:
+        raise ConfigError(f"{where}.prior", f"unknown prior {c.prior!r}, expected one of {', '.join(PRIORS)}")
     if c.backend == "cpu" and c.gpus != 1:
         raise ConfigError(f"{where}.gpus", f"a run with backend cpu takes 1, found {c.gpus}")
     layout = c.layout if c.gpus > 1 else None
@@ -170,7 +182,9 @@ def table(lines: Iterable[str], planned: Iterable[Combination] | None = None) ->
     concerns. ``planned`` (default: the whole :func:`space`) adds the executions no tier ran as "not run".
     """
     rows: list[dict[str, Any]] = [json.loads(t) for t in lines if t.strip()]
-    keys = ("backend", "fp", "bp", "gpus", "layout", "graph")
+    keys = ("backend", "fp", "bp", "gpus", "layout", "graph", "prior")
+    for r in rows:
+        r.setdefault("prior", "none")  # the tiers' results from before MAP was in the space
     seen = {tuple(r[k] for k in keys) for r in rows}
     planned = list(space()) if planned is None else list(planned)
     missing = sorted({tuple(getattr(c, k) for k in keys) for c in planned} - seen, key=str)
@@ -188,7 +202,7 @@ def table(lines: Iterable[str], planned: Iterable[Combination] | None = None) ->
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in keys), []).append(r)
-    for key in sorted(groups, key=lambda k: (k[0], k[3], k[4], k[5], k[1], k[2])):
+    for key in sorted(groups, key=lambda k: (k[0], k[3], k[4], k[5], k[6], k[1], k[2])):
         sel = groups[key]
         count = {k: sum(r["outcome"] == k for r in sel) for k in ("ran", "refused", "FAILED")}
         why: dict[str, list[str]] = {}
@@ -199,13 +213,16 @@ def table(lines: Iterable[str], planned: Iterable[Combination] | None = None) ->
                     f"a {c.format} matrix", "a compressed matrix")
                 why.setdefault(f"{r['outcome'].lower()}: {reason}", []).append(c.label().split(" | ")[0])
         notes = "; ".join(f"{w} ({_models(ms)})" for w, ms in why.items()).replace("|", "/")
-        backend, fp, bp, gpus, layout, graph = key
+        backend, fp, bp, gpus, layout, graph, prior = key
         ex = f"{gpus}" + (f", {layout}" if gpus > 1 else "") + (f", graph {graph}" if backend == "cuda" else "")
+        fp = fp if prior == "none" else f"MAP ({prior}): {fp}"
         out.append(f"| {backend} | {fp} / {bp} | {ex} | {count['ran']} | {count['refused']} | {count['FAILED']} | "
                    f"{notes or '-'} |")
-    for backend, fp, bp, gpus, layout, graph in missing:
+    for backend, fp, bp, gpus, layout, graph, prior in missing:
         ex = f"{gpus}" + (f", {layout}" if gpus > 1 else "") + (f", graph {graph}" if backend == "cuda" else "")
-        out.append(f"| {backend} | {fp} / {bp} | {ex} | - | - | - | not run: no machine of {gpus} GPUs |")
+        fp = fp if prior == "none" else f"MAP ({prior}): {fp}"
+        why = f"not run: no machine of {gpus} GPUs" if gpus > 1 else "not run yet"
+        out.append(f"| {backend} | {fp} / {bp} | {ex} | - | - | - | {why} |")
     return "\n".join(out) + "\n"
 
 

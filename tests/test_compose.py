@@ -2,7 +2,8 @@
 
 The space is :func:`mlemlib.compose.space`: matrix format x fold x reorder x
 OSEM subsets x factors (m and b or none) x every kernel choice of the
-registry x (cuda) GPU counts x layouts x graphs. For each combination either
+registry x (cuda) GPU counts x layouts x graphs, and MAP (BSREM, the RDP)
+with every model, backend, GPU count and layout. For each combination either
 :func:`mlemlib.compose.check` (the workflow's dry-run verdict) refuses it in
 one line naming the setting, or it runs on the ``small`` preset (thin-ray
 tubes, for speed) and its image is within 1e-5 (relative L2) of the float64
@@ -19,6 +20,7 @@ makes the table of docs/combinations.md.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 from pathlib import Path
@@ -28,11 +30,16 @@ import pytest
 
 from mlemlib import compose
 from mlemlib.image import read_image
+from mlemlib.map import MapSettings
 from mlemlib.problem import ModelSpec, RunSettings
 
 #: Passes of each run (S sub-iterations each) and the contract's tolerance.
 ITERS = 3
 TOL = 1e-5
+#: The MAP runs' prior: BSREM with the RDP, beta 0.01 of the small preset's mean sensitivity (its image after 3
+#: passes is 2.6% from OSEM's: the prior's term is far above the tolerance), epsilon 1e-3 of the initial image.
+#: (With beta 10 times larger, float32 BSREM amplified the rounding of OSEM S = 4 with m and b to 2e-5.)
+MAP = {"rdp": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006)}
 
 
 def _build(root: Path) -> None:
@@ -90,19 +97,20 @@ def _factors(root: Path, factors: bool) -> dict:
     return {"multiplicative": root / "m.f32", "additive": root / "b.f32"} if factors else {}
 
 
-def _reference(root: Path, model: tuple) -> np.ndarray:
-    """The float64 reference of a model (its matrix variant, S, factors), computed once (under the lock)."""
+def _reference(root: Path, model: tuple, prior: str = "none") -> np.ndarray:
+    """The float64 reference of a model (its matrix variant, S, factors) with ``prior`` (MAP) or none, computed once
+    (under the lock)."""
     from mlemlib.mlem import reference
 
     fmt, fold, reorder, s, factors = model
-    path = root / f"ref-{fmt}-{int(fold)}-{reorder.replace('+', '')}-S{s}-{int(factors)}.h5"
+    path = root / f"ref-{fmt}-{int(fold)}-{reorder.replace('+', '')}-S{s}-{int(factors)}-{prior}.h5"
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not path.exists():
                 tmp = path.with_suffix(".tmp.h5")
                 model = ModelSpec(_matrix(root, fmt, fold, reorder, s), root / "g.LMsino", subsets=s,
-                                  **_factors(root, factors))
+                                  map=MAP.get(prior), **_factors(root, factors))
                 reference(model, RunSettings(ITERS, checkpoint_every=0), tmp)
                 os.replace(tmp, path)
         finally:
@@ -135,7 +143,8 @@ def _run(root: Path, c: compose.Combination, out: Path) -> np.ndarray:
     fmt, fold, reorder, s, factors = c.model
     matrix = _matrix(root, fmt, fold, reorder, s)
     transpose = _transpose(root, matrix) if compose.reads_transpose(c) else None
-    model = ModelSpec(matrix, root / "g.LMsino", transpose=transpose, subsets=s, **_factors(root, factors))
+    model = ModelSpec(matrix, root / "g.LMsino", transpose=transpose, subsets=s, map=MAP.get(c.prior),
+                      **_factors(root, factors))
     settings = RunSettings(ITERS, checkpoint_every=0, backend=c.backend, fp=c.fp, bp=c.bp, gpus=c.gpus,
                            layout=c.layout, graph=graph_option(None if c.graph == "auto" else False))
     reconstruct(model, settings, out, raw_out=False)
@@ -152,7 +161,7 @@ def _check_model(space_files: Path, tmp_path: Path, model: tuple, backend: str, 
     """Every combination of one model on one backend: refused in one line, or within TOL and repeatable."""
     combos = [c for c in compose.space([backend], gpu_counts) if c.model == model]
     assert combos
-    ref = None
+    refs: dict[str, np.ndarray] = {}
     failures = []
     bits: dict[tuple, np.ndarray] = {}
     for i, c in enumerate(combos):
@@ -161,14 +170,15 @@ def _check_model(space_files: Path, tmp_path: Path, model: tuple, backend: str, 
             assert "\n" not in refusal and refusal.split(":")[0].startswith("run."), refusal
             _note(c, "refused", refusal)
             continue
-        if ref is None:
-            ref = _reference(space_files, model)
+        if c.prior not in refs:
+            refs[c.prior] = _reference(space_files, model, c.prior)
+        ref = refs[c.prior]
         try:
             img = _run(space_files, c, tmp_path / f"{i}.h5").astype(np.float64)
             err = float(np.linalg.norm(img - ref) / np.linalg.norm(ref))
             if not err <= TOL:
                 raise AssertionError(f"relative L2 {err:.2e} to the float64 reference (contract {TOL:g})")
-            key = (c.fp, c.bp, c.layout, c.graph)
+            key = (c.fp, c.bp, c.layout, c.graph, c.prior)
             if key in bits and not np.array_equal(bits[key], img) and _deterministic(c):
                 raise AssertionError(f"{c.gpus} GPUs give other bits than {min(gpu_counts)}")
             bits.setdefault(key, img)
@@ -216,6 +226,10 @@ def test_every_refusal_names_a_setting_in_one_line():
     assert refused
     keys = {v.split(":")[0] for _, v in refused}
     assert keys <= {"run.fp", "run.bp", "run.gpus", "run.layout"}, keys
+    # MAP composes with everything: a MAP run is refused exactly where the same run without the prior is
+    maps = [c for c in compose.space() if c.prior != "none"]
+    assert maps
+    assert all(compose.verdict(c) == compose.verdict(dataclasses.replace(c, prior="none")) for c in maps)
     assert all("\n" not in v for _, v in refused)
 
 
