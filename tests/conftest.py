@@ -28,7 +28,7 @@ def pytest_configure(config):
     :data:`SLURM_ABSENT_CONF` and ``MLEM_TEST_SLURM_DOWN`` says why, which tests/test_slurm.py reports as
     its reason to skip; with the controller up nothing changes."""
     if hasattr(config, "workerinput") or "MLEM_TEST_SLURM_DOWN" in os.environ:
-        return  # an xdist worker: its controller decided
+        return  # an xdist worker (its controller decided) or a session inside one that did
     if shutil.which("scontrol") is None or shutil.which("sinfo") is None:
         return  # no SLURM: the plugin looks no further
     try:
