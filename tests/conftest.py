@@ -1,8 +1,10 @@
-"""Shared pytest set-up: the ``gpu`` marker skips without a CUDA GPU; a runner of the workflow."""
+"""Shared pytest set-up: the ``gpu`` marker skips without a CUDA GPU; a SLURM installed but not running
+answers at once; a runner of the workflow."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,35 @@ from pathlib import Path
 import pytest
 
 from mlemlib.backends import cuda_available
+
+
+#: A slurm.conf that SLURM's commands refuse at once (it names no cluster).
+SLURM_ABSENT_CONF = Path(__file__).resolve().parent / "slurm_absent.conf"
+
+
+def pytest_configure(config):
+    """Where SLURM is installed but its controller does not answer (a machine where tools/slurm/start.sh once
+    ran, now stopped), make its commands fail at once instead of after their ~9 s connection timeout.
+
+    Snakemake's SLURM executor plugin runs ``scontrol show config`` when it is imported, which every
+    ``snakemake`` command does: with the controller down each workflow test's command waited 9 s for it,
+    idle. Here, once per session (xdist's workers inherit the environment), ``SLURM_CONF`` then points at
+    :data:`SLURM_ABSENT_CONF` and ``MLEM_TEST_SLURM_DOWN`` says why, which tests/test_slurm.py reports as
+    its reason to skip; with the controller up nothing changes."""
+    if hasattr(config, "workerinput") or "MLEM_TEST_SLURM_DOWN" in os.environ:
+        return  # an xdist worker (its controller decided) or a session inside one that did
+    if shutil.which("scontrol") is None or shutil.which("sinfo") is None:
+        return  # no SLURM: the plugin looks no further
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        down = f"scontrol ping: {exc}"
+    else:
+        if "UP" in ping.stdout:
+            return
+        down = (ping.stdout.strip() or ping.stderr.strip() or "scontrol ping: no answer").splitlines()[0]
+    os.environ["MLEM_TEST_SLURM_DOWN"] = down
+    os.environ["SLURM_CONF"] = str(SLURM_ABSENT_CONF)
 
 
 @pytest.hookimpl(tryfirst=True)

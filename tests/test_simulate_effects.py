@@ -26,7 +26,7 @@ from mlemlib.phantom import (
 )
 from mlemlib.scanner import Layer, ScannerConfig, trace_rows
 from test_phantom import _ring_matrix
-from test_workflow import TINY, changed, dry_run, one_line, snakemake
+from test_workflow import TINY, changed, one_line, planned_jobs, snakemake
 
 #: A tiny scanner: 2 rings of 6 blocks of 2 crystals (24 crystals, 576 LORs) around an 8 x 8 x 2 grid.
 TINY_SCANNER = ScannerConfig(
@@ -328,9 +328,10 @@ REALISTIC = {"attenuation": True, "normalisation_spread": 0.1, "randoms_fraction
 
 def test_dry_run_with_effects_makes_m_and_b_for_every_reconstruction(tmp_path):
     config = changed(simulation={**REALISTIC, "seeds": [1, 2]})
-    jobs = dry_run(tmp_path, config)
+    proc = snakemake(tmp_path, "--dry-run", "--printshellcmds", config=config)  # its job stats and its jobs
+    jobs = planned_jobs(proc)
     assert jobs["simulate_measurement"] == 2 and jobs["run_mlem"] == 4 and jobs["reference_mlem"] == 2
-    plan = snakemake(tmp_path, "--dry-run", "--printshellcmds", config=config).stdout
+    plan = proc.stdout
     rule = plan.split("rule simulate_measurement:", 1)[1].split("\n\n", 1)[0]
     output = rule.split("output:", 1)[1].splitlines()[0]
     assert "nema-seed" in output and ".mult.f32" in output and ".add.f32" in output, rule

@@ -66,14 +66,17 @@ def _slurm_missing() -> str | None:
         import snakemake_executor_plugin_slurm  # noqa: F401
     except ImportError:
         return "snakemake-executor-plugin-slurm is not installed (pip install -e '.[workflow]')"
+    down = os.environ.get("MLEM_TEST_SLURM_DOWN")  # tests/conftest.py's finding (SLURM_CONF then refuses)
+    if down is not None:
+        return f"slurmctld is not running ({down}); start it with tools/slurm/start.sh"
     try:
         ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20, check=False)
+        if "UP" not in ping.stdout:  # before sinfo, which then waits for its connection timeout
+            return f"slurmctld is not running ({ping.stdout.strip() or ping.stderr.strip()}); start it with tools/slurm/start.sh"
         states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20, check=False)
         acct = subprocess.run(["sacct", "-n", "-X", "-S", "now"], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"SLURM does not answer ({exc}); start it with tools/slurm/start.sh"
-    if "UP" not in ping.stdout:
-        return f"slurmctld is not running ({ping.stdout.strip() or ping.stderr.strip()}); start it with tools/slurm/start.sh"
     if not any(s.startswith(("idle", "mixed", "allocated")) for s in states.stdout.split()):
         return f"no usable SLURM node (states: {states.stdout.split()}); see tools/slurm/start.sh"
     if acct.returncode != 0:

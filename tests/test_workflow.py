@@ -192,11 +192,12 @@ def test_lossy_format_adds_the_exact_matrix_reference(tmp_path, fmt):
     # summary's accuracy cost; a lossless format needs none.
     config = changed(matrices={"small": {"preset": "small", "format": fmt}})
     config["runs"] = [{"backend": "cpu", "fp": "auto", "bp": "auto"}, {"backend": "cpu", "bp": "onepass_chunked"}]
-    jobs = dry_run(tmp_path, config)
+    proc = snakemake(tmp_path, "--dry-run", "--printshellcmds", config=config)  # its job stats and its jobs
+    jobs = planned_jobs(proc)
     assert jobs["reference_mlem"] == 1
     assert jobs.get("exact_reference_mlem", 0) == (0 if fmt == "compressed" else 1), jobs
     if fmt != "compressed":
-        plan = snakemake(tmp_path, "--dry-run", "--printshellcmds", config=config).stdout
+        plan = proc.stdout
         rule = plan.split("rule exact_reference_mlem:", 1)[1].split("\n\n", 1)[0]
         assert "input: resources/small.csr4" in rule and "reference-exact-it2/image.h5" in rule, rule
 
@@ -537,10 +538,10 @@ def test_part_count_reruns_partition_and_what_follows(finished):
         partition={"parts": [2]},
         runs=TINY["runs"] + [{"backend": "cuda", "fp": "csr_vector", "bp": "csr_vector", "gpus": [3]}],
     )
-    jobs = dry_run(finished, config, "--resources", "gpu=3")
+    proc = snakemake(finished, "--dry-run", "--resources", "gpu=3", config=config)  # its job stats and its jobs
     # the first cuda run also brings the kernels' warm-up (once per configuration)
-    assert jobs == {"partition_matrix": 1, "run_mlem": 1, "summarize": 1, "warm_kernels": 1}
-    planned = snakemake(finished, "--dry-run", "--resources", "gpu=3", config=config).stdout
+    assert planned_jobs(proc) == {"partition_matrix": 1, "run_mlem": 1, "summarize": 1, "warm_kernels": 1}
+    planned = proc.stdout
     assert "results/small/parts-3/plan.json" in planned
     assert f"cuda-csr_vector-csr_vector-{KEY}/gpus-3-local" in planned
 
@@ -569,14 +570,14 @@ def test_transpose_method_reruns_only_what_reads_the_transpose(finished):
 @pytest.mark.slow
 def test_format_reruns_the_conversion_and_exactly_what_reads_the_matrix(finished):
     config = changed(matrices={"small": {"preset": "small", "format": "compressed"}})
-    jobs = dry_run(finished, config)
+    proc = snakemake(finished, "--dry-run", config=config)  # its job stats and its jobs
     # The container in the new format and every job that reads it; not the
     # generator's .csr4, which holds the same matrix in any format.
-    assert jobs == {
+    assert planned_jobs(proc) == {
         "convert_matrix": 1, "reorder_matrix": 1, "compute_norm": 1, "transpose_matrix": 1, "partition_matrix": 1,
         "simulate_measurement": 1, "reference_mlem": 1, "run_mlem": 2, "summarize": 1,
     }  # fmt: skip
-    planned = snakemake(finished, "--dry-run", config=config).stdout
+    planned = proc.stdout
     conversion = planned.split("rule convert_matrix:", 1)[1].split("\n\n", 1)[0]
     assert "reason: Params have changed since last execution" in conversion, conversion
 

@@ -32,7 +32,11 @@ def map_config(prior: dict | None = None, **mlem) -> dict:
 
 def planned_outputs(workdir, config: dict) -> dict[str, list[str]]:
     """rule -> the outputs a dry run of ``config`` would write (from Snakemake's job listing)."""
-    proc = snakemake(workdir, "--dry-run", config=config)
+    return outputs_of(snakemake(workdir, "--dry-run", config=config))
+
+
+def outputs_of(proc) -> dict[str, list[str]]:
+    """rule -> the outputs of the jobs a finished dry run (without ``--quiet``) lists."""
     assert proc.returncode == 0, proc.stdout + proc.stderr
     outputs: dict[str, list[str]] = {}
     rule = None
@@ -55,8 +59,9 @@ def run_dir(path: str) -> str:
 
 def test_a_map_dry_run_plans_the_converged_image_once_and_names_the_settings(tmp_path):
     config = map_config(map_converged_passes=7)
-    assert dry_run(tmp_path, config)["compute_converged_map"] == 1
-    out = planned_outputs(tmp_path, config)
+    proc = snakemake(tmp_path, "--dry-run", config=config)  # its job stats and its jobs
+    assert planned_jobs(proc)["compute_converged_map"] == 1
+    out = outputs_of(proc)
     runs = {run_dir(p) for p in out["run_mlem"]}
     (reference,) = {run_dir(p) for p in out["reference_mlem"]}
     (converged,) = {run_dir(p) for p in out["compute_converged_map"]}
