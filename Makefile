@@ -43,7 +43,7 @@ COMPILE = $(UV) pip compile pyproject.toml --all-extras --universal --python-ver
 	--custom-compile-command 'make lock' --quiet
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lock lock-check run test test-slurm lint dry-run report clean
+.PHONY: help setup compile lock lock-check run test test-slurm lint dry-run report clean
 
 help:
 	@echo "make run      set up $(VENV) if needed, run the default workflow (CPU without a GPU)"
@@ -53,6 +53,7 @@ help:
 	@echo "make dry-run  show the jobs the workflow would run"
 	@echo "make report   the HTML report of a finished run (results/report-<name>.html)"
 	@echo "make setup    only create or update $(VENV) (at the versions of $(LOCK))"
+	@echo "make compile  byte-compile the project's modules (make run and make test do it first)"
 	@echo "make lock     refresh $(LOCK) from pyproject.toml (UPGRADE=1: newest versions) and the GPU node's wheel list"
 	@echo "make lock-check  fail if $(LOCK) or the wheel list is not what pyproject.toml gives"
 	@echo "make clean    remove the workflow's outputs (results, resources, logs, benchmarks)"
@@ -62,9 +63,16 @@ help:
 
 setup: $(STAMP)
 
+# --compile-bytecode: the packages' bytecode written once here. Where PYTHONDONTWRITEBYTECODE is set (as on
+# some CI machines) Python would otherwise compile every imported module again in every process: 3 s of a
+# 5 s Snakemake dry run, in each of the hundreds of processes the tests and the workflow start.
 $(STAMP): pyproject.toml $(LOCK) | $(UV)
-	$(UV) pip install --quiet --python $(BIN)/python --constraint $(LOCK) --editable '.[$(EXTRAS)]'
+	$(UV) pip install --quiet --compile-bytecode --python $(BIN)/python --constraint $(LOCK) --editable '.[$(EXTRAS)]'
 	@touch $@
+
+# The project's own bytecode (an editable install is not compiled above): only what changed, in a second.
+compile: $(STAMP)
+	@$(BIN)/python -m compileall -q mlemlib scripts tools > /dev/null
 
 # The venv and uv in it (reinstalled when UV_VERSION changes).
 $(UV): $(if $(filter $(UV_VERSION),$(shell $(UV) --version 2>/dev/null | cut -d' ' -f2)),,FORCE)
@@ -87,12 +95,12 @@ lock-check: | $(UV)
 	@$(BIN)/python tools/device_workflow/wheels_from_lock.py --check
 	@echo "$(LOCK) and tools/device_workflow/wheels.txt match pyproject.toml"
 
-run: $(STAMP)
+run: compile
 	$(SNAKEMAKE) --cores $(CORES)
 	$(SNAKEMAKE) --cores $(CORES) --report $(REPORT)
 	@echo "summary: results/summary/$(NAME)/  report: $(REPORT)"
 
-test: $(STAMP)
+test: compile
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-slurm: $(STAMP)
