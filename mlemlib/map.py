@@ -33,7 +33,8 @@ backend is EM's: ``f_EM = f * bp_k / s_k`` (``f`` kept where ``s_k = 0``),
 
 ``Phi``, the log-likelihood (up to the constant ``-sum log g_i!``, over the rows
 with ``m > 0``) and ``R`` are recorded per pass (:attr:`MapBackend.history`),
-from the host image and the stored matrix (matrices up to
+from the host image: on the CPU with the backend's own forward projection, on
+the GPUs with a float64 host copy of the stored matrix (matrices up to
 :data:`OBJECTIVE_NNZ_MAX` non-zeros; none for a larger one).
 """
 
@@ -325,24 +326,35 @@ class _device:
             self.ctx.__exit__(*exc)
 
 
-def objective_function(src: Any, g: np.ndarray, corrections: Any, prior: Any, beta: float) -> Any:
+def objective_function(src: Any, g: np.ndarray, corrections: Any, prior: Any, beta: float, *,
+                       forward: Any = None) -> Any:
     """``f_host -> (Phi, L, R)`` of the stored-row model (float64): ``ybar = w (A f + b')`` with the rows'
     weights ``w`` (``m``, summed over a folded row) and ``b' = b / m``; rows with ``w = 0`` (gaps) are left
-    out (their term does not depend on ``f``). None for a matrix above :data:`OBJECTIVE_NNZ_MAX` non-zeros."""
-    if int(src.nnz) > OBJECTIVE_NNZ_MAX:
-        return None
-    from mlemlib.matrix import CSRMatrix
+    out (their term does not depend on ``f``).
 
+    ``forward``: the backend's own forward projection ``f -> A f`` where it holds the matrix in host memory
+    (the CPU backends: no second copy, any size; exact in the float64 reference). Otherwise ``A f`` comes
+    from a float64 SciPy copy of the stored matrix, made here, and None is returned for a matrix above
+    :data:`OBJECTIVE_NNZ_MAX` non-zeros."""
     m, _ = (int(v) for v in src.shape)
-    a = src.read_rows(0, m) if hasattr(src, "read_rows") else src
-    a = (a if isinstance(a, CSRMatrix) else CSRMatrix.from_scipy(a)).to_scipy().astype(np.float64)
+    if forward is None:
+        if int(src.nnz) > OBJECTIVE_NNZ_MAX:
+            return None
+        from mlemlib.matrix import CSRMatrix
+
+        a = src.read_rows(0, m) if hasattr(src, "read_rows") else src
+        a = (a if isinstance(a, CSRMatrix) else CSRMatrix.from_scipy(a)).to_scipy().astype(np.float64)
+
+        def forward(f: np.ndarray) -> np.ndarray:
+            return a @ np.asarray(f, dtype=np.float64)
+
     w = np.ones(m) if corrections is None or corrections.weights is None else np.asarray(corrections.weights, float)
     bg = None if corrections is None or corrections.background is None else np.asarray(corrections.background, float)
     keep = w > 0
     g64 = np.asarray(g, dtype=np.float64)
 
     def evaluate(f: np.ndarray) -> tuple[float, float, float]:
-        fp = a @ np.asarray(f, dtype=np.float64)
+        fp = np.asarray(forward(f), dtype=np.float64)
         ybar = w * (fp + (0.0 if bg is None else np.where(keep, bg, 0.0)))
         y, gk = ybar[keep], g64[keep]
         pos = y > 0
@@ -365,5 +377,6 @@ def wrap(be: Any, model: Any, settings: MapSettings) -> MapBackend:
     voxels = None if model.perm is None else model.perm.voxels
     prior = make_prior(settings.prior, grid, beta=settings.beta, gamma=settings.gamma, epsilon=settings.epsilon,
                        kappa=settings.kappa, voxels=voxels)
-    objective = objective_function(model.src, model.g, model.corrections, prior, float(settings.beta))
+    objective = objective_function(model.src, model.g, model.corrections, prior, float(settings.beta),
+                                   forward=be.forward if getattr(be, "matrix_on_host", False) else None)
     return MapBackend(be, settings, prior, model.norm, objective=objective)

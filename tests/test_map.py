@@ -211,3 +211,18 @@ def test_the_hessian_preconditioner_converges_to_the_same_maximiser(case, tmp_pa
     assert np.all(np.diff(phi) >= -1e-9 * np.abs(phi[1:])), np.diff(phi).min()
     assert t["map"]["preconditioner"] == "hessian"
     assert ms.identity() != RDP.identity()
+
+
+def test_the_cpu_objective_uses_the_backends_forward_projection(case, tmp_path, monkeypatch):
+    """On the CPU, Phi per pass comes from the backend's own forward projection (no float64 copy of the matrix,
+    so no size limit): with the copy's limit at 0 the history is still recorded and is the independent objective."""
+    import mlemlib.map as mapmod
+
+    monkeypatch.setattr(mapmod, "OBJECTIVE_NNZ_MAX", 0)
+    img, t = _run(case, tmp_path / "a.h5", 5, reference_mode=True, threads=1)
+    hist = t["map"]["history"]
+    assert len(hist) == 6
+    want = objective(case["problem"], img)
+    assert hist[-1]["prior"] == pytest.approx(want[2], rel=1e-12)
+    assert hist[-1]["log_likelihood"] == pytest.approx(want[1], rel=1e-12)
+    assert hist[-1]["phi"] == pytest.approx(want[0], rel=1e-12)

@@ -473,6 +473,8 @@ class CpuBackend(_HostRows, Backend):
 
     name = "cpu"
     deterministic = True
+    #: The matrix is in host memory: its forward projection serves host-side diagnostics (MAP's objective).
+    matrix_on_host = True
 
     def __init__(
         self,
