@@ -6,11 +6,14 @@ The objective (maximised over ``f >= 0``)::
 
 with ``R`` the prior of :mod:`mlemlib.prior`. MAP is a term of the model and
 an algorithm, not a backend: :class:`MapBackend` wraps any backend (CPU, one
-GPU, N GPUs, every kernel family) and runs each pass as the S sub-iterations
-the wrapped backend offers (:meth:`mlemlib.backends.base.Backend.sub_iterate`),
-each followed by one elementwise step over the image in the backend's own
-array namespace (NumPy or CuPy, on every GPU's copy alike, so deterministic
-kernels stay bit-identical over GPU counts). A sub-iteration of the wrapped
+GPU, N GPUs, every kernel family). Where the backend takes an image step (the
+GPU backends with subsets or several GPUs), the step below is its update,
+on its streams and inside its CUDA graph (:mod:`mlemlib._map_cuda`), written
+from ``bp_k``. Elsewhere each pass runs as the S sub-iterations the wrapped
+backend offers (:meth:`mlemlib.backends.base.Backend.sub_iterate`), each
+followed by one elementwise step over the image in the backend's own array
+namespace (NumPy or CuPy). Every GPU applies the same step to the same sums, so
+deterministic kernels stay bit-identical over GPU counts. A sub-iteration of the wrapped
 backend is EM's: ``f_EM = f * bp_k / s_k`` (``f`` kept where ``s_k = 0``),
 ``bp_k = A_k^T (m g / ybar)``; from it, with ``grad = dR/df`` at ``f``:
 
@@ -26,7 +29,10 @@ backend is EM's: ``f_EM = f * bp_k / s_k`` (``f`` kept where ``s_k = 0``),
   converge to the maximiser of ``Phi``. ``nu`` (1e-5 of the initial image's
   value) keeps every voxel positive, so that one the step pushes to the bound
   can rise again (EM's preconditioner is 0 at 0); voxels that no LOR sees
-  (``s = 0``) are 0.
+  (``s = 0``) are 0. With ``preconditioner="hessian"`` the preconditioner is
+  ``f / (s + beta f H)``, ``H`` the diagonal of the prior's Hessian at ``f``
+  (:meth:`mlemlib.prior.Prior.curvature`): the step above divided by
+  ``1 + beta f H / s``.
 - **OSL** (Green's one-step-late OSEM): ``f <- f_EM s_k / (s_k + beta grad / S)``
   (``f_EM`` where the denominator is not positive or ``s_k = 0``). Fast, but
   with subsets it does not converge to the maximiser.
