@@ -293,3 +293,26 @@ def test_step_times_and_the_allreduce_share_come_from_kernel_by_kernel_iteration
     assert eager["allreduce_share"] == pytest.approx(0.25) and eager["allreduce_ms"] == pytest.approx(1.0)
     assert eager["steps_iteration_ms"] == pytest.approx(4.0) and eager["steps_from"] == "kernel by kernel"
     assert set(eager["steps_ms"]) == {"bp", "allreduce", "update", "iteration"}
+
+
+def test_the_cpu_map_case_times_bsrem_passes_beside_osem(tmp_path):
+    """The smoke-map case: a BSREM pass with the RDP beside the same configuration's OSEM pass (prior_vs_none), a
+    row per prior; the page has the MAP column; a prior name that is not one is refused naming the key."""
+    out, work = tmp_path / "results", tmp_path / "work"
+    assert main(["bench", "run", str(CASES), "--case", "smoke-map", "--out", str(out), "--work", str(work)]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert not any(r.get("error") for r in rows)
+    by = {r["prior"]: r for r in rows}
+    assert set(by) == {"none", "rdp"}
+    assert by["rdp"]["describe"]["map"]["algorithm"] == "bsrem" and "map" not in by["none"]["describe"]
+    assert by["rdp"]["ms_no_prior"] == by["none"]["ms"] and by["rdp"]["prior_vs_none"] > 0
+    assert len(list(work.rglob("voxel_perm.npy"))) == 1  # the reordered case's voxel order, which the prior follows
+    assert "prior_vs_none" not in by["none"]
+    page = tmp_path / "performance.md"
+    assert main(["bench", "page", str(out), "--out", str(page)]) == 0
+    text = page.read_text()
+    assert "| MAP pass / OSEM pass |" in text.splitlines()[next(i for i, ln in enumerate(text.splitlines())
+                                                            if ln.startswith("| configuration"))]
+    assert "| BSREM, rdp |" in text
+    with pytest.raises(ConfigError, match=r"^f.yaml: case c: prior: expected none or rdp"):
+        parse_cases(_doc(prior="tv"), "f.yaml")

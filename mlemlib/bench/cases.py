@@ -23,10 +23,15 @@ mapping, merged into every case, and a list ``cases``. Each case::
     seed: 0                          # of the shuffled order and of synthetic factors
     subsets: [1]                     # OSEM subset counts S; S > 1 times one full pass over the S subsets
     factors: [none]                  # none | synthetic (multiplicative m and background b), or a list of both
+    prior: [none]                    # none | rdp (MAP: BSREM with the relative difference prior), or both
 
-A case that lists ``subsets`` other than ``[1]`` or ``factors`` other than
-``[none]`` is timed once per S and factor setting (:meth:`Case.variants`),
-each row beside the same configuration's S = 1 and factor-free times.
+A case that lists ``subsets`` other than ``[1]``, ``factors`` other than
+``[none]`` or a ``prior`` is timed once per S, factor setting and prior
+(:meth:`Case.variants`), each row beside the same configuration's S = 1,
+factor-free and prior-free times. The prior ``rdp`` times BSREM passes
+(:class:`mlemlib.map.MapBackend`) with the RDP on the matrix's voxel grid:
+``gamma = 2``, ``beta`` by the rule ``c = beta * 19.1 / mean(s) = 0.25`` and
+``epsilon`` 1e-3 of the initial image's value (docs/reconstruction.md).
 
 :func:`load_cases` checks every key and value; a fault is one
 :class:`~mlemlib.errors.ConfigError` naming the file, the case and the key.
@@ -52,6 +57,8 @@ VOXEL_ORDERS = ("raster", "hilbert")
 #: What a case models beyond MLEM's ``g / A f``: nothing, or synthetic factors ``m`` and background ``b``
 #: (:mod:`mlemlib.bench.factors`).
 FACTORS = ("none", "synthetic")
+#: MAP's prior of a row: none, or BSREM with the relative difference prior.
+PRIORS = ("none", "rdp")
 #: The reference pair timed where a case asks for ``cusparse``.
 CUSPARSE = ("cusparse", "cusparse")
 
@@ -73,6 +80,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "subsets": [1],
     "factors": ["none"],
+    "prior": ["none"],
 }
 CASE_KEYS = ("name", "matrix", *DEFAULTS)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -120,23 +128,25 @@ class Case:
     seed: int = 0
     subsets: tuple[int, ...] = (1,)
     factors: tuple[str, ...] = ("none",)
+    prior: tuple[str, ...] = ("none",)
     source: str = field(default="", compare=False)
 
     @property
     def osem(self) -> bool:
-        """Whether the case times subsets or factors (its rows then carry S, the factors and their ratios)."""
-        return self.subsets != (1,) or self.factors != ("none",)
+        """Whether the case times subsets, factors or a prior (its rows then carry S, the factors, the prior and
+        their ratios)."""
+        return self.subsets != (1,) or self.factors != ("none",) or self.prior != ("none",)
 
     def variants(self) -> list[tuple[int, str]]:
         """The (S, factors) settings timed, S = 1 and ``none`` first where listed (the ratios' references)."""
         return [(s, f) for s in sorted(self.subsets) for f in sorted(self.factors, key=FACTORS.index)]
 
-    def pairs(self, subsets: int = 1, factors: str = "none") -> list[tuple[str, str]]:
+    def pairs(self, subsets: int = 1, factors: str = "none", prior: str = "none") -> list[tuple[str, str]]:
         """The kernel pairs timed: the case's, then the cuSPARSE reference where asked (cuda only; MLEM without
-        factors only)."""
+        factors or prior only)."""
         out = list(dict.fromkeys(self.kernels))
         if (self.cusparse and self.backend == "cuda" and CUSPARSE not in out and subsets == 1
-                and factors == "none"):
+                and factors == "none" and prior == "none"):
             out.append(CUSPARSE)
         return out
 
@@ -203,12 +213,12 @@ def _int_list(v: Any, src: str, where: str, what: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(_int(x, src, where, 1) for x in v))
 
 
-def _factors(v: Any, src: str, where: str) -> tuple[str, ...]:
-    """``none``, ``synthetic`` or a non-empty list of them."""
+def _names(v: Any, src: str, where: str, choices: tuple[str, ...]) -> tuple[str, ...]:
+    """One of ``choices`` or a non-empty list of them, in the order of ``choices``."""
     items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not items or any(x not in FACTORS for x in items):
-        raise _fault(src, where, f"expected {' or '.join(FACTORS)}, or a list of them, got {v!r}")
-    return tuple(dict.fromkeys(items))
+    if not isinstance(items, list) or not items or any(x not in choices for x in items):
+        raise _fault(src, where, f"expected {' or '.join(choices)}, or a list of them, got {v!r}")
+    return tuple(sorted(dict.fromkeys(items), key=choices.index))
 
 
 def parse_pair(item: Any, src: str, where: str) -> tuple[str, str]:
@@ -330,7 +340,8 @@ def parse_case(raw: Any, src: str, index: int, defaults: dict[str, Any], base: P
         repeats=_int(v["repeats"], src, f"{where}: repeats", 1),
         seed=_int(v["seed"], src, f"{where}: seed", 0),
         subsets=subsets,
-        factors=_factors(v["factors"], src, f"{where}: factors"),
+        factors=_names(v["factors"], src, f"{where}: factors", FACTORS),
+        prior=_names(v["prior"], src, f"{where}: prior", PRIORS),
         source=src,
     )
 

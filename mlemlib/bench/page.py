@@ -120,9 +120,11 @@ def _share(v: Any) -> str:
 
 def _table(rows: list[dict[str, Any]], peers: Sequence[dict[str, Any]], used: set[int]) -> list[str]:
     osem = any("subsets" in r for r in rows)
-    head = ["configuration", *(["S", "m, b"] if osem else []), "GPUs",
+    prior = any(r.get("prior", "none") != "none" for r in rows)
+    head = ["configuration", *(["S", "m, b"] if osem else []), *(["MAP"] if prior else []), "GPUs",
             "ms per iteration (S > 1: per pass)" if osem else "ms per iteration",
             *(["pass / MLEM iteration", "with m, b / without", "all-reduce share"] if osem else []),
+            *(["MAP pass / OSEM pass"] if prior else []),
             "share of its floor", "speed-up vs 1 GPU", "cuSPARSE, same run (ms)", "thesis code (ms)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: (_model(r), int(r.get("gpus") or 0), _order(r))):
@@ -132,6 +134,8 @@ def _table(rows: list[dict[str, Any]], peers: Sequence[dict[str, Any]], used: se
             used.add(id(peer))
         peer_cell = "-" if peer is None else f"{peer['ms']:.3f}"
         model = [str(_model(r)[0]), "synthetic" if r.get("factors") == "synthetic" else "-"] if osem else []
+        if prior:
+            model.append("-" if r.get("prior", "none") == "none" else f"BSREM, {r['prior']}")
         if r.get("error"):
             err = str(r["error"]).replace("|", "/")
             blanks = [""] * (len(head) - len(model) - 4)
@@ -142,6 +146,8 @@ def _table(rows: list[dict[str, Any]], peers: Sequence[dict[str, Any]], used: se
         sp = _num(r.get("speedup"))
         ratios = [_ratio(r.get("pass_vs_mlem")), _ratio(r.get("factors_vs_none")),
                   _share(r.get("allreduce_share"))] if osem else []
+        if prior:
+            ratios.append(_ratio(r.get("prior_vs_none")))
         cells = [configuration(r), *model, str(gpus), _ms(r.get("ms")), *ratios, _share(frac),
                  "-" if sp is None else f"{sp:.2f}x", _ms(r.get("cusparse_ms")), peer_cell]
         lines.append("| " + " | ".join(cells) + " |")
@@ -162,13 +168,14 @@ def scaling_line(rows: Sequence[dict[str, Any]]) -> str | None:
     if not counted:
         return None
     slower = []
-    for (fp, bp, (subsets, factors)), times in sorted(counted.items()):
+    for (fp, bp, (subsets, factors, prior)), times in sorted(counted.items()):
         gpus = sorted(times)
         for i, p in enumerate(gpus[1:], 1):
             q = min(gpus[:i], key=lambda g: times[g])
             if times[p] > times[q]:
                 label = fp if fp == bp else f"{fp}/{bp}"
-                label += (f", S = {subsets}" if subsets > 1 else "") + (", m, b" if factors else "")
+                label += (f", S = {subsets}" if subsets > 1 else "") + (", m, b" if factors else "") + (
+                    ", MAP" if prior else "")
                 slower.append(f"{label} on {p} GPUs {_ms(times[p])} ms against {_ms(times[q])} on {q}")
     counts = sorted({g for v in counted.values() for g in v})
     if not slower:
@@ -177,9 +184,10 @@ def scaling_line(rows: Sequence[dict[str, Any]]) -> str | None:
     return "More GPUs never slower: no: " + "; ".join(slower) + "."
 
 
-def _model(r: dict[str, Any]) -> tuple[int, int]:
-    """(S, 0 without factors / 1 with), for the order of a table's rows."""
-    return int(_num(r.get("subsets")) or 1), 0 if r.get("factors", "none") == "none" else 1
+def _model(r: dict[str, Any]) -> tuple[int, int, int]:
+    """(S, 0 without factors / 1 with, 0 without a prior / 1 with), for the order of a table's rows."""
+    return (int(_num(r.get("subsets")) or 1), 0 if r.get("factors", "none") == "none" else 1,
+            0 if r.get("prior", "none") == "none" else 1)
 
 
 def _order(r: dict[str, Any]) -> tuple:
@@ -253,6 +261,8 @@ def build_page(rows: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] =
             "configuration's without factors. *All-reduce share*: the median over the timed iterations of the",
             "all-reduces' time (the backend's `last_step_times()`) over the iteration's; where the iterations replay",
             "CUDA graphs, which hide the steps, of as many more iterations of the same backend launched kernel by kernel.",
+            "*MAP*: BSREM passes with that prior (the relative difference prior, beta by the rule c = 0.25 of",
+            "docs/reconstruction.md); *MAP pass / OSEM pass*: the time over the same configuration's without the prior.",
             "",
         ]
     if sources:

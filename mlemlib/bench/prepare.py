@@ -255,25 +255,37 @@ def _shuffle(case: Case, st: _Steps) -> None:
     st.done("shuffle", out, t0)
 
 
+def _keep_voxels(out: Path, st: _Steps) -> Any:
+    """The permutation of the reordered ``out``, its voxel half kept as ``voxel_perm.npy`` (what MAP's prior needs
+    of the matrix's voxel order: a later format conversion keeps the matrix, not its permutation)."""
+    from mlemlib.reorder import permutation_of
+
+    perm = permutation_of(out)
+    if perm is not None and perm.voxels is not None:
+        np.save(st.path("voxel_perm.npy"), np.asarray(perm.voxels, dtype=np.int64))
+    return perm
+
+
 def _reorder(case: Case, st: _Steps) -> None:
     from mlemlib.reorder import reorder_file
 
     t0 = time.perf_counter()
     out = st.path("reordered.h5")
     reorder_file(st.current, out, "rows+voxels", threads=st.threads)
+    _keep_voxels(out, st)
     st.done("reorder", out, t0)
 
 
 def _group(case: Case, st: _Steps, subsets: int) -> tuple[np.ndarray, str]:
     """The rows grouped by the ``subsets`` OSEM subsets by the reorder stage (the case's locality order inside
     each for a reordered case, the rows' own order otherwise); returns the bounds and how the rows were assigned."""
-    from mlemlib.reorder import permutation_of, reorder_file
+    from mlemlib.reorder import reorder_file
 
     t0 = time.perf_counter()
     out = st.path("grouped.h5")
     mode = "rows+voxels" if "reordered" in case.order else "none"
     reorder_file(st.current, out, mode, threads=st.threads, subsets=subsets)
-    perm = permutation_of(out)  # read here: a later format conversion keeps the matrix, not its permutation
+    perm = _keep_voxels(out, st)  # read here: a later format conversion keeps the matrix, not its permutation
     st.done(f"reorder ({mode}, {subsets} subsets)", out, t0)
     return np.asarray(perm.subsets, dtype=np.int64), perm.subset_method
 

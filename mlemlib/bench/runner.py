@@ -45,6 +45,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mlemlib import registry
 from mlemlib.bench.cases import CUSPARSE, Case
 from mlemlib.bench.factors import BenchProblem, bench_problem
@@ -65,13 +67,13 @@ FIELDS = (
 )
 #: Columns of a case with subsets or factors (after :data:`FIELDS`, where a row has them).
 OSEM_FIELDS = (
-    "subsets", "factors", "ms_mlem", "pass_vs_mlem", "ms_no_factors", "factors_vs_none", "allreduce_ms",
-    "allreduce_share",
+    "subsets", "factors", "prior", "ms_mlem", "pass_vs_mlem", "ms_no_factors", "factors_vs_none", "ms_no_prior",
+    "prior_vs_none", "allreduce_ms", "allreduce_share",
 )
-#: What identifies a row: a later run's row with the same values replaces it (S 1 and factors none where a row
-#: has no such keys).
-ROW_KEY = ("case", "fp", "bp", "gpus", "device_kind", "subsets", "factors")
-_KEY_DEFAULTS = {"subsets": 1, "factors": "none"}
+#: What identifies a row: a later run's row with the same values replaces it (S 1, factors and prior none where a
+#: row has no such keys).
+ROW_KEY = ("case", "fp", "bp", "gpus", "device_kind", "subsets", "factors", "prior")
+_KEY_DEFAULTS = {"subsets": 1, "factors": "none", "prior": "none"}
 
 
 def row_key(r: dict[str, Any]) -> tuple:
@@ -200,17 +202,19 @@ def _matrix_columns(case: Case, facts: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: Devices,
-             problem: BenchProblem, transpose_bytes: int | None, factors: str = "none") -> dict[str, Any]:
+             problem: BenchProblem, transpose_bytes: int | None, factors: str = "none",
+             prior: str = "none") -> dict[str, Any]:
     """One row: build the backend of ``fp``/``bp`` on ``gpus`` devices for ``problem`` (``g``, the norm, and the
-    background and subsets where it has them), time its iterations, free it; ``factors`` names the problem in
-    the row of a case with subsets or factors."""
+    background and subsets where it has them), wrapped for MAP where ``prior`` is not ``none``
+    (:func:`map_backend`), time its iterations, free it; ``factors`` and ``prior`` name the problem in the row
+    of a case with subsets, factors or a prior."""
     from mlemlib.backends import graph_option, make_backend
     from mlemlib.formats import open_source
 
     row: dict[str, Any] = {"fp": fp, "bp": bp, "gpus": gpus, "layout": case.layout if gpus > 1 else None,
                            "warmup": case.warmup, "iterations": case.iterations, "repeats": case.repeats}
     if case.osem:
-        row.update(subsets=prep.subsets, factors=factors)
+        row.update(subsets=prep.subsets, factors=factors, prior=prior)
     reference = (fp, bp) == CUSPARSE
     if reference and prep.csr is None:
         row["error"] = prep.facts.get("cusparse_refused", "no CSR copy of the matrix")
@@ -240,6 +244,8 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
             log.info("%s %s on %d device(s): no graph capture (%s)", case.name, pair_label(fp, bp), gpus, exc)
             graph = False
             be = make_backend(case.backend, src, g, norm, tsrc, **kw)
+        if prior != "none":
+            be = map_backend(be, src, prep, problem, prior)
         setup_s = time.perf_counter() - t0
         timed = time_iterations(be, warmup=case.warmup, iterations=case.iterations, repeats=case.repeats,
                                 steps=case.osem)
@@ -283,6 +289,26 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
     return row
 
 
+def map_backend(be: Any, src: Any, prep: Prepared, problem: BenchProblem, prior: str) -> Any:
+    """``be`` running BSREM passes with ``prior`` (``rdp``) on the matrix's voxel grid (in its stored voxel order,
+    ``voxel_perm.npy`` of a reordered case):
+    ``gamma = 2``, ``beta`` by docs/reconstruction.md's rule ``c = beta * 19.1 / mean(s) = 0.25`` (``s`` the
+    sensitivities, summed over the subsets) and ``epsilon`` 1e-3 of the initial image's value; no objective per
+    pass (it is not part of a pass's time)."""
+    from mlemlib.map import MapBackend, MapSettings
+    from mlemlib.prior import make_prior, require_grid
+
+    norm = np.asarray(problem.norm, dtype=np.float64)
+    s = np.nansum(norm.reshape(-1, norm.shape[-1]), axis=0)
+    beta = 0.25 * float(s.mean()) / 19.1
+    epsilon = 1e-3 * float(np.sum(problem.g, dtype=np.float64)) / float(s.sum())
+    settings = MapSettings(prior, beta=beta, gamma=2.0, epsilon=epsilon)
+    kept = prep.directory / "voxel_perm.npy"
+    grid_prior = make_prior(prior, require_grid(src), beta=beta, gamma=2.0, epsilon=epsilon,
+                            voxels=np.load(kept) if kept.exists() else None)
+    return MapBackend(be, settings, grid_prior, norm)
+
+
 def _eager_steps(case: Case, be: Any) -> dict[str, Any]:
     """The step times of iterations launched kernel by kernel (a replayed CUDA graph reports only the whole
     iteration): ``steps_ms``, the all-reduce's time and share of such an iteration, its time (``steps_iteration_ms``)."""
@@ -299,7 +325,8 @@ def _variant_label(row: dict[str, Any]) -> str:
     """`` (S = 16, synthetic factors)`` for a row of a case with subsets or factors, else ``""``."""
     if "subsets" not in row:
         return ""
-    return f" (S = {row['subsets']}" + (f", {row['factors']} factors)" if row.get("factors") != "none" else ")")
+    return (f" (S = {row['subsets']}" + (f", {row['factors']} factors" if row.get("factors") != "none" else "")
+            + (f", MAP {row['prior']}" if row.get("prior", "none") != "none" else "") + ")")
 
 
 def _jsonable(v: Any) -> Any:
@@ -310,8 +337,9 @@ def fill_relations(rows: list[dict[str, Any]]) -> None:
     """Per row: the same run's 1-GPU time of the pair (``ms_1gpu``, ``speedup``) and cuSPARSE's time on the same
     case and GPU count (``cusparse_ms``); for a case with subsets or factors (its rows have ``subsets``) the S = 1
     time of the same pair, GPU count and factors (``ms_mlem``, ``pass_vs_mlem``, for S > 1) and the time of the
-    same pair, GPU count and S without factors (``ms_no_factors``, ``factors_vs_none``, for synthetic factors).
-    Rows are related only within one case, device and date, and the first two within one S and factor setting."""
+    same pair, GPU count and S without factors (``ms_no_factors``, ``factors_vs_none``, for synthetic factors)
+    and without the prior (``ms_no_prior``, ``prior_vs_none``: a MAP pass over an OSEM pass). Rows are related
+    only within one case, device and date, and the first two within one S, factor setting and prior."""
     def key(r: dict[str, Any]) -> tuple:
         return r["case"], r.get("device_kind"), r.get("date"), r.get("command")
 
@@ -322,25 +350,29 @@ def fill_relations(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if r.get("ms") is None:
             continue
-        s, f = r.get("subsets", 1), r.get("factors", "none")
-        one = find(r, fp=r["fp"], bp=r["bp"], gpus=1, subsets=s, factors=f)
+        s, f, p = r.get("subsets", 1), r.get("factors", "none"), r.get("prior", "none")
+        one = find(r, fp=r["fp"], bp=r["bp"], gpus=1, subsets=s, factors=f, prior=p)
         if one is not None and r["gpus"] > 1:
             r["ms_1gpu"] = one["ms"]
             r["speedup"] = one["ms"] / r["ms"]
-        ref = find(r, fp=CUSPARSE[0], bp=CUSPARSE[1], gpus=r["gpus"], subsets=s, factors=f)
+        ref = find(r, fp=CUSPARSE[0], bp=CUSPARSE[1], gpus=r["gpus"], subsets=s, factors=f, prior=p)
         if ref is not None:
             r["cusparse_ms"] = ref["ms"]
         if "subsets" not in r:
             continue
         same = {"fp": r["fp"], "bp": r["bp"], "gpus": r["gpus"]}
-        mlem = find(r, **same, subsets=1, factors=f) if s > 1 else None
+        mlem = find(r, **same, subsets=1, factors=f, prior=p) if s > 1 else None
         if mlem is not None:
             r["ms_mlem"] = mlem["ms"]
             r["pass_vs_mlem"] = r["ms"] / mlem["ms"]
-        plain = find(r, **same, subsets=s, factors="none") if f != "none" else None
+        plain = find(r, **same, subsets=s, factors="none", prior=p) if f != "none" else None
         if plain is not None:
             r["ms_no_factors"] = plain["ms"]
             r["factors_vs_none"] = r["ms"] / plain["ms"]
+        osem = find(r, **same, subsets=s, factors=f, prior="none") if p != "none" else None
+        if osem is not None:
+            r["ms_no_prior"] = osem["ms"]
+            r["prior_vs_none"] = r["ms"] / osem["ms"]
 
 
 def run_case(case: Case, devices: Devices, *, work: str | os.PathLike = DEFAULT_WORK, gpus: Sequence[int] | None = None,
@@ -370,12 +402,13 @@ def run_case(case: Case, devices: Devices, *, work: str | os.PathLike = DEFAULT_
         for factors in [f for s_, f in case.variants() if s_ == subsets]:
             problem = bench_problem(prep, factors, case.seed)
             for k in counts:
-                for fp, bp in case.pairs(subsets, factors):
-                    row = {**base, "backend": case.backend,
-                           **run_pair(case, prep, fp, bp, k, devices, problem, transpose_bytes, factors)}
-                    row.update(device=devices.name(case.backend), device_kind=devices.kind(case.backend), date=date,
-                               command=command, commit=commit)
-                    rows.append(row)
+                for prior in case.prior:
+                    for fp, bp in case.pairs(subsets, factors, prior):
+                        row = {**base, "backend": case.backend,
+                               **run_pair(case, prep, fp, bp, k, devices, problem, transpose_bytes, factors, prior)}
+                        row.update(device=devices.name(case.backend), device_kind=devices.kind(case.backend),
+                                   date=date, command=command, commit=commit)
+                        rows.append(row)
             del problem
     fill_relations(rows)
     return rows
