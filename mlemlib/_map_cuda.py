@@ -52,8 +52,10 @@ class DeviceMapStep:
         The :class:`mlemlib.prior.Prior` in the backend's voxel order.
     beta
         The prior's weight (0: no gradient is computed).
-    norm
-        The problem's norm: (n,) for S = 1 or the (S, n) update norms (NaN: not seen by that subset).
+    inv_s
+        ``1 / s`` per voxel, ``s`` the subsets' sensitivities summed (0 where ``s`` is 0).
+    subsets
+        The subset count S.
     floor
         BSREM's positivity bound ``nu``.
     hessian
@@ -61,18 +63,15 @@ class DeviceMapStep:
         ``f``, formed in the same pass over the neighbours) instead of ``f / s``.
     """
 
-    def __init__(self, algorithm: str, prior: Any, beta: float, norm: np.ndarray, floor: float, *,
+    def __init__(self, algorithm: str, prior: Any, beta: float, inv_s: np.ndarray, subsets: int, floor: float, *,
                  hessian: bool = False) -> None:
-        sk = np.asarray(norm, dtype=np.float64)
-        sk = sk.reshape(1, -1) if sk.ndim == 1 else sk
-        self.subsets = sk.shape[0]
-        s = np.where(np.isnan(sk), 0.0, sk).sum(axis=0)
-        self._inv_s = np.divide(1.0, s, out=np.zeros_like(s), where=s > 0).astype(np.float32)
+        self._inv_s = np.asarray(inv_s, dtype=np.float32)
+        self.subsets = int(subsets)
         self.algorithm = algorithm
         self.prior = prior
         self.beta = float(beta)
         self.floor = float(floor)
-        self.hessian = bool(hessian) and algorithm != "osl"
+        self.hessian = bool(hessian)
         self._dev: dict[int, dict[str, Any]] = {}
 
     def prepare(self, device: int, stream: Any) -> None:

@@ -156,23 +156,26 @@ class MapBackend:
         sk = np.where(np.isnan(sk), 0.0, sk)
         self.subsets = sk.shape[0]
         s = sk.sum(axis=0)
-        self._host = {"sk": sk, "s": s}
+        self._host = {"sk": sk, "s": s, "inv_s": np.divide(1.0, s, out=np.zeros_like(s), where=s > 0)}
         self._dev: dict[Any, dict[str, Any]] = {}
         self.objective = objective
         self.every_pass = every_pass
         self.passes = 0
         self.history: list[dict[str, float]] = []
         self._times: dict[str, float] = {}
-        self._floor = None
+        bsrem = self.settings.algorithm == "bsrem"
+        #: BSREM's positivity bound (None for OSL) and whether its preconditioner holds the prior's curvature.
+        self._floor = FLOOR * float(inner._initial_value()) if bsrem else None
+        self._hessian = bsrem and self.settings.preconditioner == "hessian"
         #: The step on the GPUs' streams as the wrapped backend's update (:mod:`mlemlib._map_cuda`), or None:
         #: the step runs here between the sub-iterations.
         self.device_step = None
         if callable(getattr(inner, "takes_image_step", None)) and inner.takes_image_step():
             from mlemlib._map_cuda import DeviceMapStep
 
-            self._floor = FLOOR * float(inner._initial_value())
-            self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta), sk,
-                                             self._floor, hessian=self.settings.preconditioner == "hessian")
+            self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta),
+                                             self._host["inv_s"], self.subsets, self._floor or 0.0,
+                                             hessian=self._hessian)
             inner.set_image_step(self.device_step)
         elif self.subsets > 1 and hasattr(inner, "use_graph") and getattr(inner, "graph", False):
             inner.use_graph(False)  # the passes run subset by subset (the MAP step between them)
@@ -185,13 +188,12 @@ class MapBackend:
         c = self._dev.get(key)
         if c is None:
             dt = f.dtype
-            sk, s = self._host["sk"], self._host["s"]
+            sk, s, inv_s = self._host["sk"], self._host["s"], self._host["inv_s"]
             with _device(f):
                 c = {"s": xp.asarray(s.astype(dt)), "sk": [xp.asarray(v.astype(dt)) for v in sk],
                      "ratio": [xp.asarray(np.divide(self.subsets * v, s, out=np.zeros_like(s), where=s > 0).astype(dt))
                                for v in sk],
-                     "inv_s": xp.asarray(np.divide(1.0, s, out=np.zeros_like(s), where=s > 0).astype(dt)),
-                     "seen": xp.asarray(s > 0)}
+                     "inv_s": xp.asarray(inv_s.astype(dt)), "seen": xp.asarray(s > 0)}
             self._dev[key] = c
         return c
 
@@ -215,14 +217,13 @@ class MapBackend:
             return f
         inner_times: dict[str, float] = {}
         t_prior = 0.0
-        hessian = self.settings.preconditioner == "hessian" and self.settings.algorithm == "bsrem"
         for k in range(self.subsets):
             tp = time.perf_counter()
             before = []
             for img in self._images(f):
                 with _device(img):
                     before.append((img.copy(), self.prior.gradient(img) if beta else None,
-                                   self.prior.curvature(img) if beta and hessian else None))
+                                   self.prior.curvature(img) if beta and self._hessian else None))
                     _synchronize(img)
             t_prior += time.perf_counter() - tp
             f = self.inner.sub_iterate(f, k)
@@ -250,8 +251,6 @@ class MapBackend:
         xp = _xp(f)
         c = self._consts(f)
         if self.settings.algorithm == "bsrem":
-            if self._floor is None:
-                self._floor = FLOOR * float(self.inner._initial_value())
             step = c["ratio"][k] * (f - prev)  # (f / s) S (bp_k - s_k) = (S s_k / s) (f_EM - f)
             if grad is not None:
                 step -= beta * prev * grad * c["inv_s"]

@@ -544,7 +544,7 @@ class NcclBackend(Backend):
             with cp.cuda.Device(s.device), s.stream:
                 self._mark(s, "allreduce2", record)
                 if not self.fuse:
-                    ck.update(s.f, s.bp, s.norm, out=s.f)
+                    self._update(s, bp=s.bp)
                     self._mark(s, "update", record)
 
     def _update(self, s: Shard, *, bp: Any = None, acc: Any = None, scale: float | None = None) -> None:
@@ -567,8 +567,7 @@ class NcclBackend(Backend):
         (with this backend's norm: an OSEM subset's); a captured graph is captured again with it."""
         if not self.takes_image_step():
             raise ConfigError("layout", f"an algorithm's image step runs in the local layout, not {self.layout!r}")
-        self._settle()
-        self.synchronize()
+        self.synchronize()  # and read the last replay's overflow flags
         for s in self.shards:
             step.prepare(s.device, s.stream)
         self.image_step = step
