@@ -105,6 +105,23 @@ class ModelSpec:
         if self.map is not None:
             object.__setattr__(self, "map", self.map.check())
 
+    @classmethod
+    def of_job(cls, inputs: Any, params: Any, *, matrix_name: str | None = None,
+               data_name: str | None = None) -> ModelSpec:
+        """The model of a workflow job (``run_mlem``, ``reference_mlem``, ``compute_converged_map``): its named
+        ``inputs`` (``matrix``, ``sino``; ``norm``, ``transpose`` and ``subset_file`` where the job has them)
+        and the model part of its ``params`` (``subsets``, ``factors``: role -> file, ``map``: the
+        :class:`mlemlib.map.MapSettings` fields where there is a prior), as the rules' ``get_problem_input``
+        and ``get_model_params`` give them."""
+        from mlemlib.map import MapSettings
+
+        factors = params["factors"]
+        return cls(inputs.matrix, inputs.sino, norm=inputs.get("norm"), transpose=inputs.get("transpose"),
+                   subsets=params["subsets"], subset_file=inputs.get("subset_file"),
+                   multiplicative=factors.get("multiplicative"), additive=factors.get("additive"),
+                   map=MapSettings(**params["map"]) if "map" in params else None,
+                   matrix_name=matrix_name, data_name=data_name)
+
     @property
     def sources(self) -> dict[str, Any]:
         """The model's inputs by the names ``timings.json`` records them under."""

@@ -6,22 +6,12 @@ from mlemlib.logs import send_to_log
 
 send_to_log(snakemake.log[0])
 
-from mlemlib.map import MapSettings  # noqa: E402
 from mlemlib.map_metrics import converged_map  # noqa: E402
 from mlemlib.problem import ModelSpec, RunSettings  # noqa: E402
 
 mlem = snakemake.params.mlem
 
-model = ModelSpec(
-    snakemake.input.matrix,
-    snakemake.input.sino,
-    norm=snakemake.input.norm,
-    subsets=mlem["subsets"],
-    subset_file=snakemake.input.get("subset_file"),
-    multiplicative=mlem["factors"].get("multiplicative"),
-    additive=mlem["factors"].get("additive"),
-    map=MapSettings(**mlem["map"]),
-)
+model = ModelSpec.of_job(snakemake.input, mlem)
 image, attrs = converged_map(
     model,
     snakemake.output.image,

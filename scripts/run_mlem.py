@@ -16,27 +16,14 @@ logging.info("run_mlem: started %.1f s after its process", process_age())
 
 from mlemlib.dist.lease import lease_gpus  # noqa: E402
 from mlemlib.backends import graph_option  # noqa: E402
-from mlemlib.map import MapSettings  # noqa: E402
 from mlemlib.map_metrics import reconstruct_with_metrics  # noqa: E402
 from mlemlib.mlem import reconstruct  # noqa: E402
 from mlemlib.problem import ModelSpec, RunSettings  # noqa: E402
 
 run = snakemake.params.run
 mlem = snakemake.params.mlem
-model = ModelSpec(
-    snakemake.input.matrix,
-    snakemake.input.sino,
-    norm=snakemake.input.norm,
-    transpose=snakemake.input.get("transpose"),
-    subsets=mlem["subsets"],
-    subset_file=snakemake.input.get("subset_file"),
-    multiplicative=mlem["factors"].get("multiplicative"),
-    additive=mlem["factors"].get("additive"),
-    # MAP (mlem.prior): the prior and the algorithm
-    map=MapSettings(**mlem["map"]) if "map" in mlem else None,
-    matrix_name=snakemake.params.matrix_name,
-    data_name=snakemake.wildcards.data,
-)
+model = ModelSpec.of_job(snakemake.input, mlem, matrix_name=snakemake.params.matrix_name,
+                         data_name=snakemake.wildcards.data)
 settings = RunSettings(
     mlem["iterations"],
     repetitions=mlem["repetitions"],

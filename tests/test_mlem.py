@@ -371,6 +371,26 @@ def test_model_and_settings_values(problem, tmp_path):
         ModelSpec(a, g).sino = g
 
 
+def test_a_workflow_jobs_model_takes_its_inputs_and_model_params():
+    """ModelSpec.of_job: the named inputs a job has (a missing norm, transpose or subset file is None) and the
+    params' subsets, factor files and MAP fields, as the rules give them."""
+    from mlemlib.map import MapSettings
+
+    class Inputs(dict):  # a Snakemake job's named input: attributes and get
+        __getattr__ = dict.__getitem__
+
+    params = {"subsets": 4, "factors": {"multiplicative": "m.f32", "additive": "b.h5:/b"}, "iterations": 3,
+              "map": {"prior": "rdp", "beta": 0.5, "epsilon": 0.01, "relaxation": (1.0, 40.0)}}
+    run = ModelSpec.of_job(Inputs(matrix="a.h5", sino="g.LMsino", norm="n.h5", transpose="t.h5",
+                                  subset_file="s.i32"), params, matrix_name="A", data_name="scan")
+    assert (run.matrix, run.sino, run.norm, run.transpose, run.subsets, run.subset_file) == (
+        "a.h5", "g.LMsino", "n.h5", "t.h5", 4, "s.i32")
+    assert (run.multiplicative, run.additive, run.matrix_name, run.data_name) == ("m.f32", "b.h5:/b", "A", "scan")
+    assert run.map == MapSettings("rdp", beta=0.5, epsilon=0.01, relaxation=(1.0, 40.0))
+    exact = ModelSpec.of_job(Inputs(matrix="a.csr4", sino="g.LMsino"), {"subsets": 1, "factors": {}})
+    assert (exact.norm, exact.transpose, exact.subset_file, exact.multiplicative, exact.map) == (None,) * 5
+
+
 def test_make_backend_errors(problem, monkeypatch):
     a, g, _ = problem
     norm = np.ones(a.shape[1])
