@@ -174,7 +174,7 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         from mlemlib.backends import get_backend_name
-        from mlemlib.registry import LAYOUTS
+        from mlemlib.registry import check_layout
 
         put = partial(object.__setattr__, self)
         put("iterations", check_int("iterations", self.iterations, 0))
@@ -192,8 +192,7 @@ class RunSettings:
         if self.backend != "auto":
             get_backend_name(self.backend)  # an unknown name: one line (auto is resolved by the backend)
         put("gpus", 1 if self.gpus is None else check_int("gpus", self.gpus, 1))
-        if self.layout not in LAYOUTS:
-            raise ConfigError("layout", f"unknown layout {self.layout!r}, expected one of {', '.join(LAYOUTS)}")
+        check_layout(self.layout)
 
     @property
     def dtype(self) -> np.dtype:

@@ -529,6 +529,13 @@ class Decision(Choice):
     paired: Choice | None = None
 
 
+def check_layout(layout: str) -> str:
+    """``layout`` where it is one of :data:`LAYOUTS`, else a one-line :class:`ConfigError` naming ``layout``."""
+    if layout not in LAYOUTS:
+        raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
+    return layout
+
+
 def decide(backend: str, fp: str | None, bp: str | None, *, fmt: str = "csr", gpus: int = 1,
            layout: str | None = None, transpose_available: bool = True, fits: bool = True, threads: int = 1,
            sample: Callable[[], tuple[float | None, float | None] | None] | None = None, sms: int | None = None,
@@ -558,8 +565,8 @@ def decide(backend: str, fp: str | None, bp: str | None, *, fmt: str = "csr", gp
     ConfigError
         An unknown layout, or a name the backend, GPU count, layout or format does not have (one line).
     """
-    if layout not in (None, *LAYOUTS):
-        raise ConfigError("layout", f"unknown layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
+    if layout is not None:
+        check_layout(layout)
     checked = gpus if check_gpus is None else check_gpus
     choice = resolve(backend, fp, bp, gpus=checked, layout=layout, transpose_available=transpose_available,
                      fits=fits, threads=threads, fmt=fmt)

@@ -11,11 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from mlemlib import registry
 from mlemlib.errors import ConfigError, MatrixFormatError
 from mlemlib.matrix import CSRMatrix, shape_nnz
-
-LAYOUTS = registry.LAYOUTS
 
 
 def plan_has_parts(plan: Any) -> bool:

@@ -52,7 +52,7 @@ from mlemlib.errors import ConfigError
 
 ORDERS = ("own", "shuffled", "reordered", "shuffled-reordered")
 BACKENDS = ("cuda", "cpu")
-LAYOUTS = ("local", "thesis")
+LAYOUTS = registry.LAYOUTS
 VOXEL_ORDERS = ("raster", "hilbert")
 #: What a case models beyond MLEM's ``g / A f``: nothing, or synthetic factors ``m`` and background ``b``
 #: (:mod:`mlemlib.bench.factors`).
