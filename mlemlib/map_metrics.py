@@ -48,6 +48,8 @@ RMSE_THRESHOLD = 0.01
 SPHERE_THRESHOLD = 0.005
 #: BSREM passes of the converged image unless told otherwise.
 CONVERGED_PASSES = 1000
+#: BSREM's relaxation (``lambda_0``, ``eta``) for the converged image (with the ``hessian`` preconditioner).
+CONVERGED_RELAXATION = (1.0, 40.0)
 #: ``map.metrics["format"]`` in ``timings.json``.
 METRICS_FORMAT = "mlem-map-metrics"
 
@@ -361,8 +363,14 @@ def problem_fingerprint_of(model: Any) -> str:
 
 
 def converged_settings(map_settings: Any) -> Any:
-    """The settings of the converged image: ``map_settings`` with BSREM (the algorithm that converges)."""
-    return dataclasses.replace(map_settings, algorithm="bsrem").check()
+    """The settings of the converged image: ``map_settings``' prior with BSREM (the algorithm that converges),
+    the ``hessian`` preconditioner and the relaxation :data:`CONVERGED_RELAXATION`.
+
+    Every BSREM setting converges to the same maximiser of ``Phi``; these get there in the fewest passes
+    that were measured (on madpet2 with 16 subsets, 1500 passes were within 0.06% of 3000 in every metric,
+    where the default relaxation's 3000 passes were still 0.31% off in the slowest sphere)."""
+    return dataclasses.replace(map_settings, algorithm="bsrem", preconditioner="hessian",
+                               relaxation=CONVERGED_RELAXATION).check()
 
 
 def converged_map(model: Any, cache: str | os.PathLike, *, passes: int = CONVERGED_PASSES,
@@ -370,7 +378,8 @@ def converged_map(model: Any, cache: str | os.PathLike, *, passes: int = CONVERG
     """The converged MAP image of a problem, computed once and cached in ``cache`` (an ``image.h5``).
 
     The image is that of ``model`` (a :class:`mlemlib.problem.ModelSpec` with a prior, ``map``) with BSREM
-    (:func:`converged_settings`: its prior with ``algorithm="bsrem"``, its relaxation as given) after
+    (:func:`converged_settings`: its prior with ``algorithm="bsrem"``, the ``hessian`` preconditioner and
+    :data:`CONVERGED_RELAXATION`) after
     ``passes`` passes, run as ``settings`` say (a :class:`mlemlib.problem.RunSettings`, its iterations
     replaced by ``passes``; default: the float64 CPU reference path, no checkpoints). The cache is reused
     where it records this problem (its ``problem`` attribute, the fingerprint :func:`problem_fingerprint_of`
@@ -432,6 +441,7 @@ def converged_map(model: Any, cache: str | os.PathLike, *, passes: int = CONVERG
 
 __all__ = [
     "CONVERGED_PASSES",
+    "CONVERGED_RELAXATION",
     "METRICS_FORMAT",
     "RMSE_THRESHOLD",
     "SPHERE_THRESHOLD",

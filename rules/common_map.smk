@@ -14,9 +14,8 @@ from mlemlib.grid import check_grid
 # ----------------------------------------------------------------- settings
 
 
-def get_map_settings(algorithm=None):
-    """mlemlib.map.MapSettings of config mlem (another `algorithm` where given:
-    the converged image's BSREM); None without a prior (is_map)."""
+def get_map_settings():
+    """mlemlib.map.MapSettings of config mlem; None without a prior (is_map)."""
     from mlemlib.map import MapSettings
 
     if not is_map():
@@ -29,7 +28,7 @@ def get_map_settings(algorithm=None):
         gamma=prior["gamma"],
         epsilon=prior["epsilon"],
         kappa=prior["kappa"],
-        algorithm=algorithm or mlem["algorithm"],
+        algorithm=mlem["algorithm"],
         relaxation=tuple(mlem["relaxation"]),
         preconditioner=mlem["preconditioner"],
     )
@@ -48,13 +47,13 @@ def check_map_settings():
         stop(f"config mlem.{exc}")
 
 
-def get_map_params(algorithm=None):
-    """The MAP settings as a params entry ({} without a prior, so that the
-    params of MLEM/OSEM runs stay as they were): the scripts build
-    MapSettings(**map) from it."""
+def get_map_params(settings=None):
+    """The MAP settings (config mlem's, or `settings`) as a params entry ({}
+    without a prior, so that the params of MLEM/OSEM runs stay as they were):
+    the scripts build MapSettings(**map) from it."""
     if not is_map():
         return {}
-    return {"map": dataclasses.asdict(get_map_settings(algorithm))}
+    return {"map": dataclasses.asdict(settings or get_map_settings())}
 
 
 def get_map_input(wildcards=None):
@@ -88,15 +87,23 @@ def is_map_metrics(wildcards):
     return is_map() and is_simulated(wildcards)
 
 
+def get_converged_settings():
+    """The MAP settings of the converged image: the configured prior with BSREM,
+    its hessian preconditioner and fixed relaxation
+    (mlemlib.map_metrics.converged_settings)."""
+    from mlemlib.map_metrics import converged_settings
+
+    return converged_settings(get_map_settings())
+
+
 def get_converged_wildcards(matrix, data):
     """The wildcards of the converged image of {matrix} x {data}: its passes
-    (config mlem.map_converged_passes, as {iterations}) and the model of BSREM
-    with the configured prior (the algorithm that converges: two settings that
-    differ only in the algorithm share it)."""
-    settings = get_map_settings(algorithm="bsrem")
+    (config mlem.map_converged_passes, as {iterations}) and the model of its
+    BSREM (get_converged_settings: settings that differ only in the algorithm,
+    the relaxation or the preconditioner share it)."""
     return {
         "iterations": config["mlem"]["map_converged_passes"],
-        "model": get_model(matrix, data, map_settings=settings),
+        "model": get_model(matrix, data, map_settings=get_converged_settings()),
     }
 
 
@@ -121,7 +128,7 @@ def get_converged_params(wildcards):
     return {
         "passes": int(wildcards.iterations),
         **get_model_params(wildcards),
-        **get_map_params(algorithm="bsrem"),
+        **get_map_params(get_converged_settings()),
     }
 
 

@@ -4,6 +4,7 @@ image, and the per-pass recorder on a small CPU MAP run (test_map's 60-voxel pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -132,9 +133,12 @@ def test_converged_image_is_cached_by_problem_and_passes(case, tmp_path, monkeyp
     d, kw = case["dir"], case["kw"]
     cache = tmp_path / "converged.h5"
     img, attrs = mm.converged_map(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw), cache, passes=30)
-    # the same as the float64 BSREM of the same settings, run directly
+    # the same as the float64 BSREM of the prior with the converged image's preconditioner and relaxation
+    # (not the run's em preconditioner and default relaxation), run directly
     direct = tmp_path / "direct.h5"
-    reconstruct(ModelSpec(d / "a.h5", case["g"], map=RDP, **kw),
+    conv = dataclasses.replace(RDP, preconditioner="hessian", relaxation=(1.0, 40.0))
+    assert mm.converged_settings(RDP) == conv and conv != RDP
+    reconstruct(ModelSpec(d / "a.h5", case["g"], map=conv, **kw),
                 RunSettings(30, checkpoint_every=0, reference_mode=True), direct)
     want, want_attrs = read_image(direct)
     assert np.array_equal(img, want) and img.dtype == np.float64

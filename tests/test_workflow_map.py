@@ -66,11 +66,14 @@ def test_a_map_dry_run_plans_the_converged_image_once_and_names_the_settings(tmp
     (reference,) = {run_dir(p) for p in out["reference_mlem"]}
     (converged,) = {run_dir(p) for p in out["compute_converged_map"]}
     model = re.fullmatch(r"reference-it2-(mlem_bsrem_rdp_p[0-9a-f]{8})", reference).group(1)
-    # every run, its reference and the converged image (7 passes of BSREM) name the same MAP settings
+    # every run and its reference name the same MAP settings; the converged image (7 passes of BSREM with
+    # the hessian preconditioner and its own relaxation) names its own
     assert runs == {f"cpu-auto-auto-{'it2-rep1-ck0'}-{model}", f"cpu-auto-notrans-it2-rep1-ck0-{model}"}
-    assert converged == f"converged-it7-{model}"
-    # OSL: other runs and reference, the same converged image (BSREM's, which converges)
-    osl = planned_outputs(tmp_path, map_config(map_converged_passes=7, algorithm="osl"))
+    assert re.fullmatch(r"converged-it7-mlem_bsrem_rdp_p[0-9a-f]{8}", converged)
+    assert converged != f"converged-it7-{model}"
+    # OSL with another relaxation: other runs and reference, the same converged image (the maximiser of the
+    # same objective)
+    osl = planned_outputs(tmp_path, map_config(map_converged_passes=7, algorithm="osl", relaxation=[1.0, 20.0]))
     (osl_reference,) = {run_dir(p) for p in osl["reference_mlem"]}
     assert osl_reference.startswith("reference-it2-mlem_osl_rdp_p") and osl_reference != reference
     assert {run_dir(p) for p in osl["compute_converged_map"]} == {converged}
@@ -170,9 +173,10 @@ def test_a_users_matrix_with_a_grid_runs_map(tmp_path):
 
 @pytest.fixture(scope="module")
 def map_run(tmp_path_factory):
-    """The small preset on the CPU with the relative difference prior: 3 passes, the converged image 3 passes."""
+    """The small preset on the CPU with the relative difference prior: 3 passes, the converged image 3 passes
+    (the run with the converged image's preconditioner and relaxation, so that it ends at that image)."""
     workdir = tmp_path_factory.mktemp("map")
-    config = map_config(iterations=3, map_converged_passes=3)
+    config = map_config(iterations=3, map_converged_passes=3, preconditioner="hessian", relaxation=[1.0, 40.0])
     config["runs"] = [{"backend": "cpu", "fp": "auto", "bp": "auto"}]
     config["transpose"] = {"method": "scipy", "compare": []}
     proc = snakemake(workdir, "--cores", "2", config=config, timeout=600)
