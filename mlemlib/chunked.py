@@ -352,12 +352,13 @@ def half_rows(block: CSRMatrix, fmt: str = "compressed-f16", *, scale: np.ndarra
         ``compressed-u16`` block without its row scales.
     """
     from mlemlib.compressed import VALUE_DTYPES, _row_scales
+    from mlemlib.formats.spec import matrix_format_of
 
     ip = np.asarray(block.indptr, dtype=np.int64)
     data = np.asarray(block.data, dtype=np.float32)
     rows = len(ip) - 1
     lengths = np.diff(ip)
-    if fmt == "compressed-u16":
+    if matrix_format_of(fmt).integer_codes:
         if scale is None or len(scale) != rows:
             raise ValueError(f"{what}: compressed-u16 rows need their {rows} row scales")
         scale = np.asarray(scale, dtype=np.float32)
@@ -748,14 +749,16 @@ def layout_blocks(source, fmt: str, *, window: int, rows: tuple[int, int] | None
         or more (the kernel's one-FMA decode).
     """
     from mlemlib.compressed import values16
+    from mlemlib.formats.spec import matrix_format_of
 
     half = values16(fmt)
+    integer = half and matrix_format_of(fmt).integer_codes
     for g0, g1, block, given in row_blocks(source, max_nnz, scales=True, rows=rows):
         p = build_plan(block, window=window, chunk_cap=chunk_cap)
         values, rs = block.data, None
         if half:
             rs, values = half_rows(block, fmt, scale=given, what=what, row0=g0)
-            if fmt == "compressed-u16" and len(rs) and float(rs.max()) >= U16_SCALE_MAX:
+            if integer and len(rs) and float(rs.max()) >= U16_SCALE_MAX:
                 r = g0 + int(np.argmax(rs >= U16_SCALE_MAX))
                 raise ValueError(f"{what}: row {r} has values above 2^116 (row scale {float(rs.max())!r}): "
                                  "the chunked kernel takes compressed-u16 row scales below 2^100")
@@ -775,11 +778,11 @@ def source_fingerprint(source) -> str:
     """
     import hashlib
 
-    from mlemlib.registry import format_of
+    from mlemlib.formats.spec import matrix_format_of
     from mlemlib.matrix import shape_nnz
 
     (m, n), nnz = shape_nnz(source)
-    h = hashlib.sha256(f"{m}x{n}:{nnz}:{format_of(source)}".encode())
+    h = hashlib.sha256(f"{m}x{n}:{nnz}:{matrix_format_of(source).name}".encode())
     checksum = getattr(source, "checksum", None) or (getattr(source, "attrs", None) or {}).get("checksum")
     if isinstance(checksum, (str, bytes)) and checksum:
         h.update(b"checksum:" + (checksum.encode() if isinstance(checksum, str) else checksum))
@@ -824,9 +827,8 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
     import h5py
 
     from mlemlib._io import atomic_path
-    from mlemlib.registry import format_of
     from mlemlib.compressed import VALUE_DTYPES, values16
-    from mlemlib.formats import open_matrix
+    from mlemlib.formats import matrix_format_of, open_matrix
     from mlemlib.matrix import shape_nnz
 
     if isinstance(source, (str, os.PathLike)):
@@ -839,7 +841,7 @@ def write_layout(source, path, window: int = DEFAULT_WINDOW, *, max_nnz: int = L
     window = window_of(window)
     cap = chunk_cap_of(chunk_cap)
     (m, n), nnz = shape_nnz(source)
-    fmt = format_of(source)
+    fmt = matrix_format_of(source).name
     half = values16(fmt)
     what = str(getattr(source, "path", None) or getattr(source, "source", None) or "matrix")
     with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:

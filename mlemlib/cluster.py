@@ -8,7 +8,7 @@ The workflow's resource functions (``rules/common_resources.smk``) call these; t
 profile (``profiles/slurm``) turns them into ``sbatch`` options. See
 docs/cluster.md for the model and how to override it.
 
-Backend-independent: pure Python, imports no CuPy. A matrix's size comes from
+Backend-independent: host side, imports no CuPy. A matrix's size comes from
 :mod:`mlemlib.formats` (the header of a ``.csr4`` or ``.h5`` file; a
 ``.mtx`` or ``.npz`` file, which has no such header, is read whole).
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlemlib.errors import ConfigError, MatrixFormatError
+from mlemlib.formats.spec import ALL_FORMATS, matrix_format_of
 
 __all__ = [
     "BASE_MB",
@@ -345,7 +346,7 @@ def peak_host_bytes(
         vectors = 4 * (vec_m + vec_n)
         if backend == "cpu":
             return a + (at if stored_transpose else 0) + vectors
-        if source_format != "csr" and not stored_transpose:
+        if matrix_format_of(source_format).compressed and not stored_transpose:
             # Per GPU (uploaded side by side): one piece (codes, values and its
             # decoded CSR check, at most 13 bytes a slot) and the row pointer.
             piece = 13 * min(UPLOAD_PIECE_SLOTS, size.nnz + 4 * size.rows)
@@ -530,17 +531,12 @@ def stage_resources(
 
 # --- what each stage needs, and whether the node holds it ------------------------------
 
-#: Bytes of the matrix arrays per non-zero and per row, by container format:
-#: CSR's int32 column + float32 value and int64 row pointer; the compressed
-#: formats' measured 5.03 and 3.03 bytes per non-zero (docs/formats.md; the
-#: markers of large column jumps included, rounded up) and their two-level
+#: Bytes of the matrix arrays per non-zero and per row, by container format (each format's
+#: ``bytes_per_nnz`` and ``row_bytes``, :mod:`mlemlib.formats.spec`): CSR's int32 column + float32
+#: value and int64 row pointer; the compressed formats' measured 5.03 and 3.03 bytes per non-zero
+#: (docs/formats.md; the markers of large column jumps included, rounded up) and their two-level
 #: row pointer (plus the float32 row scale of the 16-bit formats).
-FORMAT_BYTES: dict[str, tuple[float, float]] = {
-    "csr": (8.0, 8.0),
-    "compressed": (5.05, 4.125),
-    "compressed-f16": (3.05, 8.125),
-    "compressed-u16": (3.05, 8.125),
-}
+FORMAT_BYTES: dict[str, tuple[float, float]] = {f.name: (f.bytes_per_nnz, f.row_bytes) for f in ALL_FORMATS}
 #: What a ``plan.json`` or a small table takes on disk (bytes).
 SMALL_FILE_BYTES = 1 << 16
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from mlemlib import registry
 from mlemlib.errors import ConfigError
+from mlemlib.formats.spec import matrix_format_of
 
 #: The matrix formats of the configuration (``matrices.<name>.format``).
 FORMATS = registry.FORMATS
@@ -134,8 +135,8 @@ def check(c: Combination, where: str = "run") -> None:
     if c.backend == "cpu" and c.bp == "onepass_chunked" and c.factors:
         raise ConfigError(f"{where}.bp", "onepass_chunked on the cpu takes no additive background (b); use "
                                          "onepass or numba")
-    if (c.backend == "cuda" and c.subsets > 1 and c.format != "csr" and c.bp not in (None, "auto")
-            and registry.get_bp("cuda", c.bp).op == "back"):
+    if (c.backend == "cuda" and c.subsets > 1 and not matrix_format_of(c.format).cusparse
+            and c.bp not in (None, "auto") and registry.get_bp("cuda", c.bp).op == "back"):
         raise ConfigError(f"{where}.bp", f"{c.bp} back-projects on a stored A^T, which OSEM (subsets {c.subsets}) "
                                          f"cannot have on the GPUs for a {c.format} matrix; use bp: auto or a "
                                          "one-pass kernel (onepass, onepass_fixed, onepass_chunked), or format: csr")
@@ -155,7 +156,7 @@ def reads_transpose(c: Combination) -> bool:
         return c.layout == "thesis"
     if c.graph == "on" and c.subsets == 1 and c.bp not in (None, "auto"):
         return False
-    return c.format != "csr"
+    return not matrix_format_of(c.format).cusparse
 
 
 def verdict(c: Combination) -> str | None:

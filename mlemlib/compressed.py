@@ -99,7 +99,8 @@ ROW_BLOCK = 1 << ROW_SHIFT
 SLOT_ALIGN = 4
 #: Code widths -> dtype of ``codes``.
 CODE_DTYPES = {8: np.dtype(np.uint8), 16: np.dtype(np.uint16)}
-#: Matrix format names (``mlem convert --format``) -> value dtype.
+#: Matrix format names (``mlem convert --format``) -> value dtype (each format's description,
+#: :mod:`mlemlib.formats.spec`, reads its value facts from this table and :data:`LOSSY_FORMATS`).
 VALUE_DTYPES = {
     "compressed": np.dtype(np.float32),
     "compressed-f16": np.dtype(np.float16),
@@ -592,7 +593,7 @@ def encode_csr(
     scale = None
     if half:
         scale = np.empty(m, dtype=np.float32)
-        if fmt == "compressed-u16":  # the integers straight into 16 bits, on every thread
+        if VALUE_DTYPES[fmt].kind == "u":  # integer codes: the integers straight into 16 bits, on every thread
             bits_in = np.empty(len(data), dtype=np.uint16)
             _row_scales(indptr, data, scale, bits_in, True)
         else:

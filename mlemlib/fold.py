@@ -55,6 +55,7 @@ from numba import njit, prange
 from mlemlib.errors import ConfigError, MatrixFormatError
 from mlemlib.formats._check import DEFAULT_CHUNK_NNZ
 from mlemlib.formats.h5 import FOLD_ATTR_USER_ROWS, FOLD_DATASET, marked_container
+from mlemlib.formats.spec import matrix_format_of
 from mlemlib.image import plain_attr
 from mlemlib.matrix import CSRMatrix
 
@@ -413,13 +414,14 @@ def fold_file(
                 raise MatrixFormatError(source, "is folded already")
             if permutation_of(src) is not None:
                 raise MatrixFormatError(source, "is reordered: fold the matrix before reordering it")
-            own = getattr(src, "format", None) or "csr"
+            own = matrix_format_of(src).name
             fmt = fmt or own
             fold = find_duplicates(src, chunk_nnz=chunk_nnz, name=name)
         t_hash = time.perf_counter() - t0
         log.info("%s: %d rows, %d distinct non-empty (%.1f%%); hashed in %.1f s", name, fold.m_user, fold.m_stored,
                  100.0 * fold.m_stored / max(fold.m_user, 1), t_hash)
-        if fmt != "csr" and fmt == own:  # a compressed source keeps its stored values and row scales bit for bit
+        # a compressed source kept in its format keeps its stored values and row scales bit for bit
+        if fmt == own and matrix_format_of(fmt).compressed:
             summary = copy_compressed(source, out, code_bits=code_bits, max_nnz=chunk_nnz,
                                       keep_rows=first_rows(fold), attach=_attachment(fold))
         else:

@@ -56,6 +56,7 @@ from numba import njit, prange
 
 from mlemlib._io import atomic_dir
 from mlemlib.errors import ConfigError, MatrixFormatError
+from mlemlib.formats.spec import matrix_format_of
 from mlemlib.matrix import INDEX_DTYPE, INDPTR_DTYPE, CSRMatrix
 from mlemlib.transpose import DEFAULT_CHUNK_NNZ, numba_threads
 
@@ -438,7 +439,7 @@ def partition_file(
             f", {plan['transpose_imbalance']:.4f} (A^T row blocks)" if at is not None else "",
             "A_k^T written as part-{k}.h5" if local_transpose else "nothing copied",
         )  # fmt: skip
-        fmt = getattr(a, "format", "csr")
+        spec = matrix_format_of(a)
         plan.update(
             {
                 "paths": "relative to the plan's directory",
@@ -448,10 +449,10 @@ def partition_file(
                 ),
                 "matrix": _relpath(matrix_h5, out_dir),
                 "matrix_checksum": a.checksum,
-                "matrix_format": fmt,
+                "matrix_format": spec.name,
             }
         )
-        if fmt != "csr":
+        if spec.compressed:
             sp = a.read_slotptr()
             slot_off = [int(sp[b]) for b in bounds[:-1]]
             plan["slot_offsets"] = slot_off

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib import __version__
-from mlemlib.formats import InMemoryMatrix
+from mlemlib.formats import InMemoryMatrix, matrix_format_of
 from mlemlib.image import FORMAT_VERSION
 
 #: ``format`` of ``timings.json``.
@@ -149,7 +149,7 @@ def timings_record(prob: Any, settings: Any, desc: dict[str, Any], be: Any, reco
     used_t = transpose_used(desc.get("transpose"), prob.tsrc is not None)
     # Bytes each projection reads: CSR's 8 per non-zero plus the row pointer, or
     # the bytes of the format on the device (the backend's bytes_per_nnz).
-    per_nnz = desc.get("bytes_per_nnz") if desc.get("format", "csr") != "csr" else None
+    per_nnz = desc.get("bytes_per_nnz") if matrix_format_of(desc.get("format", "csr")).compressed else None
     per_nnz = per_nnz if isinstance(per_nnz, dict) else {}
     bytes_a = round(per_nnz["A"] * nnz) if per_nnz.get("A") else 8 * (m + 1) + 8 * nnz
     bytes_at = None

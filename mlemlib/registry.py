@@ -1,4 +1,4 @@
-"""The kernel registry: every SpMV kernel declared once (pure Python; no NumPy, CuPy or GPU needed).
+"""The kernel registry: every SpMV kernel declared once (host side; no CuPy or GPU needed).
 
 A kernel is what a run's ``fp:`` or ``bp:`` names. Each :class:`Kernel`
 records its name, the operation it computes, the matrix formats it reads,
@@ -33,13 +33,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mlemlib.errors import ConfigError
+from mlemlib.formats.spec import ALL_FORMATS, NAMES, matrix_format_of
 
 OPS = ("forward", "back", "back_notrans", "iteration")
 #: Backend names of the config (``backend:``). ``cuda`` with ``gpus > 1`` runs the NCCL backend.
 BACKENDS = ("cpu", "cuda")
-#: Matrix formats on the device (the matrix file's format: ``mlem convert --format``).
-FORMATS = ("csr", "compressed", "compressed-f16", "compressed-u16")
-_CMP = FORMATS[1:]
+#: Matrix formats on the device (the matrix file's format: ``mlem convert --format``; each one's
+#: description: :func:`mlemlib.formats.spec.matrix_format_of`).
+FORMATS = NAMES
+_CSR = tuple(f.name for f in ALL_FORMATS if not f.compressed)
+_CMP = tuple(f.name for f in ALL_FORMATS if f.compressed)
 _ALL = FORMATS
 #: Multi-GPU layouts of the NCCL backend.
 LAYOUTS = ("local", "thesis")
@@ -159,13 +162,13 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("numba", "forward", "cpu", _ALL, True, (), False, f"{_CPU}: _spmv32/_spmv64; {_CMPCPU}: cmp_spmv32",
            "row-parallel SpMV (prange over rows, each row summed in order; compressed rows decoded on the fly)",
            launcher="cpu:numba_forward"),
-    Kernel("scipy", "forward", "cpu", ("csr",), True, (), False, "scipy.sparse csr_matrix @ x",
+    Kernel("scipy", "forward", "cpu", _CSR, True, (), False, "scipy.sparse csr_matrix @ x",
            "SciPy's CSR product (one thread; same sums as numba)",
            launcher="cpu:scipy_forward"),
     Kernel("numba", "back", "cpu", _ALL, True, (), False, f"{_CPU}: _spmv32/_spmv64 on A^T; {_CMPCPU}: cmp_spmv32",
            "row-parallel SpMV on the stored transpose; without one, the blocked scatter",
            launcher="cpu:numba_back", blocks=True),
-    Kernel("scipy", "back", "cpu", ("csr",), True, (), False, "scipy.sparse: A^T @ c (or A.T @ c)",
+    Kernel("scipy", "back", "cpu", _CSR, True, (), False, "scipy.sparse: A^T @ c (or A.T @ c)",
            "SciPy's product on the stored transpose, or its CSC product of A",
            launcher="cpu:scipy_back"),
     Kernel("notrans", "back_notrans", "cpu", _ALL, True, (), False, f"{_CPU}: _spmv_t32/_spmv_t64; {_CMPCPU}: cmp_spmv_t32",
@@ -179,51 +182,51 @@ KERNELS: tuple[Kernel, ...] = (
            "its reference",
            launcher="cpu:chunked_step", chunks=True),
     # ---- cuda: forward
-    Kernel("csr_vector", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L",
+    Kernel("csr_vector", "forward", "cuda", _CSR, True, _BOTH, True, f"{_SPMV}: csr_vector_L",
            "2..32 lanes per row, 16-byte loads, warp-shuffle sum; correlation fused",
            launcher="_cuda_kernels:csr_vector", fused=True, shapes=True, lanes=True, interleaved=True),
-    Kernel("csr_scalar", "forward", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_scalar",
+    Kernel("csr_scalar", "forward", "cuda", _CSR, True, _BOTH, True, f"{_SPMV}: csr_scalar",
            "one thread per row (baseline); correlation fused",
            launcher="_cuda_kernels:csr_scalar", fused=True),
-    Kernel("merge", "forward", "cuda", ("csr",), False, _BOTH, True, f"{_SPMV}: merge_spmv",
+    Kernel("merge", "forward", "cuda", _CSR, False, _BOTH, True, f"{_SPMV}: merge_spmv",
            "merge-path SpMV of the thesis (5.1), secsize items per thread, atomics",
            launcher="_cuda_kernels:merge", secsize=True),
-    Kernel("cusparse", "forward", "cuda", ("csr",), False, _BOTH, False, "cupyx cuSPARSE: A @ f",
+    Kernel("cusparse", "forward", "cuda", _CSR, False, _BOTH, False, "cupyx cuSPARSE: A @ f",
            "cuSPARSE's default SpMV through CuPy (allocates; not deterministic)",
            launcher="_cuda_kernels:cusparse"),
     Kernel("delta_vector", "forward", "cuda", _CMP, True, _BOTH, True, f"{_CMPCU}: cspmv_<kind>_L",
            "compressed rows: 4 slots per lane, warp scan of the column deltas; correlation fused",
            launcher="_compressed_cuda:spmv", fused=True, lanes=True),
     # ---- cuda: back projection on the stored transpose
-    Kernel("csr_vector", "back", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_vector_L on A^T",
+    Kernel("csr_vector", "back", "cuda", _CSR, True, _BOTH, True, f"{_SPMV}: csr_vector_L on A^T",
            "csr_vector on the rows of A^T (lanes capped by bandwidth per SM); update fused",
            launcher="_cuda_kernels:csr_vector", fused=True, shapes=True, lanes=True, interleaved=True),
-    Kernel("csr_scalar", "back", "cuda", ("csr",), True, _BOTH, True, f"{_SPMV}: csr_scalar on A^T",
+    Kernel("csr_scalar", "back", "cuda", _CSR, True, _BOTH, True, f"{_SPMV}: csr_scalar on A^T",
            "one thread per row of A^T; update fused",
            launcher="_cuda_kernels:csr_scalar", fused=True),
-    Kernel("merge", "back", "cuda", ("csr",), False, _BOTH, True, f"{_SPMV}: merge_spmv on A^T",
+    Kernel("merge", "back", "cuda", _CSR, False, _BOTH, True, f"{_SPMV}: merge_spmv on A^T",
            "merge-path SpMV on A^T, atomics",
            launcher="_cuda_kernels:merge", secsize=True),
-    Kernel("cusparse", "back", "cuda", ("csr",), False, _BOTH, False, "cupyx cuSPARSE: A_T @ c",
+    Kernel("cusparse", "back", "cuda", _CSR, False, _BOTH, False, "cupyx cuSPARSE: A_T @ c",
            "cuSPARSE's SpMV on the stored transpose",
            launcher="_cuda_kernels:cusparse"),
     Kernel("delta_vector", "back", "cuda", _CMP, True, _BOTH, True, f"{_CMPCU}: cspmv_<kind>_L on A^T",
            "delta_vector on the rows of A^T (stored as CSR, compressed when uploaded); update fused",
            launcher="_compressed_cuda:spmv", fused=True, lanes=True),
     # ---- cuda: back projection without a transpose
-    Kernel("scatter", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_L",
+    Kernel("scatter", "back_notrans", "cuda", _CSR, False, _LOCAL, True, f"{_SPMV}: scatter_L",
            "the thesis's atomic scatter from the rows of A (lanes per row, one element per lane per trip)",
            launcher="_cuda_kernels:scatter_atomic", lanes=True),
-    Kernel("scatter_vec", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_vec_L",
+    Kernel("scatter_vec", "back_notrans", "cuda", _CSR, False, _LOCAL, True, f"{_SPMV}: scatter_vec_L",
            "atomic scatter with 2/4-wide vector atomics (sm_90)",
            launcher="_cuda_kernels:scatter_vec", lanes=True),
-    Kernel("scatter_smem", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, f"{_SPMV}: scatter_smem",
+    Kernel("scatter_smem", "back_notrans", "cuda", _CSR, False, _LOCAL, True, f"{_SPMV}: scatter_smem",
            "per row chunk, atomics into a shared-memory window where its columns fit",
            launcher="_cuda_kernels:scatter_smem", smem=True),
-    Kernel("cusparse_notrans", "back_notrans", "cuda", ("csr",), False, _LOCAL, False, "cupyx cuSPARSE: A.T @ c",
+    Kernel("cusparse_notrans", "back_notrans", "cuda", _CSR, False, _LOCAL, False, "cupyx cuSPARSE: A.T @ c",
            "cuSPARSE's transposed product through CuPy (allocates), a reference for the scatters",
            launcher="_cuda_kernels:cusparse_scatter"),
-    Kernel("notrans", "back_notrans", "cuda", ("csr",), False, _LOCAL, True, "see choose_notrans",
+    Kernel("notrans", "back_notrans", "cuda", _CSR, False, _LOCAL, True, "see choose_notrans",
            "scatter_smem where most row chunks fit shared memory, else scatter", selector=True,
            launcher="_cuda_kernels:notrans", smem=True),
     Kernel("delta_scatter", "back_notrans", "cuda", _CMP, False, _LOCAL, True, f"{_CMPCU}: cscatter_<kind>_L",
@@ -264,12 +267,6 @@ AUTO_RULES = (
     "cuda csr_vector launch shape: the fastest of _cuda_plan.SHAPE_CANDIDATES, timed on each matrix (and each "
     "GPU's block) at set-up; a shape never changes a result",
 )
-
-
-def format_of(source: Any) -> str:
-    """The format a matrix source holds: a device matrix's, a compressed reader's or matrix's, else ``csr``."""
-    fmt = getattr(source, "format", None)
-    return fmt if isinstance(fmt, str) and fmt in FORMATS else "csr"
 
 
 def launcher(k: Kernel) -> Callable[..., Any]:
@@ -424,7 +421,8 @@ def choose_auto(reuse: float | None, *, transpose: bool, chunks: float | None = 
     an empty matrix) counts as no reuse.
     """
     gpus = max(1, int(gpus))
-    least = CHUNK_REUSE_MIN_ONEPASS if fmt != "csr" and not transpose else CHUNK_REUSE_MIN
+    one_pass = get_bp("cuda", matrix_format_of(fmt).notrans_kernel).op == "iteration"  # the choice without A^T
+    least = CHUNK_REUSE_MIN_ONEPASS if one_pass and not transpose else CHUNK_REUSE_MIN
     if reuse is not None and reuse >= least and (gpus == 1 or layout in (None, "local")):
         per_gpu = chunks / gpus if chunks is not None else None
         if not transpose or (per_gpu is not None and sms is not None and per_gpu >= CHUNK_WAVES_MIN * sms):
@@ -497,17 +495,17 @@ def resolve(backend: str, fp: str | None, bp: str | None, *, gpus: int = 1, layo
                                     f"not {fp!r}")
         return Choice(bp, bp, False, kb.deterministic)
     if backend == "cpu":
-        auto = "numba" if threads > 1 or fmt != "csr" else "scipy"
+        auto = "numba" if threads > 1 or fmt not in get("cpu", "forward", "scipy").formats else "scipy"
         fp = auto if fp == "auto" else fp
         if bp == "auto":
             bp = auto if transpose_available else "numba"
         kb = get_bp("cpu", bp)
         needs_t = transpose_available and kb.op == "back"
         return Choice(fp, bp, needs_t, get("cpu", "forward", fp).deterministic and kb.deterministic)
-    row = "csr_vector" if fmt == "csr" else "delta_vector"
-    fp = row if fp == "auto" else fp
+    spec = matrix_format_of(fmt)
+    fp = spec.row_kernel if fp == "auto" else fp
     if bp == "auto":
-        bp = row if transpose_available and fits else ("notrans" if fmt == "csr" else "onepass_fixed")
+        bp = spec.row_kernel if transpose_available and fits else spec.notrans_kernel
         if layout == "thesis" and multi and get_bp("cuda", bp).op != "back":
             raise ConfigError("bp", "bp=auto: the thesis layout back-projects rows of A^T, which do not fit; "
                                     "use layout local")

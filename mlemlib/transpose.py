@@ -52,6 +52,7 @@ import numpy as np
 from numba import njit, prange
 
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
+from mlemlib.formats.spec import matrix_format_of
 from mlemlib.matrix import INDEX_DTYPE, INDPTR_DTYPE, VALUE_DTYPE, CSRMatrix
 
 log = logging.getLogger(__name__)
@@ -658,18 +659,12 @@ def _write_transpose(
     ``t`` (the whole matrix up to 4 million elements, else rows spread over
     it), as :func:`mlemlib.formats.convert` chooses it.
     """
-    from mlemlib.formats.h5 import MatrixH5Writer
-
-    if fmt == "csr":
-        with MatrixH5Writer(out, t.shape, t.nnz, source=source, **attrs) as w:
-            for r0, r1 in iter_row_chunks(t.indptr, chunk_nnz):
-                w.write_rows(_row_block(t, r0, r1))
-        return None
     from mlemlib.formats import InMemoryMatrix
-    from mlemlib.formats.compressed_h5 import CompressedH5Writer, sample_code_bits
+    from mlemlib.formats.compressed_h5 import sample_code_bits
 
-    code_bits = sample_code_bits(InMemoryMatrix(t, out), fmt)
-    with CompressedH5Writer(out, t.shape, t.nnz, fmt=fmt, code_bits=code_bits, source=source, **attrs) as w:
+    spec = matrix_format_of(fmt)
+    code_bits = sample_code_bits(InMemoryMatrix(t, out), spec.name) if spec.compressed else None
+    with spec.writer(out, t.shape, t.nnz, code_bits=code_bits, source=source, **attrs) as w:
         for r0, r1 in iter_row_chunks(t.indptr, chunk_nnz):
             w.write_rows(_row_block(t, r0, r1))
     return code_bits
@@ -751,7 +746,7 @@ def transpose_file(
     name = Path(matrix_h5).name
     with MatrixH5(matrix_h5) as src, numba_threads(threads) as nt:
         m, n = src.shape
-        fmt = getattr(src, "format", "csr")  # a compressed container's format; its rows are read decoded
+        fmt = matrix_format_of(src).name  # a compressed container's format; its rows are read decoded
         if method == "scantrans":
             warm_up()
             log.info("%s: ScanTrans of %d x %d, %d non-zeros, %d threads, chunks of %d", name, m, n, src.nnz, nt, chunk_nnz)

@@ -6,6 +6,7 @@ runs read.
 import functools
 
 from mlemlib.compressed import LOSSY_FORMATS
+from mlemlib.formats.spec import matrix_format_of
 from mlemlib.registry import get_bp, uses_transpose
 
 # ----------------------------------------------------------------- matrices
@@ -222,7 +223,7 @@ def needs_part_files(run, matrix):
     """
     if run["backend"] != "cuda" or run["layout"] != "local" or is_subsetted():
         return False
-    if config["matrices"][matrix]["format"] == "csr":
+    if matrix_format_of(config["matrices"][matrix]["format"]).cusparse:
         return False
     if not uses_transpose("cuda", run["bp"]):
         return False

@@ -44,9 +44,10 @@ from mlemlib.backends import _cuda_plan as plan
 from mlemlib.backends._build import COMPRESSED, check_vector, cupy
 from mlemlib.backends._build import function as _function
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR
-from mlemlib.backends.device_formats import DeviceMatrix, format_of
+from mlemlib.backends.device_formats import DeviceMatrix
 from mlemlib.compressed import VALUE_DTYPES, format_of_values, values16
 from mlemlib.errors import ConfigError, DeviceError, MatrixFormatError
+from mlemlib.formats.spec import CSR, MatrixFormat, matrix_format_of
 from mlemlib.matrix import chunk_bounds
 
 log = logging.getLogger(__name__)
@@ -209,8 +210,9 @@ def choose_lanes(mean_slots_per_row: float, cap: int = 32) -> int:
 
 def onepass_lanes(m: int, nnz: int, fmt: str) -> int:
     """Lanes per row of the one passes, from the whole matrix's mean row length (4 slots per lane and trip on
-    a compressed format): every GPU, and one GPU alone, sums each row the same way."""
-    return choose_lanes((nnz / m if m else 0.0) / (1 if fmt == "csr" else 4))
+    a compressed format: the format's ``slots_per_lane``): every GPU, and one GPU alone, sums each row the
+    same way."""
+    return choose_lanes((nnz / m if m else 0.0) / matrix_format_of(fmt).slots_per_lane)
 
 
 def _lanes(lanes: int | None, default: int) -> int:
@@ -301,10 +303,10 @@ class DeviceCompressed(DeviceMatrix):
         rel = sp - sp[0]
         total = int(rel[-1])
         rowbase, rowoff = pack_rowptr(rel)
-        lossless = source.format == "compressed"
+        scaled = matrix_format_of(source).row_scales
         codes = cp.empty(total, dtype=CODE_DTYPES[int(source.code_bits)])
         values = cp.empty(total, dtype=VALUE_DTYPES[source.format])
-        scale = None if lossless else cp.empty(r1 - r0, dtype=cp.float32)
+        scale = cp.empty(r1 - r0, dtype=cp.float32) if scaled else None
         nnz = 0
         pieces = chunk_bounds(rel, upload_piece(total))
         stream = cp.cuda.Stream(non_blocking=True)
@@ -367,7 +369,7 @@ class DeviceCompressed(DeviceMatrix):
     def device_bytes(source: Any) -> int:
         """Bytes ``source`` takes on the GPU: a compressed container's own size, else about 6.5 per non-zero."""
         nb = getattr(source, "nbytes", None)
-        if getattr(source, "format", None) in VALUE_DTYPES and nb is not None:
+        if matrix_format_of(source).compressed and nb is not None:
             return int(nb)
         return int(6.5 * int(source.nnz)) + 5 * int(source.shape[0])
 
@@ -503,22 +505,17 @@ def _csr_arrays(cp: Any, ip: np.ndarray, a: Any) -> DeviceCSRArrays:
     )
 
 
-def _matrix_args(a) -> tuple[str, tuple, float]:
-    """(kernel name part, the five matrix arguments, mean slots per row) of a compressed or CSR device matrix."""
+def _matrix_args(a) -> tuple[MatrixFormat, str, tuple, float]:
+    """(format, kernel name part, the five matrix arguments, mean slots per row) of a compressed or CSR device
+    matrix."""
     if isinstance(a, DeviceCompressed):
         m = a.shape[0]
-        return a.kind, a.kernel_args(), (a.slots / 4 / m if m else 0.0)
+        return matrix_format_of(a), a.kind, a.kernel_args(), (a.slots / 4 / m if m else 0.0)
     if all(hasattr(a, k) for k in ("indptr", "indices", "data", "shape")):
         m = a.shape[0]
         nnz = int(a.indices.size)
-        return "csr", (a.indptr, a.indptr, a.indices, a.data, a.data), (nnz / m if m else 0.0)
+        return CSR, CSR.kernel_kind(), (a.indptr, a.indptr, a.indices, a.data, a.data), (nnz / m if m else 0.0)
     raise TypeError(f"expected a DeviceCompressed or device CSR arrays, got {type(a).__name__}")
-
-
-def _onepass_name(kind: str, lanes: int, det: bool) -> str:
-    """The one-pass kernel of a matrix kind (``csr``: one element per lane; compressed: 4 slots per lane)."""
-    det_ = "det_" if det else ""
-    return f"onepass_{det_}csr_{lanes}" if kind == "csr" else f"conepass_{det_}{kind}_{lanes}"
 
 
 # --------------------------------------------------------------------------- fixed point
@@ -796,16 +793,16 @@ def onepass_fixed(
     bit-identical for every GPU count. ``limits``: :func:`fixed_limits` of every GPU's block (default:
     ``a`` alone's, one GPU).
     """
-    kind, args, mean = _matrix_args(a)
+    fmt, kind, args, mean = _matrix_args(a)
     m, n = a.shape
     L = _lanes(lanes, choose_lanes(mean))
     if m:
         lims = _limits(a, limits)
         groups, order = spread(m)
         _launch_rows(
-            function(_onepass_name(kind, L, True)), groups, L,
+            function(fmt.onepass_kernel(kind, L, True)), groups, L,
             (*args, f, g, _background(bg, m), fp, acc, np.float64(scale), flag, *lims, np.int64(m), *order),
-            waves=0 if kind == "csr" else None,  # the CSR kernels have no row loop
+            waves=None if fmt.compressed else 0,  # the CSR kernels have no row loop
         )
 
 
@@ -854,7 +851,7 @@ def onepass(
     (bp, fp)
     """
     cp = cupy()
-    _, _, mean = _matrix_args(a)
+    _, _, _, mean = _matrix_args(a)
     n = a.shape[1]
     bp, fp = _step_vectors(a.shape, g, f, bp, fp)
     L = _lanes(lanes, choose_lanes(mean))
@@ -884,15 +881,15 @@ def onepass_step(a: Any, g: Any, f: Any, *, fp: Any, bp: Any = None, lanes: int 
     float atomics (not deterministic). Returns None (no fixed-point scale). Several GPUs add their
     ``bp``. Nothing is synchronised.
     """
-    kind, args, mean = _matrix_args(a)
+    fmt, kind, args, mean = _matrix_args(a)
     m = a.shape[0]
     L = _lanes(lanes, choose_lanes(mean))
     bp.fill(0)
     if m:
         groups, order = spread(m)
-        _launch_rows(function(_onepass_name(kind, L, False)), groups, L,
+        _launch_rows(function(fmt.onepass_kernel(kind, L, False)), groups, L,
                      (*args, f, g, _background(bg, m), fp, bp, np.int64(m), *order),
-                     waves=0 if kind == "csr" else None)  # the CSR kernels have no row loop
+                     waves=None if fmt.compressed else 0)  # the CSR kernels have no row loop
 
 
 def onepass_fixed_step(a: Any, g: Any, f: Any, *, fp: Any, acc: Any = None, flag: Any = None, bound: float = 1.0,
@@ -904,7 +901,7 @@ def onepass_fixed_step(a: Any, g: Any, f: Any, *, fp: Any, acc: Any = None, flag
     with :func:`fixed_to_float`; the fixed point is then the same bits for every GPU count. ``limits``:
     :func:`fixed_limits` of all GPUs' blocks (default: ``a`` alone's). Nothing is synchronised.
     """
-    _, _, mean = _matrix_args(a)
+    _, _, _, mean = _matrix_args(a)
     scale = fixed_scale(bound)
     onepass_fixed(a, g, f, acc, fp, scale, flag, lanes=_lanes(lanes, choose_lanes(mean)), bg=bg, limits=limits)
     return scale
@@ -1013,7 +1010,7 @@ class DeviceChunked:
         from mlemlib.matrix import shape_nnz
 
         (m, _), nnz = shape_nnz(source)
-        half = values16(format_of(source))
+        half = matrix_format_of(source).row_scales
         per = 4 if half else 6
         return (12 if half else 8) * (m + 1) + per * (chunked.VEC - 1) * m + (per + 1) * nnz
 
@@ -1057,7 +1054,7 @@ class DeviceChunked:
                 return cls.upload(source, rows, window=window, what=what, max_nnz=max_nnz, sms=sms)
         window = chunk_window() if window is None else int(window)
         (m_all, n), nnz = shape_nnz(source)
-        fmt = format_of(source)
+        fmt = matrix_format_of(source).name
         r_lo, r_hi = (0, m_all) if rows is None else (int(rows[0]), int(rows[1]))
         if not 0 <= r_lo <= r_hi <= m_all:
             raise ValueError(f"{what}: rows [{r_lo}, {r_hi}) outside the matrix's {m_all}")

@@ -125,7 +125,7 @@ def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, pla
             s.nnz = int(s.a.nnz)
         else:
             s.a = dev_type.upload(matrix, (r0, r1), device=dev, align=pad_a, fmt=be.format)
-            s.nnz = int(s.a.nnz) if be.format != "csr" else int(s.a.indptr[-1] - s.a.indptr[0])
+            s.nnz = int(s.a.nnz) if be.matrix_format.compressed else int(s.a.indptr[-1] - s.a.indptr[0])
         if layout == "thesis":
             s.at = dev_type.upload(transpose, (c0, c1), device=dev, align=be._kb.shapes,
                                    fmt=be.format)
@@ -135,7 +135,7 @@ def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, pla
                     s.at = dev_type.upload(pf, (0, n), device=dev, fmt=be.format)
                 if s.at.shape != (n, r1 - r0) or s.at.nnz != s.nnz:
                     raise MatrixFormatError(local_files[part], f"part is {s.at.shape} with {s.at.nnz} nnz, expected {(n, r1 - r0)} with {s.nnz}")
-            elif be.format != "csr":
+            elif not be.matrix_format.cusparse:
                 raise ConfigError("plan", f"the local layout on a {be.format} matrix reads each GPU's "
                                   "A_k^T from the partition's part files (mlem partition); none given")
             else:
@@ -179,6 +179,6 @@ def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, pla
             s.c = cp.empty(m, dtype=cp.float32)
             s.img_send = cp.zeros(n, dtype=cp.float32)
             s.bp = cp.empty(n, dtype=cp.float32)
-        if be.onepass and not be._kb.chunks and be.format != "csr":  # atomic target in L2, as on one GPU
+        if be.onepass and not be._kb.chunks and be.matrix_format.compressed:  # atomic target in L2, as on one GPU
             s.l2_window = cc.persist_in_l2(s.stream, s.acc if be.deterministic else s.bp)
     return s

@@ -47,8 +47,8 @@ from numba import njit, prange
 
 from mlemlib import registry
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR, ONEPASS_C_MAX, Backend, bytes_per_nnz
-from mlemlib.backends.device_formats import format_of
 from mlemlib.errors import ConfigError
+from mlemlib.formats.spec import CSR, MatrixFormat, matrix_format_of
 from mlemlib.matrix import CSRMatrix
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ def _load(matrix: Any, what: str, fmt: str) -> Any:
     A compressed container or matrix is taken as it is encoded (``read_encoded``);
     a CSR source asked for in a compressed format (a stored transpose) is encoded here.
     """
-    if fmt == "csr":
+    if not matrix_format_of(fmt).compressed:
         return _load_csr(matrix, what)
     from mlemlib.compressed import CompressedMatrix
 
@@ -304,7 +304,7 @@ def cpu_facts() -> dict[str, Any]:
 # (be, x, out), whole-iteration steps (be, f) and leave bp and fp in be._bp, be._fp.
 def numba_forward(be: CpuBackend, f: np.ndarray, out: np.ndarray, *, kernel: str) -> np.ndarray:
     """``out = A f``: row-parallel Numba SpMV (a compressed matrix's rows decoded on the fly)."""
-    if be.format != "csr":
+    if be.matrix_format.compressed:
         return cmpcpu().spmv(be.a, f, out)
     a = be.a
     spmv(a.indptr, a.indices, a.data, f, out)
@@ -319,7 +319,7 @@ def scipy_forward(be: CpuBackend, f: np.ndarray, out: np.ndarray, *, kernel: str
 
 def numba_back(be: CpuBackend, c: np.ndarray, out: np.ndarray, *, kernel: str) -> np.ndarray:
     """``out = A^T c``: Numba SpMV on the stored transpose, else the blocked scatter from the rows of A."""
-    if be.format != "csr":
+    if be.matrix_format.compressed:
         if be.use_transpose:
             return cmpcpu().spmv(be.at, c, out)
         return cmpcpu().spmv_t(be.a, c, out, blocks=be.blocks, partial=be._partial)
@@ -341,7 +341,7 @@ def scipy_back(be: CpuBackend, c: np.ndarray, out: np.ndarray, *, kernel: str) -
 def onepass_step(be: CpuBackend, f: np.ndarray, *, kernel: str) -> None:
     """One pass over A: per row its dot product, the ratio (with the background ``b'`` where given) and its
     scatter into per-block images."""
-    if be.format == "csr":
+    if not be.matrix_format.compressed:
         a = be.a
         cmpcpu().csr_onepass(a.indptr, a.indices, a.data, be.g, f, bp=be._bp, fp=be._fp, blocks=be.blocks,
                              partial=be._partial, background=be.background)
@@ -386,24 +386,26 @@ def _columns(at: Any, r0: int, r1: int, fmt: str) -> Any:
     A copy (made once at set-up): the back projection of a subset then reads its own
     non-zeros only, summing them in the order the whole transpose would (the others add exact zeros).
     """
-    fmt = getattr(at, "format", None) or fmt
+    spec = matrix_format_of(getattr(at, "format", None) or fmt)
     import scipy.sparse as sp
 
     csr = at if isinstance(at, CSRMatrix) else at.to_csr(validate=False)
     part = CSRMatrix.from_scipy(sp.csr_matrix((csr.data, csr.indices, csr.indptr), shape=csr.shape)[:, r0:r1])
-    if fmt == "csr":
+    if not spec.compressed:
         return part
     from mlemlib.compressed import CompressedMatrix
 
-    return CompressedMatrix.from_csr(part, fmt, validate=False)
+    return CompressedMatrix.from_csr(part, spec.name, validate=False)
 
 
 class _HostRows:
-    """What the registry's cpu launchers read of a backend: ``a`` (``at``), ``format``, ``dtype``, ``g``,
-    ``background``, the buffers, and SciPy views of the matrices (:meth:`scipy_matrix`)."""
+    """What the registry's cpu launchers read of a backend: ``a`` (``at``), ``format`` (and its description,
+    ``matrix_format``), ``dtype``, ``g``, ``background``, the buffers, and SciPy views of the matrices
+    (:meth:`scipy_matrix`)."""
 
     a: Any
     at: Any
+    matrix_format: MatrixFormat
     dtype: np.dtype
     _scipy: dict[str, Any]
 
@@ -424,7 +426,7 @@ class _Subset(_HostRows):
     of a stored transpose, its slices of ``g``, ``b'`` and the row buffers, its update norm."""
 
     def __init__(self, be: CpuBackend, k: int, r0: int, r1: int) -> None:
-        self.format, self.dtype, self.blocks = be.format, be.dtype, be.blocks
+        self.format, self.matrix_format, self.dtype, self.blocks = be.format, be.matrix_format, be.dtype, be.blocks
         self.use_transpose, self._partial, self._bp = be.use_transpose, be._partial, be._bp
         self.a = _rows(be.a, r0, r1)
         self.at = _columns(be.at, r0, r1, be.format) if be.use_transpose else None
@@ -505,7 +507,8 @@ class CpuBackend(_HostRows, Backend):
         import numba
 
         # A compressed matrix runs its own (float32) kernels; the float64 reference reads it decoded.
-        self.format = format_of(matrix) if self.dtype == np.float32 else "csr"
+        self.matrix_format = matrix_format_of(matrix) if self.dtype == np.float32 else CSR
+        self.format = self.matrix_format.name
         choice = registry.decide("cpu", fp, bp, transpose_available=transpose is not None,
                                  threads=numba.get_num_threads(), fmt=self.format)
         self.fp_kernel, self.bp_kernel = choice.fp, choice.bp

@@ -54,8 +54,9 @@ from mlemlib.backends.base import (
     bytes_per_nnz,
     calibrated_bound,
 )
-from mlemlib.backends.device_formats import DeviceMatrix, device_type, format_of
+from mlemlib.backends.device_formats import DeviceMatrix, device_type
 from mlemlib.errors import ConfigError, DeviceError
+from mlemlib.formats.spec import matrix_format_of
 from mlemlib.matrix import shape_nnz
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,8 @@ class CudaBackend(Backend):
 
         (m, n), nnz = shape_nnz(matrix)
         self.shape = (m, n)
-        self.format = format_of(matrix)
+        self.matrix_format = matrix_format_of(matrix)
+        self.format = self.matrix_format.name
         dev_type = device_type(self.format)
         if transpose is not None:
             t_shape, t_nnz = shape_nnz(transpose)
@@ -237,7 +239,7 @@ class CudaBackend(Backend):
                 )
             # A CSR matrix without a stored transpose is transposed here (cuSPARSE, 32-bit indices): faster
             # than reading A^T from disk
-            on_gpu_t = transpose is None and self.format == "csr" and nnz <= registry.CUSPARSE_MAX_NNZ
+            on_gpu_t = transpose is None and self.matrix_format.cusparse and nnz <= registry.CUSPARSE_MAX_NNZ
             def chunks_fit() -> bool:
                 need_c = layout.device_bytes() if layout is not None else cc().DeviceChunked.device_bytes(matrix)
                 if need_c + need_vec > MEMORY_HEADROOM * free:
@@ -248,7 +250,7 @@ class CudaBackend(Backend):
                 return True
 
             # the chunked one pass where a sample of the matrix's chunks reuses voxels (a reordered matrix)
-            may_sample = self.format == "csr" or not isinstance(matrix, DeviceMatrix)
+            may_sample = not self.matrix_format.compressed or not isinstance(matrix, DeviceMatrix)
             choice = registry.decide(
                 "cuda", fp, bp, transpose_available=transpose is not None or on_gpu_t, fits=fits_both,
                 fmt=self.format, sms=ck.device_properties(self.device_id)["sm_count"], chunks_fit=chunks_fit,
@@ -287,7 +289,7 @@ class CudaBackend(Backend):
             self.chunk_file = layout.path if self.chunked and layout is not None else None
             # the kernels compile in the background while A is read and copied
             ck.prefetch_kernels(registry.kernels_of("cuda", self.fp_kernel, self.bp_kernel), self.device_id,
-                                tune=tune and self.format == "csr")
+                                tune=tune and not self.matrix_format.compressed)
             ck.prefetch_kernels([registry.row_forward(self.format)], self.device_id, tune=False)
             if self.chunk_file:
                 self.a = cc().DeviceChunked.from_layout(layout)
@@ -325,11 +327,12 @@ class CudaBackend(Backend):
                 if transpose is not None:
                     # a compressed A^T keeps its own encoding (a lossy A's is stored exact: re-encoding it would
                     # round it again); a CSR one is encoded as A is
-                    t_fmt = format_of(transpose)
+                    t_fmt = matrix_format_of(transpose).name
                     t_fmt = t_fmt if dev_type.reads(t_fmt) else self.format
                     self.at = dev_type.upload(transpose, what="transpose", fmt=t_fmt)
-                    self.transpose_source = "stored" if t_fmt == format_of(transpose) else f"stored, as {t_fmt}"
-                elif self.format != "csr":
+                    self.transpose_source = ("stored" if t_fmt == matrix_format_of(transpose).name
+                                             else f"stored, as {t_fmt}")
+                elif not self.matrix_format.cusparse:
                     raise ConfigError(
                         "transpose", f"bp={self.bp_kernel} on a {self.format} matrix needs a stored transpose "
                         "(mlem transpose), or use bp=onepass_fixed"
@@ -388,7 +391,7 @@ class CudaBackend(Backend):
             # with the default stream's work); no stream where the GPU has no such control.
             self._stream: Any = None
             self.l2_window: dict | None = None
-            if self.onepass and not self.chunked and self.format != "csr":
+            if self.onepass and not self.chunked and self.matrix_format.compressed:
                 stream = cp.cuda.Stream()
                 self.l2_window = cc().persist_in_l2(stream, self._acc if self.deterministic else self._bp)
                 self._stream = stream if self.l2_window else None

@@ -1,6 +1,7 @@
 """Matrix formats on the device: the one interface each format's device type implements (no CuPy at import).
 
-A format is one :class:`DeviceMatrix` subclass (how it is uploaded, how many
+A format (:class:`mlemlib.formats.spec.MatrixFormat`, whose ``device_type`` names its type here) is one
+:class:`DeviceMatrix` subclass (how it is uploaded, how many
 bytes it takes, its non-zeros, the rows it holds) plus one module of kernels
 (``mlemlib/kernels/<format>.cu``) whose kernels the registry
 (:mod:`mlemlib.registry`) declares with that format. The one-GPU and the
@@ -24,16 +25,12 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from mlemlib import registry
 from mlemlib.errors import ConfigError
+from mlemlib.formats.spec import ALL_FORMATS, MatrixFormat
 
-#: Format name -> ``module:class`` of its device type (imported when first used).
-DEVICE_TYPES = {
-    "csr": "mlemlib.backends._cuda_kernels:DeviceCSR",
-    "compressed": "mlemlib.backends._compressed_cuda:DeviceCompressed",
-    "compressed-f16": "mlemlib.backends._compressed_cuda:DeviceCompressed",
-    "compressed-u16": "mlemlib.backends._compressed_cuda:DeviceCompressed",
-}
+#: Format name -> ``module:class`` of its device type (imported when first used; each format's
+#: :attr:`~mlemlib.formats.spec.MatrixFormat.device_type`).
+DEVICE_TYPES = {f.name: f.device_type for f in ALL_FORMATS}
 
 
 class DeviceMatrix(ABC):
@@ -83,12 +80,12 @@ class DeviceMatrix(ABC):
     nbytes: int
 
 
-def device_type(fmt: str) -> type[DeviceMatrix]:
-    """The device type of format ``fmt`` (CuPy is imported by that module's methods, not here)."""
+def device_type(fmt: str | MatrixFormat) -> type[DeviceMatrix]:
+    """The device type of format ``fmt`` (a name or a description; CuPy is imported by that module's methods,
+    not here)."""
+    fmt = fmt.name if isinstance(fmt, MatrixFormat) else fmt
     if fmt not in DEVICE_TYPES:
         raise ConfigError("format", f"no device type for matrix format {fmt!r}; known: {', '.join(DEVICE_TYPES)}")
     mod, _, cls = DEVICE_TYPES[fmt].partition(":")
     return getattr(importlib.import_module(mod), cls)
 
-
-format_of = registry.format_of  # the format a matrix source holds (registry.FORMATS, else csr)

@@ -66,8 +66,8 @@ from mlemlib.backends.base import (
 from mlemlib.backends._nccl_plan import build_plan, plan_has_parts
 from mlemlib.backends._nccl_shards import Shard, load_shard
 from mlemlib.backends.cuda import chunk_layout, sample_chunks
-from mlemlib.backends.device_formats import format_of
 from mlemlib.errors import ConfigError, DeviceError
+from mlemlib.formats.spec import matrix_format_of
 from mlemlib.matrix import shape_nnz
 
 log = logging.getLogger(__name__)
@@ -195,11 +195,12 @@ class NcclBackend(Backend):
         self.layout = layout
         if isinstance(matrix, (str, os.PathLike)):
             matrix = open_matrix(matrix)
-        self.format = format_of(matrix)
+        self.matrix_format = matrix_format_of(matrix)
+        self.format = self.matrix_format.name
         nworld = world or len(devices or []) or gpus or 2
         # A_k^T in the local layout: transposed on its GPU (CSR) or the plan's part files; a whole A^T only
         # serves the thesis layout's row blocks
-        t_avail = self.format == "csr" or plan_has_parts(plan) or (layout == "thesis" and transpose is not None)
+        t_avail = self.matrix_format.cusparse or plan_has_parts(plan) or (layout == "thesis" and transpose is not None)
         self._layout, own_layout = chunk_layout(chunks, matrix) if layout == "local" else (None, False)
         if own_layout:
             weakref.finalize(self, self._layout.close)
@@ -279,7 +280,7 @@ class NcclBackend(Backend):
                                        f"another only with the same devices and layout, not {devices} ({layout})")
         # Lanes of the whole matrix, so each row is summed as on one GPU (deterministic across GPU counts).
         self.lanes_override = lanes
-        self.lanes_fp = lanes or (cplan.choose_lanes(nnz / m if m else 0.0) if self.format == "csr"
+        self.lanes_fp = lanes or (cplan.choose_lanes(nnz / m if m else 0.0) if not self.matrix_format.compressed
                                   else cc.onepass_lanes(m, nnz, self.format))
         # one-pass lanes from the whole matrix (the same on every GPU: each row is summed the same way)
         self.lanes_onepass = cc.onepass_lanes(m, nnz, self.format)
@@ -290,7 +291,7 @@ class NcclBackend(Backend):
         # ---- shards --------------------------------------------------------------------
         # the kernels compile in the background (once for the GPUs' architecture) while the parts load
         ck.prefetch_kernels(registry.kernels_of("cuda", self.fp_kernel, self.bp_kernel), devices[0],
-                            tune=tune and self.format == "csr")
+                            tune=tune and not self.matrix_format.compressed)
         ck.prefetch_kernels([self._k_forward], devices[0], tune=False)
         t0 = time.perf_counter()
         self.shards: list[Shard] = []
@@ -329,7 +330,7 @@ class NcclBackend(Backend):
             self._layout.close()
         self.load_seconds = time.perf_counter() - t0
         slots = [getattr(s.a, "slots", None) for s in self.shards]
-        if self.format != "csr" and not lanes and self.world == len(devices) and None not in slots:
+        if self.matrix_format.compressed and not lanes and self.world == len(devices) and None not in slots:
             # a compressed matrix's lanes from its padded rows, as one GPU's backend takes them (DeviceCompressed.lanes)
             self.lanes_fp = cc.choose_lanes(sum(int(v) for v in slots) / 4 / m if m else 0.0)
 

@@ -83,6 +83,7 @@ def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr
     from mlemlib.backends import _build
     from mlemlib.backends import _cuda_kernels as ck
     from mlemlib import registry
+    from mlemlib.formats.spec import matrix_format_of
 
     t0 = time.perf_counter()
     builds = ck.kernel_builds([k for k in registry.KERNELS if k.backend == "cuda"])
@@ -94,7 +95,7 @@ def warm_up(runs: Iterable[Mapping[str, Any]], *, formats: Sequence[str] = ("csr
     a, g, norm = small_problem()
     done: list[dict[str, Any]] = []
     for fmt in formats:
-        matrix = a if fmt == "csr" else _compressed(a, fmt)
+        matrix = _compressed(a, fmt) if matrix_format_of(fmt).compressed else a
         for choice in run_choices(runs):
             for s in sorted({1, min(int(subsets), 2)}):  # MLEM, and OSEM (two subsets) where runs have S > 1
                 done.append(_timed({**choice, "format": fmt, "subsets": s}, _run_choice, matrix, g, norm, choice,
@@ -151,12 +152,13 @@ def warm_host(reference: bool = True, bench: bool = False) -> None:
     and with ``bench`` the benchmark's problem and float64 products."""
     from mlemlib import chunked
     from mlemlib.compressed import CompressedMatrix
+    from mlemlib.formats.spec import COMPRESSED, COMPRESSED_U16
     from mlemlib.norm import column_sums
     from mlemlib.phantom import project_images
 
     a, g, norm = small_problem()
-    for fmt in ("compressed", "compressed-u16"):
-        CompressedMatrix.from_csr(a, fmt).to_csr()
+    for spec in (COMPRESSED, COMPRESSED_U16):
+        CompressedMatrix.from_csr(a, spec.name).to_csr()
     column_sums(a)
     project_images(a, [np.ones(a.shape[1])])
     if reference:

@@ -51,6 +51,7 @@ import numpy as np
 
 from mlemlib import registry
 from mlemlib.bench.cases import CUSPARSE, Case
+from mlemlib.formats.spec import matrix_format_of
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def matrix_facts(path: str | os.PathLike) -> dict[str, Any]:
         return {
             "shape": [m, n],
             "nnz": nnz,
-            "format": getattr(src, "format", None) or "csr",
+            "format": matrix_format_of(src).name,
             "bytes": int(nbytes),
             "bytes_per_nnz": int(nbytes) / nnz if nnz else None,
             "folded": fold is not None,
@@ -185,7 +186,7 @@ def _file_format(path: Path) -> str:
 
     src = open_matrix(path)
     try:
-        return getattr(src, "format", None) or "csr"
+        return matrix_format_of(src).name
     finally:
         close = getattr(src, "close", None)
         if close is not None:
@@ -325,7 +326,8 @@ def prepare(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int 
     directory = Path(work) / case.matrix_key(subsets)
     record = directory / "prepared.json"
     want_t = needs_transpose(case, subsets)
-    want_csr = case.cusparse and case.backend == "cuda" and case.format != "csr" and subsets == 1
+    want_csr = (case.cusparse and case.backend == "cuda" and not matrix_format_of(case.format).cusparse
+                and subsets == 1)
     done = None
     if record.exists() and not force:
         try:
@@ -378,7 +380,7 @@ def prepare(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int 
         if facts["nnz"] > registry.CUSPARSE_MAX_NNZ:
             facts = {**facts, "cusparse_refused": f"{facts['nnz']} non-zeros: beyond cuSPARSE's 32-bit indices"}
         else:
-            csr = matrix if case.format == "csr" else directory / "csr.h5"
+            csr = matrix if matrix_format_of(case.format).cusparse else directory / "csr.h5"
             if not csr.exists():
                 from mlemlib.formats import convert
 
@@ -426,7 +428,7 @@ def partition(case: Case, prep: Prepared, parts: int, *, threads: int | None = N
     plan = out / "plan.json"
     if plan.exists():
         return plan
-    local_t = (case.layout == "local" and case.format != "csr" and prep.transpose is not None
+    local_t = (case.layout == "local" and not matrix_format_of(case.format).cusparse and prep.transpose is not None
                and any(registry.uses_transpose(case.backend, bp) for fp, bp in case.pairs() if (fp, bp) != CUSPARSE))
     transpose = prep.transpose if (local_t or case.layout == "thesis") else None
     t0 = time.perf_counter()

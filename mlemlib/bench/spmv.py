@@ -39,15 +39,16 @@ import numpy as np
 
 from mlemlib import registry
 from mlemlib.errors import ConfigError
+from mlemlib.formats.spec import CSR, matrix_format_of
 
 log = logging.getLogger(__name__)
 
 #: Kernels timed by default, per operation: every cuda kernel of the registry that reads CSR (selectors left out).
-FP_BENCH = tuple(registry.names("cuda", "forward", fmt="csr"))
-BP_BENCH = tuple(registry.names("cuda", "back", fmt="csr"))
+FP_BENCH = tuple(registry.names("cuda", "forward", fmt=CSR.name))
+BP_BENCH = tuple(registry.names("cuda", "back", fmt=CSR.name))
 NOTRANS_BENCH = tuple(
     k.name for k in registry.KERNELS
-    if k.backend == "cuda" and k.op == "back_notrans" and not k.selector and "csr" in k.formats
+    if k.backend == "cuda" and k.op == "back_notrans" and not k.selector and CSR.name in k.formats
 )
 #: (fp, bp) pairs timed as whole MLEM iterations.
 ITERATION_BENCH = (
@@ -294,7 +295,7 @@ def _iteration_rows(sources: dict[str, tuple[Any, Any]], g: np.ndarray, norm: np
 
     rows, images = [], {}
     for fmt, (a, at) in sources.items():
-        pairs = iterations if fmt == "csr" else FORMAT_ITERATION_BENCH
+        pairs = FORMAT_ITERATION_BENCH if matrix_format_of(fmt).compressed else iterations
         facts = {"nnz": int(a.nnz), "bytes": int(getattr(a, "nbytes", 8 * int(a.nnz)))}
         t_bytes = int(getattr(at, "nbytes", 8 * int(at.nnz))) if at is not None else None
         for fp, bp in pairs:
@@ -448,12 +449,14 @@ def bench_spmv(
     formats = check_formats(formats)
     label = matrix_label or (os.fspath(matrix) if isinstance(matrix, (str, os.PathLike)) else "in-memory")
     src = open_source(matrix, "matrix")
-    own = getattr(src, "format", None) or "csr"
+    own = matrix_format_of(src).name
     if own not in formats:
         formats = (*formats, own)
     m, n = (int(v) for v in src.shape)
-    _prefetch(fp_kernels, bp_kernels, notrans_kernels, iterations if "csr" in formats else (),
-              FORMAT_ITERATION_BENCH if set(formats) - {"csr"} else (), device)
+    plain = [f for f in formats if not matrix_format_of(f).compressed]  # read as the CSR arrays a, at
+    others = [f for f in formats if matrix_format_of(f).compressed]  # converted, read from their files
+    _prefetch(fp_kernels, bp_kernels, notrans_kernels, iterations if plain else (),
+              FORMAT_ITERATION_BENCH if others else (), device)
     t0 = time.perf_counter()
     a = src if isinstance(matrix, CSRMatrix) else src.read_rows(0, m)
     a = getattr(a, "matrix", a)
@@ -493,8 +496,7 @@ def bench_spmv(
         if iterations and a.nnz:
             csr_floor_s = (2 * (8 * a.nnz) + 8 * (m + 1) + 8 * (n + 1)) / bw
             with tempfile.TemporaryDirectory(prefix="mlem-bench-") as tmp:
-                sources: dict[str, tuple[Any, Any]] = {"csr": (a, at)} if "csr" in formats else {}
-                others = [f for f in formats if f != "csr"]
+                sources: dict[str, tuple[Any, Any]] = {f: (a, at) for f in plain}
                 if others:
                     base = Path(tmp) / "csr.h5"
                     write_matrix_h5(base, a)
@@ -506,7 +508,7 @@ def bench_spmv(
                                       csr_floor_s=csr_floor_s, device=device, iterations=iterations,
                                       resident=resident)
                 for fmt, (s, _) in sources.items():
-                    if fmt != "csr" and hasattr(s, "close"):
+                    if matrix_format_of(fmt).compressed and hasattr(s, "close"):
                         s.close()
         resident.clear()
         _free(device)
@@ -571,9 +573,10 @@ def auto_versus_fastest(iterations: Sequence[dict[str, Any]]) -> str:
             continue
         best = min(same, key=lambda r: r["median_s"])
         best_det = min((r for r in same if r["deterministic"]), key=lambda r: r["median_s"], default=None)
-        where = "" if fmt == "csr" else f"{fmt}: "
+        named = matrix_format_of(fmt).compressed  # CSR, the reference, goes without its name
+        where = f"{fmt}: " if named else ""
         text = (f"{where}auto ran {auto['fp']} + {auto['bp']}: {auto['median_s'] * 1e3:.3f} ms; the fastest "
-                f"iteration of this run{'' if fmt == 'csr' else ' in ' + fmt} is {best['fp']} + {best['bp']}: "
+                f"iteration of this run{' in ' + fmt if named else ''} is {best['fp']} + {best['bp']}: "
                 f"{best['median_s'] * 1e3:.3f} ms (auto takes {auto['median_s'] / best['median_s']:.2f}x its time)")
         if best_det is not None and best_det is not best:
             text += (f"; the fastest deterministic one is {best_det['fp']} + {best_det['bp']}: "
@@ -610,7 +613,8 @@ def format_markdown(result: dict[str, Any]) -> str:
         f"- measured copy bandwidth (read + write): {cp_['bandwidth'] / 1e12:.3f} TB/s",
         (
             f"- matrix: {mtx['shape'][0]} x {mtx['shape'][1]}, {mtx['nnz']} nnz ({mtx['bytes'] / 1e9:.2f} GB as CSR"
-            + (f"; the file is {mtx['format']}, decoded for the kernels" if mtx.get("format", "csr") != "csr" else "")
+            + (f"; the file is {mtx['format']}, decoded for the kernels"
+               if matrix_format_of(mtx.get("format", "csr")).compressed else "")
             + "), "
             f"row length mean {mtx['mean_row_length']:.1f} max {mtx['max_row_length']}, "
             f"{mtx['empty_rows']} empty rows, {mtx['empty_cols']} empty columns"

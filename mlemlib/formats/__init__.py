@@ -11,7 +11,9 @@ Supported files (see ``docs/formats.md``):
 :func:`open_matrix` returns a reader with one interface for every matrix format
 (``shape``, ``nnz``, ``grid``, ``voxel_size``, ``read_rows``, ``iter_chunks``,
 ``read_indptr``); :func:`convert` streams any matrix into the container and
-:func:`info` describes and validates any supported file. Every reader raises
+:func:`info` describes and validates any supported file; :func:`matrix_format_of` gives a matrix
+format's description (:mod:`mlemlib.formats.spec`: what the rest of the library asks instead of comparing
+format names). Every reader raises
 :class:`~mlemlib.errors.MatrixFormatError` or
 :class:`~mlemlib.errors.SinogramFormatError` naming the file and the fault.
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlemlib.compressed import LOSSY_FORMATS, VALUE_DTYPES
+from mlemlib.compressed import LOSSY_FORMATS
 from mlemlib.errors import MatrixFormatError, SinogramFormatError
 from mlemlib.formats._check import DEFAULT_CHUNK_NNZ
 from mlemlib.formats._memory import InMemoryMatrix
@@ -56,6 +58,7 @@ from mlemlib.formats.h5 import (
 from mlemlib.formats.lmsino import read_lmsino, write_lmsino
 from mlemlib.formats.mtx import read_mtx
 from mlemlib.formats.npz import read_npz
+from mlemlib.formats.spec import NAMES, MatrixFormat, matrix_format_of
 from mlemlib.matrix import take_rows
 from mlemlib.setup_times import timed
 
@@ -67,6 +70,7 @@ __all__ = [
     "Csr4Header",
     "Csr4Writer",
     "InMemoryMatrix",
+    "MatrixFormat",
     "MatrixH5",
     "MatrixH5Writer",
     "ScannerGeometry",
@@ -77,6 +81,7 @@ __all__ = [
     "geometry_value",
     "info",
     "matrix_format",
+    "matrix_format_of",
     "matrix_geometry",
     "open_matrix",
     "open_source",
@@ -97,8 +102,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Matrix formats of the container (``mlem convert --format``); ``csr`` is the default.
-MATRIX_FORMATS = ("csr", *VALUE_DTYPES)
+#: Matrix formats of the container (``mlem convert --format``); ``csr`` is the default. Each one's
+#: description: :func:`matrix_format_of` (:mod:`mlemlib.formats.spec`).
+MATRIX_FORMATS = NAMES
 
 #: suffix (lower case) -> kind
 SUFFIXES = {
@@ -167,7 +173,7 @@ def matrix_format(path: str | os.PathLike) -> str:
     if file_kind(path) != "h5":
         return "csr"
     with MatrixH5(path) as f:
-        return getattr(f, "format", "csr")
+        return matrix_format_of(f).name
 
 
 def convert_command(path: str | os.PathLike, options: str = "") -> str:

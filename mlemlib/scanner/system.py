@@ -273,13 +273,12 @@ def _attach_voxel_order(writer, tracer: Tracer, m_out: int, nnz: int, preset: st
 def _writer_for(out: Path, fmt: str, cfg: ScannerConfig):
     """A factory ``(m, n, nnz) -> writer`` for ``out``: ``.csr4``, or the container in format ``fmt``."""
     from mlemlib.errors import ConfigError
-    from mlemlib.formats import MATRIX_FORMATS, file_kind
+    from mlemlib.formats import file_kind, matrix_format_of
 
     kind = file_kind(out)
-    if fmt not in MATRIX_FORMATS:
-        raise ConfigError("format", f"unknown matrix format {fmt!r}, expected one of {', '.join(MATRIX_FORMATS)}")
+    spec = matrix_format_of(fmt)  # ConfigError for an unknown format
     if kind == "csr4":
-        if fmt != "csr":
+        if spec.compressed:
             raise ConfigError("format", f"a .csr4 file holds CSR; write {fmt} into an .h5 container")
         from mlemlib.formats.csr4 import Csr4Writer
 
@@ -296,13 +295,7 @@ def _writer_for(out: Path, fmt: str, cfg: ScannerConfig):
         "preset": cfg.name,
         "rays": np.int64(cfg.rays),
     }
-    if fmt == "csr":
-        from mlemlib.formats.h5 import MatrixH5Writer
-
-        return lambda m, n, nnz: _Validated(MatrixH5Writer(out, (m, n), nnz, **attrs))
-    from mlemlib.formats.compressed_h5 import CompressedH5Writer
-
-    return lambda m, n, nnz: _Validated(CompressedH5Writer(out, (m, n), nnz, fmt=fmt, **attrs))
+    return lambda m, n, nnz: _Validated(spec.writer(out, (m, n), nnz, **attrs))
 
 
 class _Validated:
@@ -640,6 +633,7 @@ def estimate(
         ``encode_seconds_estimate``, ``write_seconds_estimate`` and ``wall_seconds_by_threads``.
     """
     from mlemlib.compressed import CompressedMatrix
+    from mlemlib.formats.spec import ALL_FORMATS
 
     cfg = _resolve(preset, rays)
     m, n = cfg.shape
@@ -662,12 +656,13 @@ def estimate(
     nnz_est = float(counts.sum()) * scale * half
     sec_est = (t2 - t1) * half * scale
     by_format = {"csr4": 8 * (m + nnz_est), "csr": 8 * nnz_est + 8 * (m_out + 1) + (8 * m if fold else 0)}
-    for kind in ("compressed", "compressed-f16", "compressed-u16"):
-        enc = CompressedMatrix.from_csr(block, kind, validate=False)
-        per_slot = 1 + enc.values.dtype.itemsize
-        # slots scale like the elements; the row pointer (and f16 scales) like the rows
-        row_bytes = 4.125 + (4 if enc.scale is not None else 0)
-        by_format[kind] = enc.slots * scale * half * per_slot + row_bytes * m_out + (8 * m if fold else 0)
+    for spec in ALL_FORMATS:
+        if not spec.compressed:
+            continue
+        enc = CompressedMatrix.from_csr(block, spec.name, validate=False)
+        per_slot = spec.slot_bytes(8)
+        # slots scale like the elements; the row pointer (and row scales) like the rows
+        by_format[spec.name] = enc.slots * scale * half * per_slot + spec.row_bytes * m_out + (8 * m if fold else 0)
     res = {
         "preset": cfg.name,
         "shape": [m, n],
