@@ -504,6 +504,18 @@ class CpuBackend(_HostRows, Backend):
             from mlemlib.transpose import usable_threads
 
             numba.set_num_threads(usable_threads(threads))
+        choice = self._resolve_kernels(matrix, transpose, fp, bp)
+        if blocks is not None and int(blocks) < 1:
+            raise ConfigError("blocks", f"must be >= 1, got {blocks}")
+        m, n = self._load_matrices(matrix, transpose, choice)
+        self._take_problem(g, norm, background, subsets, m, n)
+        self._allocate_buffers(blocks, m, n)
+        self._plan_iteration()
+        self._warm_up()
+
+    # --- set-up steps, in the constructor's order -----------------------------------
+    def _resolve_kernels(self, matrix: Any, transpose: Any | None, fp: str, bp: str) -> Any:
+        """The kernels (:func:`mlemlib.registry.decide`) and their launchers; the choice."""
         import numba
 
         # A compressed matrix runs its own (float32) kernels; the float64 reference reads it decoded.
@@ -522,9 +534,10 @@ class CpuBackend(_HostRows, Backend):
         self._back = registry.launcher(registry.get_bp("cpu", "notrans") if self.onepass else self._kb)
         if self.onepass and self.dtype != np.float32:
             raise ConfigError("bp", f"bp={self.bp_kernel} computes in float32; the float64 reference uses scipy")
-        if blocks is not None and int(blocks) < 1:
-            raise ConfigError("blocks", f"must be >= 1, got {blocks}")
+        return choice
 
+    def _load_matrices(self, matrix: Any, transpose: Any | None, choice: Any) -> tuple[int, int]:
+        """Load ``A``, and ``A^T`` where the back projection reads it, into host memory; ``A``'s shape."""
         self.a = _load(matrix, "matrix", self.format)
         m, n = self.a.shape
         self.shape = (m, n)
@@ -532,7 +545,11 @@ class CpuBackend(_HostRows, Backend):
         self.at = _load(transpose, "transpose", self.format) if self.use_transpose else None
         if self.at is not None and tuple(self.at.shape) != (n, m):
             raise ConfigError("transpose", f"transpose has shape {self.at.shape}, expected (n, m) = {(n, m)}")
+        return m, n
 
+    def _take_problem(self, g: np.ndarray, norm: np.ndarray, background: np.ndarray | None,
+                      subsets: np.ndarray | None, m: int, n: int) -> None:
+        """Check the measurement, norm, background and subsets, and keep them in the backend's dtype."""
         g, norm = self._check_problem(g, norm, (m, n), float32=self.dtype == np.float32)
         self.background = self._check_background(background, m, self.dtype)
         self.bounds = self._check_subsets(subsets, norm, (m, n))
@@ -545,6 +562,8 @@ class CpuBackend(_HostRows, Backend):
         # Divide by 1 where norm == 0: the contract's "f * bp" there, exactly.
         self._norm_safe = np.where(self.norm != 0, self.norm, self.dtype.type(1))
 
+    def _allocate_buffers(self, blocks: int | None, m: int, n: int) -> None:
+        """The iteration's vectors, and the no-transpose back projection's partial sums per row block."""
         self.blocks = int(blocks) if blocks is not None else default_blocks(self.dtype, n)
         self._fp = np.empty(m, dtype=self.dtype)
         self._c = np.empty(m, dtype=self.dtype)
@@ -553,6 +572,8 @@ class CpuBackend(_HostRows, Backend):
         if not self.use_transpose and self._kb.blocks:
             self._partial = np.empty((self.blocks, n), dtype=self.dtype)
 
+    def _plan_iteration(self) -> None:
+        """The chunked one pass's plan of the whole matrix, and the OSEM subsets' row views."""
         self._plan = None
         self.fixed_stats: dict[str, Any] = {}
         if self._kb.chunks:  # the GPU kernel's arithmetic through the same row chunks
@@ -567,7 +588,6 @@ class CpuBackend(_HostRows, Backend):
         self._subsets = [] if self.bounds is None else [
             _Subset(self, k, int(self.bounds[k]), int(self.bounds[k + 1])) for k in range(len(self.bounds) - 1)
         ]
-        self._warm_up()
 
     # --- set-up helpers --------------------------------------------------------
     def _gaps_as_zero_counts(self, g: np.ndarray) -> np.ndarray:

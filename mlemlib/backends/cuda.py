@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -101,6 +101,24 @@ def free_memory(device_id: int) -> int:
     with setup_times.phase("init"), cp.cuda.Device(device_id):
         free, _total = cp.cuda.runtime.memGetInfo()
         return int(free + cp.get_default_memory_pool().free_bytes())
+
+
+class _MemoryNeed(NamedTuple):
+    """What a backend's set-up found free on its GPU and what its matrices and vectors need (bytes)."""
+
+    free: int
+    a: int
+    t: int
+    vec: int
+    fits_both: bool
+
+
+def _check_transpose(transpose: Any | None, m: int, n: int, nnz: int) -> None:
+    """Refuse a given transpose whose shape or number of non-zeros is not that of ``A`` (m x n) transposed."""
+    if transpose is not None:
+        t_shape, t_nnz = shape_nnz(transpose)
+        if t_shape != (n, m) or t_nnz != nnz:
+            raise ConfigError("transpose", f"transpose is {t_shape} with {t_nnz} nnz, expected {(n, m)} with {nnz}")
 
 
 class CudaBackend(Backend):
@@ -188,226 +206,29 @@ class CudaBackend(Backend):
         tune_cache: Any | None = None,
     ) -> None:
         super().__init__()
-        with setup_times.phase("init"):
-            cp = ck.cupy()
-            try:
-                ndev = cp.cuda.runtime.getDeviceCount()
-            except Exception as exc:
-                raise DeviceError(f"no CUDA GPU usable: {exc}") from exc
-            if not 0 <= int(device) < ndev:
-                raise DeviceError(f"GPU {device} requested, {ndev} visible")
-            self.device_id = int(device)
-            self._device = cp.cuda.Device(self.device_id)
-            free = free_memory(self.device_id)  # the first call on the device: its CUDA context is made here
-        self.secsize = plan.DEFAULT_SECSIZE if secsize is None else int(secsize)
-        if self.secsize < 1:
-            raise ConfigError("secsize", f"section size must be >= 1, got {secsize}")
-        if lanes is not None and lanes not in plan.LANE_CHOICES:
-            raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes}")
-        self.lanes_override = lanes
+        free = self._open_device(device)
+        self._take_launch_options(secsize, lanes)
 
         (m, n), nnz = shape_nnz(matrix)
         self.shape = (m, n)
         self.matrix_format = matrix_format_of(matrix)
         self.format = self.matrix_format.name
         dev_type = device_type(self.format)
-        if transpose is not None:
-            t_shape, t_nnz = shape_nnz(transpose)
-            if t_shape != (n, m) or t_nnz != nnz:
-                raise ConfigError("transpose", f"transpose is {t_shape} with {t_nnz} nnz, expected {(n, m)} with {nnz}")
+        _check_transpose(transpose, m, n, nnz)
 
         layout, own_layout = chunk_layout(chunks, matrix)
         with self._device, contextlib.closing(layout) if own_layout else contextlib.nullcontext():
-            # a DeviceCSR already on the GPU needs nothing more; the chunked one pass holds its own copy
-            self.chunked = bp not in ("auto", None) and registry.get_bp("cuda", str(bp)).chunks
-            if self.chunked:
-                need_a = layout.device_bytes() if layout is not None else cc().DeviceChunked.device_bytes(matrix)
-            else:
-                need_a = 0 if isinstance(matrix, DeviceMatrix) else dev_type.device_bytes(matrix)
-            if transpose is None:  # transposed on the GPU: about A's size, and cuSPARSE's work space
-                need_t = need_a + 4 * nnz
-            else:
-                need_t = 0 if isinstance(transpose, DeviceMatrix) else dev_type.device_bytes(transpose)
-            need_vec = 4 * (3 * m + 4 * n)
-            fits_a = need_a + need_vec <= MEMORY_HEADROOM * free
-            fits_both = need_a + need_t + need_vec <= MEMORY_HEADROOM * free
-            self.memory = {"free_before": free, "matrix": need_a, "transpose": need_t, "vectors": need_vec}
-            if not fits_a:
-                raise DeviceError(
-                    f"GPU {self.device_id}: A needs {need_a / GIB:.2f} GiB but only {free / GIB:.2f} GiB are free; "
-                    "use more GPUs"
-                )
-            # A CSR matrix without a stored transpose is transposed here (cuSPARSE, 32-bit indices): faster
-            # than reading A^T from disk
-            on_gpu_t = transpose is None and self.matrix_format.cusparse and nnz <= registry.CUSPARSE_MAX_NNZ
-            def chunks_fit() -> bool:
-                need_c = layout.device_bytes() if layout is not None else cc().DeviceChunked.device_bytes(matrix)
-                if need_c + need_vec > MEMORY_HEADROOM * free:
-                    log.info("bp=auto: the row chunks (%.2f GiB) do not fit the %.2f GiB free", need_c / GIB,
-                             free / GIB)
-                    return False
-                self.memory["matrix"], self.memory["transpose"] = need_c, 0
-                return True
-
-            # the chunked one pass where a sample of the matrix's chunks reuses voxels (a reordered matrix)
-            may_sample = not self.matrix_format.compressed or not isinstance(matrix, DeviceMatrix)
-            choice = registry.decide(
-                "cuda", fp, bp, transpose_available=transpose is not None or on_gpu_t, fits=fits_both,
-                fmt=self.format, sms=ck.device_properties(self.device_id)["sm_count"], chunks_fit=chunks_fit,
-                sample=(lambda: (layout.reuse, layout.chunks) if layout is not None
-                        else sample_chunks(matrix, self.device_id)) if may_sample else None,
-            )
-            if bp in ("auto", None):
-                if transpose is None and not on_gpu_t:
-                    log.info("bp=auto: no transpose given (and none made on the GPU for a %s matrix of %d "
-                             "non-zeros), back projection without a transpose", self.format, nnz)
-                elif not fits_both:
-                    log.warning(
-                        "bp=auto: A (%.2f GiB) and A^T (%.2f GiB) do not both fit in the %.2f GiB free on GPU %d: "
-                        "back projection by scatter, without the transpose",
-                        need_a / GIB,
-                        need_t / GIB,
-                        free / GIB,
-                        self.device_id,
-                    )
-            if choice.needs_transpose and not fits_both:
-                raise DeviceError(
-                    f"GPU {self.device_id}: A ({need_a / GIB:.2f} GiB) and A^T ({need_t / GIB:.2f} GiB) do not both "
-                    f"fit in the {free / GIB:.2f} GiB free; use bp=notrans (scatter) or more GPUs"
-                )
-            self.fp_kernel, self.bp_kernel = choice.fp, choice.bp
-            self.bp_requested = str(bp)
-            self.deterministic = choice.deterministic
-            self.chunk_reuse_sample, self.chunk_estimate = choice.reuse, choice.chunks
-            self.chunked = choice.chunked
-            paired = choice.paired or choice
-            if choice.chunked:
-                log.info("bp=auto: %s reuse each voxel %.1f times (%.0f chunks): %s%s",
-                         "the layout's chunks" if layout is not None else "chunks of a sample",
-                         choice.reuse, choice.chunks, choice.bp,
-                         " (the transpose is not read)" if paired.needs_transpose else "")
-            self.chunk_file = layout.path if self.chunked and layout is not None else None
-            # the kernels compile in the background while A is read and copied
-            ck.prefetch_kernels(registry.kernels_of("cuda", self.fp_kernel, self.bp_kernel), self.device_id,
-                                tune=tune and not self.matrix_format.compressed)
-            ck.prefetch_kernels([registry.row_forward(self.format)], self.device_id, tune=False)
-            if self.chunk_file:
-                self.a = cc().DeviceChunked.from_layout(layout)
-            elif self.chunked:
-                try:
-                    self.a = cc().DeviceChunked.upload(matrix, what="matrix",
-                                                       sms=ck.device_properties(self.device_id)["sm_count"])
-                except ValueError as exc:
-                    if bp not in ("auto", None):
-                        raise ConfigError("bp", f"bp={bp}: {exc}; use bp=onepass_fixed") from exc
-                    log.info("bp=auto: %s; back projection by %s instead of onepass_chunked", exc, paired.bp)
-                    self.chunked = False
-                    choice = paired
-                    self.fp_kernel, self.bp_kernel, self.deterministic = choice.fp, choice.bp, choice.deterministic
-            if not self.chunked:
-                self.a = dev_type.upload(matrix, what="matrix", fmt=self.format)
-            self._smem = None
-            self.smem_local_fraction: float | None = None
-            if registry.get_bp("cuda", self.bp_kernel).smem:
-                self._smem = ck.smem_plan(self.a)
-                self.smem_local_fraction = self._smem.local_fraction
-            if registry.get_bp("cuda", self.bp_kernel).selector:
-                self.bp_kernel = registry.choose_notrans(self._smem.local_fraction)
-                self.deterministic = choice.settle(self.bp_kernel).deterministic
-                log.info(
-                    "bp=notrans: %.0f%% of the row chunks fit shared memory: %s",
-                    100 * self._smem.local_fraction,
-                    self.bp_kernel,
-                )
-                if not registry.get_bp("cuda", self.bp_kernel).smem:
-                    self._smem = None
-            self.at = None
-            self.transpose_source = "none"
-            if choice.needs_transpose:
-                if transpose is not None:
-                    # a compressed A^T keeps its own encoding (a lossy A's is stored exact: re-encoding it would
-                    # round it again); a CSR one is encoded as A is
-                    t_fmt = matrix_format_of(transpose).name
-                    t_fmt = t_fmt if dev_type.reads(t_fmt) else self.format
-                    self.at = dev_type.upload(transpose, what="transpose", fmt=t_fmt)
-                    self.transpose_source = ("stored" if t_fmt == matrix_format_of(transpose).name
-                                             else f"stored, as {t_fmt}")
-                elif not self.matrix_format.cusparse:
-                    raise ConfigError(
-                        "transpose", f"bp={self.bp_kernel} on a {self.format} matrix needs a stored transpose "
-                        "(mlem transpose), or use bp=onepass_fixed"
-                    )
-                else:
-                    log.info("no transpose given: transposing A on GPU %d with cuSPARSE", self.device_id)
-                    try:
-                        self.at = self.a.transpose()
-                    except cp.cuda.memory.OutOfMemoryError as exc:
-                        raise DeviceError(
-                            f"GPU {self.device_id}: out of memory transposing A with cuSPARSE ({exc}); "
-                            "give a stored transpose or use bp=notrans"
-                        ) from exc
-                    self.transpose_source = "cusparse on device"
-
-            g, norm = self._check_problem(g, norm, (m, n))
-            bounds = self._check_subsets(subsets, norm, (m, n))
-            if bounds is not None and len(bounds) > 2:
-                raise ConfigError("subsets", "CudaBackend runs one subset; OSEM runs through make_backend (OsemBackend)")
-            norm = norm.reshape(-1)
-            bg = self._check_background(background, m)
-            with setup_times.phase("to_gpu", device=True):
-                self.g = cp.asarray(g, dtype=cp.float32)
-                self.bg = None if bg is None else cp.asarray(bg)
-                self.norm = cp.asarray(norm, dtype=cp.float32)
-
-            self._fp = cp.empty(m, dtype=cp.float32)
-            # zeros: the correlation of an empty row, which the fused forward leaves unwritten (skip_empty)
-            self._c = cp.zeros(m, dtype=cp.float32)
-            self._bp = cp.empty(n, dtype=cp.float32)
-            self._kb = registry.get_bp("cuda", self.bp_kernel)
-            self.onepass = self._kb.op == "iteration"
-            self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)
-            # the forward projection alone (forward()): a one pass's is its format's row kernel
-            self._k_forward = self._kf or registry.row_forward(self.format)
-            self.fuse_fp = fuse and self._kf is not None and self._kf.fused
-            self.fuse_bp = fuse and self.at is not None and self._kb.fused
-            self._fixed_bound = (ONEPASS_C_MAX * float(np.nanmax(norm))) if norm.size else 1.0
-            self.fixed_stats: dict[str, Any] = {}
-            # the events of the last iteration and of the one before (previous_step_times): two sets,
-            # so that the last can be recorded while the host reads the one before
-            self._events: dict[str, Any] = {}
-            self._event_order: list[str] = []
-            self._prev_events: dict[str, Any] = {}
-            self._prev_order: list[str] = []
-            # the fixed point's 64-bit sums (the chunked and the fixed-point one pass)
-            self._acc = cp.empty(n, dtype=cp.uint64) if self.onepass and self.deterministic else None
-            self._lanes_onepass = cc().onepass_lanes(m, nnz, self.format)  # as on N GPUs
-            self._flag = cp.zeros(1, dtype=cp.int32) if self.onepass and self.deterministic else None
-            # the fixed-point kernel's add limits, from the matrix's longest column (one count pass, here)
-            self._limits = (cc().fixed_limits(cc().column_count_max(self.a))
-                            if self._kb.limits else None)
-            self._images: list[Any] | None = None  # the one pass's two image buffers
-            # The one pass on a compressed A: its atomic target (bp, or the fixed point's accumulator) kept
-            # in L2 by a persisting access-policy window on the iteration's own stream (blocking: ordered
-            # with the default stream's work); no stream where the GPU has no such control.
-            self._stream: Any = None
-            self.l2_window: dict | None = None
-            if self.onepass and not self.chunked and self.matrix_format.compressed:
-                stream = cp.cuda.Stream()
-                self.l2_window = cc().persist_in_l2(stream, self._acc if self.deterministic else self._bp)
-                self._stream = stream if self.l2_window else None
-                if self.l2_window:  # the set-aside and its lines go with the backend (later work gets all of L2)
-                    weakref.finalize(self, _release_l2_on, self.device_id).atexit = False
-            if isinstance(self.a, ck.DeviceCSR):
-                ck.set_row_layouts(self.a, self.at, self._kf is not None and self._kf.interleaved,
-                                   self._kb.interleaved, self._lanes(self.a),
-                                   self._lanes(self.at) if self.at is not None else 0)
-            cache = TuneCache.from_setting(tune_cache) if tune else None
-            if tune and self._kf is not None and self._kf.shapes and isinstance(self.a, ck.DeviceCSR):
-                self.a.tune(self._lanes(self.a), cache=cache, cache_key=source_key(matrix, "A"))
-            if tune and self.at is not None and self._kb.shapes:
-                self.at.tune(self._lanes(self.at), cache=cache, cache_key=(
-                    source_key(transpose, "AT") if transpose is not None
-                    else source_key(matrix, "AT (transposed on the GPU)")))
+            need = self._measure_memory(matrix, transpose, bp, layout, dev_type, free, m, n, nnz)
+            choice = self._decide_kernels(matrix, transpose, fp, bp, layout, need, nnz)
+            paired = self._take_choice(choice, bp, layout)
+            self._prefetch_kernels(tune)
+            choice = self._upload_matrix(matrix, bp, layout, dev_type, choice, paired)
+            self._plan_shared_memory(choice)
+            self._place_transpose(transpose, dev_type, choice)
+            norm = self._upload_problem(g, norm, background, subsets, m, n)
+            self._allocate_buffers(norm, fuse, m, n, nnz)
+            self._keep_in_l2()
+            self._tune_launches(matrix, transpose, tune, tune_cache)
             self._warm_up()
         log.info(
             "cuda backend on GPU %d: fp=%s bp=%s (%s transpose), lanes fp=%s, fused fp+corr=%s, bp+update=%s",
@@ -419,6 +240,262 @@ class CudaBackend(Backend):
             self.fuse_fp,
             self.fuse_bp,
         )
+
+    # --- set-up steps, in the constructor's order ----------------------------------
+    def _open_device(self, device: int) -> int:
+        """Check that GPU ``device`` is visible and usable, and keep it; the bytes free on it."""
+        with setup_times.phase("init"):
+            cp = ck.cupy()
+            try:
+                ndev = cp.cuda.runtime.getDeviceCount()
+            except Exception as exc:
+                raise DeviceError(f"no CUDA GPU usable: {exc}") from exc
+            if not 0 <= int(device) < ndev:
+                raise DeviceError(f"GPU {device} requested, {ndev} visible")
+            self.device_id = int(device)
+            self._device = cp.cuda.Device(self.device_id)
+            free = free_memory(self.device_id)  # the first call on the device: its CUDA context is made here
+        return free
+
+    def _take_launch_options(self, secsize: int | None, lanes: int | None) -> None:
+        """Check and keep ``merge``'s section size and the lanes per row given (None: from the rows)."""
+        self.secsize = plan.DEFAULT_SECSIZE if secsize is None else int(secsize)
+        if self.secsize < 1:
+            raise ConfigError("secsize", f"section size must be >= 1, got {secsize}")
+        if lanes is not None and lanes not in plan.LANE_CHOICES:
+            raise ConfigError("lanes", f"lanes per row must be one of {plan.LANE_CHOICES}, got {lanes}")
+        self.lanes_override = lanes
+
+    def _measure_memory(self, matrix: Any, transpose: Any | None, bp: str, layout: Any, dev_type: Any, free: int,
+                        m: int, n: int, nnz: int) -> _MemoryNeed:
+        """What ``A``, ``A^T`` and the vectors need on the GPU (``memory``); DeviceError where ``A`` does not fit."""
+        # a DeviceCSR already on the GPU needs nothing more; the chunked one pass holds its own copy
+        self.chunked = bp not in ("auto", None) and registry.get_bp("cuda", str(bp)).chunks
+        if self.chunked:
+            need_a = layout.device_bytes() if layout is not None else cc().DeviceChunked.device_bytes(matrix)
+        else:
+            need_a = 0 if isinstance(matrix, DeviceMatrix) else dev_type.device_bytes(matrix)
+        if transpose is None:  # transposed on the GPU: about A's size, and cuSPARSE's work space
+            need_t = need_a + 4 * nnz
+        else:
+            need_t = 0 if isinstance(transpose, DeviceMatrix) else dev_type.device_bytes(transpose)
+        need_vec = 4 * (3 * m + 4 * n)
+        fits_a = need_a + need_vec <= MEMORY_HEADROOM * free
+        fits_both = need_a + need_t + need_vec <= MEMORY_HEADROOM * free
+        self.memory = {"free_before": free, "matrix": need_a, "transpose": need_t, "vectors": need_vec}
+        if not fits_a:
+            raise DeviceError(
+                f"GPU {self.device_id}: A needs {need_a / GIB:.2f} GiB but only {free / GIB:.2f} GiB are free; "
+                "use more GPUs"
+            )
+        return _MemoryNeed(free, need_a, need_t, need_vec, fits_both)
+
+    def _decide_kernels(self, matrix: Any, transpose: Any | None, fp: str, bp: str, layout: Any, need: _MemoryNeed,
+                        nnz: int) -> Any:
+        """The kernels for this matrix and memory (:func:`mlemlib.registry.decide`); why ``bp=auto`` chose, logged."""
+        free, need_a, need_t, need_vec, fits_both = need
+        # A CSR matrix without a stored transpose is transposed here (cuSPARSE, 32-bit indices): faster
+        # than reading A^T from disk
+        on_gpu_t = transpose is None and self.matrix_format.cusparse and nnz <= registry.CUSPARSE_MAX_NNZ
+        def chunks_fit() -> bool:
+            need_c = layout.device_bytes() if layout is not None else cc().DeviceChunked.device_bytes(matrix)
+            if need_c + need_vec > MEMORY_HEADROOM * free:
+                log.info("bp=auto: the row chunks (%.2f GiB) do not fit the %.2f GiB free", need_c / GIB,
+                         free / GIB)
+                return False
+            self.memory["matrix"], self.memory["transpose"] = need_c, 0
+            return True
+
+        # the chunked one pass where a sample of the matrix's chunks reuses voxels (a reordered matrix)
+        may_sample = not self.matrix_format.compressed or not isinstance(matrix, DeviceMatrix)
+        choice = registry.decide(
+            "cuda", fp, bp, transpose_available=transpose is not None or on_gpu_t, fits=fits_both,
+            fmt=self.format, sms=ck.device_properties(self.device_id)["sm_count"], chunks_fit=chunks_fit,
+            sample=(lambda: (layout.reuse, layout.chunks) if layout is not None
+                    else sample_chunks(matrix, self.device_id)) if may_sample else None,
+        )
+        if bp in ("auto", None):
+            if transpose is None and not on_gpu_t:
+                log.info("bp=auto: no transpose given (and none made on the GPU for a %s matrix of %d "
+                         "non-zeros), back projection without a transpose", self.format, nnz)
+            elif not fits_both:
+                log.warning(
+                    "bp=auto: A (%.2f GiB) and A^T (%.2f GiB) do not both fit in the %.2f GiB free on GPU %d: "
+                    "back projection by scatter, without the transpose",
+                    need_a / GIB,
+                    need_t / GIB,
+                    free / GIB,
+                    self.device_id,
+                )
+        if choice.needs_transpose and not fits_both:
+            raise DeviceError(
+                f"GPU {self.device_id}: A ({need_a / GIB:.2f} GiB) and A^T ({need_t / GIB:.2f} GiB) do not both "
+                f"fit in the {free / GIB:.2f} GiB free; use bp=notrans (scatter) or more GPUs"
+            )
+        return choice
+
+    def _take_choice(self, choice: Any, bp: str, layout: Any) -> Any:
+        """Keep the choice's kernels and chunk facts; the choice to fall back on where the chunks cannot be made."""
+        self.fp_kernel, self.bp_kernel = choice.fp, choice.bp
+        self.bp_requested = str(bp)
+        self.deterministic = choice.deterministic
+        self.chunk_reuse_sample, self.chunk_estimate = choice.reuse, choice.chunks
+        self.chunked = choice.chunked
+        paired = choice.paired or choice
+        if choice.chunked:
+            log.info("bp=auto: %s reuse each voxel %.1f times (%.0f chunks): %s%s",
+                     "the layout's chunks" if layout is not None else "chunks of a sample",
+                     choice.reuse, choice.chunks, choice.bp,
+                     " (the transpose is not read)" if paired.needs_transpose else "")
+        self.chunk_file = layout.path if self.chunked and layout is not None else None
+        return paired
+
+    def _prefetch_kernels(self, tune: bool) -> None:
+        """Start compiling the kernels in the background, while ``A`` is read and copied."""
+        ck.prefetch_kernels(registry.kernels_of("cuda", self.fp_kernel, self.bp_kernel), self.device_id,
+                            tune=tune and not self.matrix_format.compressed)
+        ck.prefetch_kernels([registry.row_forward(self.format)], self.device_id, tune=False)
+
+    def _upload_matrix(self, matrix: Any, bp: str, layout: Any, dev_type: Any, choice: Any, paired: Any) -> Any:
+        """Upload ``A`` as its kernels read it (row chunks, or its format); the choice (``paired`` if chunks failed)."""
+        if self.chunk_file:
+            self.a = cc().DeviceChunked.from_layout(layout)
+        elif self.chunked:
+            try:
+                self.a = cc().DeviceChunked.upload(matrix, what="matrix",
+                                                   sms=ck.device_properties(self.device_id)["sm_count"])
+            except ValueError as exc:
+                if bp not in ("auto", None):
+                    raise ConfigError("bp", f"bp={bp}: {exc}; use bp=onepass_fixed") from exc
+                log.info("bp=auto: %s; back projection by %s instead of onepass_chunked", exc, paired.bp)
+                self.chunked = False
+                choice = paired
+                self.fp_kernel, self.bp_kernel, self.deterministic = choice.fp, choice.bp, choice.deterministic
+        if not self.chunked:
+            self.a = dev_type.upload(matrix, what="matrix", fmt=self.format)
+        return choice
+
+    def _plan_shared_memory(self, choice: Any) -> None:
+        """The shared-memory plan of a back projection that uses one, and the ``notrans`` selector's kernel."""
+        self._smem = None
+        self.smem_local_fraction: float | None = None
+        if registry.get_bp("cuda", self.bp_kernel).smem:
+            self._smem = ck.smem_plan(self.a)
+            self.smem_local_fraction = self._smem.local_fraction
+        if registry.get_bp("cuda", self.bp_kernel).selector:
+            self.bp_kernel = registry.choose_notrans(self._smem.local_fraction)
+            self.deterministic = choice.settle(self.bp_kernel).deterministic
+            log.info(
+                "bp=notrans: %.0f%% of the row chunks fit shared memory: %s",
+                100 * self._smem.local_fraction,
+                self.bp_kernel,
+            )
+            if not registry.get_bp("cuda", self.bp_kernel).smem:
+                self._smem = None
+
+    def _place_transpose(self, transpose: Any | None, dev_type: Any, choice: Any) -> None:
+        """``A^T`` on the GPU where the kernels read it: the stored one uploaded, else A transposed by cuSPARSE."""
+        cp = ck.cupy()
+        self.at = None
+        self.transpose_source = "none"
+        if choice.needs_transpose:
+            if transpose is not None:
+                # a compressed A^T keeps its own encoding (a lossy A's is stored exact: re-encoding it would
+                # round it again); a CSR one is encoded as A is
+                t_fmt = matrix_format_of(transpose).name
+                t_fmt = t_fmt if dev_type.reads(t_fmt) else self.format
+                self.at = dev_type.upload(transpose, what="transpose", fmt=t_fmt)
+                self.transpose_source = "stored" if t_fmt == matrix_format_of(transpose).name else f"stored, as {t_fmt}"
+            elif not self.matrix_format.cusparse:
+                raise ConfigError(
+                    "transpose", f"bp={self.bp_kernel} on a {self.format} matrix needs a stored transpose "
+                    "(mlem transpose), or use bp=onepass_fixed"
+                )
+            else:
+                log.info("no transpose given: transposing A on GPU %d with cuSPARSE", self.device_id)
+                try:
+                    self.at = self.a.transpose()
+                except cp.cuda.memory.OutOfMemoryError as exc:
+                    raise DeviceError(
+                        f"GPU {self.device_id}: out of memory transposing A with cuSPARSE ({exc}); "
+                        "give a stored transpose or use bp=notrans"
+                    ) from exc
+                self.transpose_source = "cusparse on device"
+
+    def _upload_problem(self, g: Any, norm: Any, background: Any | None, subsets: Any | None, m: int, n: int) -> Any:
+        """Check the measurement, norm, subsets and background, and copy them to the GPU; the norm on the host."""
+        cp = ck.cupy()
+        g, norm = self._check_problem(g, norm, (m, n))
+        bounds = self._check_subsets(subsets, norm, (m, n))
+        if bounds is not None and len(bounds) > 2:
+            raise ConfigError("subsets", "CudaBackend runs one subset; OSEM runs through make_backend (OsemBackend)")
+        norm = norm.reshape(-1)
+        bg = self._check_background(background, m)
+        with setup_times.phase("to_gpu", device=True):
+            self.g = cp.asarray(g, dtype=cp.float32)
+            self.bg = None if bg is None else cp.asarray(bg)
+            self.norm = cp.asarray(norm, dtype=cp.float32)
+        return norm
+
+    def _allocate_buffers(self, norm: Any, fuse: bool, m: int, n: int, nnz: int) -> None:
+        """The iteration's vectors and kernels, what fuses, its event sets and the one pass's fixed-point state."""
+        cp = ck.cupy()
+        self._fp = cp.empty(m, dtype=cp.float32)
+        # zeros: the correlation of an empty row, which the fused forward leaves unwritten (skip_empty)
+        self._c = cp.zeros(m, dtype=cp.float32)
+        self._bp = cp.empty(n, dtype=cp.float32)
+        self._kb = registry.get_bp("cuda", self.bp_kernel)
+        self.onepass = self._kb.op == "iteration"
+        self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)
+        # the forward projection alone (forward()): a one pass's is its format's row kernel
+        self._k_forward = self._kf or registry.row_forward(self.format)
+        self.fuse_fp = fuse and self._kf is not None and self._kf.fused
+        self.fuse_bp = fuse and self.at is not None and self._kb.fused
+        self._fixed_bound = (ONEPASS_C_MAX * float(np.nanmax(norm))) if norm.size else 1.0
+        self.fixed_stats: dict[str, Any] = {}
+        # the events of the last iteration and of the one before (previous_step_times): two sets,
+        # so that the last can be recorded while the host reads the one before
+        self._events: dict[str, Any] = {}
+        self._event_order: list[str] = []
+        self._prev_events: dict[str, Any] = {}
+        self._prev_order: list[str] = []
+        # the fixed point's 64-bit sums (the chunked and the fixed-point one pass)
+        self._acc = cp.empty(n, dtype=cp.uint64) if self.onepass and self.deterministic else None
+        self._lanes_onepass = cc().onepass_lanes(m, nnz, self.format)  # as on N GPUs
+        self._flag = cp.zeros(1, dtype=cp.int32) if self.onepass and self.deterministic else None
+        # the fixed-point kernel's add limits, from the matrix's longest column (one count pass, here)
+        self._limits = (cc().fixed_limits(cc().column_count_max(self.a))
+                        if self._kb.limits else None)
+        self._images: list[Any] | None = None  # the one pass's two image buffers
+
+    def _keep_in_l2(self) -> None:
+        """Keep the one pass's atomic target in L2 on a stream of its own (a compressed ``A``, where the GPU can)."""
+        cp = ck.cupy()
+        # The one pass on a compressed A: its atomic target (bp, or the fixed point's accumulator) kept
+        # in L2 by a persisting access-policy window on the iteration's own stream (blocking: ordered
+        # with the default stream's work); no stream where the GPU has no such control.
+        self._stream: Any = None
+        self.l2_window: dict | None = None
+        if self.onepass and not self.chunked and self.matrix_format.compressed:
+            stream = cp.cuda.Stream()
+            self.l2_window = cc().persist_in_l2(stream, self._acc if self.deterministic else self._bp)
+            self._stream = stream if self.l2_window else None
+            if self.l2_window:  # the set-aside and its lines go with the backend (later work gets all of L2)
+                weakref.finalize(self, _release_l2_on, self.device_id).atexit = False
+
+    def _tune_launches(self, matrix: Any, transpose: Any | None, tune: bool, tune_cache: Any | None) -> None:
+        """Lay out a CSR ``A`` and ``A^T`` for their kernels' lanes, and time their launch shapes where ``tune``."""
+        if isinstance(self.a, ck.DeviceCSR):
+            ck.set_row_layouts(self.a, self.at, self._kf is not None and self._kf.interleaved,
+                               self._kb.interleaved, self._lanes(self.a),
+                               self._lanes(self.at) if self.at is not None else 0)
+        cache = TuneCache.from_setting(tune_cache) if tune else None
+        if tune and self._kf is not None and self._kf.shapes and isinstance(self.a, ck.DeviceCSR):
+            self.a.tune(self._lanes(self.a), cache=cache, cache_key=source_key(matrix, "A"))
+        if tune and self.at is not None and self._kb.shapes:
+            self.at.tune(self._lanes(self.at), cache=cache, cache_key=(
+                source_key(transpose, "AT") if transpose is not None
+                else source_key(matrix, "AT (transposed on the GPU)")))
 
     # --- helpers -------------------------------------------------------------------
     def _lanes(self, a: Any) -> int:

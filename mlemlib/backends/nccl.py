@@ -188,8 +188,8 @@ class NcclBackend(Backend):
         share: NcclBackend | None = None,
     ) -> None:
         super().__init__()
-        cp = _cupy()
-        nccl = _nccl()
+        _cupy()  # CuPy and its NCCL module, or DeviceError before anything is read
+        _nccl()
         from mlemlib.formats import open_matrix
 
         self.layout = layout
@@ -198,6 +198,31 @@ class NcclBackend(Backend):
         self.matrix_format = matrix_format_of(matrix)
         self.format = self.matrix_format.name
         nworld = world or len(devices or []) or gpus or 2
+        own_layout = self._decide_kernels(matrix, transpose, fp, bp, layout, plan, chunks, devices, nworld)
+        self._choose_graph(graph, nworld)
+        self._take_launch_options(secsize, lanes)
+        devices, parts = self._check_devices(gpus, devices, parts, world)
+        self.fuse = bool(fuse)
+        plan_d, transpose = self._plan_parts(matrix, transpose, plan, layout)
+        g, norm, bg = self._check_inputs(g, norm, subsets, background, share, devices, layout)
+        self._choose_lanes(lanes, norm)
+        self._load_shards(matrix, transpose, plan_d, g, norm, bg, parts, devices, layout, share, tune, own_layout)
+        self._lanes_of_padded_rows(lanes, devices)
+        self._set_up_comms(comms, own_comms, share, devices)
+        #: The algorithm's update in place of EM's (:meth:`set_image_step`).
+        self.image_step: Any = None
+        self._closed = False
+        atexit.register(_close_at_exit, weakref.ref(self))
+        self._warm_up_and_capture()
+        log.info(
+            "cuda-nccl backend: %d GPU(s) %s of %d, layout %s, fp=%s bp=%s, graph=%s (loaded in %.2f s)",
+            len(devices), devices, self.world, layout, self.fp_kernel, self.bp_kernel, self.graph, self.load_seconds,
+        )
+
+    # --- set-up steps, in the constructor's order ------------------------------------------
+    def _decide_kernels(self, matrix: Any, transpose: Any | None, fp: str, bp: str, layout: str, plan: Any | None,
+                        chunks: Any | None, devices: list[int] | None, nworld: int) -> bool:
+        """Open the chunk layout and decide the kernels as on one GPU; whether the layout was opened here."""
         # A_k^T in the local layout: transposed on its GPU (CSR) or the plan's part files; a whole A^T only
         # serves the thesis layout's row blocks
         t_avail = self.matrix_format.cusparse or plan_has_parts(plan) or (layout == "thesis" and transpose is not None)
@@ -223,6 +248,10 @@ class NcclBackend(Backend):
         self._kf = None if self.onepass else registry.get("cuda", "forward", self.fp_kernel)
         # the forward projection alone (forward(), diagnostics): a one pass's is its format's row kernel
         self._k_forward = self._kf or registry.row_forward(self.format)
+        return own_layout
+
+    def _choose_graph(self, graph: bool | None, nworld: int) -> None:
+        """Whether the iteration runs as captured CUDA graphs (:func:`graph_default`), and the replays' state."""
         self.graph = graph_default(graph, nworld > 1, self._graphable())
         self.graph_capturing = False
         # a fixed-point one pass's replays alternate between two graphs, each with its own overflow flag and
@@ -231,11 +260,19 @@ class NcclBackend(Backend):
         self._pending: int | None = None  # the graph of the last replay whose flag is not read yet
         if self.graph and not self._graphable():
             raise ConfigError("graph", f"graph capture needs non-allocating kernels; fp={self.fp_kernel} bp={self.bp_kernel} use cuSPARSE through CuPy")
+
+    def _take_launch_options(self, secsize: int | None, lanes: int | None) -> None:
+        """Check and keep ``merge``'s section size; check the lanes per row given."""
         self.secsize = cplan.DEFAULT_SECSIZE if secsize is None else int(secsize)
         if self.secsize < 1:
             raise ConfigError("secsize", f"section size must be >= 1, got {secsize}")
         if lanes is not None and lanes not in cplan.LANE_CHOICES:
             raise ConfigError("lanes", f"lanes per row must be one of {cplan.LANE_CHOICES}, got {lanes}")
+
+    def _check_devices(self, gpus: int | None, devices: list[int] | None, parts: list[int] | None,
+                       world: int | None) -> tuple[list[int], list[int]]:
+        """Check the GPUs and the plan parts they take, and keep the devices and world size; (devices, parts)."""
+        cp = _cupy()
         try:
             ndev = cp.cuda.runtime.getDeviceCount()
         except Exception as exc:
@@ -255,9 +292,12 @@ class NcclBackend(Backend):
             raise ConfigError("parts", f"{len(parts)} parts for {len(devices)} devices")
         self.world = len(devices) if world is None else int(world)
         self.devices = devices
-        self.fuse = bool(fuse)
+        return devices, parts
 
-        # ---- problem and plan --------------------------------------------------------
+    def _plan_parts(self, matrix: Any, transpose: Any | None, plan: Any | None, layout: str) -> tuple[dict, Any]:
+        """The problem's shape and the partition plan; (the plan, the transpose: the plan's for the thesis layout)."""
+        from mlemlib.formats import open_matrix
+
         (m, n), nnz = shape_nnz(matrix)
         self.shape = (m, n)
         self.nnz = nnz
@@ -269,6 +309,12 @@ class NcclBackend(Backend):
             (tm, tn), tnnz = shape_nnz(transpose)
             if (tm, tn) != (n, m) or tnnz != nnz:
                 raise ConfigError("transpose", f"transpose is {(tm, tn)} with {tnnz} nnz, expected {(n, m)} with {nnz}")
+        return plan_d, transpose
+
+    def _check_inputs(self, g: Any, norm: Any, subsets: Any | None, background: Any | None,
+                      share: NcclBackend | None, devices: list[int], layout: str) -> tuple[Any, Any, Any]:
+        """Check the measurement, norm, subsets, background and a shared backend; (g, norm, background)."""
+        m, n = self.shape
         g, norm = self._check_problem(g, norm, (m, n))
         bounds = self._check_subsets(subsets, norm, (m, n))
         if bounds is not None and len(bounds) > 2:
@@ -278,6 +324,11 @@ class NcclBackend(Backend):
         if share is not None and (share.devices != devices or share.layout != layout):
             raise ConfigError("share", f"a backend shares the GPUs {share.devices} ({share.layout} layout) of "
                                        f"another only with the same devices and layout, not {devices} ({layout})")
+        return g, norm, bg
+
+    def _choose_lanes(self, lanes: int | None, norm: Any) -> None:
+        """The lanes per row of the whole matrix, and the fixed point's range from the norm."""
+        (m, n), nnz = self.shape, self.nnz
         # Lanes of the whole matrix, so each row is summed as on one GPU (deterministic across GPU counts).
         self.lanes_override = lanes
         self.lanes_fp = lanes or (cplan.choose_lanes(nnz / m if m else 0.0) if not self.matrix_format.compressed
@@ -288,7 +339,11 @@ class NcclBackend(Backend):
         self.lanes_bp_cap = cplan.LANE_CHOICES[-1]
         self.lanes_bp_global = lanes or cplan.choose_lanes(nnz / n if n else 0.0, self.lanes_bp_cap)
 
-        # ---- shards --------------------------------------------------------------------
+    def _load_shards(self, matrix: Any, transpose: Any | None, plan_d: dict, g: Any, norm: Any, bg: Any,
+                     parts: list[int], devices: list[int], layout: str, share: NcclBackend | None, tune: bool,
+                     own_layout: bool) -> None:
+        """Load each GPU's part (``self.shards``), one thread per GPU, while the kernels compile."""
+        cp = _cupy()
         # the kernels compile in the background (once for the GPUs' architecture) while the parts load
         ck.prefetch_kernels(registry.kernels_of("cuda", self.fp_kernel, self.bp_kernel), devices[0],
                             tune=tune and not self.matrix_format.compressed)
@@ -329,12 +384,19 @@ class NcclBackend(Backend):
         if own_layout:
             self._layout.close()
         self.load_seconds = time.perf_counter() - t0
+
+    def _lanes_of_padded_rows(self, lanes: int | None, devices: list[int]) -> None:
+        """A compressed matrix's forward lanes from its padded rows, where every part is here and none is given."""
+        m, _n = self.shape
         slots = [getattr(s.a, "slots", None) for s in self.shards]
         if self.matrix_format.compressed and not lanes and self.world == len(devices) and None not in slots:
             # a compressed matrix's lanes from its padded rows, as one GPU's backend takes them (DeviceCompressed.lanes)
             self.lanes_fp = cc.choose_lanes(sum(int(v) for v in slots) / 4 / m if m else 0.0)
 
-        # ---- communicators -----------------------------------------------------------------
+    def _set_up_comms(self, comms: list[Any] | None, own_comms: bool, share: NcclBackend | None,
+                      devices: list[int]) -> None:
+        """Give each shard its communicator (the shared backend's, the given, or new ones), then the add limits."""
+        nccl = _nccl()
         if share is not None:
             comms, own_comms = [s.comm for s in share.shards], False
         if comms is None:
@@ -353,19 +415,13 @@ class NcclBackend(Backend):
         self.nccl_version = int(nccl.get_version())
         self._limits = self._fixed_limits() if self._kb.limits else None
 
-        #: The algorithm's update in place of EM's (:meth:`set_image_step`).
-        self.image_step: Any = None
-        self._closed = False
-        atexit.register(_close_at_exit, weakref.ref(self))
+    def _warm_up_and_capture(self) -> None:
+        """Run the warm-up iteration, then capture the iteration's graphs where ``graph``."""
         with setup_times.phase("warm_up"):
             self._warm_up()
         if self.graph:
             with setup_times.phase("graph"):
                 self._capture()
-        log.info(
-            "cuda-nccl backend: %d GPU(s) %s of %d, layout %s, fp=%s bp=%s, graph=%s (loaded in %.2f s)",
-            len(devices), devices, self.world, layout, self.fp_kernel, self.bp_kernel, self.graph, self.load_seconds,
-        )
 
     @property
     def _fused_fp(self) -> bool:
