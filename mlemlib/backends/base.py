@@ -255,6 +255,17 @@ class Backend(ABC):
             raise ConfigError("background", "holds NaN or a negative value (b / m: 0 or more, +inf at a gap)")
         return b
 
+    def _check_one_subset(self, g: Any, norm: Any, subsets: Any | None, background: Any | None,
+                          shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Check the measurement, norm, subsets and background of a backend that runs one subset (OSEM's
+        subsets run through :class:`~mlemlib.backends.osem.OsemBackend`); ``(g, norm flat, b')`` on the host."""
+        g, norm = self._check_problem(g, norm, shape)
+        bounds = self._check_subsets(subsets, norm, shape)
+        if bounds is not None and len(bounds) > 2:
+            raise ConfigError("subsets", f"{type(self).__name__} runs one subset; OSEM runs through make_backend "
+                                         "(OsemBackend)")
+        return g, norm.reshape(-1), self._check_background(background, shape[0])
+
     def _initial_value(self) -> float:
         """``sum(g) / sum(norm)`` in float64, the value of every voxel of the first image."""
         if self._norm64sum <= 0:

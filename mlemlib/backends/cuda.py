@@ -425,12 +425,7 @@ class CudaBackend(Backend):
     def _upload_problem(self, g: Any, norm: Any, background: Any | None, subsets: Any | None, m: int, n: int) -> Any:
         """Check the measurement, norm, subsets and background, and copy them to the GPU; the norm on the host."""
         cp = ck.cupy()
-        g, norm = self._check_problem(g, norm, (m, n))
-        bounds = self._check_subsets(subsets, norm, (m, n))
-        if bounds is not None and len(bounds) > 2:
-            raise ConfigError("subsets", "CudaBackend runs one subset; OSEM runs through make_backend (OsemBackend)")
-        norm = norm.reshape(-1)
-        bg = self._check_background(background, m)
+        g, norm, bg = self._check_one_subset(g, norm, subsets, background, (m, n))
         with setup_times.phase("to_gpu", device=True):
             self.g = cp.asarray(g, dtype=cp.float32)
             self.bg = None if bg is None else cp.asarray(bg)

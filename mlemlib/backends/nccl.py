@@ -315,12 +315,7 @@ class NcclBackend(Backend):
                       share: NcclBackend | None, devices: list[int], layout: str) -> tuple[Any, Any, Any]:
         """Check the measurement, norm, subsets, background and a shared backend; (g, norm, background)."""
         m, n = self.shape
-        g, norm = self._check_problem(g, norm, (m, n))
-        bounds = self._check_subsets(subsets, norm, (m, n))
-        if bounds is not None and len(bounds) > 2:
-            raise ConfigError("subsets", "NcclBackend runs one subset; OSEM runs through make_backend (OsemBackend)")
-        norm = norm.reshape(-1)
-        bg = self._check_background(background, m)
+        g, norm, bg = self._check_one_subset(g, norm, subsets, background, (m, n))
         if share is not None and (share.devices != devices or share.layout != layout):
             raise ConfigError("share", f"a backend shares the GPUs {share.devices} ({share.layout} layout) of "
                                        f"another only with the same devices and layout, not {devices} ({layout})")
