@@ -14,7 +14,8 @@ the subsets' sensitivities; ``S`` the subset count)::
     OSL    f <- f bp_k / (sk + beta grad / S)   where sk > 0 and the denominator > 0, else EM's update
 
 (BSREM with the ``hessian`` preconditioner: the step divided by ``1 + beta f H / s``, ``H`` the diagonal of
-the prior's Hessian at ``f``, formed in the same pass over the neighbours.)
+the prior's Hessian at ``f``, formed in the same pass over the neighbours; with an offset ``delta``,
+``f + delta`` in place of ``f`` in the preconditioner.)
 
 which is :class:`mlemlib.map.MapBackend`'s step written from ``bp_k`` instead of EM's image
 (``f_EM = f bp_k / sk``). ``bp_k`` comes as float32 or as the deterministic kernels' 64-bit fixed point,
@@ -61,10 +62,13 @@ class DeviceMapStep:
     hessian
         BSREM's preconditioner ``f / (s + beta f H)`` (``H`` the diagonal of the prior's Hessian at
         ``f``, formed in the same pass over the neighbours) instead of ``f / s``.
+    offset
+        BSREM's preconditioner offset ``delta`` in image units: ``f + delta`` in place of ``f`` in the
+        preconditioner (0: none).
     """
 
     def __init__(self, algorithm: str, prior: Any, beta: float, inv_s: np.ndarray, subsets: int, floor: float, *,
-                 hessian: bool = False) -> None:
+                 hessian: bool = False, offset: float = 0.0) -> None:
         self._inv_s = np.asarray(inv_s, dtype=np.float32)
         self.subsets = int(subsets)
         self.algorithm = algorithm
@@ -72,6 +76,7 @@ class DeviceMapStep:
         self.beta = float(beta)
         self.floor = float(floor)
         self.hessian = bool(hessian)
+        self.offset = float(offset)
         self._dev: dict[int, dict[str, Any]] = {}
 
     def prepare(self, device: int, stream: Any) -> None:
@@ -135,4 +140,4 @@ class DeviceMapStep:
             fu, *d["prior"], np.int32(ALGORITHM_CODES[self.algorithm]), f, d["no_bp"] if fixed else bp,
             acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed), norm,
             d["inv_s"], d["lam"], np.float32(self.beta), np.float32(self.subsets), np.float32(self.floor),
-            np.int32(self.hessian)))
+            np.int32(self.hessian), np.float32(self.offset)))

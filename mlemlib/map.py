@@ -32,7 +32,11 @@ backend is EM's: ``f_EM = f * bp_k / s_k`` (``f`` kept where ``s_k = 0``),
   (``s = 0``) are 0. With ``preconditioner="hessian"`` the preconditioner is
   ``f / (s + beta f H)``, ``H`` the diagonal of the prior's Hessian at ``f``
   (:meth:`mlemlib.prior.Prior.curvature`): the step above divided by
-  ``1 + beta f H / s``.
+  ``1 + beta f H / s``. A ``preconditioner_offset`` ``o`` puts ``f + delta``,
+  ``delta = o f_0`` (``f_0`` the initial image's value), in place of ``f`` in
+  either preconditioner: voxels of low activity (cold regions), whose steps
+  ``f / s`` makes small, converge faster; the iterates still converge to the
+  maximiser (any positive, bounded diagonal preconditioner does).
 - **OSL** (Green's one-step-late OSEM): ``f <- f_EM s_k / (s_k + beta grad / S)``
   (``f_EM`` where the denominator is not positive or ``s_k = 0``). Fast, but
   with subsets it does not converge to the maximiser.
@@ -82,6 +86,9 @@ class MapSettings:
     #: BSREM's preconditioner: ``em`` (``f / s``) or ``hessian`` (``f / (s + beta f H)``, ``H`` the diagonal of the
     #: prior's Hessian at ``f``).
     preconditioner: str = "em"
+    #: ``delta`` of BSREM's preconditioner, relative to the initial image's value: ``f`` in it becomes
+    #: ``f + delta`` (0: the preconditioner as named), so that voxels of low activity take larger steps.
+    preconditioner_offset: float = 0.0
 
     def check(self) -> MapSettings:
         """Validate (one-line :class:`ConfigError` naming ``prior.<key>`` or ``algorithm``); return self."""
@@ -96,6 +103,9 @@ class MapSettings:
         lam, eta = (float(v) for v in self.relaxation)
         if not (lam > 0 and math.isfinite(lam)) or not eta > 0:
             raise ConfigError("relaxation", f"lambda_0 and eta must be > 0, got {self.relaxation}")
+        offset = float(self.preconditioner_offset)
+        if not (math.isfinite(offset) and offset >= 0):
+            raise ConfigError("preconditioner_offset", f"must be a finite number >= 0, got {self.preconditioner_offset}")
         if not (math.isfinite(float(self.beta)) and float(self.beta) >= 0):
             raise ConfigError("prior.beta", f"must be >= 0, got {self.beta}")
         if self.prior == "rdp" and (self.epsilon is None or not float(self.epsilon) > 0):
@@ -110,14 +120,15 @@ class MapSettings:
         return (f"map={self.algorithm}:{self.prior}:beta={float(self.beta)!r}:gamma={float(self.gamma)!r}:"
                 f"epsilon={None if self.epsilon is None else float(self.epsilon)!r}:kappa={kappa}:"
                 f"relax={float(self.relaxation[0])!r},{eta!r}" + (
-                    "" if self.preconditioner == "em" else f":precond={self.preconditioner}"))
+                    "" if self.preconditioner == "em" else f":precond={self.preconditioner}") + (
+                    f":offset={float(self.preconditioner_offset)!r}" if self.preconditioner_offset else ""))
 
     def record(self) -> dict[str, Any]:
         """``timings.json``'s account of the settings."""
         return {"algorithm": self.algorithm, "prior": self.prior, "beta": float(self.beta), "gamma": float(self.gamma),
                 "epsilon": None if self.epsilon is None else float(self.epsilon),
                 "kappa": None if self.kappa is None else str(self.kappa), "relaxation": list(self.relaxation),
-                "preconditioner": self.preconditioner}
+                "preconditioner": self.preconditioner, "preconditioner_offset": float(self.preconditioner_offset)}
 
 
 def _xp(a: Any) -> Any:
@@ -167,6 +178,8 @@ class MapBackend:
         #: BSREM's positivity bound (None for OSL) and whether its preconditioner holds the prior's curvature.
         self._floor = FLOOR * float(inner._initial_value()) if bsrem else None
         self._hessian = bsrem and self.settings.preconditioner == "hessian"
+        #: BSREM's preconditioner offset ``delta`` in image units (0: none).
+        self._delta = float(self.settings.preconditioner_offset) * float(inner._initial_value()) if bsrem else 0.0
         #: The step on the GPUs' streams as the wrapped backend's update (:mod:`mlemlib._map_cuda`), or None:
         #: the step runs here between the sub-iterations.
         self.device_step = None
@@ -175,7 +188,7 @@ class MapBackend:
 
             self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta),
                                              self._host["inv_s"], self.subsets, self._floor or 0.0,
-                                             hessian=self._hessian)
+                                             hessian=self._hessian, offset=self._delta)
             inner.set_image_step(self.device_step)
         elif self.subsets > 1 and hasattr(inner, "use_graph") and getattr(inner, "graph", False):
             inner.use_graph(False)  # the passes run subset by subset (the MAP step between them)
@@ -252,10 +265,14 @@ class MapBackend:
         c = self._consts(f)
         if self.settings.algorithm == "bsrem":
             step = c["ratio"][k] * (f - prev)  # (f / s) S (bp_k - s_k) = (S s_k / s) (f_EM - f)
+            pa = prev  # f of the preconditioner, or f + delta
+            if self._delta:  # ((f + delta) / s) S (bp_k - s_k): the step above times (f + delta) / f
+                pa = prev + f.dtype.type(self._delta)
+                step *= pa / xp.maximum(prev, f.dtype.type(self._floor))
             if grad is not None:
-                step -= beta * prev * grad * c["inv_s"]
+                step -= beta * pa * grad * c["inv_s"]
                 if curv is not None:  # f / (s + beta f H) = (f / s) / (1 + beta f H / s)
-                    step /= 1 + beta * prev * curv * c["inv_s"]
+                    step /= 1 + beta * pa * curv * c["inv_s"]
             new = prev + lam * step
             xp.maximum(new, f.dtype.type(self._floor), out=new)
             f[...] = xp.where(c["seen"], new, 0)

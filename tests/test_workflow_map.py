@@ -88,6 +88,8 @@ def test_two_betas_give_two_run_directories_and_no_prior_keeps_todays_paths(tmp_
     assert len(first) == len(second) == 3 and not first & second
     relaxed = dirs(map_config(relaxation=[0.5, 10]))
     assert not relaxed & first and not relaxed & second
+    offset = dirs(map_config(preconditioner_offset=0.3))
+    assert len(offset) == 3 and not offset & (first | second | relaxed)
     # prior none (the default): the paths of MLEM, no model part, no converged image
     plain = planned_outputs(tmp_path, TINY)
     assert {run_dir(p) for p in plain["reference_mlem"]} == {"reference-it2"}

@@ -78,6 +78,9 @@ def register(sub) -> None:
                    help="BSREM's relaxation lambda_n = L0 / (1 + n / ETA) in pass n")
     m.add_argument("--preconditioner", choices=("em", "hessian"), default="em",
                    help="BSREM's preconditioner: em (f / s) or hessian (f / (s + beta f H), H the prior's curvature)")
+    m.add_argument("--preconditioner-offset", type=float, default=0.0, metavar="O",
+                   help="f + O f0 in place of f in BSREM's preconditioner, f0 the initial image's value (>= 0; "
+                        "0: none): faster in cold regions")
     p.add_argument("--plan", type=existing_file, metavar="PARTS", help="partition directory or plan.json (gpus > 1)")
     p.add_argument("-k", "--checkpoint-every", type=_int_at_least(0), default=10, metavar="K", help="checkpoint every K iterations (0: never)")
     p.add_argument("--checkpoint", type=output_file, metavar="CKPT.h5", default=None, help="checkpoint file (default: <out>.checkpoint.h5)")
@@ -112,9 +115,10 @@ def map_settings(args: argparse.Namespace) -> object | None:
     try:
         return MapSettings(args.prior, beta=args.beta, gamma=args.gamma, epsilon=args.epsilon, kappa=args.kappa,
                            algorithm=args.algorithm, relaxation=tuple(args.relaxation),
-                           preconditioner=args.preconditioner).check()
+                           preconditioner=args.preconditioner,
+                           preconditioner_offset=args.preconditioner_offset).check()
     except ConfigError as exc:  # prior.beta -> --beta
-        raise ConfigError("--" + exc.source.split(".")[-1], exc.fault) from None
+        raise ConfigError("--" + exc.source.split(".")[-1].replace("_", "-"), exc.fault) from None
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:

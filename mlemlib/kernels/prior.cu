@@ -114,6 +114,7 @@ __device__ void prior_value(const T* __restrict__ f, const float* __restrict__ k
 //   OSL   (algorithm 1): f <- f bp / (sk + beta grad / S) where sk > 0 and that is > 0, else EM's update
 //   (hessian != 0: BSREM's step divided by 1 + beta f H / s, H = the prior's curvature at f: the preconditioner
 //    f / (s + beta f H) instead of f / s)
+//   (offset: f + offset in place of f in the preconditioner, f / s or f / (s + beta f H); 0: none)
 // lambda is read from the device (set before each pass). kappa_u is kappa on the user's grid. The 26 neighbours
 // are loops over (dz, dy, dx) unrolled, with 32-bit indices (the launcher checks n < 2^31), and the pair terms
 // are formed in float with a fast reciprocal (the stencils above use double: they serve the objective and the
@@ -132,7 +133,7 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
                                const float* __restrict__ bpf, const unsigned long long* __restrict__ acc,
                                double inv_scale, int fixed, const float* __restrict__ norm,
                                const float* __restrict__ inv_s, const float* __restrict__ lam, float beta, float nsub,
-                               float floor_, int hessian) {
+                               float floor_, int hessian, float offset) {
     for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n; u += gridDim.x * blockDim.x) {
         long long jp = perm ? inv[u] : u;
         float a = fu[u];
@@ -187,8 +188,9 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
             if (is == 0.0f) {
                 out = 0.0f;
             } else {
-                float step = (a * is) * (nsub * (bp - sk) - beta * grad);
-                if (hessian) step /= 1.0f + beta * a * curv * is;
+                float pa = a + offset;  // f, or f + delta, in the preconditioner
+                float step = (pa * is) * (nsub * (bp - sk) - beta * grad);
+                if (hessian) step /= 1.0f + beta * pa * curv * is;
                 float v = a + lam[0] * step;
                 out = v > floor_ ? v : floor_;
             }
