@@ -3,7 +3,8 @@
 A run is a matrix variant (format, fold, reorder), a model (OSEM subsets S,
 the factors ``m`` and ``b`` or none, MAP's prior or none) and an execution
 (backend, ``fp``/``bp`` kernels, GPU count, layout, CUDA graphs). MAP (BSREM
-with the relative difference prior) is taken with every model and every
+with the relative difference prior, with the ``em`` preconditioner and with the
+``hessian`` one and an offset) is taken with every model and every
 backend, GPU count and layout, with the kernels ``auto`` (the kernel families
 under MAP are tests/test_map.py's). :func:`space` enumerates the
 combinations the configuration schema accepts, the kernels drawn from
@@ -34,8 +35,9 @@ FORMATS = registry.FORMATS
 REORDERS = ("none", "rows+voxels")
 SUBSETS = (1, 4)
 GRAPHS = ("auto", "off")
-#: MAP's prior of a run: none (MLEM/OSEM) or the relative difference prior (BSREM).
-PRIORS = ("none", "rdp")
+#: MAP's prior of a run: none (MLEM/OSEM), the relative difference prior (BSREM), or the same with the
+#: ``hessian`` preconditioner and an offset (the step's other branches).
+PRIORS = ("none", "rdp", "rdp-offset")
 #: GPU counts the cuda tier covers, and the layouts of a multi-GPU run.
 GPU_COUNTS = (1, 2)
 LAYOUTS = registry.LAYOUTS
@@ -56,7 +58,7 @@ class Combination:
     gpus: int = 1
     layout: str = "local"
     graph: str = "auto"  # "auto" or "off" in the space; "on" where a run forces graphs (graph: true)
-    prior: str = "none"  # "rdp": MAP (BSREM) with the relative difference prior
+    prior: str = "none"  # "rdp", "rdp-offset": MAP (BSREM) with the relative difference prior
 
     @property
     def model(self) -> tuple[str, bool, str, int, bool]:
@@ -100,14 +102,16 @@ def space(backends: Iterable[str] = ("cpu", "cuda"), gpu_counts: Iterable[int] =
             if backend == "cpu":
                 yield Combination(**base)
                 if (fp, bp) == ("auto", "auto"):
-                    yield Combination(**base, prior="rdp")
+                    for prior in PRIORS[1:]:
+                        yield Combination(**base, prior=prior)
                 continue
             for gpus in gpu_counts:
                 for layout in LAYOUTS if gpus > 1 else ("local",):
                     for graph in GRAPHS:
                         yield Combination(**base, gpus=gpus, layout=layout, graph=graph)
                     if (fp, bp) == ("auto", "auto"):
-                        yield Combination(**base, gpus=gpus, layout=layout, prior="rdp")
+                        for prior in PRIORS[1:]:
+                            yield Combination(**base, gpus=gpus, layout=layout, prior=prior)
 
 
 def check(c: Combination, where: str = "run") -> None:

@@ -39,7 +39,10 @@ TOL = 1e-5
 #: The MAP runs' prior: BSREM with the RDP, beta 0.01 of the small preset's mean sensitivity (its image after 3
 #: passes is 2.6% from OSEM's: the prior's term is far above the tolerance), epsilon 1e-3 of the initial image.
 #: (With beta 10 times larger, float32 BSREM amplified the rounding of OSEM S = 4 with m and b to 2e-5.)
-MAP = {"rdp": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006)}
+#: ``rdp-offset``: the same prior with the hessian preconditioner and an offset (the MAP step's other branches).
+MAP = {"rdp": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006),
+       "rdp-offset": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006, preconditioner="hessian",
+                                 preconditioner_offset=0.23)}
 
 
 def _build(root: Path) -> None:
