@@ -101,7 +101,7 @@ def get_converged_wildcards(matrix, data):
     """The wildcards of the converged image of {matrix} x {data}: its passes
     (config mlem.map_converged_passes, as {iterations}) and the model of its
     BSREM (get_converged_settings: settings that differ only in the algorithm,
-    the relaxation or the preconditioner share it)."""
+    the relaxation, the preconditioner or its offset share it)."""
     return {
         "iterations": config["mlem"]["map_converged_passes"],
         "model": get_model(matrix, data, map_settings=get_converged_settings()),

@@ -77,6 +77,9 @@ def test_a_map_dry_run_plans_the_converged_image_once_and_names_the_settings(tmp
     (osl_reference,) = {run_dir(p) for p in osl["reference_mlem"]}
     assert osl_reference.startswith("reference-it2-mlem_osl_rdp_p") and osl_reference != reference
     assert {run_dir(p) for p in osl["compute_converged_map"]} == {converged}
+    offset = planned_outputs(tmp_path, map_config(map_converged_passes=7, preconditioner="hessian",
+                                                 preconditioner_offset=0.2))
+    assert {run_dir(p) for p in offset["compute_converged_map"]} == {converged}
 
 
 def test_two_betas_give_two_run_directories_and_no_prior_keeps_todays_paths(tmp_path):
