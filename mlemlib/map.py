@@ -175,11 +175,12 @@ class MapBackend:
         self.history: list[dict[str, float]] = []
         self._times: dict[str, float] = {}
         bsrem = self.settings.algorithm == "bsrem"
+        f0 = float(inner._initial_value()) if bsrem else 0.0
         #: BSREM's positivity bound (None for OSL) and whether its preconditioner holds the prior's curvature.
-        self._floor = FLOOR * float(inner._initial_value()) if bsrem else None
+        self._floor = FLOOR * f0 if bsrem else None
         self._hessian = bsrem and self.settings.preconditioner == "hessian"
         #: BSREM's preconditioner offset ``delta`` in image units (0: none).
-        self._delta = float(self.settings.preconditioner_offset) * float(inner._initial_value()) if bsrem else 0.0
+        self._delta = float(self.settings.preconditioner_offset) * f0
         #: The step on the GPUs' streams as the wrapped backend's update (:mod:`mlemlib._map_cuda`), or None:
         #: the step runs here between the sub-iterations.
         self.device_step = None

@@ -62,6 +62,8 @@ def register(sub) -> None:
         "--additive", type=factor_file, default=None, metavar="B",
         help="additive expected background b per LOR (randoms + scatter, in counts; raw float32 or FILE.h5:/dataset)",
     )
+    from mlemlib.map import ALGORITHMS, DEFAULT_RELAXATION, PRECONDITIONERS
+
     m = p.add_argument_group("MAP reconstruction (docs/reconstruction.md, 'MAP reconstruction'; each iteration a pass)")
     m.add_argument("--prior", choices=("rdp", "quadratic"), default=None,
                    help="maximise the log-likelihood minus beta times this prior: the relative difference prior or "
@@ -72,11 +74,11 @@ def register(sub) -> None:
                    help="rdp: smoothing (> 0; required for rdp: small against the image's values, e.g. 1e-3 of their mean)")
     m.add_argument("--kappa", type=factor_file, default=None, metavar="FILE",
                    help="per-voxel weights of the prior (raw float32 or FILE.h5:/dataset; default 1)")
-    m.add_argument("--algorithm", choices=("bsrem", "osl"), default="bsrem",
+    m.add_argument("--algorithm", choices=ALGORITHMS, default="bsrem",
                    help="bsrem (converges to the MAP image) or osl (one-step-late OSEM: fast, does not converge with subsets)")
-    m.add_argument("--relaxation", type=float, nargs=2, default=(1.0, 10.0), metavar=("L0", "ETA"),
+    m.add_argument("--relaxation", type=float, nargs=2, default=DEFAULT_RELAXATION, metavar=("L0", "ETA"),
                    help="BSREM's relaxation lambda_n = L0 / (1 + n / ETA) in pass n")
-    m.add_argument("--preconditioner", choices=("em", "hessian"), default="em",
+    m.add_argument("--preconditioner", choices=PRECONDITIONERS, default="em",
                    help="BSREM's preconditioner: em (f / s) or hessian (f / (s + beta f H), H the prior's curvature)")
     m.add_argument("--preconditioner-offset", type=float, default=0.0, metavar="O",
                    help="f + O f0 in place of f in BSREM's preconditioner, f0 the initial image's value (>= 0; "
