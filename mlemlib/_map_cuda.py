@@ -4,9 +4,8 @@ update of each sub-iteration (CuPy imported lazily, on first use).
 A GPU backend that takes an image step (:meth:`mlemlib.backends.nccl.NcclBackend.set_image_step`, and
 :class:`~mlemlib.backends.osem.OsemBackend` for its subsets) launches :meth:`DeviceMapStep.launch` where
 EM's update would run: after the (all-reduced) back projection ``bp_k`` of subset ``k``, on each GPU's
-stream, with the image ``f`` still the one the sub-iteration started from. Two kernels per GPU
-(``mlemlib/kernels/prior.cu``): the image copied to the user's grid (through the voxel permutation, where
-the matrix has one), then one thread per voxel forms the prior's gradient from its neighbours there and
+stream, with the image ``f`` still the one the sub-iteration started from. One thread per voxel
+(``mlemlib/kernels/prior.cu``) forms the prior's gradient from its neighbours on the user's grid and
 writes the update (``sk`` the subset's sensitivity, 0 where the backend's norm is NaN; ``s`` the sum of
 the subsets' sensitivities; ``S`` the subset count)::
 
@@ -22,6 +21,10 @@ which is :class:`mlemlib.map.MapBackend`'s step written from ``bp_k`` instead of
 rounded to float32 as EM's update rounds it. The neighbours are read on the user's grid instead of through
 the permutation (26 scattered reads per voxel), and the pair terms are formed in float: the double
 divisions of the objective's stencils made the step cost 100 us per sub-iteration on madpet2 (H200).
+The image on the user's grid is made from ``f`` (through the voxel permutation, where the matrix has one)
+before a pass's first sub-iteration only; each update writes the next sub-iteration's copy beside ``f``
+(two buffers in turn), and the subsets' norms and ``1 / s`` are kept on the user's grid, so that of the
+arrays the step reads and writes only ``bp_k`` and ``f`` go through the permutation.
 
 Nothing allocates and nothing waits for the host, so a CUDA graph captures the step with the rest of the
 pass; the relaxation ``lambda`` of the pass is a device value set before each pass
@@ -53,10 +56,10 @@ class DeviceMapStep:
         The :class:`mlemlib.prior.Prior` in the backend's voxel order.
     beta
         The prior's weight (0: no gradient is computed).
-    inv_s
-        ``1 / s`` per voxel, ``s`` the subsets' sensitivities summed (0 where ``s`` is 0).
-    subsets
-        The subset count S.
+    norms
+        The (S, n) update norms of the subsets, or the (n,) norm of S = 1 (NaN: the subset does not see the
+        voxel), in the backend's voxel order: the norms the backend launches the step with, sub-iteration
+        ``k`` with row ``k``.
     floor
         BSREM's positivity bound ``nu``.
     hessian
@@ -67,10 +70,13 @@ class DeviceMapStep:
         preconditioner (0: none).
     """
 
-    def __init__(self, algorithm: str, prior: Any, beta: float, inv_s: np.ndarray, subsets: int, floor: float, *,
+    def __init__(self, algorithm: str, prior: Any, beta: float, norms: np.ndarray, floor: float, *,
                  hessian: bool = False, offset: float = 0.0) -> None:
-        self._inv_s = np.asarray(inv_s, dtype=np.float32)
-        self.subsets = int(subsets)
+        norms = np.asarray(norms, dtype=np.float32)
+        self._norms = norms.reshape(1, -1) if norms.ndim == 1 else norms
+        s = np.nansum(self._norms.astype(np.float64), axis=0)
+        self._inv_s = np.divide(1.0, s, out=np.zeros_like(s), where=s > 0).astype(np.float32)
+        self.subsets = self._norms.shape[0]
         self.algorithm = algorithm
         self.prior = prior
         self.beta = float(beta)
@@ -100,11 +106,12 @@ class DeviceMapStep:
             kappa_u = kappa
             if prior.kappa is not None and prior.inv is not None:  # kappa on the user's grid
                 kappa_u = cp.asarray(np.ascontiguousarray(prior.kappa[prior.inv]))
-            sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
+            user = (lambda a: a) if prior.pos is None else (lambda a: a[..., prior.inv])  # to the user's grid
             self._dev[device] = {
-                "stream": stream, "inv_s": cp.asarray(self._inv_s), "lam": cp.ones(1, dtype=cp.float32),
-                "fu": cp.empty(n, dtype=cp.float32), "pos": pos, "n": np.int64(n),
-                "blocks": max(1, min(-(-n // THREADS), 8 * sms)),
+                "stream": stream, "inv_s": cp.asarray(user(self._inv_s)), "lam": cp.ones(1, dtype=cp.float32),
+                "norms": cp.asarray(np.ascontiguousarray(user(self._norms))), "subset_of": {},
+                "fu": (cp.empty(n, dtype=cp.float32), cp.empty(n, dtype=cp.float32)), "pos": pos, "n": np.int64(n),
+                "blocks": max(1, -(-n // THREADS)),
                 "to_grid": mod.get_function("map_to_grid_f32"), "update": mod.get_function("map_update_f32"),
                 "prior": (kappa_u, inv, has_kappa, perm, np.int32(n), np.int32(nx), np.int32(ny), np.int32(nz), code,
                           np.float32(gamma), np.float32(eps)),
@@ -124,20 +131,27 @@ class DeviceMapStep:
 
     def launch(self, f: Any, norm: Any, *, bp: Any = None, acc: Any = None, scale: float | None = None) -> None:
         """The step on the current device and stream, in place on ``f``: ``bp`` (float32) or ``acc`` and its
-        ``scale`` (fixed point) the all-reduced back projection, ``norm`` the subset's (NaN: not seen)."""
+        ``scale`` (fixed point) the all-reduced back projection; ``norm`` the backend's array of the subset's
+        norm, which names the subset (the step reads its own copy of the norm, on the user's grid)."""
         from mlemlib.backends._build import cupy
 
         cp = cupy()
         d = self._dev[f.device.id]
-        fu, blocks = d["fu"], (d["blocks"],)
-        if self.prior.pos is not None:
-            d["to_grid"](blocks, (THREADS,), (f, d["pos"], d["n"], fu))
-        else:
-            rt = cp.cuda.runtime
-            rt.memcpyAsync(fu.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice, cp.cuda.get_current_stream().ptr)
+        # the subset of this launch: a pass launches subsets 0, ..., S - 1 in order, each with its own norm
+        k = d["subset_of"].setdefault(norm.data.ptr, len(d["subset_of"]))
+        if k >= self.subsets:
+            raise ConfigError("subsets", f"the MAP step was launched with more than {self.subsets} subsets' norms")
+        fu, blocks = d["fu"][k % 2], (d["blocks"],)
+        if k == 0:  # f on the user's grid; later sub-iterations read the copy the one before wrote
+            if self.prior.pos is not None:
+                d["to_grid"](blocks, (THREADS,), (f, d["pos"], d["n"], fu))
+            else:
+                rt = cp.cuda.runtime
+                rt.memcpyAsync(fu.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice,
+                               cp.cuda.get_current_stream().ptr)
         fixed = acc is not None
         d["update"](blocks, (THREADS,), (
             fu, *d["prior"], np.int32(ALGORITHM_CODES[self.algorithm]), f, d["no_bp"] if fixed else bp,
-            acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed), norm,
+            acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed), d["norms"][k],
             d["inv_s"], d["lam"], np.float32(self.beta), np.float32(self.subsets), np.float32(self.floor),
-            np.int32(self.hessian), np.float32(self.offset)))
+            np.int32(self.hessian), np.float32(self.offset), d["fu"][(k + 1) % 2], np.int32(k + 1 < self.subsets)))

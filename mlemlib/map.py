@@ -187,9 +187,8 @@ class MapBackend:
         if callable(getattr(inner, "takes_image_step", None)) and inner.takes_image_step():
             from mlemlib._map_cuda import DeviceMapStep
 
-            self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta),
-                                             self._host["inv_s"], self.subsets, self._floor or 0.0,
-                                             hessian=self._hessian, offset=self._delta)
+            self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta), norm,
+                                             self._floor or 0.0, hessian=self._hessian, offset=self._delta)
             inner.set_image_step(self.device_step)
         elif self.subsets > 1 and hasattr(inner, "use_graph") and getattr(inner, "graph", False):
             inner.use_graph(False)  # the passes run subset by subset (the MAP step between them)

@@ -106,10 +106,12 @@ __device__ void prior_value(const T* __restrict__ f, const float* __restrict__ k
 }
 
 // The MAP step of a GPU backend (launched by mlemlib/_map_cuda.py), in place of EM's update of one
-// sub-iteration, in two kernels: map_to_grid copies the image f (the caller's order) to fu on the user's grid,
+// sub-iteration: map_to_grid copies the image f (the caller's order) to fu on the user's grid,
 // fu[pos[j']] = f[j']; map_update runs one thread per user voxel u, reads its neighbours from fu (coalesced: the
 // permutation is applied once per voxel, not once per neighbour), forms the prior's gradient as prior_stencil
-// does (the same terms, in float) and writes the updated f[j'] at j' = inv[u]:
+// does (the same terms, in float) and writes the updated f[j'] at j' = inv[u], and where fu_next is given the
+// same value at u there (the next sub-iteration's fu, so that it needs no map_to_grid). The norm of the subset
+// and 1 / s are read on the user's grid as well (norm_u, inv_s_u); only bp (or acc) and f go through j':
 //   BSREM (algorithm 0): f <- max(nu, f + lambda (f / s) (S G - beta grad)), 0 where 1 / s is 0, G = bp - sk
 //   OSL   (algorithm 1): f <- f bp / (sk + beta grad / S) where sk > 0 and that is > 0, else EM's update
 //   (hessian != 0: BSREM's step divided by 1 + beta f H / s, H = the prior's curvature at f: the preconditioner
@@ -131,9 +133,9 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
                                const long long* __restrict__ inv, int has_kappa, int perm, int n, int nx, int ny,
                                int nz, int kind, float gamma, float eps, int algorithm, float* __restrict__ f,
                                const float* __restrict__ bpf, const unsigned long long* __restrict__ acc,
-                               double inv_scale, int fixed, const float* __restrict__ norm,
-                               const float* __restrict__ inv_s, const float* __restrict__ lam, float beta, float nsub,
-                               float floor_, int hessian, float offset) {
+                               double inv_scale, int fixed, const float* __restrict__ norm_u,
+                               const float* __restrict__ inv_s_u, const float* __restrict__ lam, float beta, float nsub,
+                               float floor_, int hessian, float offset, float* __restrict__ fu_next, int write_next) {
     for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n; u += gridDim.x * blockDim.x) {
         long long jp = perm ? inv[u] : u;
         float a = fu[u];
@@ -180,10 +182,10 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
             curv = kj * hsum;
         }
         float bp = fixed ? (float)((double)acc[jp] * inv_scale) : bpf[jp];
-        float nk = norm[jp];
+        float nk = norm_u[u];
         float out;
         if (algorithm == 0) {
-            float is = inv_s[jp];
+            float is = inv_s_u[u];
             float sk = (nk == nk) ? nk : 0.0f;
             if (is == 0.0f) {
                 out = 0.0f;
@@ -199,6 +201,7 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
             out = (nk > 0.0f && den > 0.0f) ? a * bp / den : ((nk != 0.0f) ? (nk == nk ? a * bp / nk : a) : a * bp);
         }
         f[jp] = out;
+        if (write_next) fu_next[u] = out;
     }
 }
 }
