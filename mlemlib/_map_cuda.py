@@ -5,8 +5,8 @@ A GPU backend that takes an image step (:meth:`mlemlib.backends.nccl.NcclBackend
 :class:`~mlemlib.backends.osem.OsemBackend` for its subsets) launches :meth:`DeviceMapStep.launch` where
 EM's update would run: after the (all-reduced) back projection ``bp_k`` of subset ``k``, on each GPU's
 stream, with the image ``f`` still the one the sub-iteration started from. One thread per voxel
-(``mlemlib/kernels/prior.cu``; a block marches a tile of the user's grid along z, three planes of it in
-shared memory) forms the prior's gradient from its neighbours on the user's grid and writes the update (``sk`` the subset's sensitivity, 0 where the backend's norm is NaN; ``s`` the sum of
+(``mlemlib/kernels/prior.cu``) forms the prior's gradient from its neighbours on the user's grid and
+writes the update (``sk`` the subset's sensitivity, 0 where the backend's norm is NaN; ``s`` the sum of
 the subsets' sensitivities; ``S`` the subset count)::
 
     BSREM  f <- max(nu, f + lambda (f / s) (S (bp_k - sk) - beta grad))   (0 where s = 0)
@@ -43,8 +43,6 @@ from mlemlib.errors import ConfigError
 #: The kernels' algorithm codes.
 ALGORITHM_CODES = {"bsrem": 0, "osl": 1}
 THREADS = 256
-#: The update's tile (``MAP_TX``, ``MAP_TY``, ``MAP_TZ`` of prior.cu): a block's threads in x and y, its planes in z.
-TILE = (32, 8, 4)
 
 
 class DeviceMapStep:
@@ -114,7 +112,6 @@ class DeviceMapStep:
                 "norms": cp.asarray(np.ascontiguousarray(user(self._norms))), "subset_of": {},
                 "fu": (cp.empty(n, dtype=cp.float32), cp.empty(n, dtype=cp.float32)), "pos": pos, "n": np.int64(n),
                 "blocks": max(1, -(-n // THREADS)),
-                "tiles": (-(-int(nx) // TILE[0]), -(-int(ny) // TILE[1]), -(-int(nz) // TILE[2])),
                 "to_grid": mod.get_function("map_to_grid_f32"), "update": mod.get_function("map_update_f32"),
                 "prior": (kappa_u, inv, has_kappa, perm, np.int32(n), np.int32(nx), np.int32(ny), np.int32(nz), code,
                           np.float32(gamma), np.float32(eps)),
@@ -153,7 +150,7 @@ class DeviceMapStep:
                 rt.memcpyAsync(fu.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice,
                                cp.cuda.get_current_stream().ptr)
         fixed = acc is not None
-        d["update"](d["tiles"], TILE[:2], (
+        d["update"](blocks, (THREADS,), (
             fu, *d["prior"], np.int32(ALGORITHM_CODES[self.algorithm]), f, d["no_bp"] if fixed else bp,
             acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed), d["norms"][k],
             d["inv_s"], d["lam"], np.float32(self.beta), np.float32(self.subsets), np.float32(self.floor),

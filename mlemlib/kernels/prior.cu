@@ -107,7 +107,7 @@ __device__ void prior_value(const T* __restrict__ f, const float* __restrict__ k
 
 // The MAP step of a GPU backend (launched by mlemlib/_map_cuda.py), in place of EM's update of one
 // sub-iteration: map_to_grid copies the image f (the caller's order) to fu on the user's grid,
-// fu[pos[j']] = f[j']; map_update runs a thread per user voxel u, reads its neighbours on the user's grid (the
+// fu[pos[j']] = f[j']; map_update runs one thread per user voxel u, reads its neighbours from fu (coalesced: the
 // permutation is applied once per voxel, not once per neighbour), forms the prior's gradient as prior_stencil
 // does (the same terms, in float) and writes the updated f[j'] at j' = inv[u], and where fu_next is given the
 // same value at u there (the next sub-iteration's fu, so that it needs no map_to_grid). The norm of the subset
@@ -121,30 +121,6 @@ __device__ void prior_value(const T* __restrict__ f, const float* __restrict__ k
 // are loops over (dz, dy, dx) unrolled, with 32-bit indices (the launcher checks n < 2^31), and the pair terms
 // are formed in float with a fast reciprocal (the stencils above use double: they serve the objective and the
 // tests): the step is as accurate as the float image it updates, and costs little beside the projections.
-// A block covers a tile of MAP_TX x MAP_TY voxels in (x, y) and marches MAP_TZ planes along z, keeping three
-// planes of the tile with a one-voxel rim in shared memory: a voxel of fu is read from memory about 1.7 times
-// instead of 27 (its own and its neighbours' reads).
-
-// The MAP update's tile: MAP_TX x MAP_TY threads (x, y), each marching MAP_TZ voxels along z.
-#define MAP_TX 32
-#define MAP_TY 8
-#define MAP_TZ 4
-
-// Plane zz of the tile at (x0, y0) with its rim, fu (and kappa_u) into slot (zz + 3) % 3; 0 outside the grid.
-__device__ __forceinline__ void map_load_plane(const float* __restrict__ fu, const float* __restrict__ kappa_u,
-                                               int has_kappa, int nx, int ny, int nz, int x0, int y0, int zz, int tid,
-                                               float (*tf)[MAP_TY + 2][MAP_TX + 2],
-                                               float (*tk)[MAP_TY + 2][MAP_TX + 2]) {
-    const int slot = (zz + 3) % 3;
-    for (int i = tid; i < (MAP_TY + 2) * (MAP_TX + 2); i += MAP_TX * MAP_TY) {
-        int ly = i / (MAP_TX + 2), lx = i - ly * (MAP_TX + 2);
-        int gx = x0 + lx - 1, gy = y0 + ly - 1;
-        bool in = (unsigned)gx < (unsigned)nx && (unsigned)gy < (unsigned)ny && (unsigned)zz < (unsigned)nz;
-        int g = in ? gx + nx * (gy + ny * zz) : 0;
-        tf[slot][ly][lx] = in ? fu[g] : 0.0f;
-        if (has_kappa) tk[slot][ly][lx] = in ? kappa_u[g] : 0.0f;
-    }
-}
 
 extern "C" {
 __global__ void map_to_grid_f32(const float* __restrict__ f, const long long* __restrict__ pos, long long n,
@@ -153,94 +129,79 @@ __global__ void map_to_grid_f32(const float* __restrict__ f, const long long* __
         fu[pos[jp]] = f[jp];
 }
 
-__global__ void __launch_bounds__(MAP_TX * MAP_TY)
-map_update_f32(const float* __restrict__ fu, const float* __restrict__ kappa_u, const long long* __restrict__ inv,
-               int has_kappa, int perm, int n, int nx, int ny, int nz, int kind, float gamma, float eps, int algorithm,
-               float* __restrict__ f, const float* __restrict__ bpf, const unsigned long long* __restrict__ acc,
-               double inv_scale, int fixed, const float* __restrict__ norm_u, const float* __restrict__ inv_s_u,
-               const float* __restrict__ lam, float beta, float nsub, float floor_, int hessian, float offset,
-               float* __restrict__ fu_next, int write_next) {
-    // planes z - 1, z, z + 1 of the block's tile with a one-voxel rim, in slots (plane + 3) % 3 (0 outside the grid)
-    __shared__ float tf[3][MAP_TY + 2][MAP_TX + 2];
-    __shared__ float tk[3][MAP_TY + 2][MAP_TX + 2];
-    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * MAP_TX + tx;
-    const int x0 = blockIdx.x * MAP_TX, y0 = blockIdx.y * MAP_TY, z0 = blockIdx.z * MAP_TZ;
-    const int x = x0 + tx, y = y0 + ty, z1 = min(nz, z0 + MAP_TZ);
-    const bool stencil = beta != 0.0f;
-    for (int zz = z0 - 1; zz <= z0 && stencil; ++zz)
-        map_load_plane(fu, kappa_u, has_kappa, nx, ny, nz, x0, y0, zz, tid, tf, tk);
-    for (int z = z0; z < z1; ++z) {
-        if (stencil) {
-            map_load_plane(fu, kappa_u, has_kappa, nx, ny, nz, x0, y0, z + 1, tid, tf, tk);
-            __syncthreads();
-        }
-        if (x < nx && y < ny) {
-            const int u = x + nx * (y + ny * z);
-            long long jp = perm ? inv[u] : u;
-            float a = fu[u];
-            float grad = 0.0f, curv = 0.0f;
-            if (stencil) {
-                float gsum = 0.0f, hsum = 0.0f;
+__global__ void map_update_f32(const float* __restrict__ fu, const float* __restrict__ kappa_u,
+                               const long long* __restrict__ inv, int has_kappa, int perm, int n, int nx, int ny,
+                               int nz, int kind, float gamma, float eps, int algorithm, float* __restrict__ f,
+                               const float* __restrict__ bpf, const unsigned long long* __restrict__ acc,
+                               double inv_scale, int fixed, const float* __restrict__ norm_u,
+                               const float* __restrict__ inv_s_u, const float* __restrict__ lam, float beta, float nsub,
+                               float floor_, int hessian, float offset, float* __restrict__ fu_next, int write_next) {
+    for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n; u += gridDim.x * blockDim.x) {
+        long long jp = perm ? inv[u] : u;
+        float a = fu[u];
+        float grad = 0.0f, curv = 0.0f;
+        if (beta != 0.0f) {
+            int x = u % nx, t = u / nx, y = t % ny, z = t / ny;
+            float gsum = 0.0f, hsum = 0.0f;
 #pragma unroll
-                for (int dz = -1; dz <= 1; ++dz) {
-                    if ((unsigned)(z + dz) >= (unsigned)nz) continue;
-                    const int slot = (z + dz + 3) % 3;
+            for (int dz = -1; dz <= 1; ++dz) {
+                if ((unsigned)(z + dz) >= (unsigned)nz) continue;
 #pragma unroll
-                    for (int dy = -1; dy <= 1; ++dy) {
-                        if ((unsigned)(y + dy) >= (unsigned)ny) continue;
+                for (int dy = -1; dy <= 1; ++dy) {
+                    if ((unsigned)(y + dy) >= (unsigned)ny) continue;
+                    int row = ((z + dz) * ny + (y + dy)) * nx;
 #pragma unroll
-                        for (int dx = -1; dx <= 1; ++dx) {
-                            if (dx == 0 && dy == 0 && dz == 0) continue;
-                            if ((unsigned)(x + dx) >= (unsigned)nx) continue;
-                            // the weight 1 / distance: 1, 1 / sqrt(2), 1 / sqrt(3) (a constant once unrolled)
-                            int c = (dx != 0) + (dy != 0) + (dz != 0);
-                            float wk = c == 1 ? 1.0f : (c == 2 ? 0.70710678118654752f : 0.57735026918962576f);
-                            float kk = has_kappa ? wk * tk[slot][ty + 1 + dy][tx + 1 + dx] : wk;
-                            float b = tf[slot][ty + 1 + dy][tx + 1 + dx];
-                            float d = a - b;
-                            if (kind == 1) {  // quadratic: phi = d^2 / 2
-                                gsum += kk * d;
-                                hsum += kk;
-                            } else {  // rdp: phi = d^2 / (a + b + gamma |d| + eps)
-                                float ad = fabsf(d);
-                                float r = __fdividef(1.0f, a + b + gamma * ad + eps);
-                                float num = a + 3.0f * b + gamma * ad + 2.0f * eps;
-                                gsum += kk * (d * num * r * r);
-                                if (hessian) {
-                                    float sgn = d > 0.0f ? 1.0f : (d < 0.0f ? -1.0f : 0.0f);
-                                    hsum += kk * (2.0f * r - 2.0f * d * num * (1.0f + gamma * sgn) * r * r * r);
-                                }
+                    for (int dx = -1; dx <= 1; ++dx) {
+                        if (dx == 0 && dy == 0 && dz == 0) continue;
+                        if ((unsigned)(x + dx) >= (unsigned)nx) continue;
+                        // the weight 1 / distance: 1, 1 / sqrt(2), 1 / sqrt(3) (a constant once unrolled)
+                        int c = (dx != 0) + (dy != 0) + (dz != 0);
+                        float wk = c == 1 ? 1.0f : (c == 2 ? 0.70710678118654752f : 0.57735026918962576f);
+                        int k = row + x + dx;
+                        float kk = has_kappa ? wk * kappa_u[k] : wk;
+                        float b = fu[k];
+                        float d = a - b;
+                        if (kind == 1) {  // quadratic: phi = d^2 / 2
+                            gsum += kk * d;
+                            hsum += kk;
+                        } else {  // rdp: phi = d^2 / (a + b + gamma |d| + eps)
+                            float ad = fabsf(d);
+                            float r = __fdividef(1.0f, a + b + gamma * ad + eps);
+                            float num = a + 3.0f * b + gamma * ad + 2.0f * eps;
+                            gsum += kk * (d * num * r * r);
+                            if (hessian) {
+                                float sgn = d > 0.0f ? 1.0f : (d < 0.0f ? -1.0f : 0.0f);
+                                hsum += kk * (2.0f * r - 2.0f * d * num * (1.0f + gamma * sgn) * r * r * r);
                             }
                         }
                     }
                 }
-                float kj = has_kappa ? kappa_u[u] : 1.0f;
-                grad = kj * gsum;
-                curv = kj * hsum;
             }
-            float bp = fixed ? (float)((double)acc[jp] * inv_scale) : bpf[jp];
-            float nk = norm_u[u];
-            float out;
-            if (algorithm == 0) {
-                float is = inv_s_u[u];
-                float sk = (nk == nk) ? nk : 0.0f;
-                if (is == 0.0f) {
-                    out = 0.0f;
-                } else {
-                    float pa = a + offset;  // f, or f + delta, in the preconditioner
-                    float step = (pa * is) * (nsub * (bp - sk) - beta * grad);
-                    if (hessian) step /= 1.0f + beta * pa * curv * is;
-                    float v = a + lam[0] * step;
-                    out = v > floor_ ? v : floor_;
-                }
-            } else {
-                float den = nk + (beta / nsub) * grad;
-                out = (nk > 0.0f && den > 0.0f) ? a * bp / den : ((nk != 0.0f) ? (nk == nk ? a * bp / nk : a) : a * bp);
-            }
-            f[jp] = out;
-            if (write_next) fu_next[u] = out;
+            float kj = has_kappa ? kappa_u[u] : 1.0f;
+            grad = kj * gsum;
+            curv = kj * hsum;
         }
-        if (stencil) __syncthreads();  // every thread is done with plane z - 1 before the next load replaces it
+        float bp = fixed ? (float)((double)acc[jp] * inv_scale) : bpf[jp];
+        float nk = norm_u[u];
+        float out;
+        if (algorithm == 0) {
+            float is = inv_s_u[u];
+            float sk = (nk == nk) ? nk : 0.0f;
+            if (is == 0.0f) {
+                out = 0.0f;
+            } else {
+                float pa = a + offset;  // f, or f + delta, in the preconditioner
+                float step = (pa * is) * (nsub * (bp - sk) - beta * grad);
+                if (hessian) step /= 1.0f + beta * pa * curv * is;
+                float v = a + lam[0] * step;
+                out = v > floor_ ? v : floor_;
+            }
+        } else {
+            float den = nk + (beta / nsub) * grad;
+            out = (nk > 0.0f && den > 0.0f) ? a * bp / den : ((nk != 0.0f) ? (nk == nk ? a * bp / nk : a) : a * bp);
+        }
+        f[jp] = out;
+        if (write_next) fu_next[u] = out;
     }
 }
 }
