@@ -5,7 +5,7 @@ A GPU backend that takes an image step (:meth:`mlemlib.backends.nccl.NcclBackend
 :class:`~mlemlib.backends.osem.OsemBackend` for its subsets) launches :meth:`DeviceMapStep.launch` where
 EM's update would run: after the (all-reduced) back projection ``bp_k`` of subset ``k``, on each GPU's
 stream, with the image ``f`` still the one the sub-iteration started from. One thread per voxel
-(``mlemlib/kernels/prior.cu``) forms the prior's gradient from its neighbours on the user's grid and
+(``mlemlib/kernels/map_step.cu``) forms the prior's gradient from its neighbours on the user's grid and
 writes the update (``sk`` the subset's sensitivity, 0 where the backend's norm is NaN; ``s`` the sum of
 the subsets' sensitivities; ``S`` the subset count)::
 
@@ -34,6 +34,7 @@ no atomics), so deterministic kernels stay bit-identical over GPU counts and rer
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,18 @@ from mlemlib.errors import ConfigError
 #: The kernels' algorithm codes.
 ALGORITHM_CODES = {"bsrem": 0, "osl": 1}
 THREADS = 256
+
+
+@functools.cache
+def module(device_id: int) -> Any:
+    """``mlemlib/kernels/map_step.cu`` compiled for a GPU (once per process and device)."""
+    from mlemlib.backends._build import cupy, kernel_source
+
+    cp = cupy()
+    with cp.cuda.Device(device_id):
+        mod = cp.RawModule(code=kernel_source("map_step"), options=("--std=c++17",))
+        mod.compile()
+    return mod
 
 
 class DeviceMapStep:
@@ -97,7 +110,7 @@ class DeviceMapStep:
             return
         prior = self.prior
         with cp.cuda.Device(device):
-            mod = _prior_cuda.module(device)
+            mod = module(device)
             _, kappa, pos, inv, has_kappa, perm, _, nx, ny, nz, code, gamma, eps, *_ = _prior_cuda.device_args(
                 prior, cp.zeros(1, dtype=cp.float32))
             n = int(prior.n)
