@@ -38,8 +38,9 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
     for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n; u += gridDim.x * blockDim.x) {
         long long jp = perm ? inv[u] : u;
         float a = fu[u];
+        float is = inv_s_u[u];
         float grad = 0.0f, curv = 0.0f;
-        if (beta != 0.0f) {
+        if (beta != 0.0f && is != 0.0f) {  // where s = 0 no update reads the gradient
             int x = u % nx, t = u / nx, y = t % ny, z = t / ny;
             float gsum = 0.0f, hsum = 0.0f;
 #pragma unroll
@@ -84,7 +85,6 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
         float nk = norm_u[u];
         float out;
         if (algorithm == 0) {
-            float is = inv_s_u[u];
             float sk = (nk == nk) ? nk : 0.0f;
             if (is == 0.0f) {
                 out = 0.0f;
