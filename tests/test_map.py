@@ -268,3 +268,19 @@ def test_the_cpu_objective_uses_the_backends_forward_projection(case, tmp_path, 
     assert hist[-1]["prior"] == pytest.approx(want[2], rel=1e-12)
     assert hist[-1]["log_likelihood"] == pytest.approx(want[1], rel=1e-12)
     assert hist[-1]["phi"] == pytest.approx(want[0], rel=1e-12)
+
+
+def test_the_gpu_step_takes_the_subsets_norms_and_forms_one_over_s():
+    """The GPU step is given the (S, n) update norms (NaN: the subset does not see the voxel) or S = 1's (n,)
+    norm; 1 / s sums the seen ones (0 where no subset sees the voxel). Built without a GPU."""
+    from mlemlib._map_cuda import DeviceMapStep
+
+    prior = make_prior("rdp", (3, 1, 1), beta=0.3, gamma=2.0, epsilon=2.0)
+    nan = np.nan
+    norms = np.array([[1.0, nan, 0.0], [3.0, 0.5, nan]])
+    step = DeviceMapStep("bsrem", prior, 0.3, norms, 1e-6)
+    assert step.subsets == 2
+    np.testing.assert_array_equal(step._inv_s, np.float32([0.25, 2.0, 0.0]))
+    one = DeviceMapStep("osl", prior, 0.3, np.array([2.0, 4.0, 0.0]), 0.0)
+    assert one.subsets == 1
+    np.testing.assert_array_equal(one._inv_s, np.float32([0.5, 0.25, 0.0]))
