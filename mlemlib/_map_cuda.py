@@ -85,10 +85,11 @@ class DeviceMapStep:
 
     def __init__(self, algorithm: str, prior: Any, beta: float, norms: np.ndarray, floor: float, *,
                  hessian: bool = False, offset: float = 0.0) -> None:
+        from mlemlib.map import subset_sensitivities
+
         norms = np.asarray(norms, dtype=np.float32)
-        self._norms = norms.reshape(1, -1) if norms.ndim == 1 else norms
-        s = np.nansum(self._norms.astype(np.float64), axis=0)
-        self._inv_s = np.divide(1.0, s, out=np.zeros_like(s), where=s > 0).astype(np.float32)
+        self._norms = norms.reshape(1, -1) if norms.ndim == 1 else norms  # NaN kept: OSL keeps f there
+        self._inv_s = subset_sensitivities(self._norms)[2].astype(np.float32)
         self.subsets = self._norms.shape[0]
         self.algorithm = algorithm
         self.prior = prior

@@ -3,9 +3,8 @@
 // Compiled with NVRTC's defaults (multiply-adds contracted): the step forms the prior's terms in float and
 // matches no CPU computation bit for bit (prior.cu's stencils, which serve the objective and the tests, are
 // compiled with --fmad=false instead). The same inputs give the same bits on every GPU and rerun.
-
-// The MAP step of a GPU backend (launched by mlemlib/_map_cuda.py), in place of EM's update of one
-// sub-iteration: map_to_grid copies the image f (the caller's order) to fu on the user's grid,
+//
+// The step replaces EM's update of one sub-iteration: map_to_grid copies the image f (the caller's order) to fu on the user's grid,
 // fu[pos[j']] = f[j']; map_update runs one thread per user voxel u, reads its neighbours from fu (coalesced: the
 // permutation is applied once per voxel, not once per neighbour), forms the prior's gradient as prior_stencil
 // does (the same terms, in float) and writes the updated f[j'] at j' = inv[u], and where fu_next is given the
@@ -18,7 +17,7 @@
 //   (offset: f + offset in place of f in the preconditioner, f / s or f / (s + beta f H); 0: none)
 // lambda is read from the device (set before each pass). kappa_u is kappa on the user's grid. The 26 neighbours
 // are loops over (dz, dy, dx) unrolled, with 32-bit indices (the launcher checks n < 2^31), and the pair terms
-// are formed in float with a fast reciprocal (the stencils above use double: they serve the objective and the
+// are formed in float with a fast reciprocal (prior.cu's stencils use double: they serve the objective and the
 // tests): the step is as accurate as the float image it updates, and costs little beside the projections.
 
 extern "C" {
