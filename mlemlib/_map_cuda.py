@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib.errors import ConfigError
+from mlemlib.subsets import sensitivities_of
 
 #: The kernels' algorithm codes.
 ALGORITHM_CODES = {"bsrem": 0, "osl": 1}
@@ -85,11 +86,9 @@ class DeviceMapStep:
 
     def __init__(self, algorithm: str, prior: Any, beta: float, norms: np.ndarray, floor: float, *,
                  hessian: bool = False, offset: float = 0.0) -> None:
-        from mlemlib.map import subset_sensitivities
-
         norms = np.asarray(norms, dtype=np.float32)
         self._norms = norms.reshape(1, -1) if norms.ndim == 1 else norms  # NaN kept: OSL keeps f there
-        self._inv_s = subset_sensitivities(self._norms)[2].astype(np.float32)
+        self._inv_s = sensitivities_of(self._norms)[2].astype(np.float32)
         self.subsets = self._norms.shape[0]
         self.algorithm = algorithm
         self.prior = prior

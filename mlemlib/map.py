@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib.errors import ConfigError
+from mlemlib.subsets import sensitivities_of
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +132,6 @@ class MapSettings:
                 "preconditioner": self.preconditioner, "preconditioner_offset": float(self.preconditioner_offset)}
 
 
-def subset_sensitivities(norm: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The subsets' sensitivities ``s_k`` (S, n) from the update norms ((S, n), or (n,) for S = 1; NaN, a
-    subset that does not see the voxel, as 0), their sum ``s`` and ``1 / s`` (0 where ``s`` is 0), float64."""
-    sk = np.asarray(norm, dtype=np.float64)
-    sk = sk.reshape(1, -1) if sk.ndim == 1 else sk
-    sk = np.where(np.isnan(sk), 0.0, sk)
-    s = sk.sum(axis=0)
-    return sk, s, np.divide(1.0, s, out=np.zeros_like(s), where=s > 0)
-
-
 def _xp(a: Any) -> Any:
     """The array's namespace: CuPy for a CuPy array, else NumPy."""
     if type(a).__module__.startswith("cupy"):
@@ -172,7 +163,7 @@ class MapBackend:
         self.inner = inner
         self.settings = settings.check()
         self.prior = prior
-        sk, s, inv_s = subset_sensitivities(norm)
+        sk, s, inv_s = sensitivities_of(norm)
         self.subsets = sk.shape[0]
         self._host = {"sk": sk, "s": s, "inv_s": inv_s}
         self._dev: dict[Any, dict[str, Any]] = {}

@@ -12,7 +12,8 @@ Provides
   :func:`bounds_of` — the bounds of labels already grouped.
 - :func:`update_norms` — what every backend's update divides by, from the
   float64 per-subset sensitivities ``s^k_j = sum_{i in S_k} a_ij m_i``
-  (:func:`mlemlib.norm.sensitivities`).
+  (:func:`mlemlib.norm.sensitivities`); :func:`sensitivities_of` — the
+  sensitivities, their sum and its inverse back from those norms.
 
 A label vector is checked in one place (:func:`check_labels`): the right
 length, every label in range, no subset empty; a fault is one line naming
@@ -241,3 +242,14 @@ def update_norms(sk: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
     out[(out == 0) & (sk > 0)] = np.finfo(out.dtype).smallest_subnormal  # a positive s^k stays positive
     out[(sk == 0) & seen[None, :]] = np.nan
     return out
+
+
+def sensitivities_of(norm: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The subsets' sensitivities ``s_k`` (S, n) back from the update norms (:func:`update_norms`'s (S, n), or
+    S = 1's (n,) norm; NaN, a subset that does not see the voxel, as 0), their sum ``s`` and ``1 / s`` (0
+    where ``s`` is 0), float64."""
+    sk = np.asarray(norm, dtype=np.float64)
+    sk = sk.reshape(1, -1) if sk.ndim == 1 else sk
+    sk = np.where(np.isnan(sk), 0.0, sk)
+    s = sk.sum(axis=0)
+    return sk, s, np.divide(1.0, s, out=np.zeros_like(s), where=s > 0)

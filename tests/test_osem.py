@@ -264,6 +264,19 @@ def test_update_norms():
     assert update_norms(sk, np.float64)[1, 3] == 1e-50
 
 
+def test_sensitivities_of_update_norms_round_trip():
+    """The sensitivities come back from update_norms (NaN: 0), with their sum and 1/s (0 where s = 0)."""
+    from mlemlib.subsets import sensitivities_of
+
+    sk = np.array([[1.0, 0.0, 0.0, 2.0], [3.0, 0.0, 5.0, 0.5]])
+    back, s, inv_s = sensitivities_of(update_norms(sk))
+    np.testing.assert_array_equal(back, sk)
+    np.testing.assert_array_equal(s, [4.0, 0.0, 5.0, 2.5])
+    np.testing.assert_array_equal(inv_s, [0.25, 0.0, 0.2, 0.4])
+    one = sensitivities_of(np.array([2.0, 0.0]))  # S = 1's (n,) norm
+    assert one[0].shape == (1, 2) and list(one[2]) == [0.5, 0.0]
+
+
 def test_angle_subsets_of_a_preset_pair_both_directions_and_interleave_views():
     from mlemlib.scanner import get_preset
 
