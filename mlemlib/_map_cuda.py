@@ -14,7 +14,8 @@ the subsets' sensitivities; ``S`` the subset count)::
 
 (BSREM with the ``hessian`` preconditioner: the step divided by ``1 + beta f H / s``, ``H`` the diagonal of
 the prior's Hessian at ``f``, formed in the same pass over the neighbours; with an offset ``delta``,
-``f + delta`` in place of ``f`` in the preconditioner.)
+``f + delta`` in place of ``f`` in the preconditioner; with ``average``, the same threads sum the pass's
+sub-iterates into a buffer of their own and divide the sum by ``S`` after the last, the pass's mean image.)
 
 which is :class:`mlemlib.map.MapBackend`'s step written from ``bp_k`` instead of EM's image
 (``f_EM = f bp_k / sk``). ``bp_k`` comes as float32 or as the deterministic kernels' 64-bit fixed point,
@@ -82,10 +83,12 @@ class DeviceMapStep:
     offset
         BSREM's preconditioner offset ``delta`` in image units: ``f + delta`` in place of ``f`` in the
         preconditioner (0: none).
+    average
+        Also form the mean of each pass's sub-iterates, in a buffer of its own per GPU (:meth:`mean_of`).
     """
 
     def __init__(self, algorithm: str, prior: Any, beta: float, norms: np.ndarray, floor: float, *,
-                 hessian: bool = False, offset: float = 0.0) -> None:
+                 hessian: bool = False, offset: float = 0.0, average: bool = False) -> None:
         norms = np.asarray(norms, dtype=np.float32)
         self._norms = norms.reshape(1, -1) if norms.ndim == 1 else norms  # NaN kept: OSL keeps f there
         self._inv_s = sensitivities_of(self._norms)[2].astype(np.float32)
@@ -96,6 +99,7 @@ class DeviceMapStep:
         self.floor = float(floor)
         self.hessian = bool(hessian)
         self.offset = float(offset)
+        self.average = bool(average)
         self._dev: dict[int, dict[str, Any]] = {}
 
     def prepare(self, device: int, stream: Any) -> None:
@@ -129,6 +133,7 @@ class DeviceMapStep:
                 "prior": (kappa_u, inv, has_kappa, perm, np.int32(n), np.int32(nx), np.int32(ny), np.int32(nz), code,
                           np.float32(gamma), np.float32(eps)),
                 "no_bp": cp.zeros(1, dtype=cp.float32), "no_acc": cp.zeros(1, dtype=cp.uint64),
+                "mean": cp.zeros(n if self.average else 1, dtype=cp.float32),
             }  # fmt: skip
             cp.cuda.Device().synchronize()
 
@@ -167,4 +172,14 @@ class DeviceMapStep:
             fu, *d["prior"], np.int32(ALGORITHM_CODES[self.algorithm]), f, d["no_bp"] if fixed else bp,
             acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed), d["norms"][k],
             d["inv_s"], d["lam"], np.float32(self.beta), np.float32(self.subsets), np.float32(self.floor),
-            np.int32(self.hessian), np.float32(self.offset), d["fu"][(k + 1) % 2], np.int32(k + 1 < self.subsets)))
+            np.int32(self.hessian), np.float32(self.offset), d["fu"][(k + 1) % 2], np.int32(k + 1 < self.subsets),
+            d["mean"], np.int32(self.average), np.int32(k == 0)))
+
+    def mean_of(self, f: Any) -> Any:
+        """The mean of the last pass's sub-iterates on the GPUs of ``f`` (a list, one array per GPU, or one
+        array), in the same form; written by the pass's launches (``average``), read once it is done."""
+        if not self.average:
+            raise ConfigError("averaging", "this MAP step forms no pass mean")
+        if isinstance(f, list):
+            return [self._dev[a.device.id]["mean"] for a in f]
+        return self._dev[f.device.id]["mean"]

@@ -3,8 +3,8 @@
 A run is a matrix variant (format, fold, reorder), a model (OSEM subsets S,
 the factors ``m`` and ``b`` or none, MAP's prior or none) and an execution
 (backend, ``fp``/``bp`` kernels, GPU count, layout, CUDA graphs). MAP (BSREM
-with the relative difference prior, with the ``em`` preconditioner and with the
-``hessian`` one and an offset) is taken with every model and every
+with the relative difference prior, with the ``em`` preconditioner, with the
+``hessian`` one and an offset, and with those and each pass's mean image) is taken with every model and every
 backend, GPU count and layout, with the kernels ``auto`` (the kernel families
 under MAP are tests/test_map.py's). :func:`space` enumerates the
 combinations the configuration schema accepts, the kernels drawn from
@@ -35,9 +35,10 @@ FORMATS = registry.FORMATS
 REORDERS = ("none", "rows+voxels")
 SUBSETS = (1, 4)
 GRAPHS = ("auto", "off")
-#: MAP's prior of a run: none (MLEM/OSEM), the relative difference prior (BSREM), or the same with the
-#: ``hessian`` preconditioner and an offset (the step's other branches).
-PRIORS = ("none", "rdp", "rdp-offset")
+#: MAP's prior of a run: none (MLEM/OSEM), the relative difference prior (BSREM), the same with the
+#: ``hessian`` preconditioner and an offset (the step's other branches), and with those and the pass's mean
+#: as its image (``averaging: pass``).
+PRIORS = ("none", "rdp", "rdp-offset", "rdp-mean")
 #: GPU counts the cuda tier covers, and the layouts of a multi-GPU run.
 GPU_COUNTS = (1, 2)
 LAYOUTS = registry.LAYOUTS
@@ -58,7 +59,7 @@ class Combination:
     gpus: int = 1
     layout: str = "local"
     graph: str = "auto"  # "auto" or "off" in the space; "on" where a run forces graphs (graph: true)
-    prior: str = "none"  # "rdp", "rdp-offset": MAP (BSREM) with the relative difference prior
+    prior: str = "none"  # "rdp", "rdp-offset", "rdp-mean": MAP (BSREM) with the relative difference prior
 
     @property
     def model(self) -> tuple[str, bool, str, int, bool]:

@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 #: The algorithms and their defaults.
 ALGORITHMS = ("bsrem", "osl")
 PRECONDITIONERS = ("em", "hessian")
+#: What image a BSREM pass gives: ``last`` (its last sub-iterate) or ``pass`` (the mean of its S sub-iterates).
+AVERAGING = ("last", "pass")
 DEFAULT_RELAXATION = (1.0, 10.0)
 #: BSREM's positivity bound, relative to the initial image's value.
 FLOOR = 1e-5
@@ -90,6 +92,9 @@ class MapSettings:
     #: ``delta`` of BSREM's preconditioner, relative to the initial image's value: ``f`` in it becomes
     #: ``f + delta`` (0: the preconditioner as named), so that voxels of low activity take larger steps.
     preconditioner_offset: float = 0.0
+    #: BSREM's image of a pass: ``last``, its last sub-iterate, or ``pass``, the mean of its S sub-iterates (the
+    #: iteration itself goes on from the last one): the mean cancels most of the subsets' limit cycle.
+    averaging: str = "last"
 
     def check(self) -> MapSettings:
         """Validate (one-line :class:`ConfigError` naming ``prior.<key>`` or ``algorithm``); return self."""
@@ -101,6 +106,10 @@ class MapSettings:
             raise ConfigError("algorithm", f"{self.algorithm!r}, expected one of {', '.join(ALGORITHMS)}")
         if self.preconditioner not in PRECONDITIONERS:
             raise ConfigError("preconditioner", f"{self.preconditioner!r}, expected one of {', '.join(PRECONDITIONERS)}")
+        if self.averaging not in AVERAGING:
+            raise ConfigError("averaging", f"{self.averaging!r}, expected one of {', '.join(AVERAGING)}")
+        if self.averaging != "last" and self.algorithm != "bsrem":
+            raise ConfigError("averaging", f"{self.averaging!r} is BSREM's; {self.algorithm} gives its last sub-iterate")
         lam, eta = (float(v) for v in self.relaxation)
         if not (lam > 0 and math.isfinite(lam)) or not eta > 0:
             raise ConfigError("relaxation", f"lambda_0 and eta must be > 0, got {self.relaxation}")
@@ -122,14 +131,16 @@ class MapSettings:
                 f"epsilon={None if self.epsilon is None else float(self.epsilon)!r}:kappa={kappa}:"
                 f"relax={float(self.relaxation[0])!r},{eta!r}" + (
                     "" if self.preconditioner == "em" else f":precond={self.preconditioner}") + (
-                    f":offset={float(self.preconditioner_offset)!r}" if self.preconditioner_offset else ""))
+                    f":offset={float(self.preconditioner_offset)!r}" if self.preconditioner_offset else "") + (
+                    "" if self.averaging == "last" else f":average={self.averaging}"))
 
     def record(self) -> dict[str, Any]:
         """``timings.json``'s account of the settings."""
         return {"algorithm": self.algorithm, "prior": self.prior, "beta": float(self.beta), "gamma": float(self.gamma),
                 "epsilon": None if self.epsilon is None else float(self.epsilon),
                 "kappa": None if self.kappa is None else str(self.kappa), "relaxation": list(self.relaxation),
-                "preconditioner": self.preconditioner, "preconditioner_offset": float(self.preconditioner_offset)}
+                "preconditioner": self.preconditioner, "preconditioner_offset": float(self.preconditioner_offset),
+                "averaging": self.averaging}
 
 
 def _xp(a: Any) -> Any:
@@ -179,6 +190,10 @@ class MapBackend:
         self._hessian = bsrem and self.settings.preconditioner == "hessian"
         #: BSREM's preconditioner offset ``delta`` in image units (0: none).
         self._delta = float(self.settings.preconditioner_offset) * f0
+        #: Whether a pass's image is the mean of its sub-iterates (:meth:`output_image`), and the last pass's
+        #: ``(iterate, mean)``: the iteration goes on from the iterate, the mean is what the pass gives.
+        self._average = bsrem and self.settings.averaging == "pass"
+        self._output: tuple[Any, Any] | None = None
         #: The step on the GPUs' streams as the wrapped backend's update (:mod:`mlemlib._map_cuda`), or None:
         #: the step runs here between the sub-iterations.
         self.device_step = None
@@ -186,7 +201,8 @@ class MapBackend:
             from mlemlib._map_cuda import DeviceMapStep
 
             self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta), norm,
-                                             self._floor or 0.0, hessian=self._hessian, offset=self._delta)
+                                             self._floor or 0.0, hessian=self._hessian, offset=self._delta,
+                                             average=self._average)
             inner.set_image_step(self.device_step)
         elif self.subsets > 1 and hasattr(inner, "use_graph") and getattr(inner, "graph", False):
             inner.use_graph(False)  # the passes run subset by subset (the MAP step between them)
@@ -223,11 +239,13 @@ class MapBackend:
             f = self.inner.iterate(f)
             self.passes += 1
             self._times = dict(self.inner.last_step_times())
+            self._output = (f, self.device_step.mean_of(f)) if self._average else None
             if self.objective is not None and self.every_pass:
-                self.record_objective(f)
+                self.record_objective(self.output_image(f))
             return f
         inner_times: dict[str, float] = {}
         t_prior = 0.0
+        total: list[Any] = []  # the sum of the pass's sub-iterates (averaging)
         for k in range(self.subsets):
             tp = time.perf_counter()
             before = []
@@ -244,16 +262,34 @@ class MapBackend:
             # the step is done before the next sub-iteration starts
             self.inner.synchronize()
             tp = time.perf_counter()
-            for img, (prev, grad, curv) in zip(self._images(f), before):
+            for i, (img, (prev, grad, curv)) in enumerate(zip(self._images(f), before)):
                 with _device(img):
                     self._step(img, prev, grad, curv, k, lam, beta)
+                    if self._average:
+                        if k == 0:
+                            total.append(img.copy())
+                        else:
+                            total[i] += img
                     _synchronize(img)
             t_prior += time.perf_counter() - tp
         self.passes += 1
         self.inner.synchronize()
+        if self._average:
+            for a in total:
+                with _device(a):
+                    a /= a.dtype.type(self.subsets)
+                    _synchronize(a)
+            self._output = (f, total if isinstance(f, list) else total[0])
         self._times = {**inner_times, "map": t_prior, "iteration": time.perf_counter() - t0}
         if self.objective is not None and self.every_pass:
-            self.record_objective(f)
+            self.record_objective(self.output_image(f))
+        return f
+
+    def output_image(self, f: Any) -> Any:
+        """The image of the pass that returned ``f``: the mean of its sub-iterates with ``averaging: pass``
+        (in ``f``'s form, on its devices), else ``f`` itself (also for an image no pass here returned)."""
+        if self._output is not None and self._output[0] is f:
+            return self._output[1]
         return f
 
     def _step(self, f: Any, prev: Any, grad: Any, curv: Any, k: int, lam: float, beta: float) -> None:
@@ -291,10 +327,12 @@ class MapBackend:
     def resume_at(self, passes: int) -> None:
         """The run goes on from a checkpoint written after ``passes`` passes: the relaxation continues from there."""
         self.passes = int(passes)
+        self._output = None
 
     def initial_image(self) -> Any:
         self.passes = 0
         self.history = []
+        self._output = None
         f = self.inner.initial_image()
         if self.objective is not None and self.every_pass:
             self.record_objective(f)

@@ -319,6 +319,7 @@ def bsrem(
     relaxation: tuple[float, float] = DEFAULT_RELAXATION,
     floor: float = DEFAULT_FLOOR,
     f0: np.ndarray | None = None,
+    average: bool = False,
 ) -> tuple[np.ndarray, History]:
     """BSREM (block sequential regularised EM) in float64: converges to the maximiser of ``Phi`` over ``f >= 0``.
 
@@ -356,6 +357,9 @@ def bsrem(
         ``delta`` relative to the initial image's mean over voxels with ``s > 0``, ``>= 0``.
     f0
         Initial image (default :meth:`MapProblem.initial`).
+    average
+        Each pass gives the mean of its S sub-iterates instead of the last one (the sub-iterations go on from
+        the last): the returned image and the ``History`` are the means'.
 
     Returns
     -------
@@ -378,15 +382,19 @@ def bsrem(
     precond = np.zeros_like(s)
     hist = History()
     hist.record(problem, f)
+    out = f
     for n in range(passes):
         lam = lam0 / (1.0 + n / eta)
+        iterates = []
         for rows in slices:
             step = S * gradient(problem, f, rows) - problem.beta * problem.prior_gradient(f)
             np.divide(f + delta, s, out=precond, where=live)
             f = np.maximum(0.0, f + lam * precond * step)
             f[~live] = 0.0
-        hist.record(problem, f)
-    return f, hist
+            iterates.append(f)
+        out = np.mean(iterates, axis=0) if average else f
+        hist.record(problem, out)
+    return out, hist
 
 
 def osl(

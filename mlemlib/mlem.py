@@ -292,6 +292,9 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
     every = _log_interval(iterations)
     host_img = final = f = None
     distinct: dict[str, np.ndarray] = {}
+    # the image a pass gives (MAP's pass mean) where it is not the iterate the next pass starts from, which is
+    # what a checkpoint keeps, so that a resumed run goes on exactly as an uninterrupted one
+    output = getattr(be, "output_image", None) or (lambda image: image)
     for rep in range(start_rep, repetitions):
         times = StepTimes()
         if resume is not None and rep == start_rep:
@@ -347,7 +350,7 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
                 ckpt_s += time.perf_counter() - t_ck
             if progress is not None:
                 be.synchronize()  # the image is final (a replay's overflow check may still be pending)
-                progress(rep, it, f)
+                progress(rep, it, output(f))
         if metered:
             be.synchronize()
         e1 = energy.read() if metered else None
@@ -358,7 +361,7 @@ def _iterate(be: Backend, prob: Problem, settings: RunSettings, config: dict[str
                                       energy.note if energy is not None else "not measured",
                                       len(energy.gpus) if energy is not None else 0, capped_between(caps0, caps1))
         with Stopwatch() as sw_back:
-            host_img = prob.to_user(be.to_host(f))
+            host_img = prob.to_user(be.to_host(output(f)))
         acc = metrics.accuracy(host_img, reference=prob.reference, truth=prob.truth, regions=prob.regions)
         final = acc["image_sha256"]
         distinct.setdefault(final, host_img)

@@ -1,5 +1,5 @@
 """MAP reconstruction (config mlem.prior, mlem.algorithm, mlem.relaxation,
-mlem.preconditioner, mlem.preconditioner_offset):
+mlem.preconditioner, mlem.preconditioner_offset, mlem.averaging):
 its settings checked before any job, the part of {model} that names them in
 the run and reference paths, the converged MAP image of a simulated
 measurement and the metrics its runs record against it, and the voxel grid of
@@ -32,6 +32,7 @@ def get_map_settings():
         relaxation=tuple(mlem["relaxation"]),
         preconditioner=mlem["preconditioner"],
         preconditioner_offset=mlem["preconditioner_offset"],
+        averaging=mlem["averaging"],
     )
 
 

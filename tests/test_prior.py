@@ -351,6 +351,18 @@ def test_bsrem_without_relaxation_stays_off(map_problem):
     assert rel(f, fmap) > 1e-2
 
 
+def test_bsrem_pass_mean_is_nearer_the_maximiser_and_converges_to_it(map_problem):
+    """Each pass's mean of its sub-iterates: under a constant step it sits nearer the maximiser than the cycle's
+    last point; with the relaxation it converges to the maximiser, Phi never decreasing."""
+    problem, fmap, subsets = map_problem
+    last, _ = bsrem(problem, subsets, 200, relaxation=(1.0, math.inf))
+    mean, _ = bsrem(problem, subsets, 200, relaxation=(1.0, math.inf), average=True)
+    assert rel(mean, fmap) < 0.75 * rel(last, fmap)
+    f, hist = bsrem(problem, subsets, 2000, average=True)
+    assert rel(f, fmap) < 1e-3
+    assert (np.diff(np.array(hist.phi)) >= 0).all()
+
+
 def test_osl_stays_off_the_maximiser_with_subsets(map_problem):
     problem, fmap, subsets = map_problem
     f1, _ = osl(problem, [0, problem.A.shape[0]], 1500)

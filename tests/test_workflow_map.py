@@ -78,7 +78,7 @@ def test_a_map_dry_run_plans_the_converged_image_once_and_names_the_settings(tmp
     assert osl_reference.startswith("reference-it2-mlem_osl_rdp_p") and osl_reference != reference
     assert {run_dir(p) for p in osl["compute_converged_map"]} == {converged}
     offset = planned_outputs(tmp_path, map_config(map_converged_passes=7, preconditioner="hessian",
-                                                 preconditioner_offset=0.2))
+                                                 preconditioner_offset=0.2, averaging="pass"))
     assert {run_dir(p) for p in offset["compute_converged_map"]} == {converged}
 
 
@@ -93,6 +93,8 @@ def test_two_betas_give_two_run_directories_and_no_prior_keeps_todays_paths(tmp_
     assert not relaxed & first and not relaxed & second
     offset = dirs(map_config(preconditioner_offset=0.3))
     assert len(offset) == 3 and not offset & (first | second | relaxed)
+    mean = dirs(map_config(averaging="pass"))
+    assert len(mean) == 3 and not mean & (first | second | relaxed | offset)
     # prior none (the default): the paths of MLEM, no model part, no converged image
     plain = planned_outputs(tmp_path, TINY)
     assert {run_dir(p) for p in plain["reference_mlem"]} == {"reference-it2"}
@@ -109,6 +111,8 @@ def test_two_betas_give_two_run_directories_and_no_prior_keeps_todays_paths(tmp_
         ({"type": "quadratic"}, {}, "config mlem.prior.beta: a prior needs beta (a number >= 0), found none"),
         ({"type": "quadratic", "beta": -1}, {}, "config mlem.prior.beta: must be >= 0, got -1"),
         (RDP, {"relaxation": [1, 0]}, "config mlem.relaxation: lambda_0 and eta must be > 0, got (1, 0)"),
+        (RDP, {"algorithm": "osl", "averaging": "pass"},
+         "config mlem.averaging: 'pass' is BSREM's; osl gives its last sub-iterate"),
     ],
 )
 def test_bad_map_settings_stop_the_dry_run_in_one_line(tmp_path, prior, mlem, line):

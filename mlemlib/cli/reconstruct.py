@@ -62,7 +62,7 @@ def register(sub) -> None:
         "--additive", type=factor_file, default=None, metavar="B",
         help="additive expected background b per LOR (randoms + scatter, in counts; raw float32 or FILE.h5:/dataset)",
     )
-    from mlemlib.map import ALGORITHMS, DEFAULT_RELAXATION, PRECONDITIONERS
+    from mlemlib.map import ALGORITHMS, AVERAGING, DEFAULT_RELAXATION, PRECONDITIONERS
 
     m = p.add_argument_group("MAP reconstruction (docs/reconstruction.md, 'MAP reconstruction'; each iteration a pass)")
     m.add_argument("--prior", choices=("rdp", "quadratic"), default=None,
@@ -83,6 +83,9 @@ def register(sub) -> None:
     m.add_argument("--preconditioner-offset", type=float, default=0.0, metavar="O",
                    help="f + O f0 in place of f in BSREM's preconditioner, f0 the initial image's value (>= 0; "
                         "0: none): faster in cold regions")
+    m.add_argument("--averaging", choices=AVERAGING, default="last",
+                   help="BSREM's image of a pass: last (its last sub-iterate) or pass (the mean of its sub-iterates: "
+                        "most of the subsets' limit cycle cancels; the iteration goes on from the last)")
     p.add_argument("--plan", type=existing_file, metavar="PARTS", help="partition directory or plan.json (gpus > 1)")
     p.add_argument("-k", "--checkpoint-every", type=_int_at_least(0), default=10, metavar="K", help="checkpoint every K iterations (0: never)")
     p.add_argument("--checkpoint", type=output_file, metavar="CKPT.h5", default=None, help="checkpoint file (default: <out>.checkpoint.h5)")
@@ -118,7 +121,7 @@ def map_settings(args: argparse.Namespace) -> object | None:
         return MapSettings(args.prior, beta=args.beta, gamma=args.gamma, epsilon=args.epsilon, kappa=args.kappa,
                            algorithm=args.algorithm, relaxation=tuple(args.relaxation),
                            preconditioner=args.preconditioner,
-                           preconditioner_offset=args.preconditioner_offset).check()
+                           preconditioner_offset=args.preconditioner_offset, averaging=args.averaging).check()
     except ConfigError as exc:  # prior.beta -> --beta
         raise ConfigError("--" + exc.source.split(".")[-1].replace("_", "-"), exc.fault) from None
 

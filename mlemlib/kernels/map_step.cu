@@ -15,6 +15,8 @@
 //   (hessian != 0: BSREM's step divided by 1 + beta f H / s, H = the prior's curvature at f: the preconditioner
 //    f / (s + beta f H) instead of f / s)
 //   (offset: f + offset in place of f in the preconditioner, f / s or f / (s + beta f H); 0: none)
+//   (average: mean, in f's order, sums the pass's sub-iterates, from first's on, and holds their mean, the sum
+//    divided by S, once the last one (write_next 0) is added)
 // lambda is read from the device (set before each pass). kappa_u is kappa on the user's grid. The 26 neighbours
 // are loops over (dz, dy, dx) unrolled, with 32-bit indices (the launcher checks n < 2^31), and the pair terms
 // are formed in float with a fast reciprocal (prior.cu's stencils use double: they serve the objective and the
@@ -33,7 +35,8 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
                                const float* __restrict__ bpf, const unsigned long long* __restrict__ acc,
                                double inv_scale, int fixed, const float* __restrict__ norm_u,
                                const float* __restrict__ inv_s_u, const float* __restrict__ lam, float beta, float nsub,
-                               float floor_, int hessian, float offset, float* __restrict__ fu_next, int write_next) {
+                               float floor_, int hessian, float offset, float* __restrict__ fu_next, int write_next,
+                               float* __restrict__ mean, int average, int first) {
     for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n; u += gridDim.x * blockDim.x) {
         long long jp = perm ? inv[u] : u;
         float a = fu[u];
@@ -100,6 +103,10 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
         }
         f[jp] = out;
         if (write_next) fu_next[u] = out;
+        if (average) {  // the pass's mean image: the sub-iterates summed in order, divided by S after the last
+            float m = first ? out : mean[jp] + out;
+            mean[jp] = write_next ? m : m / nsub;
+        }
     }
 }
 }

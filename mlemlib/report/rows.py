@@ -399,14 +399,15 @@ def model_columns(cfg: Mapping[str, Any]) -> dict[str, Any]:
 def map_columns(t: Mapping[str, Any]) -> dict[str, Any]:
     """A MAP run's columns from its ``timings.json``'s ``map``: ``map_algorithm`` (``bsrem``, ``osl``), ``prior``
     (``rdp``, ``quadratic``), ``beta`` and ``phi`` (Phi after the last pass); None for MLEM and OSEM. The other
-    settings (gamma, epsilon, kappa, relaxation, preconditioner and its offset) go into ``_map_params``, which tells
-    configurations apart."""
+    settings (gamma, epsilon, kappa, relaxation, preconditioner and its offset, averaging) go into ``_map_params``,
+    which tells configurations apart (a run recorded before ``averaging`` existed gave its last sub-iterate)."""
     m = t.get("map") if isinstance(t.get("map"), dict) else None
     if m is None:
         return {"map_algorithm": None, "prior": None, "beta": None, "phi": None, "_map_params": None}
     history = m.get("history") or []
-    params = tuple(json.dumps(m.get(k), sort_keys=True) for k in ("gamma", "epsilon", "kappa", "relaxation", "preconditioner",
-                                                           "preconditioner_offset"))
+    params = tuple(json.dumps(m.get(k, "last" if k == "averaging" else None), sort_keys=True)
+                   for k in ("gamma", "epsilon", "kappa", "relaxation", "preconditioner", "preconditioner_offset",
+                             "averaging"))
     return {"map_algorithm": m.get("algorithm"), "prior": m.get("prior"), "beta": _num(m.get("beta")),
             "phi": _num(history[-1].get("phi")) if history and isinstance(history[-1], dict) else None,
             "_map_params": params}
