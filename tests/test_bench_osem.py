@@ -303,9 +303,14 @@ def test_the_cpu_map_case_times_bsrem_passes_beside_osem(tmp_path):
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert not any(r.get("error") for r in rows)
     by = {r["prior"]: r for r in rows}
-    assert set(by) == {"none", "rdp"}
+    assert set(by) == {"none", "rdp", "rdp-fast"}
     assert by["rdp"]["describe"]["map"]["algorithm"] == "bsrem" and "map" not in by["none"]["describe"]
-    assert by["rdp"]["ms_no_prior"] == by["none"]["ms"] and by["rdp"]["prior_vs_none"] > 0
+    assert (by["rdp"]["describe"]["map"]["preconditioner"], by["rdp"]["describe"]["map"]["averaging"]) == ("em", "last")
+    fast = by["rdp-fast"]["describe"]["map"]
+    assert (fast["preconditioner"], fast["preconditioner_offset"], fast["relaxation"], fast["averaging"]) == (
+        "hessian", 0.35, [1.0, 20.0], "pass")
+    for p in ("rdp", "rdp-fast"):
+        assert by[p]["ms_no_prior"] == by["none"]["ms"] and by[p]["prior_vs_none"] > 0
     assert len(list(work.rglob("voxel_perm.npy"))) == 1  # the reordered case's voxel order, which the prior follows
     assert "prior_vs_none" not in by["none"]
     page = tmp_path / "performance.md"
@@ -313,6 +318,6 @@ def test_the_cpu_map_case_times_bsrem_passes_beside_osem(tmp_path):
     text = page.read_text()
     assert "| MAP pass / OSEM pass |" in text.splitlines()[next(i for i, ln in enumerate(text.splitlines())
                                                             if ln.startswith("| configuration"))]
-    assert "| BSREM, rdp |" in text
-    with pytest.raises(ConfigError, match=r"^f.yaml: case c: prior: expected none or rdp"):
+    assert "| BSREM, rdp |" in text and "| BSREM, rdp-fast |" in text
+    with pytest.raises(ConfigError, match=r"^f.yaml: case c: prior: expected none, rdp or rdp-fast"):
         parse_cases(_doc(prior="tv"), "f.yaml")
