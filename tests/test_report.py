@@ -1360,3 +1360,25 @@ def test_image_plot_shows_the_map_image_below_osems(tmp_path, figures):
     summarize([bsrem], tmp_path / "t")
     rows = [ax.get_title().split(":")[0] for ax in figures["image_madpet3_nema-seed1.png"].axes if ax.get_images()]
     assert rows == ["reconstruction"] * 3
+
+
+def test_a_map_label_names_the_settings_that_are_not_the_defaults():
+    """Two MAP runs that differ only in BSREM's preconditioner, offset, relaxation or pass mean get two labels
+    (and the terms that explain them); the defaults keep the short label; a run recorded before the pass mean
+    existed reads as giving its last sub-iterate."""
+    from mlemlib.map import MapSettings
+    from mlemlib.report.rows import label_terms, map_columns, map_label
+
+    def row(ms, drop=()):
+        rec = {k: v for k, v in ms.record().items() if k not in drop}
+        return {**map_columns({"map": {**rec, "history": []}}), "subsets": 8}
+
+    base = MapSettings("rdp", beta=0.3, epsilon=1e-3)
+    fast = MapSettings("rdp", beta=0.3, epsilon=1e-3, preconditioner="hessian", preconditioner_offset=0.35,
+                       relaxation=(1.0, 20.0), averaging="pass")
+    assert map_label(row(base)) == " BSREM rdp beta=0.3"
+    assert map_label(row(fast)) == " BSREM rdp beta=0.3 hessian offset=0.35 relax=1,20 mean"
+    assert row(base, drop=("averaging",))["_map_params"] == row(base)["_map_params"]
+    terms = label_terms([row(base), row(fast)])
+    assert any(t.startswith("mean:") for t in terms) and any(t.startswith("relax=") for t in terms)
+    assert not any(t.startswith(("mean:", "hessian:")) for t in label_terms([row(base)]))

@@ -396,6 +396,10 @@ def model_columns(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+#: The MAP settings a run's ``_map_params`` holds (JSON each), besides its algorithm, prior and beta.
+_MAP_PARAMS = ("gamma", "epsilon", "kappa", "relaxation", "preconditioner", "preconditioner_offset", "averaging")
+
+
 def map_columns(t: Mapping[str, Any]) -> dict[str, Any]:
     """A MAP run's columns from its ``timings.json``'s ``map``: ``map_algorithm`` (``bsrem``, ``osl``), ``prior``
     (``rdp``, ``quadratic``), ``beta`` and ``phi`` (Phi after the last pass); None for MLEM and OSEM. The other
@@ -405,9 +409,7 @@ def map_columns(t: Mapping[str, Any]) -> dict[str, Any]:
     if m is None:
         return {"map_algorithm": None, "prior": None, "beta": None, "phi": None, "_map_params": None}
     history = m.get("history") or []
-    params = tuple(json.dumps(m.get(k, "last" if k == "averaging" else None), sort_keys=True)
-                   for k in ("gamma", "epsilon", "kappa", "relaxation", "preconditioner", "preconditioner_offset",
-                             "averaging"))
+    params = tuple(json.dumps(m.get(k, "last" if k == "averaging" else None), sort_keys=True) for k in _MAP_PARAMS)
     return {"map_algorithm": m.get("algorithm"), "prior": m.get("prior"), "beta": _num(m.get("beta")),
             "phi": _num(history[-1].get("phi")) if history and isinstance(history[-1], dict) else None,
             "_map_params": params}
@@ -441,12 +443,27 @@ _CONFIG_KEYS = ("matrix", "data", "backend", "fp", "bp", "transpose", "secsize",
 
 
 def map_label(r: Mapping[str, Any]) -> str:
-    """`` BSREM rdp beta=0.3`` for a MAP run, ``""`` otherwise."""
+    """`` BSREM rdp beta=0.3`` for a MAP run, ``""`` otherwise; BSREM's settings where they are not the defaults
+    follow: `` hessian`` (the preconditioner), `` offset=0.35``, `` relax=1,20`` and `` mean`` (each pass's image
+    the mean of its sub-iterates)."""
     if not r.get("map_algorithm"):
         return ""
     beta = _num(r.get("beta"))
-    return f" {str(r['map_algorithm']).upper()} {r.get('prior')} beta={beta:g}" if beta is not None else (
-        f" {str(r['map_algorithm']).upper()} {r.get('prior')}")
+    s = f" {str(r['map_algorithm']).upper()} {r.get('prior')}" + (f" beta={beta:g}" if beta is not None else "")
+    params = r.get("_map_params")
+    if not params or len(params) != len(_MAP_PARAMS):
+        return s
+    v = {k: json.loads(p) for k, p in zip(_MAP_PARAMS, params)}
+    if v["preconditioner"] not in (None, "em"):
+        s += f" {v['preconditioner']}"
+    if _num(v["preconditioner_offset"]):
+        s += f" offset={_num(v['preconditioner_offset']):g}"
+    relax = v["relaxation"]
+    if isinstance(relax, list) and len(relax) == 2 and [_num(x) for x in relax] != [1.0, 10.0]:
+        s += f" relax={_num(relax[0]):g},{_num(relax[1]):g}"
+    if v["averaging"] == "pass":
+        s += " mean"
+    return s
 
 
 def model_label(r: Mapping[str, Any]) -> str:
@@ -537,6 +554,12 @@ def label_terms(rows: Iterable[Mapping[str, Any]]) -> list[str]:
         terms.append("BSREM, OSL: MAP (its prior, rdp: relative difference, and its weight beta)"
                      + (", SK: passes of K subsets" if any((r.get("subsets") or 1) > 1 and r.get("map_algorithm")
                                                           for r in rows) else ""))
+    settings = [(word, what) for word, what in (
+        (" hessian", "hessian: BSREM's preconditioner with the prior's curvature"),
+        (" offset=", "offset=O: its preconditioner offset"),
+        (" relax=", "relax=L0,ETA: its relaxation L0 / (1 + n / ETA) (default 1,10)"),
+        (" mean", "mean: each pass's image the mean of its sub-iterates")) if any(word in map_label(r) for r in rows)]
+    terms += [what for _, what in settings]
     if any(r.get("m") not in (None, "no") for r in rows):
         terms.append("+m: models the multiplicative factors (attenuation, normalisation)")
     if any(r.get("b") not in (None, "no") for r in rows):
