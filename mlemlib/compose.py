@@ -4,7 +4,8 @@ A run is a matrix variant (format, fold, reorder), a model (OSEM subsets S,
 the factors ``m`` and ``b`` or none, MAP's prior or none) and an execution
 (backend, ``fp``/``bp`` kernels, GPU count, layout, CUDA graphs). MAP (BSREM
 with the relative difference prior, with the ``em`` preconditioner, with the
-``hessian`` one and an offset, and with those and each pass's mean image) is taken with every model and every
+``hessian`` one and an offset, with those and each pass's mean image, and with the subsets halving after
+passes 1 and 2) is taken with every model and every
 backend, GPU count and layout, with the kernels ``auto`` (the kernel families
 under MAP are tests/test_map.py's). :func:`space` enumerates the
 combinations the configuration schema accepts, the kernels drawn from
@@ -37,8 +38,11 @@ SUBSETS = (1, 4)
 GRAPHS = ("auto", "off")
 #: MAP's prior of a run: none (MLEM/OSEM), the relative difference prior (BSREM), the same with the
 #: ``hessian`` preconditioner and an offset (the step's other branches), and with those and the pass's mean
-#: as its image (``averaging: pass``).
-PRIORS = ("none", "rdp", "rdp-offset", "rdp-mean")
+#: as its image (``averaging: pass``), and BSREM whose subsets halve after passes 1 and 2 (``subset_halving``: the
+#: cpu backend so far; S divisible by 4).
+PRIORS = ("none", "rdp", "rdp-offset", "rdp-mean", "rdp-halving")
+#: The passes after which ``rdp-halving``'s subsets halve.
+HALVING = (1, 2)
 #: GPU counts the cuda tier covers, and the layouts of a multi-GPU run.
 GPU_COUNTS = (1, 2)
 LAYOUTS = registry.LAYOUTS
@@ -59,7 +63,7 @@ class Combination:
     gpus: int = 1
     layout: str = "local"
     graph: str = "auto"  # "auto" or "off" in the space; "on" where a run forces graphs (graph: true)
-    prior: str = "none"  # "rdp", "rdp-offset", "rdp-mean": MAP (BSREM) with the relative difference prior
+    prior: str = "none"  # "rdp", "rdp-offset", "rdp-mean", "rdp-halving": MAP (BSREM) with the RDP
 
     @property
     def model(self) -> tuple[str, bool, str, int, bool]:
@@ -145,6 +149,16 @@ def check(c: Combination, where: str = "run") -> None:
         raise ConfigError(f"{where}.bp", f"{c.bp} back-projects on a stored A^T, which OSEM (subsets {c.subsets}) "
                                          f"cannot have on the GPUs for a {c.format} matrix; use bp: auto or a "
                                          "one-pass kernel (onepass, onepass_fixed, onepass_chunked), or format: csr")
+    if c.prior == "rdp-halving":
+        from mlemlib.map import check_halving
+
+        if c.backend != "cpu":
+            raise ConfigError(f"{where}.backend", "mlem.subset_halving runs on the cpu backend so far (GPU runs "
+                                                  "take every subset in every pass)")
+        try:
+            check_halving(HALVING, c.subsets)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.subsets", f"mlem.{exc}") from None
 
 
 def reads_transpose(c: Combination) -> bool:

@@ -50,6 +50,7 @@ the GPUs with a float64 host copy of the stored matrix (matrices up to
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -95,6 +96,10 @@ class MapSettings:
     #: BSREM's image of a pass: ``last``, its last sub-iterate, or ``pass``, the mean of its S sub-iterates (the
     #: iteration itself goes on from the last one): the mean cancels most of the subsets' limit cycle.
     averaging: str = "last"
+    #: BSREM's subset schedule: the passes after which the number of sub-iterations per pass halves, each
+    #: one then covering two neighbouring subsets of the one before (S, S / 2 after pass ``p_1``, S / 4 after
+    #: ``p_2``, ...; empty: S in every pass). Fewer subsets late shrink the subsets' limit cycle.
+    subset_halving: tuple[int, ...] = ()
 
     def check(self) -> MapSettings:
         """Validate (one-line :class:`ConfigError` naming ``prior.<key>`` or ``algorithm``); return self."""
@@ -110,6 +115,14 @@ class MapSettings:
             raise ConfigError("averaging", f"{self.averaging!r}, expected one of {', '.join(AVERAGING)}")
         if self.averaging != "last" and self.algorithm != "bsrem":
             raise ConfigError("averaging", f"{self.averaging!r} is BSREM's; {self.algorithm} gives its last sub-iterate")
+        halving = self.subset_halving
+        if not isinstance(halving, (tuple, list)) or any(
+                isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1 for p in halving) or any(
+                b <= a for a, b in itertools.pairwise(halving)):
+            raise ConfigError("subset_halving", f"passes after which the subsets halve: increasing integers >= 1, "
+                                                f"got {halving!r}")
+        if halving and self.algorithm != "bsrem":
+            raise ConfigError("subset_halving", f"is BSREM's; {self.algorithm} runs every subset in every pass")
         lam, eta = (float(v) for v in self.relaxation)
         if not (lam > 0 and math.isfinite(lam)) or not eta > 0:
             raise ConfigError("relaxation", f"lambda_0 and eta must be > 0, got {self.relaxation}")
@@ -132,7 +145,8 @@ class MapSettings:
                 f"relax={float(self.relaxation[0])!r},{eta!r}" + (
                     "" if self.preconditioner == "em" else f":precond={self.preconditioner}") + (
                     f":offset={float(self.preconditioner_offset)!r}" if self.preconditioner_offset else "") + (
-                    "" if self.averaging == "last" else f":average={self.averaging}"))
+                    "" if self.averaging == "last" else f":average={self.averaging}") + (
+                    f":halve={','.join(str(int(p)) for p in self.subset_halving)}" if self.subset_halving else ""))
 
     def record(self) -> dict[str, Any]:
         """``timings.json``'s account of the settings."""
@@ -140,7 +154,22 @@ class MapSettings:
                 "epsilon": None if self.epsilon is None else float(self.epsilon),
                 "kappa": None if self.kappa is None else str(self.kappa), "relaxation": list(self.relaxation),
                 "preconditioner": self.preconditioner, "preconditioner_offset": float(self.preconditioner_offset),
-                "averaging": self.averaging}
+                "averaging": self.averaging, "subset_halving": [int(p) for p in self.subset_halving]}
+
+
+def check_halving(halving: Any, subsets: int, what: str = "subset_halving") -> None:
+    """Refuse (one line naming ``what``) a subset schedule that ``subsets`` cannot follow: S must halve once per
+    entry into whole subsets (S divisible by 2 to the number of entries)."""
+    if halving and int(subsets) % (1 << len(halving)):
+        raise ConfigError(what, f"{len(halving)} halvings of {int(subsets)} subsets: S must be divisible by "
+                                f"{1 << len(halving)}")
+
+
+def pass_groups(halving: Any, subsets: int, done: int) -> list[range]:
+    """The sub-iterations of the pass after ``done`` passes: each a range of neighbouring subsets whose rows it
+    covers (one subset each before the first halving, two after it, ...)."""
+    size = 1 << sum(1 for p in halving if done >= int(p))
+    return [range(k, k + size) for k in range(0, int(subsets), size)]
 
 
 def _xp(a: Any) -> Any:
@@ -176,6 +205,7 @@ class MapBackend:
         self.prior = prior
         sk, s, inv_s = sensitivities_of(norm)
         self.subsets = sk.shape[0]
+        check_halving(self.settings.subset_halving, self.subsets)
         self._host = {"sk": sk, "s": s, "inv_s": inv_s}
         self._dev: dict[Any, dict[str, Any]] = {}
         self.objective = objective
@@ -198,6 +228,9 @@ class MapBackend:
         #: the step runs here between the sub-iterations.
         self.device_step = None
         if callable(getattr(inner, "takes_image_step", None)) and inner.takes_image_step():
+            if self.settings.subset_halving:
+                raise ConfigError("subset_halving", "runs on the cpu backend so far: on GPUs every pass takes "
+                                                    "the subsets the backend was built with")
             from mlemlib._map_cuda import DeviceMapStep
 
             self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta), norm,
@@ -246,7 +279,8 @@ class MapBackend:
         inner_times: dict[str, float] = {}
         t_prior = 0.0
         total: list[Any] = []  # the sum of the pass's sub-iterates (averaging)
-        for k in range(self.subsets):
+        groups = pass_groups(self.settings.subset_halving, self.subsets, self.passes)
+        for q, group in enumerate(groups):
             tp = time.perf_counter()
             before = []
             for img in self._images(f):
@@ -255,18 +289,25 @@ class MapBackend:
                                    self.prior.curvature(img) if beta and self._hessian else None))
                     _synchronize(img)
             t_prior += time.perf_counter() - tp
-            f = self.inner.sub_iterate(f, k)
-            for step, v in self.inner.sub_step_times(k).items():
-                inner_times[step] = inner_times.get(step, 0.0) + v
-            # the backend runs on streams of its own: its sub-iteration is done before the step reads f, and
-            # the step is done before the next sub-iteration starts
+            # each subset's EM image from the same f (the first in f itself, the others in copies of it)
+            starts = [[prev.copy() for prev, _, _ in before] for _ in group[1:]]
+            ems = []
+            for k, start in zip(group, [None, *starts]):
+                em = self.inner.sub_iterate(f if start is None else (start if isinstance(f, list) else start[0]), k)
+                for step, v in self.inner.sub_step_times(k).items():
+                    inner_times[step] = inner_times.get(step, 0.0) + v
+                ems.append(self._images(em))
+                if start is None:
+                    f = em
+            # the backend runs on streams of its own: its sub-iterations are done before the step reads them,
+            # and the step is done before the next sub-iteration starts
             self.inner.synchronize()
             tp = time.perf_counter()
             for i, (img, (prev, grad, curv)) in enumerate(zip(self._images(f), before)):
                 with _device(img):
-                    self._step(img, prev, grad, curv, k, lam, beta)
+                    self._step(img, prev, grad, curv, list(group), lam, beta, [e[i] for e in ems[1:]])
                     if self._average:
-                        if k == 0:
+                        if q == 0:
                             total.append(img.copy())
                         else:
                             total[i] += img
@@ -277,7 +318,7 @@ class MapBackend:
         if self._average:
             for a in total:
                 with _device(a):
-                    a /= a.dtype.type(self.subsets)
+                    a /= a.dtype.type(len(groups))
                     _synchronize(a)
             self._output = (f, total if isinstance(f, list) else total[0])
         self._times = {**inner_times, "map": t_prior, "iteration": time.perf_counter() - t0}
@@ -292,13 +333,21 @@ class MapBackend:
             return self._output[1]
         return f
 
-    def _step(self, f: Any, prev: Any, grad: Any, curv: Any, k: int, lam: float, beta: float) -> None:
-        """The MAP step in place: ``f`` holds ``f_EM`` of the sub-iteration from ``prev``; ``grad`` and ``curv``
-        the prior's gradient and curvature at ``prev`` (None: no prior, or the EM preconditioner)."""
+    def _step(self, f: Any, prev: Any, grad: Any, curv: Any, ks: list[int], lam: float, beta: float,
+              more: list[Any] = ()) -> None:
+        """The MAP step in place: ``f`` holds ``f_EM`` of subset ``ks[0]``'s sub-iteration from ``prev`` and
+        ``more`` those of the other subsets ``ks[1:]`` a halved pass's sub-iteration covers, from the same
+        ``prev``; ``grad`` and ``curv`` the prior's gradient and curvature at ``prev`` (None: no prior, or the
+        EM preconditioner)."""
         xp = _xp(f)
         c = self._consts(f)
+        k = ks[0]
         if self.settings.algorithm == "bsrem":
             step = c["ratio"][k] * (f - prev)  # (f / s) S (bp_k - s_k) = (S s_k / s) (f_EM - f)
+            if more:  # (f / s) (S / g) sum_k (bp_k - s_k) over the g subsets of the sub-iteration
+                for kk, em in zip(ks[1:], more):
+                    step += c["ratio"][kk] * (em - prev)
+                step /= f.dtype.type(len(ks))
             pa = prev  # f of the preconditioner, or f + delta
             if self._delta:  # ((f + delta) / s) S (bp_k - s_k): the step above times (f + delta) / f
                 pa = prev + f.dtype.type(self._delta)

@@ -320,6 +320,7 @@ def bsrem(
     floor: float = DEFAULT_FLOOR,
     f0: np.ndarray | None = None,
     average: bool = False,
+    halving: tuple[int, ...] = (),
 ) -> tuple[np.ndarray, History]:
     """BSREM (block sequential regularised EM) in float64: converges to the maximiser of ``Phi`` over ``f >= 0``.
 
@@ -360,6 +361,9 @@ def bsrem(
     average
         Each pass gives the mean of its S sub-iterates instead of the last one (the sub-iterations go on from
         the last): the returned image and the ``History`` are the means'.
+    halving
+        The passes after which the sub-iterations per pass halve, each then covering the rows of two
+        neighbouring subsets of the one before (``S`` a multiple of ``2 ** len(halving)``).
 
     Returns
     -------
@@ -374,6 +378,8 @@ def bsrem(
     m = problem.A.shape[0]
     slices = _subset_slices(subsets, m)
     S = len(slices)
+    if S % (1 << len(halving)):
+        raise ConfigError("halving", f"{len(halving)} halvings of {S} subsets")
     s = problem.sensitivity()
     live = s > 0
     f = (problem.initial() if f0 is None else np.asarray(f0, dtype=np.float64).copy())
@@ -386,8 +392,10 @@ def bsrem(
     for n in range(passes):
         lam = lam0 / (1.0 + n / eta)
         iterates = []
-        for rows in slices:
-            step = S * gradient(problem, f, rows) - problem.beta * problem.prior_gradient(f)
+        size = 2 ** sum(1 for p in halving if n >= p)
+        merged = [slice(slices[j].start, slices[j + size - 1].stop) for j in range(0, S, size)]
+        for rows in merged:
+            step = len(merged) * gradient(problem, f, rows) - problem.beta * problem.prior_gradient(f)
             np.divide(f + delta, s, out=precond, where=live)
             f = np.maximum(0.0, f + lam * precond * step)
             f[~live] = 0.0

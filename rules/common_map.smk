@@ -1,5 +1,6 @@
 """MAP reconstruction (config mlem.prior, mlem.algorithm, mlem.relaxation,
-mlem.preconditioner, mlem.preconditioner_offset, mlem.averaging):
+mlem.preconditioner, mlem.preconditioner_offset, mlem.averaging,
+mlem.subset_halving):
 its settings checked before any job, the part of {model} that names them in
 the run and reference paths, the converged MAP image of a simulated
 measurement and the metrics its runs record against it, and the voxel grid of
@@ -33,20 +34,33 @@ def get_map_settings():
         preconditioner=mlem["preconditioner"],
         preconditioner_offset=mlem["preconditioner_offset"],
         averaging=mlem["averaging"],
+        subset_halving=tuple(mlem["subset_halving"]),
     )
 
 
 def check_map_settings():
     """Stop, in one line naming the mlem key, on MAP settings that
-    mlemlib.map.MapSettings.check refuses (a missing beta first)."""
+    mlemlib.map.MapSettings.check refuses (a missing beta first), a subset
+    schedule that mlem.subsets cannot follow, and a schedule with a run on
+    GPUs (it runs on the cpu backend so far)."""
+    from mlemlib.map import check_halving
+
     if not is_map():
         return
     if config["mlem"]["prior"]["beta"] is None:
         stop("config mlem.prior.beta: a prior needs beta (a number >= 0), found none")
     try:
-        get_map_settings().check()
+        settings = get_map_settings().check()
+        check_halving(settings.subset_halving, config["mlem"]["subsets"])
     except ConfigError as exc:
         stop(f"config mlem.{exc}")
+    if settings.subset_halving:
+        for index, entry in enumerate(config["runs"]):
+            if any(run["backend"] != "cpu" for run in expand_run(entry)):
+                stop(
+                    f"config runs[{index}].backend: mlem.subset_halving runs on the "
+                    "cpu backend so far (GPU runs take every subset in every pass)"
+                )
 
 
 def get_map_params(settings=None):

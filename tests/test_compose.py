@@ -45,7 +45,8 @@ MAP = {"rdp": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006),
        "rdp-offset": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006, preconditioner="hessian",
                                  preconditioner_offset=0.23),
        "rdp-mean": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006, preconditioner="hessian",
-                               preconditioner_offset=0.35, relaxation=(1.0, 20.0), averaging="pass")}
+                               preconditioner_offset=0.35, relaxation=(1.0, 20.0), averaging="pass"),
+       "rdp-halving": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006, subset_halving=compose.HALVING)}
 
 
 def _build(root: Path) -> None:
@@ -231,11 +232,23 @@ def test_every_refusal_names_a_setting_in_one_line():
     refused = [(c, v) for c, v in refused if v is not None]
     assert refused
     keys = {v.split(":")[0] for _, v in refused}
-    assert keys <= {"run.fp", "run.bp", "run.gpus", "run.layout"}, keys
-    # MAP composes with everything: a MAP run is refused exactly where the same run without the prior is
-    maps = [c for c in compose.space() if c.prior != "none"]
+    assert keys <= {"run.fp", "run.bp", "run.gpus", "run.layout", "run.backend", "run.subsets"}, keys
+    # MAP composes with everything: a MAP run is refused exactly where the same run without the prior is; the
+    # subset schedule runs on the cpu with S divisible by 4, and is refused elsewhere naming the backend or S
+    maps = [c for c in compose.space() if c.prior not in ("none", "rdp-halving")]
     assert maps
     assert all(compose.verdict(c) == compose.verdict(dataclasses.replace(c, prior="none")) for c in maps)
+    for c in (c for c in compose.space() if c.prior == "rdp-halving"):
+        v, plain = compose.verdict(c), compose.verdict(dataclasses.replace(c, prior="none"))
+        if plain is not None:
+            assert v == plain
+        elif c.backend != "cpu":
+            assert v == "run.backend: mlem.subset_halving runs on the cpu backend so far (GPU runs take every subset " \
+                        "in every pass)"
+        elif c.subsets % 4:
+            assert v.startswith("run.subsets: mlem.subset_halving: 2 halvings of 1 subsets"), v
+        else:
+            assert v is None
     assert all("\n" not in v for _, v in refused)
 
 

@@ -354,3 +354,86 @@ def test_the_gpu_step_takes_the_subsets_norms_and_forms_one_over_s():
     one = DeviceMapStep("osl", prior, 0.3, np.array([2.0, 4.0, 0.0]), 0.0)
     assert one.subsets == 1
     np.testing.assert_array_equal(one._inv_s, np.float32([0.5, 0.25, 0.0]))
+
+
+HALVING = dataclasses.replace(RDP, subset_halving=(1, 2))
+
+
+def test_a_halved_pass_is_the_step_over_two_subsets_rows(case, tmp_path, monkeypatch):
+    """With subset_halving (1, 2) and 8 subsets, pass 1 runs 8 sub-iterations, pass 2 four (each over the rows of
+    two neighbouring subsets) and pass 3 two: pass 2 is, to rounding, the BSREM step computed here by hand from
+    pass 1's image with map_reference's float64 gradients over those rows (S' = 4, the bound nu)."""
+    from mlemlib.map import FLOOR, MapBackend
+    from mlemlib.map_reference import gradient
+
+    calls = []
+    step = MapBackend._step
+
+    def spy(self, f, prev, grad, curv, ks, *args):
+        calls.append((self.passes, tuple(ks)))
+        step(self, f, prev, grad, curv, ks, *args)
+
+    monkeypatch.setattr(MapBackend, "_step", spy)
+    _run(case, tmp_path / "h3.h5", 3, HALVING, reference_mode=True, threads=1)
+    assert [ks for p, ks in calls if p == 0] == [(k,) for k in range(8)]
+    assert [ks for p, ks in calls if p == 1] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [ks for p, ks in calls if p == 2] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    monkeypatch.setattr(MapBackend, "_step", step)
+    one, _ = _run(case, tmp_path / "h1.h5", 1, HALVING, reference_mode=True, threads=1)
+    two, _ = _run(case, tmp_path / "h2.h5", 2, HALVING, reference_mode=True, threads=1)
+    problem = case["problem"]
+    s = problem.sensitivity()
+    live = s > 0
+    nu = FLOOR * problem.g.sum() / s.sum()
+    lam = 1.0 / (1.0 + 1 / 10.0)  # pass 2's relaxation (n = 1)
+    f = one.copy()
+    rows = M // 4
+    for j in range(4):
+        grad = 4 * gradient(problem, f, slice(j * rows, (j + 1) * rows)) - problem.beta * problem.prior_gradient(f)
+        f = np.where(live, np.maximum(nu, f + lam * np.divide(f, s, out=np.zeros_like(s), where=live) * grad), 0)
+    assert rel(two, f) < 1e-12
+    assert rel(two, _run(case, tmp_path / "plain.h5", 2, reference_mode=True, threads=1)[0]) > 1e-4
+
+
+def test_bsrem_with_subset_halving_converges_to_the_maximiser(case, tmp_path):
+    """Halving after passes 100, 200 and 400 (8 -> 4 -> 2 -> 1 subsets): the maximiser after 2000 passes, Phi never
+    decreasing; the float32 run within 1e-5 of its float64 reference; the schedule names another problem."""
+    ms = dataclasses.replace(RDP, subset_halving=(100, 200, 400))
+    img, t = _run(case, tmp_path / "h.h5", 2000, ms, reference_mode=True, threads=1)
+    assert rel(img, case["map"]) < 1e-3
+    phi = np.array([h["phi"] for h in t["map"]["history"]])
+    assert np.all(np.diff(phi) >= -1e-9 * np.abs(phi[1:])), np.diff(phi).min()
+    assert t["map"]["subset_halving"] == [100, 200, 400] and ms.identity() != RDP.identity()
+    fast = dataclasses.replace(RDP, subset_halving=(5, 10, 20), averaging="pass")
+    ref, _ = _run(case, tmp_path / "r.h5", 30, fast, reference_mode=True)
+    img, _ = _run(case, tmp_path / "f.h5", 30, fast)
+    assert rel(img, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bad,key", [(dict(subset_halving=(0,)), "subset_halving"),
+                                     (dict(subset_halving=(5, 5)), "subset_halving"),
+                                     (dict(subset_halving=(True,)), "subset_halving"),
+                                     (dict(algorithm="osl", subset_halving=(5,)), "subset_halving")])
+def test_bad_subset_schedules_are_refused_in_one_line(bad, key):
+    with pytest.raises(ConfigError, match=key):
+        MapSettings(**{**dict(prior="rdp", beta=0.3, gamma=2.0, epsilon=2.0), **bad}).check()
+
+
+def test_a_schedule_the_subsets_cannot_follow_is_refused(case, tmp_path):
+    """8 subsets halve three times at most; the command line refuses a fourth and a cuda run in one line."""
+    import subprocess
+    import sys
+
+    with pytest.raises(ConfigError, match="subset_halving: 4 halvings of 8 subsets"):
+        _run(case, tmp_path / "x.h5", 2, dataclasses.replace(RDP, subset_halving=(1, 2, 3, 4)))
+    d = case["dir"]
+    case["g"].astype("<i4").tofile(tmp_path / "g.LMsino")
+    base = [sys.executable, "-m", "mlemlib", "reconstruct", "-m", str(d / "a.h5"), "-s", str(tmp_path / "g.LMsino"),
+            "-n", "3", "--subset-file", str(d / "subsets.i32"), "--subsets", str(S), "-k", "0", "-o",
+            str(tmp_path / "cli.h5"), "--prior", "rdp", "--beta", "0.3", "--epsilon", "2"]
+    for extra, fault in ((["-b", "cpu", "--subset-halving", "1", "2", "3", "4"], "4 halvings of 8 subsets"),
+                         (["-b", "cuda", "--subset-halving", "5"], "runs on the cpu backend")):
+        bad = subprocess.run(base + extra, capture_output=True, text=True)
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and "--subset-halving" in lines[0] and fault in lines[0], (
+            bad.stderr)

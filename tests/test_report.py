@@ -1375,10 +1375,11 @@ def test_a_map_label_names_the_settings_that_are_not_the_defaults():
 
     base = MapSettings("rdp", beta=0.3, epsilon=1e-3)
     fast = MapSettings("rdp", beta=0.3, epsilon=1e-3, preconditioner="hessian", preconditioner_offset=0.35,
-                       relaxation=(1.0, 20.0), averaging="pass")
+                       relaxation=(1.0, 20.0), averaging="pass", subset_halving=(10, 20))
     assert map_label(row(base)) == " BSREM rdp beta=0.3"
-    assert map_label(row(fast)) == " BSREM rdp beta=0.3 hessian offset=0.35 relax=1,20 mean"
-    assert row(base, drop=("averaging",))["_map_params"] == row(base)["_map_params"]
+    assert map_label(row(fast)) == " BSREM rdp beta=0.3 hessian offset=0.35 relax=1,20 mean halve=10,20"
+    assert row(base, drop=("averaging", "subset_halving"))["_map_params"] == row(base)["_map_params"]
     terms = label_terms([row(base), row(fast)])
     assert any(t.startswith("mean:") for t in terms) and any(t.startswith("relax=") for t in terms)
+    assert any(t.startswith("halve=") for t in terms)
     assert not any(t.startswith(("mean:", "hessian:")) for t in label_terms([row(base)]))

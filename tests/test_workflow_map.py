@@ -95,6 +95,9 @@ def test_two_betas_give_two_run_directories_and_no_prior_keeps_todays_paths(tmp_
     assert len(offset) == 3 and not offset & (first | second | relaxed)
     mean = dirs(map_config(averaging="pass"))
     assert len(mean) == 3 and not mean & (first | second | relaxed | offset)
+    two = dirs(map_config(subsets=2))
+    halved = dirs(map_config(subsets=2, subset_halving=[5]))
+    assert len(halved) == 3 and not halved & (first | second | relaxed | offset | mean | two)
     # prior none (the default): the paths of MLEM, no model part, no converged image
     plain = planned_outputs(tmp_path, TINY)
     assert {run_dir(p) for p in plain["reference_mlem"]} == {"reference-it2"}
@@ -113,6 +116,10 @@ def test_two_betas_give_two_run_directories_and_no_prior_keeps_todays_paths(tmp_
         (RDP, {"relaxation": [1, 0]}, "config mlem.relaxation: lambda_0 and eta must be > 0, got (1, 0)"),
         (RDP, {"algorithm": "osl", "averaging": "pass"},
          "config mlem.averaging: 'pass' is BSREM's; osl gives its last sub-iterate"),
+        (RDP, {"subset_halving": [5, 5]}, "config mlem.subset_halving: passes after which the subsets halve: "
+                                          "increasing integers >= 1, got (5, 5)"),
+        (RDP, {"subset_halving": [5]}, "config mlem.subset_halving: 1 halvings of 1 subsets: S must be divisible "
+                                       "by 2"),
     ],
 )
 def test_bad_map_settings_stop_the_dry_run_in_one_line(tmp_path, prior, mlem, line):
@@ -261,3 +268,11 @@ def test_the_sample_has_refusals_and_acceptances_across_formats_subsets_and_back
     assert sum(v is None for v in verdicts) == 3 and sum(v is not None for v in verdicts) == 4
     refused = [p for p, v in zip(PAIRS, verdicts) if v is not None]
     assert {p[0] for p in refused} >= {"csr", "compressed"} and {p[3]["backend"] for p in refused} == {"cpu", "cuda"}
+
+
+def test_a_subset_schedule_with_a_gpu_run_stops_the_dry_run_in_one_line(tmp_path):
+    config = map_config(subsets=2, subset_halving=[5])
+    config["runs"] = [*config["runs"], {"backend": "cuda", "fp": "auto", "bp": "auto"}]
+    assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
+        "config runs[2].backend: mlem.subset_halving runs on the cpu backend so far (GPU runs take every subset in "
+        "every pass)")

@@ -397,19 +397,23 @@ def model_columns(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 #: The MAP settings a run's ``_map_params`` holds (JSON each), besides its algorithm, prior and beta.
-_MAP_PARAMS = ("gamma", "epsilon", "kappa", "relaxation", "preconditioner", "preconditioner_offset", "averaging")
+_MAP_PARAMS = ("gamma", "epsilon", "kappa", "relaxation", "preconditioner", "preconditioner_offset", "averaging",
+               "subset_halving")
+#: What a run recorded before a setting existed did (the setting's default).
+_MAP_DEFAULTS = {"averaging": "last", "subset_halving": []}
 
 
 def map_columns(t: Mapping[str, Any]) -> dict[str, Any]:
     """A MAP run's columns from its ``timings.json``'s ``map``: ``map_algorithm`` (``bsrem``, ``osl``), ``prior``
     (``rdp``, ``quadratic``), ``beta`` and ``phi`` (Phi after the last pass); None for MLEM and OSEM. The other
     settings (gamma, epsilon, kappa, relaxation, preconditioner and its offset, averaging) go into ``_map_params``,
-    which tells configurations apart (a run recorded before ``averaging`` existed gave its last sub-iterate)."""
+    which tells configurations apart (a run recorded before ``averaging`` or ``subset_halving`` existed gave
+    its last sub-iterate, every subset in every pass)."""
     m = t.get("map") if isinstance(t.get("map"), dict) else None
     if m is None:
         return {"map_algorithm": None, "prior": None, "beta": None, "phi": None, "_map_params": None}
     history = m.get("history") or []
-    params = tuple(json.dumps(m.get(k, "last" if k == "averaging" else None), sort_keys=True) for k in _MAP_PARAMS)
+    params = tuple(json.dumps(m.get(k, _MAP_DEFAULTS.get(k)), sort_keys=True) for k in _MAP_PARAMS)
     return {"map_algorithm": m.get("algorithm"), "prior": m.get("prior"), "beta": _num(m.get("beta")),
             "phi": _num(history[-1].get("phi")) if history and isinstance(history[-1], dict) else None,
             "_map_params": params}
@@ -444,8 +448,8 @@ _CONFIG_KEYS = ("matrix", "data", "backend", "fp", "bp", "transpose", "secsize",
 
 def map_label(r: Mapping[str, Any]) -> str:
     """`` BSREM rdp beta=0.3`` for a MAP run, ``""`` otherwise; BSREM's settings where they are not the defaults
-    follow: `` hessian`` (the preconditioner), `` offset=0.35``, `` relax=1,20`` and `` mean`` (each pass's image
-    the mean of its sub-iterates)."""
+    follow: `` hessian`` (the preconditioner), `` offset=0.35``, `` relax=1,20``, `` mean`` (each pass's image
+    the mean of its sub-iterates) and `` halve=10,20`` (the passes after which its subsets halve)."""
     if not r.get("map_algorithm"):
         return ""
     beta = _num(r.get("beta"))
@@ -463,6 +467,8 @@ def map_label(r: Mapping[str, Any]) -> str:
         s += f" relax={_num(relax[0]):g},{_num(relax[1]):g}"
     if v["averaging"] == "pass":
         s += " mean"
+    if v["subset_halving"]:
+        s += " halve=" + ",".join(str(p) for p in v["subset_halving"])
     return s
 
 
@@ -558,7 +564,8 @@ def label_terms(rows: Iterable[Mapping[str, Any]]) -> list[str]:
         (" hessian", "hessian: BSREM's preconditioner with the prior's curvature"),
         (" offset=", "offset=O: its preconditioner offset"),
         (" relax=", "relax=L0,ETA: its relaxation L0 / (1 + n / ETA) (default 1,10)"),
-        (" mean", "mean: each pass's image the mean of its sub-iterates")) if any(word in map_label(r) for r in rows)]
+        (" mean", "mean: each pass's image the mean of its sub-iterates"),
+        (" halve=", "halve=P,...: the passes after which its subsets halve")) if any(word in map_label(r) for r in rows)]
     terms += [what for _, what in settings]
     if any(r.get("m") not in (None, "no") for r in rows):
         terms.append("+m: models the multiplicative factors (attenuation, normalisation)")
