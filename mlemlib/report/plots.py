@@ -62,13 +62,18 @@ def _plot_labels(groups: Mapping[tuple, list[dict[str, Any]]]) -> tuple[list[str
     return [f"{p}\n{label}" for p, label in zip(problems, labels)], ""
 
 
-def _add_key(fig: Any, text: str, width: int = 130) -> None:
-    """Lay the figure out, then put a wrapped explanatory note under it (kept by :func:`_save`)."""
+def _add_key(fig: Any, text: str, width: int = 130, below: Any = None) -> None:
+    """Lay the figure out, then put a wrapped explanatory note under it (kept by :func:`_save`); under the
+    artist ``below`` (a figure legend placed under the figure) where given."""
     import textwrap
 
     if fig.get_layout_engine() is None:  # not laid out by constrained layout
         fig.tight_layout()
-    fig.text(0.01, -0.01, textwrap.fill(text, width), fontsize=7, va="top", ha="left", color="0.25")
+    y = -0.01
+    if below is not None:
+        fig.canvas.draw()
+        y = below.get_window_extent().transformed(fig.transFigure.inverted()).y0 - 0.01
+    fig.text(0.01, y, textwrap.fill(text, width), fontsize=7, va="top", ha="left", color="0.25")
 
 
 def _save(fig: Any, path: Path, dpi: int = 110) -> None:
@@ -777,14 +782,17 @@ def plot_map_objective(groups: Mapping[tuple, list[dict[str, Any]]], path: Path)
     for ax, (_, name) in zip(axes, keys):
         ax.set(xlabel="pass", ylabel=name, title=f"{name} per pass")
         ax.grid(True, alpha=0.3)
-    axes[0].legend(loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=1, fontsize=8, borderaxespad=0,
-                   frameon=False)
+    # the legend under the whole figure (under one panel, its width would widen that panel's column), the note
+    # under the legend
+    handles, names = axes[0].get_legend_handles_labels()
+    legend = fig.legend(handles, names, loc="upper left", bbox_to_anchor=(0.01, -0.01), ncol=1, fontsize=8,
+                        frameon=False, borderaxespad=0)
     problems = {(rs[0]["matrix"], rs[0]["data"]) for rs in maps}
     fig.suptitle("MAP objective per pass" + (f": {maps[0][0]['matrix']} / {maps[0][0]['data']}"
                                              if len(problems) == 1 else ""))
     note = ("Pass 0 is the initial image; a pass visits every subset once. L is the Poisson log-likelihood "
             "without its constant, R the prior, beta its weight; MAP maximises Phi.")
-    _add_key(fig, " ".join(t for t in (note, labels_note([rs[0] for rs in maps])) if t), width=170)
+    _add_key(fig, " ".join(t for t in (note, labels_note([rs[0] for rs in maps])) if t), width=170, below=legend)
     _save(fig, path)
     return True
 
@@ -835,13 +843,13 @@ def plot_map_metrics(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -
         ax.set(xlabel="pass", ylabel=ylabel, title=title)
         ax.grid(True, alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
-    axes[0].legend(handles, names, loc="upper left", bbox_to_anchor=(0.0, -0.14), ncol=1, fontsize=8,
-                   borderaxespad=0, frameon=False)
+    legend = fig.legend(handles, names, loc="upper left", bbox_to_anchor=(0.01, -0.01), ncol=1, fontsize=8,
+                        frameon=False, borderaxespad=0)
     problems = {(rs[0]["matrix"], rs[0]["data"]) for rs in maps}
     fig.suptitle("MAP convergence per pass" + (f": {maps[0][0]['matrix']} / {maps[0][0]['data']}"
                                                if len(problems) == 1 else ""))
     note = ("Measured against the converged MAP image of the same problem; dotted: the thresholds of the "
             "time to threshold (both RMSEs below 1%" + (", every sphere below 0.5%" if spheres_any else "") + ").")
-    _add_key(fig, " ".join(t for t in (note, labels_note([rs[0] for rs in maps])) if t), width=170)
+    _add_key(fig, " ".join(t for t in (note, labels_note([rs[0] for rs in maps])) if t), width=170, below=legend)
     _save(fig, path)
     return True
