@@ -35,7 +35,6 @@ no atomics), so deterministic kernels stay bit-identical over GPU counts and rer
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -46,18 +45,6 @@ from mlemlib.subsets import sensitivities_of
 #: The kernels' algorithm codes.
 ALGORITHM_CODES = {"bsrem": 0, "osl": 1}
 THREADS = 256
-
-
-@functools.cache
-def module(device_id: int) -> Any:
-    """``mlemlib/kernels/map_step.cu`` compiled for a GPU (once per process and device)."""
-    from mlemlib.backends._build import cupy, kernel_source
-
-    cp = cupy()
-    with cp.cuda.Device(device_id):
-        mod = cp.RawModule(code=kernel_source("map_step"), options=("--std=c++17",))
-        mod.compile()
-    return mod
 
 
 class DeviceMapStep:
@@ -106,7 +93,7 @@ class DeviceMapStep:
         """Set up a GPU (its constants, buffers and kernels, compiled now: nothing is compiled or allocated
         inside a graph's capture); ``stream`` is where the backend runs its passes on it."""
         from mlemlib import _prior_cuda
-        from mlemlib.backends._build import cupy
+        from mlemlib.backends._build import Build, cupy, module
 
         cp = cupy()
         if device in self._dev:
@@ -114,7 +101,7 @@ class DeviceMapStep:
             return
         prior = self.prior
         with cp.cuda.Device(device):
-            mod = module(device)
+            mod = module(Build("map_step"), device)
             _, kappa, pos, inv, has_kappa, perm, _, nx, ny, nz, code, gamma, eps, *_ = _prior_cuda.device_args(
                 prior, cp.zeros(1, dtype=cp.float32))
             n = int(prior.n)

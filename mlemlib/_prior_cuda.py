@@ -10,7 +10,6 @@ once and kept with the prior.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -20,15 +19,13 @@ THREADS = 256
 VALUE_BLOCK = 4096
 
 
-@functools.cache
 def module(device_id: int) -> Any:
-    from mlemlib.backends._build import cupy, kernel_source
+    """``prior.cu`` compiled for a GPU, without multiply-adds (:func:`mlemlib.backends._build.module`: once per
+    process and device)."""
+    from mlemlib.backends._build import Build
+    from mlemlib.backends._build import module as compiled
 
-    cp = cupy()
-    with cp.cuda.Device(device_id):
-        mod = cp.RawModule(code=kernel_source("prior"), options=("--std=c++17", "--fmad=false"))
-        mod.compile()
-    return mod
+    return compiled(Build("prior", ("--fmad=false",)), device_id)
 
 
 def device_args(prior: Any, f: Any) -> tuple:

@@ -38,7 +38,7 @@ from mlemlib.errors import DeviceError
 log = logging.getLogger(__name__)
 
 #: The sources in ``mlemlib/kernels`` (``<name>.cu``).
-SOURCES = ("spmv", "compressed", "synth")
+SOURCES = ("spmv", "compressed", "synth", "prior", "map_step")
 
 #: A line of a kernel source that includes one of the package's own headers.
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[^\n]*$', re.M)
