@@ -29,6 +29,7 @@ from typing import Any
 from mlemlib import registry
 from mlemlib.errors import ConfigError
 from mlemlib.formats.spec import matrix_format_of
+from mlemlib.map import check_halving
 
 #: The matrix formats of the configuration (``matrices.<name>.format``).
 FORMATS = registry.FORMATS
@@ -150,8 +151,6 @@ def check(c: Combination, where: str = "run") -> None:
                                          f"cannot have on the GPUs for a {c.format} matrix; use bp: auto or a "
                                          "one-pass kernel (onepass, onepass_fixed, onepass_chunked), or format: csr")
     if c.prior == "rdp-halving":
-        from mlemlib.map import check_halving
-
         if c.backend != "cpu":
             raise ConfigError(f"{where}.backend", "mlem.subset_halving runs on the cpu backend so far (GPU runs "
                                                   "take every subset in every pass)")

@@ -289,23 +289,24 @@ class MapBackend:
                                    self.prior.curvature(img) if beta and self._hessian else None))
                     _synchronize(img)
             t_prior += time.perf_counter() - tp
-            # each subset's EM image from the same f (the first in f itself, the others in copies of it)
-            starts = [[prev.copy() for prev, _, _ in before] for _ in group[1:]]
+            # each subset's EM image from the same image: the first in f itself, the others in copies of it
             ems = []
-            for k, start in zip(group, [None, *starts]):
-                em = self.inner.sub_iterate(f if start is None else (start if isinstance(f, list) else start[0]), k)
+            for j, k in enumerate(group):
+                start = [prev.copy() for prev, _, _ in before] if j else None
+                em = self.inner.sub_iterate(f if j == 0 else start if isinstance(f, list) else start[0], k)
                 for step, v in self.inner.sub_step_times(k).items():
                     inner_times[step] = inner_times.get(step, 0.0) + v
-                ems.append(self._images(em))
-                if start is None:
+                if j == 0:
                     f = em
+                else:
+                    ems.append(self._images(em))
             # the backend runs on streams of its own: its sub-iterations are done before the step reads them,
             # and the step is done before the next sub-iteration starts
             self.inner.synchronize()
             tp = time.perf_counter()
             for i, (img, (prev, grad, curv)) in enumerate(zip(self._images(f), before)):
                 with _device(img):
-                    self._step(img, prev, grad, curv, list(group), lam, beta, [e[i] for e in ems[1:]])
+                    self._step(img, prev, grad, curv, list(group), lam, beta, [e[i] for e in ems])
                     if self._average:
                         if q == 0:
                             total.append(img.copy())

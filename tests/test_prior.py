@@ -363,6 +363,18 @@ def test_bsrem_pass_mean_is_nearer_the_maximiser_and_converges_to_it(map_problem
     assert (np.diff(np.array(hist.phi)) >= 0).all()
 
 
+def test_bsrem_with_halving_subsets_converges_to_the_maximiser(map_problem):
+    """The reference's subset schedule (8 subsets halving after passes 100, 200 and 400, the last passes over
+    every row at once): the maximiser after 2000 passes, Phi never decreasing; a schedule 8 subsets cannot
+    follow is refused."""
+    problem, fmap, subsets = map_problem
+    f, hist = bsrem(problem, subsets, 2000, halving=(100, 200, 400))
+    assert rel(f, fmap) < 1e-3
+    assert (np.diff(np.array(hist.phi)) >= 0).all()
+    with pytest.raises(ConfigError, match="halving"):
+        bsrem(problem, subsets, 1, halving=(1, 2, 3, 4))
+
+
 def test_osl_stays_off_the_maximiser_with_subsets(map_problem):
     problem, fmap, subsets = map_problem
     f1, _ = osl(problem, [0, problem.A.shape[0]], 1500)

@@ -560,13 +560,13 @@ def label_terms(rows: Iterable[Mapping[str, Any]]) -> list[str]:
         terms.append("BSREM, OSL: MAP (its prior, rdp: relative difference, and its weight beta)"
                      + (", SK: passes of K subsets" if any((r.get("subsets") or 1) > 1 and r.get("map_algorithm")
                                                           for r in rows) else ""))
-    settings = [(word, what) for word, what in (
+    map_labels = [map_label(r) for r in rows]
+    terms += [what for word, what in (
         (" hessian", "hessian: BSREM's preconditioner with the prior's curvature"),
         (" offset=", "offset=O: its preconditioner offset"),
         (" relax=", "relax=L0,ETA: its relaxation L0 / (1 + n / ETA) (default 1,10)"),
         (" mean", "mean: each pass's image the mean of its sub-iterates"),
-        (" halve=", "halve=P,...: the passes after which its subsets halve")) if any(word in map_label(r) for r in rows)]
-    terms += [what for _, what in settings]
+        (" halve=", "halve=P,...: the passes after which its subsets halve")) if any(word in lab for lab in map_labels)]
     if any(r.get("m") not in (None, "no") for r in rows):
         terms.append("+m: models the multiplicative factors (attenuation, normalisation)")
     if any(r.get("b") not in (None, "no") for r in rows):
