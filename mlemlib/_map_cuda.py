@@ -15,7 +15,11 @@ the subsets' sensitivities; ``S`` the subset count)::
 (BSREM with the ``hessian`` preconditioner: the step divided by ``1 + beta f H / s``, ``H`` the diagonal of
 the prior's Hessian at ``f``, formed in the same pass over the neighbours; with an offset ``delta``,
 ``f + delta`` in place of ``f`` in the preconditioner; with ``average``, the same threads sum the pass's
-sub-iterates into a buffer of their own and divide the sum by ``S`` after the last, the pass's mean image.)
+sub-iterates into a buffer of their own and divide the sum by ``S`` after the last, the pass's mean image; with
+:meth:`DeviceMapStep.set_group` ``G > 1`` (BSREM's subset halving), each sub-iteration covers ``G``
+neighbouring subsets: the launches of its first ``G - 1`` subsets add their ``bp_k`` into a buffer and leave
+``f`` as it is, the last one's updates with the summed ``bp``, the subsets' summed ``sk`` and ``S / G`` in place
+of ``S``.)
 
 which is :class:`mlemlib.map.MapBackend`'s step written from ``bp_k`` instead of EM's image
 (``f_EM = f bp_k / sk``). ``bp_k`` comes as float32 or as the deterministic kernels' 64-bit fixed point,
@@ -87,6 +91,8 @@ class DeviceMapStep:
         self.hessian = bool(hessian)
         self.offset = float(offset)
         self.average = bool(average)
+        #: Subsets per sub-iteration (:meth:`set_group`).
+        self.group = 1
         self._dev: dict[int, dict[str, Any]] = {}
 
     def prepare(self, device: int, stream: Any) -> None:
@@ -113,15 +119,47 @@ class DeviceMapStep:
             user = (lambda a: a) if prior.pos is None else (lambda a: a[..., prior.inv])  # to the user's grid
             self._dev[device] = {
                 "stream": stream, "inv_s": cp.asarray(user(self._inv_s)), "lam": cp.ones(1, dtype=cp.float32),
-                "norms": cp.asarray(np.ascontiguousarray(user(self._norms))), "subset_of": {},
+                "norms": {1: cp.asarray(np.ascontiguousarray(user(self._norms)))}, "subset_of": {}, "user": user,
                 "fu": (cp.empty(n, dtype=cp.float32), cp.empty(n, dtype=cp.float32)), "pos": pos, "n": np.int64(n),
                 "blocks": max(1, -(-n // THREADS)),
                 "to_grid": mod.get_function("map_to_grid_f32"), "update": mod.get_function("map_update_f32"),
+                "accumulate": mod.get_function("map_accumulate_f32"), "bpsum": None,
                 "prior": (kappa_u, inv, has_kappa, perm, np.int32(n), np.int32(nx), np.int32(ny), np.int32(nz), code,
                           np.float32(gamma), np.float32(eps)),
                 "no_bp": cp.zeros(1, dtype=cp.float32), "no_acc": cp.zeros(1, dtype=cp.uint64),
                 "mean": cp.zeros(n if self.average else 1, dtype=cp.float32),
             }  # fmt: skip
+            self._prepare_group(device)
+            cp.cuda.Device().synchronize()
+
+    def set_group(self, group: int) -> None:
+        """Cover ``group`` neighbouring subsets per sub-iteration from the next pass on (1: one each; S must be
+        divisible by it). The launches' arguments change: a backend that captured its pass captures it again
+        (:meth:`mlemlib.backends.osem.OsemBackend.set_image_step`)."""
+        group = int(group)
+        if group < 1 or self.subsets % group:
+            raise ConfigError("subset_halving", f"{group} subsets per sub-iteration: S = {self.subsets} must be "
+                                                "divisible by it")
+        if group > 1 and self.algorithm != "bsrem":
+            raise ConfigError("subset_halving", f"is BSREM's; {self.algorithm} runs every subset in every pass")
+        self.group = group
+        for device in self._dev:
+            self._prepare_group(device)
+
+    def _prepare_group(self, device: int) -> None:
+        """The merged subsets' norms (on the user's grid) and the back projections' sum buffer of the current
+        group size on ``device`` (made once per size; nothing allocates inside a capture)."""
+        from mlemlib.backends._build import cupy
+
+        cp = cupy()
+        d, g = self._dev[device], self.group
+        if g in d["norms"]:
+            return
+        with cp.cuda.Device(device):
+            merged = np.nansum(self._norms.reshape(self.subsets // g, g, -1), axis=1).astype(np.float32)
+            d["norms"][g] = cp.asarray(np.ascontiguousarray(d["user"](merged)))
+            if d["bpsum"] is None:
+                d["bpsum"] = cp.empty(int(d["n"]), dtype=cp.float32)
             cp.cuda.Device().synchronize()
 
     def set_relaxation(self, lam: float) -> None:
@@ -146,21 +184,30 @@ class DeviceMapStep:
         k = d["subset_of"].setdefault(norm.data.ptr, len(d["subset_of"]))
         if k >= self.subsets:
             raise ConfigError("subsets", f"the MAP step was launched with more than {self.subsets} subsets' norms")
-        fu, blocks = d["fu"][k % 2], (d["blocks"],)
-        if k == 0:  # f on the user's grid; later sub-iterations read the copy the one before wrote
+        fixed = acc is not None
+        g, blocks = self.group, (d["blocks"],)
+        if k % g < g - 1:  # not the last subset of its sub-iteration: its bp added to the others', f unchanged
+            d["accumulate"](blocks, (THREADS,), (d["bpsum"], d["no_bp"] if fixed else bp,
+                                                 acc if fixed else d["no_acc"],
+                                                 np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed),
+                                                 np.int32(k % g == 0), d["n"]))
+            return
+        q, nsub = k // g, self.subsets // g  # the sub-iteration of the pass, and the pass's count
+        fu = d["fu"][q % 2]
+        if q == 0:  # f on the user's grid; later sub-iterations read the copy the one before wrote
             if self.prior.pos is not None:
                 d["to_grid"](blocks, (THREADS,), (f, d["pos"], d["n"], fu))
             else:
                 rt = cp.cuda.runtime
                 rt.memcpyAsync(fu.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice,
                                cp.cuda.get_current_stream().ptr)
-        fixed = acc is not None
         d["update"](blocks, (THREADS,), (
             fu, *d["prior"], np.int32(ALGORITHM_CODES[self.algorithm]), f, d["no_bp"] if fixed else bp,
-            acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed), d["norms"][k],
-            d["inv_s"], d["lam"], np.float32(self.beta), np.float32(self.subsets), np.float32(self.floor),
-            np.int32(self.hessian), np.float32(self.offset), d["fu"][(k + 1) % 2], np.int32(k + 1 < self.subsets),
-            d["mean"], np.int32(self.average), np.int32(k == 0)))
+            acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed),
+            d["norms"][g][q], d["inv_s"], d["lam"], np.float32(self.beta), np.float32(nsub), np.float32(self.floor),
+            np.int32(self.hessian), np.float32(self.offset), d["fu"][(q + 1) % 2], np.int32(q + 1 < nsub),
+            d["mean"], np.int32(self.average), np.int32(q == 0), d["no_bp"] if g == 1 else d["bpsum"],
+            np.int32(g > 1)))
 
     def mean_of(self, f: Any) -> Any:
         """The mean of the last pass's sub-iterates on the GPUs of ``f`` (a list, one array per GPU, or one

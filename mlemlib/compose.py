@@ -39,8 +39,8 @@ SUBSETS = (1, 4)
 GRAPHS = ("auto", "off")
 #: MAP's prior of a run: none (MLEM/OSEM), the relative difference prior (BSREM), the same with the
 #: ``hessian`` preconditioner and an offset (the step's other branches), and with those and the pass's mean
-#: as its image (``averaging: pass``), and BSREM whose subsets halve after passes 1 and 2 (``subset_halving``: the
-#: cpu backend so far; S divisible by 4).
+#: as its image (``averaging: pass``), and BSREM whose subsets halve after passes 1 and 2 (``subset_halving``;
+#: S divisible by 4).
 PRIORS = ("none", "rdp", "rdp-offset", "rdp-mean", "rdp-halving")
 #: The passes after which ``rdp-halving``'s subsets halve.
 HALVING = (1, 2)
@@ -151,9 +151,6 @@ def check(c: Combination, where: str = "run") -> None:
                                          f"cannot have on the GPUs for a {c.format} matrix; use bp: auto or a "
                                          "one-pass kernel (onepass, onepass_fixed, onepass_chunked), or format: csr")
     if c.prior == "rdp-halving":
-        if c.backend != "cpu":
-            raise ConfigError(f"{where}.backend", "mlem.subset_halving runs on the cpu backend so far (GPU runs "
-                                                  "take every subset in every pass)")
         try:
             check_halving(HALVING, c.subsets)
         except ConfigError as exc:

@@ -228,9 +228,6 @@ class MapBackend:
         #: the step runs here between the sub-iterations.
         self.device_step = None
         if callable(getattr(inner, "takes_image_step", None)) and inner.takes_image_step():
-            if self.settings.subset_halving:
-                raise ConfigError("subset_halving", "runs on the cpu backend so far: on GPUs every pass takes "
-                                                    "the subsets the backend was built with")
             from mlemlib._map_cuda import DeviceMapStep
 
             self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta), norm,
@@ -268,6 +265,10 @@ class MapBackend:
         lam = lam0 / (1.0 + self.passes / eta)
         beta = float(self.settings.beta)
         if self.device_step is not None:  # the whole pass on the GPUs (one graph replay where captured)
+            group = len(pass_groups(self.settings.subset_halving, self.subsets, self.passes)[0])
+            if group != self.device_step.group:  # the subsets halve: the pass's launches (and graph) change
+                self.device_step.set_group(group)
+                self.inner.set_image_step(self.device_step)
             self.device_step.set_relaxation(lam)
             f = self.inner.iterate(f)
             self.passes += 1

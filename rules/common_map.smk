@@ -41,8 +41,7 @@ def get_map_settings():
 def check_map_settings():
     """Stop, in one line naming the mlem key, on MAP settings that
     mlemlib.map.MapSettings.check refuses (a missing beta first), a subset
-    schedule that mlem.subsets cannot follow, and a schedule with a run on
-    GPUs (it runs on the cpu backend so far)."""
+    schedule that mlem.subsets cannot follow."""
     from mlemlib.map import check_halving
 
     if not is_map():
@@ -54,13 +53,6 @@ def check_map_settings():
         check_halving(settings.subset_halving, config["mlem"]["subsets"])
     except ConfigError as exc:
         stop(f"config mlem.{exc}")
-    if settings.subset_halving:
-        for index, entry in enumerate(config["runs"]):
-            if any(run["backend"] != "cpu" for run in expand_run(entry)):
-                stop(
-                    f"config runs[{index}].backend: mlem.subset_halving runs on the "
-                    "cpu backend so far (GPU runs take every subset in every pass)"
-                )
 
 
 def get_map_params(settings=None):

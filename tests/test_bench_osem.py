@@ -308,7 +308,8 @@ def test_the_cpu_map_case_times_bsrem_passes_beside_osem(tmp_path):
     assert (by["rdp"]["describe"]["map"]["preconditioner"], by["rdp"]["describe"]["map"]["averaging"]) == ("em", "last")
     fast = by["rdp-fast"]["describe"]["map"]
     assert (fast["preconditioner"], fast["preconditioner_offset"], fast["relaxation"], fast["averaging"]) == (
-        "hessian", 0.35, [1.0, 20.0], "pass")
+        "hessian", 0.35, [1.0, 30.0], "last")
+    assert fast["subset_halving"] == []  # every timed pass runs all S sub-iterations
     for p in ("rdp", "rdp-fast"):
         assert by[p]["ms_no_prior"] == by["none"]["ms"] and by[p]["prior_vs_none"] > 0
     assert len(list(work.rglob("voxel_perm.npy"))) == 1  # the reordered case's voxel order, which the prior follows

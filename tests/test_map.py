@@ -420,7 +420,8 @@ def test_bad_subset_schedules_are_refused_in_one_line(bad, key):
 
 
 def test_a_schedule_the_subsets_cannot_follow_is_refused(case, tmp_path):
-    """8 subsets halve three times at most; the command line refuses a fourth and a cuda run in one line."""
+    """8 subsets halve three times at most: the command line refuses a fourth in one line, for either backend,
+    before any work."""
     import subprocess
     import sys
 
@@ -432,7 +433,7 @@ def test_a_schedule_the_subsets_cannot_follow_is_refused(case, tmp_path):
             "-n", "3", "--subset-file", str(d / "subsets.i32"), "--subsets", str(S), "-k", "0", "-o",
             str(tmp_path / "cli.h5"), "--prior", "rdp", "--beta", "0.3", "--epsilon", "2"]
     for extra, fault in ((["-b", "cpu", "--subset-halving", "1", "2", "3", "4"], "4 halvings of 8 subsets"),
-                         (["-b", "cuda", "--subset-halving", "5"], "runs on the cpu backend")):
+                         (["-b", "cuda", "--subset-halving", "1", "2", "3", "4"], "4 halvings of 8 subsets")):
         bad = subprocess.run(base + extra, capture_output=True, text=True)
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and "--subset-halving" in lines[0] and fault in lines[0], (

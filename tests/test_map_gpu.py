@@ -38,15 +38,17 @@ def _run(case, out, passes, ms, *, subsets=S, **settings):
     return read_image(out)[0], t
 
 
-@pytest.mark.parametrize("algorithm,preconditioner,averaging", [("bsrem", "em", "last"), ("osl", "em", "last"),
-                                                                 ("bsrem", "hessian", "last"), ("bsrem", "em", "pass")])
+@pytest.mark.parametrize("algorithm,preconditioner,averaging,halving", [
+    ("bsrem", "em", "last", ()), ("osl", "em", "last", ()), ("bsrem", "hessian", "last", ()),
+    ("bsrem", "em", "pass", ()), ("bsrem", "em", "last", (10, 20, 30)), ("bsrem", "hessian", "pass", (3, 6))])
 def test_the_step_runs_inside_the_pass_graph_and_matches_the_reference(case, tmp_path, algorithm, preconditioner,
-                                                                       averaging):
+                                                                       averaging, halving):
     """The deterministic default (auto: the fixed-point one pass) captures the pass with the MAP step as one graph;
     within 1e-5 of the float64 reference of the same algorithm after 50 passes; the replayed graph and the same
-    pass launched kernel by kernel give the same bits (with averaging: pass, the pass's mean formed in the step)."""
+    pass launched kernel by kernel give the same bits (with averaging: pass, the pass's mean formed in the step;
+    with subset halving, 8 subsets per pass, then 4, 2 and 1, each level's pass captured anew)."""
     ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0, algorithm=algorithm, preconditioner=preconditioner,
-                     averaging=averaging)
+                     averaging=averaging, subset_halving=halving)
     ref, _ = _run(case, tmp_path / "ref.h5", 50, ms, backend="cpu", reference_mode=True, threads=1)
     img, t = _run(case, tmp_path / "g.h5", 50, ms, backend="cuda")
     assert t["backend"]["map"]["step"] == "device" and t["map"]["averaging"] == averaging
@@ -58,9 +60,11 @@ def test_the_step_runs_inside_the_pass_graph_and_matches_the_reference(case, tmp
     assert np.array_equal(img, eager)
 
 
-def test_float_atomics_with_the_step_match_the_reference(case, tmp_path):
-    """The step after the float32 back projection (onepass, float atomics) as well."""
-    ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0)
+@pytest.mark.parametrize("halving", [(), (2, 4, 6)])
+def test_float_atomics_with_the_step_match_the_reference(case, tmp_path, halving):
+    """The step after the float32 back projection (onepass, float atomics) as well, with the subsets' float back
+    projections summed where the subsets halve."""
+    ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0, subset_halving=halving)
     ref, _ = _run(case, tmp_path / "ref.h5", 50, ms, backend="cpu", reference_mode=True, threads=1)
     img, t = _run(case, tmp_path / "a.h5", 50, ms, backend="cuda", fp="auto", bp="onepass")
     assert t["backend"]["map"]["step"] == "device"
@@ -82,11 +86,11 @@ def test_the_gpu_pass_mean_is_the_cpu_one(case, tmp_path):
 
 
 @pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("averaging", ["last", "pass"])
-def test_two_gpus_give_the_bits_of_one(case, tmp_path, averaging):
+@pytest.mark.parametrize("averaging,halving", [("last", ()), ("pass", ()), ("pass", (5, 10, 20))])
+def test_two_gpus_give_the_bits_of_one(case, tmp_path, averaging, halving):
     """Deterministic kernels: BSREM with subsets on 2 GPUs (one all-reduce per subset, the step on each GPU) equals
-    1 GPU bit for bit (the pass's image the last sub-iterate or the mean)."""
-    ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0, averaging=averaging)
+    1 GPU bit for bit (the pass's image the last sub-iterate or the mean; the subsets halving)."""
+    ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0, averaging=averaging, subset_halving=halving)
     one, _ = _run(case, tmp_path / "one.h5", 30, ms, backend="cuda", gpus=1)
     two, t = _run(case, tmp_path / "two.h5", 30, ms, backend="cuda", gpus=2)
     assert t["backend"]["map"]["step"] == "device"

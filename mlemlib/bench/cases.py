@@ -35,7 +35,8 @@ factor-free and prior-free times. The prior ``rdp`` times BSREM passes
 default settings (the ``em`` preconditioner, relaxation (1, 10), each pass's
 last sub-iterate); ``rdp-fast`` the same prior with the fastest settings
 measured to the MAP image (the ``hessian`` preconditioner, the offset 0.35,
-relaxation (1, 20), each pass's image the mean of its sub-iterates).
+relaxation (1, 30)) but its subset halving, so that every timed pass runs all
+S sub-iterations.
 
 :func:`load_cases` checks every key and value; a fault is one
 :class:`~mlemlib.errors.ConfigError` naming the file, the case and the key.

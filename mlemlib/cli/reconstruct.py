@@ -88,7 +88,7 @@ def register(sub) -> None:
                         "most of the subsets' limit cycle cancels; the iteration goes on from the last)")
     m.add_argument("--subset-halving", type=int, nargs="+", default=(), metavar="P",
                    help="BSREM: after each pass P the sub-iterations per pass halve, each then covering two "
-                        "neighbouring subsets (S divisible by 2 per P; the cpu backend so far)")
+                        "neighbouring subsets (S divisible by 2 per P)")
     p.add_argument("--plan", type=existing_file, metavar="PARTS", help="partition directory or plan.json (gpus > 1)")
     p.add_argument("-k", "--checkpoint-every", type=_int_at_least(0), default=10, metavar="K", help="checkpoint every K iterations (0: never)")
     p.add_argument("--checkpoint", type=output_file, metavar="CKPT.h5", default=None, help="checkpoint file (default: <out>.checkpoint.h5)")
@@ -129,8 +129,6 @@ def map_settings(args: argparse.Namespace) -> object | None:
                                preconditioner_offset=args.preconditioner_offset, averaging=args.averaging,
                                subset_halving=tuple(args.subset_halving)).check()
         check_halving(settings.subset_halving, args.subsets)
-        if settings.subset_halving and args.backend == "cuda":
-            raise ConfigError("subset_halving", "runs on the cpu backend (-b cpu) so far")
         return settings
     except ConfigError as exc:  # prior.beta -> --beta
         raise ConfigError("--" + exc.source.split(".")[-1].replace("_", "-"), exc.fault) from None

@@ -17,12 +17,25 @@
 //   (offset: f + offset in place of f in the preconditioner, f / s or f / (s + beta f H); 0: none)
 //   (average: mean, in f's order, sums the pass's sub-iterates, from first's on, and holds their mean, the sum
 //    divided by S, once the last one (write_next 0) is added)
+//   (summed: bp is bpsum + bp, the back projections of the subsets a sub-iteration covers, sk their summed norm
+//    and S the pass's sub-iterations: nsub is S over the subsets per sub-iteration)
 // lambda is read from the device (set before each pass). kappa_u is kappa on the user's grid. The 26 neighbours
 // are loops over (dz, dy, dx) unrolled, with 32-bit indices (the launcher checks n < 2^31), and the pair terms
 // are formed in float with a fast reciprocal (prior.cu's stencils use double: they serve the objective and the
 // tests): the step is as accurate as the float image it updates, and costs little beside the projections.
 
 extern "C" {
+// A sub-iteration that covers several subsets (BSREM's subset halving) adds each subset's all-reduced back
+// projection but the last into bpsum (in f's order, the first one written, not added), and the last one's
+// map_update reads bp + bpsum with the merged subsets' summed norm.
+__global__ void map_accumulate_f32(float* __restrict__ bpsum, const float* __restrict__ bpf,
+                                   const unsigned long long* __restrict__ acc, double inv_scale, int fixed,
+                                   int first, long long n) {
+    for (long long jp = blockIdx.x * (long long)blockDim.x + threadIdx.x; jp < n; jp += (long long)gridDim.x * blockDim.x) {
+        float bp = fixed ? (float)((double)acc[jp] * inv_scale) : bpf[jp];
+        bpsum[jp] = first ? bp : bpsum[jp] + bp;
+    }
+}
 __global__ void map_to_grid_f32(const float* __restrict__ f, const long long* __restrict__ pos, long long n,
                                 float* __restrict__ fu) {
     for (long long jp = blockIdx.x * (long long)blockDim.x + threadIdx.x; jp < n; jp += (long long)gridDim.x * blockDim.x)
@@ -36,7 +49,8 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
                                double inv_scale, int fixed, const float* __restrict__ norm_u,
                                const float* __restrict__ inv_s_u, const float* __restrict__ lam, float beta, float nsub,
                                float floor_, int hessian, float offset, float* __restrict__ fu_next, int write_next,
-                               float* __restrict__ mean, int average, int first) {
+                               float* __restrict__ mean, int average, int first,
+                               const float* __restrict__ bpsum, int summed) {
     for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n; u += gridDim.x * blockDim.x) {
         long long jp = perm ? inv[u] : u;
         float a = fu[u];
@@ -84,6 +98,7 @@ __global__ void map_update_f32(const float* __restrict__ fu, const float* __rest
             curv = kj * hsum;
         }
         float bp = fixed ? (float)((double)acc[jp] * inv_scale) : bpf[jp];
+        if (summed) bp = bpsum[jp] + bp;  // a sub-iteration over several subsets: theirs summed before
         float nk = norm_u[u];
         float out;
         if (algorithm == 0) {
