@@ -4,11 +4,9 @@ update of each sub-iteration (CuPy imported lazily, on first use).
 A GPU backend that takes an image step (:meth:`mlemlib.backends.nccl.NcclBackend.set_image_step`, and
 :class:`~mlemlib.backends.osem.OsemBackend` for its subsets) launches :meth:`DeviceMapStep.launch` where
 EM's update would run: after the (all-reduced) back projection ``bp_k`` of subset ``k``, on each GPU's
-stream, with the image ``f`` still the one the sub-iteration started from. At the sub-iteration's start,
-before its projections, :meth:`DeviceMapStep.begin` launches the prior's gradient (one thread per voxel,
-from its neighbours on the user's grid: ``mlemlib/kernels/map_step.cu``) on a second stream of the GPU, so
-that it runs beside the projections, which do not read it; the update, one thread per voxel, waits for it
-and writes (``sk`` the subset's sensitivity, 0 where the backend's norm is NaN; ``s`` the sum of
+stream, with the image ``f`` still the one the sub-iteration started from. One thread per voxel
+(``mlemlib/kernels/map_step.cu``) forms the prior's gradient from its neighbours on the user's grid and
+writes the update (``sk`` the subset's sensitivity, 0 where the backend's norm is NaN; ``s`` the sum of
 the subsets' sensitivities; ``S`` the subset count)::
 
     BSREM  f <- max(nu, f + lambda (f / s) (S (bp_k - sk) - beta grad))   (0 where s = 0)
@@ -125,17 +123,9 @@ class DeviceMapStep:
                 "fu": (cp.empty(n, dtype=cp.float32), cp.empty(n, dtype=cp.float32)), "pos": pos, "n": np.int64(n),
                 "blocks": max(1, -(-n // THREADS)),
                 "to_grid": mod.get_function("map_to_grid_f32"), "update": mod.get_function("map_update_f32"),
-                "gradient": mod.get_function("map_gradient_f32"),
                 "accumulate": mod.get_function("map_accumulate_f32"), "bpsum": None,
-                "prior": (kappa_u, has_kappa, np.int32(n), np.int32(nx), np.int32(ny), np.int32(nz), code,
+                "prior": (kappa_u, inv, has_kappa, perm, np.int32(n), np.int32(nx), np.int32(ny), np.int32(nz), code,
                           np.float32(gamma), np.float32(eps)),
-                "inv": inv, "perm": perm, "begun": None,
-                # the gradient's stream beside the projections, and the events that fork it from the backend's
-                # stream and join it back before the update (recorded into a graph where the pass is captured)
-                "side": cp.cuda.Stream(non_blocking=True), "fork": cp.cuda.Event(disable_timing=True),
-                "join": cp.cuda.Event(disable_timing=True),
-                "grad": cp.zeros(n if self.beta else 1, dtype=cp.float32),
-                "curv": cp.zeros(n if self.beta and self.hessian else 1, dtype=cp.float32),
                 "no_bp": cp.zeros(1, dtype=cp.float32), "no_acc": cp.zeros(1, dtype=cp.uint64),
                 "mean": cp.zeros(n if self.average else 1, dtype=cp.float32),
             }  # fmt: skip
@@ -182,55 +172,18 @@ class DeviceMapStep:
             with cp.cuda.Device(device):
                 d["lam"].set(value, stream=d["stream"])
 
-    def _subset(self, d: dict[str, Any], norm: Any) -> int:
-        """The subset a launch with ``norm`` (the backend's array of the subset's norm) is for: a pass launches
-        subsets 0, ..., S - 1 in order, each with its own norm."""
-        k = d["subset_of"].setdefault(norm.data.ptr, len(d["subset_of"]))
-        if k >= self.subsets:
-            raise ConfigError("subsets", f"the MAP step was launched with more than {self.subsets} subsets' norms")
-        return k
-
-    def begin(self, f: Any, norm: Any) -> None:
-        """The start of a sub-iteration on the current device and stream, before its projections: at a pass's
-        start ``f`` on the user's grid, then the prior's gradient at the sub-iteration's image on the device's
-        second stream, beside the projections (joined before the update, :meth:`launch`). Nothing for the
-        subsets of a sub-iteration over several but its first."""
-        from mlemlib.backends._build import cupy
-
-        cp = cupy()
-        d = self._dev[f.device.id]
-        k, g = self._subset(d, norm), self.group
-        if k % g:
-            return
-        q, blocks = k // g, (d["blocks"],)
-        fu = d["fu"][q % 2]
-        main = cp.cuda.get_current_stream()
-        if q == 0:  # f on the user's grid; later sub-iterations read the copy the update before wrote
-            if self.prior.pos is not None:
-                d["to_grid"](blocks, (THREADS,), (f, d["pos"], d["n"], fu))
-            else:
-                rt = cp.cuda.runtime
-                rt.memcpyAsync(fu.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice, main.ptr)
-        if self.beta:
-            kappa_u, has_kappa, n, nx, ny, nz, code, gamma, eps = d["prior"]
-            d["fork"].record(main)
-            d["side"].wait_event(d["fork"])
-            with d["side"]:
-                d["gradient"](blocks, (THREADS,), (fu, kappa_u, has_kappa, n, nx, ny, nz, code, gamma, eps,
-                                                   d["inv_s"], np.int32(self.hessian), d["grad"], d["curv"]))
-            d["join"].record(d["side"])
-        d["begun"] = q
-
     def launch(self, f: Any, norm: Any, *, bp: Any = None, acc: Any = None, scale: float | None = None) -> None:
         """The step on the current device and stream, in place on ``f``: ``bp`` (float32) or ``acc`` and its
         ``scale`` (fixed point) the all-reduced back projection; ``norm`` the backend's array of the subset's
-        norm, which names the subset (the step reads its own copy of the norm, on the user's grid). The
-        sub-iteration began with :meth:`begin`."""
+        norm, which names the subset (the step reads its own copy of the norm, on the user's grid)."""
         from mlemlib.backends._build import cupy
 
         cp = cupy()
         d = self._dev[f.device.id]
-        k = self._subset(d, norm)
+        # the subset of this launch: a pass launches subsets 0, ..., S - 1 in order, each with its own norm
+        k = d["subset_of"].setdefault(norm.data.ptr, len(d["subset_of"]))
+        if k >= self.subsets:
+            raise ConfigError("subsets", f"the MAP step was launched with more than {self.subsets} subsets' norms")
         fixed = acc is not None
         g, blocks = self.group, (d["blocks"],)
         if k % g < g - 1:  # not the last subset of its sub-iteration: its bp added to the others', f unchanged
@@ -240,18 +193,21 @@ class DeviceMapStep:
                                                  np.int32(k % g == 0), d["n"]))
             return
         q, nsub = k // g, self.subsets // g  # the sub-iteration of the pass, and the pass's count
-        if d["begun"] != q:
-            raise ConfigError("image_step", f"the MAP step of sub-iteration {q} was launched without its begin()")
-        d["begun"] = None
-        if self.beta:  # the gradient, formed beside the projections
-            cp.cuda.get_current_stream().wait_event(d["join"])
+        fu = d["fu"][q % 2]
+        if q == 0:  # f on the user's grid; later sub-iterations read the copy the one before wrote
+            if self.prior.pos is not None:
+                d["to_grid"](blocks, (THREADS,), (f, d["pos"], d["n"], fu))
+            else:
+                rt = cp.cuda.runtime
+                rt.memcpyAsync(fu.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice,
+                               cp.cuda.get_current_stream().ptr)
         d["update"](blocks, (THREADS,), (
-            d["fu"][q % 2], d["inv"], d["perm"], d["prior"][2], np.int32(ALGORITHM_CODES[self.algorithm]), f,
-            d["no_bp"] if fixed else bp, acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0),
-            np.int32(fixed), d["norms"][g][q], d["inv_s"], d["lam"], np.float32(self.beta), np.float32(nsub),
-            np.float32(self.floor), np.int32(self.hessian), np.float32(self.offset), d["fu"][(q + 1) % 2],
-            np.int32(q + 1 < nsub), d["mean"], np.int32(self.average), np.int32(q == 0),
-            d["no_bp"] if g == 1 else d["bpsum"], np.int32(g > 1), d["grad"], d["curv"], np.int32(bool(self.beta))))
+            fu, *d["prior"], np.int32(ALGORITHM_CODES[self.algorithm]), f, d["no_bp"] if fixed else bp,
+            acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed),
+            d["norms"][g][q], d["inv_s"], d["lam"], np.float32(self.beta), np.float32(nsub), np.float32(self.floor),
+            np.int32(self.hessian), np.float32(self.offset), d["fu"][(q + 1) % 2], np.int32(q + 1 < nsub),
+            d["mean"], np.int32(self.average), np.int32(q == 0), d["no_bp"] if g == 1 else d["bpsum"],
+            np.int32(g > 1)))
 
     def mean_of(self, f: Any) -> Any:
         """The mean of the last pass's sub-iterates on the GPUs of ``f`` (a list, one array per GPU, or one

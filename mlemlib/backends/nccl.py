@@ -506,8 +506,6 @@ class NcclBackend(Backend):
             for s in self.shards:
                 with cp.cuda.Device(s.device), s.stream:
                     self._mark(s, "start", record)
-                    if attempt == 0 and self.image_step is not None:
-                        self.image_step.begin(s.f, s.norm)
                     if self.deterministic:
                         s.acc.fill(0)
                         s.flag.fill(0)
@@ -553,8 +551,6 @@ class NcclBackend(Backend):
             for s in self.shards:
                 with cp.cuda.Device(s.device), s.stream:
                     self._mark(s, "start", record)
-                    if self.image_step is not None:
-                        self.image_step.begin(s.f, s.norm)
                     if fused_fp:
                         self._spmv(s.a, s.f, s.c, self.lanes_fp, fwd=True, **ck.correlation_epilogue(s.g, s.bg))
                         self._mark(s, "fp", record)
@@ -620,8 +616,7 @@ class NcclBackend(Backend):
 
     def set_image_step(self, step: Any) -> None:
         """Run ``step`` (:class:`mlemlib._map_cuda.DeviceMapStep`) as the update of this backend's iteration
-        (with this backend's norm: an OSEM subset's; its ``begin`` at the iteration's start, before the
-        projections); a captured graph is captured again with it."""
+        (with this backend's norm: an OSEM subset's); a captured graph is captured again with it."""
         if not self.takes_image_step():
             raise ConfigError("layout", f"an algorithm's image step runs in the local layout, not {self.layout!r}")
         self.synchronize()  # and read the last replay's overflow flags

@@ -4,14 +4,12 @@
 // matches no CPU computation bit for bit (prior.cu's stencils, which serve the objective and the tests, are
 // compiled with --fmad=false instead). The same inputs give the same bits on every GPU and rerun.
 //
-// The step replaces EM's update of one sub-iteration: map_to_grid copies the image f (the caller's order) to fu on
-// the user's grid, fu[pos[j']] = f[j'], before a pass's first sub-iteration; map_gradient forms the prior's
-// gradient (and curvature) at fu on the user's grid, reading each voxel's 26 neighbours from fu, as prior_stencil
-// does (the same terms, in float), on a stream beside the sub-iteration's projections (it reads fu only); after
-// the back projection, map_update runs one thread per user voxel u and writes the updated f[j'] at j' = inv[u],
-// and where fu_next is given the same value at u there (the next sub-iteration's fu, so that it needs no
-// map_to_grid). The norm of the subset, 1 / s and the gradient are read on the user's grid (norm_u, inv_s_u,
-// grad_u, curv_u); only bp (or acc) and f go through j':
+// The step replaces EM's update of one sub-iteration: map_to_grid copies the image f (the caller's order) to fu on the user's grid,
+// fu[pos[j']] = f[j']; map_update runs one thread per user voxel u, reads its neighbours from fu (coalesced: the
+// permutation is applied once per voxel, not once per neighbour), forms the prior's gradient as prior_stencil
+// does (the same terms, in float) and writes the updated f[j'] at j' = inv[u], and where fu_next is given the
+// same value at u there (the next sub-iteration's fu, so that it needs no map_to_grid). The norm of the subset
+// and 1 / s are read on the user's grid as well (norm_u, inv_s_u); only bp (or acc) and f go through j':
 //   BSREM (algorithm 0): f <- max(nu, f + lambda (f / s) (S G - beta grad)), 0 where 1 / s is 0, G = bp - sk
 //   OSL   (algorithm 1): f <- f bp / (sk + beta grad / S) where sk > 0 and that is > 0, else EM's update
 //   (hessian != 0: BSREM's step divided by 1 + beta f H / s, H = the prior's curvature at f: the preconditioner
@@ -24,7 +22,7 @@
 // lambda is read from the device (set before each pass). kappa_u is kappa on the user's grid. The 26 neighbours
 // are loops over (dz, dy, dx) unrolled, with 32-bit indices (the launcher checks n < 2^31), and the pair terms
 // are formed in float with a fast reciprocal (prior.cu's stencils use double: they serve the objective and the
-// tests): the step is as accurate as the float image it updates.
+// tests): the step is as accurate as the float image it updates, and costs little beside the projections.
 
 extern "C" {
 // A sub-iteration that covers several subsets (BSREM's subset halving) adds each subset's all-reduced back
@@ -44,17 +42,21 @@ __global__ void map_to_grid_f32(const float* __restrict__ f, const long long* __
         fu[pos[jp]] = f[jp];
 }
 
-// map_gradient: the prior's gradient (and, with hessian, the diagonal of its Hessian) at fu, one thread per user
-// voxel, into grad_u and curv_u on the user's grid (0 where 1 / s is 0: no update reads it there). It reads only
-// fu, so the backend runs it on a second stream beside the sub-iteration's projections, which read f.
-__global__ void map_gradient_f32(const float* __restrict__ fu, const float* __restrict__ kappa_u, int has_kappa,
-                                 int n, int nx, int ny, int nz, int kind, float gamma, float eps,
-                                 const float* __restrict__ inv_s_u, int hessian, float* __restrict__ grad_u,
-                                 float* __restrict__ curv_u) {
+__global__ void map_update_f32(const float* __restrict__ fu, const float* __restrict__ kappa_u,
+                               const long long* __restrict__ inv, int has_kappa, int perm, int n, int nx, int ny,
+                               int nz, int kind, float gamma, float eps, int algorithm, float* __restrict__ f,
+                               const float* __restrict__ bpf, const unsigned long long* __restrict__ acc,
+                               double inv_scale, int fixed, const float* __restrict__ norm_u,
+                               const float* __restrict__ inv_s_u, const float* __restrict__ lam, float beta, float nsub,
+                               float floor_, int hessian, float offset, float* __restrict__ fu_next, int write_next,
+                               float* __restrict__ mean, int average, int first,
+                               const float* __restrict__ bpsum, int summed) {
     for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n; u += gridDim.x * blockDim.x) {
+        long long jp = perm ? inv[u] : u;
         float a = fu[u];
+        float is = inv_s_u[u];
         float grad = 0.0f, curv = 0.0f;
-        if (inv_s_u[u] != 0.0f) {
+        if (beta != 0.0f && is != 0.0f) {  // where s = 0 no update reads the gradient
             int x = u % nx, t = u / nx, y = t % ny, z = t / ny;
             float gsum = 0.0f, hsum = 0.0f;
 #pragma unroll
@@ -95,27 +97,6 @@ __global__ void map_gradient_f32(const float* __restrict__ fu, const float* __re
             grad = kj * gsum;
             curv = kj * hsum;
         }
-        grad_u[u] = grad;
-        if (hessian) curv_u[u] = curv;
-    }
-}
-
-// map_update: the step from the sub-iteration's back projection and map_gradient's grad_u and curv_u (has_grad 0:
-// beta is 0, none read).
-__global__ void map_update_f32(const float* __restrict__ fu, const long long* __restrict__ inv, int perm, int n,
-                               int algorithm, float* __restrict__ f, const float* __restrict__ bpf,
-                               const unsigned long long* __restrict__ acc, double inv_scale, int fixed,
-                               const float* __restrict__ norm_u, const float* __restrict__ inv_s_u,
-                               const float* __restrict__ lam, float beta, float nsub, float floor_, int hessian,
-                               float offset, float* __restrict__ fu_next, int write_next, float* __restrict__ mean,
-                               int average, int first, const float* __restrict__ bpsum, int summed,
-                               const float* __restrict__ grad_u, const float* __restrict__ curv_u, int has_grad) {
-    for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < n; u += gridDim.x * blockDim.x) {
-        long long jp = perm ? inv[u] : u;
-        float a = fu[u];
-        float is = inv_s_u[u];
-        float grad = has_grad ? grad_u[u] : 0.0f;
-        float curv = (has_grad && hessian) ? curv_u[u] : 0.0f;
         float bp = fixed ? (float)((double)acc[jp] * inv_scale) : bpf[jp];
         if (summed) bp = bpsum[jp] + bp;  // a sub-iteration over several subsets: theirs summed before
         float nk = norm_u[u];
