@@ -5,7 +5,8 @@ the factors ``m`` and ``b`` or none, MAP's prior or none) and an execution
 (backend, ``fp``/``bp`` kernels, GPU count, layout, CUDA graphs). MAP (BSREM
 with the relative difference prior, with the ``em`` preconditioner, with the
 ``hessian`` one and an offset, with those and each pass's mean image, and with the subsets halving after
-passes 1 and 2; OSL with the RDP; BSREM with the quadratic prior) is taken with every model and every
+passes 1 and 2; OSL with the RDP; BSREM with the RDP and per-voxel weights kappa; BSREM with the quadratic
+prior) is taken with every model and every
 backend, GPU count and layout, with the kernels ``auto`` (the kernel families
 under MAP are tests/test_map.py's). :func:`space` enumerates the
 combinations the configuration schema accepts, the kernels drawn from
@@ -40,9 +41,9 @@ GRAPHS = ("auto", "off")
 #: MAP's prior of a run: none (MLEM/OSEM), the relative difference prior (BSREM), the same with the
 #: ``hessian`` preconditioner and an offset (the step's other branches), and with those and the pass's mean
 #: as its image (``averaging: pass``), BSREM whose subsets halve after passes 1 and 2 (``subset_halving``;
-#: S divisible by 4), OSL with the RDP (``algorithm: osl``) and BSREM with the quadratic prior
-#: (``prior.type: quadratic``).
-PRIORS = ("none", "rdp", "rdp-offset", "rdp-mean", "rdp-halving", "osl", "quadratic")
+#: S divisible by 4), OSL with the RDP (``algorithm: osl``), BSREM with the RDP and per-voxel weights
+#: (``prior.kappa``) and BSREM with the quadratic prior (``prior.type: quadratic``).
+PRIORS = ("none", "rdp", "rdp-offset", "rdp-mean", "rdp-halving", "osl", "rdp-kappa", "quadratic")
 #: The passes after which ``rdp-halving``'s subsets halve.
 HALVING = (1, 2)
 #: GPU counts the cuda tier covers, and the layouts of a multi-GPU run.
@@ -65,7 +66,7 @@ class Combination:
     gpus: int = 1
     layout: str = "local"
     graph: str = "auto"  # "auto" or "off" in the space; "on" where a run forces graphs (graph: true)
-    prior: str = "none"  # "rdp", "rdp-offset", "rdp-mean", "rdp-halving", "osl", "quadratic": MAP (PRIORS)
+    prior: str = "none"  # one of PRIORS but "none": MAP
 
     @property
     def model(self) -> tuple[str, bool, str, int, bool]:

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from mlemlib import compose
+from mlemlib.formats import open_matrix
 from mlemlib.image import read_image
 from mlemlib.map import MapSettings
 from mlemlib.problem import ModelSpec, RunSettings
@@ -36,13 +37,17 @@ from mlemlib.problem import ModelSpec, RunSettings
 #: Passes of each run (S sub-iterations each) and the contract's tolerance.
 ITERS = 3
 TOL = 1e-5
+#: ``rdp-kappa``'s kappa file, in the variants' directory (its name in the settings until then).
+KAPPA = "kappa.f32"
 #: The MAP runs' prior: BSREM with the RDP, beta 0.01 of the small preset's mean sensitivity (its image after 3
 #: passes is 2.6% from OSEM's: the prior's term is far above the tolerance), epsilon 1e-3 of the initial image.
 #: (With beta 10 times larger, float32 BSREM amplified the rounding of OSEM S = 4 with m and b to 2e-5.)
 #: ``rdp-offset``: the same prior with the hessian preconditioner and an offset (the MAP step's other branches);
 #: ``rdp-mean``: the fastest settings measured on madpet2, each pass's image the mean of its sub-iterates;
-#: ``osl``: the same RDP with OSL; ``quadratic``: BSREM with the quadratic prior, beta 0.05 (its image after 3
-#: passes 13% from OSEM's on the folded, reordered CSR matrix with 4 subsets, m and b; 11% with beta 0.005).
+#: ``osl``: the same RDP with OSL; ``rdp-kappa``: with per-voxel weights kappa (uniform in [0.5, 1.5], the file
+#: ``kappa.f32`` in the user's voxel order, which a reordered matrix's prior permutes); ``quadratic``: BSREM with
+#: the quadratic prior, beta 0.05 (its image after 3 passes 13% from OSEM's on the folded, reordered CSR matrix
+#: with 4 subsets, m and b; 11% with beta 0.005).
 MAP = {"rdp": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006),
        "rdp-offset": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006, preconditioner="hessian",
                                  preconditioner_offset=0.23),
@@ -50,7 +55,14 @@ MAP = {"rdp": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006),
                                preconditioner_offset=0.35, relaxation=(1.0, 20.0), averaging="pass"),
        "rdp-halving": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006, subset_halving=compose.HALVING),
        "osl": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006, algorithm="osl"),
+       "rdp-kappa": MapSettings("rdp", beta=0.5, gamma=2.0, epsilon=0.006, kappa=KAPPA),
        "quadratic": MapSettings("quadratic", beta=0.05)}
+
+
+def _map(root: Path, prior: str) -> MapSettings | None:
+    """The MAP settings of ``prior`` (None: MLEM/OSEM), a kappa file in the variants' directory."""
+    ms = MAP.get(prior)
+    return ms if ms is None or ms.kappa != KAPPA else dataclasses.replace(ms, kappa=root / KAPPA)
 
 
 def _build(root: Path) -> None:
@@ -63,6 +75,9 @@ def _build(root: Path) -> None:
 
     generate("small", root / "small.csr4", rays=1)
     convert(root / "small.csr4", root / "small.h5")
+    with open_matrix(root / "small.h5") as src:
+        voxels = int(src.shape[1])
+    np.random.default_rng(3).uniform(0.5, 1.5, voxels).astype("<f4").tofile(root / KAPPA)
     effects = ScannerEffects(attenuation=True, normalisation_spread=0.1, randoms_fraction=0.2, scatter_fraction=0.3)
     simulate(root / "small.h5", "nema", root / "g.LMsino", None, seed=1, counts=1_000_000, supersample=1,
              effects=effects, out_multiplicative=root / "m.f32", out_additive=root / "b.f32")
@@ -121,7 +136,7 @@ def _reference(root: Path, model: tuple, prior: str = "none") -> np.ndarray:
             if not path.exists():
                 tmp = path.with_suffix(".tmp.h5")
                 model = ModelSpec(_matrix(root, fmt, fold, reorder, s), root / "g.LMsino", subsets=s,
-                                  map=MAP.get(prior), **_factors(root, factors))
+                                  map=_map(root, prior), **_factors(root, factors))
                 reference(model, RunSettings(ITERS, checkpoint_every=0), tmp)
                 os.replace(tmp, path)
         finally:
@@ -154,7 +169,7 @@ def _run(root: Path, c: compose.Combination, out: Path) -> np.ndarray:
     fmt, fold, reorder, s, factors = c.model
     matrix = _matrix(root, fmt, fold, reorder, s)
     transpose = _transpose(root, matrix) if compose.reads_transpose(c) else None
-    model = ModelSpec(matrix, root / "g.LMsino", transpose=transpose, subsets=s, map=MAP.get(c.prior),
+    model = ModelSpec(matrix, root / "g.LMsino", transpose=transpose, subsets=s, map=_map(root, c.prior),
                       **_factors(root, factors))
     settings = RunSettings(ITERS, checkpoint_every=0, backend=c.backend, fp=c.fp, bp=c.bp, gpus=c.gpus,
                            layout=c.layout, graph=graph_option(None if c.graph == "auto" else False))
