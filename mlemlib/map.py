@@ -266,13 +266,22 @@ class MapBackend:
         beta = float(self.settings.beta)
         if self.device_step is not None:  # the whole pass on the GPUs (one graph replay where captured)
             group = len(pass_groups(self.settings.subset_halving, self.subsets, self.passes)[0])
+            capture = 0.0
             if group != self.device_step.group:  # the subsets halve: the pass's launches (and graph) change
+                self.inner.synchronize()  # the pass before is not part of this one's time
+                tc = time.perf_counter()
                 self.device_step.set_group(group)
-                self.inner.set_image_step(self.device_step)
+                self.inner.set_image_step(self.device_step)  # returns with the new graph captured
+                capture = time.perf_counter() - tc
+                log.info("BSREM: %d sub-iterations per pass from pass %d (the pass captured again in %.1f ms, "
+                         "counted in that pass's time)", self.subsets // group, self.passes + 1, 1e3 * capture)
             self.device_step.set_relaxation(lam)
             f = self.inner.iterate(f)
             self.passes += 1
             self._times = dict(self.inner.last_step_times())
+            if capture:  # the run's work between passes: part of the pass's time
+                self._times["capture"] = capture
+                self._times["iteration"] = self._times.get("iteration", 0.0) + capture
             self._output = (f, self.device_step.mean_of(f)) if self._average else None
             if self.objective is not None and self.every_pass:
                 self.record_objective(self.output_image(f))

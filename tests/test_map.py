@@ -438,3 +438,64 @@ def test_a_schedule_the_subsets_cannot_follow_is_refused(case, tmp_path):
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and "--subset-halving" in lines[0] and fault in lines[0], (
             bad.stderr)
+
+
+class _StepBackend:
+    """A stand-in for a GPU backend that takes the MAP step as its update (the CPU-side logic of the device path):
+    it records the step it is handed and each pass, and reports a fixed pass time."""
+
+    shape = (4, 6)
+
+    def __init__(self) -> None:
+        self.handed: list[int] = []  # the step's group each time the step is handed over (and the pass captured)
+
+    def takes_image_step(self) -> bool:
+        return True
+
+    def set_image_step(self, step) -> None:
+        import time
+
+        time.sleep(0.02)  # a capture's cost
+        self.handed.append(step.group)
+
+    def _initial_value(self) -> float:
+        return 1.0
+
+    def iterate(self, f):
+        return f
+
+    def last_step_times(self) -> dict:
+        return {"iteration": 0.001}
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_on_the_gpu_path_the_subsets_halve_at_their_passes_and_the_capture_is_counted():
+    """With the step on the GPUs, each halving sets the step's group (subsets per sub-iteration) and hands the step
+    to the backend again, which captures the pass again: at the pass after each listed one, and only then; that
+    capture's time is part of its pass's time (``capture``, added to ``iteration``), no other pass's."""
+    from mlemlib.map import MapBackend
+
+    inner = _StepBackend()
+    norm = np.ones((8, 6))
+    mb = MapBackend(inner, dataclasses.replace(RDP, subset_halving=(2, 3, 5)), None, norm)
+    lams: list[float] = []
+    mb.device_step.set_relaxation = lams.append  # (a device value on a GPU)
+    groups, times = [], []
+    f = np.ones(6, dtype=np.float32)
+    for _ in range(7):
+        f = mb.iterate(f)
+        groups.append(mb.device_step.group)
+        times.append(mb.last_step_times())
+    assert groups == [1, 1, 2, 4, 4, 8, 8]
+    assert lams == pytest.approx([1.0 / (1.0 + n / 10.0) for n in range(7)])
+    assert inner.handed == [1, 2, 4, 8]  # at construction, then after passes 2, 3 and 5
+    for p, t in enumerate(times):
+        if p in (2, 3, 5):
+            assert t["capture"] >= 0.02 and t["iteration"] == pytest.approx(0.001 + t["capture"])
+        else:
+            assert "capture" not in t and t["iteration"] == 0.001
+    mb.resume_at(0)  # a run started over: S subsets per pass again
+    mb.iterate(f)
+    assert mb.device_step.group == 1 and inner.handed[-1] == 1
