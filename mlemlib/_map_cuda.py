@@ -140,8 +140,6 @@ class DeviceMapStep:
         if group < 1 or self.subsets % group:
             raise ConfigError("subset_halving", f"{group} subsets per sub-iteration: S = {self.subsets} must be "
                                                 "divisible by it")
-        if group > 1 and self.algorithm != "bsrem":
-            raise ConfigError("subset_halving", f"is BSREM's; {self.algorithm} runs every subset in every pass")
         self.group = group
         for device in self._dev:
             self._prepare_group(device)

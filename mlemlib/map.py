@@ -165,10 +165,16 @@ def check_halving(halving: Any, subsets: int, what: str = "subset_halving") -> N
                                 f"{1 << len(halving)}")
 
 
+def group_size(halving: Any, done: int) -> int:
+    """The subsets each sub-iteration of the pass after ``done`` passes covers: 1 before the first halving, 2
+    after it, ..."""
+    return 1 << sum(1 for p in halving if done >= int(p))
+
+
 def pass_groups(halving: Any, subsets: int, done: int) -> list[range]:
     """The sub-iterations of the pass after ``done`` passes: each a range of neighbouring subsets whose rows it
-    covers (one subset each before the first halving, two after it, ...)."""
-    size = 1 << sum(1 for p in halving if done >= int(p))
+    covers (:func:`group_size` of them)."""
+    size = group_size(halving, done)
     return [range(k, k + size) for k in range(0, int(subsets), size)]
 
 
@@ -265,7 +271,7 @@ class MapBackend:
         lam = lam0 / (1.0 + self.passes / eta)
         beta = float(self.settings.beta)
         if self.device_step is not None:  # the whole pass on the GPUs (one graph replay where captured)
-            group = len(pass_groups(self.settings.subset_halving, self.subsets, self.passes)[0])
+            group = group_size(self.settings.subset_halving, self.passes)
             capture = 0.0
             if group != self.device_step.group:  # the subsets halve: the pass's launches (and graph) change
                 self.inner.synchronize()  # the pass before is not part of this one's time

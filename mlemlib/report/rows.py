@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib.errors import InputError
+from mlemlib.map import DEFAULT_RELAXATION, MapSettings
 from mlemlib.mlem import transpose_used
 
 log = logging.getLogger(__name__)
@@ -400,7 +401,7 @@ def model_columns(cfg: Mapping[str, Any]) -> dict[str, Any]:
 _MAP_PARAMS = ("gamma", "epsilon", "kappa", "relaxation", "preconditioner", "preconditioner_offset", "averaging",
                "subset_halving")
 #: What a run recorded before a setting existed did (the setting's default).
-_MAP_DEFAULTS = {"averaging": "last", "subset_halving": []}
+_MAP_DEFAULTS = {"averaging": MapSettings.averaging, "subset_halving": list(MapSettings.subset_halving)}
 
 
 def map_columns(t: Mapping[str, Any]) -> dict[str, Any]:
@@ -458,12 +459,12 @@ def map_label(r: Mapping[str, Any]) -> str:
     if not params or len(params) != len(_MAP_PARAMS):
         return s
     v = {k: json.loads(p) for k, p in zip(_MAP_PARAMS, params)}
-    if v["preconditioner"] not in (None, "em"):
+    if v["preconditioner"] not in (None, MapSettings.preconditioner):
         s += f" {v['preconditioner']}"
     if _num(v["preconditioner_offset"]):
         s += f" offset={_num(v['preconditioner_offset']):g}"
     relax = v["relaxation"]
-    if isinstance(relax, list) and len(relax) == 2 and [_num(x) for x in relax] != [1.0, 10.0]:
+    if isinstance(relax, list) and len(relax) == 2 and [_num(x) for x in relax] != list(DEFAULT_RELAXATION):
         s += f" relax={_num(relax[0]):g},{_num(relax[1]):g}"
     if v["averaging"] == "pass":
         s += " mean"
