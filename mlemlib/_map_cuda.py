@@ -19,26 +19,33 @@ sub-iterates into a buffer of their own and divide the sum by ``S`` after the la
 :meth:`DeviceMapStep.set_group` ``G > 1`` (BSREM's subset halving), each sub-iteration covers ``G``
 neighbouring subsets: the launches of its first ``G - 1`` subsets add their ``bp_k`` into a buffer and leave
 ``f`` as it is, the last one's updates with the summed ``bp``, the subsets' summed ``sk`` and ``S / G`` in place
-of ``S``.)
+of ``S``. What each launch does is a table on the device that it reads (:meth:`DeviceMapStep.steps`), and the
+summed norms of each ``G`` the run will set are made when a GPU is prepared: one captured pass serves every
+``G``.)
 
 which is :class:`mlemlib.map.MapBackend`'s step written from ``bp_k`` instead of EM's image
 (``f_EM = f bp_k / sk``). ``bp_k`` comes as float32 or as the deterministic kernels' 64-bit fixed point,
 rounded to float32 as EM's update rounds it. The neighbours are read on the user's grid instead of through
 the permutation (26 scattered reads per voxel), and the pair terms are formed in float: the double
-divisions of the objective's stencils made the step cost 100 us per sub-iteration on madpet2 (H200).
+divisions of the objective's stencils made the step cost 100 us per sub-iteration on madpet2 (H200). The
+RDP's pair term takes one reciprocal, ``(d / den) (1 + (2 b + eps) / den)``, and its curvature
+``2 / den (1 - term - gamma |term|)`` reuses it.
 The image on the user's grid is made from ``f`` (through the voxel permutation, where the matrix has one)
 before a pass's first sub-iteration only; each update writes the next sub-iteration's copy beside ``f``
 (two buffers in turn), and the subsets' norms and ``1 / s`` are kept on the user's grid, so that of the
 arrays the step reads and writes only ``bp_k`` and ``f`` go through the permutation.
 
 Nothing allocates and nothing waits for the host, so a CUDA graph captures the step with the rest of the
-pass; the relaxation ``lambda`` of the pass is a device value set before each pass
-(:meth:`DeviceMapStep.set_relaxation`). The same inputs give the same bits on every GPU (the gradient has
+pass; the relaxation ``lambda`` of the pass and ``G`` are device values set before a pass
+(:meth:`DeviceMapStep.set_relaxation`, :meth:`DeviceMapStep.set_group`). One build of the kernel per prior
+(its kind, the ``hessian`` preconditioner's curvature and ``kappa`` compile-time constants): the neighbour
+loop holds only the arithmetic the run's prior needs. The same inputs give the same bits on every GPU (the gradient has
 no atomics), so deterministic kernels stay bit-identical over GPU counts and reruns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -76,10 +83,14 @@ class DeviceMapStep:
         preconditioner (0: none).
     average
         Also form the mean of each pass's sub-iterates, in a buffer of its own per GPU (:meth:`mean_of`).
+    groups
+        The subsets per sub-iteration the run will set (:meth:`set_group`; each divides S): their merged norms
+        are made when a GPU is prepared, so that a change between passes is one value on the device.
     """
 
     def __init__(self, algorithm: str, prior: Any, beta: float, norms: np.ndarray, floor: float, *,
-                 hessian: bool = False, offset: float = 0.0, average: bool = False) -> None:
+                 hessian: bool = False, offset: float = 0.0, average: bool = False,
+                 groups: Iterable[int] = (1,)) -> None:
         norms = np.asarray(norms, dtype=np.float32)
         self._norms = norms.reshape(1, -1) if norms.ndim == 1 else norms  # NaN kept: OSL keeps f there
         self._inv_s = sensitivities_of(self._norms)[2].astype(np.float32)
@@ -91,74 +102,110 @@ class DeviceMapStep:
         self.hessian = bool(hessian)
         self.offset = float(offset)
         self.average = bool(average)
+        self.groups = tuple(sorted({1, *(int(g) for g in groups)}))
+        for g in self.groups:
+            if g < 1 or self.subsets % g:
+                raise ConfigError("subset_halving", f"{g} subsets per sub-iteration: S = {self.subsets} must be "
+                                                    "divisible by it")
+        #: The first row of each group size's merged norms in the norms each GPU holds (the sizes in turn).
+        self._base = dict(zip(self.groups, np.cumsum([0] + [self.subsets // g for g in self.groups[:-1]])))
         #: Subsets per sub-iteration (:meth:`set_group`).
         self.group = 1
         self._dev: dict[int, dict[str, Any]] = {}
+
+    def build(self) -> Any:
+        """The build of ``map_step.cu`` for this run's prior and preconditioner (compile-time constants)."""
+        from mlemlib.backends._build import Build
+
+        options = []
+        if int(self.prior.code):
+            options.append(f"-DMAP_KIND={int(self.prior.code)}")
+        if self.hessian:
+            options.append("-DMAP_HESSIAN=1")
+        if self.prior.kappa is not None:
+            options.append("-DMAP_KAPPA=1")
+        return Build("map_step", tuple(options))
+
+    def merged_norms(self) -> np.ndarray:
+        """The norms the launches read, in the backend's voxel order: for each group size of ``groups`` in turn
+        (from row ``_base[g]``), its sub-iterations' summed norms (NaN where no subset of the sub-iteration sees
+        the voxel), (sum of S / g, n) float32."""
+        rows = []
+        for g in self.groups:
+            m = self._norms.reshape(self.subsets // g, g, -1)
+            seen = np.any(m == m, axis=1)
+            rows.append(np.where(seen, np.nansum(m, axis=1), np.nan) if g > 1 else self._norms)
+        return np.concatenate(rows).astype(np.float32)
+
+    def steps(self, group: int) -> np.ndarray:
+        """What each launch ``k`` of a pass does with ``group`` subsets per sub-iteration, (S, 4) int32 rows
+        ``(what, q, row, nsub)``: ``what`` 0 adds its back projection into the sum buffer as the first of its
+        sub-iteration, 1 adds it, 2 updates the image, 3 updates with the sum added; ``q`` its sub-iteration,
+        ``row`` the row of the sub-iteration's norm in :meth:`merged_norms`, ``nsub`` the pass's
+        sub-iterations."""
+        out = np.zeros((self.subsets, 4), dtype=np.int32)
+        for k in range(self.subsets):
+            slot, q = k % group, k // group
+            what = (0 if slot == 0 else 1) if slot < group - 1 else (3 if group > 1 else 2)
+            out[k] = (what, q, self._base[group] + q, self.subsets // group)
+        return out
 
     def prepare(self, device: int, stream: Any) -> None:
         """Set up a GPU (its constants, buffers and kernels, compiled now: nothing is compiled or allocated
         inside a graph's capture); ``stream`` is where the backend runs its passes on it."""
         from mlemlib import _prior_cuda
-        from mlemlib.backends._build import Build, cupy, module
+        from mlemlib.backends._build import cupy, module
 
         cp = cupy()
         if device in self._dev:
             self._dev[device]["stream"] = stream
             return
         prior = self.prior
+        n = int(prior.n)
+        if n >= 2**31:
+            raise ConfigError("image", f"{n} voxels: the MAP step on a GPU takes fewer than 2^31")
         with cp.cuda.Device(device):
-            mod = module(Build("map_step"), device)
-            _, kappa, pos, inv, has_kappa, perm, _, nx, ny, nz, code, gamma, eps, *_ = _prior_cuda.device_args(
-                prior, cp.zeros(1, dtype=cp.float32))
-            n = int(prior.n)
-            if n >= 2**31:
-                raise ConfigError("image", f"{n} voxels: the MAP step on a GPU takes fewer than 2^31")
+            mod = module(self.build(), device)
+            args = _prior_cuda.device_args(prior, cp.zeros(1, dtype=cp.float32))
+            kappa, (nx, ny, nz), gamma, eps = args[1], args[7:10], args[11], args[12]
             kappa_u = kappa
             if prior.kappa is not None and prior.inv is not None:  # kappa on the user's grid
                 kappa_u = cp.asarray(np.ascontiguousarray(prior.kappa[prior.inv]))
             user = (lambda a: a) if prior.pos is None else (lambda a: a[..., prior.inv])  # to the user's grid
+            index = (lambda a: cp.asarray(np.asarray(a, dtype=np.int32))) if prior.pos is not None else (
+                lambda a: cp.zeros(1, dtype=cp.int32))
+            norms = cp.asarray(np.ascontiguousarray(user(self.merged_norms())))
             self._dev[device] = {
                 "stream": stream, "inv_s": cp.asarray(user(self._inv_s)), "lam": cp.ones(1, dtype=cp.float32),
-                "norms": {1: cp.asarray(np.ascontiguousarray(user(self._norms)))}, "subset_of": {}, "user": user,
-                "fu": (cp.empty(n, dtype=cp.float32), cp.empty(n, dtype=cp.float32)), "pos": pos, "n": np.int64(n),
+                "steps": cp.asarray(self.steps(self.group)),
+                "norms": norms, "subset_of": {},
+                "fu": (cp.empty(n, dtype=cp.float32), cp.empty(n, dtype=cp.float32)),
+                "pos": index(prior.pos), "inv": index(prior.inv), "n": np.int32(n),
                 "blocks": max(1, -(-n // THREADS)),
                 "to_grid": mod.get_function("map_to_grid_f32"), "update": mod.get_function("map_update_f32"),
-                "accumulate": mod.get_function("map_accumulate_f32"), "bpsum": None,
-                "prior": (kappa_u, inv, has_kappa, perm, np.int32(n), np.int32(nx), np.int32(ny), np.int32(nz), code,
-                          np.float32(gamma), np.float32(eps)),
-                "no_bp": cp.zeros(1, dtype=cp.float32), "no_acc": cp.zeros(1, dtype=cp.uint64),
+                "bpsum": cp.empty(n if self.groups[-1] > 1 else 1, dtype=cp.float32),
+                "grid": (np.int32(nx), np.int32(ny), np.int32(nz), np.float32(gamma), np.float32(eps)),
+                "kappa_u": kappa_u, "no_bp": cp.zeros(1, dtype=cp.float32), "no_acc": cp.zeros(1, dtype=cp.uint64),
                 "mean": cp.zeros(n if self.average else 1, dtype=cp.float32),
             }  # fmt: skip
-            self._prepare_group(device)
             cp.cuda.Device().synchronize()
 
     def set_group(self, group: int) -> None:
-        """Cover ``group`` neighbouring subsets per sub-iteration from the next pass on (1: one each; S must be
-        divisible by it). The launches' arguments change: a backend that captured its pass captures it again
-        (:meth:`mlemlib.backends.osem.OsemBackend.set_image_step`)."""
-        group = int(group)
-        if group < 1 or self.subsets % group:
-            raise ConfigError("subset_halving", f"{group} subsets per sub-iteration: S = {self.subsets} must be "
-                                                "divisible by it")
-        self.group = group
-        for device in self._dev:
-            self._prepare_group(device)
-
-    def _prepare_group(self, device: int) -> None:
-        """The merged subsets' norms (on the user's grid) and the back projections' sum buffer of the current
-        group size on ``device`` (made once per size; nothing allocates inside a capture)."""
+        """Cover ``group`` neighbouring subsets per sub-iteration from the next pass on (1: one each; one of the
+        ``groups`` the step was made with): a value on each GPU, queued on its stream, which the launches read
+        (a captured pass needs no new capture)."""
         from mlemlib.backends._build import cupy
 
-        cp = cupy()
-        d, g = self._dev[device], self.group
-        if g in d["norms"]:
-            return
-        with cp.cuda.Device(device):
-            merged = np.nansum(self._norms.reshape(self.subsets // g, g, -1), axis=1).astype(np.float32)
-            d["norms"][g] = cp.asarray(np.ascontiguousarray(d["user"](merged)))
-            if d["bpsum"] is None:
-                d["bpsum"] = cp.empty(int(d["n"]), dtype=cp.float32)
-            cp.cuda.Device().synchronize()
+        group = int(group)
+        if group not in self._base:
+            raise ConfigError("subset_halving", f"{group} subsets per sub-iteration: the step was prepared for "
+                                                f"{', '.join(str(g) for g in self.groups)}")
+        self.group = group
+        value = self.steps(group)
+        for device, d in self._dev.items():
+            cp = cupy()
+            with cp.cuda.Device(device):
+                d["steps"].set(value, stream=d["stream"])
 
     def set_relaxation(self, lam: float) -> None:
         """The relaxation of the next pass, queued on every GPU's stream before it."""
@@ -183,29 +230,22 @@ class DeviceMapStep:
         if k >= self.subsets:
             raise ConfigError("subsets", f"the MAP step was launched with more than {self.subsets} subsets' norms")
         fixed = acc is not None
-        g, blocks = self.group, (d["blocks"],)
-        if k % g < g - 1:  # not the last subset of its sub-iteration: its bp added to the others', f unchanged
-            d["accumulate"](blocks, (THREADS,), (d["bpsum"], d["no_bp"] if fixed else bp,
-                                                 acc if fixed else d["no_acc"],
-                                                 np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed),
-                                                 np.int32(k % g == 0), d["n"]))
-            return
-        q, nsub = k // g, self.subsets // g  # the sub-iteration of the pass, and the pass's count
-        fu = d["fu"][q % 2]
-        if q == 0:  # f on the user's grid; later sub-iterations read the copy the one before wrote
+        blocks = (d["blocks"],)
+        fu0, fu1 = d["fu"]
+        if k == 0:  # f on the user's grid; later sub-iterations read the copy the one before wrote
             if self.prior.pos is not None:
-                d["to_grid"](blocks, (THREADS,), (f, d["pos"], d["n"], fu))
+                d["to_grid"](blocks, (THREADS,), (f, d["pos"], d["n"], fu0))
             else:
                 rt = cp.cuda.runtime
-                rt.memcpyAsync(fu.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice,
+                rt.memcpyAsync(fu0.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice,
                                cp.cuda.get_current_stream().ptr)
+        nx, ny, nz, gamma, eps = d["grid"]
         d["update"](blocks, (THREADS,), (
-            fu, *d["prior"], np.int32(ALGORITHM_CODES[self.algorithm]), f, d["no_bp"] if fixed else bp,
-            acc if fixed else d["no_acc"], np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed),
-            d["norms"][g][q], d["inv_s"], d["lam"], np.float32(self.beta), np.float32(nsub), np.float32(self.floor),
-            np.int32(self.hessian), np.float32(self.offset), d["fu"][(q + 1) % 2], np.int32(q + 1 < nsub),
-            d["mean"], np.int32(self.average), np.int32(q == 0), d["no_bp"] if g == 1 else d["bpsum"],
-            np.int32(g > 1)))
+            fu0, fu1, d["kappa_u"], d["inv"], np.int32(self.prior.pos is not None), d["n"], nx, ny, nz, gamma, eps,
+            np.int32(ALGORITHM_CODES[self.algorithm]), f, d["no_bp"] if fixed else bp, acc if fixed else d["no_acc"],
+            np.float64(1.0 / scale if fixed else 0.0), np.int32(fixed), d["norms"], d["inv_s"], d["lam"], d["steps"],
+            np.int32(k), np.float32(self.beta), np.float32(self.floor),
+            np.float32(self.offset), d["mean"], np.int32(self.average), d["bpsum"]))
 
     def mean_of(self, f: Any) -> Any:
         """The mean of the last pass's sub-iterates on the GPUs of ``f`` (a list, one array per GPU, or one

@@ -236,9 +236,11 @@ class MapBackend:
         if callable(getattr(inner, "takes_image_step", None)) and inner.takes_image_step():
             from mlemlib._map_cuda import DeviceMapStep
 
+            halving = self.settings.subset_halving
             self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta), norm,
                                              self._floor or 0.0, hessian=self._hessian, offset=self._delta,
-                                             average=self._average)
+                                             average=self._average,
+                                             groups=[1 << i for i in range(len(halving) + 1)])
             inner.set_image_step(self.device_step)
         elif self.subsets > 1 and hasattr(inner, "use_graph") and getattr(inner, "graph", False):
             inner.use_graph(False)  # the passes run subset by subset (the MAP step between them)
@@ -272,22 +274,13 @@ class MapBackend:
         beta = float(self.settings.beta)
         if self.device_step is not None:  # the whole pass on the GPUs (one graph replay where captured)
             group = group_size(self.settings.subset_halving, self.passes)
-            capture = 0.0
-            if group != self.device_step.group:  # the subsets halve: the pass's launches (and graph) change
-                self.inner.synchronize()  # the pass before is not part of this one's time
-                tc = time.perf_counter()
+            if group != self.device_step.group:  # the subsets halve: a value the pass's launches read on the GPUs
                 self.device_step.set_group(group)
-                self.inner.set_image_step(self.device_step)  # returns with the new graph captured
-                capture = time.perf_counter() - tc
-                log.info("BSREM: %d sub-iterations per pass from pass %d (the pass captured again in %.1f ms, "
-                         "counted in that pass's time)", self.subsets // group, self.passes + 1, 1e3 * capture)
+                log.info("BSREM: %d sub-iterations per pass from pass %d", self.subsets // group, self.passes + 1)
             self.device_step.set_relaxation(lam)
             f = self.inner.iterate(f)
             self.passes += 1
             self._times = dict(self.inner.last_step_times())
-            if capture:  # the run's work between passes: part of the pass's time
-                self._times["capture"] = capture
-                self._times["iteration"] = self._times.get("iteration", 0.0) + capture
             self._output = (f, self.device_step.mean_of(f)) if self._average else None
             if self.objective is not None and self.every_pass:
                 self.record_objective(self.output_image(f))
