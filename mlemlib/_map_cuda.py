@@ -133,7 +133,7 @@ class DeviceMapStep:
         rows = []
         for g in self.groups:
             m = self._norms.reshape(self.subsets // g, g, -1)
-            seen = np.any(m == m, axis=1)
+            seen = np.any(~np.isnan(m), axis=1)
             rows.append(np.where(seen, np.nansum(m, axis=1), np.nan) if g > 1 else self._norms)
         return np.concatenate(rows).astype(np.float32)
 
