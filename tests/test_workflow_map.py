@@ -189,10 +189,11 @@ def test_a_users_matrix_with_a_grid_runs_map(tmp_path):
 
 @pytest.fixture(scope="module")
 def map_run(tmp_path_factory):
-    """The small preset on the CPU with the relative difference prior: 3 passes, the converged image 3 passes
-    (the run with the converged image's preconditioner and relaxation, so that it ends at that image)."""
+    """The small preset on the CPU with the relative difference prior: 3 passes of 2 subsets, the converged image
+    3 passes (the run with the converged image's preconditioner and relaxation, so that it ends at that image)."""
     workdir = tmp_path_factory.mktemp("map")
-    config = map_config(iterations=3, map_converged_passes=3, preconditioner="hessian", relaxation=[1.0, 40.0])
+    config = map_config(iterations=3, map_converged_passes=3, preconditioner="hessian", relaxation=[1.0, 40.0],
+                        subsets=2)
     config["runs"] = [{"backend": "cpu", "fp": "auto", "bp": "auto"}]
     config["transpose"] = {"method": "scipy", "compare": []}
     proc = snakemake(workdir, "--cores", "2", config=config, timeout=600)
@@ -224,6 +225,16 @@ def test_a_finished_map_run_is_up_to_date_and_another_beta_reruns_the_map_jobs_o
     other["mlem"]["prior"]["beta"] = 0.2
     assert dry_run(workdir, other) == {"compute_converged_map": 1, "reference_mlem": 1, "run_mlem": 1,
                                        "summarize": 1}
+
+
+def test_another_subset_schedule_or_pass_mean_reruns_the_runs_but_not_the_converged_image(map_run):
+    """The algorithm's schedule (subsets halving after pass 2) or the pass mean changes the runs and their float64
+    references, not the problem: the converged image (and everything before the runs) is not made again."""
+    workdir, config, _ = map_run
+    for key, value in (("subset_halving", [2]), ("averaging", "pass")):
+        other = copy.deepcopy(config)
+        other["mlem"][key] = value
+        assert dry_run(workdir, other) == {"reference_mlem": 1, "run_mlem": 1, "summarize": 1}, key
 
 
 # ---------------------------------------------------------- one verdict
