@@ -228,10 +228,11 @@ def test_a_finished_map_run_is_up_to_date_and_another_beta_reruns_the_map_jobs_o
 
 
 def test_another_subset_schedule_or_pass_mean_reruns_the_runs_but_not_the_converged_image(map_run):
-    """The algorithm's schedule (subsets halving after pass 2) or the pass mean changes the runs and their float64
-    references, not the problem: the converged image (and everything before the runs) is not made again."""
+    """The algorithm's schedule (subsets halving after pass 2, the relaxation) or the pass mean changes the runs and
+    their float64 references, not the problem: the converged image (and everything before the runs) is not made
+    again."""
     workdir, config, _ = map_run
-    for key, value in (("subset_halving", [2]), ("averaging", "pass")):
+    for key, value in (("subset_halving", [2]), ("averaging", "pass"), ("relaxation", [1.0, 20.0])):
         other = copy.deepcopy(config)
         other["mlem"][key] = value
         assert dry_run(workdir, other) == {"reference_mlem": 1, "run_mlem": 1, "summarize": 1}, key
