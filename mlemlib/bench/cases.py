@@ -24,6 +24,12 @@ mapping, merged into every case, and a list ``cases``. Each case::
     subsets: [1]                     # OSEM subset counts S; S > 1 times one full pass over the S subsets
     factors: [none]                  # none | synthetic (multiplicative m and background b), or a list of both
     prior: [none]                    # none | rdp | rdp-fast (MAP: BSREM with the relative difference prior), or a list
+    threshold:                       # optional (a case with a prior): each MAP row also measures its time to
+      counts: 10000000               #   threshold on the NEMA phantom simulated with every effect
+      passes: 60                     #   (mlemlib/bench/threshold.py): the run's passes,
+      converged_passes: 3000         #   the converged image's,
+      subset_halving: [30, 40]       #   the run's subsets halving after these passes
+      seed: 1                        #   the Poisson draw's seed
 
 A case that lists ``subsets`` other than ``[1]``, ``factors`` other than
 ``[none]`` or a ``prior`` is timed once per S, factor setting and prior
@@ -36,7 +42,10 @@ default settings (the ``em`` preconditioner, relaxation (1, 10), each pass's
 last sub-iterate); ``rdp-fast`` the same prior with the fastest settings
 measured to the MAP image (the ``hessian`` preconditioner, the offset 0.35,
 relaxation (1, 30)) but its subset halving, so that every timed pass runs all
-S sub-iterations.
+S sub-iterations. With ``threshold`` each MAP row also holds its time to
+threshold (:mod:`mlemlib.bench.threshold`): BSREM with the row's settings and
+the threshold's ``subset_halving``, measured as PETRIC does against the
+converged image of a simulated NEMA measurement.
 
 :func:`load_cases` checks every key and value; a fault is one
 :class:`~mlemlib.errors.ConfigError` naming the file, the case and the key.
@@ -48,7 +57,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +95,7 @@ DEFAULTS: dict[str, Any] = {
     "subsets": [1],
     "factors": ["none"],
     "prior": ["none"],
+    "threshold": None,
 }
 CASE_KEYS = ("name", "matrix", *DEFAULTS)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -108,6 +118,20 @@ class MatrixSpec:
         if self.tor is not None:
             return "TOR " + "x".join(str(v) for v in self.tor)
         return Path(self.path or "").name
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A MAP case's time-to-threshold measurement (:mod:`mlemlib.bench.threshold`)."""
+
+    counts: float = 1.0e7
+    passes: int = 60
+    converged_passes: int = 3000
+    subset_halving: tuple[int, ...] = ()
+    seed: int = 1
+
+
+THRESHOLD_KEYS = tuple(f.name for f in fields(Threshold))
 
 
 @dataclass(frozen=True)
@@ -134,6 +158,7 @@ class Case:
     subsets: tuple[int, ...] = (1,)
     factors: tuple[str, ...] = ("none",)
     prior: tuple[str, ...] = ("none",)
+    threshold: Threshold | None = None
     source: str = field(default="", compare=False)
 
     @property
@@ -326,6 +351,8 @@ def parse_case(raw: Any, src: str, index: int, defaults: dict[str, Any], base: P
     if max(subsets) > 1 and backend == "cuda" and layout != "local":
         raise _fault(src, f"{where}: subsets", f"OSEM subsets run in the local layout, not {layout!r} (its "
                                                  "correlation spans every row)")
+    prior = _names(v["prior"], src, f"{where}: prior", PRIORS)
+    threshold = parse_threshold(v["threshold"], src, f"{where}: threshold", prior, subsets)
     return Case(
         name=name,
         matrix=matrix,
@@ -346,9 +373,42 @@ def parse_case(raw: Any, src: str, index: int, defaults: dict[str, Any], base: P
         seed=_int(v["seed"], src, f"{where}: seed", 0),
         subsets=subsets,
         factors=_names(v["factors"], src, f"{where}: factors", FACTORS),
-        prior=_names(v["prior"], src, f"{where}: prior", PRIORS),
+        prior=prior,
+        threshold=threshold,
         source=src,
     )
+
+
+def parse_threshold(v: Any, src: str, where: str, prior: tuple[str, ...],
+                    subsets: tuple[int, ...]) -> Threshold | None:
+    """A case's ``threshold`` (None: none): a mapping of :data:`THRESHOLD_KEYS`, for a case with a prior, its
+    subset halving possible for every S of the case."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _fault(src, where, f"expected a mapping of {', '.join(THRESHOLD_KEYS)}, got {v!r}")
+    unknown = sorted(set(v) - set(THRESHOLD_KEYS))
+    if unknown:
+        raise _fault(src, f"{where}.{unknown[0]}", f"unknown key; expected some of {', '.join(THRESHOLD_KEYS)}")
+    if prior == ("none",):
+        raise _fault(src, where, "a time to threshold is MAP's: list a prior (rdp, rdp-fast)")
+    counts = v.get("counts", Threshold.counts)
+    if isinstance(counts, bool) or not isinstance(counts, (int, float)) or not counts >= 1:
+        raise _fault(src, f"{where}.counts", f"expected a number of counts >= 1, got {counts!r}")
+    halving = v.get("subset_halving", [])
+    if not isinstance(halving, list):
+        raise _fault(src, f"{where}.subset_halving", f"expected a list of passes, got {halving!r}")
+    halving = tuple(_int(p, src, f"{where}.subset_halving", 1) for p in halving)
+    if list(halving) != sorted(set(halving)):
+        raise _fault(src, f"{where}.subset_halving", f"expected increasing passes, got {list(halving)}")
+    for s in subsets:
+        if s % (1 << len(halving)):
+            raise _fault(src, f"{where}.subset_halving", f"{len(halving)} halvings of {s} subsets: S must be "
+                                                          f"divisible by {1 << len(halving)}")
+    return Threshold(counts=float(counts), passes=_int(v.get("passes", Threshold.passes), src, f"{where}.passes", 1),
+                     converged_passes=_int(v.get("converged_passes", Threshold.converged_passes), src,
+                                           f"{where}.converged_passes", 1),
+                     subset_halving=halving, seed=_int(v.get("seed", Threshold.seed), src, f"{where}.seed", 0))
 
 
 def parse_cases(doc: Any, source: str | os.PathLike = "<cases>", base: Path | None = None) -> list[Case]:

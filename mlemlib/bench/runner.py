@@ -52,7 +52,7 @@ from mlemlib.bench.cases import CUSPARSE, Case
 from mlemlib.bench.factors import BenchProblem, bench_problem
 from mlemlib.bench.prepare import DEFAULT_WORK, Prepared, matrix_facts, partition, prepare
 from mlemlib.bench.timing import floor_bytes, host_copy_bandwidth, time_iterations
-from mlemlib.errors import ConfigError, DeviceError
+from mlemlib.errors import ConfigError, DeviceError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,11 @@ FIELDS = (
 OSEM_FIELDS = (
     "subsets", "factors", "prior", "ms_mlem", "pass_vs_mlem", "ms_no_factors", "factors_vs_none", "ms_no_prior",
     "prior_vs_none", "allreduce_ms", "allreduce_share",
+)
+#: Columns of a case with a time to threshold (after those, where a row has them; :mod:`mlemlib.bench.threshold`).
+THRESHOLD_FIELDS = (
+    "passes_to_threshold", "seconds_to_threshold", "threshold_pass_ms", "threshold_passes", "converged_passes",
+    "threshold_halving", "threshold_beta", "threshold_epsilon", "threshold_error",
 )
 #: What identifies a row: a later run's row with the same values replaces it (S 1, factors and prior none where a
 #: row has no such keys).
@@ -415,10 +420,26 @@ def run_case(case: Case, devices: Devices, *, work: str | os.PathLike = DEFAULT_
                                **run_pair(case, prep, fp, bp, k, devices, problem, transpose_bytes, factors, prior)}
                         row.update(device=devices.name(case.backend), device_kind=devices.kind(case.backend),
                                    date=date, command=command, commit=commit)
+                        if case.threshold is not None and prior != "none" and not row.get("error"):
+                            row.update(_threshold(case, prep, prior, k))
                         rows.append(row)
             del problem
     fill_relations(rows)
     return rows
+
+
+def _threshold(case: Case, prep: Prepared, prior: str, gpus: int) -> dict[str, Any]:
+    """A MAP row's time to threshold (:func:`mlemlib.bench.threshold.measure`), or ``threshold_error``."""
+    from mlemlib.bench.threshold import measure
+
+    try:
+        return measure(case, prep.matrix, prep.directory, prep.subsets, prior, gpus)
+    except (ConfigError, DeviceError, InputError) as exc:
+        log.warning("%s, %s on %d device(s): no time to threshold: %s", case.name, prior, gpus, exc)
+        return {"threshold_error": str(exc)}
+    finally:
+        if case.backend == "cuda":
+            _free_pools(range(gpus))
 
 
 def prepare_case(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int | None = None) -> list[Prepared]:
@@ -474,8 +495,10 @@ def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dic
 
 
 def format_csv(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as CSV (:data:`FIELDS`, then :data:`OSEM_FIELDS` where a row has S; floats as Python writes them)."""
-    fields = FIELDS + (OSEM_FIELDS if any("subsets" in r for r in rows) else ())
+    """The rows as CSV (:data:`FIELDS`, then :data:`OSEM_FIELDS` where a row has S and :data:`THRESHOLD_FIELDS`
+    where one has a time to threshold; floats as Python writes them)."""
+    fields = (FIELDS + (OSEM_FIELDS if any("subsets" in r for r in rows) else ())
+              + (THRESHOLD_FIELDS if any("threshold_passes" in r or "threshold_error" in r for r in rows) else ()))
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
