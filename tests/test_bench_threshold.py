@@ -5,6 +5,7 @@ column."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from mlemlib.bench.cases import Threshold, load_cases, parse_cases
 from mlemlib.cli import main
 from mlemlib.errors import ConfigError
 
-from test_bench_osem import CASES
+CASES = Path(__file__).resolve().parents[1] / "perf" / "cases.yaml"
 
 
 def _case_doc(**th):
