@@ -30,7 +30,7 @@ def test_the_repositorys_threshold_case_names_the_setting_of_the_recorded_run():
     case = {c.name: c for c in load_cases(CASES)}["madpet2-map-threshold"]
     assert (case.matrix.preset, case.fold, case.order, case.format, case.subsets) == (
         "madpet2", True, "reordered", "compressed", (16,))
-    assert case.prior == ("rdp-fast",) and case.gpus == (1, 2, 4)
+    assert case.prior == ("none", "rdp-fast") and case.gpus == (1, 2, 4)
     assert case.threshold == Threshold(counts=1.0e7, passes=60, converged_passes=3000, subset_halving=(30, 40))
 
 
