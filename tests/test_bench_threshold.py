@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from mlemlib.bench import runner, threshold
+from mlemlib.bench import cases, threshold
 from mlemlib.bench.cases import Threshold, load_cases, parse_cases
 from mlemlib.cli import main
 from mlemlib.errors import ConfigError
@@ -54,7 +54,7 @@ def test_a_map_row_measures_its_time_to_threshold_against_the_converged_image(tm
     """With the converged image's own settings (the hessian preconditioner without an offset, relaxation (1, 40))
     and as many passes, the run ends at the converged image: the thresholds are met by its last pass, and the
     time to them is its passes' times summed. The measurement and the converged image are made once."""
-    monkeypatch.setattr(runner, "FAST_MAP", {"preconditioner": "hessian", "preconditioner_offset": 0.0,
+    monkeypatch.setattr(cases, "FAST_MAP", {"preconditioner": "hessian", "preconditioner_offset": 0.0,
                                              "relaxation": (1.0, 40.0)})
     path = tmp_path / "cases.yaml"
     path.write_text(yaml.safe_dump(_case_doc()))

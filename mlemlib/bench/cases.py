@@ -73,6 +73,10 @@ VOXEL_ORDERS = ("raster", "hilbert")
 FACTORS = ("none", "synthetic")
 #: MAP's prior of a row: none, or BSREM with the relative difference prior (rdp-fast: with the fastest settings).
 PRIORS = ("none", "rdp", "rdp-fast")
+#: The bench prior ``rdp-fast``'s BSREM settings: those of the fastest run to the MAP image measured on madpet2
+#: (docs/reconstruction.md) but its subset halving, so that every timed pass runs all S sub-iterations (the
+#: dearest pass of that run).
+FAST_MAP = {"preconditioner": "hessian", "preconditioner_offset": 0.35, "relaxation": (1.0, 30.0)}
 #: The reference pair timed where a case asks for ``cusparse``.
 CUSPARSE = ("cusparse", "cusparse")
 
@@ -201,6 +205,12 @@ class Case:
     def matrix_key(self, subsets: int = 1) -> str:
         """A short name + hash of :meth:`matrix_settings`: the prepared matrix's directory."""
         return settings_key(self.matrix_settings(subsets))
+
+
+def bench_settings(prior: str) -> dict[str, Any]:
+    """The BSREM settings of a bench prior beyond the RDP's weights: none for ``rdp`` (the defaults),
+    :data:`FAST_MAP` for ``rdp-fast``."""
+    return dict(FAST_MAP) if prior == "rdp-fast" else {}
 
 
 def settings_key(settings: dict[str, Any]) -> str:

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib import registry
-from mlemlib.bench.cases import CUSPARSE, Case
+from mlemlib.bench.cases import CUSPARSE, Case, bench_settings
 from mlemlib.bench.factors import BenchProblem, bench_problem
 from mlemlib.bench.prepare import DEFAULT_WORK, Prepared, matrix_facts, partition, prepare
 from mlemlib.bench.timing import floor_bytes, host_copy_bandwidth, time_iterations
@@ -294,18 +294,12 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
     return row
 
 
-#: The bench prior ``rdp-fast``'s BSREM settings: those of the fastest run to the MAP image measured on madpet2
-#: (docs/reconstruction.md) but its subset halving, so that every timed pass runs all S sub-iterations (the
-#: dearest pass of that run).
-FAST_MAP = {"preconditioner": "hessian", "preconditioner_offset": 0.35, "relaxation": (1.0, 30.0)}
-
-
 def map_backend(be: Any, src: Any, prep: Prepared, problem: BenchProblem, prior: str) -> Any:
     """``be`` running BSREM passes with ``prior`` (``rdp``) on the matrix's voxel grid (in its stored voxel order,
     ``voxel_perm.npy`` of a reordered case):
     ``gamma = 2``, ``beta`` by docs/reconstruction.md's rule ``c = beta * 19.1 / mean(s) = 0.25`` (``s`` the
     sensitivities, summed over the subsets) and ``epsilon`` 1e-3 of the initial image's value; ``rdp`` with the
-    default settings, ``rdp-fast`` with :data:`FAST_MAP`'s; no objective per pass (it is not part of a pass's
+    default settings, ``rdp-fast`` with :data:`mlemlib.bench.cases.FAST_MAP`'s; no objective per pass (it is not part of a pass's
     time)."""
     from mlemlib.map import MapBackend, MapSettings
     from mlemlib.prior import make_prior, require_grid
@@ -314,7 +308,7 @@ def map_backend(be: Any, src: Any, prep: Prepared, problem: BenchProblem, prior:
     s = np.nansum(norm.reshape(-1, norm.shape[-1]), axis=0)
     beta = 0.25 * float(s.mean()) / 19.1
     epsilon = 1e-3 * float(np.sum(problem.g, dtype=np.float64)) / float(s.sum())
-    settings = MapSettings("rdp", beta=beta, gamma=2.0, epsilon=epsilon, **(FAST_MAP if prior == "rdp-fast" else {}))
+    settings = MapSettings("rdp", beta=beta, gamma=2.0, epsilon=epsilon, **bench_settings(prior))
     kept = prep.directory / "voxel_perm.npy"
     grid_prior = make_prior(settings.prior, require_grid(src), beta=beta, gamma=2.0, epsilon=epsilon,
                             voxels=np.load(kept) if kept.exists() else None)

@@ -15,7 +15,7 @@ with the row's prior takes to reach the MAP image of a realistic problem:
    backend and one device, cached beside the measurement (made again only where the problem or the passes
    differ);
 4. the run: :func:`mlemlib.map_metrics.reconstruct_with_metrics` with the row's BSREM settings (``rdp``: the
-   defaults; ``rdp-fast``: :data:`mlemlib.bench.runner.FAST_MAP`) and the threshold's ``subset_halving``, for
+   defaults; ``rdp-fast``: :data:`mlemlib.bench.cases.FAST_MAP`) and the threshold's ``subset_halving``, for
    ``passes`` passes on the row's GPUs, each pass measured against the converged image;
    :func:`mlemlib.map_metrics.time_to_threshold` gives the first pass where both RMSEs are below 1% and every
    sphere's mean error below 0.5%, and the iteration time to it (every pass's own time summed).
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from mlemlib.bench.cases import Case, Threshold, settings_key
+from mlemlib.bench.cases import Case, Threshold, bench_settings, settings_key
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,6 @@ def simulated(matrix: str | os.PathLike, directory: Path, threshold: Threshold) 
 def prior_settings(prior: str, matrix: str | os.PathLike, files: dict[str, Path], halving: tuple[int, ...]) -> Any:
     """The row's :class:`mlemlib.map.MapSettings`: the RDP with the module docstring's ``beta`` and ``epsilon``,
     BSREM with ``prior``'s settings and the subsets halving after ``halving``."""
-    from mlemlib.bench.runner import FAST_MAP
     from mlemlib.formats import open_matrix
     from mlemlib.map import MapSettings
     from mlemlib.norm import source_column_sums
@@ -75,7 +74,7 @@ def prior_settings(prior: str, matrix: str | os.PathLike, files: dict[str, Path]
     beta = 0.25 * float(cs.mean()) * float(m.mean()) / 19.1
     epsilon = 1e-3 * float(g.sum()) / (float(cs.sum()) * float(m.mean()))
     return MapSettings("rdp", beta=beta, gamma=2.0, epsilon=epsilon, subset_halving=tuple(halving),
-                       **(FAST_MAP if prior == "rdp-fast" else {})).check()
+                       **bench_settings(prior)).check()
 
 
 def measure(case: Case, matrix: str | os.PathLike, directory: Path, subsets: int, prior: str,
