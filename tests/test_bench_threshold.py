@@ -59,14 +59,18 @@ def test_a_map_row_measures_its_time_to_threshold_against_the_converged_image(tm
     path = tmp_path / "cases.yaml"
     path.write_text(yaml.safe_dump(_case_doc()))
     out, work = tmp_path / "out", tmp_path / "work"
+    assert main(["bench", "prepare", str(path), "--work", str(work)]) == 0  # the measurement too, before any run
+    (sim,) = list(work.rglob("sim-*"))
+    made = (sim / "simulated.json").stat().st_mtime_ns
     assert main(["bench", "run", str(path), "--out", str(out), "--work", str(work)]) == 0
     (row,) = json.loads((out / "results.json").read_text())["rows"]
     assert not row.get("error") and not row.get("threshold_error"), row
     assert 1 <= row["passes_to_threshold"] <= 4
     assert 0 < row["seconds_to_threshold"] <= 4 * 10 * row["threshold_pass_ms"] / 1e3
     assert (row["threshold_passes"], row["converged_passes"], row["threshold_halving"]) == (4, 4, [])
-    # the measurement written beside the prepared matrix is `mlem simulate`'s with every effect, byte for byte
-    (sim,) = list(work.rglob("sim-*"))
+    # the measurement written beside the prepared matrix (by prepare; the run reused it) is `mlem simulate`'s with
+    # every effect, byte for byte
+    assert list(work.rglob("sim-*")) == [sim] and (sim / "simulated.json").stat().st_mtime_ns == made
     (matrix,) = list(work.rglob("matrix.h5"))
     x = tmp_path / "x"
     assert main(["simulate", str(matrix), "--attenuation", "--normalisation-spread", "0.1", "--randoms-fraction",

@@ -437,13 +437,19 @@ def _threshold(case: Case, prep: Prepared, prior: str, gpus: int) -> dict[str, A
 
 
 def prepare_case(case: Case, work: str | os.PathLike = DEFAULT_WORK, *, threads: int | None = None) -> list[Prepared]:
-    """Everything ``case`` needs before it is timed: its matrix for each S (:func:`~mlemlib.bench.prepare.prepare`)
-    and the synthetic factors where it lists them (:func:`~mlemlib.bench.factors.bench_problem`)."""
+    """Everything ``case`` needs before it is timed: its matrix for each S (:func:`~mlemlib.bench.prepare.prepare`),
+    the synthetic factors where it lists them (:func:`~mlemlib.bench.factors.bench_problem`) and, with a
+    ``threshold``, the simulated measurement (:func:`mlemlib.bench.threshold.simulated`; the converged image is
+    made on the case's backend when it first runs)."""
+    from mlemlib.bench.threshold import simulated
+
     out = []
     for subsets in sorted(case.subsets):
         prep = prepare(case, work, threads=threads, subsets=subsets)
         if "synthetic" in case.factors:
             bench_problem(prep, "synthetic", case.seed)
+        if case.threshold is not None:
+            simulated(prep.matrix, prep.directory, case.threshold)
         out.append(prep)
     return out
 

@@ -58,8 +58,9 @@ def register(sub) -> None:
                    help="the device's name in the tables (default: '<GPUs visible> x <GPU name>')")
     r.set_defaults(func=run_cases)
 
-    pr = add_parser(bsub, "prepare", "Prepare (and cache) the matrices of the cases (one per subset count S, and "
-                    "their synthetic factors) without timing anything.")
+    pr = add_parser(bsub, "prepare", "Prepare (and cache) the matrices of the cases (one per subset count S, their "
+                    "synthetic factors and, for a case with a threshold, its simulated measurement) without timing "
+                    "anything.")
     _add_case_options(pr)
     pr.set_defaults(func=prepare_cases)
 
