@@ -45,6 +45,7 @@ no atomics), so deterministic kernels stay bit-identical over GPU counts and rer
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -137,6 +138,15 @@ class DeviceMapStep:
             rows.append(np.where(seen, np.nansum(m, axis=1), np.nan) if g > 1 else self._norms)
         return np.concatenate(rows).astype(np.float32)
 
+    def _on_grid(self, a: np.ndarray) -> np.ndarray:
+        """Per-voxel values (last axis) in the backend's voxel order, on the user's grid."""
+        return np.ascontiguousarray(a if self.prior.pos is None else a[..., self.prior.inv])
+
+    @functools.cached_property
+    def _user_norms(self) -> np.ndarray:
+        """:meth:`merged_norms` on the user's grid, made once for every GPU the step is prepared on."""
+        return self._on_grid(self.merged_norms())
+
     def steps(self, group: int) -> np.ndarray:
         """What each launch ``k`` of a pass does with ``group`` subsets per sub-iteration, (S, 4) int32 rows
         ``(what, q, row, nsub)``: ``what`` 0 adds its back projection into the sum buffer as the first of its
@@ -168,17 +178,14 @@ class DeviceMapStep:
             mod = module(self.build(), device)
             args = _prior_cuda.device_args(prior, cp.zeros(1, dtype=cp.float32))
             kappa, (nx, ny, nz), gamma, eps = args[1], args[7:10], args[11], args[12]
-            kappa_u = kappa
-            if prior.kappa is not None and prior.inv is not None:  # kappa on the user's grid
-                kappa_u = cp.asarray(np.ascontiguousarray(prior.kappa[prior.inv]))
-            user = (lambda a: a) if prior.pos is None else (lambda a: a[..., prior.inv])  # to the user's grid
+            # kappa on the user's grid (the prior's own device copy where the voxels keep their order)
+            kappa_u = kappa if prior.kappa is None or prior.pos is None else cp.asarray(self._on_grid(prior.kappa))
             index = (lambda a: cp.asarray(np.asarray(a, dtype=np.int32))) if prior.pos is not None else (
                 lambda a: cp.zeros(1, dtype=cp.int32))
-            norms = cp.asarray(np.ascontiguousarray(user(self.merged_norms())))
             self._dev[device] = {
-                "stream": stream, "inv_s": cp.asarray(user(self._inv_s)), "lam": cp.ones(1, dtype=cp.float32),
+                "stream": stream, "inv_s": cp.asarray(self._on_grid(self._inv_s)), "lam": cp.ones(1, dtype=cp.float32),
                 "steps": cp.asarray(self.steps(self.group)),
-                "norms": norms, "subset_of": {},
+                "norms": cp.asarray(self._user_norms), "subset_of": {},
                 "fu": (cp.empty(n, dtype=cp.float32), cp.empty(n, dtype=cp.float32)),
                 "pos": index(prior.pos), "inv": index(prior.inv), "n": np.int32(n),
                 "blocks": max(1, -(-n // THREADS)),

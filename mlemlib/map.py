@@ -240,7 +240,7 @@ class MapBackend:
             self.device_step = DeviceMapStep(self.settings.algorithm, prior, float(self.settings.beta), norm,
                                              self._floor or 0.0, hessian=self._hessian, offset=self._delta,
                                              average=self._average,
-                                             groups=[1 << i for i in range(len(halving) + 1)])
+                                             groups=[group_size(halving, int(p)) for p in (0, *halving)])
             inner.set_image_step(self.device_step)
         elif self.subsets > 1 and hasattr(inner, "use_graph") and getattr(inner, "graph", False):
             inner.use_graph(False)  # the passes run subset by subset (the MAP step between them)

@@ -375,6 +375,13 @@ def test_the_gpu_step_holds_every_group_sizes_summed_norms_and_refuses_another_s
     np.testing.assert_array_equal(step.steps(1), [[2, k, k, 4] for k in range(4)])
     np.testing.assert_array_equal(step.steps(2), [[0, 0, 4, 2], [3, 0, 4, 2], [0, 1, 5, 2], [3, 1, 5, 2]])
     np.testing.assert_array_equal(step.steps(4), [[0, 0, 6, 1], [1, 0, 6, 1], [1, 0, 6, 1], [3, 0, 6, 1]])
+    # on the user's grid (what each GPU holds): with a voxel permutation, column j' of the backend's order lands on
+    # the user's voxel pos[j']
+    pos = np.array([2, 0, 1])
+    permuted = DeviceMapStep("bsrem", make_prior("rdp", (3, 1, 1), beta=0.3, gamma=2.0, epsilon=2.0, voxels=pos),
+                             0.3, norms, 1e-6, groups=[2, 4])
+    np.testing.assert_array_equal(permuted._user_norms[:, pos], want)
+    np.testing.assert_array_equal(step._user_norms, want)
     step.set_group(4)  # no GPU prepared: only the step's own value
     assert step.group == 4
     with pytest.raises(ConfigError, match="prepared for 1, 2, 4"):

@@ -213,6 +213,13 @@ def bench_settings(prior: str) -> dict[str, Any]:
     return dict(FAST_MAP) if prior == "rdp-fast" else {}
 
 
+def rdp_weights(s_mean: float, s_sum: float, counts: float) -> tuple[float, float]:
+    """The bench's RDP ``(beta, epsilon)`` (``gamma = 2``), as docs/reconstruction.md chooses them: ``beta`` by
+    the rule ``c = beta * 19.1 / mean(s) = 0.25`` and ``epsilon`` 1e-3 of the initial image's value
+    ``sum g / sum s`` (``s`` the sensitivities, ``m`` included)."""
+    return 0.25 * float(s_mean) / 19.1, 1e-3 * float(counts) / float(s_sum)
+
+
 def settings_key(settings: dict[str, Any]) -> str:
     """``<readable>-<12 hex>`` of a settings dict (sorted JSON, blake2b)."""
     text = json.dumps(settings, sort_keys=True, default=str)
@@ -393,6 +400,8 @@ def parse_threshold(v: Any, src: str, where: str, prior: tuple[str, ...],
                     subsets: tuple[int, ...]) -> Threshold | None:
     """A case's ``threshold`` (None: none): a mapping of :data:`THRESHOLD_KEYS`, for a case with a prior, its
     subset halving possible for every S of the case."""
+    from mlemlib.map import check_halving
+
     if v is None:
         return None
     if not isinstance(v, dict):
@@ -412,9 +421,10 @@ def parse_threshold(v: Any, src: str, where: str, prior: tuple[str, ...],
     if list(halving) != sorted(set(halving)):
         raise _fault(src, f"{where}.subset_halving", f"expected increasing passes, got {list(halving)}")
     for s in subsets:
-        if s % (1 << len(halving)):
-            raise _fault(src, f"{where}.subset_halving", f"{len(halving)} halvings of {s} subsets: S must be "
-                                                          f"divisible by {1 << len(halving)}")
+        try:
+            check_halving(halving, s)
+        except ConfigError as exc:
+            raise _fault(src, f"{where}.subset_halving", exc.fault) from None
     return Threshold(counts=float(counts), passes=_int(v.get("passes", Threshold.passes), src, f"{where}.passes", 1),
                      converged_passes=_int(v.get("converged_passes", Threshold.converged_passes), src,
                                            f"{where}.converged_passes", 1),

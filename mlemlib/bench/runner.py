@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from mlemlib import registry
-from mlemlib.bench.cases import CUSPARSE, Case, bench_settings
+from mlemlib.bench.cases import CUSPARSE, Case, bench_settings, rdp_weights
 from mlemlib.bench.factors import BenchProblem, bench_problem
 from mlemlib.bench.prepare import DEFAULT_WORK, Prepared, matrix_facts, partition, prepare
 from mlemlib.bench.timing import floor_bytes, host_copy_bandwidth, time_iterations
@@ -306,8 +306,7 @@ def map_backend(be: Any, src: Any, prep: Prepared, problem: BenchProblem, prior:
 
     norm = np.asarray(problem.norm, dtype=np.float64)
     s = np.nansum(norm.reshape(-1, norm.shape[-1]), axis=0)
-    beta = 0.25 * float(s.mean()) / 19.1
-    epsilon = 1e-3 * float(np.sum(problem.g, dtype=np.float64)) / float(s.sum())
+    beta, epsilon = rdp_weights(s.mean(), s.sum(), np.sum(problem.g, dtype=np.float64))
     settings = MapSettings("rdp", beta=beta, gamma=2.0, epsilon=epsilon, **bench_settings(prior))
     kept = prep.directory / "voxel_perm.npy"
     grid_prior = make_prior(settings.prior, require_grid(src), beta=beta, gamma=2.0, epsilon=epsilon,
@@ -427,7 +426,7 @@ def _threshold(case: Case, prep: Prepared, prior: str, gpus: int) -> dict[str, A
     from mlemlib.bench.threshold import measure
 
     try:
-        return measure(case, prep.matrix, prep.directory, prep.subsets, prior, gpus)
+        return measure(case, prep, prior, gpus)
     except (ConfigError, DeviceError, InputError) as exc:
         log.warning("%s, %s on %d device(s): no time to threshold: %s", case.name, prior, gpus, exc)
         return {"threshold_error": str(exc)}

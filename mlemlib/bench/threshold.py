@@ -9,8 +9,8 @@ with the row's prior takes to reach the MAP image of a realistic problem:
    once into the prepared matrix's directory (``sim-<key>/``: ``g.LMsino``, ``m.f32``, ``b.f32``,
    ``truth.h5``);
 2. the prior: the relative difference prior with ``gamma = 2``, ``beta`` by the rule ``c = 0.25``
-   (``beta = 0.25 mean(s) mean(m) / 19.1``, ``s`` the column sums) and ``epsilon`` 1e-3 of the initial image's
-   value (``sum g / (sum s mean(m))``), as docs/reconstruction.md chooses them;
+   (``beta = 0.25 mean(s) mean(m) / 19.1``, ``s`` the prepared matrix's column sums) and ``epsilon`` 1e-3 of the
+   initial image's value (``sum g / (sum s mean(m))``), as docs/reconstruction.md chooses them;
 3. the converged image: :func:`mlemlib.map_metrics.converged_map` after ``converged_passes`` passes on the case's
    backend and one device, cached beside the measurement (made again only where the problem or the passes
    differ);
@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from mlemlib.bench.cases import Case, Threshold, bench_settings, settings_key
+from mlemlib.bench.cases import Case, Threshold, bench_settings, rdp_weights, settings_key
+from mlemlib.bench.prepare import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -60,26 +61,23 @@ def simulated(matrix: str | os.PathLike, directory: Path, threshold: Threshold) 
     return files
 
 
-def prior_settings(prior: str, matrix: str | os.PathLike, files: dict[str, Path], halving: tuple[int, ...]) -> Any:
-    """The row's :class:`mlemlib.map.MapSettings`: the RDP with the module docstring's ``beta`` and ``epsilon``,
-    BSREM with ``prior``'s settings and the subsets halving after ``halving``."""
-    from mlemlib.formats import open_matrix
+def prior_settings(prior: str, norm: str | os.PathLike, files: dict[str, Path], halving: tuple[int, ...]) -> Any:
+    """The row's :class:`mlemlib.map.MapSettings`: the RDP with the module docstring's ``beta`` and ``epsilon``
+    (:func:`mlemlib.bench.cases.rdp_weights`; ``norm`` the prepared matrix's column sums, ``norm.npy``), BSREM
+    with ``prior``'s settings and the subsets halving after ``halving``."""
     from mlemlib.map import MapSettings
-    from mlemlib.norm import source_column_sums
 
-    with open_matrix(os.fspath(matrix)) as src:
-        cs = np.asarray(source_column_sums(src), dtype=np.float64)
-    m = np.fromfile(files["m"], dtype="<f4").astype(np.float64)
+    cs = np.load(norm).astype(np.float64)
+    m = float(np.fromfile(files["m"], dtype="<f4").astype(np.float64).mean())
     g = np.fromfile(files["g"], dtype="<i4").astype(np.float64)
-    beta = 0.25 * float(cs.mean()) * float(m.mean()) / 19.1
-    epsilon = 1e-3 * float(g.sum()) / (float(cs.sum()) * float(m.mean()))
+    beta, epsilon = rdp_weights(cs.mean() * m, cs.sum() * m, g.sum())
     return MapSettings("rdp", beta=beta, gamma=2.0, epsilon=epsilon, subset_halving=tuple(halving),
                        **bench_settings(prior)).check()
 
 
-def measure(case: Case, matrix: str | os.PathLike, directory: Path, subsets: int, prior: str,
-            gpus: int) -> dict[str, Any]:
-    """The threshold columns of one MAP row (module docstring): ``passes_to_threshold`` and
+def measure(case: Case, prep: Prepared, prior: str, gpus: int) -> dict[str, Any]:
+    """The threshold columns of one MAP row (module docstring) on the prepared matrix ``prep``:
+    ``passes_to_threshold`` and
     ``seconds_to_threshold`` (None where the run did not get there), ``threshold_pass_ms`` (the run's median
     pass), ``threshold_passes``, ``converged_passes``, ``threshold_beta``, ``threshold_epsilon``,
     ``threshold_halving``."""
@@ -88,9 +86,10 @@ def measure(case: Case, matrix: str | os.PathLike, directory: Path, subsets: int
 
     th = case.threshold
     assert th is not None
+    matrix, directory = prep.matrix, prep.directory
     files = simulated(matrix, directory, th)
-    settings = prior_settings(prior, matrix, files, th.subset_halving)
-    model = ModelSpec(os.fspath(matrix), os.fspath(files["g"]), subsets=subsets,
+    settings = prior_settings(prior, prep.norm, files, th.subset_halving)
+    model = ModelSpec(os.fspath(matrix), os.fspath(files["g"]), subsets=prep.subsets,
                       multiplicative=os.fspath(files["m"]), additive=os.fspath(files["b"]), map=settings)
     key = settings_key({"matrix": {"path": "converged"}, "beta": settings.beta, "epsilon": settings.epsilon,
                         "passes": th.converged_passes, "sim": files["g"].parent.name})
