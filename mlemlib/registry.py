@@ -79,6 +79,13 @@ class Kernel:
     deterministic
         False where floating-point atomics (or a library that uses them) make
         the last bits vary run after run.
+    any_gpu_count
+        Its images are the same bits on every GPU count: the back projection is
+        summed as 64-bit fixed point and the GPUs' sums all-reduced as integers.
+        The other deterministic cuda kernels repeat their bits run after run on
+        one GPU count, but on several GPUs in the ``local`` layout the all-reduce
+        adds the GPUs' float partial back projections, so their last bits depend
+        on the GPU count.
     layouts
         Multi-GPU layouts it runs in (``()``: one GPU only; always ``()`` on the cpu).
     graph
@@ -142,6 +149,7 @@ class Kernel:
     blocks: bool = False
     interleaved: bool = False
     limits: bool = False
+    any_gpu_count: bool = False
 
     @property
     def needs_transpose(self) -> bool:
@@ -240,12 +248,12 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("onepass_fixed", "iteration", "cuda", _ALL, True, _LOCAL, True,
            f"{_CMPCU}: onepass_det_csr_L / conepass_det_<kind>_L",
            "onepass with bp summed as 64-bit fixed point (order-independent: bit-identical for any GPU count)",
-           launcher="_compressed_cuda:onepass_fixed_step", limits=True),
+           launcher="_compressed_cuda:onepass_fixed_step", limits=True, any_gpu_count=True),
     Kernel("onepass_chunked", "iteration", "cuda", _ALL, True, _LOCAL, True, f"{_CMPCU}: chunked_onepass / _f16 / _u16",
            "one pass through row chunks of a reordered A (mlemlib/chunked.py): f and each chunk's sums in shared "
            "memory, 64-bit fixed point (deterministic), one global atomic per voxel and chunk; 6 bytes per nnz "
            "(4 with a compressed-f16 or compressed-u16 matrix's 16-bit values) plus voxel lists",
-           launcher="_compressed_cuda:chunked_step", chunks=True, limits=True),
+           launcher="_compressed_cuda:chunked_step", chunks=True, limits=True, any_gpu_count=True),
 )
 
 _INDEX = {(k.backend, k.op, k.name): k for k in KERNELS}
@@ -618,7 +626,7 @@ def table(*, as_json: bool = False) -> str:
     for k in KERNELS:
         cells = (
             k.backend, k.op, k.name + (" (selector)" if k.selector else ""), ",".join(k.formats),
-            "yes" if k.deterministic else "no", ",".join(k.layouts) or "-", "yes" if k.graph else "no",
+            ("yes, every GPU count" if k.any_gpu_count else "yes") if k.deterministic else "no", ",".join(k.layouts) or "-", "yes" if k.graph else "no",
             k.launcher or "-", k.source,
         )
         lines.append("| " + " | ".join(cells) + " |")

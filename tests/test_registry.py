@@ -103,6 +103,19 @@ def test_every_whole_iteration_kernel_runs_in_the_local_layout():
     assert "one GPU only:" not in registry.table()
 
 
+def test_the_same_bits_on_every_gpu_count_are_the_fixed_point_kernels():
+    """Only the kernels that sum bp as 64-bit fixed point (their launchers take the add limits) claim the same bits
+    on every GPU count, and mlem kernels says so; the float-summing deterministic ones (csr_vector) do not."""
+    claim = {k.name for k in registry.KERNELS if k.any_gpu_count}
+    assert claim == {"onepass_fixed", "onepass_chunked"}
+    assert all(k.deterministic and k.limits for k in registry.KERNELS if k.any_gpu_count)
+    table = registry.table().splitlines()
+    for name in ("onepass_fixed", "onepass_chunked"):
+        assert any(r.startswith(f"| cuda | iteration | {name} |") and "| yes, every GPU count |" in r for r in table)
+    row = next(r for r in table if r.startswith("| cuda | back | csr_vector |"))
+    assert "| yes |" in row and "every GPU count" not in row
+
+
 def test_the_table_says_why_a_kernel_runs_on_one_gpu_only(monkeypatch):
     lone = dataclasses.replace(registry.get("cuda", "back_notrans", "cusparse_notrans"), layouts=(),
                                summary="cuSPARSE's transposed product: one GPU (a reason)")
