@@ -164,7 +164,8 @@ def reads_transpose(c: Combination) -> bool:
     whose back projection reads ``A^T`` (``auto`` included), a thesis-layout run, and a one-GPU run of such a
     kernel on a compressed matrix (a GPU transposes a CSR matrix, or its block of rows, itself), except where
     ``graph`` is ``on`` (the workflow's ``graph: true``), ``bp`` names the kernel and there are no subsets: that
-    run takes the several-GPU backend, which reads its ``A_k^T`` from the partition's part files."""
+    run takes the several-GPU backend, which reads its ``A_k^T`` from the partition's part files
+    (:func:`needs_part_files`)."""
     if not registry.uses_transpose(c.backend, c.bp):
         return False
     if c.backend != "cuda":
@@ -174,6 +175,22 @@ def reads_transpose(c: Combination) -> bool:
     if c.graph == "on" and c.subsets == 1 and c.bp not in (None, "auto"):
         return False
     return not matrix_format_of(c.format).cusparse
+
+
+def needs_part_files(c: Combination) -> bool:
+    """Whether the run back-projects on each GPU's ``A_k^T`` read from the partition's part files (the workflow's
+    ``partition_matrix`` writes them, ``mlem partition --local-transpose``): a cuda run of the local layout whose
+    ``bp`` reads ``A^T`` (``auto`` included), on a compressed matrix (the GPUs transpose a block of a CSR matrix
+    themselves), without OSEM subsets (each subset's GPUs use their own rows); on one GPU only where ``graph`` is
+    ``on`` and ``bp`` names the kernel (that run takes the several-GPU backend; ``auto`` there takes a one pass,
+    which needs no ``A_k^T``)."""
+    if c.backend != "cuda" or c.layout != "local" or c.subsets > 1:
+        return False
+    if matrix_format_of(c.format).cusparse or not registry.uses_transpose("cuda", c.bp):
+        return False
+    if c.gpus > 1:
+        return True
+    return c.graph == "on" and c.bp not in (None, "auto")
 
 
 def verdict(c: Combination) -> str | None:

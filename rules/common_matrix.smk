@@ -6,8 +6,7 @@ runs read.
 import functools
 
 from mlemlib.compressed import LOSSY_FORMATS
-from mlemlib.formats.spec import matrix_format_of
-from mlemlib.registry import get_bp, uses_transpose
+from mlemlib.registry import get_bp
 
 # ----------------------------------------------------------------- matrices
 
@@ -212,24 +211,16 @@ def is_transpose_needed(matrix):
 
 def needs_part_files(run, matrix):
     """True when a run back-projects on each GPU's A_k^T read from the
-    partition's part files (partition_matrix writes them: is_local_transpose).
-
-    A cuda run of the local layout whose bp reads A^T, on a compressed
-    matrix (the GPUs transpose a block of a CSR matrix themselves), without
-    OSEM subsets (each subset's GPUs use their own rows, and
-    check_osem_transpose refuses a named pair). On one GPU only where
-    ``graph: true`` takes the several-GPU backend and bp names the kernel
-    (``auto`` there takes a one pass, which needs no A_k^T).
+    partition's part files (partition_matrix writes them: is_local_transpose):
+    mlemlib.compose.needs_part_files of the run's combination, one rule for
+    the workflow and the combination test. A cuda run of the local layout
+    whose bp reads A^T, on a compressed matrix, without OSEM subsets (a
+    subset file counts: is_subsetted); on one GPU only where ``graph: true``
+    takes the several-GPU backend and bp names the kernel.
     """
-    if run["backend"] != "cuda" or run["layout"] != "local" or is_subsetted():
+    if is_subsetted():
         return False
-    if matrix_format_of(config["matrices"][matrix]["format"]).cusparse:
-        return False
-    if not uses_transpose("cuda", run["bp"]):
-        return False
-    if run["gpus"] > 1:
-        return True
-    return run["graph"] is True and run["bp"] not in (None, "auto")
+    return compose.needs_part_files(get_combination(run, matrix))
 
 
 def run_reads_plan(run, matrix):

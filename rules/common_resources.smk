@@ -17,6 +17,8 @@ import errno
 
 from snakemake.logging import logger
 
+from mlemlib.registry import uses_transpose
+
 # ------------------------------------------------------------ job resources
 
 

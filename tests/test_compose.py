@@ -161,18 +161,37 @@ def _transpose(root: Path, matrix: Path) -> Path:
     return path
 
 
+def _parts(root: Path, matrix: Path, parts: int) -> Path:
+    """The partition of a matrix variant into ``parts`` row blocks with each block's ``A_k^T`` in its part file
+    (``mlem partition --local-transpose``), made once (under the lock): its ``plan.json``."""
+    from mlemlib.partition import partition_file
+
+    out = matrix.with_name(f"{matrix.stem}-parts{parts}")
+    transpose = _transpose(root, matrix)  # (takes the lock itself)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not (out / "plan.json").exists():
+                partition_file(matrix, transpose, parts, out, local_transpose=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out / "plan.json"
+
+
 def _run(root: Path, c: compose.Combination, out: Path) -> np.ndarray:
-    """The run as the workflow makes it: its matrix variant, the transpose where it reads one, its model."""
+    """The run as the workflow makes it: its matrix variant, the transpose where it reads one, the partition's
+    part files where it reads them, its model."""
     from mlemlib.backends import graph_option
     from mlemlib.mlem import reconstruct
 
     fmt, fold, reorder, s, factors = c.model
     matrix = _matrix(root, fmt, fold, reorder, s)
     transpose = _transpose(root, matrix) if compose.reads_transpose(c) else None
+    plan = _parts(root, matrix, c.gpus) if compose.needs_part_files(c) else None
     model = ModelSpec(matrix, root / "g.LMsino", transpose=transpose, subsets=s, map=_map(root, c.prior),
                       **_factors(root, factors))
     settings = RunSettings(ITERS, checkpoint_every=0, backend=c.backend, fp=c.fp, bp=c.bp, gpus=c.gpus,
-                           layout=c.layout, graph=graph_option(None if c.graph == "auto" else False))
+                           layout=c.layout, graph=graph_option(None if c.graph == "auto" else False), plan=plan)
     reconstruct(model, settings, out, raw_out=False)
     return read_image(out)[0]
 
@@ -262,6 +281,38 @@ def test_cpu_runs_repeat_bit_for_bit(space_files, tmp_path):
         assert compose.verdict(c) is None
         first = _run(space_files, c, tmp_path / "a.h5")
         assert np.array_equal(first, _run(space_files, c, tmp_path / "b.h5")), c.label()
+
+
+def test_part_files_where_the_workflow_gives_them(space_files):
+    """needs_part_files: the runs whose GPUs read their A_k^T from the partition's part files (a compressed matrix,
+    several GPUs in the local layout, no subsets, a bp on A^T); the harness's partition holds them, one per GPU, and
+    together they hold A's non-zeros once (a 2-GPU run without them failed inside the job, first seen on 2 H200s)."""
+    from mlemlib.formats import open_matrix
+    from mlemlib.partition import read_plan
+
+    def combo(**kw):
+        base = dict(format="compressed", fold=False, reorder="none", subsets=1, factors=False, backend="cuda",
+                    fp="auto", bp="delta_vector", gpus=2, layout="local")
+        return compose.Combination(**{**base, **kw})
+
+    assert compose.needs_part_files(combo()) and compose.needs_part_files(combo(bp="auto"))
+    assert not compose.needs_part_files(combo(format="csr"))  # a GPU transposes its CSR block itself
+    assert not compose.needs_part_files(combo(subsets=4))
+    assert not compose.needs_part_files(combo(layout="thesis"))
+    assert not compose.needs_part_files(combo(bp="onepass_fixed"))
+    assert not compose.needs_part_files(combo(gpus=1)) and compose.needs_part_files(combo(gpus=1, graph="on"))
+    assert not compose.needs_part_files(combo(gpus=1, graph="on", bp="auto"))
+    matrix = _matrix(space_files, "compressed", False, "none", 1)
+    plan = read_plan(_parts(space_files, matrix, 2))
+    with open_matrix(matrix) as a:
+        nnz, n = a.nnz, a.shape[1]
+    total = 0
+    for k, part in enumerate(plan["local_transpose"]):
+        r0, r1 = plan["rows"][k]
+        with open_matrix(part) as pt:
+            assert pt.shape == (n, r1 - r0)
+            total += pt.nnz
+    assert len(plan["local_transpose"]) == 2 and total == nnz
 
 
 def test_every_refusal_names_a_setting_in_one_line():
