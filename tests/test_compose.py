@@ -8,7 +8,7 @@ with every model, backend, GPU count and layout. For each combination either
 one line naming the setting, or it runs on the ``small`` preset (thin-ray
 tubes, for speed) and its image is within 1e-5 (relative L2) of the float64
 reference of the same model; deterministic kernels give the same bits on a
-rerun (and on 1 and 2 GPUs in the cuda tier). The matrix variants, the
+rerun, and the fixed-point ones (``any_gpu_count``) on 1 and 2 GPUs in the cuda tier. The matrix variants, the
 measurement and the references are built once per session and shared by the
 tests (and by xdist workers, through a lock file).
 
