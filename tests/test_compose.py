@@ -291,8 +291,8 @@ def test_part_files_where_the_workflow_gives_them(space_files):
     from mlemlib.partition import read_plan
 
     def combo(**kw):
-        base = dict(format="compressed", fold=False, reorder="none", subsets=1, factors=False, backend="cuda",
-                    fp="auto", bp="delta_vector", gpus=2, layout="local")
+        base = {"format": "compressed", "fold": False, "reorder": "none", "subsets": 1, "factors": False,
+                "backend": "cuda", "fp": "auto", "bp": "delta_vector", "gpus": 2, "layout": "local"}
         return compose.Combination(**{**base, **kw})
 
     assert compose.needs_part_files(combo()) and compose.needs_part_files(combo(bp="auto"))
