@@ -132,7 +132,8 @@ class MapSettings:
         if not (math.isfinite(float(self.beta)) and float(self.beta) >= 0):
             raise ConfigError("prior.beta", f"must be >= 0, got {self.beta}")
         if self.prior == "rdp" and (self.epsilon is None or not float(self.epsilon) > 0):
-            raise ConfigError("prior.epsilon", f"the relative difference prior needs epsilon > 0, got {self.epsilon}")
+            raise ConfigError("prior.epsilon", f"the relative difference prior needs epsilon > 0, got {self.epsilon} "
+                                               "(about 1e-3 of the image's mean value in the object)")
         return self
 
     def identity(self) -> str:

@@ -110,7 +110,8 @@ def test_two_betas_give_two_run_directories_and_no_prior_keeps_todays_paths(tmp_
         ({**RDP, "bta": 1}, {}, "config mlem.prior: Additional properties are not allowed ('bta' was unexpected); "
                                 "config/schema.yaml lists the keys and their allowed values"),
         ({"type": "rdp", "beta": 0.1}, {}, "config mlem.prior.epsilon: the relative difference prior needs "
-                                           "epsilon > 0, got None"),
+                                           "epsilon > 0, got None (about 1e-3 of the image's mean value in the "
+                                           "object)"),
         ({"type": "quadratic"}, {}, "config mlem.prior.beta: a prior needs beta (a number >= 0), found none"),
         ({"type": "quadratic", "beta": -1}, {}, "config mlem.prior.beta: must be >= 0, got -1"),
         (RDP, {"relaxation": [1, 0]}, "config mlem.relaxation: lambda_0 and eta must be > 0, got (1, 0)"),
