@@ -146,11 +146,16 @@ def _d2phi(a: float, b: float, kind: int, gamma: float, eps: float) -> float:
 
 
 @njit(cache=True, inline="always")
-def _neighbour(u: int, o: int, nx: int, ny: int, nz: int, ox: np.ndarray, oy: np.ndarray, oz: np.ndarray) -> int:
-    """User index of the neighbour of user voxel ``u`` along offset ``o``; -1 outside the grid."""
-    x = u % nx
-    y = (u // nx) % ny
-    z = u // (nx * ny)
+def _coords(u: int, nx: int, ny: int) -> tuple[int, int, int]:
+    """``(x, y, z)`` of user voxel ``u`` (x fastest), once per voxel: the loop over its neighbours only adds."""
+    t = u // nx
+    return u % nx, t % ny, t // ny
+
+
+@njit(cache=True, inline="always")
+def _neighbour(x: int, y: int, z: int, o: int, nx: int, ny: int, nz: int, ox: np.ndarray, oy: np.ndarray,
+               oz: np.ndarray) -> int:
+    """User index of the neighbour of user voxel ``(x, y, z)`` along offset ``o``; -1 outside the grid."""
     xx, yy, zz = x + ox[o], y + oy[o], z + oz[o]
     if xx < 0 or xx >= nx or yy < 0 or yy >= ny or zz < 0 or zz >= nz:
         return -1
@@ -168,10 +173,11 @@ def _value_kernel(f, kappa, pos, inv, nx, ny, nz, kind, gamma, eps, ox, oy, oz, 
         acc = 0.0
         for jp in range(b * block, min(n, (b + 1) * block)):
             u = np.int64(pos[jp]) if perm else np.int64(jp)
+            x, y, z = _coords(u, nx, ny)
             a = np.float64(f[jp])
             kj = np.float64(kappa[jp]) if has_k else 1.0
             for o in range(13):
-                k = _neighbour(u, o, nx, ny, nz, ox, oy, oz)
+                k = _neighbour(x, y, z, o, nx, ny, nz, ox, oy, oz)
                 if k < 0:
                     continue
                 kp = np.int64(inv[k]) if perm else np.int64(k)
@@ -192,11 +198,12 @@ def _stencil_kernel(f, kappa, pos, inv, nx, ny, nz, kind, gamma, eps, ox, oy, oz
     has_k = kappa.shape[0] > 0
     for jp in prange(n):
         u = np.int64(pos[jp]) if perm else np.int64(jp)
+        x, y, z = _coords(u, nx, ny)
         a = np.float64(f[jp])
         kj = np.float64(kappa[jp]) if has_k else 1.0
         acc = 0.0
         for o in range(26):
-            k = _neighbour(u, o, nx, ny, nz, ox, oy, oz)
+            k = _neighbour(x, y, z, o, nx, ny, nz, ox, oy, oz)
             if k < 0:
                 continue
             kp = np.int64(inv[k]) if perm else np.int64(k)
