@@ -295,8 +295,11 @@ class MapBackend:
             before = []
             for img in self._images(f):
                 with _device(img):
-                    before.append((img.copy(), self.prior.gradient(img) if beta else None,
-                                   self.prior.curvature(img) if beta and self._hessian else None))
+                    if beta and self._hessian:
+                        grad, curv = self.prior.gradient_and_curvature(img)
+                    else:
+                        grad, curv = (self.prior.gradient(img) if beta else None), None
+                    before.append((img.copy(), grad, curv))
                     _synchronize(img)
             t_prior += time.perf_counter() - tp
             # each subset's EM image from the same image: the first in f itself, the others in copies of it

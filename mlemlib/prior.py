@@ -191,8 +191,10 @@ def _value_kernel(f, kappa, pos, inv, nx, ny, nz, kind, gamma, eps, ox, oy, oz, 
 
 
 @njit(parallel=True, cache=True)
-def _stencil_kernel(f, kappa, pos, inv, nx, ny, nz, kind, gamma, eps, ox, oy, oz, w, second, out):  # pragma: no cover
-    """``out[j] = sum over the 26 neighbours k of kappa_j kappa_k w_jk dphi(f_j, f_k)`` (``second``: d2phi)."""
+def _stencil_kernel(f, kappa, pos, inv, nx, ny, nz, kind, gamma, eps, ox, oy, oz, w, mode, out, out2):  # pragma: no cover
+    """``out[j] = sum over the 26 neighbours k of kappa_j kappa_k w_jk dphi(f_j, f_k)`` (mode 0), the same with
+    d2phi (mode 1), or both in one pass over the neighbours (mode 2: dphi into ``out``, d2phi into ``out2``;
+    each sum in the same order as alone)."""
     n = f.shape[0]
     perm = pos.shape[0] > 0
     has_k = kappa.shape[0] > 0
@@ -202,6 +204,7 @@ def _stencil_kernel(f, kappa, pos, inv, nx, ny, nz, kind, gamma, eps, ox, oy, oz
         a = np.float64(f[jp])
         kj = np.float64(kappa[jp]) if has_k else 1.0
         acc = 0.0
+        acc2 = 0.0
         for o in range(26):
             k = _neighbour(x, y, z, o, nx, ny, nz, ox, oy, oz)
             if k < 0:
@@ -209,9 +212,15 @@ def _stencil_kernel(f, kappa, pos, inv, nx, ny, nz, kind, gamma, eps, ox, oy, oz
             kp = np.int64(inv[k]) if perm else np.int64(k)
             kk = np.float64(kappa[kp]) if has_k else 1.0
             bk = np.float64(f[kp])
-            t = _d2phi(a, bk, kind, gamma, eps) if second else _dphi(a, bk, kind, gamma, eps)
-            acc += w[o] * kk * t
+            if mode == 1:
+                acc += w[o] * kk * _d2phi(a, bk, kind, gamma, eps)
+            else:
+                acc += w[o] * kk * _dphi(a, bk, kind, gamma, eps)
+                if mode == 2:
+                    acc2 += w[o] * kk * _d2phi(a, bk, kind, gamma, eps)
         out[jp] = kj * acc
+        if mode == 2:
+            out2[jp] = kj * acc2
 
 
 # --------------------------------------------------------------------------- the prior
@@ -318,6 +327,16 @@ class Prior:
         """
         return self._stencil(f, out, second=True)
 
+    def gradient_and_curvature(self, f: Any) -> tuple[Any, Any]:
+        """:meth:`gradient` and :meth:`curvature` at ``f``, the same values; on the CPU in one pass over the
+        neighbours (BSREM's ``hessian`` preconditioner needs both at each sub-iteration's image)."""
+        if _is_cupy(f):
+            return self.gradient(f), self.curvature(f)
+        self._check(f)
+        grad, curv = np.empty_like(f), np.empty_like(f)
+        _stencil_kernel(*self._host_args(f), 2, grad, curv)
+        return grad, curv
+
     def _stencil(self, f: Any, out: Any, second: bool) -> Any:
         self._check(f)
         if out is None:
@@ -333,7 +352,7 @@ class Prior:
             from mlemlib import _prior_cuda
 
             return _prior_cuda.stencil(self, f, out, second)
-        _stencil_kernel(*self._host_args(f), second, out)
+        _stencil_kernel(*self._host_args(f), 1 if second else 0, out, out)
         return out
 
 

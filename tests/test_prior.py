@@ -196,6 +196,26 @@ def test_permuted_voxel_order(kind, rng):
                                stored.gradient(f_perm.astype(np.float64)), rtol=1e-11, atol=1e-13)  # fmt: skip
 
 
+@pytest.mark.parametrize("kind", ["rdp", "quadratic"])
+def test_gradient_and_curvature_in_one_pass_are_the_separate_ones(kind, rng):
+    """BSREM's hessian preconditioner takes both stencils from one pass over the neighbours on the CPU: the same
+    bits as gradient() and curvature() alone (kappa and a voxel permutation; float32 and float64 images), and both
+    against the pair list's float64 gradient."""
+    grid = (5, 4, 3)
+    n = 60
+    kappa = rng.uniform(0.5, 1.5, n)
+    prior = make_prior(kind, grid, beta=1.0, gamma=2.0, epsilon=0.05, kappa=kappa, voxels=rng.permutation(n))
+    for dtype in (np.float32, np.float64):
+        f = rng.uniform(0.0, 3.0, n).astype(dtype)
+        grad, curv = prior.gradient_and_curvature(f)
+        assert grad.dtype == curv.dtype == dtype
+        np.testing.assert_array_equal(grad, prior.gradient(f))
+        np.testing.assert_array_equal(curv, prior.curvature(f))
+    f64 = f.astype(np.float64)
+    np.testing.assert_allclose(prior.gradient_and_curvature(f64)[0], PairPrior(prior).gradient(f64), rtol=1e-11,
+                               atol=1e-13)
+
+
 def test_read_kappa_files(tmp_path):
     import h5py
 
