@@ -249,6 +249,29 @@ def test_make_backend_rejects_unknown_launcher(rng):
         make_backend("cuda", _matrix(rng), None, None, gpus=2, launcher="slurm")
 
 
+def test_make_backend_refuses_a_local_back_projection_without_part_files_before_any_work():
+    """Several GPUs in the local layout, a named back projection on A^T, a compressed matrix and a plan without
+    part files: one line naming the plan before any GPU work (the GPUs cannot transpose a compressed block); a
+    CSR matrix, bp auto, a one pass, the thesis layout, a kernel that does not read the format (refused by its own
+    check) or a plan with part files pass this check."""
+    import types
+
+    bp = "delta_vector"
+    compressed = types.SimpleNamespace(format="compressed", shape=(60, 40))
+    with pytest.raises(ConfigError, match=r"^plan: bp=" + bp + " on a compressed matrix in the local layout .*part files"):
+        make_backend("cuda", compressed, None, None, gpus=2, bp=bp, layout="local")
+    with pytest.raises(ConfigError, match="part files"):
+        make_backend("cuda", compressed, None, None, gpus=1, bp=bp, graph=True)  # the several-GPU backend on one
+    from mlemlib.backends import _check_part_files
+
+    for matrix, bp_, layout, plan in [(types.SimpleNamespace(format="csr"), "csr_vector", "local", None),
+                                      (compressed, "csr_vector", "local", None),  # not its format: refused elsewhere
+                                      (compressed, "auto", "local", None), (compressed, "onepass_fixed", "local", None),
+                                      (compressed, bp, "thesis", None),
+                                      (compressed, bp, "local", {"local_transpose": ["part-0.h5", "part-1.h5"]})]:
+        _check_part_files(matrix, bp_, layout, plan)  # no refusal
+
+
 # --------------------------------------------------------------------------- on GPUs
 
 

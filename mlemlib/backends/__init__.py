@@ -177,6 +177,7 @@ def make_backend(
 
             kw.pop("graph", None)
             return CudaBackend(matrix, g, norm, **kw)
+        _check_part_files(matrix, bp, layout or "local", plan)
         kw.update(gpus=gpus, layout=layout or "local", plan=plan)
         from mlemlib.backends.nccl import NcclBackend
     except ImportError as exc:
@@ -193,3 +194,23 @@ def make_backend(
     return NcclBackend(
         matrix, g, norm, devices=[device], parts=[info.rank], world=info.size, comms=[comm], own_comms=True, **kw
     )
+
+
+def _check_part_files(matrix: Any, bp: str | None, layout: str, plan: Any) -> None:
+    """Refuse, before any work, a several-GPU run whose GPUs would read their ``A_k^T`` from the partition's part
+    files that its plan does not have: a named back projection on ``A^T`` in the local layout of a matrix the GPUs
+    cannot transpose themselves (a compressed one; a GPU transposes its block of a CSR matrix). ``auto`` takes
+    a one pass there instead."""
+    from mlemlib import registry
+    from mlemlib.backends._nccl_plan import plan_has_parts
+    from mlemlib.formats.spec import matrix_format_of
+
+    if layout != "local" or bp in (None, "auto") or not registry.uses_transpose("cuda", bp):
+        return
+    fmt = matrix_format_of(matrix)
+    if fmt.cusparse or fmt.name not in registry.get_bp("cuda", bp).formats or plan_has_parts(plan):
+        return  # (a kernel that does not read the format is refused by the backend's own check of the name)
+    raise ConfigError("plan", f"bp={bp} on a {fmt.name} matrix in the local layout reads each GPU's A_k^T from the "
+                              "partition's part files (mlem partition --local-transpose), which the plan does not "
+                              "have; give that plan, or use bp auto or a one-pass kernel")
+
