@@ -270,6 +270,9 @@ def test_make_backend_refuses_a_local_back_projection_without_part_files_before_
                                       (compressed, bp, "thesis", None),
                                       (compressed, bp, "local", {"local_transpose": ["part-0.h5", "part-1.h5"]})]:
         _check_part_files(matrix, bp_, layout, plan)  # no refusal
+    # one GPU launching its kernels: a stored transpose, before any work
+    with pytest.raises(ConfigError, match=r"^transpose: bp=delta_vector on a compressed matrix needs a stored"):
+        make_backend("cuda", compressed, None, None, gpus=1, bp=bp)
 
 
 # --------------------------------------------------------------------------- on GPUs

@@ -175,6 +175,7 @@ def make_backend(
         if gpus == 1 and not options.get("graph"):  # graph None (auto) or False: one GPU launches its kernels
             from mlemlib.backends.cuda import CudaBackend
 
+            _check_transpose(matrix, bp, transpose)
             kw.pop("graph", None)
             return CudaBackend(matrix, g, norm, **kw)
         _check_part_files(matrix, bp, layout or "local", plan)
@@ -213,4 +214,19 @@ def _check_part_files(matrix: Any, bp: str | None, layout: str, plan: Any) -> No
     raise ConfigError("plan", f"bp={bp} on a {fmt.name} matrix in the local layout reads each GPU's A_k^T from the "
                               "partition's part files (mlem partition --local-transpose), which the plan does not "
                               "have; give that plan, or use bp auto or a one-pass kernel")
+
+
+def _check_transpose(matrix: Any, bp: str | None, transpose: Any) -> None:
+    """Refuse, before any work, a one-GPU run that names a back projection on ``A^T`` of a matrix its GPU cannot
+    transpose itself (a compressed one) when no stored transpose is given."""
+    from mlemlib import registry
+    from mlemlib.formats.spec import matrix_format_of
+
+    if transpose is not None or bp in (None, "auto") or not registry.uses_transpose("cuda", bp):
+        return
+    fmt = matrix_format_of(matrix)
+    if fmt.cusparse or fmt.name not in registry.get_bp("cuda", bp).formats:
+        return
+    raise ConfigError("transpose", f"bp={bp} on a {fmt.name} matrix needs a stored transpose (mlem transpose), "
+                                   "or use bp=onepass_fixed")
 
