@@ -624,9 +624,10 @@ def table(*, as_json: bool = False) -> str:
     head = ("backend", "op", "name", "formats", "deterministic", "multi-GPU layouts", "graph", "launcher", "source")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in KERNELS:
+        same_bits = ("yes, every GPU count" if k.any_gpu_count else "yes") if k.deterministic else "no"
         cells = (
             k.backend, k.op, k.name + (" (selector)" if k.selector else ""), ",".join(k.formats),
-            ("yes, every GPU count" if k.any_gpu_count else "yes") if k.deterministic else "no", ",".join(k.layouts) or "-", "yes" if k.graph else "no",
+            same_bits, ",".join(k.layouts) or "-", "yes" if k.graph else "no",
             k.launcher or "-", k.source,
         )
         lines.append("| " + " | ".join(cells) + " |")

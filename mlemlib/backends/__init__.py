@@ -197,36 +197,35 @@ def make_backend(
     )
 
 
-def _check_part_files(matrix: Any, bp: str | None, layout: str, plan: Any) -> None:
-    """Refuse, before any work, a several-GPU run whose GPUs would read their ``A_k^T`` from the partition's part
-    files that its plan does not have: a named back projection on ``A^T`` in the local layout of a matrix the GPUs
-    cannot transpose themselves (a compressed one; a GPU transposes its block of a CSR matrix). ``auto`` takes
-    a one pass there instead."""
+def _untransposable(matrix: Any, bp: str | None) -> Any:
+    """The matrix's format where ``bp`` names a back projection on ``A^T`` that reads it and a GPU cannot make
+    that ``A^T`` itself (a compressed format; a GPU transposes CSR, or its block of rows, with cuSPARSE); else
+    None (``auto`` chooses without one; a kernel that does not read the format is refused by its own check)."""
     from mlemlib import registry
-    from mlemlib.backends._nccl_plan import plan_has_parts
     from mlemlib.formats.spec import matrix_format_of
 
-    if layout != "local" or bp in (None, "auto") or not registry.uses_transpose("cuda", bp):
-        return
+    if bp in (None, "auto") or not registry.uses_transpose("cuda", bp):
+        return None
     fmt = matrix_format_of(matrix)
-    if fmt.cusparse or fmt.name not in registry.get_bp("cuda", bp).formats or plan_has_parts(plan):
-        return  # (a kernel that does not read the format is refused by the backend's own check of the name)
-    raise ConfigError("plan", f"bp={bp} on a {fmt.name} matrix in the local layout reads each GPU's A_k^T from the "
-                              "partition's part files (mlem partition --local-transpose), which the plan does not "
-                              "have; give that plan, or use bp auto or a one-pass kernel")
+    return None if fmt.cusparse or fmt.name not in registry.get_bp("cuda", bp).formats else fmt
+
+
+def _check_part_files(matrix: Any, bp: str | None, layout: str, plan: Any) -> None:
+    """Refuse, before any work, a several-GPU run whose GPUs would read their ``A_k^T`` from the partition's part
+    files that its plan does not have (the local layout, :func:`_untransposable`)."""
+    from mlemlib.backends._nccl_plan import plan_has_parts
+
+    fmt = _untransposable(matrix, bp) if layout == "local" else None
+    if fmt is not None and not plan_has_parts(plan):
+        raise ConfigError("plan", f"bp={bp} on a {fmt.name} matrix in the local layout reads each GPU's A_k^T from "
+                                  "the partition's part files (mlem partition --local-transpose), which the plan does "
+                                  "not have; give that plan, or use bp auto or a one-pass kernel")
 
 
 def _check_transpose(matrix: Any, bp: str | None, transpose: Any) -> None:
-    """Refuse, before any work, a one-GPU run that names a back projection on ``A^T`` of a matrix its GPU cannot
-    transpose itself (a compressed one) when no stored transpose is given."""
-    from mlemlib import registry
-    from mlemlib.formats.spec import matrix_format_of
-
-    if transpose is not None or bp in (None, "auto") or not registry.uses_transpose("cuda", bp):
-        return
-    fmt = matrix_format_of(matrix)
-    if fmt.cusparse or fmt.name not in registry.get_bp("cuda", bp).formats:
-        return
-    raise ConfigError("transpose", f"bp={bp} on a {fmt.name} matrix needs a stored transpose (mlem transpose), "
-                                   "or use bp=onepass_fixed")
-
+    """Refuse, before any work, a one-GPU run without a stored transpose that its GPU cannot make
+    (:func:`_untransposable`)."""
+    fmt = _untransposable(matrix, bp) if transpose is None else None
+    if fmt is not None:
+        raise ConfigError("transpose", f"bp={bp} on a {fmt.name} matrix needs a stored transpose (mlem transpose), "
+                                       "or use bp=onepass_fixed")
