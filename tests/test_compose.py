@@ -21,9 +21,11 @@ makes the table of docs/combinations.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +103,17 @@ def _matrix(root: Path, fmt: str, fold: bool, reorder: str, subsets: int) -> Pat
     return root / f"{fmt}-{int(fold)}-{reorder.replace('+', '')}-S{subsets}.h5"
 
 
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """The space's lock, held by one worker (or process) at a time while it builds a shared file."""
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def space_files(tmp_path_factory) -> Path:
     """The shared directory of the variants (built by the first worker that gets the lock)."""
@@ -109,14 +122,10 @@ def space_files(tmp_path_factory) -> Path:
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "compose-space"
     root.mkdir(exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not (root / ".done").exists():
-                _build(root)
-                (root / ".done").touch()
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _locked(root):
+        if not (root / ".done").exists():
+            _build(root)
+            (root / ".done").touch()
     return root
 
 
@@ -131,17 +140,13 @@ def _reference(root: Path, model: tuple, prior: str = "none") -> np.ndarray:
 
     fmt, fold, reorder, s, factors = model
     path = root / f"ref-{fmt}-{int(fold)}-{reorder.replace('+', '')}-S{s}-{int(factors)}-{prior}.h5"
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not path.exists():
-                tmp = path.with_suffix(".tmp.h5")
-                model = ModelSpec(_matrix(root, fmt, fold, reorder, s), root / "g.LMsino", subsets=s,
-                                  map=_map(root, prior), **_factors(root, factors))
-                reference(model, RunSettings(ITERS, checkpoint_every=0), tmp)
-                os.replace(tmp, path)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _locked(root):
+        if not path.exists():
+            tmp = path.with_suffix(".tmp.h5")
+            model = ModelSpec(_matrix(root, fmt, fold, reorder, s), root / "g.LMsino", subsets=s,
+                              map=_map(root, prior), **_factors(root, factors))
+            reference(model, RunSettings(ITERS, checkpoint_every=0), tmp)
+            os.replace(tmp, path)
     return read_image(path)[0].astype(np.float64)
 
 
@@ -150,15 +155,11 @@ def _transpose(root: Path, matrix: Path) -> Path:
     from mlemlib.transpose import transpose_file
 
     path = matrix.with_name(matrix.stem + "-T.h5")
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not path.exists():
-                tmp = path.with_suffix(".tmp.h5")
-                transpose_file(matrix, tmp, "scantrans")
-                os.replace(tmp, path)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _locked(root):
+        if not path.exists():
+            tmp = path.with_suffix(".tmp.h5")
+            transpose_file(matrix, tmp, "scantrans")
+            os.replace(tmp, path)
     return path
 
 
@@ -169,13 +170,9 @@ def _parts(root: Path, matrix: Path, parts: int) -> Path:
 
     out = matrix.with_name(f"{matrix.stem}-parts{parts}")
     transpose = _transpose(root, matrix)  # (takes the lock itself)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not (out / "plan.json").exists():
-                partition_file(matrix, transpose, parts, out, local_transpose=True)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _locked(root):
+        if not (out / "plan.json").exists():
+            partition_file(matrix, transpose, parts, out, local_transpose=True)
     return out / "plan.json"
 
 
