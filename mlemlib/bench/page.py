@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mlemlib.errors import ConfigError
-from mlemlib.bench.threshold import threshold_text
+from mlemlib.bench.threshold import has_threshold, threshold_text
 
 PEER_KEYS = ("case", "device", "gpus", "ms", "source", "note")
 
@@ -122,7 +122,7 @@ def _share(v: Any) -> str:
 def _table(rows: list[dict[str, Any]], peers: Sequence[dict[str, Any]], used: set[int]) -> list[str]:
     osem = any("subsets" in r for r in rows)
     prior = any(r.get("prior", "none") != "none" for r in rows)
-    threshold = any("threshold_passes" in r or "threshold_error" in r for r in rows)
+    threshold = any(has_threshold(r) for r in rows)
     head = ["configuration", *(["S", "m, b"] if osem else []), *(["MAP"] if prior else []), "GPUs",
             "ms per iteration (S > 1: per pass)" if osem else "ms per iteration",
             *(["pass / MLEM iteration", "with m, b / without", "all-reduce share"] if osem else []),

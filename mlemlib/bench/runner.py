@@ -496,8 +496,10 @@ def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dic
 def format_csv(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as CSV (:data:`FIELDS`, then :data:`OSEM_FIELDS` where a row has S and :data:`THRESHOLD_FIELDS`
     where one has a time to threshold; floats as Python writes them)."""
+    from mlemlib.bench.threshold import has_threshold
+
     fields = (FIELDS + (OSEM_FIELDS if any("subsets" in r for r in rows) else ())
-              + (THRESHOLD_FIELDS if any("threshold_passes" in r or "threshold_error" in r for r in rows) else ()))
+              + (THRESHOLD_FIELDS if any(has_threshold(r) for r in rows) else ()))
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
     w.writeheader()

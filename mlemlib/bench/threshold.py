@@ -119,6 +119,11 @@ def measure(case: Case, prep: Prepared, prior: str, gpus: int) -> dict[str, Any]
     return row
 
 
+def has_threshold(row: dict[str, Any]) -> bool:
+    """Whether a result row holds a time to threshold, or the reason it has none (its columns then appear)."""
+    return "threshold_passes" in row or "threshold_error" in row
+
+
 def threshold_text(row: dict[str, Any]) -> str:
     """The page's cell: ``pass P, S s`` or ``not in N passes`` (``-`` for a row without a threshold)."""
     if "threshold_passes" not in row:
