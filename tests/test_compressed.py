@@ -1376,7 +1376,7 @@ def _fake_cupy():
         empty=lambda n, dtype: np.empty(n, dtype=dtype).view(_HostArray),
         asarray=lambda a: np.array(a).view(_HostArray),
         float32=np.float32,
-        cuda=SimpleNamespace(Device=_FakeDevice, Stream=_FakeStream),
+        cuda=SimpleNamespace(Device=_FakeDevice, Stream=_FakeStream, get_current_stream=_FakeStream),
         get_default_pinned_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None),
     )
 
@@ -1389,6 +1389,9 @@ class _FakeStream:
 
     def record(self):
         return self
+
+    def wait_event(self, event):
+        pass
 
     def synchronize(self):
         pass
@@ -1449,6 +1452,27 @@ def test_streamed_upload_places_every_piece(tmp_path, monkeypatch, where, fmt, r
         assert got.scale is None
     else:
         np.testing.assert_array_equal(got.scale.get(), want.scale)
+
+
+@pytest.mark.gpu
+def test_streamed_upload_comes_after_the_current_streams_work(tmp_path):
+    """The upload copies on a stream of its own, after what the current stream queued before it: a kernel still
+    running there that then overwrites the memory the pool gives the upload's codes does not reach them."""
+    pytest.importorskip("cupy")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_cuda_kernels import late_overwrite
+
+    from mlemlib.backends import _compressed_cuda as gpu
+    from mlemlib.formats.compressed_h5 import CompressedH5
+
+    c = CompressedMatrix.from_csr(random_csr(300, 800, 31), "compressed")
+    write_compressed_h5(tmp_path / "m.h5", c)
+    with CompressedH5(tmp_path / "m.h5") as src:
+        late_overwrite(c.codes.nbytes)
+        got = gpu.DeviceCompressed.upload(src)
+        got.codes.device.synchronize()
+    np.testing.assert_array_equal(got.codes.get(), c.codes)
+    np.testing.assert_array_equal(got.values.get().view(np.uint8), np.asarray(c.values).view(np.uint8))
 
 
 @pytest.mark.parametrize("where", UPLOAD_ON)

@@ -564,6 +564,45 @@ def test_tuning_a_matrix_again_for_the_same_question_times_nothing(rng, monkeypa
     assert calls and d.tuned_for[0] == 16
 
 
+_LATE_OVERWRITE = r"""
+extern "C" __global__ void late_overwrite(unsigned char* buf, long long n, long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)ns);
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) buf[i] = 0xff;
+}"""
+
+
+def late_overwrite(nbytes: int, ms: float = 50.0) -> None:
+    """Queue on the current stream a kernel that waits ``ms`` and then overwrites a buffer of ``nbytes``, and free
+    that buffer at once (the memory pool hands it to the next allocation of its size on this stream): work an
+    upload on a stream of its own must not overtake."""
+    buf = cp.empty(max(int(nbytes), 1), dtype=cp.uint8)
+    kernel = cp.RawKernel(_LATE_OVERWRITE, "late_overwrite")
+    kernel((1,), (256,), (buf, np.int64(buf.size), np.int64(ms * 1e6)))
+    del buf
+
+
+def test_an_upload_comes_after_the_current_streams_work(rng, tmp_path):
+    """upload_rows copies on a stream of its own, after what the current stream queued before it: a row block
+    with leading padding (whose zero fill is queued on the current stream) behind a kernel still running there,
+    which then overwrites the memory the upload is given, arrives intact."""
+    from mlemlib.formats import open_matrix, write_matrix_h5
+
+    a = random_csr(rng, 900, 1000, rng.integers(1, 40, size=900), signed=False)
+    write_matrix_h5(tmp_path / "a.h5", a)
+    r0 = next(r for r in range(1, 900) if a.indptr[r] % ck.ALIGN)
+    lo, hi = int(a.indptr[r0]), int(a.indptr[900])
+    pad = lo % ck.ALIGN
+    with open_matrix(tmp_path / "a.h5") as src:
+        late_overwrite(4 * (hi - lo + pad))
+        d = ck.upload_rows(src, r0, 900, 0, align=True)
+    cp.cuda.Device().synchronize()
+    assert np.array_equal(d.indices.get()[pad:], a.indices[lo:hi])
+    assert np.array_equal(d.data.get()[pad:], a.data[lo:hi])
+    assert not d.indices.get()[:pad].any() and not d.data.get()[:pad].any()
+
+
 @pytest.mark.parametrize("suffix", [".h5", ".csr4"])
 @pytest.mark.parametrize("align", [False, True])
 def test_streamed_row_blocks_equal_the_file(rng, tmp_path, monkeypatch, suffix, align):

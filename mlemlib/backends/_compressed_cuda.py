@@ -310,6 +310,7 @@ class DeviceCompressed(DeviceMatrix):
         nnz = 0
         pieces = chunk_bounds(rel, upload_piece(total))
         stream = cp.cuda.Stream(non_blocking=True)
+        stream.wait_event(cp.cuda.get_current_stream().record())  # after what last used the pool's memory
         into = hasattr(source, "read_encoded_into") and pieces
         if into:
             cap = max(int(rel[b] - rel[a]) for a, b in pieces)

@@ -573,6 +573,9 @@ def upload_rows(source: Any, r0: int, r1: int, device: int, *, align: bool = Fal
         stream = cp.cuda.Stream(non_blocking=True)
         indices = cp.zeros(nnz + pad, dtype=cp.int32) if pad else cp.empty(nnz, dtype=cp.int32)
         data = cp.zeros(nnz + pad, dtype=cp.float32) if pad else cp.empty(nnz, dtype=cp.float32)
+        # The copies run on a non-blocking stream, which does not wait for the current one by itself: without
+        # this, the padding's zero fill (or work that last used the pool's memory) could land after them.
+        stream.wait_event(cp.cuda.get_current_stream().record())
         slots = [(_pinned(widest, np.int32), _pinned(widest, np.float32), cp.cuda.Event()) for _ in range(2)]
 
         def read(k: int) -> tuple[int, int]:
