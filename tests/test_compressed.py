@@ -1377,7 +1377,6 @@ def _fake_cupy():
         asarray=lambda a: np.array(a).view(_HostArray),
         float32=np.float32,
         cuda=SimpleNamespace(Device=_FakeDevice, Stream=_FakeStream, get_current_stream=_FakeStream),
-        get_default_pinned_memory_pool=lambda: SimpleNamespace(free_all_blocks=lambda: None),
     )
 
 

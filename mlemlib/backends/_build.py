@@ -156,6 +156,17 @@ def function(build: Build, name: str) -> Any:
     return _function_on(build, name, cupy().cuda.Device().id)
 
 
+def pinned(n: int, dtype: Any) -> Any:
+    """A NumPy array of ``n`` items in page-locked host memory of its own (freed with the array, not pooled):
+    an upload's staging buffer, copied from asynchronously. (Not ``cupyx.empty_pinned``: the uploads run in a
+    thread per GPU, and the first touch of CuPy's lazily loaded ``cupyx`` from two threads at once fails.)"""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    mem = cupy().cuda.PinnedMemoryPointer(cupy().cuda.PinnedMemory(max(int(n), 1) * dtype.itemsize), 0)
+    return np.frombuffer(mem, dtype=dtype, count=int(n))
+
+
 def check_vector(name: str, v: Any, length: int) -> None:
     """``v`` must be a C-contiguous float32 CuPy vector of ``length`` entries on the current device.
 

@@ -41,7 +41,7 @@ import numpy as np
 from mlemlib import setup_times
 from mlemlib._io import prefetched
 from mlemlib.backends import _cuda_plan as plan
-from mlemlib.backends._build import COMPRESSED, check_vector, cupy
+from mlemlib.backends._build import COMPRESSED, check_vector, cupy, pinned
 from mlemlib.backends._build import function as _function
 from mlemlib.backends.base import FIXED_RETRIES, FIXED_RETRY_FACTOR
 from mlemlib.backends.device_formats import DeviceMatrix
@@ -352,7 +352,6 @@ class DeviceCompressed(DeviceMatrix):
             stream.synchronize()
             if into:
                 del buffers, enc
-                cp.get_default_pinned_memory_pool().free_all_blocks()
             out = cls(cp.asarray(rowbase), cp.asarray(rowoff), codes, values, scale,
                       (r1 - r0, int(source.shape[1])), nnz, int(source.code_bits))
         if into:
@@ -430,13 +429,6 @@ def device_check(a: DeviceCompressed) -> tuple[int | None, int]:
                                                                np.int64(n), out[0:1], out[1:2]))
     first, nnz = (int(v) for v in out.get())
     return (None if first >= m else first), nnz
-
-
-def pinned(n: int, dtype: Any) -> np.ndarray:
-    """A page-locked host array of ``n`` items (an upload's staging buffer: copied from asynchronously)."""
-    import cupyx
-
-    return cupyx.empty_pinned(n, dtype=dtype)
 
 
 @dataclass

@@ -32,7 +32,7 @@ import numpy as np
 
 from mlemlib.backends import _cuda_plan as plan
 from mlemlib import setup_times
-from mlemlib.backends._build import COMPRESSED, Build, check_vector, cupy, function, kernel_source, prefetch
+from mlemlib.backends._build import COMPRESSED, Build, check_vector, cupy, function, kernel_source, pinned, prefetch
 from mlemlib.backends.device_formats import DeviceMatrix
 from mlemlib.devices import cuda_memory_bandwidth
 from mlemlib.errors import ConfigError, DeviceError
@@ -576,7 +576,7 @@ def upload_rows(source: Any, r0: int, r1: int, device: int, *, align: bool = Fal
         # The copies run on a non-blocking stream, which does not wait for the current one by itself: without
         # this, the padding's zero fill (or work that last used the pool's memory) could land after them.
         stream.wait_event(cp.cuda.get_current_stream().record())
-        slots = [(_pinned(widest, np.int32), _pinned(widest, np.float32), cp.cuda.Event()) for _ in range(2)]
+        slots = [(pinned(widest, np.int32), pinned(widest, np.float32), cp.cuda.Event()) for _ in range(2)]
 
         def read(k: int) -> tuple[int, int]:
             # block k goes to slot k % 2, whose last copy (block k - 2) was issued before this read
@@ -603,14 +603,6 @@ def upload_rows(source: Any, r0: int, r1: int, device: int, *, align: bool = Fal
             indptr = cp.asarray(ip + pad)
             stream.synchronize()
         return DeviceCSR(indptr, indices, data, (r1 - r0, source.shape[1]))
-
-
-def _pinned(n: int, dtype: Any) -> np.ndarray:
-    """A NumPy array of ``n`` elements in page-locked host memory of its own (freed with the array, not pooled)."""
-    cp = cupy()
-    dtype = np.dtype(dtype)
-    mem = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(max(n, 1) * dtype.itemsize), 0)
-    return np.frombuffer(mem, dtype=dtype, count=n)
 
 
 def _indptr_at(source: Any, row: int) -> int:
