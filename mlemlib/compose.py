@@ -214,7 +214,8 @@ def table(lines: Iterable[str], planned: Iterable[Combination] | None = None) ->
     The first counts the outcomes per backend and GPU count; the second has one row per execution (backend,
     ``fp``/``bp``, GPUs, layout, graphs) with its outcomes over the 64 models (format x fold x reorder x S x
     factors) and each distinct refusal or failure (the line up to its first ``;``) with the models it
-    concerns. ``planned`` (default: the whole :func:`space`) adds the executions no tier ran as "not run".
+    concerns. ``planned`` (default: the whole :func:`space`) adds what no tier ran as "not run": whole executions,
+    and the models of an execution a tier did not reach (one stopped at its time limit).
     """
     rows: list[dict[str, Any]] = [json.loads(t) for t in lines if t.strip()]
     keys = ("backend", "fp", "bp", "gpus", "layout", "graph", "prior")
@@ -222,14 +223,19 @@ def table(lines: Iterable[str], planned: Iterable[Combination] | None = None) ->
         r.setdefault("prior", "none")  # the tiers' results from before MAP was in the space
     seen = {tuple(r[k] for k in keys) for r in rows}
     planned = list(space()) if planned is None else list(planned)
-    missing = sorted({tuple(getattr(c, k) for k in keys) for c in planned} - seen, key=str)
+    whole = ("format", "fold", "reorder", "subsets", "factors", *keys)
+    done = {tuple(r[k] for k in whole) for r in rows}
+    unrun = [c for c in planned if tuple(getattr(c, k) for k in whole) not in done]  # a tier stopped early too
+    unrun_of: dict[tuple, int] = {}
+    for c in unrun:
+        unrun_of[tuple(getattr(c, k) for k in keys)] = unrun_of.get(tuple(getattr(c, k) for k in keys), 0) + 1
+    missing = sorted(set(unrun_of) - seen, key=str)
     out = ["| backend | GPUs | combinations | ran within 1e-5 of the float64 reference | refused by the dry run | failed | not run |",
            "|---|---|---|---|---|---|---|"]
     for backend, gpus in sorted({(r["backend"], r["gpus"]) for r in rows} | {(k[0], k[3]) for k in missing}):
         sel = [r for r in rows if r["backend"] == backend and r["gpus"] == gpus]
         count = {k: sum(r["outcome"] == k for r in sel) for k in ("ran", "refused", "FAILED")}
-        absent = sum(1 for c in planned if (c.backend, c.gpus) == (backend, gpus)
-                     and tuple(getattr(c, k) for k in keys) in set(missing))
+        absent = sum(1 for c in unrun if (c.backend, c.gpus) == (backend, gpus))
         out.append(f"| {backend} | {gpus} | {len(sel) + absent} | {count['ran']} | {count['refused']} | "
                    f"{count['FAILED']} | {absent} |")
     out += ["", "| backend | fp / bp | GPUs, layout, graph | ran | refused | failed | why refused or failed (models) |",
@@ -248,6 +254,8 @@ def table(lines: Iterable[str], planned: Iterable[Combination] | None = None) ->
                     f"a {c.format} matrix", "a compressed matrix")
                 why.setdefault(f"{r['outcome'].lower()}: {reason}", []).append(c.label().split(" | ")[0])
         notes = "; ".join(f"{w} ({_models(ms)})" for w, ms in why.items()).replace("|", "/")
+        if unrun_of.get(key):
+            notes = "; ".join(n for n in (notes, f"not run yet: {unrun_of[key]} of its models") if n)
         backend, fp, bp, gpus, layout, graph, prior = key
         ex = f"{gpus}" + (f", {layout}" if gpus > 1 else "") + (f", graph {graph}" if backend == "cuda" else "")
         fp = fp if prior == "none" else f"MAP ({prior}): {fp}"

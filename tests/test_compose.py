@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -315,6 +316,27 @@ def test_part_files_where_the_workflow_gives_them(space_files):
             assert pt.shape == (n, r1 - r0)
             total += pt.nnz
     assert len(plan["local_transpose"]) == 2 and total == nnz
+
+
+def test_the_table_counts_what_no_tier_ran():
+    """docs/combinations.md's counts: a combination without a result is "not run", whether its whole execution
+    was never run or a tier stopped before its model (here: 3 planned on 2 GPUs, one ran, one failed, one not
+    reached; one execution on 1 GPU never run)."""
+    run = compose.Combination("csr", False, "none", 1, False, "cuda", "auto", "auto", gpus=2)
+    failed = dataclasses.replace(run, subsets=4)
+    unreached = dataclasses.replace(run, fold=True)
+    never = dataclasses.replace(run, gpus=1)
+    lines = []
+    for c, outcome in ((run, "ran"), (failed, "FAILED")):
+        lines.append(json.dumps({**dataclasses.asdict(c), "outcome": outcome, "detail": "1e-7" if outcome == "ran"
+                                 else "ValueError: x"}))
+    table = compose.table(lines, planned=[run, failed, unreached, never])
+    assert "| cuda | 1 | 1 | 0 | 0 | 0 | 1 |" in table
+    assert "| cuda | 2 | 3 | 1 | 0 | 1 | 1 |" in table
+    row = next(ln for ln in table.splitlines() if ln.startswith("| cuda | auto / auto | 2, local"))
+    assert row.startswith("| cuda | auto / auto | 2, local, graph auto | 1 | 0 | 1 |")
+    assert "failed: ValueError: x (1 of 64: csr; S4)" in row and "not run yet: 1 of its models" in row
+    assert "| cuda | auto / auto | 1, graph auto | - | - | - | not run yet |" in table
 
 
 def test_every_refusal_names_a_setting_in_one_line():

@@ -155,6 +155,19 @@ def test_its_device_type(f):
     assert cls.__name__ == ("DeviceCompressed" if f.compressed else "DeviceCSR")
 
 
+@pytest.mark.parametrize("a_format", NAMES)
+@pytest.mark.parametrize("t_format", NAMES)
+def test_a_stored_transpose_goes_to_the_gpu_in_its_own_encoding_where_the_type_reads_it(a_format, t_format):
+    """The one rule of the 1-GPU backend, the part files of several GPUs and the thesis layout: a compressed
+    A^T (a lossy A's transpose is stored exact, as ``compressed``) is uploaded as it is stored, never encoded as
+    A is (which would round its values again); a CSR A^T beside a compressed A is encoded as A."""
+    from mlemlib.backends.device_formats import device_type
+
+    a, t = matrix_format_of(a_format), matrix_format_of(t_format)
+    got = device_type(a).transpose_format(t, a_format)
+    assert got == (t_format if a.compressed == t.compressed else a_format)
+
+
 def test_kernel_names_built_from_the_format_are_the_device_matrixs():
     """The one-pass kernels' names as the launchers built them before they asked the format; the kind as
     DeviceCompressed gives it."""

@@ -128,11 +128,11 @@ def load_shard(be: Any, part: int, dev: int, *, matrix: Any, transpose: Any, pla
             s.nnz = int(s.a.nnz) if be.matrix_format.compressed else int(s.a.indptr[-1] - s.a.indptr[0])
         if layout == "thesis":
             s.at = dev_type.upload(transpose, (c0, c1), device=dev, align=be._kb.shapes,
-                                   fmt=be.format)
+                                   fmt=dev_type.transpose_format(transpose, be.format))
         elif not no_t:
             if local_files:
                 with open_matrix(local_files[part]) as pf:
-                    s.at = dev_type.upload(pf, (0, n), device=dev, fmt=be.format)
+                    s.at = dev_type.upload(pf, (0, n), device=dev, fmt=dev_type.transpose_format(pf, be.format))
                 if s.at.shape != (n, r1 - r0) or s.at.nnz != s.nnz:
                     raise MatrixFormatError(local_files[part], f"part is {s.at.shape} with {s.at.nnz} nnz, expected {(n, r1 - r0)} with {s.nnz}")
             elif not be.matrix_format.cusparse:

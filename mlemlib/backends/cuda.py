@@ -400,10 +400,7 @@ class CudaBackend(Backend):
         self.transpose_source = "none"
         if choice.needs_transpose:
             if transpose is not None:
-                # a compressed A^T keeps its own encoding (a lossy A's is stored exact: re-encoding it would
-                # round it again); a CSR one is encoded as A is
-                t_fmt = matrix_format_of(transpose).name
-                t_fmt = t_fmt if dev_type.reads(t_fmt) else self.format
+                t_fmt = dev_type.transpose_format(transpose, self.format)
                 self.at = dev_type.upload(transpose, what="transpose", fmt=t_fmt)
                 self.transpose_source = "stored" if t_fmt == matrix_format_of(transpose).name else f"stored, as {t_fmt}"
             elif not self.matrix_format.cusparse:

@@ -70,6 +70,17 @@ class DeviceMatrix(ABC):
         entry = DEVICE_TYPES.get(fmt)
         return entry is not None and entry.rpartition(":")[2] == cls.__name__
 
+    @classmethod
+    def transpose_format(cls, transpose: Any, a_format: str) -> str:
+        """The format a stored ``A^T`` (or a part file of it) goes to the GPU in, beside ``A`` of ``a_format``:
+        its own where this type reads it (a compressed ``A^T`` keeps its encoding: a lossy ``A``'s transpose is
+        stored exact, and encoding it as ``A`` is would round its values again), else ``A``'s (a CSR one is
+        encoded as ``A`` is)."""
+        from mlemlib.formats.spec import matrix_format_of
+
+        own = matrix_format_of(transpose).name
+        return own if cls.reads(own) else a_format
+
     @staticmethod
     @abstractmethod
     def device_bytes(source: Any) -> int:
