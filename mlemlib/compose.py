@@ -215,16 +215,21 @@ def table(lines: Iterable[str], planned: Iterable[Combination] | None = None) ->
     ``fp``/``bp``, GPUs, layout, graphs) with its outcomes over the 64 models (format x fold x reorder x S x
     factors) and each distinct refusal or failure (the line up to its first ``;``) with the models it
     concerns. ``planned`` (default: the whole :func:`space`) adds what no tier ran as "not run": whole executions,
-    and the models of an execution a tier did not reach (one stopped at its time limit).
+    and the models of an execution a tier did not reach (one stopped at its time limit). A combination with
+    several results (a tier run again on part of the space) counts once, with its last one in ``lines``.
     """
-    rows: list[dict[str, Any]] = [json.loads(t) for t in lines if t.strip()]
     keys = ("backend", "fp", "bp", "gpus", "layout", "graph", "prior")
-    for r in rows:
-        r.setdefault("prior", "none")  # the tiers' results from before MAP was in the space
+    whole = ("format", "fold", "reorder", "subsets", "factors", *keys)
+    latest: dict[tuple, dict[str, Any]] = {}
+    for t in lines:
+        if t.strip():
+            r = json.loads(t)
+            r.setdefault("prior", "none")  # the tiers' results from before MAP was in the space
+            latest[tuple(r[k] for k in whole)] = r  # a combination run again: its last outcome
+    rows = list(latest.values())
     seen = {tuple(r[k] for k in keys) for r in rows}
     planned = list(space()) if planned is None else list(planned)
-    whole = ("format", "fold", "reorder", "subsets", "factors", *keys)
-    done = {tuple(r[k] for k in whole) for r in rows}
+    done = set(latest)
     unrun = [c for c in planned if tuple(getattr(c, k) for k in whole) not in done]  # a tier stopped early too
     unrun_of: dict[tuple, int] = {}
     for c in unrun:

@@ -337,6 +337,10 @@ def test_the_table_counts_what_no_tier_ran():
     assert row.startswith("| cuda | auto / auto | 2, local, graph auto | 1 | 0 | 1 |")
     assert "failed: ValueError: x (1 of 64: csr; S4)" in row and "not run yet: 1 of its models" in row
     assert "| cuda | auto / auto | 1, graph auto | - | - | - | not run yet |" in table
+    # the failed one run again (a later tier's line): counted once, with its last outcome
+    again = compose.table([*lines, json.dumps({**dataclasses.asdict(failed), "outcome": "ran", "detail": "2e-7"})],
+                          planned=[run, failed, unreached, never])
+    assert "| cuda | 2 | 3 | 2 | 0 | 0 | 1 |" in again
 
 
 def test_every_refusal_names_a_setting_in_one_line():
