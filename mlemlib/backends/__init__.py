@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mlemlib.backends.base import Backend
+from mlemlib.backends.base import Backend, no_stored_transpose
 from mlemlib.errors import ConfigError, DeviceError
 
 #: ``none``: one process drives all GPUs; ``mpi`` / ``file``: one process per GPU (:mod:`mlemlib.dist.mpi`).
@@ -227,5 +227,4 @@ def _check_transpose(matrix: Any, bp: str | None, transpose: Any) -> None:
     (:func:`_untransposable`)."""
     fmt = _untransposable(matrix, bp) if transpose is None else None
     if fmt is not None:
-        raise ConfigError("transpose", f"bp={bp} on a {fmt.name} matrix needs a stored transpose (mlem transpose), "
-                                       "or use bp=onepass_fixed")
+        raise no_stored_transpose(str(bp), fmt.name)

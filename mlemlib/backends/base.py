@@ -60,6 +60,13 @@ FIXED_RETRIES = 3
 FIXED_RETRY_FACTOR = 2.0**20
 
 
+def no_stored_transpose(bp: str, fmt: str) -> ConfigError:
+    """The one line refusing ``bp`` (a back projection on ``A^T``) on a ``fmt`` matrix that a GPU cannot transpose
+    itself, without a stored transpose."""
+    return ConfigError("transpose", f"bp={bp} on a {fmt} matrix needs a stored transpose (mlem transpose), "
+                                    "or use bp=onepass_fixed")
+
+
 def calibrated_bound(top: int, scale: float, bound: float) -> float:
     """The fixed-point range of a deterministic one pass, chosen from what it sums.
 

@@ -53,6 +53,7 @@ from mlemlib.backends.base import (
     Backend,
     bytes_per_nnz,
     calibrated_bound,
+    no_stored_transpose,
 )
 from mlemlib.backends.device_formats import DeviceMatrix, device_type
 from mlemlib.errors import ConfigError, DeviceError
@@ -404,10 +405,7 @@ class CudaBackend(Backend):
                 self.at = dev_type.upload(transpose, what="transpose", fmt=t_fmt)
                 self.transpose_source = "stored" if t_fmt == matrix_format_of(transpose).name else f"stored, as {t_fmt}"
             elif not self.matrix_format.cusparse:
-                raise ConfigError(
-                    "transpose", f"bp={self.bp_kernel} on a {self.format} matrix needs a stored transpose "
-                    "(mlem transpose), or use bp=onepass_fixed"
-                )
+                raise no_stored_transpose(self.bp_kernel, self.format)
             else:
                 log.info("no transpose given: transposing A on GPU %d with cuSPARSE", self.device_id)
                 try:
