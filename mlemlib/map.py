@@ -115,12 +115,7 @@ class MapSettings:
             raise ConfigError("averaging", f"{self.averaging!r}, expected one of {', '.join(AVERAGING)}")
         if self.averaging != "last" and self.algorithm != "bsrem":
             raise ConfigError("averaging", f"{self.averaging!r} is BSREM's; {self.algorithm} gives its last sub-iterate")
-        halving = self.subset_halving
-        if not isinstance(halving, (tuple, list)) or any(
-                isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1 for p in halving) or any(
-                b <= a for a, b in itertools.pairwise(halving)):
-            raise ConfigError("subset_halving", f"passes after which the subsets halve: increasing integers >= 1, "
-                                                f"got {halving!r}")
+        halving = check_halving_passes(self.subset_halving)
         if halving and self.algorithm != "bsrem":
             raise ConfigError("subset_halving", f"is BSREM's; {self.algorithm} runs every subset in every pass")
         lam, eta = (float(v) for v in self.relaxation)
@@ -156,6 +151,16 @@ class MapSettings:
                 "kappa": None if self.kappa is None else str(self.kappa), "relaxation": list(self.relaxation),
                 "preconditioner": self.preconditioner, "preconditioner_offset": float(self.preconditioner_offset),
                 "averaging": self.averaging, "subset_halving": [int(p) for p in self.subset_halving]}
+
+
+def check_halving_passes(halving: Any, what: str = "subset_halving") -> tuple[int, ...]:
+    """The passes after which the subsets halve (increasing integers >= 1, a list or tuple), or one line naming
+    ``what``."""
+    if not isinstance(halving, (tuple, list)) or any(
+            isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1 for p in halving) or any(
+            b <= a for a, b in itertools.pairwise(halving)):
+        raise ConfigError(what, f"passes after which the subsets halve: increasing integers >= 1, got {halving!r}")
+    return tuple(int(p) for p in halving)
 
 
 def check_halving(halving: Any, subsets: int, what: str = "subset_halving") -> None:

@@ -400,7 +400,7 @@ def parse_threshold(v: Any, src: str, where: str, prior: tuple[str, ...],
                     subsets: tuple[int, ...]) -> Threshold | None:
     """A case's ``threshold`` (None: none): a mapping of :data:`THRESHOLD_KEYS`, for a case with a prior, its
     subset halving possible for every S of the case."""
-    from mlemlib.map import check_halving
+    from mlemlib.map import check_halving, check_halving_passes
 
     if v is None:
         return None
@@ -414,17 +414,12 @@ def parse_threshold(v: Any, src: str, where: str, prior: tuple[str, ...],
     counts = v.get("counts", Threshold.counts)
     if isinstance(counts, bool) or not isinstance(counts, (int, float)) or not counts >= 1:
         raise _fault(src, f"{where}.counts", f"expected a number of counts >= 1, got {counts!r}")
-    halving = v.get("subset_halving", [])
-    if not isinstance(halving, list):
-        raise _fault(src, f"{where}.subset_halving", f"expected a list of passes, got {halving!r}")
-    halving = tuple(_int(p, src, f"{where}.subset_halving", 1) for p in halving)
-    if list(halving) != sorted(set(halving)):
-        raise _fault(src, f"{where}.subset_halving", f"expected increasing passes, got {list(halving)}")
-    for s in subsets:
-        try:
+    try:
+        halving = check_halving_passes(v.get("subset_halving", []))
+        for s in subsets:
             check_halving(halving, s)
-        except ConfigError as exc:
-            raise _fault(src, f"{where}.subset_halving", exc.fault) from None
+    except ConfigError as exc:
+        raise _fault(src, f"{where}.subset_halving", exc.fault) from None
     return Threshold(counts=float(counts), passes=_int(v.get("passes", Threshold.passes), src, f"{where}.passes", 1),
                      converged_passes=_int(v.get("converged_passes", Threshold.converged_passes), src,
                                            f"{where}.converged_passes", 1),
