@@ -363,8 +363,9 @@ class NcclBackend(Backend):
             self.shards = [load(i) for i in range(first)]
             if len(devices) - first > 1:
                 if self.matrix_format.cusparse:
-                    # the threads may transpose with cuSPARSE; its package is imported here, once: two threads
-                    # importing it at once can deadlock in Python's import locks
+                    # the threads may transpose with cuSPARSE; its modules (which import each other) are
+                    # imported here, once: two threads importing them at once can deadlock in Python's import locks
+                    import cupyx.cusparse  # noqa: F401
                     import cupyx.scipy.sparse  # noqa: F401
                 with concurrent.futures.ThreadPoolExecutor(len(devices) - first, "mlem-load") as pool:
                     self.shards += list(pool.map(load, range(first, len(devices))))
