@@ -14,9 +14,9 @@ def register(sub) -> None:
     p = add_parser(
         sub,
         "transpose",
-        "Transpose a matrix container into transpose.h5: A^T in the matrix's format (csr or compressed: "
-        "the values A decodes to, encoded again by row of A^T in a lossy format), rows sorted; "
-        "scantrans streams the input and holds one copy of the matrix.",
+        "Transpose a matrix container into transpose.h5: A^T with exactly the values A decodes to, in the "
+        "matrix's format (a lossy compressed-f16 or -u16 matrix's in the lossless compressed format), rows "
+        "sorted; scantrans streams the input and holds one copy of the matrix.",
     )
     p.add_argument("input", type=existing_file, metavar="MATRIX.h5", help="matrix container (from 'mlem convert')")
     p.add_argument("-o", "--out", required=True, metavar="OUT.h5", help="output container (e.g. results/{matrix}/transpose.h5)")
