@@ -126,7 +126,9 @@ class MapSettings:
             raise ConfigError("preconditioner_offset", f"must be a finite number >= 0, got {self.preconditioner_offset}")
         if not (math.isfinite(float(self.beta)) and float(self.beta) >= 0):
             raise ConfigError("prior.beta", f"must be >= 0, got {self.beta}")
-        if self.prior == "rdp" and (self.epsilon is None or not float(self.epsilon) > 0):
+        if not (math.isfinite(float(self.gamma)) and float(self.gamma) >= 0):
+            raise ConfigError("prior.gamma", f"must be a finite number >= 0, got {self.gamma}")
+        if self.prior == "rdp" and (self.epsilon is None or not 0 < float(self.epsilon) < math.inf):
             raise ConfigError("prior.epsilon", f"the relative difference prior needs epsilon > 0, got {self.epsilon} "
                                                "(about 1e-3 of the image's mean value in the object)")
         return self

@@ -360,6 +360,8 @@ def test_model_and_settings_values(problem, tmp_path):
         ModelSpec(a, g, subsets=0)
     with pytest.raises(ConfigError, match="^prior.beta: must be >= 0, got -1$"):
         ModelSpec(a, g, map=MapSettings("quadratic", beta=-1))
+    with pytest.raises(ConfigError, match="^prior.gamma: must be a finite number >= 0, got -2.0$"):
+        ModelSpec(a, g, map=MapSettings("rdp", beta=1, gamma=-2.0, epsilon=1e-3))
     ref = RunSettings(3, backend="cuda", fp=None, reference_mode=True)
     assert (ref.backend, ref.gpus, ref.fp, ref.dtype) == ("cpu", 1, "auto", np.dtype(np.float64))
     plain = RunSettings(3)
