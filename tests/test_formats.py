@@ -1205,3 +1205,19 @@ def test_convert_fold_clip_negative_folds_the_clipped_matrix(tmp_path, capsys):
     np.testing.assert_array_equal(got[fold.row_map[users]].toarray(), clipped[users].toarray())
     assert fold.row_map[13] == fold.row_map[4]
     assert not list(tmp_path.glob(".*clipped*"))  # the temporary container is gone
+
+
+def test_another_mlem_file_given_as_the_matrix_is_named(tmp_path):
+    """An image (the true phantom given to -t, which is --transpose) or a norm where a matrix belongs: one line
+    saying what the file is; the names are the writers' own format attributes."""
+    from mlemlib.formats.h5 import OTHER_FILES
+    from mlemlib.image import IMAGE_FORMAT, write_image
+    from mlemlib.norm import NORM_FORMAT
+    from mlemlib.permutation import PERM_FORMAT
+
+    assert set(OTHER_FILES) == {IMAGE_FORMAT, NORM_FORMAT, PERM_FORMAT}
+    write_image(tmp_path / "truth.h5", np.ones(8, dtype=np.float32))
+    with pytest.raises(MatrixFormatError) as exc:
+        open_matrix(tmp_path / "truth.h5")
+    assert str(exc.value) == (f"{tmp_path / 'truth.h5'}: attribute format is 'mlem-image', expected 'mlem-csr': an "
+                              "image (mlem reconstruct, mlem simulate's truth), not a matrix")

@@ -57,6 +57,9 @@ from mlemlib.matrix import CSRMatrix
 log = logging.getLogger(__name__)
 
 FORMAT = "mlem-csr"
+#: The project's other HDF5 files by their ``format`` attribute, named when one is given where a matrix belongs.
+OTHER_FILES = {"mlem-image": "an image (mlem reconstruct, mlem simulate's truth)", "mlem-norm": "a norm (mlem norm)",
+               "mlem-permutation": "a permutation (mlem reorder --perm-out)"}
 VERSION = 1
 #: The checksum of every container written now (docs/formats.md, "Checksum").
 CHECKSUM_METHOD = (
@@ -379,7 +382,9 @@ class MatrixH5(ElementReader):
         if "format" not in a:
             raise self._fault(f"missing attribute 'format' (expected {FORMAT!r}); not an mlem matrix container")
         if a["format"] != FORMAT:
-            raise self._fault(f"attribute format is {a['format']!r}, expected {FORMAT!r}")
+            kind = OTHER_FILES.get(str(a["format"]))
+            raise self._fault(f"attribute format is {a['format']!r}, expected {FORMAT!r}"
+                              + (f": {kind}, not a matrix" if kind else ""))
         for key in ("version", "shape", "nnz", "checksum"):
             if key not in a:
                 raise self._fault(f"missing attribute {key!r}")
