@@ -168,7 +168,8 @@ def test_cli_norm(matrix_h5, tmp_path, capsys):
     np.testing.assert_array_equal(bits(read_norm(out)), bits(scipy_sums(a)))
     assert main(["norm", str(tmp_path / "norm.h5"), "--out", str(tmp_path / "x.h5")]) == 2
     err = capsys.readouterr().err  # a norm.h5 is not a matrix: one line naming file and fault
-    assert err == f"mlem: error: {tmp_path / 'norm.h5'}: attribute format is 'mlem-norm', expected 'mlem-csr'\n"
+    assert err == (f"mlem: error: {tmp_path / 'norm.h5'}: attribute format is 'mlem-norm', expected 'mlem-csr': "
+                   "a norm (mlem norm), not a matrix\n")
 
 
 def test_weighted_sums_in_row_order_bit_for_bit(rng):
