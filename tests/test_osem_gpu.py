@@ -218,3 +218,50 @@ def test_reconstruct_runs_osem_with_factor_files_on_the_gpu(tmp_path, fmt, graph
                               additive=tmp_path / "b.f32"),
                     RunSettings(ITERS, checkpoint_every=0, backend="cuda", graph=graph, gpus=gpus), out)
         assert metrics.relative_l2(read_image(out)[0], expected) < 1e-5, (fmt, gpus)
+
+
+_FRESH = r"""
+import sys
+from pathlib import Path
+import numpy as np
+from mlemlib import metrics
+from mlemlib.formats import convert
+from mlemlib.formats.h5 import write_matrix_h5
+from mlemlib.image import read_image
+from mlemlib.mlem import reconstruct
+from mlemlib.problem import ModelSpec, RunSettings
+from mlemlib.subsets import index_labels
+from test_osem import S, _problem, dense_osem
+
+tmp, fmt, bp = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+a, g, m, b = _problem()
+write_matrix_h5(tmp / "a.h5", a)
+src = tmp / "a.h5"
+if fmt != "csr":
+    convert(src, tmp / f"{fmt}.h5", fmt=fmt)
+    src = tmp / f"{fmt}.h5"
+reconstruct(ModelSpec(src, g), RunSettings(5, checkpoint_every=0, backend="cuda", gpus=2, bp=bp), tmp / "img.h5")
+want = dense_osem(a, g, np.ones(len(g)), np.zeros(len(g)), index_labels(len(g), 1), 1, 5)
+err = metrics.relative_l2(read_image(tmp / "img.h5")[0], want)
+print("error", err)
+sys.exit(0 if err < 1e-5 else 3)
+"""
+
+
+@pytest.mark.parametrize(("fmt", "bp"), [("csr", "csr_vector"), ("compressed", "onepass_fixed")])
+def test_a_fresh_process_runs_on_two_gpus_first(tmp_path, fmt, bp):
+    """A process whose first work is a run on 2 GPUs: the loading threads (one per GPU) are the first to reach
+    cuSPARSE's modules (each GPU transposes its CSR rows) or the page-locked staging buffers (a compressed matrix
+    read from its file); neither may fail there (Python's import lock, CuPy's lazily loaded cupyx)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", _FRESH, str(tmp_path), fmt, bp], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
