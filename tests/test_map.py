@@ -184,10 +184,12 @@ def test_the_command_line_runs_map_and_refuses_bad_options_in_one_line(case, tmp
             str(d / "m.f32"), "--additive", str(d / "b.f32"), "-b", "cpu", "-k", "0", "-o", str(tmp_path / "cli.h5")]
     ok = subprocess.run(base + ["--prior", "rdp", "--beta", "0.3", "--epsilon", "2"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    want, _ = _run(case, tmp_path / "api.h5", 3)
+    want, t = _run(case, tmp_path / "api.h5", 3)
     from mlemlib.image import read_image
 
     assert np.array_equal(read_image(tmp_path / "cli.h5")[0], want.astype(np.float32))
+    phi = [h["phi"] for h in t["map"]["history"]]  # the last line: the objective after the last pass, its change
+    assert f", Phi {phi[-1]:.12g} ({phi[-1] - phi[-2]:+.3g} in the last pass)" in ok.stdout, ok.stdout
     mean = subprocess.run(base + ["--prior", "rdp", "--beta", "0.3", "--epsilon", "2", "--averaging", "pass"],
                           capture_output=True, text=True)
     assert mean.returncode == 0, mean.stderr
