@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -231,9 +232,7 @@ def table(lines: Iterable[str], planned: Iterable[Combination] | None = None) ->
     planned = list(space()) if planned is None else list(planned)
     done = set(latest)
     unrun = [c for c in planned if tuple(getattr(c, k) for k in whole) not in done]  # a tier stopped early too
-    unrun_of: dict[tuple, int] = {}
-    for c in unrun:
-        unrun_of[tuple(getattr(c, k) for k in keys)] = unrun_of.get(tuple(getattr(c, k) for k in keys), 0) + 1
+    unrun_of = Counter(tuple(getattr(c, k) for k in keys) for c in unrun)  # per execution
     missing = sorted(set(unrun_of) - seen, key=str)
     out = ["| backend | GPUs | combinations | ran within 1e-5 of the float64 reference | refused by the dry run | failed | not run |",
            "|---|---|---|---|---|---|---|"]

@@ -162,8 +162,9 @@ def pinned(n: int, dtype: Any) -> Any:
     thread per GPU, and the first touch of CuPy's lazily loaded ``cupyx`` from two threads at once fails.)"""
     import numpy as np
 
+    cuda = cupy().cuda
     dtype = np.dtype(dtype)
-    mem = cupy().cuda.PinnedMemoryPointer(cupy().cuda.PinnedMemory(max(int(n), 1) * dtype.itemsize), 0)
+    mem = cuda.PinnedMemoryPointer(cuda.PinnedMemory(max(int(n), 1) * dtype.itemsize), 0)
     return np.frombuffer(mem, dtype=dtype, count=int(n))
 
 
