@@ -51,6 +51,22 @@ __global__ void map_to_grid_f32(const float* __restrict__ f, const int* __restri
     for (int jp = blockIdx.x * blockDim.x + threadIdx.x; jp < n; jp += gridDim.x * blockDim.x) fu[pos[jp]] = f[jp];
 }
 
+// q = a / b and r = a % b for 0 <= a < 2^31, 0 < b (a runtime divisor, where the integer division is a software
+// routine): the quotient from a float reciprocal, then corrected to the exact one by integer steps, each a compare
+// and an add (at most one for a < 2^24, at most about a / (b 2^22) + 1 beyond).
+__device__ __forceinline__ void divide(int a, int b, int& q, int& r) {
+    q = __float2int_rz(__int2float_rz(a) * __frcp_rn(__int2float_rn(b)));
+    r = a - q * b;
+    while (r < 0) {
+        --q;
+        r += b;
+    }
+    while (r >= b) {
+        ++q;
+        r -= b;
+    }
+}
+
 // One sub-iteration's update (the launch that is the last of its sub-iteration), reading the image on the grid
 // from fu and writing the next copy into fu_next (two buffers in turn, fixed per instantiation, so that neither is
 // a pointer chosen at run time).
@@ -70,7 +86,9 @@ __device__ __forceinline__ void update(const float* __restrict__ fu, float* __re
         float is = inv_s_u[u];
         float grad = 0.0f, curv = 0.0f;
         if (beta != 0.0f && is != 0.0f) {  // where s = 0 no update reads the gradient
-            int x = u % nx, t = u / nx, y = t % ny, z = t / ny;
+            int t, x, y, z;
+            divide(u, nx, t, x);
+            divide(t, ny, z, y);
             float gsum = 0.0f, hsum = 0.0f;
             const float ae = a + eps;
 #pragma unroll
