@@ -191,10 +191,7 @@ class DeviceMapStep:
                 "blocks": max(1, -(-n // THREADS)),
                 "to_grid": mod.get_function("map_to_grid_f32"), "update": mod.get_function("map_update_f32"),
                 "bpsum": cp.empty(n if self.groups[-1] > 1 else 1, dtype=cp.float32),
-                # epsilon at FLT_MIN or above: the RDP's denominator is then never denormal (the step's reciprocal
-                # is exact to the hardware's there); a smaller epsilon changes no denominator of a float image
-                "grid": (np.int32(nx), np.int32(ny), np.int32(nz), np.float32(gamma),
-                         np.float32(max(float(eps), float(np.finfo(np.float32).tiny)))),
+                "grid": (np.int32(nx), np.int32(ny), np.int32(nz), np.float32(gamma), np.float32(eps)),
                 "kappa_u": kappa_u, "no_bp": cp.zeros(1, dtype=cp.float32), "no_acc": cp.zeros(1, dtype=cp.uint64),
                 "mean": cp.zeros(n if self.average else 1, dtype=cp.float32),
             }  # fmt: skip

@@ -67,15 +67,6 @@ __device__ __forceinline__ void divide(int a, int b, int& q, int& r) {
     }
 }
 
-// 1 / x for x >= FLT_MIN: the hardware's approximate reciprocal, which __fdividef(1, x) returns there, without
-// the scaling __fdividef adds for denormal x (the RDP's denominator is at least epsilon, which the launcher keeps
-// at FLT_MIN or above).
-__device__ __forceinline__ float reciprocal(float x) {
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-
 // One sub-iteration's update (the launch that is the last of its sub-iteration), reading the image on the grid
 // from fu and writing the next copy into fu_next (two buffers in turn, fixed per instantiation, so that neither is
 // a pointer chosen at run time).
@@ -122,7 +113,7 @@ __device__ __forceinline__ void update(const float* __restrict__ fu, float* __re
                             gsum = fmaf(kk, d, gsum);
                             if (MAP_HESSIAN) hsum += kk;
                         } else {  // rdp: phi = d^2 / (a + b + gamma |d| + eps)
-                            float r = reciprocal(fmaf(gamma, fabsf(d), ae + b));
+                            float r = __fdividef(1.0f, fmaf(gamma, fabsf(d), ae + b));
                             float term = (d * r) * fmaf(fmaf(2.0f, b, eps), r, 1.0f);
                             gsum = fmaf(kk, term, gsum);
                             if (MAP_HESSIAN) hsum = fmaf(2.0f * kk, r * fmaf(-gamma, fabsf(term), 1.0f - term), hsum);
