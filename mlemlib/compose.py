@@ -230,8 +230,7 @@ def table(lines: Iterable[str], planned: Iterable[Combination] | None = None) ->
     rows = list(latest.values())
     seen = {tuple(r[k] for k in keys) for r in rows}
     planned = list(space()) if planned is None else list(planned)
-    done = set(latest)
-    unrun = [c for c in planned if tuple(getattr(c, k) for k in whole) not in done]  # a tier stopped early too
+    unrun = [c for c in planned if tuple(getattr(c, k) for k in whole) not in latest]  # a tier stopped early too
     unrun_of = Counter(tuple(getattr(c, k) for k in keys) for c in unrun)  # per execution
     missing = sorted(set(unrun_of) - seen, key=str)
     out = ["| backend | GPUs | combinations | ran within 1e-5 of the float64 reference | refused by the dry run | failed | not run |",
