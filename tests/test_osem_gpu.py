@@ -8,6 +8,11 @@ an all-zero background must give today's bits.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -231,7 +236,7 @@ from mlemlib.image import read_image
 from mlemlib.mlem import reconstruct
 from mlemlib.problem import ModelSpec, RunSettings
 from mlemlib.subsets import index_labels
-from test_osem import S, _problem, dense_osem
+from test_osem import _problem, dense_osem
 
 tmp, fmt, bp = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 a, g, m, b = _problem()
@@ -253,11 +258,6 @@ def test_a_fresh_process_runs_on_two_gpus_first(tmp_path, fmt, bp):
     """A process whose first work is a run on 2 GPUs: the loading threads (one per GPU) are the first to reach
     cuSPARSE's modules (each GPU transposes its CSR rows) or the page-locked staging buffers (a compressed matrix
     read from its file); neither may fail there (Python's import lock, CuPy's lazily loaded cupyx)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
     tests = Path(__file__).parent
