@@ -38,7 +38,7 @@ from mlemlib.errors import DeviceError
 log = logging.getLogger(__name__)
 
 #: The sources in ``mlemlib/kernels`` (``<name>.cu``).
-SOURCES = ("spmv", "compressed", "synth", "prior", "map_step")
+SOURCES = ("spmv", "compressed", "synth", "prior", "map_step", "peer")
 
 #: A line of a kernel source that includes one of the package's own headers.
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"[^\n]*$', re.M)
@@ -71,6 +71,8 @@ class Build:
 
 #: The build of compressed.cu (the compressed formats' kernels and every one pass; it has no variants).
 COMPRESSED = Build("compressed")
+#: The build of peer.cu (the peer exchange of one process's GPUs, :mod:`mlemlib.backends._peer`).
+PEER = Build("peer")
 
 
 def kernel_source(name: str) -> str:

@@ -30,12 +30,14 @@ plus event records from Python. Per-step times are then not observable
 
 One process drives all its GPUs (``NcclCommunicator.initAll``); the same
 class runs one GPU per process when :mod:`mlemlib.dist.mpi` hands it a
-communicator spanning several processes.
+communicator spanning several processes. Where one process drives every GPU, each pair has
+peer access and the back projection is the deterministic kernels' fixed point, its sum over the GPUs
+runs over NVLink peer access instead of NCCL (:mod:`mlemlib.backends._peer`; ``exchange``).
 
-The backend's concerns live in three modules: the host-side planning (its kernels, the
+The backend's concerns live in four modules: the host-side planning (its kernels, the
 partition plan: :mod:`mlemlib.backends._nccl_plan`), what each GPU holds and its loading
-(:mod:`mlemlib.backends._nccl_shards`), and here the set-up, the iteration's launches (all-reduces,
-the one pass), graph capture and timing.
+(:mod:`mlemlib.backends._nccl_shards`), the peer exchange (:mod:`mlemlib.backends._peer`), and here
+the set-up, the iteration's launches (all-reduces, the one pass), graph capture and timing.
 """
 
 from __future__ import annotations
@@ -148,6 +150,15 @@ class NcclBackend(Backend):
         the communicators (one per device) and whether :meth:`close`
         destroys them. Default: this process owns all parts and creates
         (and later destroys) the communicators with ``initAll``.
+    exchange
+        How the back projection is summed over the GPUs each iteration
+        (:func:`mlemlib.backends._peer.choose_exchange`): ``auto`` (the
+        default) sums the deterministic kernels' fixed point over NVLink peer
+        access where one process drives every GPU and each pair has peer
+        access (:class:`mlemlib.backends._peer.PeerExchange`: the same bits,
+        in half NCCL's time on madpet2), and through NCCL otherwise; ``nccl``
+        always through NCCL; ``peer`` refused in one line where it does not
+        apply.
 
     Raises
     ------
@@ -186,10 +197,12 @@ class NcclBackend(Backend):
         background: Any | None = None,
         subsets: Any | None = None,
         share: NcclBackend | None = None,
+        exchange: str = "auto",
     ) -> None:
         super().__init__()
         _cupy()  # CuPy and its NCCL module, or DeviceError before anything is read
         _nccl()
+        self._peer: Any = None  # the peer exchange, where _set_up_exchange chooses it
         from mlemlib.formats import open_matrix
 
         self.layout = layout
@@ -202,6 +215,7 @@ class NcclBackend(Backend):
         self._choose_graph(graph, nworld)
         self._take_launch_options(secsize, lanes)
         devices, parts = self._check_devices(gpus, devices, parts, world)
+        self._choose_exchange(exchange, devices)
         self.fuse = bool(fuse)
         plan_d, transpose = self._plan_parts(matrix, transpose, plan, layout)
         g, norm, bg = self._check_inputs(g, norm, subsets, background, share, devices, layout)
@@ -209,6 +223,7 @@ class NcclBackend(Backend):
         self._load_shards(matrix, transpose, plan_d, g, norm, bg, parts, devices, layout, share, tune, own_layout)
         self._lanes_of_padded_rows(lanes, devices)
         self._set_up_comms(comms, own_comms, share, devices)
+        self._set_up_exchange(share, devices)
         #: The algorithm's update in place of EM's (:meth:`set_image_step`).
         self.image_step: Any = None
         self._closed = False
@@ -415,6 +430,27 @@ class NcclBackend(Backend):
         self.nccl_version = int(nccl.get_version())
         self._limits = self._fixed_limits() if self._kb.limits else None
 
+    def _choose_exchange(self, exchange: str, devices: list[int]) -> None:
+        """Choose how the back projection is summed over the GPUs (:func:`~mlemlib.backends._peer.choose_exchange`;
+        before anything is loaded: ``peer`` where it does not apply is refused in one line)."""
+        from mlemlib.backends import _peer
+
+        self.exchange = _peer.choose_exchange(exchange, world=self.world, local=len(devices),
+                                              fixed_point=self._fixed_point, peer_access=lambda: _peer.peer_access(devices))
+
+    def _set_up_exchange(self, share: NcclBackend | None, devices: list[int]) -> None:
+        """Set up the peer exchange where it was chosen (the shared backend's, where there is one)."""
+        from mlemlib.backends import _peer
+
+        self._owns_peer = False
+        if self.exchange == "peer":
+            if share is not None and share._peer is not None and share._peer.devices == list(devices):
+                self._peer = share._peer
+            else:
+                with setup_times.phase("comms"):
+                    self._peer = _peer.PeerExchange(devices)
+                self._owns_peer = True
+
     def _warm_up_and_capture(self) -> None:
         """Run the warm-up iteration, then capture the iteration's graphs where ``graph``."""
         with setup_times.phase("warm_up"):
@@ -465,11 +501,12 @@ class NcclBackend(Backend):
             terms = int(counts[0].get(stream=s.stream)[0])
         return cc.fixed_limits(terms, self.world)
 
-    def _allreduce(self, pairs: list[tuple[Any, Any]], dtype: Any = None) -> None:
+    def _allreduce(self, pairs: list[tuple[Any, Any]], dtype: Any = None, *, image: bool = False) -> None:
         """Grouped sum all-reduce: ``pairs[k] = (send, recv)`` on shard k's stream (float32, or ``dtype``).
 
         One rank in all (one GPU, one process) sums nothing: ``recv`` gets ``send`` without a launch
-        where they are one buffer, by a copy where not.
+        where they are one buffer, by a copy where not. ``image``: the iteration's in-place sum of the fixed-point
+        back projection, which the peer exchange does where it was chosen (:attr:`exchange`).
         """
         cp = _cupy()
         nccl = _nccl()
@@ -478,6 +515,9 @@ class NcclBackend(Backend):
                 if send.data.ptr != recv.data.ptr:
                     with cp.cuda.Device(s.device), s.stream:
                         recv[...] = send
+            return
+        if image and self._peer is not None:
+            self._peer.allreduce([recv for _, recv in pairs], [s.stream for s in self.shards])
             return
         kind = nccl.NCCL_FLOAT32 if dtype is None else dtype
         nccl.groupStart()
@@ -518,7 +558,7 @@ class NcclBackend(Backend):
                                  lanes=self.lanes_onepass, bg=s.bg, limits=self._limits)
                     self._mark(s, "bp", record)
             if self.deterministic:
-                self._allreduce([(s.acc, s.acc) for s in self.shards], nccl.NCCL_UINT64)
+                self._allreduce([(s.acc, s.acc) for s in self.shards], nccl.NCCL_UINT64, image=True)
             else:
                 self._allreduce([(s.bp, s.bp) for s in self.shards])
             if not self.deterministic or self.graph_capturing:
@@ -792,6 +832,8 @@ class NcclBackend(Backend):
         self._settle()
         for s in self.shards:
             s.stream.synchronize()
+        if self._peer is not None:
+            self._peer.check()
 
     def last_step_times(self) -> dict[str, float]:
         """Seconds per step of the last iteration: for each step the slowest GPU's time.
@@ -949,6 +991,7 @@ class NcclBackend(Backend):
             "onepass": self.onepass,  # one read of A per iteration (timings.json's bytes)
             "l2_window": self.shards[0].l2_window if self.shards else None,  # every GPU's alike
             "gpus": self.world,
+            "exchange": self.exchange,  # how the back projection is summed over the GPUs
             "graph": self.graph,
             "fused": self.fuse,
             "chunks": {"count": sum(s.a.chunks for s in self.shards), "reuse_sample": self.chunk_reuse_sample,

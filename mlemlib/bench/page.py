@@ -87,7 +87,8 @@ def _ms(v: Any) -> str:
 
 
 def configuration(r: dict[str, Any]) -> str:
-    """``fp/bp`` as asked, what it ran where that differs, and ``non-det.`` for atomics."""
+    """``fp/bp`` as asked, what it ran where that differs, ``peer exchange`` where several GPUs summed the back
+    projection over peer access, and ``non-det.`` for atomics."""
     fp, bp = r.get("fp"), r.get("bp")
     text = fp if fp == bp else f"{fp}/{bp}"
     ran = [k for k in (r.get("fp_kernel"), r.get("bp_kernel")) if k]
@@ -96,6 +97,8 @@ def configuration(r: dict[str, Any]) -> str:
         text += f" ({ran_text})"
     if r.get("graph") in (True, "True", "true"):
         text += ", graphs"
+    if r.get("exchange") == "peer":
+        text += ", peer exchange"
     if r.get("deterministic") in (False, "False", "false"):
         text += ", non-det."
     return text

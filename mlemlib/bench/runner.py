@@ -60,7 +60,7 @@ RESULTS_VERSION = 1
 #: Columns of ``results.csv`` (``results.json`` has the same rows, plus ``ms_repeats`` and ``describe``).
 FIELDS = (
     "case", "description", "matrix", "order", "format", "folded", "m", "n", "nnz", "bytes_per_nnz",
-    "backend", "fp", "bp", "fp_kernel", "bp_kernel", "deterministic", "gpus", "layout", "graph",
+    "backend", "fp", "bp", "fp_kernel", "bp_kernel", "deterministic", "gpus", "layout", "graph", "exchange",
     "warmup", "iterations", "repeats", "ms", "ms_min", "ms_max", "floor_bytes", "floor_ms", "of_floor",
     "copy_bandwidth", "ms_1gpu", "speedup", "cusparse_ms", "device", "device_kind", "date", "command",
     "commit", "error",
@@ -266,6 +266,7 @@ def run_pair(case: Case, prep: Prepared, fp: str, bp: str, gpus: int, devices: D
             bp_kernel=getattr(be, "bp_kernel", None) or desc.get("bp"),
             deterministic=bool(getattr(be, "deterministic", desc.get("deterministic"))),
             graph=bool(desc.get("graph", bool(graph))),
+            exchange=desc.get("exchange"),  # how several GPUs sum the back projection (nccl, peer)
             **timed,
             floor_bytes=nbytes,
             floor_ms=floor_ms,
