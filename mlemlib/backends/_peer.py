@@ -5,9 +5,11 @@ OSEM sub-iteration. Where one process drives all the GPUs and every pair of them
 deterministic kernels' 64-bit fixed-point sums are all-reduced by :class:`PeerExchange` instead of NCCL: each GPU
 sums its slice of the voxels over every GPU's vector and writes the sum into all of them
 (``mlemlib/kernels/peer.cu``), between two barriers the GPUs keep through flags in each other's memory. Integer
-sums are exact in any order, so the image is the same bits as with NCCL. Everything is launched on the GPUs'
-own streams, so a CUDA graph per GPU captures it with the rest of the pass. On madpet2's image (784,000 voxels,
-2 H200s) the exchange took 23 us per sub-iteration against NCCL's 46 (`docs/multigpu.md`).
+sums are exact in any order, so the image is the same bits as with NCCL. Where EM's update follows
+(:meth:`PeerExchange.allreduce_update`), each GPU also updates its slice of the image and writes that into every
+GPU's image instead of the sums. Everything is launched on the GPUs' own streams, so a CUDA graph per GPU captures
+it with the rest of the pass. On madpet2's image (784,000 voxels, 2 H200s) the exchange and the update took
+33 us per sub-iteration, 24 us with the update fused, against NCCL's 47 (``docs/multigpu.md``).
 
 :func:`choose_exchange` decides which exchange a backend uses; it needs no GPU.
 """
@@ -109,7 +111,7 @@ class PeerExchange:
                 self._dev[d] = {
                     "flags": cp.zeros(len(self.devices), dtype=cp.uint32), "epoch": cp.zeros(1, dtype=cp.uint32),
                     "err": cp.zeros(1, dtype=cp.int32), "barrier": function(PEER, "peer_barrier"),
-                    "sum": function(PEER, "peer_sum_u64"),
+                    "sum": function(PEER, "peer_sum_u64"), "sum_update": function(PEER, "peer_sum_update_f32"),
                     "blocks": BLOCKS_PER_SM * cp.cuda.Device(d).attributes["MultiProcessorCount"],
                 }  # fmt: skip
         for d in self.devices:
@@ -118,6 +120,16 @@ class PeerExchange:
                     np.array([self._dev[p]["flags"].data.ptr for p in self.devices], dtype=np.uint64))
                 cp.cuda.Device().synchronize()
         self._tables: dict[tuple[int, ...], list[Any]] = {}
+
+    def register(self, *sets: Sequence[Any]) -> None:
+        """Make the address tables of these sets of vectors (one vector per GPU each) now: before a CUDA graph
+        captures their exchange."""
+        from mlemlib.backends._build import cupy
+
+        cp = cupy()
+        for bufs in sets:
+            with cp.cuda.Device(self.devices[0]):
+                self._table(bufs)
 
     def _table(self, bufs: Sequence[Any]) -> list[Any]:
         """Each GPU's device array of the vectors' addresses (made once per set of vectors)."""
@@ -138,31 +150,63 @@ class PeerExchange:
         self._tables[key] = table
         return table
 
+    def _check(self, bufs: Sequence[Any], dtype: Any, n: int, what: str) -> None:
+        if len(bufs) != len(self.devices):
+            raise ConfigError("exchange", f"{len(bufs)} {what} for the peer exchange of {len(self.devices)} GPUs")
+        for b, d in zip(bufs, self.devices):
+            if b.dtype != dtype or b.size != n or b.device.id != d:
+                raise ConfigError("exchange", f"the peer exchange takes {n} {np.dtype(dtype)} {what} on each GPU in "
+                                              f"turn, got {b.size} {b.dtype} on GPU {b.device.id}")
+
+    def _launch(self, streams: Sequence[Any], n: int, name: str, args: Any) -> None:
+        """On each GPU's stream: the barrier, ``name`` over its slice (``args(k, v0, v1)`` its arguments), the
+        barrier."""
+        from mlemlib.backends._build import cupy
+
+        cp = cupy()
+        if len(streams) != len(self.devices):
+            raise ConfigError("exchange", f"{len(streams)} streams for the peer exchange of {len(self.devices)} GPUs")
+        P, timeout = np.int32(len(self.devices)), np.uint64(TIMEOUT_S * 1e9)
+        for k, ((v0, v1), d, stream) in enumerate(zip(slices(n, len(self.devices)), self.devices, streams)):
+            v = self._dev[d]
+            barrier = (v["epoch"], v["flag_ptrs"], P, np.int32(k), v["flags"], v["err"], timeout)
+            with cp.cuda.Device(d), stream:
+                v["barrier"]((1,), (32,), barrier)
+                blocks = max(1, min(v["blocks"], -(-(v1 - v0) // THREADS)))
+                v[name]((blocks,), (THREADS,), args(k, v0, v1))
+                v["barrier"]((1,), (32,), barrier)
+
     def allreduce(self, bufs: Sequence[Any], streams: Sequence[Any]) -> None:
         """Sum ``bufs`` (one uint64 vector per GPU, in ``devices`` order, equal lengths) over the GPUs, in place,
         each GPU's launches on its stream in ``streams``."""
         from mlemlib.backends._build import cupy
 
         cp = cupy()
-        if len(bufs) != len(self.devices) or len(streams) != len(self.devices):
-            raise ConfigError("exchange", f"{len(bufs)} vectors for the peer exchange of {len(self.devices)} GPUs")
-        n = int(bufs[0].size)
-        for b, d in zip(bufs, self.devices):
-            if b.dtype != np.uint64 or b.size != n or b.device.id != d:
-                raise ConfigError("exchange", f"the peer exchange sums {n} uint64 values on each GPU in turn, got "
-                                              f"{b.size} {b.dtype} on GPU {b.device.id}")
+        n = int(bufs[0].size) if len(bufs) else 0
+        self._check(bufs, np.uint64, n, "vectors")
         with cp.cuda.Device(self.devices[0]), streams[0]:
             table = self._table(bufs)
-        P, timeout = np.int32(len(self.devices)), np.uint64(TIMEOUT_S * 1e9)
-        for k, (d, stream) in enumerate(zip(self.devices, streams)):
-            v = self._dev[d]
-            v0, v1 = slices(n, len(self.devices))[k]
-            barrier = (v["epoch"], v["flag_ptrs"], P, np.int32(k), v["flags"], v["err"], timeout)
-            with cp.cuda.Device(d), stream:
-                v["barrier"]((1,), (32,), barrier)
-                blocks = max(1, min(v["blocks"], -(-(v1 - v0) // THREADS)))
-                v["sum"]((blocks,), (THREADS,), (table[k], P, np.int64(v0), np.int64(v1)))
-                v["barrier"]((1,), (32,), barrier)
+        P = np.int32(len(self.devices))
+        self._launch(streams, n, "sum", lambda k, v0, v1: (table[k], P, np.int64(v0), np.int64(v1)))
+
+    def allreduce_update(self, accs: Sequence[Any], images: Sequence[Any], norms: Sequence[Any], scale: float,
+                         streams: Sequence[Any]) -> None:
+        """EM's update of the replicated image ``images`` (float32, one per GPU) from the sum over the GPUs of the
+        fixed point ``accs`` at ``scale``, with each GPU's ``norms`` (NaN: the voxel is kept): each GPU updates its
+        slice and writes it into every GPU's image; the same bits as :meth:`allreduce` followed by
+        :func:`mlemlib.backends._cuda_kernels.update_fixed` on every GPU. ``accs`` keep each GPU's own terms."""
+        from mlemlib.backends._build import cupy
+
+        cp = cupy()
+        n = int(accs[0].size) if len(accs) else 0
+        self._check(accs, np.uint64, n, "vectors")
+        self._check(images, np.float32, n, "images")
+        self._check(norms, np.float32, n, "norms")
+        with cp.cuda.Device(self.devices[0]), streams[0]:
+            ta, tf = self._table(accs), self._table(images)
+        P, inv = np.int32(len(self.devices)), np.float64(1.0 / scale)
+        self._launch(streams, n, "sum_update", lambda k, v0, v1: (ta[k], tf[k], P, np.int32(k), np.int64(v0),
+                                                                 np.int64(v1), inv, norms[k]))
 
     def check(self) -> None:
         """Raise :class:`~mlemlib.errors.DeviceError` where a GPU gave up waiting at a barrier (after the streams

@@ -541,12 +541,20 @@ class NcclBackend(Backend):
         scale) and all-reduce them as integers, so the image is the same bits
         for every GPU count, one GPU's backend included; an overflow (a
         correlation above the range) is detected after the all-reduce and the
-        iteration is redone with a range 2^20 times larger.
+        iteration is redone with a range 2^20 times larger. Captured in a graph
+        with the peer exchange and EM's update, the exchange updates the image
+        too (:meth:`~mlemlib.backends._peer.PeerExchange.allreduce_update`: each
+        GPU its slice; the same bits): a replay that overflowed is redone from
+        the image it started from.
         """
         cp = _cupy()
         nccl = _nccl()
         step = registry.launcher(self._kb)
         scale = None
+        fused = self._peer is not None and self.deterministic and self.image_step is None
+        if fused and not self.graph_capturing:  # the address tables, made before any capture
+            self._peer.register([s.acc for s in self.shards], [s.f for s in self.shards])
+        fused = fused and self.graph_capturing
         for attempt in range(FIXED_RETRIES + 1):
             for s in self.shards:
                 with cp.cuda.Device(s.device), s.stream:
@@ -557,6 +565,8 @@ class NcclBackend(Backend):
                     scale = step(s.a, s.g, s.f, fp=s.fp, bp=s.bp, acc=s.acc, flag=s.flag, bound=self._fixed_bound,
                                  lanes=self.lanes_onepass, bg=s.bg, limits=self._limits)
                     self._mark(s, "bp", record)
+            if fused:
+                break
             if self.deterministic:
                 self._allreduce([(s.acc, s.acc) for s in self.shards], nccl.NCCL_UINT64, image=True)
             else:
@@ -574,6 +584,10 @@ class NcclBackend(Backend):
             self._fixed_bound *= FIXED_RETRY_FACTOR
             log.info("%s: overflow (flag %d); range raised to %.3g", self.bp_kernel, bad, self._fixed_bound)
         self._scale = scale
+        if fused:
+            self._peer.allreduce_update([s.acc for s in self.shards], [s.f for s in self.shards],
+                                        [s.norm for s in self.shards], scale, [s.stream for s in self.shards])
+            return
         for s in self.shards:
             with cp.cuda.Device(s.device), s.stream:
                 self._mark(s, "allreduce", record)

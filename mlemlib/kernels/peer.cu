@@ -52,4 +52,23 @@ __global__ void peer_sum_u64(const unsigned long long* __restrict__ ptrs, int P,
         for (int p = 0; p < P; ++p) reinterpret_cast<unsigned long long*>(ptrs[p])[j] = s;
     }
 }
+
+// The same exchange with EM's update fused (a CUDA graph's OSEM sub-iteration or MLEM iteration): GPU k sums its
+// slice, rounds bp = sum / scale to float as fixed_to_float does, updates its slice of the image as
+// _cuda_kernels.update_fixed does (the same expression, so the same bits) and writes the slice into every GPU's
+// image; the fixed-point vectors keep each GPU's own terms.
+__global__ void peer_sum_update_f32(const unsigned long long* __restrict__ accs,
+                                    const unsigned long long* __restrict__ images, int P, int me, long long v0,
+                                    long long v1, double inv_scale, const float* __restrict__ norm) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const float* f = reinterpret_cast<const float*>(images[me]);
+    for (long long j = v0 + (long long)blockIdx.x * blockDim.x + threadIdx.x; j < v1; j += stride) {
+        unsigned long long s = 0;
+        for (int p = 0; p < P; ++p) s += reinterpret_cast<const unsigned long long*>(accs[p])[j];
+        const float bp = (float)((double)s * inv_scale);
+        const float nm = norm[j], fv = f[j];
+        const float out = (nm != 0.0f) ? (nm == nm ? fv * bp / nm : fv) : fv * bp;
+        for (int p = 0; p < P; ++p) reinterpret_cast<float*>(images[p])[j] = out;
+    }
+}
 }
