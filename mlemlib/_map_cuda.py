@@ -190,6 +190,7 @@ class DeviceMapStep:
                 "pos": index(prior.pos), "inv": index(prior.inv), "n": np.int32(n),
                 "blocks": max(1, -(-n // THREADS)),
                 "to_grid": mod.get_function("map_to_grid_f32"), "update": mod.get_function("map_update_f32"),
+                "update_peer": mod.get_function("map_update_peer_f32"),
                 "bpsum": cp.empty(n if self.groups[-1] > 1 else 1, dtype=cp.float32),
                 "grid": (np.int32(nx), np.int32(ny), np.int32(nz), np.float32(gamma), np.float32(eps)),
                 "kappa_u": kappa_u, "no_bp": cp.zeros(1, dtype=cp.float32), "no_acc": cp.zeros(1, dtype=cp.uint64),
@@ -224,28 +225,80 @@ class DeviceMapStep:
             with cp.cuda.Device(device):
                 d["lam"].set(value, stream=d["stream"])
 
+    def _subset(self, d: dict[str, Any], norm: Any) -> int:
+        """The subset of a launch with ``norm`` (the backend's array of the subset's norm): a pass launches subsets
+        0, ..., S - 1 in order, each with its own norm."""
+        k = d["subset_of"].setdefault(norm.data.ptr, len(d["subset_of"]))
+        if k >= self.subsets:
+            raise ConfigError("subsets", f"the MAP step was launched with more than {self.subsets} subsets' norms")
+        return k
+
+    def _to_grid(self, d: dict[str, Any], f: Any) -> None:
+        """At a pass's first launch: ``f`` on the user's grid (``fu0``), on the current device and stream; later
+        sub-iterations read the copy the one before wrote."""
+        from mlemlib.backends._build import cupy
+
+        cp = cupy()
+        fu0 = d["fu"][0]
+        if self.prior.pos is not None:
+            d["to_grid"]((d["blocks"],), (THREADS,), (f, d["pos"], d["n"], fu0))
+        else:
+            rt = cp.cuda.runtime
+            rt.memcpyAsync(fu0.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice, cp.cuda.get_current_stream().ptr)
+
+    def register_peer(self, peer: Any, fs: list[Any], accs: list[Any]) -> None:
+        """Make the address tables :meth:`launch_peer` reads, for the peer exchange ``peer`` of the GPUs of ``fs``
+        (their images and fixed-point back projections, in ``peer.devices`` order): before a graph's capture."""
+        devs = [self._dev[f.device.id] for f in fs]
+        peer.register(fs, accs, [d["fu"][0] for d in devs], [d["fu"][1] for d in devs], [d["mean"] for d in devs])
+
+    def launch_peer(self, peer: Any, fs: list[Any], norms: list[Any], accs: list[Any], scale: float,
+                    streams: list[Any]) -> None:
+        """The step of every GPU of the peer exchange ``peer`` fused with the exchange (each GPU's own image ``fs``,
+        subset norm ``norms``, fixed-point back projection ``accs`` at ``scale`` and stream, in ``peer.devices``
+        order): GPU k sums the back projection of its slice of the voxels (in ``f``'s order) over the GPUs and
+        writes the slice's update into every GPU's arrays (``mlemlib/kernels/map_step.cu``,
+        ``map_update_peer_f32``); the same bits as the all-reduce followed by :meth:`launch` on every GPU."""
+        from mlemlib.backends._build import cupy
+
+        cp = cupy()
+        devs = [self._dev[f.device.id] for f in fs]
+        ks = {self._subset(d, norm) for d, norm in zip(devs, norms)}
+        if len(ks) != 1:
+            raise ConfigError("subsets", "the GPUs of the MAP step were launched with different subsets")
+        k = ks.pop()
+        if k == 0:
+            for d, f, stream in zip(devs, fs, streams):
+                with cp.cuda.Device(f.device.id), stream:
+                    self._to_grid(d, f)
+        tables = {name: peer.table(bufs) for name, bufs in (
+            ("f", fs), ("acc", accs), ("fu0", [d["fu"][0] for d in devs]), ("fu1", [d["fu"][1] for d in devs]),
+            ("mean", [d["mean"] for d in devs]))}
+        P, inv, n = np.int32(len(fs)), np.float64(1.0 / scale), int(devs[0]["n"])
+
+        def launch(i: int, blocks: int, v0: int, v1: int) -> None:
+            d = devs[i]
+            nx, ny, nz, gamma, eps = d["grid"]
+            d["update_peer"]((blocks,), (THREADS,), (
+                tables["fu0"][i], tables["fu1"][i], d["kappa_u"], d["pos"], np.int32(self.prior.pos is not None), nx,
+                ny, nz, gamma, eps, np.int32(ALGORITHM_CODES[self.algorithm]), tables["f"][i], tables["acc"][i], P,
+                np.int32(i), np.int32(v0), np.int32(v1), inv, d["norms"], d["inv_s"], d["lam"], d["steps"],
+                np.int32(k), d["n"], np.float32(self.beta), np.float32(self.floor), np.float32(self.offset),
+                tables["mean"][i], np.int32(self.average), d["bpsum"]))
+
+        peer.exchange(streams, n, launch)
+
     def launch(self, f: Any, norm: Any, *, bp: Any = None, acc: Any = None, scale: float | None = None) -> None:
         """The step on the current device and stream, in place on ``f``: ``bp`` (float32) or ``acc`` and its
         ``scale`` (fixed point) the all-reduced back projection; ``norm`` the backend's array of the subset's
         norm, which names the subset (the step reads its own copy of the norm, on the user's grid)."""
-        from mlemlib.backends._build import cupy
-
-        cp = cupy()
         d = self._dev[f.device.id]
-        # the subset of this launch: a pass launches subsets 0, ..., S - 1 in order, each with its own norm
-        k = d["subset_of"].setdefault(norm.data.ptr, len(d["subset_of"]))
-        if k >= self.subsets:
-            raise ConfigError("subsets", f"the MAP step was launched with more than {self.subsets} subsets' norms")
+        k = self._subset(d, norm)
         fixed = acc is not None
         blocks = (d["blocks"],)
         fu0, fu1 = d["fu"]
-        if k == 0:  # f on the user's grid; later sub-iterations read the copy the one before wrote
-            if self.prior.pos is not None:
-                d["to_grid"](blocks, (THREADS,), (f, d["pos"], d["n"], fu0))
-            else:
-                rt = cp.cuda.runtime
-                rt.memcpyAsync(fu0.data.ptr, f.data.ptr, f.nbytes, rt.memcpyDeviceToDevice,
-                               cp.cuda.get_current_stream().ptr)
+        if k == 0:
+            self._to_grid(d, f)
         nx, ny, nz, gamma, eps = d["grid"]
         d["update"](blocks, (THREADS,), (
             fu0, fu1, d["kappa_u"], d["inv"], np.int32(self.prior.pos is not None), d["n"], nx, ny, nz, gamma, eps,

@@ -89,14 +89,15 @@ def test_the_gpu_pass_mean_is_the_cpu_one(case, tmp_path):
 @pytest.mark.parametrize("bp,averaging,halving", [("onepass_fixed", "last", ()), ("onepass_chunked", "pass", ()),
                                                   ("onepass_fixed", "pass", (5, 10, 20))])
 def test_two_gpus_give_the_bits_of_one(case, tmp_path, bp, averaging, halving):
-    """The fixed-point kernels (the same bits on every GPU count): BSREM with subsets on 2 GPUs (one all-reduce per
-    subset, the step on each GPU) equals 1 GPU bit for bit (the pass's image the last sub-iterate or the mean; the
+    """The fixed-point kernels (the same bits on every GPU count): BSREM with subsets on 2 GPUs (the peer exchange
+    fused with the step: each GPU sums and steps its slice of the voxels) equals 1 GPU bit for bit (the pass's image the last sub-iterate or the mean; the
     subsets halving). (``auto`` picks the csr_vector pair on this problem, whose 2-GPU back projection adds two
     float partial sums: other last bits.)"""
     ms = MapSettings("rdp", beta=0.3, gamma=2.0, epsilon=2.0, averaging=averaging, subset_halving=halving)
     one, _ = _run(case, tmp_path / "one.h5", 30, ms, backend="cuda", gpus=1, bp=bp)
     two, t = _run(case, tmp_path / "two.h5", 30, ms, backend="cuda", gpus=2, bp=bp)
     assert t["backend"]["map"]["step"] == "device"
+    assert t["backend"]["exchange"] == "peer"  # in the captured pass, each GPU steps its slice of the voxels
     assert np.array_equal(one, two)
 
 

@@ -3,6 +3,8 @@ itself is tested on GPUs in test_peer_gpu.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from mlemlib.backends._peer import choose_exchange, slices
@@ -44,6 +46,6 @@ def test_nccl_is_never_asked_about_peer_access_and_unknown_names_are_refused():
 def test_slices_cover_the_voxels_once_in_gpu_order(n, parts):
     s = slices(n, parts)
     assert len(s) == parts and s[0][0] == 0 and s[-1][1] == n
-    assert all(a[1] == b[0] for a, b in zip(s, s[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(s))
     sizes = [v1 - v0 for v0, v1 in s]
     assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1

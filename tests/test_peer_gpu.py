@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_osem import S
+from test_osem_gpu import _image, grouped  # noqa: F401 - the fixture
 
 from mlemlib.backends import make_backend
 from mlemlib.errors import ConfigError
-from test_osem import S
-from test_osem_gpu import _image, grouped  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.gpu
 

@@ -16,15 +16,13 @@ it with the rest of the pass. On madpet2's image (784,000 voxels, 2 H200s) the e
 
 from __future__ import annotations
 
-import logging
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from mlemlib.errors import ConfigError, DeviceError
-
-log = logging.getLogger(__name__)
 
 #: The values of ``exchange``.
 EXCHANGES = ("auto", "nccl", "peer")
@@ -70,7 +68,7 @@ def slices(n: int, parts: int) -> list[tuple[int, int]]:
     """The slice of the ``n`` voxels each of ``parts`` GPUs sums: contiguous, in GPU order, sizes differing by at
     most one."""
     edges = [k * n // parts for k in range(parts + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(itertools.pairwise(edges))
 
 
 def peer_access(devices: Sequence[int]) -> bool:
@@ -129,10 +127,11 @@ class PeerExchange:
         cp = cupy()
         for bufs in sets:
             with cp.cuda.Device(self.devices[0]):
-                self._table(bufs)
+                self.table(bufs)
 
-    def _table(self, bufs: Sequence[Any]) -> list[Any]:
-        """Each GPU's device array of the vectors' addresses (made once per set of vectors)."""
+    def table(self, bufs: Sequence[Any]) -> list[Any]:
+        """Each GPU's device array of the addresses of ``bufs`` (one array per GPU, in ``devices`` order), for a
+        kernel that reads or writes every GPU's copy (made once per set of arrays, outside a graph's capture)."""
         from mlemlib.backends._build import cupy
 
         cp = cupy()
@@ -158,9 +157,10 @@ class PeerExchange:
                 raise ConfigError("exchange", f"the peer exchange takes {n} {np.dtype(dtype)} {what} on each GPU in "
                                               f"turn, got {b.size} {b.dtype} on GPU {b.device.id}")
 
-    def _launch(self, streams: Sequence[Any], n: int, name: str, args: Any) -> None:
-        """On each GPU's stream: the barrier, ``name`` over its slice (``args(k, v0, v1)`` its arguments), the
-        barrier."""
+    def exchange(self, streams: Sequence[Any], n: int, launch: Callable[[int, int, int, int], None]) -> None:
+        """On each GPU's stream in ``streams``: the barrier, ``launch(k, blocks, v0, v1)`` (GPU k's kernel over
+        its slice ``[v0, v1)`` of ``n`` voxels, launched on the current device and stream with ``blocks`` blocks of
+        :data:`THREADS`), the barrier."""
         from mlemlib.backends._build import cupy
 
         cp = cupy()
@@ -172,9 +172,13 @@ class PeerExchange:
             barrier = (v["epoch"], v["flag_ptrs"], P, np.int32(k), v["flags"], v["err"], timeout)
             with cp.cuda.Device(d), stream:
                 v["barrier"]((1,), (32,), barrier)
-                blocks = max(1, min(v["blocks"], -(-(v1 - v0) // THREADS)))
-                v[name]((blocks,), (THREADS,), args(k, v0, v1))
+                launch(k, max(1, min(v["blocks"], -(-(v1 - v0) // THREADS))), v0, v1)
                 v["barrier"]((1,), (32,), barrier)
+
+    def _launch(self, streams: Sequence[Any], n: int, name: str, args: Any) -> None:
+        """:meth:`exchange` with this module's kernel ``name`` (``args(k, v0, v1)`` its arguments)."""
+        self.exchange(streams, n, lambda k, blocks, v0, v1: self._dev[self.devices[k]][name](
+            (blocks,), (THREADS,), args(k, v0, v1)))
 
     def allreduce(self, bufs: Sequence[Any], streams: Sequence[Any]) -> None:
         """Sum ``bufs`` (one uint64 vector per GPU, in ``devices`` order, equal lengths) over the GPUs, in place,
@@ -185,7 +189,7 @@ class PeerExchange:
         n = int(bufs[0].size) if len(bufs) else 0
         self._check(bufs, np.uint64, n, "vectors")
         with cp.cuda.Device(self.devices[0]), streams[0]:
-            table = self._table(bufs)
+            table = self.table(bufs)
         P = np.int32(len(self.devices))
         self._launch(streams, n, "sum", lambda k, v0, v1: (table[k], P, np.int64(v0), np.int64(v1)))
 
@@ -203,7 +207,7 @@ class PeerExchange:
         self._check(images, np.float32, n, "images")
         self._check(norms, np.float32, n, "norms")
         with cp.cuda.Device(self.devices[0]), streams[0]:
-            ta, tf = self._table(accs), self._table(images)
+            ta, tf = self.table(accs), self.table(images)
         P, inv = np.int32(len(self.devices)), np.float64(1.0 / scale)
         self._launch(streams, n, "sum_update", lambda k, v0, v1: (ta[k], tf[k], P, np.int32(k), np.int64(v0),
                                                                  np.int64(v1), inv, norms[k]))

@@ -543,7 +543,8 @@ class NcclBackend(Backend):
         correlation above the range) is detected after the all-reduce and the
         iteration is redone with a range 2^20 times larger. Captured in a graph
         with the peer exchange and EM's update, the exchange updates the image
-        too (:meth:`~mlemlib.backends._peer.PeerExchange.allreduce_update`: each
+        too (:meth:`~mlemlib.backends._peer.PeerExchange.allreduce_update`, or
+        the algorithm's :meth:`~mlemlib._map_cuda.DeviceMapStep.launch_peer`: each
         GPU its slice; the same bits): a replay that overflowed is redone from
         the image it started from.
         """
@@ -551,7 +552,7 @@ class NcclBackend(Backend):
         nccl = _nccl()
         step = registry.launcher(self._kb)
         scale = None
-        fused = self._peer is not None and self.deterministic and self.image_step is None
+        fused = self._peer is not None and self.deterministic
         if fused and not self.graph_capturing:  # the address tables, made before any capture
             self._peer.register([s.acc for s in self.shards], [s.f for s in self.shards])
         fused = fused and self.graph_capturing
@@ -585,8 +586,12 @@ class NcclBackend(Backend):
             log.info("%s: overflow (flag %d); range raised to %.3g", self.bp_kernel, bad, self._fixed_bound)
         self._scale = scale
         if fused:
-            self._peer.allreduce_update([s.acc for s in self.shards], [s.f for s in self.shards],
-                                        [s.norm for s in self.shards], scale, [s.stream for s in self.shards])
+            args = ([s.f for s in self.shards], [s.norm for s in self.shards], [s.acc for s in self.shards], scale,
+                    [s.stream for s in self.shards])
+            if self.image_step is not None:
+                self.image_step.launch_peer(self._peer, *args)
+            else:
+                self._peer.allreduce_update(args[2], args[0], args[1], scale, args[4])
             return
         for s in self.shards:
             with cp.cuda.Device(s.device), s.stream:
@@ -681,6 +686,8 @@ class NcclBackend(Backend):
         self.synchronize()  # and read the last replay's overflow flags
         for s in self.shards:
             step.prepare(s.device, s.stream)
+        if self._peer is not None and self.deterministic:  # the tables of the pass's fused step, before a capture
+            step.register_peer(self._peer, [s.f for s in self.shards], [s.acc for s in self.shards])
         self.image_step = step
         if self.graph and self.shards and self.shards[0].graph is not None:
             self._capture()
