@@ -442,14 +442,12 @@ class NcclBackend(Backend):
         """Set up the peer exchange where it was chosen (the shared backend's, where there is one)."""
         from mlemlib.backends import _peer
 
-        self._owns_peer = False
         if self.exchange == "peer":
             if share is not None and share._peer is not None and share._peer.devices == list(devices):
                 self._peer = share._peer
             else:
                 with setup_times.phase("comms"):
                     self._peer = _peer.PeerExchange(devices)
-                self._owns_peer = True
 
     def _warm_up_and_capture(self) -> None:
         """Run the warm-up iteration, then capture the iteration's graphs where ``graph``."""
