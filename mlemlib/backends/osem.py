@@ -8,8 +8,9 @@ stage's rule applied to the subset), with ``norm[k]`` (:func:`mlemlib.subsets.up
 the subset does not see a voxel, which the update then keeps). The S backends share their GPUs'
 streams, image buffers and communicators: one :meth:`OsemBackend.iterate` launches the S
 sub-iterations one after the other on each GPU's stream, with one all-reduce of the image's back
-projection per subset (none on one GPU); nothing is copied between them, and the back projection's
-scratch vectors are one per GPU. With CUDA graphs the whole pass is one captured graph per GPU, and the
+projection per subset (none on one GPU; over NVLink peer access for the fixed-point kernels, with the update
+fused into it inside a graph: :mod:`mlemlib.backends._peer`); nothing is copied between them, and the back
+projection's scratch vectors are one per GPU. With CUDA graphs the whole pass is one captured graph per GPU, and the
 fixed point's overflow flags (one per subset, in one array per GPU) are read once after it.
 
 Every kernel of the local layout runs in a subset (the stored-transpose pair transposes each GPU's
