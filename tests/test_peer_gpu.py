@@ -9,21 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_osem import S
-from test_osem_gpu import _image, grouped  # noqa: F401 - the fixture
+from test_osem_gpu import _gpus, _image, grouped  # noqa: F401 - the fixture
 
 from mlemlib.backends import make_backend
 from mlemlib.errors import ConfigError
 
 pytestmark = pytest.mark.gpu
-
-
-def _gpus() -> int:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
 
 
 needs_two = pytest.mark.skipif(_gpus() < 2, reason="needs two GPUs")

@@ -218,7 +218,7 @@ class PeerExchange:
         from mlemlib.backends._build import cupy
 
         cp = cupy()
-        for k, d in enumerate(self.devices):
+        for d in self.devices:
             with cp.cuda.Device(d):
                 peer = int(self._dev[d]["err"].get()[0])
             if peer:

@@ -550,10 +550,10 @@ class NcclBackend(Backend):
         nccl = _nccl()
         step = registry.launcher(self._kb)
         scale = None
-        fused = self._peer is not None and self.deterministic
-        if fused and not self.graph_capturing:  # the address tables, made before any capture
+        # the peer exchange is chosen for the fixed point only (choose_exchange)
+        if self._peer is not None and not self.graph_capturing:  # the address tables, made before any capture
             self._peer.register([s.acc for s in self.shards], [s.f for s in self.shards])
-        fused = fused and self.graph_capturing
+        fused = self._peer is not None and self.graph_capturing
         for attempt in range(FIXED_RETRIES + 1):
             for s in self.shards:
                 with cp.cuda.Device(s.device), s.stream:
@@ -584,12 +584,12 @@ class NcclBackend(Backend):
             log.info("%s: overflow (flag %d); range raised to %.3g", self.bp_kernel, bad, self._fixed_bound)
         self._scale = scale
         if fused:
-            args = ([s.f for s in self.shards], [s.norm for s in self.shards], [s.acc for s in self.shards], scale,
-                    [s.stream for s in self.shards])
+            fs, norms = [s.f for s in self.shards], [s.norm for s in self.shards]
+            accs, streams = [s.acc for s in self.shards], [s.stream for s in self.shards]
             if self.image_step is not None:
-                self.image_step.launch_peer(self._peer, *args)
+                self.image_step.launch_peer(self._peer, fs, norms, accs, scale, streams)
             else:
-                self._peer.allreduce_update(args[2], args[0], args[1], scale, args[4])
+                self._peer.allreduce_update(accs, fs, norms, scale, streams)
             return
         for s in self.shards:
             with cp.cuda.Device(s.device), s.stream:
