@@ -1316,12 +1316,39 @@ def test_map_runs_get_their_table_plots_and_labels(tmp_path, figures):
     assert [ax.get_ylabel() for ax in objective.axes] == ["Phi = L - beta R", "log-likelihood L", "prior R"]
     assert len(objective.axes[0].get_lines()) == 3  # the three MAP configurations, OSEM none
     assert list(objective.axes[0].get_lines()[0].get_xdata()) == [0, 1, 2, 3, 4]
+    assert all(float(t).is_integer() for ax in (*objective.axes, *metrics.axes) for t in ax.get_xticks())  # passes
     assert list(objective.axes[2].get_lines()[1].get_ydata()) == [50.0] * 5  # R = 100 / beta, beta = 2
     assert len(metrics.axes) == 3 and all(ax.get_yscale() == "log" for ax in metrics.axes)
     lines = metrics.axes[2].get_lines()  # two measured configurations and the 0.5% threshold
     assert len(lines) == 3 and list(lines[-1].get_ydata()) == [0.005, 0.005]
     assert list(metrics.axes[0].get_lines()[-1].get_ydata()) == [0.01, 0.01]
     assert list(lines[0].get_ydata()) == [0.1, 0.001, 0.004, 0.001]
+
+
+def test_a_map_runs_prior_step_is_a_step_of_its_own(tmp_path, figures):
+    """A MAP run timed on the host records the prior's gradient and step as "map": the step table, runs.csv and
+    the stacked bars show it, so the steps add up to the iteration."""
+    run = _map_run(_cpu(), beta=0.5)
+    rep = run["repetitions"][0]
+    rep["samples"]["map"] = [2e-3] * 4
+    rep["samples"]["iteration"] = [t + 2e-3 for t in rep["samples"]["iteration"]]
+    rep["steps"] = {st: stats(v) for st, v in rep["samples"].items()}
+    summarize([run], tmp_path / "s")
+    md = (tmp_path / "s" / "summary.md").read_text()
+    section = md.split("## Time per iteration by step", 1)[1]
+    head = next(ln for ln in section.splitlines() if ln.startswith("| configuration"))
+    row = next(ln for ln in section.splitlines() if ln.startswith("| cpu"))
+    cells = dict(zip([c.strip() for c in head.strip("|").split("|")], [c.strip() for c in row.strip("|").split("|")]))
+    assert cells["map (ms)"] == "2.00" and "map: the prior's gradient and the MAP step" in section
+    assert md.startswith("# ") and "1 run, 1 repetition, 1 configuration." in md
+    with open(tmp_path / "s" / "runs.csv", newline="") as fh:
+        (csv_row,) = csv.DictReader(fh)
+    assert float(csv_row["map_mean_s"]) == pytest.approx(2e-3)
+    ax = figures["time_per_iteration.png"].axes[0]
+    right = max(p.get_x() + p.get_width() for p in ax.patches)
+    per_s = {"time per iteration (s)": 1.0, "time per iteration (ms)": 1e3}[ax.get_xlabel()]
+    assert right == pytest.approx(float(csv_row["iteration_mean_s"]) * per_s, rel=1e-9)  # the bars fill it
+    assert any(t.get_text().startswith("map:") for t in ax.get_legend().get_texts())
 
 
 def test_no_map_part_without_map_runs_and_no_metrics_plot_without_metrics(runs, tmp_path):

@@ -122,9 +122,10 @@ def _time_unit(ms: float) -> tuple[str, float]:
 
 
 _STEP_COLORS = {"fp": "tab:blue", "corr": "tab:orange", "bp": "tab:green", "update": "tab:red",
-                "allreduce": "tab:purple", "iteration": "0.75"}
+                "map": "tab:brown", "allreduce": "tab:purple", "iteration": "0.75"}
 _STEP_NAMES = {"fp": "fp: forward projection A f", "corr": "corr: g / (A f)", "bp": "bp: back projection A^T c",
-               "update": "update: f * bp / norm", "allreduce": "allreduce: between GPUs",
+               "update": "update: f * bp / norm",
+               "map": "map: the prior's gradient and the MAP step", "allreduce": "allreduce: between GPUs",
                "iteration": "whole iteration (its steps not timed within it)"}
 
 
@@ -182,7 +183,7 @@ def plot_times(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -> None
     handles.append(plt.Line2D([], [], ls="", marker="o", color="black", mfc="white", ms=5,
                               label="one repetition's mean time per iteration"))
     axes[0].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    axes[0].set_title("MLEM time per iteration by configuration" + (f": {problem}" if problem else ""))
+    axes[0].set_title("Time per iteration by configuration" + (f": {problem}" if problem else ""))
     note = ("Bars: the mean of each step over all iterations and repetitions, stacked. "
             + (f"Configurations whose times differ by more than {PANEL_RATIO:g}x are in separate panels, each "
                "with its own time axis. " if len(panels) > 1 else ""))
@@ -517,7 +518,7 @@ def plot_time_vs_gpus(rows: list[dict[str, Any]], path: Path) -> bool:
     ax.set_xticks(sorted(counts), [str(p) for p in sorted(counts)])
     ax.set_xlim(0.5, max(counts) + 0.5)
     ax.set_xlabel("GPUs (P)")
-    ax.set_title("MLEM time per iteration against the number of GPUs")
+    ax.set_title("Time per iteration against the number of GPUs")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     dashed = any(layout == "thesis" for _, layout in lines)
@@ -766,6 +767,7 @@ def plot_map_objective(groups: Mapping[tuple, list[dict[str, Any]]], path: Path)
     configuration recorded a history.
     """
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     maps = _map_groups(groups)
     if not maps:
@@ -781,6 +783,7 @@ def plot_map_objective(groups: Mapping[tuple, list[dict[str, Any]]], path: Path)
                     color=_series_color(k), label=label, marker="o" if len(hist) <= 12 else None, markersize=3)
     for ax, (_, name) in zip(axes, keys):
         ax.set(xlabel="pass", ylabel=name, title=f"{name} per pass")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # passes are whole numbers
         ax.grid(True, alpha=0.3)
     # the legend under the whole figure (under one panel, its width would widen that panel's column), the note
     # under the legend
@@ -807,6 +810,7 @@ def plot_map_metrics(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -
     (nothing written) where no configuration recorded metrics.
     """
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from mlemlib.map_metrics import RMSE_THRESHOLD, SPHERE_THRESHOLD
 
@@ -841,6 +845,7 @@ def plot_map_metrics(groups: Mapping[tuple, list[dict[str, Any]]], path: Path) -
         ax.axhline(limit, color="0.3", linestyle=":", linewidth=1, label=f"threshold {100 * limit:g}%")
         ax.set_yscale("log")
         ax.set(xlabel="pass", ylabel=ylabel, title=title)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
     legend = fig.legend(handles, names, loc="upper left", bbox_to_anchor=(0.01, -0.01), ncol=1, fontsize=8,

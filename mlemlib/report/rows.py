@@ -34,8 +34,8 @@ from mlemlib.mlem import transpose_used
 
 log = logging.getLogger(__name__)
 
-#: Steps reported in the tables, in order.
-STEPS = ("fp", "corr", "bp", "update", "allreduce")
+#: Steps reported in the tables, in order (``map``: a MAP run's prior gradient and step, timed on the host).
+STEPS = ("fp", "corr", "bp", "update", "map", "allreduce")
 
 #: The fixed columns of ``runs.csv`` (``cr_<label>`` columns follow).
 RUN_COLUMNS = (

@@ -205,9 +205,9 @@ def summarize(
     n_refs = sum(1 for _, t in loaded if (t.get("config") or {}).get("reference_mode"))
     head = (
         f"# {title}\n\n"
-        f"{len(loaded) - n_refs} runs"
-        + (f" and {n_refs} float64 reference{'s' if n_refs > 1 else ''}" if n_refs else "")
-        + f", {len(rows)} repetitions, {len(groups)} configurations. "
+        + _count(len(loaded) - n_refs, "run")
+        + (f" and {_count(n_refs, 'float64 reference')}" if n_refs else "")
+        + f", {_count(len(rows), 'repetition')}, {_count(len(groups), 'configuration')}. "
         f"Every row of `{csv_path.name}` is one repetition of one run.\n\n"
     )
     text = head + "\n".join(sec for sec in sections if sec)
@@ -229,6 +229,11 @@ def summarize(
         "plots": [os.fspath(plots_dir / p) for p in plot_names],
     }
 
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 run"``, ``"2 runs"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _image_plots(rows: list[dict[str, Any]], plots: Path) -> dict[str, str]:

@@ -247,7 +247,7 @@ def overview_section(groups: Mapping[tuple, list[dict[str, Any]]], rows: Iterabl
             f"{label} for {k[0]} / {k[1]}" for k, (_, label, _) in base.items()) + " over the configuration's.")
     intro = ((f"{problems[0]}: " if len(problems) == 1 else "")
              + "each configuration's mean time per iteration (all iterations and repetitions), its relative L2 "
-             "error to the float64 reference MLEM (||f - f_ref|| / ||f_ref||, mean over repetitions), whether its "
+             "error to the float64 reference of the same algorithm (||f - f_ref|| / ||f_ref||, mean over repetitions), whether its "
              "kernels give the same image every time (NO: floating-point atomics) and its speed-up (–: nothing to "
              "compare with). " + against
              + (" speed-up vs. 1 GPU: T(1) / T(P) of the same configuration (the scaling table below)."
@@ -301,7 +301,8 @@ def timing_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
             ]
         )
     named = {"fp": "forward projection", "corr": "the measurement's correction", "bp": "back projection",
-             "update": "image update", "allreduce": "all-reduce between GPUs"}
+             "update": "image update",
+             "map": "the prior's gradient and the MAP step (BSREM, OSL)", "allreduce": "all-reduce between GPUs"}
     intro = (
         "Mean over all iterations and repetitions, in ms; "
         + ", ".join(f"{s}: {named[s]}" for s in steps)
@@ -395,7 +396,7 @@ def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
     several = len(_problems(groups)) > 1
     key = [*([0, 1] if several else []), 2, 3, 9, 12, 13, 14]  # configuration, reps, rel. L2 (mean), truth, ...
     intro = (
-        "rel. L2 to ref.: ||f - f_ref|| / ||f_ref|| against the float64 reference MLEM of the same problem (mean "
+        "rel. L2 to ref.: ||f - f_ref|| / ||f_ref|| against the float64 reference of the same problem and algorithm (mean "
         "over repetitions); to truth: the same against the phantom. distinct images: how many different float32 "
         "images the repetitions produced (1: bit-identical).\n\n"
     )
