@@ -217,3 +217,28 @@ def check_map_files():
     kappa = config["mlem"]["prior"]["kappa"]
     if is_map() and kappa and not os.path.isfile(split_h5(kappa)[0]):
         stop(f"config mlem.prior.kappa: {kappa}: no such file")
+    if is_map() and kappa and deep:
+        check_kappa_file(kappa)
+
+
+def check_kappa_file(kappa):
+    """Stop, in one line, on a kappa file that does not hold one finite,
+    non-negative value per voxel of every matrix the prior acts on (read as
+    the runs read it: mlemlib.prior.read_kappa)."""
+    from mlemlib.errors import InputError
+    from mlemlib.prior import read_kappa
+    from mlemlib.scanner import get_preset
+
+    checked = set()
+    for name, entry in config["matrices"].items():
+        if entry["preset"]:
+            voxels = int(get_preset(entry["preset"]).shape[1])
+        else:
+            voxels = int(_read_checked(entry["path"], matrix_grid)["cols"])
+        if voxels in checked:
+            continue
+        try:
+            read_kappa(kappa, voxels)
+        except InputError as exc:
+            stop(f"config mlem.prior.kappa (matrix {name}): {exc}")
+        checked.add(voxels)

@@ -15,6 +15,7 @@ import copy
 import csv
 import re
 
+import numpy as np
 import pytest
 from test_workflow import TINY, changed, dry_run, one_line, planned_jobs, snakemake, user_files
 
@@ -140,6 +141,19 @@ def test_a_prior_needs_the_grid_of_a_users_matrix(tmp_path):
     jobs = dry_run(tmp_path, config)
     assert jobs["convert_matrix"] == 1 and jobs["run_mlem"] == 1
     assert "compute_converged_map" not in jobs  # a user's measurement: no truth, no regions, no metrics
+    # kappa is read as the runs read it, before any job: one value per voxel, finite, non-negative
+    kappa = tmp_path / "data" / "kappa.f32"
+    np.ones(11, np.float32).tofile(kappa)
+    config["mlem"]["prior"]["kappa"] = "data/kappa.f32"
+    assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
+        "config mlem.prior.kappa (matrix mine): data/kappa.f32: 11 kappa values, expected one per voxel (12, the "
+        "matrix's columns)")
+    np.array([1.0] * 11 + [-0.5], np.float32).tofile(kappa)
+    assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
+        "config mlem.prior.kappa (matrix mine): data/kappa.f32: negative kappa -0.5 at voxel 11")
+    np.ones(12, np.float32).tofile(kappa)
+    assert dry_run(tmp_path, config)["run_mlem"] == 1
+    config["mlem"]["prior"]["kappa"] = None
     config["matrices"]["mine"]["grid"] = None
     config["matrices"]["mine"]["voxel_size"] = [2.0, 2.0, 2.0]
     assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
