@@ -152,6 +152,8 @@ def validate_paths():
             path = files["counts"]
             for role in FACTOR_ROLES:
                 fault = files[role] and _factor_fault(files[role], rows)
+                if files[role] and not fault and deep:
+                    fault = _factor_values_fault(files[role], rows, role)
                 if fault:
                     stop(
                         f"config matrices.{name}.measurements.{data}.{role}: "
@@ -203,6 +205,25 @@ def _factor_fault(spec, rows, what="float32 value"):
         return f"size {size} is not a multiple of 4 bytes (one {what} per LOR)"
     if rows is not None and size != 4 * rows:
         return f"{size // 4} values, but the matrix has {rows} rows (LORs)"
+    return None
+
+
+def _factor_values_fault(spec, rows, kind):
+    """Why the values of a factor file are not usable, read as the runs read
+    them (mlemlib.corrections: one per LOR, finite, non-negative, not every
+    multiplicative factor 0); None if they are. Once per file version."""
+    from mlemlib.corrections import KINDS, check_factors, read_float32_file, split_h5
+
+    def factors_ok(_path):
+        values = read_float32_file(spec, KINDS[kind], "LOR")
+        check_factors(values, values.size if rows is None else rows, kind, spec)
+        return True
+
+    factors_ok.__name__ = f"factors_ok {kind} {split_h5(spec)[1]} {rows}"  # the cache key's check
+    try:
+        _read_checked(split_h5(spec)[0], factors_ok)
+    except InputError as exc:
+        return exc.fault
     return None
 
 

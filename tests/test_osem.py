@@ -493,6 +493,23 @@ def test_a_factor_file_of_the_wrong_length_stops_the_dry_run(tmp_path, role):
                     "40 rows (LORs)")
 
 
+@pytest.mark.parametrize(
+    ("role", "values", "fault"),
+    [
+        ("multiplicative", [1.0] * 7 + [np.nan] + [1.0] * 32, "multiplicative factor nan at LOR 7 (NaN or Inf)"),
+        ("multiplicative", [0.0] * 40, "every multiplicative factor is 0: no LOR counts"),
+        ("additive", [0.5] * 9 + [-1.0] + [0.5] * 30, "negative additive background -1.0 at LOR 9"),
+    ],
+)
+def test_a_factor_files_values_are_read_by_the_dry_run(tmp_path, role, values, fault):
+    """Read as the runs read them: a NaN, a negative value or an all-zero m stops the dry run, not a job."""
+    config = _osem_config(tmp_path)
+    np.array(values, "<f4").tofile(tmp_path / "data/bad.f32")
+    config["matrices"]["mine"]["measurements"]["scan"][role] = "data/bad.f32"
+    line = one_line(snakemake(tmp_path, "--dry-run", config=config))
+    assert line == f"config matrices.mine.measurements.scan.{role}: data/bad.f32: {fault}"
+
+
 def test_a_missing_subset_file_stops_the_dry_run(tmp_path):
     config = _osem_config(tmp_path)
     config["mlem"]["subset_file"] = "data/none.i32"
