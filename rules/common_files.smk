@@ -132,6 +132,7 @@ def validate_paths():
     have one count per row of its matrix.
     """
     deep = not (workflow.remote_exec or workflow.subprocess_exec)
+    rows_of = {}  # a user's matrix's rows where read
     for name, entry in config["matrices"].items():
         rows = None
         if entry["path"] is not None:
@@ -147,6 +148,7 @@ def validate_paths():
                     fault = exc.fault
             if fault:
                 stop(f"config matrices.{name}.path: {path}: {fault}")
+            rows_of[name] = rows
         for data, value in entry["measurements"].items():
             files = measurement_files(value)
             path = files["counts"]
@@ -176,6 +178,34 @@ def validate_paths():
     fault = subset_file and _factor_fault(subset_file, None, "int32 subset label")
     if fault:
         stop(f"config mlem.subset_file: {subset_file}: {fault}")
+    if subset_file and deep:
+        check_subset_file(subset_file, rows_of)
+
+
+def check_subset_file(path, rows_of):
+    """Stop, in one line, on a subset file whose labels the runs would refuse
+    (mlemlib.subsets.read_subset_file: one per LOR of every matrix, each in
+    0 .. S-1, no subset empty)."""
+    from mlemlib.scanner import get_preset
+    from mlemlib.subsets import read_subset_file
+
+    subsets = int(config["mlem"]["subsets"])
+    for name, entry in config["matrices"].items():
+        rows = rows_of.get(name)
+        if entry["preset"]:
+            rows = int(get_preset(entry["preset"]).shape[0])
+        if rows is None:
+            continue
+
+        def labels_ok(p, rows=rows):
+            read_subset_file(p, rows, subsets)
+            return True
+
+        labels_ok.__name__ = f"labels_ok {rows} {subsets}"  # the cache key's check
+        try:
+            _read_checked(path, labels_ok)
+        except InputError as exc:
+            stop(f"config mlem.subset_file (matrix {name}): {path}: {exc.fault}")
 
 
 #: The measurement's factor files (mlemlib.corrections): multiplicative m, additive b.
