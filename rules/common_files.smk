@@ -249,7 +249,9 @@ def _factor_values_fault(spec, rows, kind):
         check_factors(values, values.size if rows is None else rows, kind, spec)
         return True
 
-    factors_ok.__name__ = f"factors_ok {kind} {split_h5(spec)[1]} {rows}"  # the cache key's check
+    factors_ok.__name__ = (
+        f"factors_ok {kind} {split_h5(spec)[1]} {rows}"  # the cache key's check
+    )
     try:
         _read_checked(split_h5(spec)[0], factors_ok)
     except InputError as exc:
