@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Run the SLURM tests (tests/test_slurm.py) against a single-node SLURM on this
 # machine: starts it with tools/slurm/start.sh if it is not up, runs the tests,
-# and stops it again if this script started it (unless --keep).
+# and stops it again if this script started it (unless --keep): with --purge
+# after tests that passed (a configured SLURM whose controller is down makes
+# every later snakemake start wait 9 s: the SLURM executor plugin asks
+# scontrol when it is imported), keeping its logs after tests that failed.
 #
 #   tools/slurm/run_test.sh [--keep] [pytest arguments...]
 #
@@ -23,8 +26,14 @@ if ! scontrol ping 2>/dev/null | grep -q UP; then
     "$here/start.sh"
     started=1
 fi
-cleanup() { if ((started && !keep)); then "$here/stop.sh"; fi; }
+passed=0
+cleanup() {
+    if ((started && !keep)); then
+        if ((passed)); then "$here/stop.sh" --purge; else "$here/stop.sh"; fi
+    fi
+}
 trap cleanup EXIT
 
 cd "$repo"
 "$venv/bin/python" -m pytest tests/test_slurm.py -v -rs "$@"
+passed=1
