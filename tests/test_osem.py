@@ -516,20 +516,17 @@ def test_a_missing_subset_file_stops_the_dry_run(tmp_path):
     assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == "config mlem.subset_file: data/none.i32: no such file"
 
 
-@pytest.mark.parametrize(
-    ("labels", "fault"),
-    [
+def test_a_subset_files_labels_are_read_by_the_dry_run(tmp_path):
+    config = _osem_config(tmp_path)
+    config["mlem"]["subset_file"] = "data/s.i32"
+    for labels, fault in [
         ([0, 1] * 19 + [2, 0], "subset label 2 at LOR 38, expected 0 .. 1"),
         ([0] * 40, "subset 1 of 2 holds no LOR"),
         ([0, 1] * 10, "20 subset labels, expected one per LOR (40)"),
-    ],
-)
-def test_a_subset_files_labels_are_read_by_the_dry_run(tmp_path, labels, fault):
-    config = _osem_config(tmp_path)
-    np.array(labels, "<i4").tofile(tmp_path / "data/s.i32")
-    config["mlem"]["subset_file"] = "data/s.i32"
-    assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
-        f"config mlem.subset_file (matrix mine): data/s.i32: {fault}")
+    ]:
+        np.array(labels, "<i4").tofile(tmp_path / "data/s.i32")
+        assert one_line(snakemake(tmp_path, "--dry-run", config=config)) == (
+            f"config mlem.subset_file (matrix mine): data/s.i32: {fault}")
     np.array([0, 1] * 20, "<i4").tofile(tmp_path / "data/s.i32")
     assert dry_run(tmp_path, config)["run_mlem"] == 1
 
