@@ -351,7 +351,8 @@ def half_rows(block: CSRMatrix, fmt: str = "compressed-f16", *, scale: np.ndarra
         naming ``what`` and the row (``row0`` + its index in the block); a
         ``compressed-u16`` block without its row scales.
     """
-    from mlemlib.compressed import VALUE_DTYPES, _row_scales
+    from mlemlib._compressed_kernels import _row_scales
+    from mlemlib.compressed import VALUE_DTYPES
     from mlemlib.formats.spec import matrix_format_of
 
     ip = np.asarray(block.indptr, dtype=np.int64)

@@ -70,11 +70,11 @@ def test_the_host_warm_up_runs_the_functions_the_cpu_jobs_compile():
     """warm_host (the process warm_up starts) runs on the host alone: the decoder, the norm's and the
     measurement's passes, the float64 reference's iteration, the chunked layout, the benchmark's problem and
     float64 products of the small matrix; the norm's and the decoder's functions are compiled after it."""
-    from mlemlib import compressed, norm
+    from mlemlib import _compressed_kernels, norm
     from mlemlib.backends import cpu
 
     warm.warm_host(reference=True, bench=True)
-    assert norm._add_columns.signatures and compressed._decode.signatures and cpu._spmv64.signatures
+    assert norm._add_columns.signatures and _compressed_kernels._decode.signatures and cpu._spmv64.signatures
 
 
 @pytest.mark.gpu

@@ -37,7 +37,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from mlemlib.compressed import CompressedMatrix, half_bits_to_float32, value_kind
+from mlemlib._compressed_kernels import half_bits_to_float32
+from mlemlib.compressed import CompressedMatrix, value_kind
 
 #: Default number of row blocks of the scatters (as :data:`mlemlib.backends.cpu.DEFAULT_BLOCKS`).
 DEFAULT_BLOCKS = 16

@@ -56,7 +56,6 @@ from mlemlib.compressed import (
     SLOT_ALIGN,
     VALUE_DTYPES,
     CompressedMatrix,
-    _real_counts,
     check_alignment,
     check_row_scales,
     check_slots,
@@ -269,6 +268,8 @@ class CompressedH5(MatrixH5):
     def read_indptr(self) -> np.ndarray:
         """The CSR row pointer (elements, ``m + 1`` entries); reads every code once, then cached."""
         if self._indptr is None:
+            from mlemlib._compressed_kernels import _real_counts
+
             sp = self.read_slotptr()
             m = self.shape[0]
             counts = np.empty(m, dtype=np.int64)
