@@ -73,10 +73,12 @@ def _file_fault(path, role):
 CHECKED_FILES = ".snakemake/mlemlib/checked-files.json"
 
 
-def _read_checked(path, check):
-    """check(path) (a JSON value; raises InputError on a fault), once per version of path."""
+def _read_checked(path, check, *args):
+    """check(path, *args) (a JSON value; raises InputError on a fault), once per
+    version of path and value of args."""
     stat = os.stat(path)
-    key = f"{check.__name__} {os.path.abspath(path)} {stat.st_size} {stat.st_mtime_ns}"
+    named = check.__name__ + (repr(args) if args else "")
+    key = f"{named} {os.path.abspath(path)} {stat.st_size} {stat.st_mtime_ns}"
     try:
         with open(CHECKED_FILES, encoding="utf-8") as fh:
             checked = json.load(fh)
@@ -84,7 +86,7 @@ def _read_checked(path, check):
         checked = {}
     if key in checked:
         return checked[key]
-    value = checked[key] = check(path)
+    value = checked[key] = check(path, *args)
     try:
         os.makedirs(os.path.dirname(CHECKED_FILES), exist_ok=True)
         with open(f"{CHECKED_FILES}.{os.getpid()}", "w", encoding="utf-8") as fh:
@@ -184,10 +186,9 @@ def validate_paths():
 
 def check_subset_file(path, rows_of):
     """Stop, in one line, on a subset file whose labels the runs would refuse
-    (mlemlib.subsets.read_subset_file: one per LOR of every matrix, each in
-    0 .. S-1, no subset empty)."""
+    (subset_labels_ok: one per LOR of every matrix, each in 0 .. S-1, no
+    subset empty)."""
     from mlemlib.scanner import get_preset
-    from mlemlib.subsets import read_subset_file
 
     subsets = int(config["mlem"]["subsets"])
     for name, entry in config["matrices"].items():
@@ -196,16 +197,19 @@ def check_subset_file(path, rows_of):
             rows = int(get_preset(entry["preset"]).shape[0])
         if rows is None:
             continue
-
-        def labels_ok(p, rows=rows):
-            read_subset_file(p, rows, subsets)
-            return True
-
-        labels_ok.__name__ = f"labels_ok {rows} {subsets}"  # the cache key's check
         try:
-            _read_checked(path, labels_ok)
+            _read_checked(path, subset_labels_ok, rows, subsets)
         except InputError as exc:
             stop(f"config mlem.subset_file (matrix {name}): {path}: {exc.fault}")
+
+
+def subset_labels_ok(path, rows, subsets):
+    """True when mlemlib.subsets.read_subset_file reads `path` as the labels of
+    `rows` LORs in `subsets` subsets; raises InputError else."""
+    from mlemlib.subsets import read_subset_file
+
+    read_subset_file(path, rows, subsets)
+    return True
 
 
 #: The measurement's factor files (mlemlib.corrections): multiplicative m, additive b.
@@ -240,23 +244,26 @@ def _factor_fault(spec, rows, what="float32 value"):
 
 def _factor_values_fault(spec, rows, kind):
     """Why the values of a factor file are not usable, read as the runs read
-    them (mlemlib.corrections: one per LOR, finite, non-negative, not every
-    multiplicative factor 0); None if they are. Once per file version."""
-    from mlemlib.corrections import KINDS, check_factors, read_float32_file, split_h5
+    them (factor_values_ok); None if they are. Once per file version."""
+    from mlemlib.corrections import split_h5
 
-    def factors_ok(_path):
-        values = read_float32_file(spec, KINDS[kind], "LOR")
-        check_factors(values, values.size if rows is None else rows, kind, spec)
-        return True
-
-    factors_ok.__name__ = (
-        f"factors_ok {kind} {split_h5(spec)[1]} {rows}"  # the cache key's check
-    )
     try:
-        _read_checked(split_h5(spec)[0], factors_ok)
+        _read_checked(split_h5(spec)[0], factor_values_ok, spec, rows, kind)
     except InputError as exc:
         return exc.fault
     return None
+
+
+def factor_values_ok(path, spec, rows, kind):
+    """True when mlemlib.corrections reads the factors `spec` (the file `path`,
+    or a dataset in it) as the runs do: one per LOR (`rows`; None: not known
+    yet), finite, non-negative, not every multiplicative factor 0; raises
+    InputError else."""
+    from mlemlib.corrections import KINDS, check_factors, read_float32_file
+
+    values = read_float32_file(spec, KINDS[kind], "LOR")
+    check_factors(values, values.size if rows is None else rows, kind, spec)
+    return True
 
 
 def _file_stamp(path):

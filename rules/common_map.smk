@@ -224,21 +224,26 @@ def check_map_files():
 def check_kappa_file(kappa):
     """Stop, in one line, on a kappa file that does not hold one finite,
     non-negative value per voxel of every matrix the prior acts on (read as
-    the runs read it: mlemlib.prior.read_kappa)."""
+    the runs read it, kappa_ok; once per file version and voxel count)."""
+    from mlemlib.corrections import split_h5
     from mlemlib.errors import InputError
-    from mlemlib.prior import read_kappa
     from mlemlib.scanner import get_preset
 
-    checked = set()
     for name, entry in config["matrices"].items():
         if entry["preset"]:
             voxels = int(get_preset(entry["preset"]).shape[1])
         else:
             voxels = int(_read_checked(entry["path"], matrix_grid)["cols"])
-        if voxels in checked:
-            continue
         try:
-            read_kappa(kappa, voxels)
+            _read_checked(split_h5(kappa)[0], kappa_ok, kappa, voxels)
         except InputError as exc:
             stop(f"config mlem.prior.kappa (matrix {name}): {exc}")
-        checked.add(voxels)
+
+
+def kappa_ok(path, kappa, voxels):
+    """True when mlemlib.prior.read_kappa reads `kappa` (the file `path`, or a
+    dataset in it) as the weights of `voxels` voxels; raises InputError else."""
+    from mlemlib.prior import read_kappa
+
+    read_kappa(kappa, voxels)
+    return True
