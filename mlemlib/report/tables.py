@@ -247,9 +247,9 @@ def overview_section(groups: Mapping[tuple, list[dict[str, Any]]], rows: Iterabl
             f"{label} for {k[0]} / {k[1]}" for k, (_, label, _) in base.items()) + " over the configuration's.")
     intro = ((f"{problems[0]}: " if len(problems) == 1 else "")
              + "each configuration's mean time per iteration (all iterations and repetitions), its relative L2 "
-             "error to the float64 reference of the same algorithm (||f - f_ref|| / ||f_ref||, mean over repetitions), whether its "
-             "kernels give the same image every time (NO: floating-point atomics) and its speed-up (–: nothing to "
-             "compare with). " + against
+             "error to the float64 reference of the same algorithm (||f - f_ref|| / ||f_ref||, mean over "
+             "repetitions), whether its kernels give the same image every time (NO: floating-point atomics) and its "
+             "speed-up (–: nothing to compare with). " + against
              + (" speed-up vs. 1 GPU: T(1) / T(P) of the same configuration (the scaling table below)."
                 if scaled else "") + "\n\n")
     terms = label_terms(rows)
@@ -396,8 +396,8 @@ def accuracy_section(groups: Mapping[tuple, list[dict[str, Any]]]) -> str:
     several = len(_problems(groups)) > 1
     key = [*([0, 1] if several else []), 2, 3, 9, 12, 13, 14]  # configuration, reps, rel. L2 (mean), truth, ...
     intro = (
-        "rel. L2 to ref.: ||f - f_ref|| / ||f_ref|| against the float64 reference of the same problem and algorithm (mean "
-        "over repetitions); to truth: the same against the phantom. distinct images: how many different float32 "
+        "rel. L2 to ref.: ||f - f_ref|| / ||f_ref|| against the float64 reference of the same problem and "
+        "algorithm (mean over repetitions); to truth: the same against the phantom. distinct images: how many different float32 "
         "images the repetitions produced (1: bit-identical).\n\n"
     )
     out = ["## Accuracy over repetitions\n\n", intro,
